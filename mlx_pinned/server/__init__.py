@@ -1,0 +1,1 @@
+"""The reference OpenAI-compatible vision server (layer 4)."""

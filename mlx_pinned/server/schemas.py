@@ -1,0 +1,466 @@
+"""Request, response and error bodies of the OpenAI chat-completions API.
+
+Requests are parsed from the raw body with :func:`parse_chat_request`, which
+turns every failure (bad JSON, wrong type, out of range) into an
+:class:`APIError` that names the offending parameter the way OpenAI does
+(``messages[0].content[1].image_url``). Unknown fields are ignored, as OpenAI
+ignores them. Nothing here touches MLX or the event loop.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "APIError",
+    "AssistantMessage",
+    "ChatCompletion",
+    "ChatCompletionChunk",
+    "ChatCompletionRequest",
+    "Choice",
+    "ChoiceLogprobs",
+    "ChunkChoice",
+    "Delta",
+    "ImagePart",
+    "ImageURL",
+    "Message",
+    "ResponseMessage",
+    "StreamOptions",
+    "SystemMessage",
+    "TextPart",
+    "TokenLogprob",
+    "TopLogprob",
+    "Usage",
+    "UserMessage",
+    "completion_id",
+    "error_body",
+    "parse_chat_request",
+]
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class _Request(BaseModel):
+    # strict: "10" is not an int and 1 is not a bool, as in OpenAI's API;
+    # extra="ignore": fields this server does not know are accepted and ignored.
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class TextPart(_Request):
+    """A ``{"type": "text", "text": ...}`` content part."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Request):
+    """The ``image_url`` object of an image part; ``detail`` is accepted, unused."""
+
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Request):
+    """A ``{"type": "image_url", "image_url": {"url": ...}}`` content part.
+
+    ``image_url`` may also be the URL string itself.
+    """
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _url_string(cls, value: object) -> object:
+        return {"url": value} if isinstance(value, str) else value
+
+
+UserPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class SystemMessage(_Request):
+    """A system (or ``developer``) message: text only."""
+
+    role: Literal["system", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class UserMessage(_Request):
+    """A user message: text, or a list of text and image parts."""
+
+    role: Literal["user"]
+    content: str | list[UserPart]
+    name: str | None = None
+
+
+class AssistantMessage(_Request):
+    """An earlier assistant turn: text only (tool calls are not supported)."""
+
+    role: Literal["assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+Message = Annotated[
+    SystemMessage | UserMessage | AssistantMessage, Field(discriminator="role")
+]
+
+
+class StreamOptions(_Request):
+    """``stream_options``: only ``include_usage`` has an effect."""
+
+    include_usage: bool | None = None
+
+
+class ChatCompletionRequest(_Request):
+    """The body of ``POST /v1/chat/completions``."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("only n=1 is supported: this server returns one choice")
+        return value
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        """``stop`` as a tuple of strings (empty when unset)."""
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens``, else the older ``max_tokens``, else None."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# Responses. Field order and nulls follow what OpenAI sends.
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TopLogprob(_Response):
+    """One alternative token at a position."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Response):
+    """The sampled token at a position, with its top alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Response):
+    """``choices[].logprobs``."""
+
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class Usage(_Response):
+    """Token counts of one completion."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ResponseMessage(_Response):
+    """``choices[].message`` of a non-streamed completion."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class Choice(_Response):
+    """The one choice of a non-streamed completion."""
+
+    index: int = 0
+    message: ResponseMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(_Response):
+    """A non-streamed completion (``object: chat.completion``)."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: None = None
+
+
+class Delta(_Response):
+    """``choices[].delta`` of a stream chunk."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(_Response):
+    """The one choice of a stream chunk."""
+
+    index: int = 0
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(_Response):
+    """A stream chunk (``object: chat.completion.chunk``).
+
+    With ``include_usage`` every chunk carries ``"usage": null`` and the last
+    one has no choices and the usage; without it, ``usage`` is left out.
+    """
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    system_fingerprint: None = None
+    usage: Usage | None = None
+
+    def to_sse(self, *, include_usage: bool) -> bytes:
+        """This chunk as one ``data: ...`` server-sent event."""
+        exclude = None if include_usage else {"usage"}
+        return b"data: " + self.model_dump_json(exclude=exclude).encode() + b"\n\n"
+
+
+def completion_id() -> tuple[str, int]:
+    """A fresh ``chatcmpl-…`` id and the ``created`` Unix time."""
+    return f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+
+
+# Errors.
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with an HTTP status.
+
+    Args:
+        status: The HTTP status code.
+        message: One sentence that says what is wrong and what to do.
+        param: The request parameter at fault, e.g. ``messages[0].content``.
+        code: A short machine-readable code, e.g. ``model_not_found``.
+        type: OpenAI's error type; derived from ``status`` when None.
+        headers: Extra response headers (e.g. ``Retry-After``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _STATUS_TYPES.get(status, "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body, ``{"error": {...}}``."""
+        return error_body(
+            self.message, type=self.type, param=self.param, code=self.code
+        )
+
+
+def error_body(
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    """Parse and validate a chat-completions body.
+
+    Runs wherever it is called (pure CPU, no MLX); cheap enough for the event loop
+    for bodies within the server's size limit.
+
+    Raises:
+        APIError: 400 naming the first invalid parameter.
+    """
+    try:
+        return ChatCompletionRequest.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error_to_api_error(exc, body) from None
+
+
+def validation_error_to_api_error(exc: ValidationError, body: bytes) -> APIError:
+    """A 400 :class:`APIError` for the most specific error of ``exc``."""
+    import json
+
+    errors = exc.errors(include_url=False, include_context=False)
+    if any(e["type"] == "json_invalid" for e in errors):
+        return APIError(
+            400,
+            "We could not parse the JSON body of your request: send valid JSON.",
+            code="invalid_json",
+        )
+    try:
+        data: Any = json.loads(body)
+    except ValueError:  # pragma: no cover - pydantic parsed it already
+        data = None
+    paths = [_param_path(e["loc"], data) for e in errors]
+    path = max(paths, key=len)
+    # A union (string or list) fails once per member at the same path.
+    same = [e for e, p in zip(errors, paths, strict=True) if p == path]
+    best = same[-1]
+    texts = list(
+        dict.fromkeys(str(e["msg"]).removeprefix("Value error, ") for e in same)
+    )
+    message = ", or ".join([texts[0], *(t[:1].lower() + t[1:] for t in texts[1:])])
+    if best["type"] == "missing":
+        text = f"Missing required parameter: '{_dotted(path)}'."
+    elif path:
+        text = f"Invalid value for '{_dotted(path)}': {message}."
+    else:
+        text = f"Invalid request body: {message}."
+    return APIError(400, text, param=_dotted(path) or None, code=_code(best["type"]))
+
+
+def _code(error_type: str) -> str:
+    if error_type == "missing":
+        return "missing_required_parameter"
+    if error_type.endswith("_type") or error_type in {
+        "union_tag_invalid",
+        "literal_error",
+    }:
+        return "invalid_type"
+    return "invalid_value"
+
+
+def _field_names() -> frozenset[str]:
+    names: set[str] = set()
+    for model in (
+        ChatCompletionRequest,
+        SystemMessage,
+        UserMessage,
+        AssistantMessage,
+        TextPart,
+        ImagePart,
+        ImageURL,
+        StreamOptions,
+    ):
+        names.update(model.model_fields)
+    return frozenset(names)
+
+
+_FIELD_NAMES = _field_names()
+
+
+def _param_path(loc: tuple[int | str, ...], data: Any) -> list[int | str]:
+    """Drop pydantic's union labels from ``loc`` by walking the request data.
+
+    pydantic puts discriminator tags (``'user'``) and union members
+    (``'list[...]'``) in the location; OpenAI names the path in the request.
+    """
+    path: list[int | str] = []
+    current = data
+    for i, item in enumerate(loc):
+        if isinstance(current, dict) and isinstance(item, str) and item in current:
+            current = current[item]
+            path.append(item)
+        elif (
+            isinstance(current, list) and isinstance(item, int) and item < len(current)
+        ):
+            current = current[item]
+            path.append(item)
+        elif i == len(loc) - 1:
+            # A missing field is named only as the last element and only if it
+            # is a real field, not a union label such as 'str' or 'user'.
+            if isinstance(current, dict) and item in _FIELD_NAMES:
+                path.append(item)
+        elif not isinstance(item, str) or not isinstance(current, (dict, list)):
+            break
+    return path
+
+
+def _dotted(path: list[int | str]) -> str:
+    out = ""
+    for item in path:
+        out += f"[{item}]" if isinstance(item, int) else f".{item}" if out else item
+    return out

@@ -1,0 +1,251 @@
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from mlx_pinned.server.schemas import (
+    APIError,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Choice,
+    ChunkChoice,
+    Delta,
+    ImagePart,
+    ResponseMessage,
+    Usage,
+    UserMessage,
+    completion_id,
+    error_body,
+    parse_chat_request,
+)
+
+
+def body(**fields: Any) -> bytes:
+    base: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    base.update(fields)
+    return json.dumps(base).encode()
+
+
+def user(*parts: Any) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+IMG = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+TEXT = {"type": "text", "text": "Describe this image in one sentence."}
+
+
+class TestValidRequests:
+    def test_bug_report_shape(self) -> None:
+        request = parse_chat_request(body(messages=user(TEXT, IMG), max_tokens=80))
+        message = request.messages[0]
+        assert isinstance(message, UserMessage)
+        assert isinstance(message.content, list)
+        assert isinstance(message.content[1], ImagePart)
+        assert message.content[1].image_url.url == "data:image/png;base64,AAAA"
+        assert request.requested_max_tokens == 80
+
+    def test_image_url_as_string(self) -> None:
+        part = {"type": "image_url", "image_url": "data:image/png;base64,AAAA"}
+        request = parse_chat_request(body(messages=user(part)))
+        message = request.messages[0]
+        assert isinstance(message.content, list)
+        image = message.content[0]
+        assert isinstance(image, ImagePart)
+        assert image.image_url.url == "data:image/png;base64,AAAA"
+
+    def test_multi_turn_and_roles(self) -> None:
+        messages = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "developer", "content": [{"type": "text", "text": "x"}]},
+            {"role": "user", "content": [TEXT, IMG]},
+            {"role": "assistant", "content": "A cat."},
+            {"role": "assistant", "content": None},
+            {"role": "user", "content": "And the colour?"},
+        ]
+        request = parse_chat_request(body(messages=messages))
+        assert [m.role for m in request.messages] == [
+            "system",
+            "developer",
+            "user",
+            "assistant",
+            "assistant",
+            "user",
+        ]
+
+    def test_unknown_fields_are_ignored(self) -> None:
+        request = parse_chat_request(
+            body(frequency_penalty=0.5, user="u", tools=[], response_format={"x": 1})
+        )
+        assert "frequency_penalty" not in request.model_dump()
+
+    def test_max_completion_tokens_wins(self) -> None:
+        request = parse_chat_request(body(max_tokens=5, max_completion_tokens=7))
+        assert request.requested_max_tokens == 7
+        assert parse_chat_request(body()).requested_max_tokens is None
+
+    def test_stop_forms(self) -> None:
+        assert parse_chat_request(body(stop="x")).stop_sequences == ("x",)
+        assert parse_chat_request(body(stop=["a", "b"])).stop_sequences == ("a", "b")
+        assert parse_chat_request(body()).stop_sequences == ()
+
+    def test_sampling_bounds_accepted(self) -> None:
+        request = parse_chat_request(
+            body(temperature=0, top_p=1, seed=-3, logprobs=True, top_logprobs=20, n=1)
+        )
+        assert request.temperature == 0.0
+        assert request.top_p == 1.0
+        assert request.top_logprobs == 20
+
+    def test_include_usage(self) -> None:
+        request = parse_chat_request(
+            body(stream=True, stream_options={"include_usage": True})
+        )
+        assert request.include_usage
+        assert not parse_chat_request(body(stream=True)).include_usage
+
+
+INVALID = [
+    (b"{not json", None, "invalid_json"),
+    (b"[1, 2]", None, "invalid_type"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), "model",
+     "missing_required_parameter"),
+    (body(messages=[]), "messages", "invalid_value"),
+    (body(messages=[{"role": "tool", "content": "x"}]), "messages[0]", "invalid_type"),
+    (body(messages=[{"role": "user"}]), "messages[0].content",
+     "missing_required_parameter"),
+    (body(messages=[{"role": "user", "content": 5}]), "messages[0].content",
+     "invalid_type"),
+    (body(messages=user(TEXT, {"type": "image_url", "image_url": 5})),
+     "messages[0].content[1].image_url", "invalid_type"),
+    (body(messages=user(TEXT, {"type": "image_url"})),
+     "messages[0].content[1].image_url", "missing_required_parameter"),
+    (body(messages=user({"type": "text"})), "messages[0].content[0].text",
+     "missing_required_parameter"),
+    (body(messages=user({"type": "video"})), "messages[0].content[0]", "invalid_type"),
+    (body(messages=[{"role": "system", "content": [IMG]}]),
+     "messages[0].content[0].type", "invalid_type"),
+    (body(max_tokens=0), "max_tokens", "invalid_value"),
+    (body(max_tokens="10"), "max_tokens", "invalid_type"),
+    (body(max_completion_tokens=1.5), "max_completion_tokens", "invalid_type"),
+    (body(temperature=2.5), "temperature", "invalid_value"),
+    (body(temperature=-0.1), "temperature", "invalid_value"),
+    (body(top_p=0), "top_p", "invalid_value"),
+    (body(top_p=1.01), "top_p", "invalid_value"),
+    (body(seed=2**64), "seed", "invalid_value"),
+    (body(stop=["a", "b", "c", "d", "e"]), "stop", "invalid_value"),
+    (body(stop=""), "stop", "invalid_value"),
+    (body(stop=[1]), "stop[0]", "invalid_type"),
+    (body(logprobs="yes"), "logprobs", "invalid_type"),
+    (body(logprobs=True, top_logprobs=21), "top_logprobs", "invalid_value"),
+    (body(top_logprobs=2), None, "invalid_value"),
+    (body(n=2), "n", "invalid_value"),
+    (body(stream=1), "stream", "invalid_type"),
+    (body(stream_options={"include_usage": "yes"}), "stream_options.include_usage",
+     "invalid_type"),
+]  # fmt: skip
+
+
+class TestInvalidRequests:
+    @pytest.mark.parametrize(
+        ("raw", "param", "code"), INVALID, ids=[f"{p}-{c}" for _, p, c in INVALID]
+    )
+    def test_is_400_naming_the_param(
+        self, raw: bytes, param: str | None, code: str
+    ) -> None:
+        with pytest.raises(APIError) as info:
+            parse_chat_request(raw)
+        error = info.value
+        assert error.status == 400
+        assert error.param == param
+        assert error.code == code
+        assert error.type == "invalid_request_error"
+        if param is not None:
+            assert f"'{param}'" in error.message
+        assert error.message.endswith(".")
+
+    def test_union_message_lists_both_forms(self) -> None:
+        with pytest.raises(APIError) as info:
+            parse_chat_request(body(messages=[{"role": "user", "content": 5}]))
+        assert "valid string, or input should be a valid array" in info.value.message
+
+    def test_custom_messages_have_no_pydantic_prefix(self) -> None:
+        with pytest.raises(APIError) as info:
+            parse_chat_request(body(n=3))
+        assert "Value error" not in info.value.message
+        assert "only n=1 is supported" in info.value.message
+
+
+class TestErrors:
+    def test_error_body_shape(self) -> None:
+        assert error_body("m", param="p", code="c") == {
+            "error": {
+                "message": "m",
+                "type": "invalid_request_error",
+                "param": "p",
+                "code": "c",
+            }
+        }
+
+    @pytest.mark.parametrize(
+        ("status", "kind"),
+        [
+            (400, "invalid_request_error"),
+            (404, "invalid_request_error"),
+            (429, "rate_limit_error"),
+            (500, "server_error"),
+            (503, "server_error"),
+        ],
+    )
+    def test_type_from_status(self, status: int, kind: str) -> None:
+        error = APIError(status, "x", headers={"Retry-After": "1"})
+        assert error.body()["error"]["type"] == kind
+        assert error.headers == {"Retry-After": "1"}
+
+
+class TestResponses:
+    def test_completion_id(self) -> None:
+        first, created = completion_id()
+        second, _ = completion_id()
+        assert first.startswith("chatcmpl-")
+        assert first != second
+        assert created > 1_700_000_000
+
+    def test_completion_shape(self) -> None:
+        completion = ChatCompletion(
+            id="chatcmpl-1",
+            created=1,
+            model="m",
+            choices=[
+                Choice(message=ResponseMessage(content="hi"), finish_reason="stop")
+            ],
+            usage=Usage(prompt_tokens=3, completion_tokens=1, total_tokens=4),
+        )
+        data = json.loads(completion.model_dump_json())
+        assert data["object"] == "chat.completion"
+        assert data["choices"][0] == {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hi", "refusal": None},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+        assert data["usage"]["total_tokens"] == 4
+
+    def test_chunk_usage_field(self) -> None:
+        chunk = ChatCompletionChunk(
+            id="chatcmpl-1",
+            created=1,
+            model="m",
+            choices=[ChunkChoice(delta=Delta(content="x"))],
+        )
+        with_usage = chunk.to_sse(include_usage=True)
+        without = chunk.to_sse(include_usage=False)
+        assert with_usage.startswith(b"data: ")
+        assert with_usage.endswith(b"\n\n")
+        assert json.loads(with_usage[6:])["usage"] is None
+        assert "usage" not in json.loads(without[6:])
+        assert json.loads(without[6:])["object"] == "chat.completion.chunk"
