@@ -1,0 +1,42 @@
+"""mlx-pinned: one pinned MLX thread for async servers.
+
+MLX streams are thread-local: a model loaded on one thread cannot be run on
+another. :class:`MLXThread` owns one thread and its stream and runs every job
+there; :func:`on_mlx_thread` makes a function run on it; the middleware ties it
+to an ASGI app's lifespan.
+"""
+
+from __future__ import annotations
+
+from ._decorators import MLXFunction as MLXFunction
+from ._decorators import on_mlx_thread as on_mlx_thread
+from ._exceptions import MLXPinnedError as MLXPinnedError
+from ._exceptions import MLXThreadBrokenError as MLXThreadBrokenError
+from ._exceptions import MLXThreadBusyError as MLXThreadBusyError
+from ._exceptions import MLXThreadClosedError as MLXThreadClosedError
+from ._exceptions import StreamAffinityError as StreamAffinityError
+from ._executor import MLXThread as MLXThread
+from ._executor import MLXThreadStatistics as MLXThreadStatistics
+from ._executor import cancel_requested as cancel_requested
+from ._executor import current_default_mlx_thread as current_default_mlx_thread
+from ._streams import AsyncStreamIterator as AsyncStreamIterator
+from ._streams import SyncStreamIterator as SyncStreamIterator
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncStreamIterator",
+    "MLXFunction",
+    "MLXPinnedError",
+    "MLXThread",
+    "MLXThreadBrokenError",
+    "MLXThreadBusyError",
+    "MLXThreadClosedError",
+    "MLXThreadStatistics",
+    "StreamAffinityError",
+    "SyncStreamIterator",
+    "__version__",
+    "cancel_requested",
+    "current_default_mlx_thread",
+    "on_mlx_thread",
+]

@@ -1,0 +1,156 @@
+"""``@on_mlx_thread``: make a function, generator function or method run on an
+MLXThread."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+
+from ._executor import MLXThread, current_default_mlx_thread
+
+if sys.version_info >= (3, 10):
+    from typing import Concatenate, ParamSpec
+else:  # pragma: no cover
+    from typing_extensions import Concatenate, ParamSpec
+
+if TYPE_CHECKING:
+    from ._streams import AsyncStreamIterator, SyncStreamIterator
+
+P = ParamSpec("P")
+P2 = ParamSpec("P2")
+R = TypeVar("R")
+S = TypeVar("S")
+Y = TypeVar("Y")
+
+
+class _Pinned:
+    __slots__ = ("__dict__", "__weakref__", "_fn", "_thread")
+
+    def __init__(self, fn: Callable[..., Any], thread: MLXThread | None) -> None:
+        self._fn = fn
+        self._thread = thread
+        functools.update_wrapper(self, fn)
+
+    def _target(self) -> MLXThread:
+        thread = self._thread
+        return current_default_mlx_thread() if thread is None else thread
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._fn!r}>"
+
+
+class MLXFunction(_Pinned, Generic[P, R]):
+    """A sync function that runs on an MLXThread when called.
+
+    Calling it returns an awaitable (asyncio or trio); ``.sync(...)`` calls it
+    blockingly from any thread, inline on the MLXThread itself. Cancelling
+    the awaiting task releases it at once; see :meth:`MLXThread.run`.
+    """
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R]:
+        return self._target().run(self._fn, *args, **kwargs)
+
+    def sync(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Call the function on the thread and block until it returns."""
+        return self._target().run_sync(self._fn, *args, **kwargs)
+
+    @overload
+    def __get__(self, obj: None, owner: type[Any] | None = None) -> MLXFunction[P, R]: ...
+    @overload
+    def __get__(
+        self: MLXFunction[Concatenate[S, P2], R], obj: S, owner: type[Any] | None = None
+    ) -> MLXFunction[P2, R]: ...
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        return MLXFunction(functools.partial(self._fn, obj), self._thread)
+
+
+class MLXGeneratorFunction(_Pinned, Generic[P, Y]):
+    """A generator function whose generator runs on an MLXThread.
+
+    Calling it returns an async iterator (see :meth:`MLXThread.iterate`);
+    ``.sync(...)`` returns a blocking iterator for plain threads.
+    """
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> AsyncStreamIterator[Y]:
+        return self._target().iterate(self._fn, *args, **kwargs)
+
+    def sync(self, *args: P.args, **kwargs: P.kwargs) -> SyncStreamIterator[Y]:
+        """Iterate the generator from a plain thread, blocking per item."""
+        return self._target().iterate_sync(self._fn, *args, **kwargs)
+
+    @overload
+    def __get__(
+        self, obj: None, owner: type[Any] | None = None
+    ) -> MLXGeneratorFunction[P, Y]: ...
+    @overload
+    def __get__(
+        self: MLXGeneratorFunction[Concatenate[S, P2], Y],
+        obj: S,
+        owner: type[Any] | None = None,
+    ) -> MLXGeneratorFunction[P2, Y]: ...
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        return MLXGeneratorFunction(functools.partial(self._fn, obj), self._thread)
+
+
+class _Decorator:
+    __slots__ = ("_thread",)
+
+    def __init__(self, thread: MLXThread | None) -> None:
+        self._thread = thread
+
+    @overload
+    def __call__(
+        self, fn: Callable[P, Iterable[Y]], /
+    ) -> MLXGeneratorFunction[P, Y]: ...
+    @overload
+    def __call__(self, fn: Callable[P, R], /) -> MLXFunction[P, R]: ...
+    def __call__(self, fn: Callable[..., Any], /) -> Any:
+        return _wrap(fn, self._thread)
+
+
+@overload
+def on_mlx_thread(fn: Callable[P, Iterable[Y]], /) -> MLXGeneratorFunction[P, Y]: ...
+@overload
+def on_mlx_thread(fn: Callable[P, R], /) -> MLXFunction[P, R]: ...
+@overload
+def on_mlx_thread(*, thread: MLXThread | None = None) -> _Decorator: ...
+def on_mlx_thread(
+    fn: Callable[..., Any] | None = None, /, *, thread: MLXThread | None = None
+) -> Any:
+    """Make ``fn`` run on an MLXThread.
+
+    A sync function becomes an async function; a generator function becomes
+    an async iterator factory (items are produced on the thread). Both get a
+    ``.sync`` for plain threads, and work on methods. Use bare, or as
+    ``@on_mlx_thread(thread=t)``; without ``thread`` each call goes to
+    :func:`current_default_mlx_thread`.
+
+    Raises:
+        TypeError: ``fn`` is a coroutine or async generator function: it would
+            run on an event loop, not on the MLX thread.
+    """
+    if fn is None:
+        return _Decorator(thread)
+    return _wrap(fn, thread)
+
+
+def _wrap(fn: Callable[..., Any], thread: MLXThread | None) -> Any:
+    target = inspect.unwrap(fn)
+    if inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target):
+        raise TypeError(
+            f"@on_mlx_thread needs a plain function or generator function, and"
+            f" {fn.__qualname__!r} is async: make it a def, since it runs on the"
+            " MLX thread, not on an event loop."
+        )
+    if not callable(fn):
+        raise TypeError(f"@on_mlx_thread needs a function, not {fn!r}")
+    if inspect.isgeneratorfunction(target):
+        return MLXGeneratorFunction(fn, thread)
+    return MLXFunction(fn, thread)

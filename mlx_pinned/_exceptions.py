@@ -1,0 +1,52 @@
+"""One error tree for mlx-pinned, rooted at :class:`MLXPinnedError`.
+
+"Closed" means your own code shut the thread down; "broken" means it died under
+you. Errors that signal misuse or a dead resource also subclass ``RuntimeError``
+so code written against anyio's blocking portal keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MLXPinnedError",
+    "MLXThreadBrokenError",
+    "MLXThreadBusyError",
+    "MLXThreadClosedError",
+    "StreamAffinityError",
+]
+
+
+class MLXPinnedError(Exception):
+    """Base class of every error raised by mlx-pinned itself."""
+
+
+class MLXThreadClosedError(MLXPinnedError, RuntimeError):
+    """The :class:`~mlx_pinned.MLXThread` was shut down by your code.
+
+    Raised by ``submit``/``run``/``iterate`` after ``shutdown()``, and to the
+    consumer of a stream that was still open when the thread shut down.
+    """
+
+
+class MLXThreadBrokenError(MLXPinnedError, RuntimeError):
+    """The :class:`~mlx_pinned.MLXThread` died: its set-up or initializer raised,
+    or the process forked and the thread does not exist in the child.
+
+    The original error, when there is one, is the ``__cause__``.
+    """
+
+
+class MLXThreadBusyError(MLXPinnedError):
+    """The thread's queue already holds ``max_pending`` jobs: retry later.
+
+    Raised at once by ``submit``/``run``/``iterate``; nothing was queued.
+    """
+
+
+class StreamAffinityError(MLXPinnedError, RuntimeError):
+    """A job touched an MLX array or stream that belongs to another thread.
+
+    MLX streams are thread-local: a lazy array can only be evaluated on the
+    thread that built it. The message names the job and, where it can, the
+    argument at fault. The MLX error is the ``__cause__``.
+    """

@@ -1,0 +1,605 @@
+"""MLXThread: an executor that owns one OS thread and that thread's MLX stream."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import weakref
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from queue import Empty, SimpleQueue
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from . import _jobs
+from ._exceptions import (
+    MLXThreadBrokenError,
+    MLXThreadBusyError,
+    MLXThreadClosedError,
+)
+from ._jobs import Call, FutureCall
+from ._streams import AsyncStreamIterator, Stream, SyncStreamIterator
+from ._waiters import SyncWaiter, async_waiter
+
+if sys.version_info >= (3, 11):
+    from typing import Self
+else:  # pragma: no cover
+    from typing_extensions import Self
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+    from types import TracebackType
+
+    from ._mlx import ThreadStream
+
+T = TypeVar("T")
+
+_STOP = object()
+# After its queue runs dry the worker polls it this long, yielding the GIL,
+# before it sleeps: a job that arrives meanwhile skips a futex wake-up.
+_SPIN_SECONDS = 50e-6
+_NEW, _RUNNING, _CLOSED = "new", "running", "closed"
+
+
+@dataclass(frozen=True)
+class MLXThreadStatistics:
+    """A snapshot of an :class:`MLXThread`'s queue and counters.
+
+    Attributes:
+        pending: jobs and streams queued and not started (what ``max_pending``
+            bounds); the running job is not counted.
+        running: name of the job running now, or ``None``.
+        completed: jobs and streams that ended with a result.
+        failed: jobs and streams that ended with an exception.
+        cancelled: jobs and streams that never started or were closed early.
+        busy_time: seconds the thread spent running jobs.
+        open_streams: streams whose generator exists on the thread.
+        max_pending: the queue bound, ``None`` for unbounded.
+    """
+
+    pending: int
+    running: str | None
+    completed: int
+    failed: int
+    cancelled: int
+    busy_time: float
+    open_streams: int
+    max_pending: int | None
+
+
+class MLXThread(Executor):
+    """An executor that runs every job on one dedicated thread with its own stream.
+
+    MLX streams are thread-local, so a model must be loaded, run and evaluated
+    on one thread. Every job submitted here runs on that thread, in order; its
+    result is evaluated there (``eval_results``) so no lazy array escapes.
+
+    The thread starts on first use (or ``start()``) and stops with
+    ``shutdown()``/``aclose()``, a ``with`` block, or at interpreter exit.
+
+    Args:
+        name: the thread's name.
+        device: the MLX device of the thread's stream; the default device if
+            ``None``.
+        max_pending: the most jobs that may wait in the queue; past it,
+            submitting raises :class:`MLXThreadBusyError`. ``None``: unbounded.
+        initializer: called on the thread after its stream is set up and
+            before any job (load a model here). If it raises, the thread is
+            broken.
+        finalizer: called on the thread after the last job, before the
+            thread's streams are cleared.
+        eval_results: evaluate results and stream items on the thread.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str = "mlx-pinned",
+        device: Any = None,
+        max_pending: int | None = 1024,
+        initializer: Callable[[], object] | None = None,
+        finalizer: Callable[[], object] | None = None,
+        eval_results: bool = True,
+    ) -> None:
+        if max_pending is not None and max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1 or None, not {max_pending}")
+        self.name = name
+        self.device = device
+        self.max_pending = max_pending
+        self._initializer = initializer
+        self._finalizer = finalizer
+        self._eval_results = eval_results
+        self._lock = threading.Lock()
+        self._queue: SimpleQueue[Any] = SimpleQueue()
+        self._state = _NEW
+        self._thread: threading.Thread | None = None
+        self._ident: int | None = None
+        self._dead = False  # the worker has drained its queue for the last time
+        self._broken: BaseException | None = None
+        self._cancel_running = False
+        self._submitted = 0  # counted items queued (under _lock)
+        self._started = 0  # counted items the worker took (worker only)
+        self._discarded = 0  # counted items removed by cancel_futures (under _lock)
+        self._completed = self._failed = self._cancelled = 0
+        self._busy = 0.0
+        self._running: Callable[..., object] | None = None
+        self._open_streams: set[Stream[Any]] = set()
+        self._mlx_stream: ThreadStream | None = None
+        _all_threads.add(self)
+
+    def __repr__(self) -> str:
+        return f"<MLXThread {self.name!r} {self._state}>"
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread if it is not running yet; safe to call again.
+
+        Raises:
+            MLXThreadClosedError: it was shut down.
+        """
+        with self._lock:
+            if self._state is _RUNNING:
+                return
+            if self._state is _CLOSED:
+                raise self._closed_error()
+            _register_exit_hook()
+            thread = threading.Thread(target=self._work, name=self.name)
+            thread.start()
+            self._thread, self._ident, self._state = thread, thread.ident, _RUNNING
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop accepting jobs and stop the thread once the queue is done.
+
+        Queued jobs still run unless ``cancel_futures``, which cancels them
+        (awaiting callers get :class:`MLXThreadClosedError`) and makes
+        :func:`cancel_requested` true for the running job. Open streams are
+        closed on the thread; their consumers get :class:`MLXThreadClosedError`.
+
+        Args:
+            wait: block until the thread has exited (ignored on the thread itself).
+            cancel_futures: cancel the jobs still queued.
+        """
+        with self._lock:
+            if self._state is _NEW:
+                self._state = _CLOSED
+                return
+            if self._state is _RUNNING:
+                self._state = _CLOSED
+                if cancel_futures:
+                    self._cancel_running = True
+                    self._discard_queue()
+                self._queue.put(_STOP)
+        thread = self._thread
+        if wait and thread is not None and not self.is_current():
+            thread.join()
+
+    async def aclose(self, *, cancel_futures: bool = False) -> None:
+        """Shut down without blocking the event loop; see :meth:`shutdown`.
+
+        Cancelling the caller stops the wait, not the shutdown.
+        """
+        import anyio
+
+        self.shutdown(wait=False, cancel_futures=cancel_futures)
+        thread = self._thread
+        if thread is not None and not self.is_current() and thread.is_alive():
+            await anyio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
+        self.shutdown(wait=True)
+
+    async def __aenter__(self) -> Self:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # -- introspection -------------------------------------------------------
+
+    @property
+    def ident(self) -> int | None:
+        """The worker thread's ``threading.get_ident()``, ``None`` before start."""
+        return self._ident
+
+    def is_current(self) -> bool:
+        """Whether the caller is running on this MLXThread."""
+        return threading.get_ident() == self._ident
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``shutdown()`` was called or the thread broke."""
+        return self._state is _CLOSED or self._broken is not None
+
+    def statistics(self) -> MLXThreadStatistics:
+        """Counters and queue depth, read without stopping the thread."""
+        running = self._running
+        return MLXThreadStatistics(
+            pending=max(0, self._submitted - self._started - self._discarded),
+            running=None if running is None else _job_name(running),
+            completed=self._completed,
+            failed=self._failed,
+            cancelled=self._cancelled,
+            busy_time=self._busy,
+            open_streams=len(self._open_streams),
+            max_pending=self.max_pending,
+        )
+
+    # -- submitting ----------------------------------------------------------
+
+    def submit(  # type: ignore[override]
+        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> Future[T]:
+        """Queue ``fn(*args, **kwargs)`` to run on the thread.
+
+        Works from any thread, including the MLXThread itself (the job is
+        queued behind the others). ``future.cancel()`` before it starts means
+        it never runs. So ``loop.run_in_executor(thread, fn)`` works too.
+
+        Raises:
+            MLXThreadBusyError: ``max_pending`` jobs are already queued.
+            MLXThreadClosedError: the thread was shut down.
+            MLXThreadBrokenError: the thread died.
+        """
+        call = FutureCall(fn, args, kwargs)
+        self._enqueue(call)
+        return call.future
+
+    def run_sync(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on the thread and block until it returns.
+
+        Called on the MLXThread itself, it runs inline instead of deadlocking.
+        Not cancellable once queued; use :meth:`run` from async code.
+        """
+        if self.is_current():
+            value, error = self._call(None, fn, args, kwargs)
+            if error is not None:
+                raise error
+            return value  # type: ignore[return-value]
+        waiter = SyncWaiter()
+        call = Call(fn, args, kwargs, waiter)
+        self._enqueue(call)
+        try:
+            waiter.wait()
+        except BaseException:  # KeyboardInterrupt while waiting
+            call.cancelled = True
+            raise
+        return call.result()
+
+    async def run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on the thread and await its result.
+
+        Works on asyncio and trio; the event loop is never blocked. If the
+        caller is cancelled, it is released at once: a job that has not
+        started never runs, a running one finishes (it can poll
+        :func:`cancel_requested`) and its result is dropped.
+        """
+        if self.is_current():
+            return self.run_sync(fn, *args, **kwargs)
+        waiter = async_waiter()
+        call = Call(fn, args, kwargs, waiter)
+        self._enqueue(call)
+        try:
+            await waiter.wait()
+        except BaseException:
+            call.cancelled = True
+            raise
+        return call.result()
+
+    def iterate(
+        self, gen_fn: Callable[..., Iterable[T]], /, *args: Any, **kwargs: Any
+    ) -> AsyncStreamIterator[T]:
+        """Run the sync generator ``gen_fn(*args, **kwargs)`` on the thread and
+        iterate its items asynchronously (asyncio or trio).
+
+        The generator is created and advanced only on the thread, one item per
+        turn, so streams interleave item by item with other jobs; at most a
+        few items are read ahead, so a slow consumer never holds the thread.
+        ``aclose()``, cancelling the consumer or dropping the iterator closes
+        the generator on the thread before its next item; use
+        ``contextlib.aclosing``.
+
+        Raises:
+            MLXThreadBusyError: the queue is full (raised here, at once).
+        """
+        stream: Stream[T] = Stream(self, gen_fn, args, kwargs)
+        self._enqueue(stream)
+        return AsyncStreamIterator(stream)
+
+    def iterate_sync(
+        self, gen_fn: Callable[..., Iterable[T]], /, *args: Any, **kwargs: Any
+    ) -> SyncStreamIterator[T]:
+        """Like :meth:`iterate`, for plain threads: a blocking iterator with
+        ``close()``. Must not be consumed on the MLXThread itself."""
+        stream: Stream[T] = Stream(self, gen_fn, args, kwargs)
+        self._enqueue(stream)
+        return SyncStreamIterator(stream)
+
+    # -- internals -------------------------------------------------------
+
+    def _enqueue(self, item: Call[Any] | Stream[Any]) -> None:
+        if self._state is _NEW:
+            self.start()
+        with self._lock:
+            if self._state is not _RUNNING or self._dead:
+                raise self._closed_error()
+            if (
+                self.max_pending is not None
+                and self._submitted - self._started - self._discarded
+                >= self.max_pending
+            ):
+                raise MLXThreadBusyError(
+                    f"MLX thread {self.name!r} already has {self.max_pending} jobs"
+                    " queued: retry later, or raise max_pending."
+                )
+            self._submitted += 1
+            self._queue.put(item)
+
+    def _requeue(self, stream: Stream[Any]) -> None:
+        """Queue a stream's next turn; never refused for lack of room."""
+        with self._lock:
+            if not self._dead:
+                self._queue.put(stream)
+                return
+        stream.abandon(self._closed_error())
+
+    def _closed_error(self) -> MLXThreadClosedError | MLXThreadBrokenError:
+        if self._broken is not None:
+            error = MLXThreadBrokenError(
+                f"MLX thread {self.name!r} is broken ({self._broken!r}):"
+                " create a new MLXThread."
+            )
+            error.__cause__ = self._broken
+            return error
+        return MLXThreadClosedError(
+            f"MLX thread {self.name!r} was shut down: create a new MLXThread."
+        )
+
+    def _discard_queue(self) -> None:
+        """Remove queued items (under ``_lock``): calls are cancelled."""
+        kept = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except Empty:
+                break
+            if item is _STOP:
+                kept.append(item)
+                continue
+            if item.counted and not getattr(item, "started", False):
+                self._discarded += 1
+            if isinstance(item, FutureCall):
+                item.cancel_queued()
+            else:
+                item.abandon(
+                    MLXThreadClosedError(
+                        f"MLX thread {self.name!r} was shut down with"
+                        " cancel_futures=True before this job started."
+                    )
+                )
+            self._cancelled += 1
+        for item in kept:
+            self._queue.put(item)
+
+    def _count_cancelled(self) -> None:
+        self._cancelled += 1
+
+    def _call(
+        self,
+        job: Call[Any] | None,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[T | None, BaseException | None]:
+        """Run one job on this thread; return ``(value, error)``."""
+        from ._mlx import evaluate
+
+        outer = getattr(_jobs.current, "job", None)
+        _jobs.current.job = job
+        outer_running, self._running = self._running, fn
+        started = time.perf_counter()
+        try:
+            value = fn(*args, **kwargs)
+            if self._eval_results:
+                evaluate(value)
+        except BaseException as exc:
+            self._failed += job is not None
+            return None, self._translate(exc, fn, args, kwargs)
+        finally:
+            if job is not None:
+                self._busy += time.perf_counter() - started
+            self._running = outer_running
+            _jobs.current.job = outer
+        self._completed += job is not None
+        return value, None
+
+    def _translate(
+        self,
+        error: BaseException,
+        fn: Callable[..., object] | str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> BaseException:
+        from ._mlx import affinity_error, is_stream_error
+
+        if isinstance(error, StopIteration):
+            # A StopIteration set on an asyncio future hangs its awaiter.
+            new: BaseException = RuntimeError(
+                f"job {_job_name(fn)!r} raised StopIteration"
+            )
+        elif is_stream_error(error):
+            new = affinity_error(error, fn, args, kwargs, self.name)
+        else:
+            return error
+        new.__cause__ = error
+        new.__traceback__ = error.__traceback__
+        return new
+
+    def _work(self) -> None:
+        """The worker thread's main loop."""
+        try:
+            from ._mlx import ThreadStream
+
+            self._mlx_stream = ThreadStream(self.device)
+            if self._initializer is not None:
+                self._initializer()
+        except BaseException as exc:
+            self._broken = exc
+            self._finish(
+                MLXThreadBrokenError(
+                    f"MLX thread {self.name!r} failed to start ({exc!r}):"
+                    " fix its initializer and create a new MLXThread."
+                ),
+                exc,
+            )
+            return
+        queue = self._queue
+        get_nowait, adopt = queue.get_nowait, self._mlx_stream.adopt_module_streams
+        try:
+            while True:
+                try:
+                    item = get_nowait()
+                except Empty:
+                    item = self._idle(queue)
+                if item is _STOP:
+                    break
+                if item.counted:
+                    self._started += 1
+                adopt()
+                item.run(self)
+        finally:
+            self._finish(
+                MLXThreadClosedError(f"MLX thread {self.name!r} was shut down."), None
+            )
+
+    @staticmethod
+    def _idle(queue: SimpleQueue[Any]) -> Any:
+        deadline = time.perf_counter() + _SPIN_SECONDS
+        while time.perf_counter() < deadline:
+            time.sleep(0)  # yields the GIL to the threads that submit
+            try:
+                return queue.get_nowait()
+            except Empty:
+                pass
+        return queue.get()
+
+    def _finish(self, error: BaseException, cause: BaseException | None) -> None:
+        """End every job still queued, close open streams, then clean up MLX."""
+        with self._lock:
+            self._dead = True
+            self._state = _CLOSED
+            leftovers = []
+            while True:
+                try:
+                    leftovers.append(self._queue.get_nowait())
+                except Empty:
+                    break
+        for item in leftovers:
+            if item is not _STOP:
+                error.__cause__ = cause
+                item.abandon(error)
+        for stream in list(self._open_streams):
+            stream.close_on_thread(
+                MLXThreadClosedError(
+                    f"MLX thread {self.name!r} was shut down while this stream"
+                    " was open."
+                )
+            )
+        try:
+            if self._finalizer is not None and self._broken is None:
+                self._finalizer()
+        finally:
+            if self._mlx_stream is not None:
+                self._mlx_stream.close()
+
+    def _forked(self) -> None:
+        """In a forked child: this thread does not exist there."""
+        self._lock = threading.Lock()
+        self._queue = SimpleQueue()
+        if self._state is _RUNNING:
+            self._broken = RuntimeError("the process forked")
+            self._dead = True
+            self._state = _CLOSED
+
+
+def _job_name(fn: Callable[..., object] | str) -> str:
+    from ._mlx import job_name
+
+    return fn if isinstance(fn, str) else job_name(fn)
+
+
+def cancel_requested() -> bool:
+    """Whether the job running on this thread should stop early.
+
+    True once its caller was cancelled, its stream was closed, or the thread
+    is shutting down with ``cancel_futures=True``. Always false elsewhere.
+    """
+    job = getattr(_jobs.current, "job", None)
+    if job is None:
+        return False
+    return bool(job.cancel_requested)
+
+
+_all_threads: weakref.WeakSet[MLXThread] = weakref.WeakSet()
+_exit_hook_registered = False
+_default: MLXThread | None = None
+_default_lock = threading.Lock()
+
+
+def current_default_mlx_thread() -> MLXThread:
+    """The process-wide default :class:`MLXThread`, created on first use.
+
+    A new one replaces it if it was shut down; after ``os.fork()`` the child
+    gets a fresh one.
+    """
+    global _default
+    thread = _default
+    if thread is None or thread.closed:
+        with _default_lock:
+            thread = _default
+            if thread is None or thread.closed:
+                thread = _default = MLXThread(name="mlx-pinned-default")
+    return thread
+
+
+def _register_exit_hook() -> None:
+    # threading's own exit hooks run before non-daemon threads are joined;
+    # atexit runs after, too late to stop a worker (concurrent.futures does
+    # the same).
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        _exit_hook_registered = True
+        threading._register_atexit(_shutdown_all)  # type: ignore[attr-defined]
+
+
+def _shutdown_all() -> None:
+    for thread in list(_all_threads):
+        thread.shutdown(wait=True)
+
+
+def _after_fork_in_child() -> None:
+    global _default, _default_lock, _exit_hook_registered
+    _default, _default_lock = None, threading.Lock()
+    _exit_hook_registered = False
+    for thread in list(_all_threads):
+        thread._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,120 @@
+"""Work items of the queue: one call of a function, run once on the worker."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ._executor import MLXThread
+    from ._waiters import Waiter
+
+T = TypeVar("T")
+
+# The job running on this thread, for cancel_requested().
+current = threading.local()
+
+
+class Call(Generic[T]):
+    """A function call queued on an MLXThread; the worker calls ``run`` once."""
+
+    __slots__ = ("args", "cancelled", "error", "fn", "kwargs", "value", "waiter")
+    counted = True  # counts against max_pending while queued
+
+    def __init__(
+        self,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        waiter: Waiter | None,
+    ) -> None:
+        self.fn: Callable[..., T] | None = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.waiter = waiter
+        self.cancelled = False
+        self.value: T | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self.cancelled
+
+    def start(self) -> bool:
+        """Whether the job may run (it was not cancelled while queued)."""
+        return not self.cancelled
+
+    def run(self, owner: MLXThread) -> None:
+        fn = self.fn
+        if fn is None or not self.start():
+            owner._count_cancelled()
+            self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
+            self.finish()
+            return
+        self.value, self.error = owner._call(self, fn, self.args, self.kwargs)
+        # Drop references to arguments now: they may hold large arrays.
+        self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
+        self.finish()
+
+    def abandon(self, error: BaseException) -> None:
+        """End the job without running it (the thread shut down or broke)."""
+        self.fn = None
+        self.error = error
+        self.finish()
+
+    def finish(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            waiter.wake()
+
+    def result(self) -> T:
+        error = self.error
+        if error is not None:
+            self.error = None  # break the frame <-> exception reference cycle
+            try:
+                raise error
+            finally:
+                del error
+        return self.value  # type: ignore[return-value]
+
+
+class FutureCall(Call[T]):
+    """A call whose outcome is a ``concurrent.futures.Future`` (``submit``)."""
+
+    __slots__ = ("future",)
+
+    def __init__(
+        self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        super().__init__(fn, args, kwargs, None)
+        self.future: Future[T] = Future()
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self.cancelled or self.future.cancelled()
+
+    def start(self) -> bool:
+        return not self.cancelled and self.future.set_running_or_notify_cancel()
+
+    def abandon(self, error: BaseException) -> None:
+        self.fn = None
+        if self.future.set_running_or_notify_cancel():
+            self.future.set_exception(error)
+
+    def cancel_queued(self) -> None:
+        """Cancel the future (``shutdown(cancel_futures=True)``)."""
+        self.fn = None
+        self.future.cancel()
+
+    def finish(self) -> None:
+        future = self.future
+        if not future.running():  # cancelled before it started
+            return
+        if self.error is not None:
+            future.set_exception(self.error)
+            self.error = None
+        else:
+            future.set_result(self.value)  # type: ignore[arg-type]

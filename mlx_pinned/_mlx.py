@@ -1,0 +1,163 @@
+"""Everything the executor knows about MLX, in one place.
+
+The threading core in ``_executor`` calls these functions on its worker thread:
+stream set-up and teardown, evaluation of results so no lazy array leaves the
+thread, and translation of MLX's "There is no Stream" errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import mlx.core as mx
+
+from ._exceptions import StreamAffinityError
+
+# Modules whose plain (not thread-local) ``generation_stream`` global we point at
+# the worker's stream: mlx-vlm 0.4.x and older mlx-lm create it with
+# ``mx.new_stream`` at import time, on whichever thread imported them.
+_STREAM_GLOBAL = "generation_stream"
+_STREAM_MODULE_PREFIXES = ("mlx_lm", "mlx_vlm")
+_STREAM_ERROR = "There is no Stream"
+_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+class ThreadStream:
+    """The worker thread's own stream and the module globals it replaced."""
+
+    def __init__(self, device: Any = None) -> None:
+        self.device = mx.default_device() if device is None else device
+        self.stream = mx.new_stream(self.device)
+        mx.set_default_stream(self.stream)
+        self._replaced: dict[str, Any] = {}
+        self._modules_seen = 0
+        self.adopt_module_streams()
+
+    def adopt_module_streams(self) -> None:
+        """Point plain ``generation_stream`` globals at this thread's stream.
+
+        Cheap to call before every job: it rescans only when ``sys.modules`` grew.
+        """
+        if len(sys.modules) == self._modules_seen:
+            return
+        self._modules_seen = len(sys.modules)
+        for name, module in list(sys.modules.items()):
+            if not name.startswith(_STREAM_MODULE_PREFIXES) or name in self._replaced:
+                continue
+            current = getattr(module, _STREAM_GLOBAL, None)
+            # Thread-local streams (mlx-vlm >= 0.5, mlx-lm >= 0.31.3) already work.
+            if type(current) is mx.Stream and current != self.stream:
+                self._replaced[name] = current
+                setattr(module, _STREAM_GLOBAL, self.stream)
+
+    def close(self) -> None:
+        """Restore the globals we replaced, then drop this thread's streams.
+
+        ``mx.clear_streams()`` must be the thread's last MLX call: a thread that
+        used MLX and exits without it can abort the process at exit.
+        """
+        for name, original in self._replaced.items():
+            module = sys.modules.get(name)
+            if module is not None and getattr(module, _STREAM_GLOBAL, None) is self.stream:
+                setattr(module, _STREAM_GLOBAL, original)
+        self._replaced.clear()
+        mx.synchronize(self.stream)
+        mx.clear_streams()
+
+
+def evaluate(value: object) -> None:
+    """Evaluate every MLX array in ``value`` on the calling thread.
+
+    Walks lists, tuples, dicts (``nn.Module`` is one, so a model is evaluated
+    whole, private attributes included) and dataclasses; other objects pass.
+    """
+    if isinstance(value, _SCALARS):
+        return
+    arrays = list(_arrays(value))
+    if arrays:
+        mx.eval(arrays)
+
+
+def _arrays(value: object) -> Iterator[object]:
+    if isinstance(value, mx.array):
+        yield value
+    elif isinstance(value, Mapping):
+        # nn.Module is a dict of its children: mx.eval(module) reaches lazy
+        # private members (RoPE tables) that module.parameters() would skip.
+        for item in value.values():
+            yield from _arrays(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _arrays(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _arrays(getattr(value, field.name, None))
+
+
+def is_stream_error(error: BaseException) -> bool:
+    """Whether ``error`` is MLX's complaint about another thread's stream."""
+    return isinstance(error, RuntimeError) and _STREAM_ERROR in str(error)
+
+
+def affinity_error(
+    error: BaseException,
+    job: Callable[..., object] | str,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    thread_name: str,
+) -> StreamAffinityError:
+    """Build the :class:`StreamAffinityError` that replaces ``error``.
+
+    Runs on the worker thread: each array argument is evaluated on its own to
+    find the ones that belong to another thread's stream.
+    """
+    name = job if isinstance(job, str) else job_name(job)
+    culprits = [where for where, arg in _named_arguments(args, kwargs) if _foreign(arg)]
+    if culprits:
+        what = ", ".join(culprits)
+        advice = (
+            f"{what} {'is a lazy array' if len(culprits) == 1 else 'are lazy arrays'}"
+            " built on another thread; evaluate it there with mx.eval() before"
+            " passing it, or build it inside the job"
+        )
+    else:
+        advice = (
+            "it used an array, model or stream created lazily on another thread;"
+            " load the model and build its inputs through this MLXThread"
+            " (for example load with thread.run_sync(load, path))"
+        )
+    return StreamAffinityError(
+        f"Job {name!r} failed on MLX thread {thread_name!r} ({error}): {advice}."
+    )
+
+
+def _named_arguments(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> Iterator[tuple[str, object]]:
+    for index, arg in enumerate(args):
+        yield f"argument {index}", arg
+    for key, arg in kwargs.items():
+        yield f"argument {key!r}", arg
+
+
+def _foreign(value: object) -> bool:
+    for array in _arrays(value):
+        try:
+            mx.eval(array)
+        except RuntimeError as exc:
+            if _STREAM_ERROR in str(exc):
+                return True
+            raise
+    return False
+
+
+def job_name(fn: object) -> str:
+    """A readable name for a job: its qualified name, else its repr."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if isinstance(name, str):
+        return name
+    func = getattr(fn, "func", None)  # functools.partial
+    return job_name(func) if func is not None else repr(fn)

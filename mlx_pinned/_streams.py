@@ -1,0 +1,350 @@
+"""Streams: a sync generator advanced on the MLX thread, consumed elsewhere.
+
+The generator is created, advanced and closed only on the worker thread, one
+item per turn: after each item the stream goes to the back of the queue, so
+streams interleave item by item with each other and with plain jobs. It reads
+at most ``READ_AHEAD`` items ahead of its consumer, then parks until the
+consumer takes one; a slow consumer never holds the thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from . import _jobs
+from ._waiters import SyncWaiter, async_waiter
+
+if TYPE_CHECKING:
+    import sys
+    from collections.abc import Callable, Iterable, Iterator
+    from types import TracebackType
+
+    from ._executor import MLXThread
+    from ._waiters import Waiter
+
+    if sys.version_info >= (3, 11):
+        from typing import Self
+    else:  # pragma: no cover
+        from typing_extensions import Self
+
+T = TypeVar("T")
+
+READ_AHEAD = 2
+
+
+class _End:
+    """Outcome of a stream that finished, or whose consumer closed it."""
+
+
+_END = _End()
+
+
+class Stream(Generic[T]):
+    """State shared by the worker (producer) and one consumer."""
+
+    __slots__ = (
+        "args",
+        "buffer",
+        "close_requested",
+        "counted",
+        "fn",
+        "gen",
+        "kwargs",
+        "lock",
+        "outcome",
+        "owner",
+        "scheduled",
+        "waiter",
+    )
+
+    def __init__(
+        self,
+        owner: MLXThread,
+        fn: Callable[..., Iterable[T]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.owner = owner
+        self.fn: Callable[..., Iterable[T]] | None = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.lock = threading.Lock()
+        self.buffer: deque[T] = deque()
+        self.outcome: BaseException | _End | None = None
+        self.scheduled = True  # a turn is queued or running
+        self.close_requested = False
+        self.counted = True  # only the first turn counts against max_pending
+        self.gen: Iterator[T] | None = None
+        self.waiter: Waiter | None = None
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self.close_requested or self.owner._cancel_running
+
+    # -- worker side ---------------------------------------------------------
+
+    def run(self, owner: MLXThread) -> None:
+        """One turn on the worker: create the generator or advance it once."""
+        self.counted = False
+        if self.close_requested or owner._cancel_running:
+            self.close_on_thread(None)
+            return
+        from ._mlx import evaluate
+
+        outer = getattr(_jobs.current, "job", None)
+        _jobs.current.job = self
+        fn = self.fn
+        owner._running = fn
+        started = time.perf_counter()
+        item: Any = _END
+        outcome: BaseException | _End | None = None
+        try:
+            if self.gen is None:
+                self.gen = iter(fn(*self.args, **self.kwargs))  # type: ignore[misc]
+                owner._open_streams.add(self)
+            item = next(self.gen)
+            if owner._eval_results:
+                evaluate(item)
+        except StopIteration:
+            item, outcome = _END, _END
+        except BaseException as exc:
+            item, outcome = _END, owner._translate(exc, fn, self.args, self.kwargs)  # type: ignore[arg-type]
+        finally:
+            owner._busy += time.perf_counter() - started
+            owner._running = None
+            _jobs.current.job = outer
+        if outcome is not None:
+            self._end_on_thread(outcome)
+            return
+        with self.lock:
+            close = self.close_requested
+            if close:  # the consumer left while we produced: drop the item
+                waiter = None
+                requeue = False
+            else:
+                self.buffer.append(item)
+                requeue = self.scheduled = len(self.buffer) < READ_AHEAD
+                waiter, self.waiter = self.waiter, None
+        if close:
+            self.close_on_thread(None)
+            return
+        if waiter is not None:
+            waiter.wake()
+        if requeue:
+            owner._requeue(self)
+
+    def _end_on_thread(self, outcome: BaseException | _End) -> None:
+        owner = self.owner
+        if outcome is _END:
+            owner._completed += 1
+        else:
+            owner._failed += 1
+        self._release_on_thread()
+        self._settle(outcome, keep_buffer=True)
+
+    def close_on_thread(self, error: BaseException | None) -> None:
+        """Close the generator here, on the worker; ``error`` is what the
+        consumer gets next (``None``: the consumer closed it itself)."""
+        gen = self.gen
+        self._release_on_thread()
+        if gen is not None:
+            close = getattr(gen, "close", None)
+            try:
+                if close is not None:
+                    close()
+            except BaseException as exc:  # a generator that refuses to close
+                error = error or exc
+        self.owner._cancelled += 1
+        self._settle(_END if error is None else error, keep_buffer=False)
+
+    def _release_on_thread(self) -> None:
+        self.owner._open_streams.discard(self)
+        self.gen = self.fn = None
+        self.args, self.kwargs = (), {}
+
+    def abandon(self, error: BaseException) -> None:
+        """End a stream that will get no more turns (any thread)."""
+        self.fn = None
+        self._settle(error, keep_buffer=False)
+
+    def _settle(self, outcome: BaseException | _End, *, keep_buffer: bool) -> None:
+        with self.lock:
+            if self.outcome is None:
+                self.outcome = outcome
+            if not keep_buffer:
+                self.buffer.clear()
+            self.scheduled = False
+            waiter, self.waiter = self.waiter, None
+        if waiter is not None:
+            waiter.wake()
+
+    # -- consumer side -------------------------------------------------------
+
+    def take(self) -> tuple[bool, T | None]:
+        """Take the next item if there is one: ``(True, item)``; ``(False,
+        None)`` when the caller must wait. Raises at the end of the stream."""
+        requeue = False
+        with self.lock:
+            if self.buffer:
+                item = self.buffer.popleft()
+                if not self.scheduled and self.outcome is None:
+                    self.scheduled = requeue = True
+            elif self.outcome is not None:
+                outcome, self.outcome = self.outcome, _END
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                raise StopIteration
+            else:
+                return False, None
+        if requeue:
+            self.owner._requeue(self)
+        return True, item
+
+    def set_waiter(self, waiter: Waiter) -> bool:
+        """Register ``waiter`` unless there is already something to take."""
+        with self.lock:
+            if self.buffer or self.outcome is not None:
+                return False
+            self.waiter = waiter
+            return True
+
+    def request_close(self) -> bool:
+        """Ask the worker to close the generator; ``True`` if it is still open."""
+        with self.lock:
+            if self.outcome is not None:
+                self.buffer.clear()
+                return False
+            self.close_requested = True
+            self.buffer.clear()
+            requeue = not self.scheduled
+            self.scheduled = True
+        if requeue:
+            self.owner._requeue(self)
+        return True
+
+    def closing_waiter_set(self, waiter: Waiter) -> bool:
+        with self.lock:
+            if self.outcome is not None:
+                return False
+            self.waiter = waiter
+            return True
+
+
+class AsyncStreamIterator(Generic[T]):
+    """An async iterator over a generator that runs on an MLXThread.
+
+    Returned by :meth:`MLXThread.iterate`. ``aclose()`` (or cancelling the
+    consumer, or dropping the iterator) closes the generator on the thread
+    before its next item.
+    """
+
+    __slots__ = ("__weakref__", "_stream")
+
+    def __init__(self, stream: Stream[T]) -> None:
+        self._stream = stream
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> T:
+        stream = self._stream
+        while True:
+            try:
+                ready, item = stream.take()
+            except StopIteration:
+                raise StopAsyncIteration from None
+            if ready:
+                return item  # type: ignore[return-value]
+            waiter = async_waiter()
+            if stream.set_waiter(waiter):
+                try:
+                    await waiter.wait()
+                except BaseException:
+                    stream.request_close()  # cancelled: stop the generator
+                    raise
+
+    async def aclose(self) -> None:
+        """Close the generator on the thread and wait until it is closed."""
+        stream = self._stream
+        if stream.request_close():
+            while True:
+                waiter = async_waiter()
+                if not stream.closing_waiter_set(waiter):
+                    return
+                await waiter.wait()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        self._stream.request_close()
+
+
+class SyncStreamIterator(Generic[T]):
+    """A blocking iterator over a generator that runs on an MLXThread.
+
+    Returned by :meth:`MLXThread.iterate_sync`; ``close()`` (or a ``with``
+    block, or dropping it) closes the generator on the thread.
+    """
+
+    __slots__ = ("__weakref__", "_stream")
+
+    def __init__(self, stream: Stream[T]) -> None:
+        self._stream = stream
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> T:
+        stream = self._stream
+        while True:
+            ready, item = stream.take()
+            if ready:
+                return item  # type: ignore[return-value]
+            if stream.owner.is_current():
+                raise RuntimeError(
+                    "a stream of an MLXThread cannot be consumed on that thread"
+                    " (it would wait for itself): call the generator directly."
+                )
+            waiter = SyncWaiter()
+            if stream.set_waiter(waiter):
+                try:
+                    waiter.wait()
+                except BaseException:
+                    stream.request_close()
+                    raise
+
+    def close(self) -> None:
+        """Close the generator on the thread and wait until it is closed."""
+        stream = self._stream
+        if stream.request_close() and not stream.owner.is_current():
+            while True:
+                waiter = SyncWaiter()
+                if not stream.closing_waiter_set(waiter):
+                    return
+                waiter.wait()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self._stream.request_close()
