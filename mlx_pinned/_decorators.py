@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
-from collections.abc import Callable, Coroutine, Iterable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+from collections.abc import Callable, Coroutine, Generator, Iterator
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Concatenate,
+    Generic,
+    ParamSpec,
+    TypeVar,
+    overload,
+)
 
 from ._executor import MLXThread, current_default_mlx_thread
-
-if sys.version_info >= (3, 10):
-    from typing import Concatenate, ParamSpec
-else:  # pragma: no cover
-    from typing_extensions import Concatenate, ParamSpec
 
 if TYPE_CHECKING:
     from ._streams import AsyncStreamIterator, SyncStreamIterator
@@ -32,7 +34,7 @@ class _Pinned:
     def __init__(self, fn: Callable[..., Any], thread: MLXThread | None) -> None:
         self._fn = fn
         self._thread = thread
-        functools.update_wrapper(self, fn)
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     def _target(self) -> MLXThread:
         thread = self._thread
@@ -55,10 +57,13 @@ class MLXFunction(_Pinned, Generic[P, R]):
 
     def sync(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call the function on the thread and block until it returns."""
-        return self._target().run_sync(self._fn, *args, **kwargs)
+        result: R = self._target().run_sync(self._fn, *args, **kwargs)
+        return result
 
     @overload
-    def __get__(self, obj: None, owner: type[Any] | None = None) -> MLXFunction[P, R]: ...
+    def __get__(
+        self, obj: None, owner: type[Any] | None = None
+    ) -> MLXFunction[P, R]: ...
     @overload
     def __get__(
         self: MLXFunction[Concatenate[S, P2], R], obj: S, owner: type[Any] | None = None
@@ -106,8 +111,12 @@ class _Decorator:
         self._thread = thread
 
     @overload
-    def __call__(
-        self, fn: Callable[P, Iterable[Y]], /
+    def __call__(  # type: ignore[overload-overlap]
+        self, fn: Callable[P, Generator[Y, Any, Any]], /
+    ) -> MLXGeneratorFunction[P, Y]: ...
+    @overload
+    def __call__(  # type: ignore[overload-overlap]
+        self, fn: Callable[P, Iterator[Y]], /
     ) -> MLXGeneratorFunction[P, Y]: ...
     @overload
     def __call__(self, fn: Callable[P, R], /) -> MLXFunction[P, R]: ...
@@ -116,7 +125,13 @@ class _Decorator:
 
 
 @overload
-def on_mlx_thread(fn: Callable[P, Iterable[Y]], /) -> MLXGeneratorFunction[P, Y]: ...
+def on_mlx_thread(  # type: ignore[overload-overlap]
+    fn: Callable[P, Generator[Y, Any, Any]], /
+) -> MLXGeneratorFunction[P, Y]: ...
+@overload
+def on_mlx_thread(  # type: ignore[overload-overlap]
+    fn: Callable[P, Iterator[Y]], /
+) -> MLXGeneratorFunction[P, Y]: ...
 @overload
 def on_mlx_thread(fn: Callable[P, R], /) -> MLXFunction[P, R]: ...
 @overload

@@ -18,9 +18,10 @@ from ._exceptions import (
     MLXThreadBusyError,
     MLXThreadClosedError,
 )
-from ._jobs import Call, FutureCall
+from ._jobs import AsyncioCall, Call, FutureCall
+from ._mlx import ThreadStream, affinity_error, evaluate, is_stream_error, job_name
 from ._streams import AsyncStreamIterator, Stream, SyncStreamIterator
-from ._waiters import SyncWaiter, async_waiter
+from ._waiters import SyncWaiter, async_waiter, get_running_loop, is_asyncio
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -30,8 +31,6 @@ else:  # pragma: no cover
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
     from types import TracebackType
-
-    from ._mlx import ThreadStream
 
 T = TypeVar("T")
 
@@ -103,7 +102,7 @@ class MLXThread(Executor):
         eval_results: bool = True,
     ) -> None:
         if max_pending is not None and max_pending < 1:
-            raise ValueError(f"max_pending must be at least 1 or None, not {max_pending}")
+            raise ValueError(f"max_pending must be 1 or more, or None: {max_pending}")
         self.name = name
         self.device = device
         self.max_pending = max_pending
@@ -235,7 +234,7 @@ class MLXThread(Executor):
             running=None if running is None else _job_name(running),
             completed=self._completed,
             failed=self._failed,
-            cancelled=self._cancelled,
+            cancelled=self._cancelled + self._discarded,
             busy_time=self._busy,
             open_streams=len(self._open_streams),
             max_pending=self.max_pending,
@@ -243,9 +242,7 @@ class MLXThread(Executor):
 
     # -- submitting ----------------------------------------------------------
 
-    def submit(  # type: ignore[override]
-        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
-    ) -> Future[T]:
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Queue ``fn(*args, **kwargs)`` to run on the thread.
 
         Works from any thread, including the MLXThread itself (the job is
@@ -257,7 +254,7 @@ class MLXThread(Executor):
             MLXThreadClosedError: the thread was shut down.
             MLXThreadBrokenError: the thread died.
         """
-        call = FutureCall(fn, args, kwargs)
+        call: FutureCall[T] = FutureCall(fn, args, kwargs)
         self._enqueue(call)
         return call.future
 
@@ -290,6 +287,15 @@ class MLXThread(Executor):
         started never runs, a running one finishes (it can poll
         :func:`cancel_requested`) and its result is dropped.
         """
+        loop = get_running_loop()
+        if is_asyncio(loop) and not self.is_current():
+            job: AsyncioCall[T] = AsyncioCall(fn, args, kwargs, loop)  # type: ignore[arg-type]
+            self._enqueue(job)
+            try:
+                return await job.future
+            except BaseException:
+                job.cancelled = True
+                raise
         if self.is_current():
             return self.run_sync(fn, *args, **kwargs)
         waiter = async_waiter()
@@ -374,15 +380,11 @@ class MLXThread(Executor):
     def _discard_queue(self) -> None:
         """Remove queued items (under ``_lock``): calls are cancelled."""
         kept = []
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except Empty:
-                break
+        for item in _drain(self._queue):
             if item is _STOP:
                 kept.append(item)
                 continue
-            if item.counted and not getattr(item, "started", False):
+            if item.counted:
                 self._discarded += 1
             if isinstance(item, FutureCall):
                 item.cancel_queued()
@@ -393,7 +395,6 @@ class MLXThread(Executor):
                         " cancel_futures=True before this job started."
                     )
                 )
-            self._cancelled += 1
         for item in kept:
             self._queue.put(item)
 
@@ -408,8 +409,6 @@ class MLXThread(Executor):
         kwargs: dict[str, Any],
     ) -> tuple[T | None, BaseException | None]:
         """Run one job on this thread; return ``(value, error)``."""
-        from ._mlx import evaluate
-
         outer = getattr(_jobs.current, "job", None)
         _jobs.current.job = job
         outer_running, self._running = self._running, fn
@@ -436,8 +435,6 @@ class MLXThread(Executor):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> BaseException:
-        from ._mlx import affinity_error, is_stream_error
-
         if isinstance(error, StopIteration):
             # A StopIteration set on an asyncio future hangs its awaiter.
             new: BaseException = RuntimeError(
@@ -454,8 +451,6 @@ class MLXThread(Executor):
     def _work(self) -> None:
         """The worker thread's main loop."""
         try:
-            from ._mlx import ThreadStream
-
             self._mlx_stream = ThreadStream(self.device)
             if self._initializer is not None:
                 self._initializer()
@@ -504,12 +499,7 @@ class MLXThread(Executor):
         with self._lock:
             self._dead = True
             self._state = _CLOSED
-            leftovers = []
-            while True:
-                try:
-                    leftovers.append(self._queue.get_nowait())
-                except Empty:
-                    break
+            leftovers = _drain(self._queue)
         for item in leftovers:
             if item is not _STOP:
                 error.__cause__ = cause
@@ -538,9 +528,14 @@ class MLXThread(Executor):
             self._state = _CLOSED
 
 
-def _job_name(fn: Callable[..., object] | str) -> str:
-    from ._mlx import job_name
+def _drain(queue: SimpleQueue[Any]) -> list[Any]:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())  # only the caller takes, under _lock
+    return items
 
+
+def _job_name(fn: Callable[..., object] | str) -> str:
     return fn if isinstance(fn, str) else job_name(fn)
 
 

@@ -6,7 +6,10 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ._waiters import asyncio_inbox
+
 if TYPE_CHECKING:
+    import asyncio
     from collections.abc import Callable
 
     from ._executor import MLXThread
@@ -118,3 +121,32 @@ class FutureCall(Call[T]):
             self.error = None
         else:
             future.set_result(self.value)  # type: ignore[arg-type]
+
+
+class AsyncioCall(Call[T]):
+    """A call awaited by an asyncio task: its own waiter, woken in batches."""
+
+    __slots__ = ("future", "inbox")
+
+    def __init__(
+        self,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        Call.__init__(self, fn, args, kwargs, self)
+        self.inbox = asyncio_inbox(loop)
+        self.future: asyncio.Future[T] = loop.create_future()
+
+    def wake(self) -> None:  # on the worker
+        self.inbox.post(self)
+
+    def deliver(self) -> None:  # on the loop's thread
+        future = self.future
+        if not future.done():
+            if self.error is not None:
+                future.set_exception(self.error)
+                self.error = None
+            else:
+                future.set_result(self.value)  # type: ignore[arg-type]

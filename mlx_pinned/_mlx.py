@@ -61,10 +61,9 @@ class ThreadStream:
         """
         for name, original in self._replaced.items():
             module = sys.modules.get(name)
-            if module is not None and getattr(module, _STREAM_GLOBAL, None) is self.stream:
+            if getattr(module, _STREAM_GLOBAL, None) is self.stream:
                 setattr(module, _STREAM_GLOBAL, original)
         self._replaced.clear()
-        mx.synchronize(self.stream)
         mx.clear_streams()
 
 
@@ -144,14 +143,17 @@ def _named_arguments(
 
 
 def _foreign(value: object) -> bool:
-    for array in _arrays(value):
-        try:
-            mx.eval(array)
-        except RuntimeError as exc:
-            if _STREAM_ERROR in str(exc):
-                return True
-            raise
-    return False
+    return any(not _evaluates_here(array) for array in _arrays(value))
+
+
+def _evaluates_here(array: object) -> bool:
+    try:
+        mx.eval(array)
+    except RuntimeError as exc:
+        if _STREAM_ERROR in str(exc):
+            return False
+        raise
+    return True
 
 
 def job_name(fn: object) -> str:

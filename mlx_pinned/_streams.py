@@ -15,6 +15,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from . import _jobs
+from ._mlx import evaluate
 from ._waiters import SyncWaiter, async_waiter
 
 if TYPE_CHECKING:
@@ -92,8 +93,6 @@ class Stream(Generic[T]):
         if self.close_requested or owner._cancel_running:
             self.close_on_thread(None)
             return
-        from ._mlx import evaluate
-
         outer = getattr(_jobs.current, "job", None)
         _jobs.current.job = self
         fn = self.fn

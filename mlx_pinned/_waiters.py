@@ -27,6 +27,12 @@ class Waiter(Protocol):
     def wake(self) -> None: ...
 
 
+class Deliverable(Protocol):
+    """A completion that an event loop's inbox hands over on the loop's thread."""
+
+    def deliver(self) -> None: ...
+
+
 class _Inbox:
     """Completions bound for one event loop, delivered in batches."""
 
@@ -34,10 +40,10 @@ class _Inbox:
 
     def __init__(self, call_soon: Callable[[Callable[[], object]], object]) -> None:
         self._call_soon = call_soon
-        self._items: deque[_LoopWaiter] = deque()
+        self._items: deque[Deliverable] = deque()
         self._scheduled = False
 
-    def post(self, waiter: _LoopWaiter) -> None:
+    def post(self, waiter: Deliverable) -> None:
         # Append before reading the flag: a drain clears the flag before it
         # pops, so either it sees this item or we schedule another drain.
         self._items.append(waiter)
@@ -55,7 +61,7 @@ class _Inbox:
             items.popleft().deliver()
 
 
-class _LoopWaiter:
+class LoopWaiter:
     __slots__ = ("_inbox",)
 
     def __init__(self, inbox: _Inbox) -> None:
@@ -72,35 +78,45 @@ _asyncio_inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox] =
     weakref.WeakKeyDictionary()
 )
 _inbox_lock = threading.Lock()
+_last = threading.local()  # this thread's loop and its inbox, the common case
+get_running_loop = asyncio._get_running_loop  # None outside a loop; no raise
 
 
-def _asyncio_inbox(loop: asyncio.AbstractEventLoop) -> _Inbox:
-    inbox = _asyncio_inboxes.get(loop)
-    if inbox is None:
-        with _inbox_lock:
-            inbox = _asyncio_inboxes.get(loop)
-            if inbox is None:
-                # A weak reference, so the inbox does not keep its loop alive.
-                loop_ref = weakref.ref(loop)
+def asyncio_inbox(loop: asyncio.AbstractEventLoop) -> _Inbox:
+    """The inbox of ``loop`` (called on the loop's own thread)."""
+    if getattr(_last, "loop", None) is loop:
+        inbox: _Inbox = _last.inbox
+        return inbox
+    with _inbox_lock:
+        found = _asyncio_inboxes.get(loop)
+        if found is None:
+            # A weak reference, so the inbox does not keep its loop alive.
+            loop_ref = weakref.ref(loop)
 
-                def call_soon(callback: Callable[[], object]) -> None:
-                    live = loop_ref()
-                    if live is None:
-                        raise RuntimeError("event loop is gone")
-                    live.call_soon_threadsafe(callback)
+            def call_soon(callback: Callable[[], object]) -> None:
+                live = loop_ref()
+                if live is None:
+                    raise RuntimeError("event loop is gone")
+                live.call_soon_threadsafe(callback)
 
-                inbox = _asyncio_inboxes[loop] = _Inbox(call_soon)
-    return inbox
+            found = _asyncio_inboxes[loop] = _Inbox(call_soon)
+    _last.loop, _last.inbox = loop, found
+    return found
 
 
-class AsyncioWaiter(_LoopWaiter):
+def is_asyncio(loop: asyncio.AbstractEventLoop | None) -> bool:
+    """Whether the caller is an asyncio task (fast path; trio otherwise)."""
+    return loop is not None and sniffio.current_async_library_cvar.get() is None
+
+
+class AsyncioWaiter(LoopWaiter):
     """Wakes an asyncio task through its loop's inbox."""
 
     __slots__ = ("_future",)
 
     def __init__(self) -> None:
         loop = asyncio.get_running_loop()
-        super().__init__(_asyncio_inbox(loop))
+        super().__init__(asyncio_inbox(loop))
         self._future: asyncio.Future[None] = loop.create_future()
 
     def deliver(self) -> None:
@@ -111,7 +127,7 @@ class AsyncioWaiter(_LoopWaiter):
         await self._future
 
 
-class TrioWaiter(_LoopWaiter):
+class TrioWaiter(LoopWaiter):
     """Wakes a trio task through its run's token."""
 
     __slots__ = ("_task",)
@@ -157,9 +173,9 @@ def _trio_inbox() -> _Inbox:
 
 def async_waiter() -> AsyncioWaiter | TrioWaiter:
     """A waiter for the calling task, on asyncio or trio."""
-    library = sniffio.current_async_library()
-    if library == "asyncio":
+    if is_asyncio(get_running_loop()):
         return AsyncioWaiter()
+    library = sniffio.current_async_library()
     if library == "trio":
         return TrioWaiter()
     raise RuntimeError(f"mlx-pinned supports asyncio and trio, not {library}")
