@@ -79,6 +79,7 @@ _asyncio_inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox] =
 )
 _inbox_lock = threading.Lock()
 _last = threading.local()  # this thread's loop and its inbox, the common case
+_ASYNCIO = (None, "asyncio")
 get_running_loop = asyncio._get_running_loop  # None outside a loop; no raise
 
 
@@ -106,7 +107,8 @@ def asyncio_inbox(loop: asyncio.AbstractEventLoop) -> _Inbox:
 
 def is_asyncio(loop: asyncio.AbstractEventLoop | None) -> bool:
     """Whether the caller is an asyncio task (fast path; trio otherwise)."""
-    return loop is not None and sniffio.current_async_library_cvar.get() is None
+    # anyio sets the variable to "asyncio"; trio-in-asyncio modes set "trio".
+    return loop is not None and sniffio.current_async_library_cvar.get() in _ASYNCIO
 
 
 class AsyncioWaiter(LoopWaiter):

@@ -1,0 +1,718 @@
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import anyio
+import mlx.core as mx
+import pytest
+
+from mlx_pinned import (
+    MLXThread,
+    MLXThreadBrokenError,
+    MLXThreadBusyError,
+    MLXThreadClosedError,
+    StreamAffinityError,
+    cancel_requested,
+    current_default_mlx_thread,
+)
+
+# run_in_executor is asyncio's API; trio has no equivalent to test.
+ASYNCIO_ONLY = pytest.mark.parametrize("anyio_backend", ["asyncio"])
+WAIT = 10.0  # generous bound for "soon": a hang fails instead of blocking CI
+
+
+@pytest.fixture
+def thread() -> Iterator[MLXThread]:
+    with MLXThread(name="test-mlx") as t:
+        yield t
+
+
+def block(t: MLXThread) -> tuple[threading.Event, threading.Event, Future[Any]]:
+    """Occupy the thread until the returned gate is set."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        assert gate.wait(WAIT)
+
+    future = t.submit(hold)
+    assert entered.wait(WAIT)
+    return entered, gate, future
+
+
+def ident() -> int:
+    return threading.get_ident()
+
+
+class TestWhereJobsRun:
+    def test_submit_run_sync_and_iterate_sync_run_on_the_thread(
+        self, thread: MLXThread
+    ) -> None:
+        assert thread.submit(ident).result(WAIT) == thread.ident
+        assert thread.run_sync(ident) == thread.ident
+        assert (
+            list(thread.iterate_sync(lambda: (ident() for _ in range(3))))
+            == [thread.ident] * 3
+        )
+        assert thread.ident != threading.get_ident()
+
+    @pytest.mark.anyio
+    async def test_run_and_iterate_run_on_the_thread(self, thread: MLXThread) -> None:
+        loop_thread = threading.get_ident()
+        assert await thread.run(ident) == thread.ident
+        seen = [
+            item async for item in thread.iterate(lambda: (ident() for _ in range(4)))
+        ]
+        assert seen == [thread.ident] * 4
+        assert loop_thread != thread.ident
+
+    @pytest.mark.anyio
+    @ASYNCIO_ONLY
+    async def test_run_in_executor(self, thread: MLXThread) -> None:
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(thread, ident) == thread.ident
+
+    def test_same_thread_for_every_job(self, thread: MLXThread) -> None:
+        idents = {thread.submit(ident).result(WAIT) for _ in range(50)}
+        assert idents == {thread.ident}
+
+    def test_started_lazily_on_first_use(self) -> None:
+        t = MLXThread()
+        assert t.ident is None
+        try:
+            assert t.run_sync(ident) == t.ident is not None
+        finally:
+            t.shutdown()
+
+    def test_name(self) -> None:
+        with MLXThread(name="named-worker") as t:
+            assert t.run_sync(lambda: threading.current_thread().name) == "named-worker"
+            assert t.is_current() is False
+            assert t.run_sync(t.is_current) is True
+
+
+class TestResultsAndErrors:
+    def test_user_exception_crosses_unchanged_with_traceback(
+        self, thread: MLXThread
+    ) -> None:
+        class Boom(Exception):
+            pass
+
+        def explode() -> None:
+            raise Boom("inside")
+
+        with pytest.raises(Boom, match="inside") as info:
+            thread.run_sync(explode)
+        assert "explode" in "".join(traceback.format_tb(info.value.__traceback__))
+
+    @pytest.mark.anyio
+    async def test_exception_through_run(self, thread: MLXThread) -> None:
+        with pytest.raises(ZeroDivisionError):
+            await thread.run(lambda: 1 / 0)
+        assert await thread.run(lambda: 2) == 2  # the thread survived
+
+    @pytest.mark.anyio
+    @ASYNCIO_ONLY
+    async def test_stop_iteration_does_not_hang_run_in_executor(
+        self, thread: MLXThread
+    ) -> None:
+        def stop() -> None:
+            raise StopIteration
+
+        loop = asyncio.get_running_loop()
+        with pytest.raises(RuntimeError, match="StopIteration"):
+            await asyncio.wait_for(loop.run_in_executor(thread, stop), WAIT)
+
+    def test_results_are_evaluated_on_the_thread(self, thread: MLXThread) -> None:
+        # A lazy array from another thread cannot be evaluated here (FACTS.md);
+        # the executor evaluates results on its thread, so this one can.
+        result = thread.run_sync(lambda: {"x": [mx.arange(4) * 2]})
+        assert result["x"][0].tolist() == [0, 2, 4, 6]
+
+    def test_without_eval_results_a_lazy_result_fails_elsewhere(self) -> None:
+        # The baseline that proves the previous test tests something.
+        with MLXThread(eval_results=False) as t:
+            lazy = t.run_sync(lambda: mx.arange(4) * 2)
+            with pytest.raises(RuntimeError, match="There is no Stream"):
+                lazy.tolist()
+
+    def test_model_evaluated_whole_including_private_members(
+        self, thread: MLXThread
+    ) -> None:
+        import mlx.nn as nn
+
+        class WithTable(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.linear = nn.Linear(4, 4)
+                self._table = mx.arange(4) * 3  # lazy, not a parameter
+
+            def __call__(self, x: mx.array) -> mx.array:
+                return self.linear(x) + self._table
+
+        model = thread.run_sync(WithTable)
+        # Forward on the caller's thread works only if nothing lazy escaped.
+        assert model(mx.ones(4)).shape == (4,)
+
+    def test_lazy_argument_gives_stream_affinity_error(self, thread: MLXThread) -> None:
+        lazy = mx.ones(4) + 1  # built on this thread, not evaluated
+
+        def total(x: mx.array, *, scale: int) -> float:
+            return float((x * scale).sum().item())
+
+        with pytest.raises(StreamAffinityError) as info:
+            thread.run_sync(total, lazy, scale=2)
+        message = str(info.value)
+        assert "total" in message
+        assert "argument 0" in message
+        assert "mx.eval" in message
+        assert isinstance(info.value, RuntimeError)
+        assert "There is no Stream" in str(info.value.__cause__)
+        mx.eval(lazy)  # evaluated where it was built, it crosses fine
+        assert thread.run_sync(total, lazy, scale=2) == 16.0
+
+    def test_stream_affinity_error_in_a_stream(self, thread: MLXThread) -> None:
+        lazy = mx.ones(2) * 5
+
+        def gen(x: mx.array) -> Iterator[float]:
+            yield float(x.sum().item())
+
+        with pytest.raises(StreamAffinityError, match="gen"):
+            list(thread.iterate_sync(gen, lazy))
+
+    def test_stream_affinity_error_without_an_argument_at_fault(
+        self, thread: MLXThread
+    ) -> None:
+        hidden = {"lazy": mx.ones(3) * 2}
+
+        def use_global() -> float:
+            return float(hidden["lazy"].sum().item())
+
+        with pytest.raises(StreamAffinityError, match="use_global.*this MLXThread"):
+            thread.run_sync(use_global)
+
+
+class TestGenerationStreamGlobals:
+    def test_plain_module_streams_are_repointed_and_restored(self) -> None:
+        import sys
+        import types
+
+        module = types.ModuleType("mlx_lm._pinned_test_module")
+        original = mx.new_stream(mx.cpu)  # plain stream, built on this thread
+        module.generation_stream = original  # type: ignore[attr-defined]
+        sys.modules[module.__name__] = module
+        try:
+
+            def use_module_stream() -> list[int]:
+                with mx.stream(module.generation_stream):
+                    return (mx.arange(3) + 1).tolist()
+
+            # Baseline: this thread's stream is unusable on another thread.
+            with ThreadPool() as other:
+                with pytest.raises(RuntimeError, match="There is no Stream"):
+                    other.call(use_module_stream)
+            with MLXThread() as t:
+                assert t.run_sync(use_module_stream) == [1, 2, 3]
+                assert module.generation_stream is not original  # type: ignore[attr-defined]
+            assert module.generation_stream is original  # type: ignore[attr-defined]
+        finally:
+            del sys.modules[module.__name__]
+
+    def test_module_imported_after_start_is_repointed(self, thread: MLXThread) -> None:
+        import sys
+        import types
+
+        thread.run_sync(lambda: None)
+        module = types.ModuleType("mlx_vlm._pinned_late_module")
+        module.generation_stream = mx.new_stream(mx.cpu)  # type: ignore[attr-defined]
+        sys.modules[module.__name__] = module
+        try:
+
+            def use() -> list[int]:
+                with mx.stream(module.generation_stream):
+                    return (mx.arange(2) * 2).tolist()
+
+            assert thread.run_sync(use) == [0, 2]
+        finally:
+            del sys.modules[module.__name__]
+
+
+class ThreadPool:
+    """One plain thread, to show what happens off the MLX thread."""
+
+    def __enter__(self) -> ThreadPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def call(self, fn: Any) -> Any:
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:
+                box["error"] = exc
+            finally:
+                mx.clear_streams()
+
+        worker = threading.Thread(target=target)
+        worker.start()
+        worker.join(WAIT)
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+
+class TestBackpressure:
+    def test_full_queue_refuses_at_once(self) -> None:
+        with MLXThread(max_pending=2) as t:
+            _, gate, running = block(t)
+            queued = [t.submit(ident), t.submit(ident)]
+            assert t.statistics().pending == 2  # the running job is not counted
+            started = time.perf_counter()
+            with pytest.raises(MLXThreadBusyError, match="2 jobs queued"):
+                t.submit(ident)
+            with pytest.raises(MLXThreadBusyError):
+                t.iterate_sync(range, 3)
+            assert time.perf_counter() - started < 1.0
+            gate.set()
+            assert [f.result(WAIT) for f in queued] == [t.ident] * 2
+            assert t.submit(ident).result(WAIT) == t.ident  # room again
+
+    @pytest.mark.anyio
+    async def test_full_queue_refuses_async_callers(self) -> None:
+        with MLXThread(max_pending=1) as t:
+            _, gate, _ = block(t)
+            queued = t.submit(ident)
+            with pytest.raises(MLXThreadBusyError):
+                await t.run(ident)
+            with pytest.raises(MLXThreadBusyError):
+                t.iterate(range, 2)
+            gate.set()
+            queued.result(WAIT)
+
+    def test_unbounded(self) -> None:
+        with MLXThread(max_pending=None) as t:
+            _, gate, _ = block(t)
+            futures = [t.submit(ident) for _ in range(3000)]
+            assert t.statistics().pending == 3000
+            gate.set()
+            assert {f.result(WAIT) for f in futures} == {t.ident}
+
+    def test_invalid_max_pending(self) -> None:
+        with pytest.raises(ValueError, match="max_pending"):
+            MLXThread(max_pending=0)
+
+
+class TestOrderingAndInlineCalls:
+    def test_fifo_for_one_submitter(self, thread: MLXThread) -> None:
+        order: list[int] = []
+        futures = [thread.submit(order.append, i) for i in range(500)]
+        for future in futures:
+            future.result(WAIT)
+        assert order == list(range(500))
+
+    def test_run_sync_on_the_thread_runs_inline(self, thread: MLXThread) -> None:
+        def outer() -> tuple[int, int]:
+            return ident(), thread.run_sync(lambda: thread.run_sync(ident))
+
+        first, nested = thread.submit(outer).result(WAIT)
+        assert first == nested == thread.ident
+
+    def test_submit_from_the_thread_queues_behind(self, thread: MLXThread) -> None:
+        order: list[str] = []
+
+        def outer() -> Future[None]:
+            follow_up = thread.submit(order.append, "follow-up")
+            order.append("outer")
+            return follow_up
+
+        thread.submit(outer).result(WAIT).result(WAIT)
+        assert order == ["outer", "follow-up"]
+
+    @pytest.mark.anyio
+    async def test_fifo_from_concurrent_tasks(self, thread: MLXThread) -> None:
+        order: list[tuple[int, int]] = []
+
+        async def submitter(task: int) -> None:
+            for i in range(20):
+                await thread.run(order.append, (task, i))
+
+        async with anyio.create_task_group() as tg:
+            for task in range(8):
+                tg.start_soon(submitter, task)
+        for task in range(8):
+            assert [i for t, i in order if t == task] == list(range(20))
+
+
+class TestCancellation:
+    def test_cancelled_future_never_runs(self, thread: MLXThread) -> None:
+        ran: list[str] = []
+        _, gate, _ = block(thread)
+        future = thread.submit(ran.append, "no")
+        assert future.cancel()
+        gate.set()
+        thread.submit(ran.append, "yes").result(WAIT)
+        assert ran == ["yes"]
+        assert thread.statistics().cancelled == 1
+
+    @pytest.mark.anyio
+    async def test_cancelled_caller_released_and_job_never_runs(
+        self, thread: MLXThread
+    ) -> None:
+        ran: list[str] = []
+        _, gate, _ = block(thread)
+        with anyio.move_on_after(0.05) as scope:
+            await thread.run(ran.append, "no")
+        assert scope.cancelled_caught
+        gate.set()
+        await thread.run(ran.append, "yes")
+        assert ran == ["yes"]
+
+    @pytest.mark.anyio
+    async def test_running_job_sees_cancel_requested(self, thread: MLXThread) -> None:
+        started, seen = threading.Event(), threading.Event()
+
+        def poll() -> str:
+            started.set()
+            deadline = time.monotonic() + WAIT
+            while time.monotonic() < deadline:
+                if cancel_requested():
+                    seen.set()
+                    return "stopped early"
+                time.sleep(0.001)
+            return "never told"
+
+        released_at = 0.0
+        async with anyio.create_task_group() as tg:
+
+            async def caller() -> None:
+                await thread.run(poll)
+
+            tg.start_soon(caller)
+            await anyio.to_thread.run_sync(started.wait, WAIT)
+            tg.cancel_scope.cancel()
+            released_at = time.monotonic()
+        assert time.monotonic() - released_at < 1.0  # released at once
+        assert await anyio.to_thread.run_sync(seen.wait, WAIT)
+        assert cancel_requested() is False  # never true off the thread
+
+    @pytest.mark.anyio
+    async def test_closed_loop_or_gone_waiter_does_not_hurt_the_thread(self) -> None:
+        # A job whose asyncio loop closed before it finished.
+        with MLXThread() as t:
+            _, gate, _ = block(t)
+
+            async def start_and_leave() -> None:
+                task = asyncio.ensure_future(t.run(ident))
+                await asyncio.sleep(0)
+                task.cancel()
+
+            runner = threading.Thread(target=asyncio.run, args=(start_and_leave(),))
+            runner.start()
+            runner.join(WAIT)
+            gate.set()
+            assert await t.run(ident) == t.ident
+
+
+def numbers(count: int, log: list[str], name: str = "gen") -> Iterator[int]:
+    try:
+        for i in range(count):
+            log.append(f"{name}:{i}")
+            yield i
+    finally:
+        log.append(f"{name}:closed on {threading.get_ident()}")
+
+
+class TestStreams:
+    @pytest.mark.anyio
+    async def test_items_in_order_and_generator_finishes_on_thread(
+        self, thread: MLXThread
+    ) -> None:
+        log: list[str] = []
+        assert [i async for i in thread.iterate(numbers, 5, log)] == list(range(5))
+        assert log[-1] == f"gen:closed on {thread.ident}"
+
+    @pytest.mark.anyio
+    async def test_aclose_closes_generator_on_thread_before_next_item(
+        self, thread: MLXThread
+    ) -> None:
+        log: list[str] = []
+        stream = thread.iterate(numbers, 1000, log)
+        assert await stream.__anext__() == 0
+        await stream.aclose()
+        assert log[-1] == f"gen:closed on {thread.ident}"
+        produced = [entry for entry in log if not entry.startswith("gen:closed")]
+        assert len(produced) <= 3  # at most the read-ahead past the one taken
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        assert thread.statistics().open_streams == 0
+
+    @pytest.mark.anyio
+    async def test_cancelled_consumer_closes_the_generator(
+        self, thread: MLXThread
+    ) -> None:
+        log: list[str] = []
+        closed = threading.Event()
+
+        def slow(log: list[str]) -> Iterator[int]:
+            try:
+                for i in range(1000):
+                    time.sleep(0.005)
+                    yield i
+            finally:
+                log.append(f"closed on {threading.get_ident()}")
+                closed.set()
+
+        with anyio.move_on_after(0.1):
+            async for _ in thread.iterate(slow, log):
+                pass
+        assert await anyio.to_thread.run_sync(closed.wait, WAIT)
+        assert log == [f"closed on {thread.ident}"]
+
+    @pytest.mark.anyio
+    async def test_dropped_iterator_closes_the_generator(
+        self, thread: MLXThread
+    ) -> None:
+        log: list[str] = []
+        stream = thread.iterate(numbers, 1000, log)
+        await stream.__anext__()
+        del stream
+        gc.collect()
+        await thread.run(lambda: None)  # the close turn runs before this job
+        assert log[-1] == f"gen:closed on {thread.ident}"
+
+    @pytest.mark.anyio
+    async def test_not_started_stream_never_creates_its_generator(
+        self, thread: MLXThread
+    ) -> None:
+        created: list[int] = []
+
+        def gen() -> Iterator[int]:
+            created.append(1)
+            yield 1
+
+        _, gate, _ = block(thread)
+        stream = thread.iterate(gen)
+        closing = anyio.Event()
+
+        async def close() -> None:
+            await stream.aclose()
+            closing.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(close)
+            await anyio.sleep(0.01)
+            gate.set()
+        assert closing.is_set()
+        assert created == []
+
+    @pytest.mark.anyio
+    async def test_slow_consumer_never_holds_the_thread(
+        self, thread: MLXThread
+    ) -> None:
+        log: list[str] = []
+        stream = thread.iterate(numbers, 10_000, log)
+        assert await stream.__anext__() == 0
+        # The consumer stalls; the thread keeps serving other work.
+        for _ in range(20):
+            assert await thread.run(ident) == thread.ident
+        produced = [entry for entry in log if entry.startswith("gen:")]
+        assert len(produced) <= 3  # bounded read-ahead, not 10,000
+        await stream.aclose()
+
+    @pytest.mark.anyio
+    async def test_streams_interleave_and_long_does_not_starve_short(
+        self, thread: MLXThread
+    ) -> None:
+        log: list[str] = []
+        finished: list[str] = []
+
+        async def consume(name: str, count: int) -> None:
+            async for _ in thread.iterate(numbers, count, log, name):
+                pass
+            finished.append(name)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume, "long", 400)
+            tg.start_soon(consume, "short", 20)
+        assert finished == ["short", "long"]
+        first_short = log.index("short:0")
+        assert first_short < 10  # the short one started within a few turns
+
+    def test_iterate_sync_close(self, thread: MLXThread) -> None:
+        log: list[str] = []
+        with thread.iterate_sync(numbers, 100, log) as stream:
+            assert next(stream) == 0
+        assert log[-1] == f"gen:closed on {thread.ident}"
+
+    def test_stream_error_reaches_consumer_once(self, thread: MLXThread) -> None:
+        def broken() -> Iterator[int]:
+            yield 1
+            raise ValueError("mid-stream")
+
+        stream = thread.iterate_sync(broken)
+        assert next(stream) == 1
+        with pytest.raises(ValueError, match="mid-stream"):
+            next(stream)
+        with pytest.raises(StopIteration):
+            next(stream)
+
+    def test_consuming_a_stream_on_its_own_thread_is_refused(
+        self, thread: MLXThread
+    ) -> None:
+        def inner() -> None:
+            next(thread.iterate_sync(range, 3))
+
+        with pytest.raises(RuntimeError, match="cannot be consumed on that thread"):
+            thread.run_sync(inner)
+
+
+class TestShutdown:
+    def test_queued_jobs_run_then_submits_refused(self) -> None:
+        t = MLXThread()
+        _, gate, _ = block(t)
+        futures = [t.submit(ident) for _ in range(10)]
+        gate.set()
+        t.shutdown(wait=True)
+        assert [f.result(0) for f in futures] == [t.ident] * 10
+        with pytest.raises(MLXThreadClosedError, match="shut down"):
+            t.submit(ident)
+        with pytest.raises(MLXThreadClosedError):
+            t.start()
+
+    def test_cancel_futures(self) -> None:
+        t = MLXThread()
+        _, gate, running = block(t)
+        futures = [t.submit(ident) for _ in range(5)]
+        t.shutdown(wait=False, cancel_futures=True)
+        gate.set()
+        t.shutdown(wait=True)
+        assert running.result(0) is None
+        assert all(f.cancelled() for f in futures)
+        stats = t.statistics()
+        assert stats.cancelled == 5
+        assert stats.pending == 0
+
+    @pytest.mark.anyio
+    async def test_cancel_futures_releases_awaiting_callers(self) -> None:
+        t = MLXThread()
+        _, gate, _ = block(t)
+        errors: list[BaseException] = []
+
+        async def caller() -> None:
+            try:
+                await t.run(ident)
+            except MLXThreadClosedError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(caller)
+            await anyio.sleep(0.01)
+            t.shutdown(wait=False, cancel_futures=True)
+            gate.set()
+        await t.aclose()
+        assert len(errors) == 3
+
+    @pytest.mark.anyio
+    async def test_open_streams_closed_on_thread_consumer_gets_closed_error(
+        self,
+    ) -> None:
+        t = MLXThread()
+        log: list[str] = []
+        stream = t.iterate(numbers, 1000, log)
+        assert await stream.__anext__() == 0
+        await t.aclose()  # does not wait for the consumer
+        assert log[-1] == f"gen:closed on {t.ident}"
+        with pytest.raises(MLXThreadClosedError):
+            await stream.__anext__()
+
+    def test_shutdown_before_start_and_twice(self) -> None:
+        t = MLXThread()
+        t.shutdown()
+        t.shutdown()
+        with pytest.raises(MLXThreadClosedError):
+            t.submit(ident)
+
+    def test_shutdown_from_a_job_does_not_deadlock(self) -> None:
+        t = MLXThread()
+        t.submit(t.shutdown).result(WAIT)
+        with pytest.raises(MLXThreadClosedError):
+            t.submit(ident)
+        t.shutdown()
+
+    def test_initializer_and_finalizer_run_on_the_thread(self) -> None:
+        calls: list[tuple[str, int]] = []
+        t = MLXThread(
+            initializer=lambda: calls.append(("init", ident())),
+            finalizer=lambda: calls.append(("fini", ident())),
+        )
+        with t:
+            t.run_sync(lambda: calls.append(("job", ident())))
+        assert calls == [("init", t.ident), ("job", t.ident), ("fini", t.ident)]
+
+
+class TestBroken:
+    def test_failing_initializer_breaks_the_thread(self) -> None:
+        def fail() -> None:
+            raise OSError("no model here")
+
+        t = MLXThread(initializer=fail)
+        with pytest.raises(MLXThreadBrokenError, match="no model here") as info:
+            t.run_sync(ident)
+        assert isinstance(info.value.__cause__, OSError)
+        with pytest.raises(MLXThreadBrokenError):
+            t.submit(ident)
+        assert t.closed
+        t.shutdown()
+
+    @pytest.mark.anyio
+    async def test_awaiting_callers_get_broken_error(self) -> None:
+        def fail() -> None:
+            time.sleep(0.05)
+            raise OSError("late failure")
+
+        t = MLXThread(initializer=fail)
+        with pytest.raises(MLXThreadBrokenError):
+            await t.run(ident)
+        t.shutdown()
+
+
+class TestStatistics:
+    def test_counters(self, thread: MLXThread) -> None:
+        thread.run_sync(ident)
+        with pytest.raises(ZeroDivisionError):
+            thread.run_sync(lambda: 1 / 0)
+        list(thread.iterate_sync(range, 3))
+        entered, gate, _ = block(thread)
+        stats = thread.statistics()
+        assert stats.running == "block.<locals>.hold"
+        gate.set()
+        thread.run_sync(ident)
+        stats = thread.statistics()
+        assert (stats.completed, stats.failed, stats.cancelled) == (4, 1, 0)
+        assert stats.running is None
+        assert stats.pending == 0
+        assert stats.busy_time > 0
+        assert stats.max_pending == 1024
+
+
+class TestDefaultThread:
+    def test_one_default_until_shut_down(self) -> None:
+        first = current_default_mlx_thread()
+        assert current_default_mlx_thread() is first
+        assert first.run_sync(ident) == first.ident
+        first.shutdown()
+        second = current_default_mlx_thread()
+        assert second is not first
+        assert second.run_sync(ident) == second.ident
