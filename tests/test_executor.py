@@ -195,7 +195,7 @@ class TestResultsAndErrors:
         def use_global() -> float:
             return float(hidden["lazy"].sum().item())
 
-        with pytest.raises(StreamAffinityError, match="use_global.*this MLXThread"):
+        with pytest.raises(StreamAffinityError, match=r"use_global.*this MLXThread"):
             thread.run_sync(use_global)
 
 
@@ -275,7 +275,7 @@ class ThreadPool:
 class TestBackpressure:
     def test_full_queue_refuses_at_once(self) -> None:
         with MLXThread(max_pending=2) as t:
-            _, gate, running = block(t)
+            _, gate, _running = block(t)
             queued = [t.submit(ident), t.submit(ident)]
             assert t.statistics().pending == 2  # the running job is not counted
             started = time.perf_counter()
@@ -694,7 +694,7 @@ class TestStatistics:
         with pytest.raises(ZeroDivisionError):
             thread.run_sync(lambda: 1 / 0)
         list(thread.iterate_sync(range, 3))
-        entered, gate, _ = block(thread)
+        _entered, gate, _ = block(thread)
         stats = thread.statistics()
         assert stats.running == "block.<locals>.hold"
         gate.set()
