@@ -716,3 +716,84 @@ class TestDefaultThread:
         second = current_default_mlx_thread()
         assert second is not first
         assert second.run_sync(ident) == second.ident
+
+
+EXIT_SCRIPT = """
+import mlx.core as mx
+from mlx_pinned import MLXThread, current_default_mlx_thread
+
+def numbers():
+    for i in range(10_000):
+        yield mx.array(i) * 2
+
+@mx.compile
+def double(x):
+    return x * 2
+
+t = MLXThread()
+assert t.run_sync(lambda: double(mx.arange(8)).sum().item()) == 56
+default = current_default_mlx_thread()
+assert default.run_sync(lambda: double(mx.ones(3)).tolist()) == [2.0, 2.0, 2.0]
+stream = t.iterate_sync(numbers)
+assert next(stream).item() == 0   # abandoned open, never closed
+queued = [t.submit(lambda: double(mx.ones(2)).tolist()) for _ in range(5)]
+print("ok")
+# main returns without shutting anything down
+"""
+
+FORK_SCRIPT = """
+import os
+import mlx.core as mx
+from mlx_pinned import MLXThreadBrokenError, current_default_mlx_thread
+
+parent = current_default_mlx_thread()
+assert parent.run_sync(lambda: (mx.arange(3) + 1).tolist()) == [1, 2, 3]
+pid = os.fork()
+if pid == 0:
+    try:
+        child = current_default_mlx_thread()
+        assert child is not parent
+        assert child.run_sync(lambda: (mx.arange(3) * 3).tolist()) == [0, 3, 6]
+        try:
+            parent.run_sync(lambda: 1)
+        except MLXThreadBrokenError:
+            os._exit(0)
+        os._exit(3)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        os._exit(2)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+print("ok")
+"""
+
+
+def _run_script(source: str) -> tuple[int, str]:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", source],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+class TestProcessExit:
+    def test_process_that_never_shuts_down_exits_zero_every_time(self) -> None:
+        # Without the exit hook the worker blocks interpreter exit (non-daemon),
+        # or, as a daemon, dies without mx.clear_streams() and aborts (134).
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:
+            outcomes = list(pool.map(lambda _: _run_script(EXIT_SCRIPT), range(20)))
+        failures = [(code, out) for code, out in outcomes if code != 0]
+        assert failures == []
+        assert all(out.strip() == "ok" for _, out in outcomes)
+
+    def test_forked_child_gets_a_fresh_default_thread(self) -> None:
+        code, out = _run_script(FORK_SCRIPT)
+        assert (code, out.strip()) == (0, "ok")
