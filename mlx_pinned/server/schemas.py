@@ -143,6 +143,7 @@ class ChatCompletionRequest(_Request):
     stop: str | list[str] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    logit_bias: dict[str, float] | None = None
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -155,6 +156,18 @@ class ChatCompletionRequest(_Request):
             raise ValueError("at most 4 stop sequences are allowed")
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(
+        cls, value: dict[str, float] | None
+    ) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids, not {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be between -100 and 100, not {bias}")
         return value
 
     @field_validator("n")
@@ -183,6 +196,11 @@ class ChatCompletionRequest(_Request):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` with integer token ids (empty when unset)."""
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     @property
     def include_usage(self) -> bool:

@@ -1,0 +1,448 @@
+"""The model-facing side of the server: everything here runs on the MLX thread.
+
+:func:`load` loads a model with mlx-vlm and evaluates it whole, so nothing lazy
+is left to tie it to a stream. :func:`generate_stream` is a sync generator over
+``mlx_vlm.stream_generate`` that the app runs with ``MLXThread.iterate``: one
+:class:`TokenEvent` per generated token, then one :class:`FinalEvent`. Events
+hold plain Python values only; no MLX array leaves the thread.
+
+One generation at a time per model: mlx-vlm's Qwen-VL models keep request
+state on the model object, so two interleaved generations corrupt each other.
+The app serialises them (see ``app.py``); :func:`generate_stream` also closes a
+stale generation it finds still open on the model before it starts.
+"""
+
+from __future__ import annotations
+
+import codecs
+import importlib
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import mlx.core as mx
+
+from .schemas import (
+    AssistantMessage,
+    ChatCompletionRequest,
+    Message,
+    SystemMessage,
+    TextPart,
+)
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+__all__ = [
+    "FinalEvent",
+    "GenerationParams",
+    "LoadedModel",
+    "StopMatcher",
+    "TokenEvent",
+    "TokenLogprobs",
+    "build_prompt",
+    "chat_messages",
+    "generate_stream",
+    "load",
+]
+
+logger = logging.getLogger("mlx_pinned.server")
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """A model, its processor and config, loaded and evaluated on the MLX thread.
+
+    Attributes:
+        model: The mlx-vlm model.
+        processor: Its processor (tokenizer, image processor, detokenizer).
+        path: What it was loaded from (a folder or a hub id).
+        load_seconds: How long :func:`load` took.
+        parameters: Number of parameters.
+    """
+
+    model: Any
+    processor: Any
+    path: str
+    load_seconds: float
+    parameters: int
+    _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+    _active: Any = None  # the open stream_generate generator, if any
+
+    @property
+    def config(self) -> Any:
+        """The model's config object."""
+        return self.model.config
+
+    @property
+    def tokenizer(self) -> Any:
+        """The text tokenizer."""
+        return getattr(self.processor, "tokenizer", self.processor)
+
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's text and UTF-8 bytes, as OpenAI's logprobs show them.
+
+        A byte-level BPE token can hold part of a character: its bytes are
+        exact and its text shows the partial bytes as ``\\xNN``.
+        """
+        cached = self._token_text.get(token_id)
+        if cached is None:
+            raw = _token_bytes(self.processor, self.tokenizer, token_id)
+            cached = (raw.decode("utf-8", errors="backslashreplace"), list(raw))
+            self._token_text[token_id] = cached
+        return cached
+
+
+def load(model_path: str | Path) -> LoadedModel:
+    """Load a model with mlx-vlm and evaluate all of it.
+
+    Runs on the MLX thread (the middleware's start-up job): the weights, and
+    lazily built arrays such as RoPE tables, are evaluated here so no lazy
+    array remains tied to another thread's stream.
+
+    Args:
+        model_path: A local folder or a Hugging Face hub id.
+
+    Raises:
+        Whatever mlx-vlm raises for a missing or unsupported model.
+    """
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import load as vlm_load
+
+    start = time.perf_counter()
+    logger.info("loading model %s", model_path)
+    model, processor = vlm_load(str(model_path))
+    mx.eval(model)  # the whole tree, private attributes included
+    seconds = time.perf_counter() - start
+    flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    parameters = sum(v.size for _, v in flat)
+    logger.info(
+        "loaded %s (%s, %d parameters) in %.2f s",
+        model_path,
+        getattr(model.config, "model_type", "?"),
+        parameters,
+        seconds,
+    )
+    return LoadedModel(model, processor, str(model_path), seconds, parameters)
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What one generation needs from a request; plain values, built anywhere.
+
+    Attributes:
+        messages: The chat in mlx-vlm's message format (see :func:`chat_messages`).
+        max_tokens: Most tokens to generate.
+        temperature: Sampling temperature; None uses the checkpoint's default.
+        top_p: Nucleus sampling; None uses the checkpoint's default.
+        seed: Seed for sampling; same seed, same request, same output.
+        stop: Stop strings; generation ends before them.
+        logprobs: Whether to return each token's log-probability.
+        top_logprobs: How many alternatives to return per token.
+        logit_bias: ``(token id, bias)`` pairs added to the logits.
+    """
+
+    messages: tuple[dict[str, Any], ...]
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def from_request(
+        cls, request: ChatCompletionRequest, max_tokens: int
+    ) -> GenerationParams:
+        """The parameters of a validated request, with ``max_tokens`` resolved."""
+        return cls(
+            messages=tuple(chat_messages(request.messages)),
+            max_tokens=max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            stop=request.stop_sequences,
+            logprobs=bool(request.logprobs),
+            top_logprobs=request.top_logprobs or 0,
+            logit_bias=tuple(request.token_bias.items()),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A generated token's log-probability and its top alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[tuple[str, float, list[int]]]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One generated token.
+
+    Attributes:
+        text: Text released with this token; may be empty while the
+            detokenizer waits for more bytes or text could start a stop string.
+        logprobs: The token's log-probabilities, when requested.
+    """
+
+    text: str
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FinalEvent:
+    """The end of a generation.
+
+    Attributes:
+        text: Text still held back, released now.
+        finish_reason: ``stop`` (end of turn or a stop string) or ``length``.
+        prompt_tokens: Tokens in the prompt, image tokens included.
+        completion_tokens: Tokens generated (the end-of-turn token excluded).
+        prefill_seconds: Time to the first token on the MLX thread.
+        decode_seconds: Time from the first token to the end.
+    """
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    prefill_seconds: float = field(default=0.0, compare=False)
+    decode_seconds: float = field(default=0.0, compare=False)
+
+
+Event = TokenEvent | FinalEvent
+
+
+def chat_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """Request messages as mlx-vlm's chat messages; pure Python, any thread.
+
+    Image parts become ``{"type": "image_url"}`` markers in place, so mlx-vlm
+    puts each image in the turn and position where it was sent.
+    """
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if isinstance(message, (SystemMessage, AssistantMessage)):
+            role = "system" if isinstance(message, SystemMessage) else "assistant"
+            content = message.content or ""
+            if not isinstance(content, str):
+                content = "".join(part.text for part in content)
+            out.append({"role": role, "content": content})
+        elif isinstance(message.content, str):
+            out.append({"role": "user", "content": message.content})
+        else:
+            parts = [
+                {"type": "text", "text": part.text}
+                if isinstance(part, TextPart)
+                else {"type": "image_url"}
+                for part in message.content
+            ]
+            out.append({"role": "user", "content": parts})
+    return out
+
+
+def build_prompt(loaded: LoadedModel, messages: Sequence[dict[str, Any]]) -> str:
+    """The prompt text from the model's chat template; runs on the MLX thread.
+
+    Images in every turn count: the image markers stay in their own messages.
+    """
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    num_images = sum(
+        1
+        for m in messages
+        if isinstance(m["content"], list)
+        for part in m["content"]
+        if part["type"] == "image_url"
+    )
+    prompt = apply_chat_template(
+        loaded.processor, loaded.config, list(messages), num_images=num_images
+    )
+    return str(prompt)
+
+
+class StopMatcher:
+    """Cuts generated text at the first stop string.
+
+    Text that could be the start of a stop string is held back until it is
+    known not to be one, so a stop string never reaches the client.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self._pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add text; returns the text safe to release and whether a stop hit."""
+        if not self.stops:
+            return text, False
+        pending = self._pending + text
+        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._pending = ""
+            return pending[: min(hits)], True
+        hold = 0
+        for k in range(min(len(pending), max(map(len, self.stops)) - 1), 0, -1):
+            if any(s.startswith(pending[-k:]) for s in self.stops):
+                hold = k
+                break
+        self._pending = pending[len(pending) - hold :]
+        return pending[: len(pending) - hold], False
+
+    def flush(self) -> str:
+        """The text held back, released at the end of the generation."""
+        text, self._pending = self._pending, ""
+        return text
+
+
+def generate_stream(
+    loaded: LoadedModel,
+    params: GenerationParams,
+    images: Sequence[Image.Image] = (),
+) -> Iterator[Event]:
+    """Generate a chat completion token by token.
+
+    A sync generator to run on the MLX thread (``MLXThread.iterate``): the
+    prompt, the image preprocessing and every step run where it is advanced.
+    Closing it (the client left) closes mlx-vlm's generator at once.
+
+    Args:
+        loaded: The model, from :func:`load`.
+        params: The request's parameters.
+        images: The decoded images, in prompt order.
+
+    Yields:
+        A :class:`TokenEvent` per generated token, then one :class:`FinalEvent`.
+    """
+    start = time.perf_counter()
+    stale = loaded._active
+    if stale is not None:
+        # Its consumer is gone (the app runs one at a time): close it before
+        # this generation overwrites the model's request state.
+        logger.warning("closing a generation left open on %s", loaded.path)
+        stale.close()
+    if params.seed is not None:
+        mx.random.seed(params.seed % 2**64)  # per thread: this is the MLX thread
+    prompt = build_prompt(loaded, params.messages)
+    kwargs: dict[str, Any] = {"max_tokens": params.max_tokens}
+    for name in ("temperature", "top_p", "seed"):
+        if getattr(params, name) is not None:
+            kwargs[name] = getattr(params, name)
+    if params.logit_bias:
+        kwargs["logit_bias"] = dict(params.logit_bias)
+    stream_generate = importlib.import_module("mlx_vlm.generate").stream_generate
+    inner = stream_generate(
+        loaded.model, loaded.processor, prompt, image=list(images) or None, **kwargs
+    )
+    loaded._active = inner
+    matcher = StopMatcher(params.stop)
+    decoder = _TextDecoder(loaded)
+    finish, tail = "length", ""
+    prompt_tokens = completion = 0
+    first_token_at: float | None = None
+    try:
+        for result in inner:
+            prompt_tokens = result.prompt_tokens
+            if result.finish_reason is not None:  # the last result holds no new token
+                text, stopped = matcher.feed(decoder.finish(result.text))
+                finish, tail = ("stop" if stopped else result.finish_reason), text
+                break
+            text, stopped = matcher.feed(decoder.add(result.token, result.text))
+            completion += 1
+            if first_token_at is None:
+                first_token_at = time.perf_counter()
+            logprobs = None
+            if params.logprobs:
+                logprobs = _logprobs(loaded, result.token, result.logprobs, params)
+            yield TokenEvent(text, logprobs)
+            if stopped:
+                finish = "stop"
+                break
+    finally:
+        inner.close()
+        if loaded._active is inner:
+            loaded._active = None
+    tail += matcher.flush()  # held back as a possible stop string: it was not
+    end = time.perf_counter()
+    first = first_token_at or end
+    yield FinalEvent(
+        text=tail,
+        finish_reason="stop" if finish == "stop" else "length",
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        prefill_seconds=first - start,
+        decode_seconds=end - first,
+    )
+
+
+class _TextDecoder:
+    """Text per token: byte-level BPE tokens through an incremental UTF-8
+    decoder, so text streams token by token instead of word by word; other
+    tokenizers through mlx-vlm's own streaming detokenizer."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        detokenizer = getattr(loaded.processor, "detokenizer", None)
+        self._loaded = loaded
+        self._bytes = getattr(detokenizer, "_byte_decoder", None) is not None
+        self._trim = bool(getattr(detokenizer, "trim_space", False))
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._started = False
+
+    def add(self, token: int, fallback: str) -> str:
+        if not self._bytes:
+            return fallback
+        return self._emit(
+            self._decoder.decode(bytes(self._loaded.token_text(token)[1]))
+        )
+
+    def finish(self, fallback: str) -> str:
+        if not self._bytes:
+            return fallback
+        return self._emit(self._decoder.decode(b"", final=True))
+
+    def _emit(self, text: str) -> str:
+        if self._trim and not self._started and text.startswith(" "):
+            text = text[1:]
+        self._started = self._started or bool(text)
+        return text
+
+
+def _logprobs(
+    loaded: LoadedModel, token: int, logprobs: mx.array, params: GenerationParams
+) -> TokenLogprobs:
+    chosen = logprobs[token]
+    k = min(params.top_logprobs, logprobs.shape[-1])
+    if k:
+        indices = mx.argpartition(-logprobs, kth=k - 1)[:k]
+        values = logprobs[indices]
+        mx.eval(chosen, indices, values)
+        ids = cast("list[int]", indices.tolist())
+        scores = cast("list[float]", values.tolist())
+        pairs = sorted(zip(ids, scores, strict=True), key=lambda p: -p[1])
+    else:
+        mx.eval(chosen)
+        pairs = []
+    text, raw = loaded.token_text(token)
+    top = []
+    for index, value in pairs:
+        alt_text, alt_raw = loaded.token_text(index)
+        top.append((alt_text, value, alt_raw))
+    return TokenLogprobs(text, cast("float", chosen.item()), raw, top)
+
+
+def _token_bytes(processor: Any, tokenizer: Any, token_id: int) -> bytes:
+    """The exact bytes of a token: through the byte-level BPE map if there is one."""
+    detokenizer = getattr(processor, "detokenizer", None)
+    byte_decoder = getattr(detokenizer, "_byte_decoder", None)
+    if byte_decoder is not None:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and all(c in byte_decoder for c in piece):
+            return bytes(byte_decoder[c] for c in piece)
+    return str(tokenizer.decode([token_id])).encode("utf-8")
