@@ -30,6 +30,10 @@ Y = TypeVar("Y")
 
 class _Pinned:
     __slots__ = ("__dict__", "__weakref__", "_fn", "_thread")
+    # Set by functools.update_wrapper, declared for type checkers.
+    __name__: str
+    __qualname__: str
+    __wrapped__: Callable[..., Any]
 
     def __init__(self, fn: Callable[..., Any], thread: MLXThread | None) -> None:
         self._fn = fn

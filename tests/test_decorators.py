@@ -1,0 +1,168 @@
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import anyio
+import mlx.core as mx
+import pytest
+
+from mlx_pinned import MLXThread, current_default_mlx_thread, on_mlx_thread
+
+WAIT = 10.0
+
+
+@pytest.fixture
+def thread() -> Iterator[MLXThread]:
+    with MLXThread(name="decorated") as t:
+        yield t
+
+
+def test_function_becomes_async_and_runs_on_the_thread(thread: MLXThread) -> None:
+    @on_mlx_thread(thread=thread)
+    def scaled(x: int, *, by: int = 2) -> tuple[int, int]:
+        return threading.get_ident(), x * by
+
+    async def main() -> tuple[int, int]:
+        return await scaled(21)
+
+    assert anyio.run(main) == (thread.ident, 42)
+    assert anyio.run(main, backend="trio") == (thread.ident, 42)
+    assert scaled.sync(5, by=3) == (thread.ident, 15)
+    assert scaled.__name__ == "scaled"
+    assert scaled.__wrapped__.__name__ == "scaled"
+
+
+def test_generator_function_becomes_async_iterator(thread: MLXThread) -> None:
+    @on_mlx_thread(thread=thread)
+    def tokens(n: int) -> Iterator[tuple[int, int]]:
+        for i in range(n):
+            yield threading.get_ident(), (mx.array(i) * 10).tolist()  # type: ignore[misc]
+
+    async def main() -> list[tuple[int, int]]:
+        return [item async for item in tokens(3)]
+
+    expected = [(thread.ident, 0), (thread.ident, 10), (thread.ident, 20)]
+    assert anyio.run(main) == expected
+    assert anyio.run(main, backend="trio") == expected
+    assert list(tokens.sync(3)) == expected
+
+
+class Model:
+    def __init__(self, scale: int) -> None:
+        self.scale = scale
+
+    @on_mlx_thread
+    def forward(self, x: int) -> tuple[int, int]:
+        return threading.get_ident(), x * self.scale
+
+    @on_mlx_thread
+    def stream(self, n: int) -> Iterator[int]:
+        for i in range(n):
+            yield i * self.scale
+
+
+def test_methods_bind_self_and_sync_works_on_bound_methods() -> None:
+    model = Model(3)
+    default = current_default_mlx_thread()
+
+    async def main() -> tuple[tuple[int, int], list[int]]:
+        return await model.forward(2), [i async for i in model.stream(3)]
+
+    assert anyio.run(main) == ((default.ident, 6), [0, 3, 6])
+    assert model.forward.sync(4) == (default.ident, 12)
+    assert list(model.stream.sync(2)) == [0, 3]
+    assert Model.forward.sync(model, 1) == (default.ident, 3)  # unbound, explicit
+
+
+def test_default_thread_chosen_at_call_time() -> None:
+    @on_mlx_thread
+    def where() -> threading.Thread:
+        return threading.current_thread()
+
+    first = current_default_mlx_thread()
+    first_thread = where.sync()
+    assert first_thread is first.run_sync(threading.current_thread)
+    first.shutdown()
+    second = current_default_mlx_thread()
+    # Thread objects, not idents: the OS may reuse an exited thread's ident.
+    assert where.sync() is second.run_sync(threading.current_thread)
+    assert second is not first
+    assert not first_thread.is_alive()
+
+
+def test_async_functions_are_refused_at_decoration() -> None:
+    with pytest.raises(TypeError, match="is async"):
+
+        @on_mlx_thread
+        async def coroutine() -> None:
+            pass
+
+    with pytest.raises(TypeError, match="is async"):
+
+        @on_mlx_thread()
+        async def agen() -> Iterator[int]:  # type: ignore[misc]
+            yield 1
+
+
+def test_not_callable_refused() -> None:
+    with pytest.raises(TypeError, match="needs a function"):
+        on_mlx_thread(42)  # type: ignore[call-overload]
+
+
+def test_inline_call_from_the_thread(thread: MLXThread) -> None:
+    @on_mlx_thread(thread=thread)
+    def inner() -> int:
+        return threading.get_ident()
+
+    @on_mlx_thread(thread=thread)
+    def outer() -> int:
+        return inner.sync()  # on the thread: inline, not a deadlock
+
+    assert thread.submit(outer.sync).result(WAIT) == thread.ident
+
+
+def test_cancelled_decorated_call_releases_caller(thread: MLXThread) -> None:
+    gate = threading.Event()
+
+    @on_mlx_thread(thread=thread)
+    def slow() -> None:
+        gate.wait(WAIT)
+
+    async def main() -> bool:
+        with anyio.move_on_after(0.05) as scope:
+            await slow()
+        return scope.cancelled_caught
+
+    assert anyio.run(main) is True
+    gate.set()
+
+
+def test_signatures_are_kept_for_type_checkers() -> None:
+    # Checked by mypy --strict over the tests (see README): each assert_type
+    # fails the type check if the decorator loses the signature.
+    from collections.abc import Coroutine
+    from typing import Any
+
+    from typing_extensions import assert_type
+
+    from mlx_pinned import AsyncStreamIterator, SyncStreamIterator
+
+    @on_mlx_thread
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    @on_mlx_thread
+    def count(n: int) -> Iterator[int]:
+        yield from range(n)
+
+    model = Model(2)
+    assert_type(add.sync(1, 2), int)
+    assert_type(count.sync(2), SyncStreamIterator[int])
+    assert_type(count(2), AsyncStreamIterator[int])
+    assert_type(model.forward.sync(1), tuple[int, int])
+    coroutine = model.forward(1)
+    coroutine.close()  # not awaited: this test is about types
+    assert_type(coroutine, Coroutine[Any, Any, tuple[int, int]])
+    assert add.sync(1, 2) == 3
+    assert list(count.sync(2)) == [0, 1]
