@@ -161,8 +161,7 @@ def test_signatures_are_kept_for_type_checkers() -> None:
     assert_type(count.sync(2), SyncStreamIterator[int])
     assert_type(count(2), AsyncStreamIterator[int])
     assert_type(model.forward.sync(1), tuple[int, int])
-    coroutine = model.forward(1)
+    coroutine = assert_type(model.forward(1), Coroutine[Any, Any, tuple[int, int]])
     coroutine.close()  # not awaited: this test is about types
-    assert_type(coroutine, Coroutine[Any, Any, tuple[int, int]])
     assert add.sync(1, 2) == 3
     assert list(count.sync(2)) == [0, 1]
