@@ -1,0 +1,255 @@
+"""MLXThreadMiddleware: ties an MLXThread to an ASGI app's lifespan.
+
+Pure ASGI, so it works under Starlette, FastAPI or a bare ASGI app. Add it
+inside the framework's error handling so it sees the app's exceptions::
+
+    app = Starlette(routes=..., middleware=[
+        Middleware(MLXThreadMiddleware, startup={"model": load_model}),
+    ])
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import Any
+
+import anyio
+
+from ._exceptions import (
+    MLXThreadBrokenError,
+    MLXThreadBusyError,
+    MLXThreadClosedError,
+    StreamAffinityError,
+)
+from ._executor import MLXThread
+
+__all__ = ["MLXThreadMiddleware"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+logger = logging.getLogger("mlx_pinned.middleware")
+
+
+class MLXThreadMiddleware:
+    """Start an MLXThread with the app, run start-up jobs on it, stop it last.
+
+    Lifespan start-up: the thread starts, each ``startup`` callable runs on it
+    in order (load the model here) and its result is put in the lifespan state
+    under its key, next to the thread under ``state_key`` (in Starlette,
+    ``request.state.model`` and ``request.state.mlx_thread``). If one raises,
+    the server gets ``lifespan.startup.failed`` with the reason. Lifespan
+    shut-down: new requests get 503, in-flight ones get up to
+    ``drain_timeout`` seconds to finish, the app's own shut-down runs, then
+    the thread shuts down.
+
+    Requests: ``MLXThreadBusyError`` becomes 503 with ``Retry-After``;
+    ``MLXThreadClosedError`` and ``MLXThreadBrokenError`` 503;
+    ``StreamAffinityError`` 500 with its message. Bodies use OpenAI's error
+    shape. An error after the response started is re-raised.
+
+    Args:
+        app: the ASGI app to wrap.
+        thread: the MLXThread to manage; a new one per lifespan if ``None``.
+        startup: name -> callable run on the thread at start-up.
+        drain_timeout: seconds in-flight requests get at shut-down.
+        state_key: the lifespan-state key of the thread.
+        retry_after: seconds sent in ``Retry-After`` when busy.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        thread: MLXThread | None = None,
+        startup: Mapping[str, Callable[[], object]] | None = None,
+        drain_timeout: float = 30.0,
+        state_key: str = "mlx_thread",
+        retry_after: int = 1,
+    ) -> None:
+        self.app = app
+        self._given_thread = thread
+        self.thread: MLXThread | None = thread
+        self._startup = dict(startup or {})
+        self.drain_timeout = drain_timeout
+        self.state_key = state_key
+        self.retry_after = retry_after
+        self._state: dict[str, object] = {}
+        self._closing = False
+        self._in_flight = 0
+        self._idle: anyio.Event | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(scope, receive, send)
+        elif scope["type"] in ("http", "websocket"):
+            await self._request(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    # -- requests ------------------------------------------------------------
+
+    async def _request(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = scope.setdefault("state", {})
+        for key, value in self._state.items():
+            state.setdefault(key, value)
+        if self._closing:
+            await self._error(
+                scope, send, 503, "The server is shutting down.", "shutting_down"
+            )
+            return
+        started = False
+
+        async def send_tracking(message: Message) -> None:
+            nonlocal started
+            if message["type"] in ("http.response.start", "websocket.accept"):
+                started = True
+            await send(message)
+
+        self._in_flight += 1
+        try:
+            await self.app(scope, receive, send_tracking)
+        except MLXThreadBusyError as exc:
+            if started:
+                raise
+            await self._error(scope, send, 503, str(exc), "overloaded", retry=True)
+        except (MLXThreadClosedError, MLXThreadBrokenError) as exc:
+            if started:
+                raise
+            await self._error(scope, send, 503, str(exc), "unavailable")
+        except StreamAffinityError as exc:
+            if started:
+                raise
+            logger.error("stream affinity error: %s", exc)
+            await self._error(scope, send, 500, str(exc), "stream_affinity")
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0 and self._idle is not None:
+                self._idle.set()
+
+    async def _error(
+        self,
+        scope: Scope,
+        send: Send,
+        status: int,
+        message: str,
+        code: str,
+        *,
+        retry: bool = False,
+    ) -> None:
+        if scope["type"] != "http":
+            await send({"type": "websocket.close", "code": 1013, "reason": message})
+            return
+        body = json.dumps(
+            {
+                "error": {
+                    "message": message,
+                    "type": "server_error"
+                    if status >= 500
+                    else "invalid_request_error",
+                    "param": None,
+                    "code": code,
+                }
+            }
+        ).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        if retry:
+            headers.append((b"retry-after", str(self.retry_after).encode()))
+        await send(
+            {"type": "http.response.start", "status": status, "headers": headers}
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    # -- lifespan ------------------------------------------------------------
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        startup = await receive()
+        try:
+            await self._start(scope)
+        except Exception as exc:
+            logger.exception("MLX thread start-up failed")
+            await send({"type": "lifespan.startup.failed", "message": _reason(exc)})
+            await self._stop()
+            return
+        replayed = False
+        answered = False  # the app answered the start-up message itself
+
+        async def app_receive() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return startup
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                await self._drain()
+            return message
+
+        async def app_send(message: Message) -> None:
+            nonlocal answered
+            kind = message["type"]
+            if kind.startswith("lifespan.startup."):
+                answered = True
+                if kind == "lifespan.startup.failed":
+                    await self._stop()
+            elif kind.startswith("lifespan.shutdown."):
+                await self._stop()
+            await send(message)
+
+        try:
+            await self.app(scope, app_receive, app_send)
+        except Exception:
+            if answered:
+                raise
+            # The app does not speak lifespan (a bare ASGI app): do it for it.
+            await send({"type": "lifespan.startup.complete"})
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                await self._drain()
+                await self._stop()
+                await send({"type": "lifespan.shutdown.complete"})
+
+    async def _start(self, scope: Scope) -> None:
+        if self._given_thread is None:
+            self.thread = MLXThread(name="mlx-pinned-asgi")
+        thread = self.thread
+        assert thread is not None
+        self._closing = False
+        thread.start()
+        state: dict[str, object] = {self.state_key: thread}
+        for name, load in self._startup.items():
+            logger.info("running start-up job %r on the MLX thread", name)
+            state[name] = await thread.run(load)
+        self._state = state
+        if "state" in scope:
+            scope["state"].update(state)
+
+    async def _drain(self) -> None:
+        self._closing = True
+        if self._in_flight:
+            self._idle = anyio.Event()
+            with anyio.move_on_after(self.drain_timeout) as timeout:
+                await self._idle.wait()
+            if timeout.cancelled_caught:
+                logger.warning(
+                    "%d requests still running after %.1f s; shutting down",
+                    self._in_flight,
+                    self.drain_timeout,
+                )
+
+    async def _stop(self) -> None:
+        self._closing = True
+        thread = self.thread
+        if thread is not None:
+            await thread.aclose()
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
