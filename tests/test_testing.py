@@ -1,0 +1,531 @@
+"""Tests for mlx_pinned.testing: the tiny offline Qwen3-VL and the test images."""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import io
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from PIL import Image
+
+import mlx_pinned.testing
+from mlx_pinned.testing import (
+    SPECIAL_TOKENS,
+    image_data_uri,
+    make_test_image,
+    make_tiny_vlm,
+    tiny_vlm_path,
+)
+
+# mlx-vlm ships py.typed, but not the types these calls need (PIL images).
+mlx_vlm: Any = importlib.import_module("mlx_vlm")
+REPO_ROOT = pathlib.Path(mlx_pinned.testing.__file__).resolve().parents[1]
+PROMPT = "Describe this image in one sentence."
+MODEL_FILES = {
+    "config.json",
+    "generation_config.json",
+    "mlx_pinned_tiny_vlm.json",
+    "model.safetensors",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "video_preprocessor_config.json",
+}
+
+
+class HubCalls:
+    """Records, and refuses, every attempt to reach the network or the hub."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def refuse(self, what: str) -> Any:
+        def refused(*args: object, **kwargs: object) -> Any:
+            self.calls.append(f"{what}{args}")
+            raise OSError(f"{what} called in an offline test")
+
+        return refused
+
+
+@pytest.fixture
+def hub_calls(monkeypatch: pytest.MonkeyPatch) -> HubCalls:
+    """Make the hub and sockets unreachable and record who tried them.
+
+    mlx-vlm swallows hub errors while it looks for processor files, so refusing
+    is not enough: the test must check that nobody asked.
+    """
+    import huggingface_hub
+
+    calls = HubCalls()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(socket.socket, "connect", calls.refuse("socket.connect"))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", calls.refuse("download"))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", calls.refuse("snapshot"))
+    monkeypatch.setattr(
+        sys.modules["mlx_vlm.utils"], "snapshot_download", calls.refuse("snapshot")
+    )
+    return calls
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir: pathlib.Path) -> tuple[Any, Any]:
+    model, processor = mlx_vlm.load(str(model_dir))
+    return model, processor
+
+
+def picture(seed: int = 0, size: int = 64) -> Image.Image:
+    return Image.open(io.BytesIO(make_test_image(size, size, seed=seed)))
+
+
+def chat_prompt(loaded: tuple[Any, Any], text: str = PROMPT) -> str:
+    model, processor = loaded
+    prompt: str = mlx_vlm.apply_chat_template(
+        processor, model.config, text, num_images=1
+    )
+    return prompt
+
+
+def run(loaded: tuple[Any, Any], image: Image.Image, **kwargs: Any) -> Iterator[Any]:
+    model, processor = loaded
+    return iter(
+        mlx_vlm.stream_generate(
+            model, processor, chat_prompt(loaded), image=[image], **kwargs
+        )
+    )
+
+
+def greedy(
+    loaded: tuple[Any, Any], image: Image.Image, max_tokens: int
+) -> tuple[list[int], list[float]]:
+    """Token ids and their log-probabilities of one greedy generation."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for result in run(loaded, image, max_tokens=max_tokens, temperature=0.0):
+        if result.finish_reason is None:  # the final result repeats a token
+            tokens.append(result.token)
+            logprobs.append(result.logprobs[result.token].item())
+    return tokens, logprobs
+
+
+def read_all(folder: pathlib.Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+class TestMakeTinyVlm:
+    def test_writes_the_model_files(self, model_dir: pathlib.Path) -> None:
+        assert {p.name for p in model_dir.iterdir()} == MODEL_FILES
+        total = sum(p.stat().st_size for p in model_dir.iterdir())
+        assert total < 1_000_000
+
+    def test_model_has_the_specified_shape(self, loaded: tuple[Any, Any]) -> None:
+        from mlx.utils import tree_flatten
+
+        model, processor = loaded
+        text, vision = model.config.text_config, model.config.vision_config
+        assert (text.num_hidden_layers, text.hidden_size, text.head_dim) == (2, 64, 16)
+        assert (text.num_attention_heads, text.num_key_value_heads) == (4, 2)
+        assert text.tie_word_embeddings
+        assert text.rope_scaling["mrope_section"] == [4, 2, 2]
+        assert (vision.depth, vision.hidden_size, vision.patch_size) == (2, 32, 16)
+        assert vision.num_position_embeddings == 16
+        assert len(vision.deepstack_visual_indexes) == 1
+        flat: Any = tree_flatten(model.parameters())
+        params = sum(value.size for _, value in flat)
+        assert 200_000 < params < 230_000
+        assert len(processor.tokenizer) == 384
+
+    def test_loads_without_the_hub(
+        self, model_dir: pathlib.Path, hub_calls: HubCalls
+    ) -> None:
+        model, processor = mlx_vlm.load(str(model_dir))
+        assert hub_calls.calls == []
+        assert model.config.model_type == "qwen3_vl"
+        assert processor.image_processor.max_pixels == 128 * 128
+
+    def test_hub_guard_catches_a_missing_processor_file(
+        self, model_dir: pathlib.Path, tmp_path: pathlib.Path, hub_calls: HubCalls
+    ) -> None:
+        # Shows the guard above is not vacuous: without processor_config.json
+        # mlx-vlm asks the hub, then silently carries on.
+        copy = tmp_path / "copy"
+        copy.mkdir()
+        for name, data in read_all(model_dir).items():
+            if name != "processor_config.json":
+                (copy / name).write_bytes(data)
+        mlx_vlm.load(str(copy))
+        assert hub_calls.calls
+
+    def test_generates_the_requested_tokens_with_an_image(
+        self, loaded: tuple[Any, Any]
+    ) -> None:
+        model, processor = loaded
+        result = mlx_vlm.generate(
+            model, processor, chat_prompt(loaded), image=[picture()], max_tokens=32
+        )
+        assert result.generation_tokens == 32
+        assert len(result.token_ids) == 32
+        assert result.finish_reason == "length"
+        # The chat template, 4 image tokens and the text of the request.
+        assert result.prompt_tokens == 32
+
+    def test_greedy_decoding_never_emits_a_special_token(
+        self, loaded: tuple[Any, Any]
+    ) -> None:
+        tokens, _ = greedy(loaded, picture(), max_tokens=64)
+        special = set(loaded[1].tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)))
+        assert len(tokens) == 64
+        assert special.isdisjoint(tokens)
+
+    def test_logit_bias_on_im_end_stops_generation(
+        self, loaded: tuple[Any, Any]
+    ) -> None:
+        im_end = loaded[1].tokenizer.convert_tokens_to_ids("<|im_end|>")
+        results = list(
+            run(loaded, picture(), max_tokens=32, logit_bias={im_end: 100.0})
+        )
+        assert results[-1].finish_reason == "stop"
+        assert results[-1].token == im_end
+
+    def test_greedy_generation_is_repeatable(self, loaded: tuple[Any, Any]) -> None:
+        first = greedy(loaded, picture(), max_tokens=16)
+        second = greedy(loaded, picture(), max_tokens=16)
+        assert first == second
+
+    def test_the_image_reaches_the_model(self, loaded: tuple[Any, Any]) -> None:
+        _, with_one = greedy(loaded, picture(seed=0), max_tokens=1)
+        _, with_other = greedy(loaded, picture(seed=1), max_tokens=1)
+        assert with_one != with_other
+
+    @pytest.mark.parametrize(
+        ("size", "patches", "image_tokens"),
+        [(64, 4, 4), (128, 8, 16), (512, 8, 16)],  # 128x128 pixels at most
+    )
+    def test_images_become_few_image_tokens(
+        self, loaded: tuple[Any, Any], size: int, patches: int, image_tokens: int
+    ) -> None:
+        _, processor = loaded
+        inputs = processor(
+            text=[chat_prompt(loaded)], images=[picture(size=size)], padding=True
+        )
+        ids = inputs["input_ids"].tolist()[0]
+        assert ids.count(processor.image_token_id) == image_tokens
+        assert inputs["image_grid_thw"].tolist() == [[1, patches, patches]]
+
+    def test_chat_template_renders_system_turns_and_images(
+        self, loaded: tuple[Any, Any]
+    ) -> None:
+        _, processor = loaded
+        messages = [
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Compare "},
+                    {"type": "image"},
+                    {"type": "text", "text": " and "},
+                    {"type": "image_url", "image_url": {"url": "data:,"}},
+                ],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": "Same."}]},
+            {"role": "user", "content": "Why?"},
+        ]
+        image = "<|vision_start|><|image_pad|><|vision_end|>"
+        expected = (
+            "<|im_start|>system\nBe brief.<|im_end|>\n"
+            f"<|im_start|>user\nCompare {image} and {image}<|im_end|>\n"
+            "<|im_start|>assistant\nSame.<|im_end|>\n"
+            "<|im_start|>user\nWhy?<|im_end|>\n"
+        )
+        render = processor.tokenizer.apply_chat_template
+        assert render(messages, tokenize=False) == expected
+        assert (
+            render(messages, tokenize=False, add_generation_prompt=True)
+            == expected + "<|im_start|>assistant\n"
+        )
+
+    def test_mlx_vlm_prompt_for_one_image(self, loaded: tuple[Any, Any]) -> None:
+        assert chat_prompt(loaded) == (
+            "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
+            f"{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+        )
+
+    def test_special_tokens_encode_as_one_token(self, loaded: tuple[Any, Any]) -> None:
+        tokenizer = loaded[1].tokenizer
+        ids = tokenizer.encode("".join(SPECIAL_TOKENS), add_special_tokens=True)
+        assert ids == list(range(len(SPECIAL_TOKENS)))
+        assert tokenizer.eos_token == "<|im_end|>"
+
+    def test_same_seed_is_byte_identical(self, tmp_path: pathlib.Path) -> None:
+        first = read_all(make_tiny_vlm(tmp_path / "a", seed=3))
+        second = read_all(make_tiny_vlm(tmp_path / "b", seed=3))
+        assert first == second
+
+    def test_different_seeds_differ_only_in_weights(
+        self, tmp_path: pathlib.Path
+    ) -> None:
+        first = read_all(make_tiny_vlm(tmp_path / "a", seed=0))
+        second = read_all(make_tiny_vlm(tmp_path / "b", seed=1))
+        differing = {name for name in first if first[name] != second[name]}
+        assert differing == {"model.safetensors", "mlx_pinned_tiny_vlm.json"}
+
+    def test_returns_a_complete_model_without_rewriting(
+        self, tmp_path: pathlib.Path
+    ) -> None:
+        path = make_tiny_vlm(tmp_path / "model")
+        before = path.stat().st_ino
+        assert make_tiny_vlm(path) == path
+        assert path.stat().st_ino == before
+        make_tiny_vlm(path, overwrite=True)
+        assert path.stat().st_ino != before
+
+    def test_rebuilds_a_model_with_another_seed(self, tmp_path: pathlib.Path) -> None:
+        path = make_tiny_vlm(tmp_path / "model", seed=1)
+        make_tiny_vlm(path, seed=2)
+        marker = json.loads((path / "mlx_pinned_tiny_vlm.json").read_text())
+        assert marker["seed"] == 2
+
+    def test_rebuilds_an_incomplete_model(self, tmp_path: pathlib.Path) -> None:
+        path = make_tiny_vlm(tmp_path / "model")
+        (path / "tokenizer.json").unlink()
+        make_tiny_vlm(path)
+        assert {p.name for p in path.iterdir()} == MODEL_FILES
+
+    def test_fills_an_empty_folder(self, tmp_path: pathlib.Path) -> None:
+        assert make_tiny_vlm(tmp_path) == tmp_path
+        assert {p.name for p in tmp_path.iterdir()} == MODEL_FILES
+
+    def test_refuses_a_foreign_folder(self, tmp_path: pathlib.Path) -> None:
+        (tmp_path / "notes.txt").write_text("mine")
+        with pytest.raises(FileExistsError, match="overwrite=True"):
+            make_tiny_vlm(tmp_path)
+        assert (tmp_path / "notes.txt").read_text() == "mine"
+
+    def test_overwrite_replaces_a_foreign_file(self, tmp_path: pathlib.Path) -> None:
+        path = tmp_path / "model"
+        path.write_text("not a folder")
+        with pytest.raises(FileExistsError):
+            make_tiny_vlm(path)
+        make_tiny_vlm(path, overwrite=True)
+        assert {p.name for p in path.iterdir()} == MODEL_FILES
+
+    def test_concurrent_calls_on_one_path(self, tmp_path: pathlib.Path) -> None:
+        path = tmp_path / "model"
+        start = threading.Barrier(8)
+
+        def make(index: int) -> pathlib.Path:
+            start.wait()
+            return make_tiny_vlm(path, overwrite=index % 3 == 0)
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(make, range(8)))
+        assert results == [path] * 8
+        assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no leftovers
+        assert read_all(path) == read_all(make_tiny_vlm(tmp_path / "fresh"))
+
+    def test_readers_never_see_a_partial_folder(self, tmp_path: pathlib.Path) -> None:
+        seen: list[frozenset[str]] = []
+
+        def listing(path: pathlib.Path) -> frozenset[str] | None:
+            try:
+                return frozenset(os.listdir(path))
+            except FileNotFoundError:  # not there yet
+                return None
+
+        def read(path: pathlib.Path, done: threading.Event) -> None:
+            while not done.is_set():
+                if (names := listing(path)) is not None:
+                    seen.append(names)
+
+        for round_ in range(4):
+            path = tmp_path / f"model-{round_}"
+            done = threading.Event()
+            reader = threading.Thread(target=read, args=(path, done))
+            reader.start()
+            try:
+                with ThreadPoolExecutor(3) as pool:
+                    list(pool.map(make_tiny_vlm, [path] * 3))
+            finally:
+                done.set()
+                reader.join()
+        assert seen
+        assert set(seen) == {frozenset(MODEL_FILES)}
+
+    def test_is_fast_once_imported(self, tmp_path: pathlib.Path) -> None:
+        import time
+
+        make_tiny_vlm(tmp_path / "warm")
+        start = time.perf_counter()
+        make_tiny_vlm(tmp_path / "timed")
+        assert time.perf_counter() - start < 0.5
+
+
+FRESH_PROCESS = textwrap.dedent(
+    """
+    import json, socket, sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    def refuse(*args, **kwargs):
+        raise OSError("network access from an offline test")
+
+    socket.socket.connect = refuse
+
+    from mlx_pinned.testing import make_test_image, make_tiny_vlm
+
+    path = sys.argv[1]
+    # Built on worker threads: the process must still exit cleanly.
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: make_tiny_vlm(path), range(4)))
+
+    import io
+    import mlx_vlm
+    from PIL import Image
+
+    model, processor = mlx_vlm.load(path)
+    prompt = mlx_vlm.apply_chat_template(
+        processor, model.config, "Describe this image in one sentence.",
+        num_images=1,
+    )
+    image = Image.open(io.BytesIO(make_test_image()))
+    result = mlx_vlm.generate(model, processor, prompt, image=[image], max_tokens=8)
+    print(json.dumps(result.token_ids))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def fresh_process(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], pathlib.Path]:
+    """Build, load and run the model in a new, offline Python process."""
+    root = tmp_path_factory.mktemp("fresh")
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(root / "hf-home"),  # an empty hub cache
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    completed = subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS, str(root / "model")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=100,
+        check=False,
+    )
+    return completed, root / "model"
+
+
+class TestInAFreshProcess:
+    def test_exits_cleanly_after_building_on_worker_threads(
+        self,
+        fresh_process: tuple[subprocess.CompletedProcess[str], pathlib.Path],
+    ) -> None:
+        completed, _ = fresh_process
+        assert completed.returncode == 0, completed.stderr[-2000:]
+
+    def test_builds_the_same_bytes(
+        self,
+        fresh_process: tuple[subprocess.CompletedProcess[str], pathlib.Path],
+        model_dir: pathlib.Path,
+    ) -> None:
+        _, path = fresh_process
+        assert read_all(path) == read_all(model_dir)
+
+    def test_generates_the_same_tokens(
+        self,
+        fresh_process: tuple[subprocess.CompletedProcess[str], pathlib.Path],
+        loaded: tuple[Any, Any],
+    ) -> None:
+        completed, _ = fresh_process
+        tokens, _ = greedy(loaded, picture(), max_tokens=8)
+        assert json.loads(completed.stdout.splitlines()[-1]) == tokens
+
+
+class TestTinyVlmPath:
+    def test_writes_once_under_the_cache_dir(
+        self, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("MLX_PINNED_CACHE", str(tmp_path))
+        path = tiny_vlm_path()
+        assert path == tmp_path / "tiny-vlm"
+        assert {p.name for p in path.iterdir()} == MODEL_FILES
+        inode = path.stat().st_ino
+        assert tiny_vlm_path() == path
+        assert path.stat().st_ino == inode
+
+    def test_defaults_to_the_user_cache(
+        self, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.delenv("MLX_PINNED_CACHE", raising=False)
+        monkeypatch.setenv("HOME", str(tmp_path))
+        assert tiny_vlm_path() == tmp_path / ".cache" / "mlx-pinned" / "tiny-vlm"
+
+
+class TestTestImages:
+    @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "jpg"])
+    def test_encodes_the_requested_size_and_format(self, fmt: str) -> None:
+        image = Image.open(io.BytesIO(make_test_image(48, 32, fmt)))
+        assert image.size == (48, 32)
+        assert image.format == {"JPG": "JPEG"}.get(fmt.upper(), fmt.upper())
+
+    def test_is_deterministic_per_seed(self) -> None:
+        assert make_test_image(seed=5) == make_test_image(seed=5)
+        assert make_test_image(seed=5) != make_test_image(seed=6)
+
+    def test_rejects_an_empty_image(self) -> None:
+        with pytest.raises(ValueError, match="positive"):
+            make_test_image(0, 64)
+
+    def test_data_uri_carries_the_image(self) -> None:
+        uri = image_data_uri(32, 32, "PNG", seed=2)
+        head, _, data = uri.partition(",")
+        assert head == "data:image/png;base64"
+        assert base64.b64decode(data) == make_test_image(32, 32, "PNG", seed=2)
+
+    def test_data_uri_loads_in_mlx_vlm(self) -> None:
+        from mlx_vlm.utils import load_image
+
+        assert load_image(image_data_uri()).size == (64, 64)
+
+    def test_data_uri_rejects_unknown_formats(self) -> None:
+        with pytest.raises(ValueError, match="data URI"):
+            image_data_uri(fmt="BMP")
+
+
+class TestImport:
+    def test_is_cheap(self) -> None:
+        code = (
+            "import sys, mlx_pinned.testing\n"
+            "heavy = {'mlx_vlm', 'tokenizers', 'transformers', 'PIL'}\n"
+            "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))\n"
+        )
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        completed = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+            timeout=60,
+        )
+        assert completed.stdout.strip() == "[]"
