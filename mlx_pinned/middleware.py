@@ -208,7 +208,9 @@ class MLXThreadMiddleware:
         except Exception:
             if answered:
                 raise
-            # The app does not speak lifespan (a bare ASGI app): do it for it.
+        if not answered:
+            # The app does not speak lifespan (it raised or returned at once,
+            # as bare ASGI apps do): answer the server for it.
             await send({"type": "lifespan.startup.complete"})
             message = await receive()
             if message["type"] == "lifespan.shutdown":

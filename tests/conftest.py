@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -31,3 +34,43 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def anyio_backend(request: Any) -> str:
     backend: str = request.param
     return backend
+
+
+class LifespanFailed(Exception):
+    """The app answered ``lifespan.startup.failed``."""
+
+
+@asynccontextmanager
+async def run_lifespan(app: Any) -> AsyncIterator[dict[str, Any]]:
+    """Drive an ASGI app's lifespan as a server does (httpx.ASGITransport
+    does not): start-up before the block, shut-down after it. Yields the
+    lifespan state."""
+    state: dict[str, Any] = {}
+    to_app, app_inbox = anyio.create_memory_object_stream[dict[str, Any]](4)
+    app_outbox, from_app = anyio.create_memory_object_stream[dict[str, Any]](4)
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": state}
+    failure = None
+    async with to_app, app_inbox, app_outbox, from_app:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(app, scope, app_inbox.receive, app_outbox.send)
+            await to_app.send({"type": "lifespan.startup"})
+            answer = await from_app.receive()
+            if answer["type"] == "lifespan.startup.failed":
+                failure = answer.get("message", "")
+                tg.cancel_scope.cancel()
+            else:
+                assert answer["type"] == "lifespan.startup.complete", answer
+                try:
+                    yield state
+                finally:
+                    await to_app.send({"type": "lifespan.shutdown"})
+                    answer = await from_app.receive()
+                    assert answer["type"] == "lifespan.shutdown.complete", answer
+    if failure is not None:
+        raise LifespanFailed(failure)
+
+
+@pytest.fixture
+def lifespan() -> Any:
+    """The :func:`run_lifespan` helper, for tests in any folder."""
+    return run_lifespan

@@ -1,0 +1,270 @@
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import httpx
+import mlx.core as mx
+import pytest
+from conftest import LifespanFailed, run_lifespan
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from mlx_pinned import MLXThread, MLXThreadBusyError
+from mlx_pinned.middleware import MLXThreadMiddleware
+
+pytestmark = pytest.mark.anyio
+
+
+def load_model() -> dict[str, Any]:
+    # Stands for a model load: MLX work that must happen on the thread.
+    return {"loaded_on": threading.get_ident(), "weights": mx.arange(4) * 2}
+
+
+async def where(request: Request) -> JSONResponse:
+    thread: MLXThread = request.state.mlx_thread
+    model = request.state.model
+    ran_on = await thread.run(threading.get_ident)
+    total = await thread.run(lambda: int(model["weights"].sum().item()))
+    return JSONResponse(
+        {
+            "loaded_on_thread": model["loaded_on"] == thread.ident,
+            "ran_on_thread": ran_on == thread.ident,
+            "total": total,
+        }
+    )
+
+
+async def lazy_argument(request: Request) -> JSONResponse:
+    lazy = mx.ones(3) * 2  # built on the event loop's thread, never evaluated
+    value = await request.state.mlx_thread.run(lambda x: x.sum().item(), lazy)
+    return JSONResponse({"value": value})
+
+
+async def busy(request: Request) -> JSONResponse:
+    raise MLXThreadBusyError("queue full: retry later.")
+
+
+async def closed(request: Request) -> JSONResponse:
+    thread: MLXThread = request.state.mlx_thread
+    thread.shutdown(wait=False)
+    return JSONResponse(await thread.run(threading.get_ident))
+
+
+async def busy_mid_stream(request: Request) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        yield b"first"
+        raise MLXThreadBusyError("too late to answer 503")
+
+    return StreamingResponse(body())
+
+
+ROUTES = [
+    Route("/where", where),
+    Route("/lazy", lazy_argument),
+    Route("/busy", busy),
+    Route("/closed", closed),
+    Route("/busy-mid-stream", busy_mid_stream),
+]
+
+
+def starlette_app(**options: Any) -> Starlette:
+    options.setdefault("startup", {"model": load_model})
+    return Starlette(
+        routes=ROUTES, middleware=[Middleware(MLXThreadMiddleware, **options)]
+    )
+
+
+def client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    )
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str) -> None:
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code
+    assert error["message"]
+
+
+class TestStarlette:
+    async def test_model_loaded_and_run_on_the_thread(self) -> None:
+        app = starlette_app()
+        async with run_lifespan(app) as state, client(app) as http:
+            response = await http.get("/where")
+            thread = state["mlx_thread"]
+            assert isinstance(thread, MLXThread)
+        assert response.json() == {
+            "loaded_on_thread": True,
+            "ran_on_thread": True,
+            "total": 12,
+        }
+        assert thread.closed  # the lifespan's end shut it down
+
+    async def test_busy_is_503_with_retry_after(self) -> None:
+        app = starlette_app()
+        async with run_lifespan(app), client(app) as http:
+            response = await http.get("/busy")
+        assert_openai_error(response, 503, "overloaded")
+        assert response.headers["retry-after"] == "1"
+
+    async def test_real_full_queue_is_503(self) -> None:
+        thread = MLXThread(max_pending=1)
+        app = starlette_app(thread=thread)
+        gate, entered = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            entered.set()
+            gate.wait(10)
+
+        async with run_lifespan(app), client(app) as http:
+            thread.submit(hold)  # running
+            assert await anyio.to_thread.run_sync(entered.wait, 10)
+            thread.submit(gate.wait, 10)  # queued: the queue is full
+            response = await http.get("/where")
+            gate.set()
+        assert_openai_error(response, 503, "overloaded")
+
+    async def test_closed_thread_is_503(self) -> None:
+        app = starlette_app()
+        async with run_lifespan(app), client(app) as http:
+            response = await http.get("/closed")
+        assert_openai_error(response, 503, "unavailable")
+
+    async def test_stream_affinity_error_is_500_that_says_why(self) -> None:
+        app = starlette_app()
+        async with run_lifespan(app), client(app) as http:
+            response = await http.get("/lazy")
+        assert_openai_error(response, 500, "stream_affinity")
+        assert "lazy array" in response.json()["error"]["message"]
+
+    async def test_error_after_response_started_is_reraised(self) -> None:
+        app = starlette_app()
+        async with run_lifespan(app), client(app) as http:
+            with pytest.raises(MLXThreadBusyError, match="too late"):
+                await http.get("/busy-mid-stream")
+
+    async def test_failed_load_fails_startup_with_the_reason(self) -> None:
+        def broken_load() -> None:
+            raise FileNotFoundError("no weights in /nowhere")
+
+        app = starlette_app(startup={"model": broken_load})
+        with pytest.raises(LifespanFailed, match="FileNotFoundError: no weights"):
+            async with run_lifespan(app):
+                pass
+
+    async def test_shutdown_drains_in_flight_and_refuses_new(self) -> None:
+        release = anyio.Event()
+        entered = anyio.Event()
+
+        async def slow(request: Request) -> JSONResponse:
+            entered.set()
+            await release.wait()
+            value = await request.state.mlx_thread.run(lambda: 7)
+            return JSONResponse({"value": value})
+
+        app = Starlette(
+            routes=[Route("/slow", slow), *ROUTES],
+            middleware=[Middleware(MLXThreadMiddleware, startup={"model": load_model})],
+        )
+        results: dict[str, httpx.Response] = {}
+        async with client(app) as http:
+            async with anyio.create_task_group() as tg:
+
+                async def call_slow() -> None:
+                    results["slow"] = await http.get("/slow")
+
+                async def lifespan_then_shutdown() -> None:
+                    async with run_lifespan(app):
+                        tg.start_soon(call_slow)
+                        await entered.wait()
+                    # returns once shut-down completed
+
+                async def late_caller() -> None:
+                    await entered.wait()
+                    await anyio.sleep(0.05)  # shut-down has begun by now
+                    results["late"] = await http.get("/where")
+                    release.set()
+
+                tg.start_soon(lifespan_then_shutdown)
+                tg.start_soon(late_caller)
+        assert results["slow"].json() == {"value": 7}  # finished, thread alive
+        assert_openai_error(results["late"], 503, "shutting_down")
+
+    async def test_drain_timeout_bounds_shutdown(self) -> None:
+        entered = anyio.Event()
+
+        async def stuck(request: Request) -> JSONResponse:
+            entered.set()
+            await anyio.sleep_forever()
+            raise AssertionError  # pragma: no cover
+
+        app = Starlette(
+            routes=[Route("/stuck", stuck)],
+            middleware=[Middleware(MLXThreadMiddleware, drain_timeout=0.1)],
+        )
+        with anyio.fail_after(10):
+            async with client(app) as http, anyio.create_task_group() as tg:
+                async with run_lifespan(app):
+                    tg.start_soon(http.get, "/stuck")
+                    await entered.wait()
+                tg.cancel_scope.cancel()
+
+
+class TestFastAPI:
+    async def test_fastapi_app(self) -> None:
+        from fastapi import FastAPI
+
+        api = FastAPI()
+        api.add_middleware(MLXThreadMiddleware, startup={"model": load_model})
+
+        @api.get("/where")
+        async def fastapi_where(request: Request) -> dict[str, bool]:
+            thread: MLXThread = request.state.mlx_thread
+            ran_on = await thread.run(threading.get_ident)
+            return {
+                "on_thread": ran_on == thread.ident == request.state.model["loaded_on"]
+            }
+
+        @api.get("/busy")
+        async def fastapi_busy() -> None:
+            raise MLXThreadBusyError("full")
+
+        async with run_lifespan(api), client(api) as http:
+            assert (await http.get("/where")).json() == {"on_thread": True}
+            assert_openai_error(await http.get("/busy"), 503, "overloaded")
+
+
+class TestBareASGI:
+    async def test_app_without_lifespan_support(self) -> None:
+        async def bare(scope: Any, receive: Any, send: Any) -> None:
+            assert scope["type"] == "http"  # like many small apps: no lifespan
+            thread: MLXThread = scope["state"]["mlx_thread"]
+            ran_on = await thread.run(threading.get_ident)
+            body = b"yes" if ran_on == thread.ident else b"no"
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": body})
+
+        app = MLXThreadMiddleware(bare, startup={"model": load_model})
+        async with run_lifespan(app) as state, client(app) as http:
+            assert (await http.get("/")).text == "yes"
+            assert state["model"]["loaded_on"] == state["mlx_thread"].ident
+
+    async def test_bare_app_busy_mapping(self) -> None:
+        async def bare(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "lifespan":
+                return
+            raise MLXThreadBusyError("full")
+
+        app = MLXThreadMiddleware(bare, retry_after=7)
+        async with run_lifespan(app), client(app) as http:
+            response = await http.get("/")
+        assert_openai_error(response, 503, "overloaded")
+        assert response.headers["retry-after"] == "7"
