@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import mlx_pinned
+from mlx_pinned import (
+    MLXPinnedError,
+    MLXThreadBrokenError,
+    MLXThreadBusyError,
+    MLXThreadClosedError,
+    StreamAffinityError,
+)
+
+
+def test_all_is_sorted_and_matches_the_public_names() -> None:
+    public = {
+        name
+        for name in vars(mlx_pinned)
+        if not name.startswith("_")
+        and name not in {"annotations"}
+        and not isinstance(getattr(mlx_pinned, name), type(mlx_pinned))
+    }
+    assert sorted(mlx_pinned.__all__) == mlx_pinned.__all__
+    assert set(mlx_pinned.__all__) - {"__version__"} == public
+
+
+def test_public_objects_claim_the_package() -> None:
+    for name in mlx_pinned.__all__:
+        if name != "__version__":
+            assert getattr(mlx_pinned, name).__module__.startswith("mlx_pinned")
+
+
+def test_error_tree() -> None:
+    for error in (
+        MLXThreadBrokenError,
+        MLXThreadBusyError,
+        MLXThreadClosedError,
+        StreamAffinityError,
+    ):
+        assert issubclass(error, MLXPinnedError)
+    # Misuse and dead-resource errors are RuntimeErrors, as anyio's portal raises.
+    for error in (MLXThreadBrokenError, MLXThreadClosedError, StreamAffinityError):
+        assert issubclass(error, RuntimeError)
+    assert not issubclass(MLXThreadBusyError, RuntimeError)
+    assert not issubclass(MLXThreadClosedError, MLXThreadBrokenError)
+
+
+def test_version() -> None:
+    from importlib.metadata import version
+
+    assert mlx_pinned.__version__ == version("mlx-pinned")
