@@ -121,8 +121,9 @@ class MLXThread(Executor):
         self._started = 0  # counted items the worker took (worker only)
         self._discarded = 0  # counted items removed by cancel_futures (under _lock)
         self._completed = self._failed = self._cancelled = 0
-        self._busy = 0.0
-        self._running: Callable[..., object] | None = None
+        self._busy = 0.0  # seconds in finished busy periods
+        self._busy_since: float | None = None  # start of the current one
+        self._current: Call[Any] | Stream[Any] | None = None  # the running job
         self._open_streams: set[Stream[Any]] = set()
         self._mlx_stream: ThreadStream | None = None
         _all_threads.add(self)
@@ -228,14 +229,16 @@ class MLXThread(Executor):
 
     def statistics(self) -> MLXThreadStatistics:
         """Counters and queue depth, read without stopping the thread."""
-        running = self._running
+        job, since = self._current, self._busy_since
+        fn = None if job is None else job.fn
+        busy = self._busy + (0.0 if since is None else time.perf_counter() - since)
         return MLXThreadStatistics(
             pending=max(0, self._submitted - self._started - self._discarded),
-            running=None if running is None else _job_name(running),
+            running=None if fn is None else _job_name(fn),
             completed=self._completed,
             failed=self._failed,
             cancelled=self._cancelled + self._discarded,
-            busy_time=self._busy,
+            busy_time=busy,
             open_streams=len(self._open_streams),
             max_pending=self.max_pending,
         )
@@ -265,10 +268,7 @@ class MLXThread(Executor):
         Not cancellable once queued; use :meth:`run` from async code.
         """
         if self.is_current():
-            value, error = self._call(None, fn, args, kwargs)
-            if error is not None:
-                raise error
-            return value  # type: ignore[return-value]
+            return self._call_inline(fn, args, kwargs)
         waiter = SyncWaiter()
         call = Call(fn, args, kwargs, waiter)
         self._enqueue(call)
@@ -398,35 +398,20 @@ class MLXThread(Executor):
         for item in kept:
             self._queue.put(item)
 
-    def _count_cancelled(self) -> None:
-        self._cancelled += 1
-
-    def _call(
-        self,
-        job: Call[Any] | None,
-        fn: Callable[..., T],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> tuple[T | None, BaseException | None]:
-        """Run one job on this thread; return ``(value, error)``."""
-        outer = getattr(_jobs.current, "job", None)
-        _jobs.current.job = job
-        outer_running, self._running = self._running, fn
-        started = time.perf_counter()
+    def _call_inline(
+        self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> T:
+        """Run ``fn`` now, on this very thread (a job calling its own thread)."""
         try:
             value = fn(*args, **kwargs)
             if self._eval_results:
                 evaluate(value)
         except BaseException as exc:
-            self._failed += job is not None
-            return None, self._translate(exc, fn, args, kwargs)
-        finally:
-            if job is not None:
-                self._busy += time.perf_counter() - started
-            self._running = outer_running
-            _jobs.current.job = outer
-        self._completed += job is not None
-        return value, None
+            error = self._translate(exc, fn, args, kwargs)
+            if error is exc:
+                raise
+            raise error from exc
+        return value
 
     def _translate(
         self,
@@ -464,14 +449,22 @@ class MLXThread(Executor):
                 exc,
             )
             return
+        _jobs.current.owner = self
         queue = self._queue
         get_nowait, adopt = queue.get_nowait, self._mlx_stream.adopt_module_streams
+        clock = time.perf_counter
+        self._busy_since = clock()
         try:
             while True:
                 try:
                     item = get_nowait()
                 except Empty:
+                    # Busy time is counted per busy period, not per job: two
+                    # clock reads per wake-up instead of two per job.
+                    self._busy += clock() - self._busy_since
+                    self._busy_since = None
                     item = self._idle(queue)
+                    self._busy_since = clock()
                 if item is _STOP:
                     break
                 if item.counted:
@@ -479,6 +472,9 @@ class MLXThread(Executor):
                 adopt()
                 item.run(self)
         finally:
+            if self._busy_since is not None:
+                self._busy += clock() - self._busy_since
+                self._busy_since = None
             self._finish(
                 MLXThreadClosedError(f"MLX thread {self.name!r} was shut down."), None
             )
@@ -545,10 +541,9 @@ def cancel_requested() -> bool:
     True once its caller was cancelled, its stream was closed, or the thread
     is shutting down with ``cancel_futures=True``. Always false elsewhere.
     """
-    job = getattr(_jobs.current, "job", None)
-    if job is None:
-        return False
-    return bool(job.cancel_requested)
+    owner: MLXThread | None = getattr(_jobs.current, "owner", None)
+    job = None if owner is None else owner._current
+    return job is not None and bool(job.cancel_requested)
 
 
 _all_threads: weakref.WeakSet[MLXThread] = weakref.WeakSet()

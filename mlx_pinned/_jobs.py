@@ -6,6 +6,7 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ._mlx import SCALARS, evaluate
 from ._waiters import asyncio_inbox
 
 if TYPE_CHECKING:
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# The job running on this thread, for cancel_requested().
+# On a worker thread, ``current.owner`` is its MLXThread (for cancel_requested).
 current = threading.local()
 
 
@@ -51,13 +52,25 @@ class Call(Generic[T]):
         return not self.cancelled
 
     def run(self, owner: MLXThread) -> None:
+        """Run on the worker thread: the hot path, kept flat on purpose."""
         fn = self.fn
-        if fn is None or not self.start():
-            owner._count_cancelled()
+        if fn is None or self.cancelled or not self.start():
+            owner._cancelled += 1
             self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
             self.finish()
             return
-        self.value, self.error = owner._call(self, fn, self.args, self.kwargs)
+        owner._current = self
+        try:
+            value = fn(*self.args, **self.kwargs)
+            if owner._eval_results and not isinstance(value, SCALARS):
+                evaluate(value)
+        except BaseException as exc:
+            self.error = owner._translate(exc, fn, self.args, self.kwargs)
+            owner._failed += 1
+        else:
+            self.value = value
+            owner._completed += 1
+        owner._current = None
         # Drop references to arguments now: they may hold large arrays.
         self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
         self.finish()
@@ -135,11 +148,18 @@ class AsyncioCall(Call[T]):
         kwargs: dict[str, Any],
         loop: asyncio.AbstractEventLoop,
     ) -> None:
-        Call.__init__(self, fn, args, kwargs, self)
+        # Flat on purpose: this runs once per awaited call.
+        self.fn: Callable[..., T] | None = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.waiter = None
+        self.cancelled = False
+        self.value: T | None = None
+        self.error: BaseException | None = None
         self.inbox = asyncio_inbox(loop)
         self.future: asyncio.Future[T] = loop.create_future()
 
-    def wake(self) -> None:  # on the worker
+    def finish(self) -> None:  # on the worker
         self.inbox.post(self)
 
     def deliver(self) -> None:  # on the loop's thread

@@ -22,7 +22,7 @@ from ._exceptions import StreamAffinityError
 _STREAM_GLOBAL = "generation_stream"
 _STREAM_MODULE_PREFIXES = ("mlx_lm", "mlx_vlm")
 _STREAM_ERROR = "There is no Stream"
-_SCALARS = (type(None), bool, int, float, str, bytes)
+SCALARS = (type(None), bool, int, float, str, bytes)
 
 
 class ThreadStream:
@@ -73,7 +73,7 @@ def evaluate(value: object) -> None:
     Walks lists, tuples, dicts (``nn.Module`` is one, so a model is evaluated
     whole, private attributes included) and dataclasses; other objects pass.
     """
-    if isinstance(value, _SCALARS):
+    if isinstance(value, SCALARS):
         return
     arrays = list(_arrays(value))
     if arrays:

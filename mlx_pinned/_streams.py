@@ -10,11 +10,9 @@ consumer takes one; a slow consumer never holds the thread.
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from . import _jobs
 from ._mlx import evaluate
 from ._waiters import SyncWaiter, async_waiter
 
@@ -93,11 +91,8 @@ class Stream(Generic[T]):
         if self.close_requested or owner._cancel_running:
             self.close_on_thread(None)
             return
-        outer = getattr(_jobs.current, "job", None)
-        _jobs.current.job = self
         fn = self.fn
-        owner._running = fn
-        started = time.perf_counter()
+        owner._current = self
         item: Any = _END
         outcome: BaseException | _End | None = None
         try:
@@ -110,11 +105,9 @@ class Stream(Generic[T]):
         except StopIteration:
             item, outcome = _END, _END
         except BaseException as exc:
-            item, outcome = _END, owner._translate(exc, fn, self.args, self.kwargs)  # type: ignore[arg-type]
-        finally:
-            owner._busy += time.perf_counter() - started
-            owner._running = None
-            _jobs.current.job = outer
+            args, kwargs = self.args, self.kwargs
+            item, outcome = _END, owner._translate(exc, fn, args, kwargs)  # type: ignore[arg-type]
+        owner._current = None
         if outcome is not None:
             self._end_on_thread(outcome)
             return

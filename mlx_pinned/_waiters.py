@@ -78,16 +78,23 @@ _asyncio_inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox] =
     weakref.WeakKeyDictionary()
 )
 _inbox_lock = threading.Lock()
-_last = threading.local()  # this thread's loop and its inbox, the common case
+# The loop asked for last and its inbox: the common case, one loop per process.
+_last: tuple[object, Any] = (None, None)
 _ASYNCIO = (None, "asyncio")
 get_running_loop = asyncio._get_running_loop  # None outside a loop; no raise
 
 
 def asyncio_inbox(loop: asyncio.AbstractEventLoop) -> _Inbox:
     """The inbox of ``loop`` (called on the loop's own thread)."""
-    if getattr(_last, "loop", None) is loop:
-        inbox: _Inbox = _last.inbox
+    last = _last  # one tuple read: safe against other threads replacing it
+    if last[0] is loop:
+        inbox: _Inbox = last[1]
         return inbox
+    return _new_asyncio_inbox(loop)
+
+
+def _new_asyncio_inbox(loop: asyncio.AbstractEventLoop) -> _Inbox:
+    global _last
     with _inbox_lock:
         found = _asyncio_inboxes.get(loop)
         if found is None:
@@ -101,7 +108,7 @@ def asyncio_inbox(loop: asyncio.AbstractEventLoop) -> _Inbox:
                 live.call_soon_threadsafe(callback)
 
             found = _asyncio_inboxes[loop] = _Inbox(call_soon)
-    _last.loop, _last.inbox = loop, found
+        _last = (loop, found)
     return found
 
 
