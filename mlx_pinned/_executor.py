@@ -109,7 +109,9 @@ class MLXThread(Executor):
         self._initializer = initializer
         self._finalizer = finalizer
         self._eval_results = eval_results
-        self._lock = threading.Lock()
+        # Reentrant: a stream iterator collected while the worker holds the
+        # lock (garbage collection can run anywhere) queues its close turn.
+        self._lock = threading.RLock()
         self._queue: SimpleQueue[Any] = SimpleQueue()
         self._state = _NEW
         self._thread: threading.Thread | None = None
@@ -144,7 +146,14 @@ class MLXThread(Executor):
                 return
             if self._state is _CLOSED:
                 raise self._closed_error()
-            _register_exit_hook()
+            try:
+                _register_exit_hook()
+            except RuntimeError:  # the interpreter is already shutting down
+                self._state = _CLOSED
+                raise MLXThreadClosedError(
+                    f"MLX thread {self.name!r} cannot start: the interpreter is"
+                    " shutting down."
+                ) from None
             thread = threading.Thread(target=self._work, name=self.name)
             thread.start()
             self._thread, self._ident, self._state = thread, thread.ident, _RUNNING
@@ -471,6 +480,9 @@ class MLXThread(Executor):
                     self._started += 1
                 adopt()
                 item.run(self)
+        except BaseException as exc:  # pragma: no cover - a bug in the loop itself
+            self._broken = exc
+            raise
         finally:
             if self._busy_since is not None:
                 self._busy += clock() - self._busy_since
@@ -516,7 +528,7 @@ class MLXThread(Executor):
 
     def _forked(self) -> None:
         """In a forked child: this thread does not exist there."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._queue = SimpleQueue()
         if self._state is _RUNNING:
             self._broken = RuntimeError("the process forked")
@@ -574,8 +586,8 @@ def _register_exit_hook() -> None:
     # the same).
     global _exit_hook_registered
     if not _exit_hook_registered:
-        _exit_hook_registered = True
         threading._register_atexit(_shutdown_all)  # type: ignore[attr-defined]
+        _exit_hook_registered = True
 
 
 def _shutdown_all() -> None:
