@@ -445,7 +445,7 @@ class MLXThread(Executor):
     def _work(self) -> None:
         """The worker thread's main loop."""
         try:
-            self._mlx_stream = ThreadStream(self.device)
+            self._mlx_stream = ThreadStream(self.device, self.name)
             if self._initializer is not None:
                 self._initializer()
         except BaseException as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -25,46 +26,75 @@ _STREAM_ERROR = "There is no Stream"
 SCALARS = (type(None), bool, int, float, str, bytes)
 
 
-class ThreadStream:
-    """The worker thread's own stream and the module globals it replaced."""
+# Process-wide owners of the plain ``generation_stream`` globals: one global can
+# point at one thread's stream only, so the first MLXThread that finds it owns
+# it until it closes; then the original is restored and another may take it.
+_owners: dict[str, tuple[ThreadStream, Any]] = {}  # module -> (owner, original)
+_owners_lock = threading.Lock()
+_owners_version = 0  # bumped on each release, so other threads rescan
 
-    def __init__(self, device: Any = None) -> None:
+
+class ThreadStream:
+    """The worker thread's own stream and the module globals it adopted."""
+
+    def __init__(self, device: Any = None, thread_name: str = "") -> None:
         self.device = mx.default_device() if device is None else device
         self.stream = mx.new_stream(self.device)
+        self.thread_name = thread_name
+        self.thread_ident = threading.get_ident()
         mx.set_default_stream(self.stream)
-        self._replaced: dict[str, Any] = {}
-        self._modules_seen = 0
+        self._seen = (-1, -1)
         self.adopt_module_streams()
 
     def adopt_module_streams(self) -> None:
-        """Point plain ``generation_stream`` globals at this thread's stream.
+        """Point unowned plain ``generation_stream`` globals at this stream.
 
-        Cheap to call before every job: it rescans only when ``sys.modules`` grew.
+        Cheap to call before every job: it rescans only when ``sys.modules``
+        grew or another thread released a global.
         """
-        if len(sys.modules) == self._modules_seen:
+        seen = (len(sys.modules), _owners_version)
+        if seen == self._seen:
             return
-        self._modules_seen = len(sys.modules)
-        for name, module in list(sys.modules.items()):
-            if not name.startswith(_STREAM_MODULE_PREFIXES) or name in self._replaced:
-                continue
-            current = getattr(module, _STREAM_GLOBAL, None)
-            # Thread-local streams (mlx-vlm >= 0.5, mlx-lm >= 0.31.3) already work.
-            if type(current) is mx.Stream and current != self.stream:
-                self._replaced[name] = current
-                setattr(module, _STREAM_GLOBAL, self.stream)
+        self._seen = seen
+        with _owners_lock:
+            for name, module in list(sys.modules.items()):
+                if not name.startswith(_STREAM_MODULE_PREFIXES) or name in _owners:
+                    continue
+                current = getattr(module, _STREAM_GLOBAL, None)
+                # Thread-local streams (mlx-vlm >= 0.5, mlx-lm >= 0.31.3) work
+                # on every thread as they are.
+                if type(current) is mx.Stream:
+                    _owners[name] = (self, current)
+                    setattr(module, _STREAM_GLOBAL, self.stream)
 
     def close(self) -> None:
-        """Restore the globals we replaced, then drop this thread's streams.
+        """Restore the globals this thread owns, then drop its streams.
 
         ``mx.clear_streams()`` must be the thread's last MLX call: a thread that
         used MLX and exits without it can abort the process at exit.
         """
-        for name, original in self._replaced.items():
-            module = sys.modules.get(name)
-            if getattr(module, _STREAM_GLOBAL, None) is self.stream:
-                setattr(module, _STREAM_GLOBAL, original)
-        self._replaced.clear()
+        global _owners_version
+        with _owners_lock:
+            for name, (owner, original) in list(_owners.items()):
+                if owner is not self:
+                    continue
+                del _owners[name]
+                module = sys.modules.get(name)
+                if getattr(module, _STREAM_GLOBAL, None) is self.stream:
+                    setattr(module, _STREAM_GLOBAL, original)
+            _owners_version += 1
         mx.clear_streams()
+
+
+def globals_owned_elsewhere() -> list[str]:
+    """``generation_stream`` globals that another live MLXThread owns."""
+    here = threading.get_ident()
+    with _owners_lock:
+        return [
+            f"{name}.{_STREAM_GLOBAL} (owned by MLX thread {owner.thread_name!r})"
+            for name, (owner, _) in _owners.items()
+            if owner.thread_ident != here
+        ]
 
 
 def evaluate(value: object) -> None:
@@ -121,6 +151,13 @@ def affinity_error(
             f"{what} {'is a lazy array' if len(culprits) == 1 else 'are lazy arrays'}"
             " built on another thread; evaluate it there with mx.eval() before"
             " passing it, or build it inside the job"
+        )
+    elif owned := globals_owned_elsewhere():
+        advice = (
+            f"{', '.join(owned)} is a plain stream that one thread only can use"
+            " (mlx-vlm < 0.5 and older mlx-lm make it at import): run every"
+            " generation on that MLXThread, or upgrade to a version with a"
+            " thread-local generation_stream"
         )
     else:
         advice = (

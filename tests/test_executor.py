@@ -244,6 +244,39 @@ class TestGenerationStreamGlobals:
             del sys.modules[module.__name__]
 
 
+    def test_two_threads_one_global_owner_then_handover(self) -> None:
+        import sys
+        import types
+
+        module = types.ModuleType("mlx_vlm._pinned_shared_module")
+        original = mx.new_stream(mx.cpu)
+        module.generation_stream = original  # type: ignore[attr-defined]
+        sys.modules[module.__name__] = module
+
+        def use() -> list[int]:
+            with mx.stream(module.generation_stream):
+                return (mx.arange(2) + 5).tolist()
+
+        first, second = MLXThread(name="first"), MLXThread(name="second")
+        try:
+            assert first.run_sync(use) == [5, 6]  # first owns the global
+            with pytest.raises(StreamAffinityError) as info:
+                second.run_sync(use)  # it did not steal the global
+            message = str(info.value)
+            assert "generation_stream" in message
+            assert "'first'" in message
+            assert first.run_sync(use) == [5, 6]  # still works for its owner
+            first.shutdown()
+            assert module.generation_stream is original  # type: ignore[attr-defined]
+            assert second.run_sync(use) == [5, 6]  # handed over
+            second.shutdown()
+            assert module.generation_stream is original  # type: ignore[attr-defined]
+        finally:
+            first.shutdown()
+            second.shutdown()
+            del sys.modules[module.__name__]
+
+
 class ThreadPool:
     """One plain thread, to show what happens off the MLX thread."""
 
