@@ -56,7 +56,7 @@ SPECIAL_TOKENS: Final = (
 # The tokenizer trainer gives the special tokens the first ids, in order.
 _IDS: Final = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
 # Bump when the files written change, so cached folders are rebuilt.
-_FORMAT: Final = 1
+_FORMAT: Final = 2
 _MARKER: Final = "mlx_pinned_tiny_vlm.json"
 _VOCAB_SIZE: Final = 384
 _INSTALL_ATTEMPTS: Final = 8
@@ -457,6 +457,21 @@ def _tokenizer_json() -> bytes:
     return tokenizer.to_str().encode("utf-8")
 
 
+def _high_byte_ids() -> list[int]:
+    """Token ids of the single bytes 0x80-0xFF in the byte-level vocabulary."""
+    # GPT-2's byte-to-character table, which the ByteLevel pre-tokenizer uses.
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
+    shifted = [byte for byte in range(256) if byte not in printable]
+    as_char = {byte: chr(byte) for byte in printable}
+    as_char.update({byte: chr(256 + n) for n, byte in enumerate(shifted)})
+    vocab: dict[str, int] = json.loads(_tokenizer_json())["model"]["vocab"]
+    return sorted(vocab[as_char[byte]] for byte in range(0x80, 0x100))
+
+
 _SPECS_LOCK = threading.Lock()
 _specs: tuple[tuple[str, tuple[int, ...]], ...] | None = None
 
@@ -470,6 +485,11 @@ def _parameter_specs() -> tuple[tuple[str, tuple[int, ...]], ...]:
     The private thread clears its streams before it ends.
     """
     global _specs
+    import importlib
+
+    # Import mlx-vlm here, on the caller's thread: mlx-vlm < 0.5 makes its
+    # plain generation_stream at import, for the importing thread.
+    importlib.import_module("mlx_vlm.models.qwen3_vl")
     with _SPECS_LOCK:
         if _specs is None:
             found: list[tuple[tuple[str, tuple[int, ...]], ...]] = []
@@ -502,7 +522,11 @@ def _build_specs() -> tuple[tuple[str, tuple[int, ...]], ...]:
     # Typed as Any on purpose: mlx-vlm ships py.typed, but the Qwen3-VL
     # classes are untyped.
     qwen3_vl: Any = importlib.import_module("mlx_vlm.models.qwen3_vl")
-    model = qwen3_vl.Model(qwen3_vl.ModelConfig.from_dict(_model_config()))
+    config = _model_config()
+    # mlx-vlm 0.4.x keeps nested configs as dicts; 0.7.x converts them itself.
+    config["text_config"] = qwen3_vl.TextConfig.from_dict(config["text_config"])
+    config["vision_config"] = qwen3_vl.VisionConfig.from_dict(config["vision_config"])
+    model = qwen3_vl.Model(qwen3_vl.ModelConfig.from_dict(config))
     flat = cast("list[tuple[str, Any]]", tree_flatten(model.parameters()))
     return tuple(sorted((name, tuple(value.shape)) for name, value in flat))
 
@@ -532,6 +556,9 @@ def _write_weights(file: pathlib.Path, seed: int) -> None:
             # the other ~376 random logits, so greedy decoding never picks a
             # special token (no early <|im_end|>).
             value[list(_IDS.values())] = 0.0
+            # Likewise the lone bytes 0x80-0xFF: alone they are invalid UTF-8,
+            # which some detokenizers (mlx-vlm 0.4.4's) refuse with an error.
+            value[_high_byte_ids()] = 0.0
         # A mx.array made from host memory is already evaluated: no stream.
         weights[name] = mx.array(value)
     mx.save_safetensors(str(file), weights, metadata={"format": "mlx"})
