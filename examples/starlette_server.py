@@ -109,6 +109,9 @@ async def describe(request: Request) -> Response:
     model, processor = request.state.model
 
     async def lines() -> AsyncIterator[bytes]:
+        # Opened under the lock: at most one generation is queued on the MLX
+        # thread. (An error here comes after the response started, so the
+        # middleware can no longer turn it into a 503.)
         async with (
             one_at_a_time,
             contextlib.aclosing(
