@@ -18,7 +18,7 @@ import codecs
 import importlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -81,6 +81,16 @@ class LoadedModel:
     def tokenizer(self) -> Any:
         """The text tokenizer."""
         return getattr(self.processor, "tokenizer", self.processor)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's output: valid token ids are below it."""
+        config = self.config
+        text_config = getattr(config, "text_config", None)
+        size = getattr(text_config, "vocab_size", None) or getattr(
+            config, "vocab_size", None
+        )
+        return int(size) if size else len(self.tokenizer)
 
     def token_text(self, token_id: int) -> tuple[str, list[int]]:
         """A token's text and UTF-8 bytes, as OpenAI's logprobs show them.
@@ -306,7 +316,7 @@ def generate_stream(
     loaded: LoadedModel,
     params: GenerationParams,
     images: Sequence[Image.Image] = (),
-) -> Iterator[Event]:
+) -> Generator[Event, None, None]:
     """Generate a chat completion token by token.
 
     A sync generator to run on the MLX thread (``MLXThread.iterate``): the

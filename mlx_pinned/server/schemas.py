@@ -9,6 +9,7 @@ ignores them. Nothing here touches MLX or the event loop.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from typing import Annotated, Any, Literal
@@ -312,8 +313,13 @@ class ChatCompletionChunk(_Response):
 
     def to_sse(self, *, include_usage: bool) -> bytes:
         """This chunk as one ``data: ...`` server-sent event."""
-        exclude = None if include_usage else {"usage"}
-        return b"data: " + self.model_dump_json(exclude=exclude).encode() + b"\n\n"
+        data = self.model_dump(exclude=None if include_usage else {"usage"})
+        for choice in data["choices"]:  # a delta carries only the keys it sets
+            choice["delta"] = {
+                k: v for k, v in choice["delta"].items() if v is not None
+            }
+        body = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+        return b"data: " + body.encode() + b"\n\n"
 
 
 def completion_id() -> tuple[str, int]:
@@ -351,7 +357,8 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _STATUS_TYPES.get(status, "server_error")
+        default = "server_error" if status >= 500 else "invalid_request_error"
+        self.type = type or _STATUS_TYPES.get(status, default)
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
@@ -389,8 +396,6 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
 
 def validation_error_to_api_error(exc: ValidationError, body: bytes) -> APIError:
     """A 400 :class:`APIError` for the most specific error of ``exc``."""
-    import json
-
     errors = exc.errors(include_url=False, include_context=False)
     if any(e["type"] == "json_invalid" for e in errors):
         return APIError(

@@ -1,17 +1,106 @@
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+from starlette.applications import Starlette
 
-from mlx_pinned.testing import tiny_vlm_path
+from mlx_pinned import MLXThread
+from mlx_pinned.server import create_app
+from mlx_pinned.server.engine import LoadedModel
+from mlx_pinned.testing import image_data_uri, tiny_vlm_path
 
+MODEL = "tiny"
+PROMPT = "Describe this image in one sentence."
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+Lifespan = Callable[[Any], AbstractAsyncContextManager[dict[str, Any]]]
 
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
     return tiny_vlm_path()
+
+
+def vision_body(
+    max_tokens: int = 8,
+    *,
+    image_seed: int = 0,
+    image_size: tuple[int, int] = (64, 64),
+    prompt: str = PROMPT,
+    **fields: Any,
+) -> dict[str, Any]:
+    """The bug report's request shape: text plus a base64 JPEG."""
+    url = image_data_uri(*image_size, seed=image_seed)
+    content = [
+        {"type": "text", "text": prompt},
+        {"type": "image_url", "image_url": {"url": url}},
+    ]
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+    }
+    body.update(fields)
+    return body
+
+
+class Served:
+    """An app with its lifespan running and an httpx client on it."""
+
+    def __init__(
+        self, app: Starlette, client: httpx.AsyncClient, state: dict[str, Any]
+    ) -> None:
+        self.app = app
+        self.client = client
+        self.state = state
+
+    @property
+    def model(self) -> LoadedModel:
+        model: LoadedModel = self.state["model"]
+        return model
+
+    @property
+    def thread(self) -> MLXThread:
+        thread: MLXThread = self.app.state.mlx_thread
+        return thread
+
+    async def chat(self, body: dict[str, Any] | bytes, **kw: Any) -> httpx.Response:
+        if isinstance(body, bytes):
+            return await self.client.post("/v1/chat/completions", content=body, **kw)
+        return await self.client.post("/v1/chat/completions", json=body, **kw)
+
+
+@pytest.fixture
+def serve(
+    tiny_model_path: Path, lifespan: Lifespan
+) -> Callable[..., AbstractAsyncContextManager[Served]]:
+    @asynccontextmanager
+    async def serve(**options: Any) -> AsyncIterator[Served]:
+        options.setdefault("served_model_name", MODEL)
+        app = create_app(tiny_model_path, **options)
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            lifespan(app) as state,
+            httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+        ):
+            yield Served(app, client, state)
+
+    return serve
+
+
+def sse_events(text: str) -> list[Any]:
+    """The data of each server-sent event; ``[DONE]`` stays a string."""
+    events: list[Any] = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: ") :]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events

@@ -90,7 +90,7 @@ class TestChatMessages:
 
 class TestBuildPrompt:
     def test_images_in_earlier_turns_stay_there(self, loaded: LoadedModel) -> None:
-        messages = [
+        messages: list[dict[str, Any]] = [
             {"role": "system", "content": "Be brief."},
             {
                 "role": "user",

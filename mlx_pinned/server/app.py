@@ -1,0 +1,290 @@
+"""The OpenAI-compatible vision server: a Starlette app on one MLX thread.
+
+Built only from mlx-pinned's public pieces (``MLXThread``,
+``MLXThreadMiddleware``), Starlette and mlx-vlm. Where work runs:
+
+- the event loop parses and validates requests and writes responses;
+- an anyio worker thread decodes images (no MLX there);
+- the MLX thread loads the model (a start-up job of the middleware) and runs
+  each generation, prompt and image preprocessing included, as a stream
+  (``MLXThread.iterate``).
+
+Generations run one at a time, in arrival order (:class:`_Gate`): mlx-vlm's
+Qwen-VL models keep request state on the model object, so two generations
+interleaved token by token would silently corrupt each other. At most
+``max_pending`` requests wait; past that the server answers 503 at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from mlx_pinned import MLXThread
+from mlx_pinned.middleware import MLXThreadMiddleware
+
+from . import engine
+from ._chat import ChatEndpoint
+from .images import ImageLimits
+from .schemas import APIError
+
+__all__ = ["ServerConfig", "create_app"]
+
+logger = logging.getLogger("mlx_pinned.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of one server; see :func:`create_app` for each one."""
+
+    model: str
+    served_model_name: str
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 512
+    max_pending: int = 256
+    max_body_bytes: int = 20 * 1024 * 1024
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
+    api_key: str | None = None
+
+
+def create_app(
+    model: str | Path,
+    *,
+    served_model_name: str | None = None,
+    max_tokens_limit: int = 4096,
+    default_max_tokens: int = 512,
+    max_pending: int = 256,
+    max_body_bytes: int = 20 * 1024 * 1024,
+    image_limits: ImageLimits | None = None,
+    api_key: str | None = None,
+    thread: MLXThread | None = None,
+    drain_timeout: float = 30.0,
+) -> Starlette:
+    """Create the server app for one model.
+
+    The model is loaded on the MLX thread when the app's lifespan starts (run
+    the app under uvicorn, or drive its lifespan in tests); a failed load fails
+    the start-up with the reason. At shutdown in-flight requests get
+    ``drain_timeout`` seconds to finish, then the thread is closed.
+
+    Args:
+        model: A local model folder or a Hugging Face hub id.
+        served_model_name: The name clients send as ``model``; defaults to
+            ``model`` as given. Any other name is a 404.
+        max_tokens_limit: The largest ``max_tokens`` a request may ask for;
+            more is a 400.
+        default_max_tokens: ``max_tokens`` when a request sets none.
+        max_pending: Requests that may wait for the model; past it, 503 with
+            ``Retry-After``. Also the MLX thread's queue bound.
+        max_body_bytes: Largest request body; more is a 413.
+        image_limits: Limits on images per request, bytes and pixels.
+        api_key: When set, every route but ``/health`` needs
+            ``Authorization: Bearer <api_key>``; otherwise 401.
+        thread: The MLX thread to run on; a new one when None. The app's
+            lifespan starts and closes it.
+        drain_timeout: Seconds in-flight requests get at shutdown.
+
+    Returns:
+        A Starlette app.
+    """
+    if max_tokens_limit < 1 or max_pending < 1 or max_body_bytes < 1:
+        raise ValueError(
+            "max_tokens_limit, max_pending and max_body_bytes must be >= 1"
+        )
+    config = ServerConfig(
+        model=str(model),
+        served_model_name=served_model_name or str(model),
+        max_tokens_limit=max_tokens_limit,
+        default_max_tokens=min(default_max_tokens, max_tokens_limit),
+        max_pending=max_pending,
+        max_body_bytes=max_body_bytes,
+        image_limits=image_limits or ImageLimits(),
+        api_key=api_key,
+    )
+    mlx_thread = thread or MLXThread(name="mlx-pinned", max_pending=max_pending)
+    gate = _Gate(max_pending)
+    routes = [
+        Route("/health", functools.partial(_health, mlx_thread), methods=["GET"]),
+        Route("/v1/models", functools.partial(_models, config), methods=["GET"]),
+        Route(
+            "/v1/models/{model_id:path}",
+            functools.partial(_model, config),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/chat/completions",
+            ChatEndpoint(config, mlx_thread, gate),
+            methods=["POST"],
+        ),
+    ]
+    middleware = [
+        Middleware(
+            MLXThreadMiddleware,
+            thread=mlx_thread,
+            startup={"model": functools.partial(engine.load, config.model)},
+            drain_timeout=drain_timeout,
+        ),
+    ]
+    if api_key is not None:
+        middleware.append(Middleware(_APIKeyMiddleware, api_key=api_key))
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+    )
+    app.state.config = config
+    app.state.mlx_thread = mlx_thread
+    app.state.gate = gate
+    return app
+
+
+class _Gate:
+    """One generation at a time, in arrival order, with a bounded waiting room.
+
+    An async lock rather than a lock on the MLX thread: a thread lock held
+    across a stream's items would block that one thread for everyone else.
+    """
+
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        self.waiting = 0  # requests queued for the model
+        self.busy = False  # a generation holds the model
+        self._lock: anyio.Lock | None = None
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """Wait for the model (FIFO); 503 at once when the waiting room is full.
+
+        Cancelling the caller while it waits gives up its place: its
+        generation never starts.
+        """
+        if self.waiting >= self.max_pending:
+            raise APIError(
+                503,
+                f"The server is busy: {self.waiting} requests are already waiting "
+                "for the model; retry shortly.",
+                code="server_busy",
+                headers={"Retry-After": "1"},
+            )
+        if self._lock is None:  # created on the event loop that serves us
+            self._lock = anyio.Lock()
+        self.waiting += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self.waiting -= 1
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
+            self._lock.release()
+
+
+async def _health(thread: MLXThread, request: Request) -> Response:
+    if thread.closed:
+        return _error_response(
+            APIError(503, "The MLX thread is not running: restart the server.")
+        )
+    if "model" not in request.scope.get("state", {}):
+        return _error_response(APIError(503, "The model is not loaded yet."))
+    stats = thread.statistics()
+    return JSONResponse(
+        {"status": "ok", "pending": stats.pending, "open_streams": stats.open_streams}
+    )
+
+
+def _model_card(config: ServerConfig, request: Request) -> dict[str, Any]:
+    loaded = request.scope.get("state", {}).get("model")
+    created = int(time.time() - getattr(loaded, "load_seconds", 0.0))
+    return {
+        "id": config.served_model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "mlx-pinned",
+    }
+
+
+async def _models(config: ServerConfig, request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(config, request)]})
+
+
+async def _model(config: ServerConfig, request: Request) -> Response:
+    model_id = request.path_params["model_id"]
+    if model_id != config.served_model_name:
+        return _error_response(model_not_found(model_id, config))
+    return JSONResponse(_model_card(config, request))
+
+
+def model_not_found(name: str, config: ServerConfig) -> APIError:
+    """The 404 for a model this server does not serve."""
+    return APIError(
+        404,
+        f"The model {name!r} does not exist: this server serves "
+        f"{config.served_model_name!r}.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = {404: "Unknown URL: see /v1/models and /v1/chat/completions."}.get(
+        exc.status_code, str(exc.detail)
+    )
+    if exc.status_code == 405:
+        message = f"Method {request.method} is not allowed for {request.url.path}."
+    return _error_response(APIError(exc.status_code, message, type=None))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return _error_response(
+        APIError(500, "The server had an error while processing your request.")
+    )
+
+
+class _APIKeyMiddleware:
+    """``Authorization: Bearer <key>`` on every HTTP route except ``/health``.
+
+    The key is compared in constant time.
+    """
+
+    def __init__(self, app: ASGIApp, *, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        error = APIError(
+            401,
+            "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+            code="invalid_api_key",
+        )
+        await _error_response(error)(scope, receive, send)

@@ -1,0 +1,545 @@
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from mlx_pinned.server import ImageLimits, engine
+from mlx_pinned.server.engine import (
+    FinalEvent,
+    GenerationParams,
+    LoadedModel,
+    TokenEvent,
+)
+
+from .conftest import MODEL, Served, sse_events, vision_body
+
+pytestmark = pytest.mark.anyio
+
+Serve = Callable[..., AbstractAsyncContextManager[Served]]
+
+
+def assert_error(
+    response: httpx.Response,
+    status: int,
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}
+    error: dict[str, Any] = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str)
+    assert error["message"]
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def content_of(events: list[Any]) -> str:
+    return "".join(
+        e["choices"][0]["delta"].get("content") or ""
+        for e in events
+        if isinstance(e, dict) and e["choices"]
+    )
+
+
+class TestRoutes:
+    async def test_health(self, serve: Serve) -> None:
+        async with serve() as served:
+            response = await served.client.get("/health")
+            assert response.status_code == 200
+            assert response.json()["status"] == "ok"
+            served.thread.shutdown()
+            assert_error(await served.client.get("/health"), 503)
+
+    async def test_models(self, serve: Serve) -> None:
+        async with serve() as served:
+            listing = (await served.client.get("/v1/models")).json()
+            assert listing["object"] == "list"
+            assert [m["id"] for m in listing["data"]] == [MODEL]
+            card = (await served.client.get(f"/v1/models/{MODEL}")).json()
+            assert card["object"] == "model"
+            assert card["owned_by"] == "mlx-pinned"
+            missing = await served.client.get("/v1/models/gpt-4o")
+            assert_error(missing, 404, "model", "model_not_found")
+
+    async def test_unknown_url_and_method(self, serve: Serve) -> None:
+        async with serve() as served:
+            error = assert_error(await served.client.get("/v2/nothing"), 404)
+            assert error["type"] == "invalid_request_error"
+            error = assert_error(await served.client.get("/v1/chat/completions"), 405)
+            assert "GET" in error["message"]
+
+
+class TestCompletion:
+    async def test_bug_report_request(self, serve: Serve) -> None:
+        async with serve() as served:
+            response = await served.chat(vision_body(max_tokens=80))
+            assert response.status_code == 200
+            body = response.json()
+            assert body["id"].startswith("chatcmpl-")
+            assert body["object"] == "chat.completion"
+            assert body["model"] == MODEL
+            assert isinstance(body["created"], int)
+            (choice,) = body["choices"]
+            assert choice["index"] == 0
+            assert choice["message"]["role"] == "assistant"
+            assert choice["message"]["content"]
+            assert choice["finish_reason"] == "length"
+            assert choice["logprobs"] is None
+            usage = body["usage"]
+            assert usage["completion_tokens"] == 80
+            assert usage["prompt_tokens"] > 10
+            assert usage["total_tokens"] == usage["prompt_tokens"] + 80
+
+    async def test_default_and_limit_of_max_tokens(self, serve: Serve) -> None:
+        async with serve(max_tokens_limit=20, default_max_tokens=6) as served:
+            body = vision_body()
+            del body["max_tokens"]
+            usage = (await served.chat(body)).json()["usage"]
+            assert usage["completion_tokens"] == 6
+            error = assert_error(await served.chat(vision_body(21)), 400, "max_tokens")
+            assert "21" in error["message"]
+            assert "20" in error["message"]
+            too_many = vision_body(max_completion_tokens=50)
+            assert_error(await served.chat(too_many), 400, "max_completion_tokens")
+
+    async def test_logprobs(self, serve: Serve) -> None:
+        async with serve() as served:
+            body = (
+                await served.chat(vision_body(6, logprobs=True, top_logprobs=3))
+            ).json()
+            content = body["choices"][0]["logprobs"]["content"]
+            assert len(content) == 6
+            for item in content:
+                assert set(item) == {"token", "logprob", "bytes", "top_logprobs"}
+                assert len(item["top_logprobs"]) == 3
+                assert item["top_logprobs"][0]["token"] == item["token"]
+            text = b"".join(bytes(i["bytes"]) for i in content).decode()
+            assert text == body["choices"][0]["message"]["content"]
+
+    async def test_stop_string(self, serve: Serve) -> None:
+        async with serve() as served:
+            full = (await served.chat(vision_body(20))).json()
+            text = full["choices"][0]["message"]["content"]
+            stop = text[4:7]
+            body = (await served.chat(vision_body(20, stop=stop))).json()
+            assert body["choices"][0]["finish_reason"] == "stop"
+            assert body["choices"][0]["message"]["content"] == text[: text.index(stop)]
+            assert body["usage"]["completion_tokens"] < 20
+
+    async def test_end_of_turn(self, serve: Serve) -> None:
+        async with serve() as served:
+            im_end = served.model.tokenizer.convert_tokens_to_ids("<|im_end|>")
+            bias = {str(im_end): 100}
+            body = (await served.chat(vision_body(20, logit_bias=bias))).json()
+            assert body["choices"][0]["finish_reason"] == "stop"
+            assert body["choices"][0]["message"]["content"] == ""
+            assert body["usage"]["completion_tokens"] == 0
+
+    async def test_seed(self, serve: Serve) -> None:
+        async with serve() as served:
+
+            async def sample(seed: int) -> str:
+                body = vision_body(16, temperature=1.5, seed=seed)
+                response = (await served.chat(body)).json()
+                return str(response["choices"][0]["message"]["content"])
+
+            assert await sample(3) == await sample(3)
+            assert len({await sample(s) for s in range(4)}) > 1
+
+    async def test_multi_turn_several_images(self, serve: Serve) -> None:
+        async with serve() as served:
+            first = vision_body(2)["messages"][0]
+            body = vision_body(
+                2,
+                messages=[
+                    {"role": "system", "content": "Be brief."},
+                    first,
+                    {"role": "assistant", "content": "A picture."},
+                    {**first, "content": [*first["content"], *first["content"]]},
+                ],
+            )
+            usage = (await served.chat(body)).json()["usage"]
+            single = (await served.chat(vision_body(2))).json()["usage"]
+            assert usage["prompt_tokens"] >= single["prompt_tokens"] + 3 * 4
+
+
+class TestStreaming:
+    async def test_stream_shape(self, serve: Serve) -> None:
+        async with serve() as served:
+            response = await served.chat(vision_body(8, stream=True))
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(response.text)
+            assert events[-1] == "[DONE]"
+            chunks = events[:-1]
+            assert len({c["id"] for c in chunks}) == 1
+            assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+            assert all("usage" not in c for c in chunks)
+            assert chunks[0]["choices"][0]["delta"] == {
+                "role": "assistant",
+                "content": "",
+            }
+            assert chunks[-1]["choices"][0]["delta"] == {}
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+            plain = (await served.chat(vision_body(8))).json()
+            assert content_of(chunks) == plain["choices"][0]["message"]["content"]
+
+    async def test_include_usage(self, serve: Serve) -> None:
+        async with serve() as served:
+            body = vision_body(5, stream=True, stream_options={"include_usage": True})
+            chunks = sse_events((await served.chat(body)).text)[:-1]
+            assert all(c["usage"] is None for c in chunks[:-1])
+            assert chunks[-1]["choices"] == []
+            assert chunks[-1]["usage"]["completion_tokens"] == 5
+
+    async def test_stream_logprobs_match_non_streamed(self, serve: Serve) -> None:
+        async with serve() as served:
+            body = vision_body(6, logprobs=True, top_logprobs=2)
+            plain = (await served.chat(body)).json()["choices"][0]["logprobs"][
+                "content"
+            ]
+            events = sse_events((await served.chat({**body, "stream": True})).text)
+            streamed = [
+                item
+                for e in events[:-1]
+                if e["choices"] and e["choices"][0]["logprobs"]
+                for item in e["choices"][0]["logprobs"]["content"]
+            ]
+            assert streamed == plain
+
+    async def test_stop_in_stream(self, serve: Serve) -> None:
+        async with serve() as served:
+            text = content_of(
+                sse_events((await served.chat(vision_body(20, stream=True))).text)
+            )
+            stop = text[6:9]
+            events = sse_events(
+                (await served.chat(vision_body(20, stream=True, stop=[stop]))).text
+            )
+            assert content_of(events) == text[: text.index(stop)]
+            assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def image_message(url: Any) -> dict[str, Any]:
+    body = vision_body(2)
+    body["messages"][0]["content"][1] = {"type": "image_url", "image_url": url}
+    return body
+
+
+class TestRequestErrors:
+    async def test_validation_errors_name_the_param(self, serve: Serve) -> None:
+        async with serve() as served:
+            assert_error(await served.chat(b"{nope"), 400, None, "invalid_json")
+            assert_error(await served.chat({"model": MODEL}), 400, "messages")
+            assert_error(
+                await served.chat(vision_body(temperature=3)), 400, "temperature"
+            )
+            assert_error(await served.chat(vision_body(n=2)), 400, "n")
+            assert_error(await served.chat(image_message(5)), 400, PARAM)
+
+    async def test_unknown_model_is_404(self, serve: Serve) -> None:
+        async with serve() as served:
+            error = assert_error(
+                await served.chat(vision_body(model="gpt-4o")),
+                404,
+                "model",
+                "model_not_found",
+            )
+            assert "gpt-4o" in error["message"]
+
+    @pytest.mark.parametrize(
+        ("url", "code"),
+        [
+            ("data:image/jpeg;base64,!!!", "invalid_base64"),
+            (
+                "data:image/jpeg;base64," + base64.b64encode(b"not an image").decode(),
+                "invalid_image",
+            ),
+            ("file:///etc/passwd", "invalid_image_url"),
+            ("/etc/passwd", "invalid_image_url"),
+            ("http://127.0.0.1/cat.png", "remote_images_disabled"),
+        ],
+    )
+    async def test_bad_images_are_400(self, serve: Serve, url: str, code: str) -> None:
+        async with serve() as served:
+            assert_error(
+                await served.chat(image_message({"url": url})), 400, PARAM, code
+            )
+
+    async def test_image_limits(self, serve: Serve) -> None:
+        limits = ImageLimits(max_images=1, max_pixels=32 * 32)
+        async with serve(image_limits=limits) as served:
+            assert_error(
+                await served.chat(vision_body()), 400, PARAM, "image_too_large"
+            )
+            body = vision_body()
+            body["messages"][0]["content"].insert(0, body["messages"][0]["content"][1])
+            extra = "messages[0].content[2].image_url"  # the first image too many
+            assert_error(await served.chat(body), 400, extra, "too_many_images")
+
+    async def test_logit_bias_outside_vocabulary(self, serve: Serve) -> None:
+        async with serve() as served:
+            body = vision_body(logit_bias={"100000": 1})
+            assert_error(await served.chat(body), 400, "logit_bias")
+
+    async def test_body_too_large_is_413(self, serve: Serve) -> None:
+        async with serve(max_body_bytes=1000) as served:
+            assert_error(
+                await served.chat(vision_body()), 413, None, "request_too_large"
+            )
+
+            async def chunks() -> AsyncIterator[bytes]:  # no content-length
+                yield b'{"model": "tiny", "messages": ['
+                yield b" " * 4000
+
+            response = await served.client.post(
+                "/v1/chat/completions", content=chunks()
+            )
+            assert_error(response, 413)
+
+    async def test_api_key(self, serve: Serve) -> None:
+        async with serve(api_key="s3cret") as served:
+            assert (await served.client.get("/health")).status_code == 200
+            assert_error(
+                await served.client.get("/v1/models"), 401, None, "invalid_api_key"
+            )
+            wrong = {"Authorization": "Bearer nope"}
+            assert_error(await served.chat(vision_body(), headers=wrong), 401)
+            right = {"Authorization": "Bearer s3cret"}
+            assert (await served.chat(vision_body(), headers=right)).status_code == 200
+
+
+PARAM = "messages[0].content[1].image_url"
+
+
+def failing_generate(after: int) -> Any:
+    def generate(
+        loaded: LoadedModel, params: GenerationParams, images: Any
+    ) -> Iterator[TokenEvent | FinalEvent]:
+        for _ in range(after):
+            yield TokenEvent("x")
+        raise RuntimeError("injected failure")
+
+    return generate
+
+
+class TestFailures:
+    async def test_failure_before_first_token_is_500(
+        self, serve: Serve, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        async with serve() as served:
+            monkeypatch.setattr(engine, "generate_stream", failing_generate(0))
+            for stream in (False, True):
+                error = assert_error(await served.chat(vision_body(stream=stream)), 500)
+                assert error["type"] == "server_error"
+                assert "injected" not in error["message"]  # no internals leak
+
+    async def test_failure_mid_stream_is_an_error_event(
+        self, serve: Serve, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        async with serve() as served:
+            monkeypatch.setattr(engine, "generate_stream", failing_generate(3))
+            response = await served.chat(vision_body(stream=True))
+            assert response.status_code == 200
+            events = sse_events(response.text)
+            assert "[DONE]" not in events
+            assert set(events[-1]) == {"error"}
+            assert events[-1]["error"]["type"] == "server_error"
+            assert content_of(events[:-1]) == "xxx"
+            assert_error(await served.chat(vision_body()), 500)
+            monkeypatch.undo()
+            # The server keeps serving.
+            assert (await served.chat(vision_body())).status_code == 200
+            assert served.thread.statistics().open_streams == 0
+
+
+class TestSerialisation:
+    async def test_logprobs_alone_equal_logprobs_among_16(self, serve: Serve) -> None:
+        greedy = vision_body(40, logprobs=True, top_logprobs=2)
+
+        async def logprobs(served: Served) -> list[float]:
+            body = (await served.chat(greedy)).json()
+            return [i["logprob"] for i in body["choices"][0]["logprobs"]["content"]]
+
+        async with serve() as served:
+            alone = await logprobs(served)
+            crowd: list[float] = []
+
+            async def other(i: int) -> None:
+                body = vision_body(
+                    10 + i,
+                    image_seed=i + 1,
+                    # Other image shapes give other mRoPE state on the model.
+                    image_size=(32 + 16 * (i % 6), 128 - 16 * (i % 5)),
+                    prompt="x" * (i + 1),
+                    stream=bool(i % 2),
+                )
+                response = await served.chat(body)
+                assert response.status_code == 200
+
+            async def target() -> None:
+                crowd.extend(await logprobs(served))
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(target)
+                # Once it generates, 16 different requests arrive: run
+                # interleaved, their prefills would overwrite its model state.
+                await until(lambda: served.thread.statistics().open_streams > 0)
+                for i in range(16):
+                    group.start_soon(other, i)
+        assert len(crowd) == len(alone) == 40
+        assert crowd == pytest.approx(alone, abs=1e-5)
+
+    async def test_full_waiting_room_is_503(self, serve: Serve) -> None:
+        async with serve(max_pending=1) as served:
+            gate = served.app.state.gate
+            resume = anyio.Event()
+            results: dict[str, Any] = {}
+
+            async def slow_reader() -> None:
+                body = vision_body(20, stream=True)
+                results["a"] = await drive(served.app, body, hold=resume)
+
+            async def queued() -> None:
+                results["b"] = await served.chat(vision_body(2))
+
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as group:
+                    group.start_soon(slow_reader)  # holds the model, reads slowly
+                    await until(lambda: gate.busy)
+                    group.start_soon(queued)
+                    await until(lambda: gate.waiting == 1)
+                    busy = await served.chat(vision_body(2))
+                    resume.set()
+            error = assert_error(busy, 503, None, "server_busy")
+            assert busy.headers["retry-after"] == "1"
+            assert "retry" in error["message"]
+            assert results["a"][0] == 200
+            assert results["b"].status_code == 200
+            assert (await served.chat(vision_body(2))).status_code == 200
+
+
+async def drive(
+    app: Any,
+    body: dict[str, Any],
+    *,
+    disconnect_after: int | None = None,
+    leave: anyio.Event | None = None,
+    hold: anyio.Event | None = None,
+) -> tuple[int, list[bytes]]:
+    """Call the ASGI app directly, as a server would; the client leaves after
+    ``disconnect_after`` body chunks, or when ``leave`` is set; after the
+    first body chunk it stops reading until ``hold`` is set."""
+    raw = json.dumps(body).encode()
+    sent: list[bytes] = []
+    status = 0
+    leave = leave or anyio.Event()
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await leave.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            sent.append(message.get("body", b""))
+            if hold is not None:
+                await hold.wait()
+            if disconnect_after is not None and len(sent) >= disconnect_after:
+                leave.set()
+            if not message.get("more_body", False):
+                leave.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+    await app(scope, receive, send)
+    return status, sent
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Poll ``condition`` (state owned by the app has no event to wait on)."""
+    while not condition():  # noqa: ASYNC110
+        await anyio.sleep(0.001)
+
+
+class TestDisconnect:
+    async def test_disconnect_mid_stream_closes_the_generator(
+        self, serve: Serve, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        caplog.set_level(logging.INFO, "mlx_pinned.server")
+        async with serve() as served:
+            before = served.thread.statistics()
+            body = vision_body(2000, stream=True)
+            with anyio.fail_after(10):
+                status, sent = await drive(served.app, body, disconnect_after=3)
+            after = served.thread.statistics()
+            assert status == 200
+            assert len(sent) <= 6  # stopped within a token or two of leaving
+            assert after.open_streams == 0
+            assert after.cancelled == before.cancelled + 1
+            assert "client disconnected" in caplog.text
+            # The model is free again at once.
+            assert (await served.chat(vision_body(2))).status_code == 200
+
+    async def test_disconnect_while_waiting_never_starts(self, serve: Serve) -> None:
+        async with serve() as served:
+            gate = served.app.state.gate
+            before = served.thread.statistics()
+            results: dict[str, Any] = {}
+            leave = anyio.Event()
+
+            async def long_one() -> None:
+                results["long"] = await drive(served.app, vision_body(300, stream=True))
+
+            async def impatient() -> None:
+                results["impatient"] = await drive(
+                    served.app, vision_body(5), leave=leave
+                )
+
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as group:
+                    group.start_soon(long_one)
+                    await until(lambda: gate.busy)
+                    group.start_soon(impatient)
+                    await until(lambda: gate.waiting == 1)
+                    leave.set()  # the impatient client leaves while queued
+            after = served.thread.statistics()
+            assert results["long"][0] == 200
+            assert results["impatient"] == (0, [])
+            assert gate.waiting == 0
+            # Only the long stream ever ran on the thread.
+            ended = after.completed + after.cancelled + after.failed
+            assert ended - (before.completed + before.cancelled + before.failed) == 1
