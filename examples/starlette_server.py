@@ -56,8 +56,8 @@ mlx_vlm: Any = importlib.import_module("mlx_vlm")
 # thread-local. The middleware starts it with the app and stops it last.
 mlx_thread = MLXThread(name="vision", max_pending=64)
 # Qwen-VL models keep per-request state on the model object, so generations
-# on one model take turns (the reference server, mlx_pinned.server, does the
-# same with admission control). An event-loop lock: it never blocks a thread.
+# on one model take turns (mlx_pinned.server does the same, with a bounded
+# waiting room). An event-loop lock: it never blocks a thread.
 one_at_a_time = anyio.Lock()
 
 
