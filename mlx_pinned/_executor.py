@@ -554,8 +554,10 @@ def cancel_requested() -> bool:
     is shutting down with ``cancel_futures=True``. Always false elsewhere.
     """
     owner: MLXThread | None = getattr(_jobs.current, "owner", None)
-    job = None if owner is None else owner._current
-    return job is not None and bool(job.cancel_requested)
+    if owner is None:
+        return False
+    job = owner._current
+    return owner._cancel_running or (job is not None and bool(job.cancel_requested))
 
 
 _all_threads: weakref.WeakSet[MLXThread] = weakref.WeakSet()

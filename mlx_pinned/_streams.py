@@ -88,8 +88,13 @@ class Stream(Generic[T]):
     def run(self, owner: MLXThread) -> None:
         """One turn on the worker: create the generator or advance it once."""
         self.counted = False
-        if self.close_requested or owner._cancel_running:
+        if self.close_requested:
             self.close_on_thread(None)
+            return
+        if owner.closed:
+            # Shut down: a stream is never started or advanced past this
+            # point; its consumer must not wait for it (shutdown never does).
+            self.close_on_thread(owner._closed_error())
             return
         fn = self.fn
         owner._current = self

@@ -243,7 +243,6 @@ class TestGenerationStreamGlobals:
         finally:
             del sys.modules[module.__name__]
 
-
     def test_two_threads_one_global_owner_then_handover(self) -> None:
         import sys
         import types
@@ -830,3 +829,46 @@ class TestProcessExit:
     def test_forked_child_gets_a_fresh_default_thread(self) -> None:
         code, out = _run_script(FORK_SCRIPT)
         assert (code, out.strip()) == (0, "ok")
+
+
+class TestShutdownCancellation:
+    def test_cancel_futures_tells_the_running_job(self) -> None:
+        t = MLXThread()
+        started = threading.Event()
+
+        def poll() -> str:
+            started.set()
+            deadline = time.monotonic() + WAIT
+            while time.monotonic() < deadline:
+                if cancel_requested():
+                    return "stopped"
+                time.sleep(0.001)
+            return "never told"
+
+        future = t.submit(poll)
+        assert started.wait(WAIT)
+        t.shutdown(cancel_futures=True)
+        assert future.result(0) == "stopped"
+
+    def test_queued_stream_is_never_started_after_shutdown(self) -> None:
+        t = MLXThread()
+        log: list[str] = []
+        _, gate, _ = block(t)
+        stream = t.iterate_sync(numbers, 5, log)
+        t.shutdown(wait=False)
+        gate.set()
+        t.shutdown(wait=True)
+        assert log == []  # never created: no prefill wasted
+        with pytest.raises(MLXThreadClosedError):
+            next(stream)
+
+    @pytest.mark.anyio
+    async def test_cancel_futures_gives_stream_consumers_closed_error(self) -> None:
+        t = MLXThread()
+        log: list[str] = []
+        stream = t.iterate(numbers, 1000, log)
+        assert await stream.__anext__() == 0
+        t.shutdown(wait=True, cancel_futures=True)
+        with pytest.raises(MLXThreadClosedError):
+            await stream.__anext__()
+        assert log[-1] == f"gen:closed on {t.ident}"
