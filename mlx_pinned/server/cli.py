@@ -1,0 +1,186 @@
+"""``mlx-pinned serve``: run the vision server under uvicorn.
+
+::
+
+    mlx-pinned serve MODEL [--host 127.0.0.1] [--port 8000]
+                           [--served-model-name NAME] [--max-tokens-limit N]
+                           [--max-pending N] [--api-key KEY]
+    mlx-pinned serve --demo        # the tiny offline model of mlx_pinned.testing
+
+``MODEL`` is a local model folder or a Hugging Face hub id. ``--demo`` writes
+the tiny random-weight model to the cache folder (``$MLX_PINNED_CACHE``, else
+``~/.cache/mlx-pinned``) and serves it as ``mlx-pinned-demo``: it works
+offline, and answers with random text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from types import FrameType
+
+__all__ = ["main"]
+
+DEMO_MODEL_NAME = "mlx-pinned-demo"
+API_KEY_ENV = "MLX_PINNED_API_KEY"
+
+logger = logging.getLogger("mlx_pinned.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``mlx-pinned`` command."""
+    parser = argparse.ArgumentParser(
+        prog="mlx-pinned",
+        description="One pinned MLX thread for async servers.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="serve a vision model with an OpenAI-compatible API",
+        description="Serve a vision-language model with an OpenAI-compatible "
+        "chat-completions API (POST /v1/chat/completions).",
+    )
+    serve.add_argument(
+        "model", nargs="?", help="a local model folder or a Hugging Face hub id"
+    )
+    serve.add_argument(
+        "--demo",
+        action="store_true",
+        help="serve the tiny random-weight test model (offline; random text)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
+    serve.add_argument(
+        "--port", type=int, default=8000, help="default: %(default)s; 0: any free port"
+    )
+    serve.add_argument(
+        "--served-model-name",
+        help="the model name clients send (default: MODEL as given)",
+    )
+    serve.add_argument(
+        "--max-tokens-limit",
+        type=_positive,
+        default=4096,
+        help="largest max_tokens a request may ask for (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--default-max-tokens",
+        type=_positive,
+        default=512,
+        help="max_tokens of a request that sets none (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-pending",
+        type=_positive,
+        default=256,
+        help="requests that may wait for the model before 503 (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=_positive,
+        default=20 * 1024 * 1024,
+        help="largest request body (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="default: %(default)s",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``mlx-pinned`` command; returns the exit status.
+
+    Blocks until the server stops (SIGINT or SIGTERM: in-flight requests get
+    30 s to finish, then the MLX thread shuts down).
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.demo == bool(args.model):
+        parser.error("serve needs a MODEL, or --demo (not both)")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return serve(args)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the model and serve it until interrupted."""
+    import uvicorn
+
+    from .app import create_app
+
+    model = args.model
+    name = args.served_model_name
+    if args.demo:
+        from mlx_pinned.testing import tiny_vlm_path
+
+        logger.info("writing the demo model (offline)")
+        model = str(tiny_vlm_path())
+        name = name or DEMO_MODEL_NAME
+    if not _is_loopback(args.host) and not args.api_key:
+        logger.warning(
+            "listening on %s without an API key: anyone who can reach it can use "
+            "the model; pass --api-key or set %s",
+            args.host,
+            API_KEY_ENV,
+        )
+    app = create_app(
+        model,
+        served_model_name=name,
+        max_tokens_limit=args.max_tokens_limit,
+        default_max_tokens=args.default_max_tokens,
+        max_pending=args.max_pending,
+        max_body_bytes=args.max_body_bytes,
+        api_key=args.api_key,
+    )
+    logger.info("serving %s as %r", model, name or model)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal
+    # to the handler it found: with this one, a clean shutdown exits 0.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _stopped)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_config=None,  # keep the logging set up in main()
+        timeout_graceful_shutdown=35,
+    )
+    return 0
+
+
+def _stopped(signum: int, frame: FrameType | None) -> None:
+    logger.info("stopped by %s", signal.Signals(signum).name)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

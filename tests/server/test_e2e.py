@@ -1,0 +1,253 @@
+"""End to end: ``python -m mlx_pinned.server serve --demo`` in a subprocess on a
+free loopback port, driven by the official ``openai`` package."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from mlx_pinned.server.cli import DEMO_MODEL_NAME
+from mlx_pinned.testing import image_data_uri
+
+from .conftest import PROMPT
+
+pytestmark = pytest.mark.timeout(120)
+
+READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key="unused", max_retries=0
+        )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("e2e") / "server.log"
+    command = [sys.executable, "-m", "mlx_pinned.server", "serve", "--demo"]
+    command += ["--port", "0", "--max-tokens-limit", "4000"]
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, env=dict(os.environ)
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while (match := READY.search(log.read_text(errors="replace"))) is None:
+            assert process.poll() is None, log.read_text(errors="replace")
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        yield Server(process, match.group(1), log)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def vision_messages(image_size: tuple[int, int] = (64, 64), seed: int = 0) -> Any:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": PROMPT},
+                {
+                    "type": "image_url",
+                    "image_url": {"url": image_data_uri(*image_size, seed=seed)},
+                },
+            ],
+        }
+    ]
+
+
+def test_bug_report_request_sync(server: Server) -> None:
+    completion = server.client().chat.completions.create(
+        model=DEMO_MODEL_NAME, messages=vision_messages(), max_tokens=80
+    )
+    assert completion.id.startswith("chatcmpl-")
+    assert completion.model == DEMO_MODEL_NAME
+    choice = completion.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == 80
+
+
+def test_streaming_sync_with_usage(server: Server) -> None:
+    stream = server.client().chat.completions.create(
+        model=DEMO_MODEL_NAME,
+        messages=vision_messages(),
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 20
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    plain = server.client().chat.completions.create(
+        model=DEMO_MODEL_NAME, messages=vision_messages(), max_tokens=20, temperature=0
+    )
+    assert text == plain.choices[0].message.content
+
+
+def test_errors_reach_the_sdk_as_openai_errors(server: Server) -> None:
+    client = server.client()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(
+            model="gpt-4o", messages=vision_messages(), max_tokens=2
+        )
+    assert missing.value.code == "model_not_found"
+    bad = vision_messages()
+    bad[0]["content"][1]["image_url"]["url"] = "file:///etc/passwd"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=DEMO_MODEL_NAME, messages=bad)
+    assert refused.value.param == "messages[0].content[1].image_url"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_32_concurrent_mixed_requests(server: Server) -> None:
+    client = server.async_client()
+
+    async def one(i: int) -> int:
+        messages = vision_messages((48 + 8 * (i % 4), 64), seed=i)
+        if i % 2:
+            stream = await client.chat.completions.create(
+                model=DEMO_MODEL_NAME,
+                messages=messages,
+                max_tokens=12,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            usage = None
+            async for chunk in stream:
+                usage = chunk.usage or usage
+            assert usage is not None
+            return usage.completion_tokens
+        completion = await client.chat.completions.create(
+            model=DEMO_MODEL_NAME, messages=messages, max_tokens=12
+        )
+        assert completion.usage is not None
+        return completion.usage.completion_tokens
+
+    async with client:
+        counts = await asyncio.gather(*(one(i) for i in range(32)))
+    assert counts == [12] * 32
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_greedy_logprobs_alone_equal_among_16(server: Server) -> None:
+    client = server.async_client()
+    request: dict[str, Any] = {
+        "model": DEMO_MODEL_NAME,
+        "messages": vision_messages(),
+        "max_tokens": 40,
+        "temperature": 0,
+        "logprobs": True,
+        "stream": True,
+    }
+
+    async def greedy(crowd: bool) -> list[float]:
+        values: list[float] = []
+        others: list[asyncio.Task[Any]] = []
+        stream = await client.chat.completions.create(**request)
+        async for chunk in stream:
+            if crowd and not others:  # it is generating: now 16 others arrive
+                others = [asyncio.create_task(other(i)) for i in range(16)]
+            if chunk.choices and chunk.choices[0].logprobs:
+                values += [t.logprob for t in chunk.choices[0].logprobs.content or []]
+        await asyncio.gather(*others)
+        return values
+
+    async def other(i: int) -> None:
+        completion = await client.chat.completions.create(
+            model=DEMO_MODEL_NAME,
+            messages=vision_messages((32 + 16 * (i % 6), 128 - 16 * (i % 5)), seed=i),
+            max_tokens=8 + i,
+            temperature=0.7,
+        )
+        assert completion.choices[0].message.content is not None
+
+    async with client:
+        alone = await greedy(crowd=False)
+        among = await greedy(crowd=True)
+    assert len(alone) == len(among) == 40
+    assert among == pytest.approx(alone, abs=1e-5)
+
+
+def health(server: Server) -> dict[str, Any]:
+    body: dict[str, Any] = httpx.get(f"{server.url}/health").json()
+    return body
+
+
+def test_disconnect_mid_stream_closes_the_generation(server: Server) -> None:
+    body = {
+        "model": DEMO_MODEL_NAME,
+        "messages": vision_messages(),
+        "max_tokens": 3000,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream(
+            "POST", f"{server.url}/v1/chat/completions", json=body
+        ) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert health(server)["open_streams"] == 1
+    deadline = time.monotonic() + 5
+    while health(server)["open_streams"] != 0:
+        assert time.monotonic() < deadline, "the generation was not closed"
+        time.sleep(0.01)
+    match = None
+    while match is None:
+        match = re.search(r"completion=(\d+) .*client disconnected", server.log_text())
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert int(match.group(1)) < 3000
+
+
+def test_sigterm_exits_cleanly_with_a_clean_log(server: Server) -> None:
+    # Runs last in this module: it stops the shared server.
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=30) == 0
+    log = server.log_text()
+    assert "There is no Stream" not in log
+    assert "Traceback" not in log
+    assert " ERROR " not in log
+    assert "Application shutdown complete" in log
+    lines = re.findall(r"POST /v1/chat/completions (\d+) .* ttft=.* tok/s", log)
+    assert len(lines) >= 3
+    assert not [status for status in lines if status.startswith("5")]
