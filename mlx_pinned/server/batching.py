@@ -1,0 +1,305 @@
+"""Continuous batching on the MLX thread, request by request.
+
+:func:`generate_stream` has the signature and the events of
+:func:`.engine.generate_stream`, and the app runs it the same way, with
+``MLXThread.iterate``; the difference is that many of them may run at once on
+one model. Each request's generator, on the MLX thread:
+
+- first turn: prefills its prompt (and images) alone, samples its first token
+  and yields it; the sequence joins the decode batch at the next step;
+- every later turn: yields its next token if a step already sampled one for
+  it, else runs one batched decode step (one forward pass for every active
+  sequence, one token for each) and yields its own;
+- when it ends, or is closed (client gone, ``aclose``, cancel, garbage
+  collection), its ``finally`` takes the sequence out of the batch; its KV
+  cache rows are dropped at the next step, or at once if it was the last.
+
+``iterate`` streams take turns round-robin on the one thread, so a step is
+one job: with N sequences about one turn in N runs a step and the others hand
+out tokens already made. Other jobs and new requests get the thread between
+steps and are never starved, and a slow client never holds up the others (its
+tokens wait in its own buffer). :class:`BatchGate` bounds how many sequences
+are active (``max_num_seqs``): the rest wait on the event loop, in arrival
+order, in a bounded waiting room, and use no MLX thread time while they wait.
+
+Why not mlx-vlm's ``BatchGenerator`` (``mlx_vlm/generate/ar.py``, 0.7.10)?
+It is built around one driver loop that owns the batch, while here each
+request's own generator must be able to advance it. It has one sampler and
+one set of stop tokens for the whole batch (the server's requests each bring
+their own temperature, top_p, seed and logit_bias), it mutates the
+tokenizer's shared stopping criteria, and it prefills several prompts
+together, left-padded, so a request's prompt numbers depend on its
+neighbours. Its pieces are sound and are used here: the per-row rope deltas
+passed as ``rope_deltas`` with per-row cache offsets (how Qwen-VL language
+models decode a batch without reading the model's own ``_rope_deltas``), the
+``BatchKVCache`` merge / extend / filter, and the position-keyed sampler of
+its single-stream path, so a seeded request samples the same tokens batched,
+alone, or through :func:`.engine.generate_stream`.
+
+Numbers: a sequence's prefill runs alone, with the operations of mlx-vlm's
+single-stream path, so its first token is bit-identical to the unbatched
+path. Batched decode attends over a left-padded cache with a mask; padded
+positions add exact zeros but the reductions run in a different order, so
+float32 log-probabilities differ from the unbatched path by rounding only
+(measured: see the tests), not by anything another sequence contains.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+import weakref
+from collections.abc import AsyncIterator, Generator, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ._batch_state import BatchState, BatchStatistics, Sampled
+from .engine import (
+    FinalEvent,
+    GenerationParams,
+    LoadedModel,
+    StopMatcher,
+    TokenEvent,
+    TokenLogprobs,
+    _TextDecoder,
+)
+from .schemas import APIError
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+__all__ = [
+    "BatchEngine",
+    "BatchGate",
+    "BatchStatistics",
+    "engine_for",
+    "generate_stream",
+]
+
+Event = TokenEvent | FinalEvent
+
+
+class BatchEngine:
+    """Continuous batching for one loaded model.
+
+    Use one per model (:func:`engine_for`). Its generators and its batch run
+    on the MLX thread only; :meth:`statistics` may be read from any thread.
+
+    Args:
+        loaded: The model, from :func:`.engine.load`.
+    """
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self._state = BatchState(loaded)
+
+    def statistics(self) -> BatchStatistics:
+        """A snapshot of the batch; any thread (it may be a step old)."""
+        return self._state.statistics()
+
+    def generate_stream(
+        self, params: GenerationParams, images: Sequence[Image.Image] = ()
+    ) -> Generator[Event, None, None]:
+        """Generate a chat completion token by token, batched with the others.
+
+        A sync generator to run on the MLX thread with ``MLXThread.iterate``,
+        one event per turn, like :func:`.engine.generate_stream`. Closing it
+        takes its sequence out of the batch; the other sequences go on.
+
+        Args:
+            params: The request's parameters.
+            images: The decoded images, in prompt order.
+
+        Yields:
+            A :class:`TokenEvent` per generated token, then one
+            :class:`FinalEvent`.
+
+        Raises:
+            Whatever the processor or the model raise for this request; an
+            error in a batched step is raised by every request in that step.
+        """
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be 1 or more, not {params.max_tokens}")
+        start = time.perf_counter()
+        state = self._state
+        row = state.prefill(params, images)
+        text = _Text(self.loaded)
+        matcher = StopMatcher(params.stop)
+        finish, tail = "length", ""
+        completion = 0
+        first_token_at: float | None = None
+        try:
+            while True:
+                if not row.pending:
+                    if row.error is not None:
+                        raise row.error
+                    if row.done:  # max_tokens sampled, and all handed out
+                        tail, stopped = matcher.feed(text.finish())
+                        finish = "stop" if stopped else "length"
+                        break
+                    state.step()
+                    if not row.pending and row.error is None:  # pragma: no cover
+                        raise RuntimeError("a batched step skipped a sequence")
+                    continue
+                item = row.pending.popleft()
+                if item.eos:
+                    tail, _ = matcher.feed(text.finish())
+                    finish = "stop"
+                    break
+                piece, stopped = matcher.feed(text.add(item.token))
+                completion += 1
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
+                logprobs = self._logprobs(item) if params.logprobs else None
+                yield TokenEvent(piece, logprobs)
+                if stopped:
+                    finish = "stop"
+                    break
+        finally:
+            state.leave(row)
+        tail += matcher.flush()  # held back as a possible stop string: it was not
+        end = time.perf_counter()
+        first = first_token_at or end
+        yield FinalEvent(
+            text=tail,
+            finish_reason=finish,
+            prompt_tokens=row.prompt_tokens,
+            completion_tokens=completion,
+            prefill_seconds=first - start,
+            decode_seconds=end - first,
+        )
+
+    def _logprobs(self, item: Sampled) -> TokenLogprobs:
+        token_text = self.loaded.token_text
+        text, raw = token_text(item.token)
+        top = []
+        for index, value in item.top:
+            alt_text, alt_raw = token_text(index)
+            top.append((alt_text, value, alt_raw))
+        return TokenLogprobs(text, item.logprob, raw, top)
+
+
+class _Text:
+    """A sequence's text, token by token, as the unbatched path makes it."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self._decoder = _TextDecoder(loaded)
+        self._detokenizer: Any = None
+        detokenizer = getattr(loaded.processor, "detokenizer", None)
+        if (
+            detokenizer is not None
+            and getattr(detokenizer, "_byte_decoder", None) is None
+        ):
+            # Not byte-level: the decoder uses mlx-vlm's text, from a
+            # detokenizer of this sequence's own.
+            utils = importlib.import_module("mlx_vlm.tokenizer_utils")
+            self._detokenizer = utils.make_streaming_detokenizer(loaded.processor)
+
+    def add(self, token: int) -> str:
+        fallback = ""
+        if self._detokenizer is not None:
+            self._detokenizer.add_token(token)
+            fallback = str(self._detokenizer.last_segment)
+        return self._decoder.add(token, fallback)
+
+    def finish(self) -> str:
+        fallback = ""
+        if self._detokenizer is not None:
+            self._detokenizer.finalize()
+            fallback = str(self._detokenizer.last_segment)
+        return self._decoder.finish(fallback)
+
+
+_engines: weakref.WeakKeyDictionary[LoadedModel, BatchEngine] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def engine_for(loaded: LoadedModel) -> BatchEngine:
+    """The batch engine of ``loaded``, made on first use; on the MLX thread."""
+    engine = _engines.get(loaded)
+    if engine is None:
+        engine = _engines[loaded] = BatchEngine(loaded)
+    return engine
+
+
+def generate_stream(
+    loaded: LoadedModel,
+    params: GenerationParams,
+    images: Sequence[Image.Image] = (),
+) -> Generator[Event, None, None]:
+    """:meth:`BatchEngine.generate_stream` on the model's engine.
+
+    A drop-in for :func:`.engine.generate_stream`, with the same arguments
+    and events, that many requests may run at once on one model. Run it on
+    the MLX thread with ``MLXThread.iterate``, inside a :class:`BatchGate`
+    turn. Do not interleave it with :func:`.engine.generate_stream` on the
+    same model: that one keeps its rope state on the model object.
+    """
+    return engine_for(loaded).generate_stream(params, images)
+
+
+class BatchGate:
+    """At most ``max_num_seqs`` generations at once; the rest wait their turn.
+
+    Event-loop side (asyncio or trio, through anyio). Waiting requests are
+    admitted in arrival order as slots free up; at most ``max_pending`` may
+    wait, past that :meth:`turn` answers 503 at once. A slot is given back
+    when the ``turn()`` block exits, so close the stream inside it.
+
+    Args:
+        max_num_seqs: Generations active at once (the decode batch bound).
+        max_pending: Requests that may wait for a slot.
+    """
+
+    def __init__(self, max_num_seqs: int, max_pending: int) -> None:
+        if max_num_seqs < 1 or max_pending < 0:
+            raise ValueError(
+                "max_num_seqs must be >= 1 and max_pending >= 0, not "
+                f"{max_num_seqs} and {max_pending}"
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_pending = max_pending
+        self.waiting = 0  # requests waiting for a slot
+        self.active = 0  # requests holding a slot
+        self._slots: anyio.Semaphore | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether any generation holds a slot."""
+        return self.active > 0
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """Hold a slot for the block; 503 at once when the waiting room is full.
+
+        Cancelling the caller while it waits gives up its place: its
+        generation never starts.
+
+        Raises:
+            APIError: 503 with ``Retry-After`` when ``max_pending`` wait already.
+        """
+        if self._slots is None:  # made on the event loop that serves us
+            self._slots = anyio.Semaphore(self.max_num_seqs)
+        slots = self._slots
+        if slots.value == 0 and self.waiting >= self.max_pending:
+            raise APIError(
+                503,
+                f"The server is busy: {self.waiting} requests are already waiting "
+                "for the model; retry shortly.",
+                code="server_busy",
+                headers={"Retry-After": "1"},
+            )
+        self.waiting += 1
+        try:
+            await slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+            slots.release()

@@ -1,0 +1,416 @@
+"""Continuous batching: isolation, joins and leaves, disconnects, seeds, bounds.
+
+Every test drives the real tiny Qwen3-VL on a real MLX thread. Batched runs
+are compared with the unbatched path (``engine.generate_stream``, one request
+at a time) by their per-token log-probabilities: random weights give
+degenerate text that hides cross-talk between sequences, log-probabilities
+do not (a leak of rope state moved them by up to 0.48 here).
+
+Tolerance: ``TOL`` = 1e-5, absolute, on float32 log-probabilities. A
+sequence's prefill runs alone with the unbatched path's operations, and in a
+batched step padded cache positions add exact zeros; what may legitimately
+differ is the order of float32 reductions over a longer, masked key axis,
+i.e. rounding: a few ulps of values of order 1-10 (~1e-6). Measured on the
+CPU backend: 0.0. Cross-talk is five orders of magnitude larger.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from PIL import Image
+
+from mlx_pinned import MLXThread
+from mlx_pinned.server import engine
+from mlx_pinned.server.batching import BatchEngine, BatchGate, generate_stream
+from mlx_pinned.server.engine import (
+    FinalEvent,
+    GenerationParams,
+    LoadedModel,
+    TokenEvent,
+)
+from mlx_pinned.server.schemas import APIError
+from mlx_pinned.testing import make_test_image
+
+pytestmark = pytest.mark.anyio
+
+TOL = 1e-5
+
+Event = TokenEvent | FinalEvent
+Request = tuple[GenerationParams, list[Image.Image]]
+
+PROMPTS = (
+    "Describe this image in one sentence.",
+    "What is in this picture? Answer in a few words.",
+    "Count the objects in the image and list their colours.",
+    "Hello! How can I help you today?",
+    "The quick brown fox jumps over the lazy dog.",
+    "Is this a photo of a dog, a cat or a bird?",
+    "Summarise the text below in one paragraph, please.",
+    "Green trees, white clouds, yellow sun and a grey road.",
+)
+# Different prompt lengths, image sizes (so image token counts) and none.
+SIZES: tuple[tuple[int, int] | None, ...] = (
+    (64, 64),
+    (32, 32),
+    (96, 64),
+    (128, 128),
+    None,
+    (64, 96),
+    (48, 48),
+    None,
+)
+
+
+@pytest.fixture(scope="module")
+def thread() -> Iterator[MLXThread]:
+    with MLXThread(name="test-batching") as mlx_thread:
+        yield mlx_thread
+
+
+@pytest.fixture(scope="module")
+def loaded(thread: MLXThread, tiny_model_path: Path) -> LoadedModel:
+    model: LoadedModel = thread.run_sync(engine.load, tiny_model_path)
+    return model
+
+
+def image(size: tuple[int, int], seed: int) -> Image.Image:
+    return Image.open(io.BytesIO(make_test_image(*size, seed=seed))).convert("RGB")
+
+
+def request(index: int, max_tokens: int, **params: Any) -> Request:
+    """Request ``index``: its own prompt, and its own image size or none."""
+    size = SIZES[index % len(SIZES)]
+    content: list[dict[str, Any]] = [
+        {"type": "text", "text": PROMPTS[index % len(PROMPTS)]}
+    ]
+    images = []
+    if size is not None:
+        content.append({"type": "image_url"})
+        images.append(image(size, seed=index))
+    params.setdefault("temperature", 0.0)
+    params.setdefault("logprobs", True)
+    messages = ({"role": "user", "content": content},)
+    return GenerationParams(messages, max_tokens=max_tokens, **params), images
+
+
+async def solo(thread: MLXThread, loaded: LoadedModel, req: Request) -> list[Event]:
+    """The unbatched path, alone on the model."""
+    stream = thread.iterate(engine.generate_stream, loaded, *req)
+    async with stream:
+        return [event async for event in stream]
+
+
+def tokens(events: Sequence[Event]) -> list[TokenEvent]:
+    assert isinstance(events[-1], FinalEvent)
+    out = [e for e in events[:-1] if isinstance(e, TokenEvent)]
+    assert len(out) == len(events) - 1
+    return out
+
+
+def max_logprob_difference(batched: list[Event], alone: list[Event]) -> float:
+    """Largest difference of the chosen and top log-probabilities; the
+    sequences must have the same tokens, text, length and ending."""
+    ours, theirs = tokens(batched), tokens(alone)
+    assert len(ours) == len(theirs)
+    assert [e.text for e in ours] == [e.text for e in theirs]
+    assert batched[-1] == alone[-1]  # text, finish reason, token counts
+    worst = 0.0
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.logprobs is not None
+        assert b.logprobs is not None
+        assert a.logprobs.token == b.logprobs.token
+        assert [t for t, _, _ in a.logprobs.top] == [t for t, _, _ in b.logprobs.top]
+        pairs = [(a.logprobs.logprob, b.logprobs.logprob)]
+        top = zip(a.logprobs.top, b.logprobs.top, strict=True)
+        pairs += [(x, y) for (_, x, _), (_, y, _) in top]
+        worst = max(worst, *(abs(x - y) for x, y in pairs))
+    return worst
+
+
+class Collector:
+    """Consumes one batched stream inside a gate turn, recording its events."""
+
+    def __init__(
+        self, thread: MLXThread, batch: BatchEngine, gate: BatchGate, req: Request
+    ) -> None:
+        self.thread, self.batch, self.gate, self.req = thread, batch, gate, req
+        self.events: list[Event] = []
+        self.active_at_start = 0  # slots held when it was admitted, its own included
+        self.started = anyio.Event()  # admitted by the gate
+        self.two_tokens = anyio.Event()
+        self.done = anyio.Event()
+
+    async def run(self, leave: anyio.Event | None = None) -> None:
+        """Consume the stream; with ``leave``, stop reading after three events,
+        wait for ``leave``, then go away (the stream is closed)."""
+        try:
+            async with self.gate.turn():
+                self.active_at_start = self.gate.active
+                self.started.set()
+                stream = self.thread.iterate(self.batch.generate_stream, *self.req)
+                async with stream:
+                    async for event in stream:
+                        self.events.append(event)
+                        if len(self.events) >= 2:
+                            self.two_tokens.set()
+                        if leave is not None and len(self.events) == 3:
+                            await leave.wait()
+                            return
+        finally:
+            self.two_tokens.set()
+            self.done.set()
+
+
+async def drain(stream: AsyncIterator[Event]) -> list[Event]:
+    return [event async for event in stream]
+
+
+@asynccontextmanager
+async def deadline(seconds: float = 60) -> AsyncIterator[anyio.abc.TaskGroup]:
+    with anyio.fail_after(seconds):
+        async with anyio.create_task_group() as group:
+            yield group
+
+
+class TestIsolation:
+    async def test_batch_of_8_matches_each_solo_run(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        # Different prompts, image sizes and lengths; 0 leaves early, 6 and 7
+        # join after it left, the others join one by one mid-batch.
+        lengths = (6, 30, 24, 20, 16, 28, 12, 18)
+        reqs = [request(i, n, top_logprobs=3) for i, n in enumerate(lengths)]
+        alone = [await solo(thread, loaded, req) for req in reqs]
+
+        batch = BatchEngine(loaded)
+        gate = BatchGate(max_num_seqs=8, max_pending=8)
+        runs = [Collector(thread, batch, gate, req) for req in reqs]
+        async with deadline() as group:
+            for i in range(6):
+                group.start_soon(runs[i].run)
+                await runs[i].two_tokens.wait()
+            await runs[0].done.wait()
+            assert not runs[1].done.is_set()
+            group.start_soon(runs[6].run)
+            group.start_soon(runs[7].run)
+
+        worst = max(
+            max_logprob_difference(run.events, expected)
+            for run, expected in zip(runs, alone, strict=True)
+        )
+        assert worst <= TOL
+        stats = batch.statistics()
+        assert stats.prefills == 8
+        assert stats.peak_active >= 6
+        assert (stats.active, stats.joining) == (0, 0)
+        assert thread.statistics().open_streams == 0
+
+    async def test_stops_bias_and_end_of_turn_match_solo(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        im_end = loaded.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        full = await solo(thread, loaded, request(1, 20, logprobs=False))
+        text = "".join(e.text for e in full)
+        stop = text[6:9]
+        reqs = [
+            request(1, 20, logprobs=False, stop=("zzz", stop)),
+            request(2, 12, logit_bias=((im_end, 100.0),)),  # ends at once
+            request(3, 9, logit_bias=((5, -100.0), (7, 2.5))),
+            request(4, 14, top_logprobs=5),
+        ]
+        alone = [await solo(thread, loaded, req) for req in reqs]
+        finals = [events[-1] for events in alone]
+        assert [
+            f.finish_reason if isinstance(f, FinalEvent) else None for f in finals
+        ] == [
+            "stop",
+            "stop",
+            "length",
+            "length",
+        ]
+        assert len(alone[1]) == 1  # the end of turn came first: no token
+
+        batch = BatchEngine(loaded)
+        gate = BatchGate(max_num_seqs=4, max_pending=0)
+        runs = [Collector(thread, batch, gate, req) for req in reqs]
+        async with deadline() as group:
+            for run in runs:
+                group.start_soon(run.run)
+        for run, expected in zip(runs, alone, strict=True):
+            assert run.events == expected or (
+                max_logprob_difference(run.events, expected) <= TOL
+            )
+
+    async def test_a_failing_request_leaves_the_batch_alone(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        good = request(0, 16)
+        alone = await solo(thread, loaded, good)
+        # An image with no image marker in the prompt: the model refuses it.
+        params, _ = request(4, 8)
+        bad: Request = (params, [image((64, 64), seed=1)])
+
+        batch = BatchEngine(loaded)
+        gate = BatchGate(max_num_seqs=2, max_pending=0)
+        run = Collector(thread, batch, gate, good)
+        async with deadline() as group:
+            group.start_soon(run.run)
+            await run.two_tokens.wait()
+            with pytest.raises(Exception):  # noqa: B017, PT011 - mlx-vlm's own error
+                await drain(thread.iterate(batch.generate_stream, *bad))
+        assert max_logprob_difference(run.events, alone) <= TOL
+        assert batch.statistics().prefills == 1
+
+
+class TestLeaving:
+    async def test_disconnect_mid_batch_frees_its_slot(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        reqs = [request(i, 40) for i in range(3)]
+        alone_b = await solo(thread, loaded, reqs[1])
+        batch = BatchEngine(loaded)
+        gate = BatchGate(max_num_seqs=2, max_pending=4)
+        a, b, c = (Collector(thread, batch, gate, req) for req in reqs)
+        leave = anyio.Event()
+        async with deadline() as group:
+            group.start_soon(a.run, leave)  # a client that stops reading, then leaves
+            await a.started.wait()
+            group.start_soon(b.run)
+            await b.two_tokens.wait()
+            group.start_soon(c.run)
+            await anyio.sleep(0.05)
+            assert not c.started.is_set()  # two active: c waits its turn
+            assert gate.waiting == 1
+            assert batch.statistics().active == 2
+            leave.set()
+            await a.done.wait()
+            # a's stream was closed on the thread before its slot came back.
+            await c.two_tokens.wait()
+            assert gate.active == 2
+            assert batch.statistics().active + batch.statistics().joining <= 2
+            assert thread.statistics().open_streams <= 2
+        assert len(a.events) == 3
+        assert max_logprob_difference(b.events, alone_b) <= TOL
+        alone_c = await solo(thread, loaded, reqs[2])
+        assert max_logprob_difference(c.events, alone_c) <= TOL
+        assert batch.statistics().peak_active == 2
+        assert thread.statistics().open_streams == 0
+
+    async def test_max_num_seqs_is_respected(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        reqs = [request(i, 6 + i) for i in range(10)]
+        batch = BatchEngine(loaded)
+        gate = BatchGate(max_num_seqs=3, max_pending=10)
+        runs = [Collector(thread, batch, gate, req) for req in reqs]
+        async with deadline() as group:
+            for run in runs:
+                group.start_soon(run.run)
+        peak = max(run.active_at_start for run in runs)
+        assert peak == 3
+        assert batch.statistics().peak_active == 3
+        for i, run in enumerate(runs):
+            assert len(tokens(run.events)) == 6 + i
+
+
+class TestSeeds:
+    async def test_same_seed_same_tokens_alone_or_batched(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        seeded = request(0, 16, temperature=1.5, top_p=0.9, seed=7)
+        unbatched = await solo(thread, loaded, seeded)
+        batch = BatchEngine(loaded)
+        gate = BatchGate(max_num_seqs=8, max_pending=0)
+
+        alone = Collector(thread, batch, gate, seeded)
+        async with deadline() as group:
+            group.start_soon(alone.run)
+
+        crowd = [request(i, 12, temperature=1.0, seed=i) for i in range(1, 6)]
+        runs = [Collector(thread, batch, gate, req) for req in crowd]
+        among = Collector(thread, batch, gate, seeded)
+        async with deadline() as group:
+            for run in runs[:3]:
+                group.start_soon(run.run)
+                await run.two_tokens.wait()
+            group.start_soon(among.run)
+            for run in runs[3:]:
+                group.start_soon(run.run)
+
+        assert max_logprob_difference(alone.events, unbatched) <= TOL
+        assert max_logprob_difference(among.events, unbatched) <= TOL
+
+        other = Collector(thread, batch, gate, request(0, 16, temperature=1.5, seed=8))
+        async with deadline() as group:
+            group.start_soon(other.run)
+        texts = {"".join(e.text for e in run.events) for run in (alone, other)}
+        assert len(texts) == 2
+
+
+class TestGate:
+    async def test_waiting_room_full_is_503(self) -> None:
+        gate = BatchGate(max_num_seqs=1, max_pending=1)
+        entered = anyio.Event()
+        release = anyio.Event()
+
+        async def hold() -> None:
+            async with gate.turn():
+                entered.set()
+                await release.wait()
+
+        async with deadline(10) as group:
+            group.start_soon(hold)
+            await entered.wait()
+            group.start_soon(hold)  # waits
+            await anyio.wait_all_tasks_blocked()
+            assert gate.waiting == 1
+            with pytest.raises(APIError) as caught:
+                async with gate.turn():
+                    pass  # pragma: no cover
+            assert caught.value.status == 503
+            assert caught.value.headers == {"Retry-After": "1"}
+            release.set()
+        assert (gate.active, gate.waiting, gate.busy) == (0, 0, False)
+
+    async def test_cancelled_waiter_gives_up_its_place(self) -> None:
+        gate = BatchGate(max_num_seqs=1, max_pending=4)
+        order: list[str] = []
+        entered = anyio.Event()
+
+        async def hold(name: str, seconds: float) -> None:
+            async with gate.turn():
+                order.append(name)
+                entered.set()
+                await anyio.sleep(seconds)
+
+        async with deadline(10) as group:
+            group.start_soon(hold, "first", 0.05)
+            await entered.wait()
+            with anyio.move_on_after(0.01):
+                await hold("cancelled", 0)
+            assert gate.waiting == 0
+            group.start_soon(hold, "second", 0)
+        assert order == ["first", "second"]
+
+    def test_bounds_are_checked(self) -> None:
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            BatchGate(max_num_seqs=0, max_pending=1)
+
+
+def test_module_function_uses_one_engine_per_model(
+    thread: MLXThread, loaded: LoadedModel
+) -> None:
+    params, images = request(0, 3)
+    events = list(thread.iterate_sync(generate_stream, loaded, params, images))
+    assert len(tokens(events)) == 3
+    events = list(thread.iterate_sync(generate_stream, loaded, params, images))
+    from mlx_pinned.server.batching import engine_for
+
+    assert thread.run_sync(engine_for, loaded).statistics().prefills == 2
