@@ -117,6 +117,17 @@ class _Log:
         )
 
 
+def model_not_found(name: str, config: ServerConfig) -> APIError:
+    """The 404 for a model this server does not serve."""
+    return APIError(
+        404,
+        f"The model {name!r} does not exist: this server serves "
+        f"{config.served_model_name!r}.",
+        param="model",
+        code="model_not_found",
+    )
+
+
 class _Disconnected(Exception):
     """The client left before its request body was read."""
 
@@ -190,8 +201,6 @@ class ChatEndpoint:
         if loaded is None:
             raise APIError(503, "The model is not loaded yet; retry shortly.")
         if request.model != self.config.served_model_name:
-            from .app import model_not_found
-
             raise model_not_found(request.model, self.config)
         params = GenerationParams.from_request(request, self._max_tokens(request))
         vocab = loaded.vocab_size

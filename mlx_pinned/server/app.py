@@ -40,7 +40,7 @@ from mlx_pinned import MLXThread
 from mlx_pinned.middleware import MLXThreadMiddleware
 
 from . import engine
-from ._chat import ChatEndpoint
+from ._chat import ChatEndpoint, model_not_found
 from .images import ImageLimits
 from .schemas import APIError
 
@@ -230,17 +230,6 @@ async def _model(config: ServerConfig, request: Request) -> Response:
     if model_id != config.served_model_name:
         return _error_response(model_not_found(model_id, config))
     return JSONResponse(_model_card(config, request))
-
-
-def model_not_found(name: str, config: ServerConfig) -> APIError:
-    """The 404 for a model this server does not serve."""
-    return APIError(
-        404,
-        f"The model {name!r} does not exist: this server serves "
-        f"{config.served_model_name!r}.",
-        param="model",
-        code="model_not_found",
-    )
 
 
 def _error_response(error: APIError) -> JSONResponse:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -18,6 +19,7 @@ from mlx_pinned.server.engine import (
     LoadedModel,
     TokenEvent,
 )
+from mlx_pinned.testing import image_data_uri
 
 from .conftest import MODEL, Served, sse_events, vision_body
 
@@ -365,6 +367,38 @@ class TestFailures:
             # The server keeps serving.
             assert (await served.chat(vision_body())).status_code == 200
             assert served.thread.statistics().open_streams == 0
+
+
+class TestPlacement:
+    async def test_where_each_piece_runs(
+        self, serve: Serve, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from mlx_pinned.server import images
+
+        seen: dict[str, set[int]] = {"decode": set(), "prompt": set()}
+        decode, build_prompt = images.decode_image, engine.build_prompt
+
+        def spy_decode(*args: Any, **kwargs: Any) -> Any:
+            seen["decode"].add(threading.get_ident())
+            return decode(*args, **kwargs)
+
+        def spy_prompt(*args: Any, **kwargs: Any) -> str:
+            seen["prompt"].add(threading.get_ident())
+            return build_prompt(*args, **kwargs)
+
+        monkeypatch.setattr(images, "decode_image", spy_decode)
+        monkeypatch.setattr(engine, "build_prompt", spy_prompt)
+        async with serve() as served:
+            body = vision_body(2)
+            body["messages"][0]["content"][1]["image_url"]["url"] = image_data_uri(
+                fmt="PNG"
+            )
+            assert (await served.chat(body)).status_code == 200
+            mlx = served.thread.ident
+        loop = threading.get_ident()
+        assert seen["prompt"] == {mlx}
+        assert seen["decode"]
+        assert not seen["decode"] & {mlx, loop}
 
 
 class TestSerialisation:
