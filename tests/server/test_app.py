@@ -161,6 +161,26 @@ class TestCompletion:
             assert await sample(3) == await sample(3)
             assert len({await sample(s) for s in range(4)}) > 1
 
+    async def test_text_only(self, serve: Serve) -> None:
+        async with serve() as served:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+            response = await served.chat({**body, "max_tokens": 3})
+            assert response.status_code == 200
+            assert response.json()["usage"]["completion_tokens"] == 3
+
+    async def test_top_p_is_honoured(self, serve: Serve) -> None:
+        async with serve() as served:
+
+            async def text(**fields: Any) -> str:
+                body = (await served.chat(vision_body(12, **fields))).json()
+                return str(body["choices"][0]["message"]["content"])
+
+            greedy = await text()
+            # A nucleus of one token samples the most likely token at any seed.
+            for seed in range(3):
+                assert await text(temperature=1.5, top_p=1e-6, seed=seed) == greedy
+            assert await text(temperature=1.5, seed=0) != greedy
+
     async def test_multi_turn_several_images(self, serve: Serve) -> None:
         async with serve() as served:
             first = vision_body(2)["messages"][0]
