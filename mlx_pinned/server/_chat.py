@@ -13,10 +13,8 @@ sent as one error event, and the stream ends without ``[DONE]``.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -29,6 +27,13 @@ from mlx_pinned import (
 )
 
 from . import engine
+from ._http import (
+    Disconnected,
+    RequestLog,
+    ResponseWriter,
+    read_body,
+    watch_disconnect,
+)
 from .engine import FinalEvent, GenerationParams, TokenEvent, TokenLogprobs
 from .images import collect_image_refs, load_images
 from .schemas import (
@@ -49,72 +54,15 @@ from .schemas import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Sequence
+    from collections.abc import AsyncIterator
 
-    from starlette.types import Message, Receive, Scope, Send
+    from starlette.types import Receive, Scope, Send
 
     from mlx_pinned import MLXThread
 
     from .app import ServerConfig, _Gate
 
 logger = logging.getLogger("mlx_pinned.server")
-
-_SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
-_JSON_HEADERS = [(b"content-type", b"application/json")]
-
-
-@dataclass
-class _Log:
-    """What the one log line of a request reports."""
-
-    start: float
-    status: int = 0
-    stream: bool = False
-    images: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    queued: float = 0.0
-    first_token: float | None = None
-    last_token: float | None = None
-    finish: str = "-"
-    disconnected: bool = False
-
-    def record(self, event: TokenEvent | FinalEvent) -> None:
-        if isinstance(event, TokenEvent):
-            now = time.perf_counter()
-            self.first_token = self.first_token or now
-            self.last_token = now
-            self.completion_tokens += 1
-        else:
-            self.prompt_tokens = event.prompt_tokens
-            self.completion_tokens = event.completion_tokens
-            self.finish = event.finish_reason
-
-    def emit(self) -> None:
-        end = time.perf_counter()
-        ttft = (self.first_token - self.start) * 1e3 if self.first_token else 0.0
-        decode = (self.last_token or end) - (self.first_token or end)
-        rate = (self.completion_tokens - 1) / decode if decode > 0 else 0.0
-        logger.info(
-            "POST /v1/chat/completions %d stream=%s images=%d prompt=%d "
-            "completion=%d queue=%.1fms ttft=%.1fms total=%.1fms %.1f tok/s "
-            "finish=%s%s",
-            self.status,
-            int(self.stream),
-            self.images,
-            self.prompt_tokens,
-            self.completion_tokens,
-            self.queued * 1e3,
-            ttft,
-            (end - self.start) * 1e3,
-            rate,
-            self.finish,
-            " (client disconnected)" if self.disconnected else "",
-        )
 
 
 def model_not_found(name: str, config: ServerConfig) -> APIError:
@@ -126,10 +74,6 @@ def model_not_found(name: str, config: ServerConfig) -> APIError:
         param="model",
         code="model_not_found",
     )
-
-
-class _Disconnected(Exception):
-    """The client left before its request body was read."""
 
 
 class ChatEndpoint:
@@ -148,19 +92,19 @@ class ChatEndpoint:
         self.gate = gate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        log = _Log(start=time.perf_counter())
-        response = _Response(send)
+        log = RequestLog(start=time.perf_counter())
+        response = ResponseWriter(send)
         try:
-            body = await _read_body(scope, receive, self.config.max_body_bytes)
+            body = await read_body(scope, receive, self.config.max_body_bytes)
             async with anyio.create_task_group() as group:
                 group.start_soon(
-                    _watch_disconnect, receive, group.cancel_scope, response, log
+                    watch_disconnect, receive, group.cancel_scope, response, log
                 )
                 try:
                     await self._answer(scope, body, response, log)
                 finally:
                     group.cancel_scope.cancel()
-        except _Disconnected:
+        except Disconnected:
             log.disconnected = True
         except APIError as error:
             await response.error(error)
@@ -169,7 +113,7 @@ class ChatEndpoint:
             log.emit()
 
     async def _answer(
-        self, scope: Scope, body: bytes, response: _Response, log: _Log
+        self, scope: Scope, body: bytes, response: ResponseWriter, log: RequestLog
     ) -> None:
         """Handle the request; every error becomes an answer (none escapes)."""
         try:
@@ -193,7 +137,7 @@ class ChatEndpoint:
             )
 
     async def _handle(
-        self, scope: Scope, body: bytes, response: _Response, log: _Log
+        self, scope: Scope, body: bytes, response: ResponseWriter, log: RequestLog
     ) -> None:
         request = parse_chat_request(body)
         log.stream = bool(request.stream)
@@ -250,8 +194,8 @@ class ChatEndpoint:
         self,
         request: ChatCompletionRequest,
         stream: AsyncIterator[TokenEvent | FinalEvent],
-        response: _Response,
-        log: _Log,
+        response: ResponseWriter,
+        log: RequestLog,
     ) -> None:
         chunk_id, created = completion_id()
         model = self.config.served_model_name
@@ -341,93 +285,3 @@ def _content_choice(event: TokenEvent) -> ChunkChoice:
     if event.logprobs is not None:
         logprobs = ChoiceLogprobs(content=[_token_logprob(event.logprobs)])
     return ChunkChoice(delta=Delta(content=event.text), logprobs=logprobs)
-
-
-class _Response:
-    """The response side of one request: a status is sent once, first."""
-
-    def __init__(self, send: Send) -> None:
-        self._send = send
-        self.status = 0
-        self.started = False
-        self.ended = False
-
-    async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.status, self.started = status, True
-        await self._send(
-            {"type": "http.response.start", "status": status, "headers": headers}
-        )
-
-    async def json(
-        self, body: bytes, status: int = 200, extra: Sequence[tuple[bytes, bytes]] = ()
-    ) -> None:
-        await self._start(status, [*_JSON_HEADERS, *extra])
-        await self.send(body, more=False)
-
-    async def start_stream(self, first: bytes) -> None:
-        await self._start(200, _SSE_HEADERS)
-        await self.send(first)
-
-    async def send(self, body: bytes, *, more: bool = True) -> None:
-        await self._send(
-            {"type": "http.response.body", "body": body, "more_body": more}
-        )
-        self.ended = not more
-
-    async def end(self) -> None:
-        if self.started and not self.ended:
-            await self.send(b"", more=False)
-
-    async def error(self, error: APIError) -> None:
-        """An error response, or an error event if the stream already began."""
-        body = json.dumps(error.body()).encode()
-        if error.status >= 500:
-            logger.warning("answering %d: %s", error.status, error.message)
-        try:
-            if not self.started:
-                headers = [
-                    (k.lower().encode(), v.encode()) for k, v in error.headers.items()
-                ]
-                await self.json(body, error.status, headers)
-            elif not self.ended:
-                await self.send(b"data: " + body + b"\n\n", more=False)
-        except OSError:  # the client is gone; nothing left to tell it
-            pass
-
-
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes ``limit``."""
-    too_large = APIError(
-        413,
-        f"The request body is larger than this server's limit of {limit} bytes.",
-        code="request_too_large",
-    )
-    length = dict(scope["headers"]).get(b"content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise too_large
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message: Message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _Disconnected
-        body = message.get("body", b"")
-        size += len(body)
-        if size > limit:
-            raise too_large
-        chunks.append(body)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-async def _watch_disconnect(
-    receive: Receive, scope: anyio.CancelScope, response: _Response, log: _Log
-) -> None:
-    """Cancel the request when its client disconnects before the answer ends."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            if not response.ended:
-                log.disconnected = True
-                scope.cancel()
-            return

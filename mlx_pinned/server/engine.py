@@ -14,7 +14,6 @@ stale generation it finds still open on the model before it starts.
 
 from __future__ import annotations
 
-import codecs
 import importlib
 import logging
 import time
@@ -25,6 +24,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
+from ._text import StopMatcher as StopMatcher
+from ._text import TextDecoder, token_bytes
 from .schemas import (
     AssistantMessage,
     ChatCompletionRequest,
@@ -100,7 +101,7 @@ class LoadedModel:
         """
         cached = self._token_text.get(token_id)
         if cached is None:
-            raw = _token_bytes(self.processor, self.tokenizer, token_id)
+            raw = token_bytes(self.processor, self.tokenizer, token_id)
             cached = (raw.decode("utf-8", errors="backslashreplace"), list(raw))
             self._token_text[token_id] = cached
         return cached
@@ -278,40 +279,6 @@ def build_prompt(loaded: LoadedModel, messages: Sequence[dict[str, Any]]) -> str
     return str(prompt)
 
 
-class StopMatcher:
-    """Cuts generated text at the first stop string.
-
-    Text that could be the start of a stop string is held back until it is
-    known not to be one, so a stop string never reaches the client.
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(stops)
-        self._pending = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Add text; returns the text safe to release and whether a stop hit."""
-        if not self.stops:
-            return text, False
-        pending = self._pending + text
-        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self._pending = ""
-            return pending[: min(hits)], True
-        hold = 0
-        for k in range(min(len(pending), max(map(len, self.stops)) - 1), 0, -1):
-            if any(s.startswith(pending[-k:]) for s in self.stops):
-                hold = k
-                break
-        self._pending = pending[len(pending) - hold :]
-        return pending[: len(pending) - hold], False
-
-    def flush(self) -> str:
-        """The text held back, released at the end of the generation."""
-        text, self._pending = self._pending, ""
-        return text
-
-
 def generate_stream(
     loaded: LoadedModel,
     params: GenerationParams,
@@ -353,7 +320,7 @@ def generate_stream(
     )
     loaded._active = inner
     matcher = StopMatcher(params.stop)
-    decoder = _TextDecoder(loaded)
+    decoder = TextDecoder(loaded.processor, lambda t: loaded.token_text(t)[1])
     finish, tail = "length", ""
     prompt_tokens = completion = 0
     first_token_at: float | None = None
@@ -392,38 +359,6 @@ def generate_stream(
     )
 
 
-class _TextDecoder:
-    """Text per token: byte-level BPE tokens through an incremental UTF-8
-    decoder, so text streams token by token instead of word by word; other
-    tokenizers through mlx-vlm's own streaming detokenizer."""
-
-    def __init__(self, loaded: LoadedModel) -> None:
-        detokenizer = getattr(loaded.processor, "detokenizer", None)
-        self._loaded = loaded
-        self._bytes = getattr(detokenizer, "_byte_decoder", None) is not None
-        self._trim = bool(getattr(detokenizer, "trim_space", False))
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._started = False
-
-    def add(self, token: int, fallback: str) -> str:
-        if not self._bytes:
-            return fallback
-        return self._emit(
-            self._decoder.decode(bytes(self._loaded.token_text(token)[1]))
-        )
-
-    def finish(self, fallback: str) -> str:
-        if not self._bytes:
-            return fallback
-        return self._emit(self._decoder.decode(b"", final=True))
-
-    def _emit(self, text: str) -> str:
-        if self._trim and not self._started and text.startswith(" "):
-            text = text[1:]
-        self._started = self._started or bool(text)
-        return text
-
-
 def _logprobs(
     loaded: LoadedModel, token: int, logprobs: mx.array, params: GenerationParams
 ) -> TokenLogprobs:
@@ -445,14 +380,3 @@ def _logprobs(
         alt_text, alt_raw = loaded.token_text(index)
         top.append((alt_text, value, alt_raw))
     return TokenLogprobs(text, cast("float", chosen.item()), raw, top)
-
-
-def _token_bytes(processor: Any, tokenizer: Any, token_id: int) -> bytes:
-    """The exact bytes of a token: through the byte-level BPE map if there is one."""
-    detokenizer = getattr(processor, "detokenizer", None)
-    byte_decoder = getattr(detokenizer, "_byte_decoder", None)
-    if byte_decoder is not None:
-        piece = tokenizer.convert_ids_to_tokens(token_id)
-        if isinstance(piece, str) and all(c in byte_decoder for c in piece):
-            return bytes(byte_decoder[c] for c in piece)
-    return str(tokenizer.decode([token_id])).encode("utf-8")

@@ -1,0 +1,154 @@
+"""OpenAI's error shape, and pydantic's validation errors turned into it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+__all__ = ["APIError", "error_body", "validation_error_to_api_error"]
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with an HTTP status.
+
+    Args:
+        status: The HTTP status code.
+        message: One sentence that says what is wrong and what to do.
+        param: The request parameter at fault, e.g. ``messages[0].content``.
+        code: A short machine-readable code, e.g. ``model_not_found``.
+        type: OpenAI's error type; derived from ``status`` when None.
+        headers: Extra response headers (e.g. ``Retry-After``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        default = "server_error" if status >= 500 else "invalid_request_error"
+        self.type = type or _STATUS_TYPES.get(status, default)
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body, ``{"error": {...}}``."""
+        return error_body(
+            self.message, type=self.type, param=self.param, code=self.code
+        )
+
+
+def error_body(
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def validation_error_to_api_error(
+    exc: ValidationError, body: bytes, field_names: frozenset[str]
+) -> APIError:
+    """A 400 :class:`APIError` for the most specific error of ``exc``.
+
+    Args:
+        exc: pydantic's error for ``body``.
+        body: The request body that failed.
+        field_names: Every field name of the request models, to tell a
+            missing field from one of pydantic's union labels.
+    """
+    errors = exc.errors(include_url=False, include_context=False)
+    if any(e["type"] == "json_invalid" for e in errors):
+        return APIError(
+            400,
+            "We could not parse the JSON body of your request: send valid JSON.",
+            code="invalid_json",
+        )
+    try:
+        data: Any = json.loads(body)
+    except ValueError:  # pragma: no cover - pydantic parsed it already
+        data = None
+    paths = [_param_path(e["loc"], data, field_names) for e in errors]
+    path = max(paths, key=len)
+    # A union (string or list) fails once per member at the same path.
+    same = [e for e, p in zip(errors, paths, strict=True) if p == path]
+    best = same[-1]
+    texts = list(
+        dict.fromkeys(str(e["msg"]).removeprefix("Value error, ") for e in same)
+    )
+    message = ", or ".join([texts[0], *(t[:1].lower() + t[1:] for t in texts[1:])])
+    if best["type"] == "missing":
+        text = f"Missing required parameter: '{_dotted(path)}'."
+    elif path:
+        text = f"Invalid value for '{_dotted(path)}': {message}."
+    else:
+        text = f"Invalid request body: {message}."
+    return APIError(400, text, param=_dotted(path) or None, code=_code(best["type"]))
+
+
+def _code(error_type: str) -> str:
+    if error_type == "missing":
+        return "missing_required_parameter"
+    if error_type.endswith("_type") or error_type in {
+        "union_tag_invalid",
+        "literal_error",
+    }:
+        return "invalid_type"
+    return "invalid_value"
+
+
+def _param_path(
+    loc: tuple[int | str, ...], data: Any, field_names: frozenset[str]
+) -> list[int | str]:
+    """Drop pydantic's union labels from ``loc`` by walking the request data.
+
+    pydantic puts discriminator tags (``'user'``) and union members
+    (``'list[...]'``) in the location; OpenAI names the path in the request.
+    """
+    path: list[int | str] = []
+    current = data
+    for i, item in enumerate(loc):
+        if isinstance(current, dict) and isinstance(item, str) and item in current:
+            current = current[item]
+            path.append(item)
+        elif (
+            isinstance(current, list) and isinstance(item, int) and item < len(current)
+        ):
+            current = current[item]
+            path.append(item)
+        elif i == len(loc) - 1:
+            # A missing field is named only as the last element and only if it
+            # is a real field, not a union label such as 'str' or 'user'.
+            if isinstance(current, dict) and item in field_names:
+                path.append(item)
+        elif not isinstance(item, str) or not isinstance(current, (dict, list)):
+            break
+    return path
+
+
+def _dotted(path: list[int | str]) -> str:
+    out = ""
+    for item in path:
+        out += f"[{item}]" if isinstance(item, int) else f".{item}" if out else item
+    return out

@@ -1,0 +1,185 @@
+"""The HTTP side of a chat request: body, response, disconnects, log line.
+
+Plain ASGI, on the event loop. Nothing here knows about models.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ._errors import APIError
+from .engine import FinalEvent, TokenEvent
+
+if TYPE_CHECKING:
+    from starlette.types import Message, Receive, Scope, Send
+
+__all__ = [
+    "Disconnected",
+    "RequestLog",
+    "ResponseWriter",
+    "read_body",
+    "watch_disconnect",
+]
+
+logger = logging.getLogger("mlx_pinned.server")
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+@dataclass
+class RequestLog:
+    """What the one log line of a request reports."""
+
+    start: float
+    status: int = 0
+    stream: bool = False
+    images: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    queued: float = 0.0
+    first_token: float | None = None
+    last_token: float | None = None
+    finish: str = "-"
+    disconnected: bool = False
+
+    def record(self, event: TokenEvent | FinalEvent) -> None:
+        if isinstance(event, TokenEvent):
+            now = time.perf_counter()
+            self.first_token = self.first_token or now
+            self.last_token = now
+            self.completion_tokens += 1
+        else:
+            self.prompt_tokens = event.prompt_tokens
+            self.completion_tokens = event.completion_tokens
+            self.finish = event.finish_reason
+
+    def emit(self) -> None:
+        end = time.perf_counter()
+        ttft = (self.first_token - self.start) * 1e3 if self.first_token else 0.0
+        decode = (self.last_token or end) - (self.first_token or end)
+        rate = (self.completion_tokens - 1) / decode if decode > 0 else 0.0
+        logger.info(
+            "POST /v1/chat/completions %d stream=%s images=%d prompt=%d "
+            "completion=%d queue=%.1fms ttft=%.1fms total=%.1fms %.1f tok/s "
+            "finish=%s%s",
+            self.status,
+            int(self.stream),
+            self.images,
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.queued * 1e3,
+            ttft,
+            (end - self.start) * 1e3,
+            rate,
+            self.finish,
+            " (client disconnected)" if self.disconnected else "",
+        )
+
+
+class Disconnected(Exception):
+    """The client left before its request body was read."""
+
+
+class ResponseWriter:
+    """The response side of one request: a status is sent once, first."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.status = 0
+        self.started = False
+        self.ended = False
+
+    async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status, self.started = status, True
+        await self._send(
+            {"type": "http.response.start", "status": status, "headers": headers}
+        )
+
+    async def json(
+        self, body: bytes, status: int = 200, extra: Sequence[tuple[bytes, bytes]] = ()
+    ) -> None:
+        await self._start(status, [*_JSON_HEADERS, *extra])
+        await self.send(body, more=False)
+
+    async def start_stream(self, first: bytes) -> None:
+        await self._start(200, _SSE_HEADERS)
+        await self.send(first)
+
+    async def send(self, body: bytes, *, more: bool = True) -> None:
+        await self._send(
+            {"type": "http.response.body", "body": body, "more_body": more}
+        )
+        self.ended = not more
+
+    async def end(self) -> None:
+        if self.started and not self.ended:
+            await self.send(b"", more=False)
+
+    async def error(self, error: APIError) -> None:
+        """An error response, or an error event if the stream already began."""
+        body = json.dumps(error.body()).encode()
+        if error.status >= 500:
+            logger.warning("answering %d: %s", error.status, error.message)
+        try:
+            if not self.started:
+                headers = [
+                    (k.lower().encode(), v.encode()) for k, v in error.headers.items()
+                ]
+                await self.json(body, error.status, headers)
+            elif not self.ended:
+                await self.send(b"data: " + body + b"\n\n", more=False)
+        except OSError:  # the client is gone; nothing left to tell it
+            pass
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes ``limit``."""
+    too_large = APIError(
+        413,
+        f"The request body is larger than this server's limit of {limit} bytes.",
+        code="request_too_large",
+    )
+    length = dict(scope["headers"]).get(b"content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            raise Disconnected
+        body = message.get("body", b"")
+        size += len(body)
+        if size > limit:
+            raise too_large
+        chunks.append(body)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def watch_disconnect(
+    receive: Receive,
+    scope: anyio.CancelScope,
+    response: ResponseWriter,
+    log: RequestLog,
+) -> None:
+    """Cancel the request when its client disconnects before the answer ends."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not response.ended:
+                log.disconnected = True
+                scope.cancel()
+            return
