@@ -31,6 +31,18 @@ if TYPE_CHECKING:
 
 # mlx-vlm's default: prompts longer than this are prefilled in chunks.
 _PREFILL_STEP = 2048
+# Prefill inputs that matter only for media positions and rope positions,
+# which a decode step of a text token recomputes the same way.
+_POSITION_ONLY = frozenset(
+    {
+        "image_grid_thw",
+        "video_grid_thw",
+        "position_ids",
+        "rope_deltas",
+        "visual_pos_masks",
+        "deepstack_visual_embeds",
+    }
+)
 
 
 class Sampled(NamedTuple):
@@ -212,9 +224,6 @@ class BatchState:
             )
             mx.eval([c.state for c in cache])
             embeds, input_ids = embeds[:, n:], input_ids[:, n:]
-        output = lm(
-            input_ids, inputs_embeds=embeds, cache=cache, logits_to_keep=1, **kwargs
-        )
         if self.mrope:
             delta = kwargs.get("rope_deltas")
             if not isinstance(delta, mx.array):
@@ -222,11 +231,22 @@ class BatchState:
             if delta is None:
                 delta = mx.zeros((1, 1), dtype=mx.int32)
             row.rope_delta = delta.reshape(-1)[:1].reshape(1, 1)
-        logits = output.logits[:, -1, :]
-        bias = self._bias_row(row, logits)[None] if row.bias else None
-        (first,) = self._sample(logits, [row], bias, cache)
         row.cache = cache
-        self._record(row, first)
+        last = int(input_ids[0, -1].item())
+        if row.prompt_tokens > 1 and self._deferrable(last, kwargs):
+            # The last prompt token is a text token: its pass is the same
+            # operation as a decode step (its embedding, position offset +
+            # rope delta), so it runs in the next batched step, which samples
+            # the first token, instead of in a forward pass of its own.
+            row.token = last
+        else:
+            output = lm(
+                input_ids, inputs_embeds=embeds, cache=cache, logits_to_keep=1, **kwargs
+            )
+            logits = output.logits[:, -1, :]
+            bias = self._bias_row(row, logits)[None] if row.bias else None
+            (first,) = self._sample(logits, [row], bias, cache)
+            self._record(row, first)
         self.prefills += 1
         self.prefill_seconds += time.perf_counter() - start
         if row.done:
@@ -234,6 +254,20 @@ class BatchState:
         else:
             self.joining.append(row)
         return row
+
+    def _deferrable(self, token: int, kwargs: dict[str, Any]) -> bool:
+        config = self.loaded.model.config
+        media = {
+            getattr(config, name, None)
+            for name in (
+                "image_token_index",
+                "image_token_id",
+                "video_token_index",
+                "video_token_id",
+                "audio_token_id",
+            )
+        }
+        return token not in media and set(kwargs) <= _POSITION_ONLY
 
     # -- leaving -------------------------------------------------------------
 

@@ -56,14 +56,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._batch_state import BatchState, BatchStatistics, Sampled
+from ._text import StopMatcher, TextDecoder
 from .engine import (
     FinalEvent,
     GenerationParams,
     LoadedModel,
-    StopMatcher,
     TokenEvent,
     TokenLogprobs,
-    _TextDecoder,
 )
 from .schemas import APIError
 
@@ -185,7 +184,7 @@ class _Text:
     """A sequence's text, token by token, as the unbatched path makes it."""
 
     def __init__(self, loaded: LoadedModel) -> None:
-        self._decoder = _TextDecoder(loaded)
+        self._decoder = TextDecoder(loaded.processor, lambda t: loaded.token_text(t)[1])
         self._detokenizer: Any = None
         detokenizer = getattr(loaded.processor, "detokenizer", None)
         if (

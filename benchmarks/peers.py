@@ -1,0 +1,522 @@
+"""mlx-pinned's server next to its peers, on one model and one request.
+
+Starts each server in turn on a free loopback port, on the same model folder
+(the tiny Qwen3-VL of ``mlx_pinned.testing`` by default), waits until it
+answers, warms it up, then sends the same request (a 64x64 JPEG, "Describe
+this image in one sentence.", 32 tokens, temperature 0, non-streaming) at
+each concurrency, several rounds each, and stops it before the next one
+starts. Per system and concurrency it prints requests answered, aggregate
+completion tokens/s (median of the rounds), p50/p99 latency, time to first
+token (one streaming probe per round, sent with the load, not counted in it)
+and errors, then the ratios against vllm-mlx, and writes a PNG.
+
+::
+
+    python benchmarks/peers.py run [--systems ...] [--concurrency 1,8,32]
+        [--rounds 3] [--peers-venv /work/venv-peers] [--plot peers.png]
+    python benchmarks/peers.py inprocess      # batched vs one at a time
+
+Systems (``--systems``, comma-separated; override a command with
+``--cmd NAME='TEMPLATE'``, fields ``{python} {peers_bin} {model} {port}
+{self}``):
+
+- ``mlx-pinned``: ``python -m mlx_pinned.server serve MODEL``;
+- ``mlx-pinned-batched``: the same app with :mod:`mlx_pinned.server.batching`
+  switched in (``peers.py serve-batched``, a stand-in until ``serve`` has a
+  ``--max-num-seqs`` option);
+- ``vllm-mlx``, ``vllm-mlx-cb``: ``vllm-mlx serve MODEL --mllm``, without and
+  with ``--continuous-batching``;
+- ``mlx-vlm``: ``python -m mlx_vlm.server --model MODEL``.
+
+The peers live in their own virtual environment (vllm-mlx 0.6.0 installs on
+Linux beside ``mlx[cpu]``)::
+
+    python -m venv /work/venv-peers
+    /work/venv-peers/bin/pip install vllm-mlx==0.6.0 'mlx[cpu]==0.32.4' \\
+        mlx-vlm==0.7.10
+
+This script needs ``httpx`` and ``matplotlib`` beside mlx-pinned. It is
+expensive (every server, every level, every round): run it on a quiet
+machine, never in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROMPT = "Describe this image in one sentence."
+SERVED_NAME = "tiny"
+
+COMMANDS: dict[str, str] = {
+    "mlx-pinned-batched": "{python} {self} serve-batched {model} --port {port} "
+    "--max-num-seqs 32",
+    "mlx-pinned": "{python} -m mlx_pinned.server serve {model} --port {port} "
+    f"--served-model-name {SERVED_NAME} --log-level warning --max-pending 1024",
+    "vllm-mlx": "{peers_bin}/vllm-mlx serve {model} --mllm --port {port}",
+    "vllm-mlx-cb": "{peers_bin}/vllm-mlx serve {model} --mllm --port {port} "
+    "--continuous-batching",
+    "mlx-vlm": "{peers_bin}/python -m mlx_vlm.server --model {model} --port {port}",
+}
+BASELINE = "vllm-mlx-cb"
+
+
+# -- one load level ---------------------------------------------------------------
+
+
+@dataclass
+class Level:
+    """What one system did at one concurrency, over all its rounds."""
+
+    system: str
+    concurrency: int
+    sent: int = 0
+    ok: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    tokens_per_s: list[float] = field(default_factory=list)  # one per round
+    latencies: list[float] = field(default_factory=list)  # seconds, ok only
+    ttfts: list[float] = field(default_factory=list)  # seconds, one per round
+
+    @property
+    def tok_s(self) -> float:
+        return statistics.median(self.tokens_per_s) if self.tokens_per_s else 0.0
+
+    def latency(self, q: float) -> float:
+        return _quantile(self.latencies, q)
+
+    @property
+    def ttft(self) -> float:
+        return statistics.median(self.ttfts) if self.ttfts else math.nan
+
+    def error(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def request_body(model: str, image_uri: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": PROMPT},
+                    {"type": "image_url", "image_url": {"url": image_uri}},
+                ],
+            }
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+    }
+
+
+async def one_round(
+    client: Any, body: dict[str, Any], level: Level, requests: int
+) -> None:
+    """``requests`` requests from ``level.concurrency`` workers, plus a probe."""
+    remaining = requests
+    tokens = 0
+
+    async def worker() -> None:
+        nonlocal remaining, tokens
+        while remaining > 0:
+            remaining -= 1
+            level.sent += 1
+            start = time.perf_counter()
+            try:
+                response = await client.post("/v1/chat/completions", json=body)
+            except Exception as exc:
+                level.error(type(exc).__name__)
+                continue
+            if response.status_code != 200:
+                level.error(str(response.status_code))
+                continue
+            usage = response.json().get("usage") or {}
+            level.latencies.append(time.perf_counter() - start)
+            level.ok += 1
+            tokens += int(usage.get("completion_tokens") or 0)
+
+    async def probe() -> None:
+        start = time.perf_counter()
+        with contextlib.suppress(Exception):
+            async with client.stream(
+                "POST", "/v1/chat/completions", json={**body, "stream": True}
+            ) as response:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    choices = json.loads(line[6:]).get("choices") or [{}]
+                    if (choices[0].get("delta") or {}).get("content"):
+                        level.ttfts.append(time.perf_counter() - start)
+                        return
+
+    start = time.perf_counter()
+    probing = asyncio.ensure_future(probe())
+    await asyncio.gather(*(worker() for _ in range(level.concurrency)))
+    level.tokens_per_s.append(tokens / (time.perf_counter() - start))
+    await probing
+
+
+# -- servers ----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def server(command: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``command`` in its own process group; SIGTERM, then SIGKILL, at exit."""
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+                try:
+                    process.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+
+
+async def wait_ready(
+    client: Any, process: subprocess.Popen[bytes], timeout: float
+) -> str:
+    """Poll ``GET /v1/models`` until it answers; returns the served model id."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        with contextlib.suppress(Exception):
+            response = await client.get("/v1/models", timeout=2)
+            if response.status_code == 200:
+                data = response.json().get("data") or [{}]
+                return str(data[0].get("id") or "")
+        await asyncio.sleep(0.25)
+    raise TimeoutError(f"the server did not answer within {timeout:.0f} s")
+
+
+async def bench_system(
+    name: str, command: list[str], args: argparse.Namespace, image_uri: str
+) -> list[Level]:
+    import httpx
+
+    port = int(command[command.index("--port") + 1]) if "--port" in command else 0
+    base = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.gettempdir()) / f"peers-{name}.log"
+    levels: list[Level] = []
+    print(f"\n== {name}: {' '.join(command)}  (log: {log})", flush=True)
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 8)
+    with server(command, log) as process:
+        async with httpx.AsyncClient(
+            base_url=base, timeout=args.request_timeout, limits=limits
+        ) as client:
+            try:
+                served = await wait_ready(client, process, args.startup_timeout)
+            except Exception as exc:
+                print(f"   not started: {exc}\n{_tail(log)}", flush=True)
+                return []
+            body = request_body(served or args.model, image_uri, args.max_tokens)
+            for _ in range(args.warmup):
+                await client.post("/v1/chat/completions", json=body)
+            for concurrency in args.concurrency:
+                level = Level(name, concurrency)
+                requests = max(args.requests, 2 * concurrency)
+                for _ in range(args.rounds):
+                    await one_round(client, body, level, requests)
+                print("   " + _row(level), flush=True)
+                levels.append(level)
+    return levels
+
+
+def _tail(log: Path, lines: int = 15) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+# -- reporting --------------------------------------------------------------------
+
+
+def _row(level: Level) -> str:
+    errors = ", ".join(f"{n}x{k}" for k, n in sorted(level.errors.items())) or "-"
+    return (
+        f"{level.system:<19} c{level.concurrency:<3} {level.ok:>4}/{level.sent:<4} "
+        f"{level.tok_s:7.0f} tok/s  p50 {level.latency(0.5) * 1e3:7.1f} ms  "
+        f"p99 {level.latency(0.99) * 1e3:7.1f} ms  ttft {level.ttft * 1e3:6.1f} ms  "
+        f"errors {errors}"
+    )
+
+
+def report(levels: list[Level]) -> None:
+    print("\n| system | c | ok | tok/s | p50 ms | p99 ms | TTFT ms | errors |")
+    print("|---|---|---|---|---|---|---|---|")
+    for lv in levels:
+        errors = ", ".join(f"{n}x{k}" for k, n in sorted(lv.errors.items())) or "0"
+        print(
+            f"| {lv.system} | {lv.concurrency} | {lv.ok}/{lv.sent} | {lv.tok_s:.0f} "
+            f"| {lv.latency(0.5) * 1e3:.1f} | {lv.latency(0.99) * 1e3:.1f} "
+            f"| {lv.ttft * 1e3:.1f} | {errors} |"
+        )
+    base = {lv.concurrency: lv for lv in levels if lv.system == BASELINE}
+    if not base:
+        return
+    print(f"\nratios against {BASELINE} (tok/s; p50 latency, lower is better):")
+    for lv in levels:
+        ref = base.get(lv.concurrency)
+        if ref is None or lv.system == BASELINE or not ref.tok_s:
+            continue
+        print(
+            f"  {lv.system:<19} c{lv.concurrency:<3} {lv.tok_s / ref.tok_s:5.2f}x "
+            f"tok/s, {lv.latency(0.5) / ref.latency(0.5):5.2f}x p50"
+        )
+
+
+def plot(levels: list[Level], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(dict.fromkeys(lv.system for lv in levels))
+    concurrencies = sorted({lv.concurrency for lv in levels})
+    by = {(lv.system, lv.concurrency): lv for lv in levels}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(systems))
+    for i, system in enumerate(systems):
+        xs = [j + i * width for j in range(len(concurrencies))]
+        rows = [by.get((system, c)) for c in concurrencies]
+        left.bar(xs, [r.tok_s if r else 0 for r in rows], width, label=system)
+        right.bar(
+            xs, [r.latency(0.5) * 1e3 if r else 0 for r in rows], width, label=system
+        )
+    for axis, label in ((left, "completion tokens/s"), (right, "p50 latency (ms)")):
+        axis.set_xticks([j + 0.4 - width / 2 for j in range(len(concurrencies))])
+        axis.set_xticklabels([f"c{c}" for c in concurrencies])
+        axis.set_ylabel(label)
+    right.set_yscale("log")
+    left.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"\nplot: {path}")
+
+
+# -- commands ---------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    from mlx_pinned.testing import image_data_uri, tiny_vlm_path
+
+    args.model = args.model or str(tiny_vlm_path())
+    image_uri = image_data_uri(64, 64, "JPEG")
+    commands = dict(COMMANDS)
+    for override in args.cmd:
+        name, _, template = override.partition("=")
+        commands[name] = template
+    fields = {
+        "python": sys.executable,
+        "peers_bin": str(Path(args.peers_venv) / "bin"),
+        "model": args.model,
+        "self": str(Path(__file__).resolve()),
+    }
+    levels: list[Level] = []
+    for name in args.systems:
+        if name not in commands:
+            raise SystemExit(f"unknown system {name!r}: one of {sorted(commands)}")
+        command = commands[name].format(**fields, port=free_port()).split()
+        levels += asyncio.run(bench_system(name, command, args, image_uri))
+    report(levels)
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(lv) for lv in levels], indent=1))
+    if args.plot and levels:
+        title = (
+            f"same request (64x64 JPEG, {args.max_tokens} tokens, non-streaming), "
+            f"{args.rounds} rounds, {os.cpu_count()} CPUs"
+        )
+        plot(levels, Path(args.plot), title)
+    return 0
+
+
+def serve_batched(args: argparse.Namespace) -> int:
+    """The mlx-pinned app with batched generation switched in (a stand-in
+    until ``mlx-pinned serve`` has ``--max-num-seqs``)."""
+    import logging
+
+    import uvicorn
+
+    from mlx_pinned.server import _chat, batching, create_app
+
+    logging.basicConfig(level=logging.WARNING)
+    app = create_app(
+        args.model, served_model_name=SERVED_NAME, max_pending=args.max_pending
+    )
+    gate = batching.BatchGate(args.max_num_seqs, args.max_pending)
+    endpoints = [getattr(route, "app", None) for route in app.routes]
+    for endpoint in endpoints:
+        if isinstance(endpoint, _chat.ChatEndpoint):
+            endpoint.gate = gate  # type: ignore[assignment]
+    from mlx_pinned.server import engine
+
+    engine.generate_stream = batching.generate_stream
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    return 0
+
+
+def inprocess(args: argparse.Namespace) -> int:
+    """Batched (BatchGate + batching) vs one at a time (engine), in process."""
+    import io
+
+    import anyio
+    from PIL import Image
+
+    from mlx_pinned import MLXThread
+    from mlx_pinned.server import batching, engine
+    from mlx_pinned.server.engine import FinalEvent, GenerationParams
+    from mlx_pinned.testing import make_test_image, tiny_vlm_path
+
+    image = Image.open(io.BytesIO(make_test_image())).convert("RGB")
+    content = [{"type": "text", "text": PROMPT}, {"type": "image_url"}]
+    params = GenerationParams(
+        ({"role": "user", "content": content},),
+        max_tokens=args.max_tokens,
+        temperature=0.0,
+    )
+
+    class OneAtATime:
+        def __init__(self) -> None:
+            self.lock = anyio.Lock()
+
+        @contextlib.asynccontextmanager
+        async def turn(self) -> Any:
+            async with self.lock:
+                yield
+
+    async def level(thread: Any, loaded: Any, mode: str, concurrency: int) -> Level:
+        result = Level(mode, concurrency)
+        if mode == "batched":
+            gate: Any = batching.BatchGate(concurrency, 4096)
+            generate: Any = batching.generate_stream
+        else:
+            gate, generate = OneAtATime(), engine.generate_stream
+        for _ in range(args.rounds):
+            remaining = max(args.requests, 2 * concurrency)
+            tokens = 0
+
+            async def worker() -> None:
+                nonlocal remaining, tokens
+                while remaining > 0:
+                    remaining -= 1
+                    start = time.perf_counter()
+                    first = None
+                    async with gate.turn():
+                        stream = thread.iterate(generate, loaded, params, [image])
+                        async with stream:
+                            async for event in stream:
+                                first = first or time.perf_counter()
+                                if isinstance(event, FinalEvent):
+                                    tokens += event.completion_tokens
+                    result.latencies.append(time.perf_counter() - start)
+                    result.ttfts.append((first or start) - start)
+                    result.ok += 1
+                    result.sent += 1
+
+            start = time.perf_counter()
+            async with anyio.create_task_group() as group:
+                for _ in range(concurrency):
+                    group.start_soon(worker)
+            result.tokens_per_s.append(tokens / (time.perf_counter() - start))
+        return result
+
+    async def main() -> list[Level]:
+        levels = []
+        async with MLXThread(name="peers-inprocess") as thread:
+            loaded = await thread.run(engine.load, tiny_vlm_path())
+            for concurrency in args.concurrency:
+                for mode in ("one-at-a-time", "batched"):
+                    await level(thread, loaded, mode, concurrency)  # warm-up
+                    levels.append(await level(thread, loaded, mode, concurrency))
+                    print("   " + _row(levels[-1]), flush=True)
+        return levels
+
+    report(anyio.run(main))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
+        p.add_argument("--rounds", type=int, default=3)
+        p.add_argument("--requests", type=int, default=16, help="per round, at least")
+        p.add_argument("--max-tokens", type=int, default=32)
+
+    bench = commands.add_parser("run", help="start each server and load it")
+    common(bench)
+    bench.add_argument("--model", help="model folder (default: the tiny test model)")
+    bench.add_argument(
+        "--systems",
+        type=lambda s: s.split(","),
+        default=list(COMMANDS),
+    )
+    bench.add_argument("--peers-venv", default="/work/venv-peers")
+    bench.add_argument("--cmd", action="append", default=[], metavar="NAME=TEMPLATE")
+    bench.add_argument("--warmup", type=int, default=3)
+    bench.add_argument("--startup-timeout", type=float, default=180)
+    bench.add_argument("--request-timeout", type=float, default=300)
+    bench.add_argument("--plot", default="peers.png")
+    bench.add_argument("--json", help="also write the raw results here")
+    bench.set_defaults(handler=run)
+
+    local = commands.add_parser("inprocess", help="batched vs one at a time")
+    common(local)
+    local.set_defaults(handler=inprocess)
+
+    shim = commands.add_parser("serve-batched", help=argparse.SUPPRESS)
+    shim.add_argument("model")
+    shim.add_argument("--port", type=int, required=True)
+    shim.add_argument("--max-num-seqs", type=int, default=32)
+    shim.add_argument("--max-pending", type=int, default=1024)
+    shim.set_defaults(handler=serve_batched)
+
+    args = parser.parse_args(argv)
+    handler: Any = args.handler
+    return int(handler(args))
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
