@@ -133,7 +133,10 @@ async def items_per_second(thread: MLXThread, count: int) -> tuple[float, float]
     sentinel = object()
     gen = consume_items(count)
     start = time.perf_counter()
-    while await anyio.to_thread.run_sync(next, gen, sentinel, limiter=limiter) is not sentinel:
+    while (
+        await anyio.to_thread.run_sync(next, gen, sentinel, limiter=limiter)
+        is not sentinel
+    ):
         pass
     pooled = count / (time.perf_counter() - start)
     return pinned, pooled
@@ -166,15 +169,21 @@ async def main(rounds: int, calls: int, concurrency: int) -> None:
     pool.shutdown()
     bare.close()
 
-    base, floor = "run_in_executor(ThreadPoolExecutor(1))", "bare thread + SimpleQueue (floor)"
+    base, floor = (
+        "run_in_executor(ThreadPoolExecutor(1))",
+        "bare thread + SimpleQueue (floor)",
+    )
     pinned = "mlx_pinned MLXThread.run"
 
     def ratio(name: str, metric: str, against: str) -> float:
         return statistics.median(
-            a / b for a, b in zip(rows[name][metric], rows[against][metric])
+            a / b
+            for a, b in zip(rows[name][metric], rows[against][metric], strict=True)
         )
 
-    print(f"{rounds} rounds, {calls} calls per case per round, {concurrency} submitters")
+    print(
+        f"{rounds} rounds, {calls} calls per case per round, {concurrency} submitters"
+    )
     print()
     print("| case | p50 µs | p99 µs | calls/s (c64) | tput ÷ TPE(1) | p50 ÷ TPE(1) |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -186,9 +195,13 @@ async def main(rounds: int, calls: int, concurrency: int) -> None:
             f" | {ratio(name, 'tput', base):.2f}× | {ratio(name, 'p50', base):.2f}× |"
         )
     print()
-    print(f"MLXThread throughput ÷ floor (median of per-round ratios): "
-          f"{ratio(pinned, 'tput', floor):.2f}×")
-    print(f"MLXThread p50 ÷ ThreadPoolExecutor(1) p50: {ratio(pinned, 'p50', base):.2f}×")
+    print(
+        f"MLXThread throughput ÷ floor (median of per-round ratios): "
+        f"{ratio(pinned, 'tput', floor):.2f}×"
+    )
+    print(
+        f"MLXThread p50 ÷ ThreadPoolExecutor(1) p50: {ratio(pinned, 'p50', base):.2f}×"
+    )
     pinned_items = statistics.median(a for a, _ in items)
     pooled_items = statistics.median(b for _, b in items)
     print(

@@ -378,7 +378,6 @@ class TestMakeTinyVlm:
         assert set(seen) == {frozenset(MODEL_FILES)}
 
 
-
 FRESH_PROCESS = textwrap.dedent(
     """
     import json, socket, sys
