@@ -13,17 +13,16 @@ with per-row cache offsets, so no row ever reads another's state.
 
 from __future__ import annotations
 
-import functools
-import importlib
 import random
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
+from ._batch_sampling import Draw, Sampled, collect, draw, vlm
 from .engine import GenerationParams, LoadedModel, build_prompt
 
 if TYPE_CHECKING:
@@ -45,15 +44,6 @@ _POSITION_ONLY = frozenset(
 )
 
 
-class Sampled(NamedTuple):
-    """One sampled token of one row, as plain Python values."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
-    eos: bool
-
-
 @dataclass(eq=False)
 class Row:
     """One sequence: its sampling settings and where it stands.
@@ -69,6 +59,7 @@ class Row:
         sampled: Tokens sampled so far; also the next sampling position.
         pending: Sampled tokens its request has not turned into events yet.
         done: No more tokens will be sampled (end of turn or ``max_tokens``).
+        left: Its request is gone; tokens still in flight for it are dropped.
         error: Why the batch failed under it, if it did.
     """
 
@@ -82,6 +73,7 @@ class Row:
     sampled: int = 0
     pending: deque[Sampled] = field(default_factory=deque)
     done: bool = False
+    left: bool = False
     error: BaseException | None = None
     cache: list[Any] | None = None  # its own cache, until it joins the batch
     rope_delta: mx.array | None = None
@@ -133,6 +125,8 @@ class BatchState:
         self.cache: list[Any] | None = None
         self.deltas: mx.array | None = None
         self._bias: mx.array | None = None  # (B, V), None when no row biases
+        # The step started and not yet collected: its rows and its draw.
+        self._inflight: tuple[list[Row], Draw] | None = None
         self._bias_stale = True
         self._stop = loaded.tokenizer.stopping_criteria
         self.peak_active = self.steps = self.decoded = self.prefills = 0
@@ -159,16 +153,16 @@ class BatchState:
         Raises what the processor or the model raise; the batch is untouched.
         """
         start = time.perf_counter()
-        vlm = _vlm()
+        v = vlm()
         loaded, lm = self.loaded, self.lm
         model, processor = loaded.model, loaded.processor
-        temperature, top_p, top_k = vlm.resolve_sampling_defaults(
+        temperature, top_p, top_k = v.resolve_sampling_defaults(
             getattr(model, "config", None),
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=None,
         )
-        temperature = float(vlm.clamp_temperature(temperature))
+        temperature = float(v.clamp_temperature(temperature))
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         row = Row(
             max_tokens=params.max_tokens,
@@ -177,12 +171,12 @@ class BatchState:
             top_logprobs=params.top_logprobs if params.logprobs else 0,
             bias=params.logit_bias,
         )
-        inputs = vlm.prepare_inputs(
+        inputs = v.prepare_inputs(
             processor,
             images=list(images) or None,
             prompts=build_prompt(loaded, params.messages),
             image_token_index=getattr(model.config, "image_token_index", None),
-            add_special_tokens=vlm.should_add_special_tokens(
+            add_special_tokens=v.should_add_special_tokens(
                 model.config.model_type, processor
             ),
         )
@@ -208,7 +202,7 @@ class BatchState:
         }
         embeds = embedded.inputs_embeds
         row.prompt_tokens = int(input_ids.size)
-        cache = vlm.make_prompt_cache(lm)
+        cache = v.make_prompt_cache(lm)
         # As mlx-vlm's generate_step: every token but the last in chunks whose
         # logits are dropped, then the last one, so the prompt's numbers are
         # exactly those of the unbatched path.
@@ -245,7 +239,8 @@ class BatchState:
             )
             logits = output.logits[:, -1, :]
             bias = self._bias_row(row, logits)[None] if row.bias else None
-            (first,) = self._sample(logits, [row], bias, cache)
+            pending = draw(logits, [row], bias, [c.state for c in cache])
+            (first,) = collect(pending, self._stop)
             self._record(row, first)
         self.prefills += 1
         self.prefill_seconds += time.perf_counter() - start
@@ -273,12 +268,14 @@ class BatchState:
 
     def leave(self, row: Row) -> None:
         """Take ``row`` out: now if it has not joined, else at the next step."""
+        row.left = True
         if row in self.joining:
             self.joining.remove(row)
             row.cache = None
         elif row in self.rows:
             self.leaving.add(row)
             if len(self.leaving) == len(self.rows):
+                self._inflight = None  # nobody is left to read it
                 self._compact()
 
     def _compact(self) -> None:
@@ -326,38 +323,57 @@ class BatchState:
     def step(self) -> None:
         """One decode step for every row: one forward pass over the batch.
 
-        Each row gets one :class:`Sampled` in its ``pending``. If the step
-        fails, every row is failed with the error (their requests raise it)
-        and the batch is emptied; the caller gets the error too.
+        Each row of the step gets one :class:`Sampled` in its ``pending``.
+        Steps are pipelined: the next one is built and started before this
+        returns (rows that joined meanwhile enter it; rows that left are
+        dropped from it), so it computes while the thread hands out tokens.
+        If a step fails, every row is failed with the error (their requests
+        raise it) and the batch is emptied; the caller gets the error too.
         """
         start = time.perf_counter()
         try:
-            self._compact()
-            self._join()
-            rows = self.rows
-            if not rows:
+            if self._inflight is None:
+                self._launch()
+            inflight, self._inflight = self._inflight, None
+            if inflight is None:
                 return
-            tokens = mx.array([row.token for row in rows], dtype=mx.uint32)
-            kwargs: dict[str, Any] = {}
-            if self.deltas is not None:
-                kwargs["rope_deltas"] = self.deltas
-            output = self.lm(tokens[:, None], cache=self.cache, **kwargs)
-            logits = output.logits[:, -1, :]
-            bias = self._bias_matrix(rows, logits)
-            sampled = self._sample(logits, rows, bias, self.cache)
+            rows, pending = inflight
+            sampled = collect(pending, self._stop)
         except BaseException as exc:
             self._fail(exc)
             raise
         for row, item in zip(rows, sampled, strict=True):
+            if row.left:
+                continue  # it left while the step ran
             self._record(row, item)
+            self.decoded += 1
             if row.done:
                 self.leaving.add(row)
         self.steps += 1
-        self.decoded += len(rows)
-        self.peak_active = max(self.peak_active, len(rows))
-        if len(self.leaving) == len(rows):
-            self._compact()
+        try:
+            self._launch()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
         self.step_seconds += time.perf_counter() - start
+
+    def _launch(self) -> None:
+        """Build the next step for the rows still in, and start it."""
+        self._compact()
+        self._join()
+        rows = list(self.rows)
+        if not rows:
+            return
+        tokens = mx.array([row.token for row in rows], dtype=mx.uint32)
+        kwargs: dict[str, Any] = {}
+        if self.deltas is not None:
+            kwargs["rope_deltas"] = self.deltas
+        output = self.lm(tokens[:, None], cache=self.cache, **kwargs)
+        logits = output.logits[:, -1, :]
+        bias = self._bias_matrix(rows, logits)
+        states = [c.state for c in self.cache or ()]
+        self._inflight = (rows, draw(logits, rows, bias, states))
+        self.peak_active = max(self.peak_active, len(rows))
 
     def _record(self, row: Row, item: Sampled) -> None:
         row.pending.append(item)
@@ -371,74 +387,9 @@ class BatchState:
             row.done = True
             row.cache = None
         self.rows, self.joining, self.cache, self.deltas = [], [], None, None
+        self._inflight = None
         self.leaving.clear()
         self._bias_stale = True
-
-    def _sample(
-        self,
-        logits: mx.array,
-        rows: list[Row],
-        bias: mx.array | None,
-        cache: list[Any] | None,
-    ) -> list[Sampled]:
-        """Sample one token per row of ``logits`` (B, V) and evaluate it all.
-
-        As mlx-vlm samples one stream: logit bias added to the logits, the
-        log-softmax of those reported, greedy rows by argmax, other rows by
-        mlx-vlm's position-keyed sampler (seed, position) so a seeded request
-        samples the same tokens alone, batched, or through the unbatched path.
-        """
-        vlm = _vlm()
-        if bias is not None:
-            logits = logits + bias
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = mx.argmax(logprobs, axis=-1)
-        groups: dict[tuple[float, float, int], list[int]] = {}
-        for i, row in enumerate(rows):
-            if row.sampling[0] > 0:
-                groups.setdefault(row.sampling, []).append(i)
-        for (temperature, top_p, top_k), members in groups.items():
-            index = mx.array(members, dtype=mx.int32)
-            group = logprobs[index]
-            if top_k > 0:
-                group = vlm.apply_top_k(group, top_k)
-            keys = mx.stack(
-                [
-                    mx.random.key(vlm.position_seed(rows[i].seed, 0, rows[i].sampled))
-                    for i in members
-                ]
-            )
-            draw = _drawer(temperature, top_p)
-            tokens[index] = mx.vmap(draw, in_axes=(0, 0))(group, keys).astype(
-                tokens.dtype
-            )
-        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-        targets: list[Any] = [tokens, chosen]
-        wanted = [i for i, row in enumerate(rows) if row.top_logprobs]
-        top_ids = top_values = None
-        if wanted:
-            k = min(max(rows[i].top_logprobs for i in wanted), logprobs.shape[-1])
-            scores = logprobs[mx.array(wanted, dtype=mx.int32)]
-            top_ids = mx.argpartition(-scores, kth=k - 1, axis=-1)[:, :k]
-            top_values = mx.take_along_axis(scores, top_ids, axis=-1)
-            targets += [top_ids, top_values]
-        if cache is not None:
-            targets.append([c.state for c in cache])
-        mx.eval(targets)
-        token_list = cast("list[int]", tokens.tolist())
-        chosen_list = cast("list[float]", chosen.tolist())
-        tops: dict[int, list[tuple[int, float]]] = {}
-        if top_ids is not None and top_values is not None:
-            ids = cast("list[list[int]]", top_ids.tolist())
-            values = cast("list[list[float]]", top_values.tolist())
-            for j, i in enumerate(wanted):
-                pairs = sorted(zip(ids[j], values[j], strict=True), key=lambda p: -p[1])
-                tops[i] = pairs[: rows[i].top_logprobs]
-        stop = self._stop
-        return [
-            Sampled(token, chosen_list[i], tops.get(i, []), bool(stop(token)))
-            for i, token in enumerate(token_list)
-        ]
 
     def _bias_row(self, row: Row, logits: mx.array) -> mx.array:
         if row.bias_row is None:
@@ -459,49 +410,3 @@ class BatchState:
                     [self._bias_row(row, logits) if row.bias else zero for row in rows]
                 )
         return self._bias
-
-
-@functools.cache
-def _drawer(temperature: float, top_p: float) -> Any:
-    """One row's draw from its log-probabilities with its key, as mlx-vlm's
-    position-keyed sampler draws (for ``mx.vmap`` over rows)."""
-    vlm = _vlm()
-    if 0 < top_p < 1.0:
-
-        def nucleus(logprobs: mx.array, key: mx.array) -> mx.array:
-            drawn: mx.array = vlm.top_p_sampling(logprobs, top_p, temperature, key=key)
-            return drawn
-
-        return nucleus
-    scale = 1 / temperature
-
-    def categorical(logprobs: mx.array, key: mx.array) -> mx.array:
-        return mx.random.categorical(logprobs * scale, key=key)
-
-    return categorical
-
-
-class _VLM:
-    """The mlx-vlm functions this module uses, imported on first use."""
-
-    def __init__(self) -> None:
-        ar = importlib.import_module("mlx_vlm.generate.ar")
-        common = importlib.import_module("mlx_vlm.generate.common")
-        sample = importlib.import_module("mlx_vlm.sample_utils")
-        utils = importlib.import_module("mlx_vlm.utils")
-        cache = importlib.import_module("mlx_vlm.models.cache")
-        self.resolve_sampling_defaults = common.resolve_sampling_defaults
-        self.clamp_temperature = sample.clamp_temperature
-        self.apply_top_k = sample.apply_top_k
-        self.top_p_sampling = sample.top_p_sampling
-        # The single-stream path's per-(seed, position) key; private in
-        # mlx-vlm 0.7.10 (pinned by the server extra).
-        self.position_seed = ar._position_seed
-        self.prepare_inputs = utils.prepare_inputs
-        self.should_add_special_tokens = utils.should_add_special_tokens
-        self.make_prompt_cache = cache.make_prompt_cache
-
-
-@functools.cache
-def _vlm() -> _VLM:
-    return _VLM()

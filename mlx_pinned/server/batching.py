@@ -55,7 +55,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._batch_state import BatchState, BatchStatistics, Sampled
+from ._batch_sampling import Sampled
+from ._batch_state import BatchState, BatchStatistics
 from ._text import StopMatcher, TextDecoder
 from .engine import (
     FinalEvent,
@@ -138,8 +139,13 @@ class BatchEngine:
                         tail, stopped = matcher.feed(text.finish())
                         finish = "stop" if stopped else "length"
                         break
-                    state.step()
-                    if not row.pending and row.error is None:  # pragma: no cover
+                    # A row that joined while a step was in flight is in the
+                    # next one: at most two steps give it a token.
+                    for _ in range(2):
+                        state.step()
+                        if row.pending or row.error is not None:
+                            break
+                    else:  # pragma: no cover
                         raise RuntimeError("a batched step skipped a sequence")
                     continue
                 item = row.pending.popleft()

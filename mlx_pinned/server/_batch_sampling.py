@@ -1,0 +1,173 @@
+"""Per-row sampling for the decode batch, in two halves: :func:`draw` builds
+the graph (lazy, and started with ``mx.async_eval``), :func:`collect` waits
+for it and turns it into plain Python values. Between the two the MLX thread
+is free for other work while the step computes. MLX thread only.
+
+Rows are sampled as mlx-vlm samples one stream: logit bias added to the
+logits, the log-softmax of those reported, greedy rows by argmax, the others
+by mlx-vlm's position-keyed sampler (a key per (seed, position)), so a seeded
+request samples the same tokens alone, batched, or through the unbatched
+path.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+
+class Sampled(NamedTuple):
+    """One sampled token of one row, as plain Python values."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+    eos: bool
+
+
+class Sampling(Protocol):
+    """What sampling needs to know of a row."""
+
+    @property
+    def sampling(self) -> tuple[float, float, int]: ...  # temperature, top_p, top_k
+    @property
+    def seed(self) -> int: ...
+    @property
+    def sampled(self) -> int: ...  # the position of the token to sample
+    @property
+    def top_logprobs(self) -> int: ...
+
+
+@dataclass
+class Draw:
+    """A step's sampling graph, started and not yet waited for."""
+
+    tokens: mx.array
+    chosen: mx.array
+    wanted: list[int]  # rows that asked for top logprobs
+    top_ids: mx.array | None
+    top_values: mx.array | None
+    keep: int  # the most alternatives a row asked for
+    targets: list[Any]
+    top_sizes: list[int]
+
+
+def draw(
+    logits: mx.array,
+    rows: Sequence[Sampling],
+    bias: mx.array | None,
+    also: Sequence[Any] = (),
+) -> Draw:
+    """Build one token per row of ``logits`` (B, V) and start computing it,
+    with ``also`` (the caches' states, so their graph does not grow)."""
+    v = vlm()
+    if bias is not None:
+        logits = logits + bias
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    tokens = mx.argmax(logprobs, axis=-1)
+    groups: dict[tuple[float, float, int], list[int]] = {}
+    for i, row in enumerate(rows):
+        if row.sampling[0] > 0:
+            groups.setdefault(row.sampling, []).append(i)
+    for (temperature, top_p, top_k), members in groups.items():
+        index = mx.array(members, dtype=mx.int32)
+        group = logprobs[index]
+        if top_k > 0:
+            group = v.apply_top_k(group, top_k)
+        keys = mx.stack(
+            [
+                mx.random.key(v.position_seed(rows[i].seed, 0, rows[i].sampled))
+                for i in members
+            ]
+        )
+        drawn = mx.vmap(_drawer(temperature, top_p), in_axes=(0, 0))(group, keys)
+        tokens[index] = drawn.astype(tokens.dtype)
+    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    targets: list[Any] = [tokens, chosen]
+    wanted = [i for i, row in enumerate(rows) if row.top_logprobs]
+    top_ids = top_values = None
+    keep = 0
+    if wanted:
+        keep = min(max(rows[i].top_logprobs for i in wanted), logprobs.shape[-1])
+        scores = logprobs[mx.array(wanted, dtype=mx.int32)]
+        top_ids = mx.argpartition(-scores, kth=keep - 1, axis=-1)[:, :keep]
+        top_values = mx.take_along_axis(scores, top_ids, axis=-1)
+        targets += [top_ids, top_values]
+    targets.extend(also)
+    mx.async_eval(targets)  # type: ignore[no-untyped-call]
+    sizes = [rows[i].top_logprobs for i in wanted]
+    return Draw(tokens, chosen, wanted, top_ids, top_values, keep, targets, sizes)
+
+
+def collect(pending: Draw, stop: Callable[[int], Any]) -> list[Sampled]:
+    """Wait for a :class:`Draw` and return its rows' tokens, in row order."""
+    mx.eval(pending.targets)
+    tokens = cast("list[int]", pending.tokens.tolist())
+    chosen = cast("list[float]", pending.chosen.tolist())
+    tops: dict[int, list[tuple[int, float]]] = {}
+    if pending.top_ids is not None and pending.top_values is not None:
+        ids = cast("list[list[int]]", pending.top_ids.tolist())
+        values = cast("list[list[float]]", pending.top_values.tolist())
+        for j, (i, size) in enumerate(
+            zip(pending.wanted, pending.top_sizes, strict=True)
+        ):
+            pairs = sorted(zip(ids[j], values[j], strict=True), key=lambda p: -p[1])
+            tops[i] = pairs[:size]
+    return [
+        Sampled(token, chosen[i], tops.get(i, []), bool(stop(token)))
+        for i, token in enumerate(tokens)
+    ]
+
+
+@functools.cache
+def _drawer(temperature: float, top_p: float) -> Any:
+    """One row's draw from its log-probabilities with its key, as mlx-vlm's
+    position-keyed sampler draws (for ``mx.vmap`` over rows)."""
+    v = vlm()
+    if 0 < top_p < 1.0:
+
+        def nucleus(logprobs: mx.array, key: mx.array) -> mx.array:
+            drawn: mx.array = v.top_p_sampling(logprobs, top_p, temperature, key=key)
+            return drawn
+
+        return nucleus
+    scale = 1 / temperature
+
+    def categorical(logprobs: mx.array, key: mx.array) -> mx.array:
+        return mx.random.categorical(logprobs * scale, key=key)
+
+    return categorical
+
+
+class VLM:
+    """The mlx-vlm functions the batch uses, imported on first use."""
+
+    def __init__(self) -> None:
+        ar = importlib.import_module("mlx_vlm.generate.ar")
+        common = importlib.import_module("mlx_vlm.generate.common")
+        sample = importlib.import_module("mlx_vlm.sample_utils")
+        utils = importlib.import_module("mlx_vlm.utils")
+        cache = importlib.import_module("mlx_vlm.models.cache")
+        self.resolve_sampling_defaults = common.resolve_sampling_defaults
+        self.clamp_temperature = sample.clamp_temperature
+        self.apply_top_k = sample.apply_top_k
+        self.top_p_sampling = sample.top_p_sampling
+        # The single-stream path's per-(seed, position) key; private in
+        # mlx-vlm 0.7.10 (pinned by the server extra).
+        self.position_seed = ar._position_seed
+        self.prepare_inputs = utils.prepare_inputs
+        self.should_add_special_tokens = utils.should_add_special_tokens
+        self.make_prompt_cache = cache.make_prompt_cache
+
+
+@functools.cache
+def vlm() -> VLM:
+    """mlx-vlm's functions, imported on first use."""
+    return VLM()
