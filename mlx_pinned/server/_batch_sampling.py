@@ -165,6 +165,7 @@ class VLM:
         self.prepare_inputs = utils.prepare_inputs
         self.should_add_special_tokens = utils.should_add_special_tokens
         self.make_prompt_cache = cache.make_prompt_cache
+        self.BatchKVCache = cache.BatchKVCache
 
 
 @functools.cache

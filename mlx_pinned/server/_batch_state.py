@@ -18,30 +18,26 @@ import time
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from ._batch_prefill import (
+    Prefilled,
+    Prepared,
+    batchable,
+    prefill_alone,
+    prefill_together,
+    preprocess,
+)
 from ._batch_sampling import Draw, Sampled, collect, draw, vlm
-from .engine import GenerationParams, LoadedModel, build_prompt
+from .engine import GenerationParams, LoadedModel
 
 if TYPE_CHECKING:
     from PIL import Image
 
-# mlx-vlm's default: prompts longer than this are prefilled in chunks.
-_PREFILL_STEP = 2048
-# Prefill inputs that matter only for media positions and rope positions,
-# which a decode step of a text token recomputes the same way.
-_POSITION_ONLY = frozenset(
-    {
-        "image_grid_thw",
-        "video_grid_thw",
-        "position_ids",
-        "rope_deltas",
-        "visual_pos_masks",
-        "deepstack_visual_embeds",
-    }
-)
+# Prompts prefilled together at most (mlx-vlm's default prefill batch).
+PREFILL_BATCH = 8
 
 
 @dataclass(eq=False)
@@ -75,8 +71,7 @@ class Row:
     done: bool = False
     left: bool = False
     error: BaseException | None = None
-    cache: list[Any] | None = None  # its own cache, until it joins the batch
-    rope_delta: mx.array | None = None
+    prepared: Prepared | None = None  # its inputs, until its prefill
     bias_row: mx.array | None = None
 
 
@@ -91,6 +86,7 @@ class BatchStatistics:
         steps: Batched decode steps run.
         decoded_tokens: Tokens sampled by those steps (prefill tokens excluded).
         prefills: Prompts prefilled.
+        prefill_passes: Prefill passes run: prompts queued together share one.
         prefill_seconds: Time spent in prefills.
         step_seconds: Time spent in decode steps.
     """
@@ -101,6 +97,7 @@ class BatchStatistics:
     steps: int
     decoded_tokens: int
     prefills: int
+    prefill_passes: int
     prefill_seconds: float
     step_seconds: float
 
@@ -120,7 +117,8 @@ class BatchState:
         self.lm: Any = loaded.model.language_model
         self.mrope = hasattr(self.lm, "_rope_deltas")
         self.rows: list[Row] = []
-        self.joining: list[Row] = []
+        self.waiting: list[Row] = []  # admitted, not yet prefilled
+        self.joining: list[tuple[list[Row], Prefilled]] = []  # prefilled
         self.leaving: set[Row] = set()
         self.cache: list[Any] | None = None
         self.deltas: mx.array | None = None
@@ -130,32 +128,33 @@ class BatchState:
         self._bias_stale = True
         self._stop = loaded.tokenizer.stopping_criteria
         self.peak_active = self.steps = self.decoded = self.prefills = 0
+        self.passes = 0
         self.prefill_seconds = self.step_seconds = 0.0
 
     def statistics(self) -> BatchStatistics:
         return BatchStatistics(
             active=len(self.rows) - len(self.leaving),
-            joining=len(self.joining),
+            joining=len(self.waiting) + sum(len(rows) for rows, _ in self.joining),
             peak_active=self.peak_active,
             steps=self.steps,
             decoded_tokens=self.decoded,
             prefills=self.prefills,
+            prefill_passes=self.passes,
             prefill_seconds=self.prefill_seconds,
             step_seconds=self.step_seconds,
         )
 
     # -- entering ------------------------------------------------------------
 
-    def prefill(self, params: GenerationParams, images: Seq[Image.Image]) -> Row:
-        """Prefill one prompt alone and sample its first token.
+    def admit(self, params: GenerationParams, images: Seq[Image.Image]) -> Row:
+        """Preprocess a request (chat template, processor) and queue it.
 
-        The row joins the batch at the next step unless it is already done.
-        Raises what the processor or the model raise; the batch is untouched.
+        Its prompt is prefilled at the next :meth:`step`, together with the
+        others queued by then, and joins the decode batch there. Raises what
+        the processor raises; nothing is queued then.
         """
-        start = time.perf_counter()
         v = vlm()
-        loaded, lm = self.loaded, self.lm
-        model, processor = loaded.model, loaded.processor
+        model = self.loaded.model
         temperature, top_p, top_k = v.resolve_sampling_defaults(
             getattr(model, "config", None),
             temperature=params.temperature,
@@ -164,119 +163,75 @@ class BatchState:
         )
         temperature = float(v.clamp_temperature(temperature))
         seed = params.seed if params.seed is not None else random.getrandbits(32)
+        prepared = preprocess(self.loaded, params, images)
         row = Row(
             max_tokens=params.max_tokens,
             sampling=(temperature, float(top_p), int(top_k or 0)),
             seed=seed,
             top_logprobs=params.top_logprobs if params.logprobs else 0,
             bias=params.logit_bias,
+            prompt_tokens=prepared.prompt_tokens,
+            token=prepared.last,
+            prepared=prepared,
         )
-        inputs = v.prepare_inputs(
-            processor,
-            images=list(images) or None,
-            prompts=build_prompt(loaded, params.messages),
-            image_token_index=getattr(model.config, "image_token_index", None),
-            add_special_tokens=v.should_add_special_tokens(
-                model.config.model_type, processor
-            ),
-        )
-        input_ids = inputs["input_ids"]
-        extra = {
-            k: v
-            for k, v in inputs.items()
-            if k not in ("input_ids", "pixel_values", "attention_mask")
-        }
-        embedded = model.get_input_embeddings(
-            input_ids,
-            inputs.get("pixel_values"),
-            mask=inputs.get("attention_mask"),
-            **extra,
-        )
-        kwargs = {
-            **extra,
-            **{
-                k: v
-                for k, v in embedded.to_dict().items()
-                if k != "inputs_embeds" and v is not None
-            },
-        }
-        embeds = embedded.inputs_embeds
-        row.prompt_tokens = int(input_ids.size)
-        cache = v.make_prompt_cache(lm)
-        # As mlx-vlm's generate_step: every token but the last in chunks whose
-        # logits are dropped, then the last one, so the prompt's numbers are
-        # exactly those of the unbatched path.
-        while embeds.shape[1] > 1:
-            n = min(_PREFILL_STEP, embeds.shape[1] - 1)
-            lm(
-                inputs=input_ids[:, :n],
-                inputs_embeds=embeds[:, :n],
-                cache=cache,
-                n_to_process=n,
-                logits_to_keep=1,
-                **kwargs,
-            )
-            mx.eval([c.state for c in cache])
-            embeds, input_ids = embeds[:, n:], input_ids[:, n:]
-        if self.mrope:
-            delta = kwargs.get("rope_deltas")
-            if not isinstance(delta, mx.array):
-                delta = lm._rope_deltas
-            if delta is None:
-                delta = mx.zeros((1, 1), dtype=mx.int32)
-            row.rope_delta = delta.reshape(-1)[:1].reshape(1, 1)
-        row.cache = cache
-        last = int(input_ids[0, -1].item())
-        if row.prompt_tokens > 1 and self._deferrable(last, kwargs):
-            # The last prompt token is a text token: its pass is the same
-            # operation as a decode step (its embedding, position offset +
-            # rope delta), so it runs in the next batched step, which samples
-            # the first token, instead of in a forward pass of its own.
-            row.token = last
-        else:
-            output = lm(
-                input_ids, inputs_embeds=embeds, cache=cache, logits_to_keep=1, **kwargs
-            )
-            logits = output.logits[:, -1, :]
-            bias = self._bias_row(row, logits)[None] if row.bias else None
-            pending = draw(logits, [row], bias, [c.state for c in cache])
-            (first,) = collect(pending, self._stop)
-            self._record(row, first)
-        self.prefills += 1
-        self.prefill_seconds += time.perf_counter() - start
-        if row.done:
-            row.cache = None
-        else:
-            self.joining.append(row)
+        self.waiting.append(row)
         return row
 
-    def _deferrable(self, token: int, kwargs: dict[str, Any]) -> bool:
-        config = self.loaded.model.config
-        media = {
-            getattr(config, name, None)
-            for name in (
-                "image_token_index",
-                "image_token_id",
-                "video_token_index",
-                "video_token_id",
-                "audio_token_id",
-            )
-        }
-        return token not in media and set(kwargs) <= _POSITION_ONLY
+    def _prefill_waiting(self) -> None:
+        """Prefill the queued prompts: up to :data:`PREFILL_BATCH` together,
+        the others alone. A failing prompt fails its own request only."""
+        waiting = [row for row in self.waiting if not row.left]
+        self.waiting = []
+        if not waiting:
+            return
+        start = time.perf_counter()
+        together = [r for r in waiting if batchable(self.loaded, _prepared(r))]
+        alone = [r for r in waiting if r not in together]
+        for i in range(0, len(together), PREFILL_BATCH):
+            rows = together[i : i + PREFILL_BATCH]
+            self.passes += 1
+            try:
+                group = prefill_together(self.loaded, [_prepared(r) for r in rows])
+            except Exception:  # find the culprit: each alone
+                alone += rows
+            else:
+                self._joined(rows, group)
+        for row in alone:
+            self.passes += 1
+            try:
+                group = prefill_alone(self.loaded, _prepared(row))
+                if group.logits is not None:
+                    logits = group.logits
+                    bias = self._bias_row(row, logits)[None] if row.bias else None
+                    states = [c.state for c in group.cache]
+                    (first,) = collect(draw(logits, [row], bias, states), self._stop)
+                    self._record(row, first)
+            except Exception as exc:
+                row.error, row.done = exc, True
+                continue
+            if not row.done:
+                self._joined([row], group)
+        self.prefills += len(waiting)
+        self.prefill_seconds += time.perf_counter() - start
+
+    def _joined(self, rows: list[Row], group: Prefilled) -> None:
+        for row in rows:
+            row.prepared = None
+        self.joining.append((rows, group))
 
     # -- leaving -------------------------------------------------------------
 
     def leave(self, row: Row) -> None:
         """Take ``row`` out: now if it has not joined, else at the next step."""
         row.left = True
-        if row in self.joining:
-            self.joining.remove(row)
-            row.cache = None
+        if row in self.waiting:
+            self.waiting.remove(row)
         elif row in self.rows:
             self.leaving.add(row)
             if len(self.leaving) == len(self.rows):
                 self._inflight = None  # nobody is left to read it
                 self._compact()
+        # A row still joining is dropped when its group joins.
 
     def _compact(self) -> None:
         if not self.leaving:
@@ -297,26 +252,26 @@ class BatchState:
 
     def _join(self) -> None:
         joining, self.joining = self.joining, []
-        if not joining:
-            return
-        self._bias_stale = True
-        caches = cast("list[list[Any]]", [row.cache for row in joining])
-        merged = [
-            type(layer[0]).merge(list(layer)) for layer in zip(*caches, strict=True)
-        ]
-        if self.cache is None:
-            self.cache = merged
-        else:
-            for mine, theirs in zip(self.cache, merged, strict=True):
-                mine.extend(theirs)
-        if self.mrope:
-            deltas = [cast("mx.array", row.rope_delta) for row in joining]
-            if self.deltas is not None:
-                deltas.insert(0, self.deltas)
-            self.deltas = mx.concatenate(deltas, axis=0)
-        for row in joining:
-            row.cache = None
-        self.rows.extend(joining)
+        for rows, group in joining:
+            keep = [i for i, row in enumerate(rows) if not row.left]
+            if not keep:
+                continue
+            cache, deltas = group.cache, group.deltas
+            if len(keep) < len(rows):
+                index = mx.array(keep, dtype=mx.int32)
+                for c in cache:
+                    c.filter(index)
+                deltas = deltas[index] if deltas is not None else None
+            self._bias_stale = True
+            if self.cache is None:
+                self.cache = cache
+            else:
+                for mine, theirs in zip(self.cache, cache, strict=True):
+                    mine.extend(theirs)
+            if deltas is not None:
+                parts = [deltas] if self.deltas is None else [self.deltas, deltas]
+                self.deltas = mx.concatenate(parts, axis=0)
+            self.rows.extend(rows[i] for i in keep)
 
     # -- decoding ------------------------------------------------------------
 
@@ -333,6 +288,7 @@ class BatchState:
         start = time.perf_counter()
         try:
             if self._inflight is None:
+                self._prefill_waiting()
                 self._launch()
             inflight, self._inflight = self._inflight, None
             if inflight is None:
@@ -351,6 +307,7 @@ class BatchState:
                 self.leaving.add(row)
         self.steps += 1
         try:
+            self._prefill_waiting()
             self._launch()
         except BaseException as exc:
             self._fail(exc)
@@ -382,11 +339,12 @@ class BatchState:
         row.done = item.eos or row.sampled >= row.max_tokens
 
     def _fail(self, exc: BaseException) -> None:
-        for row in (*self.rows, *self.joining):
+        joining = [row for rows, _ in self.joining for row in rows]
+        for row in (*self.rows, *joining, *self.waiting):
             row.error = exc
             row.done = True
-            row.cache = None
-        self.rows, self.joining, self.cache, self.deltas = [], [], None, None
+        self.rows, self.joining, self.waiting = [], [], []
+        self.cache = self.deltas = None
         self._inflight = None
         self.leaving.clear()
         self._bias_stale = True
@@ -410,3 +368,8 @@ class BatchState:
                     [self._bias_row(row, logits) if row.bias else zero for row in rows]
                 )
         return self._bias
+
+
+def _prepared(row: Row) -> Prepared:
+    assert row.prepared is not None
+    return row.prepared

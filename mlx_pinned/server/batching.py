@@ -51,7 +51,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Generator, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 
@@ -70,15 +70,26 @@ from .schemas import APIError
 if TYPE_CHECKING:
     from PIL import Image
 
+    from mlx_pinned import MLXThread
+
 __all__ = [
     "BatchEngine",
     "BatchGate",
     "BatchStatistics",
+    "BatchStream",
     "engine_for",
     "generate_stream",
+    "iterate",
 ]
 
 Event = TokenEvent | FinalEvent
+
+
+class _Admitted:
+    """The first item of an announced generator (see :func:`iterate`)."""
+
+
+ADMITTED = _Admitted()
 
 
 class BatchEngine:
@@ -99,6 +110,20 @@ class BatchEngine:
         """A snapshot of the batch; any thread (it may be a step old)."""
         return self._state.statistics()
 
+    def iterate(
+        self,
+        thread: MLXThread,
+        params: GenerationParams,
+        images: Sequence[Image.Image] = (),
+    ) -> BatchStream:
+        """Start a generation on ``thread``; see the module's :func:`iterate`.
+
+        Event loop side; the generation runs on ``thread``, which must be the
+        one the model was loaded on.
+        """
+        stream = thread.iterate(self._generate, params, images, announce=True)
+        return BatchStream(stream)
+
     def generate_stream(
         self, params: GenerationParams, images: Sequence[Image.Image] = ()
     ) -> Generator[Event, None, None]:
@@ -107,6 +132,8 @@ class BatchEngine:
         A sync generator to run on the MLX thread with ``MLXThread.iterate``,
         one event per turn, like :func:`.engine.generate_stream`. Closing it
         takes its sequence out of the batch; the other sequences go on.
+        (:func:`iterate` is faster under load: it lets requests that arrive
+        together be prefilled together.)
 
         Args:
             params: The request's parameters.
@@ -120,17 +147,31 @@ class BatchEngine:
             Whatever the processor or the model raise for this request; an
             error in a batched step is raised by every request in that step.
         """
+        events = self._generate(params, images, announce=False)
+        return cast("Generator[Event, None, None]", events)
+
+    def _generate(
+        self,
+        params: GenerationParams,
+        images: Sequence[Image.Image],
+        *,
+        announce: bool,
+    ) -> Generator[Event | _Admitted, None, None]:
+        """The generator; with ``announce``, its first item is ``ADMITTED``:
+        the request is queued for prefill, and the thread goes to others."""
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be 1 or more, not {params.max_tokens}")
         start = time.perf_counter()
         state = self._state
-        row = state.prefill(params, images)
+        row = state.admit(params, images)
         text = _Text(self.loaded)
         matcher = StopMatcher(params.stop)
         finish, tail = "length", ""
         completion = 0
         first_token_at: float | None = None
         try:
+            if announce:
+                yield ADMITTED
             while True:
                 if not row.pending:
                     if row.error is not None:
@@ -139,9 +180,10 @@ class BatchEngine:
                         tail, stopped = matcher.feed(text.finish())
                         finish = "stop" if stopped else "length"
                         break
-                    # A row that joined while a step was in flight is in the
-                    # next one: at most two steps give it a token.
-                    for _ in range(2):
+                    # A row prefilled while a step was in flight is in the next
+                    # one: at most two steps give it a token (three if its
+                    # prefill waited for a step to end).
+                    for _ in range(3):
                         state.step()
                         if row.pending or row.error is not None:
                             break
@@ -244,6 +286,68 @@ def generate_stream(
     same model: that one keeps its rope state on the model object.
     """
     return engine_for(loaded).generate_stream(params, images)
+
+
+def iterate(
+    thread: MLXThread,
+    loaded: LoadedModel,
+    params: GenerationParams,
+    images: Sequence[Image.Image] = (),
+) -> BatchStream:
+    """Start a batched generation on ``thread``; its events, on the event loop.
+
+    The batched counterpart of ``thread.iterate(engine.generate_stream,
+    loaded, params, images)``, and the faster way in: the generation's first
+    turn on the MLX thread only queues its prompt and gives the thread to the
+    next request, so requests that arrive together are prefilled together.
+    Call it inside a :class:`BatchGate` turn and close the stream in it.
+
+    Args:
+        thread: The MLX thread the model was loaded on.
+        loaded: The model.
+        params: The request's parameters.
+        images: The decoded images, in prompt order.
+
+    Returns:
+        An async iterator of :class:`TokenEvent`, then one :class:`FinalEvent`,
+        with ``aclose()``; closing it (or cancelling its consumer) takes the
+        sequence out of the batch on the thread.
+    """
+    return BatchStream(thread.iterate(_announced, loaded, params, images))
+
+
+def _announced(
+    loaded: LoadedModel, params: GenerationParams, images: Sequence[Image.Image]
+) -> Generator[Event | _Admitted, None, None]:
+    # On the MLX thread: the model's engine is made and used there only.
+    return engine_for(loaded)._generate(params, images, announce=True)
+
+
+class BatchStream:
+    """The events of one batched generation (see :func:`iterate`); event loop."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __aiter__(self) -> BatchStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        while True:
+            item = await self._inner.__anext__()
+            if not isinstance(item, _Admitted):
+                event: Event = item
+                return event
+
+    async def aclose(self) -> None:
+        """Close the generation on the thread and wait until it is closed."""
+        await self._inner.aclose()
+
+    async def __aenter__(self) -> BatchStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 class BatchGate:

@@ -154,7 +154,7 @@ class Collector:
             async with self.gate.turn():
                 self.active_at_start = self.gate.active
                 self.started.set()
-                stream = self.thread.iterate(self.batch.generate_stream, *self.req)
+                stream = self.batch.iterate(self.thread, *self.req)
                 async with stream:
                     async for event in stream:
                         self.events.append(event)
@@ -211,6 +211,25 @@ class TestIsolation:
         assert stats.peak_active >= 6
         assert (stats.active, stats.joining) == (0, 0)
         assert thread.statistics().open_streams == 0
+
+    async def test_prompts_arriving_together_are_prefilled_together(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        # Different lengths and image sizes, one without an image: padded and
+        # masked into one pass, each still matches its unbatched run.
+        reqs = [request(i, 5 + i, top_logprobs=2) for i in range(8)]
+        alone = [await solo(thread, loaded, req) for req in reqs]
+        batch = BatchEngine(loaded)
+        gate = BatchGate(max_num_seqs=8, max_pending=0)
+        runs = [Collector(thread, batch, gate, req) for req in reqs]
+        async with deadline() as group:
+            for run in runs:
+                group.start_soon(run.run)
+        for run, expected in zip(runs, alone, strict=True):
+            assert max_logprob_difference(run.events, expected) <= TOL
+        stats = batch.statistics()
+        assert stats.prefills == 8
+        assert stats.prefill_passes < 8
 
     async def test_stops_bias_and_end_of_turn_match_solo(
         self, thread: MLXThread, loaded: LoadedModel
@@ -404,13 +423,27 @@ class TestGate:
             BatchGate(max_num_seqs=0, max_pending=1)
 
 
+async def test_module_iterate_uses_the_models_engine(
+    thread: MLXThread, loaded: LoadedModel
+) -> None:
+    from mlx_pinned.server.batching import iterate
+
+    req = request(2, 4)
+    async with iterate(thread, loaded, *req) as stream:
+        events = [event async for event in stream]
+    assert max_logprob_difference(events, await solo(thread, loaded, req)) <= TOL
+
+
 def test_module_function_uses_one_engine_per_model(
     thread: MLXThread, loaded: LoadedModel
 ) -> None:
-    params, images = request(0, 3)
-    events = list(thread.iterate_sync(generate_stream, loaded, params, images))
-    assert len(tokens(events)) == 3
-    events = list(thread.iterate_sync(generate_stream, loaded, params, images))
     from mlx_pinned.server.batching import engine_for
 
-    assert thread.run_sync(engine_for, loaded).statistics().prefills == 2
+    batch = thread.run_sync(engine_for, loaded)
+    before = batch.statistics().prefills
+    params, images = request(0, 3)
+    for _ in range(2):
+        events = list(thread.iterate_sync(generate_stream, loaded, params, images))
+        assert len(tokens(events)) == 3
+    assert thread.run_sync(engine_for, loaded) is batch
+    assert batch.statistics().prefills == before + 2

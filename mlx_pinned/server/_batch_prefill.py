@@ -1,0 +1,219 @@
+"""Prompts into KV caches for the decode batch: one alone, or several at once.
+
+MLX thread only. :func:`preprocess` turns a request into model inputs (chat
+template, processor). :func:`prefill_together` runs the prompts of several
+requests in one pass: their images through the vision tower together, their
+tokens left-padded into one ``BatchKVCache``; :func:`prefill_alone` runs one
+with mlx-vlm's single-stream operations. Both run every prompt token but the
+last; the last (a text token) runs in the next decode step, which samples the
+first token: the same operation as mlx-vlm's last prefill pass (its
+embedding, at position offset + rope delta). Padded positions are masked and
+add exact zeros, so a prompt's cache is the same alone or together (the
+tests compare the log-probabilities with the unbatched path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from ._batch_sampling import vlm
+from .engine import LoadedModel, build_prompt
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from .engine import GenerationParams
+
+# mlx-vlm's default chunk: longer prompts are prefilled alone, in chunks.
+PREFILL_STEP = 2048
+# Processor outputs a prompt may have and still be prefilled with others.
+_BATCHABLE_INPUTS = frozenset({"input_ids", "attention_mask", "pixel_values"})
+_BATCHABLE_INPUTS |= {"image_grid_thw"}
+# Prefill inputs that matter only for media and rope positions, which a
+# decode step of a text token recomputes the same way.
+_POSITION_ONLY = frozenset(
+    {
+        "image_grid_thw",
+        "video_grid_thw",
+        "position_ids",
+        "rope_deltas",
+        "visual_pos_masks",
+        "deepstack_visual_embeds",
+    }
+)
+_MEDIA_TOKENS = (
+    "image_token_index",
+    "image_token_id",
+    "video_token_index",
+    "video_token_id",
+    "audio_token_id",
+)
+
+
+@dataclass(eq=False)
+class Prepared:
+    """A request's model inputs, before its prefill."""
+
+    inputs: dict[str, Any]
+    prompt_tokens: int
+    last: int  # the last prompt token
+
+
+@dataclass(eq=False)
+class Prefilled:
+    """Prompts in a batch cache, ready to join the decode batch.
+
+    Attributes:
+        cache: One batch cache per layer, a row per prompt.
+        deltas: Their rope deltas (B, 1), for Qwen-VL style models.
+        logits: (B, V) of the last prompt token when it could not wait for
+            the decode step (see :func:`prefill_alone`), else None.
+    """
+
+    cache: list[Any]
+    deltas: mx.array | None
+    logits: mx.array | None = None
+
+
+def preprocess(
+    loaded: LoadedModel, params: GenerationParams, images: Sequence[Image.Image]
+) -> Prepared:
+    """Chat template and processor: token ids, pixels and their metadata."""
+    v = vlm()
+    model, processor = loaded.model, loaded.processor
+    inputs = v.prepare_inputs(
+        processor,
+        images=list(images) or None,
+        prompts=build_prompt(loaded, params.messages),
+        image_token_index=getattr(model.config, "image_token_index", None),
+        add_special_tokens=v.should_add_special_tokens(
+            model.config.model_type, processor
+        ),
+    )
+    ids = inputs["input_ids"]
+    return Prepared(dict(inputs), int(ids.size), int(ids[0, -1].item()))
+
+
+def batchable(loaded: LoadedModel, prepared: Prepared) -> bool:
+    """Whether a prompt may be prefilled with others: one chunk, known inputs,
+    and a last token that a decode step can run."""
+    return (
+        prepared.prompt_tokens <= PREFILL_STEP
+        and set(prepared.inputs) <= _BATCHABLE_INPUTS
+        and _text_last(loaded, prepared)
+    )
+
+
+def _text_last(loaded: LoadedModel, prepared: Prepared) -> bool:
+    config = loaded.model.config
+    media = {getattr(config, name, None) for name in _MEDIA_TOKENS}
+    return prepared.prompt_tokens > 1 and prepared.last not in media
+
+
+def prefill_together(loaded: LoadedModel, prompts: Sequence[Prepared]) -> Prefilled:
+    """Prefill :func:`batchable` prompts in one pass, all but their last token."""
+    v = vlm()
+    model, lm = loaded.model, loaded.model.language_model
+    lengths = [p.prompt_tokens for p in prompts]
+    width = max(lengths)
+    pads = [width - n for n in lengths]
+    ids = mx.concatenate(
+        [
+            mx.pad(p.inputs["input_ids"], [(0, 0), (pad, 0)])
+            for p, pad in zip(prompts, pads, strict=True)
+        ]
+    )
+    mask = mx.array([[0] * pad + [1] * n for pad, n in zip(pads, lengths, strict=True)])
+    pixels = [p.inputs["pixel_values"] for p in prompts if "pixel_values" in p.inputs]
+    grids = [
+        p.inputs["image_grid_thw"] for p in prompts if "image_grid_thw" in p.inputs
+    ]
+    extra = {"image_grid_thw": mx.concatenate(grids)} if grids else {}
+    embedded = model.get_input_embeddings(
+        ids, mx.concatenate(pixels) if pixels else None, mask=mask, **extra
+    )
+    kwargs = _prefill_kwargs(extra, embedded)
+    n = width - 1
+    # Sliced here: with per-row cache offsets the model would not slice them.
+    kwargs["position_ids"] = kwargs["position_ids"][..., :n]
+    if "visual_pos_masks" in kwargs:
+        kwargs["visual_pos_masks"] = kwargs["visual_pos_masks"][:, :n]
+    cache = [v.BatchKVCache(pads) for _ in lm.layers]
+    lm(
+        inputs=ids[:, :n],
+        inputs_embeds=embedded.inputs_embeds[:, :n],
+        cache=cache,
+        n_to_process=n,
+        logits_to_keep=1,
+        **kwargs,
+    )
+    deltas = _deltas(lm, kwargs, len(prompts))
+    mx.eval([c.state for c in cache], deltas)
+    return Prefilled(cache, deltas)
+
+
+def prefill_alone(loaded: LoadedModel, prepared: Prepared) -> Prefilled:
+    """Prefill one prompt with mlx-vlm's single-stream operations, in chunks.
+
+    When the prompt is :func:`batchable`'s kind its last token is left for the
+    decode step; otherwise it runs here too and ``logits`` holds its output.
+    """
+    v = vlm()
+    model, lm = loaded.model, loaded.model.language_model
+    inputs = prepared.inputs
+    ids = inputs["input_ids"]
+    extra = {
+        k: val
+        for k, val in inputs.items()
+        if k not in ("input_ids", "pixel_values", "attention_mask")
+    }
+    embedded = model.get_input_embeddings(
+        ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra
+    )
+    kwargs = _prefill_kwargs(extra, embedded)
+    embeds = embedded.inputs_embeds
+    cache = v.make_prompt_cache(lm)
+    while embeds.shape[1] > 1:
+        n = min(PREFILL_STEP, embeds.shape[1] - 1)
+        lm(
+            inputs=ids[:, :n],
+            inputs_embeds=embeds[:, :n],
+            cache=cache,
+            n_to_process=n,
+            logits_to_keep=1,
+            **kwargs,
+        )
+        mx.eval([c.state for c in cache])
+        embeds, ids = embeds[:, n:], ids[:, n:]
+    deltas = _deltas(lm, kwargs, 1)
+    logits = None
+    if not (_text_last(loaded, prepared) and set(kwargs) <= _POSITION_ONLY):
+        output = lm(ids, inputs_embeds=embeds, cache=cache, logits_to_keep=1, **kwargs)
+        logits = output.logits[:, -1, :]
+    batch_cache = [type(c).merge([c]) for c in cache]
+    return Prefilled(batch_cache, deltas, logits)
+
+
+def _prefill_kwargs(extra: dict[str, Any], embedded: Any) -> dict[str, Any]:
+    found = {
+        k: val
+        for k, val in embedded.to_dict().items()
+        if k != "inputs_embeds" and val is not None
+    }
+    return {**extra, **found}
+
+
+def _deltas(lm: Any, kwargs: dict[str, Any], rows: int) -> mx.array | None:
+    """Per-row rope deltas (rows, 1) for models that keep them on the model."""
+    if not hasattr(lm, "_rope_deltas"):
+        return None
+    delta = kwargs.get("rope_deltas")
+    if not isinstance(delta, mx.array):
+        delta = lm._rope_deltas
+    if delta is None:
+        return mx.zeros((rows, 1), dtype=mx.int32)
+    return delta.reshape(-1, 1)[:rows]
