@@ -373,7 +373,7 @@ def serve_batched(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from mlx_pinned.server import _chat, batching, create_app
+    from mlx_pinned.server import _chat, batching, create_app, engine
 
     logging.basicConfig(level=logging.WARNING)
     app = create_app(
@@ -384,9 +384,17 @@ def serve_batched(args: argparse.Namespace) -> int:
     for endpoint in endpoints:
         if isinstance(endpoint, _chat.ChatEndpoint):
             endpoint.gate = gate  # type: ignore[assignment]
-    from mlx_pinned.server import engine
+    # The endpoint calls thread.iterate(engine.generate_stream, loaded, ...):
+    # route that call to batching.iterate, which batches it.
+    thread = app.state.mlx_thread
+    plain = thread.iterate
 
-    engine.generate_stream = batching.generate_stream
+    def iterate(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if fn is engine.generate_stream:
+            return batching.iterate(thread, *args, **kwargs)
+        return plain(fn, *args, **kwargs)
+
+    thread.iterate = iterate
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
     return 0
 

@@ -49,12 +49,10 @@ from __future__ import annotations
 import importlib
 import time
 import weakref
-from collections.abc import AsyncIterator, Generator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-import anyio
-
+from ._batch_gate import ADMITTED, Admitted, BatchGate, BatchStream
 from ._batch_sampling import Sampled
 from ._batch_state import BatchState, BatchStatistics
 from ._text import StopMatcher, TextDecoder
@@ -65,7 +63,6 @@ from .engine import (
     TokenEvent,
     TokenLogprobs,
 )
-from .schemas import APIError
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -83,13 +80,6 @@ __all__ = [
 ]
 
 Event = TokenEvent | FinalEvent
-
-
-class _Admitted:
-    """The first item of an announced generator (see :func:`iterate`)."""
-
-
-ADMITTED = _Admitted()
 
 
 class BatchEngine:
@@ -156,7 +146,7 @@ class BatchEngine:
         images: Sequence[Image.Image],
         *,
         announce: bool,
-    ) -> Generator[Event | _Admitted, None, None]:
+    ) -> Generator[Event | Admitted, None, None]:
         """The generator; with ``announce``, its first item is ``ADMITTED``:
         the request is queued for prefill, and the thread goes to others."""
         if params.max_tokens < 1:
@@ -318,97 +308,6 @@ def iterate(
 
 def _announced(
     loaded: LoadedModel, params: GenerationParams, images: Sequence[Image.Image]
-) -> Generator[Event | _Admitted, None, None]:
+) -> Generator[Event | Admitted, None, None]:
     # On the MLX thread: the model's engine is made and used there only.
     return engine_for(loaded)._generate(params, images, announce=True)
-
-
-class BatchStream:
-    """The events of one batched generation (see :func:`iterate`); event loop."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __aiter__(self) -> BatchStream:
-        return self
-
-    async def __anext__(self) -> Event:
-        while True:
-            item = await self._inner.__anext__()
-            if not isinstance(item, _Admitted):
-                event: Event = item
-                return event
-
-    async def aclose(self) -> None:
-        """Close the generation on the thread and wait until it is closed."""
-        await self._inner.aclose()
-
-    async def __aenter__(self) -> BatchStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-
-class BatchGate:
-    """At most ``max_num_seqs`` generations at once; the rest wait their turn.
-
-    Event-loop side (asyncio or trio, through anyio). Waiting requests are
-    admitted in arrival order as slots free up; at most ``max_pending`` may
-    wait, past that :meth:`turn` answers 503 at once. A slot is given back
-    when the ``turn()`` block exits, so close the stream inside it.
-
-    Args:
-        max_num_seqs: Generations active at once (the decode batch bound).
-        max_pending: Requests that may wait for a slot.
-    """
-
-    def __init__(self, max_num_seqs: int, max_pending: int) -> None:
-        if max_num_seqs < 1 or max_pending < 0:
-            raise ValueError(
-                "max_num_seqs must be >= 1 and max_pending >= 0, not "
-                f"{max_num_seqs} and {max_pending}"
-            )
-        self.max_num_seqs = max_num_seqs
-        self.max_pending = max_pending
-        self.waiting = 0  # requests waiting for a slot
-        self.active = 0  # requests holding a slot
-        self._slots: anyio.Semaphore | None = None
-
-    @property
-    def busy(self) -> bool:
-        """Whether any generation holds a slot."""
-        return self.active > 0
-
-    @asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
-        """Hold a slot for the block; 503 at once when the waiting room is full.
-
-        Cancelling the caller while it waits gives up its place: its
-        generation never starts.
-
-        Raises:
-            APIError: 503 with ``Retry-After`` when ``max_pending`` wait already.
-        """
-        if self._slots is None:  # made on the event loop that serves us
-            self._slots = anyio.Semaphore(self.max_num_seqs)
-        slots = self._slots
-        if slots.value == 0 and self.waiting >= self.max_pending:
-            raise APIError(
-                503,
-                f"The server is busy: {self.waiting} requests are already waiting "
-                "for the model; retry shortly.",
-                code="server_busy",
-                headers={"Retry-After": "1"},
-            )
-        self.waiting += 1
-        try:
-            await slots.acquire()
-        finally:
-            self.waiting -= 1
-        self.active += 1
-        try:
-            yield
-        finally:
-            self.active -= 1
-            slots.release()
