@@ -1,8 +1,11 @@
-"""The decode batch of one model: prefill, one batched step, per-row sampling.
+"""The decode batch of one model: admission, prefill, pipelined steps.
 
 Everything here runs on the MLX thread and is touched by nothing else, so it
 holds no locks. :mod:`.batching` drives it, one request generator per
-sequence; this module knows only arrays, caches and rows.
+sequence; this module knows only rows, caches and steps. Rows are admitted
+(preprocessed and queued), prefilled together at the next step
+(:mod:`._batch_prefill`), join the batch, are decoded one token per step
+(:mod:`._batch_sampling`), and leave when done or closed.
 
 Per-sequence state that mlx-vlm's Qwen-VL language models keep on the model
 object (``_rope_deltas``, ``_position_ids``) is kept here per row instead: a
@@ -47,7 +50,7 @@ class Row:
     Attributes:
         max_tokens: Most tokens to sample.
         sampling: ``(temperature, top_p, top_k)``; temperature 0 is greedy.
-        seed: Keys the sampling of every position (see :func:`_keys`).
+        seed: Keys the sampling of every position (mlx-vlm's position seed).
         top_logprobs: Alternatives to return per token (0: none).
         bias: ``(token id, bias)`` pairs added to the logits.
         prompt_tokens: Tokens in the prompt, image tokens included.
@@ -105,11 +108,10 @@ class BatchStatistics:
 class BatchState:
     """The rows of one model and their batched KV cache (MLX thread only).
 
-    Rows enter through :meth:`prefill` (their own cache, batch size 1, the
-    same operations as mlx-vlm's single-stream path), join the batch at the
-    start of the next :meth:`step`, and leave through :meth:`leave` or when
-    they are done; rows that left are dropped from the cache at the next
-    step, or at once when none remain.
+    Rows enter through :meth:`admit`, are prefilled and join the batch in
+    the next :meth:`step`, and leave through :meth:`leave` or when they are
+    done; rows that left are dropped from the cache at the next step, or at
+    once when none remain.
     """
 
     def __init__(self, loaded: LoadedModel) -> None:

@@ -1,47 +1,62 @@
 """Continuous batching on the MLX thread, request by request.
 
-:func:`generate_stream` has the signature and the events of
-:func:`.engine.generate_stream`, and the app runs it the same way, with
-``MLXThread.iterate``; the difference is that many of them may run at once on
-one model. Each request's generator, on the MLX thread:
+Every request is a sync generator run on the MLX thread with
+``MLXThread.iterate``, with the events of :func:`.engine.generate_stream`;
+what they share is one :class:`BatchEngine` per model, touched only on that
+thread, so it holds no locks. A request's generator:
 
-- first turn: prefills its prompt (and images) alone, samples its first token
-  and yields it; the sequence joins the decode batch at the next step;
-- every later turn: yields its next token if a step already sampled one for
-  it, else runs one batched decode step (one forward pass for every active
-  sequence, one token for each) and yields its own;
-- when it ends, or is closed (client gone, ``aclose``, cancel, garbage
-  collection), its ``finally`` takes the sequence out of the batch; its KV
-  cache rows are dropped at the next step, or at once if it was the last.
+- first turn: preprocesses its request (chat template, processor) and queues
+  it. Through :func:`iterate` it then yields a marker that the event loop
+  side drops and gives the thread to the next request, so requests that
+  arrive together are queued together; :func:`generate_stream` (a drop-in for
+  the engine's) goes straight on;
+- when it has no token: runs one step of the batch. A step collects the
+  decode step in flight (one forward pass for every active sequence, one
+  token each), prefills the queued prompts (up to 8 in one pass: their
+  images through the vision tower together, their tokens left-padded into
+  one cache; the last prompt token is left for the decode step, which samples
+  the first token), lets them join, and starts the next decode step before
+  it returns, so it computes while the thread hands out tokens;
+- when it has a token: yields it, cheaply; with N sequences about one turn
+  in N runs a step;
+- when it ends or is closed (client gone, ``aclose``, cancel, garbage
+  collection): its ``finally`` takes the sequence out; its KV cache rows are
+  dropped at the next step, or at once if it was the last.
 
-``iterate`` streams take turns round-robin on the one thread, so a step is
-one job: with N sequences about one turn in N runs a step and the others hand
-out tokens already made. Other jobs and new requests get the thread between
-steps and are never starved, and a slow client never holds up the others (its
-tokens wait in its own buffer). :class:`BatchGate` bounds how many sequences
-are active (``max_num_seqs``): the rest wait on the event loop, in arrival
-order, in a bounded waiting room, and use no MLX thread time while they wait.
+``iterate`` streams take turns round-robin, so a step is one job: other jobs
+and new requests get the thread between steps, and a slow client never holds
+up the others (its tokens wait in its own buffer). :class:`BatchGate` bounds
+the active sequences (``max_num_seqs``); the rest wait on the event loop, in
+arrival order, in a bounded room, using no MLX thread time.
 
-Why not mlx-vlm's ``BatchGenerator`` (``mlx_vlm/generate/ar.py``, 0.7.10)?
-It is built around one driver loop that owns the batch, while here each
-request's own generator must be able to advance it. It has one sampler and
-one set of stop tokens for the whole batch (the server's requests each bring
-their own temperature, top_p, seed and logit_bias), it mutates the
-tokenizer's shared stopping criteria, and it prefills several prompts
-together, left-padded, so a request's prompt numbers depend on its
-neighbours. Its pieces are sound and are used here: the per-row rope deltas
-passed as ``rope_deltas`` with per-row cache offsets (how Qwen-VL language
-models decode a batch without reading the model's own ``_rope_deltas``), the
-``BatchKVCache`` merge / extend / filter, and the position-keyed sampler of
-its single-stream path, so a seeded request samples the same tokens batched,
-alone, or through :func:`.engine.generate_stream`.
+Isolation: mlx-vlm's Qwen-VL language models keep request state on the model
+object (``_rope_deltas``, ``_position_ids``). Here each sequence's rope delta
+is captured at its prefill and every decode step passes all rows' deltas
+(``rope_deltas=(B, 1)``) with per-row cache offsets, as mlx-vlm's own batch
+decoding does, so no row reads another's state. Sampling is per row:
+temperature, top_p, top_k, logit_bias, stop strings, max_tokens, logprobs;
+a seeded row uses mlx-vlm's position-keyed sampler (a key per seed and
+position), so a seed gives the same tokens alone, batched, or through the
+unbatched engine.
 
-Numbers: a sequence's prefill runs alone, with the operations of mlx-vlm's
-single-stream path, so its first token is bit-identical to the unbatched
-path. Batched decode attends over a left-padded cache with a mask; padded
-positions add exact zeros but the reductions run in a different order, so
-float32 log-probabilities differ from the unbatched path by rounding only
-(measured: see the tests), not by anything another sequence contains.
+Why not mlx-vlm's ``BatchGenerator`` (``mlx_vlm/generate/ar.py``, 0.7.10):
+it is one driver loop that owns the batch (here each request's generator
+must be able to advance it), with one sampler and one set of stop tokens for
+the whole batch (the requests here each bring their own temperature, top_p,
+seed and logit_bias), and it mutates the tokenizer's shared stopping
+criteria. Its sound pieces are used: per-row ``rope_deltas`` with per-row
+cache offsets, ``BatchKVCache`` merge / extend / filter, left-padded batched
+prefill, and the position-keyed sampler.
+
+Numbers: padded cache positions are masked and add exact zeros, matmul rows
+are independent, so on the CPU backend every sequence's log-probabilities
+are bit-identical to its unbatched run (the tests allow 1e-5 for backends
+whose reductions may run in another order; cross-talk moves them by 0.1-1).
+
+Integration: the app's ``thread.iterate(engine.generate_stream, loaded,
+params, images)`` becomes ``batching.iterate(thread, loaded, params,
+images)`` inside a :class:`BatchGate` turn. Do not interleave the unbatched
+engine with batching on one model: it keeps its rope state on the model.
 """
 
 from __future__ import annotations
