@@ -153,7 +153,8 @@ class BatchState:
 
         Its prompt is prefilled at the next :meth:`step`, together with the
         others queued by then, and joins the decode batch there. Raises what
-        the processor raises; nothing is queued then.
+        the processor raises, or ``PromptTooLongError`` for a prompt over the
+        request's limits; nothing is queued then.
         """
         v = vlm()
         model = self.loaded.model
@@ -166,6 +167,11 @@ class BatchState:
         temperature = float(v.clamp_temperature(temperature))
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         prepared = preprocess(self.loaded, params, images)
+        # The request's prompt limits, as the unbatched engine checks them
+        # (a 400 before anything is prefilled).
+        check = getattr(params, "check_prompt_tokens", None)
+        if check is not None:
+            check(prepared.prompt_tokens)
         row = Row(
             max_tokens=params.max_tokens,
             sampling=(temperature, float(top_p), int(top_k or 0)),

@@ -18,6 +18,7 @@ four to five orders of magnitude larger (a leaked rope delta: 0.1 to 1).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
@@ -288,6 +289,19 @@ class TestIsolation:
                 await drain(thread.iterate(batch.generate_stream, *bad))
         assert max_logprob_difference(run.events, alone) <= TOL
         assert batch.statistics().prefills == 1
+
+    async def test_a_prompt_over_its_limit_is_refused_before_prefill(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        if "max_prompt_tokens" not in GenerationParams.__dataclass_fields__:
+            pytest.skip("this engine has no prompt limits")
+        params, images = request(0, 4)
+        limited = dataclasses.replace(params, max_prompt_tokens=5)
+        batch = BatchEngine(loaded)
+        with pytest.raises(APIError) as caught:
+            await drain(batch.iterate(thread, limited, images))
+        assert caught.value.status == 400
+        assert batch.statistics().prefills == 0
 
 
 class TestLeaving:
