@@ -432,9 +432,16 @@ def inprocess(args: argparse.Namespace) -> int:
         result = Level(mode, concurrency)
         if mode == "batched":
             gate: Any = batching.BatchGate(concurrency, 4096)
-            generate: Any = batching.generate_stream
+
+            def start_stream() -> Any:
+                return batching.iterate(thread, loaded, params, [image])
+
         else:
-            gate, generate = OneAtATime(), engine.generate_stream
+            gate = OneAtATime()
+
+            def start_stream() -> Any:
+                return thread.iterate(engine.generate_stream, loaded, params, [image])
+
         for _ in range(args.rounds):
             remaining = max(args.requests, 2 * concurrency)
             tokens = 0
@@ -446,7 +453,7 @@ def inprocess(args: argparse.Namespace) -> int:
                     start = time.perf_counter()
                     first = None
                     async with gate.turn():
-                        stream = thread.iterate(generate, loaded, params, [image])
+                        stream = start_stream()
                         async with stream:
                             async for event in stream:
                                 first = first or time.perf_counter()
