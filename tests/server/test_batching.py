@@ -308,7 +308,8 @@ class TestLeaving:
     async def test_disconnect_mid_batch_frees_its_slot(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
-        reqs = [request(i, 40) for i in range(3)]
+        # Long enough that neither a (parked) nor b ends before c is admitted.
+        reqs = [request(0, 400), request(1, 120), request(2, 30)]
         alone_b = await solo(thread, loaded, reqs[1])
         batch = BatchEngine(loaded)
         gate = BatchGate(max_num_seqs=2, max_pending=4)
@@ -320,7 +321,7 @@ class TestLeaving:
             group.start_soon(b.run)
             await b.two_tokens.wait()
             group.start_soon(c.run)
-            await anyio.sleep(0.05)
+            await anyio.sleep(0.02)
             assert not c.started.is_set()  # two active: c waits its turn
             assert gate.waiting == 1
             assert batch.statistics().active == 2
