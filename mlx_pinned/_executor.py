@@ -510,6 +510,9 @@ class MLXThread(Executor):
             leftovers = _drain(self._queue)
         for item in leftovers:
             if item is not _STOP:
+                if item.counted:
+                    with self._lock:
+                        self._discarded += 1
                 error.__cause__ = cause
                 item.abandon(error)
         for stream in list(self._open_streams):
@@ -537,10 +540,13 @@ class MLXThread(Executor):
 
 
 def _drain(queue: SimpleQueue[Any]) -> list[Any]:
-    items = []
-    while not queue.empty():
-        items.append(queue.get_nowait())  # only the caller takes, under _lock
-    return items
+    # The worker may take the last item between a check and a get: no empty().
+    items: list[Any] = []
+    try:
+        while True:
+            items.append(queue.get_nowait())
+    except Empty:
+        return items
 
 
 def _job_name(fn: Callable[..., object] | str) -> str:

@@ -238,10 +238,11 @@ class AsyncStreamIterator(Generic[T]):
     before its next item.
     """
 
-    __slots__ = ("__weakref__", "_stream")
+    __slots__ = ("__weakref__", "_cancelled", "_stream")
 
     def __init__(self, stream: Stream[T]) -> None:
         self._stream = stream
+        self._cancelled = False
 
     def __aiter__(self) -> Self:
         return self
@@ -261,12 +262,19 @@ class AsyncStreamIterator(Generic[T]):
                     await waiter.wait()
                 except BaseException:
                     stream.request_close()  # cancelled: stop the generator
+                    # asyncio delivers a cancellation once: an aclose() that
+                    # follows (contextlib.aclosing) must not wait again.
+                    self._cancelled = True
                     raise
 
     async def aclose(self) -> None:
-        """Close the generator on the thread and wait until it is closed."""
+        """Close the generator on the thread and wait until it is closed.
+
+        After the consumer was cancelled, only asks for the close (queued on
+        the thread) and returns at once, so a cancelled task is released.
+        """
         stream = self._stream
-        if stream.request_close():
+        if stream.request_close() and not self._cancelled:
             while True:
                 waiter = async_waiter()
                 if not stream.closing_waiter_set(waiter):
