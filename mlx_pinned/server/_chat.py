@@ -9,11 +9,17 @@ A status code is chosen only before the first byte of the response: prefill
 runs before the response starts, so a bad request or a failed prefill is a
 4xx/5xx, never a 200 that carries an error. A failure after a stream began is
 sent as one error event, and the stream ends without ``[DONE]``.
+
+Each request has one deadline (``request_timeout``) for everything after its
+body was read: images, the wait for the model and the generation. Past it the
+answer is a 504 (an error event if the stream began) and the generation is
+closed on the MLX thread.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +40,9 @@ from ._http import (
     read_body,
     watch_disconnect,
 )
+from ._limits import check_text_length
 from .engine import FinalEvent, GenerationParams, TokenEvent, TokenLogprobs
-from .images import collect_image_refs, load_images
+from .images import Fetcher, collect_image_refs, load_images
 from .schemas import (
     APIError,
     ChatCompletion,
@@ -46,6 +53,7 @@ from .schemas import (
     ChunkChoice,
     Delta,
     ResponseMessage,
+    TextPart,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -60,6 +68,7 @@ if TYPE_CHECKING:
 
     from mlx_pinned import MLXThread
 
+    from ._metrics import ServerMetrics
     from .app import ServerConfig, _Gate
 
 logger = logging.getLogger("mlx_pinned.server")
@@ -86,22 +95,37 @@ class ChatEndpoint:
     next token.
     """
 
-    def __init__(self, config: ServerConfig, thread: MLXThread, gate: _Gate) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        thread: MLXThread,
+        gate: _Gate,
+        *,
+        fetch: Fetcher | None = None,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
         self.config = config
         self.thread = thread
         self.gate = gate
+        self.fetch = fetch
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         log = RequestLog(start=time.perf_counter())
         response = ResponseWriter(send)
         try:
             body = await read_body(scope, receive, self.config.max_body_bytes)
+            timeout = self.config.request_timeout
+            deadline = anyio.current_time() + timeout if timeout else math.inf
             async with anyio.create_task_group() as group:
                 group.start_soon(
                     watch_disconnect, receive, group.cancel_scope, response, log
                 )
                 try:
-                    await self._answer(scope, body, response, log)
+                    with anyio.CancelScope(deadline=deadline) as limit:
+                        await self._answer(scope, body, response, log)
+                    if limit.cancelled_caught:
+                        await response.error(_timed_out(timeout))
                 finally:
                     group.cancel_scope.cancel()
         except Disconnected:
@@ -111,6 +135,8 @@ class ChatEndpoint:
         finally:
             log.status = response.status or (499 if log.disconnected else 0)
             log.emit()
+            if self.metrics is not None:
+                self.metrics.observe(log)
 
     async def _answer(
         self, scope: Scope, body: bytes, response: ResponseWriter, log: RequestLog
@@ -139,6 +165,13 @@ class ChatEndpoint:
     async def _handle(
         self, scope: Scope, body: bytes, response: ResponseWriter, log: RequestLog
     ) -> None:
+        if self.thread.closed:  # fail fast: nothing will ever run
+            raise APIError(
+                503,
+                "The MLX thread is not running, so no request can be served: "
+                "restart the server.",
+                code="mlx_thread_unavailable",
+            )
         request = parse_chat_request(body)
         log.stream = bool(request.stream)
         loaded = scope.get("state", {}).get("model")
@@ -146,7 +179,18 @@ class ChatEndpoint:
             raise APIError(503, "The model is not loaded yet; retry shortly.")
         if request.model != self.config.served_model_name:
             raise model_not_found(request.model, self.config)
-        params = GenerationParams.from_request(request, self._max_tokens(request))
+        context = loaded.context_length
+        max_prompt = self.config.max_prompt_tokens or context
+        if max_prompt is not None:
+            check_text_length(
+                _text_chars(request), loaded.longest_token_chars, max_prompt
+            )
+        params = GenerationParams.from_request(
+            request,
+            self._max_tokens(request),
+            max_prompt_tokens=max_prompt,
+            context_length=context,
+        )
         vocab = loaded.vocab_size
         for token_id, _ in params.logit_bias:
             if token_id >= vocab:
@@ -159,15 +203,17 @@ class ChatEndpoint:
                 )
         refs = collect_image_refs(request.messages, self.config.image_limits)
         log.images = len(refs)
-        images = await load_images(refs, self.config.image_limits)
+        images = await load_images(refs, self.config.image_limits, fetch=self.fetch)
+        arrived = time.perf_counter()
         async with self.gate.turn():
-            log.queued = time.perf_counter() - log.start
+            log.queued = time.perf_counter() - arrived
             stream = self.thread.iterate(engine.generate_stream, loaded, params, images)
             try:
                 await self._respond(request, stream, response, log)
             finally:
-                # Shielded: the next generation must not start before this one
-                # is closed on the MLX thread, even if we were cancelled.
+                # Shielded: the close is queued on the MLX thread before the
+                # model is released, even if we were cancelled, so (FIFO) it
+                # runs before the next generation starts.
                 with anyio.CancelScope(shield=True):
                     await stream.aclose()
 
@@ -257,6 +303,28 @@ class ChatEndpoint:
                 await response.send(chunk([], event))
             await response.send(b"data: [DONE]\n\n")
         await response.end()
+
+
+def _timed_out(timeout: float | None) -> APIError:
+    return APIError(
+        504,
+        f"The request did not finish within this server's limit of {timeout:g} s "
+        "(waiting for the model plus generating): retry later, or ask for fewer "
+        "tokens.",
+        code="timeout",
+    )
+
+
+def _text_chars(request: ChatCompletionRequest) -> int:
+    """Characters of text in the messages (images not counted)."""
+    total = 0
+    for message in request.messages:
+        content = message.content or ""
+        if isinstance(content, str):
+            total += len(content)
+        else:
+            total += sum(len(p.text) for p in content if isinstance(p, TextPart))
+    return total
 
 
 def _finish(event: FinalEvent) -> Any:

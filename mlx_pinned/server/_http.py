@@ -48,7 +48,7 @@ class RequestLog:
     images: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    queued: float = 0.0
+    queued: float | None = None  # seconds waited for the model, once it got it
     first_token: float | None = None
     last_token: float | None = None
     finish: str = "-"
@@ -79,7 +79,7 @@ class RequestLog:
             self.images,
             self.prompt_tokens,
             self.completion_tokens,
-            self.queued * 1e3,
+            (self.queued or 0.0) * 1e3,
             ttft,
             (end - self.start) * 1e3,
             rate,

@@ -13,6 +13,8 @@ Generations run one at a time, in arrival order (:class:`_Gate`): mlx-vlm's
 Qwen-VL models keep request state on the model object, so two generations
 interleaved token by token would silently corrupt each other. At most
 ``max_pending`` requests wait; past that the server answers 503 at once.
+
+What the server refuses, and how each limit is set: docs/security.md.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ from mlx_pinned.middleware import MLXThreadMiddleware
 
 from . import engine
 from ._chat import ChatEndpoint, model_not_found
-from .images import ImageLimits
+from ._metrics import MetricsMiddleware, ServerMetrics
+from ._remote import RemoteImageFetcher
+from .images import Fetcher, ImageLimits
 from .schemas import APIError
 
 __all__ = ["ServerConfig", "create_app"]
@@ -61,6 +65,10 @@ class ServerConfig:
     max_body_bytes: int = 20 * 1024 * 1024
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     api_key: str | None = None
+    allow_remote_images: bool = False
+    remote_image_timeout: float = 10.0
+    max_prompt_tokens: int | None = None
+    request_timeout: float | None = 600.0
 
 
 def create_app(
@@ -75,6 +83,11 @@ def create_app(
     api_key: str | None = None,
     thread: MLXThread | None = None,
     drain_timeout: float = 30.0,
+    allow_remote_images: bool = False,
+    remote_image_timeout: float = 10.0,
+    image_fetcher: Fetcher | None = None,
+    max_prompt_tokens: int | None = None,
+    request_timeout: float | None = 600.0,
 ) -> Starlette:
     """Create the server app for one model.
 
@@ -99,6 +112,18 @@ def create_app(
         thread: The MLX thread to run on; a new one when None. The app's
             lifespan starts and closes it.
         drain_timeout: Seconds in-flight requests get at shutdown.
+        allow_remote_images: Fetch ``http(s)://`` image URLs (off: they are a
+            400). Only public addresses are fetched (see ``_remote.py``), at
+            most ``image_limits.max_bytes`` per image.
+        remote_image_timeout: Seconds for fetching one remote image.
+        image_fetcher: Fetches remote images instead of the default
+            :class:`RemoteImageFetcher` (implies ``allow_remote_images``).
+        max_prompt_tokens: Most prompt tokens, images included; None: the
+            model's context length from its config. A longer prompt, or one
+            that with ``max_tokens`` exceeds the context, is a 400.
+        request_timeout: Seconds a request may take after its body is read
+            (images, queue wait and generation); past it, 504 (or an error
+            event) and the generation is closed. None: no limit.
 
     Returns:
         A Starlette app.
@@ -107,6 +132,10 @@ def create_app(
         raise ValueError(
             "max_tokens_limit, max_pending and max_body_bytes must be >= 1"
         )
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise ValueError(f"max_prompt_tokens must be >= 1, not {max_prompt_tokens}")
+    if request_timeout is not None and request_timeout <= 0:
+        raise ValueError(f"request_timeout must be > 0, not {request_timeout}")
     config = ServerConfig(
         model=str(model),
         served_model_name=served_model_name or str(model),
@@ -116,11 +145,21 @@ def create_app(
         max_body_bytes=max_body_bytes,
         image_limits=image_limits or ImageLimits(),
         api_key=api_key,
+        allow_remote_images=allow_remote_images or image_fetcher is not None,
+        remote_image_timeout=remote_image_timeout,
+        max_prompt_tokens=max_prompt_tokens,
+        request_timeout=request_timeout,
     )
+    if image_fetcher is None and allow_remote_images:
+        image_fetcher = RemoteImageFetcher(
+            max_bytes=config.image_limits.max_bytes, timeout=remote_image_timeout
+        )
     mlx_thread = thread or MLXThread(name="mlx-pinned", max_pending=max_pending)
     gate = _Gate(max_pending)
+    metrics = ServerMetrics(mlx_thread, gate)
     routes = [
         Route("/health", functools.partial(_health, mlx_thread), methods=["GET"]),
+        Route("/metrics", metrics.endpoint, methods=["GET"]),
         Route("/v1/models", functools.partial(_models, config), methods=["GET"]),
         Route(
             "/v1/models/{model_id:path}",
@@ -129,11 +168,14 @@ def create_app(
         ),
         Route(
             "/v1/chat/completions",
-            ChatEndpoint(config, mlx_thread, gate),
+            ChatEndpoint(
+                config, mlx_thread, gate, fetch=image_fetcher, metrics=metrics
+            ),
             methods=["POST"],
         ),
     ]
     middleware = [
+        Middleware(MetricsMiddleware, metrics=metrics),
         Middleware(
             MLXThreadMiddleware,
             thread=mlx_thread,
@@ -151,6 +193,7 @@ def create_app(
     app.state.config = config
     app.state.mlx_thread = mlx_thread
     app.state.gate = gate
+    app.state.metrics = metrics
     return app
 
 

@@ -5,12 +5,14 @@
     mlx-pinned serve MODEL [--host 127.0.0.1] [--port 8000]
                            [--served-model-name NAME] [--max-tokens-limit N]
                            [--max-pending N] [--api-key KEY]
+                           [--request-timeout S] [--max-prompt-tokens N]
+                           [--allow-remote-images] [--max-images N] ...
     mlx-pinned serve --demo        # the tiny offline model of mlx_pinned.testing
 
 ``MODEL`` is a local model folder or a Hugging Face hub id. ``--demo`` writes
 the tiny random-weight model to the cache folder (``$MLX_PINNED_CACHE``, else
 ``~/.cache/mlx-pinned``) and serves it as ``mlx-pinned-demo``: it works
-offline, and answers with random text.
+offline, and answers with random text. Every limit: docs/security.md.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import signal
 import sys
 from collections.abc import Sequence
 from types import FrameType
+
+from .images import ImageLimits
 
 __all__ = ["main"]
 
@@ -86,6 +90,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body (default: %(default)s)",
     )
     serve.add_argument(
+        "--max-prompt-tokens",
+        type=_positive,
+        help="most prompt tokens, images included (default: the model's context "
+        "length)",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=_seconds,
+        default=600.0,
+        help="seconds a request may wait and generate before 504; 0: no limit "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-images",
+        type=_positive,
+        default=ImageLimits.max_images,
+        help="images per request (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-image-bytes",
+        type=_positive,
+        default=ImageLimits.max_bytes,
+        help="encoded bytes per image (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-image-pixels",
+        type=_positive,
+        default=ImageLimits.max_pixels,
+        help="width x height per image (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--allow-remote-images",
+        action="store_true",
+        help="fetch http(s) image URLs, from public addresses only (default: off)",
+    )
+    serve.add_argument(
+        "--remote-image-timeout",
+        type=_seconds,
+        default=10.0,
+        help="seconds to fetch one remote image (default: %(default)s)",
+    )
+    serve.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
         help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
@@ -145,6 +191,15 @@ def serve(args: argparse.Namespace) -> int:
         max_pending=args.max_pending,
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key,
+        image_limits=ImageLimits(
+            max_images=args.max_images,
+            max_bytes=args.max_image_bytes,
+            max_pixels=args.max_image_pixels,
+        ),
+        allow_remote_images=args.allow_remote_images,
+        remote_image_timeout=args.remote_image_timeout,
+        max_prompt_tokens=args.max_prompt_tokens,
+        request_timeout=args.request_timeout or None,
     )
     logger.info("serving %s as %r", model, name or model)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal
@@ -170,6 +225,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
     return value
 
 

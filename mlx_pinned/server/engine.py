@@ -24,15 +24,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
+from ._limits import check_prompt_tokens, context_length, longest_token_chars
+from ._prompt import build_prompt as build_prompt
+from ._prompt import chat_messages as chat_messages
+from ._prompt import prepare_inputs
 from ._text import StopMatcher as StopMatcher
 from ._text import TextDecoder, token_bytes
-from .schemas import (
-    AssistantMessage,
-    ChatCompletionRequest,
-    Message,
-    SystemMessage,
-    TextPart,
-)
+from .schemas import ChatCompletionRequest
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -72,11 +70,24 @@ class LoadedModel:
     parameters: int
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
     _active: Any = None  # the open stream_generate generator, if any
+    _longest_token: int | None = None
 
     @property
     def config(self) -> Any:
         """The model's config object."""
         return self.model.config
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's context length in tokens, from its config (or None)."""
+        return context_length(self.config)
+
+    @property
+    def longest_token_chars(self) -> int:
+        """Characters in the longest token of the vocabulary (computed once)."""
+        if self._longest_token is None:
+            self._longest_token = longest_token_chars(self.tokenizer)
+        return self._longest_token
 
     @property
     def tokenizer(self) -> Any:
@@ -130,6 +141,8 @@ def load(model_path: str | Path) -> LoadedModel:
     seconds = time.perf_counter() - start
     flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
     parameters = sum(v.size for _, v in flat)
+    loaded = LoadedModel(model, processor, str(model_path), seconds, parameters)
+    _ = loaded.longest_token_chars  # once, at load, not in a request
     logger.info(
         "loaded %s (%s, %d parameters) in %.2f s",
         model_path,
@@ -137,7 +150,7 @@ def load(model_path: str | Path) -> LoadedModel:
         parameters,
         seconds,
     )
-    return LoadedModel(model, processor, str(model_path), seconds, parameters)
+    return loaded
 
 
 @dataclass(frozen=True)
@@ -154,6 +167,9 @@ class GenerationParams:
         logprobs: Whether to return each token's log-probability.
         top_logprobs: How many alternatives to return per token.
         logit_bias: ``(token id, bias)`` pairs added to the logits.
+        max_prompt_tokens: Refuse a longer prompt (None: no limit of its own).
+        context_length: Refuse a prompt that, with ``max_tokens``, is longer
+            (None: the model has no known context length).
     """
 
     messages: tuple[dict[str, Any], ...]
@@ -165,10 +181,17 @@ class GenerationParams:
     logprobs: bool = False
     top_logprobs: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    max_prompt_tokens: int | None = None
+    context_length: int | None = None
 
     @classmethod
     def from_request(
-        cls, request: ChatCompletionRequest, max_tokens: int
+        cls,
+        request: ChatCompletionRequest,
+        max_tokens: int,
+        *,
+        max_prompt_tokens: int | None = None,
+        context_length: int | None = None,
     ) -> GenerationParams:
         """The parameters of a validated request, with ``max_tokens`` resolved."""
         return cls(
@@ -181,6 +204,21 @@ class GenerationParams:
             logprobs=bool(request.logprobs),
             top_logprobs=request.top_logprobs or 0,
             logit_bias=tuple(request.token_bias.items()),
+            max_prompt_tokens=max_prompt_tokens,
+            context_length=context_length,
+        )
+
+    def check_prompt_tokens(self, prompt_tokens: int) -> None:
+        """Refuse a prompt over this request's limits; call before prefill.
+
+        Raises:
+            PromptTooLongError: A 400 whose message gives the numbers.
+        """
+        check_prompt_tokens(
+            prompt_tokens,
+            self.max_tokens,
+            max_prompt_tokens=self.max_prompt_tokens,
+            context=self.context_length,
         )
 
 
@@ -232,53 +270,6 @@ class FinalEvent:
 Event = TokenEvent | FinalEvent
 
 
-def chat_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
-    """Request messages as mlx-vlm's chat messages; pure Python, any thread.
-
-    Image parts become ``{"type": "image_url"}`` markers in place, so mlx-vlm
-    puts each image in the turn and position where it was sent.
-    """
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        if isinstance(message, (SystemMessage, AssistantMessage)):
-            role = "system" if isinstance(message, SystemMessage) else "assistant"
-            content = message.content or ""
-            if not isinstance(content, str):
-                content = "".join(part.text for part in content)
-            out.append({"role": role, "content": content})
-        elif isinstance(message.content, str):
-            out.append({"role": "user", "content": message.content})
-        else:
-            parts = [
-                {"type": "text", "text": part.text}
-                if isinstance(part, TextPart)
-                else {"type": "image_url"}
-                for part in message.content
-            ]
-            out.append({"role": "user", "content": parts})
-    return out
-
-
-def build_prompt(loaded: LoadedModel, messages: Sequence[dict[str, Any]]) -> str:
-    """The prompt text from the model's chat template; runs on the MLX thread.
-
-    Images in every turn count: the image markers stay in their own messages.
-    """
-    from mlx_vlm.prompt_utils import apply_chat_template
-
-    num_images = sum(
-        1
-        for m in messages
-        if isinstance(m["content"], list)
-        for part in m["content"]
-        if part["type"] == "image_url"
-    )
-    prompt = apply_chat_template(
-        loaded.processor, loaded.config, list(messages), num_images=num_images
-    )
-    return str(prompt)
-
-
 def generate_stream(
     loaded: LoadedModel,
     params: GenerationParams,
@@ -297,6 +288,10 @@ def generate_stream(
 
     Yields:
         A :class:`TokenEvent` per generated token, then one :class:`FinalEvent`.
+
+    Raises:
+        PromptTooLongError: The prompt is over a limit of ``params``; raised
+            before any prefill.
     """
     start = time.perf_counter()
     stale = loaded._active
@@ -314,10 +309,10 @@ def generate_stream(
             kwargs[name] = getattr(params, name)
     if params.logit_bias:
         kwargs["logit_bias"] = dict(params.logit_bias)
+    inputs = prepare_inputs(loaded, prompt, images)
+    params.check_prompt_tokens(int(inputs["input_ids"].shape[-1]))
     stream_generate = importlib.import_module("mlx_vlm.generate").stream_generate
-    inner = stream_generate(
-        loaded.model, loaded.processor, prompt, image=list(images) or None, **kwargs
-    )
+    inner = stream_generate(loaded.model, loaded.processor, prompt, **inputs, **kwargs)
     loaded._active = inner
     matcher = StopMatcher(params.stop)
     decoder = TextDecoder(loaded.processor, lambda t: loaded.token_text(t)[1])

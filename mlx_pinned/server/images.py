@@ -5,7 +5,8 @@ limit is checked as early as it can be: the count before anything is decoded,
 the encoded size before base64 is decoded, and the pixel count from the file's
 header before the pixels are decoded, so a small file that claims a huge
 canvas is refused without allocating it. Local paths and ``file://`` are
-always refused; ``http(s)://`` URLs are refused unless a fetcher is given.
+always refused; ``http(s)://`` URLs are refused unless a fetcher is given
+(the server's is :class:`._remote.RemoteImageFetcher`, with SSRF rules).
 
 Decoding is CPU work that does not touch MLX, so :func:`load_images` runs it in
 a worker thread: off the event loop and off the MLX thread.
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import anyio.to_thread
 from PIL import Image, ImageOps
 
+from ._remote import RemoteImageError
 from .schemas import APIError, ImagePart, Message, UserMessage
 
 __all__ = [
@@ -48,7 +50,8 @@ _PIL_FORMATS = sorted(set(FORMATS.values()))
 _DATA_URI = re.compile(r"data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),", re.ASCII)
 _WHITESPACE = re.compile(rb"\s+")
 
-#: Fetches a remote image URL and returns its bytes (issue 4: SSRF-safe fetch).
+#: Fetches a remote image URL and returns its bytes; raises
+#: :class:`RemoteImageError` for a URL it refuses or cannot fetch.
 Fetcher = Callable[[str], Awaitable[bytes]]
 
 
@@ -190,7 +193,8 @@ async def load_images(
     Args:
         refs: The image parts, from :func:`collect_image_refs`.
         limits: The size limits.
-        fetch: Fetches ``http(s)://`` URLs; when None they are refused.
+        fetch: Fetches ``http(s)://`` URLs; when None they are refused. Its
+            :class:`RemoteImageError` becomes a 400 that names the part.
 
     Raises:
         ImageError: The first image that cannot be used.
@@ -202,10 +206,14 @@ async def load_images(
             if fetch is None:
                 raise ref.error(
                     "remote image URLs are not enabled on this server; send the "
-                    "image inline as a base64 data: URI.",
+                    "image inline as a base64 data: URI, or start the server with "
+                    "--allow-remote-images.",
                     "remote_images_disabled",
                 )
-            payloads.append(await fetch(ref.url))
+            try:
+                payloads.append(await fetch(ref.url))
+            except RemoteImageError as exc:
+                raise ref.error(exc.message, exc.code) from None
         else:
             payloads.append(None)
 

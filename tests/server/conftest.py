@@ -6,6 +6,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from starlette.applications import Starlette
@@ -104,3 +105,85 @@ def sse_events(text: str) -> list[Any]:
         data = block[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+def assert_error(
+    response: httpx.Response,
+    status: int,
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}
+    error: dict[str, Any] = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str)
+    assert error["message"]
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+async def drive(
+    app: Any,
+    body: dict[str, Any],
+    *,
+    disconnect_after: int | None = None,
+    leave: anyio.Event | None = None,
+    hold: anyio.Event | None = None,
+) -> tuple[int, list[bytes]]:
+    """Call the ASGI app directly, as a server would; the client leaves after
+    ``disconnect_after`` body chunks, or when ``leave`` is set; after the
+    first body chunk it stops reading until ``hold`` is set."""
+    raw = json.dumps(body).encode()
+    sent: list[bytes] = []
+    status = 0
+    leave = leave or anyio.Event()
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await leave.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            sent.append(message.get("body", b""))
+            if hold is not None:
+                await hold.wait()
+            if disconnect_after is not None and len(sent) >= disconnect_after:
+                leave.set()
+            if not message.get("more_body", False):
+                leave.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+    await app(scope, receive, send)
+    return status, sent
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Poll ``condition`` (state owned by the app has no event to wait on)."""
+    while not condition():  # noqa: ASYNC110
+        await anyio.sleep(0.001)

@@ -1,0 +1,333 @@
+"""Remote images, fetched without letting a client reach internal addresses.
+
+Off by default. When a server enables them (``--allow-remote-images``),
+:class:`RemoteImageFetcher` fetches ``http(s)://`` image URLs with these rules
+against server-side request forgery (SSRF):
+
+- scheme ``http`` or ``https`` only, no user name or password in the URL;
+- the host name is resolved once per hop, and every address it resolves to
+  must be public (:func:`is_public_address`): not loopback, private,
+  link-local, shared (CGNAT), multicast, reserved, unspecified, a cloud
+  metadata address, nor an IPv6 address that embeds one of those;
+- the request goes to the vetted address itself (the ``Host`` header and the
+  TLS server name keep the name), so a second DNS answer cannot swap in an
+  internal address between the check and the connection (DNS rebinding);
+- redirects are followed by hand, at most ``max_redirects``, each hop vetted
+  the same way; proxies from the environment are never used;
+- one deadline for the whole fetch and a byte cap checked while reading.
+
+Runs on the event loop (asyncio or trio); nothing here touches MLX.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import ssl
+from collections.abc import Awaitable, Callable, Sequence
+
+import anyio
+import httpx
+
+__all__ = [
+    "METADATA_ADDRESSES",
+    "RemoteImageError",
+    "RemoteImageFetcher",
+    "Resolver",
+    "is_public_address",
+]
+
+#: Resolves ``(host, port)`` to IP address strings.
+Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+#: Cloud instance-metadata endpoints, refused by name in the error message.
+METADATA_ADDRESSES = frozenset(
+    ipaddress.ip_address(a)
+    for a in ("169.254.169.254", "169.254.170.2", "100.100.100.200", "fd00:ec2::254")
+)
+_NAT64 = (
+    ipaddress.ip_network("64:ff9b::/96"),
+    ipaddress.ip_network("64:ff9b:1::/48"),
+)
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+
+
+class RemoteImageError(Exception):
+    """A remote image that was refused or could not be fetched.
+
+    Args:
+        message: What went wrong, for the client.
+        code: ``image_url_refused`` (the URL is not allowed) or
+            ``image_fetch_failed`` (it is, but the fetch failed).
+    """
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+def is_public_address(address: str | IPAddress) -> bool:
+    """Whether a fetch may connect to ``address``.
+
+    False for loopback, private, link-local, shared (100.64.0.0/10),
+    multicast, reserved, unspecified and documentation ranges, cloud
+    metadata addresses, IPv6 site-local, and IPv6 addresses that embed a
+    refused IPv4 address (IPv4-mapped, 6to4, Teredo, NAT64).
+    """
+    ip = ipaddress.ip_address(address) if isinstance(address, str) else address
+    if isinstance(ip, ipaddress.IPv6Address):
+        ip = ip.ipv4_mapped or ip
+    if ip in METADATA_ADDRESSES or not ip.is_global:
+        return False
+    if (
+        ip.is_private
+        or ip.is_loopback
+        or ip.is_link_local
+        or ip.is_multicast
+        or ip.is_reserved
+        or ip.is_unspecified
+    ):
+        return False
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.is_site_local:
+            return False
+        embedded: list[ipaddress.IPv4Address] = []
+        if ip.sixtofour is not None:
+            embedded.append(ip.sixtofour)
+        if ip.teredo is not None:
+            embedded.extend(ip.teredo)
+        if any(ip in net for net in _NAT64):
+            embedded.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+        return all(is_public_address(v4) for v4 in embedded)
+    return True
+
+
+async def system_resolver(host: str, port: int) -> list[str]:
+    """Every address the system resolver gives for ``host`` (any event loop)."""
+    infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+class RemoteImageFetcher:
+    """Fetches image URLs under the SSRF rules of this module.
+
+    Call it with a URL; it returns the body's bytes or raises
+    :class:`RemoteImageError`. Runs on the event loop; cancelling the caller
+    abandons the fetch.
+
+    Args:
+        max_bytes: Largest body; a bigger one is refused while reading.
+        timeout: Seconds for the whole fetch, every hop and the body included.
+        max_redirects: Redirects followed; each hop is vetted.
+        resolver: Resolves ``(host, port)`` to addresses; the system resolver
+            when None. Tests inject one to make a name resolve anywhere.
+        transport: The httpx transport; a fresh one per fetch when None.
+            Tests inject one to stand in for the public internet.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_bytes: int = 10 * 1024 * 1024,
+        timeout: float = 10.0,
+        max_redirects: int = 3,
+        resolver: Resolver | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.timeout = timeout
+        self.max_redirects = max_redirects
+        self.resolver: Resolver = resolver or system_resolver
+        self.transport = transport
+        self._ssl: ssl.SSLContext | None = None
+
+    async def __call__(self, url: str) -> bytes:
+        """Fetch ``url``; see the class docstring."""
+        try:
+            with anyio.fail_after(self.timeout):
+                return await self._fetch(url)
+        except TimeoutError:
+            raise RemoteImageError(
+                f"fetching the image took longer than {self.timeout:g} s; send it "
+                "inline as a base64 data: URI.",
+                "image_fetch_failed",
+            ) from None
+
+    async def _fetch(self, url: str) -> bytes:
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        transport = None if self.transport is None else _Borrowed(self.transport)
+        async with httpx.AsyncClient(
+            transport=transport,
+            verify=self._ssl,
+            trust_env=False,  # a proxy would connect where we did not vet
+            follow_redirects=False,
+            timeout=self.timeout,
+        ) as client:
+            target = _parse(url)
+            for _ in range(self.max_redirects + 1):
+                response = await self._get(client, target)
+                try:
+                    location = response.headers.get("location")
+                    if response.status_code not in _REDIRECTS or location is None:
+                        return await self._body(response)
+                finally:
+                    await response.aclose()
+                try:
+                    target = target.join(location)
+                except (httpx.InvalidURL, ValueError):
+                    raise RemoteImageError(
+                        "the image URL redirected to an invalid URL.",
+                        "image_fetch_failed",
+                    ) from None
+                _check_url(target)
+        raise RemoteImageError(
+            f"the image URL redirected more than {self.max_redirects} times.",
+            "image_fetch_failed",
+        )
+
+    async def _get(self, client: httpx.AsyncClient, url: httpx.URL) -> httpx.Response:
+        """Send one GET to a vetted address of ``url``'s host."""
+        host = url.host
+        port = url.port or (443 if url.scheme == "https" else 80)
+        addresses = await self._vetted(host, port)
+        headers = {
+            "Host": _netloc(url),
+            "Accept": "image/*",
+            # Compressed bodies expand past the byte cap in one chunk.
+            "Accept-Encoding": "identity",
+        }
+        extensions = {"sni_hostname": host} if url.scheme == "https" else {}
+        last: Exception | None = None
+        for address in addresses:  # in the resolver's order, as a browser would
+            request = client.build_request(
+                "GET", url.copy_with(host=address), headers=headers
+            )
+            request.extensions.update(extensions)
+            try:
+                return await client.send(request, stream=True)
+            except httpx.ConnectError as exc:
+                last = exc
+            except httpx.HTTPError as exc:
+                raise _failed(url, exc) from None
+        assert last is not None
+        raise _failed(url, last) from None
+
+    async def _vetted(self, host: str, port: int) -> list[str]:
+        """The addresses of ``host``, all of them public, or a refusal."""
+        try:
+            literal: IPAddress | None = ipaddress.ip_address(host)
+        except ValueError:
+            literal = None
+        if literal is not None:
+            addresses = [str(literal)]
+        else:
+            try:
+                addresses = [str(a) for a in await self.resolver(host, port)]
+            except OSError:
+                addresses = []
+            if not addresses:
+                raise RemoteImageError(
+                    f"the image host {host!r} could not be resolved.",
+                    "image_fetch_failed",
+                )
+        for address in addresses:
+            try:
+                ip = ipaddress.ip_address(address)
+            except ValueError:
+                ip = None
+            if ip is None or not is_public_address(ip):
+                what = (
+                    "a cloud metadata address"
+                    if ip in METADATA_ADDRESSES
+                    else "not a public address"
+                )
+                named = "" if literal is not None else f" (resolved from {host!r})"
+                raise RemoteImageError(
+                    f"the image URL points to {address}{named}, which is {what}; "
+                    "this server only fetches images from public addresses.",
+                    "image_url_refused",
+                )
+        return addresses
+
+    async def _body(self, response: httpx.Response) -> bytes:
+        if response.status_code != 200:
+            raise RemoteImageError(
+                f"the image URL answered HTTP {response.status_code}.",
+                "image_fetch_failed",
+            )
+        length = response.headers.get("content-length", "")
+        size = int(length) if length.isdigit() else 0
+        chunks: list[bytes] = []
+        if size <= self.max_bytes:
+            size = 0
+            try:
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        # Closing the connection ends every generator under
+                        # aiter_bytes; breaking out would leave them to the
+                        # garbage collector (trio warns about each one).
+                        await response.aclose()
+                    else:
+                        chunks.append(chunk)
+            except httpx.HTTPError as exc:
+                if size <= self.max_bytes:
+                    raise _failed(response.url, exc) from None
+        if size > self.max_bytes:
+            raise RemoteImageError(
+                f"the image is larger than {self.max_bytes} bytes.", "image_too_large"
+            )
+        return b"".join(chunks)
+
+
+class _Borrowed(httpx.AsyncBaseTransport):
+    """A transport the fetcher uses but does not close (its owner does)."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport) -> None:
+        self._transport = transport
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self._transport.handle_async_request(request)
+
+
+def _parse(url: str) -> httpx.URL:
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError, TypeError):
+        raise RemoteImageError(
+            "the image URL is not a valid URL.", "image_url_refused"
+        ) from None
+    _check_url(parsed)
+    return parsed
+
+
+def _check_url(url: httpx.URL) -> None:
+    if url.scheme not in ("http", "https"):
+        raise RemoteImageError(
+            "only http and https image URLs are fetched, not "
+            f"{url.scheme or '(none)'!r}.",
+            "image_url_refused",
+        )
+    if not url.host:
+        raise RemoteImageError("the image URL has no host.", "image_url_refused")
+    if url.userinfo:
+        raise RemoteImageError(
+            "image URLs with a user name or password are not fetched.",
+            "image_url_refused",
+        )
+
+
+def _netloc(url: httpx.URL) -> str:
+    host = f"[{url.host}]" if ":" in url.host else url.host
+    return host if url.port is None else f"{host}:{url.port}"
+
+
+def _failed(url: httpx.URL, exc: Exception) -> RemoteImageError:
+    return RemoteImageError(
+        f"the image could not be fetched from {url.host!r} ({type(exc).__name__}).",
+        "image_fetch_failed",
+    )
