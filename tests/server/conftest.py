@@ -134,10 +134,12 @@ async def drive(
     disconnect_after: int | None = None,
     leave: anyio.Event | None = None,
     hold: anyio.Event | None = None,
+    started: anyio.Event | None = None,
 ) -> tuple[int, list[bytes]]:
     """Call the ASGI app directly, as a server would; the client leaves after
     ``disconnect_after`` body chunks, or when ``leave`` is set; after the
-    first body chunk it stops reading until ``hold`` is set."""
+    first body chunk it stops reading until ``hold`` is set. ``started`` is set
+    once the first body chunk was sent."""
     raw = json.dumps(body).encode()
     sent: list[bytes] = []
     status = 0
@@ -158,6 +160,8 @@ async def drive(
             status = message["status"]
         elif message["type"] == "http.response.body":
             sent.append(message.get("body", b""))
+            if started is not None:
+                started.set()
             if hold is not None:
                 await hold.wait()
             if disconnect_after is not None and len(sent) >= disconnect_after:

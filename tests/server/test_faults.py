@@ -1,0 +1,240 @@
+"""Overload and faults: timeouts, a full queue, a dead MLX thread, a model that
+raises mid-generation. Every request gets an answer, promptly, in OpenAI's
+shape, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from mlx_pinned.server import engine
+from mlx_pinned.server.engine import (
+    FinalEvent,
+    GenerationParams,
+    LoadedModel,
+    TokenEvent,
+)
+
+from .conftest import Served, assert_error, drive, sse_events, until, vision_body
+
+pytestmark = pytest.mark.anyio
+
+Serve = Callable[..., AbstractAsyncContextManager[Served]]
+
+
+class SlowModel:
+    """Stands in for ``engine.generate_stream``: one token per ``step`` seconds
+    on the MLX thread, until ``max_tokens`` or :attr:`release` is set.
+    Records where each generator started and where it was closed."""
+
+    def __init__(self, step: float) -> None:
+        self.step = step
+        self.release = threading.Event()
+        self.started: list[int] = []
+        self.closed: list[int] = []
+
+    def __call__(
+        self, loaded: LoadedModel, params: GenerationParams, images: Any
+    ) -> Iterator[TokenEvent | FinalEvent]:
+        self.started.append(threading.get_ident())
+        n = 0
+        try:
+            while n < params.max_tokens and not self.release.is_set():
+                time.sleep(self.step)
+                n += 1
+                yield TokenEvent("x")
+            yield FinalEvent("", "length", 1, n)
+        finally:
+            self.closed.append(threading.get_ident())
+
+
+@pytest.fixture
+def slow(monkeypatch: pytest.MonkeyPatch) -> SlowModel:
+    model = SlowModel(step=0.01)
+    monkeypatch.setattr(engine, "generate_stream", model)
+    return model
+
+
+async def settled(served: Served) -> None:
+    """Let close turns already queued on the MLX thread run (FIFO)."""
+    await served.thread.run(lambda: None)
+
+
+class TestTimeout:
+    async def test_non_streaming_is_504(self, serve: Serve, slow: SlowModel) -> None:
+        async with serve(request_timeout=0.3) as served:
+            start = time.perf_counter()
+            response = await served.chat(vision_body(4000))
+            elapsed = time.perf_counter() - start
+            error = assert_error(response, 504, None, "timeout")
+            assert "0.3 s" in error["message"]
+            assert elapsed < 2
+            await settled(served)
+            # Closed on the MLX thread, not abandoned.
+            assert slow.closed == slow.started == [served.thread.ident]
+            assert served.thread.statistics().open_streams == 0
+
+    async def test_stream_gets_an_error_event(
+        self, serve: Serve, slow: SlowModel
+    ) -> None:
+        async with serve(request_timeout=0.3) as served:
+            response = await served.chat(vision_body(4000, stream=True))
+            assert response.status_code == 200
+            events = sse_events(response.text)
+            assert "[DONE]" not in events
+            assert events[-1]["error"]["code"] == "timeout"
+            assert len(events) > 3  # it streamed, then it was cut
+            await settled(served)
+            assert slow.closed == [served.thread.ident]
+
+    async def test_many_clients_queue_wait_counts(
+        self, serve: Serve, slow: SlowModel
+    ) -> None:
+        async with serve(request_timeout=1.0) as served:
+            responses: list[httpx.Response] = []
+
+            async def client(i: int) -> None:
+                responses.append(await served.chat(vision_body(20, stream=i % 2 == 1)))
+
+            start = time.perf_counter()
+            async with anyio.create_task_group() as group:
+                for i in range(10):
+                    group.start_soon(client, i)
+            elapsed = time.perf_counter() - start
+            statuses = sorted(r.status_code for r in responses)
+            timed_out = [r for r in responses if r.status_code == 504]
+            for response in timed_out:
+                assert_error(response, 504, None, "timeout")
+            streamed_cut = [
+                r
+                for r in responses
+                if r.status_code == 200 and '"code": "timeout"' in r.text
+            ]
+            assert set(statuses) == {200, 504}, statuses
+            assert elapsed < 4
+            # Those that timed out waiting never started on the thread.
+            assert len(slow.started) < 10
+            assert len(slow.started) >= statuses.count(200) - len(streamed_cut)
+            await settled(served)
+            assert served.app.state.gate.waiting == 0
+            assert served.thread.statistics().open_streams == 0
+            slow.release.set()
+            assert (await served.chat(vision_body(2))).status_code == 200
+
+
+class TestOverload:
+    async def test_many_clients_past_max_pending_get_503_at_once(
+        self, serve: Serve, slow: SlowModel
+    ) -> None:
+        async with serve(max_pending=3) as served:
+            gate = served.app.state.gate
+            kept: list[httpx.Response] = []
+            refused: list[httpx.Response] = []
+
+            async def keep() -> None:
+                kept.append(await served.chat(vision_body(4000)))
+
+            async def burst() -> None:
+                refused.append(await served.chat(vision_body(2)))
+
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as group:
+                    group.start_soon(keep)  # holds the model
+                    await until(lambda: gate.busy)
+                    for _ in range(3):
+                        group.start_soon(keep)  # fill the waiting room
+                    await until(lambda: gate.waiting == 3)
+                    start = time.perf_counter()
+                    async with anyio.create_task_group() as crowd:
+                        for _ in range(16):
+                            crowd.start_soon(burst)
+                    elapsed = time.perf_counter() - start
+                    slow.release.set()
+            assert len(refused) == 16
+            for response in refused:
+                assert_error(response, 503, None, "server_busy")
+                assert response.headers["retry-after"] == "1"
+            assert elapsed < 2  # at once, not after the model is free
+            assert [r.status_code for r in kept] == [200] * 4
+
+
+class TestDeadThread:
+    async def test_everyone_is_answered_and_health_turns_503(
+        self, serve: Serve, slow: SlowModel
+    ) -> None:
+        async with serve() as served:
+            gate = served.app.state.gate
+            results: dict[str, Any] = {}
+            started = anyio.Event()
+
+            async def streaming() -> None:
+                body = vision_body(4000, stream=True)
+                results["stream"] = await drive(served.app, body, started=started)
+
+            async def waiting() -> None:
+                results["waiting"] = await served.chat(vision_body(2))
+
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as group:
+                    group.start_soon(streaming)
+                    await started.wait()
+                    group.start_soon(waiting)
+                    await until(lambda: gate.waiting == 1)
+                    # The thread goes away under a running stream and a queue.
+                    served.thread.shutdown(wait=False, cancel_futures=True)
+            status, chunks = results["stream"]
+            assert status == 200
+            last = json.loads(chunks[-1].removeprefix(b"data: "))
+            assert last["error"]["code"] == "mlx_thread_unavailable"
+            assert_error(results["waiting"], 503, None, "mlx_thread_unavailable")
+            assert_error(await served.client.get("/health"), 503)
+            start = time.perf_counter()
+            error = assert_error(await served.chat(vision_body(2)), 503)
+            assert time.perf_counter() - start < 1
+            assert "restart the server" in error["message"]
+            assert slow.closed == [served.thread.ident]
+
+
+class TestModelFault:
+    async def test_a_model_that_raises_mid_generation(
+        self, serve: Serve, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        async with serve() as served:
+            cls = type(served.model.model.language_model)
+            original = cls.__call__
+            calls = [0]
+
+            def faulty(self: Any, *args: Any, **kwargs: Any) -> Any:
+                calls[0] += 1
+                if calls[0] >= 4:
+                    raise RuntimeError("injected fault in the language model")
+                return original(self, *args, **kwargs)
+
+            monkeypatch.setattr(cls, "__call__", faulty)
+            error = assert_error(await served.chat(vision_body(20)), 500)
+            assert error["type"] == "server_error"
+            assert "injected" not in error["message"]  # no internals leak
+
+            calls[0] = 0
+            response = await served.chat(vision_body(20, stream=True))
+            assert response.status_code == 200
+            events = sse_events(response.text)
+            assert "[DONE]" not in events
+            assert events[-1]["error"]["type"] == "server_error"
+            assert any(e["choices"][0]["delta"].get("content") for e in events[1:-1])
+
+            monkeypatch.undo()  # the model is healthy again: so is the server
+            response = await served.chat(vision_body(4))
+            assert response.status_code == 200
+            assert response.json()["usage"]["completion_tokens"] == 4
+            await settled(served)
+            assert served.thread.statistics().open_streams == 0
+            assert not served.thread.closed
