@@ -1,0 +1,126 @@
+"""``GET /metrics``: scraped and parsed as Prometheus does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+
+import anyio
+import pytest
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from mlx_pinned.server import engine
+from mlx_pinned.server._metrics import route_of
+
+from .conftest import Served, assert_error, until, vision_body
+from .test_faults import SlowModel
+
+pytestmark = pytest.mark.anyio
+
+Serve = Callable[..., AbstractAsyncContextManager[Served]]
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+async def scrape(served: Served, **kw: object) -> Samples:
+    response = await served.client.get("/metrics", **kw)  # type: ignore[arg-type]
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain")
+    samples: Samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+CHAT = "/v1/chat/completions"
+
+
+class TestMetrics:
+    async def test_counts_after_traffic(self, serve: Serve) -> None:
+        async with serve() as served:
+            first = await scrape(served)
+            assert value(first, "mlx_pinned_mlx_thread_up") == 1
+            assert value(first, "mlx_pinned_requests_total") == 0
+            ok = (await served.chat(vision_body(5))).json()
+            streamed = await served.chat(vision_body(3, stream=True))
+            assert streamed.status_code == 200
+            assert_error(
+                await served.chat(vision_body(temperature=9)), 400, "temperature"
+            )
+            assert_error(await served.client.get("/nowhere"), 404)
+            samples = await scrape(served)
+
+            def requests(route: str, status: str) -> float:
+                return value(
+                    samples, "mlx_pinned_requests_total", route=route, status=status
+                )
+
+            assert requests(CHAT, "200") == 2
+            assert requests(CHAT, "400") == 1
+            assert requests("other", "404") == 1
+            assert requests("/metrics", "200") == 1  # the first scrape
+            assert value(samples, "mlx_pinned_generated_tokens_total") == 8
+            prompt = ok["usage"]["prompt_tokens"]
+            assert value(samples, "mlx_pinned_prompt_tokens_total") == 2 * prompt
+            for histogram in (
+                "mlx_pinned_time_to_first_token_seconds",
+                "mlx_pinned_request_duration_seconds",
+                "mlx_pinned_queue_wait_seconds",
+            ):
+                assert value(samples, f"{histogram}_count") == 2
+                assert value(samples, f"{histogram}_sum") > 0 or "queue" in histogram
+                assert value(samples, f"{histogram}_bucket", le="+Inf") == 2
+            assert value(samples, "mlx_pinned_queue_depth") == 0
+            assert value(samples, "mlx_pinned_active_generations") == 0
+            busy = value(samples, "mlx_pinned_mlx_thread_busy_seconds_total")
+            assert busy > 0
+            fraction = value(samples, "mlx_pinned_mlx_thread_busy_fraction")
+            assert 0 < fraction <= 1
+            served.thread.shutdown()
+            assert value(await scrape(served), "mlx_pinned_mlx_thread_up") == 0
+
+    async def test_queue_depth_while_waiting(
+        self, serve: Serve, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        slow = SlowModel(step=0.01)
+        monkeypatch.setattr(engine, "generate_stream", slow)
+        async with serve() as served:
+            gate = served.app.state.gate
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as group:
+                    group.start_soon(served.chat, vision_body(4000))
+                    await until(lambda: gate.busy)
+                    for _ in range(2):
+                        group.start_soon(served.chat, vision_body(2))
+                    await until(lambda: gate.waiting == 2)
+                    samples = await scrape(served)
+                    slow.release.set()
+            assert value(samples, "mlx_pinned_queue_depth") == 2
+            assert value(samples, "mlx_pinned_active_generations") == 1
+            assert value(samples, "mlx_pinned_mlx_thread_open_streams") == 1
+
+    async def test_one_registry_per_app(self, serve: Serve) -> None:
+        async with serve() as one, serve() as other:
+            assert (await one.chat(vision_body(2))).status_code == 200
+            assert value(await scrape(one), "mlx_pinned_generated_tokens_total") == 2
+            assert value(await scrape(other), "mlx_pinned_generated_tokens_total") == 0
+        assert REGISTRY.get_sample_value("mlx_pinned_generated_tokens_total") is None
+
+    async def test_behind_the_api_key(self, serve: Serve) -> None:
+        async with serve(api_key="k") as served:
+            assert_error(await served.client.get("/metrics"), 401)
+            samples = await scrape(served, headers={"Authorization": "Bearer k"})
+            assert value(
+                samples, "mlx_pinned_requests_total", route="/metrics", status="401"
+            )
+
+
+def test_route_labels_are_bounded() -> None:
+    assert route_of(CHAT) == CHAT
+    assert route_of("/v1/models/anything/at/all") == "/v1/models/{model_id}"
+    assert route_of("/" + "x" * 1000) == "other"
