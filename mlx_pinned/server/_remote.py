@@ -21,6 +21,7 @@ Runs on the event loop (asyncio or trio); nothing here touches MLX.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 import ssl
@@ -142,7 +143,6 @@ class RemoteImageFetcher:
         self.max_redirects = max_redirects
         self.resolver: Resolver = resolver or system_resolver
         self.transport = transport
-        self._ssl: ssl.SSLContext | None = None
 
     async def __call__(self, url: str) -> bytes:
         """Fetch ``url``; see the class docstring."""
@@ -157,17 +157,15 @@ class RemoteImageFetcher:
             ) from None
 
     async def _fetch(self, url: str) -> bytes:
-        if self._ssl is None:
-            self._ssl = ssl.create_default_context()
         transport = None if self.transport is None else _Borrowed(self.transport)
+        target = _parse(url)
         async with httpx.AsyncClient(
             transport=transport,
-            verify=self._ssl,
+            verify=_ssl_context(),
             trust_env=False,  # a proxy would connect where we did not vet
             follow_redirects=False,
             timeout=self.timeout,
         ) as client:
-            target = _parse(url)
             for _ in range(self.max_redirects + 1):
                 response = await self._get(client, target)
                 try:
@@ -292,6 +290,12 @@ class _Borrowed(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         return await self._transport.handle_async_request(request)
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    # Loading the CA certificates takes tens of milliseconds: once a process.
+    return ssl.create_default_context()
 
 
 def _parse(url: str) -> httpx.URL:

@@ -134,8 +134,12 @@ def create_app(
         )
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be >= 1, not {max_prompt_tokens}")
-    if request_timeout is not None and request_timeout <= 0:
+    if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout must be > 0, not {request_timeout}")
+    if not remote_image_timeout > 0:
+        raise ValueError(
+            f"remote_image_timeout must be > 0, not {remote_image_timeout}"
+        )
     config = ServerConfig(
         model=str(model),
         served_model_name=served_model_name or str(model),

@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--remote-image-timeout",
-        type=_seconds,
+        type=_positive_seconds,
         default=10.0,
         help="seconds to fetch one remote image (default: %(default)s)",
     )
@@ -232,6 +232,13 @@ def _seconds(text: str) -> float:
     value = float(text)
     if not value >= 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be more than 0")
     return value
 
 

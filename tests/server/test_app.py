@@ -524,3 +524,20 @@ class TestDisconnect:
             # Only the long stream ever ran on the thread.
             ended = after.completed + after.cancelled + after.failed
             assert ended - (before.completed + before.cancelled + before.failed) == 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_pending": 0},
+        {"max_prompt_tokens": 0},
+        {"request_timeout": 0},
+        {"request_timeout": float("nan")},
+        {"remote_image_timeout": 0},
+    ],
+)
+def test_invalid_options(options: dict[str, Any]) -> None:
+    from mlx_pinned.server import create_app
+
+    with pytest.raises(ValueError, match=next(iter(options))):
+        create_app("unused", **options)

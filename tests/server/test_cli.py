@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,17 @@ from mlx_pinned.server import cli
 
 
 @pytest.fixture
-def runs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+def handlers(monkeypatch: pytest.MonkeyPatch) -> dict[int, Any]:
+    """The signal handlers serve() installs, captured instead of installed."""
+    installed: dict[int, Any] = {}
+    monkeypatch.setattr("signal.signal", installed.__setitem__)
+    return installed
+
+
+@pytest.fixture
+def runs(
+    monkeypatch: pytest.MonkeyPatch, handlers: dict[int, Any]
+) -> list[dict[str, Any]]:
     """Capture uvicorn.run instead of serving."""
     import uvicorn
 
@@ -20,7 +31,6 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         calls.append({"app": app, **kwargs})
 
     monkeypatch.setattr(uvicorn, "run", fake_run)
-    monkeypatch.setattr("signal.signal", lambda *args: None)
     return calls
 
 
@@ -39,6 +49,40 @@ class TestServe:
         assert config.max_tokens_limit == 50
         assert config.max_pending == 3
         assert config.api_key is None
+
+    def test_hardening_options(self, runs: list[dict[str, Any]]) -> None:
+        argv = ["serve", "--demo", "--allow-remote-images", "--request-timeout", "5"]
+        argv += ["--max-prompt-tokens", "100", "--max-images", "2"]
+        argv += ["--max-image-bytes", "1000", "--max-image-pixels", "4096"]
+        argv += ["--remote-image-timeout", "2.5"]
+        assert cli.main(argv) == 0
+        config = runs[0]["app"].state.config
+        assert config.allow_remote_images
+        assert config.remote_image_timeout == 2.5
+        assert config.request_timeout == 5
+        assert config.max_prompt_tokens == 100
+        limits = config.image_limits
+        assert (limits.max_images, limits.max_bytes, limits.max_pixels) == (
+            2,
+            1000,
+            4096,
+        )
+
+    def test_hardening_defaults(self, runs: list[dict[str, Any]]) -> None:
+        assert cli.main(["serve", "--demo", "--request-timeout", "0"]) == 0
+        config = runs[0]["app"].state.config
+        assert not config.allow_remote_images
+        assert config.request_timeout is None
+        assert config.max_prompt_tokens is None  # the model's context length
+
+    def test_sigint_is_handled_as_sigterm(
+        self, runs: list[dict[str, Any]], handlers: dict[int, Any]
+    ) -> None:
+        # test_e2e drains a stream under SIGTERM and sees exit 0; SIGINT takes
+        # the same handler, so uvicorn drains and exits 0 the same way.
+        assert cli.main(["serve", "--demo"]) == 0
+        assert handlers[signal.SIGINT] is handlers[signal.SIGTERM]
+        assert runs[0]["timeout_graceful_shutdown"] > 0
 
     def test_demo_serves_the_tiny_model(
         self, runs: list[dict[str, Any]], tiny_model_path: Path
@@ -74,6 +118,10 @@ class TestArguments:
             ["serve", "model", "--demo"],
             ["serve", "model", "--max-pending", "0"],
             ["serve", "model", "--port", "x"],
+            ["serve", "model", "--request-timeout", "-1"],
+            ["serve", "model", "--request-timeout", "nan"],
+            ["serve", "model", "--max-prompt-tokens", "0"],
+            ["serve", "model", "--remote-image-timeout", "0"],
         ],
     )
     def test_usage_errors_exit_2(self, argv: list[str]) -> None:

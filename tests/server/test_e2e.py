@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,9 @@ class Server:
         )
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("e2e") / "server.log"
+@contextmanager
+def running_server(log: Path) -> Iterator[Server]:
+    """``serve --demo`` on a free loopback port; killed if still running."""
     command = [sys.executable, "-m", "mlx_pinned.server", "serve", "--demo"]
     command += ["--port", "0", "--max-tokens-limit", "4000"]
     with log.open("wb") as sink:
@@ -67,6 +68,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with running_server(tmp_path_factory.mktemp("e2e") / "server.log") as running:
+        yield running
 
 
 def vision_messages(image_size: tuple[int, int] = (64, 64), seed: int = 0) -> Any:
@@ -239,15 +246,46 @@ def test_disconnect_mid_stream_closes_the_generation(server: Server) -> None:
     assert int(match.group(1)) < 3000
 
 
-def test_sigterm_exits_cleanly_with_a_clean_log(server: Server) -> None:
-    # Runs last in this module: it stops the shared server.
-    server.process.send_signal(signal.SIGTERM)
+def drains_then_exits_0(server: Server, signum: signal.Signals) -> None:
+    """A stream in flight when ``signum`` arrives finishes; the server stops
+    accepting, then exits 0."""
+    body = {
+        "model": DEMO_MODEL_NAME,
+        "messages": vision_messages(),
+        "max_tokens": 300,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream(
+            "POST", f"{server.url}/v1/chat/completions", json=body
+        ) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        server.process.send_signal(signum)
+        time.sleep(0.2)  # the server takes the signal while streaming
+        try:
+            refused = httpx.get(f"{server.url}/health", timeout=5).status_code
+        except httpx.TransportError:
+            refused = 0  # no longer accepting connections
+        assert refused in (0, 503)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
     assert server.process.wait(timeout=30) == 0
     log = server.log_text()
     assert "There is no Stream" not in log
     assert "Traceback" not in log
     assert " ERROR " not in log
     assert "Application shutdown complete" in log
-    lines = re.findall(r"POST /v1/chat/completions (\d+) .* ttft=.* tok/s", log)
+
+
+def test_sigterm_drains_and_exits_cleanly(server: Server) -> None:
+    # Runs last in this module: it stops the shared server.
+    drains_then_exits_0(server, signal.SIGTERM)
+    lines = re.findall(
+        r"POST /v1/chat/completions (\d+) .* ttft=.* tok/s", server.log_text()
+    )
     assert len(lines) >= 3
     assert not [status for status in lines if status.startswith("5")]

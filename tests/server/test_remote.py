@@ -194,47 +194,48 @@ class TestPublicAddress:
         assert is_public_address(address)
 
 
+INTERNAL = [
+    "http://127.0.0.1:{port}/cat.png",
+    "http://localhost:{port}/cat.png",
+    "http://[::1]:{port}/cat.png",
+    "http://[::ffff:127.0.0.1]:{port}/cat.png",
+    "http://0.0.0.0:{port}/cat.png",
+    "http://169.254.169.254/latest/meta-data/",
+    "http://[::ffff:a9fe:a9fe]/latest/",
+    "http://10.0.0.1/cat.png",
+    "https://192.168.0.1/cat.png",
+]
+
+
 class TestRefusals:
     """Every refusal happens before a connection: the origin sees nothing."""
 
-    @pytest.mark.parametrize(
-        "url",
-        [
-            "http://127.0.0.1:{port}/cat.png",
-            "http://localhost:{port}/cat.png",
-            "http://[::1]:{port}/cat.png",
-            "http://[::ffff:127.0.0.1]:{port}/cat.png",
-            "http://0.0.0.0:{port}/cat.png",
-            "http://169.254.169.254/latest/meta-data/",
-            "http://10.0.0.1/cat.png",
-            "https://192.168.0.1/cat.png",
-        ],
-    )
-    async def test_internal_addresses(self, origin: Origin, url: str) -> None:
+    async def test_internal_addresses(self, origin: Origin) -> None:
         fetch = RemoteImageFetcher(timeout=2.0)  # the system resolver
-        message = await refused(
-            fetch, url.format(port=origin.port), "image_url_refused"
-        )
-        assert "public" in message
+        for url in INTERNAL:
+            message = await refused(
+                fetch, url.format(port=origin.port), "image_url_refused"
+            )
+            assert "public" in message
         assert origin.hits == []
 
     async def test_metadata_is_named(self, origin: Origin) -> None:
         fetch = fetcher(origin)
-        message = await refused(
-            fetch, "http://169.254.169.254/latest/", "image_url_refused"
-        )
-        assert "metadata" in message
+        for url in ("http://169.254.169.254/latest/", "http://[fd00:ec2::254]/"):
+            message = await refused(fetch, url, "image_url_refused")
+            assert "metadata" in message
 
-    @pytest.mark.parametrize(
-        "url",
-        [
+    async def test_schemes_and_credentials(self, origin: Origin) -> None:
+        fetch = fetcher(origin)
+        for url in (
             "ftp://public.test/cat.png",
             "gopher://public.test/",
+            "file:///etc/passwd",
             "http://u:p@public.test/",
-        ],
-    )
-    async def test_schemes_and_credentials(self, origin: Origin, url: str) -> None:
-        await refused(fetcher(origin), url, "image_url_refused")
+            "http:///cat.png",
+            "not a url at all",
+        ):
+            await refused(fetch, url, "image_url_refused")
         assert origin.hits == []
 
     async def test_a_name_that_resolves_inside(self, origin: Origin) -> None:
@@ -252,26 +253,18 @@ class TestRefusals:
             assert f"{name}.test" in message
         assert origin.hits == []
 
-    @pytest.mark.parametrize(
-        "target",
-        [
-            "http://127.0.0.1:{port}/cat.png",
-            "http://localhost:{port}/cat.png",
-            "http://private.test/cat.png",
-            "http://169.254.169.254/latest/meta-data/",
-            "http://[::ffff:a9fe:a9fe]/latest/",
-            "file:///etc/passwd",
-        ],
-    )
-    async def test_redirect_hops_are_vetted(self, origin: Origin, target: str) -> None:
+    async def test_redirect_hops_are_vetted(self, origin: Origin) -> None:
         fetch = fetcher(
             origin, private_test=["10.1.2.3"], localhost=["127.0.0.1", "::1"]
         )
-        to = urllib.parse.quote(target.format(port=origin.port), safe="")
-        await refused(
-            fetch, f"http://public.test/redirect?to={to}", "image_url_refused"
-        )
-        assert origin.paths == [f"/redirect?to={to}"]  # the first hop only
+        expected = []
+        for target in [*INTERNAL, "http://private.test/cat.png", "file:///etc/passwd"]:
+            to = urllib.parse.quote(target.format(port=origin.port), safe="")
+            await refused(
+                fetch, f"http://public.test/redirect?to={to}", "image_url_refused"
+            )
+            expected.append(f"/redirect?to={to}")
+        assert origin.paths == expected  # the first hop only, every time
 
 
 class TestFetching:
@@ -321,12 +314,12 @@ class TestFetching:
         message = await refused(fetch, url, "image_fetch_failed")
         assert "redirected more than" in message
 
-    @pytest.mark.parametrize("path", ["/huge-declared", "/endless"])
-    async def test_byte_cap(self, origin: Origin, path: str) -> None:
-        message = await refused(
-            fetcher(origin), f"http://public.test{path}", "image_too_large"
-        )
-        assert "100000 bytes" in message
+    async def test_byte_cap(self, origin: Origin) -> None:
+        for path in ("/huge-declared", "/endless"):
+            message = await refused(
+                fetcher(origin), f"http://public.test{path}", "image_too_large"
+            )
+            assert "100000 bytes" in message
 
     async def test_http_errors(self, origin: Origin) -> None:
         fetch = fetcher(origin)
