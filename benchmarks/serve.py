@@ -1,0 +1,815 @@
+"""The server over HTTP next to the in-process ``mlx_vlm.generate`` floor.
+
+One request, the one of the original bug report scaled down: a 64x64 JPEG as a
+base64 ``data:`` URI, "Describe this image in one sentence.", ``max_tokens``
+32, ``temperature`` 0. In one run this script
+
+1. loads the model in this process for the floor: ``mlx_vlm.generate`` on
+   the same model folder, chat-template prompt, decoded image and token
+   count, and ``mlx_vlm.stream_generate`` to its first token (the floor of
+   time to first token);
+2. starts ``python -m mlx_pinned.server serve MODEL`` in a subprocess on a free
+   loopback port, waits for ``GET /health``, and sends the same request with
+   ``httpx.AsyncClient``: non-streaming requests (tokens/s, p50/p99 latency,
+   errors), then as many streaming requests (time to first content token).
+   At concurrency 1 floor and server alternate request by request, so a
+   change in the machine's load hits both alike; then the server alone at
+   each higher concurrency (8 and 32 by default);
+3. measures the event loop's responsiveness: ``GET /health`` every 10 ms from
+   a separate process, first with the server idle, then while 32 streaming
+   requests are in flight (p50/p99).
+
+Every round runs steps 2 and 3 once; the tables show each metric's median
+over the rounds, and the ratios are taken per round, then their median. The
+server is stopped with SIGTERM at the end (SIGKILL if it does not exit) and
+its exit status and log are checked.
+
+::
+
+    python benchmarks/serve.py [--rounds 3] [--tokens 32] [--concurrency 1,8,32]
+        [--model FOLDER] [--json results.json]
+
+The client runs on the same machine as the server and competes with it for
+the CPUs: on a 2-core machine the numbers at 8 and 32 include the client's
+own cost. Needs ``httpx`` (the server extra) beside mlx-pinned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import datetime
+import importlib
+import importlib.metadata
+import io
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROMPT = "Describe this image in one sentence."
+SERVED_NAME = "bench"
+C1_TARGET = 1.15  # server latency at concurrency 1 over the in-process floor
+HEALTH_TARGET_MS = 5.0  # p99 of GET /health while 32 streams run
+SCRIPT = Path(__file__).resolve()
+
+
+# -- statistics -------------------------------------------------------------------
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank quantile (p99 of 16 samples is their maximum)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def median(values: Sequence[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
+@dataclass
+class Round:
+    """One system at one concurrency in one round."""
+
+    concurrency: int
+    sent: int = 0
+    ok: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0  # completion tokens of the non-streaming requests
+    seconds: float = 0.0  # wall time of the non-streaming requests
+    latencies: list[float] = field(default_factory=list)  # seconds
+    ttfts: list[float] = field(default_factory=list)  # seconds, streaming
+    completion_tokens: list[int] = field(default_factory=list)
+
+    def error(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else math.nan
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "tok_s": self.tok_s,
+            "p50": quantile(self.latencies, 0.5),
+            "p99": quantile(self.latencies, 0.99),
+            "ttft": quantile(self.ttfts, 0.5),
+            "errors": float(sum(self.errors.values())),
+        }
+
+
+@dataclass
+class HealthRound:
+    """``GET /health`` latencies (seconds), idle and under 32 streams."""
+
+    idle: list[float] = field(default_factory=list)
+    loaded: list[float] = field(default_factory=list)
+    errors: int = 0
+    streams_in_flight: list[int] = field(default_factory=list)  # seen by client
+    health_bodies: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Results:
+    environment: dict[str, Any]
+    floor: list[Round] = field(default_factory=list)  # one per round
+    server: dict[int, list[Round]] = field(default_factory=dict)  # by concurrency
+    health: list[HealthRound] = field(default_factory=list)
+    server_exit: int | None = None
+    server_log_problems: list[str] = field(default_factory=list)
+
+
+# -- the request --------------------------------------------------------------------
+
+
+def request_body(
+    model: str, image_uri: str, tokens: int, *, stream: bool
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": PROMPT},
+                    {"type": "image_url", "image_url": {"url": image_uri}},
+                ],
+            }
+        ],
+        "max_tokens": tokens,
+        "temperature": 0.0,
+    }
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+# -- the floor: mlx_vlm in this process ----------------------------------------------
+
+
+class Floor:
+    """``mlx_vlm.generate`` on the model folder, on this thread."""
+
+    def __init__(self, model_path: str, image_bytes: bytes) -> None:
+        from PIL import Image
+
+        # Untyped on purpose: mlx-vlm's annotations do not cover these uses.
+        self.vlm: Any = importlib.import_module("mlx_vlm")
+        prompt_utils: Any = importlib.import_module("mlx_vlm.prompt_utils")
+        self.model, self.processor = self.vlm.load(model_path)
+        self.image = Image.open(io.BytesIO(image_bytes)).convert("RGB")
+        messages = [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": PROMPT}, {"type": "image_url"}],
+            }
+        ]
+        self.prompt = prompt_utils.apply_chat_template(
+            self.processor, self.model.config, messages, num_images=1
+        )
+
+    def generate(self, tokens: int) -> int:
+        """One generation; returns the tokens it generated."""
+        result = self.vlm.generate(
+            self.model,
+            self.processor,
+            self.prompt,
+            image=[self.image],
+            max_tokens=tokens,
+            temperature=0.0,
+        )
+        return int(result.generation_tokens)
+
+    def first_token(self, tokens: int) -> float:
+        """Seconds to the first token of ``stream_generate``."""
+        start = time.perf_counter()
+        stream = self.vlm.stream_generate(
+            self.model,
+            self.processor,
+            self.prompt,
+            image=[self.image],
+            max_tokens=tokens,
+            temperature=0.0,
+        )
+        try:
+            next(stream)
+            seconds: float = time.perf_counter() - start
+            return seconds
+        finally:
+            stream.close()
+
+    def timed(self, tokens: int, result: Round) -> None:
+        """One generation, recorded in ``result``."""
+        began = time.perf_counter()
+        made = self.generate(tokens)
+        elapsed = time.perf_counter() - began
+        result.latencies.append(elapsed)
+        result.seconds += elapsed
+        result.completion_tokens.append(made)
+        result.tokens += made
+        result.sent += 1
+        result.ok += 1
+
+
+# -- the server over HTTP ----------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def server_process(
+    command: list[str], log: Path, results: Results
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``command`` in its own process group; SIGTERM, then SIGKILL, at exit."""
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGTERM)
+                try:
+                    process.wait(45)  # the server drains for up to 30 s
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+            results.server_exit = process.returncode
+
+
+async def wait_healthy(
+    client: Any, process: subprocess.Popen[bytes], timeout: float
+) -> None:
+    """Poll ``GET /health`` until it answers 200 (503 while the model loads)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        with contextlib.suppress(Exception):
+            response = await client.get("/health", timeout=2)
+            if response.status_code == 200:
+                return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"the server was not healthy within {timeout:.0f} s")
+
+
+async def post_json(client: Any, body: dict[str, Any], result: Round) -> None:
+    result.sent += 1
+    start = time.perf_counter()
+    try:
+        response = await client.post("/v1/chat/completions", json=body)
+    except Exception as exc:
+        result.error(type(exc).__name__)
+        return
+    elapsed = time.perf_counter() - start
+    if response.status_code != 200:
+        result.error(f"HTTP {response.status_code}")
+        return
+    usage = response.json().get("usage") or {}
+    tokens = int(usage.get("completion_tokens") or 0)
+    result.latencies.append(elapsed)
+    result.completion_tokens.append(tokens)
+    result.tokens += tokens
+    result.ok += 1
+
+
+async def post_stream(client: Any, body: dict[str, Any], result: Round) -> None:
+    """One streaming request; records its time to the first content token."""
+    start = time.perf_counter()
+    first: float | None = None
+    done = False
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                result.error(f"stream HTTP {resp.status_code}")
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result.error("stream error event")
+                    return
+                choices = event.get("choices") or [{}]
+                content = (choices[0].get("delta") or {}).get("content")
+                if first is None and content:
+                    first = time.perf_counter() - start
+    except Exception as exc:
+        result.error(f"stream {type(exc).__name__}")
+        return
+    if not done:
+        result.error("stream without [DONE]")
+    elif first is not None:
+        result.ttfts.append(first)
+
+
+async def run_load(concurrency: int, requests: int, send: Any, *args: Any) -> float:
+    """``requests`` calls of ``send`` from ``concurrency`` workers; wall seconds."""
+    remaining = requests
+
+    async def worker() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            await send(*args)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.perf_counter() - start
+
+
+async def paired_round(
+    client: Any, floor: Floor, model: str, image_uri: str, args: argparse.Namespace
+) -> tuple[Round, Round]:
+    """The floor and the server at concurrency 1, request by request in turn.
+
+    Alternating cancels most drift in the machine's load between the two, so
+    their ratio is meaningful even on a busy machine. The floor runs on this
+    thread (where its model was loaded) and blocks the event loop meanwhile:
+    nothing else is in flight. Tokens/s at concurrency 1 is tokens over the
+    sum of the requests' times, for both.
+    """
+    plain = request_body(model, image_uri, args.tokens, stream=False)
+    streamed = request_body(model, image_uri, args.tokens, stream=True)
+    floor_round, server = Round(1), Round(1)
+    requests = max(args.requests, 2)
+    for _ in range(requests):
+        floor.timed(args.tokens, floor_round)
+        start = time.perf_counter()
+        await post_json(client, plain, server)
+        server.seconds += time.perf_counter() - start
+    for _ in range(requests):
+        floor_round.ttfts.append(floor.first_token(args.tokens))
+        await post_stream(client, streamed, server)
+    return floor_round, server
+
+
+async def server_round(
+    client: Any, model: str, image_uri: str, args: argparse.Namespace
+) -> list[Round]:
+    """The server at each concurrency above 1."""
+    rounds = []
+    plain = request_body(model, image_uri, args.tokens, stream=False)
+    streamed = request_body(model, image_uri, args.tokens, stream=True)
+    for concurrency in args.concurrency:
+        if concurrency == 1:
+            continue
+        result = Round(concurrency)
+        requests = max(args.requests, 2 * concurrency)
+        result.seconds = await run_load(
+            concurrency, requests, post_json, client, plain, result
+        )
+        await run_load(concurrency, requests, post_stream, client, streamed, result)
+        rounds.append(result)
+    return rounds
+
+
+async def probe(url: str, seconds: float, interval: float) -> dict[str, Any]:
+    """``GET url`` every ``interval`` for ``seconds``; latencies in seconds."""
+    import httpx
+
+    latencies: list[float] = []
+    bodies: list[dict[str, Any]] = []
+    errors = 0
+    async with httpx.AsyncClient(timeout=5) as client:
+        for _ in range(5):  # connect and warm up
+            await client.get(url)
+        deadline = time.perf_counter() + seconds
+        while (now := time.perf_counter()) < deadline:
+            try:
+                response = await client.get(url)
+            except httpx.HTTPError:
+                errors += 1
+                continue
+            latencies.append(time.perf_counter() - now)
+            if response.status_code != 200:
+                errors += 1
+            elif len(bodies) < 50:
+                bodies.append(response.json())
+            await asyncio.sleep(max(0.0, now + interval - time.perf_counter()))
+    return {"latencies": latencies, "errors": errors, "bodies": bodies}
+
+
+async def run_probe(url: str, seconds: float) -> dict[str, Any]:
+    """The prober in its own process, so this process's load does not delay it."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(SCRIPT),
+        "--probe-health",
+        url,
+        "--health-seconds",
+        str(seconds),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await asyncio.wait_for(process.communicate(), timeout=seconds + 60)
+    if process.returncode != 0:
+        raise RuntimeError(f"the /health prober exited with {process.returncode}")
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+async def health_round(
+    client: Any,
+    base: str,
+    model: str,
+    image_uri: str,
+    args: argparse.Namespace,
+) -> HealthRound:
+    result = HealthRound()
+    idle = await run_probe(f"{base}/health", args.health_seconds)
+    result.idle = idle["latencies"]
+    body = request_body(model, image_uri, args.tokens, stream=True)
+    streams = Round(args.health_streams)
+    stop = asyncio.Event()
+    in_flight = 0
+
+    async def streamer() -> None:
+        nonlocal in_flight
+        while not stop.is_set():
+            in_flight += 1
+            try:
+                await post_stream(client, body, streams)
+            finally:
+                in_flight -= 1
+
+    async def sample_in_flight() -> None:
+        while not stop.is_set():
+            result.streams_in_flight.append(in_flight)
+            await asyncio.sleep(0.05)
+
+    tasks = [asyncio.ensure_future(streamer()) for _ in range(args.health_streams)]
+    sampler = asyncio.ensure_future(sample_in_flight())
+    try:
+        await asyncio.sleep(0.5)  # every stream sent
+        loaded = await run_probe(f"{base}/health", args.health_seconds)
+    finally:
+        stop.set()
+        await asyncio.wait_for(
+            asyncio.gather(*tasks, sampler), timeout=args.request_timeout
+        )
+    result.loaded = loaded["latencies"]
+    result.errors = idle["errors"] + loaded["errors"] + sum(streams.errors.values())
+    result.health_bodies = loaded["bodies"]
+    return result
+
+
+def server_command(args: argparse.Namespace, port: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "mlx_pinned.server",
+        "serve",
+        args.model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_NAME,
+        "--max-pending",
+        "1024",
+        "--log-level",
+        args.server_log_level,
+        *args.server_arg,
+    ]
+
+
+def check_log(log: Path) -> list[str]:
+    """Lines of the server log that point at a problem."""
+    markers = ("Traceback", "Stream(", "ERROR", "CRITICAL", "answering 5")
+    with contextlib.suppress(OSError):
+        text = log.read_text(errors="replace")
+        return [ln for ln in text.splitlines() if any(m in ln for m in markers)]
+    return []
+
+
+async def bench(args: argparse.Namespace, results: Results) -> None:
+    import httpx
+
+    from mlx_pinned.testing import make_test_image
+
+    image_bytes = make_test_image(64, 64, "JPEG")
+    image_uri = "data:image/jpeg;base64," + base64.b64encode(image_bytes).decode()
+
+    print(f"floor: loading {args.model} in process", flush=True)
+    floor = Floor(args.model, image_bytes)
+    for _ in range(args.warmup):  # MLX compiles its CPU kernels on first use
+        floor.generate(args.tokens)
+        floor.first_token(args.tokens)
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = server_command(args, port)
+    log = Path(args.server_log or Path(tempfile.gettempdir()) / "bench-serve.log")
+    results.environment["server_command"] = " ".join(command)
+    print(f"server: {' '.join(command)}  (log: {log})", flush=True)
+    limits = httpx.Limits(
+        max_connections=max([*args.concurrency, args.health_streams]) + 8,
+        max_keepalive_connections=max([*args.concurrency, args.health_streams]) + 8,
+    )
+    timeout = httpx.Timeout(args.request_timeout, connect=10)
+    with server_process(command, log, results) as process:
+        async with httpx.AsyncClient(
+            base_url=base, timeout=timeout, limits=limits
+        ) as client:
+            await wait_healthy(client, process, args.startup_timeout)
+            for stream in (False, True):
+                body = request_body(SERVED_NAME, image_uri, args.tokens, stream=stream)
+                warm = Round(1)
+                for _ in range(args.warmup):
+                    await (post_stream if stream else post_json)(client, body, warm)
+                if warm.errors:
+                    raise RuntimeError(f"warm-up requests failed: {warm.errors}")
+            for index in range(args.rounds):
+                print(f"round {index + 1}/{args.rounds}", flush=True)
+                fl, c1 = await paired_round(client, floor, SERVED_NAME, image_uri, args)
+                results.floor.append(fl)
+                print("   " + row("in-process floor", fl), flush=True)
+                levels = await server_round(client, SERVED_NAME, image_uri, args)
+                if 1 in args.concurrency:
+                    levels.insert(0, c1)
+                for level in levels:
+                    results.server.setdefault(level.concurrency, []).append(level)
+                    print("   " + row("server", level), flush=True)
+                health = await health_round(client, base, SERVED_NAME, image_uri, args)
+                results.health.append(health)
+                print(
+                    f"   /health idle p99 {quantile(health.idle, 0.99) * 1e3:.2f} ms, "
+                    f"under {args.health_streams} streams p99 "
+                    f"{quantile(health.loaded, 0.99) * 1e3:.2f} ms "
+                    f"({len(health.loaded)} probes, {health.errors} errors)",
+                    flush=True,
+                )
+    results.server_log_problems = check_log(log)
+
+
+# -- reporting ----------------------------------------------------------------------
+
+
+def row(name: str, r: Round) -> str:
+    s = r.summary()
+    errors = ", ".join(f"{n}x {k}" for k, n in sorted(r.errors.items())) or "0"
+    return (
+        f"{name:<17} c{r.concurrency:<3} {r.ok:>3}/{r.sent:<3} {s['tok_s']:7.0f} tok/s"
+        f"  p50 {s['p50'] * 1e3:7.1f} ms  p99 {s['p99'] * 1e3:7.1f} ms"
+        f"  ttft {s['ttft'] * 1e3:6.1f} ms  errors {errors}"
+    )
+
+
+def med(rounds: Sequence[Round], key: str) -> float:
+    return median([r.summary()[key] for r in rounds])
+
+
+def ms(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value * 1e3:.1f}"
+
+
+def report(results: Results) -> dict[str, Any]:
+    """Print the markdown tables; returns the summary."""
+    env = results.environment
+    floor = results.floor
+    summary: dict[str, Any] = {}
+    lines = [
+        f"{len(floor)} rounds; each cell is the median over the rounds of that "
+        "round's value.",
+        "",
+        "| system | concurrency | non-streaming ok/sent | completion tok/s "
+        "| p50 ms | p99 ms | TTFT p50 ms | tokens/request | errors (both kinds) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def line(name: str, rounds: Sequence[Round]) -> None:
+        ok = sum(r.ok for r in rounds)
+        sent = sum(r.sent for r in rounds)
+        errors = sum(sum(r.errors.values()) for r in rounds)
+        tokens = sorted({t for r in rounds for t in r.completion_tokens})
+        per = "/".join(str(t) for t in tokens) or "n/a"
+        lines.append(
+            f"| {name} | {rounds[0].concurrency} | {ok}/{sent} "
+            f"| {med(rounds, 'tok_s'):.0f} | {ms(med(rounds, 'p50'))} "
+            f"| {ms(med(rounds, 'p99'))} | {ms(med(rounds, 'ttft'))} | {per} "
+            f"| {errors} |"
+        )
+
+    line("in-process `mlx_vlm.generate`", floor)
+    for _, rounds in sorted(results.server.items()):
+        line("server over HTTP", rounds)
+    print("\n".join(lines))
+
+    ratios: list[str] = ["", "Ratios against the in-process floor (per round, median):"]
+    c1 = results.server.get(1)
+    if c1:
+        p50 = [
+            s.summary()["p50"] / f.summary()["p50"]
+            for s, f in zip(c1, floor, strict=True)
+        ]
+        ttft = [
+            s.summary()["ttft"] / f.summary()["ttft"]
+            for s, f in zip(c1, floor, strict=True)
+        ]
+        rate = [s.tok_s / f.tok_s for s, f in zip(c1, floor, strict=True)]
+        summary["c1_latency_ratio"] = median(p50)
+        summary["c1_latency_ratio_rounds"] = p50
+        summary["c1_target_met"] = median(p50) <= C1_TARGET
+        verdict = "met" if summary["c1_target_met"] else "NOT met"
+        ratios += [
+            f"- concurrency 1, p50 latency: {median(p50):.2f}x "
+            f"(rounds: {', '.join(f'{v:.2f}' for v in p50)}); target "
+            f"<= {C1_TARGET}x: {verdict}",
+            f"- concurrency 1, TTFT: {median(ttft):.2f}x",
+            f"- concurrency 1, tokens/s: {median(rate):.2f}x",
+        ]
+    for concurrency, rounds in sorted(results.server.items()):
+        if concurrency == 1:
+            continue
+        rate = [s.tok_s / f.tok_s for s, f in zip(rounds, floor, strict=True)]
+        ratios.append(
+            f"- concurrency {concurrency}, tokens/s: {median(rate):.2f}x the floor"
+        )
+    print("\n".join(ratios))
+
+    health = results.health
+    if health:
+        idle99 = median([quantile(h.idle, 0.99) for h in health])
+        idle50 = median([quantile(h.idle, 0.5) for h in health])
+        load99 = median([quantile(h.loaded, 0.99) for h in health])
+        load50 = median([quantile(h.loaded, 0.5) for h in health])
+        worst = max(max(h.loaded, default=math.nan) for h in health)
+        probes = sum(len(h.loaded) for h in health)
+        in_flight = median([median(h.streams_in_flight) for h in health])
+        summary["health_p99_ms"] = load99 * 1e3
+        summary["health_target_met"] = load99 * 1e3 < HEALTH_TARGET_MS
+        verdict = "met" if summary["health_target_met"] else "NOT met"
+        print(
+            "\n| GET /health (every 10 ms, own process) | p50 ms | p99 ms | max ms |"
+            "\n|---|---|---|---|"
+            f"\n| server idle | {idle50 * 1e3:.2f} | {idle99 * 1e3:.2f} "
+            f"| {max(max(h.idle, default=math.nan) for h in health) * 1e3:.2f} |"
+            f"\n| {env['health_streams']} streams in flight (median {in_flight:.0f}) "
+            f"| {load50 * 1e3:.2f} | {load99 * 1e3:.2f} | {worst * 1e3:.2f} |"
+            f"\n\n{probes} probes under load over {len(health)} rounds, "
+            f"{sum(h.errors for h in health)} errors; p99 target < "
+            f"{HEALTH_TARGET_MS:g} ms: {verdict}."
+        )
+    print(
+        f"\nserver exit status: {results.server_exit}; "
+        f"log lines that point at a problem: {len(results.server_log_problems)}"
+    )
+    for problem in results.server_log_problems[:10]:
+        print(f"   {problem}")
+    return summary
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "?"
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "-"
+
+    import mlx_pinned
+
+    package = Path(mlx_pinned.__file__).resolve().parent
+    commit = subprocess.run(
+        ["git", "describe", "--always", "--dirty"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=package,
+    ).stdout.strip()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+        "machine": f"{platform.system()} {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, {cpu_model()}",
+        "python": platform.python_version(),
+        "versions": {
+            n: version(n)
+            for n in (
+                "mlx",
+                "mlx-vlm",
+                "mlx-pinned",
+                "starlette",
+                "uvicorn",
+                "httpx",
+            )
+        },
+        "mlx_pinned_from": str(package),  # the server imports the same one
+        "commit": commit or "-",
+        "load_average_before": os.getloadavg(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "model": args.model,
+        "tokens": args.tokens,
+        "health_streams": args.health_streams,
+    }
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(part) for part in text.split(",") if part]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("a comma-separated list of positive ints")
+    return values
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=32, help="max_tokens")
+    parser.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
+    parser.add_argument(
+        "--model", help="model folder (default: the tiny model of --demo)"
+    )
+    parser.add_argument("--json", help="write every sample and the summary here")
+    parser.add_argument(
+        "--requests", type=int, default=16, help="per level and round, at least 2xc"
+    )
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--health-streams", type=int, default=32)
+    parser.add_argument("--health-seconds", type=float, default=3.0)
+    parser.add_argument("--startup-timeout", type=float, default=180.0)
+    parser.add_argument("--request-timeout", type=float, default=120.0)
+    parser.add_argument("--server-log", help="default: $TMPDIR/bench-serve.log")
+    parser.add_argument("--server-log-level", default="info")
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra argument for 'serve' (repeat)",
+    )
+    parser.add_argument("--probe-health", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.probe_health:  # the /health prober, run by run_probe
+        result = asyncio.run(probe(args.probe_health, args.health_seconds, 0.01))
+        print(json.dumps(result))
+        return 0
+
+    if args.model is None:
+        from mlx_pinned.testing import tiny_vlm_path
+
+        args.model = str(tiny_vlm_path())
+    results = Results(environment(args))
+    env = results.environment
+    print(
+        f"{env['date']}  {env['machine']}  python {env['python']}  "
+        f"{env['versions']}  mlx_pinned from {env['mlx_pinned_from']} "
+        f"(commit {env['commit']})  "
+        f"load {env['load_average_before']}",
+        flush=True,
+    )
+    asyncio.run(bench(args, results))
+    env["load_average_after"] = os.getloadavg()
+    print(
+        f"\nload average before {env['load_average_before']}, after "
+        f"{env['load_average_after']}\n"
+    )
+    summary = report(results)
+    if args.json:
+        data = asdict(results)
+        data["summary"] = summary
+        Path(args.json).write_text(json.dumps(data, indent=1))
+        print(f"\nresults: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
