@@ -315,6 +315,15 @@ def plot(levels: list[Level], path: Path, title: str) -> None:
         xs = [j + i * width for j in range(len(concurrencies))]
         rows = [by.get((system, c)) for c in concurrencies]
         left.bar(xs, [r.tok_s if r else 0 for r in rows], width, label=system)
+        for x, r in zip(xs, rows, strict=True):
+            if r is not None and r.ok < r.sent:  # say how many were refused
+                left.annotate(
+                    f"{r.sent - r.ok} err",
+                    (x, r.tok_s),
+                    ha="center",
+                    va="bottom",
+                    fontsize=6,
+                )
         right.bar(
             xs, [r.latency(0.5) * 1e3 if r else 0 for r in rows], width, label=system
         )
@@ -323,6 +332,7 @@ def plot(levels: list[Level], path: Path, title: str) -> None:
         axis.set_xticklabels([f"c{c}" for c in concurrencies])
         axis.set_ylabel(label)
     right.set_yscale("log")
+    right.set_title("successful requests only", fontsize=8)
     left.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
