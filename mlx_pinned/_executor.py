@@ -35,9 +35,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 _STOP = object()
-# After its queue runs dry the worker polls it this long, yielding the GIL,
-# before it sleeps: a job that arrives meanwhile skips a futex wake-up.
-_SPIN_SECONDS = 50e-6
 _NEW, _RUNNING, _CLOSED = "new", "running", "closed"
 
 
@@ -472,7 +469,7 @@ class MLXThread(Executor):
                     # clock reads per wake-up instead of two per job.
                     self._busy += clock() - self._busy_since
                     self._busy_since = None
-                    item = self._idle(queue)
+                    item = queue.get()
                     self._busy_since = clock()
                 if item is _STOP:
                     break
@@ -490,17 +487,6 @@ class MLXThread(Executor):
             self._finish(
                 MLXThreadClosedError(f"MLX thread {self.name!r} was shut down."), None
             )
-
-    @staticmethod
-    def _idle(queue: SimpleQueue[Any]) -> Any:
-        deadline = time.perf_counter() + _SPIN_SECONDS
-        while time.perf_counter() < deadline:
-            time.sleep(0)  # yields the GIL to the threads that submit
-            try:
-                return queue.get_nowait()
-            except Empty:
-                pass
-        return queue.get()
 
     def _finish(self, error: BaseException, cause: BaseException | None) -> None:
         """End every job still queued, close open streams, then clean up MLX."""
