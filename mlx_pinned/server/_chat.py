@@ -32,7 +32,7 @@ from mlx_pinned import (
     StreamAffinityError,
 )
 
-from . import engine
+from . import batching, engine
 from ._http import (
     Disconnected,
     RequestLog,
@@ -66,10 +66,12 @@ if TYPE_CHECKING:
 
     from starlette.types import Receive, Scope, Send
 
-    from mlx_pinned import MLXThread
+    from mlx_pinned import AsyncStreamIterator, MLXThread
 
+    from ._batch_gate import BatchGate, BatchStream
     from ._metrics import ServerMetrics
-    from .app import ServerConfig, _Gate
+    from .app import ServerConfig
+    from .engine import Event
 
 logger = logging.getLogger("mlx_pinned.server")
 
@@ -99,7 +101,7 @@ class ChatEndpoint:
         self,
         config: ServerConfig,
         thread: MLXThread,
-        gate: _Gate,
+        gate: BatchGate,
         *,
         fetch: Fetcher | None = None,
         metrics: ServerMetrics | None = None,
@@ -207,7 +209,13 @@ class ChatEndpoint:
         arrived = time.perf_counter()
         async with self.gate.turn():
             log.queued = time.perf_counter() - arrived
-            stream = self.thread.iterate(engine.generate_stream, loaded, params, images)
+            stream: BatchStream | AsyncStreamIterator[Event]
+            if self.config.max_num_seqs > 1:
+                stream = batching.iterate(self.thread, loaded, params, images)
+            else:
+                stream = self.thread.iterate(
+                    engine.generate_stream, loaded, params, images
+                )
             try:
                 await self._respond(request, stream, response, log)
             finally:

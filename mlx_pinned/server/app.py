@@ -9,7 +9,10 @@ Built only from mlx-pinned's public pieces (``MLXThread``,
   each generation, prompt and image preprocessing included, as a stream
   (``MLXThread.iterate``).
 
-Generations run one at a time, in arrival order (:class:`_Gate`): mlx-vlm's
+Generations are admitted in arrival order by a :class:`BatchGate`: up to
+``max_num_seqs`` decode together in one batch (:mod:`.batching`), each with
+its own rope state, cache rows and sampler. With ``max_num_seqs=1`` they run
+one at a time through the unbatched engine, since mlx-vlm's
 Qwen-VL models keep request state on the model object, so two generations
 interleaved token by token would silently corrupt each other. At most
 ``max_pending`` requests wait; past that the server answers 503 at once.
@@ -23,13 +26,10 @@ import functools
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -42,6 +42,7 @@ from mlx_pinned import MLXThread
 from mlx_pinned.middleware import MLXThreadMiddleware
 
 from . import engine
+from ._batch_gate import BatchGate
 from ._chat import ChatEndpoint, model_not_found
 from ._metrics import MetricsMiddleware, ServerMetrics
 from ._remote import RemoteImageFetcher
@@ -62,6 +63,7 @@ class ServerConfig:
     max_tokens_limit: int = 4096
     default_max_tokens: int = 512
     max_pending: int = 256
+    max_num_seqs: int = 32
     max_body_bytes: int = 20 * 1024 * 1024
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     api_key: str | None = None
@@ -78,6 +80,7 @@ def create_app(
     max_tokens_limit: int = 4096,
     default_max_tokens: int = 512,
     max_pending: int = 256,
+    max_num_seqs: int = 32,
     max_body_bytes: int = 20 * 1024 * 1024,
     image_limits: ImageLimits | None = None,
     api_key: str | None = None,
@@ -105,6 +108,9 @@ def create_app(
         default_max_tokens: ``max_tokens`` when a request sets none.
         max_pending: Requests that may wait for the model; past it, 503 with
             ``Retry-After``. Also the MLX thread's queue bound.
+        max_num_seqs: Generations decoded together in one batch (continuous
+            batching, :mod:`.batching`); the rest wait their turn. 1: one
+            generation at a time, through the unbatched engine.
         max_body_bytes: Largest request body; more is a 413.
         image_limits: Limits on images per request, bytes and pixels.
         api_key: When set, every route but ``/health`` needs
@@ -128,9 +134,10 @@ def create_app(
     Returns:
         A Starlette app.
     """
-    if max_tokens_limit < 1 or max_pending < 1 or max_body_bytes < 1:
+    if min(max_tokens_limit, max_pending, max_num_seqs, max_body_bytes) < 1:
         raise ValueError(
-            "max_tokens_limit, max_pending and max_body_bytes must be >= 1"
+            "max_tokens_limit, max_pending, max_num_seqs and max_body_bytes"
+            " must be >= 1"
         )
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be >= 1, not {max_prompt_tokens}")
@@ -146,6 +153,7 @@ def create_app(
         max_tokens_limit=max_tokens_limit,
         default_max_tokens=min(default_max_tokens, max_tokens_limit),
         max_pending=max_pending,
+        max_num_seqs=max_num_seqs,
         max_body_bytes=max_body_bytes,
         image_limits=image_limits or ImageLimits(),
         api_key=api_key,
@@ -159,7 +167,7 @@ def create_app(
             max_bytes=config.image_limits.max_bytes, timeout=remote_image_timeout
         )
     mlx_thread = thread or MLXThread(name="mlx-pinned", max_pending=max_pending)
-    gate = _Gate(max_pending)
+    gate = BatchGate(max_num_seqs, max_pending)
     metrics = ServerMetrics(mlx_thread, gate)
     routes = [
         Route("/health", functools.partial(_health, mlx_thread), methods=["GET"]),
@@ -199,49 +207,6 @@ def create_app(
     app.state.gate = gate
     app.state.metrics = metrics
     return app
-
-
-class _Gate:
-    """One generation at a time, in arrival order, with a bounded waiting room.
-
-    An async lock rather than a lock on the MLX thread: a thread lock held
-    across a stream's items would block that one thread for everyone else.
-    """
-
-    def __init__(self, max_pending: int) -> None:
-        self.max_pending = max_pending
-        self.waiting = 0  # requests queued for the model
-        self.busy = False  # a generation holds the model
-        self._lock: anyio.Lock | None = None
-
-    @asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
-        """Wait for the model (FIFO); 503 at once when the waiting room is full.
-
-        Cancelling the caller while it waits gives up its place: its
-        generation never starts.
-        """
-        if self.waiting >= self.max_pending:
-            raise APIError(
-                503,
-                f"The server is busy: {self.waiting} requests are already waiting "
-                "for the model; retry shortly.",
-                code="server_busy",
-                headers={"Retry-After": "1"},
-            )
-        if self._lock is None:  # created on the event loop that serves us
-            self._lock = anyio.Lock()
-        self.waiting += 1
-        try:
-            await self._lock.acquire()
-        finally:
-            self.waiting -= 1
-        self.busy = True
-        try:
-            yield
-        finally:
-            self.busy = False
-            self._lock.release()
 
 
 async def _health(thread: MLXThread, request: Request) -> Response:

@@ -4,7 +4,7 @@
 
     mlx-pinned serve MODEL [--host 127.0.0.1] [--port 8000]
                            [--served-model-name NAME] [--max-tokens-limit N]
-                           [--max-pending N] [--api-key KEY]
+                           [--max-pending N] [--max-num-seqs N] [--api-key KEY]
                            [--request-timeout S] [--max-prompt-tokens N]
                            [--allow-remote-images] [--max-images N] ...
     mlx-pinned serve --demo        # the tiny offline model of mlx_pinned.testing
@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=256,
         help="requests that may wait for the model before 503 (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-num-seqs",
+        type=_positive,
+        default=32,
+        help="generations decoded together in one batch; 1 runs them one at a"
+        " time (default: %(default)s)",
     )
     serve.add_argument(
         "--max-body-bytes",
@@ -189,6 +196,7 @@ def serve(args: argparse.Namespace) -> int:
         max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens,
         max_pending=args.max_pending,
+        max_num_seqs=args.max_num_seqs,
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key,
         image_limits=ImageLimits(

@@ -84,6 +84,11 @@ def serve(
     @asynccontextmanager
     async def serve(**options: Any) -> AsyncIterator[Served]:
         options.setdefault("served_model_name", MODEL)
+        # One generation at a time through the unbatched engine, unless a test
+        # asks for batching: several tests inject faults into that engine.
+        # The batched path has its own tests (test_batching.py, test_batched_app
+        # below) and serves the end-to-end tests, through the CLI's default.
+        options.setdefault("max_num_seqs", 1)
         app = create_app(tiny_model_path, **options)
         transport = httpx.ASGITransport(app=app)
         async with (
