@@ -20,10 +20,10 @@ Systems (``--systems``, comma-separated; override a command with
 ``--cmd NAME='TEMPLATE'``, fields ``{python} {peers_bin} {model} {port}
 {self}``):
 
-- ``mlx-pinned``: ``python -m mlx_pinned.server serve MODEL``;
-- ``mlx-pinned-batched``: the same app with :mod:`mlx_pinned.server.batching`
-  switched in (``peers.py serve-batched``, a stand-in until ``serve`` has a
-  ``--max-num-seqs`` option);
+- ``mlx-pinned``: ``python -m mlx_pinned.server serve MODEL`` (continuous
+  batching, ``--max-num-seqs 32``);
+- ``mlx-pinned-serial``: the same with ``--max-num-seqs 1`` (one generation
+  at a time, the unbatched engine);
 - ``vllm-mlx``, ``vllm-mlx-cb``: ``vllm-mlx serve MODEL --mllm``, without and
   with ``--continuous-batching``;
 - ``mlx-vlm``: ``python -m mlx_vlm.server --model MODEL``.
@@ -64,10 +64,12 @@ PROMPT = "Describe this image in one sentence."
 SERVED_NAME = "tiny"
 
 COMMANDS: dict[str, str] = {
-    "mlx-pinned-batched": "{python} {self} serve-batched {model} --port {port} "
-    "--max-num-seqs 32",
     "mlx-pinned": "{python} -m mlx_pinned.server serve {model} --port {port} "
-    f"--served-model-name {SERVED_NAME} --log-level warning --max-pending 1024",
+    f"--served-model-name {SERVED_NAME} --log-level warning --max-pending 1024 "
+    "--max-num-seqs 32",
+    "mlx-pinned-serial": "{python} -m mlx_pinned.server serve {model} --port {port} "
+    f"--served-model-name {SERVED_NAME} --log-level warning --max-pending 1024 "
+    "--max-num-seqs 1",
     "vllm-mlx": "{peers_bin}/vllm-mlx serve {model} --mllm --port {port}",
     "vllm-mlx-cb": "{peers_bin}/vllm-mlx serve {model} --mllm --port {port} "
     "--continuous-batching",
@@ -376,39 +378,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_batched(args: argparse.Namespace) -> int:
-    """The mlx-pinned app with batched generation switched in (a stand-in
-    until ``mlx-pinned serve`` has ``--max-num-seqs``)."""
-    import logging
-
-    import uvicorn
-
-    from mlx_pinned.server import _chat, batching, create_app, engine
-
-    logging.basicConfig(level=logging.WARNING)
-    app = create_app(
-        args.model, served_model_name=SERVED_NAME, max_pending=args.max_pending
-    )
-    gate = batching.BatchGate(args.max_num_seqs, args.max_pending)
-    endpoints = [getattr(route, "app", None) for route in app.routes]
-    for endpoint in endpoints:
-        if isinstance(endpoint, _chat.ChatEndpoint):
-            endpoint.gate = gate  # type: ignore[assignment]
-    # The endpoint calls thread.iterate(engine.generate_stream, loaded, ...):
-    # route that call to batching.iterate, which batches it.
-    thread = app.state.mlx_thread
-    plain = thread.iterate
-
-    def iterate(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        if fn is engine.generate_stream:
-            return batching.iterate(thread, *args, **kwargs)
-        return plain(fn, *args, **kwargs)
-
-    thread.iterate = iterate
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
-    return 0
-
-
 def inprocess(args: argparse.Namespace) -> int:
     """Batched (BatchGate + batching) vs one at a time (engine), in process."""
     import io
@@ -526,13 +495,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     local = commands.add_parser("inprocess", help="batched vs one at a time")
     common(local)
     local.set_defaults(handler=inprocess)
-
-    shim = commands.add_parser("serve-batched", help=argparse.SUPPRESS)
-    shim.add_argument("model")
-    shim.add_argument("--port", type=int, required=True)
-    shim.add_argument("--max-num-seqs", type=int, default=32)
-    shim.add_argument("--max-pending", type=int, default=1024)
-    shim.set_defaults(handler=serve_batched)
 
     args = parser.parse_args(argv)
     handler: Any = args.handler
