@@ -1,0 +1,364 @@
+"""Soak test: the real server under 1,000 mixed requests, watched from outside.
+
+Starts ``python -m mlx_pinned.server serve --demo`` (uvicorn, a free loopback
+port, the tiny offline model), then sends mixed requests with bounded
+concurrency:
+
+- ``plain``: a vision request, non-streaming, 4 to 32 tokens;
+- ``stream``: the same, streamed, with usage; must end with ``[DONE]``;
+- ``cancel``: a long stream the client drops after a few chunks;
+- ``queued``: a request the client abandons after a few milliseconds, often
+  while it still waits for the model;
+- ``bad``: one of a list of invalid requests (bad base64, a local path, a
+  remote URL, a wrong type, an unknown model, broken JSON, too many images);
+  must be a 4xx in OpenAI's error shape.
+
+Anything else is an unexpected error: a 5xx, a wrong status, an error event in
+a stream, a malformed body, a transport error outside the cancellations. While
+it runs, the server process's resident memory and thread count are sampled
+(psutil if installed, else /proc). At the end the server must be idle (no open
+stream, nothing pending), and SIGINT must drain it and exit 0 with a log free
+of tracebacks. Prints the figures; ``--json`` writes them too. Not for CI::
+
+    python benchmarks/soak.py [--requests 1000] [--concurrency 16] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from mlx_pinned.server.cli import DEMO_MODEL_NAME
+from mlx_pinned.testing import image_data_uri
+
+READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
+KINDS = ("plain", "stream", "cancel", "queued", "bad")
+WEIGHTS = (35, 30, 15, 10, 10)
+
+
+@dataclass
+class Sample:
+    at: float
+    rss_mb: float
+    threads: int
+
+
+@dataclass
+class Report:
+    requests: int = 0
+    seconds: float = 0.0
+    by_kind: dict[str, int] = field(default_factory=dict)
+    statuses: dict[str, int] = field(default_factory=dict)
+    unexpected: list[str] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    idle_after: dict[str, Any] = field(default_factory=dict)
+    rested: Sample | None = None  # after --idle seconds without traffic
+    server_statuses: dict[str, int] = field(default_factory=dict)  # /metrics
+    exit_code: int | None = None
+    log_problems: list[str] = field(default_factory=list)
+
+
+def process_stats(pid: int) -> tuple[float, int]:
+    """Resident memory (MiB) and thread count of ``pid``."""
+    try:
+        import psutil  # type: ignore[import-untyped]
+    except ImportError:
+        status = Path(f"/proc/{pid}/status").read_text()
+        rss = int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1))  # type: ignore[union-attr]
+        threads = int(re.search(r"Threads:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
+        return rss / 1024, threads
+    process = psutil.Process(pid)
+    return process.memory_info().rss / 2**20, process.num_threads()
+
+
+def vision(max_tokens: int, seed: int, **extra: Any) -> dict[str, Any]:
+    size = (32 + 16 * (seed % 4), 64 - 8 * (seed % 3))
+    return {
+        "model": DEMO_MODEL_NAME,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Describe this image in one sentence."},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": image_data_uri(*size, seed=seed)},
+                    },
+                ],
+            }
+        ],
+        "max_tokens": max_tokens,
+        **extra,
+    }
+
+
+def bad_requests() -> list[tuple[str, bytes | dict[str, Any]]]:
+    body = vision(4, 0)
+    image = body["messages"][0]["content"][1]
+
+    def with_url(url: str) -> dict[str, Any]:
+        copy: dict[str, Any] = json.loads(json.dumps(body))
+        copy["messages"][0]["content"][1]["image_url"]["url"] = url
+        return copy
+
+    return [
+        ("bad base64", with_url("data:image/jpeg;base64,!!!")),
+        (
+            "not an image",
+            with_url("data:image/png;base64," + base64.b64encode(b"x" * 99).decode()),
+        ),
+        ("local path", with_url("/etc/passwd")),
+        ("file url", with_url("file:///etc/passwd")),
+        ("remote url", with_url("http://169.254.169.254/latest/meta-data/")),
+        ("wrong type", {**body, "temperature": "hot"}),
+        ("out of range", {**body, "top_logprobs": 99, "logprobs": True}),
+        ("unknown model", {**body, "model": "gpt-4o"}),
+        ("broken json", b'{"model": "mlx-pinned-demo", "messages": ['),
+        (
+            "too many images",
+            {**body, "messages": [{"role": "user", "content": [image] * 9}]},
+        ),
+    ]
+
+
+class Soak:
+    def __init__(self, url: str, args: argparse.Namespace) -> None:
+        self.url = url
+        self.args = args
+        self.report = Report()
+        self.rng = random.Random(args.seed)
+        self.bad = bad_requests()
+        self.statuses: Counter[str] = Counter()
+
+    def unexpected(self, kind: str, what: str) -> None:
+        self.report.unexpected.append(f"{kind}: {what}"[:300])
+
+    async def one(self, client: httpx.AsyncClient, i: int, kind: str) -> None:
+        rng = random.Random(self.args.seed * 100_003 + i)
+        url = f"{self.url}/v1/chat/completions"
+        try:
+            if kind == "plain":
+                response = await client.post(url, json=vision(rng.randint(4, 32), i))
+                self.statuses[f"{kind} {response.status_code}"] += 1
+                if response.status_code != 200:
+                    self.unexpected(kind, f"{response.status_code} {response.text}")
+                elif response.json()["choices"][0]["finish_reason"] is None:
+                    self.unexpected(kind, response.text)
+            elif kind == "stream":
+                body = vision(rng.randint(4, 32), i, stream=True)
+                body["stream_options"] = {"include_usage": True}
+                async with client.stream("POST", url, json=body) as response:
+                    lines = [line async for line in response.aiter_lines() if line]
+                self.statuses[f"{kind} {response.status_code}"] += 1
+                if response.status_code != 200 or lines[-1] != "data: [DONE]":
+                    self.unexpected(kind, f"{response.status_code} {lines[-2:]}")
+                elif any('"error"' in line for line in lines):
+                    self.unexpected(kind, "an error event")
+            elif kind == "cancel":
+                body = vision(2000, i, stream=True)
+                async with client.stream("POST", url, json=body) as response:
+                    self.statuses[f"{kind} {response.status_code}"] += 1
+                    if response.status_code != 200:
+                        self.unexpected(kind, str(response.status_code))
+                        return
+                    seen = 0
+                    async for line in response.aiter_lines():
+                        seen += bool(line)
+                        if seen >= rng.randint(1, 5):
+                            break  # the client walks away mid-stream
+            elif kind == "queued":
+                self.statuses[f"{kind} sent"] += 1
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(
+                        client.post(url, json=vision(16, i)),
+                        timeout=rng.uniform(0.001, 0.03),
+                    )
+            else:
+                name, bad = self.bad[i % len(self.bad)]
+                if isinstance(bad, bytes):
+                    response = await client.post(url, content=bad)
+                else:
+                    response = await client.post(url, json=bad)
+                self.statuses[f"{kind} {response.status_code}"] += 1
+                error = response.json().get("error", {})
+                if not (400 <= response.status_code < 500) or set(error) != {
+                    "message",
+                    "type",
+                    "param",
+                    "code",
+                }:
+                    self.unexpected(kind, f"{name}: {response.status_code}")
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            self.unexpected(kind, repr(exc))
+
+    async def run(self, pid: int) -> None:
+        args = self.args
+        kinds = self.rng.choices(KINDS, WEIGHTS, k=args.requests)
+        self.report.by_kind = dict(Counter(kinds))
+        done = asyncio.Event()
+
+        async def sample() -> None:
+            start = time.perf_counter()
+            while True:
+                rss, threads = process_stats(pid)
+                self.report.samples.append(
+                    Sample(time.perf_counter() - start, rss, threads)
+                )
+                if done.is_set():
+                    return
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(done.wait(), 0.25)
+
+        limits = httpx.Limits(max_connections=args.concurrency * 2)
+        semaphore = asyncio.Semaphore(args.concurrency)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+            async def bounded(i: int, kind: str) -> None:
+                async with semaphore:
+                    await self.one(client, i, kind)
+
+            sampler = asyncio.create_task(sample())
+            start = time.perf_counter()
+            await asyncio.gather(*(bounded(i, k) for i, k in enumerate(kinds)))
+            self.report.seconds = time.perf_counter() - start
+            # Cancelled work is closed on the MLX thread within a token or two.
+            deadline = time.monotonic() + 10
+            while True:
+                health = (await client.get(f"{self.url}/health")).json()
+                idle = health["open_streams"] == 0 and health["pending"] == 0
+                if idle or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            self.report.idle_after = health
+            metrics = (await client.get(f"{self.url}/metrics")).text
+            for status, count in re.findall(
+                r'requests_total\{route="/v1/chat/completions",status="(\d+)"\} '
+                r"([\d.]+)",
+                metrics,
+            ):
+                self.report.server_statuses[status] = int(float(count))
+            if not idle:
+                self.unexpected("idle", f"still busy after the load: {health}")
+            done.set()
+            await sampler
+            # anyio's worker threads (image decoding) retire after 10 s idle.
+            await asyncio.sleep(args.idle)
+            rss, threads = process_stats(pid)
+            self.report.rested = Sample(time.perf_counter() - start, rss, threads)
+        self.report.requests = args.requests
+        self.report.statuses = dict(sorted(self.statuses.items()))
+
+
+def start_server(
+    log: Path, args: argparse.Namespace
+) -> tuple[subprocess.Popen[bytes], str]:
+    command = [sys.executable, "-m", "mlx_pinned.server", "serve", "--demo"]
+    command += ["--port", "0", "--max-pending", str(args.max_pending)]
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while (match := READY.search(log.read_text(errors="replace"))) is None:
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise SystemExit(f"the server did not start:\n{log.read_text()}")
+        time.sleep(0.05)
+    return process, match.group(1)
+
+
+def summary(report: Report) -> str:
+    samples = report.samples
+    rss = [s.rss_mb for s in samples]
+    threads = [s.threads for s in samples]
+
+    def at(share: float) -> Sample:
+        return samples[min(len(samples) - 1, int(len(samples) * share))]
+
+    marks = [(f"{int(share * 100)}%", at(share)) for share in (0.1, 0.5, 0.9)]
+    lines = [
+        f"requests: {report.requests} in {report.seconds:.1f} s "
+        f"({report.requests / report.seconds:.1f} req/s)",
+        "kinds: " + ", ".join(f"{k} {n}" for k, n in sorted(report.by_kind.items())),
+        "statuses: " + ", ".join(f"{k}: {n}" for k, n in report.statuses.items()),
+        "server's /metrics, chat requests by status: "
+        + ", ".join(f"{k}: {n}" for k, n in sorted(report.server_statuses.items())),
+        f"unexpected errors: {len(report.unexpected)}",
+        *(f"  {u}" for u in report.unexpected[:10]),
+        f"server RSS MiB: start {rss[0]:.1f}, "
+        + ", ".join(f"{name} {s.rss_mb:.1f}" for name, s in marks)
+        + f", peak {max(rss):.1f}, end {rss[-1]:.1f}",
+        f"server threads: start {threads[0]}, "
+        + ", ".join(f"{name} {s.threads}" for name, s in marks)
+        + f", peak {max(threads)}, end {threads[-1]}",
+        f"after {report.rested.at - report.seconds:.0f} s idle: "
+        f"RSS {report.rested.rss_mb:.1f} MiB, {report.rested.threads} threads"
+        if report.rested
+        else "",
+        f"idle after the load: {report.idle_after}",
+        f"SIGINT: exit code {report.exit_code}; log problems: "
+        f"{report.log_problems or 'none'}",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-pending", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--idle",
+        type=float,
+        default=12.0,
+        help="seconds to rest before the last sample",
+    )
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "server.log"
+        process, url = start_server(log, args)
+        soak = Soak(url, args)
+        try:
+            asyncio.run(soak.run(process.pid))
+        finally:
+            process.send_signal(signal.SIGINT)
+            try:
+                soak.report.exit_code = process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        text = log.read_text(errors="replace")
+        report = soak.report
+        for needle in ("Traceback", " ERROR ", "There is no Stream"):
+            if needle in text:
+                report.log_problems.append(needle)
+        fives = re.findall(r"POST /v1/chat/completions (5\d\d) ", text)
+        if fives:
+            report.log_problems.append(f"{len(fives)} 5xx in the log")
+    print(summary(report))
+    if args.json:
+        args.json.write_text(json.dumps(asdict(report), indent=2))
+    ok = not report.unexpected and report.exit_code == 0 and not report.log_problems
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
