@@ -129,6 +129,30 @@ class TestTimeout:
             slow.release.set()
             assert (await served.chat(vision_body(2))).status_code == 200
 
+    async def test_batched_generations_are_closed(self, serve: Serve) -> None:
+        # The CLI's default engine, the real model: three generations batched
+        # together are cut at the deadline, closed and taken out of the batch.
+        async with serve(max_num_seqs=32, request_timeout=1.0) as served:
+            responses: dict[bool, list[httpx.Response]] = {False: [], True: []}
+
+            async def client(stream: bool) -> None:
+                body = vision_body(4000, stream=stream)
+                responses[stream].append(await served.chat(body))
+
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as group:
+                    for stream in (False, False, True):
+                        group.start_soon(client, stream)
+            for response in responses[False]:
+                assert_error(response, 504, None, "timeout")
+            (streamed,) = responses[True]
+            assert sse_events(streamed.text)[-1]["error"]["code"] == "timeout"
+            await settled(served)
+            assert served.thread.statistics().open_streams == 0
+            assert served.app.state.gate.active == 0
+            response = await served.chat(vision_body(3))
+            assert response.json()["usage"]["completion_tokens"] == 3
+
 
 class TestOverload:
     async def test_many_clients_past_max_pending_get_503_at_once(

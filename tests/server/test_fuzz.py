@@ -159,6 +159,7 @@ valid_bodies = st.fixed_dictionaries(
 @st.composite
 def logprobs(draw: st.DrawFn, bodies: st.SearchStrategy[dict[str, Any]]) -> Any:
     body = draw(bodies)
+    body["stream"] = draw(st.booleans())
     if draw(st.booleans()):
         body["logprobs"] = True
         body["top_logprobs"] = draw(st.integers(0, 20))
@@ -180,10 +181,12 @@ def hostile(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def fuzzed(serve: Serve) -> AsyncIterator[Served]:
+async def fuzzed(serve: Serve, request: pytest.FixtureRequest) -> AsyncIterator[Served]:
     """One small app for every example of a test: short generations, small
-    images, a tight deadline so that a hang fails fast."""
+    images, a tight deadline so that a hang fails fast. The unbatched engine
+    unless the test asks for ``max_num_seqs`` (indirect parameter)."""
     async with serve(
+        max_num_seqs=getattr(request, "param", 1),
         max_tokens_limit=6,
         default_max_tokens=3,
         max_body_bytes=512 * 1024,
@@ -234,6 +237,9 @@ def check(response: httpx.Response, streamed: bool | None = None) -> None:
         ChatCompletionChunk.model_validate(chunk)
 
 
+# Both engines: one generation at a time, and continuous batching (the CLI's
+# default), which prefills, samples and detokenizes on its own path.
+@pytest.mark.parametrize("fuzzed", [1, 32], indirect=True, ids=["serial", "batched"])
 @given(body=logprobs(valid_bodies))
 @FUZZ
 @example(body={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
