@@ -21,6 +21,7 @@ stream, nothing pending), and SIGINT must drain it and exit 0 with a log free
 of tracebacks. Prints the figures; ``--json`` writes them too. Not for CI::
 
     python benchmarks/soak.py [--requests 1000] [--concurrency 16] [--seed 0]
+        [-- SERVER OPTIONS, e.g. --max-num-seqs 1]
 """
 
 from __future__ import annotations
@@ -271,6 +272,7 @@ def start_server(
 ) -> tuple[subprocess.Popen[bytes], str]:
     command = [sys.executable, "-m", "mlx_pinned.server", "serve", "--demo"]
     command += ["--port", "0", "--max-pending", str(args.max_pending)]
+    command += args.server_args
     with log.open("wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
@@ -330,6 +332,11 @@ def main() -> int:
         help="seconds to rest before the last sample",
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "server_args",
+        nargs="*",
+        help="more options for the server, after --: -- --max-num-seqs 1",
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as tmp:
