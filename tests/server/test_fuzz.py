@@ -33,7 +33,7 @@ from .conftest import MODEL, Served, sse_events
 from .test_images import png_header
 
 # The CI profile runs this many examples per test and backend; nightly more.
-EXAMPLES = max(settings().max_examples, 150)
+EXAMPLES = max(settings().max_examples, 100)
 
 # A valid example takes up to ~50 ms: give big profiles the time they need.
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(max(120, EXAMPLES * 0.3))]
