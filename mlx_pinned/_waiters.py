@@ -9,6 +9,7 @@ cancelled meanwhile, are dropped quietly.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import threading
 import weakref
@@ -61,7 +62,7 @@ class _Inbox:
             items.popleft().deliver()
 
 
-class LoopWaiter:
+class LoopWaiter(abc.ABC):
     __slots__ = ("_inbox",)
 
     def __init__(self, inbox: _Inbox) -> None:
@@ -70,8 +71,9 @@ class LoopWaiter:
     def wake(self) -> None:
         self._inbox.post(self)
 
+    @abc.abstractmethod
     def deliver(self) -> None:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """Hand the completion over; called on the loop's own thread."""
 
 
 _asyncio_inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox] = (
