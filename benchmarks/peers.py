@@ -49,7 +49,6 @@ import json
 import math
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,7 +59,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PROMPT = "Describe this image in one sentence."
+from _common import PROMPT, free_port, positive_ints, quantile, request_body
+
 SERVED_NAME = "tiny"
 
 COMMANDS: dict[str, str] = {
@@ -99,7 +99,7 @@ class Level:
         return statistics.median(self.tokens_per_s) if self.tokens_per_s else 0.0
 
     def latency(self, q: float) -> float:
-        return _quantile(self.latencies, q)
+        return quantile(self.latencies, q)
 
     @property
     def ttft(self) -> float:
@@ -107,30 +107,6 @@ class Level:
 
     def error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
-
-
-def request_body(model: str, image_uri: str, max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": model,
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": PROMPT},
-                    {"type": "image_url", "image_url": {"url": image_uri}},
-                ],
-            }
-        ],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-    }
 
 
 async def one_round(
@@ -181,13 +157,6 @@ async def one_round(
 
 
 # -- servers ----------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager
@@ -470,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
+        p.add_argument("--concurrency", type=positive_ints, default=[1, 8, 32])
         p.add_argument("--rounds", type=int, default=3)
         p.add_argument("--requests", type=int, default=16, help="per round, at least")
         p.add_argument("--max-tokens", type=int, default=32)
@@ -499,10 +468,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler: Any = args.handler
     return int(handler(args))
-
-
-def _ints(text: str) -> list[int]:
-    return [int(part) for part in text.split(",")]
 
 
 if __name__ == "__main__":

@@ -49,7 +49,6 @@ import math
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,7 +59,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PROMPT = "Describe this image in one sentence."
+from _common import PROMPT, free_port, positive_ints, quantile, request_body
+
 SERVED_NAME = "bench"
 C1_TARGET = 1.15  # server latency at concurrency 1 over the in-process floor
 HEALTH_TARGET_MS = 5.0  # p99 of GET /health while 32 streams run
@@ -68,14 +68,6 @@ SCRIPT = Path(__file__).resolve()
 
 
 # -- statistics -------------------------------------------------------------------
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The nearest-rank quantile (p99 of 16 samples is their maximum)."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def median(values: Sequence[float]) -> float:
@@ -136,32 +128,6 @@ class Results:
 
 
 # -- the request --------------------------------------------------------------------
-
-
-def request_body(
-    model: str, image_uri: str, tokens: int, *, stream: bool
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": PROMPT},
-                    {"type": "image_url", "image_url": {"url": image_uri}},
-                ],
-            }
-        ],
-        "max_tokens": tokens,
-        "temperature": 0.0,
-    }
-    if stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-# -- the floor: mlx_vlm in this process ----------------------------------------------
 
 
 class Floor:
@@ -229,13 +195,6 @@ class Floor:
 
 
 # -- the server over HTTP ----------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager
@@ -740,13 +699,6 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _ints(text: str) -> list[int]:
-    values = [int(part) for part in text.split(",") if part]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("a comma-separated list of positive ints")
-    return values
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=(__doc__ or "").split("\n\n")[0],
@@ -754,7 +706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32, help="max_tokens")
-    parser.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
+    parser.add_argument("--concurrency", type=positive_ints, default=[1, 8, 32])
     parser.add_argument(
         "--model", help="model folder (default: the tiny model of --demo)"
     )
