@@ -81,7 +81,7 @@ class Stream(Generic[T]):
 
     @property
     def cancel_requested(self) -> bool:
-        return self.close_requested or self.owner._cancel_running
+        return self.close_requested  # cancel_requested() adds cancel_futures
 
     # -- worker side ---------------------------------------------------------
 
@@ -201,7 +201,11 @@ class Stream(Generic[T]):
         return True, item
 
     def set_waiter(self, waiter: Waiter) -> bool:
-        """Register ``waiter`` unless there is already something to take."""
+        """Register ``waiter`` unless there is already something to take.
+
+        Also how ``aclose``/``close`` wait: once a close is requested the
+        buffer stays empty, so only the outcome ends the wait.
+        """
         with self.lock:
             if self.buffer or self.outcome is not None:
                 return False
@@ -221,13 +225,6 @@ class Stream(Generic[T]):
         if requeue:
             self.owner._requeue(self)
         return True
-
-    def closing_waiter_set(self, waiter: Waiter) -> bool:
-        with self.lock:
-            if self.outcome is not None:
-                return False
-            self.waiter = waiter
-            return True
 
 
 class AsyncStreamIterator(Generic[T]):
@@ -277,7 +274,7 @@ class AsyncStreamIterator(Generic[T]):
         if stream.request_close() and not self._cancelled:
             while True:
                 waiter = async_waiter()
-                if not stream.closing_waiter_set(waiter):
+                if not stream.set_waiter(waiter):
                     return
                 await waiter.wait()
 
@@ -336,7 +333,7 @@ class SyncStreamIterator(Generic[T]):
         if stream.request_close() and not stream.owner.is_current():
             while True:
                 waiter = SyncWaiter()
-                if not stream.closing_waiter_set(waiter):
+                if not stream.set_waiter(waiter):
                     return
                 waiter.wait()
 
