@@ -19,12 +19,15 @@ from ._executor import MLXThread as MLXThread
 from ._executor import MLXThreadStatistics as MLXThreadStatistics
 from ._executor import cancel_requested as cancel_requested
 from ._executor import current_default_mlx_thread as current_default_mlx_thread
+from ._streams import AsyncBatchIterator as AsyncBatchIterator
 from ._streams import AsyncStreamIterator as AsyncStreamIterator
+from ._streams import SyncBatchIterator as SyncBatchIterator
 from ._streams import SyncStreamIterator as SyncStreamIterator
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncBatchIterator",
     "AsyncStreamIterator",
     "MLXFunction",
     "MLXPinnedError",
@@ -34,6 +37,7 @@ __all__ = [
     "MLXThreadClosedError",
     "MLXThreadStatistics",
     "StreamAffinityError",
+    "SyncBatchIterator",
     "SyncStreamIterator",
     "__version__",
     "cancel_requested",

@@ -52,11 +52,13 @@ class Stream(Generic[T]):
         "fn",
         "gen",
         "kwargs",
+        "limit",
         "lock",
         "outcome",
         "owner",
         "scheduled",
         "waiter",
+        "wake_at",
     )
 
     def __init__(
@@ -78,6 +80,8 @@ class Stream(Generic[T]):
         self.counted = True  # only the first turn counts against max_pending
         self.gen: Iterator[T] | None = None
         self.waiter: Waiter | None = None
+        self.limit = READ_AHEAD  # items read ahead of the consumer, at most
+        self.wake_at = 1  # buffered items that wake a waiting consumer
 
     @property
     def cancel_requested(self) -> bool:
@@ -122,9 +126,13 @@ class Stream(Generic[T]):
                 waiter = None
                 requeue = False
             else:
-                self.buffer.append(item)
-                requeue = self.scheduled = len(self.buffer) < READ_AHEAD
-                waiter, self.waiter = self.waiter, None
+                buffer = self.buffer
+                buffer.append(item)
+                requeue = self.scheduled = len(buffer) < self.limit
+                if len(buffer) >= self.wake_at:
+                    waiter, self.waiter = self.waiter, None
+                else:
+                    waiter = None
         if close:
             self.close_on_thread(None)
             return
@@ -200,14 +208,53 @@ class Stream(Generic[T]):
             self.owner._requeue(self)
         return True, item
 
+    def batch_mode(self, size: int) -> None:
+        """Read up to ``size`` items ahead; wake the consumer when ``size``
+        are ready or the stream has ended (see :meth:`take_batch`)."""
+        requeue = False
+        with self.lock:
+            self.limit = self.wake_at = size
+            if not self.scheduled and self.outcome is None:
+                # Parked at the old limit: there is room again.
+                self.scheduled = requeue = len(self.buffer) < self.limit
+        if requeue:
+            self.owner._requeue(self)
+
+    def take_batch(self) -> tuple[bool, tuple[T, ...]]:
+        """Take every buffered item once ``wake_at`` are ready, or what is left
+        at the end: ``(True, items)``; ``(False, ())`` when the caller must
+        wait. Raises at the end of the stream, once the buffer is empty."""
+        requeue = False
+        with self.lock:
+            buffer = self.buffer
+            if len(buffer) >= self.wake_at or (buffer and self.outcome is not None):
+                if len(buffer) <= self.wake_at:
+                    items = tuple(buffer)
+                    buffer.clear()
+                else:  # more than a batch was read ahead before batch_mode()
+                    items = tuple(buffer.popleft() for _ in range(self.wake_at))
+                if not self.scheduled and self.outcome is None:
+                    self.scheduled = requeue = True
+            elif self.outcome is not None:
+                outcome, self.outcome = self.outcome, _END
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                raise StopIteration
+            else:
+                return False, ()
+        if requeue:
+            self.owner._requeue(self)
+        return True, items
+
     def set_waiter(self, waiter: Waiter) -> bool:
-        """Register ``waiter`` unless there is already something to take.
+        """Register ``waiter`` unless there is already something to take
+        (``wake_at`` items, or the end).
 
         Also how ``aclose``/``close`` wait: once a close is requested the
         buffer stays empty, so only the outcome ends the wait.
         """
         with self.lock:
-            if self.buffer or self.outcome is not None:
+            if len(self.buffer) >= self.wake_at or self.outcome is not None:
                 return False
             self.waiter = waiter
             return True
@@ -232,7 +279,7 @@ class AsyncStreamIterator(Generic[T]):
 
     Returned by :meth:`MLXThread.iterate`. ``aclose()`` (or cancelling the
     consumer, or dropping the iterator) closes the generator on the thread
-    before its next item.
+    before its next item. :meth:`batched` takes the items in batches.
     """
 
     __slots__ = ("__weakref__", "_cancelled", "_stream")
@@ -253,16 +300,39 @@ class AsyncStreamIterator(Generic[T]):
                 raise StopAsyncIteration from None
             if ready:
                 return item  # type: ignore[return-value]
-            waiter = async_waiter()
-            if stream.set_waiter(waiter):
-                try:
-                    await waiter.wait()
-                except BaseException:
-                    stream.request_close()  # cancelled: stop the generator
-                    # asyncio delivers a cancellation once: an aclose() that
-                    # follows (contextlib.aclosing) must not wait again.
-                    self._cancelled = True
-                    raise
+            await self._wait()
+
+    def batched(self, n: int) -> AsyncBatchIterator[T]:
+        """The items in tuples of ``n`` (the last may be shorter), as
+        :func:`itertools.batched` groups them.
+
+        The thread reads up to ``n`` items ahead and wakes the consumer once
+        per batch, not once per item: for a consumer that needs the items
+        together (a response sent whole), not as soon as each is made. If the
+        generator raises, the items made before the error come first, then
+        the error. Closing either iterator closes the generator.
+
+        Raises:
+            ValueError: ``n`` is less than 1.
+        """
+        if n < 1:
+            raise ValueError(f"n must be at least 1, not {n}")
+        self._stream.batch_mode(n)
+        return AsyncBatchIterator(self)
+
+    async def _wait(self) -> None:
+        """Wait until there is something to take (or the stream ended)."""
+        stream = self._stream
+        waiter = async_waiter()
+        if stream.set_waiter(waiter):
+            try:
+                await waiter.wait()
+            except BaseException:
+                stream.request_close()  # cancelled: stop the generator
+                # asyncio delivers a cancellation once: an aclose() that
+                # follows (contextlib.aclosing) must not wait again.
+                self._cancelled = True
+                raise
 
     async def aclose(self) -> None:
         """Close the generator on the thread and wait until it is closed.
@@ -293,11 +363,52 @@ class AsyncStreamIterator(Generic[T]):
         self._stream.request_close()
 
 
+class AsyncBatchIterator(Generic[T]):
+    """The items of an :class:`AsyncStreamIterator` in tuples; from
+    :meth:`AsyncStreamIterator.batched`. ``aclose()`` closes the generator."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: AsyncStreamIterator[T]) -> None:
+        self._items = items  # keeps it alive: dropping it closes the stream
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> tuple[T, ...]:
+        items = self._items
+        stream = items._stream
+        while True:
+            try:
+                ready, batch = stream.take_batch()
+            except StopIteration:
+                raise StopAsyncIteration from None
+            if ready:
+                return batch
+            await items._wait()
+
+    async def aclose(self) -> None:
+        """Close the generator on the thread and wait until it is closed."""
+        await self._items.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
 class SyncStreamIterator(Generic[T]):
     """A blocking iterator over a generator that runs on an MLXThread.
 
     Returned by :meth:`MLXThread.iterate_sync`; ``close()`` (or a ``with``
     block, or dropping it) closes the generator on the thread.
+    :meth:`batched` takes the items in batches.
     """
 
     __slots__ = ("__weakref__", "_stream")
@@ -314,18 +425,34 @@ class SyncStreamIterator(Generic[T]):
             ready, item = stream.take()
             if ready:
                 return item  # type: ignore[return-value]
-            if stream.owner.is_current():
-                raise RuntimeError(
-                    "a stream of an MLXThread cannot be consumed on that thread"
-                    " (it would wait for itself): call the generator directly."
-                )
-            waiter = SyncWaiter()
-            if stream.set_waiter(waiter):
-                try:
-                    waiter.wait()
-                except BaseException:
-                    stream.request_close()
-                    raise
+            self._wait()
+
+    def batched(self, n: int) -> SyncBatchIterator[T]:
+        """The items in tuples of ``n`` (the last may be shorter); see
+        :meth:`AsyncStreamIterator.batched`.
+
+        Raises:
+            ValueError: ``n`` is less than 1.
+        """
+        if n < 1:
+            raise ValueError(f"n must be at least 1, not {n}")
+        self._stream.batch_mode(n)
+        return SyncBatchIterator(self)
+
+    def _wait(self) -> None:
+        stream = self._stream
+        if stream.owner.is_current():
+            raise RuntimeError(
+                "a stream of an MLXThread cannot be consumed on that thread"
+                " (it would wait for itself): call the generator directly."
+            )
+        waiter = SyncWaiter()
+        if stream.set_waiter(waiter):
+            try:
+                waiter.wait()
+            except BaseException:
+                stream.request_close()
+                raise
 
     def close(self) -> None:
         """Close the generator on the thread and wait until it is closed."""
@@ -350,3 +477,40 @@ class SyncStreamIterator(Generic[T]):
 
     def __del__(self) -> None:
         self._stream.request_close()
+
+
+class SyncBatchIterator(Generic[T]):
+    """The items of a :class:`SyncStreamIterator` in tuples; from
+    :meth:`SyncStreamIterator.batched`. ``close()`` closes the generator."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: SyncStreamIterator[T]) -> None:
+        self._items = items  # keeps it alive: dropping it closes the stream
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> tuple[T, ...]:
+        items = self._items
+        stream = items._stream
+        while True:
+            ready, batch = stream.take_batch()
+            if ready:
+                return batch
+            items._wait()
+
+    def close(self) -> None:
+        """Close the generator on the thread and wait until it is closed."""
+        self._items.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -609,6 +609,123 @@ class TestStreams:
             thread.run_sync(inner)
 
 
+class TestBatched:
+    @pytest.mark.anyio
+    async def test_full_batches_then_the_rest_in_order(self, thread: MLXThread) -> None:
+        log: list[str] = []
+        batches = [b async for b in thread.iterate(numbers, 23, log).batched(5)]
+        # Woken only for full batches: never a short one before the end.
+        assert [len(b) for b in batches] == [5, 5, 5, 5, 3]
+        assert [i for b in batches for i in b] == list(range(23))
+        assert log[-1] == f"gen:closed on {thread.ident}"
+
+    def test_sync_batches(self, thread: MLXThread) -> None:
+        log: list[str] = []
+        batches = list(thread.iterate_sync(numbers, 10, log).batched(4))
+        assert batches == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]
+        assert log[-1] == f"gen:closed on {thread.ident}"
+
+    @pytest.mark.anyio
+    async def test_reads_at_most_one_batch_ahead(self, thread: MLXThread) -> None:
+        log: list[str] = []
+        batches = thread.iterate(numbers, 10_000, log).batched(8)
+        assert await batches.__anext__() == tuple(range(8))
+        for _ in range(20):  # the consumer stalls; the thread serves others
+            assert await thread.run(ident) == thread.ident
+        produced = [entry for entry in log if entry.startswith("gen:")]
+        assert 8 <= len(produced) <= 16
+        await batches.aclose()
+        assert log[-1] == f"gen:closed on {thread.ident}"
+
+    @pytest.mark.anyio
+    async def test_items_before_an_error_come_first(self, thread: MLXThread) -> None:
+        def broken() -> Iterator[int]:
+            yield from range(7)
+            raise ValueError("mid-stream")
+
+        batches = thread.iterate(broken).batched(5)
+        assert await batches.__anext__() == (0, 1, 2, 3, 4)
+        assert await batches.__anext__() == (5, 6)
+        with pytest.raises(ValueError, match="mid-stream"):
+            await batches.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await batches.__anext__()
+
+    @pytest.mark.anyio
+    async def test_switching_to_batches_after_items(self, thread: MLXThread) -> None:
+        log: list[str] = []
+        stream = thread.iterate(numbers, 12, log)
+        assert await stream.__anext__() == 0
+        await thread.run(ident)  # the generator is parked at its read-ahead
+        with anyio.fail_after(WAIT):
+            rest = [b async for b in stream.batched(5)]
+        assert rest == [(1, 2, 3, 4, 5), (6, 7, 8, 9, 10), (11,)]
+
+    @pytest.mark.anyio
+    async def test_cancelled_while_waiting_closes_the_generator(
+        self, thread: MLXThread
+    ) -> None:
+        log: list[str] = []
+        release = threading.Event()
+
+        def slow() -> Iterator[int]:
+            try:
+                yield 1
+                release.wait(WAIT)
+                yield 2
+            finally:
+                log.append(f"closed on {threading.get_ident()}")
+
+        batches = thread.iterate(slow).batched(10)
+        with anyio.move_on_after(0.05) as scope:
+            await batches.__anext__()
+        assert scope.cancelled_caught
+        release.set()
+        await batches.aclose()  # returns at once after a cancelled read
+        with anyio.fail_after(WAIT):
+            while not log:
+                await thread.run(ident)
+        assert log == [f"closed on {thread.ident}"]
+        assert thread.statistics().open_streams == 0
+
+    @pytest.mark.anyio
+    async def test_a_batched_stream_still_takes_turns(self, thread: MLXThread) -> None:
+        log: list[str] = []
+        finished: list[str] = []
+
+        async def long() -> None:
+            async for _ in thread.iterate(numbers, 400, log, "long").batched(400):
+                pass
+            finished.append("long")
+
+        async def short() -> None:
+            async for _ in thread.iterate(numbers, 20, log, "short"):
+                pass
+            finished.append("short")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(long)
+            tg.start_soon(short)
+        assert sorted(finished) == ["long", "short"]
+        # One item per turn: the short stream's first two items are one of
+        # the long stream's turns apart, not a batch apart.
+        assert log.index("short:0") < 10
+        assert log.index("short:1") - log.index("short:0") <= 3
+
+    def test_n_below_one_is_refused(self, thread: MLXThread) -> None:
+        with pytest.raises(ValueError, match="at least 1"):
+            thread.iterate_sync(range, 3).batched(0)
+
+    def test_consuming_batches_on_their_own_thread_is_refused(
+        self, thread: MLXThread
+    ) -> None:
+        def inner() -> None:
+            next(thread.iterate_sync(range, 3).batched(2))
+
+        with pytest.raises(RuntimeError, match="cannot be consumed on that thread"):
+            thread.run_sync(inner)
+
+
 class TestShutdown:
     def test_queued_jobs_run_then_submits_refused(self) -> None:
         t = MLXThread()

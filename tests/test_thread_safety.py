@@ -279,21 +279,22 @@ class Gate:
         self._release.set()
 
 
-def take(it: Any, received: list[int], limit: int) -> None:
-    """Read up to ``limit`` items of a blocking stream into ``received``."""
+def take(it: Any, received: list[int], limit: int, batched: bool) -> None:
+    """Read up to ``limit`` items of a blocking stream into ``received`` (a
+    batched stream: the batches until ``limit`` items are in)."""
     if limit <= 0:
         return
     for item in it:
-        received.append(int(item.item()))
+        received.extend(int(i.item()) for i in (item if batched else (item,)))
         if len(received) >= limit:
             break
 
 
-async def atake(it: Any, received: list[int], limit: int) -> None:
+async def atake(it: Any, received: list[int], limit: int, batched: bool) -> None:
     if limit <= 0:
         return
     async for item in it:
-        received.append(int(item.item()))
+        received.extend(int(i.item()) for i in (item if batched else (item,)))
         if len(received) >= limit:
             break
 
@@ -521,6 +522,7 @@ class Entry:
     accepted: bool = False  # certainly enqueued
     cancel_ok: bool = False  # Future.cancel() returned True
     received: list[int] = field(default_factory=list)
+    batch: int = 0  # streams: read in batches of this size (0: item by item)
     outcomes: list[tuple[str, Any]] = field(default_factory=list)
 
 
@@ -612,6 +614,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         mode=st.sampled_from(SYNC_MODES),
         stop_after=st.integers(0, 6),
         decorated=st.booleans(),
+        batch=st.sampled_from([0, 0, 1, 2, 3]),
     )
     def iterate_sync(
         self,
@@ -621,10 +624,11 @@ class ExecutorMachine(RuleBasedStateMachine):
         mode: str,
         stop_after: int,
         decorated: bool,
+        batch: int,
     ) -> None:
         a, t = self.plain[actor], self.t
         e = self.new(spec, "iterate_sync", a.name)
-        e.mode, e.items, e.stop_after = mode, items, stop_after
+        e.mode, e.items, e.stop_after, e.batch = mode, items, stop_after, batch
         open_stream: Callable[..., Any] = (
             on_mlx_thread(thread=t)(stream_job).sync
             if decorated
@@ -635,6 +639,8 @@ class ExecutorMachine(RuleBasedStateMachine):
             e.seq = a.next_seq()
             try:
                 it = open_stream(self.rec, e.job, a.name, e.seq, e.items)
+                if batch:
+                    it = it.batched(batch)
             except MLXPinnedError as exc:
                 e.outcomes.append(("refused", summary(exc)))
                 return
@@ -643,9 +649,9 @@ class ExecutorMachine(RuleBasedStateMachine):
             try:
                 if mode == "with":
                     with it:
-                        take(it, e.received, limit)
+                        take(it, e.received, limit, bool(batch))
                 else:
-                    take(it, e.received, limit)
+                    take(it, e.received, limit, bool(batch))
                     if mode == "close":
                         it.close()
                 # "drop": this is the last reference; __del__ closes the stream.
@@ -720,6 +726,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         mode=st.sampled_from(ASYNC_MODES),
         stop_after=st.integers(0, 6),
         decorated=st.booleans(),
+        batch=st.sampled_from([0, 0, 1, 2, 3]),
     )
     def iterate(
         self,
@@ -729,10 +736,11 @@ class ExecutorMachine(RuleBasedStateMachine):
         mode: str,
         stop_after: int,
         decorated: bool,
+        batch: int,
     ) -> None:
         actor, t = self.loops[loop], self.t
         e = self.new(spec, "iterate", actor.name)
-        e.mode, e.items, e.stop_after = mode, items, stop_after
+        e.mode, e.items, e.stop_after, e.batch = mode, items, stop_after, batch
         open_stream: Callable[..., Any] = (
             on_mlx_thread(thread=t)(stream_job)
             if decorated
@@ -743,6 +751,8 @@ class ExecutorMachine(RuleBasedStateMachine):
             e.seq = actor.next_seq()
             try:
                 it = open_stream(self.rec, e.job, actor.name, e.seq, e.items)
+                if batch:
+                    it = it.batched(batch)
             except MLXPinnedError as exc:
                 e.outcomes.append(("refused", summary(exc)))
                 return
@@ -751,9 +761,9 @@ class ExecutorMachine(RuleBasedStateMachine):
             try:
                 if mode == "aclosing":
                     async with contextlib.aclosing(it) as stream:
-                        await atake(stream, e.received, limit)
+                        await atake(stream, e.received, limit, bool(batch))
                 else:
-                    await atake(it, e.received, limit)
+                    await atake(it, e.received, limit, bool(batch))
                     if mode == "aclose":
                         await it.aclose()
                 # "drop": this is the last reference; __del__ closes the stream.
@@ -1027,6 +1037,8 @@ class ExecutorMachine(RuleBasedStateMachine):
             return [f"{where}: received {e.received}, expected {expected}"]
         if what == "done":
             want = e.items if e.mode == "full" else min(e.items, e.stop_after)
+            if e.batch and want < e.items:  # whole batches: round up
+                want = min(e.items, -(-want // e.batch) * e.batch)
             if len(e.received) != want:
                 return [f"{where}: the stream ended early: {e.received}"]
             if e.mode == "full" and ends != ["exhausted"]:
@@ -1530,7 +1542,7 @@ class TestShutdown:
             received: list[int] = []
             # Its consumer gets the items produced so far, or the closed error.
             with contextlib.suppress(MLXThreadClosedError):
-                take(stream, received, 5 + 1)
+                take(stream, received, 5 + 1, False)
             assert received == [job.total(step) for step in range(len(received))]
         ends = Counter(e[1] for e in rec.events() if e[0] == "end")
         assert all(ends[job.id] == (job.id in ran) for job, _ in streams)
