@@ -45,6 +45,12 @@ class BatchStream:
                 event: Event = item
                 return event
 
+    def batched(self, n: int) -> _Batches:
+        """The events in tuples of up to ``n``, one wake-up per tuple (see
+        ``AsyncStreamIterator.batched``); ``aclose()`` still closes the
+        generation."""
+        return _Batches(self._inner.batched(n))
+
     async def aclose(self) -> None:
         """Close the generation on the thread and wait until it is closed."""
         await self._inner.aclose()
@@ -54,6 +60,23 @@ class BatchStream:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+class _Batches:
+    """The batches of a :class:`BatchStream`, without the admission marker."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __aiter__(self) -> _Batches:
+        return self
+
+    async def __anext__(self) -> tuple[Event, ...]:
+        while True:
+            batch = await self._inner.__anext__()
+            events = tuple(e for e in batch if not isinstance(e, Admitted))
+            if events:
+                return events
 
 
 class BatchGate:

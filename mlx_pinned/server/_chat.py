@@ -46,11 +46,11 @@ from .images import Fetcher, collect_image_refs, load_images
 from .schemas import (
     APIError,
     ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
+    ChunkEncoder,
     Delta,
     ResponseMessage,
     TextPart,
@@ -62,8 +62,6 @@ from .schemas import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
-
     from starlette.types import Receive, Scope, Send
 
     from mlx_pinned import AsyncStreamIterator, MLXThread
@@ -217,7 +215,7 @@ class ChatEndpoint:
                     engine.generate_stream, loaded, params, images
                 )
             try:
-                await self._respond(request, stream, response, log)
+                await self._respond(request, stream, response, log, params.max_tokens)
             finally:
                 # Shielded: the close is queued on the MLX thread before the
                 # model is released, even if we were cancelled, so (FIFO) it
@@ -247,9 +245,10 @@ class ChatEndpoint:
     async def _respond(
         self,
         request: ChatCompletionRequest,
-        stream: AsyncIterator[TokenEvent | FinalEvent],
+        stream: BatchStream | AsyncStreamIterator[Event],
         response: ResponseWriter,
         log: RequestLog,
+        max_tokens: int,
     ) -> None:
         chunk_id, created = completion_id()
         model = self.config.served_model_name
@@ -257,13 +256,18 @@ class ChatEndpoint:
             text: list[str] = []
             logprobs: list[TokenLogprob] = []
             final: FinalEvent | None = None
-            async for event in stream:
-                log.record(event)
-                text.append(event.text)
-                if isinstance(event, TokenEvent) and event.logprobs is not None:
-                    logprobs.append(_token_logprob(event.logprobs))
-                if isinstance(event, FinalEvent):
-                    final = event
+            # Sent whole: the events in one batch (every token, then the final
+            # event) wake the event loop once, not once per token.
+            # (A batch holds every token, the final event and the batched
+            # engine's admission marker.)
+            async for events in stream.batched(max_tokens + 2):
+                for event in events:
+                    log.record(event)
+                    text.append(event.text)
+                    if isinstance(event, TokenEvent) and event.logprobs is not None:
+                        logprobs.append(_token_logprob(event.logprobs))
+                    if isinstance(event, FinalEvent):
+                        final = event
             assert final is not None, "a generation always ends with a FinalEvent"
             choice = Choice(
                 message=ResponseMessage(content="".join(text)),
@@ -280,35 +284,27 @@ class ChatEndpoint:
             await response.json(completion.model_dump_json().encode())
             return
 
-        usage = request.include_usage
-
-        def chunk(choices: list[ChunkChoice], final: FinalEvent | None = None) -> bytes:
-            return ChatCompletionChunk(
-                id=chunk_id,
-                created=created,
-                model=model,
-                choices=choices,
-                usage=_usage(final) if final is not None else None,
-            ).to_sse(include_usage=usage)
-
+        chunks = ChunkEncoder(
+            chunk_id, created, model, include_usage=request.include_usage
+        )
         # The first event (prefill) arrives before the response starts.
         role = ChunkChoice(delta=Delta(role="assistant", content=""))
         async for event in stream:
             log.record(event)
             if not response.started:
-                await response.start_stream(chunk([role]))
+                await response.start_stream(chunks.chunk([role]))
             if isinstance(event, TokenEvent):
-                if event.text or event.logprobs is not None:
-                    await response.send(chunk([_content_choice(event)]))
+                if event.logprobs is not None:
+                    await response.send(chunks.chunk([_content_choice(event)]))
+                elif event.text:
+                    await response.send(chunks.content(event.text))
                 continue
             if event.text:
-                await response.send(
-                    chunk([ChunkChoice(delta=Delta(content=event.text))])
-                )
+                await response.send(chunks.content(event.text))
             done = ChunkChoice(delta=Delta(), finish_reason=_finish(event))
-            await response.send(chunk([done]))
-            if usage:
-                await response.send(chunk([], event))
+            await response.send(chunks.chunk([done]))
+            if request.include_usage:
+                await response.send(chunks.chunk([], _usage(event)))
             await response.send(b"data: [DONE]\n\n")
         await response.end()
 

@@ -36,6 +36,7 @@ __all__ = [
     "Choice",
     "ChoiceLogprobs",
     "ChunkChoice",
+    "ChunkEncoder",
     "Delta",
     "ImagePart",
     "ImageURL",
@@ -316,6 +317,44 @@ class ChatCompletionChunk(_Response):
             }
         body = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
         return b"data: " + body.encode() + b"\n\n"
+
+
+class ChunkEncoder:
+    """The stream chunks of one completion, as server-sent events.
+
+    The common chunk, a content delta, is written from a template: the
+    bytes :meth:`ChatCompletionChunk.to_sse` makes for this completion,
+    split around the content, so the two cannot differ (a test checks it).
+    It runs once per token on the event loop: ~0.5 us here against ~25 us
+    through pydantic.
+    """
+
+    __slots__ = ("_head", "_include_usage", "_tail", "created", "id", "model")
+
+    _MARK = "\x00content\x00"
+
+    def __init__(self, id: str, created: int, model: str, *, include_usage: bool):
+        self.id, self.created, self.model = id, created, model
+        self._include_usage = include_usage
+        template = self.chunk([ChunkChoice(delta=Delta(content=self._MARK))])
+        mark = json.dumps(self._MARK).encode()
+        self._head, found, self._tail = template.partition(mark)
+        assert found, "the content mark is in the template"
+
+    def content(self, text: str) -> bytes:
+        """A chunk whose only choice's delta is ``{"content": text}``."""
+        body = json.dumps(text, ensure_ascii=False).encode()
+        return self._head + body + self._tail
+
+    def chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+        """Any chunk of this completion."""
+        return ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+        ).to_sse(include_usage=self._include_usage)
 
 
 def completion_id() -> tuple[str, int]:

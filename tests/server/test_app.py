@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 import pytest
 
+from mlx_pinned import _waiters
 from mlx_pinned.server import ImageLimits, engine
 from mlx_pinned.server.engine import (
     FinalEvent,
@@ -182,6 +183,31 @@ class TestCompletion:
             usage = (await served.chat(body)).json()["usage"]
             single = (await served.chat(vision_body(2))).json()["usage"]
             assert usage["prompt_tokens"] >= single["prompt_tokens"] + 3 * 4
+
+    @pytest.mark.parametrize("max_num_seqs", [1, 4])
+    async def test_a_whole_response_wakes_the_event_loop_once(
+        self, serve: Serve, max_num_seqs: int, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Not once per token: the events reach the loop in one batch.
+        wakes: list[str] = []
+        wake = _waiters.LoopWaiter.wake
+
+        def counting(self: _waiters.LoopWaiter) -> None:
+            wakes.append(threading.current_thread().name)
+            wake(self)
+
+        monkeypatch.setattr(_waiters.LoopWaiter, "wake", counting)
+        async with serve(max_num_seqs=max_num_seqs) as served:
+            await served.chat(vision_body(2))  # warm: the batch engine is made
+            wakes.clear()
+            response = await served.chat(vision_body(24))
+            assert response.json()["usage"]["completion_tokens"] == 24
+            whole = len(wakes)
+            wakes.clear()
+            streamed = await served.chat(vision_body(24, stream=True))
+            assert len(sse_events(streamed.text)) == 24 + 3  # role, finish, DONE
+        assert whole <= 2, wakes
+        assert len(wakes) >= 12  # a stream is sent as the tokens come
 
 
 class TestStreaming:

@@ -4,6 +4,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mlx_pinned.server.schemas import (
     APIError,
@@ -11,6 +13,7 @@ from mlx_pinned.server.schemas import (
     ChatCompletionChunk,
     Choice,
     ChunkChoice,
+    ChunkEncoder,
     Delta,
     ImagePart,
     ResponseMessage,
@@ -249,3 +252,37 @@ class TestResponses:
         assert json.loads(with_usage[6:])["usage"] is None
         assert "usage" not in json.loads(without[6:])
         assert json.loads(without[6:])["object"] == "chat.completion.chunk"
+
+
+class TestChunkEncoder:
+    @given(
+        text=st.text(),
+        include_usage=st.booleans(),
+        model=st.text(min_size=1, max_size=40),
+    )
+    def test_content_chunks_equal_the_pydantic_ones(
+        self, text: str, include_usage: bool, model: str
+    ) -> None:
+        chunk_id, created = completion_id()
+        encoder = ChunkEncoder(chunk_id, created, model, include_usage=include_usage)
+        full = ChatCompletionChunk(
+            id=chunk_id,
+            created=created,
+            model=model,
+            choices=[ChunkChoice(delta=Delta(content=text))],
+        ).to_sse(include_usage=include_usage)
+        assert encoder.content(text) == full
+        assert json.loads(full[len(b"data: ") :])["choices"][0]["delta"] == {
+            "content": text
+        }
+
+    def test_other_chunks_go_through_the_models(self) -> None:
+        encoder = ChunkEncoder("chatcmpl-1", 7, "m", include_usage=True)
+        usage = Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+        last = json.loads(encoder.chunk([], usage)[len(b"data: ") :])
+        assert last["choices"] == []
+        assert last["usage"] == {
+            "prompt_tokens": 3,
+            "completion_tokens": 2,
+            "total_tokens": 5,
+        }
