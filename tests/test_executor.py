@@ -28,6 +28,18 @@ ASYNCIO_ONLY = pytest.mark.parametrize("anyio_backend", ["asyncio"])
 WAIT = 10.0  # generous bound for "soon": a hang fails instead of blocking CI
 
 
+@pytest.fixture(
+    params=[
+        "asyncio",
+        "trio",
+        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    ]
+)
+def anyio_backend(request: Any) -> Any:
+    """Here also uvloop, the loop the server runs on under uvicorn."""
+    return request.param
+
+
 @pytest.fixture
 def thread() -> Iterator[MLXThread]:
     with MLXThread(name="test-mlx") as t:

@@ -23,6 +23,7 @@ What the server refuses, and how each limit is set: docs/security.md.
 from __future__ import annotations
 
 import functools
+import gc
 import hmac
 import logging
 import time
@@ -91,6 +92,7 @@ def create_app(
     image_fetcher: Fetcher | None = None,
     max_prompt_tokens: int | None = None,
     request_timeout: float | None = 600.0,
+    freeze_gc: bool = False,
 ) -> Starlette:
     """Create the server app for one model.
 
@@ -130,6 +132,12 @@ def create_app(
         request_timeout: Seconds a request may take after its body is read
             (images, queue wait and generation); past it, 504 (or an error
             event) and the generation is closed. None: no limit.
+        freeze_gc: After the model is loaded, collect garbage once and move
+            every object left to the collector's permanent generation
+            (:func:`gc.freeze`), so later full collections skip the libraries
+            and the model: here they took 120 ms, during which nothing on the
+            event loop or the MLX thread ran. Process-wide, so off by
+            default; the CLI turns it on.
 
     Returns:
         A Starlette app.
@@ -191,7 +199,10 @@ def create_app(
         Middleware(
             MLXThreadMiddleware,
             thread=mlx_thread,
-            startup={"model": functools.partial(engine.load, config.model)},
+            startup={
+                "model": functools.partial(engine.load, config.model),
+                **({"gc_frozen": _freeze_gc} if freeze_gc else {}),
+            },
             drain_timeout=drain_timeout,
         ),
     ]
@@ -207,6 +218,15 @@ def create_app(
     app.state.gate = gate
     app.state.metrics = metrics
     return app
+
+
+def _freeze_gc() -> int:
+    """Collect once, then freeze what is left; the number of frozen objects."""
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    logger.info("froze %d objects out of later garbage collections", frozen)
+    return frozen
 
 
 async def _health(thread: MLXThread, request: Request) -> Response:

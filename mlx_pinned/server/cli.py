@@ -18,6 +18,7 @@ offline, and answers with random text. Every limit: docs/security.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import ipaddress
 import logging
 import os
@@ -208,8 +209,15 @@ def serve(args: argparse.Namespace) -> int:
         remote_image_timeout=args.remote_image_timeout,
         max_prompt_tokens=args.max_prompt_tokens,
         request_timeout=args.request_timeout or None,
+        freeze_gc=True,
     )
-    logger.info("serving %s as %r", model, name or model)
+    logger.info(
+        "serving %s as %r (event loop: %s, HTTP parser: %s)",
+        model,
+        name or model,
+        "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        "httptools" if importlib.util.find_spec("httptools") else "h11",
+    )
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal
     # to the handler it found: with this one, a clean shutdown exits 0.
     for signum in (signal.SIGINT, signal.SIGTERM):

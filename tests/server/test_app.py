@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import base64
+import gc
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -208,6 +209,17 @@ class TestCompletion:
             assert len(sse_events(streamed.text)) == 24 + 3  # role, finish, DONE
         assert whole <= 2, wakes
         assert len(wakes) >= 12  # a stream is sent as the tokens come
+
+    async def test_freeze_gc_after_the_model_loads(self, serve: Serve) -> None:
+        assert gc.get_freeze_count() == 0
+        try:
+            async with serve(freeze_gc=True) as served:
+                # The libraries and the model: some of them die later.
+                assert served.state["gc_frozen"] >= gc.get_freeze_count() > 10_000
+                response = await served.chat(vision_body(4))
+                assert response.json()["usage"]["completion_tokens"] == 4
+        finally:
+            gc.unfreeze()
 
 
 class TestStreaming:

@@ -283,6 +283,9 @@ def drains_then_exits_0(server: Server, signum: signal.Signals) -> None:
     assert "Traceback" not in log
     assert " ERROR " not in log
     assert "Application shutdown complete" in log
+    # The server extra's event loop and parser, and the frozen start-up heap.
+    assert "(event loop: uvloop, HTTP parser: httptools)" in log
+    assert re.search(r"froze \d+ objects", log)
 
 
 def test_sigterm_drains_and_exits_cleanly(server: Server) -> None:
