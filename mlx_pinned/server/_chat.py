@@ -111,7 +111,7 @@ class ChatEndpoint:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        log = RequestLog(start=time.perf_counter())
+        log = RequestLog(start=time.perf_counter(), client=_client(scope))
         response = ResponseWriter(send)
         try:
             body = await read_body(scope, receive, self.config.max_body_bytes)
@@ -262,7 +262,7 @@ class ChatEndpoint:
             # engine's admission marker.)
             async for events in stream.batched(max_tokens + 2):
                 for event in events:
-                    log.record(event)
+                    log.record(event, whole=True)
                     text.append(event.text)
                     if isinstance(event, TokenEvent) and event.logprobs is not None:
                         logprobs.append(_token_logprob(event.logprobs))
@@ -307,6 +307,11 @@ class ChatEndpoint:
                 await response.send(chunks.chunk([], _usage(event)))
             await response.send(b"data: [DONE]\n\n")
         await response.end()
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else ""
 
 
 def _timed_out(timeout: float | None) -> APIError:

@@ -53,17 +53,25 @@ class RequestLog:
     last_token: float | None = None
     finish: str = "-"
     disconnected: bool = False
+    client: str = ""  # host:port, from a trusted proxy's X-Forwarded-For
 
-    def record(self, event: TokenEvent | FinalEvent) -> None:
+    def record(self, event: TokenEvent | FinalEvent, *, whole: bool = False) -> None:
+        """Count ``event`` as it reaches the event loop; ``whole``: the events
+        came together at the end (a non-streamed answer), so the first token's
+        time is taken from the engine's decode time instead."""
         if isinstance(event, TokenEvent):
-            now = time.perf_counter()
-            self.first_token = self.first_token or now
-            self.last_token = now
             self.completion_tokens += 1
-        else:
-            self.prompt_tokens = event.prompt_tokens
-            self.completion_tokens = event.completion_tokens
-            self.finish = event.finish_reason
+            if not whole:
+                now = time.perf_counter()
+                self.first_token = self.first_token or now
+                self.last_token = now
+            return
+        self.prompt_tokens = event.prompt_tokens
+        self.completion_tokens = event.completion_tokens
+        self.finish = event.finish_reason
+        if whole and event.completion_tokens:
+            self.last_token = time.perf_counter()
+            self.first_token = self.last_token - event.decode_seconds
 
     def emit(self) -> None:
         end = time.perf_counter()
@@ -71,9 +79,10 @@ class RequestLog:
         decode = (self.last_token or end) - (self.first_token or end)
         rate = (self.completion_tokens - 1) / decode if decode > 0 else 0.0
         logger.info(
-            "POST /v1/chat/completions %d stream=%s images=%d prompt=%d "
+            "%sPOST /v1/chat/completions %d stream=%s images=%d prompt=%d "
             "completion=%d queue=%.1fms ttft=%.1fms total=%.1fms %.1f tok/s "
             "finish=%s%s",
+            f"{self.client} " if self.client else "",
             self.status,
             int(self.stream),
             self.images,

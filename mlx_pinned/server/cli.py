@@ -145,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
     )
     serve.add_argument(
+        "--access-log",
+        action="store_true",
+        help="also log uvicorn's line for every request (off: the server logs "
+        "one line per chat request, with the client address, and nothing for "
+        "/health)",
+    )
+    serve.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -227,6 +234,7 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        access_log=args.access_log,
         log_config=None,  # keep the logging set up in main()
         timeout_graceful_shutdown=35,
     )

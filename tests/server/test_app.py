@@ -3,6 +3,7 @@ from __future__ import annotations
 import base64
 import gc
 import logging
+import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
@@ -209,6 +210,28 @@ class TestCompletion:
             assert len(sse_events(streamed.text)) == 24 + 3  # role, finish, DONE
         assert whole <= 2, wakes
         assert len(wakes) >= 12  # a stream is sent as the tokens come
+
+    @pytest.mark.parametrize("stream", [False, True])
+    async def test_log_line(
+        self, serve: Serve, caplog: pytest.LogCaptureFixture, stream: bool
+    ) -> None:
+        caplog.set_level(logging.INFO, "mlx_pinned.server")
+        async with serve() as served:
+            response = await served.chat(vision_body(12, stream=stream))
+            assert response.status_code == 200
+        (line,) = [r.getMessage() for r in caplog.records if "completion=" in r.message]
+        match = re.fullmatch(
+            r"127\.0\.0\.1:\d+ POST /v1/chat/completions 200 stream=(\d) images=1 "
+            r"prompt=\d+ completion=12 queue=[\d.]+ms ttft=([\d.]+)ms "
+            r"total=([\d.]+)ms ([\d.]+) tok/s finish=length",
+            line,
+        )
+        assert match, line
+        assert match[1] == str(int(stream))
+        ttft, total, rate = (float(match[i]) for i in (2, 3, 4))
+        # Also when the tokens reach the event loop together, at the end.
+        assert 0 < ttft < total
+        assert rate > 0
 
     async def test_freeze_gc_after_the_model_loads(self, serve: Serve) -> None:
         assert gc.get_freeze_count() == 0

@@ -84,6 +84,11 @@ class TestServe:
         assert handlers[signal.SIGINT] is handlers[signal.SIGTERM]
         assert runs[0]["timeout_graceful_shutdown"] > 0
 
+    def test_access_log_is_off_unless_asked(self, runs: list[dict[str, Any]]) -> None:
+        assert cli.main(["serve", "--demo"]) == 0
+        assert cli.main(["serve", "--demo", "--access-log"]) == 0
+        assert [call["access_log"] for call in runs] == [False, True]
+
     def test_demo_serves_the_tiny_model(
         self, runs: list[dict[str, Any]], tiny_model_path: Path
     ) -> None:

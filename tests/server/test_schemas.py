@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -217,6 +219,23 @@ class TestResponses:
         assert first.startswith("chatcmpl-")
         assert first != second
         assert created > 1_700_000_000
+
+    def test_completion_ids_differ_across_a_fork(self) -> None:
+        # In a fresh process with no threads, so the fork is safe.
+        script = """if True:
+            import os
+            from mlx_pinned.server.schemas import completion_id
+            read, write = os.pipe()
+            child = os.fork()
+            if child == 0:
+                os.write(write, completion_id()[0].encode())
+                os._exit(0)
+            os.waitpid(child, 0)
+            theirs = os.read(read, 100).decode()
+            ours = completion_id()[0]
+            assert theirs.startswith("chatcmpl-") and theirs != ours, (theirs, ours)
+        """
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
 
     def test_completion_shape(self) -> None:
         completion = ChatCompletion(
