@@ -49,11 +49,13 @@ import math
 import os
 import platform
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -352,30 +354,49 @@ async def server_round(
     return rounds
 
 
-async def probe(url: str, seconds: float, interval: float) -> dict[str, Any]:
-    """``GET url`` every ``interval`` for ``seconds``; latencies in seconds."""
-    import httpx
+def probe(url: str, seconds: float, interval: float) -> dict[str, Any]:
+    """``GET url`` every ``interval`` for ``seconds``; latencies in seconds.
 
+    One keep-alive HTTP/1.1 connection on a plain socket: what is timed is
+    the server's answer, not a client library's own work (httpx's adds
+    ~2.6 ms a request on this machine, measured idle: 4.2 against 1.6 ms).
+    """
+    parts = urllib.parse.urlsplit(url)
+    request = (f"GET {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n\r\n").encode()
     latencies: list[float] = []
     bodies: list[dict[str, Any]] = []
     errors = 0
-    async with httpx.AsyncClient(timeout=5) as client:
-        for _ in range(5):  # connect and warm up
-            await client.get(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=5) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        reader = sock.makefile("rb")
+        for _ in range(5):  # warm up
+            _http_get(sock, reader, request)
         deadline = time.perf_counter() + seconds
         while (now := time.perf_counter()) < deadline:
             try:
-                response = await client.get(url)
-            except httpx.HTTPError:
+                status, body = _http_get(sock, reader, request)
+            except OSError:
                 errors += 1
-                continue
+                break  # the connection is gone: stop, counted
             latencies.append(time.perf_counter() - now)
-            if response.status_code != 200:
+            if status != 200:
                 errors += 1
             elif len(bodies) < 50:
-                bodies.append(response.json())
-            await asyncio.sleep(max(0.0, now + interval - time.perf_counter()))
+                bodies.append(json.loads(body))
+            time.sleep(max(0.0, now + interval - time.perf_counter()))
     return {"latencies": latencies, "errors": errors, "bodies": bodies}
+
+
+def _http_get(sock: socket.socket, reader: Any, request: bytes) -> tuple[int, bytes]:
+    """Send one request and read its answer (``Content-Length`` framed)."""
+    sock.sendall(request)
+    status = int(reader.readline().split()[1])
+    length = 0
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return status, reader.read(length)
 
 
 async def run_probe(url: str, seconds: float) -> dict[str, Any]:
@@ -731,7 +752,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.probe_health:  # the /health prober, run by run_probe
-        result = asyncio.run(probe(args.probe_health, args.health_seconds, 0.01))
+        result = probe(args.probe_health, args.health_seconds, 0.01)
         print(json.dumps(result))
         return 0
 
