@@ -119,7 +119,8 @@ class ResponseWriter:
     async def json(
         self, body: bytes, status: int = 200, extra: Sequence[tuple[bytes, bytes]] = ()
     ) -> None:
-        await self._start(status, [*_JSON_HEADERS, *extra])
+        length = (b"content-length", str(len(body)).encode())
+        await self._start(status, [*_JSON_HEADERS, length, *extra])
         await self.send(body, more=False)
 
     async def start_stream(self, first: bytes) -> None:

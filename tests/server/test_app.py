@@ -78,6 +78,8 @@ class TestCompletion:
         async with serve() as served:
             response = await served.chat(vision_body(max_tokens=80))
             assert response.status_code == 200
+            # Sent whole, so framed by its length, not chunked.
+            assert response.headers["content-length"] == str(len(response.content))
             body = response.json()
             assert body["id"].startswith("chatcmpl-")
             assert body["object"] == "chat.completion"
