@@ -216,6 +216,27 @@ def health(server: Server) -> dict[str, Any]:
     return body
 
 
+def test_an_idle_connection_outlives_the_clients_pool(server: Server) -> None:
+    # httpx (and so the openai package) keeps an idle connection 5 s; the
+    # server keeps it longer, so a request is never sent on a connection the
+    # server is closing (uvicorn's own default, 5 s, raced with the client).
+    with httpx.Client(
+        base_url=server.url,
+        limits=httpx.Limits(keepalive_expiry=60),
+        timeout=10,
+    ) as client:
+        first = client.get("/health")
+        assert first.status_code == 200
+        time.sleep(6)
+        again = client.get("/v1/models")
+        assert again.status_code == 200
+
+        def local_address(response: httpx.Response) -> Any:
+            return response.extensions["network_stream"].get_extra_info("client_addr")
+
+        assert local_address(again) == local_address(first)  # the same connection
+
+
 def test_disconnect_mid_stream_closes_the_generation(server: Server) -> None:
     body = {
         "model": DEMO_MODEL_NAME,
