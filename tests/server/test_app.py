@@ -558,6 +558,35 @@ class TestDisconnect:
             # The model is free again at once.
             assert (await served.chat(vision_body(2))).status_code == 200
 
+    @pytest.mark.parametrize("max_num_seqs", [1, 4])
+    async def test_disconnect_during_a_whole_answer_closes_the_generator(
+        self, serve: Serve, max_num_seqs: int
+    ) -> None:
+        # A non-streamed answer waits for its batch of events, not per token:
+        # the client leaving still closes the generation on the thread.
+        async with serve(max_num_seqs=max_num_seqs) as served:
+            before = served.thread.statistics()
+            leave = anyio.Event()
+
+            async def leave_once_generating() -> None:
+                await until(lambda: served.thread.statistics().open_streams == 1)
+                await anyio.sleep(0.05)  # some tokens in
+                leave.set()
+
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as group:
+                    group.start_soon(leave_once_generating)
+                    status, sent = await drive(
+                        served.app, vision_body(4000), leave=leave
+                    )
+            await served.thread.run(lambda: None)  # the close turn has run
+            after = served.thread.statistics()
+            assert (status, sent) == (0, [])  # nothing was answered
+            assert after.open_streams == 0
+            assert after.cancelled == before.cancelled + 1
+            assert served.app.state.gate.active == 0
+            assert (await served.chat(vision_body(2))).status_code == 200
+
     async def test_disconnect_while_waiting_never_starts(self, serve: Serve) -> None:
         async with serve() as served:
             gate = served.app.state.gate
