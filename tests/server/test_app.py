@@ -5,11 +5,12 @@ import gc
 import logging
 import re
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 
 from mlx_pinned import _waiters
@@ -35,6 +36,28 @@ from .conftest import (
 pytestmark = pytest.mark.anyio
 
 Serve = Callable[..., AbstractAsyncContextManager[Served]]
+
+
+class Chunks(httpx.AsyncByteStream):
+    """A request body sent in parts (chunked, no content-length), as a plain
+    async iterator: an async generator left unfinished by a refused request
+    is finalized whenever the garbage collector gets to it, and trio warns
+    then, in whichever test is running."""
+
+    def __init__(self, *parts: bytes) -> None:
+        self._parts = list(parts)
+
+    @property
+    def left(self) -> int:
+        return len(self._parts)
+
+    def __aiter__(self) -> Chunks:  # type: ignore[override]
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self._parts:
+            raise StopAsyncIteration
+        return self._parts.pop(0)
 
 
 def content_of(events: list[Any]) -> str:
@@ -373,14 +396,11 @@ class TestRequestErrors:
                 await served.chat(vision_body()), 413, None, "request_too_large"
             )
 
-            async def chunks() -> AsyncIterator[bytes]:  # no content-length
-                yield b'{"model": "tiny", "messages": ['
-                yield b" " * 4000
-
-            response = await served.client.post(
-                "/v1/chat/completions", content=chunks()
-            )
+            # No content-length; the server stops reading past its limit.
+            chunks = Chunks(b'{"model": "tiny", "messages": [', b" " * 4000)
+            response = await served.client.post("/v1/chat/completions", content=chunks)
             assert_error(response, 413)
+            assert chunks.left == 0  # the second part was sent, and refused
 
     async def test_api_key(self, serve: Serve) -> None:
         async with serve(api_key="s3cret") as served:
