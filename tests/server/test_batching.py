@@ -215,6 +215,40 @@ class TestIsolation:
         assert (stats.active, stats.joining) == (0, 0)
         assert thread.statistics().open_streams == 0
 
+    def test_steps_skip_the_attention_mask_only_while_no_row_is_padded(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        # The numbers are the same either way (the other tests here compare
+        # every batch, padded or not, with its unbatched runs).
+        def check() -> list[bool]:
+            batch = BatchEngine(loaded)
+            state = batch._state
+            seen = []
+
+            def unmasked() -> bool:
+                assert state.cache is not None
+                first_layer = state.cache[0]
+                skipped = "make_mask" in vars(first_layer)
+                assert (first_layer.make_mask(1) is None) == skipped
+                assert first_layer.make_mask(3) is not None  # prefill keeps it
+                return skipped
+
+            first = batch.generate_stream(*request(0, 40, logprobs=False))
+            next(first)
+            next(first)
+            seen.append(unmasked())  # one row, no padding
+            second = batch.generate_stream(*request(1, 40, logprobs=False))
+            next(second)  # joined, left-padded to the first's length
+            seen.append(unmasked())
+            second.close()  # leaves; a later step drops it, and the padding
+            for _ in range(4):  # tokens already sampled, then new steps
+                next(first)
+            seen.append(unmasked())
+            first.close()
+            return seen
+
+        assert thread.run_sync(check) == [True, False, True]
+
     async def test_prompts_arriving_together_are_prefilled_together(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
