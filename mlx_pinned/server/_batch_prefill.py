@@ -70,8 +70,9 @@ class Prefilled:
     Attributes:
         cache: One batch cache per layer, a row per prompt.
         deltas: Their rope deltas (B, 1), for Qwen-VL style models.
-        logits: (B, V) of the last prompt token when it could not wait for
-            the decode step (see :func:`prefill_alone`), else None.
+        logits: (B, V) of the last prompt tokens, to sample the first tokens
+            from; None when the last tokens are left for the decode step
+            (see :func:`prefill_alone`).
     """
 
     cache: list[Any]
@@ -115,7 +116,9 @@ def _text_last(loaded: LoadedModel, prepared: Prepared) -> bool:
 
 
 def prefill_together(loaded: LoadedModel, prompts: Sequence[Prepared]) -> Prefilled:
-    """Prefill :func:`batchable` prompts in one pass, all but their last token."""
+    """Prefill :func:`batchable` prompts in one pass; ``logits`` holds each
+    one's next-token logits (left padding puts every last token in the last
+    column), so the first token is sampled without another forward pass."""
     v = vlm()
     model, lm = loaded.model, loaded.model.language_model
     lengths = [p.prompt_tokens for p in prompts]
@@ -137,23 +140,19 @@ def prefill_together(loaded: LoadedModel, prompts: Sequence[Prepared]) -> Prefil
         ids, mx.concatenate(pixels) if pixels else None, mask=mask, **extra
     )
     kwargs = _prefill_kwargs(extra, embedded)
-    n = width - 1
-    # Sliced here: with per-row cache offsets the model would not slice them.
-    kwargs["position_ids"] = kwargs["position_ids"][..., :n]
-    if "visual_pos_masks" in kwargs:
-        kwargs["visual_pos_masks"] = kwargs["visual_pos_masks"][:, :n]
     cache = [v.BatchKVCache(pads) for _ in lm.layers]
-    lm(
-        inputs=ids[:, :n],
-        inputs_embeds=embedded.inputs_embeds[:, :n],
+    output = lm(
+        inputs=ids,
+        inputs_embeds=embedded.inputs_embeds,
         cache=cache,
-        n_to_process=n,
+        n_to_process=width,
         logits_to_keep=1,
         **kwargs,
     )
+    logits = output.logits[:, -1, :]
     deltas = _deltas(lm, kwargs, len(prompts))
-    mx.eval([c.state for c in cache], deltas)
-    return Prefilled(cache, deltas)
+    mx.eval([c.state for c in cache], deltas, logits)
+    return Prefilled(cache, deltas, logits)
 
 
 def prefill_alone(loaded: LoadedModel, prepared: Prepared) -> Prefilled:

@@ -200,7 +200,8 @@ class BatchState:
             self.passes += 1
             try:
                 group = prefill_together(self.loaded, [_prepared(r) for r in rows])
-            except Exception:  # find the culprit: each alone
+                self._first_tokens(rows, group)
+            except Exception:  # find the culprit: each alone (none sampled yet)
                 alone += rows
             else:
                 self._joined(rows, group)
@@ -208,19 +209,30 @@ class BatchState:
             self.passes += 1
             try:
                 group = prefill_alone(self.loaded, _prepared(row))
-                if group.logits is not None:
-                    logits = group.logits
-                    bias = self._bias_row(row, logits)[None] if row.bias else None
-                    states = [c.state for c in group.cache]
-                    (first,) = collect(draw(logits, [row], bias, states), self._stop)
-                    self._record(row, first)
+                self._first_tokens([row], group)
             except Exception as exc:
                 row.error, row.done = exc, True
                 continue
-            if not row.done:
-                self._joined([row], group)
+            self._joined([row], group)
         self.prefills += len(waiting)
         self.prefill_seconds += time.perf_counter() - start
+
+    def _first_tokens(self, rows: list[Row], group: Prefilled) -> None:
+        """Sample the rows' first tokens from their prefill's logits, if it
+        kept them (else the decode step samples them)."""
+        logits = group.logits
+        if logits is None:
+            return
+        bias = None
+        if any(row.bias for row in rows):
+            zero = mx.zeros((logits.shape[-1],), logits.dtype)
+            bias = mx.stack(
+                [self._bias_row(row, logits) if row.bias else zero for row in rows]
+            )
+        states = [c.state for c in group.cache]
+        firsts = collect(draw(logits, rows, bias, states), self._stop)
+        for row, first in zip(rows, firsts, strict=True):
+            self._record(row, first)
 
     def _joined(self, rows: list[Row], group: Prefilled) -> None:
         for row in rows:
@@ -262,7 +274,8 @@ class BatchState:
     def _join(self) -> None:
         joining, self.joining = self.joining, []
         for rows, group in joining:
-            keep = [i for i, row in enumerate(rows) if not row.left]
+            # Rows that left, or whose first token was also their last.
+            keep = [i for i, row in enumerate(rows) if not (row.left or row.done)]
             if not keep:
                 continue
             cache, deltas = group.cache, group.deltas

@@ -14,8 +14,8 @@ thread, so it holds no locks. A request's generator:
   decode step in flight (one forward pass for every active sequence, one
   token each), prefills the queued prompts (up to 8 in one pass: their
   images through the vision tower together, their tokens left-padded into
-  one cache; the last prompt token is left for the decode step, which samples
-  the first token), lets them join, and starts the next decode step before
+  one cache; each one's first token is sampled from that pass's logits), lets
+  them join, and starts the next decode step before
   it returns, so it computes while the thread hands out tokens;
 - when it has a token: yields it, cheaply; with N sequences about one turn
   in N runs a step;
@@ -185,9 +185,9 @@ class BatchEngine:
                         tail, stopped = matcher.feed(text.finish())
                         finish = "stop" if stopped else "length"
                         break
-                    # A row prefilled while a step was in flight is in the next
-                    # one: at most two steps give it a token (three if its
-                    # prefill waited for a step to end).
+                    # A queued row gets its first token from the step that
+                    # prefills it (or, when its prompt's last token is left to
+                    # the decode step, from the one after): a few steps at most.
                     for _ in range(3):
                         state.step()
                         if row.pending or row.error is not None:
