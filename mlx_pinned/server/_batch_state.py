@@ -185,13 +185,14 @@ class BatchState:
         self.waiting.append(row)
         return row
 
-    def _prefill_waiting(self) -> None:
+    def _prefill_waiting(self) -> bool:
         """Prefill the queued prompts: up to :data:`PREFILL_BATCH` together,
-        the others alone. A failing prompt fails its own request only."""
+        the others alone. A failing prompt fails its own request only.
+        Whether any of them got its first token (or its error) here."""
         waiting = [row for row in self.waiting if not row.left]
         self.waiting = []
         if not waiting:
-            return
+            return False
         start = time.perf_counter()
         together = [r for r in waiting if batchable(self.loaded, _prepared(r))]
         alone = [r for r in waiting if r not in together]
@@ -216,6 +217,7 @@ class BatchState:
             self._joined([row], group)
         self.prefills += len(waiting)
         self.prefill_seconds += time.perf_counter() - start
+        return any(row.pending or row.error is not None for row in waiting)
 
     def _first_tokens(self, rows: list[Row], group: Prefilled) -> None:
         """Sample the rows' first tokens from their prefill's logits, if it
@@ -330,7 +332,12 @@ class BatchState:
         start = time.perf_counter()
         try:
             if self._inflight is None:
-                self._prefill_waiting()
+                if self._prefill_waiting():
+                    # An idle batch: hand the first tokens out now; the next
+                    # step starts the decoding (on the CPU backend starting a
+                    # step computes most of it).
+                    self.step_seconds += time.perf_counter() - start
+                    return
                 self._launch()
             inflight, self._inflight = self._inflight, None
             if inflight is None:
