@@ -332,10 +332,12 @@ class BatchState:
         start = time.perf_counter()
         try:
             if self._inflight is None:
-                if self._prefill_waiting():
-                    # An idle batch: hand the first tokens out now; the next
-                    # step starts the decoding (on the CPU backend starting a
-                    # step computes most of it).
+                idle = not self.rows and not self.joining
+                if self._prefill_waiting() and idle:
+                    # From idle: hand the first tokens out now, and start the
+                    # decoding at the next step (on the CPU backend starting
+                    # a step computes most of it). Only from idle: prompts
+                    # that keep arriving must not hold the decoding back.
                     self.step_seconds += time.perf_counter() - start
                     return
                 self._launch()
