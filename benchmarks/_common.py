@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import math
+import os
+import signal
 import socket
-from collections.abc import Sequence
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 PROMPT = "Describe this image in one sentence."
@@ -57,3 +64,44 @@ def positive_ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError("a comma-separated list of positive ints")
     return values
+
+
+@contextlib.contextmanager
+def server(
+    command: list[str], log: Path, stop_timeout: float = 20
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``command`` in its own process group, its output in ``log``;
+    at exit SIGTERM, then SIGKILL after ``stop_timeout`` seconds."""
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGTERM)
+                try:
+                    process.wait(stop_timeout)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+
+
+async def wait_for(
+    client: Any, process: subprocess.Popen[bytes], path: str, timeout: float
+) -> Any:
+    """Poll ``GET path`` until it answers 200 (503 while the model loads);
+    the response."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        with contextlib.suppress(Exception):
+            response = await client.get(path, timeout=2)
+            if response.status_code == 200:
+                return response
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"the server did not answer {path} within {timeout:.0f} s")

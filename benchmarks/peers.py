@@ -48,18 +48,25 @@ import contextlib
 import json
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import PROMPT, free_port, positive_ints, quantile, request_body
+from _common import (
+    PROMPT,
+    free_port,
+    positive_ints,
+    quantile,
+    request_body,
+    server,
+    wait_for,
+)
 
 SERVED_NAME = "tiny"
 
@@ -159,40 +166,13 @@ async def one_round(
 # -- servers ----------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def server(command: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``command`` in its own process group; SIGTERM, then SIGKILL, at exit."""
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            yield process
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-                try:
-                    process.wait(20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-
-
 async def wait_ready(
     client: Any, process: subprocess.Popen[bytes], timeout: float
 ) -> str:
-    """Poll ``GET /v1/models`` until it answers; returns the served model id."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}")
-        with contextlib.suppress(Exception):
-            response = await client.get("/v1/models", timeout=2)
-            if response.status_code == 200:
-                data = response.json().get("data") or [{}]
-                return str(data[0].get("id") or "")
-        await asyncio.sleep(0.25)
-    raise TimeoutError(f"the server did not answer within {timeout:.0f} s")
+    """Wait until ``GET /v1/models`` answers; the served model id."""
+    response = await wait_for(client, process, "/v1/models", timeout)
+    data = response.json().get("data") or [{}]
+    return str(data[0].get("id") or "")
 
 
 async def bench_system(

@@ -48,7 +48,6 @@ import json
 import math
 import os
 import platform
-import signal
 import socket
 import statistics
 import subprocess
@@ -56,12 +55,20 @@ import sys
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import PROMPT, free_port, positive_ints, quantile, request_body
+from _common import (
+    PROMPT,
+    free_port,
+    positive_ints,
+    quantile,
+    request_body,
+    server,
+    wait_for,
+)
 
 SERVED_NAME = "bench"
 C1_TARGET = 1.15  # server latency at concurrency 1 over the in-process floor
@@ -153,9 +160,8 @@ class Floor:
             self.processor, self.model.config, messages, num_images=1
         )
 
-    def generate(self, tokens: int) -> int:
-        """One generation; returns the tokens it generated."""
-        result = self.vlm.generate(
+    def _run(self, fn: Any, tokens: int) -> Any:
+        return fn(
             self.model,
             self.processor,
             self.prompt,
@@ -163,19 +169,15 @@ class Floor:
             max_tokens=tokens,
             temperature=0.0,
         )
-        return int(result.generation_tokens)
+
+    def generate(self, tokens: int) -> int:
+        """One generation; returns the tokens it generated."""
+        return int(self._run(self.vlm.generate, tokens).generation_tokens)
 
     def first_token(self, tokens: int) -> float:
         """Seconds to the first token of ``stream_generate``."""
         start = time.perf_counter()
-        stream = self.vlm.stream_generate(
-            self.model,
-            self.processor,
-            self.prompt,
-            image=[self.image],
-            max_tokens=tokens,
-            temperature=0.0,
-        )
+        stream = self._run(self.vlm.stream_generate, tokens)
         try:
             next(stream)
             seconds: float = time.perf_counter() - start
@@ -197,46 +199,6 @@ class Floor:
 
 
 # -- the server over HTTP ----------------------------------------------------------
-
-
-@contextlib.contextmanager
-def server_process(
-    command: list[str], log: Path, results: Results
-) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``command`` in its own process group; SIGTERM, then SIGKILL, at exit."""
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            yield process
-        finally:
-            if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGTERM)
-                try:
-                    process.wait(45)  # the server drains for up to 30 s
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-            results.server_exit = process.returncode
-
-
-async def wait_healthy(
-    client: Any, process: subprocess.Popen[bytes], timeout: float
-) -> None:
-    """Poll ``GET /health`` until it answers 200 (503 while the model loads)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}")
-        with contextlib.suppress(Exception):
-            response = await client.get("/health", timeout=2)
-            if response.status_code == 200:
-                return
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"the server was not healthy within {timeout:.0f} s")
 
 
 async def post_json(client: Any, body: dict[str, Any], result: Round) -> None:
@@ -515,11 +477,12 @@ async def bench(args: argparse.Namespace, results: Results) -> None:
         max_keepalive_connections=max([*args.concurrency, args.health_streams]) + 8,
     )
     timeout = httpx.Timeout(args.request_timeout, connect=10)
-    with server_process(command, log, results) as process:
+    # The server drains for up to 30 s at SIGTERM.
+    with server(command, log, stop_timeout=45) as process:
         async with httpx.AsyncClient(
             base_url=base, timeout=timeout, limits=limits
         ) as client:
-            await wait_healthy(client, process, args.startup_timeout)
+            await wait_for(client, process, "/health", args.startup_timeout)
             for stream in (False, True):
                 body = request_body(SERVED_NAME, image_uri, args.tokens, stream=stream)
                 warm = Round(1)
@@ -547,6 +510,7 @@ async def bench(args: argparse.Namespace, results: Results) -> None:
                     f"({len(health.loaded)} probes, {health.errors} errors)",
                     flush=True,
                 )
+    results.server_exit = process.returncode
     results.server_log_problems = check_log(log)
 
 
