@@ -225,12 +225,7 @@ class BatchState:
         logits = group.logits
         if logits is None:
             return
-        bias = None
-        if any(row.bias for row in rows):
-            zero = mx.zeros((logits.shape[-1],), logits.dtype)
-            bias = mx.stack(
-                [self._bias_row(row, logits) if row.bias else zero for row in rows]
-            )
+        bias = self._bias_rows(rows, logits)
         states = [c.state for c in group.cache]
         firsts = collect(draw(logits, rows, bias, states), self._stop)
         for row, first in zip(rows, firsts, strict=True):
@@ -409,15 +404,20 @@ class BatchState:
             )
         return row.bias_row
 
+    def _bias_rows(self, rows: list[Row], logits: mx.array) -> mx.array | None:
+        """The rows' logit biases (B, V); None when no row has one."""
+        if not any(row.bias for row in rows):
+            return None
+        zero = mx.zeros((logits.shape[-1],), logits.dtype)
+        return mx.stack(
+            [self._bias_row(row, logits) if row.bias else zero for row in rows]
+        )
+
     def _bias_matrix(self, rows: list[Row], logits: mx.array) -> mx.array | None:
+        """:meth:`_bias_rows` of the decode batch, kept until its rows change."""
         if self._bias_stale:
             self._bias_stale = False
-            self._bias = None
-            if any(row.bias for row in rows):
-                zero = mx.zeros((logits.shape[-1],), logits.dtype)
-                self._bias = mx.stack(
-                    [self._bias_row(row, logits) if row.bias else zero for row in rows]
-                )
+            self._bias = self._bias_rows(rows, logits)
         return self._bias
 
 
