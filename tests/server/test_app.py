@@ -38,26 +38,52 @@ pytestmark = pytest.mark.anyio
 Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 
-class Chunks(httpx.AsyncByteStream):
-    """A request body sent in parts (chunked, no content-length), as a plain
-    async iterator: an async generator left unfinished by a refused request
-    is finalized whenever the garbage collector gets to it, and trio warns
-    then, in whichever test is running."""
+class Chunks:
+    """A request body sent to the app in parts (chunked, no content-length),
+    straight through ASGI: httpx wraps a streamed body in an async generator
+    that a refused request leaves unfinished, and trio then warns whenever the
+    garbage collector gets to it, in whichever test is running."""
 
     def __init__(self, *parts: bytes) -> None:
         self._parts = list(parts)
+        self.messages: list[dict[str, Any]] = []
 
     @property
     def left(self) -> int:
         return len(self._parts)
 
-    def __aiter__(self) -> Chunks:  # type: ignore[override]
-        return self
+    async def post(self, served: Served, path: str) -> httpx.Response:
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1),
+            "server": ("test", 80),
+            "state": dict(served.state),
+        }
+        await served.app(scope, self._receive, self._send)
+        start, *bodies = self.messages
+        return httpx.Response(
+            start["status"],
+            headers=start["headers"],
+            content=b"".join(m.get("body", b"") for m in bodies),
+        )
 
-    async def __anext__(self) -> bytes:
+    async def _receive(self) -> dict[str, Any]:
         if not self._parts:
-            raise StopAsyncIteration
-        return self._parts.pop(0)
+            return {"type": "http.disconnect"}
+        body = self._parts.pop(0)
+        return {"type": "http.request", "body": body, "more_body": bool(self._parts)}
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
 
 
 def content_of(events: list[Any]) -> str:
@@ -398,7 +424,7 @@ class TestRequestErrors:
 
             # No content-length; the server stops reading past its limit.
             chunks = Chunks(b'{"model": "tiny", "messages": [', b" " * 4000)
-            response = await served.client.post("/v1/chat/completions", content=chunks)
+            response = await chunks.post(served, "/v1/chat/completions")
             assert_error(response, 413)
             assert chunks.left == 0  # the second part was sent, and refused
 
