@@ -37,8 +37,8 @@ from ._http import (
     Disconnected,
     RequestLog,
     ResponseWriter,
+    disconnect_watch,
     read_body,
-    watch_disconnect,
 )
 from ._limits import check_text_length
 from .engine import FinalEvent, GenerationParams, TokenEvent, TokenLogprobs
@@ -117,17 +117,13 @@ class ChatEndpoint:
             body = await read_body(scope, receive, self.config.max_body_bytes)
             timeout = self.config.request_timeout
             deadline = anyio.current_time() + timeout if timeout else math.inf
-            async with anyio.create_task_group() as group:
-                group.start_soon(
-                    watch_disconnect, receive, group.cancel_scope, response, log
-                )
-                try:
-                    with anyio.CancelScope(deadline=deadline) as limit:
-                        await self._answer(scope, body, response, log)
-                    if limit.cancelled_caught:
-                        await response.error(_timed_out(timeout))
-                finally:
-                    group.cancel_scope.cancel()
+            # One scope: the deadline cancels it, and so does the watcher
+            # when the client goes away (it marks the log first).
+            with anyio.CancelScope(deadline=deadline) as limit:
+                async with disconnect_watch(receive, limit, response, log):
+                    await self._answer(scope, body, response, log)
+            if limit.cancelled_caught and not log.disconnected:
+                await response.error(_timed_out(timeout))
         except Disconnected:
             log.disconnected = True
         except APIError as error:

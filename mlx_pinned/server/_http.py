@@ -5,14 +5,17 @@ Plain ASGI, on the event loop. Nothing here knows about models.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anyio
+import sniffio
 
 from ._errors import APIError
 from .engine import FinalEvent, TokenEvent
@@ -24,6 +27,7 @@ __all__ = [
     "Disconnected",
     "RequestLog",
     "ResponseWriter",
+    "disconnect_watch",
     "read_body",
     "watch_disconnect",
 ]
@@ -193,3 +197,40 @@ async def watch_disconnect(
                 log.disconnected = True
                 scope.cancel()
             return
+
+
+@asynccontextmanager
+async def disconnect_watch(
+    receive: Receive,
+    scope: anyio.CancelScope,
+    response: ResponseWriter,
+    log: RequestLog,
+) -> AsyncIterator[None]:
+    """Run :func:`watch_disconnect` beside the block; stop it at the end.
+
+    On asyncio the watcher is a bare task, cancelled at the end without
+    waiting for it: an anyio task group costs the event loop ~180 us a
+    request here (a bare task ~10 us), and 32 requests arriving together
+    paid that in one stretch of the loop. Elsewhere (trio), a task group.
+    """
+    if sniffio.current_async_library() != "asyncio":
+        async with anyio.create_task_group() as group:
+            group.start_soon(watch_disconnect, receive, scope, response, log)
+            try:
+                yield
+            finally:
+                group.cancel_scope.cancel()
+        return
+    task = asyncio.get_running_loop().create_task(
+        watch_disconnect(receive, scope, response, log)
+    )
+    task.add_done_callback(_watcher_done)
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+def _watcher_done(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (error := task.exception()) is not None:
+        logger.error("the disconnect watcher failed", exc_info=error)

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import asyncio
 import base64
 import gc
+import json
 import logging
 import re
 import threading
@@ -38,6 +40,25 @@ pytestmark = pytest.mark.anyio
 Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 
+def post_scope(served: Served, path: str) -> dict[str, Any]:
+    """The ASGI scope of a JSON ``POST path`` to the served app."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+        "state": dict(served.state),
+    }
+
+
 class Chunks:
     """A request body sent to the app in parts (chunked, no content-length),
     straight through ASGI: httpx wraps a streamed body in an async generator
@@ -53,22 +74,7 @@ class Chunks:
         return len(self._parts)
 
     async def post(self, served: Served, path: str) -> httpx.Response:
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
-            "client": ("127.0.0.1", 1),
-            "server": ("test", 80),
-            "state": dict(served.state),
-        }
-        await served.app(scope, self._receive, self._send)
+        await served.app(post_scope(served, path), self._receive, self._send)
         start, *bodies = self.messages
         return httpx.Response(
             start["status"],
@@ -632,6 +638,42 @@ class TestDisconnect:
             assert after.cancelled == before.cancelled + 1
             assert served.app.state.gate.active == 0
             assert (await served.chat(vision_body(2))).status_code == 200
+
+    @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+    async def test_the_disconnect_watcher_ends_with_its_request(
+        self, serve: Serve
+    ) -> None:
+        # On asyncio the watcher is a bare task: the request must stop it,
+        # even though this client keeps its connection open and silent.
+        body = json.dumps(vision_body(2)).encode()
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            if not sent and not received:
+                received.append(True)
+                return {"type": "http.request", "body": body, "more_body": False}
+            await anyio.sleep_forever()
+            raise AssertionError  # pragma: no cover
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        def watchers() -> list[asyncio.Task[Any]]:
+            return [
+                t
+                for t in asyncio.all_tasks()
+                if "watch_disconnect" in repr(t.get_coro()) and not t.done()
+            ]
+
+        async with serve() as served:
+            for _ in range(2):
+                received: list[bool] = []
+                sent.clear()
+                scope = post_scope(served, "/v1/chat/completions")
+                with anyio.fail_after(10):
+                    await served.app(scope, receive, send)
+                    assert sent[0]["status"] == 200
+                    await until(lambda: not watchers())
 
     async def test_disconnect_while_waiting_never_starts(self, serve: Serve) -> None:
         async with serve() as served:
