@@ -283,25 +283,32 @@ class ChatEndpoint:
         chunks = ChunkEncoder(
             chunk_id, created, model, include_usage=request.include_usage
         )
-        # The first event (prefill) arrives before the response starts.
-        role = ChunkChoice(delta=Delta(role="assistant", content=""))
+        # The first event (prefill) arrives before the response starts. Events
+        # that are ready together go out in one body message: each is a write
+        # to the socket (~60 us here), and the role chunk, the first token,
+        # and the last chunks (finish, usage, [DONE], end) need not be apart.
+        role = chunks.chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
         async for event in stream:
             log.record(event)
-            if not response.started:
-                await response.start_stream(chunks.chunk([role]))
             if isinstance(event, TokenEvent):
                 if event.logprobs is not None:
-                    await response.send(chunks.chunk([_content_choice(event)]))
-                elif event.text:
-                    await response.send(chunks.content(event.text))
+                    data = chunks.chunk([_content_choice(event)])
+                else:
+                    data = chunks.content(event.text) if event.text else b""
+                if not response.started:
+                    await response.start_stream(role + data)
+                elif data:
+                    await response.send(data)
                 continue
-            if event.text:
-                await response.send(chunks.content(event.text))
+            tail = [chunks.content(event.text)] if event.text else []
             done = ChunkChoice(delta=Delta(), finish_reason=_finish(event))
-            await response.send(chunks.chunk([done]))
+            tail.append(chunks.chunk([done]))
             if request.include_usage:
-                await response.send(chunks.chunk([], _usage(event)))
-            await response.send(b"data: [DONE]\n\n")
+                tail.append(chunks.chunk([], _usage(event)))
+            tail.append(b"data: [DONE]\n\n")
+            if not response.started:
+                await response.start_stream(role)
+            await response.send(b"".join(tail), more=False)
         await response.end()
 
 

@@ -332,6 +332,26 @@ class TestStreaming:
             assert chunks[-1]["choices"] == []
             assert chunks[-1]["usage"]["completion_tokens"] == 5
 
+    @pytest.mark.parametrize("max_num_seqs", [1, 4])
+    async def test_stream_writes(self, serve: Serve, max_num_seqs: int) -> None:
+        # One body message (a socket write) per token; the role chunk rides
+        # with the first token, and finish, usage and [DONE] end the response
+        # in one message.
+        async with serve(max_num_seqs=max_num_seqs) as served:
+            body = vision_body(6, stream=True, stream_options={"include_usage": True})
+            with anyio.fail_after(20):
+                status, sent = await drive(served.app, body)
+        assert status == 200
+        assert 2 <= len(sent) <= 7  # 6 tokens and the tail; empty texts skip
+        first = sse_events(sent[0].decode())
+        assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert len(first) in (1, 2)  # and the first token unless its text is empty
+        last = sse_events(sent[-1].decode())
+        assert last[-1] == "[DONE]"
+        assert last[-2]["usage"]["completion_tokens"] == 6
+        assert last[-3]["choices"][0]["finish_reason"] == "length"
+        assert all(len(sse_events(m.decode())) == 1 for m in sent[1:-1])
+
     async def test_stream_logprobs_match_non_streamed(self, serve: Serve) -> None:
         async with serve() as served:
             body = vision_body(6, logprobs=True, top_logprobs=2)
