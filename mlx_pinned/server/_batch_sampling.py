@@ -64,9 +64,13 @@ def draw(
     rows: Sequence[Sampling],
     bias: mx.array | None,
     also: Sequence[Any] = (),
+    ahead: Sequence[int] = (),
 ) -> Draw:
     """Build one token per row of ``logits`` (B, V) and start computing it,
-    with ``also`` (the caches' states, so their graph does not grow)."""
+    with ``also`` (the caches' states, so their graph does not grow).
+    ``ahead`` holds, per row, how many of its tokens are sampled but not yet
+    counted in its ``sampled`` (a step built before the previous one was
+    read); empty: none."""
     v = vlm()
     if bias is not None:
         logits = logits + bias
@@ -83,7 +87,11 @@ def draw(
             group = v.apply_top_k(group, top_k)
         keys = mx.stack(
             [
-                mx.random.key(v.position_seed(rows[i].seed, 0, rows[i].sampled))
+                mx.random.key(
+                    v.position_seed(
+                        rows[i].seed, 0, rows[i].sampled + (ahead[i] if ahead else 0)
+                    )
+                )
                 for i in members
             ]
         )

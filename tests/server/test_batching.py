@@ -30,7 +30,7 @@ import pytest
 from PIL import Image
 
 from mlx_pinned import MLXThread
-from mlx_pinned.server import engine
+from mlx_pinned.server import _batch_state, engine
 from mlx_pinned.server.batching import BatchEngine, BatchGate, generate_stream
 from mlx_pinned.server.engine import (
     FinalEvent,
@@ -248,6 +248,37 @@ class TestIsolation:
             return seen
 
         assert thread.run_sync(check) == [True, False, True]
+
+    def test_each_step_is_built_before_the_previous_is_read(
+        self, thread: MLXThread, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # L: a decode step is built and started; C: a step's tokens are read.
+        # The first token comes from the prefill; no step is built past a
+        # row's max_tokens-th token.
+        log: list[str] = []
+        read = _batch_state.collect
+
+        def collect(*args: Any) -> Any:
+            log.append("C")
+            return read(*args)
+
+        monkeypatch.setattr(_batch_state, "collect", collect)
+
+        def run() -> list[Event]:
+            batch = BatchEngine(loaded)
+            state = batch._state
+            lm = state.lm
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                log.append("L")
+                return lm(*args, **kwargs)
+
+            state.lm = forward
+            return list(batch.generate_stream(*request(0, 5, logprobs=False)))
+
+        events = thread.run_sync(run)
+        assert sum(isinstance(e, TokenEvent) for e in events) == 5
+        assert "".join(log) == "CLLCLCLCC"
 
     async def test_prompts_arriving_together_are_prefilled_together(
         self, thread: MLXThread, loaded: LoadedModel
