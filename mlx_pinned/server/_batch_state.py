@@ -357,8 +357,11 @@ class BatchState:
             self._fail(exc)
             raise
         for row, item in zip(rows, sampled, strict=True):
-            if row.left:
-                continue  # it left while the step ran
+            if row.left or row.done:
+                # It left while the step ran, or its token in the step before
+                # ended it (end of turn): this one was computed ahead, for
+                # nothing.
+                continue
             self._record(row, item)
             self.decoded += 1
             if row.done and row not in last:

@@ -280,6 +280,36 @@ class TestIsolation:
         assert sum(isinstance(e, TokenEvent) for e in events) == 5
         assert "".join(log) == "CLLCLCLCC"
 
+    def test_a_step_built_ahead_adds_nothing_after_an_end_of_turn(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        # Row 0's second decoded token is its end of turn; the step after it
+        # was built before that was known, with row 0 in it: its token there
+        # is dropped, and the row leaves the batch.
+        def run() -> tuple[list[bool], int, int, int]:
+            state = BatchEngine(loaded)._state
+            a = state.admit(*request(0, 10, logprobs=False))
+            b = state.admit(*request(1, 10, logprobs=False))
+            calls = 0
+            stop = state._stop
+
+            def end_of_turn(token: int) -> bool:
+                nonlocal calls
+                calls += 1  # rows in order: first tokens, then each step
+                return calls == 5 or bool(stop(token))
+
+            state._stop = end_of_turn
+            for _ in range(4):
+                state.step()
+            ended = [item.eos for item in a.pending]
+            return ended, len(b.pending), state.statistics().decoded_tokens, calls
+
+        ended, b_tokens, decoded, calls = thread.run_sync(run)
+        assert calls == 2 + 2 + 2 + 2  # row 0 was in the step built ahead
+        assert ended == [False, False, True]  # first token, step 1, end of turn
+        assert b_tokens == 4
+        assert decoded == 2 + 3
+
     async def test_prompts_arriving_together_are_prefilled_together(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
