@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
@@ -43,6 +44,8 @@ class Sampling(Protocol):
     def sampled(self) -> int: ...  # the position of the token to sample
     @property
     def top_logprobs(self) -> int: ...
+    @property
+    def logprobs(self) -> bool: ...  # whether its token's logprob is read
 
 
 @dataclass
@@ -50,7 +53,7 @@ class Draw:
     """A step's sampling graph, started and not yet waited for."""
 
     tokens: mx.array
-    chosen: mx.array
+    chosen: mx.array | None  # None: no row reads its logprob
     wanted: list[int]  # rows that asked for top logprobs
     top_ids: mx.array | None
     top_values: mx.array | None
@@ -96,8 +99,11 @@ def draw(
         )
         drawn = mx.vmap(_drawer(temperature, top_p), in_axes=(0, 0))(group, keys)
         tokens[index] = drawn.astype(tokens.dtype)
-    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    targets: list[Any] = [tokens, chosen]
+    targets: list[Any] = [tokens]
+    chosen = None
+    if any(row.logprobs for row in rows):
+        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        targets.append(chosen)
     wanted = [i for i, row in enumerate(rows) if row.top_logprobs]
     top_ids = top_values = None
     keep = 0
@@ -121,7 +127,9 @@ def collect(pending: Draw, stop: Callable[[int], Any]) -> list[Sampled]:
     too cost ~0.07 ms a token at one row here.
     """
     tokens = cast("list[int]", pending.tokens.tolist())
-    chosen = cast("list[float]", pending.chosen.tolist())
+    chosen = [math.nan] * len(tokens)
+    if pending.chosen is not None:
+        chosen = cast("list[float]", pending.chosen.tolist())
     tops: dict[int, list[tuple[int, float]]] = {}
     if pending.top_ids is not None and pending.top_values is not None:
         ids = cast("list[list[int]]", pending.top_ids.tolist())

@@ -52,6 +52,7 @@ class Row:
         sampling: ``(temperature, top_p, top_k)``; temperature 0 is greedy.
         seed: Keys the sampling of every position (mlx-vlm's position seed).
         top_logprobs: Alternatives to return per token (0: none).
+        logprobs: Whether its tokens' log-probabilities are read.
         bias: ``(token id, bias)`` pairs added to the logits.
         prompt_tokens: Tokens in the prompt, image tokens included.
         token: The last sampled token: the next step's input, not yet cached.
@@ -67,6 +68,7 @@ class Row:
     seed: int
     top_logprobs: int
     bias: tuple[tuple[int, float], ...]
+    logprobs: bool = True
     prompt_tokens: int = 0
     token: int = 0
     sampled: int = 0
@@ -177,6 +179,7 @@ class BatchState:
             sampling=(temperature, float(top_p), int(top_k or 0)),
             seed=seed,
             top_logprobs=params.top_logprobs if params.logprobs else 0,
+            logprobs=params.logprobs,
             bias=params.logit_bias,
             prompt_tokens=prepared.prompt_tokens,
             token=prepared.last,
@@ -393,7 +396,9 @@ class BatchState:
             if carried:
                 same = carried == list(range(len(previous)))
                 kept = tokens if same else tokens[mx.array(carried, dtype=mx.int32)]
-                parts.append(kept.astype(mx.uint32))
+                parts.append(
+                    kept if kept.dtype == mx.uint32 else kept.astype(mx.uint32)
+                )
             if len(carried) < len(rows):
                 joined = [row.token for row in rows[len(carried) :]]
                 parts.append(mx.array(joined, dtype=mx.uint32))

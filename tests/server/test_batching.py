@@ -20,17 +20,20 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
+import mlx.core as mx
 import pytest
 from PIL import Image
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server import _batch_state, engine
+from mlx_pinned.server._batch_sampling import Sampled, collect, draw
 from mlx_pinned.server.batching import BatchEngine, BatchGate, generate_stream
 from mlx_pinned.server.engine import (
     FinalEvent,
@@ -557,3 +560,32 @@ def test_module_function_uses_one_engine_per_model(
         assert len(tokens(events)) == 3
     assert thread.run_sync(engine_for, loaded) is batch
     assert batch.statistics().prefills == before + 2
+
+
+@dataclasses.dataclass
+class Greedy:
+    """A row as sampling sees it: greedy, no alternatives."""
+
+    logprobs: bool
+    sampling: tuple[float, float, int] = (0.0, 1.0, 0)
+    seed: int = 0
+    sampled: int = 0
+    top_logprobs: int = 0
+
+
+def test_a_step_reads_logprobs_only_for_rows_that_asked(thread: MLXThread) -> None:
+    def run() -> tuple[list[Sampled], list[Sampled], bool]:
+        logits = mx.array([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]])
+        rows = [Greedy(logprobs=False), Greedy(logprobs=False)]
+        pending = draw(logits, rows, None)
+        lean = collect(pending, lambda token: False)
+        rows[1] = Greedy(logprobs=True)
+        full = collect(draw(logits, rows, None), lambda token: False)
+        return lean, full, pending.chosen is None
+
+    lean, full, skipped = thread.run_sync(run)
+    assert skipped  # no row asked: the step builds no logprob gather
+    assert [s.token for s in lean] == [s.token for s in full] == [1, 0]
+    assert all(math.isnan(s.logprob) for s in lean)
+    expected = 3.0 - math.log(math.exp(3.0) + 1.0 + math.exp(1.0))
+    assert full[1].logprob == pytest.approx(expected, abs=1e-5)
