@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import threading
 import time
@@ -61,6 +62,12 @@ def block(t: MLXThread) -> tuple[threading.Event, threading.Event, Future[Any]]:
 
 def ident() -> int:
     return threading.get_ident()
+
+
+@dataclasses.dataclass
+class Held:
+    value: Any
+    inner: Held | None = None
 
 
 class TestWhereJobsRun:
@@ -147,6 +154,12 @@ class TestResultsAndErrors:
         # the executor evaluates results on its thread, so this one can.
         result = thread.run_sync(lambda: {"x": [mx.arange(4) * 2]})
         assert result["x"][0].tolist() == [0, 2, 4, 6]
+        # In dataclasses too, nested, twice (field names are kept per class).
+        for _ in range(2):
+            held = thread.run_sync(lambda: Held(mx.arange(3) + 1, Held(mx.ones(2) * 3)))
+            assert held.value.tolist() == [1, 2, 3]
+            assert held.inner is not None
+            assert held.inner.value.tolist() == [3.0, 3.0]
 
     def test_without_eval_results_a_lazy_result_fails_elsewhere(self) -> None:
         # The baseline that proves the previous test tests something.
