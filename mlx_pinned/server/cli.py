@@ -18,13 +18,16 @@ offline, and answers with random text. Every limit: docs/security.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import ipaddress
 import logging
+import logging.handlers
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from queue import SimpleQueue
 from types import FrameType
 
 from .images import ImageLimits
@@ -36,6 +39,7 @@ KEEP_ALIVE_SECONDS = 75  # an idle connection is kept this long
 API_KEY_ENV = "MLX_PINNED_API_KEY"
 
 logger = logging.getLogger("mlx_pinned.server")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,11 +175,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.demo == bool(args.model):
         parser.error("serve needs a MODEL, or --demo (not both)")
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    return serve(args)
+    with log_from_a_thread(args.log_level.upper()):
+        return serve(args)
+
+
+@contextlib.contextmanager
+def log_from_a_thread(level: str) -> Iterator[None]:
+    """Set up logging (if nothing has) so that records are written to stderr
+    by a thread of their own: the event loop only queues them. A write to
+    stderr is a system call (~50 us here) on the loop, once per request, and
+    a full pipe (a log collector that lags) would block the loop until it
+    drains. What is queued is written before this returns."""
+    queue: SimpleQueue[logging.LogRecord] = SimpleQueue()
+    out = logging.StreamHandler()
+    out.setFormatter(logging.Formatter(LOG_FORMAT))
+    listener = logging.handlers.QueueListener(queue, out)
+    queued = logging.handlers.QueueHandler(queue)
+    queued.setFormatter(logging.Formatter("%(message)s"))  # the listener's formats
+    logging.basicConfig(level=level, handlers=[queued])
+    listener.start()
+    try:
+        yield
+    finally:
+        listener.stop()
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +115,40 @@ class TestServe:
         assert "without an API key" not in caplog.text
         cli.main(["serve", "--demo", "--host", "0.0.0.0"])
         assert "without an API key" in caplog.text
+
+
+def test_log_lines_are_written_by_their_own_thread() -> None:
+    # In a fresh interpreter (pytest has set logging up in this one): the
+    # caller only queues the record; a listener thread writes it, and what is
+    # queued is written before the block exits.
+    script = textwrap.dedent(
+        """
+        import logging, sys, threading
+        from mlx_pinned.server import cli
+
+        written = []
+        write = sys.stderr.write
+        def spy(text):
+            written.append(threading.current_thread() is threading.main_thread())
+            return write(text)
+        sys.stderr.write = spy
+        with cli.log_from_a_thread("INFO"):
+            for n in range(50):
+                logging.getLogger("mlx_pinned.server").info("line %d", n)
+        print(len(written), any(written))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 50
+    assert lines[0].endswith("INFO mlx_pinned.server: line 0")
+    assert lines[-1].endswith("INFO mlx_pinned.server: line 49")
+    count, on_main = done.stdout.split()
+    assert int(count) >= 50
+    assert on_main == "False"  # never written by the thread that logged
 
 
 class TestArguments:
