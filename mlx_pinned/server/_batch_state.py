@@ -323,17 +323,19 @@ class BatchState:
         Each row of the step gets one :class:`Sampled` in its ``pending``.
         Steps are pipelined, as mlx-vlm's own generation loop is: the next
         step is built on this step's tokens before they are computed, and
-        started, before this one is read, so building a step (Python and
-        MLX's graph work, ~0.4 ms at one row here) overlaps computing the
-        previous one, and the next step computes while the thread hands out
-        tokens. Rows that joined meanwhile enter it; rows that left are
-        dropped from it; a row whose token here is its ``max_tokens``-th is
-        left out of it; one that ends otherwise (end of turn, stop string)
-        had its next row computed for nothing, and dropped. If a step fails,
-        every row is failed with the error (their requests raise it) and the
-        batch is emptied; the caller gets the error too.
+        started, before this one is read, so building a step can overlap
+        computing the previous one (on the CPU backend starting it waits for
+        the previous one: no gain measured at one row), and the next step
+        computes while the thread hands out tokens. Rows that joined
+        meanwhile enter it; rows that left are dropped from it; a row whose
+        token here is its ``max_tokens``-th is left out of it; one that ends
+        otherwise (end of turn, stop string) had its next row computed for
+        nothing, and dropped. If a step fails, every row is failed with the
+        error (their requests raise it; those whose last token it held too)
+        and the batch is emptied; the caller gets the error too.
         """
         start = time.perf_counter()
+        rows: list[Row] = []
         try:
             if self._inflight is None:
                 idle = not self.rows and not self.joining
@@ -357,7 +359,7 @@ class BatchState:
             self._launch(rows, pending.tokens)
             sampled = collect(pending, self._stop)
         except BaseException as exc:
-            self._fail(exc)
+            self._fail(exc, rows)
             raise
         for row, item in zip(rows, sampled, strict=True):
             if row.left or row.done:
@@ -419,9 +421,13 @@ class BatchState:
         row.sampled += 1
         row.done = item.eos or row.sampled >= row.max_tokens
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException, reading: Seq[Row] = ()) -> None:
+        """Fail every row with ``exc``: those in the batch, joining, waiting,
+        and those of the step being read (``reading``) that are not done:
+        a row whose last token that step held has left the batch already."""
         joining = [row for rows, _ in self.joining for row in rows]
-        for row in (*self.rows, *joining, *self.waiting):
+        unread = [row for row in reading if not row.done]
+        for row in (*self.rows, *joining, *self.waiting, *unread):
             row.error = exc
             row.done = True
         self.rows, self.joining, self.waiting = [], [], []

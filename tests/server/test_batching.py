@@ -313,6 +313,37 @@ class TestIsolation:
         assert b_tokens == 4
         assert decoded == 2 + 3
 
+    def test_a_failed_read_fails_the_row_whose_last_token_it_held(
+        self, thread: MLXThread, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Row 0's second token is its last: the step built ahead leaves it
+        # out, so it is no longer in the batch when the step holding that
+        # token is read. A failure there must still reach it.
+        read = _batch_state.collect
+        calls = 0
+
+        def collect(*args: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 2:  # the first decode step (1: the prefill's)
+                raise RuntimeError("injected")
+            return read(*args)
+
+        monkeypatch.setattr(_batch_state, "collect", collect)
+
+        def run() -> list[tuple[bool, str]]:
+            state = BatchEngine(loaded)._state
+            rows = [
+                state.admit(*request(0, 2, logprobs=False)),
+                state.admit(*request(1, 10, logprobs=False)),
+            ]
+            state.step()  # prefill: first tokens
+            with pytest.raises(RuntimeError, match="injected"):
+                state.step()
+            return [(row.done, str(row.error)) for row in rows]
+
+        assert thread.run_sync(run) == [(True, "injected"), (True, "injected")]
+
     async def test_prompts_arriving_together_are_prefilled_together(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
