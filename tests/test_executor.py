@@ -845,7 +845,28 @@ class TestBroken:
         with pytest.raises(MLXThreadBrokenError, match="no model here") as info:
             t.run_sync(ident)
         assert isinstance(info.value.__cause__, OSError)
+        assert "its initializer raised" in str(info.value)
         with pytest.raises(MLXThreadBrokenError):
+            t.submit(ident)
+        assert t.closed
+        t.shutdown()
+
+    def test_a_stream_that_cannot_be_made_breaks_the_thread(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # What the CUDA backend raised in a forked child (seen on an H200).
+        def no_stream(*args: Any) -> None:
+            raise RuntimeError("cudaSetDevice(device_) failed: initialization error")
+
+        monkeypatch.setattr("mlx_pinned._executor.ThreadStream", no_stream)
+        t = MLXThread()
+        with pytest.raises(
+            MLXThreadBrokenError, match="creating its MLX stream"
+        ) as info:
+            t.run_sync(ident)
+        assert "'spawn'" in str(info.value)
+        assert isinstance(info.value.__cause__, RuntimeError)
+        with pytest.raises(MLXThreadBrokenError, match="initialization error"):
             t.submit(ident)
         assert t.closed
         t.shutdown()
@@ -917,17 +938,30 @@ print("ok")
 
 FORK_SCRIPT = """
 import os
+import warnings
 import mlx.core as mx
 from mlx_pinned import MLXThreadBrokenError, current_default_mlx_thread
 
 parent = current_default_mlx_thread()
 assert parent.run_sync(lambda: (mx.arange(3) + 1).tolist()) == [1, 2, 3]
+# Python 3.12+ warns on stderr when a process with threads forks: forking one
+# is the point here.
+warnings.filterwarnings("ignore", ".*multi-threaded.*fork", DeprecationWarning)
 pid = os.fork()
 if pid == 0:
     try:
         child = current_default_mlx_thread()
         assert child is not parent
-        assert child.run_sync(lambda: (mx.arange(3) * 3).tolist()) == [0, 3, 6]
+        if mx.default_device().type == mx.gpu:
+            # CUDA does not survive fork: the child's thread says so, at once.
+            try:
+                child.run_sync(lambda: 1)
+            except MLXThreadBrokenError as error:
+                assert "spawn" in str(error), error
+            else:
+                os._exit(4)
+        else:
+            assert child.run_sync(lambda: (mx.arange(3) * 3).tolist()) == [0, 3, 6]
         try:
             parent.run_sync(lambda: 1)
         except MLXThreadBrokenError:
