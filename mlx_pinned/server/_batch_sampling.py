@@ -127,9 +127,11 @@ def collect(pending: Draw, stop: Callable[[int], Any]) -> list[Sampled]:
     too cost ~0.07 ms a token at one row here.
     """
     tokens = cast("list[int]", pending.tokens.tolist())
-    chosen = [math.nan] * len(tokens)
-    if pending.chosen is not None:
-        chosen = cast("list[float]", pending.chosen.tolist())
+    chosen = (
+        [math.nan] * len(tokens)  # no row reads its logprob
+        if pending.chosen is None
+        else cast("list[float]", pending.chosen.tolist())
+    )
     tops: dict[int, list[tuple[int, float]]] = {}
     if pending.top_ids is not None and pending.top_values is not None:
         ids = cast("list[list[int]]", pending.top_ids.tolist())

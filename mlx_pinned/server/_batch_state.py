@@ -356,7 +356,7 @@ class BatchState:
             self._prefill_waiting()
             last = {row for row in rows if row.sampled + 1 >= row.max_tokens}
             self.leaving |= last
-            self._launch(rows, pending.tokens)
+            self._launch(inflight)
             sampled = collect(pending, self._stop)
         except BaseException as exc:
             self._fail(exc, rows)
@@ -374,22 +374,21 @@ class BatchState:
         self.steps += 1
         self.step_seconds += time.perf_counter() - start
 
-    def _launch(
-        self, previous: list[Row] | None = None, tokens: mx.array | None = None
-    ) -> None:
-        """Build the next step for the rows still in, and start it. With
-        ``previous`` (the rows of the step in flight) and its ``tokens``
-        (not yet computed), those rows' inputs are these tokens."""
+    def _launch(self, inflight: tuple[list[Row], Draw] | None = None) -> None:
+        """Build the next step for the rows still in, and start it. With the
+        step ``inflight`` (not yet read), its rows' inputs are its tokens."""
         self._compact()
         self._join()
         rows = list(self.rows)
         if not rows:
             return
         ahead: list[int] = []
-        if previous is None or tokens is None:
+        if inflight is None:
             inputs = mx.array([row.token for row in rows], dtype=mx.uint32)
         else:
             # Rows of the step in flight come first, in order; joiners after.
+            # Its tokens are uint32 already (argmax, and draws cast to it).
+            previous, tokens = inflight[0], inflight[1].tokens
             position = {row: i for i, row in enumerate(previous)}
             carried = [position[row] for row in rows if row in position]
             ahead = [1 if row in position else 0 for row in rows]
@@ -397,9 +396,8 @@ class BatchState:
             parts = []
             if carried:
                 same = carried == list(range(len(previous)))
-                kept = tokens if same else tokens[mx.array(carried, dtype=mx.int32)]
                 parts.append(
-                    kept if kept.dtype == mx.uint32 else kept.astype(mx.uint32)
+                    tokens if same else tokens[mx.array(carried, dtype=mx.int32)]
                 )
             if len(carried) < len(rows):
                 joined = [row.token for row in rows[len(carried) :]]

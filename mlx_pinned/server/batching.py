@@ -15,10 +15,9 @@ thread, so it holds no locks. A request's generator:
   token each), prefills the queued prompts (up to 8 in one pass: their
   images through the vision tower together, their tokens left-padded into
   one cache; each one's first token is sampled from that pass's logits), lets
-  them join, and starts the next decode step before
-  it returns, so it computes while the thread hands out tokens; that next
-  step is built on this one's tokens before they are read (as mlx-vlm's own
-  loop does), so building it overlaps computing this one;
+  them join, and starts the next decode step, built on this step's tokens
+  before they are read (as mlx-vlm's own loop does), so it computes while the
+  thread hands out tokens;
 - when it has a token: yields it, cheaply; with N sequences about one turn
   in N runs a step;
 - when it ends or is closed (client gone, ``aclose``, cancel, garbage
