@@ -35,6 +35,7 @@ from mlx_pinned import (
 from . import batching, engine
 from ._http import (
     Disconnected,
+    LoopTurns,
     RequestLog,
     ResponseWriter,
     disconnect_watch,
@@ -103,17 +104,20 @@ class ChatEndpoint:
         *,
         fetch: Fetcher | None = None,
         metrics: ServerMetrics | None = None,
+        turns: LoopTurns | None = None,
     ) -> None:
         self.config = config
         self.thread = thread
         self.gate = gate
         self.fetch = fetch
         self.metrics = metrics
+        self.turns = turns or LoopTurns()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         log = RequestLog(start=time.perf_counter(), client=_client(scope))
         response = ResponseWriter(send)
         try:
+            await self.turns.checkpoint()
             body = await read_body(scope, receive, self.config.max_body_bytes)
             timeout = self.config.request_timeout
             deadline = anyio.current_time() + timeout if timeout else math.inf
@@ -257,6 +261,7 @@ class ChatEndpoint:
             # (A batch holds every token, the final event and the batched
             # engine's admission marker.)
             async for events in stream.batched(max_tokens + 2):
+                await self.turns.checkpoint()
                 for event in events:
                     log.record(event, whole=True)
                     text.append(event.text)
@@ -289,6 +294,7 @@ class ChatEndpoint:
         # and the last chunks (finish, usage, [DONE], end) need not be apart.
         role = chunks.chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
         async for event in stream:
+            await self.turns.checkpoint()
             log.record(event)
             if isinstance(event, TokenEvent):
                 if event.logprobs is not None:

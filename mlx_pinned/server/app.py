@@ -45,6 +45,7 @@ from mlx_pinned.middleware import MLXThreadMiddleware
 from . import engine
 from ._batch_gate import BatchGate
 from ._chat import ChatEndpoint, model_not_found
+from ._http import LoopTurns
 from ._metrics import MetricsMiddleware, ServerMetrics
 from ._remote import RemoteImageFetcher
 from .images import Fetcher, ImageLimits
@@ -177,6 +178,7 @@ def create_app(
     mlx_thread = thread or MLXThread(name="mlx-pinned", max_pending=max_pending)
     gate = BatchGate(max_num_seqs, max_pending)
     metrics = ServerMetrics(mlx_thread, gate)
+    turns = LoopTurns()
     routes = [
         Route("/health", functools.partial(_health, mlx_thread), methods=["GET"]),
         Route("/metrics", metrics.endpoint, methods=["GET"]),
@@ -189,7 +191,12 @@ def create_app(
         Route(
             "/v1/chat/completions",
             ChatEndpoint(
-                config, mlx_thread, gate, fetch=image_fetcher, metrics=metrics
+                config,
+                mlx_thread,
+                gate,
+                fetch=image_fetcher,
+                metrics=metrics,
+                turns=turns,
             ),
             methods=["POST"],
         ),
@@ -217,6 +224,7 @@ def create_app(
     app.state.mlx_thread = mlx_thread
     app.state.gate = gate
     app.state.metrics = metrics
+    app.state.loop_turns = turns
     return app
 
 
