@@ -266,16 +266,25 @@ class LoopTurns:
         self.budget = budget
         self.yields = 0  # how often a checkpoint gave the loop away
         self._since = 0.0  # start of the current busy stretch
-        self._marked = False  # a stretch is open: its marker has not run yet
+        # The loop whose stretch is open (its marker has not run yet); a
+        # loop that closed with its marker pending leaves it here, so the
+        # check is "is it this loop", never "is one open".
+        self._marked: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the line's loop
         self._line: deque[object] = deque()  # who waits for a turn, in order
 
     async def checkpoint(self) -> None:
         """Yield to the event loop if this stretch has used up its budget, or
         if others already wait for their turn (they go first)."""
-        if not self._marked:
+        loop = asyncio._get_running_loop()
+        if loop is None:  # trio, or no event loop
+            return
+        if self._marked is not loop:
             if sniffio.current_async_library() != "asyncio":
                 return
-            self._open()
+            if self._loop is not loop:  # first use, or another loop: afresh
+                self._loop, self._line = loop, deque()
+            self._open(loop)
             if not self._line:
                 return
         elif not self._line and time.perf_counter() - self._since <= self.budget:
@@ -288,8 +297,8 @@ class LoopTurns:
                 self.yields += 1
                 await asyncio.sleep(0)
                 if line[0] is ticket:
-                    if not self._marked:
-                        self._open()
+                    if self._marked is not loop:
+                        self._open(loop)
                         return
                     if time.perf_counter() - self._since <= self.budget:
                         return
@@ -299,11 +308,12 @@ class LoopTurns:
             else:  # cancelled while waiting
                 line.remove(ticket)
 
-    def _open(self) -> None:
+    def _open(self, loop: asyncio.AbstractEventLoop) -> None:
         """Open a stretch; its marker runs after the loop's next poll."""
-        self._marked = True
+        self._marked = loop
         self._since = time.perf_counter()
-        asyncio.get_running_loop().call_soon(self._unmark)
+        loop.call_soon(self._unmark, loop)
 
-    def _unmark(self) -> None:
-        self._marked = False
+    def _unmark(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._marked is loop:
+            self._marked = None

@@ -106,6 +106,24 @@ async def test_a_request_cancelled_in_line_leaves_it() -> None:
     assert not turns._line
 
 
+def test_a_loop_closed_with_its_marker_pending_is_forgotten() -> None:
+    # The marker of a loop that closed never runs: the next loop must not
+    # take that stretch for its own (its waiters would wait forever).
+    turns = LoopTurns(budget=0.0005)
+    old = asyncio.new_event_loop()
+    turns._open(old)  # the first checkpoint of a stretch, as on that loop
+    old.close()
+    done: list[int] = []
+
+    async def main() -> None:
+        work = asyncio.gather(*(worker(turns, 5, done) for _ in range(4)))
+        await asyncio.wait_for(work, timeout=30)
+
+    asyncio.run(main())
+    assert len(done) == 20
+    assert turns.yields > 0
+
+
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_trio_never_yields() -> None:
     turns = LoopTurns(budget=0.0)
