@@ -21,6 +21,7 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+import anyio
 import anyio.to_thread
 from PIL import Image, ImageOps
 
@@ -184,7 +185,11 @@ def decode_image(
 
 
 async def load_images(
-    refs: Sequence[ImageRef], limits: ImageLimits, *, fetch: Fetcher | None = None
+    refs: Sequence[ImageRef],
+    limits: ImageLimits,
+    *,
+    fetch: Fetcher | None = None,
+    limiter: anyio.CapacityLimiter | None = None,
 ) -> list[Image.Image]:
     """Decode the images of a request in a worker thread, in order.
 
@@ -197,6 +202,8 @@ async def load_images(
         limits: The size limits.
         fetch: Fetches ``http(s)://`` URLs; when None they are refused. Its
             :class:`RemoteImageError` becomes a 400 that names the part.
+        limiter: Bounds the requests decoding at once (default: anyio's
+            shared limiter of worker threads, 40).
 
     Raises:
         ImageError: The first image that cannot be used.
@@ -224,7 +231,7 @@ async def load_images(
 
     if not refs:
         return []
-    return await anyio.to_thread.run_sync(decode_all)
+    return await anyio.to_thread.run_sync(decode_all, limiter=limiter)
 
 
 def _data_uri_bytes(ref: ImageRef, limits: ImageLimits) -> bytes:

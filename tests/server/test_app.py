@@ -5,8 +5,10 @@ import base64
 import gc
 import json
 import logging
+import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -540,6 +542,40 @@ class TestPlacement:
         assert seen["prompt"] == {mlx}
         assert seen["decode"]
         assert not seen["decode"] & {mlx, loop}
+
+    async def test_at_most_a_decode_per_core_at_once(
+        self, serve: Serve, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from mlx_pinned.server import images
+
+        monkeypatch.setattr(os, "cpu_count", lambda: 1)
+        lock = threading.Lock()
+        running, most = 0, 0
+        decode = images.decode_image
+
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            nonlocal running, most
+            with lock:
+                running += 1
+                most = max(most, running)
+            time.sleep(0.01)
+            with lock:
+                running -= 1
+            return decode(*args, **kwargs)
+
+        monkeypatch.setattr(images, "decode_image", slow)
+        statuses: list[int] = []
+        async with serve(max_num_seqs=4) as served:
+
+            async def one() -> None:
+                statuses.append((await served.chat(vision_body(2))).status_code)
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as group:
+                    for _ in range(4):
+                        group.start_soon(one)
+        assert statuses == [200] * 4
+        assert most == 1
 
 
 class TestSerialisation:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import base64
 import io
 import struct
+import threading
 import time
 import zlib
 from typing import Any
@@ -215,7 +216,6 @@ class TestCollect:
 class TestLoadImages:
     @pytest.mark.anyio
     async def test_decodes_off_the_calling_thread(self) -> None:
-        import threading
 
         seen: list[int] = []
         original = Image.Image.convert
@@ -251,6 +251,39 @@ class TestLoadImages:
         images = await load_images([ref("http://x/y.png")], LIMITS, fetch=fetch)
         assert fetched == ["http://x/y.png"]
         assert images[0].size == (20, 10)
+
+    @pytest.mark.anyio
+    async def test_the_limiter_bounds_decodes_at_once(self) -> None:
+        # Eight requests decode at once through a limiter of two: never more
+        # than two decode together, and every one gets its images.
+        lock = threading.Lock()
+        running, most = 0, 0
+        original = Image.Image.convert
+
+        def slow(self: Image.Image, *args: Any, **kwargs: Any) -> Image.Image:
+            nonlocal running, most
+            with lock:
+                running += 1
+                most = max(most, running)
+            time.sleep(0.02)
+            with lock:
+                running -= 1
+            return original(self, *args, **kwargs)
+
+        refs = [ref(data_uri(encode(RED.convert("L"), "PNG")))]  # converted
+        limiter = anyio.CapacityLimiter(2)
+        results: list[list[Image.Image]] = []
+
+        async def one() -> None:
+            results.append(await load_images(refs, LIMITS, limiter=limiter))
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Image.Image, "convert", slow)
+            async with anyio.create_task_group() as group:
+                for _ in range(8):
+                    group.start_soon(one)
+        assert most == 2
+        assert [r[0].size for r in results] == [(20, 10)] * 8
 
     @pytest.mark.anyio
     async def test_no_images_no_thread(self) -> None:
