@@ -253,7 +253,10 @@ class LoopTurns:
 
     A stretch starts at the first checkpoint after the loop last polled: the
     first checkpoint queues a marker callback, which runs after the next
-    poll. A lone stream never yields (it pays a clock read and one marker a
+    poll. Whoever waits goes first, in order: a request over the budget, or
+    arriving while others wait, joins the line; the first in line goes on
+    once a new stretch has room, and hands the turn to the next as it goes.
+    A lone stream never yields (it pays a clock read and one marker a
     checkpoint). Requests that never call :meth:`checkpoint` (``/health``)
     never wait behind the slices. asyncio only (uvloop included); elsewhere
     :meth:`checkpoint` returns at once.
@@ -271,7 +274,7 @@ class LoopTurns:
         # check is "is it this loop", never "is one open".
         self._marked: asyncio.AbstractEventLoop | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the line's loop
-        self._line: deque[object] = deque()  # who waits for a turn, in order
+        self._line: deque[asyncio.Future[None]] = deque()  # who waits, in order
 
     async def checkpoint(self) -> None:
         """Yield to the event loop if this stretch has used up its budget, or
@@ -289,24 +292,31 @@ class LoopTurns:
                 return
         elif not self._line and time.perf_counter() - self._since <= self.budget:
             return
-        ticket = object()
+        # Wait in line: behind the others, then (first in line) for a
+        # stretch with room. Only the first in line re-checks each loop
+        # iteration; the others wait for their turn without waking.
         line = self._line
-        line.append(ticket)
+        turn = loop.create_future()
+        line.append(turn)
         try:
+            if len(line) > 1:
+                self.yields += 1
+                await turn
             while True:
+                if self._marked is not loop:
+                    self._open(loop)
+                    return
+                if time.perf_counter() - self._since <= self.budget:
+                    return
                 self.yields += 1
                 await asyncio.sleep(0)
-                if line[0] is ticket:
-                    if self._marked is not loop:
-                        self._open(loop)
-                        return
-                    if time.perf_counter() - self._since <= self.budget:
-                        return
         finally:
-            if line[0] is ticket:
+            if line[0] is turn:  # the next one is first in line now
                 line.popleft()
-            else:  # cancelled while waiting
-                line.remove(ticket)
+                if line and not line[0].done():
+                    line[0].set_result(None)
+            else:  # cancelled while waiting behind others
+                line.remove(turn)
 
     def _open(self, loop: asyncio.AbstractEventLoop) -> None:
         """Open a stretch; its marker runs after the loop's next poll."""
