@@ -442,22 +442,21 @@ class MLXThread(Executor):
     def _work(self) -> None:
         """The worker thread's main loop."""
         step = "creating its MLX stream"
+        # Seen on the CUDA backend in a forked child: "cudaSetDevice failed:
+        # initialization error" (CUDA does not survive fork).
+        hint = (
+            "is the device usable in this process? A GPU backend cannot be "
+            "used in a child made with os.fork() after the parent used it: "
+            "start worker processes with 'spawn'."
+        )
         try:
             self._mlx_stream = ThreadStream(self.device, self.name)
             step = "its initializer"
+            hint = "fix its initializer and create a new MLXThread."
             if self._initializer is not None:
                 self._initializer()
         except BaseException as exc:
             self._broken = exc
-            hint = (
-                "fix its initializer and create a new MLXThread."
-                if step == "its initializer"
-                # Seen on the CUDA backend in a forked child: "cudaSetDevice
-                # failed: initialization error" (CUDA does not survive fork).
-                else "is the device usable in this process? A GPU backend "
-                "cannot be used in a child made with os.fork() after the "
-                "parent used it: start worker processes with 'spawn'."
-            )
             self._finish(
                 MLXThreadBrokenError(
                     f"MLX thread {self.name!r} failed to start: {step} raised"

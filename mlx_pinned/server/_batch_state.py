@@ -369,6 +369,8 @@ class BatchState:
                 continue
             self._record(row, item)
             self.decoded += 1
+            # Rows in ``last`` left the batch already (the step built
+            # above compacted them out): adding them again would count twice.
             if row.done and row not in last:
                 self.leaving.add(row)
         self.steps += 1

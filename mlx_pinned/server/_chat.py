@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -113,7 +112,6 @@ class ChatEndpoint:
         self.fetch = fetch
         self.metrics = metrics
         self.turns = turns or LoopTurns()
-        self._decoders: anyio.CapacityLimiter | None = None  # made on the loop
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         log = RequestLog(start=time.perf_counter(), client=_client(scope))
@@ -205,15 +203,7 @@ class ChatEndpoint:
                 )
         refs = collect_image_refs(request.messages, self.config.image_limits)
         log.images = len(refs)
-        if self._decoders is None:
-            # As many decodes at once as cores: with anyio's 40 threads, 32
-            # requests arriving together had 32 threads contend for the GIL
-            # with the event loop (GET /health p99 under 32 streams: 9.5-10.1
-            # ms with 1-2 decoders, 7 runs; 10.7-12.3 ms with 40, 5 runs).
-            self._decoders = anyio.CapacityLimiter(os.cpu_count() or 1)
-        images = await load_images(
-            refs, self.config.image_limits, fetch=self.fetch, limiter=self._decoders
-        )
+        images = await load_images(refs, self.config.image_limits, fetch=self.fetch)
         arrived = time.perf_counter()
         async with self.gate.turn():
             log.queued = time.perf_counter() - arrived

@@ -191,7 +191,9 @@ def log_from_a_thread(level: str) -> Iterator[None]:
     out.setFormatter(logging.Formatter(LOG_FORMAT))
     listener = logging.handlers.QueueListener(queue, out)
     queued = logging.handlers.QueueHandler(queue)
-    queued.setFormatter(logging.Formatter("%(message)s"))  # the listener's formats
+    # The message only (else basicConfig gives it its own format): the
+    # listener's handler formats the line.
+    queued.setFormatter(logging.Formatter("%(message)s"))
     logging.basicConfig(level=level, handlers=[queued])
     listener.start()
     try:

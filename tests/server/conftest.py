@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -196,3 +198,31 @@ async def until(condition: Callable[[], bool]) -> None:
     """Poll ``condition`` (state owned by the app has no event to wait on)."""
     while not condition():  # noqa: ASYNC110
         await anyio.sleep(0.001)
+
+
+T = TypeVar("T")
+
+
+class AtOnce:
+    """Counts how many threads run a wrapped function at once, at most
+    (``most``); each call is made ``seconds`` slower so that calls overlap."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.most = 0
+        self._running = 0
+        self._lock = threading.Lock()
+
+    def wrap(self, fn: Callable[..., T]) -> Callable[..., T]:
+        def counted(*args: Any, **kwargs: Any) -> T:
+            with self._lock:
+                self._running += 1
+                self.most = max(self.most, self._running)
+            try:
+                time.sleep(self.seconds)
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self._running -= 1
+
+        return counted

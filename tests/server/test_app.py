@@ -8,7 +8,6 @@ import logging
 import os
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -29,6 +28,7 @@ from mlx_pinned.testing import image_data_uri
 
 from .conftest import (
     MODEL,
+    AtOnce,
     Served,
     assert_error,
     drive,
@@ -549,21 +549,8 @@ class TestPlacement:
         from mlx_pinned.server import images
 
         monkeypatch.setattr(os, "cpu_count", lambda: 1)
-        lock = threading.Lock()
-        running, most = 0, 0
-        decode = images.decode_image
-
-        def slow(*args: Any, **kwargs: Any) -> Any:
-            nonlocal running, most
-            with lock:
-                running += 1
-                most = max(most, running)
-            time.sleep(0.01)
-            with lock:
-                running -= 1
-            return decode(*args, **kwargs)
-
-        monkeypatch.setattr(images, "decode_image", slow)
+        decodes = AtOnce(0.01)
+        monkeypatch.setattr(images, "decode_image", decodes.wrap(images.decode_image))
         statuses: list[int] = []
         async with serve(max_num_seqs=4) as served:
 
@@ -575,7 +562,7 @@ class TestPlacement:
                     for _ in range(4):
                         group.start_soon(one)
         assert statuses == [200] * 4
-        assert most == 1
+        assert decodes.most == 1
 
 
 class TestSerialisation:

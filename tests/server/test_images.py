@@ -23,6 +23,8 @@ from mlx_pinned.server.images import (
 )
 from mlx_pinned.server.schemas import parse_chat_request
 
+from .conftest import AtOnce
+
 LIMITS = ImageLimits()
 
 
@@ -256,20 +258,7 @@ class TestLoadImages:
     async def test_the_limiter_bounds_decodes_at_once(self) -> None:
         # Eight requests decode at once through a limiter of two: never more
         # than two decode together, and every one gets its images.
-        lock = threading.Lock()
-        running, most = 0, 0
-        original = Image.Image.convert
-
-        def slow(self: Image.Image, *args: Any, **kwargs: Any) -> Image.Image:
-            nonlocal running, most
-            with lock:
-                running += 1
-                most = max(most, running)
-            time.sleep(0.02)
-            with lock:
-                running -= 1
-            return original(self, *args, **kwargs)
-
+        converts = AtOnce(0.02)
         refs = [ref(data_uri(encode(RED.convert("L"), "PNG")))]  # converted
         limiter = anyio.CapacityLimiter(2)
         results: list[list[Image.Image]] = []
@@ -278,11 +267,11 @@ class TestLoadImages:
             results.append(await load_images(refs, LIMITS, limiter=limiter))
 
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(Image.Image, "convert", slow)
+            patch.setattr(Image.Image, "convert", converts.wrap(Image.Image.convert))
             async with anyio.create_task_group() as group:
                 for _ in range(8):
                     group.start_soon(one)
-        assert most == 2
+        assert converts.most == 2
         assert [r[0].size for r in results] == [(20, 10)] * 8
 
     @pytest.mark.anyio
