@@ -124,11 +124,18 @@ class Stream(Generic[T]):
             close = self.close_requested
             if close:  # the consumer left while we produced: drop the item
                 waiter = None
-                requeue = False
             else:
                 buffer = self.buffer
                 buffer.append(item)
-                requeue = self.scheduled = len(buffer) < self.limit
+                if len(buffer) < self.limit:
+                    # The next turn is queued before the item can be taken: a
+                    # consumer that takes it and leaves at once queues no
+                    # close turn (this one is scheduled), and that close must
+                    # run before any job it queues next (FIFO). The worker is
+                    # alive here, so the queue is too.
+                    owner._queue.put(self)
+                else:
+                    self.scheduled = False  # parked: take() queues its turn
                 if len(buffer) >= self.wake_at:
                     waiter, self.waiter = self.waiter, None
                 else:
@@ -138,8 +145,6 @@ class Stream(Generic[T]):
             return
         if waiter is not None:
             waiter.wake()
-        if requeue:
-            owner._requeue(self)
 
     def _end_on_thread(self, outcome: BaseException | _End) -> None:
         owner = self.owner

@@ -20,6 +20,7 @@ from mlx_pinned import (
     MLXThreadBusyError,
     MLXThreadClosedError,
     StreamAffinityError,
+    _streams,
     cancel_requested,
     current_default_mlx_thread,
 )
@@ -546,6 +547,42 @@ class TestStreams:
         del stream
         gc.collect()
         await thread.run(lambda: None)  # the close turn runs before this job
+        assert log[-1] == f"gen:closed on {thread.ident}"
+
+    @pytest.mark.anyio
+    async def test_cancelled_close_runs_before_jobs_queued_after_it(
+        self, thread: MLXThread, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # The thread can be slow right after it wakes the consumer for an
+        # item (it lost the GIL to the consumer, say): here it sleeps there.
+        # A consumer that takes the item and leaves at once queues no close
+        # turn (one is already scheduled), so that turn must be queued before
+        # the consumer can see the item, ahead of any job the consumer queues
+        # next. (Found as a 1-in-30 failure of the server's disconnect test:
+        # the close ran after the next job.)
+        make_waiter = _streams.async_waiter
+
+        class SlowAfterWaking:
+            def __init__(self) -> None:
+                self.inner = make_waiter()
+
+            def wake(self) -> None:
+                self.inner.wake()
+                if thread.is_current():
+                    time.sleep(0.05)
+
+            async def wait(self) -> None:
+                await self.inner.wait()
+
+        monkeypatch.setattr(_streams, "async_waiter", SlowAfterWaking)
+        log: list[str] = []
+        stream = thread.iterate(numbers, 1000, log)
+        with anyio.CancelScope() as scope:
+            async for _ in stream:
+                scope.cancel()  # the next wait for an item is cancelled
+        await stream.aclose()  # returns at once after a cancelled read
+        open_then = await thread.run(lambda: thread.statistics().open_streams)
+        assert open_then == 0
         assert log[-1] == f"gen:closed on {thread.ident}"
 
     @pytest.mark.anyio
