@@ -167,6 +167,7 @@ class MLXThread(Executor):
             wait: block until the thread has exited (ignored on the thread itself).
             cancel_futures: cancel the jobs still queued.
         """
+        discarded: list[Call[Any] | Stream[Any]] = []
         with self._lock:
             if self._state is _NEW:
                 self._state = _CLOSED
@@ -175,8 +176,20 @@ class MLXThread(Executor):
                 self._state = _CLOSED
                 if cancel_futures:
                     self._cancel_running = True
-                    self._discard_queue()
+                    discarded = self._take_queued()
                 self._queue.put(_STOP)
+        # Ended outside the lock: ending a stream takes its own lock, which a
+        # thread holding it may hold while it queues a turn (under _lock).
+        for item in discarded:
+            if isinstance(item, FutureCall):
+                item.cancel_queued()
+            else:
+                item.abandon(
+                    MLXThreadClosedError(
+                        f"MLX thread {self.name!r} was shut down with"
+                        " cancel_futures=True before this job started."
+                    )
+                )
         thread = self._thread
         if wait and thread is not None and not self.is_current():
             thread.join()
@@ -383,26 +396,18 @@ class MLXThread(Executor):
             f"MLX thread {self.name!r} was shut down: create a new MLXThread."
         )
 
-    def _discard_queue(self) -> None:
-        """Remove queued items (under ``_lock``): calls are cancelled."""
-        kept = []
+    def _take_queued(self) -> list[Call[Any] | Stream[Any]]:
+        """Remove the queued items, counted as discarded (under ``_lock``);
+        the caller ends them once the lock is released."""
+        taken = []
         for item in _drain(self._queue):
             if item is _STOP:
-                kept.append(item)
+                self._queue.put(item)
                 continue
             if item.counted:
                 self._discarded += 1
-            if isinstance(item, FutureCall):
-                item.cancel_queued()
-            else:
-                item.abandon(
-                    MLXThreadClosedError(
-                        f"MLX thread {self.name!r} was shut down with"
-                        " cancel_futures=True before this job started."
-                    )
-                )
-        for item in kept:
-            self._queue.put(item)
+            taken.append(item)
+        return taken
 
     def _call_inline(
         self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -441,6 +446,9 @@ class MLXThread(Executor):
 
     def _work(self) -> None:
         """The worker thread's main loop."""
+        # First: start() sets it only after this thread runs, and the
+        # initializer may call run_sync, which must run inline here.
+        self._ident = threading.get_ident()
         step = "creating its MLX stream"
         # Seen on the CUDA backend in a forked child: "cudaSetDevice failed:
         # initialization error" (CUDA does not survive fork).
@@ -504,13 +512,8 @@ class MLXThread(Executor):
             self._dead = True
             self._state = _CLOSED
             leftovers = _drain(self._queue)
-        for item in leftovers:
-            if item is not _STOP:
-                if item.counted:
-                    with self._lock:
-                        self._discarded += 1
-                error.__cause__ = cause
-                item.abandon(error)
+        # Open streams first: a consumer woken by its error finds its
+        # generator closed (its ``finally`` has run) and counted.
         for stream in list(self._open_streams):
             stream.close_on_thread(
                 MLXThreadClosedError(
@@ -518,6 +521,16 @@ class MLXThread(Executor):
                     " was open."
                 )
             )
+        for item in leftovers:
+            if item is not _STOP:
+                if item.counted:
+                    with self._lock:
+                        self._discarded += 1
+                # One error each: consumers on different threads must not
+                # raise (and extend the traceback of) the same object.
+                own = type(error)(*error.args)
+                own.__cause__ = cause
+                item.abandon(own)
         try:
             if self._finalizer is not None and self._broken is None:
                 self._finalizer()

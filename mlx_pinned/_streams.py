@@ -72,7 +72,9 @@ class Stream(Generic[T]):
         self.fn: Callable[..., Iterable[T]] | None = fn
         self.args = args
         self.kwargs = kwargs
-        self.lock = threading.Lock()
+        # Reentrant: garbage collection can run while a thread holds it and
+        # collect this stream's iterator, whose finalizer asks for a close.
+        self.lock = threading.RLock()
         self.buffer: deque[T] = deque()
         self.outcome: BaseException | _End | None = None
         self.scheduled = True  # a turn is queued or running

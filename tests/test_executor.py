@@ -24,6 +24,7 @@ from mlx_pinned import (
     cancel_requested,
     current_default_mlx_thread,
 )
+from mlx_pinned._streams import Stream
 
 # run_in_executor is asyncio's API; trio has no equivalent to test.
 ASYNCIO_ONLY = pytest.mark.parametrize("anyio_backend", ["asyncio"])
@@ -1085,3 +1086,125 @@ class TestShutdownCancellation:
         with pytest.raises(MLXThreadClosedError):
             await stream.__anext__()
         assert log[-1] == f"gen:closed on {t.ident}"
+
+
+class TestHandOffs:
+    """What one thread sees of another's work, at the moment it sees it."""
+
+    def test_the_initializer_is_on_the_thread_and_may_call_run_sync(self) -> None:
+        seen: list[Any] = []
+
+        def initializer() -> None:
+            seen.append(t.is_current())
+            if t.is_current():  # else run_sync would wait for itself
+                seen.append(t.run_sync(ident))
+
+        t = MLXThread(name="t-init-run-sync", initializer=initializer)
+        with t:
+            assert t.run_sync(ident) == t.ident
+        assert seen == [True, t.ident]
+
+    def test_an_iterator_collected_while_its_lock_is_held_closes_its_stream(
+        self, thread: MLXThread, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Garbage collection can run at any allocation, also while the thread
+        # holds a stream's lock; if it collects that stream's dropped
+        # iterator, the iterator's finalizer asks for a close, taking the
+        # same lock on the same thread. Here the collection is forced there:
+        # when the thread queues the stream's next turn (under its lock).
+        log: list[str] = []
+        release = threading.Event()
+
+        def gen() -> Iterator[int]:
+            release.wait(WAIT)  # until the iterator is garbage
+            yield from numbers(1000, log)
+
+        it = thread.iterate_sync(gen)
+        stream = it._stream
+        queue, reentrant = thread._queue, []
+
+        class CollectOnTheThread:
+            def put(self, item: Any) -> None:
+                if thread.is_current() and item is stream and not reentrant:
+                    # A plain lock would deadlock in the collection below.
+                    reentrant.append(stream.lock.acquire(blocking=False))
+                    if reentrant[0]:
+                        gc.collect()
+                        stream.lock.release()
+                queue.put(item)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(queue, name)
+
+        monkeypatch.setattr(thread, "_queue", CollectOnTheThread())
+        cycle: list[Any] = [it]
+        cycle.append(cycle)
+        del it, cycle
+        gc.disable()  # no collection before the one on the thread
+        try:
+            release.set()
+            deadline = time.monotonic() + WAIT
+            while not log or not log[-1].startswith("gen:closed"):
+                assert time.monotonic() < deadline, log
+                time.sleep(0.01)
+        finally:
+            gc.enable()
+        assert reentrant == [True]
+        assert log[-1] == f"gen:closed on {thread.ident}"
+        assert thread.run_sync(lambda: thread.statistics().open_streams) == 0
+
+    def test_cancel_futures_ends_queued_jobs_outside_the_lock(self) -> None:
+        # Ending a queued stream takes its lock; a thread holding that lock
+        # may be about to queue a turn (taking the executor's lock), so the
+        # executor's lock must be free while queued jobs are ended.
+        free_then: list[bool] = []
+        abandon = Stream.abandon
+
+        def abandon_and_check(self: Stream[Any], error: BaseException) -> None:
+            def probe() -> None:
+                got = t._lock.acquire(timeout=WAIT)
+                free_then.append(got)
+                if got:
+                    t._lock.release()
+
+            other = threading.Thread(target=probe)
+            other.start()
+            other.join(WAIT)
+            abandon(self, error)
+
+        t = MLXThread(name="t-discard")
+        gate = threading.Event()
+        t.submit(gate.wait, WAIT)
+        queued = t.iterate_sync(numbers, 3, [])
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Stream, "abandon", abandon_and_check)
+            t.shutdown(wait=False, cancel_futures=True)
+        gate.set()
+        t.shutdown(wait=True)
+        assert free_then == [True]
+        with pytest.raises(MLXThreadClosedError):
+            next(queued)
+
+    def test_a_consumer_woken_at_shutdown_finds_its_generator_closed(self) -> None:
+        log: list[str] = []
+
+        def gen() -> Iterator[int]:
+            try:
+                yield from range(1000)
+            finally:
+                time.sleep(0.05)  # a slow clean-up
+                log.append("closed")
+
+        t = MLXThread(name="t-finish-order")
+        it = t.iterate_sync(gen)
+        assert next(it) == 0  # then the thread reads ahead and parks
+        assert t.run_sync(lambda: len(it._stream.buffer)) == 2
+        gate = threading.Event()
+        t.submit(gate.wait, WAIT)  # holds the thread
+        t.shutdown(wait=False)
+        assert next(it) == 1  # queues the stream's next turn, after the stop
+        gate.set()
+        with pytest.raises(MLXThreadClosedError):
+            list(it)  # the items left, then the end
+        assert log == ["closed"]  # before its consumer heard of the end
+        t.shutdown(wait=True)
