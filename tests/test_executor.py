@@ -920,6 +920,25 @@ class TestBroken:
             await t.run(ident)
         t.shutdown()
 
+    def test_each_job_left_behind_gets_its_own_error(self) -> None:
+        # Raised by callers on different threads, one shared exception would
+        # collect all their tracebacks.
+        go = threading.Event()
+
+        def fail() -> None:
+            go.wait(WAIT)
+            raise OSError("no model here")
+
+        t = MLXThread(initializer=fail)
+        futures = [t.submit(ident) for _ in range(2)]  # queued before it fails
+        go.set()
+        errors = [f.exception(WAIT) for f in futures]
+        assert all(isinstance(e, MLXThreadBrokenError) for e in errors)
+        assert errors[0] is not errors[1]
+        assert str(errors[0]) == str(errors[1])
+        assert all(isinstance(e.__cause__, OSError) for e in errors if e)
+        t.shutdown()
+
 
 class TestStatistics:
     def test_counters(self, thread: MLXThread) -> None:
