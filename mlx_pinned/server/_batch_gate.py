@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+from anyio.lowlevel import RunVar
 
 from .engine import FinalEvent, TokenEvent
 from .schemas import APIError
@@ -102,7 +103,9 @@ class BatchGate:
         self.max_pending = max_pending
         self.waiting = 0  # requests waiting for a slot
         self.active = 0  # requests holding a slot
-        self._slots: anyio.Semaphore | None = None
+        # One semaphore per event loop: a gate used again under another loop
+        # (or backend) must not wait on the first one's.
+        self._slots: RunVar[anyio.Semaphore] = RunVar("mlx_pinned_batch_gate")
 
     @property
     def busy(self) -> bool:
@@ -119,13 +122,19 @@ class BatchGate:
         Raises:
             APIError: 503 with ``Retry-After`` when ``max_pending`` wait already.
         """
-        if self._slots is None:  # made on the event loop that serves us
-            self._slots = anyio.Semaphore(self.max_num_seqs)
-        slots = self._slots
-        if slots.value == 0 and self.waiting >= self.max_pending:
+        try:
+            slots = self._slots.get()
+        except LookupError:  # the first turn on this event loop
+            slots = anyio.Semaphore(self.max_num_seqs)
+            self._slots.set(slots)
+        # Who waits, as the semaphore counts it: a slot being handed to a
+        # waiter leaves the room at once, before that waiter runs again (the
+        # gate's own count lags until then).
+        queued = slots.statistics().tasks_waiting
+        if slots.value == 0 and queued >= self.max_pending:
             raise APIError(
                 503,
-                f"The server is busy: {self.waiting} requests are already waiting "
+                f"The server is busy: {queued} requests are already waiting "
                 "for the model; retry shortly.",
                 code="server_busy",
                 headers={"Retry-After": "1"},

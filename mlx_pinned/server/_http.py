@@ -117,10 +117,13 @@ class ResponseWriter:
         self.ended = False
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.status, self.started = status, True
+        self.status = status
         await self._send(
             {"type": "http.response.start", "status": status, "headers": headers}
         )
+        # Only once sent: a send that waits (the client reads nothing) and is
+        # cancelled there sent nothing, so an error still gets a status line.
+        self.started = True
 
     async def json(
         self, body: bytes, status: int = 200, extra: Sequence[tuple[bytes, bytes]] = ()

@@ -196,8 +196,9 @@ async def load_images(
     """Decode the images of a request in a worker thread, in order.
 
     Runs on the event loop; decoding runs in an anyio worker thread (neither
-    the event loop nor the MLX thread). Cancelling the caller abandons the
-    decoding; the worker finishes it and the result is dropped.
+    the event loop nor the MLX thread). A cancelled caller is released once
+    the decoding in progress ends (so the decoders' bound holds), and its
+    result is dropped.
 
     Args:
         refs: The image parts, from :func:`collect_image_refs`.

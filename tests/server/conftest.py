@@ -142,16 +142,20 @@ async def drive(
     leave: anyio.Event | None = None,
     hold: anyio.Event | None = None,
     started: anyio.Event | None = None,
+    stall_start: bool = False,
 ) -> tuple[int, list[bytes]]:
     """Call the ASGI app directly, as a server would; the client leaves after
     ``disconnect_after`` body chunks, or when ``leave`` is set; after the
     first body chunk it stops reading until ``hold`` is set. ``started`` is set
-    once the first body chunk was sent."""
+    once the first body chunk was sent. With ``stall_start`` the first status
+    line's send never returns (a client that reads nothing pauses the
+    server's writes) and is not recorded."""
     raw = json.dumps(body).encode()
     sent: list[bytes] = []
     status = 0
     leave = leave or anyio.Event()
     delivered = False
+    stalled = not stall_start
 
     async def receive() -> dict[str, Any]:
         nonlocal delivered
@@ -162,8 +166,11 @@ async def drive(
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
-        nonlocal status
+        nonlocal status, stalled
         if message["type"] == "http.response.start":
+            if not stalled:
+                stalled = True
+                await anyio.sleep_forever()
             status = message["status"]
         elif message["type"] == "http.response.body":
             sent.append(message.get("body", b""))

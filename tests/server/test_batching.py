@@ -562,6 +562,49 @@ class TestGate:
             group.start_soon(hold, "second", 0)
         assert order == ["first", "second"]
 
+    async def test_a_slot_being_handed_over_refuses_nobody(self) -> None:
+        # The room is full; the holder leaves, and its slot goes to the one
+        # waiting, who has not run yet when the holder asks again at once.
+        # That waiter has left the room: the holder waits, not a 503.
+        gate = BatchGate(max_num_seqs=1, max_pending=1)
+        entered, release = anyio.Event(), anyio.Event()
+        order: list[str] = []
+
+        async def holder() -> None:
+            async with gate.turn():
+                entered.set()
+                await release.wait()
+            try:
+                async with gate.turn():  # no await since the slot was handed
+                    order.append("holder again")
+            except APIError as error:
+                order.append(str(error.status))
+
+        async def waiter() -> None:
+            async with gate.turn():
+                order.append("waiter")
+
+        async with deadline(10) as group:
+            group.start_soon(holder)
+            await entered.wait()
+            group.start_soon(waiter)
+            await anyio.wait_all_tasks_blocked()
+            assert gate.waiting == 1
+            release.set()
+        assert order == ["waiter", "holder again"]
+
+    def test_one_gate_serves_one_event_loop_after_another(self) -> None:
+        # Its semaphore belongs to the loop it runs on, not to the first.
+        gate = BatchGate(max_num_seqs=1, max_pending=1)
+
+        async def use() -> int:
+            async with gate.turn():
+                return gate.active
+
+        for backend in ("asyncio", "trio", "asyncio"):
+            assert anyio.run(use, backend=backend) == 1
+        assert (gate.active, gate.waiting) == (0, 0)
+
     def test_bounds_are_checked(self) -> None:
         with pytest.raises(ValueError, match="max_num_seqs"):
             BatchGate(max_num_seqs=0, max_pending=1)

@@ -82,6 +82,22 @@ class TestTimeout:
             assert slow.closed == slow.started == [served.thread.ident]
             assert served.thread.statistics().open_streams == 0
 
+    async def test_a_deadline_while_the_status_waits_still_sends_one(
+        self, serve: Serve, slow: SlowModel
+    ) -> None:
+        # The client reads nothing, so the status line's send waits; the
+        # deadline fires there. Nothing went out: the answer is a 504 with
+        # its status, not an error event in a stream that never began.
+        async with serve(request_timeout=0.3) as served:
+            with anyio.fail_after(10):
+                status, sent = await drive(
+                    served.app, vision_body(4000, stream=True), stall_start=True
+                )
+            await settled(served)
+            assert slow.closed == [served.thread.ident]
+        assert status == 504
+        assert json.loads(b"".join(sent))["error"]["code"] == "timeout"
+
     async def test_stream_gets_an_error_event(
         self, serve: Serve, slow: SlowModel
     ) -> None:
