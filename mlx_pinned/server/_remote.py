@@ -189,11 +189,13 @@ class RemoteImageFetcher:
 
     async def _get(self, client: httpx.AsyncClient, url: httpx.URL) -> httpx.Response:
         """Send one GET to a vetted address of ``url``'s host."""
-        host = url.host
+        # The ASCII (IDNA) form: resolvers, the Host header and TLS want it
+        # (url.host is the Unicode form of an internationalised name).
+        host = url.raw_host.decode("ascii")
         port = url.port or (443 if url.scheme == "https" else 80)
         addresses = await self._vetted(host, port)
         headers = {
-            "Host": _netloc(url),
+            "Host": url.netloc.decode("ascii"),
             "Accept": "image/*",
             # Compressed bodies expand past the byte cap in one chunk.
             "Accept-Encoding": "identity",
@@ -257,12 +259,23 @@ class RemoteImageFetcher:
                 f"the image URL answered HTTP {response.status_code}.",
                 "image_fetch_failed",
             )
+        encoding = response.headers.get("content-encoding", "").strip().lower()
+        if encoding not in ("", "identity"):
+            # Asked for identity; a compressed answer would be expanded past
+            # the byte cap before the cap could see it (a few KiB of gzip
+            # can be gigabytes).
+            raise RemoteImageError(
+                f"the image URL answered with a compressed body ({encoding}); "
+                "only uncompressed images are fetched.",
+                "image_fetch_failed",
+            )
         length = response.headers.get("content-length", "")
         size = int(length) if length.isdigit() else 0
         chunks: list[bytes] = []
         if size <= self.max_bytes:
             size = 0
             try:
+                # Identity only (checked above): aiter_bytes decodes nothing.
                 async for chunk in response.aiter_bytes():
                     size += len(chunk)
                     if size > self.max_bytes:
@@ -323,11 +336,6 @@ def _check_url(url: httpx.URL) -> None:
             "image URLs with a user name or password are not fetched.",
             "image_url_refused",
         )
-
-
-def _netloc(url: httpx.URL) -> str:
-    host = f"[{url.host}]" if ":" in url.host else url.host
-    return host if url.port is None else f"{host}:{url.port}"
 
 
 def _failed(url: httpx.URL, exc: Exception) -> RemoteImageError:

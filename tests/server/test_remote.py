@@ -9,6 +9,7 @@ machine either.
 
 from __future__ import annotations
 
+import gzip
 import ipaddress
 import time
 import urllib.parse
@@ -76,6 +77,12 @@ class Origin:
                         await stream.send(b"\0" * 65536)
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                     return
+            elif path == "/gzip-bomb":  # 20 MB of zeros in ~20 KB
+                bomb = gzip.compress(b"\0" * 20_000_000)
+                head += b"content-encoding: gzip\r\n"
+                head += b"content-length: " + str(len(bomb)).encode() + b"\r\n\r\n"
+                await stream.send(head + bomb)
+                return
             elif path == "/slow":
                 await anyio.sleep(30)
             head += b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
@@ -320,6 +327,27 @@ class TestFetching:
                 fetcher(origin), f"http://public.test{path}", "image_too_large"
             )
             assert "100000 bytes" in message
+
+    async def test_a_compressed_body_is_refused_unread(self, origin: Origin) -> None:
+        # Asked for identity; a compressed answer is never expanded (it
+        # would pass the byte cap inside one chunk: here 20 MB for a 100 KB
+        # cap, and a few KiB more of gzip layers make it gigabytes).
+        message = await refused(
+            fetcher(origin), "http://public.test/gzip-bomb", "image_fetch_failed"
+        )
+        assert "compressed body (gzip)" in message
+
+    async def test_an_internationalised_host_name(self, origin: Origin) -> None:
+        # Resolved, addressed and named in its ASCII (IDNA) form.
+        transport = StandIn(origin)
+        fetch = RemoteImageFetcher(
+            resolver=resolver({"xn--bcher-kva.test": [PUBLIC]}),  # type: ignore[arg-type]
+            transport=transport,
+        )
+        assert await fetch("http://bücher.test/cat.png") == PNG
+        (request,) = transport.requests
+        assert request.headers["host"] == "xn--bcher-kva.test"
+        assert transport.hosts == [PUBLIC]
 
     async def test_http_errors(self, origin: Origin) -> None:
         fetch = fetcher(origin)
