@@ -73,9 +73,8 @@ class MLXFunction(_Pinned, Generic[P, R]):
         self: MLXFunction[Concatenate[S, P2], R], obj: S, owner: type[Any] | None = None
     ) -> MLXFunction[P2, R]: ...
     def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        return MLXFunction(functools.partial(self._fn, obj), self._thread)
+        bound = _bind(self._fn, obj, owner)
+        return self if bound is None else MLXFunction(bound, self._thread)
 
 
 class MLXGeneratorFunction(_Pinned, Generic[P, Y]):
@@ -103,9 +102,21 @@ class MLXGeneratorFunction(_Pinned, Generic[P, Y]):
         owner: type[Any] | None = None,
     ) -> MLXGeneratorFunction[P2, Y]: ...
     def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        return MLXGeneratorFunction(functools.partial(self._fn, obj), self._thread)
+        bound = _bind(self._fn, obj, owner)
+        return self if bound is None else MLXGeneratorFunction(bound, self._thread)
+
+
+def _bind(fn: Any, obj: Any, owner: Any) -> Any:
+    """``fn`` as an attribute of ``obj`` (or of the class ``owner``), bound by
+    its own descriptor as Python binds it: a method to the instance (its name
+    and docstring kept), a static method to nothing, a class method to the
+    class. None when that is ``fn`` itself (a function read off its class)."""
+    if obj is None and not isinstance(fn, (staticmethod, classmethod)):
+        return None
+    get = getattr(type(fn), "__get__", None)
+    if get is None:  # a callable object: passed the instance, as before
+        return None if obj is None else functools.partial(fn, obj)
+    return get(fn, obj, owner)
 
 
 class _Decorator:
@@ -168,7 +179,7 @@ def _wrap(fn: Callable[..., Any], thread: MLXThread | None) -> Any:
             f" {fn.__qualname__!r} is async: make it a def, since it runs on the"
             " MLX thread, not on an event loop."
         )
-    if not callable(fn):
+    if not callable(fn) and not isinstance(fn, classmethod):
         raise TypeError(f"@on_mlx_thread needs a function, not {fn!r}")
     if inspect.isgeneratorfunction(target):
         return MLXGeneratorFunction(fn, thread)

@@ -75,6 +75,50 @@ def test_methods_bind_self_and_sync_works_on_bound_methods() -> None:
     assert Model.forward.sync(model, 1) == (default.ident, 3)  # unbound, explicit
 
 
+class Kinds:
+    """Each kind of method, with the decorator above its descriptor."""
+
+    @on_mlx_thread
+    def method(self, x: int) -> tuple[str, int]:
+        """A method's docstring."""
+        return type(self).__name__, x
+
+    @on_mlx_thread
+    @staticmethod
+    def static(x: int) -> int:
+        return x + 1
+
+    @on_mlx_thread  # type: ignore[arg-type]
+    @classmethod
+    def made(cls, x: int) -> tuple[str, int]:
+        return cls.__name__, x
+
+    @on_mlx_thread
+    @staticmethod
+    def numbers(n: int) -> Iterator[int]:
+        yield from range(n)
+
+
+class Sub(Kinds):
+    pass
+
+
+def test_each_kind_of_method_binds_as_python_binds_it() -> None:
+    kinds = Kinds()
+    # A static method gets no instance, through the instance or the class.
+    assert kinds.static.sync(1) == Kinds.static.sync(1) == 2
+    assert list(kinds.numbers.sync(3)) == [0, 1, 2]
+    # A class method gets the class it was read from.
+    assert kinds.made.sync(5) == Kinds.made.sync(5) == ("Kinds", 5)
+    assert Sub.made.sync(6) == Sub().made.sync(6) == ("Sub", 6)
+    assert anyio.run(lambda: Sub().made(7)) == ("Sub", 7)
+    # A bound method keeps its name and docstring, and wraps the bound method.
+    bound = kinds.method
+    assert bound.sync(3) == ("Kinds", 3)
+    assert (bound.__name__, bound.__doc__) == ("method", "A method's docstring.")
+    assert bound.__wrapped__.__self__ is kinds
+
+
 def test_default_thread_chosen_at_call_time() -> None:
     @on_mlx_thread
     def where() -> threading.Thread:
