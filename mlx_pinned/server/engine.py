@@ -297,9 +297,14 @@ def generate_stream(
     stale = loaded._active
     if stale is not None:
         # Its consumer is gone (the app runs one at a time): close it before
-        # this generation overwrites the model's request state.
+        # this generation overwrites the model's request state. Its failure
+        # to close is not this request's.
         logger.warning("closing a generation left open on %s", loaded.path)
-        stale.close()
+        loaded._active = None
+        try:
+            stale.close()
+        except Exception:
+            logger.exception("closing the generation left open failed")
     if params.seed is not None:
         mx.random.seed(params.seed % 2**64)  # per thread: this is the MLX thread
     prompt = build_prompt(loaded, params.messages)

@@ -305,6 +305,25 @@ class TestGenerate:
         assert len(rest) == 1
         assert isinstance(rest[0], FinalEvent)
 
+    def test_a_stale_generation_that_fails_to_close_fails_nobody(
+        self,
+        loaded: LoadedModel,
+        image: Image.Image,
+        caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        class Stuck:
+            def close(self) -> None:
+                raise RuntimeError("will not close")
+
+        monkeypatch.setattr(loaded, "_active", Stuck())
+        params = GenerationParams(vision_messages(), max_tokens=3)
+        events = list(engine.generate_stream(loaded, params, [image]))
+        assert isinstance(events[-1], FinalEvent)
+        assert events[-1].completion_tokens == 3
+        assert "closing the generation left open failed" in caplog.text
+        assert loaded._active is None
+
 
 def test_events_hold_no_mlx_arrays(loaded: LoadedModel, image: Image.Image) -> None:
     import dataclasses
