@@ -146,6 +146,17 @@ def fetcher(origin: Origin, **table: Sequence[str]) -> RemoteImageFetcher:
     )
 
 
+def watched(origin: Origin, name: str) -> tuple[RemoteImageFetcher, StandIn]:
+    """A fetcher for which ``name`` is the public address, and its transport
+    (it records each request)."""
+    transport = StandIn(origin)
+    fetch = RemoteImageFetcher(
+        resolver=resolver({name: [PUBLIC]}),  # type: ignore[arg-type]
+        transport=transport,
+    )
+    return fetch, transport
+
+
 async def refused(fetch: RemoteImageFetcher, url: str, code: str) -> str:
     with pytest.raises(RemoteImageError) as info:
         await fetch(url)
@@ -296,11 +307,7 @@ class TestFetching:
         assert transport.hosts == [PUBLIC]
 
     async def test_https_keeps_the_name_for_tls(self, origin: Origin) -> None:
-        transport = StandIn(origin)
-        fetch = RemoteImageFetcher(
-            resolver=resolver({"public.test": [PUBLIC]}),  # type: ignore[arg-type]
-            transport=transport,
-        )
+        fetch, transport = watched(origin, "public.test")
         assert await fetch("https://public.test/cat.png") == PNG
         (request,) = transport.requests
         assert transport.hosts == [PUBLIC]
@@ -339,11 +346,7 @@ class TestFetching:
 
     async def test_an_internationalised_host_name(self, origin: Origin) -> None:
         # Resolved, addressed and named in its ASCII (IDNA) form.
-        transport = StandIn(origin)
-        fetch = RemoteImageFetcher(
-            resolver=resolver({"xn--bcher-kva.test": [PUBLIC]}),  # type: ignore[arg-type]
-            transport=transport,
-        )
+        fetch, transport = watched(origin, "xn--bcher-kva.test")
         assert await fetch("http://bücher.test/cat.png") == PNG
         (request,) = transport.requests
         assert request.headers["host"] == "xn--bcher-kva.test"
