@@ -115,6 +115,7 @@ class MLXThread(Executor):
         self._ident: int | None = None
         self._dead = False  # the worker has drained its queue for the last time
         self._broken: BaseException | None = None
+        self._broken_why: str | None = None  # how it broke, when it did
         self._cancel_running = False
         self._submitted = 0  # counted items queued (under _lock)
         self._started = 0  # counted items the worker took (worker only)
@@ -387,7 +388,8 @@ class MLXThread(Executor):
     def _closed_error(self) -> MLXThreadClosedError | MLXThreadBrokenError:
         if self._broken is not None:
             error = MLXThreadBrokenError(
-                f"MLX thread {self.name!r} is broken ({self._broken!r}):"
+                self._broken_why
+                or f"MLX thread {self.name!r} is broken ({self._broken!r}):"
                 " create a new MLXThread."
             )
             error.__cause__ = self._broken
@@ -464,14 +466,14 @@ class MLXThread(Executor):
             if self._initializer is not None:
                 self._initializer()
         except BaseException as exc:
-            self._broken = exc
-            self._finish(
-                MLXThreadBrokenError(
-                    f"MLX thread {self.name!r} failed to start: {step} raised"
-                    f" {exc!r}; {hint}"
-                ),
-                exc,
+            # Set before _broken: whoever sees it broken reads why (a call
+            # racing the failure is refused with this, not a vaguer word).
+            self._broken_why = (
+                f"MLX thread {self.name!r} failed to start: {step} raised"
+                f" {exc!r}; {hint}"
             )
+            self._broken = exc
+            self._finish(MLXThreadBrokenError(self._broken_why), exc)
             return
         _jobs.current.owner = self
         queue = self._queue

@@ -909,6 +909,28 @@ class TestBroken:
         assert t.closed
         t.shutdown()
 
+    def test_a_call_after_the_failure_says_how_it_failed(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # The thread breaks before the call is queued (a call racing the
+        # failure can land either side of it): the refusal still names the
+        # step that failed and its hint, not just "broken".
+        def no_stream(*args: Any) -> None:
+            raise RuntimeError("cudaSetDevice(device_) failed: initialization error")
+
+        monkeypatch.setattr("mlx_pinned._executor.ThreadStream", no_stream)
+        t = MLXThread()
+        t.start()
+        assert t._thread is not None
+        t._thread.join(WAIT)
+        for call in (lambda: t.run_sync(ident), lambda: t.submit(ident)):
+            with pytest.raises(MLXThreadBrokenError) as info:
+                call()
+            assert "failed to start: creating its MLX stream" in str(info.value)
+            assert "'spawn'" in str(info.value)
+            assert isinstance(info.value.__cause__, RuntimeError)
+        t.shutdown()
+
     @pytest.mark.anyio
     async def test_awaiting_callers_get_broken_error(self) -> None:
         def fail() -> None:
