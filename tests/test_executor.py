@@ -874,6 +874,17 @@ class TestShutdown:
         assert calls == [("init", t.ident), ("job", t.ident), ("fini", t.ident)]
 
 
+@pytest.fixture
+def no_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLX streams cannot be made: what the CUDA backend raised in a forked
+    child (seen on an H200)."""
+
+    def fail(*args: Any) -> None:
+        raise RuntimeError("cudaSetDevice(device_) failed: initialization error")
+
+    monkeypatch.setattr("mlx_pinned._executor.ThreadStream", fail)
+
+
 class TestBroken:
     def test_failing_initializer_breaks_the_thread(self) -> None:
         def fail() -> None:
@@ -889,14 +900,8 @@ class TestBroken:
         assert t.closed
         t.shutdown()
 
-    def test_a_stream_that_cannot_be_made_breaks_the_thread(
-        self, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        # What the CUDA backend raised in a forked child (seen on an H200).
-        def no_stream(*args: Any) -> None:
-            raise RuntimeError("cudaSetDevice(device_) failed: initialization error")
-
-        monkeypatch.setattr("mlx_pinned._executor.ThreadStream", no_stream)
+    @pytest.mark.usefixtures("no_stream")
+    def test_a_stream_that_cannot_be_made_breaks_the_thread(self) -> None:
         t = MLXThread()
         with pytest.raises(
             MLXThreadBrokenError, match="creating its MLX stream"
@@ -909,16 +914,11 @@ class TestBroken:
         assert t.closed
         t.shutdown()
 
-    def test_a_call_after_the_failure_says_how_it_failed(
-        self, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
+    @pytest.mark.usefixtures("no_stream")
+    def test_a_call_after_the_failure_says_how_it_failed(self) -> None:
         # The thread breaks before the call is queued (a call racing the
         # failure can land either side of it): the refusal still names the
         # step that failed and its hint, not just "broken".
-        def no_stream(*args: Any) -> None:
-            raise RuntimeError("cudaSetDevice(device_) failed: initialization error")
-
-        monkeypatch.setattr("mlx_pinned._executor.ThreadStream", no_stream)
         t = MLXThread()
         t.start()
         assert t._thread is not None
