@@ -19,7 +19,11 @@ base64 ``data:`` URI, "Describe this image in one sentence.", ``max_tokens``
    each higher concurrency (8 and 32 by default);
 3. measures the event loop's responsiveness: ``GET /health`` every 10 ms from
    a separate process, first with the server idle, then while 32 streaming
-   requests are in flight (p50/p99).
+   requests are in flight (p50/p99). Each tick also asks a reference, a bare
+   ASGI app under uvicorn in a process of its own (:func:`reference_app`),
+   so the same run shows what the machine alone adds under that load (on 2
+   cores, CPUs kept busy by the server's MLX threads and this client) and
+   what the server's event loop adds to it.
 
 Every round runs steps 2 and 3 once; the tables show each metric's median
 over the rounds, and the ratios are taken per round, then their median. The
@@ -120,10 +124,13 @@ class Round:
 
 @dataclass
 class HealthRound:
-    """``GET /health`` latencies (seconds), idle and under 32 streams."""
+    """``GET /health`` latencies (seconds), idle and under 32 streams, of the
+    server and of the reference (:func:`reference_app`), probed in turn."""
 
     idle: list[float] = field(default_factory=list)
     loaded: list[float] = field(default_factory=list)
+    reference_idle: list[float] = field(default_factory=list)
+    reference_loaded: list[float] = field(default_factory=list)
     errors: int = 0
     streams_in_flight: list[int] = field(default_factory=list)  # seen by client
     health_bodies: list[dict[str, Any]] = field(default_factory=list)
@@ -457,35 +464,54 @@ async def server_round(
     return rounds
 
 
-def probe(url: str, seconds: float, interval: float) -> dict[str, Any]:
-    """``GET url`` every ``interval`` for ``seconds``; latencies in seconds.
+def probe(urls: Sequence[str], seconds: float, interval: float) -> dict[str, Any]:
+    """``GET`` each of ``urls`` every ``interval`` for ``seconds``; latencies
+    in seconds, per URL.
 
-    One keep-alive HTTP/1.1 connection on a plain socket: what is timed is
-    the server's answer, not a client library's own work (httpx's adds
-    ~2.6 ms a request on this machine, measured idle: 4.2 against 1.6 ms).
+    One keep-alive HTTP/1.1 connection per URL on a plain socket: what is
+    timed is the server's answer, not a client library's own work (httpx's
+    adds ~2.6 ms a request on this machine, measured idle: 4.2 against
+    1.6 ms). With several URLs each tick asks each once, in turn, and the
+    one that goes first rotates, so a change in the machine's load hits
+    them alike.
     """
-    parts = urllib.parse.urlsplit(url)
-    request = (f"GET {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n\r\n").encode()
-    latencies: list[float] = []
-    bodies: list[dict[str, Any]] = []
-    errors = 0
-    with socket.create_connection((parts.hostname, parts.port), timeout=5) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        reader = sock.makefile("rb")
-        for _ in range(5):  # warm up
-            _http_get(sock, reader, request)
+    sockets = []
+    latencies: dict[str, list[float]] = {url: [] for url in urls}
+    errors = dict.fromkeys(urls, 0)
+    bodies: list[dict[str, Any]] = []  # the first URL's
+    with contextlib.ExitStack() as stack:
+        for url in urls:
+            parts = urllib.parse.urlsplit(url)
+            request = (
+                f"GET {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n\r\n"
+            ).encode()
+            sock = stack.enter_context(
+                socket.create_connection((parts.hostname, parts.port), timeout=5)
+            )
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            reader = sock.makefile("rb")
+            for _ in range(5):  # warm up
+                _http_get(sock, reader, request)
+            sockets.append((url, sock, reader, request))
         deadline = time.perf_counter() + seconds
-        while (now := time.perf_counter()) < deadline:
-            try:
-                status, body = _http_get(sock, reader, request)
-            except OSError:
-                errors += 1
-                break  # the connection is gone: stop, counted
-            latencies.append(time.perf_counter() - now)
-            if status != 200:
-                errors += 1
-            elif len(bodies) < 50:
-                bodies.append(json.loads(body))
+        tick = 0
+        while sockets and (now := time.perf_counter()) < deadline:
+            turn = sockets[tick % len(sockets) :] + sockets[: tick % len(sockets)]
+            tick += 1
+            for entry in turn:
+                url, sock, reader, request = entry
+                start = time.perf_counter()
+                try:
+                    status, body = _http_get(sock, reader, request)
+                except OSError:
+                    errors[url] += 1
+                    sockets.remove(entry)  # the connection is gone: stop it
+                    continue
+                latencies[url].append(time.perf_counter() - start)
+                if status != 200:
+                    errors[url] += 1
+                elif url == urls[0] and len(bodies) < 50:
+                    bodies.append(json.loads(body))
             time.sleep(max(0.0, now + interval - time.perf_counter()))
     return {"latencies": latencies, "errors": errors, "bodies": bodies}
 
@@ -502,13 +528,13 @@ def _http_get(sock: socket.socket, reader: Any, request: bytes) -> tuple[int, by
     return status, reader.read(length)
 
 
-async def run_probe(url: str, seconds: float) -> dict[str, Any]:
+async def run_probe(urls: Sequence[str], seconds: float) -> dict[str, Any]:
     """The prober in its own process, so this process's load does not delay it."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         str(SCRIPT),
         "--probe-health",
-        url,
+        *urls,
         "--health-seconds",
         str(seconds),
         stdout=asyncio.subprocess.PIPE,
@@ -522,14 +548,18 @@ async def run_probe(url: str, seconds: float) -> dict[str, Any]:
 
 async def health_round(
     client: Any,
-    base: str,
+    urls: tuple[str, str],
     model: str,
     image_uri: str,
     args: argparse.Namespace,
 ) -> HealthRound:
+    """``GET /health`` of the server and of the reference in turn, idle, then
+    while ``--health-streams`` streaming requests load the server."""
     result = HealthRound()
-    idle = await run_probe(f"{base}/health", args.health_seconds)
-    result.idle = idle["latencies"]
+    ours, reference = urls
+    idle = await run_probe(urls, args.health_seconds)
+    result.idle = idle["latencies"][ours]
+    result.reference_idle = idle["latencies"][reference]
     _, send_stream, encode = senders(client)
     body = encode(request_body(model, image_uri, args.tokens, stream=True))
     streams = Round(args.health_streams)
@@ -554,14 +584,19 @@ async def health_round(
     sampler = asyncio.ensure_future(sample_in_flight())
     try:
         await asyncio.sleep(0.5)  # every stream sent
-        loaded = await run_probe(f"{base}/health", args.health_seconds)
+        loaded = await run_probe(urls, args.health_seconds)
     finally:
         stop.set()
         await asyncio.wait_for(
             asyncio.gather(*tasks, sampler), timeout=args.request_timeout
         )
-    result.loaded = loaded["latencies"]
-    result.errors = idle["errors"] + loaded["errors"] + sum(streams.errors.values())
+    result.loaded = loaded["latencies"][ours]
+    result.reference_loaded = loaded["latencies"][reference]
+    result.errors = (
+        sum(idle["errors"].values())
+        + sum(loaded["errors"].values())
+        + sum(streams.errors.values())
+    )
     result.health_bodies = loaded["bodies"]
     return result
 
@@ -583,6 +618,36 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
         args.server_log_level,
         *args.server_arg,
     ]
+
+
+_REFERENCE_BODY = json.dumps({"status": "ok", "pending": 0, "open_streams": 0})
+
+
+async def reference_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The least any ASGI server can do for ``GET /health``: the reference.
+
+    Run by uvicorn as the server is (same event loop and HTTP parser), in its
+    own process, with nothing else to do. Probed in turn with the server
+    while the load runs, it measures what this machine alone adds to a
+    ``/health`` answer: the wake-ups of two processes on CPUs that the load
+    (the server's MLX threads, this script's client) keeps busy.
+    """
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    body = _REFERENCE_BODY.encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def reference_command(port: int) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--reference-server", str(port)]
 
 
 def check_log(log: Path) -> list[str]:
@@ -619,12 +684,19 @@ async def bench(args: argparse.Namespace, results: Results) -> None:
         max_keepalive_connections=max([*args.concurrency, args.health_streams]) + 8,
     )
     timeout = httpx.Timeout(args.request_timeout, connect=10)
+    reference_port = free_port()
+    reference = f"http://127.0.0.1:{reference_port}"
+    reference_log = log.with_name(log.stem + "-reference.log")
     # The server drains for up to 30 s at SIGTERM.
-    with server(command, log, stop_timeout=45) as process:
+    with (
+        server(command, log, stop_timeout=45) as process,
+        server(reference_command(reference_port), reference_log) as bare,
+    ):
         async with httpx.AsyncClient(
             base_url=base, timeout=timeout, limits=limits
         ) as httpx_client:
             await wait_for(httpx_client, process, "/health", args.startup_timeout)
+            await wait_for(httpx_client, bare, f"{reference}/health", 30)
             client: Any = httpx_client
             if args.client == "raw":
                 client = RawClient("127.0.0.1", port, args.request_timeout)
@@ -649,13 +721,20 @@ async def bench(args: argparse.Namespace, results: Results) -> None:
                 for level in levels:
                     results.server.setdefault(level.concurrency, []).append(level)
                     print("   " + row("server", level), flush=True)
-                health = await health_round(client, base, SERVED_NAME, image_uri, args)
+                health = await health_round(
+                    client,
+                    (f"{base}/health", f"{reference}/health"),
+                    SERVED_NAME,
+                    image_uri,
+                    args,
+                )
                 results.health.append(health)
                 print(
                     f"   /health idle p99 {quantile(health.idle, 0.99) * 1e3:.2f} ms, "
                     f"under {args.health_streams} streams p99 "
                     f"{quantile(health.loaded, 0.99) * 1e3:.2f} ms "
-                    f"({len(health.loaded)} probes, {health.errors} errors)",
+                    f"(reference {quantile(health.reference_loaded, 0.99) * 1e3:.2f}"
+                    f" ms; {len(health.loaded)} probes, {health.errors} errors)",
                     flush=True,
                 )
             if isinstance(client, RawClient):
@@ -751,26 +830,38 @@ def report(results: Results) -> dict[str, Any]:
 
     health = results.health
     if health:
-        idle99 = median([quantile(h.idle, 0.99) for h in health])
-        idle50 = median([quantile(h.idle, 0.5) for h in health])
         load99 = median([quantile(h.loaded, 0.99) for h in health])
-        load50 = median([quantile(h.loaded, 0.5) for h in health])
-        worst = max(max(h.loaded, default=math.nan) for h in health)
         probes = sum(len(h.loaded) for h in health)
         in_flight = median([median(h.streams_in_flight) for h in health])
+        ref99 = median([quantile(h.reference_loaded, 0.99) for h in health])
+        over = median(
+            [
+                quantile(h.loaded, 0.99) - quantile(h.reference_loaded, 0.99)
+                for h in health
+            ]
+        )
         summary["health_p99_ms"] = load99 * 1e3
+        summary["health_reference_p99_ms"] = ref99 * 1e3
+        summary["health_p99_over_reference_ms"] = over * 1e3
         summary["health_target_met"] = load99 * 1e3 < HEALTH_TARGET_MS
         verdict = "met" if summary["health_target_met"] else "NOT met"
+        streams = f"{env['health_streams']} streams in flight"
         print(
             "\n| GET /health (every 10 ms, own process) | p50 ms | p99 ms | max ms |"
             "\n|---|---|---|---|"
-            f"\n| server idle | {idle50 * 1e3:.2f} | {idle99 * 1e3:.2f} "
-            f"| {max(max(h.idle, default=math.nan) for h in health) * 1e3:.2f} |"
-            f"\n| {env['health_streams']} streams in flight (median {in_flight:.0f}) "
-            f"| {load50 * 1e3:.2f} | {load99 * 1e3:.2f} | {worst * 1e3:.2f} |"
-            f"\n\n{probes} probes under load over {len(health)} rounds, "
+            + _health_row("server idle", [h.idle for h in health])
+            + _health_row("reference idle", [h.reference_idle for h in health])
+            + _health_row(
+                f"server, {streams} (median {in_flight:.0f})",
+                [h.loaded for h in health],
+            )
+            + _health_row("reference, same load", [h.reference_loaded for h in health])
+            + f"\n\n{probes} probes of each under load over {len(health)} rounds, "
             f"{sum(h.errors for h in health)} errors; p99 target < "
-            f"{HEALTH_TARGET_MS:g} ms: {verdict}."
+            f"{HEALTH_TARGET_MS:g} ms: {verdict}. The reference (a bare ASGI app "
+            "under uvicorn, in its own process, asked in turn with the server) "
+            f"had p99 {ref99 * 1e3:.2f} ms under the same load: the server's p99 "
+            f"is {over * 1e3:+.2f} ms over it (per round, median)."
         )
     print(
         f"\nserver exit status: {results.server_exit}; "
@@ -779,6 +870,14 @@ def report(results: Results) -> dict[str, Any]:
     for problem in results.server_log_problems[:10]:
         print(f"   {problem}")
     return summary
+
+
+def _health_row(name: str, rounds: Sequence[list[float]]) -> str:
+    """A table row: the median over rounds of p50 and p99, and the maximum."""
+    p50 = median([quantile(r, 0.5) for r in rounds]) * 1e3
+    p99 = median([quantile(r, 0.99) for r in rounds]) * 1e3
+    worst = max(max(r, default=math.nan) for r in rounds) * 1e3
+    return f"\n| {name} | {p50:.2f} | {p99:.2f} | {worst:.2f} |"
 
 
 def cpu_model() -> str:
@@ -869,12 +968,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[],
         help="extra argument for 'serve' (repeat)",
     )
-    parser.add_argument("--probe-health", help=argparse.SUPPRESS)
+    parser.add_argument("--probe-health", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--reference-server", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.probe_health:  # the /health prober, run by run_probe
         result = probe(args.probe_health, args.health_seconds, 0.01)
         print(json.dumps(result))
+        return 0
+    if args.reference_server:  # the reference server, run by bench
+        import uvicorn
+
+        uvicorn.run(
+            reference_app,
+            host="127.0.0.1",
+            port=args.reference_server,
+            log_level="warning",
+            access_log=False,
+        )
         return 0
 
     if args.model is None:
