@@ -3,6 +3,7 @@ MLXThread."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Coroutine, Generator, Iterator
@@ -171,6 +172,16 @@ def on_mlx_thread(
     return _wrap(fn, thread)
 
 
+def _context_manager_factory_code() -> object:
+    def body() -> Iterator[None]:
+        yield
+
+    return contextlib.contextmanager(body).__code__  # the helper every one shares
+
+
+_CONTEXT_MANAGER_FACTORY = _context_manager_factory_code()
+
+
 def _wrap(fn: Callable[..., Any], thread: MLXThread | None) -> Any:
     target = inspect.unwrap(fn)
     if inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target):
@@ -179,8 +190,27 @@ def _wrap(fn: Callable[..., Any], thread: MLXThread | None) -> Any:
             f" {fn.__qualname__!r} is async: make it a def, since it runs on the"
             " MLX thread, not on an event loop."
         )
+    if _is_context_manager_factory(fn):
+        # Unwrapped, it is a generator function; but a stream would call the
+        # factory and try to iterate its context manager, and as a plain
+        # function the with-block (setup and teardown) would run on the caller.
+        raise TypeError(
+            f"@on_mlx_thread cannot run the with-block of {fn.__qualname__!r} "
+            "(a @contextmanager) on the MLX thread: decorate the functions "
+            "that its setup and teardown call instead."
+        )
     if not callable(fn) and not isinstance(fn, classmethod):
         raise TypeError(f"@on_mlx_thread needs a function, not {fn!r}")
     if inspect.isgeneratorfunction(target):
         return MLXGeneratorFunction(fn, thread)
     return MLXFunction(fn, thread)
+
+
+def _is_context_manager_factory(fn: object) -> bool:
+    """Whether ``fn``, or a wrapper on the way to what it wraps, is made by
+    ``contextlib.contextmanager`` (the chain is finite: unwrapped before)."""
+    while fn is not None:
+        if getattr(fn, "__code__", None) is _CONTEXT_MANAGER_FACTORY:
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False

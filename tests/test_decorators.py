@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 
@@ -147,6 +149,34 @@ def test_async_functions_are_refused_at_decoration() -> None:
         @on_mlx_thread()
         async def agen() -> Iterator[int]:  # type: ignore[misc]
             yield 1
+
+
+def test_context_manager_factories_are_refused_at_decoration() -> None:
+    @contextlib.contextmanager
+    def session() -> Iterator[int]:
+        yield 1
+
+    class Holder:
+        opened = staticmethod(session)
+
+    # Unwrapped, a @contextmanager is a generator function: it was taken for
+    # one, and iterating failed later on the thread with "not iterable".
+    for fn in (session, Holder.__dict__["opened"]):
+        with pytest.raises(TypeError, match=r"with-block of .*contextmanager"):
+            on_mlx_thread(fn)
+
+
+def test_generator_wrapped_by_a_plain_function_is_still_a_stream(
+    thread: MLXThread,
+) -> None:
+    def gen(n: int) -> Iterator[int]:
+        yield from range(n)
+
+    @functools.wraps(gen)
+    def logged(n: int) -> Iterator[int]:
+        return gen(n)  # a plain function returning the generator
+
+    assert list(on_mlx_thread(thread=thread)(logged).sync(3)) == [0, 1, 2]
 
 
 def test_not_callable_refused() -> None:
