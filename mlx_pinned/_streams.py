@@ -198,59 +198,70 @@ class Stream(Generic[T]):
     def take(self) -> tuple[bool, T | None]:
         """Take the next item if there is one: ``(True, item)``; ``(False,
         None)`` when the caller must wait. Raises at the end of the stream."""
+        # Here and below, the turn marked scheduled under the lock is queued
+        # in a finally: a KeyboardInterrupt landing in between (a sync
+        # consumer on the main thread) would leave the generator parked, and
+        # the consumer's close() waiting forever for that turn.
         requeue = False
-        with self.lock:
-            if self.buffer:
-                item = self.buffer.popleft()
-                if not self.scheduled and self.outcome is None:
-                    self.scheduled = requeue = True
-            elif self.outcome is not None:
-                outcome, self.outcome = self.outcome, _END
-                if isinstance(outcome, BaseException):
-                    raise outcome
-                raise StopIteration
-            else:
-                return False, None
-        if requeue:
-            self.owner._requeue(self)
+        try:
+            with self.lock:
+                if self.buffer:
+                    item = self.buffer.popleft()
+                    if not self.scheduled and self.outcome is None:
+                        self.scheduled = requeue = True
+                elif self.outcome is not None:
+                    outcome, self.outcome = self.outcome, _END
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                    raise StopIteration
+                else:
+                    return False, None
+        finally:
+            if requeue:
+                self.owner._requeue(self)
         return True, item
 
     def batch_mode(self, size: int) -> None:
         """Read up to ``size`` items ahead; wake the consumer when ``size``
         are ready or the stream has ended (see :meth:`take_batch`)."""
         requeue = False
-        with self.lock:
-            self.limit = self.wake_at = size
-            if not self.scheduled and self.outcome is None:
-                # Parked at the old limit: there is room again.
-                self.scheduled = requeue = len(self.buffer) < self.limit
-        if requeue:
-            self.owner._requeue(self)
+        try:
+            with self.lock:
+                self.limit = self.wake_at = size
+                if not self.scheduled and self.outcome is None:
+                    # Parked at the old limit: there is room again.
+                    self.scheduled = requeue = len(self.buffer) < self.limit
+        finally:
+            if requeue:
+                self.owner._requeue(self)
 
     def take_batch(self) -> tuple[bool, tuple[T, ...]]:
         """Take every buffered item once ``wake_at`` are ready, or what is left
         at the end: ``(True, items)``; ``(False, ())`` when the caller must
         wait. Raises at the end of the stream, once the buffer is empty."""
         requeue = False
-        with self.lock:
-            buffer = self.buffer
-            if len(buffer) >= self.wake_at or (buffer and self.outcome is not None):
-                if len(buffer) <= self.wake_at:
-                    items = tuple(buffer)
-                    buffer.clear()
-                else:  # more than a batch was read ahead before batch_mode()
-                    items = tuple(buffer.popleft() for _ in range(self.wake_at))
-                if not self.scheduled and self.outcome is None:
-                    self.scheduled = requeue = True
-            elif self.outcome is not None:
-                outcome, self.outcome = self.outcome, _END
-                if isinstance(outcome, BaseException):
-                    raise outcome
-                raise StopIteration
-            else:
-                return False, ()
-        if requeue:
-            self.owner._requeue(self)
+        try:
+            with self.lock:
+                buffer = self.buffer
+                ready = len(buffer) >= self.wake_at
+                if ready or (buffer and self.outcome is not None):
+                    if len(buffer) <= self.wake_at:
+                        items = tuple(buffer)
+                        buffer.clear()
+                    else:  # more than a batch was read ahead before batch_mode()
+                        items = tuple(buffer.popleft() for _ in range(self.wake_at))
+                    if not self.scheduled and self.outcome is None:
+                        self.scheduled = requeue = True
+                elif self.outcome is not None:
+                    outcome, self.outcome = self.outcome, _END
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                    raise StopIteration
+                else:
+                    return False, ()
+        finally:
+            if requeue:
+                self.owner._requeue(self)
         return True, items
 
     def set_waiter(self, waiter: Waiter) -> bool:
@@ -268,16 +279,19 @@ class Stream(Generic[T]):
 
     def request_close(self) -> bool:
         """Ask the worker to close the generator; ``True`` if it is still open."""
-        with self.lock:
-            if self.outcome is not None:
+        requeue = False
+        try:
+            with self.lock:
+                if self.outcome is not None:
+                    self.buffer.clear()
+                    return False
+                self.close_requested = True
                 self.buffer.clear()
-                return False
-            self.close_requested = True
-            self.buffer.clear()
-            requeue = not self.scheduled
-            self.scheduled = True
-        if requeue:
-            self.owner._requeue(self)
+                requeue = not self.scheduled
+                self.scheduled = True
+        finally:
+            if requeue:
+                self.owner._requeue(self)
         return True
 
 

@@ -1226,6 +1226,49 @@ class TestHandOffs:
         with pytest.raises(MLXThreadClosedError):
             next(queued)
 
+    def test_an_interrupt_after_take_marked_a_turn_still_queues_it(self) -> None:
+        # A sync consumer on the main thread can get a KeyboardInterrupt at
+        # any bytecode: here right as take() leaves the stream's lock, after
+        # marking the parked generator's next turn scheduled. The turn must
+        # still be queued, or close() waits for it forever.
+        log: list[str] = []
+
+        def gen() -> Iterator[int]:
+            try:
+                yield from range(1000)
+            finally:
+                log.append("closed")
+
+        class InterruptOnce:
+            def __init__(self, inner: Any) -> None:
+                self.inner, self.armed = inner, True
+
+            def __enter__(self) -> bool:
+                return bool(self.inner.__enter__())
+
+            def __exit__(self, *exc: object) -> None:
+                self.inner.__exit__(*exc)
+                if self.armed and not t.is_current():
+                    self.armed = False
+                    raise KeyboardInterrupt
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.inner, name)
+
+        with MLXThread(name="t-interrupt") as t:
+            it = t.iterate_sync(gen)
+            assert next(it) == 0  # then the thread reads ahead and parks
+            stream = it._stream
+            assert t.run_sync(lambda: stream.scheduled) is False
+            stream.lock = InterruptOnce(stream.lock)  # type: ignore[assignment]
+            with pytest.raises(KeyboardInterrupt):
+                next(it)
+            closer = threading.Thread(target=it.close)
+            closer.start()
+            closer.join(WAIT)
+            assert not closer.is_alive(), "close() waited for a turn never queued"
+            assert log == ["closed"]
+
     def test_a_consumer_woken_at_shutdown_finds_its_generator_closed(self) -> None:
         log: list[str] = []
 
