@@ -104,7 +104,10 @@ def validation_error_to_api_error(
         text = f"Invalid value for '{_dotted(path)}': {message}."
     else:
         text = f"Invalid request body: {message}."
-    return APIError(400, text, param=_dotted(path) or None, code=_code(best["type"]))
+    code = _code(best["type"])
+    if best["type"] == "too_short" and best.get("input") == []:
+        code = "empty_array"  # as OpenAI names it
+    return APIError(400, text, param=_dotted(path) or None, code=code)
 
 
 def _code(error_type: str) -> str:

@@ -175,7 +175,12 @@ def create_app(
         image_fetcher = RemoteImageFetcher(
             max_bytes=config.image_limits.max_bytes, timeout=remote_image_timeout
         )
-    mlx_thread = thread or MLXThread(name="mlx-pinned", max_pending=max_pending)
+    # The thread's queue holds a turn of each running generation as well as
+    # other jobs: bounded by max_pending alone, requests that never waited
+    # were refused with 503 whenever max_pending < max_num_seqs.
+    mlx_thread = thread or MLXThread(
+        name="mlx-pinned", max_pending=max_pending + max_num_seqs
+    )
     gate = BatchGate(max_num_seqs, max_pending)
     metrics = ServerMetrics(mlx_thread, gate)
     turns = LoopTurns()
@@ -252,7 +257,7 @@ async def _health(thread: MLXThread, request: Request) -> Response:
 
 def _model_card(config: ServerConfig, request: Request) -> dict[str, Any]:
     loaded = request.scope.get("state", {}).get("model")
-    created = int(time.time() - getattr(loaded, "load_seconds", 0.0))
+    created = int(getattr(loaded, "loaded_at", None) or time.time())
     return {
         "id": config.served_model_name,
         "object": "model",
@@ -283,7 +288,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     )
     if exc.status_code == 405:
         message = f"Method {request.method} is not allowed for {request.url.path}."
-    return _error_response(APIError(exc.status_code, message, type=None))
+    error = APIError(exc.status_code, message, headers=dict(exc.headers or {}))
+    return _error_response(error)  # 405 keeps its Allow header
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
@@ -301,14 +307,16 @@ class _APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, *, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] == "/health":
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self._expected):
+        scheme, _, key = given.strip().partition(b" ")
+        # The scheme is case-insensitive (RFC 9110): "bearer KEY" is fine.
+        if scheme.lower() == b"bearer" and hmac.compare_digest(key, self._expected):
             await self.app(scope, receive, send)
             return
         error = APIError(

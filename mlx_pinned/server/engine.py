@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("mlx_pinned.server")
+_TOP_P_FLOOR = 1.1754943508222875e-38  # float32's smallest normal number
 
 
 @dataclass(eq=False)
@@ -61,6 +62,8 @@ class LoadedModel:
         path: What it was loaded from (a folder or a hub id).
         load_seconds: How long :func:`load` took.
         parameters: Number of parameters.
+        loaded_at: When the load ended (Unix time): ``created`` in
+            ``/v1/models``.
     """
 
     model: Any
@@ -68,6 +71,7 @@ class LoadedModel:
     path: str
     load_seconds: float
     parameters: int
+    loaded_at: float = field(default_factory=time.time)  # Unix time, at the end
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
     _active: Any = None  # the open stream_generate generator, if any
     _longest_token: int | None = None
@@ -198,7 +202,10 @@ class GenerationParams:
             messages=tuple(chat_messages(request.messages)),
             max_tokens=max_tokens,
             temperature=request.temperature,
-            top_p=request.top_p,
+            # At least float32's smallest normal number: a smaller top_p
+            # became 0 in float32 and no token was ever kept (an empty
+            # answer); this one keeps the most likely token, as 1e-30 does.
+            top_p=None if request.top_p is None else max(request.top_p, _TOP_P_FLOOR),
             seed=request.seed,
             stop=request.stop_sequences,
             logprobs=bool(request.logprobs),

@@ -50,7 +50,13 @@ FORMATS: dict[str, str] = {
 }
 
 _PIL_FORMATS = sorted(set(FORMATS.values()))
-_DATA_URI = re.compile(r"data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),", re.ASCII)
+# The scheme is case-insensitive (RFC 3986): "DATA:" is a data URI too.
+_DATA_URI = re.compile(
+    r"\s*data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),", re.ASCII | re.IGNORECASE
+)
+#: Longest side over shortest: Qwen-VL's processors refuse more than 200:1
+#: (mlx-vlm raises a ValueError in the middle of the request: a 500).
+MAX_ASPECT_RATIO = 200
 # What rb"\s" matches; bytes.translate drops it about 6x faster than re.sub
 # on a 10 MB payload, and holds the GIL that much less.
 _WHITESPACE = b" \t\n\r\f\v"
@@ -178,6 +184,12 @@ def decode_image(
             f"{limits.max_pixels} are allowed.",
             "image_too_large",
         )
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise ref.error(
+            f"the image is {width}x{height}: its long side may be at most "
+            f"{MAX_ASPECT_RATIO} times its short side; crop or pad it.",
+            "invalid_image",
+        )
     try:
         return _to_rgb(image)
     except (OSError, SyntaxError, ValueError, EOFError):
@@ -260,7 +272,7 @@ def _data_uri_bytes(ref: ImageRef, limits: ImageLimits) -> bytes:
     url = ref.url
     match = _DATA_URI.match(url)
     if match is None:
-        if url.lower().startswith("file:") or "://" not in url:
+        if url.lstrip().lower().startswith("file:") or "://" not in url:
             raise ref.error(
                 "local files are never read; send the image inline as a base64 "
                 "data: URI.",

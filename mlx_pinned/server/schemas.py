@@ -20,8 +20,8 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
-    model_validator,
 )
 
 from ._errors import APIError as APIError
@@ -58,8 +58,12 @@ __all__ = [
 
 class _Request(BaseModel):
     # strict: "10" is not an int and 1 is not a bool, as in OpenAI's API;
-    # extra="ignore": fields this server does not know are accepted and ignored.
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+    # extra="ignore": fields this server does not know are accepted and ignored;
+    # allow_inf_nan=False: NaN and Infinity are "not a finite number", not
+    # "should be less than or equal to 2".
+    model_config = ConfigDict(
+        strict=True, extra="ignore", frozen=True, allow_inf_nan=False
+    )
 
 
 class TextPart(_Request):
@@ -98,7 +102,7 @@ class SystemMessage(_Request):
     """A system (or ``developer``) message: text only."""
 
     role: Literal["system", "developer"]
-    content: str | list[TextPart]
+    content: str | Annotated[list[TextPart], Field(min_length=1)]
     name: str | None = None
 
 
@@ -106,7 +110,7 @@ class UserMessage(_Request):
     """A user message: text, or a list of text and image parts."""
 
     role: Literal["user"]
-    content: str | list[UserPart]
+    content: str | Annotated[list[UserPart], Field(min_length=1)]
     name: str | None = None
 
 
@@ -114,7 +118,7 @@ class AssistantMessage(_Request):
     """An earlier assistant turn: text only (tool calls are not supported)."""
 
     role: Literal["assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
     name: str | None = None
 
 
@@ -162,11 +166,22 @@ class ChatCompletionRequest(_Request):
     def _check_logit_bias(
         cls, value: dict[str, float] | None
     ) -> dict[str, float] | None:
+        seen: dict[int, str] = {}
         for key, bias in (value or {}).items():
             if not (key.isascii() and key.isdigit()):
-                raise ValueError(f"keys must be token ids, not {key!r}")
+                raise ValueError(f"keys must be token ids, not {key[:40]!r}")
+            # No vocabulary has 10**10 tokens; and int() of a longer key
+            # could pass Python's digit limit (4300): a ValueError, a 500.
+            if len(key.lstrip("0")) > 10:
+                raise ValueError(f"token id {key[:40]!r}... is not in any vocabulary")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be between -100 and 100, not {bias}")
+            token = int(key)
+            if token in seen:
+                raise ValueError(
+                    f"token id {token} is given twice ({seen[token]!r} and {key!r})"
+                )
+            seen[token] = key
         return value
 
     @field_validator("n")
@@ -176,11 +191,14 @@ class ChatCompletionRequest(_Request):
             raise ValueError("only n=1 is supported: this server returns one choice")
         return value
 
-    @model_validator(mode="after")
-    def _check_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # A field validator (logprobs is validated before it), so the error
+        # names 'top_logprobs' as its param.
+        if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs to be true")
-        return self
+        return value
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:

@@ -119,6 +119,10 @@ class TestRoutes:
             card = (await served.client.get(f"/v1/models/{MODEL}")).json()
             assert card["object"] == "model"
             assert card["owned_by"] == "mlx-pinned"
+            # When the model was loaded: the same at every call (it was now
+            # minus the load's duration, moving with the clock).
+            loaded_at = int(served.state["model"].loaded_at)
+            assert listing["data"][0]["created"] == card["created"] == loaded_at
             missing = await served.client.get("/v1/models/gpt-4o")
             assert_error(missing, 404, "model", "model_not_found")
 
@@ -126,8 +130,10 @@ class TestRoutes:
         async with serve() as served:
             error = assert_error(await served.client.get("/v2/nothing"), 404)
             assert error["type"] == "invalid_request_error"
-            error = assert_error(await served.client.get("/v1/chat/completions"), 405)
+            response = await served.client.get("/v1/chat/completions")
+            error = assert_error(response, 405)
             assert "GET" in error["message"]
+            assert response.headers["allow"] == "POST"  # RFC 9110: a 405 has one
 
 
 class TestCompletion:
@@ -228,6 +234,9 @@ class TestCompletion:
             for seed in range(3):
                 assert await text(temperature=1.5, top_p=1e-6, seed=seed) == greedy
             assert await text(temperature=1.5, seed=0) != greedy
+            # Under float32's smallest number it was 0 there: nothing was kept,
+            # and the answer was empty ("stop" at once).
+            assert await text(temperature=1.5, top_p=1e-46, seed=0) == greedy
 
     async def test_multi_turn_several_images(self, serve: Serve) -> None:
         async with serve() as served:
@@ -466,6 +475,35 @@ class TestRequestErrors:
             assert_error(await served.chat(vision_body(), headers=wrong), 401)
             right = {"Authorization": "Bearer s3cret"}
             assert (await served.chat(vision_body(), headers=right)).status_code == 200
+            # The scheme is case-insensitive (RFC 9110); the key is not.
+            lower = {"Authorization": "bearer s3cret"}
+            assert (await served.chat(vision_body(), headers=lower)).status_code == 200
+            for given in (
+                "Bearer S3CRET",
+                "Bearer",
+                "Bearer ",
+                "s3cret",
+                "Basic s3cret",
+            ):
+                headers = {"Authorization": given}
+                assert_error(await served.chat(vision_body(), headers=headers), 401)
+
+    @pytest.mark.parametrize("size", [(300, 1), (2, 1000)])
+    async def test_images_the_processor_would_refuse_are_400(
+        self, serve: Serve, size: tuple[int, int]
+    ) -> None:
+        # Qwen-VL's processor raises on sides over 200:1 (a 500 before).
+        async with serve() as served:
+            url = image_data_uri(*size, fmt="PNG")
+            error = assert_error(
+                await served.chat(image_message({"url": url})),
+                400,
+                PARAM,
+                "invalid_image",
+            )
+            assert "200 times" in error["message"]
+            url = image_data_uri(400, 2, fmt="PNG")  # 200:1, the most allowed
+            assert (await served.chat(image_message({"url": url}))).status_code == 200
 
 
 PARAM = "messages[0].content[1].image_url"

@@ -85,6 +85,23 @@ class TestBatchedApp:
                 done.set()
         assert most == 2
 
+    async def test_a_waiting_room_smaller_than_the_batch_refuses_nobody(
+        self, serve: Serve
+    ) -> None:
+        # The MLX thread's queue was bounded by max_pending alone, and the
+        # running generations' turns filled it: of 4 requests that never
+        # waited (4 slots), 2 got 503.
+        async with serve(max_num_seqs=4, max_pending=1) as served:
+            statuses: list[int] = []
+
+            async def one(index: int) -> None:
+                statuses.append((await served.chat(body(index, 8))).status_code)
+
+            async with anyio.create_task_group() as tg:
+                for index in range(4):
+                    tg.start_soon(one, index)
+        assert statuses == [200] * 4
+
     async def test_disconnect_mid_batch_frees_its_slot(self, serve: Serve) -> None:
         async with serve(max_num_seqs=2) as served:
             other: dict[str, Any] = {}

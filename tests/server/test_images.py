@@ -107,6 +107,14 @@ class TestDecode:
         image = decode_image(ref(f"data:image/png;base64,{encoded}"), LIMITS)
         assert image.size == (20, 10)
 
+    def test_scheme_is_case_insensitive_and_spaces_around_are_dropped(self) -> None:
+        encoded = base64.b64encode(encode(RED, "PNG")).decode()
+        for url in (
+            f"DATA:image/PNG;BASE64,{encoded}",
+            f"  data:image/png;base64,{encoded} ",
+        ):
+            assert decode_image(ref(url), LIMITS).size == (20, 10)
+
     def test_image_is_fully_loaded(self) -> None:
         image = decode_image(ref(data_uri(encode(RED, "PNG"))), LIMITS)
         # A lazily opened image would still hold its file object.
@@ -171,6 +179,19 @@ class TestRefusals:
             decode_image(ref(data_uri(data)), ImageLimits(max_pixels=limit))
         assert time.perf_counter() - start < 0.05
         assert info.value.code == "image_too_large"
+
+    @pytest.mark.parametrize("size", [(201, 1), (1, 300), (2, 1000)])
+    def test_sides_over_200_to_1_are_refused(self, size: tuple[int, int]) -> None:
+        # Qwen-VL's processor raises on them in the middle of the request.
+        with pytest.raises(ImageError) as info:
+            decode_image(ref(data_uri(encode(Image.new("RGB", size), "PNG"))), LIMITS)
+        assert info.value.code == "invalid_image"
+        assert f"{size[0]}x{size[1]}" in info.value.message
+        assert "200 times" in info.value.message
+
+    def test_sides_at_200_to_1_are_allowed(self) -> None:
+        data = encode(Image.new("RGB", (400, 2)), "PNG")
+        assert decode_image(ref(data_uri(data)), LIMITS).size == (400, 2)
 
     def test_pixels_exactly_at_limit_are_allowed(self) -> None:
         data = encode(Image.new("RGB", (10, 10)), "PNG")

@@ -119,7 +119,7 @@ INVALID = [
     (b"[1, 2]", None, "invalid_type"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), "model",
      "missing_required_parameter"),
-    (body(messages=[]), "messages", "invalid_value"),
+    (body(messages=[]), "messages", "empty_array"),
     (body(messages=[{"role": "tool", "content": "x"}]), "messages[0]", "invalid_type"),
     (body(messages=[{"role": "user"}]), "messages[0].content",
      "missing_required_parameter"),
@@ -147,7 +147,15 @@ INVALID = [
     (body(stop=[1]), "stop[0]", "invalid_type"),
     (body(logprobs="yes"), "logprobs", "invalid_type"),
     (body(logprobs=True, top_logprobs=21), "top_logprobs", "invalid_value"),
-    (body(top_logprobs=2), None, "invalid_value"),
+    (body(top_logprobs=2), "top_logprobs", "invalid_value"),
+    (body(messages=[{"role": "user", "content": []}]), "messages[0].content",
+     "empty_array"),
+    (body(messages=[{"role": "system", "content": []}]), "messages[0].content",
+     "empty_array"),
+    # int() of a key past Python's 4300 digits raised in the handler: a 500.
+    (body(logit_bias={"1" * 4301: 1}), "logit_bias", "invalid_value"),
+    (body(logit_bias={"12345678901": 1}), "logit_bias", "invalid_value"),
+    (body(logit_bias={"5": 1, "05": -1}), "logit_bias", "invalid_value"),
     (body(n=2), "n", "invalid_value"),
     (body(stream=1), "stream", "invalid_type"),
     (body(stream_options={"include_usage": "yes"}), "stream_options.include_usage",
@@ -177,6 +185,19 @@ class TestInvalidRequests:
         with pytest.raises(APIError) as info:
             parse_chat_request(body(messages=[{"role": "user", "content": 5}]))
         assert "valid string, or input should be a valid array" in info.value.message
+
+    @pytest.mark.parametrize("raw", [b"NaN", b"Infinity", b"-Infinity"])
+    def test_non_finite_numbers_are_named_so(self, raw: bytes) -> None:
+        for field in (b"temperature", b"top_p"):
+            text = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "'
+            with pytest.raises(APIError) as info:
+                parse_chat_request(text + field + b'": ' + raw + b"}")
+            assert info.value.param == field.decode()
+            assert "finite number" in info.value.message  # not "less than 2"
+
+    def test_logit_bias_keys_may_have_leading_zeros(self) -> None:
+        request = parse_chat_request(body(logit_bias={"0005": 2, "7": -1}))
+        assert request.token_bias == {5: 2, 7: -1}
 
     def test_custom_messages_have_no_pydantic_prefix(self) -> None:
         with pytest.raises(APIError) as info:
