@@ -148,6 +148,8 @@ def create_app(
             "max_tokens_limit, max_pending, max_num_seqs and max_body_bytes"
             " must be >= 1"
         )
+    if api_key == "":
+        raise ValueError("api_key is empty: give a key, or None for no key")
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be >= 1, not {max_prompt_tokens}")
     if request_timeout is not None and not request_timeout > 0:

@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from queue import SimpleQueue
 from types import FrameType
 
@@ -65,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
     serve.add_argument(
-        "--port", type=int, default=8000, help="default: %(default)s; 0: any free port"
+        "--port",
+        type=_port,
+        default=8000,
+        help="default: %(default)s; 0: any free port",
     )
     serve.add_argument(
         "--served-model-name",
@@ -175,6 +179,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.demo == bool(args.model):
         parser.error("serve needs a MODEL, or --demo (not both)")
+    if args.api_key == "":  # e.g. a blank MLX_PINNED_API_KEY= line
+        parser.error(
+            f"the API key (--api-key or ${API_KEY_ENV}) is empty: give a key, or "
+            "unset it"
+        )
+    if args.model and _looks_local(args.model) and not Path(args.model).is_dir():
+        parser.error(
+            f"no model folder at {args.model!r} (a path; a Hugging Face hub id "
+            "looks like 'org/name')"
+        )
     with log_from_a_thread(args.log_level.upper()):
         return serve(args)
 
@@ -185,7 +199,8 @@ def log_from_a_thread(level: str) -> Iterator[None]:
     by a thread of their own: the event loop only queues them. A write to
     stderr is a system call (~50 us here) on the loop, once per request, and
     a full pipe (a log collector that lags) would block the loop until it
-    drains. What is queued is written before this returns."""
+    drains. What is queued is written before this returns, and the handler
+    is taken off again (a second run in the process logs as the first)."""
     queue: SimpleQueue[logging.LogRecord] = SimpleQueue()
     out = logging.StreamHandler()
     out.setFormatter(logging.Formatter(LOG_FORMAT))
@@ -200,6 +215,7 @@ def log_from_a_thread(level: str) -> Iterator[None]:
         yield
     finally:
         listener.stop()
+        logging.getLogger().removeHandler(queued)  # if basicConfig put it there
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -214,7 +230,15 @@ def serve(args: argparse.Namespace) -> int:
         from mlx_pinned.testing import tiny_vlm_path
 
         logger.info("writing the demo model (offline)")
-        model = str(tiny_vlm_path())
+        try:
+            model = str(tiny_vlm_path())
+        except OSError as exc:
+            logger.error(
+                "could not write the demo model: %s; set MLX_PINNED_CACHE to a "
+                "writable folder",
+                exc,
+            )
+            return 1
         name = name or DEMO_MODEL_NAME
     if not _is_loopback(args.host) and not args.api_key:
         logger.warning(
@@ -252,22 +276,26 @@ def serve(args: argparse.Namespace) -> int:
     )
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal
     # to the handler it found: with this one, a clean shutdown exits 0.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _stopped)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=args.access_log,
-        log_config=None,  # keep the logging set up in main()
-        timeout_graceful_shutdown=35,
-        # Longer than clients keep idle connections (httpx, and so the openai
-        # package: 5 s; nginx upstream: 60 s), so the client always closes
-        # first: with uvicorn's 5 s default, a request sent on a connection
-        # the server was closing failed (seen once in 320 requests at c32).
-        timeout_keep_alive=KEEP_ALIVE_SECONDS,
-    )
+    previous = {s: signal.signal(s, _stopped) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=args.access_log,
+            log_config=None,  # keep the logging set up in main()
+            timeout_graceful_shutdown=35,
+            # Longer than clients keep idle connections (httpx, and so the
+            # openai package: 5 s; nginx upstream: 60 s), so the client always
+            # closes first: with uvicorn's 5 s default, a request sent on a
+            # connection the server was closing failed (once in 320 at c32).
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        )
+    finally:  # Ctrl-C works again in a process that goes on (tests, embedding)
+        for signum, handler in previous.items():
+            if handler is not None:
+                signal.signal(signum, handler)
     return 0
 
 
@@ -275,15 +303,36 @@ def _stopped(signum: int, frame: FrameType | None) -> None:
     logger.info("stopped by %s", signal.Signals(signum).name)
 
 
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number, not {text!r}"
+        ) from None
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _whole(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
 
 
+def _port(text: str) -> int:
+    value = _whole(text)
+    if not 0 <= value <= 65535:  # uvloop took 70000 as 70000 - 65536
+        raise argparse.ArgumentTypeError(f"must be 0 to 65535, not {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds, not {text!r}"
+        ) from None
     if not value >= 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
     return value
@@ -294,6 +343,11 @@ def _positive_seconds(text: str) -> float:
     if value == 0:
         raise argparse.ArgumentTypeError("must be more than 0")
     return value
+
+
+def _looks_local(model: str) -> bool:
+    """Whether MODEL is written as a path: a hub id is 'name' or 'org/name'."""
+    return model.startswith(("/", ".", "~")) or model.count("/") > 1
 
 
 def _is_loopback(host: str) -> bool:

@@ -795,6 +795,7 @@ class TestDisconnect:
         {"request_timeout": 0},
         {"request_timeout": float("nan")},
         {"remote_image_timeout": 0},
+        {"api_key": ""},  # "Authorization: Bearer " with nothing after it passed
     ],
 )
 def test_invalid_options(options: dict[str, Any]) -> None:

@@ -15,9 +15,15 @@ from mlx_pinned.server import cli
 
 @pytest.fixture
 def handlers(monkeypatch: pytest.MonkeyPatch) -> dict[int, Any]:
-    """The signal handlers serve() installs, captured instead of installed."""
-    installed: dict[int, Any] = {}
-    monkeypatch.setattr("signal.signal", installed.__setitem__)
+    """The signal handlers serve() installs, captured instead of installed
+    (the ones before: two markers)."""
+    installed: dict[int, Any] = {signal.SIGINT: "int", signal.SIGTERM: "term"}
+
+    def fake_signal(signum: int, handler: Any) -> Any:
+        previous, installed[signum] = installed.get(signum), handler
+        return previous
+
+    monkeypatch.setattr("signal.signal", fake_signal)
     return installed
 
 
@@ -31,7 +37,7 @@ def runs(
     calls: list[dict[str, Any]] = []
 
     def fake_run(app: Any, **kwargs: Any) -> None:
-        calls.append({"app": app, **kwargs})
+        calls.append({"app": app, "handlers": dict(handlers), **kwargs})
 
     monkeypatch.setattr(uvicorn, "run", fake_run)
     return calls
@@ -84,8 +90,26 @@ class TestServe:
         # test_e2e drains a stream under SIGTERM and sees exit 0; SIGINT takes
         # the same handler, so uvicorn drains and exits 0 the same way.
         assert cli.main(["serve", "--demo"]) == 0
-        assert handlers[signal.SIGINT] is handlers[signal.SIGTERM]
+        during = runs[0]["handlers"]
+        assert during[signal.SIGINT] is during[signal.SIGTERM] is cli._stopped
         assert runs[0]["timeout_graceful_shutdown"] > 0
+        # Given back after: Ctrl-C worked no more in a process that went on.
+        assert handlers == {signal.SIGINT: "int", signal.SIGTERM: "term"}
+
+    def test_an_unwritable_demo_cache_is_one_clear_line(
+        self,
+        runs: list[dict[str, Any]],
+        monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        blocker = tmp_path / "a-file"
+        blocker.write_text("")
+        monkeypatch.setenv("MLX_PINNED_CACHE", str(blocker))
+        assert cli.main(["serve", "--demo"]) == 1  # was a FileExistsError traceback
+        assert "could not write the demo model" in caplog.text
+        assert "MLX_PINNED_CACHE" in caplog.text
+        assert runs == []
 
     def test_access_log_is_off_unless_asked(self, runs: list[dict[str, Any]]) -> None:
         assert cli.main(["serve", "--demo"]) == 0
@@ -136,6 +160,10 @@ def test_log_lines_are_written_by_their_own_thread() -> None:
             for n in range(50):
                 logging.getLogger("mlx_pinned.server").info("line %d", n)
         print(len(written), any(written))
+        # Taken off again: a second run logs too (its listener was stopped).
+        assert logging.getLogger().handlers == []
+        with cli.log_from_a_thread("INFO"):
+            logging.getLogger("mlx_pinned.server").info("line %d", 50)
         """
     )
     done = subprocess.run(
@@ -143,9 +171,9 @@ def test_log_lines_are_written_by_their_own_thread() -> None:
     )
     assert done.returncode == 0, done.stderr
     lines = done.stderr.splitlines()
-    assert len(lines) == 50
+    assert len(lines) == 51
     assert lines[0].endswith("INFO mlx_pinned.server: line 0")
-    assert lines[-1].endswith("INFO mlx_pinned.server: line 49")
+    assert lines[-1].endswith("INFO mlx_pinned.server: line 50")
     count, on_main = done.stdout.split()
     assert int(count) >= 50
     assert on_main == "False"  # never written by the thread that logged
@@ -164,9 +192,39 @@ class TestArguments:
             ["serve", "model", "--request-timeout", "nan"],
             ["serve", "model", "--max-prompt-tokens", "0"],
             ["serve", "model", "--remote-image-timeout", "0"],
+            # uvloop served --port 70000 on 70000 - 65536 = 4464
+            ["serve", "model", "--port", "70000"],
+            ["serve", "model", "--port", "-5"],
+            ["serve", "--demo", "--api-key", ""],  # half a key: "Bearer " passed
+            ["serve", "/nonexistent/model/dir"],  # an HFValidationError traceback
+            ["serve", "./no-such-model"],
         ],
     )
     def test_usage_errors_exit_2(self, argv: list[str]) -> None:
         with pytest.raises(SystemExit) as info:
             cli.main(argv)
         assert info.value.code == 2
+
+    def test_usage_errors_say_what_is_wrong(
+        self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        cases = [
+            (
+                ["serve", "m", "--max-pending", "abc"],
+                "must be a whole number, not 'abc'",
+            ),
+            (["serve", "m", "--request-timeout", "x"], "must be a number of seconds"),
+            (["serve", "m", "--port", "70000"], "must be 0 to 65535"),
+            (["serve", "/nonexistent/model/dir"], "no model folder at"),
+        ]
+        for argv, text in cases:
+            with pytest.raises(SystemExit):
+                cli.main(argv)
+            err = capsys.readouterr().err
+            assert text in err
+            assert "_positive" not in err  # argparse's "invalid _positive value"
+        monkeypatch.setenv(cli.API_KEY_ENV, "")  # a blank line in an env file
+        with pytest.raises(SystemExit) as info:
+            cli.main(["serve", "--demo"])
+        assert info.value.code == 2
+        assert "is empty" in capsys.readouterr().err
