@@ -143,6 +143,9 @@ class MLXThreadMiddleware:
         retry: bool = False,
     ) -> None:
         if scope["type"] != "http":
+            # Accepted first: a close before the accept is answered by the
+            # server as an HTTP 403, and the client never sees code 1013.
+            await send({"type": "websocket.accept"})
             await send({"type": "websocket.close", "code": 1013, "reason": message})
             return
         body = json.dumps(
@@ -179,44 +182,68 @@ class MLXThreadMiddleware:
             await send({"type": "lifespan.startup.failed", "message": _reason(exc)})
             await self._stop()
             return
-        replayed = False
-        answered = False  # the app answered the start-up message itself
+        except BaseException:  # cancelled, SystemExit: no thread left behind
+            await self._stop_shielded()
+            raise
+        replayed = False  # the app read the start-up message
+        answered = False  # the app answered it
+        shutdown = False  # the server asked for the shutdown
+        finished = False  # the app answered that
 
         async def app_receive() -> Message:
-            nonlocal replayed
+            nonlocal replayed, shutdown
             if not replayed:
                 replayed = True
                 return startup
             message = await receive()
             if message["type"] == "lifespan.shutdown":
+                shutdown = True
                 await self._drain()
             return message
 
         async def app_send(message: Message) -> None:
-            nonlocal answered
+            nonlocal answered, finished
             kind = message["type"]
             if kind.startswith("lifespan.startup."):
                 answered = True
                 if kind == "lifespan.startup.failed":
                     await self._stop()
             elif kind.startswith("lifespan.shutdown."):
+                finished = True
                 await self._stop()
             await send(message)
 
         try:
             await self.app(scope, app_receive, app_send)
-        except Exception:
-            if answered:
+        except Exception as exc:
+            if answered:  # failed after its start-up: the server reports it
+                await self._stop_shielded()
                 raise
+            if replayed:
+                # It speaks lifespan (it read the message), and its own
+                # start-up failed: answering "complete" for it hid the error.
+                logger.exception("the app's start-up failed")
+                reason = _reason(exc)
+                await send({"type": "lifespan.startup.failed", "message": reason})
+                await self._stop()
+                return
+        except BaseException:
+            await self._stop_shielded()
+            raise
         if not answered:
             # The app does not speak lifespan (it raised or returned at once,
             # as bare ASGI apps do): answer the server for it.
             await send({"type": "lifespan.startup.complete"})
-            message = await receive()
-            if message["type"] == "lifespan.shutdown":
+        if not finished:
+            # Also when it started and returned without waiting for the
+            # shutdown: the thread still stops when the server does.
+            if not shutdown:
+                ended = await receive()
+                if ended["type"] != "lifespan.shutdown":  # pragma: no cover
+                    return
                 await self._drain()
-                await self._stop()
-                await send({"type": "lifespan.shutdown.complete"})
+            await self._stop()
+            await send({"type": "lifespan.shutdown.complete"})
 
     async def _start(self, scope: Scope) -> None:
         if self._given_thread is None:
@@ -251,6 +278,10 @@ class MLXThreadMiddleware:
         thread = self.thread
         if thread is not None:
             await thread.aclose()
+
+    async def _stop_shielded(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self._stop()
 
 
 def _reason(exc: BaseException) -> str:

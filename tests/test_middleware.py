@@ -13,7 +13,9 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
+from starlette.testclient import TestClient
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from mlx_pinned import MLXThread, MLXThreadBusyError
 from mlx_pinned.middleware import MLXThreadMiddleware
@@ -268,3 +270,84 @@ class TestBareASGI:
             response = await http.get("/")
         assert_openai_error(response, 503, "overloaded")
         assert response.headers["retry-after"] == "7"
+
+
+class TestLifespanEdges:
+    """An app whose lifespan misbehaves: the thread never outlives it."""
+
+    async def test_an_apps_own_start_up_failure_fails_the_start_up(self) -> None:
+        made: list[MLXThread] = []
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            made.append(scope["state"]["mlx_thread"])
+            await receive()  # it speaks lifespan...
+            raise RuntimeError("no config file")  # ...and its start-up fails
+
+        # Answered "complete" for it before: the server started, and every
+        # request failed.
+        with pytest.raises(LifespanFailed, match="RuntimeError: no config file"):
+            async with run_lifespan(MLXThreadMiddleware(app)):
+                pass
+        assert made[0].closed
+
+    async def test_an_app_that_returns_after_starting_still_stops_the_thread(
+        self,
+    ) -> None:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await receive()
+            await send({"type": "lifespan.startup.complete"})  # then returns
+
+        with anyio.fail_after(10):  # no shutdown.complete came: a hang
+            async with run_lifespan(MLXThreadMiddleware(app)) as state:
+                thread: MLXThread = state["mlx_thread"]
+                assert await thread.run(lambda: 1) == 1
+        assert thread.closed  # shut-down answered for it, thread stopped
+
+    async def test_an_app_failing_its_shutdown_stops_the_thread(self) -> None:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await receive()
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            raise RuntimeError("shutdown hook failed")
+
+        middleware = MLXThreadMiddleware(app)
+        with pytest.raises(BaseException) as info:  # noqa: PT011 - grouped by anyio
+            async with run_lifespan(middleware):
+                pass
+        assert "shutdown hook failed" in repr(info.value)
+        assert middleware.thread is not None
+        assert middleware.thread.closed
+
+    async def test_a_start_up_job_raising_a_base_exception_stops_the_thread(
+        self,
+    ) -> None:
+        class Stop(BaseException):
+            pass
+
+        def job() -> None:
+            raise Stop
+
+        middleware = MLXThreadMiddleware(Starlette(), startup={"model": job})
+        with pytest.raises(BaseException) as info:  # noqa: PT011 - grouped by anyio
+            async with run_lifespan(middleware):
+                pass
+        assert "Stop" in repr(info.value)
+        assert middleware.thread is not None
+        assert middleware.thread.closed
+
+
+def test_websocket_refused_with_1013() -> None:
+    async def socket(websocket: WebSocket) -> None:
+        raise MLXThreadBusyError("queue full")
+
+    app = Starlette(
+        routes=[WebSocketRoute("/ws", socket)],
+        middleware=[Middleware(MLXThreadMiddleware)],
+    )
+    with TestClient(app) as http, http.websocket_connect("/ws") as ws:
+        # Closed before the accept, the server answered the handshake with an
+        # HTTP 403, and the client never saw the documented 1013.
+        with pytest.raises(WebSocketDisconnect) as info:
+            ws.receive_text()
+    assert info.value.code == 1013
+    assert "queue full" in info.value.reason
