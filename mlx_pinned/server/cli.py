@@ -25,19 +25,25 @@ import logging
 import logging.handlers
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from queue import SimpleQueue
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from .images import ImageLimits
+
+if TYPE_CHECKING:
+    import uvicorn
 
 __all__ = ["main"]
 
 DEMO_MODEL_NAME = "mlx-pinned-demo"
 KEEP_ALIVE_SECONDS = 75  # an idle connection is kept this long
 API_KEY_ENV = "MLX_PINNED_API_KEY"
+STARTUP_FAILED = 3  # the exit status of a failed start-up, as uvicorn's
 
 logger = logging.getLogger("mlx_pinned.server")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -276,27 +282,74 @@ def serve(args: argparse.Namespace) -> int:
     )
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal
     # to the handler it found: with this one, a clean shutdown exits 0.
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        log_config=None,  # keep the logging set up in main()
+        timeout_graceful_shutdown=35,
+        # Longer than clients keep idle connections (httpx, and so the openai
+        # package: 5 s; nginx upstream: 60 s), so the client always closes
+        # first: with uvicorn's 5 s default, a request sent on a connection
+        # the server was closing failed (seen once in 320 requests at c32).
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
+    )
+    # The socket first, the model after: uvicorn binds once the start-up (the
+    # model load) is done, so a port in use failed only after the load, with
+    # the load's exit status, and a restart loop reloaded the model each time.
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as exc:
+        logger.error("cannot listen on %s port %d: %s", args.host, args.port, exc)
+        return 1
+    server = _server(config)
     previous = {s: signal.signal(s, _stopped) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            access_log=args.access_log,
-            log_config=None,  # keep the logging set up in main()
-            timeout_graceful_shutdown=35,
-            # Longer than clients keep idle connections (httpx, and so the
-            # openai package: 5 s; nginx upstream: 60 s), so the client always
-            # closes first: with uvicorn's 5 s default, a request sent on a
-            # connection the server was closing failed (once in 320 at c32).
-            timeout_keep_alive=KEEP_ALIVE_SECONDS,
-        )
+        with sock:
+            server.run(sockets=[sock])
     finally:  # Ctrl-C works again in a process that goes on (tests, embedding)
         for signum, handler in previous.items():
             if handler is not None:
                 signal.signal(signum, handler)
+    if not server.started:  # the start-up failed (the model load): as uvicorn.run
+        return STARTUP_FAILED
     return 0
+
+
+def _server(config: uvicorn.Config) -> uvicorn.Server:
+    """uvicorn's Server, for a socket bound before the start-up; it logs the
+    address it serves once started, as uvicorn does for a socket of its own
+    (given sockets, uvicorn leaves that line to whoever bound them)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started and sockets:
+                host, port = sockets[0].getsockname()[:2]
+                logging.getLogger("uvicorn.error").info(
+                    "Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                    f"[{host}]" if ":" in host else host,
+                    port,
+                )
+
+    return Server(config)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host`` and ``port``, as uvicorn binds its own."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def _stopped(signum: int, frame: FrameType | None) -> None:

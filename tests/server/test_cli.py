@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -31,15 +32,29 @@ def handlers(monkeypatch: pytest.MonkeyPatch) -> dict[int, Any]:
 def runs(
     monkeypatch: pytest.MonkeyPatch, handlers: dict[int, Any]
 ) -> list[dict[str, Any]]:
-    """Capture uvicorn.run instead of serving."""
+    """Capture uvicorn's Server.run instead of serving."""
     import uvicorn
 
     calls: list[dict[str, Any]] = []
 
-    def fake_run(app: Any, **kwargs: Any) -> None:
-        calls.append({"app": app, "handlers": dict(handlers), **kwargs})
+    def fake_run(server: uvicorn.Server, sockets: Any = None) -> None:
+        config = server.config
+        server.started = True
+        calls.append(
+            {
+                "app": config.app,
+                "handlers": dict(handlers),
+                "sockets": sockets,
+                "bound": [sock.getsockname() for sock in sockets or ()],
+                "host": config.host,
+                "port": config.port,
+                "access_log": config.access_log,
+                "timeout_graceful_shutdown": config.timeout_graceful_shutdown,
+                "timeout_keep_alive": config.timeout_keep_alive,
+            }
+        )
 
-    monkeypatch.setattr(uvicorn, "run", fake_run)
+    monkeypatch.setattr(uvicorn.Server, "run", fake_run)
     return calls
 
 
@@ -95,6 +110,29 @@ class TestServe:
         assert runs[0]["timeout_graceful_shutdown"] > 0
         # Given back after: Ctrl-C worked no more in a process that went on.
         assert handlers == {signal.SIGINT: "int", signal.SIGTERM: "term"}
+
+    def test_a_port_in_use_fails_before_the_model_loads(
+        self, runs: list[dict[str, Any]], caplog: pytest.LogCaptureFixture
+    ) -> None:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            # uvicorn binds after the start-up: the model loaded first, then
+            # the bind failed with exit 3, the status of a failed load.
+            assert cli.main(["serve", "--demo", "--port", str(port)]) == 1
+        assert runs == []  # never started: no lifespan, no model load
+        assert f"cannot listen on 127.0.0.1 port {port}" in caplog.text
+
+    def test_the_bound_socket_is_what_uvicorn_serves(
+        self, runs: list[dict[str, Any]]
+    ) -> None:
+        assert cli.main(["serve", "--demo", "--port", "0"]) == 0
+        (sock,) = runs[0]["sockets"]
+        (address,) = runs[0]["bound"]
+        assert address[0] == "127.0.0.1"
+        assert address[1] > 0  # --port 0: a free one
+        assert sock.fileno() == -1  # closed once the server is done
 
     def test_an_unwritable_demo_cache_is_one_clear_line(
         self,
