@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar
 
 from ._mlx import evaluate
 from ._waiters import SyncWaiter, async_waiter
@@ -210,16 +210,21 @@ class Stream(Generic[T]):
                     if not self.scheduled and self.outcome is None:
                         self.scheduled = requeue = True
                 elif self.outcome is not None:
-                    outcome, self.outcome = self.outcome, _END
-                    if isinstance(outcome, BaseException):
-                        raise outcome
-                    raise StopIteration
+                    self._raise_end()
                 else:
                     return False, None
         finally:
             if requeue:
                 self.owner._requeue(self)
         return True, item
+
+    def _raise_end(self) -> NoReturn:
+        """The stream's end, once its buffer is empty (under the lock): its
+        error, else StopIteration; later takes see StopIteration."""
+        outcome, self.outcome = self.outcome, _END
+        if isinstance(outcome, BaseException):
+            raise outcome
+        raise StopIteration
 
     def batch_mode(self, size: int) -> None:
         """Read up to ``size`` items ahead; wake the consumer when ``size``
@@ -253,10 +258,7 @@ class Stream(Generic[T]):
                     if not self.scheduled and self.outcome is None:
                         self.scheduled = requeue = True
                 elif self.outcome is not None:
-                    outcome, self.outcome = self.outcome, _END
-                    if isinstance(outcome, BaseException):
-                        raise outcome
-                    raise StopIteration
+                    self._raise_end()
                 else:
                     return False, ()
         finally:

@@ -272,6 +272,17 @@ class TestBareASGI:
         assert response.headers["retry-after"] == "7"
 
 
+async def lifespan_raises_and_stops(middleware: MLXThreadMiddleware, text: str) -> None:
+    """The lifespan raises (``text`` in the error, grouped by anyio or not),
+    and the middleware's thread is stopped."""
+    with pytest.raises(BaseException) as info:  # noqa: PT011
+        async with run_lifespan(middleware):
+            pass
+    assert text in repr(info.value)
+    assert middleware.thread is not None
+    assert middleware.thread.closed
+
+
 class TestLifespanEdges:
     """An app whose lifespan misbehaves: the thread never outlives it."""
 
@@ -310,13 +321,7 @@ class TestLifespanEdges:
             await receive()
             raise RuntimeError("shutdown hook failed")
 
-        middleware = MLXThreadMiddleware(app)
-        with pytest.raises(BaseException) as info:  # noqa: PT011 - grouped by anyio
-            async with run_lifespan(middleware):
-                pass
-        assert "shutdown hook failed" in repr(info.value)
-        assert middleware.thread is not None
-        assert middleware.thread.closed
+        await lifespan_raises_and_stops(MLXThreadMiddleware(app), "shutdown hook")
 
     async def test_a_start_up_job_raising_a_base_exception_stops_the_thread(
         self,
@@ -328,12 +333,7 @@ class TestLifespanEdges:
             raise Stop
 
         middleware = MLXThreadMiddleware(Starlette(), startup={"model": job})
-        with pytest.raises(BaseException) as info:  # noqa: PT011 - grouped by anyio
-            async with run_lifespan(middleware):
-                pass
-        assert "Stop" in repr(info.value)
-        assert middleware.thread is not None
-        assert middleware.thread.closed
+        await lifespan_raises_and_stops(middleware, "Stop")
 
 
 def test_websocket_refused_with_1013() -> None:
