@@ -55,6 +55,13 @@ def runs(
         )
 
     monkeypatch.setattr(uvicorn.Server, "run", fake_run)
+    # The default port may be taken on the machine running the tests; an
+    # explicit --port (the port-in-use test) is bound as asked.
+    listen = cli._listen
+    default = cli.build_parser().parse_args(["serve", "--demo"]).port
+    monkeypatch.setattr(
+        cli, "_listen", lambda host, port: listen(host, 0 if port == default else port)
+    )
     return calls
 
 
