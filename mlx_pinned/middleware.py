@@ -183,10 +183,11 @@ class MLXThreadMiddleware:
             await self._stop()
             return
         except BaseException:  # cancelled, SystemExit: no thread left behind
-            await self._stop_shielded()
+            self._abandon()
             raise
         replayed = False  # the app read the start-up message
         answered = False  # the app answered it
+        failed = False  # with lifespan.startup.failed
         shutdown = False  # the server asked for the shutdown
         finished = False  # the app answered that
 
@@ -202,11 +203,15 @@ class MLXThreadMiddleware:
             return message
 
         async def app_send(message: Message) -> None:
-            nonlocal answered, finished
+            nonlocal answered, failed, finished
             kind = message["type"]
+            if not kind.startswith("lifespan."):
+                # A bare app that took the start-up message for a request.
+                raise _NotLifespan(kind)
             if kind.startswith("lifespan.startup."):
                 answered = True
                 if kind == "lifespan.startup.failed":
+                    failed = finished = True  # no shut-down follows a failure
                     await self._stop()
             elif kind.startswith("lifespan.shutdown."):
                 finished = True
@@ -215,28 +220,36 @@ class MLXThreadMiddleware:
 
         try:
             await self.app(scope, app_receive, app_send)
-        except Exception as exc:
-            if answered:  # failed after its start-up: the server reports it
-                await self._stop_shielded()
+        except Exception:
+            if failed:  # it told the server itself
                 raise
-            if replayed:
-                # It speaks lifespan (it read the message), and its own
-                # start-up failed: answering "complete" for it hid the error.
-                logger.exception("the app's start-up failed")
-                reason = _reason(exc)
-                await send({"type": "lifespan.startup.failed", "message": reason})
+            if shutdown:  # it failed in its shut-down, drained already
                 await self._stop()
-                return
+                raise
+            if answered:
+                # Failed while serving, after its start-up: the server goes
+                # on, so does the thread, until the server's shut-down.
+                logger.exception("the app's lifespan failed after its start-up")
+            elif replayed:
+                # It read the start-up message, then raised: an app whose own
+                # start-up failed, or a bare app that read it as a request. A
+                # server goes on as for an app without lifespan support
+                # (uvicorn's "auto"); so do we, but not silently.
+                logger.warning(
+                    "the app raised on lifespan.startup; answering for it as "
+                    "for an app without lifespan support",
+                    exc_info=True,
+                )
         except BaseException:
-            await self._stop_shielded()
+            self._abandon()
             raise
         if not answered:
             # The app does not speak lifespan (it raised or returned at once,
             # as bare ASGI apps do): answer the server for it.
             await send({"type": "lifespan.startup.complete"})
         if not finished:
-            # Also when it started and returned without waiting for the
-            # shutdown: the thread still stops when the server does.
+            # Also when it started and returned (or failed) without waiting
+            # for the shutdown: the thread still stops when the server does.
             if not shutdown:
                 ended = await receive()
                 if ended["type"] != "lifespan.shutdown":  # pragma: no cover
@@ -279,9 +292,16 @@ class MLXThreadMiddleware:
         if thread is not None:
             await thread.aclose()
 
-    async def _stop_shielded(self) -> None:
-        with anyio.CancelScope(shield=True):
-            await self._stop()
+    def _abandon(self) -> None:
+        """Stop the thread without waiting (cancelled: a start-up job may
+        still run, and a model load is not waited out); queued jobs end."""
+        self._closing = True
+        if self.thread is not None:
+            self.thread.shutdown(wait=False, cancel_futures=True)
+
+
+class _NotLifespan(Exception):
+    """Raised into an app that sent a non-lifespan message in a lifespan."""
 
 
 def _reason(exc: BaseException) -> str:

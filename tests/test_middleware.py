@@ -286,20 +286,92 @@ async def lifespan_raises_and_stops(middleware: MLXThreadMiddleware, text: str) 
 class TestLifespanEdges:
     """An app whose lifespan misbehaves: the thread never outlives it."""
 
-    async def test_an_apps_own_start_up_failure_fails_the_start_up(self) -> None:
-        made: list[MLXThread] = []
-
+    async def test_an_app_raising_on_the_start_up_message_is_answered_for_loudly(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
         async def app(scope: Any, receive: Any, send: Any) -> None:
-            made.append(scope["state"]["mlx_thread"])
-            await receive()  # it speaks lifespan...
-            raise RuntimeError("no config file")  # ...and its start-up fails
+            await receive()  # an app whose start-up fails, or a bare app
+            raise RuntimeError("no config file")
 
-        # Answered "complete" for it before: the server started, and every
-        # request failed.
-        with pytest.raises(LifespanFailed, match="RuntimeError: no config file"):
-            async with run_lifespan(MLXThreadMiddleware(app)):
-                pass
-        assert made[0].closed
+        # As a server goes on without lifespan (uvicorn's "auto"); it was
+        # answered "complete" without a word before.
+        async with run_lifespan(MLXThreadMiddleware(app)) as state:
+            assert await state["mlx_thread"].run(lambda: 2) == 2
+        assert "answering for it as for an app without lifespan" in caplog.text
+        assert "no config file" in caplog.text
+
+    async def test_a_bare_app_reading_first_is_still_served(self) -> None:
+        async def bare(scope: Any, receive: Any, send: Any) -> None:
+            await receive()  # reads its "request" before looking at the scope
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        app = MLXThreadMiddleware(bare)
+        sent: list[Any] = []
+
+        async def receive() -> Any:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        async with run_lifespan(app):  # its start-up answered for it
+            await app({"type": "http", "path": "/", "state": {}}, receive, send)
+        assert [m.get("status", m.get("body")) for m in sent] == [200, b"ok"]
+
+    async def test_an_app_failing_while_serving_keeps_the_thread_until_shutdown(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "lifespan":
+                await receive()
+                await send({"type": "lifespan.startup.complete"})
+                raise RuntimeError("background task died")
+            thread: MLXThread = scope["state"]["mlx_thread"]
+            body = str(await thread.run(lambda: 42)).encode()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": body})
+
+        middleware = MLXThreadMiddleware(app)
+        async with run_lifespan(middleware), client(middleware) as http:
+            assert (await http.get("/")).text == "42"  # not "shutting down"
+        assert "failed after its start-up" in caplog.text
+        assert middleware.thread is not None
+        assert middleware.thread.closed  # stopped at the server's shut-down
+
+    async def test_an_app_that_reports_its_failed_start_up_is_not_waited_for(
+        self,
+    ) -> None:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await receive()
+            await send({"type": "lifespan.startup.failed", "message": "bad"})
+
+        middleware = MLXThreadMiddleware(app)
+        to_app, inbox = anyio.create_memory_object_stream[Any](4)
+        outbox, from_app = anyio.create_memory_object_stream[Any](4)
+        scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+        with anyio.fail_after(10):  # it waited for a shut-down never sent
+            async with to_app, inbox, outbox, from_app:
+                await to_app.send({"type": "lifespan.startup"})
+                await middleware(scope, inbox.receive, outbox.send)
+                assert (await from_app.receive())["type"] == "lifespan.startup.failed"
+        assert middleware.thread is not None
+        assert middleware.thread.closed
+
+    async def test_a_cancelled_start_up_does_not_wait_for_the_job(self) -> None:
+        release = threading.Event()
+        middleware = MLXThreadMiddleware(
+            Starlette(), startup={"model": lambda: release.wait(30)}
+        )
+        try:
+            # A shielded join waited out the whole job (a model load).
+            with anyio.fail_after(10), anyio.move_on_after(0.3):
+                async with run_lifespan(middleware):
+                    pass
+            assert middleware.thread is not None
+            assert middleware.thread.closed
+        finally:
+            release.set()
 
     async def test_an_app_that_returns_after_starting_still_stops_the_thread(
         self,
