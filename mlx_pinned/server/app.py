@@ -317,7 +317,8 @@ class _APIKeyMiddleware:
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, key = given.strip().partition(b" ")
-        # The scheme is case-insensitive (RFC 9110): "bearer KEY" is fine.
+        # The scheme is case-insensitive, and spaces may follow it (RFC 9110).
+        key = key.strip()
         if scheme.lower() == b"bearer" and hmac.compare_digest(key, self._expected):
             await self.app(scope, receive, send)
             return

@@ -300,20 +300,23 @@ def serve(args: argparse.Namespace) -> int:
     # model load) is done, so a port in use failed only after the load, with
     # the load's exit status, and a restart loop reloaded the model each time.
     try:
-        sock = _listen(args.host, args.port)
+        sockets = _listen(args.host, args.port, config.backlog)
     except OSError as exc:
         logger.error("cannot listen on %s port %d: %s", args.host, args.port, exc)
         return 1
     server = _server(config)
     previous = {s: signal.signal(s, _stopped) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with sock:
-            server.run(sockets=[sock])
+        server.run(sockets=sockets)
     finally:  # Ctrl-C works again in a process that goes on (tests, embedding)
+        for sock in sockets:
+            sock.close()
         for signum, handler in previous.items():
             if handler is not None:
                 signal.signal(signum, handler)
-    if not server.started:  # the start-up failed (the model load): as uvicorn.run
+    # uvicorn exits 3 itself when the start-up (the model load) fails; this
+    # covers a version that returns instead, as uvicorn.run does.
+    if not server.started:
         return STARTUP_FAILED
     return 0
 
@@ -338,18 +341,30 @@ def _server(config: uvicorn.Config) -> uvicorn.Server:
     return Server(config)
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host`` and ``port``, as uvicorn binds its own."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+def _listen(host: str, port: int, backlog: int) -> list[socket.socket]:
+    """Listening sockets on every address of ``host``, as asyncio makes them
+    for uvicorn (IPv6 ones IPv6-only). Listening, not only bound: a second
+    server bound to the same port is refused at once, and connections queue
+    while the model loads."""
+    infos = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    sockets: list[socket.socket] = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(backlog)
+            sock.set_inheritable(True)
     except BaseException:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         raise
-    sock.set_inheritable(True)
-    return sock
+    return sockets
 
 
 def _stopped(signum: int, frame: FrameType | None) -> None:

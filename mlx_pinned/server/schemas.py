@@ -176,7 +176,7 @@ class ChatCompletionRequest(_Request):
                 raise ValueError(f"token id {key[:40]!r}... is not in any vocabulary")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be between -100 and 100, not {bias}")
-            token = int(key)
+            token = int(key.lstrip("0") or "0")  # "000...05" is 5, and no int() limit
             if token in seen:
                 raise ValueError(
                     f"token id {token} is given twice ({seen[token]!r} and {key!r})"
@@ -217,7 +217,9 @@ class ChatCompletionRequest(_Request):
     @property
     def token_bias(self) -> dict[int, float]:
         """``logit_bias`` with integer token ids (empty when unset)."""
-        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+        return {
+            int(k.lstrip("0") or "0"): v for k, v in (self.logit_bias or {}).items()
+        }
 
     @property
     def include_usage(self) -> bool:

@@ -60,7 +60,11 @@ def runs(
     listen = cli._listen
     default = cli.build_parser().parse_args(["serve", "--demo"]).port
     monkeypatch.setattr(
-        cli, "_listen", lambda host, port: listen(host, 0 if port == default else port)
+        cli,
+        "_listen",
+        lambda host, port, backlog: listen(
+            host, 0 if port == default else port, backlog
+        ),
     )
     return calls
 
@@ -140,6 +144,37 @@ class TestServe:
         assert address[0] == "127.0.0.1"
         assert address[1] > 0  # --port 0: a free one
         assert sock.fileno() == -1  # closed once the server is done
+
+    def test_a_second_server_on_the_port_is_refused_while_the_first_loads(
+        self,
+    ) -> None:
+        # Bound but not listening, both binds succeeded (SO_REUSEADDR): the
+        # second server loaded its model, then died with a traceback.
+        first = cli._listen("127.0.0.1", 0, 16)
+        try:
+            port = first[0].getsockname()[1]
+            with pytest.raises(OSError, match="in use"):
+                cli._listen("127.0.0.1", port, 16)
+        finally:
+            for sock in first:
+                sock.close()
+
+    def test_every_address_of_the_host_is_served_ipv6_only(self) -> None:
+        # An address family from ":" in the host bound 'localhost' on IPv4
+        # only, and made '::' dual-stack.
+        sockets = cli._listen("localhost", 0, 16)
+        try:
+            expected = {
+                i[0]
+                for i in socket.getaddrinfo("localhost", 0, type=socket.SOCK_STREAM)
+            }
+            assert {s.family for s in sockets} == expected
+            for sock in sockets:
+                if sock.family == socket.AF_INET6:
+                    assert sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1
+        finally:
+            for sock in sockets:
+                sock.close()
 
     def test_an_unwritable_demo_cache_is_one_clear_line(
         self,

@@ -156,6 +156,7 @@ INVALID = [
     (body(logit_bias={"1" * 4301: 1}), "logit_bias", "invalid_value"),
     (body(logit_bias={"12345678901": 1}), "logit_bias", "invalid_value"),
     (body(logit_bias={"5": 1, "05": -1}), "logit_bias", "invalid_value"),
+    (body(logit_bias={"0" * 5000 + "5": 1, "5": 1}), "logit_bias", "invalid_value"),
     (body(n=2), "n", "invalid_value"),
     (body(stream=1), "stream", "invalid_type"),
     (body(stream_options={"include_usage": "yes"}), "stream_options.include_usage",
@@ -198,6 +199,9 @@ class TestInvalidRequests:
     def test_logit_bias_keys_may_have_leading_zeros(self) -> None:
         request = parse_chat_request(body(logit_bias={"0005": 2, "7": -1}))
         assert request.token_bias == {5: 2, 7: -1}
+        # Past Python's 4300-digit int() limit, zeros only: still token 5.
+        request = parse_chat_request(body(logit_bias={"0" * 5000 + "5": 1}))
+        assert request.token_bias == {5: 1}
 
     def test_custom_messages_have_no_pydantic_prefix(self) -> None:
         with pytest.raises(APIError) as info:
