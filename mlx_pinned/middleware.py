@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 import anyio
+
+if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
+    from exceptiongroup import BaseExceptionGroup
 
 from ._exceptions import (
     MLXThreadBrokenError,
@@ -114,19 +118,20 @@ class MLXThreadMiddleware:
         self._in_flight += 1
         try:
             await self.app(scope, receive, send_tracking)
-        except MLXThreadBusyError as exc:
-            if started:
+        except Exception as exc:
+            # Also the one error of a task group the endpoint ran (anyio's
+            # groups wrap even a single error): it was a 500.
+            error = _sole(exc)
+            if started or not isinstance(error, _MAPPED):
                 raise
-            await self._error(scope, send, 503, str(exc), "overloaded", retry=True)
-        except (MLXThreadClosedError, MLXThreadBrokenError) as exc:
-            if started:
-                raise
-            await self._error(scope, send, 503, str(exc), "unavailable")
-        except StreamAffinityError as exc:
-            if started:
-                raise
-            logger.error("stream affinity error: %s", exc)
-            await self._error(scope, send, 500, str(exc), "stream_affinity")
+            if isinstance(error, MLXThreadBusyError):
+                message = str(error)
+                await self._error(scope, send, 503, message, "overloaded", retry=True)
+            elif isinstance(error, StreamAffinityError):
+                logger.error("stream affinity error: %s", error)
+                await self._error(scope, send, 500, str(error), "stream_affinity")
+            else:
+                await self._error(scope, send, 503, str(error), "unavailable")
         finally:
             self._in_flight -= 1
             if self._in_flight == 0 and self._idle is not None:
@@ -298,6 +303,21 @@ class MLXThreadMiddleware:
         self._closing = True
         if self.thread is not None:
             self.thread.shutdown(wait=False, cancel_futures=True)
+
+
+_MAPPED = (
+    MLXThreadBusyError,
+    MLXThreadClosedError,
+    MLXThreadBrokenError,
+    StreamAffinityError,
+)
+
+
+def _sole(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) exception groups of one, else ``exc``."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 class _NotLifespan(Exception):

@@ -219,6 +219,30 @@ class TestStarlette:
                     await entered.wait()
                 tg.cancel_scope.cancel()
 
+    async def test_an_error_from_a_task_group_is_mapped_too(self) -> None:
+        async def grouped(request: Request) -> JSONResponse:
+            async with anyio.create_task_group() as group:  # wraps what it raises
+                group.start_soon(busy, request)
+            return JSONResponse({})  # pragma: no cover
+
+        async def two(request: Request) -> JSONResponse:
+            async with anyio.create_task_group() as group:
+                group.start_soon(busy, request)
+                group.start_soon(busy, request)
+            return JSONResponse({})  # pragma: no cover
+
+        app = Starlette(
+            routes=[Route("/grouped", grouped), Route("/two", two)],
+            middleware=[Middleware(MLXThreadMiddleware)],
+        )
+        async with run_lifespan(app), client(app) as http:
+            response = await http.get("/grouped")  # a 500 before
+            assert_openai_error(response, 503, "overloaded")
+            assert response.headers["retry-after"] == "1"
+            with pytest.raises(BaseException) as info:  # noqa: PT011
+                await http.get("/two")  # two errors: not one to map, raised
+            assert "ExceptionGroup" in type(info.value).__name__
+
 
 class TestFastAPI:
     async def test_fastapi_app(self) -> None:
