@@ -176,7 +176,7 @@ class ChatCompletionRequest(_Request):
                 raise ValueError(f"token id {key[:40]!r}... is not in any vocabulary")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be between -100 and 100, not {bias}")
-            token = int(key.lstrip("0") or "0")  # "000...05" is 5, and no int() limit
+            token = _token_id(key)
             if token in seen:
                 raise ValueError(
                     f"token id {token} is given twice ({seen[token]!r} and {key!r})"
@@ -217,9 +217,7 @@ class ChatCompletionRequest(_Request):
     @property
     def token_bias(self) -> dict[int, float]:
         """``logit_bias`` with integer token ids (empty when unset)."""
-        return {
-            int(k.lstrip("0") or "0"): v for k, v in (self.logit_bias or {}).items()
-        }
+        return {_token_id(k): v for k, v in (self.logit_bias or {}).items()}
 
     @property
     def include_usage(self) -> bool:
@@ -389,6 +387,11 @@ if hasattr(os, "register_at_fork"):  # not on Windows
 def completion_id() -> tuple[str, int]:
     """A fresh ``chatcmpl-…`` id and the ``created`` Unix time."""
     return f"chatcmpl-{_ids.getrandbits(96):024x}", int(time.time())
+
+
+def _token_id(key: str) -> int:
+    """A ``logit_bias`` key's token id: "000...05" is 5, past int()'s limit."""
+    return int(key.lstrip("0") or "0")
 
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
