@@ -10,7 +10,6 @@ inside the framework's error handling so it sees the app's exceptions::
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
@@ -21,13 +20,9 @@ import anyio
 if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
     from exceptiongroup import BaseExceptionGroup
 
-from ._exceptions import (
-    MLXThreadBrokenError,
-    MLXThreadBusyError,
-    MLXThreadClosedError,
-    StreamAffinityError,
-)
+from ._exceptions import StreamAffinityError
 from ._executor import MLXThread
+from ._http_errors import SHUTTING_DOWN, HTTPAnswer, http_answer
 
 __all__ = ["MLXThreadMiddleware"]
 
@@ -52,10 +47,14 @@ class MLXThreadMiddleware:
     ``drain_timeout`` seconds to finish, the app's own shut-down runs, then
     the thread shuts down.
 
-    Requests: ``MLXThreadBusyError`` becomes 503 with ``Retry-After``;
-    ``MLXThreadClosedError`` and ``MLXThreadBrokenError`` 503;
-    ``StreamAffinityError`` 500 with its message. Bodies use OpenAI's error
-    shape. An error after the response started is re-raised.
+    Requests: mlx-pinned's errors get the answers of
+    :func:`~mlx_pinned._http_errors.http_answer`, the same on every route:
+    ``MLXThreadBusyError`` 503 ``server_busy`` with ``Retry-After``;
+    ``MLXThreadClosedError`` and ``MLXThreadBrokenError`` 503
+    ``mlx_thread_unavailable``; ``StreamAffinityError`` 500
+    ``stream_affinity_error`` with a generic message (the details are
+    logged). Bodies use OpenAI's error shape. An error after the response
+    started is re-raised.
 
     Args:
         app: the ASGI app to wrap.
@@ -103,9 +102,7 @@ class MLXThreadMiddleware:
         for key, value in self._state.items():
             state.setdefault(key, value)
         if self._closing:
-            await self._error(
-                scope, send, 503, "The server is shutting down.", "shutting_down"
-            )
+            await self._answer(scope, send, SHUTTING_DOWN)
             return
         started = False
 
@@ -120,59 +117,40 @@ class MLXThreadMiddleware:
             await self.app(scope, receive, send_tracking)
         except Exception as exc:
             # Also the one error of a task group the endpoint ran (anyio's
-            # groups wrap even a single error): it was a 500.
+            # groups wrap even a single error).
             error = _sole(exc)
-            if started or not isinstance(error, _MAPPED):
+            answer = http_answer(error)
+            if started or answer is None:
                 raise
-            if isinstance(error, MLXThreadBusyError):
-                message = str(error)
-                await self._error(scope, send, 503, message, "overloaded", retry=True)
-            elif isinstance(error, StreamAffinityError):
-                logger.error("stream affinity error: %s", error)
-                await self._error(scope, send, 500, str(error), "stream_affinity")
-            else:
-                await self._error(scope, send, 503, str(error), "unavailable")
+            if isinstance(error, StreamAffinityError):
+                # The client gets a generic message; job and thread names
+                # are for the operator.
+                path = scope.get("path")
+                logger.error("stream affinity error in %s", path, exc_info=error)
+            await self._answer(scope, send, answer)
         finally:
             self._in_flight -= 1
             if self._in_flight == 0 and self._idle is not None:
                 self._idle.set()
 
-    async def _error(
-        self,
-        scope: Scope,
-        send: Send,
-        status: int,
-        message: str,
-        code: str,
-        *,
-        retry: bool = False,
-    ) -> None:
+    async def _answer(self, scope: Scope, send: Send, answer: HTTPAnswer) -> None:
         if scope["type"] != "http":
             # Accepted first: a close before the accept is answered by the
             # server as an HTTP 403, and the client never sees code 1013.
+            # A close frame carries at most 123 bytes of reason.
+            reason = answer.message.encode()[:123].decode(errors="ignore")
             await send({"type": "websocket.accept"})
-            await send({"type": "websocket.close", "code": 1013, "reason": message})
+            await send({"type": "websocket.close", "code": 1013, "reason": reason})
             return
-        body = json.dumps(
-            {
-                "error": {
-                    "message": message,
-                    "type": "server_error"
-                    if status >= 500
-                    else "invalid_request_error",
-                    "param": None,
-                    "code": code,
-                }
-            }
-        ).encode()
+        body = answer.body()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
         ]
-        if retry:
+        if answer.retry:
             headers.append((b"retry-after", str(self.retry_after).encode()))
         await send(
-            {"type": "http.response.start", "status": status, "headers": headers}
+            {"type": "http.response.start", "status": answer.status, "headers": headers}
         )
         await send({"type": "http.response.body", "body": body})
 
@@ -303,14 +281,6 @@ class MLXThreadMiddleware:
         self._closing = True
         if self.thread is not None:
             self.thread.shutdown(wait=False, cancel_futures=True)
-
-
-_MAPPED = (
-    MLXThreadBusyError,
-    MLXThreadClosedError,
-    MLXThreadBrokenError,
-    StreamAffinityError,
-)
 
 
 def _sole(exc: BaseException) -> BaseException:

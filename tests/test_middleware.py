@@ -17,7 +17,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from mlx_pinned import MLXThread, MLXThreadBusyError
+from mlx_pinned import MLXThread, MLXThreadBrokenError, MLXThreadBusyError
 from mlx_pinned.middleware import MLXThreadMiddleware
 
 pytestmark = pytest.mark.anyio
@@ -114,7 +114,7 @@ class TestStarlette:
         app = starlette_app()
         async with run_lifespan(app), client(app) as http:
             response = await http.get("/busy")
-        assert_openai_error(response, 503, "overloaded")
+        assert_openai_error(response, 503, "server_busy")
         assert response.headers["retry-after"] == "1"
 
     async def test_real_full_queue_is_503(self) -> None:
@@ -132,20 +132,28 @@ class TestStarlette:
             thread.submit(gate.wait, 10)  # queued: the queue is full
             response = await http.get("/where")
             gate.set()
-        assert_openai_error(response, 503, "overloaded")
+        assert_openai_error(response, 503, "server_busy")
 
     async def test_closed_thread_is_503(self) -> None:
         app = starlette_app()
         async with run_lifespan(app), client(app) as http:
             response = await http.get("/closed")
-        assert_openai_error(response, 503, "unavailable")
+        assert_openai_error(response, 503, "mlx_thread_unavailable")
 
-    async def test_stream_affinity_error_is_500_that_says_why(self) -> None:
+    async def test_stream_affinity_error_is_500_that_says_why(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
         app = starlette_app()
         async with run_lifespan(app), client(app) as http:
             response = await http.get("/lazy")
-        assert_openai_error(response, 500, "stream_affinity")
-        assert "lazy array" in response.json()["error"]["message"]
+        assert_openai_error(response, 500, "stream_affinity_error")
+        message = response.json()["error"]["message"]
+        assert "used on a thread that does not own it" in message
+        # The job and the thread are named in the log, never to the client.
+        for detail in ("<lambda>", "mlx-pinned-asgi"):
+            assert detail not in message
+            assert detail in caplog.text
+        assert "lazy array" in caplog.text
 
     async def test_error_after_response_started_is_reraised(self) -> None:
         app = starlette_app()
@@ -237,7 +245,7 @@ class TestStarlette:
         )
         async with run_lifespan(app), client(app) as http:
             response = await http.get("/grouped")  # a 500 before
-            assert_openai_error(response, 503, "overloaded")
+            assert_openai_error(response, 503, "server_busy")
             assert response.headers["retry-after"] == "1"
             with pytest.raises(BaseException) as info:  # noqa: PT011
                 await http.get("/two")  # two errors: not one to map, raised
@@ -265,7 +273,7 @@ class TestFastAPI:
 
         async with run_lifespan(api), client(api) as http:
             assert (await http.get("/where")).json() == {"on_thread": True}
-            assert_openai_error(await http.get("/busy"), 503, "overloaded")
+            assert_openai_error(await http.get("/busy"), 503, "server_busy")
 
 
 class TestBareASGI:
@@ -292,7 +300,7 @@ class TestBareASGI:
         app = MLXThreadMiddleware(bare, retry_after=7)
         async with run_lifespan(app), client(app) as http:
             response = await http.get("/")
-        assert_openai_error(response, 503, "overloaded")
+        assert_openai_error(response, 503, "server_busy")
         assert response.headers["retry-after"] == "7"
 
 
@@ -447,3 +455,20 @@ def test_websocket_refused_with_1013() -> None:
             ws.receive_text()
     assert info.value.code == 1013
     assert "queue full" in info.value.reason
+
+
+def test_websocket_close_reason_fits_a_close_frame() -> None:
+    async def socket(websocket: WebSocket) -> None:
+        raise MLXThreadBrokenError("the thread died: " + "why " * 100)
+
+    app = Starlette(
+        routes=[WebSocketRoute("/ws", socket)],
+        middleware=[Middleware(MLXThreadMiddleware)],
+    )
+    with TestClient(app) as http, http.websocket_connect("/ws") as ws:
+        # A longer reason makes websockets fail the close (a protocol error).
+        with pytest.raises(WebSocketDisconnect) as info:
+            ws.receive_text()
+    assert info.value.code == 1013
+    assert info.value.reason.startswith("the thread died: why")
+    assert len(info.value.reason.encode()) <= 123
