@@ -115,7 +115,7 @@ def _bind(fn: Any, obj: Any, owner: Any) -> Any:
     if obj is None and not isinstance(fn, (staticmethod, classmethod)):
         return None
     get = getattr(type(fn), "__get__", None)
-    if get is None:  # a callable object: passed the instance, as before
+    if get is None:  # a callable object: it gets the instance, as a method would
         return None if obj is None else functools.partial(fn, obj)
     return get(fn, obj, owner)
 

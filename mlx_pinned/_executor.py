@@ -18,7 +18,7 @@ from ._exceptions import (
     MLXThreadBusyError,
     MLXThreadClosedError,
 )
-from ._jobs import AsyncioCall, Call, FutureCall
+from ._jobs import AsyncioCall, Call, FutureCall, Running
 from ._mlx import ThreadStream, affinity_error, evaluate, is_stream_error, job_name
 from ._streams import AsyncStreamIterator, Stream, SyncStreamIterator
 from ._waiters import SyncWaiter, async_waiter, get_running_loop, is_asyncio
@@ -64,6 +64,115 @@ class MLXThreadStatistics:
     max_pending: int | None
 
 
+class _Worker:
+    """What an MLXThread shares with its jobs and streams: its queue, lock,
+    state and counters. Implements :class:`JobOwner` and :class:`StreamOwner`.
+
+    Under ``lock``, from any thread: ``state``, ``dead``, ``submitted_count``,
+    ``discarded_count`` and puts that must not race the worker's end. On the
+    worker thread only (no lock): ``running``, ``open_streams``, the
+    started, completed, failed and cancelled counts and the busy clock.
+    Read without the lock from any thread: the rest, and the counts for
+    ``statistics()``.
+    """
+
+    __slots__ = (
+        "broken",
+        "broken_why",
+        "busy_since",
+        "busy_time",
+        "cancel_running",
+        "cancelled_count",
+        "completed_count",
+        "dead",
+        "discarded_count",
+        "eval_results",
+        "failed_count",
+        "ident",
+        "lock",
+        "name",
+        "open_streams",
+        "queue",
+        "running",
+        "started_count",
+        "state",
+        "submitted_count",
+    )
+
+    def __init__(self, name: str, eval_results: bool) -> None:
+        self.name = name
+        self.eval_results = eval_results
+        # Reentrant: a stream iterator collected while the worker holds the
+        # lock (garbage collection can run anywhere) queues its close turn.
+        self.lock = threading.RLock()
+        self.queue: SimpleQueue[Any] = SimpleQueue()
+        self.state = _NEW
+        self.ident: int | None = None
+        self.dead = False  # the worker has drained its queue for the last time
+        self.broken: BaseException | None = None
+        self.broken_why: str | None = None  # how it broke, when it did
+        self.cancel_running = False  # shutdown(cancel_futures=True) was called
+        self.submitted_count = 0  # counted items queued
+        self.started_count = 0  # counted items the worker took
+        self.discarded_count = 0  # counted items removed without a turn
+        self.completed_count = self.failed_count = self.cancelled_count = 0
+        self.busy_time = 0.0  # seconds in finished busy periods
+        self.busy_since: float | None = None  # start of the current one
+        self.running: Running | None = None
+        self.open_streams: set[Stream[Any]] = set()
+
+    @property
+    def closed(self) -> bool:
+        return self.state is _CLOSED or self.broken is not None
+
+    def pending(self) -> int:
+        """Counted items queued and not taken by the worker."""
+        return self.submitted_count - self.started_count - self.discarded_count
+
+    def is_current(self) -> bool:
+        return threading.get_ident() == self.ident
+
+    def requeue(self, stream: Stream[Any]) -> None:
+        with self.lock:
+            if not self.dead:
+                self.queue.put(stream)
+                return
+        stream.abandon(self.closed_error())
+
+    def closed_error(self) -> MLXThreadClosedError | MLXThreadBrokenError:
+        if self.broken is not None:
+            error = MLXThreadBrokenError(
+                self.broken_why
+                or f"MLX thread {self.name!r} is broken ({self.broken!r}):"
+                " create a new MLXThread."
+            )
+            error.__cause__ = self.broken
+            return error
+        return MLXThreadClosedError(
+            f"MLX thread {self.name!r} was shut down: create a new MLXThread."
+        )
+
+    def translate(
+        self,
+        error: BaseException,
+        fn: Callable[..., object] | str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> BaseException:
+        if isinstance(error, StopIteration):
+            # A StopIteration set on an asyncio future hangs its awaiter.
+            new: BaseException = RuntimeError(
+                f"job {_job_name(fn)!r} raised StopIteration"
+            )
+        elif is_stream_error(error):
+            new = affinity_error(error, fn, args, kwargs, self.name)
+        else:
+            return error
+        new.__cause__ = error
+        new.__traceback__ = error.__traceback__
+        return new
+
+
 class MLXThread(Executor):
     """An executor that runs every job on one dedicated thread with its own stream.
 
@@ -105,31 +214,13 @@ class MLXThread(Executor):
         self.max_pending = max_pending
         self._initializer = initializer
         self._finalizer = finalizer
-        self._eval_results = eval_results
-        # Reentrant: a stream iterator collected while the worker holds the
-        # lock (garbage collection can run anywhere) queues its close turn.
-        self._lock = threading.RLock()
-        self._queue: SimpleQueue[Any] = SimpleQueue()
-        self._state = _NEW
+        self._worker = _Worker(name, eval_results)
         self._thread: threading.Thread | None = None
-        self._ident: int | None = None
-        self._dead = False  # the worker has drained its queue for the last time
-        self._broken: BaseException | None = None
-        self._broken_why: str | None = None  # how it broke, when it did
-        self._cancel_running = False
-        self._submitted = 0  # counted items queued (under _lock)
-        self._started = 0  # counted items the worker took (worker only)
-        self._discarded = 0  # counted items removed by cancel_futures (under _lock)
-        self._completed = self._failed = self._cancelled = 0
-        self._busy = 0.0  # seconds in finished busy periods
-        self._busy_since: float | None = None  # start of the current one
-        self._current: Call[Any] | Stream[Any] | None = None  # the running job
-        self._open_streams: set[Stream[Any]] = set()
         self._mlx_stream: ThreadStream | None = None
         _all_threads.add(self)
 
     def __repr__(self) -> str:
-        return f"<MLXThread {self.name!r} {self._state}>"
+        return f"<MLXThread {self.name!r} {self._worker.state}>"
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -139,22 +230,23 @@ class MLXThread(Executor):
         Raises:
             MLXThreadClosedError: it was shut down.
         """
-        with self._lock:
-            if self._state is _RUNNING:
+        worker = self._worker
+        with worker.lock:
+            if worker.state is _RUNNING:
                 return
-            if self._state is _CLOSED:
-                raise self._closed_error()
+            if worker.state is _CLOSED:
+                raise worker.closed_error()
             try:
                 _register_exit_hook()
             except RuntimeError:  # the interpreter is already shutting down
-                self._state = _CLOSED
+                worker.state = _CLOSED
                 raise MLXThreadClosedError(
                     f"MLX thread {self.name!r} cannot start: the interpreter is"
                     " shutting down."
                 ) from None
             thread = threading.Thread(target=self._work, name=self.name)
             thread.start()
-            self._thread, self._ident, self._state = thread, thread.ident, _RUNNING
+            self._thread, worker.ident, worker.state = thread, thread.ident, _RUNNING
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop accepting jobs and stop the thread once the queue is done.
@@ -168,17 +260,18 @@ class MLXThread(Executor):
             wait: block until the thread has exited (ignored on the thread itself).
             cancel_futures: cancel the jobs still queued.
         """
+        worker = self._worker
         discarded: list[Call[Any] | Stream[Any]] = []
-        with self._lock:
-            if self._state is _NEW:
-                self._state = _CLOSED
+        with worker.lock:
+            if worker.state is _NEW:
+                worker.state = _CLOSED
                 return
-            if self._state is _RUNNING:
-                self._state = _CLOSED
+            if worker.state is _RUNNING:
+                worker.state = _CLOSED
                 if cancel_futures:
-                    self._cancel_running = True
+                    worker.cancel_running = True
                     discarded = self._take_queued()
-                self._queue.put(_STOP)
+                worker.queue.put(_STOP)
         # Ended outside the lock: ending a stream takes its own lock, which a
         # thread holding it may hold while it queues a turn (under _lock).
         for item in discarded:
@@ -236,30 +329,33 @@ class MLXThread(Executor):
     @property
     def ident(self) -> int | None:
         """The worker thread's ``threading.get_ident()``, ``None`` before start."""
-        return self._ident
+        return self._worker.ident
 
     def is_current(self) -> bool:
         """Whether the caller is running on this MLXThread."""
-        return threading.get_ident() == self._ident
+        return threading.get_ident() == self._worker.ident
 
     @property
     def closed(self) -> bool:
         """Whether ``shutdown()`` was called or the thread broke."""
-        return self._state is _CLOSED or self._broken is not None
+        return self._worker.closed
 
     def statistics(self) -> MLXThreadStatistics:
         """Counters and queue depth, read without stopping the thread."""
-        job, since = self._current, self._busy_since
+        worker = self._worker
+        job, since = worker.running, worker.busy_since
         fn = None if job is None else job.fn
-        busy = self._busy + (0.0 if since is None else time.perf_counter() - since)
+        busy = worker.busy_time + (
+            0.0 if since is None else time.perf_counter() - since
+        )
         return MLXThreadStatistics(
-            pending=max(0, self._submitted - self._started - self._discarded),
+            pending=max(0, worker.pending()),
             running=None if fn is None else _job_name(fn),
-            completed=self._completed,
-            failed=self._failed,
-            cancelled=self._cancelled + self._discarded,
+            completed=worker.completed_count,
+            failed=worker.failed_count,
+            cancelled=worker.cancelled_count + worker.discarded_count,
             busy_time=busy,
-            open_streams=len(self._open_streams),
+            open_streams=len(worker.open_streams),
             max_pending=self.max_pending,
         )
 
@@ -344,7 +440,7 @@ class MLXThread(Executor):
         Raises:
             MLXThreadBusyError: the queue is full (raised here, at once).
         """
-        stream: Stream[T] = Stream(self, gen_fn, args, kwargs)
+        stream: Stream[T] = Stream(self._worker, gen_fn, args, kwargs)
         self._enqueue(stream)
         return AsyncStreamIterator(stream)
 
@@ -353,61 +449,38 @@ class MLXThread(Executor):
     ) -> SyncStreamIterator[T]:
         """Like :meth:`iterate`, for plain threads: a blocking iterator with
         ``close()``. Must not be consumed on the MLXThread itself."""
-        stream: Stream[T] = Stream(self, gen_fn, args, kwargs)
+        stream: Stream[T] = Stream(self._worker, gen_fn, args, kwargs)
         self._enqueue(stream)
         return SyncStreamIterator(stream)
 
     # -- internals -------------------------------------------------------
 
     def _enqueue(self, item: Call[Any] | Stream[Any]) -> None:
-        if self._state is _NEW:
+        worker = self._worker
+        if worker.state is _NEW:
             self.start()
-        with self._lock:
-            if self._state is not _RUNNING or self._dead:
-                raise self._closed_error()
-            if (
-                self.max_pending is not None
-                and self._submitted - self._started - self._discarded
-                >= self.max_pending
-            ):
+        with worker.lock:
+            if worker.state is not _RUNNING or worker.dead:
+                raise worker.closed_error()
+            if self.max_pending is not None and worker.pending() >= self.max_pending:
                 raise MLXThreadBusyError(
                     f"MLX thread {self.name!r} already has {self.max_pending} jobs"
                     " queued: retry later, or raise max_pending."
                 )
-            self._submitted += 1
-            self._queue.put(item)
-
-    def _requeue(self, stream: Stream[Any]) -> None:
-        """Queue a stream's next turn; never refused for lack of room."""
-        with self._lock:
-            if not self._dead:
-                self._queue.put(stream)
-                return
-        stream.abandon(self._closed_error())
-
-    def _closed_error(self) -> MLXThreadClosedError | MLXThreadBrokenError:
-        if self._broken is not None:
-            error = MLXThreadBrokenError(
-                self._broken_why
-                or f"MLX thread {self.name!r} is broken ({self._broken!r}):"
-                " create a new MLXThread."
-            )
-            error.__cause__ = self._broken
-            return error
-        return MLXThreadClosedError(
-            f"MLX thread {self.name!r} was shut down: create a new MLXThread."
-        )
+            worker.submitted_count += 1
+            worker.queue.put(item)
 
     def _take_queued(self) -> list[Call[Any] | Stream[Any]]:
-        """Remove the queued items, counted as discarded (under ``_lock``);
+        """Remove the queued items, counted as discarded (under the lock);
         the caller ends them once the lock is released."""
+        worker = self._worker
         taken = []
-        for item in _drain(self._queue):
+        for item in _drain(worker.queue):
             if item is _STOP:
-                self._queue.put(item)
+                worker.queue.put(item)
                 continue
             if item.counted:
-                self._discarded += 1
+                worker.discarded_count += 1
             taken.append(item)
         return taken
 
@@ -417,40 +490,21 @@ class MLXThread(Executor):
         """Run ``fn`` now, on this very thread (a job calling its own thread)."""
         try:
             value = fn(*args, **kwargs)
-            if self._eval_results:
+            if self._worker.eval_results:
                 evaluate(value)
         except BaseException as exc:
-            error = self._translate(exc, fn, args, kwargs)
+            error = self._worker.translate(exc, fn, args, kwargs)
             if error is exc:
                 raise
             raise error from exc
         return value
 
-    def _translate(
-        self,
-        error: BaseException,
-        fn: Callable[..., object] | str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> BaseException:
-        if isinstance(error, StopIteration):
-            # A StopIteration set on an asyncio future hangs its awaiter.
-            new: BaseException = RuntimeError(
-                f"job {_job_name(fn)!r} raised StopIteration"
-            )
-        elif is_stream_error(error):
-            new = affinity_error(error, fn, args, kwargs, self.name)
-        else:
-            return error
-        new.__cause__ = error
-        new.__traceback__ = error.__traceback__
-        return new
-
     def _work(self) -> None:
         """The worker thread's main loop."""
+        worker = self._worker
         # First: start() sets it only after this thread runs, and the
         # initializer may call run_sync, which must run inline here.
-        self._ident = threading.get_ident()
+        worker.ident = threading.get_ident()
         step = "creating its MLX stream"
         # Seen on the CUDA backend in a forked child: "cudaSetDevice failed:
         # initialization error" (CUDA does not survive fork).
@@ -466,20 +520,20 @@ class MLXThread(Executor):
             if self._initializer is not None:
                 self._initializer()
         except BaseException as exc:
-            # Set before _broken: whoever sees it broken reads why (a call
+            # Set before broken: whoever sees it broken reads why (a call
             # racing the failure is refused with this, not a vaguer word).
-            self._broken_why = (
+            worker.broken_why = (
                 f"MLX thread {self.name!r} failed to start: {step} raised"
                 f" {exc!r}; {hint}"
             )
-            self._broken = exc
-            self._finish(MLXThreadBrokenError(self._broken_why), exc)
+            worker.broken = exc
+            self._finish(MLXThreadBrokenError(worker.broken_why), exc)
             return
-        _jobs.current.owner = self
-        queue = self._queue
+        _jobs.thread_local.owner = worker
+        queue = worker.queue
         get_nowait, adopt = queue.get_nowait, self._mlx_stream.adopt_module_streams
         clock = time.perf_counter
-        self._busy_since = clock()
+        worker.busy_since = clock()
         try:
             while True:
                 try:
@@ -487,36 +541,37 @@ class MLXThread(Executor):
                 except Empty:
                     # Busy time is counted per busy period, not per job: two
                     # clock reads per wake-up instead of two per job.
-                    self._busy += clock() - self._busy_since
-                    self._busy_since = None
+                    worker.busy_time += clock() - worker.busy_since
+                    worker.busy_since = None
                     item = queue.get()
-                    self._busy_since = clock()
+                    worker.busy_since = clock()
                 if item is _STOP:
                     break
                 if item.counted:
-                    self._started += 1
+                    worker.started_count += 1
                 adopt()
-                item.run(self)
+                item.run(worker)
         except BaseException as exc:  # pragma: no cover - a bug in the loop itself
-            self._broken = exc
+            worker.broken = exc
             raise
         finally:
-            if self._busy_since is not None:
-                self._busy += clock() - self._busy_since
-                self._busy_since = None
+            if worker.busy_since is not None:
+                worker.busy_time += clock() - worker.busy_since
+                worker.busy_since = None
             self._finish(
                 MLXThreadClosedError(f"MLX thread {self.name!r} was shut down."), None
             )
 
     def _finish(self, error: BaseException, cause: BaseException | None) -> None:
         """End every job still queued, close open streams, then clean up MLX."""
-        with self._lock:
-            self._dead = True
-            self._state = _CLOSED
-            leftovers = _drain(self._queue)
+        worker = self._worker
+        with worker.lock:
+            worker.dead = True
+            worker.state = _CLOSED
+            leftovers = _drain(worker.queue)
         # Open streams first: a consumer woken by its error finds its
         # generator closed (its ``finally`` has run) and counted.
-        for stream in list(self._open_streams):
+        for stream in list(worker.open_streams):
             stream.close_on_thread(
                 MLXThreadClosedError(
                     f"MLX thread {self.name!r} was shut down while this stream"
@@ -526,15 +581,15 @@ class MLXThread(Executor):
         for item in leftovers:
             if item is not _STOP:
                 if item.counted:
-                    with self._lock:
-                        self._discarded += 1
+                    with worker.lock:
+                        worker.discarded_count += 1
                 # One error each: consumers on different threads must not
                 # raise (and extend the traceback of) the same object.
                 own = type(error)(*error.args)
                 own.__cause__ = cause
                 item.abandon(own)
         try:
-            if self._finalizer is not None and self._broken is None:
+            if self._finalizer is not None and worker.broken is None:
                 self._finalizer()
         finally:
             if self._mlx_stream is not None:
@@ -542,12 +597,13 @@ class MLXThread(Executor):
 
     def _forked(self) -> None:
         """In a forked child: this thread does not exist there."""
-        self._lock = threading.RLock()
-        self._queue = SimpleQueue()
-        if self._state is _RUNNING:
-            self._broken = RuntimeError("the process forked")
-            self._dead = True
-            self._state = _CLOSED
+        worker = self._worker
+        worker.lock = threading.RLock()
+        worker.queue = SimpleQueue()
+        if worker.state is _RUNNING:
+            worker.broken = RuntimeError("the process forked")
+            worker.dead = True
+            worker.state = _CLOSED
 
 
 def _drain(queue: SimpleQueue[Any]) -> list[Any]:
@@ -570,11 +626,11 @@ def cancel_requested() -> bool:
     True once its caller was cancelled, its stream was closed, or the thread
     is shutting down with ``cancel_futures=True``. Always false elsewhere.
     """
-    owner: MLXThread | None = getattr(_jobs.current, "owner", None)
+    owner: _Worker | None = getattr(_jobs.thread_local, "owner", None)
     if owner is None:
         return False
-    job = owner._current
-    return owner._cancel_running or (job is not None and bool(job.cancel_requested))
+    job = owner.running
+    return owner.cancel_running or (job is not None and bool(job.cancel_requested))
 
 
 _all_threads: weakref.WeakSet[MLXThread] = weakref.WeakSet()

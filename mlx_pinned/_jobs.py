@@ -1,10 +1,14 @@
-"""Work items of the queue: one call of a function, run once on the worker."""
+"""Work items of the queue: one call of a function, run once on the worker.
+
+A call is made on the caller's thread and run on the MLX thread; what it
+needs from the executor there is :class:`JobOwner`, and nothing else.
+"""
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ._mlx import SCALARS, evaluate
 from ._waiters import asyncio_inbox
@@ -13,13 +17,47 @@ if TYPE_CHECKING:
     import asyncio
     from collections.abc import Callable
 
-    from ._executor import MLXThread
     from ._waiters import Waiter
 
 T = TypeVar("T")
 
-# On a worker thread, ``current.owner`` is its MLXThread (for cancel_requested).
-current = threading.local()
+# On a worker thread, ``thread_local.owner`` is its JobOwner (for
+# cancel_requested).
+thread_local = threading.local()
+
+
+class Running(Protocol):
+    """The job or stream turn running on the worker now."""
+
+    @property
+    def fn(self) -> Callable[..., object] | None: ...
+
+    @property
+    def cancel_requested(self) -> bool: ...
+
+
+class JobOwner(Protocol):
+    """What a job reads and writes of the executor that runs it.
+
+    Touched on the worker thread only, while the job runs: the worker is the
+    only writer of these, so they need no lock.
+    """
+
+    eval_results: bool  # evaluate results on the thread
+    running: Running | None  # the job running now
+    completed_count: int
+    failed_count: int
+    cancelled_count: int
+
+    def translate(
+        self,
+        error: BaseException,
+        fn: Callable[..., object],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> BaseException:
+        """The error the caller gets for ``error`` raised by ``fn``."""
+        ...
 
 
 class Call(Generic[T]):
@@ -51,26 +89,26 @@ class Call(Generic[T]):
         """Whether the job may run (it was not cancelled while queued)."""
         return not self.cancelled
 
-    def run(self, owner: MLXThread) -> None:
+    def run(self, owner: JobOwner) -> None:
         """Run on the worker thread: the hot path, kept flat on purpose."""
         fn = self.fn
         if fn is None or self.cancelled or not self.start():
-            owner._cancelled += 1
+            owner.cancelled_count += 1
             self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
             self.finish()
             return
-        owner._current = self
+        owner.running = self
         try:
             value = fn(*self.args, **self.kwargs)
-            if owner._eval_results and not isinstance(value, SCALARS):
+            if owner.eval_results and not isinstance(value, SCALARS):
                 evaluate(value)
         except BaseException as exc:
-            self.error = owner._translate(exc, fn, self.args, self.kwargs)
-            owner._failed += 1
+            self.error = owner.translate(exc, fn, self.args, self.kwargs)
+            owner.failed_count += 1
         else:
             self.value = value
-            owner._completed += 1
-        owner._current = None
+            owner.completed_count += 1
+        owner.running = None
         # Drop references to arguments now: they may hold large arrays.
         self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
         self.finish()

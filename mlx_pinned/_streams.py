@@ -5,23 +5,28 @@ item per turn: after each item the stream goes to the back of the queue, so
 streams interleave item by item with each other and with plain jobs. It reads
 at most ``READ_AHEAD`` items ahead of its consumer, then parks until the
 consumer takes one; a slow consumer never holds the thread.
+
+The ``Stream`` methods under "worker side" run on the MLX thread, those under
+"consumer side" on the consumer's thread (any thread but the MLX thread, or
+an event loop's); what a stream needs of its executor is :class:`StreamOwner`.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, Protocol, TypeVar
 
+from ._jobs import JobOwner
 from ._mlx import evaluate
 from ._waiters import SyncWaiter, async_waiter
 
 if TYPE_CHECKING:
     import sys
     from collections.abc import Callable, Iterable, Iterator
+    from queue import SimpleQueue
     from types import TracebackType
 
-    from ._executor import MLXThread
     from ._waiters import Waiter
 
     if sys.version_info >= (3, 11):
@@ -39,6 +44,36 @@ class _End:
 
 
 _END = _End()
+
+
+class StreamOwner(JobOwner, Protocol):
+    """What a stream reads and writes of its executor, beyond a job's needs.
+
+    ``queue``, ``open_streams`` and the job's members: on the worker thread
+    only. ``requeue`` and ``is_current``: from any thread.
+    """
+
+    # The next turn is put here directly, on the worker, while it is alive.
+    queue: SimpleQueue[Any]
+    open_streams: set[Stream[Any]]  # streams whose generator exists
+
+    @property
+    def closed(self) -> bool:
+        """Whether the executor was shut down or broke."""
+        ...
+
+    def closed_error(self) -> BaseException:
+        """The error a consumer gets once the executor is closed."""
+        ...
+
+    def requeue(self, stream: Stream[Any]) -> None:
+        """Queue the stream's next turn (any thread), never refused for lack
+        of room; end the stream instead if the worker is gone."""
+        ...
+
+    def is_current(self) -> bool:
+        """Whether the caller runs on the executor's thread."""
+        ...
 
 
 class Stream(Generic[T]):
@@ -63,7 +98,7 @@ class Stream(Generic[T]):
 
     def __init__(
         self,
-        owner: MLXThread,
+        owner: StreamOwner,
         fn: Callable[..., Iterable[T]],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
@@ -91,7 +126,7 @@ class Stream(Generic[T]):
 
     # -- worker side ---------------------------------------------------------
 
-    def run(self, owner: MLXThread) -> None:
+    def run(self, owner: StreamOwner) -> None:
         """One turn on the worker: create the generator or advance it once."""
         self.counted = False
         if self.close_requested:
@@ -100,25 +135,25 @@ class Stream(Generic[T]):
         if owner.closed:
             # Shut down: a stream is never started or advanced past this
             # point; its consumer must not wait for it (shutdown never does).
-            self.close_on_thread(owner._closed_error())
+            self.close_on_thread(owner.closed_error())
             return
         fn = self.fn
-        owner._current = self
+        owner.running = self
         item: Any = _END
         outcome: BaseException | _End | None = None
         try:
             if self.gen is None:
                 self.gen = iter(fn(*self.args, **self.kwargs))  # type: ignore[misc]
-                owner._open_streams.add(self)
+                owner.open_streams.add(self)
             item = next(self.gen)
-            if owner._eval_results:
+            if owner.eval_results:
                 evaluate(item)
         except StopIteration:
             item, outcome = _END, _END
         except BaseException as exc:
             args, kwargs = self.args, self.kwargs
-            item, outcome = _END, owner._translate(exc, fn, args, kwargs)  # type: ignore[arg-type]
-        owner._current = None
+            item, outcome = _END, owner.translate(exc, fn, args, kwargs)  # type: ignore[arg-type]
+        owner.running = None
         if outcome is not None:
             self._end_on_thread(outcome)
             return
@@ -135,7 +170,7 @@ class Stream(Generic[T]):
                     # close turn (this one is scheduled), and that close must
                     # run before any job it queues next (FIFO). The worker is
                     # alive here, so the queue is too.
-                    owner._queue.put(self)
+                    owner.queue.put(self)
                 else:
                     self.scheduled = False  # parked: take() queues its turn
                 if len(buffer) >= self.wake_at:
@@ -151,9 +186,9 @@ class Stream(Generic[T]):
     def _end_on_thread(self, outcome: BaseException | _End) -> None:
         owner = self.owner
         if outcome is _END:
-            owner._completed += 1
+            owner.completed_count += 1
         else:
-            owner._failed += 1
+            owner.failed_count += 1
         self._release_on_thread()
         self._settle(outcome, keep_buffer=True)
 
@@ -169,11 +204,11 @@ class Stream(Generic[T]):
                     close()
             except BaseException as exc:  # a generator that refuses to close
                 error = error or exc
-        self.owner._cancelled += 1
+        self.owner.cancelled_count += 1
         self._settle(_END if error is None else error, keep_buffer=False)
 
     def _release_on_thread(self) -> None:
-        self.owner._open_streams.discard(self)
+        self.owner.open_streams.discard(self)
         self.gen = self.fn = None
         self.args, self.kwargs = (), {}
 
@@ -215,7 +250,7 @@ class Stream(Generic[T]):
                     return False, None
         finally:
             if requeue:
-                self.owner._requeue(self)
+                self.owner.requeue(self)
         return True, item
 
     def _raise_end(self) -> NoReturn:
@@ -238,7 +273,7 @@ class Stream(Generic[T]):
                     self.scheduled = requeue = len(self.buffer) < self.limit
         finally:
             if requeue:
-                self.owner._requeue(self)
+                self.owner.requeue(self)
 
     def take_batch(self) -> tuple[bool, tuple[T, ...]]:
         """Take every buffered item once ``wake_at`` are ready, or what is left
@@ -263,7 +298,7 @@ class Stream(Generic[T]):
                     return False, ()
         finally:
             if requeue:
-                self.owner._requeue(self)
+                self.owner.requeue(self)
         return True, items
 
     def set_waiter(self, waiter: Waiter) -> bool:
@@ -293,7 +328,7 @@ class Stream(Generic[T]):
                 self.scheduled = True
         finally:
             if requeue:
-                self.owner._requeue(self)
+                self.owner.requeue(self)
         return True
 
 

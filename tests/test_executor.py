@@ -1162,7 +1162,7 @@ class TestHandOffs:
 
         it = thread.iterate_sync(gen)
         stream = it._stream
-        queue, reentrant = thread._queue, []
+        queue, reentrant = thread._worker.queue, []
 
         class CollectOnTheThread:
             def put(self, item: Any) -> None:
@@ -1177,7 +1177,7 @@ class TestHandOffs:
             def __getattr__(self, name: str) -> Any:
                 return getattr(queue, name)
 
-        monkeypatch.setattr(thread, "_queue", CollectOnTheThread())
+        monkeypatch.setattr(thread._worker, "queue", CollectOnTheThread())
         cycle: list[Any] = [it]
         cycle.append(cycle)
         del it, cycle
@@ -1203,10 +1203,10 @@ class TestHandOffs:
 
         def abandon_and_check(self: Stream[Any], error: BaseException) -> None:
             def probe() -> None:
-                got = t._lock.acquire(timeout=WAIT)
+                got = t._worker.lock.acquire(timeout=WAIT)
                 free_then.append(got)
                 if got:
-                    t._lock.release()
+                    t._worker.lock.release()
 
             other = threading.Thread(target=probe)
             other.start()

@@ -245,7 +245,7 @@ def stop(t: MLXThread, worker: threading.Thread) -> bool:
     # and let the test fail instead of the session hanging.
     from mlx_pinned import _executor
 
-    t._queue.put(_executor._STOP)
+    t._worker.queue.put(_executor._STOP)
     worker.join(WAIT)
     return False
 
