@@ -13,7 +13,7 @@ and errors, then the ratios against vllm-mlx, and writes a PNG.
 ::
 
     python benchmarks/peers.py run [--systems ...] [--concurrency 1,8,32]
-        [--rounds 3] [--peers-venv /work/venv-peers] [--plot peers.png]
+        [--rounds 3] [--peers-venv VENV] [--plot peers.png]
     python benchmarks/peers.py inprocess      # batched vs one at a time
 
 Systems (``--systems``, comma-separated; override a command with
@@ -23,17 +23,18 @@ Systems (``--systems``, comma-separated; override a command with
 - ``mlx-pinned``: ``python -m mlx_pinned.server serve MODEL`` (continuous
   batching, ``--max-num-seqs 32``);
 - ``mlx-pinned-serial``: the same with ``--max-num-seqs 1`` (one generation
-  at a time, the unbatched engine);
+  at a time: a batch of one);
 - ``vllm-mlx``, ``vllm-mlx-cb``: ``vllm-mlx serve MODEL --mllm``, without and
   with ``--continuous-batching``;
 - ``mlx-vlm``: ``python -m mlx_vlm.server --model MODEL``.
 
 The peers live in their own virtual environment (vllm-mlx 0.6.0 installs on
-Linux beside ``mlx[cpu]``)::
+Linux beside ``mlx[cpu]``), given by ``--peers-venv`` or
+``$MLX_PINNED_PEERS_VENV``; it is needed only when a peer is among the
+systems::
 
-    python -m venv /work/venv-peers
-    /work/venv-peers/bin/pip install vllm-mlx==0.6.0 'mlx[cpu]==0.32.4' \\
-        mlx-vlm==0.7.10
+    python -m venv VENV
+    VENV/bin/pip install vllm-mlx==0.6.0 'mlx[cpu]==0.32.4' mlx-vlm==0.7.10
 
 This script needs ``httpx`` and ``matplotlib`` beside mlx-pinned. It is
 expensive (every server, every level, every round): run it on a quiet
@@ -83,6 +84,7 @@ COMMANDS: dict[str, str] = {
     "mlx-vlm": "{peers_bin}/python -m mlx_vlm.server --model {model} --port {port}",
 }
 BASELINE = "vllm-mlx-cb"
+PEERS_VENV_ENV = "MLX_PINNED_PEERS_VENV"
 
 
 # -- one load level ---------------------------------------------------------------
@@ -303,9 +305,15 @@ def run(args: argparse.Namespace) -> int:
     for override in args.cmd:
         name, _, template = override.partition("=")
         commands[name] = template
+    templates = [commands.get(name, "") for name in args.systems]
+    if args.peers_venv is None and any("{peers_bin}" in t for t in templates):
+        raise SystemExit(
+            f"a peer is among the systems: give its virtual environment with "
+            f"--peers-venv or ${PEERS_VENV_ENV}"
+        )
     fields = {
         "python": sys.executable,
-        "peers_bin": str(Path(args.peers_venv) / "bin"),
+        "peers_bin": str(Path(args.peers_venv or ".") / "bin"),
         "model": args.model,
         "self": str(Path(__file__).resolve()),
     }
@@ -328,15 +336,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def inprocess(args: argparse.Namespace) -> int:
-    """Batched (BatchGate + batching) vs one at a time (engine), in process."""
+    """The engine batched (up to ``concurrency`` rows) vs one at a time (a
+    batch of one), in process."""
     import io
 
     import anyio
     from PIL import Image
 
     from mlx_pinned import MLXThread
-    from mlx_pinned.server import batching, engine
-    from mlx_pinned.server.engine import FinalEvent, GenerationParams
+    from mlx_pinned.server.engine import BatchEngine
+    from mlx_pinned.server.events import FinalEvent, GenerationParams
+    from mlx_pinned.server.http.gate import BatchGate
     from mlx_pinned.testing import make_test_image, tiny_vlm_path
 
     image = Image.open(io.BytesIO(make_test_image())).convert("RGB")
@@ -347,28 +357,12 @@ def inprocess(args: argparse.Namespace) -> int:
         temperature=0.0,
     )
 
-    class OneAtATime:
-        def __init__(self) -> None:
-            self.lock = anyio.Lock()
-
-        @contextlib.asynccontextmanager
-        async def turn(self) -> Any:
-            async with self.lock:
-                yield
-
-    async def level(thread: Any, loaded: Any, mode: str, concurrency: int) -> Level:
+    async def level(engine: Any, mode: str, concurrency: int) -> Level:
         result = Level(mode, concurrency)
-        if mode == "batched":
-            gate: Any = batching.BatchGate(concurrency, 4096)
+        gate = BatchGate(concurrency if mode == "batched" else 1, 4096)
 
-            def start_stream() -> Any:
-                return batching.iterate(thread, loaded, params, [image])
-
-        else:
-            gate = OneAtATime()
-
-            def start_stream() -> Any:
-                return thread.iterate(engine.generate_stream, loaded, params, [image])
+        def start_stream() -> Any:
+            return engine.stream(params, [image])
 
         for _ in range(args.rounds):
             remaining = max(args.requests, 2 * concurrency)
@@ -402,11 +396,11 @@ def inprocess(args: argparse.Namespace) -> int:
     async def main() -> list[Level]:
         levels = []
         async with MLXThread(name="peers-inprocess") as thread:
-            loaded = await thread.run(engine.load, tiny_vlm_path())
+            engine = await thread.run(BatchEngine.load, tiny_vlm_path(), thread)
             for concurrency in args.concurrency:
                 for mode in ("one-at-a-time", "batched"):
-                    await level(thread, loaded, mode, concurrency)  # warm-up
-                    levels.append(await level(thread, loaded, mode, concurrency))
+                    await level(engine, mode, concurrency)  # warm-up
+                    levels.append(await level(engine, mode, concurrency))
                     print("   " + _row(levels[-1]), flush=True)
         return levels
 
@@ -432,7 +426,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=lambda s: s.split(","),
         default=list(COMMANDS),
     )
-    bench.add_argument("--peers-venv", default="/work/venv-peers")
+    bench.add_argument(
+        "--peers-venv",
+        default=os.environ.get(PEERS_VENV_ENV),
+        help=f"the peers' virtual environment (default: ${PEERS_VENV_ENV})",
+    )
     bench.add_argument("--cmd", action="append", default=[], metavar="NAME=TEMPLATE")
     bench.add_argument("--warmup", type=int, default=3)
     bench.add_argument("--startup-timeout", type=float, default=180)

@@ -2,13 +2,16 @@
 
 ``create_app(model)`` returns a Starlette app that serves ``model`` on one MLX
 thread; ``mlx-pinned serve MODEL`` (or ``python -m mlx_pinned.server``) runs
-it under uvicorn.
+it under uvicorn. The package is grouped by the thread its code runs on:
+:mod:`.engine` (the MLX thread), :mod:`.http` (the event loop),
+:mod:`.inputs` (worker threads), and plain shared modules (:mod:`.config`,
+:mod:`.errors`, :mod:`.events`, :mod:`.limits`).
 """
 
 from __future__ import annotations
 
-from .app import ServerConfig as ServerConfig
 from .app import create_app as create_app
-from .images import ImageLimits as ImageLimits
+from .config import ImageLimits as ImageLimits
+from .config import ServerConfig as ServerConfig
 
 __all__ = ["ImageLimits", "ServerConfig", "create_app"]

@@ -23,17 +23,25 @@ import importlib.util
 import ipaddress
 import logging
 import logging.handlers
+import math
 import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from queue import SimpleQueue
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from .images import ImageLimits
+from .config import (
+    API_KEY_ENV,
+    ImageLimits,
+    ServerConfig,
+    Setting,
+    command_line_settings,
+    whole,
+)
 
 if TYPE_CHECKING:
     import uvicorn
@@ -42,7 +50,6 @@ __all__ = ["main"]
 
 DEMO_MODEL_NAME = "mlx-pinned-demo"
 KEEP_ALIVE_SECONDS = 75  # an idle connection is kept this long
-API_KEY_ENV = "MLX_PINNED_API_KEY"
 
 logger = logging.getLogger("mlx_pinned.server")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -76,88 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=8000,
         help="default: %(default)s; 0: any free port",
     )
-    serve.add_argument(
-        "--served-model-name",
-        help="the model name clients send (default: MODEL as given)",
-    )
-    serve.add_argument(
-        "--max-tokens-limit",
-        type=_positive,
-        default=4096,
-        help="largest max_tokens a request may ask for (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--default-max-tokens",
-        type=_positive,
-        default=512,
-        help="max_tokens of a request that sets none (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--max-pending",
-        type=_positive,
-        default=256,
-        help="requests that may wait for the model before 503 (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--max-num-seqs",
-        type=_positive,
-        default=32,
-        help="generations decoded together in one batch; 1 runs them one at a"
-        " time (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--max-body-bytes",
-        type=_positive,
-        default=20 * 1024 * 1024,
-        help="largest request body (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--max-prompt-tokens",
-        type=_positive,
-        help="most prompt tokens, images included (default: the model's context "
-        "length)",
-    )
-    serve.add_argument(
-        "--request-timeout",
-        type=_seconds,
-        default=600.0,
-        help="seconds a request may wait and generate before 504; 0: no limit "
-        "(default: %(default)s)",
-    )
-    serve.add_argument(
-        "--max-images",
-        type=_positive,
-        default=ImageLimits.max_images,
-        help="images per request (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--max-image-bytes",
-        type=_positive,
-        default=ImageLimits.max_bytes,
-        help="encoded bytes per image (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--max-image-pixels",
-        type=_positive,
-        default=ImageLimits.max_pixels,
-        help="width x height per image (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--allow-remote-images",
-        action="store_true",
-        help="fetch http(s) image URLs, from public addresses only (default: off)",
-    )
-    serve.add_argument(
-        "--remote-image-timeout",
-        type=_positive_seconds,
-        default=10.0,
-        help="seconds to fetch one remote image (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
-    )
+    for setting in command_line_settings():
+        _add_setting(serve, setting)
     serve.add_argument(
         "--access-log",
         action="store_true",
@@ -178,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mlx-pinned`` command; returns the exit status.
 
     Blocks until the server stops (SIGINT or SIGTERM: in-flight requests get
-    30 s to finish, then the MLX thread shuts down).
+    ``--drain-timeout`` seconds to finish, then the MLX thread shuts down).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -202,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def log_from_a_thread(level: str) -> Iterator[None]:
     """Set up logging (if nothing has) so that records are written to stderr
     by a thread of their own: the event loop only queues them. A write to
-    stderr is a system call (~50 us here) on the loop, once per request, and
+    stderr is a system call on the loop, once per request, and
     a full pipe (a log collector that lags) would block the loop until it
     drains. What is queued is written before this returns, and the handler
     is taken off again (a second run in the process logs as the first)."""
@@ -252,26 +179,8 @@ def serve(args: argparse.Namespace) -> int:
             args.host,
             API_KEY_ENV,
         )
-    app = create_app(
-        model,
-        served_model_name=name,
-        max_tokens_limit=args.max_tokens_limit,
-        default_max_tokens=args.default_max_tokens,
-        max_pending=args.max_pending,
-        max_num_seqs=args.max_num_seqs,
-        max_body_bytes=args.max_body_bytes,
-        api_key=args.api_key,
-        image_limits=ImageLimits(
-            max_images=args.max_images,
-            max_bytes=args.max_image_bytes,
-            max_pixels=args.max_image_pixels,
-        ),
-        allow_remote_images=args.allow_remote_images,
-        remote_image_timeout=args.remote_image_timeout,
-        max_prompt_tokens=args.max_prompt_tokens,
-        request_timeout=args.request_timeout or None,
-        freeze_gc=True,
-    )
+    config = _config(args, model, name)
+    app = create_app(config=config)
     logger.info(
         "serving %s as %r (event loop: %s, HTTP parser: %s)",
         model,
@@ -281,29 +190,30 @@ def serve(args: argparse.Namespace) -> int:
     )
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal
     # to the handler it found: with this one, a clean shutdown exits 0.
-    config = uvicorn.Config(
+    uvicorn_config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         access_log=args.access_log,
         log_config=None,  # keep the logging set up in main()
-        timeout_graceful_shutdown=35,
+        # Past the drain: uvicorn's own limit must not cut it short.
+        timeout_graceful_shutdown=math.ceil(config.drain_timeout) + 5,
         # Longer than clients keep idle connections (httpx, and so the openai
         # package: 5 s; nginx upstream: 60 s), so the client always closes
-        # first: with uvicorn's 5 s default, a request sent on a connection
-        # the server was closing failed (seen once in 320 requests at c32).
+        # first: otherwise a request sent on a connection the server is
+        # closing fails.
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
     )
     # The socket first, the model after: uvicorn binds once the start-up (the
-    # model load) is done, so a port in use failed only after the load, with
-    # the load's exit status, and a restart loop reloaded the model each time.
+    # model load) is done, so a port in use would fail only after the load,
+    # with the load's exit status, and a restart loop would reload each time.
     try:
-        sockets = _listen(args.host, args.port, config.backlog)
+        sockets = _listen(args.host, args.port, uvicorn_config.backlog)
     except OSError as exc:
         logger.error("cannot listen on %s port %d: %s", args.host, args.port, exc)
         return 1
-    server = _server(config)
+    server = _server(uvicorn_config)
     previous = {s: signal.signal(s, _stopped) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run(sockets=sockets)
@@ -366,46 +276,59 @@ def _stopped(signum: int, frame: FrameType | None) -> None:
     logger.info("stopped by %s", signal.Signals(signum).name)
 
 
-def _whole(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a whole number, not {text!r}"
-        ) from None
-
-
-def _positive(text: str) -> int:
-    value = _whole(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
 def _port(text: str) -> int:
-    value = _whole(text)
+    value = _argument(whole)(text)
     if not 0 <= value <= 65535:  # uvloop took 70000 as 70000 - 65536
         raise argparse.ArgumentTypeError(f"must be 0 to 65535, not {value}")
-    return value
+    return int(value)
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a number of seconds, not {text!r}"
-        ) from None
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
-    return value
+def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` for argparse: its ValueError becomes the usage error's text."""
+
+    def read(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    read.__name__ = parse.__name__  # argparse names it in some messages
+    return read
 
 
-def _positive_seconds(text: str) -> float:
-    value = _seconds(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be more than 0")
-    return value
+def _add_setting(parser: argparse.ArgumentParser, setting: Setting) -> None:
+    """A flag for one setting of :class:`ServerConfig`."""
+    dest = "_".join(setting.path)
+    default = setting.default
+    if setting.env is not None:
+        default = os.environ.get(setting.env, default)
+    if setting.parse is None:  # a switch: --x, and --no-x where it is on
+        action = argparse.BooleanOptionalAction if default else "store_true"
+        parser.add_argument(
+            setting.flag, dest=dest, action=action, default=default, help=setting.help
+        )
+        return
+    parser.add_argument(
+        setting.flag,
+        dest=dest,
+        type=_argument(setting.parse),
+        default=default,
+        help=setting.help,
+    )
+
+
+def _config(args: argparse.Namespace, model: str, name: str | None) -> ServerConfig:
+    """The :class:`ServerConfig` of the parsed flags."""
+    values: dict[str, Any] = {"model": model}
+    limits: dict[str, Any] = {}
+    for setting in command_line_settings():
+        value = getattr(args, "_".join(setting.path))
+        if len(setting.path) == 2:
+            limits[setting.path[1]] = value
+        else:
+            values[setting.path[0]] = value
+    values["served_model_name"] = name
+    return ServerConfig(**values, image_limits=ImageLimits(**limits))
 
 
 def _looks_local(model: str) -> bool:

@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server import create_app
-from mlx_pinned.server.engine import LoadedModel
+from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.testing import image_data_uri, tiny_vlm_path
 
 MODEL = "tiny"
@@ -64,9 +64,13 @@ class Served:
         self.state = state
 
     @property
+    def engine(self) -> BatchEngine:
+        engine: BatchEngine = self.state["model"]
+        return engine
+
+    @property
     def model(self) -> LoadedModel:
-        model: LoadedModel = self.state["model"]
-        return model
+        return self.engine.loaded
 
     @property
     def thread(self) -> MLXThread:
@@ -86,10 +90,10 @@ def serve(
     @asynccontextmanager
     async def serve(**options: Any) -> AsyncIterator[Served]:
         options.setdefault("served_model_name", MODEL)
-        # One generation at a time through the unbatched engine, unless a test
-        # asks for batching: several tests inject faults into that engine.
-        # The batched path has its own tests (test_batching.py, test_batched_app
-        # below) and serves the end-to-end tests, through the CLI's default.
+        # A batch of one, unless a test asks for more: several tests count
+        # what one generation at a time does. Batches of many have their own
+        # tests (test_batching.py, test_batched_app) and serve the
+        # end-to-end tests, through the CLI's default.
         options.setdefault("max_num_seqs", 1)
         app = create_app(tiny_model_path, **options)
         transport = httpx.ASGITransport(app=app)
@@ -233,3 +237,15 @@ class AtOnce:
                     self._running -= 1
 
         return counted
+
+
+def replace_generation(monkeypatch: pytest.MonkeyPatch, fake: Any) -> None:
+    """Make the engine run ``fake(loaded, params, images)``, a generator of
+    events, on the MLX thread instead of the model (fault injection)."""
+
+    def generate(
+        engine: BatchEngine, params: Any, images: Any, *, announce: bool
+    ) -> Any:
+        return fake(engine.loaded, params, images)
+
+    monkeypatch.setattr(BatchEngine, "_generate", generate)

@@ -17,13 +17,9 @@ import httpx
 import pytest
 
 from mlx_pinned import _waiters
-from mlx_pinned.server import ImageLimits, engine
-from mlx_pinned.server.engine import (
-    FinalEvent,
-    GenerationParams,
-    LoadedModel,
-    TokenEvent,
-)
+from mlx_pinned.server import ImageLimits
+from mlx_pinned.server.engine import LoadedModel, prefill
+from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
 from mlx_pinned.testing import image_data_uri
 
 from .conftest import (
@@ -32,6 +28,7 @@ from .conftest import (
     Served,
     assert_error,
     drive,
+    replace_generation,
     sse_events,
     until,
     vision_body,
@@ -528,7 +525,7 @@ class TestFailures:
         self, serve: Serve, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         async with serve() as served:
-            monkeypatch.setattr(engine, "generate_stream", failing_generate(0))
+            replace_generation(monkeypatch, failing_generate(0))
             for stream in (False, True):
                 error = assert_error(await served.chat(vision_body(stream=stream)), 500)
                 assert error["type"] == "server_error"
@@ -538,7 +535,7 @@ class TestFailures:
         self, serve: Serve, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         async with serve() as served:
-            monkeypatch.setattr(engine, "generate_stream", failing_generate(3))
+            replace_generation(monkeypatch, failing_generate(3))
             response = await served.chat(vision_body(stream=True))
             assert response.status_code == 200
             events = sse_events(response.text)
@@ -557,10 +554,10 @@ class TestPlacement:
     async def test_where_each_piece_runs(
         self, serve: Serve, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        from mlx_pinned.server import images
+        from mlx_pinned.server.inputs import images
 
         seen: dict[str, set[int]] = {"decode": set(), "prompt": set()}
-        decode, build_prompt = images.decode_image, engine.build_prompt
+        decode, build_prompt = images.decode_image, prefill.build_prompt
 
         def spy_decode(*args: Any, **kwargs: Any) -> Any:
             seen["decode"].add(threading.get_ident())
@@ -571,7 +568,7 @@ class TestPlacement:
             return build_prompt(*args, **kwargs)
 
         monkeypatch.setattr(images, "decode_image", spy_decode)
-        monkeypatch.setattr(engine, "build_prompt", spy_prompt)
+        monkeypatch.setattr(prefill, "build_prompt", spy_prompt)
         async with serve() as served:
             body = vision_body(2)
             body["messages"][0]["content"][1]["image_url"]["url"] = image_data_uri(
@@ -587,7 +584,7 @@ class TestPlacement:
     async def test_at_most_a_decode_per_core_at_once(
         self, serve: Serve, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        from mlx_pinned.server import images
+        from mlx_pinned.server.inputs import images
 
         monkeypatch.setattr(os, "cpu_count", lambda: 1)
         decodes = AtOnce(0.01)

@@ -1,9 +1,10 @@
 """Continuous batching: isolation, joins and leaves, disconnects, seeds, bounds.
 
 Every test drives the real tiny Qwen3-VL on a real MLX thread. Batched runs
-are compared with the unbatched path (``engine.generate_stream``, one request
-at a time) by their per-token log-probabilities: random weights give
-degenerate text that hides cross-talk between sequences, log-probabilities
+are compared with mlx-vlm's own loop (``mlx_vlm.stream_generate``, one
+request alone on the model: ``reference.py``) by their per-token
+log-probabilities: random weights give degenerate text that hides
+cross-talk between sequences, log-probabilities
 do not (a leak of rope state moved them by up to 0.48 here).
 
 Tolerance: ``TOL`` = 1e-5, absolute, on float32 log-probabilities (values of
@@ -32,17 +33,16 @@ import pytest
 from PIL import Image
 
 from mlx_pinned import MLXThread
-from mlx_pinned.server import _batch_state, engine
-from mlx_pinned.server._batch_sampling import Sampled, collect, draw
-from mlx_pinned.server.batching import BatchEngine, BatchGate, generate_stream
-from mlx_pinned.server.engine import (
-    FinalEvent,
-    GenerationParams,
-    LoadedModel,
-    TokenEvent,
-)
-from mlx_pinned.server.schemas import APIError
+from mlx_pinned.server import engine
+from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.engine import state as _batch_state
+from mlx_pinned.server.engine.sampling import Sampled, collect, draw
+from mlx_pinned.server.errors import APIError
+from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
+from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import make_test_image
+
+from .reference import reference_stream
 
 pytestmark = pytest.mark.anyio
 
@@ -107,8 +107,8 @@ def request(index: int, max_tokens: int, **params: Any) -> Request:
 
 
 async def solo(thread: MLXThread, loaded: LoadedModel, req: Request) -> list[Event]:
-    """The unbatched path, alone on the model."""
-    stream = thread.iterate(engine.generate_stream, loaded, *req)
+    """mlx-vlm's own loop, alone on the model."""
+    stream = thread.iterate(reference_stream, loaded, *req)
     async with stream:
         return [event async for event in stream]
 
@@ -160,7 +160,7 @@ class Collector:
             async with self.gate.turn():
                 self.active_at_start = self.gate.active
                 self.started.set()
-                stream = self.batch.iterate(self.thread, *self.req)
+                stream = self.batch.stream(*self.req)
                 async with stream:
                     async for event in stream:
                         self.events.append(event)
@@ -195,7 +195,7 @@ class TestIsolation:
         reqs = [request(i, n, top_logprobs=3) for i, n in enumerate(lengths)]
         alone = [await solo(thread, loaded, req) for req in reqs]
 
-        batch = BatchEngine(loaded)
+        batch = BatchEngine(loaded, thread)
         gate = BatchGate(max_num_seqs=8, max_pending=8)
         runs = [Collector(thread, batch, gate, req) for req in reqs]
         async with deadline() as group:
@@ -224,7 +224,7 @@ class TestIsolation:
         # The numbers are the same either way (the other tests here compare
         # every batch, padded or not, with its unbatched runs).
         def check() -> list[bool]:
-            batch = BatchEngine(loaded)
+            batch = BatchEngine(loaded, thread)
             state = batch._state
             seen = []
 
@@ -268,7 +268,7 @@ class TestIsolation:
         monkeypatch.setattr(_batch_state, "collect", collect)
 
         def run() -> list[Event]:
-            batch = BatchEngine(loaded)
+            batch = BatchEngine(loaded, thread)
             state = batch._state
             lm = state.lm
 
@@ -290,7 +290,7 @@ class TestIsolation:
         # was built before that was known, with row 0 in it: its token there
         # is dropped, and the row leaves the batch.
         def run() -> tuple[list[bool], int, int, int]:
-            state = BatchEngine(loaded)._state
+            state = BatchEngine(loaded, thread)._state
             a = state.admit(*request(0, 10, logprobs=False))
             b = state.admit(*request(1, 10, logprobs=False))
             calls = 0
@@ -332,7 +332,7 @@ class TestIsolation:
         monkeypatch.setattr(_batch_state, "collect", collect)
 
         def run() -> list[tuple[bool, str]]:
-            state = BatchEngine(loaded)._state
+            state = BatchEngine(loaded, thread)._state
             rows = [
                 state.admit(*request(0, 2, logprobs=False)),
                 state.admit(*request(1, 10, logprobs=False)),
@@ -351,7 +351,7 @@ class TestIsolation:
         # masked into one pass, each still matches its unbatched run.
         reqs = [request(i, 5 + i, top_logprobs=2) for i in range(8)]
         alone = [await solo(thread, loaded, req) for req in reqs]
-        batch = BatchEngine(loaded)
+        batch = BatchEngine(loaded, thread)
         gate = BatchGate(max_num_seqs=8, max_pending=0)
         runs = [Collector(thread, batch, gate, req) for req in reqs]
         async with deadline() as group:
@@ -388,7 +388,7 @@ class TestIsolation:
         ]
         assert len(alone[1]) == 1  # the end of turn came first: no token
 
-        batch = BatchEngine(loaded)
+        batch = BatchEngine(loaded, thread)
         gate = BatchGate(max_num_seqs=4, max_pending=0)
         runs = [Collector(thread, batch, gate, req) for req in reqs]
         async with deadline() as group:
@@ -408,7 +408,7 @@ class TestIsolation:
         params, _ = request(4, 8)
         bad: Request = (params, [image((64, 64), seed=1)])
 
-        batch = BatchEngine(loaded)
+        batch = BatchEngine(loaded, thread)
         gate = BatchGate(max_num_seqs=2, max_pending=0)
         run = Collector(thread, batch, gate, good)
         async with deadline() as group:
@@ -424,9 +424,9 @@ class TestIsolation:
     ) -> None:
         params, images = request(0, 4)
         limited = dataclasses.replace(params, max_prompt_tokens=5)
-        batch = BatchEngine(loaded)
+        batch = BatchEngine(loaded, thread)
         with pytest.raises(APIError) as caught:
-            await drain(batch.iterate(thread, limited, images))
+            await drain(batch.stream(limited, images))
         assert caught.value.status == 400
         assert batch.statistics().prefills == 0
 
@@ -438,7 +438,7 @@ class TestLeaving:
         # Long enough that neither a (parked) nor b ends before c is admitted.
         reqs = [request(0, 400), request(1, 120), request(2, 30)]
         alone_b = await solo(thread, loaded, reqs[1])
-        batch = BatchEngine(loaded)
+        batch = BatchEngine(loaded, thread)
         gate = BatchGate(max_num_seqs=2, max_pending=4)
         a, b, c = (Collector(thread, batch, gate, req) for req in reqs)
         leave = anyio.Event()
@@ -470,7 +470,7 @@ class TestLeaving:
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
         reqs = [request(i, 6 + i) for i in range(10)]
-        batch = BatchEngine(loaded)
+        batch = BatchEngine(loaded, thread)
         gate = BatchGate(max_num_seqs=3, max_pending=10)
         runs = [Collector(thread, batch, gate, req) for req in reqs]
         async with deadline() as group:
@@ -489,7 +489,7 @@ class TestSeeds:
     ) -> None:
         seeded = request(0, 16, temperature=1.5, top_p=0.9, seed=7)
         unbatched = await solo(thread, loaded, seeded)
-        batch = BatchEngine(loaded)
+        batch = BatchEngine(loaded, thread)
         gate = BatchGate(max_num_seqs=8, max_pending=0)
 
         alone = Collector(thread, batch, gate, seeded)
@@ -610,30 +610,13 @@ class TestGate:
             BatchGate(max_num_seqs=0, max_pending=1)
 
 
-async def test_module_iterate_uses_the_models_engine(
+async def test_the_engines_stream_matches_solo(
     thread: MLXThread, loaded: LoadedModel
 ) -> None:
-    from mlx_pinned.server.batching import iterate
-
     req = request(2, 4)
-    async with iterate(thread, loaded, *req) as stream:
+    async with BatchEngine(loaded, thread).stream(*req) as stream:
         events = [event async for event in stream]
     assert max_logprob_difference(events, await solo(thread, loaded, req)) <= TOL
-
-
-def test_module_function_uses_one_engine_per_model(
-    thread: MLXThread, loaded: LoadedModel
-) -> None:
-    from mlx_pinned.server.batching import engine_for
-
-    batch = thread.run_sync(engine_for, loaded)
-    before = batch.statistics().prefills
-    params, images = request(0, 3)
-    for _ in range(2):
-        events = list(thread.iterate_sync(generate_stream, loaded, params, images))
-        assert len(tokens(events)) == 3
-    assert thread.run_sync(engine_for, loaded) is batch
-    assert batch.statistics().prefills == before + 2
 
 
 @dataclasses.dataclass

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import logging
 import signal
 import socket
@@ -12,6 +14,7 @@ from typing import Any
 import pytest
 
 from mlx_pinned.server import cli
+from mlx_pinned.server.config import ImageLimits, ServerConfig
 
 
 @pytest.fixture
@@ -308,3 +311,49 @@ class TestArguments:
             cli.main(["serve", "--demo"])
         assert info.value.code == 2
         assert "is empty" in capsys.readouterr().err
+
+
+class TestOneSettingsSource:
+    """Every setting of ServerConfig has a flag, every flag a setting (or is
+    the command's own), and the command line's defaults are the config's."""
+
+    COMMAND_ONLY = frozenset(
+        {"-h", "--help", "--demo", "--host", "--port", "--access-log", "--log-level"}
+    )
+
+    def serve_parser(self) -> argparse.ArgumentParser:
+        parser = cli.build_parser()
+        (commands,) = (
+            a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+        )
+        serve: argparse.ArgumentParser = commands.choices["serve"]
+        return serve
+
+    def test_every_field_has_a_flag_and_every_flag_a_field(self) -> None:
+        fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"model"}
+        fields.remove("image_limits")
+        fields |= {f"image_limits_{f.name}" for f in dataclasses.fields(ImageLimits)}
+        actions = self.serve_parser()._actions
+        flags = {
+            a.dest: a.option_strings
+            for a in actions
+            if a.option_strings and not set(a.option_strings) & self.COMMAND_ONLY
+        }
+        assert set(flags) == fields
+        assert all(a.help for a in actions)
+
+    def test_defaults_are_the_configs(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
+        args = self.serve_parser().parse_args(["m"])
+        config = cli._config(args, "m", None)
+        # The one default the command line sets itself (documented there).
+        assert config == ServerConfig(model="m", freeze_gc=True)
+
+    def test_a_new_value_reaches_the_config(self) -> None:
+        args = self.serve_parser().parse_args(
+            ["m", "--drain-timeout", "3", "--retry-after", "4", "--no-freeze-gc"]
+        )
+        config = cli._config(args, "m", "name")
+        assert (config.drain_timeout, config.retry_after) == (3.0, 4)
+        assert not config.freeze_gc
+        assert config.name == "name"

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import io
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,14 +14,12 @@ from PIL import Image
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server import engine
-from mlx_pinned.server.engine import (
-    FinalEvent,
-    GenerationParams,
-    LoadedModel,
-    StopMatcher,
-    TokenEvent,
-)
-from mlx_pinned.server.schemas import parse_chat_request
+from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.engine.prompt import build_prompt
+from mlx_pinned.server.engine.text import StopMatcher
+from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
+from mlx_pinned.server.http.params import chat_messages
+from mlx_pinned.server.http.schemas import parse_chat_request
 from mlx_pinned.testing import make_test_image
 
 PROMPT = "Describe this image in one sentence."
@@ -46,6 +45,19 @@ def vision_messages() -> tuple[dict[str, Any], ...]:
     )
 
 
+_engines: weakref.WeakKeyDictionary[LoadedModel, BatchEngine] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def engine_of(loaded: LoadedModel) -> BatchEngine:
+    """One engine per model; these tests run its generators on this thread
+    (the engine is thread-agnostic), so its MLX thread is never started."""
+    if loaded not in _engines:
+        _engines[loaded] = BatchEngine(loaded, MLXThread(name="test-engine-unused"))
+    return _engines[loaded]
+
+
 def run(
     loaded: LoadedModel, image: Image.Image | None = None, **params: Any
 ) -> tuple[list[TokenEvent], FinalEvent]:
@@ -53,7 +65,8 @@ def run(
     params.setdefault("max_tokens", 12)
     params.setdefault("temperature", 0.0)
     images = [image] if image is not None else []
-    events = list(engine.generate_stream(loaded, GenerationParams(**params), images))
+    generation = engine_of(loaded).generate_stream(GenerationParams(**params), images)
+    events = list(generation)
     final = events[-1]
     assert isinstance(final, FinalEvent)
     tokens = [e for e in events[:-1] if isinstance(e, TokenEvent)]
@@ -76,7 +89,7 @@ class TestChatMessages:
             b'{"role": "assistant", "content": null},'
             b'{"role": "user", "content": "more"}]}'
         )
-        messages = engine.chat_messages(parse_chat_request(raw).messages)
+        messages = chat_messages(parse_chat_request(raw).messages)
         assert messages == [
             {"role": "system", "content": "ab"},
             {
@@ -102,7 +115,7 @@ class TestBuildPrompt:
                 "content": [{"type": "text", "text": "two"}, {"type": "image_url"}],
             },
         ]
-        prompt = engine.build_prompt(loaded, messages)
+        prompt = build_prompt(loaded, messages)
         assert prompt.count("<|image_pad|>") == 2
         first, second = prompt.split("A picture.")
         assert "<|image_pad|>" in first
@@ -266,7 +279,7 @@ class TestGenerate:
         one = ({"role": "user", "content": "a"}, {"role": "assistant", "content": "b"})
         two = (turn("a"), {"role": "assistant", "content": "b"}, turn("c"))
         params = GenerationParams(two, max_tokens=2, temperature=0.0)
-        events = list(engine.generate_stream(loaded, params, [image, image]))
+        events = list(engine_of(loaded).generate_stream(params, [image, image]))
         final = events[-1]
         assert isinstance(final, FinalEvent)
         assert final.completion_tokens == 2
@@ -274,55 +287,19 @@ class TestGenerate:
         # The image of the first turn still counts: 4 more image tokens.
         assert final.prompt_tokens >= single.prompt_tokens + 4
 
-    def test_close_releases_the_model(
+    def test_close_takes_the_row_out(
         self, loaded: LoadedModel, image: Image.Image
     ) -> None:
-        gen = engine.generate_stream(
-            loaded, GenerationParams(vision_messages(), max_tokens=50), [image]
+        batch = engine_of(loaded)
+        gen = batch.generate_stream(
+            GenerationParams(vision_messages(), max_tokens=50), [image]
         )
         next(gen)
-        assert loaded._active is not None
+        stats = batch.statistics()
+        assert stats.active + stats.joining == 1
         gen.close()
-        assert loaded._active is None
-
-    def test_a_stale_generation_is_closed_not_interleaved(
-        self, loaded: LoadedModel, image: Image.Image, caplog: pytest.LogCaptureFixture
-    ) -> None:
-        params = GenerationParams(
-            vision_messages(), max_tokens=8, temperature=0.0, logprobs=True
-        )
-        alone = list(engine.generate_stream(loaded, params, [image]))
-        stale: Iterator[Any] = engine.generate_stream(
-            loaded,
-            GenerationParams(({"role": "user", "content": "x y z"},), max_tokens=50),
-        )
-        next(stale)
-        after = list(engine.generate_stream(loaded, params, [image]))
-        assert after == alone
-        assert "closing a generation left open" in caplog.text
-        # The stale generator's model stream was closed under it.
-        rest = list(stale)
-        assert len(rest) == 1
-        assert isinstance(rest[0], FinalEvent)
-
-    def test_a_stale_generation_that_fails_to_close_fails_nobody(
-        self,
-        loaded: LoadedModel,
-        image: Image.Image,
-        caplog: pytest.LogCaptureFixture,
-        monkeypatch: pytest.MonkeyPatch,
-    ) -> None:
-        class Stuck:
-            def close(self) -> None:
-                raise RuntimeError("will not close")
-
-        monkeypatch.setattr(loaded, "_active", Stuck())
-        params = GenerationParams(vision_messages(), max_tokens=3)
-        events = list(engine.generate_stream(loaded, params, [image]))
-        assert isinstance(events[-1], FinalEvent)
-        assert events[-1].completion_tokens == 3
-        assert "closing the generation left open failed" in caplog.text
-        assert loaded._active is None
+        stats = batch.statistics()
+        assert (stats.active, stats.joining) == (0, 0)
 
 
 def test_events_hold_no_mlx_arrays(loaded: LoadedModel, image: Image.Image) -> None:

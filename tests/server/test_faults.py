@@ -15,15 +15,18 @@ import anyio
 import httpx
 import pytest
 
-from mlx_pinned.server import engine
-from mlx_pinned.server.engine import (
-    FinalEvent,
-    GenerationParams,
-    LoadedModel,
-    TokenEvent,
-)
+from mlx_pinned.server.engine import LoadedModel
+from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
 
-from .conftest import Served, assert_error, drive, sse_events, until, vision_body
+from .conftest import (
+    Served,
+    assert_error,
+    drive,
+    replace_generation,
+    sse_events,
+    until,
+    vision_body,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -31,7 +34,7 @@ Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 
 class SlowModel:
-    """Stands in for ``engine.generate_stream``: one token per ``step`` seconds
+    """Stands in for the engine's generation: one token per ``step`` seconds
     on the MLX thread, until ``max_tokens`` or :attr:`release` is set.
     Records where each generator started and where it was closed."""
 
@@ -59,7 +62,7 @@ class SlowModel:
 @pytest.fixture
 def slow(monkeypatch: pytest.MonkeyPatch) -> SlowModel:
     model = SlowModel(step=0.01)
-    monkeypatch.setattr(engine, "generate_stream", model)
+    replace_generation(monkeypatch, model)
     return model
 
 

@@ -13,15 +13,11 @@ import anyio.lowlevel
 import pytest
 from PIL import Image
 
-from mlx_pinned.server.images import (
-    ImageError,
-    ImageLimits,
-    ImageRef,
-    collect_image_refs,
-    decode_image,
-    load_images,
-)
-from mlx_pinned.server.schemas import parse_chat_request
+from mlx_pinned.server.config import ImageLimits
+from mlx_pinned.server.events import ImageError, ImageRef
+from mlx_pinned.server.http.params import image_refs as collect_image_refs
+from mlx_pinned.server.http.schemas import parse_chat_request
+from mlx_pinned.server.inputs.images import decode_image, load_images
 
 from .conftest import AtOnce
 

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from mlx_pinned.server._limits import (
+from mlx_pinned.server.engine import LoadedModel
+from mlx_pinned.server.limits import (
     PromptTooLongError,
     check_prompt_tokens,
     check_text_length,
     context_length,
     longest_token_chars,
 )
-from mlx_pinned.server.engine import LoadedModel
 
 from .conftest import Served, assert_error, vision_body
 

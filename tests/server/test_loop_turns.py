@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
-from mlx_pinned.server._http import LoopTurns
+from mlx_pinned.server.http.turns import LoopTurns
 
 from .conftest import sse_events, vision_body
 from .test_app import Serve, content_of

@@ -10,10 +10,9 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlx_pinned.server import engine
-from mlx_pinned.server._metrics import route_of
+from mlx_pinned.server.http.metrics import route_of
 
-from .conftest import Served, assert_error, until, vision_body
+from .conftest import Served, assert_error, replace_generation, until, vision_body
 from .test_faults import SlowModel
 
 pytestmark = pytest.mark.anyio
@@ -88,7 +87,7 @@ class TestMetrics:
         self, serve: Serve, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         slow = SlowModel(step=0.01)
-        monkeypatch.setattr(engine, "generate_stream", slow)
+        replace_generation(monkeypatch, slow)
         async with serve() as served:
             gate = served.app.state.gate
             with anyio.fail_after(10):

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from anyio.abc import SocketStream
 
-from mlx_pinned.server._remote import (
+from mlx_pinned.server.inputs.remote import (
     RemoteImageError,
     RemoteImageFetcher,
     is_public_address,

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlx_pinned.server.schemas import (
-    APIError,
+from mlx_pinned.server.errors import APIError, error_body
+from mlx_pinned.server.http.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
     Choice,
@@ -22,7 +22,6 @@ from mlx_pinned.server.schemas import (
     Usage,
     UserMessage,
     completion_id,
-    error_body,
     parse_chat_request,
 )
 
@@ -249,7 +248,7 @@ class TestResponses:
         # In a fresh process with no threads, so the fork is safe.
         script = """if True:
             import os
-            from mlx_pinned.server.schemas import completion_id
+            from mlx_pinned.server.http.schemas import completion_id
             read, write = os.pipe()
             child = os.fork()
             if child == 0:

@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from ._batch_sampling import vlm
-from .engine import LoadedModel, build_prompt
+from .model import LoadedModel
+from .prompt import build_prompt
+from .sampling import vlm
 
 if TYPE_CHECKING:
     from PIL import Image
 
-    from .engine import GenerationParams
+    from ..events import GenerationParams
 
 # mlx-vlm's default chunk: longer prompts are prefilled alone, in chunks.
 PREFILL_STEP = 2048
@@ -84,14 +85,14 @@ def preprocess(
     loaded: LoadedModel, params: GenerationParams, images: Sequence[Image.Image]
 ) -> Prepared:
     """Chat template and processor: token ids, pixels and their metadata."""
-    v = vlm()
+    api = vlm()
     model, processor = loaded.model, loaded.processor
-    inputs = v.prepare_inputs(
+    inputs = api.prepare_inputs(
         processor,
         images=list(images) or None,
         prompts=build_prompt(loaded, params.messages),
         image_token_index=getattr(model.config, "image_token_index", None),
-        add_special_tokens=v.should_add_special_tokens(
+        add_special_tokens=api.should_add_special_tokens(
             model.config.model_type, processor
         ),
     )
@@ -119,7 +120,7 @@ def prefill_together(loaded: LoadedModel, prompts: Sequence[Prepared]) -> Prefil
     """Prefill :func:`batchable` prompts in one pass; ``logits`` holds each
     one's next-token logits (left padding puts every last token in the last
     column), so the first token is sampled without another forward pass."""
-    v = vlm()
+    api = vlm()
     model, lm = loaded.model, loaded.model.language_model
     lengths = [p.prompt_tokens for p in prompts]
     width = max(lengths)
@@ -140,7 +141,7 @@ def prefill_together(loaded: LoadedModel, prompts: Sequence[Prepared]) -> Prefil
         ids, mx.concatenate(pixels) if pixels else None, mask=mask, **extra
     )
     kwargs = _prefill_kwargs(extra, embedded)
-    cache = [v.BatchKVCache(pads) for _ in lm.layers]
+    cache = [api.BatchKVCache(pads) for _ in lm.layers]
     output = lm(
         inputs=ids,
         inputs_embeds=embedded.inputs_embeds,
@@ -161,7 +162,7 @@ def prefill_alone(loaded: LoadedModel, prepared: Prepared) -> Prefilled:
     When the prompt is :func:`batchable`'s kind its last token is left for the
     decode step; otherwise it runs here too and ``logits`` holds its output.
     """
-    v = vlm()
+    api = vlm()
     model, lm = loaded.model, loaded.model.language_model
     inputs = prepared.inputs
     ids = inputs["input_ids"]
@@ -175,7 +176,7 @@ def prefill_alone(loaded: LoadedModel, prepared: Prepared) -> Prefilled:
     )
     kwargs = _prefill_kwargs(extra, embedded)
     embeds = embedded.inputs_embeds
-    cache = v.make_prompt_cache(lm)
+    cache = api.make_prompt_cache(lm)
     while embeds.shape[1] > 1:
         n = min(PREFILL_STEP, embeds.shape[1] - 1)
         lm(

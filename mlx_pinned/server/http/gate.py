@@ -1,83 +1,19 @@
-"""Event-loop side of batching: the admission gate and the event stream.
+"""The admission gate: at most ``max_num_seqs`` generations at once.
 
-:class:`BatchGate` bounds the active sequences (``max_num_seqs``) and keeps
-the rest waiting, in order, in a bounded room; :class:`BatchStream` is what
-:func:`.batching.iterate` returns. Both run on the event loop (asyncio or
-trio, through anyio); neither touches MLX.
+Event loop only (asyncio or trio, through anyio); never touches MLX.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import anyio
 from anyio.lowlevel import RunVar
 
-from .engine import FinalEvent, TokenEvent
-from .schemas import APIError
+from ..errors import server_busy
 
-__all__ = ["ADMITTED", "Admitted", "BatchGate", "BatchStream"]
-
-Event = TokenEvent | FinalEvent
-
-
-class Admitted:
-    """The first item of an announced generation: its prompt is queued."""
-
-
-ADMITTED = Admitted()
-
-
-class BatchStream:
-    """The events of one batched generation (see :func:`iterate`); event loop."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __aiter__(self) -> BatchStream:
-        return self
-
-    async def __anext__(self) -> Event:
-        while True:
-            item = await self._inner.__anext__()
-            if not isinstance(item, Admitted):
-                event: Event = item
-                return event
-
-    def batched(self, n: int) -> _Batches:
-        """The events in tuples of up to ``n``, one wake-up per tuple (see
-        ``AsyncStreamIterator.batched``); ``aclose()`` still closes the
-        generation."""
-        return _Batches(self._inner.batched(n))
-
-    async def aclose(self) -> None:
-        """Close the generation on the thread and wait until it is closed."""
-        await self._inner.aclose()
-
-    async def __aenter__(self) -> BatchStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-
-class _Batches:
-    """The batches of a :class:`BatchStream`, without the admission marker."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __aiter__(self) -> _Batches:
-        return self
-
-    async def __anext__(self) -> tuple[Event, ...]:
-        while True:
-            batch = await self._inner.__anext__()
-            events = tuple(e for e in batch if not isinstance(e, Admitted))
-            if events:
-                return events
+__all__ = ["BatchGate"]
 
 
 class BatchGate:
@@ -91,9 +27,12 @@ class BatchGate:
     Args:
         max_num_seqs: Generations active at once (the decode batch bound).
         max_pending: Requests that may wait for a slot.
+        retry_after: Seconds in the ``Retry-After`` of the 503.
     """
 
-    def __init__(self, max_num_seqs: int, max_pending: int) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_pending: int, *, retry_after: int = 1
+    ) -> None:
         if max_num_seqs < 1 or max_pending < 0:
             raise ValueError(
                 "max_num_seqs must be >= 1 and max_pending >= 0, not "
@@ -101,6 +40,7 @@ class BatchGate:
             )
         self.max_num_seqs = max_num_seqs
         self.max_pending = max_pending
+        self.retry_after = retry_after
         self.waiting = 0  # requests waiting for a slot
         self.active = 0  # requests holding a slot
         # One semaphore per event loop: a gate used again under another loop
@@ -132,13 +72,7 @@ class BatchGate:
         # gate's own count lags until then).
         queued = slots.statistics().tasks_waiting
         if slots.value == 0 and queued >= self.max_pending:
-            raise APIError(
-                503,
-                f"The server is busy: {queued} requests are already waiting "
-                "for the model; retry shortly.",
-                code="server_busy",
-                headers={"Retry-After": "1"},
-            )
+            raise server_busy(queued, retry_after=self.retry_after)
         self.waiting += 1
         try:
             await slots.acquire()

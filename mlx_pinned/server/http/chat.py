@@ -21,31 +21,22 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 
-from mlx_pinned import (
-    MLXThreadBrokenError,
-    MLXThreadBusyError,
-    MLXThreadClosedError,
-    StreamAffinityError,
-)
-
-from . import batching, engine
-from ._http import (
-    Disconnected,
-    LoopTurns,
-    RequestLog,
-    ResponseWriter,
-    disconnect_watch,
-    read_body,
-)
-from ._limits import check_text_length
-from .engine import FinalEvent, GenerationParams, TokenEvent, TokenLogprobs
-from .images import Fetcher, collect_image_refs, load_images
-from .schemas import (
+from ..errors import (
     APIError,
+    api_error,
+    internal_error,
+    model_not_loaded,
+    thread_unavailable,
+    timed_out,
+)
+from ..events import FinalEvent, TokenEvent, TokenLogprobs
+from ..limits import check_text_length
+from .params import generation_params, image_refs, text_chars
+from .schemas import (
     ChatCompletion,
     ChatCompletionRequest,
     Choice,
@@ -54,23 +45,32 @@ from .schemas import (
     ChunkEncoder,
     Delta,
     ResponseMessage,
-    TextPart,
     TokenLogprob,
     TopLogprob,
     Usage,
     completion_id,
     parse_chat_request,
 )
+from .wire import (
+    Disconnected,
+    RequestLog,
+    ResponseWriter,
+    cancel_on_disconnect,
+    read_body,
+)
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
-    from mlx_pinned import AsyncStreamIterator, MLXThread
+    from mlx_pinned import MLXThread
 
-    from ._batch_gate import BatchGate, BatchStream
-    from ._metrics import ServerMetrics
-    from .app import ServerConfig
-    from .engine import Event
+    from ..config import ServerConfig
+    from ..events import Engine, EventStream, LoadImages
+    from .gate import BatchGate
+    from .metrics import ServerMetrics
+    from .turns import LoopTurns
+
+__all__ = ["ChatEndpoint", "model_not_found"]
 
 logger = logging.getLogger("mlx_pinned.server")
 
@@ -79,8 +79,7 @@ def model_not_found(name: str, config: ServerConfig) -> APIError:
     """The 404 for a model this server does not serve."""
     return APIError(
         404,
-        f"The model {name!r} does not exist: this server serves "
-        f"{config.served_model_name!r}.",
+        f"The model {name!r} does not exist: this server serves {config.name!r}.",
         param="model",
         code="model_not_found",
     )
@@ -89,11 +88,12 @@ def model_not_found(name: str, config: ServerConfig) -> APIError:
 class ChatEndpoint:
     """The ASGI endpoint of ``POST /v1/chat/completions``.
 
-    Runs on the event loop; images are decoded in a worker thread and the
-    generation runs on ``thread``. A client that disconnects, while waiting
-    or while generating, cancels its request: a generation that has not
-    started never starts, a running one is closed on the MLX thread at its
-    next token.
+    Runs on the event loop; images are decoded off it (``load_images``) and
+    the generation runs on ``thread``, through the model's engine (the
+    ``model`` of the lifespan state). A client that disconnects, while
+    waiting or while generating, cancels its request: a generation that has
+    not started never starts, a running one is closed on the MLX thread at
+    its next token.
     """
 
     def __init__(
@@ -101,17 +101,17 @@ class ChatEndpoint:
         config: ServerConfig,
         thread: MLXThread,
         gate: BatchGate,
+        load_images: LoadImages,
+        turns: LoopTurns,
         *,
-        fetch: Fetcher | None = None,
         metrics: ServerMetrics | None = None,
-        turns: LoopTurns | None = None,
     ) -> None:
         self.config = config
         self.thread = thread
         self.gate = gate
-        self.fetch = fetch
+        self.load_images = load_images
+        self.turns = turns
         self.metrics = metrics
-        self.turns = turns or LoopTurns()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         log = RequestLog(start=time.perf_counter(), client=_client(scope))
@@ -124,10 +124,10 @@ class ChatEndpoint:
             # One scope: the deadline cancels it, and so does the watcher
             # when the client goes away (it marks the log first).
             with anyio.CancelScope(deadline=deadline) as limit:
-                async with disconnect_watch(receive, limit, response, log):
+                async with cancel_on_disconnect(receive, limit, response, log):
                     await self._answer(scope, body, response, log)
             if limit.cancelled_caught and not log.disconnected:
-                await response.error(_timed_out(timeout))
+                await response.error(timed_out(timeout))
         except Disconnected:
             log.disconnected = True
         except APIError as error:
@@ -144,54 +144,40 @@ class ChatEndpoint:
         """Handle the request; every error becomes an answer (none escapes)."""
         try:
             await self._handle(scope, body, response, log)
-        except APIError as error:
+        except Exception as exc:
+            error = api_error(exc, retry_after=self.config.retry_after)
+            if error is None:
+                logger.exception("chat completion failed")
+                error = internal_error()
+            elif error.status == 500:  # the body names nothing: the log does
+                logger.error("chat completion failed", exc_info=exc)
             await response.error(error)
-        except (MLXThreadClosedError, MLXThreadBrokenError) as exc:
-            await response.error(APIError(503, str(exc), code="mlx_thread_unavailable"))
-        except MLXThreadBusyError as exc:
-            await response.error(
-                APIError(
-                    503, str(exc), code="server_busy", headers={"Retry-After": "1"}
-                )
-            )
-        except StreamAffinityError as exc:
-            await response.error(APIError(500, str(exc), code="stream_affinity_error"))
-        except Exception:
-            logger.exception("chat completion failed")
-            await response.error(
-                APIError(500, "The server had an error while processing your request.")
-            )
 
     async def _handle(
         self, scope: Scope, body: bytes, response: ResponseWriter, log: RequestLog
     ) -> None:
         if self.thread.closed:  # fail fast: nothing will ever run
-            raise APIError(
-                503,
-                "The MLX thread is not running, so no request can be served: "
-                "restart the server.",
-                code="mlx_thread_unavailable",
-            )
+            raise thread_unavailable()
         request = parse_chat_request(body)
         log.stream = bool(request.stream)
-        loaded = scope.get("state", {}).get("model")
-        if loaded is None:
-            raise APIError(503, "The model is not loaded yet; retry shortly.")
-        if request.model != self.config.served_model_name:
+        engine: Engine | None = scope.get("state", {}).get("model")
+        if engine is None:
+            raise model_not_loaded()
+        if request.model != self.config.name:
             raise model_not_found(request.model, self.config)
-        context = loaded.context_length
+        context = engine.context_length
         max_prompt = self.config.max_prompt_tokens or context
         if max_prompt is not None:
             check_text_length(
-                _text_chars(request), loaded.longest_token_chars, max_prompt
+                text_chars(request), engine.longest_token_chars, max_prompt
             )
-        params = GenerationParams.from_request(
+        params = generation_params(
             request,
             self._max_tokens(request),
             max_prompt_tokens=max_prompt,
             context_length=context,
         )
-        vocab = loaded.vocab_size
+        vocab = engine.vocab_size
         for token_id, _ in params.logit_bias:
             if token_id >= vocab:
                 raise APIError(
@@ -201,24 +187,23 @@ class ChatEndpoint:
                     param="logit_bias",
                     code="invalid_value",
                 )
-        refs = collect_image_refs(request.messages, self.config.image_limits)
+        refs = image_refs(request.messages, self.config.image_limits)
         log.images = len(refs)
-        images = await load_images(refs, self.config.image_limits, fetch=self.fetch)
+        images = await self.load_images(refs)
         arrived = time.perf_counter()
         async with self.gate.turn():
             log.queued = time.perf_counter() - arrived
-            stream: BatchStream | AsyncStreamIterator[Event]
-            if self.config.max_num_seqs > 1:
-                stream = batching.iterate(self.thread, loaded, params, images)
-            else:
-                stream = self.thread.iterate(
-                    engine.generate_stream, loaded, params, images
-                )
+            stream = engine.stream(params, images)
             try:
-                await self._respond(request, stream, response, log, params.max_tokens)
+                if request.stream:
+                    await self._send_stream(request, stream, response, log)
+                else:
+                    await self._send_whole(
+                        request, stream, response, log, params.max_tokens
+                    )
             finally:
                 # Shielded: the close is queued on the MLX thread before the
-                # model is released, even if we were cancelled, so (FIFO) it
+                # slot is given back, even if we were cancelled, so (FIFO) it
                 # runs before the next generation starts.
                 with anyio.CancelScope(shield=True):
                     await stream.aclose()
@@ -242,56 +227,62 @@ class ChatEndpoint:
             )
         return asked
 
-    async def _respond(
+    async def _send_whole(
         self,
         request: ChatCompletionRequest,
-        stream: BatchStream | AsyncStreamIterator[Event],
+        stream: EventStream,
         response: ResponseWriter,
         log: RequestLog,
         max_tokens: int,
     ) -> None:
+        """The whole answer as one JSON body, once the generation ended."""
+        text: list[str] = []
+        logprobs: list[TokenLogprob] = []
+        final: FinalEvent | None = None
+        # Taken in batches (every token, then the final event, and the
+        # engine's admission marker): one wake-up of the event loop per
+        # batch, not one per token.
+        async for events in stream.batched(max_tokens + 2):
+            await self.turns.checkpoint()
+            for event in events:
+                log.record(event, whole=True)
+                text.append(event.text)
+                if isinstance(event, TokenEvent) and event.logprobs is not None:
+                    logprobs.append(_token_logprob(event.logprobs))
+                if isinstance(event, FinalEvent):
+                    final = event
+        assert final is not None, "a generation always ends with a FinalEvent"
         chunk_id, created = completion_id()
-        model = self.config.served_model_name
-        if not request.stream:
-            text: list[str] = []
-            logprobs: list[TokenLogprob] = []
-            final: FinalEvent | None = None
-            # Sent whole: the events in one batch (every token, then the final
-            # event) wake the event loop once, not once per token.
-            # (A batch holds every token, the final event and the batched
-            # engine's admission marker.)
-            async for events in stream.batched(max_tokens + 2):
-                await self.turns.checkpoint()
-                for event in events:
-                    log.record(event, whole=True)
-                    text.append(event.text)
-                    if isinstance(event, TokenEvent) and event.logprobs is not None:
-                        logprobs.append(_token_logprob(event.logprobs))
-                    if isinstance(event, FinalEvent):
-                        final = event
-            assert final is not None, "a generation always ends with a FinalEvent"
-            choice = Choice(
-                message=ResponseMessage(content="".join(text)),
-                logprobs=ChoiceLogprobs(content=logprobs) if request.logprobs else None,
-                finish_reason=_finish(final),
-            )
-            completion = ChatCompletion(
-                id=chunk_id,
-                created=created,
-                model=model,
-                choices=[choice],
-                usage=_usage(final),
-            )
-            await response.json(completion.model_dump_json().encode())
-            return
-
-        chunks = ChunkEncoder(
-            chunk_id, created, model, include_usage=request.include_usage
+        choice = Choice(
+            message=ResponseMessage(content="".join(text)),
+            logprobs=ChoiceLogprobs(content=logprobs) if request.logprobs else None,
+            finish_reason=final.finish_reason,
         )
-        # The first event (prefill) arrives before the response starts. Events
-        # that are ready together go out in one body message: each is a write
-        # to the socket (~60 us here), and the role chunk, the first token,
-        # and the last chunks (finish, usage, [DONE], end) need not be apart.
+        completion = ChatCompletion(
+            id=chunk_id,
+            created=created,
+            model=self.config.name,
+            choices=[choice],
+            usage=_usage(final),
+        )
+        await response.json(completion.model_dump_json().encode())
+
+    async def _send_stream(
+        self,
+        request: ChatCompletionRequest,
+        stream: EventStream,
+        response: ResponseWriter,
+        log: RequestLog,
+    ) -> None:
+        """Server-sent events, a chunk per token; the status is sent with the
+        first token, so a failed prefill is still an error status."""
+        chunk_id, created = completion_id()
+        chunks = ChunkEncoder(
+            chunk_id, created, self.config.name, include_usage=request.include_usage
+        )
+        # Events that are ready together go out in one body message (each is
+        # a write to the socket): the role chunk with the first token, and
+        # the last chunks (finish, usage, [DONE]) with the end.
         role = chunks.chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
         async for event in stream:
             await self.turns.checkpoint()
@@ -307,7 +298,7 @@ class ChatEndpoint:
                     await response.send(data)
                 continue
             tail = [chunks.content(event.text)] if event.text else []
-            done = ChunkChoice(delta=Delta(), finish_reason=_finish(event))
+            done = ChunkChoice(delta=Delta(), finish_reason=event.finish_reason)
             tail.append(chunks.chunk([done]))
             if request.include_usage:
                 tail.append(chunks.chunk([], _usage(event)))
@@ -321,32 +312,6 @@ class ChatEndpoint:
 def _client(scope: Scope) -> str:
     client = scope.get("client")
     return f"{client[0]}:{client[1]}" if client else ""
-
-
-def _timed_out(timeout: float | None) -> APIError:
-    return APIError(
-        504,
-        f"The request did not finish within this server's limit of {timeout:g} s "
-        "(waiting for the model plus generating): retry later, or ask for fewer "
-        "tokens.",
-        code="timeout",
-    )
-
-
-def _text_chars(request: ChatCompletionRequest) -> int:
-    """Characters of text in the messages (images not counted)."""
-    total = 0
-    for message in request.messages:
-        content = message.content or ""
-        if isinstance(content, str):
-            total += len(content)
-        else:
-            total += sum(len(p.text) for p in content if isinstance(p, TextPart))
-    return total
-
-
-def _finish(event: FinalEvent) -> Any:
-    return "stop" if event.finish_reason == "stop" else "length"
 
 
 def _usage(event: FinalEvent) -> Usage:

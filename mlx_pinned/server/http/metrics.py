@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from mlx_pinned import MLXThread
 
-    from ._http import RequestLog
+    from .wire import RequestLog
 
 __all__ = ["MetricsMiddleware", "ServerMetrics"]
 

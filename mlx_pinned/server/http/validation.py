@@ -1,4 +1,4 @@
-"""OpenAI's error shape, and pydantic's validation errors turned into it."""
+"""pydantic's validation errors as OpenAI's 400s. Event loop (pure CPU)."""
 
 from __future__ import annotations
 
@@ -7,64 +7,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-__all__ = ["APIError", "error_body", "validation_error_to_api_error"]
+from ..errors import APIError
 
-_STATUS_TYPES = {
-    400: "invalid_request_error",
-    401: "invalid_request_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-}
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape with an HTTP status.
-
-    Args:
-        status: The HTTP status code.
-        message: One sentence that says what is wrong and what to do.
-        param: The request parameter at fault, e.g. ``messages[0].content``.
-        code: A short machine-readable code, e.g. ``model_not_found``.
-        type: OpenAI's error type; derived from ``status`` when None.
-        headers: Extra response headers (e.g. ``Retry-After``).
-    """
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        default = "server_error" if status >= 500 else "invalid_request_error"
-        self.type = type or _STATUS_TYPES.get(status, default)
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        """The JSON body, ``{"error": {...}}``."""
-        return error_body(
-            self.message, type=self.type, param=self.param, code=self.code
-        )
-
-
-def error_body(
-    message: str,
-    *,
-    type: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-) -> dict[str, Any]:
-    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+__all__ = ["validation_error_to_api_error"]
 
 
 def validation_error_to_api_error(

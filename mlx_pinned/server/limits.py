@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._errors import APIError
+from .errors import APIError
 
 __all__ = [
     "PromptTooLongError",

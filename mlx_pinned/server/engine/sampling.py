@@ -73,7 +73,7 @@ def draw(
     ``ahead`` holds, per row, how many of its tokens are sampled but not yet
     counted in its ``sampled`` (a step built before the previous one was
     read); empty: none."""
-    v = vlm()
+    api = vlm()
     if bias is not None:
         logits = logits + bias
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -86,11 +86,11 @@ def draw(
         index = mx.array(members, dtype=mx.int32)
         group = logprobs[index]
         if top_k > 0:
-            group = v.apply_top_k(group, top_k)
+            group = api.apply_top_k(group, top_k)
         keys = mx.stack(
             [
                 mx.random.key(
-                    v.position_seed(
+                    api.position_seed(
                         rows[i].seed, 0, rows[i].sampled + (ahead[i] if ahead else 0)
                     )
                 )
@@ -123,8 +123,8 @@ def collect(pending: Draw, stop: Callable[[int], Any]) -> list[Sampled]:
     """Wait for a :class:`Draw` and return its rows' tokens, in row order.
 
     Only what is read is waited for (``tolist`` does): its step's other
-    targets, the caches' states, finish with it; waiting for each of them
-    too cost ~0.07 ms a token at one row here.
+    targets, the caches' states, finish with it, so waiting for each of them
+    too would only add a wait per token.
     """
     tokens = cast("list[int]", pending.tokens.tolist())
     chosen = (
@@ -151,11 +151,11 @@ def collect(pending: Draw, stop: Callable[[int], Any]) -> list[Sampled]:
 def _drawer(temperature: float, top_p: float) -> Any:
     """One row's draw from its log-probabilities with its key, as mlx-vlm's
     position-keyed sampler draws (for ``mx.vmap`` over rows)."""
-    v = vlm()
+    api = vlm()
     if 0 < top_p < 1.0:
 
         def nucleus(logprobs: mx.array, key: mx.array) -> mx.array:
-            drawn: mx.array = v.top_p_sampling(logprobs, top_p, temperature, key=key)
+            drawn: mx.array = api.top_p_sampling(logprobs, top_p, temperature, key=key)
             return drawn
 
         return nucleus

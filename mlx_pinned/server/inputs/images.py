@@ -1,12 +1,12 @@
 """Untrusted images from chat requests, decoded to RGB PIL images.
 
 Images arrive as ``data:`` URIs (PNG, JPEG, WebP, GIF's first frame). Every
-limit is checked as early as it can be: the count before anything is decoded,
-the encoded size before base64 is decoded, and the pixel count from the file's
-header before the pixels are decoded, so a small file that claims a huge
-canvas is refused without allocating it. Local paths and ``file://`` are
-always refused; ``http(s)://`` URLs are refused unless a fetcher is given
-(the server's is :class:`._remote.RemoteImageFetcher`, with SSRF rules).
+limit is checked as early as it can be: the count (by the HTTP side) before
+anything is decoded, the encoded size before base64 is decoded, and the pixel
+count from the file's header before the pixels are decoded, so a small file
+that claims a huge canvas is refused without allocating it. Local paths and
+``file://`` are always refused; ``http(s)://`` URLs are refused unless a
+fetcher is given (the server's is :class:`.remote.RemoteImageFetcher`, with SSRF rules).
 
 Decoding is CPU work that does not touch MLX, so :func:`load_images` runs it in
 a worker thread: off the event loop and off the MLX thread.
@@ -20,25 +20,17 @@ import io
 import os
 import re
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 
 import anyio
 import anyio.to_thread
 from anyio.lowlevel import RunVar
 from PIL import Image, ImageOps
 
-from ._remote import RemoteImageError
-from .schemas import APIError, ImagePart, Message, UserMessage
+from ..config import ImageLimits
+from ..events import ImageError, ImageRef
+from .remote import RemoteImageError
 
-__all__ = [
-    "FORMATS",
-    "ImageError",
-    "ImageLimits",
-    "ImageRef",
-    "collect_image_refs",
-    "decode_image",
-    "load_images",
-]
+__all__ = ["FORMATS", "Fetcher", "decode_image", "decoders", "load_images"]
 
 #: MIME type → Pillow format name, for the formats this server accepts.
 FORMATS: dict[str, str] = {
@@ -54,8 +46,8 @@ _PIL_FORMATS = sorted(set(FORMATS.values()))
 _DATA_URI = re.compile(
     r"\s*data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),", re.ASCII | re.IGNORECASE
 )
-#: Longest side over shortest: Qwen-VL's processors refuse more than 200:1
-#: (mlx-vlm raises a ValueError in the middle of the request: a 500).
+#: Longest side over shortest: Qwen-VL's processors refuse more than 200:1,
+#: with a ValueError in the middle of the request.
 MAX_ASPECT_RATIO = 200
 # What rb"\s" matches; bytes.translate drops it about 6x faster than re.sub
 # on a 10 MB payload, and holds the GIL that much less.
@@ -64,84 +56,6 @@ _WHITESPACE = b" \t\n\r\f\v"
 #: Fetches a remote image URL and returns its bytes; raises
 #: :class:`RemoteImageError` for a URL it refuses or cannot fetch.
 Fetcher = Callable[[str], Awaitable[bytes]]
-
-
-@dataclass(frozen=True)
-class ImageLimits:
-    """Limits on the images of one request.
-
-    Attributes:
-        max_images: Images per request, over all messages.
-        max_bytes: Encoded (base64-decoded) bytes per image.
-        max_pixels: Width times height per image, read from the header.
-    """
-
-    max_images: int = 8
-    max_bytes: int = 10 * 1024 * 1024
-    max_pixels: int = 4096 * 4096
-
-
-class ImageError(APIError):
-    """An image part that cannot be used; a 400 that names the part.
-
-    Args:
-        message: What is wrong and what to send instead.
-        message_index: Index of the message in ``messages``.
-        part_index: Index of the part in that message's ``content``.
-        code: A short machine-readable code.
-    """
-
-    def __init__(
-        self, message: str, *, message_index: int, part_index: int, code: str
-    ) -> None:
-        param = f"messages[{message_index}].content[{part_index}].image_url"
-        super().__init__(
-            400, f"Invalid image at '{param}': {message}", param=param, code=code
-        )
-        self.message_index = message_index
-        self.part_index = part_index
-
-
-@dataclass(frozen=True)
-class ImageRef:
-    """Where an image part is in the request, and its URL."""
-
-    message_index: int
-    part_index: int
-    url: str
-
-    def error(self, message: str, code: str) -> ImageError:
-        """An :class:`ImageError` for this part."""
-        return ImageError(
-            message,
-            message_index=self.message_index,
-            part_index=self.part_index,
-            code=code,
-        )
-
-
-def collect_image_refs(
-    messages: Sequence[Message], limits: ImageLimits
-) -> list[ImageRef]:
-    """The image parts of ``messages`` in prompt order; checks the count.
-
-    Raises:
-        ImageError: More than ``limits.max_images`` images.
-    """
-    refs = [
-        ImageRef(i, j, part.image_url.url)
-        for i, message in enumerate(messages)
-        if isinstance(message, UserMessage) and not isinstance(message.content, str)
-        for j, part in enumerate(message.content)
-        if isinstance(part, ImagePart)
-    ]
-    if len(refs) > limits.max_images:
-        raise refs[limits.max_images].error(
-            f"too many images: {len(refs)} in this request, at most "
-            f"{limits.max_images} are allowed.",
-            "too_many_images",
-        )
-    return refs
 
 
 def decode_image(
@@ -213,7 +127,7 @@ async def load_images(
     result is dropped.
 
     Args:
-        refs: The image parts, from :func:`collect_image_refs`.
+        refs: The image parts, in prompt order.
         limits: The size limits.
         fetch: Fetches ``http(s)://`` URLs; when None they are refused. Its
             :class:`RemoteImageError` becomes a 400 that names the part.
@@ -256,9 +170,8 @@ def decoders() -> anyio.CapacityLimiter:
     """The event loop's bound on image decodes at once: one per core.
 
     anyio's shared limiter allows 40 worker threads: 32 requests arriving
-    together had 32 threads decoding, each wanting the GIL the event loop
-    needs (``GET /health`` p99 under 32 streams: 9.5-10.1 ms with 1-2
-    decoders, 7 runs; 10.7-12.3 ms with 40, 5 runs).
+    together would have 32 threads decoding, each wanting the GIL the event
+    loop needs (docs/benchmarks.md measures ``GET /health`` both ways).
     """
     try:
         return _DECODERS.get()

@@ -1,15 +1,17 @@
-"""Continuous batching on the MLX thread, request by request.
+"""The engine: continuous batching of one model on the MLX thread.
 
 Every request is a sync generator run on the MLX thread with
-``MLXThread.iterate``, with the events of :func:`.engine.generate_stream`;
-what they share is one :class:`BatchEngine` per model, touched only on that
-thread, so it holds no locks. A request's generator:
+``MLXThread.iterate``: one :class:`~..events.TokenEvent` per token, then one
+:class:`~..events.FinalEvent`. What they share is the model's
+:class:`BatchEngine`, touched only on that thread, so it holds no locks. With
+``max_num_seqs`` 1 the batch has one row: there is no other engine. A
+request's generator:
 
 - first turn: preprocesses its request (chat template, processor) and queues
-  it. Through :func:`iterate` it then yields a marker that the event loop
-  side drops and gives the thread to the next request, so requests that
-  arrive together are queued together; :func:`generate_stream` (a drop-in for
-  the engine's) goes straight on;
+  it. Through :meth:`BatchEngine.stream` it then yields a marker that the
+  event loop side drops and gives the thread to the next request, so
+  requests that arrive together are queued together;
+  :meth:`BatchEngine.generate_stream` goes straight on;
 - when it has no token: runs one step of the batch. A step collects the
   decode step in flight (one forward pass for every active sequence, one
   token each), prefills the queued prompts (up to 8 in one pass: their
@@ -26,9 +28,9 @@ thread, so it holds no locks. A request's generator:
 
 ``iterate`` streams take turns round-robin, so a step is one job: other jobs
 and new requests get the thread between steps, and a slow client never holds
-up the others (its tokens wait in its own buffer). :class:`BatchGate` bounds
-the active sequences (``max_num_seqs``); the rest wait on the event loop, in
-arrival order, in a bounded room, using no MLX thread time.
+up the others (its tokens wait in its own buffer). The HTTP side's gate
+bounds the active sequences (``max_num_seqs``); the rest wait on the event
+loop, in arrival order, in a bounded room, using no MLX thread time.
 
 Isolation: mlx-vlm's Qwen-VL language models keep request state on the model
 object (``_rope_deltas``, ``_position_ids``). Here each sequence's rope delta
@@ -37,8 +39,8 @@ is captured at its prefill and every decode step passes all rows' deltas
 decoding does, so no row reads another's state. Sampling is per row:
 temperature, top_p, top_k, logit_bias, stop strings, max_tokens, logprobs;
 a seeded row uses mlx-vlm's position-keyed sampler (a key per seed and
-position), so a seed gives the same tokens alone, batched, or through the
-unbatched engine.
+position), so a seed gives the same tokens alone, batched, or through
+``mlx_vlm.stream_generate``.
 
 Why not mlx-vlm's ``BatchGenerator`` (``mlx_vlm/generate/ar.py``, 0.7.10):
 it is one driver loop that owns the batch (here each request's generator
@@ -51,84 +53,115 @@ prefill, and the position-keyed sampler.
 
 Numbers: padded cache positions are masked and add exact zeros, matmul rows
 are independent, so on the CPU backend every sequence's log-probabilities
-are bit-identical to its unbatched run (the tests allow 1e-5 for backends
-whose reductions may run in another order; cross-talk moves them by 0.1-1).
-
-Integration: the app's ``thread.iterate(engine.generate_stream, loaded,
-params, images)`` becomes ``batching.iterate(thread, loaded, params,
-images)`` inside a :class:`BatchGate` turn. Do not interleave the unbatched
-engine with batching on one model: it keeps its rope state on the model.
+are bit-identical to its run alone, and to ``mlx_vlm.stream_generate`` (the
+tests allow 1e-5 for backends whose reductions may run in another order;
+cross-talk moves them by 0.1-1). Do not run ``mlx_vlm.stream_generate`` on a
+model while its engine has rows: it keeps its rope state on the model.
 """
 
 from __future__ import annotations
 
 import importlib
 import time
-import weakref
 from collections.abc import Generator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from ._batch_gate import ADMITTED, Admitted, BatchGate, BatchStream
-from ._batch_sampling import Sampled
-from ._batch_state import BatchState, BatchStatistics
-from ._text import StopMatcher, TextDecoder
-from .engine import (
+from ..events import (
+    ADMITTED,
+    Admitted,
+    Event,
+    EventStream,
     FinalEvent,
+    FinishReason,
     GenerationParams,
-    LoadedModel,
     TokenEvent,
     TokenLogprobs,
 )
+from .model import LoadedModel, load
+from .rows import BatchStatistics
+from .sampling import Sampled
+from .state import BatchState
+from .text import StopMatcher, TextDecoder
 
 if TYPE_CHECKING:
     from PIL import Image
 
     from mlx_pinned import MLXThread
 
-__all__ = [
-    "BatchEngine",
-    "BatchGate",
-    "BatchStatistics",
-    "BatchStream",
-    "engine_for",
-    "generate_stream",
-    "iterate",
-]
-
-Event = TokenEvent | FinalEvent
+__all__ = ["BatchEngine", "BatchStatistics"]
 
 
 class BatchEngine:
-    """Continuous batching for one loaded model.
+    """Continuous batching for one loaded model: the server's engine.
 
-    Use one per model (:func:`engine_for`). Its generators and its batch run
-    on the MLX thread only; :meth:`statistics` may be read from any thread.
+    One per model. Its generators and its batch run on the MLX thread only;
+    :meth:`stream` may be called from any thread, :meth:`statistics` read
+    from any thread. It is the :class:`~..events.Engine` the HTTP side uses.
 
     Args:
-        loaded: The model, from :func:`.engine.load`.
+        loaded: The model, from :func:`.model.load`.
+        thread: The MLX thread the model was loaded on.
     """
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, thread: MLXThread) -> None:
         self.loaded = loaded
+        self.thread = thread
         self._state = BatchState(loaded)
+
+    @classmethod
+    def load(cls, model_path: str | Path, thread: MLXThread) -> BatchEngine:
+        """Load a model and make its engine; runs on ``thread`` (a start-up
+        job of the middleware)."""
+        return cls(load(model_path), thread)
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's context length in tokens, or None if unknown."""
+        return self.loaded.context_length
+
+    @property
+    def longest_token_chars(self) -> int:
+        """Characters in the longest token of the vocabulary."""
+        return self.loaded.longest_token_chars
+
+    @property
+    def vocab_size(self) -> int:
+        """Valid token ids are below it."""
+        return self.loaded.vocab_size
+
+    @property
+    def loaded_at(self) -> float:
+        """When the load ended (Unix time)."""
+        return self.loaded.loaded_at
 
     def statistics(self) -> BatchStatistics:
         """A snapshot of the batch; any thread (it may be a step old)."""
         return self._state.statistics()
 
-    def iterate(
-        self,
-        thread: MLXThread,
-        params: GenerationParams,
-        images: Sequence[Image.Image] = (),
-    ) -> BatchStream:
-        """Start a generation on ``thread``; see the module's :func:`iterate`.
+    def stream(
+        self, params: GenerationParams, images: Sequence[Image.Image] = ()
+    ) -> EventStream:
+        """Start a generation on the MLX thread; its events, on the event loop.
 
-        Event loop side; the generation runs on ``thread``, which must be the
-        one the model was loaded on.
+        Any thread. The generation's first turn on the MLX thread only queues
+        its prompt and gives the thread to the next request, so requests that
+        arrive together are prefilled together. Bound the streams open at
+        once (the server's gate does) and close each one.
+
+        Args:
+            params: The request's parameters.
+            images: The decoded images, in prompt order.
+
+        Returns:
+            An async iterator of :class:`~..events.TokenEvent`, then one
+            :class:`~..events.FinalEvent`, with ``aclose()``; closing it (or
+            cancelling its consumer) takes the sequence out of the batch on
+            the thread.
         """
-        stream = thread.iterate(self._generate, params, images, announce=True)
-        return BatchStream(stream)
+        return EventStream(
+            self.thread.iterate(self._generate, params, images, announce=True)
+        )
 
     def generate_stream(
         self, params: GenerationParams, images: Sequence[Image.Image] = ()
@@ -136,18 +169,17 @@ class BatchEngine:
         """Generate a chat completion token by token, batched with the others.
 
         A sync generator to run on the MLX thread with ``MLXThread.iterate``,
-        one event per turn, like :func:`.engine.generate_stream`. Closing it
-        takes its sequence out of the batch; the other sequences go on.
-        (:func:`iterate` is faster under load: it lets requests that arrive
-        together be prefilled together.)
+        one event per turn. Closing it takes its sequence out of the batch;
+        the other sequences go on. (:meth:`stream` is faster under load: it
+        lets requests that arrive together be prefilled together.)
 
         Args:
             params: The request's parameters.
             images: The decoded images, in prompt order.
 
         Yields:
-            A :class:`TokenEvent` per generated token, then one
-            :class:`FinalEvent`.
+            A :class:`~..events.TokenEvent` per generated token, then one
+            :class:`~..events.FinalEvent`.
 
         Raises:
             Whatever the processor or the model raise for this request; an
@@ -172,7 +204,8 @@ class BatchEngine:
         row = state.admit(params, images)
         text = _Text(self.loaded)
         matcher = StopMatcher(params.stop)
-        finish, tail = "length", ""
+        finish: FinishReason = "length"
+        tail = ""
         completion = 0
         first_token_at: float | None = None
         try:
@@ -263,67 +296,3 @@ class _Text:
             self._detokenizer.finalize()
             fallback = str(self._detokenizer.last_segment)
         return self._decoder.finish(fallback)
-
-
-_engines: weakref.WeakKeyDictionary[LoadedModel, BatchEngine] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def engine_for(loaded: LoadedModel) -> BatchEngine:
-    """The batch engine of ``loaded``, made on first use; on the MLX thread."""
-    engine = _engines.get(loaded)
-    if engine is None:
-        engine = _engines[loaded] = BatchEngine(loaded)
-    return engine
-
-
-def generate_stream(
-    loaded: LoadedModel,
-    params: GenerationParams,
-    images: Sequence[Image.Image] = (),
-) -> Generator[Event, None, None]:
-    """:meth:`BatchEngine.generate_stream` on the model's engine.
-
-    A drop-in for :func:`.engine.generate_stream`, with the same arguments
-    and events, that many requests may run at once on one model. Run it on
-    the MLX thread with ``MLXThread.iterate``, inside a :class:`BatchGate`
-    turn. Do not interleave it with :func:`.engine.generate_stream` on the
-    same model: that one keeps its rope state on the model object.
-    """
-    return engine_for(loaded).generate_stream(params, images)
-
-
-def iterate(
-    thread: MLXThread,
-    loaded: LoadedModel,
-    params: GenerationParams,
-    images: Sequence[Image.Image] = (),
-) -> BatchStream:
-    """Start a batched generation on ``thread``; its events, on the event loop.
-
-    The batched counterpart of ``thread.iterate(engine.generate_stream,
-    loaded, params, images)``, and the faster way in: the generation's first
-    turn on the MLX thread only queues its prompt and gives the thread to the
-    next request, so requests that arrive together are prefilled together.
-    Call it inside a :class:`BatchGate` turn and close the stream in it.
-
-    Args:
-        thread: The MLX thread the model was loaded on.
-        loaded: The model.
-        params: The request's parameters.
-        images: The decoded images, in prompt order.
-
-    Returns:
-        An async iterator of :class:`TokenEvent`, then one :class:`FinalEvent`,
-        with ``aclose()``; closing it (or cancelling its consumer) takes the
-        sequence out of the batch on the thread.
-    """
-    return BatchStream(thread.iterate(_announced, loaded, params, images))
-
-
-def _announced(
-    loaded: LoadedModel, params: GenerationParams, images: Sequence[Image.Image]
-) -> Generator[Event | Admitted, None, None]:
-    # On the MLX thread: the model's engine is made and used there only.
-    return engine_for(loaded)._generate(params, images, announce=True)

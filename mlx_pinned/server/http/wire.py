@@ -1,6 +1,7 @@
 """The HTTP side of a chat request: body, response, disconnects, log line.
 
-Plain ASGI, on the event loop. Nothing here knows about models.
+Plain ASGI, on the event loop. Nothing here knows about models: it reads
+only the plain events of :mod:`..events`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import asyncio
 import json
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -18,18 +18,17 @@ from typing import TYPE_CHECKING
 import anyio
 import sniffio
 
-from ._errors import APIError
-from .engine import FinalEvent, TokenEvent
+from ..errors import APIError
+from ..events import FinalEvent, TokenEvent
 
 if TYPE_CHECKING:
     from starlette.types import Message, Receive, Scope, Send
 
 __all__ = [
     "Disconnected",
-    "LoopTurns",
     "RequestLog",
     "ResponseWriter",
-    "disconnect_watch",
+    "cancel_on_disconnect",
     "read_body",
     "watch_disconnect",
 ]
@@ -205,7 +204,7 @@ async def watch_disconnect(
 
 
 @asynccontextmanager
-async def disconnect_watch(
+async def cancel_on_disconnect(
     receive: Receive,
     scope: anyio.CancelScope,
     response: ResponseWriter,
@@ -214,9 +213,9 @@ async def disconnect_watch(
     """Run :func:`watch_disconnect` beside the block; stop it at the end.
 
     On asyncio the watcher is a bare task, cancelled at the end without
-    waiting for it: an anyio task group costs the event loop ~180 us a
-    request here (a bare task ~10 us), and 32 requests arriving together
-    paid that in one stretch of the loop. Elsewhere (trio), a task group.
+    waiting for it: an anyio task group costs the event loop many times a
+    bare task's price per request, and requests arriving together pay it in
+    one stretch of the loop. Elsewhere (trio), a task group.
     """
     if sniffio.current_async_library() != "asyncio":
         async with anyio.create_task_group() as group:
@@ -239,94 +238,3 @@ async def disconnect_watch(
 def _watcher_done(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and (error := task.exception()) is not None:
         logger.error("the disconnect watcher failed", exc_info=error)
-
-
-class LoopTurns:
-    """Share the event loop fairly when many requests are ready at once.
-
-    asyncio runs every callback that was ready when a loop iteration began
-    before it polls its sockets again. When 32 streams end on the same
-    decode step and 32 new requests arrive together, that is ~25 ms of
-    Python in one iteration here, and every other request (``GET /health``,
-    a new arrival, a disconnect) waits for all of it. A request that calls
-    :meth:`checkpoint` between its pieces of work yields to the loop once
-    the loop's current busy stretch has run longer than ``budget`` seconds:
-    the loop polls its sockets, and whatever arrived runs before the rest of
-    the stretch. The work is the same, cut into slices of ``budget``.
-
-    A stretch starts at the first checkpoint after the loop last polled: the
-    first checkpoint queues a marker callback, which runs after the next
-    poll. Whoever waits goes first, in order: a request over the budget, or
-    arriving while others wait, joins the line; the first in line goes on
-    once a new stretch has room, and hands the turn to the next as it goes.
-    A lone stream never yields (it pays a clock read and one marker a
-    checkpoint). Requests that never call :meth:`checkpoint` (``/health``)
-    never wait behind the slices. asyncio only (uvloop included); elsewhere
-    :meth:`checkpoint` returns at once.
-
-    Args:
-        budget: Seconds of checkpointed work per loop iteration.
-    """
-
-    def __init__(self, budget: float = 0.0005) -> None:
-        self.budget = budget
-        self.yields = 0  # how often a checkpoint gave the loop away
-        self._since = 0.0  # start of the current busy stretch
-        # The loop whose stretch is open (its marker has not run yet); a
-        # loop that closed with its marker pending leaves it here, so the
-        # check is "is it this loop", never "is one open".
-        self._marked: asyncio.AbstractEventLoop | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the line's loop
-        self._line: deque[asyncio.Future[None]] = deque()  # who waits, in order
-
-    async def checkpoint(self) -> None:
-        """Yield to the event loop if this stretch has used up its budget, or
-        if others already wait for their turn (they go first)."""
-        loop = asyncio._get_running_loop()
-        if loop is None:  # trio, or no event loop
-            return
-        if self._marked is not loop:
-            if sniffio.current_async_library() != "asyncio":
-                return
-            if self._loop is not loop:  # first use, or another loop: afresh
-                self._loop, self._line = loop, deque()
-            self._open(loop)
-            if not self._line:
-                return
-        elif not self._line and time.perf_counter() - self._since <= self.budget:
-            return
-        # Wait in line: behind the others, then (first in line) for a
-        # stretch with room. Only the first in line re-checks each loop
-        # iteration; the others wait for their turn without waking.
-        line = self._line
-        turn = loop.create_future()
-        line.append(turn)
-        try:
-            if len(line) > 1:
-                self.yields += 1
-                await turn
-            while True:
-                if self._marked is not loop:
-                    self._open(loop)
-                    return
-                if time.perf_counter() - self._since <= self.budget:
-                    return
-                self.yields += 1
-                await asyncio.sleep(0)
-        finally:
-            if line[0] is turn:  # the next one is first in line now
-                line.popleft()
-                if line and not line[0].done():
-                    line[0].set_result(None)
-            else:  # cancelled while waiting behind others
-                line.remove(turn)
-
-    def _open(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Open a stretch; its marker runs after the loop's next poll."""
-        self._marked = loop
-        self._since = time.perf_counter()
-        loop.call_soon(self._unmark, loop)
-
-    def _unmark(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._marked is loop:
-            self._marked = None

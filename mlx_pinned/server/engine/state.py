@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import random
 import time
-from collections import deque
-from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
-from ._batch_prefill import (
+from ..events import GenerationParams
+from .model import LoadedModel
+from .prefill import (
     Prefilled,
     Prepared,
     batchable,
@@ -33,78 +33,14 @@ from ._batch_prefill import (
     prefill_together,
     preprocess,
 )
-from ._batch_sampling import Draw, Sampled, collect, draw, vlm
-from .engine import GenerationParams, LoadedModel
+from .rows import BatchStatistics, Row
+from .sampling import Draw, Sampled, collect, draw, vlm
 
 if TYPE_CHECKING:
     from PIL import Image
 
 # Prompts prefilled together at most (mlx-vlm's default prefill batch).
 PREFILL_BATCH = 8
-
-
-@dataclass(eq=False)
-class Row:
-    """One sequence: its sampling settings and where it stands.
-
-    Attributes:
-        max_tokens: Most tokens to sample.
-        sampling: ``(temperature, top_p, top_k)``; temperature 0 is greedy.
-        seed: Keys the sampling of every position (mlx-vlm's position seed).
-        top_logprobs: Alternatives to return per token (0: none).
-        logprobs: Whether its tokens' log-probabilities are read.
-        bias: ``(token id, bias)`` pairs added to the logits.
-        prompt_tokens: Tokens in the prompt, image tokens included.
-        token: The last sampled token: the next step's input, not yet cached.
-        sampled: Tokens sampled so far; also the next sampling position.
-        pending: Sampled tokens its request has not turned into events yet.
-        done: No more tokens will be sampled (end of turn or ``max_tokens``).
-        left: Its request is gone; tokens still in flight for it are dropped.
-        error: Why the batch failed under it, if it did.
-    """
-
-    max_tokens: int
-    sampling: tuple[float, float, int]
-    seed: int
-    top_logprobs: int
-    bias: tuple[tuple[int, float], ...]
-    logprobs: bool = True
-    prompt_tokens: int = 0
-    token: int = 0
-    sampled: int = 0
-    pending: deque[Sampled] = field(default_factory=deque)
-    done: bool = False
-    left: bool = False
-    error: BaseException | None = None
-    prepared: Prepared | None = None  # its inputs, until its prefill
-    bias_row: mx.array | None = None
-
-
-@dataclass(frozen=True)
-class BatchStatistics:
-    """A snapshot of one model's batch.
-
-    Attributes:
-        active: Rows in the decode batch now.
-        joining: Rows prefilled and waiting for the next step to join.
-        peak_active: Most rows ever decoded in one step.
-        steps: Batched decode steps run.
-        decoded_tokens: Tokens sampled by those steps (prefill tokens excluded).
-        prefills: Prompts prefilled.
-        prefill_passes: Prefill passes run: prompts queued together share one.
-        prefill_seconds: Time spent in prefills.
-        step_seconds: Time spent in decode steps.
-    """
-
-    active: int
-    joining: int
-    peak_active: int
-    steps: int
-    decoded_tokens: int
-    prefills: int
-    prefill_passes: int
-    prefill_seconds: float
-    step_seconds: float
 
 
 class BatchState:
@@ -138,7 +74,8 @@ class BatchState:
     def statistics(self) -> BatchStatistics:
         return BatchStatistics(
             active=len(self.rows) - len(self.leaving),
-            joining=len(self.waiting) + sum(len(rows) for rows, _ in self.joining),
+            joining=len(self.waiting)
+            + sum(not r.gone for rows, _ in self.joining for r in rows),
             peak_active=self.peak_active,
             steps=self.steps,
             decoded_tokens=self.decoded,
@@ -150,7 +87,7 @@ class BatchState:
 
     # -- entering ------------------------------------------------------------
 
-    def admit(self, params: GenerationParams, images: Seq[Image.Image]) -> Row:
+    def admit(self, params: GenerationParams, images: Sequence[Image.Image]) -> Row:
         """Preprocess a request (chat template, processor) and queue it.
 
         Its prompt is prefilled at the next :meth:`step`, together with the
@@ -158,15 +95,15 @@ class BatchState:
         the processor raises, or ``PromptTooLongError`` for a prompt over the
         request's limits; nothing is queued then.
         """
-        v = vlm()
+        api = vlm()
         model = self.loaded.model
-        temperature, top_p, top_k = v.resolve_sampling_defaults(
+        temperature, top_p, top_k = api.resolve_sampling_defaults(
             getattr(model, "config", None),
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=None,
         )
-        temperature = float(v.clamp_temperature(temperature))
+        temperature = float(api.clamp_temperature(temperature))
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         prepared = preprocess(self.loaded, params, images)
         # The request's prompt limits, as the unbatched engine checks them
@@ -192,7 +129,7 @@ class BatchState:
         """Prefill the queued prompts: up to :data:`PREFILL_BATCH` together,
         the others alone. A failing prompt fails its own request only.
         Whether any of them got its first token (or its error) here."""
-        waiting = [row for row in self.waiting if not row.left]
+        waiting = [row for row in self.waiting if not row.gone]
         self.waiting = []
         if not waiting:
             return False
@@ -243,7 +180,7 @@ class BatchState:
 
     def leave(self, row: Row) -> None:
         """Take ``row`` out: now if it has not joined, else at the next step."""
-        row.left = True
+        row.gone = True
         if row in self.waiting:
             self.waiting.remove(row)
         elif row in self.rows:
@@ -251,7 +188,14 @@ class BatchState:
             if len(self.leaving) == len(self.rows):
                 self._inflight = None  # nobody is left to read it
                 self._compact()
-        # A row still joining is dropped when its group joins.
+        else:
+            # A row still joining is dropped when its group joins; a group
+            # with nobody left is dropped now, its cache with it.
+            self.joining = [
+                (rows, group)
+                for rows, group in self.joining
+                if not all(r.gone or r.done for r in rows)
+            ]
 
     def _compact(self) -> None:
         if not self.leaving:
@@ -275,7 +219,7 @@ class BatchState:
         joining, self.joining = self.joining, []
         for rows, group in joining:
             # Rows that left, or whose first token was also their last.
-            keep = [i for i, row in enumerate(rows) if not (row.left or row.done)]
+            keep = [i for i, row in enumerate(rows) if not (row.gone or row.done)]
             if not keep:
                 continue
             cache, deltas = group.cache, group.deltas
@@ -302,7 +246,7 @@ class BatchState:
 
         A one-token step's causal mask is all true; ``BatchKVCache`` still
         builds one every step to hide left padding, and attention with a
-        mask array is the slower kernel (~7 % of a step at one row here).
+        mask array is the slower kernel (docs/benchmarks.md has the cost).
         The model asks the first layer's cache for the mask, so only that
         cache answers None for one-token steps, and only while every row's
         left padding is 0 (read here, on joins and leaves, not per step).
@@ -362,7 +306,7 @@ class BatchState:
             self._fail(exc, rows)
             raise
         for row, item in zip(rows, sampled, strict=True):
-            if row.left or row.done:
+            if row.gone or row.done:
                 # It left while the step ran, or its token in the step before
                 # ended it (end of turn): this one was computed ahead, for
                 # nothing.
@@ -421,7 +365,7 @@ class BatchState:
         row.sampled += 1
         row.done = item.eos or row.sampled >= row.max_tokens
 
-    def _fail(self, exc: BaseException, reading: Seq[Row] = ()) -> None:
+    def _fail(self, exc: BaseException, reading: Sequence[Row] = ()) -> None:
         """Fail every row with ``exc``: those in the batch, joining, waiting,
         and those of the step being read (``reading``) that are not done:
         a row whose last token that step held has left the batch already."""

@@ -1,0 +1,309 @@
+"""Every setting of the server, with its default, its check and its help.
+
+One source: :class:`ServerConfig` declares each setting once, as a field
+whose metadata holds its help text and how the command line spells and
+parses it; ``create_app`` takes a config (or the same names as keywords) and
+``mlx-pinned serve`` builds its flags from these fields
+(:func:`command_line_settings`). A plain shared module: any thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "API_KEY_ENV",
+    "ImageLimits",
+    "ServerConfig",
+    "Setting",
+    "command_line_settings",
+]
+
+#: The environment variable that gives the command line's ``--api-key``.
+API_KEY_ENV = "MLX_PINNED_API_KEY"
+
+
+def whole(text: str) -> int:
+    """A whole number, from the command line."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"must be a whole number, not {text!r}") from None
+
+
+def positive(text: str) -> int:
+    """A whole number of at least 1."""
+    value = whole(text)
+    if value < 1:
+        raise ValueError(f"must be at least 1, not {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"must be a number of seconds, not {text!r}") from None
+    if not value >= 0:  # also refuses nan
+        raise ValueError(f"must be 0 or more, not {text}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A number of seconds, more than 0."""
+    value = seconds(text)
+    if value == 0:
+        raise ValueError("must be more than 0")
+    return value
+
+
+def seconds_or_none(text: str) -> float | None:
+    """A number of seconds; 0 means no limit (None)."""
+    return seconds(text) or None
+
+
+def _setting(
+    default: Any,
+    help: str,
+    *,
+    parse: Callable[[str], Any] | None = None,
+    flag: str | None = None,
+    env: str | None = None,
+    command_line_default: Any = dataclasses.MISSING,
+) -> Any:
+    """A field of a settings class. ``help`` is its command-line help (with
+    ``%(default)s``); ``parse`` reads its flag's text (None: a switch);
+    ``flag`` overrides the flag's name; ``env``: the variable that gives the
+    command line's default; ``command_line_default``: a default that the
+    command line sets and the library does not (say why where it is used)."""
+    metadata = {
+        "help": help,
+        "parse": parse,
+        "flag": flag,
+        "env": env,
+        "command_line_default": command_line_default,
+    }
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """Limits on the images of one request.
+
+    Attributes:
+        max_images: Images per request, over all messages.
+        max_bytes: Encoded (base64-decoded) bytes per image.
+        max_pixels: Width times height per image, read from the header.
+    """
+
+    max_images: int = _setting(
+        8, "images per request (default: %(default)s)", parse=positive
+    )
+    max_bytes: int = _setting(
+        10 * 1024 * 1024,
+        "encoded bytes per image (default: %(default)s)",
+        parse=positive,
+        flag="--max-image-bytes",
+    )
+    max_pixels: int = _setting(
+        4096 * 4096,
+        "width x height per image (default: %(default)s)",
+        parse=positive,
+        flag="--max-image-pixels",
+    )
+
+    def __post_init__(self) -> None:
+        for item in dataclasses.fields(self):
+            if getattr(self, item.name) < 1:
+                raise ValueError(f"{item.name} must be >= 1")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of one server. Each is checked here; a bad one is a
+    ``ValueError`` that names it.
+
+    Attributes:
+        model: A local model folder or a Hugging Face hub id.
+        served_model_name: The name clients send as ``model`` (None: ``model``
+            as given; see :attr:`name`). Any other name is a 404.
+        max_tokens_limit: The largest ``max_tokens`` a request may ask for;
+            more is a 400.
+        default_max_tokens: ``max_tokens`` when a request sets none (at most
+            ``max_tokens_limit``).
+        max_pending: Requests that may wait for the model; past it, 503 with
+            ``Retry-After``.
+        max_num_seqs: Generations decoded together in one batch; the rest
+            wait their turn.
+        max_body_bytes: Largest request body; more is a 413.
+        image_limits: Limits on images per request, bytes and pixels.
+        api_key: When set, every route but ``/health`` needs
+            ``Authorization: Bearer <api_key>``; otherwise 401.
+        allow_remote_images: Fetch ``http(s)://`` image URLs (off: they are a
+            400), from public addresses only, at most
+            ``image_limits.max_bytes`` per image.
+        remote_image_timeout: Seconds for fetching one remote image.
+        max_prompt_tokens: Most prompt tokens, images included; None: the
+            model's context length from its config.
+        request_timeout: Seconds a request may take after its body is read
+            (images, queue wait and generation); past it, 504 (or an error
+            event) and the generation is closed. None: no limit.
+        drain_timeout: Seconds in-flight requests get at shut-down.
+        retry_after: Seconds sent in ``Retry-After`` with every 503 that
+            asks the client to come back (a full waiting room, a busy thread).
+        freeze_gc: After the model is loaded, collect garbage once and move
+            every object left to the collector's permanent generation
+            (:func:`gc.freeze`), so later full collections skip the
+            libraries and the model, during which nothing on the event loop
+            or the MLX thread runs. Process-wide, so off by default in the
+            library; the command line turns it on.
+    """
+
+    model: str = _setting("", "a local model folder or a Hugging Face hub id")
+    served_model_name: str | None = _setting(
+        None,
+        "the model name clients send (default: MODEL as given)",
+        parse=str,
+    )
+    max_tokens_limit: int = _setting(
+        4096,
+        "largest max_tokens a request may ask for (default: %(default)s)",
+        parse=positive,
+    )
+    default_max_tokens: int = _setting(
+        512,
+        "max_tokens of a request that sets none (default: %(default)s)",
+        parse=positive,
+    )
+    max_pending: int = _setting(
+        256,
+        "requests that may wait for the model before 503 (default: %(default)s)",
+        parse=positive,
+    )
+    max_num_seqs: int = _setting(
+        32,
+        "generations decoded together in one batch (default: %(default)s)",
+        parse=positive,
+    )
+    max_body_bytes: int = _setting(
+        20 * 1024 * 1024,
+        "largest request body (default: %(default)s)",
+        parse=positive,
+    )
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
+    api_key: str | None = _setting(
+        None,
+        "require 'Authorization: Bearer KEY' (default: $MLX_PINNED_API_KEY)",
+        parse=str,
+        env=API_KEY_ENV,
+    )
+    allow_remote_images: bool = _setting(
+        False,
+        "fetch http(s) image URLs, from public addresses only (default: off)",
+    )
+    remote_image_timeout: float = _setting(
+        10.0,
+        "seconds to fetch one remote image (default: %(default)s)",
+        parse=positive_seconds,
+    )
+    max_prompt_tokens: int | None = _setting(
+        None,
+        "most prompt tokens, images included (default: the model's context length)",
+        parse=positive,
+    )
+    request_timeout: float | None = _setting(
+        600.0,
+        "seconds a request may wait and generate before 504; 0: no limit "
+        "(default: %(default)s)",
+        parse=seconds_or_none,
+    )
+    drain_timeout: float = _setting(
+        30.0,
+        "seconds in-flight requests get at shut-down (default: %(default)s)",
+        parse=seconds,
+    )
+    retry_after: int = _setting(
+        1,
+        "seconds a client is asked to wait (Retry-After) when the server is "
+        "busy (default: %(default)s)",
+        parse=positive,
+    )
+    # Process-wide: a library user's app shares the process with other code.
+    freeze_gc: bool = _setting(
+        False,
+        "freeze the objects left after the model load out of later garbage "
+        "collections (default: on; --no-freeze-gc turns it off)",
+        command_line_default=True,
+    )
+
+    def __post_init__(self) -> None:
+        bounded = ("max_tokens_limit", "max_pending", "max_num_seqs")
+        for name in (*bounded, "max_body_bytes", "retry_after"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.api_key == "":
+            raise ValueError("api_key is empty: give a key, or None for no key")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(
+                f"max_prompt_tokens must be >= 1, not {self.max_prompt_tokens}"
+            )
+        positive_times = ("request_timeout", "remote_image_timeout")
+        for name in positive_times:
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, not {value}")
+        if not (self.drain_timeout >= 0 and math.isfinite(self.drain_timeout)):
+            raise ValueError(f"drain_timeout must be >= 0, not {self.drain_timeout}")
+        if self.default_max_tokens > self.max_tokens_limit:
+            object.__setattr__(self, "default_max_tokens", self.max_tokens_limit)
+
+    @property
+    def name(self) -> str:
+        """The model's name in requests and ``/v1/models``."""
+        return self.served_model_name or self.model
+
+    @property
+    def thread_bound(self) -> int:
+        """The MLX thread's queue bound: the waiting room plus a turn of
+        each running generation (the running ones are queued there too)."""
+        return self.max_pending + self.max_num_seqs
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One command-line setting: where it goes and how it is read."""
+
+    path: tuple[str, ...]  # the field, and the field inside it for limits
+    flag: str
+    help: str
+    parse: Callable[[str], Any] | None
+    default: Any
+    env: str | None
+
+
+def command_line_settings() -> Iterator[Setting]:
+    """Every setting of :class:`ServerConfig` that has a flag, with the
+    limits of :class:`ImageLimits` flattened (``--max-images``); ``model``
+    is the command's positional argument and has none."""
+    for item in dataclasses.fields(ServerConfig):
+        if item.name == "model":
+            continue
+        if item.name == "image_limits":
+            for inner in dataclasses.fields(ImageLimits):
+                yield _as_setting((item.name, inner.name), inner)
+            continue
+        yield _as_setting((item.name,), item)
+
+
+def _as_setting(path: tuple[str, ...], item: dataclasses.Field[Any]) -> Setting:
+    meta = item.metadata
+    default = meta["command_line_default"]
+    if default is dataclasses.MISSING:
+        default = item.default
+    flag = meta["flag"] or "--" + path[-1].replace("_", "-")
+    return Setting(path, flag, meta["help"], meta["parse"], default, meta["env"])

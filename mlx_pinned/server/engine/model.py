@@ -1,0 +1,127 @@
+"""A model loaded for serving: MLX thread only.
+
+:func:`load` loads a model with mlx-vlm and evaluates it whole, so nothing lazy
+is left to tie it to a stream; :class:`LoadedModel` holds it with what the
+server reads of it (context length, vocabulary, token texts).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+
+from ..limits import context_length, longest_token_chars
+from .text import token_bytes
+
+__all__ = ["LoadedModel", "load"]
+
+logger = logging.getLogger("mlx_pinned.server")
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """A model, its processor and config, loaded and evaluated on the MLX thread.
+
+    Attributes:
+        model: The mlx-vlm model.
+        processor: Its processor (tokenizer, image processor, detokenizer).
+        path: What it was loaded from (a folder or a hub id).
+        load_seconds: How long :func:`load` took.
+        parameters: Number of parameters.
+        loaded_at: When the load ended (Unix time): ``created`` in
+            ``/v1/models``.
+    """
+
+    model: Any
+    processor: Any
+    path: str
+    load_seconds: float
+    parameters: int
+    loaded_at: float = field(default_factory=time.time)  # Unix time, at the end
+    _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+    _longest_token: int | None = None
+
+    @property
+    def config(self) -> Any:
+        """The model's config object."""
+        return self.model.config
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's context length in tokens, from its config (or None)."""
+        return context_length(self.config)
+
+    @property
+    def longest_token_chars(self) -> int:
+        """Characters in the longest token of the vocabulary (computed once)."""
+        if self._longest_token is None:
+            self._longest_token = longest_token_chars(self.tokenizer)
+        return self._longest_token
+
+    @property
+    def tokenizer(self) -> Any:
+        """The text tokenizer."""
+        return getattr(self.processor, "tokenizer", self.processor)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's output: valid token ids are below it."""
+        config = self.config
+        text_config = getattr(config, "text_config", None)
+        size = getattr(text_config, "vocab_size", None) or getattr(
+            config, "vocab_size", None
+        )
+        return int(size) if size else len(self.tokenizer)
+
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's text and UTF-8 bytes, as OpenAI's logprobs show them.
+
+        A byte-level BPE token can hold part of a character: its bytes are
+        exact and its text shows the partial bytes as ``\\xNN``.
+        """
+        cached = self._token_text.get(token_id)
+        if cached is None:
+            raw = token_bytes(self.processor, self.tokenizer, token_id)
+            cached = (raw.decode("utf-8", errors="backslashreplace"), list(raw))
+            self._token_text[token_id] = cached
+        return cached
+
+
+def load(model_path: str | Path) -> LoadedModel:
+    """Load a model with mlx-vlm and evaluate all of it.
+
+    Runs on the MLX thread (the middleware's start-up job): the weights, and
+    lazily built arrays such as RoPE tables, are evaluated here so no lazy
+    array remains tied to another thread's stream.
+
+    Args:
+        model_path: A local folder or a Hugging Face hub id.
+
+    Raises:
+        Whatever mlx-vlm raises for a missing or unsupported model.
+    """
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import load as vlm_load
+
+    start = time.perf_counter()
+    logger.info("loading model %s", model_path)
+    model, processor = vlm_load(str(model_path))
+    mx.eval(model)  # the whole tree, private attributes included
+    seconds = time.perf_counter() - start
+    flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    parameters = sum(v.size for _, v in flat)
+    loaded = LoadedModel(model, processor, str(model_path), seconds, parameters)
+    _ = loaded.longest_token_chars  # once, at load, not in a request
+    logger.info(
+        "loaded %s (%s, %d parameters) in %.2f s",
+        model_path,
+        getattr(model.config, "model_type", "?"),
+        parameters,
+        seconds,
+    )
+    return loaded

@@ -1,0 +1,32 @@
+"""The prompt of a chat: the model's chat template over mlx-vlm's chat
+messages. MLX thread (it reads the processor the model was loaded with)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .model import LoadedModel
+
+__all__ = ["build_prompt"]
+
+
+def build_prompt(loaded: LoadedModel, messages: Sequence[dict[str, Any]]) -> str:
+    """The prompt text from the model's chat template.
+
+    Images in every turn count: the image markers stay in their own messages.
+    """
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    num_images = sum(
+        1
+        for m in messages
+        if isinstance(m["content"], list)
+        for part in m["content"]
+        if part["type"] == "image_url"
+    )
+    prompt = apply_chat_template(
+        loaded.processor, loaded.config, list(messages), num_images=num_images
+    )
+    return str(prompt)

@@ -1,0 +1,81 @@
+"""A sequence of the decode batch (a row) and the batch's statistics.
+
+Rows are made, read and changed on the MLX thread only; a
+:class:`BatchStatistics` is a frozen snapshot, readable anywhere.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .prefill import Prepared
+from .sampling import Sampled
+
+__all__ = ["BatchStatistics", "Row"]
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence: its sampling settings and where it stands.
+
+    Attributes:
+        max_tokens: Most tokens to sample.
+        sampling: ``(temperature, top_p, top_k)``; temperature 0 is greedy.
+        seed: Keys the sampling of every position (mlx-vlm's position seed).
+        top_logprobs: Alternatives to return per token (0: none).
+        logprobs: Whether its tokens' log-probabilities are read.
+        bias: ``(token id, bias)`` pairs added to the logits.
+        prompt_tokens: Tokens in the prompt, image tokens included.
+        token: The last sampled token: the next step's input, not yet cached.
+        sampled: Tokens sampled so far; also the next sampling position.
+        pending: Sampled tokens its request has not turned into events yet.
+        done: No more tokens will be sampled (end of turn or ``max_tokens``).
+        gone: Its request left; tokens still in flight for it are dropped.
+        error: Why the batch failed under it, if it did.
+    """
+
+    max_tokens: int
+    sampling: tuple[float, float, int]
+    seed: int
+    top_logprobs: int
+    bias: tuple[tuple[int, float], ...]
+    logprobs: bool = True
+    prompt_tokens: int = 0
+    token: int = 0
+    sampled: int = 0
+    pending: deque[Sampled] = field(default_factory=deque)
+    done: bool = False
+    gone: bool = False
+    error: BaseException | None = None
+    prepared: Prepared | None = None  # its inputs, until its prefill
+    bias_row: mx.array | None = None
+
+
+@dataclass(frozen=True)
+class BatchStatistics:
+    """A snapshot of one model's batch.
+
+    Attributes:
+        active: Rows in the decode batch now.
+        joining: Rows prefilled and waiting for the next step to join.
+        peak_active: Most rows ever decoded in one step.
+        steps: Batched decode steps run.
+        decoded_tokens: Tokens sampled by those steps (prefill tokens excluded).
+        prefills: Prompts prefilled.
+        prefill_passes: Prefill passes run: prompts queued together share one.
+        prefill_seconds: Time spent in prefills.
+        step_seconds: Time spent in decode steps.
+    """
+
+    active: int
+    joining: int
+    peak_active: int
+    steps: int
+    decoded_tokens: int
+    prefills: int
+    prefill_passes: int
+    prefill_seconds: float
+    step_seconds: float

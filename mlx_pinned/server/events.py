@@ -1,0 +1,270 @@
+"""What the event loop and the MLX thread hand each other, as plain values.
+
+A shared module: no Starlette, no pydantic, no MLX. The HTTP side turns a
+request into :class:`GenerationParams` and :class:`ImageRef` values; the
+engine, on the MLX thread, answers with one :class:`TokenEvent` per token
+and one :class:`FinalEvent`, through an :class:`EventStream`. The HTTP side
+knows the engine only through the :class:`Engine` protocol, so it never
+imports MLX; ``app.py`` wires the real one in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from .errors import APIError
+from .limits import check_prompt_tokens
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from mlx_pinned import AsyncStreamIterator
+
+__all__ = [
+    "ADMITTED",
+    "Admitted",
+    "Engine",
+    "Event",
+    "EventStream",
+    "FinalEvent",
+    "FinishReason",
+    "GenerationParams",
+    "ImageError",
+    "ImageRef",
+    "LoadImages",
+    "TokenEvent",
+    "TokenLogprobs",
+]
+
+#: Why a generation ended: an end of turn or a stop string, or ``max_tokens``.
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What one generation needs from a request; plain values, built anywhere.
+
+    Attributes:
+        messages: The chat as mlx-vlm's chat messages: ``{"role", "content"}``
+            dicts whose content is a string or a list of ``{"type": "text",
+            "text"}`` and ``{"type": "image_url"}`` parts.
+        max_tokens: Most tokens to generate.
+        temperature: Sampling temperature; None uses the checkpoint's default.
+        top_p: Nucleus sampling; None uses the checkpoint's default.
+        seed: Seed for sampling; same seed, same request, same output.
+        stop: Stop strings; generation ends before them.
+        logprobs: Whether to return each token's log-probability.
+        top_logprobs: How many alternatives to return per token.
+        logit_bias: ``(token id, bias)`` pairs added to the logits.
+        max_prompt_tokens: Refuse a longer prompt (None: no limit of its own).
+        context_length: Refuse a prompt that, with ``max_tokens``, is longer
+            (None: the model has no known context length).
+    """
+
+    messages: tuple[dict[str, Any], ...]
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    max_prompt_tokens: int | None = None
+    context_length: int | None = None
+
+    def check_prompt_tokens(self, prompt_tokens: int) -> None:
+        """Refuse a prompt over this request's limits; call before prefill.
+
+        Raises:
+            PromptTooLongError: A 400 whose message gives the numbers.
+        """
+        check_prompt_tokens(
+            prompt_tokens,
+            self.max_tokens,
+            max_prompt_tokens=self.max_prompt_tokens,
+            context=self.context_length,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A generated token's log-probability and its top alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[tuple[str, float, list[int]]]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One generated token.
+
+    Attributes:
+        text: Text released with this token; may be empty while the
+            detokenizer waits for more bytes or text could start a stop string.
+        logprobs: The token's log-probabilities, when requested.
+    """
+
+    text: str
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FinalEvent:
+    """The end of a generation.
+
+    Attributes:
+        text: Text still held back, released now.
+        finish_reason: ``stop`` (end of turn or a stop string) or ``length``.
+        prompt_tokens: Tokens in the prompt, image tokens included.
+        completion_tokens: Tokens generated (the end-of-turn token excluded).
+        prefill_seconds: Time to the first token on the MLX thread.
+        decode_seconds: Time from the first token to the end.
+    """
+
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    prefill_seconds: float = field(default=0.0, compare=False)
+    decode_seconds: float = field(default=0.0, compare=False)
+
+
+Event = TokenEvent | FinalEvent
+
+
+class Admitted:
+    """The first item of a generation: its prompt is queued for prefill, and
+    the MLX thread goes to the next request (so requests that arrive together
+    are prefilled together). :class:`EventStream` drops it."""
+
+
+ADMITTED = Admitted()
+
+
+class EventStream:
+    """The events of one generation, on the event loop.
+
+    Wraps the MLX thread's stream of a generation: iterating gives every
+    :class:`TokenEvent`, then one :class:`FinalEvent`; :meth:`aclose` (or
+    cancelling the consumer) closes the generation on the MLX thread.
+    """
+
+    def __init__(self, inner: AsyncStreamIterator[Event | Admitted]) -> None:
+        self._inner = inner
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        while True:
+            item = await self._inner.__anext__()
+            if not isinstance(item, Admitted):
+                return item
+
+    def batched(self, n: int) -> AsyncIterator[tuple[Event, ...]]:
+        """The events in tuples of up to ``n``, one wake-up per tuple (see
+        ``AsyncStreamIterator.batched``); :meth:`aclose` still closes the
+        generation."""
+        return _batches(self._inner.batched(n))
+
+    async def aclose(self) -> None:
+        """Close the generation on the thread and wait until it is closed."""
+        await self._inner.aclose()
+
+    async def __aenter__(self) -> EventStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+async def _batches(
+    inner: AsyncIterator[tuple[Event | Admitted, ...]],
+) -> AsyncIterator[tuple[Event, ...]]:
+    async for batch in inner:
+        events = tuple(e for e in batch if not isinstance(e, Admitted))
+        if events:
+            yield events
+
+
+class Engine(Protocol):
+    """A loaded model as the HTTP side sees it (``app.py`` wires the real
+    one, :class:`mlx_pinned.server.engine.BatchEngine`)."""
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's context length in tokens, or None if unknown."""
+        ...
+
+    @property
+    def longest_token_chars(self) -> int:
+        """Characters in the longest token of the vocabulary."""
+        ...
+
+    @property
+    def vocab_size(self) -> int:
+        """Valid token ids are below it."""
+        ...
+
+    @property
+    def loaded_at(self) -> float:
+        """When the load ended (Unix time)."""
+        ...
+
+    def stream(
+        self, params: GenerationParams, images: Sequence[Image.Image]
+    ) -> EventStream:
+        """Start a generation on the MLX thread; its events, on the event loop.
+
+        Any thread; the generation runs on the MLX thread.
+        """
+        ...
+
+
+class ImageError(APIError):
+    """An image part that cannot be used; a 400 that names the part.
+
+    Args:
+        message: What is wrong and what to send instead.
+        message_index: Index of the message in ``messages``.
+        part_index: Index of the part in that message's ``content``.
+        code: A short machine-readable code.
+    """
+
+    def __init__(
+        self, message: str, *, message_index: int, part_index: int, code: str
+    ) -> None:
+        param = f"messages[{message_index}].content[{part_index}].image_url"
+        super().__init__(
+            400, f"Invalid image at '{param}': {message}", param=param, code=code
+        )
+        self.message_index = message_index
+        self.part_index = part_index
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """Where an image part is in the request, and its URL."""
+
+    message_index: int
+    part_index: int
+    url: str
+
+    def error(self, message: str, code: str) -> ImageError:
+        """An :class:`ImageError` for this part."""
+        return ImageError(
+            message,
+            message_index=self.message_index,
+            part_index=self.part_index,
+            code=code,
+        )
+
+
+#: Decodes (and, where allowed, fetches) a request's images, in order, off
+#: the event loop; raises :class:`ImageError` for the first it cannot use.
+LoadImages = Callable[[Sequence[ImageRef]], Awaitable[list["Image.Image"]]]

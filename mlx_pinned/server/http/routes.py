@@ -1,0 +1,129 @@
+"""The small routes and the app's error handlers: ``/health``,
+``/v1/models``, unknown URLs, unexpected errors, and the API key check.
+
+Event loop only. Every answer is in OpenAI's error shape, from
+:mod:`..errors`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from ..errors import APIError, internal_error, model_not_loaded, thread_unavailable
+from .chat import model_not_found
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+    from starlette.types import ASGIApp, Receive, Scope, Send
+
+    from mlx_pinned import MLXThread
+
+    from ..config import ServerConfig
+
+__all__ = [
+    "APIKeyMiddleware",
+    "error_response",
+    "health",
+    "http_error",
+    "model",
+    "model_card",
+    "models",
+    "server_error",
+]
+
+logger = logging.getLogger("mlx_pinned.server")
+
+
+def error_response(error: APIError) -> JSONResponse:
+    """``error`` as a JSON response with its status and headers."""
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def health(thread: MLXThread, request: Request) -> Response:
+    """``GET /health``: 200 once the model is loaded and the thread runs."""
+    if thread.closed:
+        return error_response(thread_unavailable())
+    if "model" not in request.scope.get("state", {}):
+        return error_response(model_not_loaded())
+    stats = thread.statistics()
+    return JSONResponse(
+        {"status": "ok", "pending": stats.pending, "open_streams": stats.open_streams}
+    )
+
+
+def model_card(config: ServerConfig, request: Request) -> dict[str, Any]:
+    """The ``/v1/models`` entry of the served model."""
+    loaded = request.scope.get("state", {}).get("model")
+    created = int(getattr(loaded, "loaded_at", None) or time.time())
+    return {
+        "id": config.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "mlx-pinned",
+    }
+
+
+async def models(config: ServerConfig, request: Request) -> Response:
+    """``GET /v1/models``."""
+    return JSONResponse({"object": "list", "data": [model_card(config, request)]})
+
+
+async def model(config: ServerConfig, request: Request) -> Response:
+    """``GET /v1/models/{model_id}``."""
+    model_id = request.path_params["model_id"]
+    if model_id != config.name:
+        return error_response(model_not_found(model_id, config))
+    return JSONResponse(model_card(config, request))
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 and 405 in OpenAI's shape; a 405 keeps ``Allow``."""
+    assert isinstance(exc, HTTPException)
+    message = {404: "Unknown URL: see /v1/models and /v1/chat/completions."}.get(
+        exc.status_code, str(exc.detail)
+    )
+    if exc.status_code == 405:
+        message = f"Method {request.method} is not allowed for {request.url.path}."
+    error = APIError(exc.status_code, message, headers=dict(exc.headers or {}))
+    return error_response(error)
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    """An unexpected error: a 500 that names nothing; the log has it all."""
+    logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return error_response(internal_error())
+
+
+class APIKeyMiddleware:
+    """``Authorization: Bearer <key>`` on every HTTP route except ``/health``.
+
+    The key is compared in constant time.
+    """
+
+    def __init__(self, app: ASGIApp, *, api_key: str) -> None:
+        self.app = app
+        self._expected = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, key = given.strip().partition(b" ")
+        # The scheme is case-insensitive, and spaces may follow it (RFC 9110).
+        key = key.strip()
+        if scheme.lower() == b"bearer" and hmac.compare_digest(key, self._expected):
+            await self.app(scope, receive, send)
+            return
+        error = APIError(
+            401,
+            "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+            code="invalid_api_key",
+        )
+        await error_response(error)(scope, receive, send)

@@ -1,0 +1,131 @@
+"""The server's layout: each package imports only in the allowed direction.
+
+cli -> app -> {http, inputs, engine} -> shared (config, errors, events,
+limits). The engine (the MLX thread) never imports HTTP libraries; the HTTP
+side (the event loop) never imports MLX; the input decoders neither. Every
+import counts, those under ``TYPE_CHECKING`` and inside functions too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import mlx_pinned.server
+
+ROOT = Path(mlx_pinned.server.__file__).parent
+SHARED = {"config", "errors", "events", "limits"}
+# What each part of the server may import from the server itself.
+ALLOWED = {
+    "shared": {"shared"},
+    "engine": {"engine", "shared"},
+    "http": {"http", "shared"},
+    "inputs": {"inputs", "shared"},
+    "app": {"app", "engine", "http", "inputs", "shared"},
+    "cli": {"cli", "app", "engine", "http", "inputs", "shared"},
+    "package": {"app", "shared", "cli"},
+}
+MLX = {"mlx", "mlx_vlm", "mlx_lm"}
+WEB = {"starlette", "pydantic", "prometheus_client", "httpx", "uvicorn", "fastapi"}
+# The remote image fetcher is an HTTP client (httpx), not the HTTP side.
+SERVING = WEB - {"httpx"}
+FORBIDDEN = {"shared": MLX | WEB, "engine": WEB, "http": MLX, "inputs": MLX | SERVING}
+
+
+def part_of(module: str) -> str:
+    """The part of the server a dotted module name (under the server) is in."""
+    parts = module.split(".")
+    if len(parts) < 3:  # mlx_pinned.server itself
+        return "package"
+    first = parts[2]
+    if first in SHARED:
+        return "shared"
+    if first in ("__init__", "__main__"):
+        return "package"
+    return first
+
+
+def module_name(path: Path) -> str:
+    relative = path.relative_to(ROOT.parent.parent).with_suffix("")
+    return ".".join(relative.parts)
+
+
+def imports(path: Path, text: str | None = None) -> list[tuple[str, int]]:
+    """Every module ``path`` (or ``text`` as if it were there) imports,
+    absolute, with the line."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: list[tuple[str, int]] = []
+    source = path.read_text() if text is None else text
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            found.append((target, node.lineno))
+            # "from . import engine" imports a submodule by name.
+            found += [(f"{target}.{alias.name}", node.lineno) for alias in node.names]
+    return found
+
+
+SOURCES = sorted(ROOT.rglob("*.py"))
+
+
+def violations(path: Path, text: str | None = None) -> list[str]:
+    """The imports of ``path`` that go the wrong way."""
+    mine = part_of(module_name(path))
+    wrong = []
+    for target, line in imports(path, text):
+        top = target.split(".")[0]
+        if top in FORBIDDEN.get(mine, set()):
+            wrong.append(f"line {line}: {target} (no {top} in {mine})")
+        if target.startswith("mlx_pinned.server.") and not _is_name_of(target):
+            theirs = part_of(target)
+            if theirs not in ALLOWED[mine]:
+                wrong.append(f"line {line}: {target} ({mine} -> {theirs})")
+    return wrong
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_go_one_way(path: Path) -> None:
+    wrong = violations(path)
+    assert not wrong, f"{path.relative_to(ROOT)} imports the wrong way: {wrong}"
+
+
+def _is_name_of(target: str) -> bool:
+    """Whether ``target`` is a name imported from a module (``a.b.Name``),
+    not a submodule: only submodules have files."""
+    relative = target.split(".")[2:]
+    path = ROOT.joinpath(*relative)
+    return not (path.with_suffix(".py").exists() or path.is_dir())
+
+
+@pytest.mark.parametrize(
+    ("where", "line"),
+    [
+        ("http/chat.py", "from ..engine import BatchEngine"),
+        ("http/chat.py", "from ..engine.batch import BatchEngine"),
+        ("http/chat.py", "import mlx.core as mx"),
+        ("engine/batch.py", "from ..http import schemas"),
+        ("engine/batch.py", "from pydantic import BaseModel"),
+        ("events.py", "from .engine import BatchEngine"),
+        ("inputs/images.py", "from ..http.params import image_refs"),
+        ("app.py", "from . import cli"),
+    ],
+)
+def test_a_wrong_import_is_caught(where: str, line: str) -> None:
+    path = ROOT / where
+    assert not violations(path)
+    assert violations(path, path.read_text() + "\n" + line + "\n")
+
+
+def test_every_part_is_known() -> None:
+    parts = {part_of(module_name(path)) for path in SOURCES}
+    assert parts <= set(ALLOWED), parts - set(ALLOWED)
