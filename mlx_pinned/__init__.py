@@ -14,7 +14,9 @@ from ._exceptions import MLXPinnedError as MLXPinnedError
 from ._exceptions import MLXThreadBrokenError as MLXThreadBrokenError
 from ._exceptions import MLXThreadBusyError as MLXThreadBusyError
 from ._exceptions import MLXThreadClosedError as MLXThreadClosedError
+from ._exceptions import MLXThreadDeadlockError as MLXThreadDeadlockError
 from ._exceptions import StreamAffinityError as StreamAffinityError
+from ._executor import Exclusive as Exclusive
 from ._executor import MLXThread as MLXThread
 from ._executor import MLXThreadStatistics as MLXThreadStatistics
 from ._executor import cancel_requested as cancel_requested
@@ -29,12 +31,14 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncBatchIterator",
     "AsyncStreamIterator",
+    "Exclusive",
     "MLXFunction",
     "MLXPinnedError",
     "MLXThread",
     "MLXThreadBrokenError",
     "MLXThreadBusyError",
     "MLXThreadClosedError",
+    "MLXThreadDeadlockError",
     "MLXThreadStatistics",
     "StreamAffinityError",
     "SyncBatchIterator",

@@ -12,6 +12,7 @@ __all__ = [
     "MLXThreadBrokenError",
     "MLXThreadBusyError",
     "MLXThreadClosedError",
+    "MLXThreadDeadlockError",
     "StreamAffinityError",
 ]
 
@@ -40,6 +41,16 @@ class MLXThreadBusyError(MLXPinnedError):
     """The thread's queue already holds ``max_pending`` jobs: retry later.
 
     Raised at once by ``submit``/``run``/``iterate``; nothing was queued.
+    """
+
+
+class MLXThreadDeadlockError(MLXPinnedError, RuntimeError):
+    """A call on the MLX thread would wait for work that only that thread can
+    run, so it would never return: raised at once instead.
+
+    For example, a job waiting on the future of another job of its own
+    thread, or a job calling work inline whose exclusive key another open
+    stream holds. The message says what to do instead.
     """
 
 

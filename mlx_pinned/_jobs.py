@@ -63,7 +63,16 @@ class JobOwner(Protocol):
 class Call(Generic[T]):
     """A function call queued on an MLXThread; the worker calls ``run`` once."""
 
-    __slots__ = ("args", "cancelled", "error", "fn", "kwargs", "value", "waiter")
+    __slots__ = (
+        "args",
+        "cancelled",
+        "error",
+        "fn",
+        "key",
+        "kwargs",
+        "value",
+        "waiter",
+    )
     counted = True  # counts against max_pending while queued
 
     def __init__(
@@ -72,11 +81,13 @@ class Call(Generic[T]):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         waiter: Waiter | None,
+        key: object = None,
     ) -> None:
         self.fn: Callable[..., T] | None = fn
         self.args = args
         self.kwargs = kwargs
         self.waiter = waiter
+        self.key = key  # the exclusive key it holds while it runs, or None
         self.cancelled = False
         self.value: T | None = None
         self.error: BaseException | None = None
@@ -141,9 +152,13 @@ class FutureCall(Call[T]):
     __slots__ = ("future",)
 
     def __init__(
-        self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        key: object = None,
     ) -> None:
-        super().__init__(fn, args, kwargs, None)
+        super().__init__(fn, args, kwargs, None, key)
         self.future: Future[T] = Future()
 
     @property
@@ -185,12 +200,14 @@ class AsyncioCall(Call[T]):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         loop: asyncio.AbstractEventLoop,
+        key: object = None,
     ) -> None:
         # Flat on purpose: this runs once per awaited call.
         self.fn: Callable[..., T] | None = fn
         self.args = args
         self.kwargs = kwargs
         self.waiter = None
+        self.key = key
         self.cancelled = False
         self.value: T | None = None
         self.error: BaseException | None = None

@@ -75,6 +75,12 @@ class StreamOwner(JobOwner, Protocol):
         """Whether the caller runs on the executor's thread."""
         ...
 
+    def sweep(self, key: object) -> None:
+        """Queue a sweep of the work waiting for ``key`` (any thread): what
+        was closed or cancelled while it waited ends then, not once the key
+        is free."""
+        ...
+
 
 class Stream(Generic[T]):
     """State shared by the worker (producer) and one consumer."""
@@ -86,6 +92,7 @@ class Stream(Generic[T]):
         "counted",
         "fn",
         "gen",
+        "key",
         "kwargs",
         "limit",
         "lock",
@@ -102,11 +109,14 @@ class Stream(Generic[T]):
         fn: Callable[..., Iterable[T]],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        key: object = None,
     ) -> None:
         self.owner = owner
         self.fn: Callable[..., Iterable[T]] | None = fn
         self.args = args
         self.kwargs = kwargs
+        # The exclusive key it holds from its first turn until it ends, or None.
+        self.key = key
         # Reentrant: garbage collection can run while a thread holds it and
         # collect this stream's iterator, whose finalizer asks for a close.
         self.lock = threading.RLock()
@@ -316,7 +326,7 @@ class Stream(Generic[T]):
 
     def request_close(self) -> bool:
         """Ask the worker to close the generator; ``True`` if it is still open."""
-        requeue = False
+        requeue = sweep = False
         try:
             with self.lock:
                 if self.outcome is not None:
@@ -325,10 +335,16 @@ class Stream(Generic[T]):
                 self.close_requested = True
                 self.buffer.clear()
                 requeue = not self.scheduled
+                # A turn is queued, running, or waiting for the key: only in
+                # the last case does it need a sweep to end before the key
+                # is free, and only the worker knows which case it is.
+                sweep = not requeue and self.key is not None
                 self.scheduled = True
         finally:
             if requeue:
                 self.owner.requeue(self)
+            elif sweep:
+                self.owner.sweep(self.key)
         return True
 
 

@@ -6,6 +6,7 @@ from mlx_pinned import (
     MLXThreadBrokenError,
     MLXThreadBusyError,
     MLXThreadClosedError,
+    MLXThreadDeadlockError,
     StreamAffinityError,
 )
 
@@ -33,11 +34,17 @@ def test_error_tree() -> None:
         MLXThreadBrokenError,
         MLXThreadBusyError,
         MLXThreadClosedError,
+        MLXThreadDeadlockError,
         StreamAffinityError,
     ):
         assert issubclass(error, MLXPinnedError)
     # Misuse and dead-resource errors are RuntimeErrors, as anyio's portal raises.
-    for error in (MLXThreadBrokenError, MLXThreadClosedError, StreamAffinityError):
+    for error in (
+        MLXThreadBrokenError,
+        MLXThreadClosedError,
+        MLXThreadDeadlockError,
+        StreamAffinityError,
+    ):
         assert issubclass(error, RuntimeError)
     assert not issubclass(MLXThreadBusyError, RuntimeError)
     assert not issubclass(MLXThreadClosedError, MLXThreadBrokenError)
