@@ -31,6 +31,7 @@ __all__ = [
     "FinalEvent",
     "FinishReason",
     "GenerationParams",
+    "Grammar",
     "ImageError",
     "ImageRef",
     "LoadImages",
@@ -40,6 +41,26 @@ __all__ = [
 
 #: Why a generation ended: an end of turn or a stop string, or ``max_tokens``.
 FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint on the generated text, enforced token by token.
+
+    The engine compiles it with llguidance against the model's tokenizer
+    and masks, at every step, the tokens that cannot continue it; once the
+    grammar is complete only the end of turn is allowed.
+
+    Attributes:
+        kind: ``json_schema`` (``source`` is a JSON schema, as text),
+            ``json_object`` (any JSON object; ``source`` is ignored) or
+            ``lark`` (``source`` is an llguidance Lark grammar, which may
+            embed JSON schemas with ``%json {...}``).
+        source: The grammar's text.
+    """
+
+    kind: Literal["json_schema", "json_object", "lark"]
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -61,6 +82,22 @@ class GenerationParams:
         max_prompt_tokens: Refuse a longer prompt (None: no limit of its own).
         context_length: Refuse a prompt that, with ``max_tokens``, is longer
             (None: the model has no known context length).
+        top_k: Sample from the ``top_k`` most likely tokens (0: no limit;
+            None: the checkpoint's default).
+        min_p: Drop tokens less likely than ``min_p`` times the most likely
+            one (0: off).
+        presence_penalty: Subtracted from the logit of every token generated
+            so far (OpenAI's definition, -2 to 2).
+        frequency_penalty: Subtracted from a token's logit once per time it
+            was generated so far (OpenAI's definition, -2 to 2).
+        repetition_penalty: Divides the positive logits (and multiplies the
+            negative ones) of every token of the prompt and of the answer so
+            far (vLLM's and Hugging Face's definition; 1: off).
+        grammar: The constraint the text must follow (None: free text).
+        tools: Tool definitions (OpenAI's ``tools`` entries, as dicts) for
+            the chat template.
+        template_kwargs: Extra keyword arguments for the chat template
+            (``chat_template_kwargs``, e.g. ``enable_thinking``).
     """
 
     messages: tuple[dict[str, Any], ...]
@@ -74,6 +111,14 @@ class GenerationParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     max_prompt_tokens: int | None = None
     context_length: int | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    grammar: Grammar | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
 
     def check_prompt_tokens(self, prompt_tokens: int) -> None:
         """Refuse a prompt over this request's limits; call before prefill.
