@@ -1,5 +1,9 @@
 """``@on_mlx_thread``: make a function, generator function or method run on an
-MLXThread."""
+MLXThread.
+
+Decoration runs where the module is imported; calling a wrapper queues the
+work from the caller's thread, and the wrapped body runs on the MLX thread.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from typing import (
     overload,
 )
 
-from ._executor import MLXThread, current_default_mlx_thread
+from ._executor import Exclusive, MLXThread, current_default_mlx_thread
 
 if TYPE_CHECKING:
     from ._streams import AsyncStreamIterator, SyncStreamIterator
@@ -30,20 +34,30 @@ Y = TypeVar("Y")
 
 
 class _Pinned:
-    __slots__ = ("__dict__", "__weakref__", "_fn", "_thread")
+    __slots__ = ("__dict__", "__weakref__", "_fn", "_key", "_runner", "_thread")
     # Set by functools.update_wrapper, declared for type checkers.
     __name__: str
     __qualname__: str
     __wrapped__: Callable[..., Any]
 
-    def __init__(self, fn: Callable[..., Any], thread: MLXThread | None) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], thread: MLXThread | None, key: object
+    ) -> None:
         self._fn = fn
         self._thread = thread
+        self._key = key  # the exclusive key, or None
+        # Made once when the thread is known; the default thread is looked
+        # up at each call, since it is replaced once shut down.
+        self._runner: MLXThread | Exclusive | None = (
+            None if thread is None else _runner(thread, key)
+        )
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
-    def _target(self) -> MLXThread:
-        thread = self._thread
-        return current_default_mlx_thread() if thread is None else thread
+    def _target(self) -> MLXThread | Exclusive:
+        runner = self._runner
+        if runner is None:
+            return _runner(current_default_mlx_thread(), self._key)
+        return runner
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._fn!r}>"
@@ -75,7 +89,7 @@ class MLXFunction(_Pinned, Generic[P, R]):
     ) -> MLXFunction[P2, R]: ...
     def __get__(self, obj: Any, owner: Any = None) -> Any:
         bound = _bind(self._fn, obj, owner)
-        return self if bound is None else MLXFunction(bound, self._thread)
+        return self if bound is None else MLXFunction(bound, self._thread, self._key)
 
 
 class MLXGeneratorFunction(_Pinned, Generic[P, Y]):
@@ -104,7 +118,13 @@ class MLXGeneratorFunction(_Pinned, Generic[P, Y]):
     ) -> MLXGeneratorFunction[P2, Y]: ...
     def __get__(self, obj: Any, owner: Any = None) -> Any:
         bound = _bind(self._fn, obj, owner)
-        return self if bound is None else MLXGeneratorFunction(bound, self._thread)
+        if bound is None:
+            return self
+        return MLXGeneratorFunction(bound, self._thread, self._key)
+
+
+def _runner(thread: MLXThread, key: object) -> MLXThread | Exclusive:
+    return thread if key is None else thread.exclusive(key)
 
 
 def _bind(fn: Any, obj: Any, owner: Any) -> Any:
@@ -121,10 +141,11 @@ def _bind(fn: Any, obj: Any, owner: Any) -> Any:
 
 
 class _Decorator:
-    __slots__ = ("_thread",)
+    __slots__ = ("_key", "_thread")
 
-    def __init__(self, thread: MLXThread | None) -> None:
+    def __init__(self, thread: MLXThread | None, key: object) -> None:
         self._thread = thread
+        self._key = key
 
     @overload
     def __call__(  # type: ignore[overload-overlap]
@@ -137,39 +158,68 @@ class _Decorator:
     @overload
     def __call__(self, fn: Callable[P, R], /) -> MLXFunction[P, R]: ...
     def __call__(self, fn: Callable[..., Any], /) -> Any:
-        return _wrap(fn, self._thread)
+        return _wrap(fn, self._thread, self._key)
 
 
 @overload
 def on_mlx_thread(  # type: ignore[overload-overlap]
-    fn: Callable[P, Generator[Y, Any, Any]], /
+    fn: Callable[P, Generator[Y, Any, Any]],
+    /,
+    *,
+    thread: MLXThread | None = None,
+    exclusive: object = None,
 ) -> MLXGeneratorFunction[P, Y]: ...
 @overload
 def on_mlx_thread(  # type: ignore[overload-overlap]
-    fn: Callable[P, Iterator[Y]], /
+    fn: Callable[P, Iterator[Y]],
+    /,
+    *,
+    thread: MLXThread | None = None,
+    exclusive: object = None,
 ) -> MLXGeneratorFunction[P, Y]: ...
 @overload
-def on_mlx_thread(fn: Callable[P, R], /) -> MLXFunction[P, R]: ...
-@overload
-def on_mlx_thread(*, thread: MLXThread | None = None) -> _Decorator: ...
 def on_mlx_thread(
-    fn: Callable[..., Any] | None = None, /, *, thread: MLXThread | None = None
+    fn: Callable[P, R],
+    /,
+    *,
+    thread: MLXThread | None = None,
+    exclusive: object = None,
+) -> MLXFunction[P, R]: ...
+@overload
+def on_mlx_thread(
+    *, thread: MLXThread | None = None, exclusive: object = None
+) -> _Decorator: ...
+def on_mlx_thread(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    thread: MLXThread | None = None,
+    exclusive: object = None,
 ) -> Any:
     """Make ``fn`` run on an MLXThread.
 
     A sync function becomes an async function; a generator function becomes
     an async iterator factory (items are produced on the thread). Both get a
-    ``.sync`` for plain threads, and work on methods. Use bare, or as
-    ``@on_mlx_thread(thread=t)``; without ``thread`` each call goes to
-    :func:`current_default_mlx_thread`.
+    ``.sync`` for plain threads, and work on methods. Use bare, as
+    ``@on_mlx_thread(thread=t, exclusive=key)``, or as
+    ``on_mlx_thread(fn, thread=t, exclusive=key)``; without ``thread`` each
+    call goes to :func:`current_default_mlx_thread`.
+
+    Args:
+        fn: the function or generator function.
+        thread: the MLXThread to run on; the default thread if ``None``.
+        exclusive: an exclusive key (a name, or the model object): calls
+            that share it never overlap on the thread, a generator holding it
+            from its first item until it ends or is closed. See
+            :meth:`MLXThread.exclusive`. ``None``: no key.
 
     Raises:
         TypeError: ``fn`` is a coroutine or async generator function: it would
             run on an event loop, not on the MLX thread.
     """
     if fn is None:
-        return _Decorator(thread)
-    return _wrap(fn, thread)
+        return _Decorator(thread, exclusive)
+    return _wrap(fn, thread, exclusive)
 
 
 def _context_manager_factory_code() -> object:
@@ -182,7 +232,7 @@ def _context_manager_factory_code() -> object:
 _CONTEXT_MANAGER_FACTORY = _context_manager_factory_code()
 
 
-def _wrap(fn: Callable[..., Any], thread: MLXThread | None) -> Any:
+def _wrap(fn: Callable[..., Any], thread: MLXThread | None, key: object) -> Any:
     target = inspect.unwrap(fn)
     if inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target):
         raise TypeError(
@@ -202,8 +252,8 @@ def _wrap(fn: Callable[..., Any], thread: MLXThread | None) -> Any:
     if not callable(fn) and not isinstance(fn, classmethod):
         raise TypeError(f"@on_mlx_thread needs a function, not {fn!r}")
     if inspect.isgeneratorfunction(target):
-        return MLXGeneratorFunction(fn, thread)
-    return MLXFunction(fn, thread)
+        return MLXGeneratorFunction(fn, thread, key)
+    return MLXFunction(fn, thread, key)
 
 
 def _is_context_manager_factory(fn: object) -> bool:

@@ -239,3 +239,125 @@ def test_signatures_are_kept_for_type_checkers() -> None:
     coroutine.close()  # not awaited: this test is about types
     assert add.sync(1, 2) == 3
     assert list(count.sync(2)) == [0, 1]
+
+
+class TestExclusive:
+    def test_calls_with_one_key_never_overlap(self, thread: MLXThread) -> None:
+        log: list[str] = []
+
+        @on_mlx_thread(thread=thread, exclusive="model")
+        def generate(name: str, n: int) -> Iterator[int]:
+            try:
+                for i in range(n):
+                    log.append(f"{name}:{i}")
+                    yield i
+            finally:
+                log.append(f"{name}:end")
+
+        @on_mlx_thread(thread=thread, exclusive="model")
+        def keyed(what: str) -> None:
+            log.append(what)
+
+        @on_mlx_thread(thread=thread)
+        def plain(what: str) -> None:
+            log.append(what)
+
+        stream = generate.sync("gen", 6)
+        assert next(stream) == 0
+        waiting = threading.Thread(target=keyed.sync, args=("keyed",))
+        waiting.start()
+        plain.sync("plain")  # runs while the keyed stream is open
+        assert list(stream) == [1, 2, 3, 4, 5]
+        waiting.join(WAIT)
+        assert log.index("plain") < log.index("gen:5")
+        assert log.index("gen:end") < log.index("keyed")
+
+    def test_the_call_form_and_the_default_thread(self) -> None:
+        log: list[str] = []
+
+        def gen(n: int) -> Iterator[int]:
+            try:
+                yield from range(n)
+            finally:
+                log.append("gen:end")
+
+        keyed_gen = on_mlx_thread(gen, exclusive="default-key")
+        keyed_append = on_mlx_thread(log.append, exclusive="default-key")
+        stream = keyed_gen.sync(3)
+        assert next(stream) == 0
+        default = current_default_mlx_thread()
+        future = default.submit(lambda: None)  # unkeyed: not held up
+        future.result(WAIT)
+
+        async def main() -> None:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(keyed_append, "keyed")
+                await anyio.sleep(0.05)
+                assert log == []  # waits for the key
+                assert list(stream) == [1, 2]
+
+        anyio.run(main)
+        assert log == ["gen:end", "keyed"]
+
+    def test_a_keyed_call_of_the_same_key_inside_runs_inline(
+        self, thread: MLXThread
+    ) -> None:
+        @on_mlx_thread(thread=thread, exclusive="model")
+        def inner() -> int:
+            return threading.get_ident()
+
+        @on_mlx_thread(thread=thread, exclusive="model")
+        def outer() -> tuple[int, int]:
+            return inner.sync(), thread.run_sync(threading.get_ident)
+
+        @on_mlx_thread(thread=thread, exclusive="model")
+        def stream() -> Iterator[int]:
+            yield inner.sync()
+
+        assert outer.sync() == (thread.ident, thread.ident)
+        assert list(stream.sync()) == [thread.ident]
+
+    def test_methods_keep_their_key(self, thread: MLXThread) -> None:
+        log: list[str] = []
+
+        class Generator:
+            @on_mlx_thread(thread=thread, exclusive="model")
+            def tokens(self, n: int) -> Iterator[int]:
+                try:
+                    yield from range(n)
+                finally:
+                    log.append("tokens:end")
+
+            @on_mlx_thread(thread=thread, exclusive="model")
+            def step(self) -> None:
+                log.append("step")
+
+        generator = Generator()
+        stream = generator.tokens.sync(2)
+        assert next(stream) == 0
+        thread.submit(lambda: None).result(WAIT)  # unkeyed: not held up
+        keyed = threading.Thread(target=generator.step.sync)
+        keyed.start()
+        assert list(stream) == [1]
+        keyed.join(WAIT)
+        assert log == ["tokens:end", "step"]
+
+    def test_keyed_signatures_are_kept_for_type_checkers(
+        self, thread: MLXThread
+    ) -> None:
+        from typing_extensions import assert_type
+
+        from mlx_pinned import SyncStreamIterator
+
+        def count(n: int) -> Iterator[int]:
+            yield from range(n)
+
+        def add(x: int, y: int) -> int:
+            return x + y
+
+        keyed_count = on_mlx_thread(count, thread=thread, exclusive="k")
+        keyed_add = on_mlx_thread(add, exclusive="k")
+        assert_type(keyed_count.sync(2), SyncStreamIterator[int])
+        assert_type(keyed_add.sync(1, 2), int)
+        assert keyed_add.sync(1, 2) == 3
+        assert list(keyed_count.sync(2)) == [0, 1]
