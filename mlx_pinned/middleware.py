@@ -10,6 +10,7 @@ inside the framework's error handling so it sees the app's exceptions::
 
 from __future__ import annotations
 
+import enum
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
@@ -157,6 +158,33 @@ class MLXThreadMiddleware:
     # -- lifespan ------------------------------------------------------------
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Start the thread, relay the app's lifespan, stop the thread.
+
+        The app's side of the lifespan only moves forward through
+        :class:`_Stage`. The app's first read gets ``lifespan.startup``
+        (``STARTUP_READ``); ``lifespan.shutdown`` from the server drains the
+        requests (``SHUTDOWN_ASKED``). The app's ``startup.complete`` makes it
+        ``STARTED``; ``startup.failed`` stops the thread (``STARTUP_FAILED``);
+        ``shutdown.*`` stops it (``FINISHED``); a message that is not a
+        lifespan one raises ``_NotLifespan`` into the app. Once the app
+        returns or raises an ``Exception``, by stage:
+
+        ==============  ================================  ================
+        stage           the app returned                  the app raised
+        ==============  ================================  ================
+        STARTUP_UNREAD  answer startup.complete for it,   the same
+                        then as STARTED
+        STARTUP_READ    the same                          the same, warned
+        STARTED         wait for lifespan.shutdown,       the same, logged
+                        drain, then as SHUTDOWN_ASKED
+        SHUTDOWN_ASKED  stop, answer shutdown.complete    stop, re-raise
+        FINISHED        nothing                           stop, re-raise
+        STARTUP_FAILED  nothing                           stop, re-raise
+        ==============  ================================  ================
+
+        On a ``BaseException`` (cancelled) the thread is abandoned, not
+        waited for, and the exception propagates.
+        """
         startup = await receive()
         try:
             await self._start(scope)
@@ -168,52 +196,20 @@ class MLXThreadMiddleware:
         except BaseException:  # cancelled, SystemExit: no thread left behind
             self._abandon()
             raise
-        replayed = False  # the app read the start-up message
-        answered = False  # the app answered it
-        failed = False  # with lifespan.startup.failed
-        shutdown = False  # the server asked for the shutdown
-        finished = False  # the app answered that
-
-        async def app_receive() -> Message:
-            nonlocal replayed, shutdown
-            if not replayed:
-                replayed = True
-                return startup
-            message = await receive()
-            if message["type"] == "lifespan.shutdown":
-                shutdown = True
-                await self._drain()
-            return message
-
-        async def app_send(message: Message) -> None:
-            nonlocal answered, failed, finished
-            kind = message["type"]
-            if not kind.startswith("lifespan."):
-                # A bare app that took the start-up message for a request.
-                raise _NotLifespan(kind)
-            if kind.startswith("lifespan.startup."):
-                answered = True
-                if kind == "lifespan.startup.failed":
-                    failed = finished = True  # no shut-down follows a failure
-                    await self._stop()
-            elif kind.startswith("lifespan.shutdown."):
-                finished = True
-                await self._stop()
-            await send(message)
-
+        relay = _AppLifespan(self, startup, receive, send)
         try:
-            await self.app(scope, app_receive, app_send)
+            await self.app(scope, relay.receive, relay.send)
         except Exception:
-            if failed:  # it told the server itself
-                raise
-            if shutdown:  # it failed in its shut-down, drained already
+            if relay.stage >= _Stage.SHUTDOWN_ASKED:
+                # Failed in or after its shut-down (drained already), or it
+                # told the server its start-up failed: the server reports it.
                 await self._stop()
                 raise
-            if answered:
+            if relay.stage is _Stage.STARTED:
                 # Failed while serving, after its start-up: the server goes
                 # on, so does the thread, until the server's shut-down.
                 logger.exception("the app's lifespan failed after its start-up")
-            elif replayed:
+            elif relay.stage is _Stage.STARTUP_READ:
                 # It read the start-up message, then raised: an app whose own
                 # start-up failed, or a bare app that read it as a request. A
                 # server goes on as for an app without lifespan support
@@ -226,18 +222,21 @@ class MLXThreadMiddleware:
         except BaseException:
             self._abandon()
             raise
-        if not answered:
+        stage = relay.stage
+        if stage <= _Stage.STARTUP_READ:
             # The app does not speak lifespan (it raised or returned at once,
             # as bare ASGI apps do): answer the server for it.
             await send({"type": "lifespan.startup.complete"})
-        if not finished:
+            stage = _Stage.STARTED
+        if stage is _Stage.STARTED:
             # Also when it started and returned (or failed) without waiting
             # for the shutdown: the thread still stops when the server does.
-            if not shutdown:
-                ended = await receive()
-                if ended["type"] != "lifespan.shutdown":  # pragma: no cover
-                    return
-                await self._drain()
+            ended = await receive()
+            if ended["type"] != "lifespan.shutdown":  # pragma: no cover
+                return
+            await self._drain()
+            stage = _Stage.SHUTDOWN_ASKED
+        if stage is _Stage.SHUTDOWN_ASKED:
             await self._stop()
             await send({"type": "lifespan.shutdown.complete"})
 
@@ -288,6 +287,63 @@ def _sole(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
+
+
+class _Stage(enum.IntEnum):
+    """How far the app's side of one lifespan has come; see ``_lifespan``."""
+
+    STARTUP_UNREAD = 0  # the app has not read lifespan.startup
+    STARTUP_READ = 1  # it read it and has not answered
+    STARTED = 2  # it answered lifespan.startup.complete
+    SHUTDOWN_ASKED = 3  # the server sent lifespan.shutdown
+    FINISHED = 4  # the app answered the shut-down
+    STARTUP_FAILED = 5  # it answered lifespan.startup.failed: nothing follows
+
+
+class _AppLifespan:
+    """The receive and send one lifespan gives the app, and its stage."""
+
+    def __init__(
+        self,
+        middleware: MLXThreadMiddleware,
+        startup: Message,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        self.stage = _Stage.STARTUP_UNREAD
+        self._middleware = middleware
+        self._startup = startup
+        self._receive = receive
+        self._send = send
+
+    def _advance(self, stage: _Stage) -> None:
+        # Forward only: a late or repeated message never undoes a stage.
+        self.stage = max(self.stage, stage)
+
+    async def receive(self) -> Message:
+        if self.stage is _Stage.STARTUP_UNREAD:
+            self.stage = _Stage.STARTUP_READ
+            return self._startup  # read from the server before the thread started
+        message = await self._receive()
+        if message["type"] == "lifespan.shutdown":
+            self._advance(_Stage.SHUTDOWN_ASKED)
+            await self._middleware._drain()
+        return message
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if not kind.startswith("lifespan."):
+            # A bare app that took the start-up message for a request.
+            raise _NotLifespan(kind)
+        if kind == "lifespan.startup.failed":
+            self._advance(_Stage.STARTUP_FAILED)
+            await self._middleware._stop()
+        elif kind.startswith("lifespan.startup."):
+            self._advance(_Stage.STARTED)
+        elif kind.startswith("lifespan.shutdown."):
+            self._advance(_Stage.FINISHED)
+            await self._middleware._stop()
+        await self._send(message)
 
 
 class _NotLifespan(Exception):
