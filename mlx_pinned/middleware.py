@@ -6,11 +6,15 @@ inside the framework's error handling so it sees the app's exceptions::
     app = Starlette(routes=..., middleware=[
         Middleware(MLXThreadMiddleware, startup={"model": load_model}),
     ])
+
+Its code runs on the event loop; start-up jobs run on the MLX thread.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import inspect
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
@@ -21,6 +25,7 @@ import anyio
 if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
     from exceptiongroup import BaseExceptionGroup
 
+from ._decorators import MLXFunction
 from ._exceptions import StreamAffinityError
 from ._executor import MLXThread
 from ._http_errors import SHUTTING_DOWN, HTTPAnswer, http_answer
@@ -42,9 +47,14 @@ class MLXThreadMiddleware:
     Lifespan start-up: the thread starts, each ``startup`` callable runs on it
     in order (load the model here) and its result is put in the lifespan state
     under its key, next to the thread under ``state_key`` (in Starlette,
-    ``request.state.model`` and ``request.state.mlx_thread``). If one raises,
-    the server gets ``lifespan.startup.failed`` with the reason. Lifespan
-    shut-down: new requests get 503, in-flight ones get up to
+    ``request.state.model`` and ``request.state.mlx_thread``). An
+    ``@on_mlx_thread`` function, or a ``functools.partial`` of one, is called
+    through its ``.sync`` from the thread: inline when its decorator names
+    this thread. If one raises, or returns an awaitable (it is closed and a
+    ``TypeError`` raised), the server gets ``lifespan.startup.failed`` with
+    the reason.
+
+    Lifespan shut-down: new requests get 503, in-flight ones get up to
     ``drain_timeout`` seconds to finish, the app's own shut-down runs, then
     the thread shuts down.
 
@@ -60,7 +70,8 @@ class MLXThreadMiddleware:
     Args:
         app: the ASGI app to wrap.
         thread: the MLXThread to manage; a new one per lifespan if ``None``.
-        startup: name -> callable run on the thread at start-up.
+        startup: name -> callable with no arguments, run on the thread at
+            start-up.
         drain_timeout: seconds in-flight requests get at shut-down.
         state_key: the lifespan-state key of the thread.
         retry_after: seconds sent in ``Retry-After`` when busy.
@@ -250,7 +261,7 @@ class MLXThreadMiddleware:
         state: dict[str, object] = {self.state_key: thread}
         for name, load in self._startup.items():
             logger.info("running start-up job %r on the MLX thread", name)
-            state[name] = await thread.run(load)
+            state[name] = _result(name, await thread.run(_blocking(load)))
         self._state = state
         if "state" in scope:
             scope["state"].update(state)
@@ -344,6 +355,31 @@ class _AppLifespan:
             self._advance(_Stage.FINISHED)
             await self._middleware._stop()
         await self._send(message)
+
+
+def _blocking(job: Callable[[], object]) -> Callable[[], object]:
+    """``job``, or the ``.sync`` of an ``@on_mlx_thread`` function (also under
+    ``functools.partial``): called plain, that one only returns a coroutine."""
+    if isinstance(job, MLXFunction):
+        return job.sync
+    if isinstance(job, functools.partial) and isinstance(job.func, MLXFunction):
+        return functools.partial(job.func.sync, *job.args, **job.keywords)
+    return job
+
+
+def _result(name: str, result: object) -> object:
+    """A start-up job's result, refused if it is awaitable: awaited here, an
+    ``async def`` body would do its MLX work on the event loop's thread."""
+    if inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()  # never started: nothing to undo, no warning
+        raise TypeError(
+            f"Start-up job {name!r} returned {type(result).__name__} instead of a "
+            "result: pass a plain function, an @on_mlx_thread function or a "
+            "functools.partial of one, not an async function or a lambda that "
+            "calls one."
+        )
+    return result
 
 
 class _NotLifespan(Exception):

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import functools
+import gc
 import threading
+import warnings
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +20,12 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from mlx_pinned import MLXThread, MLXThreadBrokenError, MLXThreadBusyError
+from mlx_pinned import (
+    MLXThread,
+    MLXThreadBrokenError,
+    MLXThreadBusyError,
+    on_mlx_thread,
+)
 from mlx_pinned.middleware import MLXThreadMiddleware
 
 pytestmark = pytest.mark.anyio
@@ -250,6 +258,56 @@ class TestStarlette:
             with pytest.raises(BaseException) as info:  # noqa: PT011
                 await http.get("/two")  # two errors: not one to map, raised
             assert "ExceptionGroup" in type(info.value).__name__
+
+
+class TestStartupJobs:
+    """A start-up job may be an @on_mlx_thread function; never a coroutine."""
+
+    async def test_a_decorated_loader_stores_its_result(self) -> None:
+        thread = MLXThread()
+        decorated = on_mlx_thread(thread=thread)(load_model)
+        app = starlette_app(thread=thread, startup={"model": decorated})
+        async with run_lifespan(app) as state, client(app) as http:
+            response = await http.get("/where")
+        # It stored a never-awaited coroutine before.
+        assert state["model"]["loaded_on"] == thread.ident
+        assert response.json()["loaded_on_thread"] is True
+        assert response.json()["total"] == 12
+
+    async def test_a_partial_of_a_decorated_loader_stores_its_result(self) -> None:
+        thread = MLXThread()
+
+        @on_mlx_thread(thread=thread)
+        def load_scaled(scale: int) -> dict[str, Any]:
+            return {"loaded_on": threading.get_ident(), "weights": mx.arange(4) * scale}
+
+        startup = {"model": functools.partial(load_scaled, 3)}
+        app = starlette_app(thread=thread, startup=startup)
+        async with run_lifespan(app) as state, client(app) as http:
+            response = await http.get("/where")
+        assert state["model"]["loaded_on"] == thread.ident
+        assert response.json()["total"] == 18
+
+    @pytest.mark.parametrize("kind", ["async def", "lambda calling a decorated"])
+    async def test_a_job_returning_a_coroutine_fails_the_start_up(
+        self, kind: str
+    ) -> None:
+        thread = MLXThread()
+        decorated = on_mlx_thread(thread=thread)(load_model)
+
+        async def load_async() -> dict[str, Any]:
+            return load_model()  # pragma: no cover - never awaited
+
+        job = load_async if kind == "async def" else lambda: decorated()
+        app = starlette_app(thread=thread, startup={"model": job})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(LifespanFailed, match=r"TypeError: .* pass a plain"):
+                async with run_lifespan(app):
+                    pass  # pragma: no cover
+            gc.collect()  # a coroutine never awaited nor closed warns here
+        assert [str(w.message) for w in caught] == []
+        assert thread.closed
 
 
 class TestFastAPI:
