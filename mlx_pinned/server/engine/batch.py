@@ -37,7 +37,8 @@ object (``_rope_deltas``, ``_position_ids``). Here each sequence's rope delta
 is captured at its prefill and every decode step passes all rows' deltas
 (``rope_deltas=(B, 1)``) with per-row cache offsets, as mlx-vlm's own batch
 decoding does, so no row reads another's state. Sampling is per row:
-temperature, top_p, top_k, logit_bias, stop strings, max_tokens, logprobs;
+temperature, top_p, top_k, min_p, logit_bias, penalties, a grammar
+(:mod:`.logits`), stop strings, max_tokens, logprobs;
 a seeded row uses mlx-vlm's position-keyed sampler (a key per seed and
 position), so a seed gives the same tokens alone, batched, or through
 ``mlx_vlm.stream_generate``.

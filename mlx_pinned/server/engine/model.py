@@ -43,6 +43,7 @@ class LoadedModel:
     load_seconds: float
     parameters: int
     loaded_at: float = field(default_factory=time.time)  # Unix time, at the end
+    grammar_tokenizer: Any = None  # llguidance's, made on first use
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
     _longest_token: int | None = None
 

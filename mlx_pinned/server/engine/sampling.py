@@ -46,6 +46,8 @@ class Sampling(Protocol):
     def top_logprobs(self) -> int: ...
     @property
     def logprobs(self) -> bool: ...  # whether its token's logprob is read
+    @property
+    def min_p(self) -> float: ...  # read for sampled rows only
 
 
 @dataclass
@@ -78,15 +80,18 @@ def draw(
         logits = logits + bias
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     tokens = mx.argmax(logprobs, axis=-1)
-    groups: dict[tuple[float, float, int], list[int]] = {}
+    groups: dict[tuple[float, float, int, float], list[int]] = {}
     for i, row in enumerate(rows):
         if row.sampling[0] > 0:
-            groups.setdefault(row.sampling, []).append(i)
-    for (temperature, top_p, top_k), members in groups.items():
+            groups.setdefault((*row.sampling, row.min_p), []).append(i)
+    for (temperature, top_p, top_k, min_p), members in groups.items():
         index = mx.array(members, dtype=mx.int32)
         group = logprobs[index]
         if top_k > 0:
             group = api.apply_top_k(group, top_k)
+        if min_p > 0:
+            floor = mx.max(group, axis=-1, keepdims=True) + math.log(min_p)
+            group = mx.where(group < floor, -mx.inf, group)
         keys = mx.stack(
             [
                 mx.random.key(

@@ -23,7 +23,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
-from ..events import GenerationParams
+from ..errors import APIError
+from ..events import GenerationParams, Grammar
+from .logits import (
+    GrammarMatcher,
+    compile_grammar,
+    constrain,
+    llg_tokenizer,
+    penalize,
+    prompt_seen,
+)
 from .model import LoadedModel
 from .prefill import (
     Prefilled,
@@ -101,7 +110,7 @@ class BatchState:
             getattr(model, "config", None),
             temperature=params.temperature,
             top_p=params.top_p,
-            top_k=None,
+            top_k=params.top_k,
         )
         temperature = float(api.clamp_temperature(temperature))
         seed = params.seed if params.seed is not None else random.getrandbits(32)
@@ -111,6 +120,7 @@ class BatchState:
         check = getattr(params, "check_prompt_tokens", None)
         if check is not None:
             check(prepared.prompt_tokens)
+        matcher = self._matcher(params.grammar)
         row = Row(
             max_tokens=params.max_tokens,
             sampling=(temperature, float(top_p), int(top_k or 0)),
@@ -121,9 +131,32 @@ class BatchState:
             prompt_tokens=prepared.prompt_tokens,
             token=prepared.last,
             prepared=prepared,
+            min_p=params.min_p,
+            penalties=(
+                params.presence_penalty,
+                params.frequency_penalty,
+                params.repetition_penalty,
+            ),
+            matcher=matcher,
         )
+        if params.repetition_penalty != 1.0:
+            ids = prepared.inputs["input_ids"]
+            row.seen = prompt_seen(ids, self.loaded.vocab_size)
         self.waiting.append(row)
         return row
+
+    def _matcher(self, grammar: Grammar | None) -> GrammarMatcher | None:
+        """A fresh matcher for ``grammar`` (compiled once per grammar).
+
+        Raises:
+            APIError: A 400 for a grammar llguidance refuses.
+        """
+        if grammar is None:
+            return None
+        try:
+            return GrammarMatcher(llg_tokenizer(self.loaded), compile_grammar(grammar))
+        except ValueError as exc:
+            raise APIError(400, f"{exc}.", code="invalid_grammar") from None
 
     def _prefill_waiting(self) -> bool:
         """Prefill the queued prompts: up to :data:`PREFILL_BATCH` together,
@@ -165,6 +198,8 @@ class BatchState:
         logits = group.logits
         if logits is None:
             return
+        logits = penalize(logits, rows)
+        logits = constrain(logits, [row.matcher for row in rows])
         bias = self._bias_rows(rows, logits)
         states = [c.state for c in group.cache]
         firsts = collect(draw(logits, rows, bias, states), self._stop)
@@ -298,6 +333,14 @@ class BatchState:
             # Prompts queued meanwhile: prefilled now, so they join the next
             # step (their prefill computes after this step, on one stream).
             self._prefill_waiting()
+            if self._constrained():
+                # A grammar's mask needs the token before it: read this step,
+                # then build the next one on its tokens.
+                self._read(rows, collect(pending, self._stop), last=set())
+                self._launch()
+                self.steps += 1
+                self.step_seconds += time.perf_counter() - start
+                return
             last = {row for row in rows if row.sampled + 1 >= row.max_tokens}
             self.leaving |= last
             self._launch(inflight)
@@ -305,6 +348,13 @@ class BatchState:
         except BaseException as exc:
             self._fail(exc, rows)
             raise
+        self._read(rows, sampled, last)
+        self.steps += 1
+        self.step_seconds += time.perf_counter() - start
+
+    def _read(self, rows: list[Row], sampled: list[Sampled], last: set[Row]) -> None:
+        """Hand a step's tokens to its rows; rows in ``last`` left the batch
+        already (the next step was built without them)."""
         for row, item in zip(rows, sampled, strict=True):
             if row.gone or row.done:
                 # It left while the step ran, or its token in the step before
@@ -313,12 +363,17 @@ class BatchState:
                 continue
             self._record(row, item)
             self.decoded += 1
-            # Rows in ``last`` left the batch already (the step built
-            # above compacted them out): adding them again would count twice.
+            # Adding a row of ``last`` to the leaving again would count twice.
             if row.done and row not in last:
                 self.leaving.add(row)
-        self.steps += 1
-        self.step_seconds += time.perf_counter() - start
+
+    def _constrained(self) -> bool:
+        """Whether a row in the batch, or joining it, follows a grammar."""
+        joining = [row for rows, _ in self.joining for row in rows]
+        return any(
+            row.matcher is not None and not (row.gone or row.done)
+            for row in (*self.rows, *joining)
+        )
 
     def _launch(self, inflight: tuple[list[Row], Draw] | None = None) -> None:
         """Build the next step for the rows still in, and start it. With the
@@ -329,6 +384,9 @@ class BatchState:
         if not rows:
             return
         ahead: list[int] = []
+        # Which inputs are generated tokens (counted by the penalties), not
+        # a prompt's last token left to this step.
+        counted = [row.sampled > 0 for row in rows]
         if inflight is None:
             inputs = mx.array([row.token for row in rows], dtype=mx.uint32)
         else:
@@ -338,6 +396,7 @@ class BatchState:
             position = {row: i for i, row in enumerate(previous)}
             carried = [position[row] for row in rows if row in position]
             ahead = [1 if row in position else 0 for row in rows]
+            counted = [bool(a) or c for a, c in zip(ahead, counted, strict=True)]
             assert ahead == sorted(ahead, reverse=True), "joiners come last"
             parts = []
             if carried:
@@ -353,7 +412,8 @@ class BatchState:
         if self.deltas is not None:
             kwargs["rope_deltas"] = self.deltas
         output = self.lm(inputs[:, None], cache=self.cache, **kwargs)
-        logits = output.logits[:, -1, :]
+        logits = penalize(output.logits[:, -1, :], rows, inputs, counted)
+        logits = constrain(logits, [row.matcher for row in rows])
         bias = self._bias_matrix(rows, logits)
         states = [c.state for c in self.cache or ()]
         self._inflight = (rows, draw(logits, rows, bias, states, ahead))
@@ -364,6 +424,11 @@ class BatchState:
         row.token = item.token
         row.sampled += 1
         row.done = item.eos or row.sampled >= row.max_tokens
+        if row.matcher is not None and not row.done:
+            try:
+                row.matcher.consume(item.token)
+            except ValueError as exc:  # its own failure, not the batch's
+                row.error, row.done = exc, True
 
     def _fail(self, exc: BaseException, reading: Sequence[Row] = ()) -> None:
         """Fail every row with ``exc``: those in the batch, joining, waiting,

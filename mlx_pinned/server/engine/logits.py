@@ -1,0 +1,198 @@
+"""What a row does to its logits before sampling: penalties and grammars.
+
+MLX thread only. Both act per row, on the (B, V) logits of a step:
+
+- penalties (:func:`penalize`): the repetition penalty over the tokens of
+  the prompt and of the answer so far (vLLM's definition: positive logits
+  divided by it, negative ones multiplied), then OpenAI's frequency and
+  presence penalties over the answer so far. A row's token counts are an
+  MLX array updated inside each step's graph from that step's input tokens,
+  so a step can still be built before the previous one was read;
+- grammars (:class:`GrammarMatcher`, :func:`constrain`): llguidance matches
+  the text so far and masks every token that cannot continue it; once the
+  grammar is complete only an end of turn is allowed. The mask of a step
+  needs the previous step's token, so a batch with a constrained row is not
+  pipelined (see ``BatchState.step``).
+
+A row without either pays nothing: the batch skips the work when no row
+asks for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+if TYPE_CHECKING:
+    from ..events import Grammar
+    from .model import LoadedModel
+
+__all__ = [
+    "GrammarMatcher",
+    "Penalized",
+    "compile_grammar",
+    "constrain",
+    "penalize",
+    "prompt_seen",
+]
+
+
+class Penalized(Protocol):
+    """What the penalties read and write of a row."""
+
+    penalties: tuple[float, float, float]  # presence, frequency, repetition
+    counts: mx.array | None  # (V,) times each token was generated so far
+    seen: mx.array | None  # (V,) tokens of the prompt
+
+
+def has_penalties(row: Penalized) -> bool:
+    """Whether ``row`` asked for any penalty."""
+    presence, frequency, repetition = row.penalties
+    return bool(presence or frequency or repetition != 1.0)
+
+
+def prompt_seen(ids: mx.array, vocab: int) -> mx.array:
+    """(V,) true for every token id in ``ids`` (the prompt)."""
+    flat = ids.reshape(-1).astype(mx.int32)
+    inside = flat < vocab  # image placeholders past the vocabulary, if any
+    hits = (
+        mx.zeros((vocab,), dtype=mx.float32)
+        .at[mx.where(inside, flat, 0)]
+        .add(inside.astype(mx.float32))
+    )
+    return hits > 0
+
+
+def penalize(
+    logits: mx.array,
+    rows: Sequence[Penalized],
+    inputs: mx.array | None = None,
+    counted: Sequence[bool] = (),
+) -> mx.array:
+    """``logits`` (B, V) with each row's penalties applied.
+
+    ``inputs`` (B,) are the step's input tokens: for rows where ``counted``
+    is true they are the row's last generated token, added to its counts
+    first (lazily: the token may not be computed yet). Rows without
+    penalties are left as they are, exactly.
+    """
+    if not any(has_penalties(row) for row in rows):
+        return logits
+    vocab = logits.shape[-1]
+    zeros = mx.zeros((vocab,), dtype=mx.float32)
+    counts = mx.stack([zeros if row.counts is None else row.counts for row in rows])
+    if inputs is not None and any(counted):
+        hits = inputs.astype(mx.int32)[:, None] == mx.arange(vocab)[None, :]
+        weight = mx.array([1.0 if c else 0.0 for c in counted])[:, None]
+        counts = counts + hits.astype(mx.float32) * weight
+    for i, row in enumerate(rows):
+        row.counts = counts[i]
+    no = mx.zeros((vocab,), dtype=mx.bool_)
+    seen = mx.stack([no if row.seen is None else row.seen for row in rows])
+    seen = seen | (counts > 0)
+    presence, frequency, repetition = (
+        mx.array([row.penalties[k] for row in rows], dtype=logits.dtype)[:, None]
+        for k in range(3)
+    )
+    penalized = mx.where(logits > 0, logits / repetition, logits * repetition)
+    logits_out = mx.where(seen, penalized, logits)
+    logits_out = logits_out - frequency * counts.astype(logits.dtype)
+    logits_out = logits_out - presence * (counts > 0).astype(logits.dtype)
+    # Rows without penalties keep their logits bit for bit.
+    keep = mx.array([not has_penalties(row) for row in rows])[:, None]
+    return mx.where(keep, logits, logits_out)
+
+
+class GrammarMatcher:
+    """One row's llguidance matcher: the text so far against its grammar.
+
+    Args:
+        tokenizer: The model's llguidance tokenizer (:func:`llg_tokenizer`).
+        grammar: The compiled grammar (:func:`compile_grammar`).
+    """
+
+    def __init__(self, tokenizer: Any, grammar: str) -> None:
+        llguidance = importlib.import_module("llguidance")
+        self._matcher = llguidance.LLMatcher(tokenizer, grammar)
+        self._fail_if_broken()
+
+    def consume(self, token: int) -> None:
+        """Advance past a sampled token.
+
+        Raises:
+            ValueError: The token does not continue the grammar (the mask
+                allowed it, so llguidance failed).
+        """
+        self._matcher.consume_token(token)
+        self._fail_if_broken()
+
+    def fill(self, mask: np.ndarray[Any, np.dtype[np.int32]], index: int) -> None:
+        """Write the allowed next tokens into row ``index`` of ``mask``."""
+        numpy_side = importlib.import_module("llguidance.numpy")
+        numpy_side.fill_next_token_bitmask(self._matcher, mask, index)
+
+    def _fail_if_broken(self) -> None:
+        if self._matcher.is_error():
+            raise ValueError(f"the grammar failed: {self._matcher.get_error()}")
+
+
+def constrain(logits: mx.array, matchers: Sequence[GrammarMatcher | None]) -> mx.array:
+    """``logits`` (B, V) with the tokens each row's grammar forbids at -inf;
+    rows without a matcher are left as they are."""
+    if not any(matchers):
+        return logits
+    vocab = logits.shape[-1]
+    words = (vocab + 31) // 32
+    bits = np.full((len(matchers), words), -1, dtype=np.int32)
+    for i, matcher in enumerate(matchers):
+        if matcher is not None:
+            matcher.fill(bits, i)
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+    mask = mx.array(allowed[:, :vocab].astype(np.bool_))
+    return mx.where(mask, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+def llg_tokenizer(loaded: LoadedModel) -> Any:
+    """The model's llguidance tokenizer, made once: its end-of-turn tokens
+    are the model's, so a complete grammar ends the turn."""
+    cached = loaded.grammar_tokenizer
+    if cached is None:
+        hf = importlib.import_module("llguidance.hf")
+        stop = getattr(loaded.tokenizer.stopping_criteria, "eos_token_ids", None)
+        cached = hf.from_tokenizer(
+            loaded.tokenizer, n_vocab=loaded.vocab_size, eos_token=stop or None
+        )
+        loaded.grammar_tokenizer = cached
+    return cached
+
+
+@functools.lru_cache(maxsize=256)
+def compile_grammar(grammar: Grammar) -> str:
+    """llguidance's grammar for ``grammar``, compiled once per grammar.
+
+    JSON is compact (no whitespace between tokens is allowed), so a
+    constrained row cannot spend its tokens on blank space.
+
+    Raises:
+        ValueError: The grammar is invalid or unsupported.
+    """
+    llguidance = importlib.import_module("llguidance")
+    compiler = llguidance.JsonCompiler(separators=(",", ":"), whitespace_pattern="")
+    try:
+        if grammar.kind == "json_schema":
+            compiled = compiler.compile(grammar.source)
+        elif grammar.kind == "json_object":
+            compiled = compiler.compile('{"type": "object"}')
+        else:
+            compiled = llguidance.LarkCompiler().compile(grammar.source)
+    except Exception as exc:  # llguidance raises its own ValueError/RuntimeError
+        raise ValueError(f"invalid {grammar.kind} grammar: {exc}") from None
+    error = llguidance.LLMatcher.validate_grammar(compiled)
+    if error:
+        raise ValueError(f"invalid {grammar.kind} grammar: {error}")
+    return str(compiled)

@@ -1,0 +1,228 @@
+"""Penalties and grammars: per row, exact, and batched without cross-talk.
+
+The definitions are checked on small logits; then real rows of the tiny
+model: a row with a penalty or a grammar, batched with free rows, gives the
+same tokens and log-probabilities (``TOL``) as alone, and so do the free
+rows; the grammar's output always parses and validates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import jsonschema
+import mlx.core as mx
+import pytest
+
+from mlx_pinned import MLXThread
+from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.engine.logits import compile_grammar, penalize, prompt_seen
+from mlx_pinned.server.errors import APIError
+from mlx_pinned.server.events import FinalEvent, Grammar
+from mlx_pinned.server.http.gate import BatchGate
+
+from .test_batching import (
+    TOL,
+    Collector,
+    Event,
+    Request,
+    deadline,
+    loaded,
+    max_logprob_difference,
+    request,
+    thread,
+    tokens,
+)
+
+__all__ = ["loaded", "thread"]  # module fixtures, shared with test_batching
+
+pytestmark = pytest.mark.anyio
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+    },
+    "required": ["name", "count", "kind"],
+    "additionalProperties": False,
+}
+
+
+@dataclasses.dataclass
+class Row:
+    penalties: tuple[float, float, float]
+    counts: mx.array | None = None
+    seen: mx.array | None = None
+
+
+class TestPenaltyDefinitions:
+    def test_presence_and_frequency_as_openai_defines_them(
+        self, thread: MLXThread
+    ) -> None:
+        def run() -> list[list[float]]:
+            logits = mx.array([[1.0, 2.0, -1.0, 0.5]])
+            row = Row((0.5, 0.25, 1.0))
+            first = penalize(logits, [row], mx.array([1]), [True])
+            penalize(logits, [row], mx.array([1]), [True])  # token 1 again
+            third = penalize(logits, [row], mx.array([2]), [True])
+            return [first[0].tolist(), third[0].tolist()]
+
+        first, third = thread.run_sync(run)
+        # mu[j] - c[j] * frequency - (c[j] > 0) * presence
+        assert first == pytest.approx([1.0, 2.0 - 0.25 - 0.5, -1.0, 0.5])
+        assert third == pytest.approx([1.0, 2.0 - 0.5 - 0.5, -1.0 - 0.75, 0.5])
+
+    def test_repetition_divides_positive_and_multiplies_negative_logits(
+        self, thread: MLXThread
+    ) -> None:
+        def run() -> list[float]:
+            row = Row((0.0, 0.0, 2.0), seen=prompt_seen(mx.array([[0, 2]]), 4))
+            logits = mx.array([[1.0, 2.0, -1.0, 0.5]])
+            out: list[float] = penalize(logits, [row])[0].tolist()
+            return out
+
+        assert thread.run_sync(run) == pytest.approx([0.5, 2.0, -2.0, 0.5])
+
+    def test_a_prompt_token_not_generated_is_not_counted(
+        self, thread: MLXThread
+    ) -> None:
+        def run() -> list[float]:
+            logits = mx.array([[1.0, 2.0]])
+            row = Row((1.0, 1.0, 1.0))
+            out: list[float] = penalize(logits, [row], mx.array([1]), [False])[
+                0
+            ].tolist()
+            return out
+
+        assert thread.run_sync(run) == [1.0, 2.0]
+
+    def test_rows_without_penalties_are_untouched_bit_for_bit(
+        self, thread: MLXThread
+    ) -> None:
+        def run() -> bool:
+            logits = mx.random.normal((3, 50), key=mx.random.key(0))
+            rows = [Row((0.0, 0.0, 1.0)), Row((1.5, 0.5, 1.3)), Row((0.0, 0.0, 1.0))]
+            out = penalize(logits, rows, mx.array([3, 4, 5]), [True] * 3)
+            same = mx.array_equal(out[0], logits[0]) and mx.array_equal(
+                out[2], logits[2]
+            )
+            return bool(same) and not bool(mx.array_equal(out[1], logits[1]))
+
+        assert thread.run_sync(run)
+
+
+async def alone(thread: MLXThread, loaded: LoadedModel, req: Request) -> list[Event]:
+    """The request alone in an engine of its own."""
+    async with BatchEngine(loaded, thread).stream(*req) as stream:
+        return [event async for event in stream]
+
+
+async def together(
+    thread: MLXThread, loaded: LoadedModel, reqs: list[Request]
+) -> list[list[Event]]:
+    batch = BatchEngine(loaded, thread)
+    gate = BatchGate(max_num_seqs=len(reqs), max_pending=0)
+    runs = [Collector(thread, batch, gate, req) for req in reqs]
+    async with deadline() as group:
+        for run in runs:
+            group.start_soon(run.run)
+    assert batch.statistics().peak_active > 1
+    return [run.events for run in runs]
+
+
+def text(events: list[Event]) -> str:
+    return "".join(event.text for event in events)
+
+
+class TestPenaltiesInTheBatch:
+    async def test_penalties_change_the_answer_and_stay_on_their_row(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        free = request(4, 24)  # no image: the demo model repeats itself
+        penalized = [
+            request(4, 24, presence_penalty=1.5),
+            request(4, 24, frequency_penalty=1.0),
+            request(4, 24, repetition_penalty=1.4),
+            request(1, 16, presence_penalty=0.7, frequency_penalty=0.3, top_k=5),
+        ]
+        expected = [await alone(thread, loaded, r) for r in [free, *penalized]]
+        plain = text(expected[0])
+        assert all(text(events) != plain for events in expected[1:4])
+        # Repeated tokens become rarer under a penalty.
+        distinct = [
+            len({e.logprobs.token for e in tokens(ev) if e.logprobs})
+            for ev in expected[:4]
+        ]
+        assert min(distinct[1:]) > distinct[0]
+        batched = await together(thread, loaded, [free, *penalized])
+        for ours, theirs in zip(batched, expected, strict=True):
+            assert max_logprob_difference(ours, theirs) <= TOL
+
+
+class TestGrammarInTheBatch:
+    async def test_schema_rows_validate_and_free_rows_do_not_notice(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        grammar = Grammar("json_schema", json.dumps(SCHEMA))
+        reqs = [
+            request(0, 60, grammar=grammar),
+            request(1, 20),
+            request(2, 60, grammar=Grammar("json_object"), top_logprobs=2),
+            request(3, 20, temperature=1.0, seed=3),
+            request(5, 60, grammar=grammar, temperature=1.0, seed=9),
+        ]
+        expected = [await alone(thread, loaded, r) for r in reqs]
+        batched = await together(thread, loaded, reqs)
+        for ours, theirs in zip(batched, expected, strict=True):
+            assert max_logprob_difference(ours, theirs) <= TOL
+        for i in (0, 4):
+            final = batched[i][-1]
+            assert isinstance(final, FinalEvent)
+            assert final.finish_reason == "stop"
+            jsonschema.validate(json.loads(text(batched[i])), SCHEMA)
+        final = batched[2][-1]
+        assert isinstance(final, FinalEvent)
+        if final.finish_reason == "stop":  # else cut short by max_tokens
+            assert isinstance(json.loads(text(batched[2])), dict)
+        else:
+            assert text(batched[2]).startswith("{")
+        # A masked token never reaches the answer: every chosen token was
+        # allowed, so its log-probability is finite.
+        for events in batched:
+            for event in tokens(events):
+                assert event.logprobs is not None
+                assert math.isfinite(event.logprobs.logprob)
+
+    async def test_a_schema_cut_by_max_tokens_ends_with_length(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        grammar = Grammar("json_schema", json.dumps(SCHEMA))
+        events = await alone(thread, loaded, request(0, 3, grammar=grammar))
+        final = events[-1]
+        assert isinstance(final, FinalEvent)
+        assert final.finish_reason == "length"
+        assert text(events).startswith('{"')
+
+    async def test_an_invalid_grammar_is_a_400_before_prefill(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        bad = Grammar("json_schema", '{"type": "no-such-type"}')
+        batch = BatchEngine(loaded, thread)
+        with pytest.raises(APIError) as caught:
+            async with batch.stream(*request(0, 4, grammar=bad)) as stream:
+                [event async for event in stream]
+        assert caught.value.status == 400
+        assert caught.value.code == "invalid_grammar"
+        assert batch.statistics().prefills == 0
+
+    def test_a_grammar_is_compiled_once(self) -> None:
+        grammar = Grammar("json_schema", json.dumps({"type": "integer"}))
+        compile_grammar.cache_clear()
+        compile_grammar(grammar)
+        compile_grammar(Grammar("json_schema", json.dumps({"type": "integer"})))
+        assert compile_grammar.cache_info().hits == 1
