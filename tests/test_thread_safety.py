@@ -8,7 +8,8 @@ escaped the thread fails when the caller reads it.
 - :class:`TestExecutorMachine`: a hypothesis state machine that drives one
   MLXThread from three plain threads, an asyncio loop and a trio run at once:
   submit, run_sync, ``await run``, iterate/iterate_sync (left early or read to
-  the end), cancellation, a job that holds the thread, and shutdown.
+  the end), each with or without an exclusive key, cancellation, a job that
+  holds the thread, and shutdown.
 - Focused properties: FIFO per submitter, the bounded queue, calls from the
   thread to itself, stream interleaving, cancellation, shutdown, statistics.
 
@@ -52,6 +53,7 @@ from hypothesis.stateful import (
 )
 
 from mlx_pinned import (
+    Exclusive,
     MLXPinnedError,
     MLXThread,
     MLXThreadBrokenError,
@@ -62,7 +64,7 @@ from mlx_pinned import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Iterator
+    from collections.abc import Awaitable, Callable, Container, Iterator
 
 # Any bounded wait in this module: running out of it means something hangs.
 WAIT = 15.0
@@ -132,16 +134,46 @@ class Recorder:
         with self._lock:
             return list(self._events)
 
-    def starts(self, submitter: str) -> list[int]:
-        """The sequence numbers of ``submitter``'s jobs, in the order they ran."""
-        return [e[3] for e in self.events() if e[0] == "start" and e[2] == submitter]
+    def starts(self, submitter: str, jobs: Container[int] | None = None) -> list[int]:
+        """The sequence numbers of ``submitter``'s jobs (of ``jobs`` only, if
+        given), in the order they ran."""
+        return [
+            e[3]
+            for e in self.events()
+            if e[0] == "start" and e[2] == submitter and (jobs is None or e[1] in jobs)
+        ]
+
+
+def overlapping_holders(
+    events: list[tuple[Any, ...]], keys: dict[int, str], streams: Container[int]
+) -> list[str]:
+    """Where a job or stream started while a stream with its key was open: a
+    stream holds its key from its start to its end; a job's run is atomic on
+    the thread, so only its start can fall inside another holder."""
+    holding: dict[str, int] = {}
+    found = []
+    for what, job_id, *_ in events:
+        key = keys.get(job_id)
+        if key is None:
+            continue
+        if what == "start":
+            holder = holding.get(key)
+            if holder is not None:
+                found.append(f"job {job_id} started while {holder} held {key!r}")
+            if job_id in streams:
+                holding[key] = job_id
+        elif what == "end" and holding.get(key) == job_id:
+            del holding[key]
+    return found
 
 
 def lazy_total(n: int, k: int) -> mx.array:
     return (mx.arange(n) * k).sum()
 
 
-def call_job(rec: Recorder, t: MLXThread, job: Job, submitter: str, seq: int) -> Any:
+def call_job(
+    rec: Recorder, t: MLXThread | Exclusive, job: Job, submitter: str, seq: int
+) -> Any:
     """A job: logs its start, then builds an MLX graph and returns its result."""
     rec.add("start", job.id, submitter, seq)
     total = lazy_total(job.n, job.k)
@@ -152,12 +184,13 @@ def call_job(rec: Recorder, t: MLXThread, job: Job, submitter: str, seq: int) ->
     if job.kind == "tree":
         return {"total": [total, (total + 1,)]}  # a nest of lazy arrays
     if job.kind == "nested":
-        # A call from the thread to itself: must run inline, not deadlock.
+        # A call from the thread to itself (with the job's own key, if it
+        # has one): must run inline, not deadlock.
         return t.run_sync(nested_job, rec, t, job, job.n % 3 + 1)
     return int(total.item())
 
 
-def nested_job(rec: Recorder, t: MLXThread, job: Job, depth: int) -> int:
+def nested_job(rec: Recorder, t: MLXThread | Exclusive, job: Job, depth: int) -> int:
     rec.add("inner", job.id, depth)
     if depth > 1:
         return int(t.run_sync(nested_job, rec, t, job, depth - 1))
@@ -523,6 +556,7 @@ class Entry:
     cancel_ok: bool = False  # Future.cancel() returned True
     received: list[int] = field(default_factory=list)
     batch: int = 0  # streams: read in batches of this size (0: item by item)
+    key: str | None = None  # the exclusive key it was given with
     outcomes: list[tuple[str, Any]] = field(default_factory=list)
 
 
@@ -531,6 +565,7 @@ PLAIN = 3
 LOOPS = ("asyncio", "trio")
 SPECS = st.tuples(st.sampled_from(KINDS), st.integers(1, 48), st.integers(-3, 9))
 SYNC_MODES = ("full", "close", "with", "drop")
+KEYS = st.sampled_from([None, None, "a", "b"])
 ASYNC_MODES = ("full", "aclose", "aclosing", "drop")
 
 
@@ -559,20 +594,33 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.gate: threading.Event | None = None
         self.shutdown_requested = False
 
-    def new(self, spec: tuple[str, int, int], api: str, submitter: str) -> Entry:
+    def new(
+        self,
+        spec: tuple[str, int, int],
+        api: str,
+        submitter: str,
+        key: str | None = None,
+    ) -> Entry:
         kind, n, k = spec
-        entry = Entry(Job(next(self.ids), kind, n, k), api, submitter)
+        entry = Entry(Job(next(self.ids), kind, n, k), api, submitter, key=key)
         self.entries.append(entry)
         return entry
+
+    def runner(self, key: str | None) -> MLXThread | Exclusive:
+        return self.t if key is None else self.t.exclusive(key)
 
     # -- plain threads -------------------------------------------------------
 
     @rule(
-        actor=st.integers(0, PLAIN - 1), specs=st.lists(SPECS, min_size=1, max_size=5)
+        actor=st.integers(0, PLAIN - 1),
+        specs=st.lists(SPECS, min_size=1, max_size=5),
+        key=KEYS,
     )
-    def submit(self, actor: int, specs: list[tuple[str, int, int]]) -> None:
-        a, t = self.plain[actor], self.t
-        entries = [self.new(spec, "submit", a.name) for spec in specs]
+    def submit(
+        self, actor: int, specs: list[tuple[str, int, int]], key: str | None
+    ) -> None:
+        a, t = self.plain[actor], self.runner(key)
+        entries = [self.new(spec, "submit", a.name, key) for spec in specs]
 
         def command() -> None:
             for e in entries:
@@ -586,12 +634,16 @@ class ExecutorMachine(RuleBasedStateMachine):
 
         a.send(command)
 
-    @rule(actor=st.integers(0, PLAIN - 1), spec=SPECS, decorated=st.booleans())
-    def run_sync(self, actor: int, spec: tuple[str, int, int], decorated: bool) -> None:
-        a, t = self.plain[actor], self.t
-        e = self.new(spec, "run_sync", a.name)
+    @rule(
+        actor=st.integers(0, PLAIN - 1), spec=SPECS, decorated=st.booleans(), key=KEYS
+    )
+    def run_sync(
+        self, actor: int, spec: tuple[str, int, int], decorated: bool, key: str | None
+    ) -> None:
+        a, t = self.plain[actor], self.runner(key)
+        e = self.new(spec, "run_sync", a.name, key)
         call: Callable[..., Any] = (
-            on_mlx_thread(thread=t)(call_job).sync
+            on_mlx_thread(thread=self.t, exclusive=key)(call_job).sync
             if decorated
             else functools.partial(t.run_sync, call_job)
         )
@@ -615,6 +667,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         stop_after=st.integers(0, 6),
         decorated=st.booleans(),
         batch=st.sampled_from([0, 0, 1, 2, 3]),
+        key=KEYS,
     )
     def iterate_sync(
         self,
@@ -625,12 +678,13 @@ class ExecutorMachine(RuleBasedStateMachine):
         stop_after: int,
         decorated: bool,
         batch: int,
+        key: str | None,
     ) -> None:
-        a, t = self.plain[actor], self.t
-        e = self.new(spec, "iterate_sync", a.name)
+        a, t = self.plain[actor], self.runner(key)
+        e = self.new(spec, "iterate_sync", a.name, key)
         e.mode, e.items, e.stop_after, e.batch = mode, items, stop_after, batch
         open_stream: Callable[..., Any] = (
-            on_mlx_thread(thread=t)(stream_job).sync
+            on_mlx_thread(thread=self.t, exclusive=key)(stream_job).sync
             if decorated
             else functools.partial(t.iterate_sync, stream_job)
         )
@@ -691,22 +745,26 @@ class ExecutorMachine(RuleBasedStateMachine):
         loop=st.sampled_from(LOOPS),
         spec=SPECS,
         how=st.sampled_from(["run", "decorated", "run_in_executor"]),
+        key=KEYS,
     )
-    def await_run(self, loop: str, spec: tuple[str, int, int], how: str) -> None:
-        actor, t = self.loops[loop], self.t
-        e = self.new(spec, "run", actor.name)
+    def await_run(
+        self, loop: str, spec: tuple[str, int, int], how: str, key: str | None
+    ) -> None:
+        actor, t = self.loops[loop], self.runner(key)
+        e = self.new(spec, "run", actor.name, key)
 
         async def body() -> None:
             args = (self.rec, t, e.job, actor.name)
             # No await between taking the sequence number and enqueueing.
             e.seq = actor.next_seq()
             try:
-                if how == "run_in_executor" and loop == "asyncio":
+                if how == "run_in_executor" and loop == "asyncio" and key is None:
                     running_loop = asyncio.get_running_loop()
                     job = functools.partial(call_job, *args, e.seq)
-                    value = await running_loop.run_in_executor(t, job)
+                    value = await running_loop.run_in_executor(self.t, job)
                 elif how == "decorated":
-                    value = await on_mlx_thread(thread=t)(call_job)(*args, e.seq)
+                    decorated = on_mlx_thread(thread=self.t, exclusive=key)(call_job)
+                    value = await decorated(*args, e.seq)
                 else:
                     value = await t.run(call_job, *args, e.seq)
             except anyio.get_cancelled_exc_class():
@@ -727,6 +785,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         stop_after=st.integers(0, 6),
         decorated=st.booleans(),
         batch=st.sampled_from([0, 0, 1, 2, 3]),
+        key=KEYS,
     )
     def iterate(
         self,
@@ -737,12 +796,13 @@ class ExecutorMachine(RuleBasedStateMachine):
         stop_after: int,
         decorated: bool,
         batch: int,
+        key: str | None,
     ) -> None:
-        actor, t = self.loops[loop], self.t
-        e = self.new(spec, "iterate", actor.name)
+        actor, t = self.loops[loop], self.runner(key)
+        e = self.new(spec, "iterate", actor.name, key)
         e.mode, e.items, e.stop_after, e.batch = mode, items, stop_after, batch
         open_stream: Callable[..., Any] = (
-            on_mlx_thread(thread=t)(stream_job)
+            on_mlx_thread(thread=self.t, exclusive=key)(stream_job)
             if decorated
             else functools.partial(t.iterate, stream_job)
         )
@@ -865,6 +925,16 @@ class ExecutorMachine(RuleBasedStateMachine):
         assert not self.failures, self.failures
 
     @invariant()
+    def holders_of_one_key_never_overlap(self) -> None:
+        found = self.overlaps()
+        assert not found, found[:5]
+
+    def overlaps(self) -> list[str]:
+        keys = {e.job.id: e.key for e in self.entries if e.key is not None}
+        streams = {e.job.id for e in self.entries if e.api.startswith("iterate")}
+        return overlapping_holders(self.rec.events(), keys, streams)
+
+    @invariant()
     def queue_is_bounded(self) -> None:
         pending = self.t.statistics().pending
         assert pending <= MAX_PENDING, f"{pending} jobs queued, max {MAX_PENDING}"
@@ -910,11 +980,19 @@ class ExecutorMachine(RuleBasedStateMachine):
                 ends[job_id].append(a)
             elif what == "item":
                 produced[job_id].append(a)
-        # FIFO per submitter: each one's jobs ran in the order it enqueued them.
-        for submitter in {e.submitter for e in self.entries}:
-            seqs = self.rec.starts(submitter)
+        # FIFO per submitter and key: each one's jobs with one key (or none)
+        # ran in the order it enqueued them; keyed work waiting for its key
+        # lets the submitter's other work pass.
+        for submitter, key in {(e.submitter, e.key) for e in self.entries}:
+            jobs = {
+                e.job.id
+                for e in self.entries
+                if (e.submitter, e.key) == (submitter, key)
+            }
+            seqs = self.rec.starts(submitter, jobs)
             if seqs != sorted(set(seqs)):
-                problems.append(f"{submitter}: jobs ran out of order: {seqs}")
+                problems.append(f"{submitter}, key {key}: ran out of order: {seqs}")
+        problems += self.overlaps()
 
         completed = failed = lower = upper = 0
         closed = MLXThreadClosedError
