@@ -9,6 +9,7 @@ to an ASGI app's lifespan.
 from __future__ import annotations
 
 from ._decorators import MLXFunction as MLXFunction
+from ._decorators import MLXGeneratorFunction as MLXGeneratorFunction
 from ._decorators import on_mlx_thread as on_mlx_thread
 from ._exceptions import MLXPinnedError as MLXPinnedError
 from ._exceptions import MLXThreadBrokenError as MLXThreadBrokenError
@@ -33,6 +34,7 @@ __all__ = [
     "AsyncStreamIterator",
     "Exclusive",
     "MLXFunction",
+    "MLXGeneratorFunction",
     "MLXPinnedError",
     "MLXThread",
     "MLXThreadBrokenError",
