@@ -7,11 +7,12 @@ decoders get :class:`~..events.ImageRef` values; neither sees pydantic.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from ..config import ImageLimits
-from ..events import GenerationParams, ImageRef
+from ..events import GenerationParams, Grammar, ImageRef
 from .schemas import (
     AssistantMessage,
     ChatCompletionRequest,
@@ -19,6 +20,8 @@ from .schemas import (
     Message,
     SystemMessage,
     TextPart,
+    ToolCall,
+    ToolMessage,
     UserMessage,
 )
 
@@ -33,8 +36,15 @@ def generation_params(
     *,
     max_prompt_tokens: int | None = None,
     context_length: int | None = None,
+    grammar: Grammar | None = None,
 ) -> GenerationParams:
-    """The parameters of a validated request, with ``max_tokens`` resolved."""
+    """The parameters of a validated request, with ``max_tokens`` resolved
+    and its ``grammar`` (:func:`.structured.request_grammar`) checked.
+
+    Tools go to the chat template unless ``tool_choice`` is ``none`` (the
+    model is not told of tools it may not call).
+    """
+    top_k = request.top_k
     return GenerationParams(
         messages=tuple(chat_messages(request.messages)),
         max_tokens=max_tokens,
@@ -50,23 +60,42 @@ def generation_params(
         logit_bias=tuple(request.token_bias.items()),
         max_prompt_tokens=max_prompt_tokens,
         context_length=context_length,
+        top_k=0 if top_k == -1 else top_k,  # vLLM's -1: no limit
+        min_p=request.min_p or 0.0,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=(
+            1.0 if request.repetition_penalty is None else request.repetition_penalty
+        ),
+        grammar=grammar,
+        tools=tuple(
+            tool.model_dump(exclude_none=True) for tool in request.active_tools
+        ),
+        template_kwargs=tuple((request.chat_template_kwargs or {}).items()),
     )
 
 
 def chat_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
     """Request messages as mlx-vlm's chat messages.
 
-    Image parts become ``{"type": "image_url"}`` markers in place, so mlx-vlm
+    Assistant turns keep their ``tool_calls`` and tool turns their
+    ``tool_call_id``, as chat templates that take tools expect them. Image
+    parts become ``{"type": "image_url"}`` markers in place, so mlx-vlm
     puts each image in the turn and position where it was sent.
     """
     out: list[dict[str, Any]] = []
     for message in messages:
-        if isinstance(message, (SystemMessage, AssistantMessage)):
-            role = "system" if isinstance(message, SystemMessage) else "assistant"
+        if isinstance(message, (SystemMessage, AssistantMessage, ToolMessage)):
             content = message.content or ""
             if not isinstance(content, str):
                 content = "".join(part.text for part in content)
-            out.append({"role": role, "content": content})
+            role = "system" if isinstance(message, SystemMessage) else message.role
+            turn: dict[str, Any] = {"role": role, "content": content}
+            if isinstance(message, ToolMessage):
+                turn["tool_call_id"] = message.tool_call_id
+            elif isinstance(message, AssistantMessage) and message.tool_calls:
+                turn["tool_calls"] = [_tool_call(call) for call in message.tool_calls]
+            out.append(turn)
         elif isinstance(message.content, str):
             out.append({"role": "user", "content": message.content})
         else:
@@ -78,6 +107,22 @@ def chat_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
             ]
             out.append({"role": "user", "content": parts})
     return out
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    """An earlier tool call as chat templates read it (Qwen's, Hermes'):
+    its arguments as an object when they are one, else the text."""
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    if not isinstance(arguments, dict):
+        arguments = call.function.arguments
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
 
 
 def image_refs(messages: Sequence[Message], limits: ImageLimits) -> list[ImageRef]:

@@ -1,19 +1,20 @@
-"""Request, response and error bodies of the OpenAI chat-completions API.
+"""Request bodies of the OpenAI chat-completions API (responses: :mod:`.responses`).
 
 Requests are parsed from the raw body with :func:`parse_chat_request`, which
 turns every failure (bad JSON, wrong type, out of range) into an
 :class:`APIError` that names the offending parameter the way OpenAI does
-(``messages[0].content[1].image_url``). Unknown fields are ignored, as OpenAI
-ignores them. Nothing here touches MLX or the event loop.
+(``messages[0].content[1].image_url``). Every top-level field of OpenAI's
+API reference is declared here and either honoured or refused with a 400
+that names it; an unknown top-level field is refused as OpenAI refuses it
+("Unrecognized request argument supplied"), except the vLLM extensions
+clients commonly send (``top_k``, ``min_p``, ``repetition_penalty``,
+``chat_template_kwargs``), which are honoured. Nothing here touches MLX or
+the event loop.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,8 +24,22 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
+from pydantic_core import PydanticCustomError
 
-from ..events import FinishReason
+from .responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Choice,
+    ChoiceLogprobs,
+    ChunkChoice,
+    ChunkEncoder,
+    Delta,
+    ResponseMessage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    completion_id,
+)
 from .validation import validation_error_to_api_error
 
 __all__ = [
@@ -37,14 +52,21 @@ __all__ = [
     "ChunkChoice",
     "ChunkEncoder",
     "Delta",
+    "FunctionDefinition",
     "ImagePart",
     "ImageURL",
+    "JSONSchemaFormat",
     "Message",
+    "NamedToolChoice",
+    "ResponseFormat",
     "ResponseMessage",
     "StreamOptions",
     "SystemMessage",
     "TextPart",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
+    "ToolMessage",
     "TopLogprob",
     "Usage",
     "UserMessage",
@@ -52,10 +74,29 @@ __all__ = [
     "parse_chat_request",
 ]
 
+#: OpenAI's rule for function and schema names.
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+#: Keyword arguments the server passes to the chat template itself.
+_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "add_generation_prompt",
+        "chat_template",
+        "continue_final_message",
+        "conversation",
+        "documents",
+        "messages",
+        "return_dict",
+        "tokenize",
+        "tools",
+    }
+)
+
 
 class _Request(BaseModel):
     # strict: "10" is not an int and 1 is not a bool, as in OpenAI's API;
-    # extra="ignore": fields this server does not know are accepted and ignored;
+    # extra="ignore" inside the body (a message replayed from a response
+    # carries 'refusal', 'annotations'...); the top level forbids extras;
     # allow_inf_nan=False: NaN and Infinity are "not a finite number", not
     # "should be less than or equal to 2".
     model_config = ConfigDict(
@@ -93,13 +134,14 @@ class ImagePart(_Request):
 
 
 UserPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+TextContent = str | Annotated[list[TextPart], Field(min_length=1)]
 
 
 class SystemMessage(_Request):
     """A system (or ``developer``) message: text only."""
 
     role: Literal["system", "developer"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    content: TextContent
     name: str | None = None
 
 
@@ -111,16 +153,41 @@ class UserMessage(_Request):
     name: str | None = None
 
 
+class ToolCallFunction(_Request):
+    """The ``function`` of an earlier tool call: name and JSON arguments."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    """One of an earlier assistant turn's ``tool_calls``."""
+
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class AssistantMessage(_Request):
-    """An earlier assistant turn: text only (tool calls are not supported)."""
+    """An earlier assistant turn: text, tool calls, or both."""
 
     role: Literal["assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    content: TextContent | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ToolMessage(_Request):
+    """A tool's result, answering the call ``tool_call_id``."""
+
+    role: Literal["tool"]
+    content: TextContent
+    tool_call_id: str
 
 
 Message = Annotated[
-    SystemMessage | UserMessage | AssistantMessage, Field(discriminator="role")
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage,
+    Field(discriminator="role"),
 ]
 
 
@@ -130,8 +197,95 @@ class StreamOptions(_Request):
     include_usage: bool | None = None
 
 
+class FunctionDefinition(_Request):
+    """A tool's function: its name, and its arguments' JSON schema."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    """An entry of ``tools``: a function the model may call."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """``tool_choice`` naming the one function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Request):
+    """``response_format.json_schema``: the schema the answer must follow."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    # 'schema' would shadow a BaseModel attribute: the field has another name.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(_Request):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Request):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(_Request):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[
+    TextFormat | JSONObjectFormat | JSONSchemaResponseFormat,
+    Field(discriminator="type"),
+]
+
+
+def _unsupported(field: str, why: str) -> PydanticCustomError:
+    return PydanticCustomError(
+        "unsupported_parameter", f"Unsupported parameter: '{field}': {why}."
+    )
+
+
+def _unsupported_value(field: str, value: object, why: str) -> PydanticCustomError:
+    return PydanticCustomError(
+        "unsupported_value",
+        f"Unsupported value: '{field}' does not support {value!r}: {why}.",
+    )
+
+
+# Fields of OpenAI's reference this server refuses whenever they are set, and
+# what to do instead.
+_REFUSED = {
+    "audio": "this server generates text only; leave it out",
+    "function_call": "it is deprecated; use 'tool_choice'",
+    "functions": "it is deprecated; use 'tools'",
+    "prediction": "this server has no predicted outputs; leave it out",
+    "reasoning_effort": (
+        "this server cannot set a model's reasoning effort; use "
+        'chat_template_kwargs (e.g. {"enable_thinking": false}) where the '
+        "model's chat template has such a switch"
+    ),
+    "web_search_options": "this server cannot search the web; leave it out",
+}
+
+
 class ChatCompletionRequest(_Request):
     """The body of ``POST /v1/chat/completions``."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -147,6 +301,90 @@ class ChatCompletionRequest(_Request):
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extensions, honoured.
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # No effect on the output by definition: accepted, unused.
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    metadata: dict[str, str] | None = None
+    # Accepted at the one value this server has.
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    # Refused whenever set (_REFUSED says why).
+    audio: Any = None
+    function_call: Any = None
+    functions: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    @field_validator(*_REFUSED)
+    @classmethod
+    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            assert info.field_name is not None
+            raise _unsupported(info.field_name, _REFUSED[info.field_name])
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _check_store(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _unsupported_value("store", True, "this server stores no completions")
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _check_service_tier(cls, value: str | None) -> str | None:
+        if value not in (None, "auto", "default"):
+            raise _unsupported_value(
+                "service_tier", value, "this server has one tier, 'default'"
+            )
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _check_modalities(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and "audio" in value:
+            raise _unsupported_value(
+                "modalities", "audio", "this server generates text only"
+            )
+        return value
+
+    @field_validator("verbosity")
+    @classmethod
+    def _check_verbosity(cls, value: str | None) -> str | None:
+        if value not in (None, "medium"):
+            raise _unsupported_value(
+                "verbosity",
+                value,
+                "this server cannot steer a model's verbosity; ask for it in "
+                "the messages",
+            )
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(
+        cls, value: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        for key in value or {}:
+            if key in _TEMPLATE_ARGUMENTS:
+                raise ValueError(f"{key!r} is set by the server, not the request")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -197,6 +435,50 @@ class ChatCompletionRequest(_Request):
             raise ValueError("top_logprobs requires logprobs to be true")
         return value
 
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, value: list[Tool] | None) -> list[Tool] | None:
+        names = [tool.function.name for tool in value or []]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"the function name {name!r} is given twice")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(
+        cls, value: str | NamedToolChoice | None, info: ValidationInfo
+    ) -> str | NamedToolChoice | None:
+        # tools is validated first; absent from info.data if it was invalid.
+        if value is None or "tools" not in info.data:
+            return value
+        tools: list[Tool] | None = info.data["tools"]
+        if tools is None and value != "none":
+            raise ValueError("tool_choice is only allowed when tools are given")
+        if isinstance(value, NamedToolChoice):
+            names = [tool.function.name for tool in tools or []]
+            if value.function.name not in names:
+                raise ValueError(
+                    f"the function {value.function.name!r} is not one of the tools"
+                )
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(
+        cls, value: ResponseFormat | None, info: ValidationInfo
+    ) -> ResponseFormat | None:
+        # Declared after tool_choice, so this sees it: a forced tool call
+        # and a JSON answer are two grammars for one text.
+        choice = info.data.get("tool_choice")
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        if forced and value is not None and not isinstance(value, TextFormat):
+            raise ValueError(
+                "a JSON response_format cannot be combined with a tool_choice "
+                "that forces a tool call"
+            )
+        return value
+
     @property
     def stop_sequences(self) -> tuple[str, ...]:
         """``stop`` as a tuple of strings (empty when unset)."""
@@ -221,166 +503,12 @@ class ChatCompletionRequest(_Request):
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
-
-# Responses. Field order and nulls follow what OpenAI sends.
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TopLogprob(_Response):
-    """One alternative token at a position."""
-
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class TokenLogprob(_Response):
-    """The sampled token at a position, with its top alternatives."""
-
-    token: str
-    logprob: float
-    bytes: list[int] | None
-    top_logprobs: list[TopLogprob]
-
-
-class ChoiceLogprobs(_Response):
-    """``choices[].logprobs``."""
-
-    content: list[TokenLogprob] | None
-    refusal: None = None
-
-
-class Usage(_Response):
-    """Token counts of one completion."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ResponseMessage(_Response):
-    """``choices[].message`` of a non-streamed completion."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str
-    refusal: None = None
-
-
-class Choice(_Response):
-    """The one choice of a non-streamed completion."""
-
-    index: int = 0
-    message: ResponseMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: FinishReason
-
-
-class ChatCompletion(_Response):
-    """A non-streamed completion (``object: chat.completion``)."""
-
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage
-    system_fingerprint: None = None
-
-
-class Delta(_Response):
-    """``choices[].delta`` of a stream chunk."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChunkChoice(_Response):
-    """The one choice of a stream chunk."""
-
-    index: int = 0
-    delta: Delta
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class ChatCompletionChunk(_Response):
-    """A stream chunk (``object: chat.completion.chunk``).
-
-    With ``include_usage`` every chunk carries ``"usage": null`` and the last
-    one has no choices and the usage; without it, ``usage`` is left out.
-    """
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    system_fingerprint: None = None
-    usage: Usage | None = None
-
-    def to_sse(self, *, include_usage: bool) -> bytes:
-        """This chunk as one ``data: ...`` server-sent event."""
-        data = self.model_dump(exclude=None if include_usage else {"usage"})
-        for choice in data["choices"]:  # a delta carries only the keys it sets
-            choice["delta"] = {
-                k: v for k, v in choice["delta"].items() if v is not None
-            }
-        body = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-        return b"data: " + body.encode() + b"\n\n"
-
-
-class ChunkEncoder:
-    """The stream chunks of one completion, as server-sent events.
-
-    The common chunk, a content delta, is written from a template: the
-    bytes :meth:`ChatCompletionChunk.to_sse` makes for this completion,
-    split around the content, so the two cannot differ (a test checks it).
-    It runs once per token on the event loop, where pydantic per token
-    would cost many times more (docs/benchmarks.md).
-    """
-
-    __slots__ = ("_head", "_include_usage", "_tail", "created", "id", "model")
-
-    _MARK = "\x00content\x00"
-
-    def __init__(self, id: str, created: int, model: str, *, include_usage: bool):
-        self.id, self.created, self.model = id, created, model
-        self._include_usage = include_usage
-        template = self.chunk([ChunkChoice(delta=Delta(content=self._MARK))])
-        mark = json.dumps(self._MARK).encode()
-        self._head, found, self._tail = template.partition(mark)
-        assert found, "the content mark is in the template"
-
-    def content(self, text: str) -> bytes:
-        """A chunk whose only choice's delta is ``{"content": text}``."""
-        body = json.dumps(text, ensure_ascii=False).encode()
-        return self._head + body + self._tail
-
-    def chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
-        """Any chunk of this completion."""
-        return ChatCompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-        ).to_sse(include_usage=self._include_usage)
-
-
-# Completion ids must be unique, not secret: drawn from a generator seeded once
-# from the OS (per process, forks re-seeded), not a system call per request,
-# which on the event loop also gives up the GIL.
-_ids = random.Random(os.urandom(16))
-if hasattr(os, "register_at_fork"):  # not on Windows
-    os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(16)))
-
-
-def completion_id() -> tuple[str, int]:
-    """A fresh ``chatcmpl-…`` id and the ``created`` Unix time."""
-    return f"chatcmpl-{_ids.getrandbits(96):024x}", int(time.time())
+    @property
+    def active_tools(self) -> list[Tool]:
+        """The tools the model may call: none with ``tool_choice: "none"``."""
+        if self.tools is None or self.tool_choice == "none":
+            return []
+        return self.tools
 
 
 def _token_id(key: str) -> int:
@@ -414,8 +542,17 @@ def _field_names() -> frozenset[str]:
         ImagePart,
         ImageURL,
         StreamOptions,
+        ToolMessage,
+        ToolCall,
+        ToolCallFunction,
+        Tool,
+        FunctionDefinition,
+        NamedToolChoice,
+        NamedFunction,
+        JSONSchemaResponseFormat,
+        JSONSchemaFormat,
     ):
-        names.update(model.model_fields)
+        names.update(field.alias or name for name, field in model.model_fields.items())
     return frozenset(names)
 
 

@@ -43,7 +43,18 @@ def validation_error_to_api_error(
         dict.fromkeys(str(e["msg"]).removeprefix("Value error, ") for e in same)
     )
     message = ", or ".join([texts[0], *(t[:1].lower() + t[1:] for t in texts[1:])])
-    if best["type"] == "missing":
+    if best["type"] == "extra_forbidden" and len(path) == 1:
+        # OpenAI's own words for a top-level field it does not know.
+        name = _dotted(path)
+        return APIError(
+            400,
+            f"Unrecognized request argument supplied: {name}.",
+            param=name,
+            code="unknown_parameter",
+        )
+    if best["type"] in _WHOLE_SENTENCES:
+        text = texts[0]
+    elif best["type"] == "missing":
         text = f"Missing required parameter: '{_dotted(path)}'."
     elif path:
         text = f"Invalid value for '{_dotted(path)}': {message}."
@@ -55,7 +66,14 @@ def validation_error_to_api_error(
     return APIError(400, text, param=_dotted(path) or None, code=code)
 
 
+#: Our own error types (pydantic_core.PydanticCustomError): the message is the
+#: whole sentence and the type is the code.
+_WHOLE_SENTENCES = frozenset({"unsupported_parameter", "unsupported_value"})
+
+
 def _code(error_type: str) -> str:
+    if error_type in _WHOLE_SENTENCES:
+        return error_type
     if error_type == "missing":
         return "missing_required_parameter"
     if error_type.endswith("_type") or error_type in {

@@ -1,0 +1,260 @@
+"""Every chat-completions field of OpenAI's reference is honoured or refused
+by name; unknown fields are refused as OpenAI refuses them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from mlx_pinned.server.errors import APIError
+from mlx_pinned.server.events import Grammar
+from mlx_pinned.server.http.params import chat_messages, generation_params
+from mlx_pinned.server.http.schemas import ChatCompletionRequest, parse_chat_request
+
+# OpenAI's chat-completions request fields (API reference, 2025).
+OPENAI_FIELDS = {
+    "audio", "frequency_penalty", "function_call", "functions", "logit_bias",
+    "logprobs", "max_completion_tokens", "max_tokens", "messages", "metadata",
+    "modalities", "model", "n", "parallel_tool_calls", "prediction",
+    "presence_penalty", "prompt_cache_key", "prompt_cache_retention",
+    "reasoning_effort", "response_format", "safety_identifier", "seed",
+    "service_tier", "stop", "store", "stream", "stream_options", "temperature",
+    "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity",
+    "web_search_options",
+}  # fmt: skip
+VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs"}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+SCHEMA_WITHOUT = {"type": "json_schema"}
+BAD_NAME = {"type": "json_schema", "json_schema": {"name": "a b"}}
+NAMED_G = {"type": "function", "function": {"name": "g"}}
+JSON = {"type": "json_object"}
+
+
+def body(**fields: Any) -> bytes:
+    base: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    base.update(fields)
+    return json.dumps(base).encode()
+
+
+def refused(**fields: Any) -> APIError:
+    with pytest.raises(APIError) as info:
+        parse_chat_request(body(**fields))
+    assert info.value.status == 400
+    return info.value
+
+
+def params(**fields: Any) -> Any:
+    return generation_params(parse_chat_request(body(**fields)), 16)
+
+
+class TestEveryField:
+    def test_every_openai_field_and_extension_is_declared(self) -> None:
+        declared = {
+            field.alias or name
+            for name, field in ChatCompletionRequest.model_fields.items()
+        }
+        assert declared == OPENAI_FIELDS | VLLM_EXTENSIONS
+
+    @pytest.mark.parametrize("name", ["foo", "best_of", "guided_json", "ignore_eos"])
+    def test_an_unknown_field_is_refused_by_name(self, name: str) -> None:
+        error = refused(**{name: 1})
+        assert error.param == name
+        assert error.code == "unknown_parameter"
+        assert error.message == f"Unrecognized request argument supplied: {name}."
+
+    @pytest.mark.parametrize(
+        ("name", "value"),
+        [
+            ("audio", {"voice": "alloy", "format": "wav"}),
+            ("functions", [{"name": "f"}]),
+            ("function_call", "auto"),
+            ("prediction", {"type": "content", "content": "x"}),
+            ("reasoning_effort", "low"),
+            ("web_search_options", {}),
+        ],
+    )
+    def test_fields_this_server_cannot_honour_are_refused(
+        self, name: str, value: Any
+    ) -> None:
+        error = refused(**{name: value})
+        assert error.param == name
+        assert error.code == "unsupported_parameter"
+        assert f"'{name}'" in error.message
+
+    @pytest.mark.parametrize(
+        ("name", "value"),
+        [
+            ("store", True),
+            ("service_tier", "flex"),
+            ("service_tier", "priority"),
+            ("modalities", ["text", "audio"]),
+            ("verbosity", "low"),
+        ],
+    )
+    def test_values_this_server_cannot_honour_are_refused(
+        self, name: str, value: Any
+    ) -> None:
+        error = refused(**{name: value})
+        assert (error.param, error.code) == (name, "unsupported_value")
+
+    def test_fields_without_effect_on_the_output_are_accepted(self) -> None:
+        parse_chat_request(
+            body(
+                user="u",
+                safety_identifier="s",
+                prompt_cache_key="k",
+                prompt_cache_retention="24h",
+                metadata={"a": "b"},
+                store=False,
+                service_tier="auto",
+                modalities=["text"],
+                verbosity="medium",
+                audio=None,
+                functions=None,
+            )
+        )
+
+    @pytest.mark.parametrize(
+        ("fields", "param"),
+        [
+            ({"metadata": {"a": 1}}, "metadata.a"),
+            ({"user": 5}, "user"),
+            ({"presence_penalty": 2.5}, "presence_penalty"),
+            ({"frequency_penalty": -2.01}, "frequency_penalty"),
+            ({"top_k": -2}, "top_k"),
+            ({"min_p": 1.5}, "min_p"),
+            ({"repetition_penalty": 0}, "repetition_penalty"),
+            ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+            ({"chat_template_kwargs": []}, "chat_template_kwargs"),
+            ({"response_format": {"type": "xml"}}, "response_format"),
+            ({"response_format": SCHEMA_WITHOUT}, "response_format.json_schema"),
+            ({"response_format": BAD_NAME}, "response_format.json_schema.name"),
+            ({"tools": []}, "tools"),
+            ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools[0].type"),
+            ({"tools": [TOOL, TOOL]}, "tools"),
+            ({"tool_choice": "auto"}, "tool_choice"),
+            ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+            ({"tools": [TOOL], "tool_choice": NAMED_G}, "tool_choice"),
+            (
+                {"tools": [TOOL], "tool_choice": "required", "response_format": JSON},
+                "response_format",
+            ),
+            ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ],
+    )  # fmt: skip
+    def test_invalid_values_name_their_param(
+        self, fields: dict[str, Any], param: str
+    ) -> None:
+        assert refused(**fields).param == param
+
+
+class TestParams:
+    def test_samplers_and_penalties_reach_the_engine(self) -> None:
+        got = params(
+            presence_penalty=0.5,
+            frequency_penalty=-1,
+            repetition_penalty=1.2,
+            top_k=5,
+            min_p=0.1,
+        )
+        assert (got.presence_penalty, got.frequency_penalty) == (0.5, -1.0)
+        assert (got.repetition_penalty, got.top_k, got.min_p) == (1.2, 5, 0.1)
+
+    def test_defaults_are_off(self) -> None:
+        got = params()
+        assert (got.presence_penalty, got.frequency_penalty) == (0.0, 0.0)
+        assert (got.repetition_penalty, got.top_k, got.min_p) == (1.0, None, 0.0)
+        assert (got.grammar, got.tools, got.template_kwargs) == (None, (), ())
+
+    def test_top_k_minus_one_is_no_limit(self) -> None:
+        assert params(top_k=-1).top_k == 0
+
+    def test_template_kwargs_reach_the_template(self) -> None:
+        got = params(chat_template_kwargs={"enable_thinking": False})
+        assert got.template_kwargs == (("enable_thinking", False),)
+
+    def test_tools_go_to_the_template_unless_none(self) -> None:
+        assert params(tools=[TOOL]).tools == (TOOL,)
+        assert params(tools=[TOOL], tool_choice="auto").tools == (TOOL,)
+        assert params(tools=[TOOL], tool_choice="none").tools == ()
+
+    def test_a_grammar_is_passed_through(self) -> None:
+        request = parse_chat_request(body())
+        grammar = Grammar("json_object")
+        assert generation_params(request, 4, grammar=grammar).grammar == grammar
+
+
+class TestToolMessages:
+    def test_tool_turns_reach_the_template_as_hermes_templates_read_them(
+        self,
+    ) -> None:
+        call = {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }
+        request = parse_chat_request(
+            body(
+                tools=[TOOL],
+                messages=[
+                    {"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"},
+                    {
+                        "role": "tool",
+                        "tool_call_id": "call_2",
+                        "content": [{"type": "text", "text": "Warm"}],
+                    },
+                ],
+            )
+        )
+        assert chat_messages(request.messages)[1:] == [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {
+                            "name": "get_weather",
+                            "arguments": {"city": "Paris"},
+                        },
+                    }
+                ],
+            },
+            {"role": "tool", "content": "Sunny", "tool_call_id": "call_1"},
+            {"role": "tool", "content": "Warm", "tool_call_id": "call_2"},
+        ]
+
+    def test_arguments_that_are_no_object_stay_text(self) -> None:
+        call = {
+            "id": "c",
+            "type": "function",
+            "function": {"name": "f", "arguments": "not json"},
+        }
+        request = parse_chat_request(
+            body(messages=[{"role": "assistant", "tool_calls": [call]}])
+        )
+        turn = chat_messages(request.messages)[0]
+        assert turn["tool_calls"][0]["function"]["arguments"] == "not json"
+
+    def test_a_tool_message_needs_its_call_id(self) -> None:
+        error = refused(messages=[{"role": "tool", "content": "x"}])
+        assert error.param == "messages[0].tool_call_id"
