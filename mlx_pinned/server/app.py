@@ -124,7 +124,13 @@ def create_app(
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ]
     startup: dict[str, Any] = {
-        "model": functools.partial(BatchEngine.load, config.model, mlx_thread)
+        "model": functools.partial(
+            BatchEngine.load,
+            config.model,
+            mlx_thread,
+            prompt_cache_bytes=config.prompt_cache_budget,
+            prefill_step_size=config.prefill_step_size,
+        )
     }
     if config.freeze_gc:
         startup["gc_frozen"] = _freeze_gc

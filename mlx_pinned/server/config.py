@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,14 @@ def positive(text: str) -> int:
     value = whole(text)
     if value < 1:
         raise ValueError(f"must be at least 1, not {value}")
+    return value
+
+
+def non_negative(text: str) -> int:
+    """A whole number, 0 or more."""
+    value = whole(text)
+    if value < 0:
+        raise ValueError(f"must be 0 or more, not {value}")
     return value
 
 
@@ -233,6 +242,17 @@ class ServerConfig:
         "busy (default: %(default)s)",
         parse=positive,
     )
+    prompt_cache_bytes: int | None = _setting(
+        None,
+        "bytes of prompt KV kept for requests that start the same way (a chat's "
+        "next turn); 0: off (default: an eighth of the machine's memory)",
+        parse=non_negative,
+    )
+    prefill_step_size: int = _setting(
+        2048,
+        "prompt tokens prefilled in one pass, at most (default: %(default)s)",
+        parse=positive,
+    )
     # Process-wide: a library user's app shares the process with other code.
     freeze_gc: bool = _setting(
         False,
@@ -248,6 +268,14 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
         if self.api_key == "":
             raise ValueError("api_key is empty: give a key, or None for no key")
+        if self.prompt_cache_bytes is not None and self.prompt_cache_bytes < 0:
+            raise ValueError(
+                f"prompt_cache_bytes must be >= 0, not {self.prompt_cache_bytes}"
+            )
+        if self.prefill_step_size < 1:
+            raise ValueError(
+                f"prefill_step_size must be >= 1, not {self.prefill_step_size}"
+            )
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(
                 f"max_prompt_tokens must be >= 1, not {self.max_prompt_tokens}"
@@ -266,6 +294,17 @@ class ServerConfig:
     def name(self) -> str:
         """The model's name in requests and ``/v1/models``."""
         return self.served_model_name or self.model
+
+    @property
+    def prompt_cache_budget(self) -> int:
+        """``prompt_cache_bytes``, or an eighth of the machine's memory."""
+        if self.prompt_cache_bytes is not None:
+            return self.prompt_cache_bytes
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, OSError, ValueError):  # not POSIX: 1 GiB
+            memory = 8 * 2**30
+        return int(memory) // 8
 
     @property
     def thread_bound(self) -> int:

@@ -169,6 +169,9 @@ class FinalEvent:
         completion_tokens: Tokens generated (the end-of-turn token excluded).
         prefill_seconds: Time to the first token on the MLX thread.
         decode_seconds: Time from the first token to the end.
+        cached_tokens: Prompt tokens taken from the prompt cache, not
+            prefilled (OpenAI's ``usage.prompt_tokens_details``); the
+            answer is the same either way, so events compare equal.
     """
 
     text: str
@@ -177,6 +180,7 @@ class FinalEvent:
     completion_tokens: int
     prefill_seconds: float = field(default=0.0, compare=False)
     decode_seconds: float = field(default=0.0, compare=False)
+    cached_tokens: int = field(default=0, compare=False)
 
 
 Event = TokenEvent | FinalEvent

@@ -80,6 +80,8 @@ from ..events import (
     TokenLogprobs,
 )
 from .model import LoadedModel, load
+from .prefill import PREFILL_STEP
+from .prompt_cache import PromptCache
 from .rows import BatchStatistics
 from .sampling import Sampled
 from .state import BatchState
@@ -103,18 +105,41 @@ class BatchEngine:
     Args:
         loaded: The model, from :func:`.model.load`.
         thread: The MLX thread the model was loaded on.
+        prompt_cache_bytes: Bytes of prompt KV kept for later requests that
+            start the same way (:mod:`.prompt_cache`); 0: none.
+        prefill_step_size: Prompt tokens prefilled in one pass, at most.
     """
 
-    def __init__(self, loaded: LoadedModel, thread: MLXThread) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        thread: MLXThread,
+        *,
+        prompt_cache_bytes: int = 0,
+        prefill_step_size: int = PREFILL_STEP,
+    ) -> None:
         self.loaded = loaded
         self.thread = thread
-        self._state = BatchState(loaded)
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
+        self._state = BatchState(loaded, self.prompt_cache, prefill_step_size)
 
     @classmethod
-    def load(cls, model_path: str | Path, thread: MLXThread) -> BatchEngine:
+    def load(
+        cls,
+        model_path: str | Path,
+        thread: MLXThread,
+        *,
+        prompt_cache_bytes: int = 0,
+        prefill_step_size: int = PREFILL_STEP,
+    ) -> BatchEngine:
         """Load a model and make its engine; runs on ``thread`` (a start-up
-        job of the middleware)."""
-        return cls(load(model_path), thread)
+        job of the middleware). See :class:`BatchEngine` for the options."""
+        return cls(
+            load(model_path),
+            thread,
+            prompt_cache_bytes=prompt_cache_bytes,
+            prefill_step_size=prefill_step_size,
+        )
 
     @property
     def context_length(self) -> int | None:
@@ -256,6 +281,7 @@ class BatchEngine:
             completion_tokens=completion,
             prefill_seconds=first - start,
             decode_seconds=end - first,
+            cached_tokens=row.cached,
         )
 
     def _logprobs(self, item: Sampled) -> TokenLogprobs:

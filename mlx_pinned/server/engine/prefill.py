@@ -46,7 +46,7 @@ _POSITION_ONLY = frozenset(
         "deepstack_visual_embeds",
     }
 )
-_MEDIA_TOKENS = (
+MEDIA_TOKENS = (
     "image_token_index",
     "image_token_id",
     "video_token_index",
@@ -112,7 +112,7 @@ def batchable(loaded: LoadedModel, prepared: Prepared) -> bool:
 
 def _text_last(loaded: LoadedModel, prepared: Prepared) -> bool:
     config = loaded.model.config
-    media = {getattr(config, name, None) for name in _MEDIA_TOKENS}
+    media = {getattr(config, name, None) for name in MEDIA_TOKENS}
     return prepared.prompt_tokens > 1 and prepared.last not in media
 
 
@@ -156,11 +156,21 @@ def prefill_together(loaded: LoadedModel, prompts: Sequence[Prepared]) -> Prefil
     return Prefilled(cache, deltas, logits)
 
 
-def prefill_alone(loaded: LoadedModel, prepared: Prepared) -> Prefilled:
-    """Prefill one prompt with mlx-vlm's single-stream operations, in chunks.
+def prefill_alone(
+    loaded: LoadedModel,
+    prepared: Prepared,
+    prefix: Sequence[tuple[mx.array, mx.array]] = (),
+    step: int = PREFILL_STEP,
+) -> Prefilled:
+    """Prefill one prompt with mlx-vlm's single-stream operations, in chunks
+    of ``step`` tokens.
 
     When the prompt is :func:`batchable`'s kind its last token is left for the
     decode step; otherwise it runs here too and ``logits`` holds its output.
+    ``prefix``: per layer, the keys and values of the prompt's first tokens
+    (from the prompt cache); only the tokens after them are run. The model
+    still sees the whole prompt's positions and media, cut at the cache's
+    offset, as in a chunked prefill.
     """
     api = vlm()
     model, lm = loaded.model, loaded.model.language_model
@@ -177,8 +187,13 @@ def prefill_alone(loaded: LoadedModel, prepared: Prepared) -> Prefilled:
     kwargs = _prefill_kwargs(extra, embedded)
     embeds = embedded.inputs_embeds
     cache = api.make_prompt_cache(lm)
+    if prefix:
+        reused = int(prefix[0][0].shape[2])
+        for layer, (keys, values) in zip(cache, prefix, strict=True):
+            layer.keys, layer.values, layer.offset = keys, values, reused
+        embeds, ids = embeds[:, reused:], ids[:, reused:]
     while embeds.shape[1] > 1:
-        n = min(PREFILL_STEP, embeds.shape[1] - 1)
+        n = min(step, embeds.shape[1] - 1)
         lm(
             inputs=ids[:, :n],
             inputs_embeds=embeds[:, :n],

@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from .logits import GrammarMatcher
 from .prefill import Prepared
+from .prompt_cache import Key
 from .sampling import Sampled
 
 __all__ = ["BatchStatistics", "Row"]
@@ -41,6 +42,10 @@ class Row:
         counts: (V,) times each token was generated, while it is penalized.
         seen: (V,) the prompt's tokens, while a repetition penalty reads them.
         matcher: Its grammar's matcher, when its text is constrained.
+        key: Its prompt's cache key, when the prompt cache may hold it.
+        tokens: Its sampled tokens, kept while ``key`` is (the answer's KV
+            is cached under the prompt's key and these when it leaves).
+        cached: Prompt tokens it took from the prompt cache.
     """
 
     max_tokens: int
@@ -63,6 +68,9 @@ class Row:
     counts: mx.array | None = None
     seen: mx.array | None = None
     matcher: GrammarMatcher | None = None
+    key: Key | None = None
+    tokens: list[int] = field(default_factory=list)
+    cached: int = 0
 
 
 @dataclass(frozen=True)

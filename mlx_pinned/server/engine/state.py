@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import APIError
 from ..events import GenerationParams, Grammar
@@ -35,6 +36,8 @@ from .logits import (
 )
 from .model import LoadedModel
 from .prefill import (
+    MEDIA_TOKENS,
+    PREFILL_STEP,
     Prefilled,
     Prepared,
     batchable,
@@ -42,6 +45,7 @@ from .prefill import (
     prefill_together,
     preprocess,
 )
+from .prompt_cache import Key, PromptCache, image_hash, prompt_key
 from .rows import BatchStatistics, Row
 from .sampling import Draw, Sampled, collect, draw, vlm
 
@@ -61,8 +65,19 @@ class BatchState:
     once when none remain.
     """
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        prompt_cache: PromptCache | None = None,
+        prefill_step: int = PREFILL_STEP,
+    ) -> None:
         self.loaded = loaded
+        self.prefill_step = prefill_step
+        self.prompt_cache = prompt_cache or PromptCache(0)
+        # Only plain KV caches can be cut at any token and reused.
+        layers = vlm().make_prompt_cache(loaded.model.language_model)
+        self._reusable = all(type(c).__name__ == "KVCache" for c in layers)
+        self._media = media_tokens(loaded)
         self.lm: Any = loaded.model.language_model
         self.mrope = hasattr(self.lm, "_rope_deltas")
         self.rows: list[Row] = []
@@ -139,9 +154,13 @@ class BatchState:
             ),
             matcher=matcher,
         )
+        ids = prepared.inputs["input_ids"]
         if params.repetition_penalty != 1.0:
-            ids = prepared.inputs["input_ids"]
             row.seen = prompt_seen(ids, self.loaded.vocab_size)
+        if self.prompt_cache.enabled and self._reusable:
+            hashes = [image_hash(image) for image in images]
+            ids_list = cast("list[int]", ids[0].tolist())
+            row.key = prompt_key(ids_list, hashes, self._media)
         self.waiting.append(row)
         return row
 
@@ -167,7 +186,12 @@ class BatchState:
         if not waiting:
             return False
         start = time.perf_counter()
-        together = [r for r in waiting if batchable(self.loaded, _prepared(r))]
+        prefixes = {row: self._reuse(row) for row in waiting if row.key is not None}
+        together = [
+            r
+            for r in waiting
+            if not prefixes.get(r) and batchable(self.loaded, _prepared(r))
+        ]
         alone = [r for r in waiting if r not in together]
         for i in range(0, len(together), PREFILL_BATCH):
             rows = together[i : i + PREFILL_BATCH]
@@ -182,7 +206,12 @@ class BatchState:
         for row in alone:
             self.passes += 1
             try:
-                group = prefill_alone(self.loaded, _prepared(row))
+                group = prefill_alone(
+                    self.loaded,
+                    _prepared(row),
+                    prefixes.get(row, ()),
+                    self.prefill_step,
+                )
                 self._first_tokens([row], group)
             except Exception as exc:
                 row.error, row.done = exc, True
@@ -207,9 +236,26 @@ class BatchState:
             self._record(row, first)
 
     def _joined(self, rows: list[Row], group: Prefilled) -> None:
-        for row in rows:
+        for i, row in enumerate(rows):
             row.prepared = None
+            if row.key is not None:
+                self._store(row.key, group.cache, i)
         self.joining.append((rows, group))
+
+    def _reuse(self, row: Row) -> list[tuple[mx.array, mx.array]]:
+        """The cached KV of the longest prefix of ``row``'s prompt; at least
+        its last token is left to run, for its first token's logits."""
+        assert row.key is not None
+        prefix, row.cached = self.prompt_cache.lookup(row.key, len(row.key) - 1)
+        return prefix
+
+    def _store(self, key: Key, cache: Sequence[Any], index: int) -> None:
+        """Cache the KV of row ``index`` of a batch ``cache``, under as much
+        of ``key`` as it holds."""
+        layers = [c.extract(index) for c in cache]
+        tokens = layers[0].offset
+        if 0 < tokens <= len(key):
+            self.prompt_cache.store(key[:tokens], [(c.keys, c.values) for c in layers])
 
     # -- leaving -------------------------------------------------------------
 
@@ -235,6 +281,12 @@ class BatchState:
     def _compact(self) -> None:
         if not self.leaving:
             return
+        for i, row in enumerate(self.rows):
+            # The prompt and the answer so far: the next turn of a chat
+            # starts with both.
+            if row in self.leaving and row.key is not None and row.error is None:
+                answer = np.asarray(row.tokens, dtype=np.int64)
+                self._store(np.concatenate([row.key, answer]), self.cache or (), i)
         keep = [i for i, row in enumerate(self.rows) if row not in self.leaving]
         self.leaving.clear()
         self._bias_stale = True
@@ -424,6 +476,8 @@ class BatchState:
         row.token = item.token
         row.sampled += 1
         row.done = item.eos or row.sampled >= row.max_tokens
+        if row.key is not None:
+            row.tokens.append(item.token)
         if row.matcher is not None and not row.done:
             try:
                 row.matcher.consume(item.token)
@@ -469,6 +523,13 @@ class BatchState:
             self._bias_stale = False
             self._bias = self._bias_rows(rows, logits)
         return self._bias
+
+
+def media_tokens(loaded: LoadedModel) -> frozenset[int]:
+    """The model's image and video placeholder token ids."""
+    config = loaded.model.config
+    found = {getattr(config, name, None) for name in MEDIA_TOKENS}
+    return frozenset(token for token in found if isinstance(token, int))
 
 
 def _unmasked_steps(make_mask: Any) -> Any:

@@ -1,0 +1,165 @@
+"""The prompt cache: the KV of earlier prompts (and answers), reused by a
+request whose prompt starts the same way. MLX thread only.
+
+A key is the prompt's token ids with every image's tokens replaced by a
+content hash of that image, so two different images of one size (the same
+image tokens) never share KV. An entry holds the KV of every layer for its
+key's tokens; a request reuses the longest common prefix of its key with
+any entry and prefills only the rest. Entries are evicted least recently
+used first, within a byte budget. Only models whose layers all use plain
+KV caches take part (a rotating or recurrent cache cannot be cut at any
+token).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import numpy as np
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+__all__ = ["CacheStatistics", "Key", "PromptCache", "image_hash", "prompt_key"]
+
+Key = np.ndarray[Any, np.dtype[np.int64]]
+
+
+def image_hash(image: Image.Image) -> int:
+    """A content hash of a decoded image: its size, mode and pixels."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(f"{image.size}{image.mode}".encode())
+    digest.update(image.tobytes())
+    return int.from_bytes(digest.digest(), "little") & (2**62 - 1)
+
+
+def prompt_key(
+    ids: Sequence[int], hashes: Sequence[int], media_tokens: frozenset[int]
+) -> Key | None:
+    """The cache key of a prompt: ``ids`` with each run of media tokens
+    replaced by its image's hash (negative, so never a token id); None when
+    the runs do not match the images one to one (not cached then)."""
+    key: Key = np.asarray(ids, dtype=np.int64).copy()
+    media = np.isin(key, np.fromiter(media_tokens, dtype=np.int64))
+    starts = np.flatnonzero(media & ~np.concatenate(([False], media[:-1])))
+    if len(starts) != len(hashes):
+        return None
+    ends = np.flatnonzero(media & ~np.concatenate((media[1:], [False]))) + 1
+    for start, end, value in zip(starts, ends, hashes, strict=True):
+        key[start:end] = -value - 1
+    return key
+
+
+@dataclass(frozen=True)
+class CacheStatistics:
+    """A snapshot of the prompt cache.
+
+    Attributes:
+        hits: Requests that reused an entry.
+        misses: Requests that looked and found nothing to reuse.
+        reused_tokens: Prompt tokens not prefilled thanks to the cache.
+        entries: Entries held now.
+        bytes: Bytes of KV held now.
+        budget: The byte budget.
+    """
+
+    hits: int
+    misses: int
+    reused_tokens: int
+    entries: int
+    bytes: int
+    budget: int
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: Key
+    layers: list[tuple[mx.array, mx.array]]  # (1, H, T, D) keys and values
+    nbytes: int
+
+
+class PromptCache:
+    """Prompt KV by key, least recently used evicted first.
+
+    Args:
+        budget: Bytes of KV to hold at most; 0 turns the cache off.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._bytes = 0
+        self.hits = self.misses = self.reused_tokens = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is ever cached."""
+        return self.budget > 0
+
+    def statistics(self) -> CacheStatistics:
+        """A snapshot; any thread (it may be a step old)."""
+        return CacheStatistics(
+            self.hits,
+            self.misses,
+            self.reused_tokens,
+            len(self._entries),
+            self._bytes,
+            self.budget,
+        )
+
+    def lookup(
+        self, key: Key, limit: int
+    ) -> tuple[list[tuple[mx.array, mx.array]], int]:
+        """The longest reusable prefix of ``key``, at most ``limit`` tokens:
+        per layer ``(keys, values)`` cut to it, and its length (0: none)."""
+        best: _Entry | None = None
+        length = 0
+        for entry in self._entries.values():
+            n = min(len(entry.key), len(key), limit)
+            if n <= length:
+                continue
+            differs = np.flatnonzero(entry.key[:n] != key[:n])
+            common = int(differs[0]) if len(differs) else n
+            if common > length:
+                best, length = entry, common
+        if best is None or length == 0:
+            self.misses += 1
+            return [], 0
+        self._entries.move_to_end(id(best))
+        self.hits += 1
+        self.reused_tokens += length
+        return [(k[:, :, :length], v[:, :, :length]) for k, v in best.layers], length
+
+    def store(self, key: Key, layers: Sequence[tuple[mx.array, mx.array]]) -> None:
+        """Hold ``layers`` (per layer keys and values of ``key``'s tokens);
+        entries whose keys are a prefix of ``key`` are dropped (this one
+        serves every lookup they would)."""
+        if not self.enabled or not len(key):
+            return
+        cut = [
+            (mx.contiguous(k[:, :, : len(key)]), mx.contiguous(v[:, :, : len(key)]))
+            for k, v in layers
+        ]
+        mx.eval(cut)
+        nbytes = sum(k.nbytes + v.nbytes for k, v in cut)
+        if nbytes > self.budget:
+            return
+        for entry_id, entry in list(self._entries.items()):
+            if len(entry.key) <= len(key) and np.array_equal(
+                entry.key, key[: len(entry.key)]
+            ):
+                self._drop(entry_id)
+        entry = _Entry(key.copy(), cut, nbytes)
+        self._entries[id(entry)] = entry
+        self._bytes += nbytes
+        while self._bytes > self.budget:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, entry_id: int) -> None:
+        entry = self._entries.pop(entry_id)
+        self._bytes -= entry.nbytes

@@ -1,0 +1,231 @@
+"""The prompt cache: keys that tell images apart, LRU within a budget, and
+answers that are the same with the cache on and off (logprobs within 1e-4).
+
+Cache on or off changes only how the prompt's KV is computed: from a cached
+prefix plus the rest, or all at once; the tolerance allows the float32
+rounding of attention computed in other shapes.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from PIL import Image
+
+from mlx_pinned import MLXThread
+from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.engine.prefill import preprocess
+from mlx_pinned.server.engine.prompt_cache import PromptCache, prompt_key
+from mlx_pinned.server.events import FinalEvent, GenerationParams
+from mlx_pinned.server.http.gate import BatchGate
+from mlx_pinned.testing import make_test_image
+
+from .test_batching import (
+    Collector,
+    Event,
+    deadline,
+    loaded,
+    max_logprob_difference,
+    thread,
+)
+
+__all__ = ["loaded", "thread"]  # module fixtures, shared with test_batching
+
+pytestmark = pytest.mark.anyio
+
+TOL = 1e-4
+IMAGE_TOKEN = 6  # <|image_pad|> of the tiny model
+BUDGET = 64 * 1024 * 1024
+
+
+def picture(size: int, seed: int) -> Image.Image:
+    data = make_test_image(size, size, seed=seed)
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+def user(text: str, image: bool = False) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    if image:
+        parts.insert(0, {"type": "image_url"})
+    return {"role": "user", "content": parts}
+
+
+def params(messages: list[dict[str, Any]], max_tokens: int = 8) -> GenerationParams:
+    return GenerationParams(
+        tuple(messages),
+        max_tokens=max_tokens,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+
+
+async def run(
+    engine: BatchEngine, p: GenerationParams, images: list[Any]
+) -> list[Event]:
+    async with engine.stream(p, images) as stream:
+        return [event async for event in stream]
+
+
+def final(events: list[Event]) -> FinalEvent:
+    last = events[-1]
+    assert isinstance(last, FinalEvent)
+    return last
+
+
+def answer(events: list[Event]) -> str:
+    return "".join(e.text for e in events)
+
+
+class TestKeys:
+    def test_images_become_their_hashes(self) -> None:
+        ids = [1, 2, 9, 9, 9, 3, 9, 9, 4]
+        key = prompt_key(ids, [11, 22], frozenset({9}))
+        assert key is not None
+        assert key.tolist() == [1, 2, -12, -12, -12, 3, -23, -23, 4]
+        other = prompt_key(ids, [11, 33], frozenset({9}))
+        assert other is not None
+        assert other.tolist()[:6] == key.tolist()[:6]
+        assert other.tolist()[6] != key.tolist()[6]
+
+    def test_runs_that_do_not_match_the_images_are_not_cached(self) -> None:
+        assert prompt_key([1, 9, 9, 2], [], frozenset({9})) is None
+        assert prompt_key([1, 9, 9, 2], [5, 6], frozenset({9})) is None
+
+
+class TestPromptCacheUnit:
+    def layers(self, tokens: int) -> list[tuple[mx.array, mx.array]]:
+        array = mx.arange(tokens * 4, dtype=mx.float32).reshape(1, 1, tokens, 4)
+        return [(array, array + 1)]
+
+    def test_longest_prefix_and_limit(self, thread: MLXThread) -> None:
+        def go() -> tuple[int, int, int, int]:
+            cache = PromptCache(BUDGET)
+            cache.store(np.array([1, 2, 3, 4, 5]), self.layers(5))
+            _, a = cache.lookup(np.array([1, 2, 3, 7]), 10)
+            _, b = cache.lookup(np.array([1, 2, 3, 4, 5, 6]), 4)
+            prefix, c = cache.lookup(np.array([9]), 10)
+            return a, b, c, len(prefix)
+
+        assert thread.run_sync(go) == (3, 4, 0, 0)
+
+    def test_an_entry_that_is_a_prefix_of_a_new_one_goes(
+        self, thread: MLXThread
+    ) -> None:
+        def go() -> tuple[int, int]:
+            cache = PromptCache(BUDGET)
+            cache.store(np.array([1, 2, 3]), self.layers(3))
+            cache.store(np.array([1, 2, 3, 4]), self.layers(4))
+            stats = cache.statistics()
+            return stats.entries, stats.bytes
+
+        assert thread.run_sync(go) == (1, 2 * 4 * 4 * 4)
+
+    def test_least_recently_used_leaves_first_within_the_budget(
+        self, thread: MLXThread
+    ) -> None:
+        def go() -> tuple[int, int, int]:
+            cache = PromptCache(3 * 2 * 4 * 4 * 4)  # three 4-token entries
+            for first in (1, 2, 3):
+                cache.store(np.array([first, 0, 0, 0]), self.layers(4))
+            cache.lookup(np.array([1, 0]), 2)  # 1 is used: 2 is the oldest
+            cache.store(np.array([4, 0, 0, 0]), self.layers(4))
+            _, one = cache.lookup(np.array([1, 0]), 2)
+            _, two = cache.lookup(np.array([2, 0]), 2)
+            return one, two, cache.statistics().entries
+
+        assert thread.run_sync(go) == (2, 0, 3)
+
+
+class TestSameAnswersWithTheCache:
+    async def test_turns_of_an_image_conversation(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        on = BatchEngine(loaded, thread, prompt_cache_bytes=BUDGET)
+        off = BatchEngine(loaded, thread)
+        image = picture(64, 1)
+        messages = [user("Describe this image.", image=True)]
+        questions = ["And the colours?", "How many shapes?", "Anything else?"]
+        for turn in range(4):
+            cached = await run(on, params(messages), [image])
+            fresh = await run(off, params(messages), [image])
+            assert max_logprob_difference(cached, fresh) <= TOL
+            if turn:
+                # Everything up to this turn's question was cached.
+                assert final(cached).cached_tokens > final(cached).prompt_tokens // 2
+            if turn < 3:
+                messages.append({"role": "assistant", "content": answer(fresh)})
+                messages.append(user(questions[turn]))
+        assert on.prompt_cache.statistics().hits >= 3
+
+    async def test_same_image_new_question_hits_different_image_does_not(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        on = BatchEngine(loaded, thread, prompt_cache_bytes=BUDGET)
+        off = BatchEngine(loaded, thread)
+        first, second = picture(64, 1), picture(64, 2)  # same size, same tokens
+        ask = [user("What is in this picture?", image=True)]
+        await run(on, params(ask), [first])
+        again = [user("What colour is it?", image=True)]
+        hit = await run(on, params(again), [first])
+        assert (
+            max_logprob_difference(hit, await run(off, params(again), [first])) <= TOL
+        )
+        assert final(hit).cached_tokens > 4  # through the image
+        other = await run(on, params(ask), [second])
+        expected = await run(off, params(ask), [second])
+        assert max_logprob_difference(other, expected) <= TOL
+        prepared = thread.run_sync(preprocess, loaded, params(ask), [second])
+        ids = prepared.inputs["input_ids"][0].tolist()
+        # Only the text before the image could be shared.
+        assert 0 < final(other).cached_tokens <= ids.index(IMAGE_TOKEN)
+
+
+    async def test_concurrent_requests_sharing_a_prefix(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        on = BatchEngine(loaded, thread, prompt_cache_bytes=BUDGET)
+        off = BatchEngine(loaded, thread)
+        image = picture(96, 3)
+        system = {"role": "system", "content": "You describe images. " * 8}
+        await run(on, params([system, user("Warm up.")]), [])
+        reqs = [
+            (
+                params([system, user(f"Question {i}?", image=i % 2 == 0)], 10),
+                [image] if i % 2 == 0 else [],
+            )
+            for i in range(6)
+        ]
+        expected = [await run(off, *req) for req in reqs]
+        gate = BatchGate(max_num_seqs=6, max_pending=0)
+        runs = [Collector(thread, on, gate, req) for req in reqs]
+        async with deadline() as group:
+            for each in runs:
+                group.start_soon(each.run)
+        for each, theirs in zip(runs, expected, strict=True):
+            assert max_logprob_difference(each.events, theirs) <= TOL
+            assert final(each.events).cached_tokens > 0
+
+    async def test_a_cached_prefix_then_a_chunked_prefill(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        on = BatchEngine(loaded, thread, prompt_cache_bytes=BUDGET, prefill_step_size=8)
+        off = BatchEngine(loaded, thread)
+        image = picture(64, 4)
+        start = [user("Tell me about this image.", image=True)]
+        first = await run(on, params(start), [image])
+        longer = [
+            *start,
+            {"role": "assistant", "content": answer(first)},
+            user("Now a much longer question, " * 6),
+        ]
+        cached = await run(on, params(longer), [image])
+        assert final(cached).cached_tokens > 0
+        assert (
+            max_logprob_difference(cached, await run(off, params(longer), [image]))
+            <= TOL
+        )
