@@ -300,8 +300,10 @@ class _Submitter:
         """Queue ``fn(*args, **kwargs)`` to run on the thread.
 
         Works from any thread, including the MLXThread itself (the job is
-        queued behind the others). ``future.cancel()`` before it starts means
-        it never runs. So ``loop.run_in_executor(thread, fn)`` works too.
+        queued behind the others; waiting for its result there raises
+        :class:`MLXThreadDeadlockError` at once, since it could never come).
+        ``future.cancel()`` before it starts means it never runs. So
+        ``loop.run_in_executor(thread, fn)`` works too.
 
         Raises:
             MLXThreadBusyError: ``max_pending`` jobs are already queued.
@@ -309,7 +311,7 @@ class _Submitter:
             MLXThreadBrokenError: the thread died.
         """
         key = self._key
-        call: FutureCall[T] = FutureCall(fn, args, kwargs, key)
+        call: FutureCall[T] = FutureCall(fn, args, kwargs, self._worker, key)
         if key is not None:
             call.future.add_done_callback(
                 functools.partial(_sweep_if_cancelled, self._worker, key)

@@ -10,6 +10,7 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from ._exceptions import MLXThreadDeadlockError
 from ._mlx import SCALARS, evaluate
 from ._waiters import asyncio_inbox
 
@@ -57,6 +58,10 @@ class JobOwner(Protocol):
         kwargs: dict[str, Any],
     ) -> BaseException:
         """The error the caller gets for ``error`` raised by ``fn``."""
+        ...
+
+    def is_current(self) -> bool:
+        """Whether the caller runs on the executor's thread (any thread)."""
         ...
 
 
@@ -146,6 +151,32 @@ class Call(Generic[T]):
         return self.value  # type: ignore[return-value]
 
 
+class JobFuture(Future[T]):
+    """The future of a job: waiting for it on the job's own MLX thread,
+    where it can never finish, raises at once instead of hanging."""
+
+    def __init__(self, owner: JobOwner) -> None:
+        super().__init__()
+        self._owner = owner
+
+    def result(self, timeout: float | None = None) -> T:
+        self._refuse_a_wait_for_itself(timeout)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._refuse_a_wait_for_itself(timeout)
+        return super().exception(timeout)
+
+    def _refuse_a_wait_for_itself(self, timeout: float | None) -> None:
+        if timeout != 0 and not self.done() and self._owner.is_current():
+            raise MLXThreadDeadlockError(
+                "A job on the MLX thread waited for the future of another job"
+                " of that thread, which can only run after it: call the"
+                " function directly, or with run_sync (it runs inline there),"
+                " or wait for the future off the MLX thread."
+            )
+
+
 class FutureCall(Call[T]):
     """A call whose outcome is a ``concurrent.futures.Future`` (``submit``)."""
 
@@ -156,10 +187,11 @@ class FutureCall(Call[T]):
         fn: Callable[..., T],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        owner: JobOwner,
         key: object = None,
     ) -> None:
         super().__init__(fn, args, kwargs, None, key)
-        self.future: Future[T] = Future()
+        self.future: Future[T] = JobFuture(owner)
 
     @property
     def cancel_requested(self) -> bool:

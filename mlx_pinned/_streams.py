@@ -50,7 +50,7 @@ class StreamOwner(JobOwner, Protocol):
     """What a stream reads and writes of its executor, beyond a job's needs.
 
     ``queue``, ``open_streams`` and the job's members: on the worker thread
-    only. ``requeue`` and ``is_current``: from any thread.
+    only. ``requeue``, ``sweep`` and ``is_current``: from any thread.
     """
 
     # The next turn is put here directly, on the worker, while it is alive.
@@ -69,10 +69,6 @@ class StreamOwner(JobOwner, Protocol):
     def requeue(self, stream: Stream[Any]) -> None:
         """Queue the stream's next turn (any thread), never refused for lack
         of room; end the stream instead if the worker is gone."""
-        ...
-
-    def is_current(self) -> bool:
-        """Whether the caller runs on the executor's thread."""
         ...
 
     def sweep(self, key: object) -> None:

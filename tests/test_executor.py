@@ -8,6 +8,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
 import anyio
@@ -19,6 +20,7 @@ from mlx_pinned import (
     MLXThreadBrokenError,
     MLXThreadBusyError,
     MLXThreadClosedError,
+    MLXThreadDeadlockError,
     StreamAffinityError,
     _streams,
     cancel_requested,
@@ -397,6 +399,27 @@ class TestOrderingAndInlineCalls:
 
         thread.submit(outer).result(WAIT).result(WAIT)
         assert order == ["outer", "follow-up"]
+
+    def test_waiting_on_the_thread_for_its_own_future_raises_at_once(
+        self, thread: MLXThread
+    ) -> None:
+        ran: list[str] = []
+
+        def outer() -> str:
+            follow_up = thread.submit(ran.append, "follow-up")
+            for wait in (follow_up.result, follow_up.exception):
+                with pytest.raises(MLXThreadDeadlockError, match="run_sync"):
+                    wait(WAIT)
+            with pytest.raises(FutureTimeoutError):
+                follow_up.result(timeout=0)  # a poll does not wait: allowed
+            return "returned"
+
+        assert thread.submit(outer).result(WAIT) == "returned"
+        assert thread.run_sync(lambda: ran) == ["follow-up"]  # it still ran
+        # Off the thread, and once done, the future is an ordinary one.
+        future = thread.submit(lambda: 7)
+        assert future.result(WAIT) == 7
+        assert thread.run_sync(future.result) == 7
 
     @pytest.mark.anyio
     async def test_fifo_from_concurrent_tasks(self, thread: MLXThread) -> None:
