@@ -23,8 +23,7 @@ if TYPE_CHECKING:
     from mlx_pinned import AsyncStreamIterator
 
 __all__ = [
-    "ADMITTED",
-    "Admitted",
+    "HANDOFF",
     "Engine",
     "Event",
     "EventStream",
@@ -32,6 +31,7 @@ __all__ = [
     "FinishReason",
     "GenerationParams",
     "Grammar",
+    "Handoff",
     "ImageError",
     "ImageRef",
     "LoadImages",
@@ -186,13 +186,15 @@ class FinalEvent:
 Event = TokenEvent | FinalEvent
 
 
-class Admitted:
-    """The first item of a generation: its prompt is queued for prefill, and
-    the MLX thread goes to the next request (so requests that arrive together
-    are prefilled together). :class:`EventStream` drops it."""
+class Handoff:
+    """An item that is no event: the generation gives the MLX thread to
+    others without a token. Its first item is one (its prompt is queued, so
+    requests that arrive together are prefilled together), and so is each
+    turn that ran a chunk of its long prompt's prefill. :class:`EventStream`
+    drops them."""
 
 
-ADMITTED = Admitted()
+HANDOFF = Handoff()
 
 
 class EventStream:
@@ -203,7 +205,7 @@ class EventStream:
     cancelling the consumer) closes the generation on the MLX thread.
     """
 
-    def __init__(self, inner: AsyncStreamIterator[Event | Admitted]) -> None:
+    def __init__(self, inner: AsyncStreamIterator[Event | Handoff]) -> None:
         self._inner = inner
 
     def __aiter__(self) -> EventStream:
@@ -212,7 +214,7 @@ class EventStream:
     async def __anext__(self) -> Event:
         while True:
             item = await self._inner.__anext__()
-            if not isinstance(item, Admitted):
+            if not isinstance(item, Handoff):
                 return item
 
     def batched(self, n: int) -> AsyncIterator[tuple[Event, ...]]:
@@ -233,10 +235,10 @@ class EventStream:
 
 
 async def _batches(
-    inner: AsyncIterator[tuple[Event | Admitted, ...]],
+    inner: AsyncIterator[tuple[Event | Handoff, ...]],
 ) -> AsyncIterator[tuple[Event, ...]]:
     async for batch in inner:
-        events = tuple(e for e in batch if not isinstance(e, Admitted))
+        events = tuple(e for e in batch if not isinstance(e, Handoff))
         if events:
             yield events
 

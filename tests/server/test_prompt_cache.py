@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import anyio
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -184,7 +185,6 @@ class TestSameAnswersWithTheCache:
         # Only the text before the image could be shared.
         assert 0 < final(other).cached_tokens <= ids.index(IMAGE_TOKEN)
 
-
     async def test_concurrent_requests_sharing_a_prefix(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
@@ -229,3 +229,47 @@ class TestSameAnswersWithTheCache:
             max_logprob_difference(cached, await run(off, params(longer), [image]))
             <= TOL
         )
+
+
+class TestChunkedPrefill:
+    async def test_running_streams_get_tokens_between_a_long_prompts_chunks(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        engine = BatchEngine(loaded, thread, prefill_step_size=16)
+        whole = BatchEngine(loaded, thread)  # one chunk: the whole prompt
+        long_prompt = [user("Read this carefully: " + "the quick brown fox " * 30)]
+        expected = await run(whole, params(long_prompt, 6), [])
+        order: list[str] = []
+        running_started = anyio.Event()
+
+        async def running() -> None:
+            p = params([user("Count to ten.")], 60)
+            async with engine.stream(p, []) as stream:
+                async for _ in stream:
+                    order.append("running")
+                    running_started.set()
+
+        async def arriving() -> list[Event]:
+            await running_started.wait()
+            order.append("arrives")
+            async with engine.stream(params(long_prompt, 6), []) as stream:
+                events = []
+                async for event in stream:
+                    order.append("long")
+                    events.append(event)
+                return events
+
+        results: list[list[Event]] = []
+
+        async def keep(events: Any) -> None:
+            results.append(await events)
+
+        async with deadline() as group:
+            group.start_soon(running)
+            group.start_soon(keep, arriving())
+        prompt_tokens = final(results[0]).prompt_tokens
+        assert prompt_tokens > 8 * 16  # many chunks
+        between = order[order.index("arrives") : order.index("long")]
+        # The running stream was not held for the whole prefill.
+        assert between.count("running") >= prompt_tokens // 16 // 2
+        assert max_logprob_difference(results[0], expected) <= TOL

@@ -69,13 +69,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ..events import (
-    ADMITTED,
-    Admitted,
+    HANDOFF,
     Event,
     EventStream,
     FinalEvent,
     FinishReason,
     GenerationParams,
+    Handoff,
     TokenEvent,
     TokenLogprobs,
 )
@@ -220,9 +220,10 @@ class BatchEngine:
         images: Sequence[Image.Image],
         *,
         announce: bool,
-    ) -> Generator[Event | Admitted, None, None]:
-        """The generator; with ``announce``, its first item is ``ADMITTED``:
-        the request is queued for prefill, and the thread goes to others."""
+    ) -> Generator[Event | Handoff, None, None]:
+        """The generator; with ``announce``, its first item is ``HANDOFF``:
+        the request is queued for prefill, and the thread goes to others;
+        so is each turn that only ran a chunk of its long prompt."""
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be 1 or more, not {params.max_tokens}")
         start = time.perf_counter()
@@ -236,7 +237,7 @@ class BatchEngine:
         first_token_at: float | None = None
         try:
             if announce:
-                yield ADMITTED
+                yield HANDOFF
             while True:
                 if not row.pending:
                     if row.error is not None:
@@ -247,10 +248,16 @@ class BatchEngine:
                         break
                     # A queued row gets its first token from the step that
                     # prefills it (or, when its prompt's last token is left to
-                    # the decode step, from the one after): a few steps at most.
+                    # the decode step, from the one after): a few steps at
+                    # most; a long prompt takes a step per chunk, and gives
+                    # the thread away after each (through ``stream``).
                     for _ in range(3):
                         state.step()
                         if row.pending or row.error is not None:
+                            break
+                        if state.prefilling_now(row):
+                            if announce:
+                                yield HANDOFF
                             break
                     else:  # pragma: no cover
                         raise RuntimeError("a batched step skipped a sequence")

@@ -3,7 +3,7 @@
 MLX thread only. :func:`preprocess` turns a request into model inputs (chat
 template, processor). :func:`prefill_together` runs the prompts of several
 requests in one pass: their images through the vision tower together, their
-tokens left-padded into one ``BatchKVCache``; :func:`prefill_alone` runs one
+tokens left-padded into one ``BatchKVCache``; :class:`ChunkedPrefill` runs one
 with mlx-vlm's single-stream operations. Both run every prompt token but the
 last; the last (a text token) runs in the next decode step, which samples the
 first token: the same operation as mlx-vlm's last prefill pass (its
@@ -73,7 +73,7 @@ class Prefilled:
         deltas: Their rope deltas (B, 1), for Qwen-VL style models.
         logits: (B, V) of the last prompt tokens, to sample the first tokens
             from; None when the last tokens are left for the decode step
-            (see :func:`prefill_alone`).
+            (see :class:`ChunkedPrefill`).
     """
 
     cache: list[Any]
@@ -100,11 +100,13 @@ def preprocess(
     return Prepared(dict(inputs), int(ids.size), int(ids[0, -1].item()))
 
 
-def batchable(loaded: LoadedModel, prepared: Prepared) -> bool:
-    """Whether a prompt may be prefilled with others: one chunk, known inputs,
-    and a last token that a decode step can run."""
+def batchable(
+    loaded: LoadedModel, prepared: Prepared, step: int = PREFILL_STEP
+) -> bool:
+    """Whether a prompt may be prefilled with others: one chunk of ``step``
+    tokens, known inputs, and a last token that a decode step can run."""
     return (
-        prepared.prompt_tokens <= PREFILL_STEP
+        prepared.prompt_tokens <= step
         and set(prepared.inputs) <= _BATCHABLE_INPUTS
         and _text_last(loaded, prepared)
     )
@@ -156,61 +158,82 @@ def prefill_together(loaded: LoadedModel, prompts: Sequence[Prepared]) -> Prefil
     return Prefilled(cache, deltas, logits)
 
 
-def prefill_alone(
-    loaded: LoadedModel,
-    prepared: Prepared,
-    prefix: Sequence[tuple[mx.array, mx.array]] = (),
-    step: int = PREFILL_STEP,
-) -> Prefilled:
-    """Prefill one prompt with mlx-vlm's single-stream operations, in chunks
-    of ``step`` tokens.
+class ChunkedPrefill:
+    """One prompt's prefill with mlx-vlm's single-stream operations, a chunk
+    of ``step`` tokens per :meth:`advance`, so decode steps of the batch can
+    run between the chunks of a long prompt.
 
     When the prompt is :func:`batchable`'s kind its last token is left for the
-    decode step; otherwise it runs here too and ``logits`` holds its output.
+    decode step; otherwise it runs too and ``logits`` holds its output.
     ``prefix``: per layer, the keys and values of the prompt's first tokens
     (from the prompt cache); only the tokens after them are run. The model
-    still sees the whole prompt's positions and media, cut at the cache's
-    offset, as in a chunked prefill.
+    sees the whole prompt's positions and media, cut at the cache's offset,
+    as in any chunked prefill. Made (images through the vision tower
+    included) at once; MLX thread only.
     """
-    api = vlm()
-    model, lm = loaded.model, loaded.model.language_model
-    inputs = prepared.inputs
-    ids = inputs["input_ids"]
-    extra = {
-        k: val
-        for k, val in inputs.items()
-        if k not in ("input_ids", "pixel_values", "attention_mask")
-    }
-    embedded = model.get_input_embeddings(
-        ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra
-    )
-    kwargs = _prefill_kwargs(extra, embedded)
-    embeds = embedded.inputs_embeds
-    cache = api.make_prompt_cache(lm)
-    if prefix:
-        reused = int(prefix[0][0].shape[2])
-        for layer, (keys, values) in zip(cache, prefix, strict=True):
-            layer.keys, layer.values, layer.offset = keys, values, reused
-        embeds, ids = embeds[:, reused:], ids[:, reused:]
-    while embeds.shape[1] > 1:
-        n = min(step, embeds.shape[1] - 1)
-        lm(
-            inputs=ids[:, :n],
-            inputs_embeds=embeds[:, :n],
-            cache=cache,
-            n_to_process=n,
-            logits_to_keep=1,
-            **kwargs,
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        prepared: Prepared,
+        prefix: Sequence[tuple[mx.array, mx.array]] = (),
+        step: int = PREFILL_STEP,
+    ) -> None:
+        api = vlm()
+        model = loaded.model
+        self.loaded, self.prepared, self.step = loaded, prepared, step
+        self.lm = model.language_model
+        inputs = prepared.inputs
+        ids = inputs["input_ids"]
+        extra = {
+            k: val
+            for k, val in inputs.items()
+            if k not in ("input_ids", "pixel_values", "attention_mask")
+        }
+        embedded = model.get_input_embeddings(
+            ids, inputs.get("pixel_values"), mask=inputs.get("attention_mask"), **extra
         )
-        mx.eval([c.state for c in cache])
-        embeds, ids = embeds[:, n:], ids[:, n:]
-    deltas = _deltas(lm, kwargs, 1)
-    logits = None
-    if not (_text_last(loaded, prepared) and set(kwargs) <= _POSITION_ONLY):
-        output = lm(ids, inputs_embeds=embeds, cache=cache, logits_to_keep=1, **kwargs)
-        logits = output.logits[:, -1, :]
-    batch_cache = [type(c).merge([c]) for c in cache]
-    return Prefilled(batch_cache, deltas, logits)
+        self.kwargs = _prefill_kwargs(extra, embedded)
+        self.embeds, self.ids = embedded.inputs_embeds, ids
+        self.cache = api.make_prompt_cache(self.lm)
+        if prefix:
+            reused = int(prefix[0][0].shape[2])
+            for layer, (keys, values) in zip(self.cache, prefix, strict=True):
+                layer.keys, layer.values, layer.offset = keys, values, reused
+            self.embeds, self.ids = self.embeds[:, reused:], self.ids[:, reused:]
+
+    def advance(self) -> Prefilled | None:
+        """Run the next chunk; the prompt in a batch cache once it is done."""
+        embeds, ids, lm, kwargs = self.embeds, self.ids, self.lm, self.kwargs
+        if embeds.shape[1] > 1:
+            n = min(self.step, embeds.shape[1] - 1)
+            lm(
+                inputs=ids[:, :n],
+                inputs_embeds=embeds[:, :n],
+                cache=self.cache,
+                n_to_process=n,
+                logits_to_keep=1,
+                **kwargs,
+            )
+            mx.eval([c.state for c in self.cache])
+            self.embeds, self.ids = embeds[:, n:], ids[:, n:]
+            if self.embeds.shape[1] > 1:
+                return None
+        deltas = _deltas(lm, kwargs, 1)
+        logits = None
+        if not (
+            _text_last(self.loaded, self.prepared) and set(kwargs) <= _POSITION_ONLY
+        ):
+            output = lm(
+                self.ids,
+                inputs_embeds=self.embeds,
+                cache=self.cache,
+                logits_to_keep=1,
+                **kwargs,
+            )
+            logits = output.logits[:, -1, :]
+        batch_cache = [type(c).merge([c]) for c in self.cache]
+        return Prefilled(batch_cache, deltas, logits)
 
 
 def _prefill_kwargs(extra: dict[str, Any], embedded: Any) -> dict[str, Any]:

@@ -38,10 +38,10 @@ from .model import LoadedModel
 from .prefill import (
     MEDIA_TOKENS,
     PREFILL_STEP,
+    ChunkedPrefill,
     Prefilled,
     Prepared,
     batchable,
-    prefill_alone,
     prefill_together,
     preprocess,
 )
@@ -83,6 +83,8 @@ class BatchState:
         self.rows: list[Row] = []
         self.waiting: list[Row] = []  # admitted, not yet prefilled
         self.joining: list[tuple[list[Row], Prefilled]] = []  # prefilled
+        # Long prompts prefilled a chunk per step, oldest first.
+        self.prefilling: list[tuple[Row, ChunkedPrefill]] = []
         self.leaving: set[Row] = set()
         self.cache: list[Any] | None = None
         self.deltas: mx.array | None = None
@@ -99,6 +101,7 @@ class BatchState:
         return BatchStatistics(
             active=len(self.rows) - len(self.leaving),
             joining=len(self.waiting)
+            + len(self.prefilling)
             + sum(not r.gone for rows, _ in self.joining for r in rows),
             peak_active=self.peak_active,
             steps=self.steps,
@@ -183,14 +186,15 @@ class BatchState:
         Whether any of them got its first token (or its error) here."""
         waiting = [row for row in self.waiting if not row.gone]
         self.waiting = []
-        if not waiting:
+        if not waiting and not self.prefilling:
             return False
         start = time.perf_counter()
         prefixes = {row: self._reuse(row) for row in waiting if row.key is not None}
+        step = self.prefill_step
         together = [
             r
             for r in waiting
-            if not prefixes.get(r) and batchable(self.loaded, _prepared(r))
+            if not prefixes.get(r) and batchable(self.loaded, _prepared(r), step)
         ]
         alone = [r for r in waiting if r not in together]
         for i in range(0, len(together), PREFILL_BATCH):
@@ -204,22 +208,44 @@ class BatchState:
             else:
                 self._joined(rows, group)
         for row in alone:
-            self.passes += 1
             try:
-                group = prefill_alone(
-                    self.loaded,
-                    _prepared(row),
-                    prefixes.get(row, ()),
-                    self.prefill_step,
+                job = ChunkedPrefill(
+                    self.loaded, _prepared(row), prefixes.get(row, ()), step
                 )
-                self._first_tokens([row], group)
             except Exception as exc:
                 row.error, row.done = exc, True
                 continue
-            self._joined([row], group)
+            self.prefilling.append((row, job))
+        ended = [row for row in waiting if row.error is not None]
+        ended += self._advance_prefill()
         self.prefills += len(waiting)
         self.prefill_seconds += time.perf_counter() - start
-        return any(row.pending or row.error is not None for row in waiting)
+        return any(row.pending or row.error is not None for row in [*waiting, *ended])
+
+    def _advance_prefill(self) -> list[Row]:
+        """Run one chunk of the oldest long prompt being prefilled, so the
+        decode step after it is not held up by the whole prompt; the row, if
+        this chunk ended its prefill."""
+        self.prefilling = [(r, job) for r, job in self.prefilling if not r.gone]
+        if not self.prefilling:
+            return []
+        row, job = self.prefilling[0]
+        self.passes += 1
+        try:
+            group = job.advance()
+            if group is None:
+                return []
+            self._first_tokens([row], group)
+        except Exception as exc:
+            row.error, row.done = exc, True
+        else:
+            self._joined([row], group)
+        self.prefilling.pop(0)
+        return [row]
+
+    def prefilling_now(self, row: Row) -> bool:
+        """Whether ``row``'s long prompt is being prefilled in chunks."""
+        return any(r is row for r, _ in self.prefilling)
 
     def _first_tokens(self, rows: list[Row], group: Prefilled) -> None:
         """Sample the rows' first tokens from their prefill's logits, if it
@@ -264,6 +290,8 @@ class BatchState:
         row.gone = True
         if row in self.waiting:
             self.waiting.remove(row)
+        elif self.prefilling_now(row):
+            self.prefilling = [(r, job) for r, job in self.prefilling if r is not row]
         elif row in self.rows:
             self.leaving.add(row)
             if len(self.leaving) == len(self.rows):
@@ -489,11 +517,13 @@ class BatchState:
         and those of the step being read (``reading``) that are not done:
         a row whose last token that step held has left the batch already."""
         joining = [row for rows, _ in self.joining for row in rows]
+        joining += [row for row, _ in self.prefilling]
         unread = [row for row in reading if not row.done]
         for row in (*self.rows, *joining, *self.waiting, *unread):
             row.error = exc
             row.done = True
         self.rows, self.joining, self.waiting = [], [], []
+        self.prefilling = []
         self.cache = self.deltas = None
         self._inflight = None
         self.leaving.clear()
