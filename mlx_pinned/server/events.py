@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HANDOFF",
     "Engine",
+    "EngineCounters",
     "Event",
     "EventStream",
     "FinalEvent",
@@ -243,6 +244,27 @@ async def _batches(
             yield events
 
 
+@dataclass(frozen=True)
+class EngineCounters:
+    """What the engine reports to metrics and ``/health``; plain numbers.
+
+    Attributes:
+        rows: Generations in the batch, joining it or being prefilled.
+        kv_bytes: Bytes of KV cache held by those rows.
+        prompt_cache_hits: Requests that reused cached prompt KV.
+        prompt_cache_misses: Requests that looked and found none.
+        prompt_cache_reused_tokens: Prompt tokens not prefilled thanks to it.
+        prompt_cache_bytes: Bytes of KV the prompt cache holds.
+    """
+
+    rows: int
+    kv_bytes: int
+    prompt_cache_hits: int
+    prompt_cache_misses: int
+    prompt_cache_reused_tokens: int
+    prompt_cache_bytes: int
+
+
 class Engine(Protocol):
     """A loaded model as the HTTP side sees it (``app.py`` wires the real
     one, :class:`mlx_pinned.server.engine.BatchEngine`)."""
@@ -265,6 +287,10 @@ class Engine(Protocol):
     @property
     def loaded_at(self) -> float:
         """When the load ended (Unix time)."""
+        ...
+
+    def counters(self) -> EngineCounters:
+        """A snapshot for metrics; any thread (it may be a step old)."""
         ...
 
     def stream(

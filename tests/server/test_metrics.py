@@ -40,6 +40,20 @@ CHAT = "/v1/chat/completions"
 
 
 class TestMetrics:
+    async def test_prompt_cache_and_kv_are_visible(self, serve: Serve) -> None:
+        async with serve(prompt_cache_bytes=2**26) as served:
+            before = await scrape(served)
+            assert value(before, "mlx_pinned_prompt_cache_hits_total") == 0
+            for _ in range(2):  # the second reuses the first's prompt
+                assert (await served.chat(vision_body(3))).status_code == 200
+            samples = await scrape(served)
+        assert value(samples, "mlx_pinned_prompt_cache_hits_total") == 1
+        assert value(samples, "mlx_pinned_prompt_cache_misses_total") == 1
+        assert value(samples, "mlx_pinned_prompt_cache_reused_tokens_total") > 10
+        assert value(samples, "mlx_pinned_prompt_cache_bytes") > 0
+        assert value(samples, "mlx_pinned_batch_rows") == 0
+        assert ("mlx_pinned_kv_cache_bytes", ()) in samples
+
     async def test_counts_after_traffic(self, serve: Serve) -> None:
         async with serve() as served:
             first = await scrape(served)

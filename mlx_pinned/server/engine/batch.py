@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ..events import (
     HANDOFF,
+    EngineCounters,
     Event,
     EventStream,
     FinalEvent,
@@ -164,6 +165,18 @@ class BatchEngine:
     def statistics(self) -> BatchStatistics:
         """A snapshot of the batch; any thread (it may be a step old)."""
         return self._state.statistics()
+
+    def counters(self) -> EngineCounters:
+        """A snapshot for metrics and ``/health``; any thread."""
+        batch, cache = self._state.statistics(), self.prompt_cache.statistics()
+        return EngineCounters(
+            rows=batch.active + batch.joining,
+            kv_bytes=self._state.kv_bytes(),
+            prompt_cache_hits=cache.hits,
+            prompt_cache_misses=cache.misses,
+            prompt_cache_reused_tokens=cache.reused_tokens,
+            prompt_cache_bytes=cache.bytes,
+        )
 
     def stream(
         self, params: GenerationParams, images: Sequence[Image.Image] = ()

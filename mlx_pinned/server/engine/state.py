@@ -112,6 +112,12 @@ class BatchState:
             step_seconds=self.step_seconds,
         )
 
+    def kv_bytes(self) -> int:
+        """Bytes of KV held by the batch and the rows about to join it."""
+        caches = [*(self.cache or ()), *(c for _, g in self.joining for c in g.cache)]
+        caches += [c for _, job in self.prefilling for c in job.cache]
+        return sum(int(getattr(c, "nbytes", 0)) for c in caches)
+
     # -- entering ------------------------------------------------------------
 
     def admit(self, params: GenerationParams, images: Sequence[Image.Image]) -> Row:

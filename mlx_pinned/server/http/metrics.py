@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from mlx_pinned import MLXThread
 
+    from ..events import Engine, EngineCounters
     from .wire import RequestLog
 
 __all__ = ["MetricsMiddleware", "ServerMetrics"]
@@ -59,7 +60,10 @@ class ServerMetrics:
     ``mlx_thread_open_streams``, ``mlx_thread_up`` and
     ``mlx_thread_busy_fraction`` (since the previous scrape); and the
     counter ``mlx_thread_busy_seconds_total`` (``rate()`` of it is the busy
-    fraction over any window).
+    fraction over any window). Once the model is loaded: gauges
+    ``kv_cache_bytes`` (the rows' KV), ``batch_rows`` and
+    ``prompt_cache_bytes``, counters ``prompt_cache_hits_total``,
+    ``prompt_cache_misses_total`` and ``prompt_cache_reused_tokens_total``.
 
     Args:
         thread: The app's MLX thread.
@@ -104,7 +108,8 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
-        registry.register(_LiveCollector(thread, gate))
+        self._live = _LiveCollector(thread, gate)
+        registry.register(self._live)
 
     def observe(self, log: RequestLog) -> None:
         """Record a finished chat request from its log line."""
@@ -118,7 +123,9 @@ class ServerMetrics:
             self.latency.observe(time.perf_counter() - log.start)
 
     async def endpoint(self, request: Request) -> Response:
-        """``GET /metrics``."""
+        """``GET /metrics``; the engine's numbers are read from the lifespan
+        state's ``model``, once it is loaded."""
+        self._live.engine = request.scope.get("state", {}).get("model")
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -128,6 +135,7 @@ class _LiveCollector(Collector):
     def __init__(self, thread: MLXThread, gate: _Gate) -> None:
         self.thread = thread
         self.gate = gate
+        self.engine: Engine | None = None  # set by each scrape
         self._last = (time.perf_counter(), thread.statistics().busy_time)
 
     def collect(self) -> Iterator[Metric]:
@@ -161,6 +169,32 @@ class _LiveCollector(Collector):
             "Seconds the MLX thread spent running jobs.",
             value=stats.busy_time,
         )
+        if self.engine is not None:
+            yield from _engine_metrics(self.engine.counters())
+
+
+def _engine_metrics(counters: EngineCounters) -> Iterator[Metric]:
+    yield _gauge("kv_cache_bytes", "Bytes of KV held by the rows.", counters.kv_bytes)
+    yield _gauge("batch_rows", "Generations in the batch or joining it.", counters.rows)
+    yield _gauge(
+        "prompt_cache_bytes",
+        "Bytes of prompt KV the prompt cache holds.",
+        counters.prompt_cache_bytes,
+    )
+    for name, text, value in (
+        ("hits", "Requests that reused cached prompt KV.", counters.prompt_cache_hits),
+        (
+            "misses",
+            "Requests that found no cached prefix.",
+            counters.prompt_cache_misses,
+        ),
+        (
+            "reused_tokens",
+            "Prompt tokens taken from the prompt cache, not prefilled.",
+            counters.prompt_cache_reused_tokens,
+        ),
+    ):
+        yield CounterMetricFamily(f"mlx_pinned_prompt_cache_{name}", text, value=value)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
