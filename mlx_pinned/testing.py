@@ -56,7 +56,7 @@ SPECIAL_TOKENS: Final = (
 # The tokenizer trainer gives the special tokens the first ids, in order.
 _IDS: Final = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
 # Bump when the files written change, so cached folders are rebuilt.
-_FORMAT: Final = 2
+_FORMAT: Final = 4
 _MARKER: Final = "mlx_pinned_tiny_vlm.json"
 _VOCAB_SIZE: Final = 384
 _INSTALL_ATTEMPTS: Final = 8
@@ -83,14 +83,17 @@ _CORPUS: Final = (
 )
 
 # Qwen2/3-VL style: no default system prompt; content is a string or a list of
-# typed parts, images and videos wrapped in vision markers.
+# typed parts, images and videos wrapped in vision markers. Tools, tool calls
+# and tool results as Qwen3's template writes them (Hermes' <tool_call>).
+# enable_thinking (mlx-vlm passes false unless asked) opens <think> in the
+# generation prompt, as Qwen3-VL-Thinking's template does: plain prompts stay
+# as they were, and a request can switch thinking on.
 _CHAT_TEMPLATE: Final = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
-    "{%- elif message['content'] is not none -%}"
-    "{%- for part in message['content'] -%}"
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}"
+    "{{- content -}}"
+    "{%- elif content is not none -%}"
+    "{%- for part in content -%}"
     "{%- if part is string -%}"
     "{{- part -}}"
     "{%- else -%}"
@@ -105,10 +108,60 @@ _CHAT_TEMPLATE: Final = (
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{{- render(messages[0]['content']) + '\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the "
+    "user query.\\n\\nYou are provided with function signatures within "
+    "<tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for tool in tools -%}"
+    "{{- '\\n' + (tool | tojson) -}}"
+    "{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with "
+    "function name and arguments within <tool_call></tool_call> XML tags:"
+    '\\n<tool_call>\\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if tools and loop.first and message['role'] == 'system' -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}"
+    "{{- '<|im_start|>user' -}}"
+    "{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + render(message['content']) "
+    "+ '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}"
     "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{{- render(message['content']) -}}"
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- if not loop.first or message['content'] -%}"
+    "{{- '\\n' -}}"
+    "{%- endif -%}"
+    "{%- set function = call['function'] if call.get('function') else call -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + function['name'] + '\", \"arguments\": ' -}}"
+    "{%- if function['arguments'] is string -%}"
+    "{{- function['arguments'] -}}"
+    "{%- else -%}"
+    "{{- function['arguments'] | tojson -}}"
+    "{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is true -%}"
+    "{{- '<think>\\n' -}}"
+    "{%- endif -%}"
     "{%- endif -%}"
 )
 
