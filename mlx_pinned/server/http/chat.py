@@ -35,10 +35,17 @@ from ..errors import (
 )
 from ..events import FinalEvent, TokenEvent, TokenLogprobs
 from ..limits import check_text_length
+from .answer import (
+    Answer,
+    AnswerParser,
+    Part,
+    answer_parser,
+    delta,
+    finish_reason,
+)
 from .params import generation_params, image_refs, text_chars
-from .schemas import (
+from .responses import (
     ChatCompletion,
-    ChatCompletionRequest,
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
@@ -49,8 +56,10 @@ from .schemas import (
     TopLogprob,
     Usage,
     completion_id,
-    parse_chat_request,
 )
+from .schemas import ChatCompletionRequest, parse_chat_request
+from .structured import request_grammar
+from .toolcalls import tool_call_format
 from .wire import (
     Disconnected,
     RequestLog,
@@ -171,11 +180,21 @@ class ChatEndpoint:
             check_text_length(
                 text_chars(request), engine.longest_token_chars, max_prompt
             )
+        template = chat_template(engine)
+        if request.active_tools and tool_call_format(template) is None:
+            raise APIError(
+                400,
+                "This model's chat template has no tool-call format this server "
+                "parses (Hermes' <tool_call>): send the request without tools.",
+                param="tools",
+                code="unsupported_parameter",
+            )
         params = generation_params(
             request,
             self._max_tokens(request),
             max_prompt_tokens=max_prompt,
             context_length=context,
+            grammar=await request_grammar(request),
         )
         vocab = engine.vocab_size
         for token_id, _ in params.logit_bias:
@@ -194,12 +213,13 @@ class ChatEndpoint:
         async with self.gate.turn():
             log.queued = time.perf_counter() - arrived
             stream = engine.stream(params, images)
+            parser = answer_parser(request, template)
             try:
                 if request.stream:
-                    await self._send_stream(request, stream, response, log)
+                    await self._send_stream(request, stream, response, log, parser)
                 else:
                     await self._send_whole(
-                        request, stream, response, log, params.max_tokens
+                        request, stream, response, log, params.max_tokens, parser
                     )
             finally:
                 # Shielded: the close is queued on the MLX thread before the
@@ -234,6 +254,7 @@ class ChatEndpoint:
         response: ResponseWriter,
         log: RequestLog,
         max_tokens: int,
+        parser: AnswerParser | None,
     ) -> None:
         """The whole answer as one JSON body, once the generation ended."""
         text: list[str] = []
@@ -253,10 +274,20 @@ class ChatEndpoint:
                     final = event
         assert final is not None, "a generation always ends with a FinalEvent"
         chunk_id, created = completion_id()
+        if parser is None:
+            message = ResponseMessage(content="".join(text))
+            reason = finish_reason(final.finish_reason, calls=False)
+        else:
+            answer = Answer()
+            answer.add(parser.feed("".join(text)))
+            answer.add(parser.end())
+            answer.thought = parser.thought
+            message = answer.message()
+            reason = finish_reason(final.finish_reason, parser.called)
         choice = Choice(
-            message=ResponseMessage(content="".join(text)),
+            message=message,
             logprobs=ChoiceLogprobs(content=logprobs) if request.logprobs else None,
-            finish_reason=final.finish_reason,
+            finish_reason=reason,
         )
         completion = ChatCompletion(
             id=chunk_id,
@@ -273,6 +304,7 @@ class ChatEndpoint:
         stream: EventStream,
         response: ResponseWriter,
         log: RequestLog,
+        parser: AnswerParser | None,
     ) -> None:
         """Server-sent events, a chunk per token; the status is sent with the
         first token, so a failed prefill is still an error status."""
@@ -288,7 +320,9 @@ class ChatEndpoint:
             await self.turns.checkpoint()
             log.record(event)
             if isinstance(event, TokenEvent):
-                if event.logprobs is not None:
+                if parser is not None:
+                    data = _parsed_chunks(chunks, parser.feed(event.text), event)
+                elif event.logprobs is not None:
                     data = chunks.chunk([_content_choice(event)])
                 else:
                     data = chunks.content(event.text) if event.text else b""
@@ -297,8 +331,14 @@ class ChatEndpoint:
                 elif data:
                     await response.send(data)
                 continue
-            tail = [chunks.content(event.text)] if event.text else []
-            done = ChunkChoice(delta=Delta(), finish_reason=event.finish_reason)
+            if parser is None:
+                tail = [chunks.content(event.text)] if event.text else []
+                reason = finish_reason(event.finish_reason, calls=False)
+            else:
+                parts = [*parser.feed(event.text), *parser.end()]
+                tail = [_parsed_chunks(chunks, parts)]
+                reason = finish_reason(event.finish_reason, parser.called)
+            done = ChunkChoice(delta=Delta(), finish_reason=reason)
             tail.append(chunks.chunk([done]))
             if request.include_usage:
                 tail.append(chunks.chunk([], _usage(event)))
@@ -307,6 +347,12 @@ class ChatEndpoint:
                 await response.start_stream(role)
             await response.send(b"".join(tail), more=False)
         await response.end()
+
+
+def chat_template(engine: Engine) -> str | None:
+    """The model's chat template, if the engine tells (None: unknown)."""
+    template = getattr(engine, "chat_template", None)
+    return template if isinstance(template, str) else None
 
 
 def _client(scope: Scope) -> str:
@@ -329,6 +375,27 @@ def _token_logprob(lp: TokenLogprobs) -> TokenLogprob:
         bytes=lp.bytes,
         top_logprobs=[TopLogprob(token=t, logprob=v, bytes=b) for t, v, b in lp.top],
     )
+
+
+def _parsed_chunks(
+    chunks: ChunkEncoder, parts: list[Part], event: TokenEvent | None = None
+) -> bytes:
+    """A chunk per part of the answer; a token's logprobs go with its first
+    chunk (a token that released nothing yet still gets one, empty)."""
+    logprobs = None
+    if event is not None and event.logprobs is not None:
+        logprobs = ChoiceLogprobs(content=[_token_logprob(event.logprobs)])
+        if not parts:
+            parts = [""]
+    out = []
+    for part in parts:
+        if isinstance(part, str) and logprobs is None:
+            out.append(chunks.content(part))  # the common chunk, from its template
+        else:
+            choice = ChunkChoice(delta=delta(part), logprobs=logprobs)
+            out.append(chunks.chunk([choice]))
+        logprobs = None
+    return b"".join(out)
 
 
 def _content_choice(event: TokenEvent) -> ChunkChoice:

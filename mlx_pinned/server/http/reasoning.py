@@ -1,0 +1,140 @@
+"""The reasoning of thinking models, split from their answer.
+
+Event loop, pure Python. A model whose chat template thinks writes
+``<think>...</think>`` before its answer; :class:`ReasoningSplitter` sends
+the text between to ``reasoning_content`` and the rest to ``content``, one
+piece of text at a time, so a stream and a whole answer split alike.
+Whether and how a model thinks is read from its chat template
+(:func:`reasoning_mode`).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+__all__ = [
+    "THINK_CLOSE",
+    "THINK_OPEN",
+    "ReasoningMode",
+    "ReasoningSplitter",
+    "partial_marker",
+    "reasoning_mode",
+]
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+#: ``opened``: the template's generation prompt ends with ``<think>``, so
+#: the answer starts inside the reasoning (Qwen3-VL-Thinking, DeepSeek-R1);
+#: ``optional``: the model may open ``<think>`` as its first text (Qwen3's
+#: hybrid templates, whose ``enable_thinking: false`` writes an empty pair).
+ReasoningMode = Literal["opened", "optional"]
+
+# The generation prompt: what follows the template's last test of
+# add_generation_prompt.
+_GENERATION_PROMPT = re.compile(
+    r"add_generation_prompt(?!.*add_generation_prompt)", re.S
+)
+
+
+def reasoning_mode(
+    template: str | None, template_kwargs: Mapping[str, Any] | None = None
+) -> ReasoningMode | None:
+    """How a model with this chat template thinks; None if it does not.
+
+    A ``<think>`` the generation prompt opens only under an ``enable_thinking``
+    test opens it only when the request sets ``enable_thinking: true`` (mlx-vlm
+    passes false to templates that take it, unless the request says).
+    """
+    if not template or THINK_OPEN not in template:
+        return None
+    found = _GENERATION_PROMPT.search(template)
+    tail = template[found.end() :] if found else ""
+    for match in re.finditer(re.escape(THINK_OPEN), tail):
+        # An empty pair ('<think>\n\n</think>') switches thinking off.
+        if THINK_CLOSE in tail[match.end() : match.end() + 24]:
+            continue
+        guarded = "enable_thinking" in tail[: match.start()]
+        if not guarded or (template_kwargs or {}).get("enable_thinking") is True:
+            return "opened"
+    return "optional"
+
+
+def partial_marker(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that begins ``marker`` (and is
+    shorter than it): text to hold back until the next piece says more."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
+
+
+class _State(enum.Enum):
+    START = "start"  # nothing decided: the text so far may begin <think>
+    REASONING = "reasoning"  # inside <think>, before </think>
+    CONTENT = "content"  # the answer
+
+
+class ReasoningSplitter:
+    """Splits generated text, fed piece by piece, into reasoning and content.
+
+    Newlines just inside the tags and just after ``</think>`` are dropped,
+    as Qwen's templates drop them when the turn is sent back. Without
+    ``<think>`` at the very start (``optional`` mode), all is content,
+    unchanged. The pieces out join to the same two texts however the input
+    was cut (a test checks it).
+
+    Args:
+        mode: How the model thinks (:func:`reasoning_mode`).
+    """
+
+    def __init__(self, mode: ReasoningMode) -> None:
+        self._state = _State.REASONING if mode == "opened" else _State.START
+        self._held = ""
+        self._lead = True  # at the start of a section: drop its newlines
+        self.thought = mode == "opened"  # whether any reasoning began
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The reasoning and the content ``text`` releases (either may be
+        empty: text is held while it may begin a tag)."""
+        return self._split(self._held + text, final=False)
+
+    def end(self) -> tuple[str, str]:
+        """What is still held, released at the end of the answer."""
+        return self._split(self._held, final=True)
+
+    def _split(self, text: str, *, final: bool) -> tuple[str, str]:
+        self._held = ""
+        reasoning = ""
+        if self._state is _State.START:
+            if text.startswith(THINK_OPEN):
+                self._state, self.thought = _State.REASONING, True
+                text = text[len(THINK_OPEN) :]
+            elif THINK_OPEN.startswith(text) and not final:
+                self._held = text
+                return "", ""
+            else:
+                self._state, self._lead = _State.CONTENT, False
+        if self._state is _State.REASONING:
+            if self._lead:
+                text = text.lstrip("\n")
+                self._lead = not text
+            close = text.find(THINK_CLOSE)
+            if close < 0:
+                if final:
+                    return text, ""
+                # Hold a possible start of </think>, and the newlines before it.
+                keep = len(text) - partial_marker(text, THINK_CLOSE)
+                keep = len(text[:keep].rstrip("\n"))
+                self._held = text[keep:]
+                return text[:keep], ""
+            reasoning = text[:close].rstrip("\n")
+            text = text[close + len(THINK_CLOSE) :]
+            self._state, self._lead = _State.CONTENT, True
+        if self._lead:
+            text = text.lstrip("\n")
+            self._lead = not text
+        return reasoning, text

@@ -1,0 +1,194 @@
+"""Tool calls, parsed from the text a model writes.
+
+Event loop, pure Python. One format so far, Hermes' (Qwen2.5, Qwen3,
+Qwen3-VL, Hermes and the models tuned on them): each call is
+``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>``. The
+format is chosen from the model's chat template (:func:`tool_call_format`);
+a template with no known format refuses ``tools`` with a 400 instead of
+answering calls as plain text.
+
+:class:`HermesToolParser` reads the text piece by piece and gives content,
+then each call's start (its name) and its arguments in fragments, as soon
+as they are certain; fed the whole text at once it gives the same calls,
+so a stream and a whole answer agree exactly (a test checks it). A call's
+arguments are its ``ARGS`` text as the model wrote it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from .reasoning import partial_marker
+from .responses import tool_call_id
+from .structured import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+__all__ = [
+    "CallArguments",
+    "CallStart",
+    "HermesToolParser",
+    "ToolCallFormat",
+    "tool_call_format",
+]
+
+#: The tool-call formats this server parses.
+ToolCallFormat = Literal["hermes"]
+
+# What comes before the arguments; committed only once the first character of
+# the arguments is there (never '<', which begins the closing tag), so more
+# whitespace after it cannot change the match.
+_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\\n]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*)"'
+    r'\s*,\s*"arguments"\s*:\s*(?=[^\s<])'
+)
+
+
+def tool_call_format(template: str | None) -> ToolCallFormat | None:
+    """The tool-call format of a model with this chat template; None if it
+    has none this server parses. An unknown template (None) is taken for
+    Hermes', the format of the Qwen-VL family."""
+    if template is None or TOOL_CALL_OPEN in template:
+        return "hermes"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class CallStart:
+    """A tool call begins: its index in the answer, id and function name."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallArguments:
+    """A fragment of a tool call's arguments (JSON text)."""
+
+    index: int
+    text: str
+
+
+Piece = str | CallStart | CallArguments
+
+
+class _State(enum.Enum):
+    TEXT = "text"  # content, outside any call
+    HEAD = "head"  # inside <tool_call>, before the arguments
+    ARGUMENTS = "arguments"  # inside a call's arguments
+
+
+def _arguments(text: str) -> str:
+    """A call's arguments from what follows its head: without the object's
+    closing brace and the whitespace around it."""
+    text = text.rstrip()
+    return text.removesuffix("}").rstrip()
+
+
+class HermesToolParser:
+    """Content and tool calls from Hermes-format text, fed piece by piece.
+
+    Whitespace next to a call is dropped from the content (Qwen writes a
+    newline between calls); text that opens ``<tool_call>`` but is not a
+    call (no name and arguments) stays content. The end of the text closes
+    a call cut short.
+    """
+
+    def __init__(self) -> None:
+        self._state = _State.TEXT
+        self._buffer = ""  # text not yet given out
+        self._lead = False  # content right after a call: drop its whitespace
+        self._sent = ""  # the current call's arguments given out so far
+        self._gap = ""  # whitespace before the current <tool_call>
+        self.calls = 0
+
+    def feed(self, text: str) -> list[Piece]:
+        """The content and call pieces ``text`` releases, in order."""
+        self._buffer += text
+        return self._parse(final=False)
+
+    def end(self) -> list[Piece]:
+        """Everything still held, at the end of the answer."""
+        return self._parse(final=True)
+
+    def _parse(self, *, final: bool) -> list[Piece]:
+        out: list[Piece] = []
+        while True:
+            if self._state is _State.TEXT:
+                if not self._text(out, final=final):
+                    return out
+            elif self._state is _State.HEAD:
+                if not self._head(out, final=final):
+                    return out
+            elif not self._arguments_piece(out, final=final):
+                return out
+
+    def _content(self, out: list[Piece], text: str) -> None:
+        if self._lead:
+            text = text.lstrip()
+            self._lead = not text
+        if text:
+            out.append(text)
+
+    def _text(self, out: list[Piece], *, final: bool) -> bool:
+        text = self._buffer
+        start = text.find(TOOL_CALL_OPEN)
+        if start >= 0:
+            before = text[:start].rstrip()
+            self._content(out, before)
+            self._gap = text[len(before) : start]  # back in, if no call follows
+            self._buffer = text[start + len(TOOL_CALL_OPEN) :]
+            self._state = _State.HEAD
+            return True
+        if final:
+            # Whitespace at the end goes with the calls, if any were made.
+            self._content(out, text.rstrip() if self.calls else text)
+            self._buffer = ""
+            return False
+        # Hold a possible start of <tool_call>, and the whitespace before it.
+        keep = len(text) - partial_marker(text, TOOL_CALL_OPEN)
+        keep = len(text[:keep].rstrip())
+        self._content(out, text[:keep])
+        self._buffer = text[keep:]
+        return False
+
+    def _head(self, out: list[Piece], *, final: bool) -> bool:
+        close = self._buffer.find(TOOL_CALL_CLOSE)
+        body = self._buffer if close < 0 else self._buffer[:close]
+        head = _HEAD.match(body)
+        if head is not None:
+            name = json.loads(f'"{head.group(1)}"')
+            out.append(CallStart(self.calls, tool_call_id(), name))
+            self._buffer = self._buffer[head.end() :]
+            self._state, self._sent = _State.ARGUMENTS, ""
+            return True
+        if close < 0 and not final:
+            return False  # the head may still come
+        # Not a call: the text goes back to the content, markers and all.
+        rest = "" if close < 0 else self._buffer[close + len(TOOL_CALL_CLOSE) :]
+        closing = "" if close < 0 else TOOL_CALL_CLOSE
+        self._content(out, self._gap + TOOL_CALL_OPEN + body + closing)
+        self._buffer, self._state = rest, _State.TEXT
+        return True
+
+    def _arguments_piece(self, out: list[Piece], *, final: bool) -> bool:
+        close = self._buffer.find(TOOL_CALL_CLOSE)
+        if close >= 0 or final:
+            body = self._buffer if close < 0 else self._buffer[:close]
+            arguments = _arguments(body)
+            rest = "" if close < 0 else self._buffer[close + len(TOOL_CALL_CLOSE) :]
+            self._buffer, self._state, self._lead = rest, _State.TEXT, True
+        else:
+            held = partial_marker(self._buffer, TOOL_CALL_CLOSE)
+            arguments = _arguments(self._buffer[: len(self._buffer) - held])
+        assert arguments.startswith(self._sent), "arguments only grow"
+        if len(arguments) > len(self._sent):
+            out.append(CallArguments(self.calls, arguments[len(self._sent) :]))
+            self._sent = arguments
+        if self._state is _State.TEXT:
+            self.calls += 1
+            return True
+        return False

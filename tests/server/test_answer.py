@@ -1,0 +1,242 @@
+"""The answer's parts: reasoning, content and tool calls, split alike however
+the generated text is cut into pieces."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mlx_pinned.server.http.answer import Answer, AnswerParser, Reasoning, delta
+from mlx_pinned.server.http.reasoning import ReasoningSplitter, reasoning_mode
+from mlx_pinned.server.http.toolcalls import (
+    CallArguments,
+    CallStart,
+    HermesToolParser,
+    tool_call_format,
+)
+
+QWEN3_HYBRID = (
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+QWEN3_THINKING = (
+    "{%- if '</think>' in content %}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}"
+    "{%- endif %}"
+)
+CALL = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+
+
+def cut(text: str, points: list[int]) -> list[str]:
+    points = sorted({p % (len(text) + 1) for p in points})
+    edges = [0, *points, len(text)]
+    return [text[a:b] for a, b in itertools.pairwise(edges)]
+
+
+def parse(
+    pieces: list[str], *, reasoning: Any = None, tools: bool = True
+) -> dict[str, Any]:
+    parser = AnswerParser(reasoning=reasoning, tools=tools)
+    answer = Answer()
+    for piece in pieces:
+        answer.add(parser.feed(piece))
+    answer.add(parser.end())
+    answer.thought = parser.thought
+    message = answer.message().model_dump()
+    for call in message.get("tool_calls") or []:
+        call.pop("id")
+    return message
+
+
+class TestFormats:
+    def test_reasoning_mode_is_read_from_the_template(self) -> None:
+        assert reasoning_mode(QWEN3_HYBRID) == "optional"
+        assert reasoning_mode(QWEN3_THINKING) == "opened"
+        assert reasoning_mode("{{ messages }}") is None
+        assert reasoning_mode(None) is None
+
+    def test_a_think_opened_under_a_switch_opens_only_when_switched_on(
+        self,
+    ) -> None:
+        template = (
+            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+            "{%- if enable_thinking is true %}{{- '<think>\\n' }}{%- endif %}"
+            "{%- endif %}"
+        )
+        assert reasoning_mode(template) == "optional"
+        assert reasoning_mode(template, {"enable_thinking": False}) == "optional"
+        assert reasoning_mode(template, {"enable_thinking": True}) == "opened"
+
+    def test_tool_call_format_is_read_from_the_template(self) -> None:
+        assert tool_call_format("... <tool_call> ...") == "hermes"
+        assert tool_call_format(None) == "hermes"  # unknown: the Qwen family's
+        assert tool_call_format("{{ messages }}") is None
+
+
+class TestReasoning:
+    def test_think_block_goes_to_reasoning(self) -> None:
+        message = parse(
+            ["<think>\nLet me see.\n</think>\n\nParis."], reasoning="optional"
+        )
+        assert message["reasoning_content"] == "Let me see."
+        assert message["content"] == "Paris."
+
+    def test_without_think_all_is_content_unchanged(self) -> None:
+        message = parse(["\nHi <think> there"], reasoning="optional")
+        assert message["content"] == "\nHi <think> there"
+        assert "reasoning_content" not in message
+
+    def test_an_opened_template_starts_in_the_reasoning(self) -> None:
+        message = parse(["Hmm.\n</think>\n\nYes."], reasoning="opened")
+        assert (message["reasoning_content"], message["content"]) == ("Hmm.", "Yes.")
+
+    def test_reasoning_cut_short_is_all_reasoning(self) -> None:
+        message = parse(["<think>still thinking"], reasoning="optional")
+        assert (message["reasoning_content"], message["content"]) == (
+            "still thinking",
+            "",
+        )
+
+    def test_a_lone_start_of_think_is_held_then_released(self) -> None:
+        splitter = ReasoningSplitter("optional")
+        assert splitter.feed("<th") == ("", "")
+        assert splitter.feed("e") == ("", "<the")
+
+    @given(
+        parts=st.lists(
+            st.sampled_from(["<think>", "</think>", "\n", "a", "<", "/", ">", " "]),
+            max_size=20,
+        ),
+        points=st.lists(st.integers(0, 200), max_size=8),
+        mode=st.sampled_from(["optional", "opened"]),
+    )
+    def test_any_cut_splits_alike(
+        self, parts: list[str], points: list[int], mode: str
+    ) -> None:
+        whole = "".join(parts)
+        expected = parse([whole], reasoning=mode, tools=False)
+        assert parse(cut(whole, points), reasoning=mode, tools=False) == expected
+
+
+class TestToolCalls:
+    def test_one_call(self) -> None:
+        message = parse([CALL])
+        assert message["content"] is None
+        assert message["tool_calls"] == [
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ]
+
+    def test_calls_between_text(self) -> None:
+        message = parse([f"Let me check.\n{CALL}\n{CALL}\nDone."])
+        assert message["content"] == "Let me check.Done."
+        assert len(message["tool_calls"]) == 2
+
+    def test_text_without_calls_is_content_unchanged(self) -> None:
+        text = "a <tool b\n  "
+        assert parse([text])["content"] == text
+
+    def test_a_block_that_is_no_call_stays_content(self) -> None:
+        text = "x <tool_call>oops</tool_call> y"
+        message = parse([text])
+        assert message["content"] == text
+        assert "tool_calls" not in message
+
+    def test_a_call_cut_short_keeps_its_arguments_so_far(self) -> None:
+        message = parse(['<tool_call>\n{"name": "f", "arguments": {"a": [1, 2'])
+        assert message["tool_calls"][0]["function"]["arguments"] == '{"a": [1, 2'
+
+    def test_escaped_names_are_decoded(self) -> None:
+        message = parse(
+            ['<tool_call>{"name": "a\\u0062", "arguments": {}}</tool_call>']
+        )
+        assert message["tool_calls"][0]["function"] == {"name": "ab", "arguments": "{}"}
+
+    def test_stream_pieces_come_in_openai_order(self) -> None:
+        parser = HermesToolParser()
+        pieces: list[Any] = []
+        for char in CALL:
+            pieces += parser.feed(char)
+        pieces += parser.end()
+        assert isinstance(pieces[0], CallStart)
+        assert pieces[0].name == "get_weather"
+        assert pieces[0].id.startswith("call_")
+        fragments = [p.text for p in pieces[1:] if isinstance(p, CallArguments)]
+        assert len(fragments) > 1  # streamed, not held to the end
+        assert "".join(fragments) == '{"city": "Paris"}'
+        assert all(isinstance(p, CallArguments) for p in pieces[1:])
+
+    def test_deltas_carry_name_first_then_fragments(self) -> None:
+        first = delta(CallStart(0, "call_x", "f")).model_dump(exclude_none=True)
+        assert first["tool_calls"] == [
+            {
+                "index": 0,
+                "id": "call_x",
+                "type": "function",
+                "function": {"name": "f", "arguments": ""},
+            }
+        ]
+        more = delta(CallArguments(0, '{"a"')).model_dump(exclude_none=True)
+        assert more["tool_calls"] == [{"index": 0, "function": {"arguments": '{"a"'}}]
+        assert delta(Reasoning("r")).reasoning_content == "r"
+
+    @given(
+        prefix=st.text(st.sampled_from("ab \n<"), max_size=6),
+        arguments=st.recursive(
+            st.none()
+            | st.integers()
+            | st.text(st.sampled_from('ab"}<\\ '), max_size=4),
+            lambda inner: (
+                st.lists(inner, max_size=3)
+                | st.dictionaries(st.text("ab}", max_size=2), inner, max_size=3)
+            ),
+            max_leaves=6,
+        ),
+        calls=st.integers(1, 3),
+        spacing=st.sampled_from(["", "\n", " \n "]),
+        cut_at=st.integers(0, 400),
+        points=st.lists(st.integers(0, 400), max_size=10),
+    )
+    def test_any_cut_gives_the_same_calls(
+        self,
+        prefix: str,
+        arguments: Any,
+        calls: int,
+        spacing: str,
+        cut_at: int,
+        points: list[int],
+    ) -> None:
+        call = (
+            f'<tool_call>{spacing}{{"name": "f", "arguments": '
+            f"{json.dumps(arguments)}}}{spacing}</tool_call>"
+        )
+        whole = prefix + "\n".join([call] * calls) + "tail"
+        whole = whole[: cut_at + len(prefix)]  # cut short anywhere too
+        expected = parse([whole])
+        assert parse(cut(whole, points)) == expected
+        for tool_call in expected.get("tool_calls") or []:
+            if whole.count("</tool_call>") == calls:
+                assert json.loads(tool_call["function"]["arguments"]) == arguments
+
+    @given(
+        parts=st.lists(
+            st.sampled_from(["<think>", "</think>", CALL, "\n", "x", "<", "}"]),
+            max_size=12,
+        ),
+        points=st.lists(st.integers(0, 600), max_size=10),
+    )
+    def test_reasoning_and_calls_together_split_alike(
+        self, parts: list[str], points: list[int]
+    ) -> None:
+        text = "".join(parts)
+        expected = parse([text], reasoning="optional")
+        assert parse(cut(text, points), reasoning="optional") == expected
