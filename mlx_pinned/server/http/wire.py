@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from starlette.types import Message, Receive, Scope, Send
 
 __all__ = [
+    "DRAIN_FACTOR",
+    "DRAIN_SECONDS",
     "Disconnected",
     "RequestLog",
     "ResponseWriter",
@@ -162,15 +164,32 @@ class ResponseWriter:
             pass
 
 
+#: A body over the limit is still read (and dropped) up to this many times
+#: the limit and for this many seconds before the 413 is sent.
+DRAIN_FACTOR = 4
+DRAIN_SECONDS = 5.0
+
+
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes ``limit``."""
+    """The request body, refused with 413 once it passes ``limit``.
+
+    Before the 413, the rest of the body is read and dropped, within
+    :data:`DRAIN_FACTOR` times the limit and :data:`DRAIN_SECONDS`: a client
+    that sends its whole body before it reads (Python's ``urllib``,
+    ``requests``) would otherwise find the connection reset under it
+    instead of the answer. A body declared larger than that is refused at
+    once.
+    """
     too_large = APIError(
         413,
         f"The request body is larger than this server's limit of {limit} bytes.",
         code="request_too_large",
     )
+    drain = limit * DRAIN_FACTOR
     length = dict(scope["headers"]).get(b"content-length")
     if length is not None and length.isdigit() and int(length) > limit:
+        if int(length) <= drain:
+            await _drain(receive, drain)
         raise too_large
     chunks: list[bytes] = []
     size = 0
@@ -180,11 +199,27 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             raise Disconnected
         body = message.get("body", b"")
         size += len(body)
+        more = message.get("more_body", False)
         if size > limit:
+            if more:
+                await _drain(receive, drain - size)
             raise too_large
         chunks.append(body)
-        if not message.get("more_body", False):
+        if not more:
             return b"".join(chunks)
+
+
+async def _drain(receive: Receive, budget: int) -> None:
+    """Read and drop the body until it ends, or past ``budget`` bytes or
+    :data:`DRAIN_SECONDS`; the client's disconnect ends it too."""
+    with anyio.move_on_after(DRAIN_SECONDS):
+        while budget >= 0:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            budget -= len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
 
 async def watch_disconnect(

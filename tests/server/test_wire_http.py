@@ -1,0 +1,98 @@
+"""The server under a real uvicorn, for what only a socket shows: a client
+that sends its whole body before it reads still gets its 413; CORS."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+
+from mlx_pinned.server import create_app
+
+from .conftest import MODEL
+
+pytestmark = pytest.mark.timeout(60)
+
+LIMIT = 4 * 1024 * 1024
+
+
+@contextmanager
+def uvicorn_server(app: Any) -> Iterator[str]:
+    """``app`` under uvicorn on a free loopback port, in a thread."""
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn")
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive(), "uvicorn did not start"
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def url(tiny_model_path: Path) -> Iterator[str]:
+    app = create_app(
+        tiny_model_path,
+        served_model_name=MODEL,
+        max_body_bytes=LIMIT,
+        max_num_seqs=1,
+    )
+    with uvicorn_server(app) as running:
+        yield running
+
+
+def post(url: str, data: bytes) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        data=data,
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+class TestBodyLimit:
+    @pytest.mark.parametrize("factor", [2, 3.5])
+    def test_urllib_reads_the_413_of_a_body_over_the_limit(
+        self, url: str, factor: float
+    ) -> None:
+        # urllib writes the whole body before it reads: a server that
+        # answers and closes halfway resets the connection under it.
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        data = json.dumps(body).encode()
+        data = data[:-1] + b', "user": "' + b"a" * int(LIMIT * factor) + b'"}'
+        status, answer = post(url, data)
+        assert status == 413
+        assert answer["error"]["code"] == "request_too_large"
+
+    def test_the_server_still_answers_after(self, url: str) -> None:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2,
+        }
+        status, answer = post(url, json.dumps(body).encode())
+        assert status == 200
+        assert answer["usage"]["completion_tokens"] == 2
