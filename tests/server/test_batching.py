@@ -646,3 +646,17 @@ def test_a_step_reads_logprobs_only_for_rows_that_asked(thread: MLXThread) -> No
     assert all(math.isnan(s.logprob) for s in lean)
     expected = 3.0 - math.log(math.exp(3.0) + 1.0 + math.exp(1.0))
     assert full[1].logprob == pytest.approx(expected, abs=1e-5)
+
+
+def test_the_position_seed_is_mlx_vlms() -> None:
+    # The engine's copy of mlx-vlm's per-position key mix (a private name
+    # there): while mlx-vlm has it, the two agree, so seeds reproduce in
+    # mlx_vlm.stream_generate.
+    import importlib
+
+    from mlx_pinned.server.engine.sampling import position_seed
+
+    ar = importlib.import_module("mlx_vlm.generate.ar")
+    theirs = ar._position_seed
+    for seed, row, position in [(0, 0, 0), (7, 0, 15), (2**32 - 1, 3, 4095)]:
+        assert position_seed(seed, row, position) == theirs(seed, row, position)

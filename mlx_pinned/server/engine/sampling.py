@@ -95,7 +95,7 @@ def draw(
         keys = mx.stack(
             [
                 mx.random.key(
-                    api.position_seed(
+                    position_seed(
                         rows[i].seed, 0, rows[i].sampled + (ahead[i] if ahead else 0)
                     )
                 )
@@ -152,6 +152,22 @@ def collect(pending: Draw, stop: Callable[[int], Any]) -> list[Sampled]:
     ]
 
 
+def position_seed(seed: int, row: int, position: int) -> int:
+    """The sampling key's seed of a seeded request at a token position.
+
+    The mix mlx-vlm's ``stream_generate`` keys its draws with (0.7.10), so a
+    seeded request draws the same tokens here and there; written here, as a
+    test checks it against mlx-vlm's, so the engine reads no private name.
+    """
+    mixed = (int(seed) ^ 0x9E3779B9) & 0xFFFFFFFF
+    mixed = (mixed + (int(row) + 1) * 0x85EBCA6B) & 0xFFFFFFFF
+    mixed = (mixed ^ ((int(position) + 1) * 0xC2B2AE35)) & 0xFFFFFFFF
+    mixed ^= mixed >> 16
+    mixed = (mixed * 0x7FEB352D) & 0xFFFFFFFF
+    mixed ^= mixed >> 15
+    return mixed & 0xFFFFFFFF
+
+
 @functools.cache
 def _drawer(temperature: float, top_p: float) -> Any:
     """One row's draw from its log-probabilities with its key, as mlx-vlm's
@@ -176,7 +192,6 @@ class VLM:
     """The mlx-vlm functions the batch uses, imported on first use."""
 
     def __init__(self) -> None:
-        ar = importlib.import_module("mlx_vlm.generate.ar")
         common = importlib.import_module("mlx_vlm.generate.common")
         sample = importlib.import_module("mlx_vlm.sample_utils")
         utils = importlib.import_module("mlx_vlm.utils")
@@ -185,9 +200,6 @@ class VLM:
         self.clamp_temperature = sample.clamp_temperature
         self.apply_top_k = sample.apply_top_k
         self.top_p_sampling = sample.top_p_sampling
-        # The single-stream path's per-(seed, position) key; private in
-        # mlx-vlm 0.7.10 (pinned by the server extra).
-        self.position_seed = ar._position_seed
         self.prepare_inputs = utils.prepare_inputs
         self.should_add_special_tokens = utils.should_add_special_tokens
         self.make_prompt_cache = cache.make_prompt_cache
