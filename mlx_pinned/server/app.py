@@ -30,6 +30,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from mlx_pinned import MLXThread
@@ -146,6 +147,18 @@ def create_app(
     ]
     if config.api_key is not None:
         middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key))
+    if config.allowed_origins:
+        # Outermost: a preflight carries no API key and needs no model.
+        middleware.insert(
+            0,
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(config.allowed_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["*"],
+                max_age=600,
+            ),
+        )
     app = Starlette(
         routes=routes,
         middleware=middleware,

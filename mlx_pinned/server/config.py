@@ -52,6 +52,17 @@ def non_negative(text: str) -> int:
     return value
 
 
+def origins(text: str) -> tuple[str, ...]:
+    """Comma-separated origins (``https://app.example``), or ``*`` for any."""
+    found = tuple(item.strip().rstrip("/") for item in text.split(",") if item.strip())
+    if not found:
+        raise ValueError("give at least one origin, e.g. https://app.example")
+    for origin in found:
+        if origin != "*" and "://" not in origin:
+            raise ValueError(f"an origin is scheme://host[:port], not {origin!r}")
+    return found
+
+
 def seconds(text: str) -> float:
     """A number of seconds, 0 or more."""
     try:
@@ -153,6 +164,9 @@ class ServerConfig:
         image_limits: Limits on images per request, bytes and pixels.
         api_key: When set, every route but ``/health`` needs
             ``Authorization: Bearer <api_key>``; otherwise 401.
+        allowed_origins: Origins whose browser pages may call the API
+            (CORS: preflights answered, ``Access-Control-Allow-Origin``
+            sent); ``("*",)`` allows any. Empty: CORS off.
         allow_remote_images: Fetch ``http(s)://`` image URLs (off: they are a
             400), from public addresses only, at most
             ``image_limits.max_bytes`` per image.
@@ -211,6 +225,12 @@ class ServerConfig:
         parse=str,
         env=API_KEY_ENV,
     )
+    allowed_origins: tuple[str, ...] = _setting(
+        (),
+        "browser origins allowed to call the API (CORS), comma-separated, or "
+        "'*' for any (default: none, CORS off)",
+        parse=origins,
+    )
     allow_remote_images: bool = _setting(
         False,
         "fetch http(s) image URLs, from public addresses only (default: off)",
@@ -266,6 +286,9 @@ class ServerConfig:
         for name in (*bounded, "max_body_bytes", "retry_after"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        if isinstance(self.allowed_origins, str):
+            raise ValueError("allowed_origins is a sequence of origins, not one string")
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         if self.api_key == "":
             raise ValueError("api_key is empty: give a key, or None for no key")
         if self.prompt_cache_bytes is not None and self.prompt_cache_bytes < 0:

@@ -8,17 +8,20 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import uvicorn
 
-from mlx_pinned.server import create_app
+from mlx_pinned.server import ServerConfig, create_app
+from mlx_pinned.server.config import command_line_settings
 
-from .conftest import MODEL
+from .conftest import MODEL, Served
+
+Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -96,3 +99,77 @@ class TestBodyLimit:
         status, answer = post(url, json.dumps(body).encode())
         assert status == 200
         assert answer["usage"]["completion_tokens"] == 2
+
+
+class TestCORS:
+    pytestmark = pytest.mark.anyio
+
+    ORIGIN = "https://app.example"
+
+    async def test_a_preflight_is_answered_without_the_api_key(
+        self, serve: Serve
+    ) -> None:
+        async with serve(allowed_origins=(self.ORIGIN,), api_key="k") as served:
+            response = await served.client.options(
+                "/v1/chat/completions",
+                headers={
+                    "origin": self.ORIGIN,
+                    "access-control-request-method": "POST",
+                    "access-control-request-headers": "authorization,content-type",
+                },
+            )
+            assert response.status_code == 200
+            headers = response.headers
+            assert headers["access-control-allow-origin"] == self.ORIGIN
+            assert "POST" in headers["access-control-allow-methods"]
+            assert "authorization" in headers["access-control-allow-headers"]
+
+    async def test_a_request_from_an_allowed_origin_may_read_its_answer(
+        self, serve: Serve
+    ) -> None:
+        async with serve(allowed_origins=(self.ORIGIN,)) as served:
+            response = await served.client.get(
+                "/v1/models", headers={"origin": self.ORIGIN}
+            )
+            assert response.status_code == 200
+            assert response.headers["access-control-allow-origin"] == self.ORIGIN
+            other = await served.client.get(
+                "/v1/models", headers={"origin": "https://evil.example"}
+            )
+            assert "access-control-allow-origin" not in other.headers
+
+    async def test_cors_is_off_by_default(self, serve: Serve) -> None:
+        async with serve() as served:
+            response = await served.client.options(
+                "/v1/chat/completions",
+                headers={
+                    "origin": self.ORIGIN,
+                    "access-control-request-method": "POST",
+                },
+            )
+            assert "access-control-allow-origin" not in response.headers
+
+    def test_the_flag_takes_comma_separated_origins(self) -> None:
+        from mlx_pinned.server.config import origins
+
+        assert origins(" https://a.example/, http://b:3000 ") == (
+            "https://a.example",
+            "http://b:3000",
+        )
+        assert origins("*") == ("*",)
+        for bad in ("", "a.example", ","):
+            with pytest.raises(ValueError, match="origin"):
+                origins(bad)
+        with pytest.raises(ValueError, match="one string"):
+            ServerConfig(allowed_origins="https://a.example")  # type: ignore[arg-type]
+        settings = {s.flag: s for s in command_line_settings()}
+        assert settings["--allowed-origins"].default == ()
+
+    def test_the_command_line_value_reaches_the_config(self) -> None:
+        from mlx_pinned.server import cli
+
+        args = cli.build_parser().parse_args(
+            ["serve", "m", "--allowed-origins", "https://a.example,http://b:3000"]
+        )
+        config = cli._config(args, "m", None)
+        assert config.allowed_origins == ("https://a.example", "http://b:3000")
