@@ -17,15 +17,15 @@ from ._exceptions import MLXThreadBusyError as MLXThreadBusyError
 from ._exceptions import MLXThreadClosedError as MLXThreadClosedError
 from ._exceptions import MLXThreadDeadlockError as MLXThreadDeadlockError
 from ._exceptions import StreamAffinityError as StreamAffinityError
-from ._executor import Exclusive as Exclusive
+from ._exclusive import Exclusive as Exclusive
 from ._executor import MLXThread as MLXThread
 from ._executor import MLXThreadStatistics as MLXThreadStatistics
-from ._executor import cancel_requested as cancel_requested
 from ._executor import current_default_mlx_thread as current_default_mlx_thread
 from ._streams import AsyncBatchIterator as AsyncBatchIterator
 from ._streams import AsyncStreamIterator as AsyncStreamIterator
 from ._streams import SyncBatchIterator as SyncBatchIterator
 from ._streams import SyncStreamIterator as SyncStreamIterator
+from ._worker import cancel_requested as cancel_requested
 
 __version__ = "0.1.0"
 

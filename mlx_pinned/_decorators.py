@@ -21,7 +21,8 @@ from typing import (
     overload,
 )
 
-from ._executor import Exclusive, MLXThread, current_default_mlx_thread
+from ._exclusive import Exclusive
+from ._executor import MLXThread, current_default_mlx_thread
 
 if TYPE_CHECKING:
     from ._streams import AsyncStreamIterator, SyncStreamIterator

@@ -2,29 +2,27 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import threading
 import time
 import weakref
-from collections import deque
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from queue import Empty, SimpleQueue
+from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import _jobs
 from ._exceptions import (
     MLXThreadBrokenError,
     MLXThreadBusyError,
     MLXThreadClosedError,
-    MLXThreadDeadlockError,
 )
-from ._jobs import AsyncioCall, Call, FutureCall, Running
-from ._mlx import ThreadStream, affinity_error, evaluate, is_stream_error, job_name
-from ._streams import AsyncStreamIterator, Stream, SyncStreamIterator
-from ._waiters import SyncWaiter, async_waiter, get_running_loop, is_asyncio
+from ._exclusive import Exclusive
+from ._jobs import FutureCall
+from ._keys import user_key
+from ._mlx import ThreadStream, evaluate, job_name
+from ._submitter import Submitter
+from ._worker import CLOSED, NEW, RUNNING, STOP, Worker, drain
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -32,13 +30,13 @@ else:  # pragma: no cover
     from typing_extensions import Self
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable
     from types import TracebackType
 
-T = TypeVar("T")
+    from ._jobs import Call
+    from ._streams import Stream
 
-_STOP = object()
-_NEW, _RUNNING, _CLOSED = "new", "running", "closed"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -71,440 +69,7 @@ class MLXThreadStatistics:
     waiting_for_key: tuple[tuple[object, int], ...] = field(default=())
 
 
-class _Worker:
-    """What an MLXThread shares with its jobs and streams: its queue, lock,
-    state and counters. Implements :class:`JobOwner` and :class:`StreamOwner`.
-
-    Under ``lock``, from any thread: ``state``, ``dead``, ``submitted_count``,
-    ``discarded_count`` and puts that must not race the worker's end. On the
-    worker thread only (no lock): ``running``, ``open_streams``, the
-    started, completed, failed and cancelled counts and the busy clock.
-    Read without the lock from any thread: the rest, and the counts for
-    ``statistics()``.
-    """
-
-    __slots__ = (
-        "broken",
-        "broken_why",
-        "busy_since",
-        "busy_time",
-        "cancel_running",
-        "cancelled_count",
-        "completed_count",
-        "dead",
-        "discarded_count",
-        "eval_results",
-        "failed_count",
-        "holders",
-        "ident",
-        "lock",
-        "name",
-        "open_streams",
-        "queue",
-        "ready",
-        "running",
-        "started_count",
-        "state",
-        "submitted_count",
-        "waiting",
-    )
-
-    def __init__(self, name: str, eval_results: bool) -> None:
-        self.name = name
-        self.eval_results = eval_results
-        # Reentrant: a stream iterator collected while the worker holds the
-        # lock (garbage collection can run anywhere) queues its close turn.
-        self.lock = threading.RLock()
-        self.queue: SimpleQueue[Any] = SimpleQueue()
-        self.state = _NEW
-        self.ident: int | None = None
-        self.dead = False  # the worker has drained its queue for the last time
-        self.broken: BaseException | None = None
-        self.broken_why: str | None = None  # how it broke, when it did
-        self.cancel_running = False  # shutdown(cancel_futures=True) was called
-        self.submitted_count = 0  # counted items queued
-        self.started_count = 0  # counted items the worker took
-        self.discarded_count = 0  # counted items removed without a turn
-        self.completed_count = self.failed_count = self.cancelled_count = 0
-        self.busy_time = 0.0  # seconds in finished busy periods
-        self.busy_since: float | None = None  # start of the current one
-        self.running: Running | None = None
-        self.open_streams: set[Stream[Any]] = set()
-        # Exclusive keys, on the worker thread only: the job or stream that
-        # holds each key, the work waiting for it (FIFO), and the work handed
-        # a key that was let go, which runs before the next queued item.
-        self.holders: dict[object, Running] = {}
-        self.waiting: dict[object, deque[Any]] = {}
-        self.ready: deque[Any] = deque()
-
-    @property
-    def closed(self) -> bool:
-        return self.state is _CLOSED or self.broken is not None
-
-    def pending(self) -> int:
-        """Counted items queued and not taken by the worker."""
-        return self.submitted_count - self.started_count - self.discarded_count
-
-    def is_current(self) -> bool:
-        return threading.get_ident() == self.ident
-
-    def requeue(self, stream: Stream[Any]) -> None:
-        with self.lock:
-            if not self.dead:
-                self.queue.put(stream)
-                return
-        stream.abandon(self.closed_error())
-
-    def sweep(self, key: object) -> None:
-        with self.lock:
-            if not self.dead:
-                self.queue.put(_Sweep(key))
-
-    # -- exclusive keys: worker thread only ----------------------------------
-
-    def admit(self, item: Any) -> bool:
-        """Whether keyed ``item`` may take its turn now; if another holder of
-        its key is open, it waits for the key instead."""
-        key = item.key
-        holder = self.holders.get(key)
-        if holder is None:
-            if item.fn is not None:
-                self.holders[key] = item
-            return True
-        # Its own later turn, or one that ends without running.
-        if holder is item or item.fn is None or item.cancel_requested:
-            return True
-        waiting = self.waiting.get(key)
-        if waiting is None:
-            waiting = self.waiting[key] = deque()
-        waiting.append(item)
-        return False
-
-    def let_go(self, item: Any) -> None:
-        """``item`` has ended: hand its key to the first live waiter, which
-        takes its turn next."""
-        key = item.key
-        if self.holders.get(key) is not item:
-            return
-        # Shut down: what waits for a key never starts; the end takes it.
-        waiting = None if self.state is _CLOSED else self.waiting.get(key)
-        while waiting:
-            successor = waiting.popleft()
-            if successor.fn is not None:
-                self.holders[key] = successor
-                self.ready.append(successor)
-                break
-        else:
-            del self.holders[key]
-        if waiting is not None and not waiting:
-            del self.waiting[key]
-
-    def end_waiters_that_left(self, key: object) -> None:
-        """End the work waiting for ``key`` whose caller left (cancelled, or
-        its stream closed) now, instead of once the key is free."""
-        waiting = self.waiting.get(key)
-        if not waiting:
-            return
-        left = [item for item in waiting if item.fn is None or item.cancel_requested]
-        if not left:
-            return
-        staying = deque(item for item in waiting if item not in left)
-        if staying:
-            self.waiting[key] = staying
-        else:
-            del self.waiting[key]
-        for item in left:
-            if item.fn is None:
-                continue
-            if item.counted:
-                self.started_count += 1
-            item.run(self)  # it sees it was cancelled or closed, and ends
-
-    def take_waiting(self) -> list[Any]:
-        """Remove and return all work waiting for a key (at the end)."""
-        items = [item for item in self.ready if item.fn is not None]
-        for waiting in self.waiting.values():
-            items.extend(item for item in waiting if item.fn is not None)
-        self.ready.clear()
-        self.waiting.clear()
-        self.holders.clear()
-        return items
-
-    def check_inline(self, key: object) -> None:
-        """Refuse an inline call with ``key`` while another holder of it is
-        open: it could neither run now nor wait (the worker is busy here)."""
-        holder = self.holders.get(key)
-        if holder is not None and holder is not self.running:
-            raise MLXThreadDeadlockError(
-                f"MLX thread {self.name!r} cannot run this call inline: its"
-                f" exclusive key {_user_key(key)!r} is held by another open job"
-                " or stream, and waiting for it here would wait forever; queue"
-                " it with submit() and do not wait for it on the thread."
-            )
-
-    def closed_error(self) -> MLXThreadClosedError | MLXThreadBrokenError:
-        if self.broken is not None:
-            error = MLXThreadBrokenError(
-                self.broken_why
-                or f"MLX thread {self.name!r} is broken ({self.broken!r}):"
-                " create a new MLXThread."
-            )
-            error.__cause__ = self.broken
-            return error
-        return MLXThreadClosedError(
-            f"MLX thread {self.name!r} was shut down: create a new MLXThread."
-        )
-
-    def translate(
-        self,
-        error: BaseException,
-        fn: Callable[..., object] | str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> BaseException:
-        if isinstance(error, StopIteration):
-            # A StopIteration set on an asyncio future hangs its awaiter.
-            new: BaseException = RuntimeError(
-                f"job {_job_name(fn)!r} raised StopIteration"
-            )
-        elif is_stream_error(error):
-            new = affinity_error(error, fn, args, kwargs, self.name)
-        else:
-            return error
-        new.__cause__ = error
-        new.__traceback__ = error.__traceback__
-        return new
-
-
-class _Submitter:
-    """The ways to hand work to an MLX thread, shared by :class:`MLXThread`
-    (no key) and :class:`Exclusive` (one key). Caller side: any thread."""
-
-    __slots__ = ()
-    _key: object  # the exclusive key of the work, or None
-    _worker: _Worker
-
-    def is_current(self) -> bool:
-        """Whether the caller is running on this MLX thread."""
-        raise NotImplementedError
-
-    def _enqueue(self, item: Call[Any] | Stream[Any]) -> None:
-        raise NotImplementedError
-
-    def _call_inline(
-        self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> T:
-        raise NotImplementedError
-
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
-        """Queue ``fn(*args, **kwargs)`` to run on the thread.
-
-        Works from any thread, including the MLXThread itself (the job is
-        queued behind the others; waiting for its result there raises
-        :class:`MLXThreadDeadlockError` at once, since it could never come).
-        ``future.cancel()`` before it starts means it never runs. So
-        ``loop.run_in_executor(thread, fn)`` works too.
-
-        Raises:
-            MLXThreadBusyError: ``max_pending`` jobs are already queued.
-            MLXThreadClosedError: the thread was shut down.
-            MLXThreadBrokenError: the thread died.
-        """
-        key = self._key
-        call: FutureCall[T] = FutureCall(fn, args, kwargs, self._worker, key)
-        if key is not None:
-            call.future.add_done_callback(
-                functools.partial(_sweep_if_cancelled, self._worker, key)
-            )
-        self._enqueue(call)
-        return call.future
-
-    def run_sync(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-        """Run ``fn(*args, **kwargs)`` on the thread and block until it returns.
-
-        Called on the MLXThread itself, it runs inline instead of deadlocking.
-        Not cancellable once queued; use :meth:`run` from async code.
-        """
-        if self.is_current():
-            return self._call_inline(fn, args, kwargs)
-        waiter = SyncWaiter()
-        call = Call(fn, args, kwargs, waiter, self._key)
-        self._enqueue(call)
-        try:
-            waiter.wait()
-        except BaseException:  # KeyboardInterrupt while waiting
-            self._leave(call)
-            raise
-        return call.result()
-
-    async def run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-        """Run ``fn(*args, **kwargs)`` on the thread and await its result.
-
-        Works on asyncio and trio; the event loop is never blocked. If the
-        caller is cancelled, it is released at once: a job that has not
-        started never runs, a running one finishes (it can poll
-        :func:`cancel_requested`) and its result is dropped.
-        """
-        loop = get_running_loop()
-        if is_asyncio(loop) and not self.is_current():
-            job: AsyncioCall[T] = AsyncioCall(fn, args, kwargs, loop, self._key)  # type: ignore[arg-type]
-            self._enqueue(job)
-            try:
-                return await job.future
-            except BaseException:
-                self._leave(job)
-                raise
-        if self.is_current():
-            return self.run_sync(fn, *args, **kwargs)
-        waiter = async_waiter()
-        call = Call(fn, args, kwargs, waiter, self._key)
-        self._enqueue(call)
-        try:
-            await waiter.wait()
-        except BaseException:
-            self._leave(call)
-            raise
-        return call.result()
-
-    def iterate(
-        self, gen_fn: Callable[..., Iterable[T]], /, *args: Any, **kwargs: Any
-    ) -> AsyncStreamIterator[T]:
-        """Run the sync generator ``gen_fn(*args, **kwargs)`` on the thread and
-        iterate its items asynchronously (asyncio or trio).
-
-        The generator is created and advanced only on the thread, one item per
-        turn, so streams interleave item by item with other jobs; at most a
-        few items are read ahead, so a slow consumer never holds the thread.
-        ``aclose()``, cancelling the consumer or dropping the iterator closes
-        the generator on the thread before its next item; use
-        ``contextlib.aclosing``.
-
-        Raises:
-            MLXThreadBusyError: the queue is full (raised here, at once).
-        """
-        stream: Stream[T] = Stream(self._worker, gen_fn, args, kwargs, self._key)
-        self._enqueue(stream)
-        return AsyncStreamIterator(stream)
-
-    def iterate_sync(
-        self, gen_fn: Callable[..., Iterable[T]], /, *args: Any, **kwargs: Any
-    ) -> SyncStreamIterator[T]:
-        """Like :meth:`iterate`, for plain threads: a blocking iterator with
-        ``close()``. Must not be consumed on the MLXThread itself."""
-        stream: Stream[T] = Stream(self._worker, gen_fn, args, kwargs, self._key)
-        self._enqueue(stream)
-        return SyncStreamIterator(stream)
-
-    def _leave(self, call: Call[Any]) -> None:
-        """The caller gave up waiting: the job must not start."""
-        call.cancelled = True
-        if call.key is not None:
-            self._worker.sweep(call.key)
-
-
-class Exclusive(_Submitter):
-    """Work on one MLXThread that never overlaps other work with the same key.
-
-    Returned by :meth:`MLXThread.exclusive`; it has the thread's ``submit``,
-    ``run``, ``run_sync``, ``iterate`` and ``iterate_sync``, with the same
-    signatures, and runs on the same thread. On that thread, work that
-    shares a key never overlaps: a job holds its key while it runs, a stream
-    from its first turn until its generator ends or is closed. Keyed work
-    whose key is held waits, first in first out per key, while work with no
-    key or another key still runs between the holder's items. A call from a
-    job that holds the key, on the thread itself, runs inline.
-
-    Waiting work counts against ``max_pending`` and is listed in
-    ``statistics().waiting_for_key``. Cancelled while waiting, it never
-    starts and its caller is released at once; still waiting when the
-    thread stops, it ends with :class:`MLXThreadClosedError` (a future from
-    ``submit`` is cancelled under ``shutdown(cancel_futures=True)``).
-
-    Attributes:
-        key: the key, as given.
-        thread: the MLXThread the work runs on.
-    """
-
-    __slots__ = ("_key", "_worker", "thread")
-
-    def __init__(self, thread: MLXThread, key: object) -> None:
-        self.thread = thread
-        self._worker = thread._worker
-        # Compared by equality when hashable (a name), else by identity (an
-        # nn.Module is a dict, so it is unhashable).
-        self._key = key if _hashable(key) else _Identity(key)
-
-    @property
-    def key(self) -> object:
-        return _user_key(self._key)
-
-    def __repr__(self) -> str:
-        return f"<Exclusive {self.key!r} on {self.thread!r}>"
-
-    def is_current(self) -> bool:
-        return threading.get_ident() == self._worker.ident
-
-    def _enqueue(self, item: Call[Any] | Stream[Any]) -> None:
-        self.thread._enqueue(item)
-
-    def _call_inline(
-        self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> T:
-        self._worker.check_inline(self._key)
-        return self.thread._call_inline(fn, args, kwargs)
-
-
-class _Identity:
-    """An unhashable key, compared by identity."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: object) -> None:
-        self.value = value
-
-    def __hash__(self) -> int:
-        return id(self.value)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Identity) and other.value is self.value
-
-
-def _hashable(key: object) -> bool:
-    try:
-        hash(key)
-    except TypeError:
-        return False
-    return True
-
-
-def _user_key(key: object) -> object:
-    return key.value if isinstance(key, _Identity) else key
-
-
-class _Sweep:
-    """A queue item: end the work waiting for ``swept`` whose caller left."""
-
-    __slots__ = ("swept",)
-    counted = False  # never refused, never counted as pending
-    key = None  # holds no key itself
-    fn = None
-
-    def __init__(self, swept: object) -> None:
-        self.swept = swept
-
-    def run(self, worker: _Worker) -> None:
-        worker.end_waiters_that_left(self.swept)
-
-    def abandon(self, error: BaseException) -> None:
-        """Nothing waits on a sweep."""
-
-
-def _sweep_if_cancelled(worker: _Worker, key: object, future: Future[Any]) -> None:
-    if future.cancelled():
-        worker.sweep(key)
-
-
-class MLXThread(_Submitter, Executor):
+class MLXThread(Submitter, Executor):
     """An executor that runs every job on one dedicated thread with its own stream.
 
     MLX streams are thread-local, so a model must be loaded, run and evaluated
@@ -547,7 +112,7 @@ class MLXThread(_Submitter, Executor):
         self.max_pending = max_pending
         self._initializer = initializer
         self._finalizer = finalizer
-        self._worker = _Worker(name, eval_results)
+        self._worker = Worker(name, eval_results)
         self._thread: threading.Thread | None = None
         self._mlx_stream: ThreadStream | None = None
         _all_threads.add(self)
@@ -565,21 +130,21 @@ class MLXThread(_Submitter, Executor):
         """
         worker = self._worker
         with worker.lock:
-            if worker.state is _RUNNING:
+            if worker.state is RUNNING:
                 return
-            if worker.state is _CLOSED:
+            if worker.state is CLOSED:
                 raise worker.closed_error()
             try:
                 _register_exit_hook()
             except RuntimeError:  # the interpreter is already shutting down
-                worker.state = _CLOSED
+                worker.state = CLOSED
                 raise MLXThreadClosedError(
                     f"MLX thread {self.name!r} cannot start: the interpreter is"
                     " shutting down."
                 ) from None
             thread = threading.Thread(target=self._work, name=self.name)
             thread.start()
-            self._thread, worker.ident, worker.state = thread, thread.ident, _RUNNING
+            self._thread, worker.ident, worker.state = thread, thread.ident, RUNNING
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop accepting jobs and stop the thread once the queue is done.
@@ -596,15 +161,15 @@ class MLXThread(_Submitter, Executor):
         worker = self._worker
         discarded: list[Call[Any] | Stream[Any]] = []
         with worker.lock:
-            if worker.state is _NEW:
-                worker.state = _CLOSED
+            if worker.state is NEW:
+                worker.state = CLOSED
                 return
-            if worker.state is _RUNNING:
-                worker.state = _CLOSED
+            if worker.state is RUNNING:
+                worker.state = CLOSED
                 if cancel_futures:
                     worker.cancel_running = True
                     discarded = self._take_queued()
-                worker.queue.put(_STOP)
+                worker.queue.put(STOP)
         # Ended outside the lock: ending a stream takes its own lock, which a
         # thread holding it may hold while it queues a turn (under _lock).
         for item in discarded:
@@ -683,7 +248,7 @@ class MLXThread(_Submitter, Executor):
         )
         return MLXThreadStatistics(
             pending=max(0, worker.pending()),
-            running=None if fn is None else _job_name(fn),
+            running=None if fn is None else job_name(fn),
             completed=worker.completed_count,
             failed=worker.failed_count,
             cancelled=worker.cancelled_count + worker.discarded_count,
@@ -692,7 +257,7 @@ class MLXThread(_Submitter, Executor):
             max_pending=self.max_pending,
             # list(): one step that another thread cannot interleave with.
             waiting_for_key=tuple(
-                (_user_key(key), len(waiting))
+                (user_key(key), len(waiting))
                 for key, waiting in list(worker.waiting.items())
                 if waiting
             ),
@@ -721,10 +286,10 @@ class MLXThread(_Submitter, Executor):
 
     def _enqueue(self, item: Call[Any] | Stream[Any]) -> None:
         worker = self._worker
-        if worker.state is _NEW:
+        if worker.state is NEW:
             self.start()
         with worker.lock:
-            if worker.state is not _RUNNING or worker.dead:
+            if worker.state is not RUNNING or worker.dead:
                 raise worker.closed_error()
             if self.max_pending is not None and worker.pending() >= self.max_pending:
                 raise MLXThreadBusyError(
@@ -739,8 +304,8 @@ class MLXThread(_Submitter, Executor):
         the caller ends them once the lock is released."""
         worker = self._worker
         taken = []
-        for item in _drain(worker.queue):
-            if item is _STOP:
+        for item in drain(worker.queue):
+            if item is STOP:
                 worker.queue.put(item)
                 continue
             if item.counted:
@@ -764,7 +329,7 @@ class MLXThread(_Submitter, Executor):
         return value
 
     def _work(self) -> None:
-        """The worker thread's main loop."""
+        """The worker thread: set up, serve the queue, then clean up."""
         worker = self._worker
         # First: start() sets it only after this thread runs, and the
         # initializer may call run_sync, which must run inline here.
@@ -793,81 +358,18 @@ class MLXThread(_Submitter, Executor):
             worker.broken = exc
             self._finish(MLXThreadBrokenError(worker.broken_why), exc)
             return
-        _jobs.thread_local.owner = worker
-        queue = worker.queue
-        get_nowait, adopt = queue.get_nowait, self._mlx_stream.adopt_module_streams
-        ready, admit, let_go = worker.ready, worker.admit, worker.let_go
-        clock = time.perf_counter
-        worker.busy_since = clock()
         try:
-            while True:
-                if ready:
-                    item = ready.popleft()
-                else:
-                    try:
-                        item = get_nowait()
-                    except Empty:
-                        # Busy time is counted per busy period, not per job:
-                        # two clock reads per wake-up instead of two per job.
-                        worker.busy_time += clock() - worker.busy_since
-                        worker.busy_since = None
-                        item = queue.get()
-                        worker.busy_since = clock()
-                if item is _STOP:
-                    break
-                key = item.key
-                if key is not None and not admit(item):
-                    continue  # it waits for its key
-                if item.counted:
-                    worker.started_count += 1
-                adopt()
-                item.run(worker)
-                if key is not None and item.fn is None:  # it ended
-                    let_go(item)
-        except BaseException as exc:  # pragma: no cover - a bug in the loop itself
-            worker.broken = exc
-            raise
+            worker.serve(self._mlx_stream.adopt_module_streams)
         finally:
-            if worker.busy_since is not None:
-                worker.busy_time += clock() - worker.busy_since
-                worker.busy_since = None
             self._finish(
                 MLXThreadClosedError(f"MLX thread {self.name!r} was shut down."), None
             )
 
     def _finish(self, error: BaseException, cause: BaseException | None) -> None:
         """End every job still queued, close open streams, then clean up MLX."""
-        worker = self._worker
-        with worker.lock:
-            worker.dead = True
-            worker.state = _CLOSED
-            leftovers = _drain(worker.queue)
-        # Open streams first: a consumer woken by its error finds its
-        # generator closed (its ``finally`` has run) and counted.
-        for stream in list(worker.open_streams):
-            stream.close_on_thread(
-                MLXThreadClosedError(
-                    f"MLX thread {self.name!r} was shut down while this stream"
-                    " was open."
-                )
-            )
-        # Then what waited for a key: it never starts.
-        waited = worker.take_waiting()
-        for item in leftovers + waited:
-            if item is not _STOP:
-                if item.counted:
-                    with worker.lock:
-                        worker.discarded_count += 1
-                if worker.cancel_running and isinstance(item, FutureCall):
-                    item.cancel_queued()  # as shutdown(cancel_futures=True) does
-                    continue
-                # One error each: consumers on different threads must not
-                # raise (and extend the traceback of) the same object.
-                own = type(error)(*error.args)
-                own.__cause__ = cause
-                item.abandon(own)
+        self._worker.end_all(error, cause)
         try:
-            if self._finalizer is not None and worker.broken is None:
+            if self._finalizer is not None and self._worker.broken is None:
                 self._finalizer()
         finally:
             if self._mlx_stream is not None:
@@ -878,37 +380,10 @@ class MLXThread(_Submitter, Executor):
         worker = self._worker
         worker.lock = threading.RLock()
         worker.queue = SimpleQueue()
-        if worker.state is _RUNNING:
+        if worker.state is RUNNING:
             worker.broken = RuntimeError("the process forked")
             worker.dead = True
-            worker.state = _CLOSED
-
-
-def _drain(queue: SimpleQueue[Any]) -> list[Any]:
-    # The worker may take the last item between a check and a get: no empty().
-    items: list[Any] = []
-    try:
-        while True:
-            items.append(queue.get_nowait())
-    except Empty:
-        return items
-
-
-def _job_name(fn: Callable[..., object] | str) -> str:
-    return fn if isinstance(fn, str) else job_name(fn)
-
-
-def cancel_requested() -> bool:
-    """Whether the job running on this thread should stop early.
-
-    True once its caller was cancelled, its stream was closed, or the thread
-    is shutting down with ``cancel_futures=True``. Always false elsewhere.
-    """
-    owner: _Worker | None = getattr(_jobs.thread_local, "owner", None)
-    if owner is None:
-        return False
-    job = owner.running
-    return owner.cancel_running or (job is not None and bool(job.cancel_requested))
+            worker.state = CLOSED
 
 
 _all_threads: weakref.WeakSet[MLXThread] = weakref.WeakSet()

@@ -164,7 +164,7 @@ def affinity_error(
     Runs on the worker thread: each array argument is evaluated on its own to
     find the ones that belong to another thread's stream.
     """
-    name = job if isinstance(job, str) else job_name(job)
+    name = job_name(job)
     culprits = [where for where, arg in _named_arguments(args, kwargs) if _foreign(arg)]
     if culprits:
         what = ", ".join(culprits)
@@ -215,7 +215,10 @@ def _evaluates_here(array: object) -> bool:
 
 
 def job_name(fn: object) -> str:
-    """A readable name for a job: its qualified name, else its repr."""
+    """A readable name for a job: its qualified name, else its repr (a name
+    given as a string is kept)."""
+    if isinstance(fn, str):
+        return fn
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     if isinstance(name, str):
         return name
