@@ -17,8 +17,9 @@ from mlx_pinned.server.http.schemas import ChatCompletionRequest, parse_chat_req
 OPENAI_FIELDS = {
     "audio", "frequency_penalty", "function_call", "functions", "logit_bias",
     "logprobs", "max_completion_tokens", "max_tokens", "messages", "metadata",
-    "modalities", "model", "n", "parallel_tool_calls", "prediction",
-    "presence_penalty", "prompt_cache_key", "prompt_cache_retention",
+    "modalities", "model", "moderation", "n", "parallel_tool_calls",
+    "prediction", "presence_penalty", "prompt_cache_key", "prompt_cache_options",
+    "prompt_cache_retention",
     "reasoning_effort", "response_format", "safety_identifier", "seed",
     "service_tier", "stop", "store", "stream", "stream_options", "temperature",
     "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity",
@@ -71,6 +72,14 @@ class TestEveryField:
         }
         assert declared == OPENAI_FIELDS | VLLM_EXTENSIONS
 
+    def test_every_field_the_installed_sdk_sends_is_declared(self) -> None:
+        # A tripwire for fields OpenAI adds: the SDK gains them first.
+        from openai.types.chat import completion_create_params
+
+        sdk = set(completion_create_params.CompletionCreateParamsBase.__annotations__)
+        declared = set(ChatCompletionRequest.model_fields)
+        assert sdk - declared == set()
+
     @pytest.mark.parametrize("name", ["foo", "best_of", "guided_json", "ignore_eos"])
     def test_an_unknown_field_is_refused_by_name(self, name: str) -> None:
         error = refused(**{name: 1})
@@ -84,6 +93,7 @@ class TestEveryField:
             ("audio", {"voice": "alloy", "format": "wav"}),
             ("functions", [{"name": "f"}]),
             ("function_call", "auto"),
+            ("moderation", {"model": "omni-moderation-latest"}),
             ("prediction", {"type": "content", "content": "x"}),
             ("reasoning_effort", "low"),
             ("web_search_options", {}),
@@ -103,6 +113,7 @@ class TestEveryField:
             ("store", True),
             ("service_tier", "flex"),
             ("service_tier", "priority"),
+            ("service_tier", "fast"),
             ("modalities", ["text", "audio"]),
             ("verbosity", "low"),
         ],
@@ -120,6 +131,7 @@ class TestEveryField:
                 safety_identifier="s",
                 prompt_cache_key="k",
                 prompt_cache_retention="24h",
+                prompt_cache_options={"mode": "explicit", "ttl": "30m"},
                 metadata={"a": "b"},
                 store=False,
                 service_tier="auto",

@@ -271,6 +271,7 @@ def _unsupported_value(field: str, value: object, why: str) -> PydanticCustomErr
 _REFUSED = {
     "audio": "this server generates text only; leave it out",
     "function_call": "it is deprecated; use 'tool_choice'",
+    "moderation": "this server runs no moderation; leave it out",
     "functions": "it is deprecated; use 'tools'",
     "prediction": "this server has no predicted outputs; leave it out",
     "reasoning_effort": (
@@ -317,16 +318,20 @@ class ChatCompletionRequest(_Request):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     # Accepted at the one value this server has.
     store: bool | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    service_tier: (
+        Literal["auto", "default", "flex", "scale", "priority", "fast"] | None
+    ) = None
     modalities: list[Literal["text", "audio"]] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
     # Refused whenever set (_REFUSED says why).
     audio: Any = None
     function_call: Any = None
     functions: Any = None
+    moderation: Any = None
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
