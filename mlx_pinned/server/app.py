@@ -131,6 +131,7 @@ def create_app(
             mlx_thread,
             prompt_cache_bytes=config.prompt_cache_budget,
             prefill_step_size=config.prefill_step_size,
+            image_cache_bytes=config.image_cache_budget,
         )
     }
     if config.freeze_gc:

@@ -268,6 +268,12 @@ class ServerConfig:
         "next turn); 0: off (default: an eighth of the machine's memory)",
         parse=non_negative,
     )
+    image_cache_bytes: int | None = _setting(
+        None,
+        "bytes of vision-tower outputs kept for images sent again; 0: off "
+        "(default: a 32nd of the machine's memory)",
+        parse=non_negative,
+    )
     prefill_step_size: int = _setting(
         2048,
         "prompt tokens prefilled in one pass, at most (default: %(default)s)",
@@ -291,10 +297,10 @@ class ServerConfig:
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         if self.api_key == "":
             raise ValueError("api_key is empty: give a key, or None for no key")
-        if self.prompt_cache_bytes is not None and self.prompt_cache_bytes < 0:
-            raise ValueError(
-                f"prompt_cache_bytes must be >= 0, not {self.prompt_cache_bytes}"
-            )
+        for name in ("prompt_cache_bytes", "image_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, not {value}")
         if self.prefill_step_size < 1:
             raise ValueError(
                 f"prefill_step_size must be >= 1, not {self.prefill_step_size}"
@@ -323,17 +329,28 @@ class ServerConfig:
         """``prompt_cache_bytes``, or an eighth of the machine's memory."""
         if self.prompt_cache_bytes is not None:
             return self.prompt_cache_bytes
-        try:
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (AttributeError, OSError, ValueError):  # not POSIX: 1 GiB
-            memory = 8 * 2**30
-        return int(memory) // 8
+        return _memory() // 8
+
+    @property
+    def image_cache_budget(self) -> int:
+        """``image_cache_bytes``, or a 32nd of the machine's memory."""
+        if self.image_cache_bytes is not None:
+            return self.image_cache_bytes
+        return _memory() // 32
 
     @property
     def thread_bound(self) -> int:
         """The MLX thread's queue bound: the waiting room plus a turn of
         each running generation (the running ones are queued there too)."""
         return self.max_pending + self.max_num_seqs
+
+
+def _memory() -> int:
+    """The machine's memory in bytes (8 GiB where it cannot be read)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):  # not POSIX
+        return 8 * 2**30
 
 
 @dataclass(frozen=True)

@@ -273,3 +273,49 @@ class TestChunkedPrefill:
         # The running stream was not held for the whole prefill.
         assert between.count("running") >= prompt_tokens // 16 // 2
         assert max_logprob_difference(results[0], expected) <= TOL
+
+
+class TestImageCache:
+    async def test_images_sent_again_are_not_encoded_again(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        cached = BatchEngine(loaded, thread, image_cache_bytes=BUDGET)
+        assert cached.image_cache is not None
+        try:
+            one, two = picture(64, 5), picture(64, 6)  # same size: same tokens
+            both = [
+                user("Compare these.", image=True),
+                user("And this one?", image=True),
+            ]
+            first = await run(cached, params([user("What is it?", image=True)]), [one])
+            # One image known, one new; then both known; then together with
+            # other prompts (prefilled in one pass).
+            mixed = await run(cached, params(both), [one, two])
+            again = await run(cached, params(both), [one, two])
+            reqs = [
+                (params(both), [one, two]),
+                (params([user("Hi?", image=True)]), [two]),
+            ]
+            gate = BatchGate(max_num_seqs=2, max_pending=0)
+            runs = [Collector(thread, cached, gate, req) for req in reqs]
+            async with deadline() as group:
+                for each in runs:
+                    group.start_soon(each.run)
+            held = cached.image_cache.held
+            assert (held.misses, held.hits) == (2, 1 + 2 + 3)
+        finally:
+            # The same model serves the other tests: give its tower back.
+            loaded.model.vision_tower = cached.image_cache.tower
+        plain = BatchEngine(loaded, thread)
+        assert (
+            max_logprob_difference(
+                first,
+                await run(plain, params([user("What is it?", image=True)]), [one]),
+            )
+            <= TOL
+        )
+        expected = await run(plain, params(both), [one, two])
+        for events in (mixed, again, runs[0].events):
+            assert max_logprob_difference(events, expected) <= TOL
+        lone = await run(plain, *reqs[1])
+        assert max_logprob_difference(runs[1].events, lone) <= TOL

@@ -80,6 +80,7 @@ from ..events import (
     TokenEvent,
     TokenLogprobs,
 )
+from .image_cache import install as install_image_cache
 from .model import LoadedModel, load
 from .prefill import PREFILL_STEP
 from .prompt_cache import PromptCache
@@ -109,6 +110,9 @@ class BatchEngine:
         prompt_cache_bytes: Bytes of prompt KV kept for later requests that
             start the same way (:mod:`.prompt_cache`); 0: none.
         prefill_step_size: Prompt tokens prefilled in one pass, at most.
+        image_cache_bytes: Bytes of vision-tower outputs kept for images
+            sent again (:mod:`.image_cache`; families of the Qwen-VL kind);
+            0: none.
     """
 
     def __init__(
@@ -118,10 +122,12 @@ class BatchEngine:
         *,
         prompt_cache_bytes: int = 0,
         prefill_step_size: int = PREFILL_STEP,
+        image_cache_bytes: int = 0,
     ) -> None:
         self.loaded = loaded
         self.thread = thread
         self.prompt_cache = PromptCache(prompt_cache_bytes)
+        self.image_cache = install_image_cache(loaded.model, image_cache_bytes)
         self._state = BatchState(loaded, self.prompt_cache, prefill_step_size)
 
     @classmethod
@@ -132,6 +138,7 @@ class BatchEngine:
         *,
         prompt_cache_bytes: int = 0,
         prefill_step_size: int = PREFILL_STEP,
+        image_cache_bytes: int = 0,
     ) -> BatchEngine:
         """Load a model and make its engine; runs on ``thread`` (a start-up
         job of the middleware). See :class:`BatchEngine` for the options."""
@@ -140,6 +147,7 @@ class BatchEngine:
             thread,
             prompt_cache_bytes=prompt_cache_bytes,
             prefill_step_size=prefill_step_size,
+            image_cache_bytes=image_cache_bytes,
         )
 
     @property

@@ -1,0 +1,155 @@
+"""The image cache: the vision tower's output per image, reused across
+requests and turns. MLX thread only.
+
+A chat resends its images with every turn; the prompt cache spares their KV,
+but the model still embeds the whole prompt, images included, to place the
+new tokens. :class:`CachedVisionTower` stands in for the model's vision
+tower: it splits a call's pixels into its images (by their ``grid_thw``
+rows), looks each up by a content hash of its pixels and grid, runs the
+tower on the missing ones only, and puts the outputs back together in order.
+Each image is encoded alone by the tower (its attention never crosses
+images), so the output is the same as one call over all of them.
+
+Only towers of the Qwen-VL kind take part (pixels and output rows per image
+follow ``grid_thw``: :func:`install` checks); least recently used images are
+evicted first, within a byte budget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+__all__ = ["CachedVisionTower", "install"]
+
+# Families whose tower takes (pixels, grid_thw) and gives rows per image in
+# grid order, t * h * w / merge**2 of them (and deepstack features alike),
+# and whose cached answers the tests compare with uncached ones.
+_GRID_TOWERS = frozenset({"qwen3_vl"})
+
+Output = tuple[mx.array, list[mx.array] | None]
+
+
+class _Held:
+    """The outputs by key, least recently used first, and their bytes. A
+    plain object: an ``nn.Module`` would take a dict attribute for weights."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.outputs: OrderedDict[bytes, Output] = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = 0
+
+
+class CachedVisionTower(nn.Module):  # type: ignore[misc,name-defined]
+    """A vision tower with a cache of its per-image outputs.
+
+    Args:
+        tower: The model's vision tower.
+        merge: Its spatial merge size (output rows per image are its pixel
+            rows divided by ``merge**2``).
+        budget: Bytes of outputs to hold at most.
+    """
+
+    def __init__(self, tower: Any, merge: int, budget: int) -> None:
+        super().__init__()
+        self.tower = tower
+        self.merge = merge
+        self.held = _Held(budget)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # the tower's own attributes (patch_embed, ...)
+            tower = self.get("tower")
+            if tower is None:
+                raise
+            return getattr(tower, name)
+
+    def __call__(self, pixels: mx.array, grid_thw: mx.array, **kwargs: Any) -> Any:
+        rows = cast("list[list[int]]", grid_thw.tolist())
+        grids = [tuple(int(v) for v in row) for row in rows]
+        sizes = [t * h * w for t, h, w in grids]
+        starts = np.cumsum([0, *sizes]).tolist()
+        keys = [
+            _key(pixels[a:b], grid)
+            for a, b, grid in zip(starts[:-1], starts[1:], grids, strict=True)
+        ]
+        missing = [i for i, key in enumerate(keys) if key not in self.held.outputs]
+        self.held.hits += len(keys) - len(missing)
+        self.held.misses += len(missing)
+        if missing:
+            self._encode(pixels, grid_thw, starts, keys, missing, **kwargs)
+        parts = [self.held.outputs[key] for key in keys]
+        for key in keys:
+            self.held.outputs.move_to_end(key)
+        features = mx.concatenate([f for f, _ in parts])
+        if parts[0][1] is None:
+            return features
+        deep = [
+            mx.concatenate([d[layer] for _, d in parts if d is not None])
+            for layer in range(len(parts[0][1]))
+        ]
+        return features, deep
+
+    def _encode(
+        self,
+        pixels: mx.array,
+        grid_thw: mx.array,
+        starts: list[int],
+        keys: list[bytes],
+        missing: list[int],
+        **kwargs: Any,
+    ) -> None:
+        rows = mx.concatenate([pixels[starts[i] : starts[i + 1]] for i in missing])
+        grids = grid_thw[mx.array(missing, dtype=mx.int32)]
+        output = self.tower(rows, grids, **kwargs)
+        features, deep = output if isinstance(output, tuple) else (output, None)
+        cut = np.cumsum(
+            [0, *((starts[i + 1] - starts[i]) // self.merge**2 for i in missing)]
+        ).tolist()
+        for n, i in enumerate(missing):
+            a, b = cut[n], cut[n + 1]
+            mine = (features[a:b], None if deep is None else [d[a:b] for d in deep])
+            mx.eval(mine)
+            self._hold(keys[i], mine)
+
+    def _hold(self, key: bytes, value: Output) -> None:
+        held = self.held
+        held.outputs[key] = value
+        held.bytes += _size(value)
+        while held.bytes > held.budget and len(held.outputs) > 1:
+            _, old = held.outputs.popitem(last=False)
+            held.bytes -= _size(old)
+
+
+def _size(value: Output) -> int:
+    features, deep = value
+    return int(features.nbytes + sum(d.nbytes for d in deep or ()))
+
+
+def _key(pixels: mx.array, grid: tuple[int, ...]) -> bytes:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr(grid).encode())
+    digest.update(np.ascontiguousarray(pixels).tobytes())
+    return digest.digest()
+
+
+def install(model: Any, budget: int) -> CachedVisionTower | None:
+    """Put a :class:`CachedVisionTower` in place of ``model``'s tower, if its
+    family is one whose outputs follow ``grid_thw`` and ``budget`` > 0."""
+    config = model.config
+    tower = getattr(model, "vision_tower", None)
+    merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", 0)
+    if budget <= 0 or tower is None or not merge:
+        return None
+    if getattr(config, "model_type", None) not in _GRID_TOWERS:
+        return None
+    cached = CachedVisionTower(tower, int(merge), budget)
+    model.vision_tower = cached
+    return cached
