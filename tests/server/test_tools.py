@@ -420,6 +420,34 @@ class TestReasoning:
             "Let me think.",
         )
 
+    async def test_a_constrained_answer_has_no_reasoning(
+        self,
+        client: tuple[Served, openai.AsyncOpenAI],
+        script: Script,
+        template: Callable[[str], None],
+    ) -> None:
+        # A template that opens <think> itself would put a JSON answer, forced
+        # from its first token, all into the reasoning.
+        _, sdk = client
+        template(
+            QWEN3_TEMPLATE.replace(
+                "'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'"
+            )
+        )
+        script.pieces = ['{"a": 1}']
+        whole = await sdk.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "?"}],
+            response_format={"type": "json_object"},
+        )
+        assert whole.choices[0].message.content == '{"a": 1}'
+        assert not whole.choices[0].message.model_extra
+        script.pieces = ["a</think>b"]
+        whole = await sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "?"}]
+        )
+        assert whole.choices[0].message.content == "b"
+
     async def test_template_kwargs_reach_the_engine(
         self,
         client: tuple[Served, openai.AsyncOpenAI],

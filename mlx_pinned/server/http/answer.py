@@ -101,14 +101,17 @@ class AnswerParser:
 
 
 def answer_parser(
-    request: ChatCompletionRequest, template: str | None
+    request: ChatCompletionRequest, template: str | None, *, constrained: bool
 ) -> AnswerParser | None:
     """The parser a request's answer needs; None when its text is its content.
 
     The model's chat ``template`` says whether it thinks; tools are parsed
-    when the request gives tools the model may call.
+    when the request gives tools the model may call. A ``constrained``
+    answer (it follows a grammar from its first token) has no reasoning.
     """
-    mode = reasoning_mode(template, request.chat_template_kwargs)
+    mode = (
+        None if constrained else reasoning_mode(template, request.chat_template_kwargs)
+    )
     tools = bool(request.active_tools)
     if mode is None and not tools:
         return None

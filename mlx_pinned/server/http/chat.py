@@ -213,7 +213,8 @@ class ChatEndpoint:
         async with self.gate.turn():
             log.queued = time.perf_counter() - arrived
             stream = engine.stream(params, images)
-            parser = answer_parser(request, template)
+            constrained = params.grammar is not None
+            parser = answer_parser(request, template, constrained=constrained)
             try:
                 if request.stream:
                     await self._send_stream(request, stream, response, log, parser)
