@@ -13,9 +13,8 @@ from typing import Any
 
 from ..config import ImageLimits
 from ..events import GenerationParams, Grammar, ImageRef
-from .schemas import (
+from .messages import (
     AssistantMessage,
-    ChatCompletionRequest,
     ImagePart,
     Message,
     SystemMessage,
@@ -24,6 +23,7 @@ from .schemas import (
     ToolMessage,
     UserMessage,
 )
+from .schemas import ChatCompletionRequest
 
 __all__ = ["chat_messages", "generation_params", "image_refs", "text_chars"]
 

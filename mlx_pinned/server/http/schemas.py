@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     ValidationError,
@@ -26,6 +25,28 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .messages import (
+    AssistantMessage,
+    FunctionDefinition,
+    ImagePart,
+    ImageURL,
+    JSONSchemaFormat,
+    JSONSchemaResponseFormat,
+    Message,
+    NamedFunction,
+    NamedToolChoice,
+    RequestModel,
+    ResponseFormat,
+    StreamOptions,
+    SystemMessage,
+    TextFormat,
+    TextPart,
+    Tool,
+    ToolCall,
+    ToolCallFunction,
+    ToolMessage,
+    UserMessage,
+)
 from .responses import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -74,9 +95,6 @@ __all__ = [
     "parse_chat_request",
 ]
 
-#: OpenAI's rule for function and schema names.
-NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
-
 #: Keyword arguments the server passes to the chat template itself.
 _TEMPLATE_ARGUMENTS = frozenset(
     {
@@ -91,166 +109,6 @@ _TEMPLATE_ARGUMENTS = frozenset(
         "tools",
     }
 )
-
-
-class _Request(BaseModel):
-    # strict: "10" is not an int and 1 is not a bool, as in OpenAI's API;
-    # extra="ignore" inside the body (a message replayed from a response
-    # carries 'refusal', 'annotations'...); the top level forbids extras;
-    # allow_inf_nan=False: NaN and Infinity are "not a finite number", not
-    # "should be less than or equal to 2".
-    model_config = ConfigDict(
-        strict=True, extra="ignore", frozen=True, allow_inf_nan=False
-    )
-
-
-class TextPart(_Request):
-    """A ``{"type": "text", "text": ...}`` content part."""
-
-    type: Literal["text"]
-    text: str
-
-
-class ImageURL(_Request):
-    """The ``image_url`` object of an image part; ``detail`` is accepted, unused."""
-
-    url: str = Field(min_length=1)
-    detail: Literal["auto", "low", "high"] | None = None
-
-
-class ImagePart(_Request):
-    """A ``{"type": "image_url", "image_url": {"url": ...}}`` content part.
-
-    ``image_url`` may also be the URL string itself.
-    """
-
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-    @field_validator("image_url", mode="before")
-    @classmethod
-    def _url_string(cls, value: object) -> object:
-        return {"url": value} if isinstance(value, str) else value
-
-
-UserPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
-TextContent = str | Annotated[list[TextPart], Field(min_length=1)]
-
-
-class SystemMessage(_Request):
-    """A system (or ``developer``) message: text only."""
-
-    role: Literal["system", "developer"]
-    content: TextContent
-    name: str | None = None
-
-
-class UserMessage(_Request):
-    """A user message: text, or a list of text and image parts."""
-
-    role: Literal["user"]
-    content: str | Annotated[list[UserPart], Field(min_length=1)]
-    name: str | None = None
-
-
-class ToolCallFunction(_Request):
-    """The ``function`` of an earlier tool call: name and JSON arguments."""
-
-    name: str
-    arguments: str
-
-
-class ToolCall(_Request):
-    """One of an earlier assistant turn's ``tool_calls``."""
-
-    id: str
-    type: Literal["function"]
-    function: ToolCallFunction
-
-
-class AssistantMessage(_Request):
-    """An earlier assistant turn: text, tool calls, or both."""
-
-    role: Literal["assistant"]
-    content: TextContent | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ToolMessage(_Request):
-    """A tool's result, answering the call ``tool_call_id``."""
-
-    role: Literal["tool"]
-    content: TextContent
-    tool_call_id: str
-
-
-Message = Annotated[
-    SystemMessage | UserMessage | AssistantMessage | ToolMessage,
-    Field(discriminator="role"),
-]
-
-
-class StreamOptions(_Request):
-    """``stream_options``: only ``include_usage`` has an effect."""
-
-    include_usage: bool | None = None
-
-
-class FunctionDefinition(_Request):
-    """A tool's function: its name, and its arguments' JSON schema."""
-
-    name: str = Field(pattern=NAME_PATTERN)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(_Request):
-    """An entry of ``tools``: a function the model may call."""
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Request):
-    name: str
-
-
-class NamedToolChoice(_Request):
-    """``tool_choice`` naming the one function the model must call."""
-
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class JSONSchemaFormat(_Request):
-    """``response_format.json_schema``: the schema the answer must follow."""
-
-    name: str = Field(pattern=NAME_PATTERN)
-    description: str | None = None
-    # 'schema' would shadow a BaseModel attribute: the field has another name.
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class TextFormat(_Request):
-    type: Literal["text"]
-
-
-class JSONObjectFormat(_Request):
-    type: Literal["json_object"]
-
-
-class JSONSchemaResponseFormat(_Request):
-    type: Literal["json_schema"]
-    json_schema: JSONSchemaFormat
-
-
-ResponseFormat = Annotated[
-    TextFormat | JSONObjectFormat | JSONSchemaResponseFormat,
-    Field(discriminator="type"),
-]
 
 
 def _unsupported(field: str, why: str) -> PydanticCustomError:
@@ -283,7 +141,7 @@ _REFUSED = {
 }
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(RequestModel):
     """The body of ``POST /v1/chat/completions``."""
 
     model_config = ConfigDict(extra="forbid")

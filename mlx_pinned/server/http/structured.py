@@ -21,13 +21,13 @@ import llguidance
 
 from ..errors import APIError
 from ..events import Grammar
-from .schemas import (
-    ChatCompletionRequest,
+from .messages import (
     JSONObjectFormat,
     JSONSchemaResponseFormat,
     NamedToolChoice,
     Tool,
 )
+from .schemas import ChatCompletionRequest
 
 __all__ = [
     "TOOL_CALL_CLOSE",

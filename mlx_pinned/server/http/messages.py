@@ -1,0 +1,202 @@
+"""The parts of a chat-completions request body: messages and their content,
+tools, tool choices and response formats, as pydantic models.
+
+Pure CPU, no MLX, no event loop; :mod:`.schemas` assembles them into the
+request and parses it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "NAME_PATTERN",
+    "AssistantMessage",
+    "FunctionDefinition",
+    "ImagePart",
+    "ImageURL",
+    "JSONObjectFormat",
+    "JSONSchemaFormat",
+    "JSONSchemaResponseFormat",
+    "Message",
+    "NamedFunction",
+    "NamedToolChoice",
+    "RequestModel",
+    "ResponseFormat",
+    "StreamOptions",
+    "SystemMessage",
+    "TextFormat",
+    "TextPart",
+    "Tool",
+    "ToolCall",
+    "ToolCallFunction",
+    "ToolMessage",
+    "UserMessage",
+]
+
+#: OpenAI's rule for function and schema names.
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class RequestModel(BaseModel):
+    """The base of every request model: strict types, finite numbers."""
+
+    # strict: "10" is not an int and 1 is not a bool, as in OpenAI's API;
+    # extra="ignore" inside the body (a message replayed from a response
+    # carries 'refusal', 'annotations'...); the top level forbids extras;
+    # allow_inf_nan=False: NaN and Infinity are "not a finite number", not
+    # "should be less than or equal to 2".
+    model_config = ConfigDict(
+        strict=True, extra="ignore", frozen=True, allow_inf_nan=False
+    )
+
+
+class TextPart(RequestModel):
+    """A ``{"type": "text", "text": ...}`` content part."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(RequestModel):
+    """The ``image_url`` object of an image part; ``detail`` is accepted, unused."""
+
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(RequestModel):
+    """A ``{"type": "image_url", "image_url": {"url": ...}}`` content part.
+
+    ``image_url`` may also be the URL string itself.
+    """
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _url_string(cls, value: object) -> object:
+        return {"url": value} if isinstance(value, str) else value
+
+
+UserPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+TextContent = str | Annotated[list[TextPart], Field(min_length=1)]
+
+
+class SystemMessage(RequestModel):
+    """A system (or ``developer``) message: text only."""
+
+    role: Literal["system", "developer"]
+    content: TextContent
+    name: str | None = None
+
+
+class UserMessage(RequestModel):
+    """A user message: text, or a list of text and image parts."""
+
+    role: Literal["user"]
+    content: str | Annotated[list[UserPart], Field(min_length=1)]
+    name: str | None = None
+
+
+class ToolCallFunction(RequestModel):
+    """The ``function`` of an earlier tool call: name and JSON arguments."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(RequestModel):
+    """One of an earlier assistant turn's ``tool_calls``."""
+
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class AssistantMessage(RequestModel):
+    """An earlier assistant turn: text, tool calls, or both."""
+
+    role: Literal["assistant"]
+    content: TextContent | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ToolMessage(RequestModel):
+    """A tool's result, answering the call ``tool_call_id``."""
+
+    role: Literal["tool"]
+    content: TextContent
+    tool_call_id: str
+
+
+Message = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage,
+    Field(discriminator="role"),
+]
+
+
+class StreamOptions(RequestModel):
+    """``stream_options``: only ``include_usage`` has an effect."""
+
+    include_usage: bool | None = None
+
+
+class FunctionDefinition(RequestModel):
+    """A tool's function: its name, and its arguments' JSON schema."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(RequestModel):
+    """An entry of ``tools``: a function the model may call."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    """``tool_choice`` naming the one function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(RequestModel):
+    """``response_format.json_schema``: the schema the answer must follow."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    # 'schema' would shadow a BaseModel attribute: the field has another name.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(RequestModel):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(RequestModel):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(RequestModel):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[
+    TextFormat | JSONObjectFormat | JSONSchemaResponseFormat,
+    Field(discriminator="type"),
+]
