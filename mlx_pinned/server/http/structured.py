@@ -43,8 +43,11 @@ __all__ = [
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 
-# Compact JSON, as json.dumps writes it: a model (above all a random one)
-# cannot spend its tokens on whitespace. A schema's own x-guidance wins.
+# Tool arguments in a call are written as Qwen's template writes them
+# (json.dumps' separators, no other whitespace), so a model (above all a
+# random one) cannot spend its tokens on blank space. A schema's own
+# x-guidance wins. (A response_format schema goes to the engine as sent: it
+# compiles JSON compactly itself.)
 _JSON_STYLE = {
     "whitespace_flexible": False,
     "item_separator": ", ",
@@ -149,7 +152,7 @@ async def request_grammar(request: ChatCompletionRequest) -> Grammar | None:
         return Grammar("json_object")
     if isinstance(response_format, JSONSchemaResponseFormat):
         wanted = response_format.json_schema.json_schema
-        grammar = Grammar("json_schema", json.dumps(_styled(wanted or {})))
+        grammar = Grammar("json_schema", json.dumps(wanted or {}))
         await check_grammar(grammar, "response_format")
         return grammar
     return None
