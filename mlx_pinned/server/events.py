@@ -289,6 +289,12 @@ class Engine(Protocol):
         """When the load ended (Unix time)."""
         ...
 
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template (its tool-call format and whether it
+        thinks are read from it), or None when it has none."""
+        ...
+
     def counters(self) -> EngineCounters:
         """A snapshot for metrics; any thread (it may be a step old)."""
         ...

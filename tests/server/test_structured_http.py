@@ -271,14 +271,6 @@ class TestPenalties:
         assert await text(extra_body={"repetition_penalty": 1.5}) != plain
 
 
-ENGINE_TEMPLATE = pytest.mark.xfail(
-    strict=True,
-    reason="the engine does not yet pass tools and template_kwargs to the chat "
-    "template, nor tell its chat_template (issue 14, engine side): drop this "
-    "mark when it does",
-)
-
-
 class TestTheTemplate:
     async def prompt_tokens(self, sdk: openai.AsyncOpenAI, **fields: Any) -> int:
         reply = await sdk.chat.completions.create(
@@ -290,7 +282,6 @@ class TestTheTemplate:
         assert reply.usage is not None
         return reply.usage.prompt_tokens
 
-    @ENGINE_TEMPLATE
     async def test_tools_reach_the_template(
         self, served: tuple[Served, openai.AsyncOpenAI]
     ) -> None:
@@ -301,7 +292,6 @@ class TestTheTemplate:
             plain
         )
 
-    @ENGINE_TEMPLATE
     async def test_template_kwargs_reach_the_template(
         self, served: tuple[Served, openai.AsyncOpenAI]
     ) -> None:
@@ -310,7 +300,6 @@ class TestTheTemplate:
         thinking = {"chat_template_kwargs": {"enable_thinking": True}}
         assert await self.prompt_tokens(sdk, extra_body=thinking) > plain
 
-    @ENGINE_TEMPLATE
     async def test_a_thinking_answer_is_reasoning(
         self, served: tuple[Served, openai.AsyncOpenAI]
     ) -> None:

@@ -166,6 +166,11 @@ class BatchEngine:
         return self.loaded.vocab_size
 
     @property
+    def chat_template(self) -> str | None:
+        """The model's chat template, if it has one."""
+        return self.loaded.chat_template
+
+    @property
     def loaded_at(self) -> float:
         """When the load ended (Unix time)."""
         return self.loaded.loaded_at

@@ -65,6 +65,15 @@ class LoadedModel:
         return self._longest_token
 
     @property
+    def chat_template(self) -> str | None:
+        """The model's chat template, if it has one."""
+        for owner in (self.processor, getattr(self.processor, "tokenizer", None)):
+            template = getattr(owner, "chat_template", None)
+            if isinstance(template, str) and template:
+                return template
+        return None
+
+    @property
     def tokenizer(self) -> Any:
         """The text tokenizer."""
         return getattr(self.processor, "tokenizer", self.processor)

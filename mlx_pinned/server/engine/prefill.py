@@ -90,7 +90,9 @@ def preprocess(
     inputs = api.prepare_inputs(
         processor,
         images=list(images) or None,
-        prompts=build_prompt(loaded, params.messages),
+        prompts=build_prompt(
+            loaded, params.messages, params.tools, params.template_kwargs
+        ),
         image_token_index=getattr(model.config, "image_token_index", None),
         add_special_tokens=api.should_add_special_tokens(
             model.config.model_type, processor

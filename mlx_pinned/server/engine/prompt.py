@@ -12,10 +12,18 @@ if TYPE_CHECKING:
 __all__ = ["build_prompt"]
 
 
-def build_prompt(loaded: LoadedModel, messages: Sequence[dict[str, Any]]) -> str:
+def build_prompt(
+    loaded: LoadedModel,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] = (),
+    template_kwargs: Sequence[tuple[str, Any]] = (),
+) -> str:
     """The prompt text from the model's chat template.
 
     Images in every turn count: the image markers stay in their own messages.
+    ``tools`` (OpenAI's tool definitions) and ``template_kwargs`` (a
+    request's ``chat_template_kwargs``) reach the template as keyword
+    arguments.
     """
     from mlx_vlm.prompt_utils import apply_chat_template
 
@@ -26,7 +34,10 @@ def build_prompt(loaded: LoadedModel, messages: Sequence[dict[str, Any]]) -> str
         for part in m["content"]
         if part["type"] == "image_url"
     )
+    extra: dict[str, Any] = dict(template_kwargs)
+    if tools:
+        extra["tools"] = list(tools)
     prompt = apply_chat_template(
-        loaded.processor, loaded.config, list(messages), num_images=num_images
+        loaded.processor, loaded.config, list(messages), num_images=num_images, **extra
     )
     return str(prompt)

@@ -180,7 +180,7 @@ class ChatEndpoint:
             check_text_length(
                 text_chars(request), engine.longest_token_chars, max_prompt
             )
-        template = chat_template(engine)
+        template = engine.chat_template
         if request.active_tools and tool_call_format(template) is None:
             raise APIError(
                 400,
@@ -348,12 +348,6 @@ class ChatEndpoint:
                 await response.start_stream(role)
             await response.send(b"".join(tail), more=False)
         await response.end()
-
-
-def chat_template(engine: Engine) -> str | None:
-    """The model's chat template, if the engine tells (None: unknown)."""
-    template = getattr(engine, "chat_template", None)
-    return template if isinstance(template, str) else None
 
 
 def _client(scope: Scope) -> str:
