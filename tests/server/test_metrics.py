@@ -44,9 +44,18 @@ class TestMetrics:
         async with serve(prompt_cache_bytes=2**26) as served:
             before = await scrape(served)
             assert value(before, "mlx_pinned_prompt_cache_hits_total") == 0
+            usages = []
             for _ in range(2):  # the second reuses the first's prompt
-                assert (await served.chat(vision_body(3))).status_code == 200
+                response = await served.chat(vision_body(3))
+                assert response.status_code == 200
+                usages.append(response.json()["usage"])
             samples = await scrape(served)
+        cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+        assert cached[0] == 0
+        assert cached[1] == value(
+            samples, "mlx_pinned_prompt_cache_reused_tokens_total"
+        )
+        assert 0 < cached[1] < usages[1]["prompt_tokens"]
         assert value(samples, "mlx_pinned_prompt_cache_hits_total") == 1
         assert value(samples, "mlx_pinned_prompt_cache_misses_total") == 1
         assert value(samples, "mlx_pinned_prompt_cache_reused_tokens_total") > 10

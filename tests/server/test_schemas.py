@@ -331,4 +331,5 @@ class TestChunkEncoder:
             "prompt_tokens": 3,
             "completion_tokens": 2,
             "total_tokens": 5,
+            "prompt_tokens_details": {"cached_tokens": 0},
         }

@@ -51,6 +51,7 @@ from .responses import (
     ChunkChoice,
     ChunkEncoder,
     Delta,
+    PromptTokensDetails,
     ResponseMessage,
     TokenLogprob,
     TopLogprob,
@@ -360,6 +361,7 @@ def _usage(event: FinalEvent) -> Usage:
         prompt_tokens=event.prompt_tokens,
         completion_tokens=event.completion_tokens,
         total_tokens=event.prompt_tokens + event.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=event.cached_tokens),
     )
 
 

@@ -73,12 +73,19 @@ class ChoiceLogprobs(_Response):
     refusal: None = None
 
 
+class PromptTokensDetails(_Response):
+    """``usage.prompt_tokens_details``: prompt tokens the prompt cache held."""
+
+    cached_tokens: int = 0
+
+
 class Usage(_Response):
     """Token counts of one completion."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class FunctionCall(_Response):
