@@ -1,4 +1,4 @@
-"""Tests for mlx_pinned.testing: the tiny offline Qwen3-VL and the test images."""
+"""Tests for mlx_pinned.testing: the tiny offline models and the test images."""
 
 from __future__ import annotations
 
@@ -23,15 +23,19 @@ from PIL import Image
 import mlx_pinned.testing
 from mlx_pinned.testing import (
     SPECIAL_TOKENS,
+    TINY_LM_TYPES,
+    TINY_MODEL_TYPES,
     image_data_uri,
     make_test_image,
+    make_tiny_lm,
     make_tiny_vlm,
+    tiny_lm_path,
     tiny_vlm_path,
 )
 
 # mlx-vlm ships py.typed, but not the types these calls need (PIL images).
 mlx_vlm: Any = importlib.import_module("mlx_vlm")
-REPO_ROOT = pathlib.Path(mlx_pinned.testing.__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(mlx_pinned.testing.__file__).resolve().parents[2]
 PROMPT = "Describe this image in one sentence."
 MODEL_FILES = {
     "config.json",
@@ -376,6 +380,78 @@ class TestMakeTinyVlm:
                 reader.join()
         assert seen
         assert set(seen) == {frozenset(MODEL_FILES)}
+
+
+def generate_offline(path: pathlib.Path, images: int, max_tokens: int = 8) -> Any:
+    """Load a tiny model and generate greedily, with ``images`` test images."""
+    model, processor = mlx_vlm.load(str(path))
+    prompt = mlx_vlm.apply_chat_template(
+        processor, model.config, PROMPT, num_images=images
+    )
+    pictures = [picture(seed=i) for i in range(images)] or None
+    return mlx_vlm.generate(
+        model, processor, prompt, image=pictures, max_tokens=max_tokens
+    )
+
+
+class TestFamilies:
+    def test_lists_the_vision_and_text_families(self) -> None:
+        assert TINY_MODEL_TYPES[0] == "qwen3_vl"
+        assert len(TINY_MODEL_TYPES) >= 2
+        assert TINY_LM_TYPES[:2] == ("qwen3", "llama")
+
+    @pytest.mark.parametrize("model_type", TINY_MODEL_TYPES)
+    def test_each_vision_family_generates_offline_with_an_image(
+        self, model_type: str, tmp_path: pathlib.Path, hub_calls: HubCalls
+    ) -> None:
+        path = make_tiny_vlm(tmp_path / "model", model_type=model_type)
+        result = generate_offline(path, images=1)
+        assert hub_calls.calls == []
+        assert json.loads((path / "config.json").read_text())["model_type"] == (
+            model_type
+        )
+        assert result.generation_tokens == 8
+        assert sum(p.stat().st_size for p in path.iterdir()) < 2_000_000
+
+    @pytest.mark.parametrize("model_type", TINY_LM_TYPES)
+    def test_each_text_family_generates_offline(
+        self, model_type: str, tmp_path: pathlib.Path, hub_calls: HubCalls
+    ) -> None:
+        path = make_tiny_lm(tmp_path / "model", model_type)
+        result = generate_offline(path, images=0, max_tokens=16)
+        assert hub_calls.calls == []
+        assert result.generation_tokens == 16
+        assert "\ufffd" not in result.text
+        assert not (path / "preprocessor_config.json").exists()
+
+    def test_a_text_model_has_no_image_processor(self, tmp_path: pathlib.Path) -> None:
+        model, processor = mlx_vlm.load(str(make_tiny_lm(tmp_path / "lm")))
+        assert not hasattr(model, "vision_tower")
+        assert getattr(processor, "image_processor", None) is None
+        assert processor.eos_token == "<|im_end|>"
+
+    def test_another_family_replaces_a_folder(self, tmp_path: pathlib.Path) -> None:
+        path = make_tiny_vlm(tmp_path / "model")
+        make_tiny_lm(path, "llama")
+        assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
+        marker = json.loads((path / "mlx_pinned_tiny_vlm.json").read_text())
+        assert marker["model_type"] == "llama"
+
+    def test_unknown_families_are_refused(self, tmp_path: pathlib.Path) -> None:
+        with pytest.raises(ValueError, match="qwen3_vl"):
+            make_tiny_vlm(tmp_path, model_type="qwen3")
+        with pytest.raises(ValueError, match="llama"):
+            make_tiny_lm(tmp_path, "qwen3_vl")
+        assert not any(tmp_path.iterdir())
+
+    def test_the_cached_folders_are_named_by_family(
+        self, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("MLX_PINNED_CACHE", str(tmp_path))
+        assert tiny_lm_path() == tmp_path / "tiny-lm-qwen3"
+        assert tiny_lm_path("llama") == tmp_path / "tiny-lm-llama"
+        other = TINY_MODEL_TYPES[1]
+        assert tiny_vlm_path(other) == tmp_path / f"tiny-vlm-{other}"
 
 
 FRESH_PROCESS = textwrap.dedent(

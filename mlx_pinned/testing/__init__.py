@@ -1,0 +1,194 @@
+"""Tiny random-weight models of real mlx-vlm families, and small test images.
+
+Everything here works offline: a model folder is written from mlx-vlm's own
+model class of its family, a byte-level BPE tokenizer trained on a few
+embedded sentences and hand-written processor configs, so
+``mlx_vlm.load(str(path))`` never reaches the Hugging Face hub.
+
+Example::
+
+    import mlx_vlm
+    from mlx_pinned.testing import tiny_vlm_path
+
+    model, processor = mlx_vlm.load(str(tiny_vlm_path()))
+
+Vision families are listed in :data:`TINY_MODEL_TYPES`
+(:func:`make_tiny_vlm`), text-only ones in :data:`TINY_LM_TYPES`
+(:func:`make_tiny_lm`). ``import mlx_pinned.testing`` is cheap: MLX,
+mlx-vlm, ``tokenizers`` and Pillow are imported inside the functions that
+need them.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Final
+
+from ._family import Family
+from ._images import image_data_uri, make_test_image
+from ._install import write_folder
+from ._llama import LLAMA
+from ._qwen import _CHAT_TEMPLATE as _CHAT_TEMPLATE
+from ._qwen import QWEN2_5_VL, QWEN3, QWEN3_VL, SPECIAL_TOKENS
+
+__all__ = [
+    "SPECIAL_TOKENS",
+    "TINY_LM_TYPES",
+    "TINY_MODEL_TYPES",
+    "image_data_uri",
+    "make_test_image",
+    "make_tiny_lm",
+    "make_tiny_vlm",
+    "tiny_lm_path",
+    "tiny_vlm_path",
+]
+
+_VISION: Final = {family.model_type: family for family in (QWEN3_VL, QWEN2_5_VL)}
+_TEXT: Final = {family.model_type: family for family in (QWEN3, LLAMA)}
+
+#: The vision families :func:`make_tiny_vlm` writes (``qwen3_vl`` first).
+TINY_MODEL_TYPES: Final = tuple(_VISION)
+#: The text-only families :func:`make_tiny_lm` writes (``qwen3`` first).
+TINY_LM_TYPES: Final = tuple(_TEXT)
+
+
+def make_tiny_vlm(
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    overwrite: bool = False,
+    model_type: str = "qwen3_vl",
+) -> pathlib.Path:
+    """Write a tiny random-weight vision-language model that mlx-vlm loads offline.
+
+    The default, ``qwen3_vl``, has a 2-layer, 64-wide text model with tied
+    embeddings and a 2-layer, 32-wide vision tower (patch 16, spatial merge
+    2, one deepstack layer): about 215k float32 parameters, under 1 MB on
+    disk. A 64x64 image becomes 4 image tokens. Every family has a decoder of
+    the same size, its own vision tower, processor files, special tokens and
+    chat template (docs/testing.md lists them). The special tokens have zero
+    embeddings, so greedy decoding never picks one and always runs to
+    ``max_tokens``; to test a stop, bias the end-of-turn token with
+    ``logit_bias``.
+
+    The files are written to a temporary folder beside ``path`` and renamed
+    into place, so a folder that appears at ``path`` is always complete. Calls
+    for the same or different paths may run at once from any threads or
+    processes. A folder being replaced (``overwrite``, another seed or
+    family, an older format) is renamed aside and deleted only after the new
+    one is in place; a reader that opened the old folder before that may see
+    it emptied.
+
+    Runs on the calling thread, which need not be an MLX thread: it builds no
+    lazy MLX array and gets no MLX stream. The first call per family in a
+    process also imports mlx-vlm and builds its model class once, on a
+    short-lived private thread, to learn the parameter names and shapes;
+    after that a call takes tens of milliseconds. It blocks and cannot be
+    cancelled part-way; if it raises, its temporary folder is removed.
+
+    Args:
+        path: The folder to write. Its parent is created if missing.
+        seed: Seeds the weights. The same seed gives byte-identical files.
+        overwrite: Replace whatever is at ``path``, even a complete model with
+            the same seed.
+        model_type: One of :data:`TINY_MODEL_TYPES`.
+
+    Returns:
+        ``path`` as a :class:`pathlib.Path`, holding the model.
+
+    Raises:
+        FileExistsError: ``path`` holds something that is not a model written
+            by this module, and ``overwrite`` is false.
+        ValueError: ``model_type`` is not one of :data:`TINY_MODEL_TYPES`.
+    """
+    family = _family(_VISION, model_type, "make_tiny_vlm")
+    return _make(family, path, seed, overwrite)
+
+
+def make_tiny_lm(
+    path: str | os.PathLike[str],
+    model_type: str = "qwen3",
+    *,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """Write a tiny random-weight text-only model that mlx-vlm loads offline.
+
+    mlx-vlm's own text family class (``qwen3`` or ``llama``): the same
+    2-layer, 64-wide decoder as :func:`make_tiny_vlm`'s, with the family's
+    tokenizer and chat template and no processor files, so mlx-vlm loads the
+    tokenizer as the processor. Written, cached and replaced as
+    :func:`make_tiny_vlm` does, on the calling thread.
+
+    Args:
+        path: The folder to write. Its parent is created if missing.
+        model_type: One of :data:`TINY_LM_TYPES`.
+        seed: Seeds the weights. The same seed gives byte-identical files.
+        overwrite: Replace whatever is at ``path``.
+
+    Returns:
+        ``path`` as a :class:`pathlib.Path`, holding the model.
+
+    Raises:
+        FileExistsError: ``path`` holds something that is not a model written
+            by this module, and ``overwrite`` is false.
+        ValueError: ``model_type`` is not one of :data:`TINY_LM_TYPES`.
+    """
+    family = _family(_TEXT, model_type, "make_tiny_lm")
+    return _make(family, path, seed, overwrite)
+
+
+def tiny_vlm_path(model_type: str = "qwen3_vl") -> pathlib.Path:
+    """Return the shared tiny vision model of a family (seed 0), writing it
+    on first use.
+
+    The folder is ``tiny-vlm`` (``qwen3_vl``) or ``tiny-vlm-<model_type>``
+    under ``$MLX_PINNED_CACHE``, or under ``~/.cache/mlx-pinned`` when
+    ``MLX_PINNED_CACHE`` is unset. It is rebuilt when the files this module
+    writes or the installed mlx-vlm version change. Runs on the calling
+    thread, like :func:`make_tiny_vlm`; when the model is already there it
+    only reads a small JSON file. Safe to call from any thread or process at
+    once.
+
+    Returns:
+        The model folder.
+    """
+    name = "tiny-vlm" if model_type == "qwen3_vl" else f"tiny-vlm-{model_type}"
+    return make_tiny_vlm(_cache() / name, seed=0, model_type=model_type)
+
+
+def tiny_lm_path(model_type: str = "qwen3") -> pathlib.Path:
+    """Return the shared tiny text model of a family (seed 0), writing it on
+    first use: ``tiny-lm-<model_type>`` in the folder :func:`tiny_vlm_path`
+    uses. Calling thread; safe from any thread or process at once.
+
+    Returns:
+        The model folder.
+    """
+    return make_tiny_lm(_cache() / f"tiny-lm-{model_type}", model_type, seed=0)
+
+
+def _cache() -> pathlib.Path:
+    root = os.environ.get("MLX_PINNED_CACHE")
+    return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "mlx-pinned"
+
+
+def _family(known: dict[str, Family], model_type: str, function: str) -> Family:
+    try:
+        return known[model_type]
+    except KeyError:
+        raise ValueError(
+            f"{function} writes one of {sorted(known)}, not {model_type!r}."
+        ) from None
+
+
+def _make(
+    family: Family, path: str | os.PathLike[str], seed: int, overwrite: bool
+) -> pathlib.Path:
+    return write_folder(
+        pathlib.Path(path),
+        lambda sizes: family.marker(seed, sizes),
+        lambda folder: family.write(folder, seed),
+        overwrite=overwrite,
+    )
