@@ -295,6 +295,12 @@ class Engine(Protocol):
         thinks are read from it), or None when it has none."""
         ...
 
+    @property
+    def accepts_images(self) -> bool:
+        """Whether the model takes images; image parts sent to one that does
+        not are a 400 that names the part."""
+        ...
+
     def counters(self) -> EngineCounters:
         """A snapshot for metrics; any thread (it may be a step old)."""
         ...

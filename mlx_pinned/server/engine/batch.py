@@ -171,6 +171,11 @@ class BatchEngine:
         return self.loaded.chat_template
 
     @property
+    def accepts_images(self) -> bool:
+        """Whether the model takes images (False for a text-only model)."""
+        return self.loaded.accepts_images
+
+    @property
     def loaded_at(self) -> float:
         """When the load ended (Unix time)."""
         return self.loaded.loaded_at

@@ -74,6 +74,15 @@ class LoadedModel:
         return None
 
     @property
+    def accepts_images(self) -> bool:
+        """Whether the model takes images: a vision config and an image
+        processor (a text-only model has neither)."""
+        return (
+            getattr(self.config, "vision_config", None) is not None
+            and getattr(self.processor, "image_processor", None) is not None
+        )
+
+    @property
     def tokenizer(self) -> Any:
         """The text tokenizer."""
         return getattr(self.processor, "tokenizer", self.processor)

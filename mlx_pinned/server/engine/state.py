@@ -128,6 +128,15 @@ class BatchState:
         the processor raises, or ``PromptTooLongError`` for a prompt over the
         request's limits; nothing is queued then.
         """
+        if images and not self.loaded.accepts_images:
+            # The HTTP side names the part; this guards other callers, as
+            # a text model's prompt would silently drop the image.
+            raise APIError(
+                400,
+                "This model takes no images; send text parts only.",
+                param="messages",
+                code="images_unsupported",
+            )
         api = vlm()
         model = self.loaded.model
         temperature, top_p, top_k = api.resolve_sampling_defaults(

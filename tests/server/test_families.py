@@ -1,0 +1,193 @@
+"""Every tiny model family through the batch engine: batched equals solo.
+
+Each family (the vision ones of ``TINY_MODEL_TYPES`` and the text-only ones
+of ``TINY_LM_TYPES``) is loaded by the engine and run in batches whose rows
+join and leave at different steps, with different prompts, prompt lengths
+and image sizes; every row's per-token log-probabilities are compared with
+the same request run alone through ``mlx_vlm.stream_generate``
+(``reference.py``), within ``TOL`` (see ``test_batching.py`` for why 1e-5).
+A family whose rows leak into each other (rope state kept on the model, a
+prefill that mixes the images of a batch) moves them by 0.1 or more.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from mlx_pinned import MLXThread
+from mlx_pinned.server import engine
+from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.errors import APIError
+from mlx_pinned.server.events import GenerationParams
+from mlx_pinned.server.http.gate import BatchGate
+from mlx_pinned.testing import (
+    TINY_LM_TYPES,
+    TINY_MODEL_TYPES,
+    make_test_image,
+    tiny_lm_path,
+    tiny_vlm_path,
+)
+
+from .test_batching import (
+    TOL,
+    Collector,
+    Request,
+    deadline,
+    max_logprob_difference,
+    solo,
+)
+
+pytestmark = pytest.mark.anyio
+
+FAMILIES = [*TINY_MODEL_TYPES, *TINY_LM_TYPES]
+PROMPTS = (
+    "Describe this image in one sentence.",
+    "What is in this picture? Answer in a few words.",
+    "Count the objects in the image and list their colours.",
+    "Hello! How can I help you today?",
+    "The quick brown fox jumps over the lazy dog.",
+    "Is this a photo of a dog, a cat or a bird?",
+)
+# Image sizes per request (None: text only); a text model gets none.
+SIZES: tuple[tuple[int, int] | None, ...] = (
+    (64, 64),
+    None,
+    (32, 32),
+    (96, 64),
+    None,
+    (128, 128),
+)
+
+
+@dataclass(frozen=True)
+class Served:
+    model_type: str
+    loaded: LoadedModel
+
+    @property
+    def vision(self) -> bool:
+        return self.model_type in TINY_MODEL_TYPES
+
+
+@pytest.fixture(scope="module")
+def thread() -> Iterator[MLXThread]:
+    with MLXThread(name="test-families") as mlx_thread:
+        yield mlx_thread
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request: pytest.FixtureRequest, thread: MLXThread) -> Served:
+    model_type: str = request.param
+    if model_type in TINY_MODEL_TYPES:
+        path = tiny_vlm_path(model_type)
+    else:
+        path = tiny_lm_path(model_type)
+    loaded: LoadedModel = thread.run_sync(engine.load, path)
+    return Served(model_type, loaded)
+
+
+def picture(size: tuple[int, int], seed: int) -> Image.Image:
+    return Image.open(io.BytesIO(make_test_image(*size, seed=seed))).convert("RGB")
+
+
+def request(family: Served, index: int, max_tokens: int, **params: Any) -> Request:
+    """Request ``index``: its own prompt, and its own image size or none."""
+    size = SIZES[index % len(SIZES)] if family.vision else None
+    content: list[dict[str, Any]] = [
+        {"type": "text", "text": PROMPTS[index % len(PROMPTS)]}
+    ]
+    images = []
+    if size is not None:
+        content.append({"type": "image_url"})
+        images.append(picture(size, seed=index))
+    params.setdefault("temperature", 0.0)
+    params.setdefault("logprobs", True)
+    messages = ({"role": "user", "content": content},)
+    return GenerationParams(messages, max_tokens=max_tokens, **params), images
+
+
+class TestEveryFamily:
+    async def test_rows_joining_and_leaving_match_each_solo_run(
+        self, thread: MLXThread, family: Served
+    ) -> None:
+        # 0 leaves early; 4 and 5 join after it left, the others one by one.
+        lengths = (5, 18, 14, 16, 10, 12)
+        reqs = [request(family, i, n, top_logprobs=3) for i, n in enumerate(lengths)]
+        alone = [await solo(thread, family.loaded, req) for req in reqs]
+        batch = BatchEngine(family.loaded, thread)
+        gate = BatchGate(max_num_seqs=6, max_pending=6)
+        runs = [Collector(thread, batch, gate, req) for req in reqs]
+        async with deadline() as group:
+            for i in range(4):
+                group.start_soon(runs[i].run)
+                await runs[i].two_tokens.wait()
+            await runs[0].done.wait()
+            group.start_soon(runs[4].run)
+            group.start_soon(runs[5].run)
+        for run, expected in zip(runs, alone, strict=True):
+            assert max_logprob_difference(run.events, expected) <= TOL
+        assert batch.statistics().peak_active >= 3
+
+    async def test_prompts_arriving_together_match_each_solo_run(
+        self, thread: MLXThread, family: Served
+    ) -> None:
+        reqs = [request(family, i, 6 + i, top_logprobs=2) for i in range(6)]
+        alone = [await solo(thread, family.loaded, req) for req in reqs]
+        batch = BatchEngine(family.loaded, thread)
+        gate = BatchGate(max_num_seqs=6, max_pending=0)
+        runs = [Collector(thread, batch, gate, req) for req in reqs]
+        async with deadline() as group:
+            for run in runs:
+                group.start_soon(run.run)
+        for run, expected in zip(runs, alone, strict=True):
+            assert max_logprob_difference(run.events, expected) <= TOL
+        assert batch.statistics().prefills == 6
+
+    async def test_seeded_sampling_matches_solo(
+        self, thread: MLXThread, family: Served
+    ) -> None:
+        reqs = [
+            request(family, i, 8, temperature=0.9, top_p=0.9, seed=100 + i)
+            for i in range(3)
+        ]
+        alone = [await solo(thread, family.loaded, req) for req in reqs]
+        batch = BatchEngine(family.loaded, thread)
+        gate = BatchGate(max_num_seqs=3, max_pending=0)
+        runs = [Collector(thread, batch, gate, req) for req in reqs]
+        async with deadline() as group:
+            for run in runs:
+                group.start_soon(run.run)
+        for run, expected in zip(runs, alone, strict=True):
+            assert max_logprob_difference(run.events, expected) <= TOL
+
+    def test_says_whether_it_takes_images(
+        self, thread: MLXThread, family: Served
+    ) -> None:
+        batch = BatchEngine(family.loaded, thread)
+        assert batch.accepts_images is family.vision
+
+
+class TestTextModels:
+    @pytest.fixture
+    def text_family(self, family: Served) -> Served:
+        if family.vision:
+            pytest.skip("a vision family")
+        return family
+
+    def test_an_image_is_refused_before_anything_runs(
+        self, thread: MLXThread, text_family: Served
+    ) -> None:
+        params, _ = request(text_family, 0, 4)
+        batch = BatchEngine(text_family.loaded, thread)
+        events = batch.generate_stream(params, [picture((64, 64), 0)])
+        with pytest.raises(APIError) as caught:
+            thread.run_sync(next, events)
+        assert caught.value.status == 400
+        assert caught.value.code == "images_unsupported"
+        assert batch.statistics().prefills == 0
