@@ -11,6 +11,7 @@ from __future__ import annotations
 from ._decorators import MLXFunction as MLXFunction
 from ._decorators import MLXGeneratorFunction as MLXGeneratorFunction
 from ._decorators import on_mlx_thread as on_mlx_thread
+from ._default import current_default_mlx_thread as current_default_mlx_thread
 from ._exceptions import MLXPinnedError as MLXPinnedError
 from ._exceptions import MLXThreadBrokenError as MLXThreadBrokenError
 from ._exceptions import MLXThreadBusyError as MLXThreadBusyError
@@ -20,7 +21,6 @@ from ._exceptions import StreamAffinityError as StreamAffinityError
 from ._exclusive import Exclusive as Exclusive
 from ._executor import MLXThread as MLXThread
 from ._executor import MLXThreadStatistics as MLXThreadStatistics
-from ._executor import current_default_mlx_thread as current_default_mlx_thread
 from ._streams import AsyncBatchIterator as AsyncBatchIterator
 from ._streams import AsyncStreamIterator as AsyncStreamIterator
 from ._streams import SyncBatchIterator as SyncBatchIterator

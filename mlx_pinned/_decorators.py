@@ -21,8 +21,9 @@ from typing import (
     overload,
 )
 
+from ._default import current_default_mlx_thread
 from ._exclusive import Exclusive
-from ._executor import MLXThread, current_default_mlx_thread
+from ._executor import MLXThread
 
 if TYPE_CHECKING:
     from ._streams import AsyncStreamIterator, SyncStreamIterator

@@ -388,24 +388,6 @@ class MLXThread(Submitter, Executor):
 
 _all_threads: weakref.WeakSet[MLXThread] = weakref.WeakSet()
 _exit_hook_registered = False
-_default: MLXThread | None = None
-_default_lock = threading.Lock()
-
-
-def current_default_mlx_thread() -> MLXThread:
-    """The process-wide default :class:`MLXThread`, created on first use.
-
-    A new one replaces it if it was shut down; after ``os.fork()`` the child
-    gets a fresh one.
-    """
-    global _default
-    thread = _default
-    if thread is None or thread.closed:
-        with _default_lock:
-            thread = _default
-            if thread is None or thread.closed:
-                thread = _default = MLXThread(name="mlx-pinned-default")
-    return thread
 
 
 def _register_exit_hook() -> None:
@@ -424,8 +406,7 @@ def _shutdown_all() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _default, _default_lock, _exit_hook_registered
-    _default, _default_lock = None, threading.Lock()
+    global _exit_hook_registered
     _exit_hook_registered = False
     for thread in list(_all_threads):
         thread._forked()
