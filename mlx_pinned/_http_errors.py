@@ -20,6 +20,7 @@ from ._exceptions import (
 __all__ = [
     "INTERNAL_ERROR",
     "SHUTTING_DOWN",
+    "STARTUP_FAILED",
     "HTTPAnswer",
     "error_body",
     "http_answer",
@@ -59,6 +60,10 @@ class HTTPAnswer:
 
 #: A request that arrives while the server shuts down.
 SHUTTING_DOWN = HTTPAnswer(503, "shutting_down", "The server is shutting down.")
+#: A request that arrives after the server's start-up failed.
+STARTUP_FAILED = HTTPAnswer(
+    503, "mlx_thread_unavailable", "The server failed to start: see its log."
+)
 
 
 def http_answer(exc: BaseException) -> HTTPAnswer | None:

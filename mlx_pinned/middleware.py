@@ -26,9 +26,10 @@ if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
     from exceptiongroup import BaseExceptionGroup
 
 from ._decorators import MLXFunction
-from ._exceptions import StreamAffinityError
+from ._default import hold_default_mlx_thread, release_default_mlx_thread
+from ._exceptions import MLXThreadClosedError, StreamAffinityError
 from ._executor import MLXThread
-from ._http_errors import SHUTTING_DOWN, HTTPAnswer, http_answer
+from ._http_errors import SHUTTING_DOWN, STARTUP_FAILED, HTTPAnswer, http_answer
 
 __all__ = ["MLXThreadMiddleware"]
 
@@ -52,11 +53,19 @@ class MLXThreadMiddleware:
     through its ``.sync`` from the thread: inline when its decorator names
     this thread. If one raises, or returns an awaitable (it is closed and a
     ``TypeError`` raised), the server gets ``lifespan.startup.failed`` with
-    the reason.
+    the reason, and the error is re-raised (as Starlette's router does, so
+    that ``TestClient`` raises it); later requests get 503.
 
     Lifespan shut-down: new requests get 503, in-flight ones get up to
     ``drain_timeout`` seconds to finish, the app's own shut-down runs, then
     the thread shuts down.
+
+    Without ``thread``, each lifespan runs the process-wide default thread,
+    :func:`~mlx_pinned.current_default_mlx_thread`, the one
+    ``@on_mlx_thread`` without ``thread=`` calls, and shuts it down at its
+    end (once no other lifespan holds it); the next lifespan, or the next
+    call, gets a fresh one. So module-level decorated functions follow one
+    lifespan after another (a ``TestClient`` per test).
 
     Requests: mlx-pinned's errors get the answers of
     :func:`~mlx_pinned._http_errors.http_answer`, the same on every route:
@@ -69,7 +78,8 @@ class MLXThreadMiddleware:
 
     Args:
         app: the ASGI app to wrap.
-        thread: the MLXThread to manage; a new one per lifespan if ``None``.
+        thread: the MLXThread to manage, for one lifespan (a thread that was
+            shut down cannot start again); the default thread if ``None``.
         startup: name -> callable with no arguments, run on the thread at
             start-up.
         drain_timeout: seconds in-flight requests get at shut-down.
@@ -95,7 +105,10 @@ class MLXThreadMiddleware:
         self.state_key = state_key
         self.retry_after = retry_after
         self._state: dict[str, object] = {}
-        self._closing = False
+        # What new requests get instead of the app: None while it serves.
+        self._refusal: HTTPAnswer | None = None
+        # The thread this lifespan stops at its end, until it does.
+        self._stops: MLXThread | None = None
         self._in_flight = 0
         self._idle: anyio.Event | None = None
 
@@ -113,8 +126,9 @@ class MLXThreadMiddleware:
         state = scope.setdefault("state", {})
         for key, value in self._state.items():
             state.setdefault(key, value)
-        if self._closing:
-            await self._answer(scope, send, SHUTTING_DOWN)
+        refusal = self._refusal
+        if refusal is not None:
+            await self._answer(scope, send, refusal)
             return
         started = False
 
@@ -202,8 +216,10 @@ class MLXThreadMiddleware:
         except Exception as exc:
             logger.exception("MLX thread start-up failed")
             await send({"type": "lifespan.startup.failed", "message": _reason(exc)})
-            await self._stop()
-            return
+            await self._stop(STARTUP_FAILED)
+            # As Starlette's router does: a server that reads on (TestClient)
+            # learns the failure, instead of serving an app never started.
+            raise
         except BaseException:  # cancelled, SystemExit: no thread left behind
             self._abandon()
             raise
@@ -252,11 +268,19 @@ class MLXThreadMiddleware:
             await send({"type": "lifespan.shutdown.complete"})
 
     async def _start(self, scope: Scope) -> None:
-        if self._given_thread is None:
-            self.thread = MLXThread(name="mlx-pinned-asgi")
-        thread = self.thread
-        assert thread is not None
-        self._closing = False
+        thread = self._given_thread
+        if thread is None:
+            thread = self.thread = hold_default_mlx_thread()
+        elif thread.closed:
+            raise MLXThreadClosedError(
+                f"MLX thread {thread.name!r} was shut down by an earlier lifespan,"
+                " and a thread given to MLXThreadMiddleware serves one: for a"
+                " lifespan per test, pass no thread= (the middleware and"
+                " @on_mlx_thread then share the default thread, fresh for each"
+                " lifespan), or create the thread with the app."
+            )
+        self._refusal = None
+        self._stops = thread
         thread.start()
         state: dict[str, object] = {self.state_key: thread}
         for name, load in self._startup.items():
@@ -267,7 +291,7 @@ class MLXThreadMiddleware:
             scope["state"].update(state)
 
     async def _drain(self) -> None:
-        self._closing = True
+        self._refusal = SHUTTING_DOWN
         if self._in_flight:
             self._idle = anyio.Event()
             with anyio.move_on_after(self.drain_timeout) as timeout:
@@ -279,18 +303,27 @@ class MLXThreadMiddleware:
                     self.drain_timeout,
                 )
 
-    async def _stop(self) -> None:
-        self._closing = True
-        thread = self.thread
+    async def _stop(self, refusal: HTTPAnswer = SHUTTING_DOWN) -> None:
+        self._refusal = refusal
+        thread = self._let_go()
         if thread is not None:
             await thread.aclose()
 
     def _abandon(self) -> None:
         """Stop the thread without waiting (cancelled: a start-up job may
         still run, and a model load is not waited out); queued jobs end."""
-        self._closing = True
-        if self.thread is not None:
-            self.thread.shutdown(wait=False, cancel_futures=True)
+        self._refusal = SHUTTING_DOWN
+        thread = self._let_go()
+        if thread is not None:
+            thread.shutdown(wait=False, cancel_futures=True)
+
+    def _let_go(self) -> MLXThread | None:
+        """The thread to shut down as the lifespan ends, once: the given one,
+        or the default once no other lifespan holds it (None: leave it up)."""
+        thread, self._stops = self._stops, None
+        if thread is None or thread is self._given_thread:
+            return thread
+        return thread if release_default_mlx_thread(thread) else None
 
 
 def _sole(exc: BaseException) -> BaseException:

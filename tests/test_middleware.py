@@ -24,6 +24,8 @@ from mlx_pinned import (
     MLXThread,
     MLXThreadBrokenError,
     MLXThreadBusyError,
+    MLXThreadClosedError,
+    current_default_mlx_thread,
     on_mlx_thread,
 )
 from mlx_pinned.middleware import MLXThreadMiddleware
@@ -158,7 +160,7 @@ class TestStarlette:
         message = response.json()["error"]["message"]
         assert "used on a thread that does not own it" in message
         # The job and the thread are named in the log, never to the client.
-        for detail in ("<lambda>", "mlx-pinned-asgi"):
+        for detail in ("<lambda>", "mlx-pinned-default"):
             assert detail not in message
             assert detail in caplog.text
         assert "lazy array" in caplog.text
@@ -496,6 +498,91 @@ class TestLifespanEdges:
 
         middleware = MLXThreadMiddleware(Starlette(), startup={"model": job})
         await lifespan_raises_and_stops(middleware, "Stop")
+
+
+@on_mlx_thread
+def loaded_here() -> dict[str, Any]:
+    """A module-level load with no thread=: it follows the default thread."""
+    return {"loaded_on": threading.get_ident(), "weights": mx.arange(4) * 2}
+
+
+@on_mlx_thread
+def ran_here(model: dict[str, Any]) -> dict[str, int]:
+    return {"ran_on": threading.get_ident(), "total": int(model["weights"].sum())}
+
+
+async def follow_the_default(request: Request) -> JSONResponse:
+    thread: MLXThread = request.state.mlx_thread
+    result = await ran_here(request.state.model)
+    return JSONResponse(
+        {**result, "thread": thread.ident, **request.state.model, "weights": None}
+    )
+
+
+class TestSeveralLifespans:
+    """A lifespan per test (a TestClient each) in one process."""
+
+    def test_module_level_functions_follow_each_lifespans_thread(self) -> None:
+        app = Starlette(
+            routes=[Route("/", follow_the_default)],
+            middleware=[
+                Middleware(MLXThreadMiddleware, startup={"model": loaded_here})
+            ],
+        )
+        threads = []
+        for _ in range(3):
+            with TestClient(app) as http:
+                response = http.get("/")
+                assert response.status_code == 200
+                answer = response.json()
+                # Loaded and run on the MLX thread of this lifespan.
+                assert answer["ran_on"] == answer["loaded_on"] == answer["thread"]
+                assert answer["total"] == 12
+                thread = current_default_mlx_thread()
+                assert answer["thread"] == thread.ident
+                threads.append(thread)
+            assert thread.closed  # stopped with its lifespan
+        assert len({id(thread) for thread in threads}) == 3  # a fresh one each
+
+    def test_a_given_thread_serves_one_lifespan_and_says_so(self) -> None:
+        thread = MLXThread(name="given")
+        app = starlette_app(thread=thread)
+        with TestClient(app) as http:
+            assert http.get("/where").status_code == 200
+        # It started, silently served 503 "shutting down", then hung at exit.
+        with (
+            pytest.raises(MLXThreadClosedError, match="serves one"),
+            TestClient(app),
+        ):
+            pass  # pragma: no cover
+
+    async def test_a_request_after_a_failed_start_up_is_not_told_shutting_down(
+        self,
+    ) -> None:
+        def broken_load() -> None:
+            raise FileNotFoundError("no weights")
+
+        app = starlette_app(startup={"model": broken_load})
+        with pytest.raises(LifespanFailed):
+            async with run_lifespan(app):
+                pass  # pragma: no cover
+        async with client(app) as http:
+            response = await http.get("/where")
+        assert_openai_error(response, 503, "mlx_thread_unavailable")
+        assert "failed to start" in response.json()["error"]["message"]
+
+    async def test_overlapping_lifespans_share_the_default_until_the_last_ends(
+        self,
+    ) -> None:
+        first, second = starlette_app(), starlette_app()
+        async with run_lifespan(first) as one:
+            async with run_lifespan(second) as two:
+                assert one["mlx_thread"] is two["mlx_thread"]
+            thread: MLXThread = one["mlx_thread"]
+            assert not thread.closed  # the other lifespan still uses it
+            async with client(first) as http:
+                assert (await http.get("/where")).json()["ran_on_thread"] is True
+        assert thread.closed
 
 
 def test_websocket_refused_with_1013() -> None:
