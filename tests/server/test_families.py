@@ -191,3 +191,36 @@ class TestTextModels:
         assert caught.value.status == 400
         assert caught.value.code == "images_unsupported"
         assert batch.statistics().prefills == 0
+
+
+class TestOneAtATime:
+    async def test_rows_run_one_after_another_each_as_alone(
+        self, thread: MLXThread, family: Served
+    ) -> None:
+        # What a family the batch is not proven exact on gets: arriving
+        # together, the rows still run one at a time, each prefilled alone.
+        reqs = [request(family, i, 4 + i, top_logprobs=2) for i in range(4)]
+        alone = [await solo(thread, family.loaded, req) for req in reqs]
+        batch = BatchEngine(family.loaded, thread)
+        batch._state.exclusive = True
+        gate = BatchGate(max_num_seqs=4, max_pending=0)
+        runs = [Collector(thread, batch, gate, req) for req in reqs]
+        async with deadline() as group:
+            for run in runs:
+                group.start_soon(run.run)
+        for run, expected in zip(runs, alone, strict=True):
+            assert max_logprob_difference(run.events, expected) <= TOL
+        stats = batch.statistics()
+        assert (stats.peak_active, stats.prefills, stats.prefill_passes) == (1, 4, 4)
+
+    def test_an_unproven_family_is_served_one_at_a_time(
+        self,
+        thread: MLXThread,
+        family: Served,
+        monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        assert not BatchEngine(family.loaded, thread)._state.exclusive
+        monkeypatch.setattr(engine.model, "EXACT_FAMILIES", frozenset())
+        assert BatchEngine(family.loaded, thread)._state.exclusive
+        assert f"not proven exact on the {family.model_type} family" in caplog.text

@@ -63,6 +63,7 @@ model while its engine has rows: it keeps its rope state on the model.
 from __future__ import annotations
 
 import importlib
+import logging
 import time
 from collections.abc import Generator, Sequence
 from pathlib import Path
@@ -95,6 +96,8 @@ if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
 __all__ = ["BatchEngine", "BatchStatistics"]
+
+logger = logging.getLogger("mlx_pinned.server")
 
 
 class BatchEngine:
@@ -129,6 +132,12 @@ class BatchEngine:
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.image_cache = install_image_cache(loaded.model, image_cache_bytes)
         self._state = BatchState(loaded, self.prompt_cache, prefill_step_size)
+        if self._state.exclusive:
+            logger.warning(
+                "the batch engine is not proven exact on the %s family: serving "
+                "one generation at a time",
+                getattr(loaded.config, "model_type", "?"),
+            )
 
     @classmethod
     def load(
@@ -286,7 +295,7 @@ class BatchEngine:
                         state.step()
                         if row.pending or row.error is not None:
                             break
-                        if state.prefilling_now(row):
+                        if state.prefilling_now(row) or state.held(row):
                             if announce:
                                 yield HANDOFF
                             break

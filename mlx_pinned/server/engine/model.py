@@ -18,7 +18,12 @@ import mlx.core as mx
 from ..limits import context_length, longest_token_chars
 from .text import token_bytes
 
-__all__ = ["LoadedModel", "load"]
+__all__ = ["EXACT_FAMILIES", "LoadedModel", "load"]
+
+# Families whose rows the batch engine computes exactly as each alone
+# (tests/server/test_families.py runs every one against mlx-vlm's own loop).
+# Any other family is served one generation at a time.
+EXACT_FAMILIES = frozenset({"qwen3_vl", "qwen2_5_vl", "qwen3", "llama"})
 
 logger = logging.getLogger("mlx_pinned.server")
 
@@ -72,6 +77,11 @@ class LoadedModel:
             if isinstance(template, str) and template:
                 return template
         return None
+
+    @property
+    def batches_exactly(self) -> bool:
+        """Whether its family is one the batch engine is proven exact on."""
+        return getattr(self.config, "model_type", None) in EXACT_FAMILIES
 
     @property
     def accepts_images(self) -> bool:

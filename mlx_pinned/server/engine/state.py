@@ -70,8 +70,12 @@ class BatchState:
         loaded: LoadedModel,
         prompt_cache: PromptCache | None = None,
         prefill_step: int = PREFILL_STEP,
+        exclusive: bool | None = None,
     ) -> None:
         self.loaded = loaded
+        # One row at a time, each prefilled alone with mlx-vlm's own caches:
+        # for families the batch is not proven exact on (None: by family).
+        self.exclusive = not loaded.batches_exactly if exclusive is None else exclusive
         self.prefill_step = prefill_step
         self.prompt_cache = prompt_cache or PromptCache(0)
         # Only plain KV caches can be cut at any token and reused.
@@ -201,6 +205,10 @@ class BatchState:
         Whether any of them got its first token (or its error) here."""
         waiting = [row for row in self.waiting if not row.gone]
         self.waiting = []
+        if self.exclusive:
+            # The next row starts once no other is in the batch.
+            held = waiting if self._busy() else waiting[1:]
+            self.waiting, waiting = held, waiting[: len(waiting) - len(held)]
         if not waiting and not self.prefilling:
             return False
         start = time.perf_counter()
@@ -209,7 +217,9 @@ class BatchState:
         together = [
             r
             for r in waiting
-            if not prefixes.get(r) and batchable(self.loaded, _prepared(r), step)
+            if not self.exclusive
+            and not prefixes.get(r)
+            and batchable(self.loaded, _prepared(r), step)
         ]
         alone = [r for r in waiting if r not in together]
         for i in range(0, len(together), PREFILL_BATCH):
@@ -257,6 +267,16 @@ class BatchState:
             self._joined([row], group)
         self.prefilling.pop(0)
         return [row]
+
+    def _busy(self) -> bool:
+        """Whether a row is in the batch, joining it or being prefilled."""
+        joining = [row for rows, _ in self.joining for row in rows]
+        live = [r for r in (*self.rows, *joining) if r not in self.leaving]
+        return bool(self.prefilling) or any(not (r.gone or r.done) for r in live)
+
+    def held(self, row: Row) -> bool:
+        """Whether ``row`` waits for the batch to empty (``exclusive``)."""
+        return row in self.waiting
 
     def prefilling_now(self, row: Row) -> bool:
         """Whether ``row``'s long prompt is being prefilled in chunks."""
