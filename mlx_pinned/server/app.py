@@ -8,10 +8,13 @@ package:
   slot (the gate), write responses;
 - :mod:`.inputs`, in worker threads: decode (and, where allowed, fetch)
   images;
-- :mod:`.engine`, on the MLX thread: load the model (a start-up job of the
-  middleware) and run every generation in one continuous batch.
+- :mod:`.engine`, on the MLX thread: load each model (a start-up job of the
+  middleware per model) and run every generation of a model in its
+  continuous batch.
 
-Generations are admitted in arrival order by the gate: up to
+Several models share the one MLX thread, each with its own engine (its own
+batch) and its own gate; requests are routed by ``model``. A model's
+generations are admitted in arrival order by its gate: up to
 ``max_num_seqs`` decode together, each with its own rope state, cache rows
 and sampler; at most ``max_pending`` wait, past that the server answers 503
 at once. What the server refuses, and how each limit is set:
@@ -24,6 +27,7 @@ import dataclasses
 import functools
 import gc
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,7 @@ from .events import LoadImages
 from .http.chat import ChatEndpoint
 from .http.gate import BatchGate
 from .http.metrics import MetricsMiddleware, ServerMetrics
+from .http.models import ServedModel, ServedModels
 from .http.routes import (
     APIKeyMiddleware,
     health,
@@ -58,25 +63,33 @@ __all__ = ["create_app"]
 
 logger = logging.getLogger("mlx_pinned.server")
 
+#: The lifespan-state key of the first (or only) model's engine; the others
+#: are under ``model:NAME``.
+MODEL_KEY = "model"
+
 
 def create_app(
-    model_path: str | Path | None = None,
+    model_path: str | Path | Sequence[str | Path] | None = None,
     config: ServerConfig | None = None,
     *,
     thread: MLXThread | None = None,
     image_fetcher: Fetcher | None = None,
     **settings: Any,
 ) -> Starlette:
-    """Create the server app for one model.
+    """Create the server app for one model, or several.
 
-    The model is loaded on the MLX thread when the app's lifespan starts (run
-    the app under uvicorn, or drive its lifespan in tests); a failed load fails
-    the start-up with the reason. At shutdown in-flight requests get
+    Each model is loaded on the MLX thread when the app's lifespan starts, by
+    a start-up job of its own, in order (run the app under uvicorn, or drive
+    its lifespan in tests); a failed load fails the start-up with the reason.
+    The first model's engine is in the lifespan state under ``model``, each
+    other one's under ``model:NAME``. At shutdown in-flight requests get
     ``drain_timeout`` seconds to finish, then the thread is closed.
 
     Args:
         model_path: A local model folder or a Hugging Face hub id (the
-            config's ``model``).
+            config's ``model``), or a sequence of them, each served under
+            its own name (``served_model_name``: a name per model, in the
+            same order).
         config: The settings (see :class:`ServerConfig`); the defaults when
             None.
         thread: The MLX thread to run on; a new one when None. The app's
@@ -87,52 +100,72 @@ def create_app(
             ``config``), e.g. ``max_num_seqs=8``.
 
     Returns:
-        A Starlette app; ``app.state.config`` is its :class:`ServerConfig`.
+        A Starlette app; ``app.state.config`` is its :class:`ServerConfig`,
+        ``app.state.models`` the served models (name, state key, gate).
 
     Raises:
         ValueError: A setting out of its range (the message names it).
     """
     if model_path is not None:
-        settings["model"] = str(model_path)
+        if isinstance(model_path, (str, Path)):
+            settings["model"] = str(model_path)
+        else:
+            settings["model"] = tuple(str(path) for path in model_path)
     if image_fetcher is not None:
         settings["allow_remote_images"] = True
     config = dataclasses.replace(config or ServerConfig(), **settings)
-    if not config.model:
+    if not all(config.models):
         raise ValueError("model is empty: give a model folder or a hub id")
     mlx_thread = thread or MLXThread(name="mlx-pinned", max_pending=config.thread_bound)
-    gate = BatchGate(
-        config.max_num_seqs, config.max_pending, retry_after=config.retry_after
+    served = ServedModels(
+        [
+            ServedModel(
+                name,
+                MODEL_KEY if index == 0 else f"{MODEL_KEY}:{name}",
+                # A gate per model: its batch and its waiting room are its
+                # own, so a flood of one model's requests never holds another's.
+                BatchGate(
+                    config.max_num_seqs,
+                    config.max_pending,
+                    retry_after=config.retry_after,
+                ),
+            )
+            for index, name in enumerate(config.names)
+        ]
     )
-    metrics = ServerMetrics(mlx_thread, gate)
+    metrics = ServerMetrics(mlx_thread, served)
     turns = LoopTurns()
     chat = ChatEndpoint(
         config,
         mlx_thread,
-        gate,
+        served,
         _image_loader(config, image_fetcher),
         turns,
         metrics=metrics,
     )
     routes = [
-        Route("/health", functools.partial(health, mlx_thread), methods=["GET"]),
+        Route(
+            "/health", functools.partial(health, mlx_thread, served), methods=["GET"]
+        ),
         Route("/metrics", metrics.endpoint, methods=["GET"]),
-        Route("/v1/models", functools.partial(models, config), methods=["GET"]),
+        Route("/v1/models", functools.partial(models, served), methods=["GET"]),
         Route(
             "/v1/models/{model_id:path}",
-            functools.partial(model, config),
+            functools.partial(model, served),
             methods=["GET"],
         ),
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ]
     startup: dict[str, Any] = {
-        "model": functools.partial(
+        entry.state_key: functools.partial(
             BatchEngine.load,
-            config.model,
+            path,
             mlx_thread,
             prompt_cache_bytes=config.prompt_cache_budget,
             prefill_step_size=config.prefill_step_size,
             image_cache_bytes=config.image_cache_budget,
         )
+        for entry, path in zip(served, config.models, strict=True)
     }
     if config.freeze_gc:
         startup["gc_frozen"] = _freeze_gc
@@ -167,7 +200,8 @@ def create_app(
     )
     app.state.config = config
     app.state.mlx_thread = mlx_thread
-    app.state.gate = gate
+    app.state.models = served
+    app.state.gate = next(iter(served)).gate  # the first (or only) model's
     app.state.metrics = metrics
     app.state.loop_turns = turns
     return app

@@ -2,15 +2,17 @@
 
 ::
 
-    mlx-pinned serve MODEL [--host 127.0.0.1] [--port 8000]
-                           [--served-model-name NAME] [--max-tokens-limit N]
+    mlx-pinned serve MODEL [MODEL ...] [--host 127.0.0.1] [--port 8000]
+                           [--served-model-name NAME ...] [--max-tokens-limit N]
                            [--max-pending N] [--max-num-seqs N] [--api-key KEY]
                            [--request-timeout S] [--max-prompt-tokens N]
                            [--allow-remote-images] [--max-images N] ...
     mlx-pinned serve --demo        # the tiny offline model of mlx_pinned.testing
 
-``MODEL`` is a local model folder or a Hugging Face hub id. ``--demo`` writes
-the tiny random-weight model to the cache folder (``$MLX_PINNED_CACHE``, else
+``MODEL`` is a local model folder or a Hugging Face hub id; several are
+served together, each under its own name (``--served-model-name`` given once
+per MODEL, in the same order, or not at all). ``--demo`` writes the tiny
+random-weight model to the cache folder (``$MLX_PINNED_CACHE``, else
 ``~/.cache/mlx-pinned``) and serves it as ``mlx-pinned-demo``: it works
 offline, and answers with random text. Every limit: docs/security.md.
 """
@@ -69,7 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         "chat-completions API (POST /v1/chat/completions).",
     )
     serve.add_argument(
-        "model", nargs="?", help="a local model folder or a Hugging Face hub id"
+        "model",
+        nargs="*",
+        metavar="MODEL",
+        help="a local model folder or a Hugging Face hub id; several are served "
+        "together, each under its own name",
     )
     serve.add_argument(
         "--demo",
@@ -111,16 +117,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.demo == bool(args.model):
         parser.error("serve needs a MODEL, or --demo (not both)")
+    names = args.served_model_name
+    models = len(args.model) or 1  # --demo serves one
+    if names is not None and len(names) != models:
+        parser.error(
+            "give --served-model-name once per MODEL, in the same order "
+            f"({_count(models, 'MODEL')}, {_count(len(names), 'name')})"
+        )
+    served = names or args.model
+    taken = [name for name in served if served.count(name) > 1]
+    if taken:
+        parser.error(
+            f"two models are served as {taken[0]!r}: give each its own "
+            "--served-model-name"
+        )
     if args.api_key == "":  # e.g. a blank MLX_PINNED_API_KEY= line
         parser.error(
             f"the API key (--api-key or ${API_KEY_ENV}) is empty: give a key, or "
             "unset it"
         )
-    if args.model and _looks_local(args.model) and not Path(args.model).is_dir():
-        parser.error(
-            f"no model folder at {args.model!r} (a path; a Hugging Face hub id "
-            "looks like 'org/name')"
-        )
+    for model in args.model:
+        if _looks_local(model) and not Path(model).is_dir():
+            parser.error(
+                f"no model folder at {model!r} (a path; a Hugging Face hub id "
+                "looks like 'org/name')"
+            )
     with log_from_a_thread(args.log_level.upper()):
         return serve(args)
 
@@ -151,19 +172,19 @@ def log_from_a_thread(level: str) -> Iterator[None]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Load the model and serve it until interrupted."""
+    """Load the models and serve them until interrupted."""
     import uvicorn
 
     from .app import create_app
 
-    model = args.model
-    name = args.served_model_name
+    models = list(args.model)
+    names = args.served_model_name
     if args.demo:
         from mlx_pinned.testing import tiny_vlm_path
 
         logger.info("writing the demo model (offline)")
         try:
-            model = str(tiny_vlm_path())
+            models = [str(tiny_vlm_path())]
         except OSError as exc:
             logger.error(
                 "could not write the demo model: %s; set MLX_PINNED_CACHE to a "
@@ -171,7 +192,7 @@ def serve(args: argparse.Namespace) -> int:
                 exc,
             )
             return 1
-        name = name or DEMO_MODEL_NAME
+        names = names or [DEMO_MODEL_NAME]
     if not _is_loopback(args.host) and not args.api_key:
         logger.warning(
             "listening on %s without an API key: anyone who can reach it can use "
@@ -179,12 +200,14 @@ def serve(args: argparse.Namespace) -> int:
             args.host,
             API_KEY_ENV,
         )
-    config = _config(args, model, name)
+    config = _config(args, models, names)
     app = create_app(config=config)
     logger.info(
-        "serving %s as %r (event loop: %s, HTTP parser: %s)",
-        model,
-        name or model,
+        "serving %s (event loop: %s, HTTP parser: %s)",
+        ", ".join(
+            f"{model} as {name!r}"
+            for model, name in zip(config.models, config.names, strict=True)
+        ),
         "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
         "httptools" if importlib.util.find_spec("httptools") else "h11",
     )
@@ -302,6 +325,16 @@ def _add_setting(parser: argparse.ArgumentParser, setting: Setting) -> None:
     default = setting.default
     if setting.env is not None:
         default = os.environ.get(setting.env, default)
+    if setting.repeated:  # once per model: a list, in order
+        parser.add_argument(
+            setting.flag,
+            dest=dest,
+            type=_argument(setting.parse or str),
+            action="append",
+            default=default,
+            help=setting.help,
+        )
+        return
     if setting.parse is None:  # a switch: --x, and --no-x where it is on
         action = argparse.BooleanOptionalAction if default else "store_true"
         parser.add_argument(
@@ -317,9 +350,12 @@ def _add_setting(parser: argparse.ArgumentParser, setting: Setting) -> None:
     )
 
 
-def _config(args: argparse.Namespace, model: str, name: str | None) -> ServerConfig:
-    """The :class:`ServerConfig` of the parsed flags."""
-    values: dict[str, Any] = {"model": model}
+def _config(
+    args: argparse.Namespace, models: Sequence[str], names: Sequence[str] | None
+) -> ServerConfig:
+    """The :class:`ServerConfig` of the parsed flags, for ``models`` served as
+    ``names`` (None: as given)."""
+    values: dict[str, Any] = {"model": tuple(models)}
     limits: dict[str, Any] = {}
     for setting in command_line_settings():
         value = getattr(args, "_".join(setting.path))
@@ -327,8 +363,12 @@ def _config(args: argparse.Namespace, model: str, name: str | None) -> ServerCon
             limits[setting.path[1]] = value
         else:
             values[setting.path[0]] = value
-    values["served_model_name"] = name
+    values["served_model_name"] = None if names is None else tuple(names)
     return ServerConfig(**values, image_limits=ImageLimits(**limits))
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'s' * (number != 1)}"
 
 
 def _looks_local(model: str) -> bool:

@@ -95,18 +95,21 @@ def _setting(
     flag: str | None = None,
     env: str | None = None,
     command_line_default: Any = dataclasses.MISSING,
+    repeated: bool = False,
 ) -> Any:
     """A field of a settings class. ``help`` is its command-line help (with
     ``%(default)s``); ``parse`` reads its flag's text (None: a switch);
     ``flag`` overrides the flag's name; ``env``: the variable that gives the
     command line's default; ``command_line_default``: a default that the
-    command line sets and the library does not (say why where it is used)."""
+    command line sets and the library does not (say why where it is used);
+    ``repeated``: the flag is given once per model."""
     metadata = {
         "help": help,
         "parse": parse,
         "flag": flag,
         "env": env,
         "command_line_default": command_line_default,
+        "repeated": repeated,
     }
     return field(default=default, metadata=metadata)
 
@@ -146,12 +149,18 @@ class ImageLimits:
 @dataclass(frozen=True)
 class ServerConfig:
     """Settings of one server. Each is checked here; a bad one is a
-    ``ValueError`` that names it.
+    ``ValueError`` that names it. Every setting applies to each served
+    model alike (``max_num_seqs`` rows and ``max_pending`` waiting requests
+    per model).
 
     Attributes:
-        model: A local model folder or a Hugging Face hub id.
+        model: A local model folder or a Hugging Face hub id; for several
+            models, a sequence of them (kept as a tuple; a sequence of one is
+            kept as its one string).
         served_model_name: The name clients send as ``model`` (None: ``model``
-            as given; see :attr:`name`). Any other name is a 404.
+            as given; see :attr:`names`); for several models, a sequence of
+            names in the order of ``model``, one per model. Any other name is
+            a 404.
         max_tokens_limit: The largest ``max_tokens`` a request may ask for;
             more is a 400.
         default_max_tokens: ``max_tokens`` when a request sets none (at most
@@ -187,11 +196,15 @@ class ServerConfig:
             library; the command line turns it on.
     """
 
-    model: str = _setting("", "a local model folder or a Hugging Face hub id")
-    served_model_name: str | None = _setting(
+    model: str | tuple[str, ...] = _setting(
+        "", "a local model folder or a Hugging Face hub id; several: a tuple"
+    )
+    served_model_name: str | tuple[str, ...] | None = _setting(
         None,
-        "the model name clients send (default: MODEL as given)",
+        "the model name clients send; once per MODEL, in the same order "
+        "(default: MODEL as given)",
         parse=str,
+        repeated=True,
     )
     max_tokens_limit: int = _setting(
         4096,
@@ -265,13 +278,15 @@ class ServerConfig:
     prompt_cache_bytes: int | None = _setting(
         None,
         "bytes of prompt KV kept for requests that start the same way (a chat's "
-        "next turn); 0: off (default: an eighth of the machine's memory)",
+        "next turn), per model; 0: off (default: an eighth of the machine's "
+        "memory, shared out among the models)",
         parse=non_negative,
     )
     image_cache_bytes: int | None = _setting(
         None,
-        "bytes of vision-tower outputs kept for images sent again; 0: off "
-        "(default: a 32nd of the machine's memory)",
+        "bytes of vision-tower outputs kept for images sent again, per model; 0: "
+        "off (default: a 32nd of the machine's memory, shared out among the "
+        "models)",
         parse=non_negative,
     )
     prefill_step_size: int = _setting(
@@ -288,6 +303,22 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "model", _one_or_many("model", self.model))
+        if self.served_model_name is not None:
+            names = _one_or_many("served_model_name", self.served_model_name)
+            object.__setattr__(self, "served_model_name", names)
+            given = 1 if isinstance(names, str) else len(names)
+            if given != len(self.models):
+                raise ValueError(
+                    f"served_model_name gives {given} names for "
+                    f"{len(self.models)} models: give one per model, in order"
+                )
+        taken = [name for name in self.names if self.names.count(name) > 1]
+        if taken:
+            raise ValueError(
+                f"two models are served as {taken[0]!r}: give each its own "
+                "served_model_name"
+            )
         bounded = ("max_tokens_limit", "max_pending", "max_num_seqs")
         for name in (*bounded, "max_body_bytes", "retry_after"):
             if getattr(self, name) < 1:
@@ -320,29 +351,60 @@ class ServerConfig:
             object.__setattr__(self, "default_max_tokens", self.max_tokens_limit)
 
     @property
+    def models(self) -> tuple[str, ...]:
+        """Every model folder or hub id served, in order."""
+        return (self.model,) if isinstance(self.model, str) else self.model
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The name of each model in :attr:`models` in requests and
+        ``/v1/models``: its ``served_model_name``, else the model as given."""
+        names = self.served_model_name
+        if names is None:
+            return self.models
+        return (names,) if isinstance(names, str) else names
+
+    @property
     def name(self) -> str:
-        """The model's name in requests and ``/v1/models``."""
-        return self.served_model_name or self.model
+        """The first (or only) model's name in requests and ``/v1/models``."""
+        return self.names[0]
 
     @property
     def prompt_cache_budget(self) -> int:
-        """``prompt_cache_bytes``, or an eighth of the machine's memory."""
+        """Each model's ``prompt_cache_bytes``; by default an eighth of the
+        machine's memory, shared out among the models."""
         if self.prompt_cache_bytes is not None:
             return self.prompt_cache_bytes
-        return _memory() // 8
+        return _memory() // 8 // len(self.models)
 
     @property
     def image_cache_budget(self) -> int:
-        """``image_cache_bytes``, or a 32nd of the machine's memory."""
+        """Each model's ``image_cache_bytes``; by default a 32nd of the
+        machine's memory, shared out among the models."""
         if self.image_cache_bytes is not None:
             return self.image_cache_bytes
-        return _memory() // 32
+        return _memory() // 32 // len(self.models)
 
     @property
     def thread_bound(self) -> int:
-        """The MLX thread's queue bound: the waiting room plus a turn of
-        each running generation (the running ones are queued there too)."""
-        return self.max_pending + self.max_num_seqs
+        """The MLX thread's queue bound: each model's waiting room plus a
+        turn of each of its running generations (the running ones are queued
+        there too)."""
+        return (self.max_pending + self.max_num_seqs) * len(self.models)
+
+
+def _one_or_many(name: str, value: object) -> str | tuple[str, ...]:
+    """A string as it is; a sequence of strings as a tuple, or as its one
+    string when it has one (so one model compares equal however given)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, (tuple, list)) or not all(
+        isinstance(item, str) for item in value
+    ):
+        raise ValueError(f"{name} is a string or a sequence of strings")
+    if not value:
+        raise ValueError(f"{name} is empty: give at least one")
+    return value[0] if len(value) == 1 else tuple(value)
 
 
 def _memory() -> int:
@@ -363,6 +425,7 @@ class Setting:
     parse: Callable[[str], Any] | None
     default: Any
     env: str | None
+    repeated: bool  # given once per model: the values, in order
 
 
 def command_line_settings() -> Iterator[Setting]:
@@ -385,4 +448,6 @@ def _as_setting(path: tuple[str, ...], item: dataclasses.Field[Any]) -> Setting:
     if default is dataclasses.MISSING:
         default = item.default
     flag = meta["flag"] or "--" + path[-1].replace("_", "-")
-    return Setting(path, flag, meta["help"], meta["parse"], default, meta["env"])
+    return Setting(
+        path, flag, meta["help"], meta["parse"], default, meta["env"], meta["repeated"]
+    )

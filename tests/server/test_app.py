@@ -288,7 +288,7 @@ class TestCompletion:
         match = re.fullmatch(
             r"127\.0\.0\.1:\d+ POST /v1/chat/completions 200 stream=(\d) images=1 "
             r"prompt=\d+ completion=12 queue=[\d.]+ms ttft=([\d.]+)ms "
-            r"total=([\d.]+)ms ([\d.]+) tok/s finish=length",
+            r"total=([\d.]+)ms ([\d.]+) tok/s finish=length model=tiny",
             line,
         )
         assert match, line

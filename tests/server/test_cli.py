@@ -15,6 +15,7 @@ import pytest
 
 from mlx_pinned.server import cli
 from mlx_pinned.server.config import ImageLimits, ServerConfig
+from mlx_pinned.testing import make_tiny_vlm
 
 
 @pytest.fixture
@@ -87,6 +88,26 @@ class TestServe:
         assert config.max_tokens_limit == 50
         assert config.max_pending == 3
         assert config.api_key is None
+
+    def test_several_models_each_under_its_name(
+        self, runs: list[dict[str, Any]], tiny_model_path: Path, tmp_path: Path
+    ) -> None:
+        other = make_tiny_vlm(tmp_path / "other", seed=1)
+        argv = ["serve", str(tiny_model_path), str(other), "--max-num-seqs", "2"]
+        argv += ["--served-model-name", "a", "--served-model-name", "b"]
+        assert cli.main(argv) == 0
+        app = runs[0]["app"]
+        config = app.state.config
+        assert config.models == (str(tiny_model_path), str(other))
+        assert config.names == ("a", "b")
+        assert config.max_num_seqs == 2  # every setting applies to each model
+        assert app.state.models.names == ["a", "b"]
+
+    def test_several_models_without_names_are_served_as_given(
+        self, runs: list[dict[str, Any]]
+    ) -> None:
+        assert cli.main(["serve", "org/one", "org/two"]) == 0
+        assert runs[0]["app"].state.config.names == ("org/one", "org/two")
 
     def test_hardening_options(self, runs: list[dict[str, Any]]) -> None:
         argv = ["serve", "--demo", "--allow-remote-images", "--request-timeout", "5"]
@@ -281,6 +302,13 @@ class TestArguments:
             ["serve", "--demo", "--api-key", ""],  # half a key: "Bearer " passed
             ["serve", "/nonexistent/model/dir"],  # an HFValidationError traceback
             ["serve", "./no-such-model"],
+            # --served-model-name once per MODEL, or not at all
+            ["serve", "a/b", "c/d", "--served-model-name", "x"],
+            ["serve", "a/b", "--served-model-name", "x", "--served-model-name", "y"],
+            ["serve", "--demo", "--served-model-name", "x", "--served-model-name", "y"],
+            ["serve", "a/b", "a/b"],  # two models served as one name
+            # two models, one name twice
+            ["serve", "a/b", "c/d", *["--served-model-name", "x"] * 2],
         ],
     )
     def test_usage_errors_exit_2(self, argv: list[str]) -> None:
@@ -299,6 +327,11 @@ class TestArguments:
             (["serve", "m", "--request-timeout", "x"], "must be a number of seconds"),
             (["serve", "m", "--port", "70000"], "must be 0 to 65535"),
             (["serve", "/nonexistent/model/dir"], "no model folder at"),
+            (
+                ["serve", "a/b", "c/d", "--served-model-name", "x"],
+                "once per MODEL, in the same order (2 MODELs, 1 name)",
+            ),
+            (["serve", "a/b", "a/b"], "two models are served as 'a/b'"),
         ]
         for argv, text in cases:
             with pytest.raises(SystemExit):
@@ -345,7 +378,7 @@ class TestOneSettingsSource:
     def test_defaults_are_the_configs(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
         args = self.serve_parser().parse_args(["m"])
-        config = cli._config(args, "m", None)
+        config = cli._config(args, ["m"], None)
         # The one default the command line sets itself (documented there).
         assert config == ServerConfig(model="m", freeze_gc=True)
 
@@ -353,7 +386,7 @@ class TestOneSettingsSource:
         args = self.serve_parser().parse_args(
             ["m", "--drain-timeout", "3", "--retry-after", "4", "--no-freeze-gc"]
         )
-        config = cli._config(args, "m", "name")
+        config = cli._config(args, ["m"], ["name"])
         assert (config.drain_timeout, config.retry_after) == (3.0, 4)
         assert not config.freeze_gc
         assert config.name == "name"

@@ -12,7 +12,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_pinned.server.http.metrics import route_of
 
-from .conftest import Served, assert_error, replace_generation, until, vision_body
+from .conftest import (
+    MODEL,
+    Served,
+    assert_error,
+    replace_generation,
+    until,
+    vision_body,
+)
 from .test_faults import SlowModel
 
 pytestmark = pytest.mark.anyio
@@ -43,7 +50,7 @@ class TestMetrics:
     async def test_prompt_cache_and_kv_are_visible(self, serve: Serve) -> None:
         async with serve(prompt_cache_bytes=2**26) as served:
             before = await scrape(served)
-            assert value(before, "mlx_pinned_prompt_cache_hits_total") == 0
+            assert value(before, "mlx_pinned_prompt_cache_hits_total", model=MODEL) == 0
             usages = []
             for _ in range(2):  # the second reuses the first's prompt
                 response = await served.chat(vision_body(3))
@@ -53,15 +60,18 @@ class TestMetrics:
         cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
         assert cached[0] == 0
         assert cached[1] == value(
-            samples, "mlx_pinned_prompt_cache_reused_tokens_total"
+            samples, "mlx_pinned_prompt_cache_reused_tokens_total", model=MODEL
         )
         assert 0 < cached[1] < usages[1]["prompt_tokens"]
-        assert value(samples, "mlx_pinned_prompt_cache_hits_total") == 1
-        assert value(samples, "mlx_pinned_prompt_cache_misses_total") == 1
-        assert value(samples, "mlx_pinned_prompt_cache_reused_tokens_total") > 10
-        assert value(samples, "mlx_pinned_prompt_cache_bytes") > 0
-        assert value(samples, "mlx_pinned_batch_rows") == 0
-        assert ("mlx_pinned_kv_cache_bytes", ()) in samples
+        assert value(samples, "mlx_pinned_prompt_cache_hits_total", model=MODEL) == 1
+        assert value(samples, "mlx_pinned_prompt_cache_misses_total", model=MODEL) == 1
+        assert (
+            value(samples, "mlx_pinned_prompt_cache_reused_tokens_total", model=MODEL)
+            > 10
+        )
+        assert value(samples, "mlx_pinned_prompt_cache_bytes", model=MODEL) > 0
+        assert value(samples, "mlx_pinned_batch_rows", model=MODEL) == 0
+        assert ("mlx_pinned_kv_cache_bytes", (("model", MODEL),)) in samples
 
     async def test_counts_after_traffic(self, serve: Serve) -> None:
         async with serve() as served:
@@ -86,19 +96,25 @@ class TestMetrics:
             assert requests(CHAT, "400") == 1
             assert requests("other", "404") == 1
             assert requests("/metrics", "200") == 1  # the first scrape
-            assert value(samples, "mlx_pinned_generated_tokens_total") == 8
+            assert value(samples, "mlx_pinned_generated_tokens_total", model=MODEL) == 8
             prompt = ok["usage"]["prompt_tokens"]
-            assert value(samples, "mlx_pinned_prompt_tokens_total") == 2 * prompt
+            assert (
+                value(samples, "mlx_pinned_prompt_tokens_total", model=MODEL)
+                == 2 * prompt
+            )
             for histogram in (
                 "mlx_pinned_time_to_first_token_seconds",
                 "mlx_pinned_request_duration_seconds",
                 "mlx_pinned_queue_wait_seconds",
             ):
-                assert value(samples, f"{histogram}_count") == 2
-                assert value(samples, f"{histogram}_sum") > 0 or "queue" in histogram
-                assert value(samples, f"{histogram}_bucket", le="+Inf") == 2
-            assert value(samples, "mlx_pinned_queue_depth") == 0
-            assert value(samples, "mlx_pinned_active_generations") == 0
+                count = value(samples, f"{histogram}_count", model=MODEL)
+                assert count == 2
+                total = value(samples, f"{histogram}_sum", model=MODEL)
+                assert total > 0 or "queue" in histogram
+                bucket = value(samples, f"{histogram}_bucket", le="+Inf", model=MODEL)
+                assert bucket == 2
+            assert value(samples, "mlx_pinned_queue_depth", model=MODEL) == 0
+            assert value(samples, "mlx_pinned_active_generations", model=MODEL) == 0
             busy = value(samples, "mlx_pinned_mlx_thread_busy_seconds_total")
             assert busy > 0
             fraction = value(samples, "mlx_pinned_mlx_thread_busy_fraction")
@@ -122,16 +138,33 @@ class TestMetrics:
                     await until(lambda: gate.waiting == 2)
                     samples = await scrape(served)
                     slow.release.set()
-            assert value(samples, "mlx_pinned_queue_depth") == 2
-            assert value(samples, "mlx_pinned_active_generations") == 1
+            assert value(samples, "mlx_pinned_queue_depth", model=MODEL) == 2
+            assert value(samples, "mlx_pinned_active_generations", model=MODEL) == 1
             assert value(samples, "mlx_pinned_mlx_thread_open_streams") == 1
 
     async def test_one_registry_per_app(self, serve: Serve) -> None:
         async with serve() as one, serve() as other:
             assert (await one.chat(vision_body(2))).status_code == 200
-            assert value(await scrape(one), "mlx_pinned_generated_tokens_total") == 2
-            assert value(await scrape(other), "mlx_pinned_generated_tokens_total") == 0
-        assert REGISTRY.get_sample_value("mlx_pinned_generated_tokens_total") is None
+            assert (
+                value(
+                    await scrape(one), "mlx_pinned_generated_tokens_total", model=MODEL
+                )
+                == 2
+            )
+            assert (
+                value(
+                    await scrape(other),
+                    "mlx_pinned_generated_tokens_total",
+                    model=MODEL,
+                )
+                == 0
+            )
+        assert (
+            REGISTRY.get_sample_value(
+                "mlx_pinned_generated_tokens_total", {"model": MODEL}
+            )
+            is None
+        )
 
     async def test_behind_the_api_key(self, serve: Serve) -> None:
         async with serve(api_key="k") as served:

@@ -75,42 +75,32 @@ if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
     from ..config import ServerConfig
-    from ..events import Engine, EventStream, LoadImages
-    from .gate import BatchGate
+    from ..events import EventStream, LoadImages
     from .metrics import ServerMetrics
+    from .models import ServedModels
     from .turns import LoopTurns
 
-__all__ = ["ChatEndpoint", "model_not_found"]
+__all__ = ["ChatEndpoint"]
 
 logger = logging.getLogger("mlx_pinned.server")
-
-
-def model_not_found(name: str, config: ServerConfig) -> APIError:
-    """The 404 for a model this server does not serve."""
-    return APIError(
-        404,
-        f"The model {name!r} does not exist: this server serves {config.name!r}.",
-        param="model",
-        code="model_not_found",
-    )
 
 
 class ChatEndpoint:
     """The ASGI endpoint of ``POST /v1/chat/completions``.
 
     Runs on the event loop; images are decoded off it (``load_images``) and
-    the generation runs on ``thread``, through the model's engine (the
-    ``model`` of the lifespan state). A client that disconnects, while
-    waiting or while generating, cancels its request: a generation that has
-    not started never starts, a running one is closed on the MLX thread at
-    its next token.
+    the generation runs on ``thread``, through the engine of the model the
+    request names (from the lifespan state), after a turn of that model's
+    gate. A client that disconnects, while waiting or while generating,
+    cancels its request: a generation that has not started never starts, a
+    running one is closed on the MLX thread at its next token.
     """
 
     def __init__(
         self,
         config: ServerConfig,
         thread: MLXThread,
-        gate: BatchGate,
+        models: ServedModels,
         load_images: LoadImages,
         turns: LoopTurns,
         *,
@@ -118,7 +108,7 @@ class ChatEndpoint:
     ) -> None:
         self.config = config
         self.thread = thread
-        self.gate = gate
+        self.models = models
         self.load_images = load_images
         self.turns = turns
         self.metrics = metrics
@@ -170,11 +160,11 @@ class ChatEndpoint:
             raise thread_unavailable()
         request = parse_chat_request(body)
         log.stream = bool(request.stream)
-        engine: Engine | None = scope.get("state", {}).get("model")
+        served = self.models.get(request.model)
+        engine = served.engine(scope.get("state", {}))
         if engine is None:
             raise model_not_loaded()
-        if request.model != self.config.name:
-            raise model_not_found(request.model, self.config)
+        log.model = served.name
         context = engine.context_length
         max_prompt = self.config.max_prompt_tokens or context
         if max_prompt is not None:
@@ -211,17 +201,25 @@ class ChatEndpoint:
         log.images = len(refs)
         images = await self.load_images(refs)
         arrived = time.perf_counter()
-        async with self.gate.turn():
+        async with served.gate.turn():
             log.queued = time.perf_counter() - arrived
             stream = engine.stream(params, images)
             constrained = params.grammar is not None
             parser = answer_parser(request, template, constrained=constrained)
             try:
                 if request.stream:
-                    await self._send_stream(request, stream, response, log, parser)
+                    await self._send_stream(
+                        request, served.name, stream, response, log, parser
+                    )
                 else:
                     await self._send_whole(
-                        request, stream, response, log, params.max_tokens, parser
+                        request,
+                        served.name,
+                        stream,
+                        response,
+                        log,
+                        params.max_tokens,
+                        parser,
                     )
             finally:
                 # Shielded: the close is queued on the MLX thread before the
@@ -252,6 +250,7 @@ class ChatEndpoint:
     async def _send_whole(
         self,
         request: ChatCompletionRequest,
+        name: str,
         stream: EventStream,
         response: ResponseWriter,
         log: RequestLog,
@@ -294,7 +293,7 @@ class ChatEndpoint:
         completion = ChatCompletion(
             id=chunk_id,
             created=created,
-            model=self.config.name,
+            model=name,
             choices=[choice],
             usage=_usage(final),
         )
@@ -303,6 +302,7 @@ class ChatEndpoint:
     async def _send_stream(
         self,
         request: ChatCompletionRequest,
+        name: str,
         stream: EventStream,
         response: ResponseWriter,
         log: RequestLog,
@@ -312,7 +312,7 @@ class ChatEndpoint:
         first token, so a failed prefill is still an error status."""
         chunk_id, created = completion_id()
         chunks = ChunkEncoder(
-            chunk_id, created, self.config.name, include_usage=request.include_usage
+            chunk_id, created, name, include_usage=request.include_usage
         )
         # Events that are ready together go out in one body message (each is
         # a write to the socket): the role chunk with the first token, and

@@ -1,17 +1,20 @@
 """``GET /metrics``: the server's counters in Prometheus' text format.
 
 One :class:`~prometheus_client.CollectorRegistry` per app, never the global
-one, so two apps in one process (tests, or two models) keep their own numbers.
-Counters and histograms are updated on the event loop as requests end; the
-queue and the MLX thread are read when a scrape arrives. Everything here runs
-on the event loop and never waits for the MLX thread.
+one, so two apps in one process (tests) keep their own numbers. What belongs
+to one model (its tokens, times, queue, batch, KV and prompt cache) carries a
+``model`` label, the served name; requests by route and the MLX thread's
+numbers do not. Counters and histograms are updated on the event loop as
+requests end; the queues, the engines and the MLX thread are read when a
+scrape arrives. Everything here runs on the event loop and never waits for
+the MLX thread.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -31,7 +34,8 @@ if TYPE_CHECKING:
 
     from mlx_pinned import MLXThread
 
-    from ..events import Engine, EngineCounters
+    from ..events import EngineCounters
+    from .models import ServedModels
     from .wire import RequestLog
 
 __all__ = ["MetricsMiddleware", "ServerMetrics"]
@@ -41,37 +45,30 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-class _Gate(Protocol):
-    @property
-    def waiting(self) -> int: ...
-    @property
-    def busy(self) -> bool: ...
-
-
 class ServerMetrics:
     """The metrics of one app, in their own registry.
 
     Metric names (all prefixed ``mlx_pinned_``): ``requests_total{route,
-    status}``; ``prompt_tokens_total`` and ``generated_tokens_total``;
+    status}``; per model (label ``model``): counters ``prompt_tokens_total``
+    and ``generated_tokens_total``, histograms
     ``time_to_first_token_seconds``, ``request_duration_seconds`` (completed
-    chat requests, end to end) and ``queue_wait_seconds`` histograms;
-    gauges ``queue_depth`` (requests waiting for the model),
-    ``active_generations``, ``mlx_thread_pending_jobs``,
-    ``mlx_thread_open_streams``, ``mlx_thread_up`` and
-    ``mlx_thread_busy_fraction`` (since the previous scrape); and the
-    counter ``mlx_thread_busy_seconds_total`` (``rate()`` of it is the busy
-    fraction over any window). Once the model is loaded: gauges
-    ``kv_cache_bytes`` (the rows' KV), ``batch_rows`` and
+    chat requests, end to end) and ``queue_wait_seconds``, gauges
+    ``queue_depth`` (requests waiting for the model) and
+    ``active_generations``; for the MLX thread, gauges
+    ``mlx_thread_pending_jobs``, ``mlx_thread_open_streams``,
+    ``mlx_thread_up`` and ``mlx_thread_busy_fraction`` (since the previous
+    scrape), and the counter ``mlx_thread_busy_seconds_total`` (``rate()``
+    of it is the busy fraction over any window). Per model, once it is
+    loaded: gauges ``kv_cache_bytes`` (the rows' KV), ``batch_rows`` and
     ``prompt_cache_bytes``, counters ``prompt_cache_hits_total``,
     ``prompt_cache_misses_total`` and ``prompt_cache_reused_tokens_total``.
 
     Args:
         thread: The app's MLX thread.
-        gate: The app's gate: ``waiting`` requests and whether one is ``busy``
-            (``active``, when it has it, counts generations).
+        models: The served models: their names, gates and engines.
     """
 
-    def __init__(self, thread: MLXThread, gate: _Gate) -> None:
+    def __init__(self, thread: MLXThread, models: ServedModels) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
         self.requests = Counter(
@@ -83,59 +80,82 @@ class ServerMetrics:
         self.prompt_tokens = Counter(
             "mlx_pinned_prompt_tokens",
             "Prompt tokens of chat completions, images included.",
+            ["model"],
             registry=registry,
         )
         self.generated_tokens = Counter(
             "mlx_pinned_generated_tokens",
             "Tokens generated, for every request (cancelled ones included).",
+            ["model"],
             registry=registry,
         )
         self.ttft = Histogram(
             "mlx_pinned_time_to_first_token_seconds",
             "From the request's arrival to its first generated token.",
+            ["model"],
             buckets=_TTFT_BUCKETS,
             registry=registry,
         )
         self.latency = Histogram(
             "mlx_pinned_request_duration_seconds",
             "Chat completions answered with 200, from arrival to the last byte.",
+            ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
         self.queue_wait = Histogram(
             "mlx_pinned_queue_wait_seconds",
             "Time a chat completion waited for the model.",
+            ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
-        self._live = _LiveCollector(thread, gate)
+        # Every model's series from the start, at 0: rate() needs a first sample.
+        for name in models.names:
+            for metric in self._per_model():
+                metric.labels(name)
+        self._live = _LiveCollector(thread, models)
         registry.register(self._live)
 
+    def _per_model(self) -> tuple[Counter | Histogram, ...]:
+        return (
+            self.prompt_tokens,
+            self.generated_tokens,
+            self.ttft,
+            self.latency,
+            self.queue_wait,
+        )
+
     def observe(self, log: RequestLog) -> None:
-        """Record a finished chat request from its log line."""
-        self.prompt_tokens.inc(log.prompt_tokens)
-        self.generated_tokens.inc(log.completion_tokens)
+        """Record a finished chat request from its log line; one that named
+        no served model (refused before) has nothing per model to record."""
+        if log.model is None:
+            return
+        model = log.model
+        self.prompt_tokens.labels(model).inc(log.prompt_tokens)
+        self.generated_tokens.labels(model).inc(log.completion_tokens)
         if log.first_token is not None:
-            self.ttft.observe(log.first_token - log.start)
+            self.ttft.labels(model).observe(log.first_token - log.start)
         if log.queued is not None:
-            self.queue_wait.observe(log.queued)
+            self.queue_wait.labels(model).observe(log.queued)
         if log.status == 200:
-            self.latency.observe(time.perf_counter() - log.start)
+            self.latency.labels(model).observe(time.perf_counter() - log.start)
 
     async def endpoint(self, request: Request) -> Response:
-        """``GET /metrics``; the engine's numbers are read from the lifespan
-        state's ``model``, once it is loaded."""
-        self._live.engine = request.scope.get("state", {}).get("model")
+        """``GET /metrics``; each engine's numbers are read from the lifespan
+        state, once its model is loaded."""
+        self._live.state = request.scope.get("state", {})
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 class _LiveCollector(Collector):
-    """Values read at scrape time from the gate and the MLX thread."""
+    """Values read at scrape time from the gates, the engines and the MLX
+    thread."""
 
-    def __init__(self, thread: MLXThread, gate: _Gate) -> None:
+    def __init__(self, thread: MLXThread, models: ServedModels) -> None:
         self.thread = thread
-        self.gate = gate
-        self.engine: Engine | None = None  # set by each scrape
+        self.models = models
+        self.state: Mapping[str, Any] = {}  # the lifespan state, set by each scrape
         self._last = (time.perf_counter(), thread.statistics().busy_time)
 
     def collect(self) -> Iterator[Metric]:
@@ -144,10 +164,13 @@ class _LiveCollector(Collector):
         then, busy_then = self._last
         self._last = (now, stats.busy_time)
         fraction = (stats.busy_time - busy_then) / (now - then) if now > then else 0.0
-        gate = self.gate
-        active = getattr(gate, "active", int(gate.busy))
-        yield _gauge("queue_depth", "Requests waiting for the model.", gate.waiting)
-        yield _gauge("active_generations", "Generations running now.", active)
+        queued = _per_model("queue_depth", "Requests waiting for the model.")
+        active = _per_model("active_generations", "Generations running now.")
+        for model in self.models:
+            queued.add_metric([model.name], model.gate.waiting)
+            active.add_metric([model.name], model.gate.active)
+        yield queued
+        yield active
         yield _gauge(
             "mlx_thread_pending_jobs", "Jobs queued on the MLX thread.", stats.pending
         )
@@ -169,36 +192,51 @@ class _LiveCollector(Collector):
             "Seconds the MLX thread spent running jobs.",
             value=stats.busy_time,
         )
-        if self.engine is not None:
-            yield from _engine_metrics(self.engine.counters())
+        loaded = []
+        for model in self.models:
+            engine = model.engine(self.state)
+            if engine is not None:
+                loaded.append((model.name, engine.counters()))
+        if loaded:
+            yield from _engine_metrics(loaded)
 
 
-def _engine_metrics(counters: EngineCounters) -> Iterator[Metric]:
-    yield _gauge("kv_cache_bytes", "Bytes of KV held by the rows.", counters.kv_bytes)
-    yield _gauge("batch_rows", "Generations in the batch or joining it.", counters.rows)
-    yield _gauge(
-        "prompt_cache_bytes",
-        "Bytes of prompt KV the prompt cache holds.",
-        counters.prompt_cache_bytes,
+def _engine_metrics(loaded: list[tuple[str, EngineCounters]]) -> Iterator[Metric]:
+    """The engines' numbers, a family per metric, a sample per model."""
+    gauges = (
+        ("kv_cache_bytes", "Bytes of KV held by the rows.", "kv_bytes"),
+        ("batch_rows", "Generations in the batch or joining it.", "rows"),
+        (
+            "prompt_cache_bytes",
+            "Bytes of prompt KV the prompt cache holds.",
+            "prompt_cache_bytes",
+        ),
     )
-    for name, text, value in (
-        ("hits", "Requests that reused cached prompt KV.", counters.prompt_cache_hits),
-        (
-            "misses",
-            "Requests that found no cached prefix.",
-            counters.prompt_cache_misses,
-        ),
-        (
-            "reused_tokens",
-            "Prompt tokens taken from the prompt cache, not prefilled.",
-            counters.prompt_cache_reused_tokens,
-        ),
-    ):
-        yield CounterMetricFamily(f"mlx_pinned_prompt_cache_{name}", text, value=value)
+    for name, text, field in gauges:
+        gauge = _per_model(name, text)
+        for model, counters in loaded:
+            gauge.add_metric([model], getattr(counters, field))
+        yield gauge
+    counted = (
+        ("hits", "Requests that reused cached prompt KV."),
+        ("misses", "Requests that found no cached prefix."),
+        ("reused_tokens", "Prompt tokens taken from the prompt cache, not prefilled."),
+    )
+    for name, text in counted:
+        counter = CounterMetricFamily(
+            f"mlx_pinned_prompt_cache_{name}", text, labels=["model"]
+        )
+        for model, counters in loaded:
+            counter.add_metric([model], getattr(counters, f"prompt_cache_{name}"))
+        yield counter
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"mlx_pinned_{name}", documentation, value=value)
+
+
+def _per_model(name: str, documentation: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"mlx_pinned_{name}", documentation, labels=["model"])
 
 
 def route_of(path: str) -> str:

@@ -16,7 +16,6 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from ..errors import APIError, internal_error, model_not_loaded, thread_unavailable
-from .chat import model_not_found
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -24,7 +23,7 @@ if TYPE_CHECKING:
 
     from mlx_pinned import MLXThread
 
-    from ..config import ServerConfig
+    from .models import ServedModel, ServedModels
 
 __all__ = [
     "APIKeyMiddleware",
@@ -45,11 +44,11 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-async def health(thread: MLXThread, request: Request) -> Response:
-    """``GET /health``: 200 once the model is loaded and the thread runs."""
+async def health(thread: MLXThread, served: ServedModels, request: Request) -> Response:
+    """``GET /health``: 200 once every model is loaded and the thread runs."""
     if thread.closed:
         return error_response(thread_unavailable())
-    if "model" not in request.scope.get("state", {}):
+    if not served.loaded(request.scope.get("state", {})):
         return error_response(model_not_loaded())
     stats = thread.statistics()
     return JSONResponse(
@@ -57,29 +56,32 @@ async def health(thread: MLXThread, request: Request) -> Response:
     )
 
 
-def model_card(config: ServerConfig, request: Request) -> dict[str, Any]:
-    """The ``/v1/models`` entry of the served model."""
-    loaded = request.scope.get("state", {}).get("model")
+def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
+    """The ``/v1/models`` entry of a served model; ``created``: when it was
+    loaded (now, while it loads)."""
+    loaded = served.engine(request.scope.get("state", {}))
     created = int(getattr(loaded, "loaded_at", None) or time.time())
     return {
-        "id": config.name,
+        "id": served.name,
         "object": "model",
         "created": created,
         "owned_by": "mlx-pinned",
     }
 
 
-async def models(config: ServerConfig, request: Request) -> Response:
-    """``GET /v1/models``."""
-    return JSONResponse({"object": "list", "data": [model_card(config, request)]})
+async def models(served: ServedModels, request: Request) -> Response:
+    """``GET /v1/models``: every served model, in the order given."""
+    data = [model_card(item, request) for item in served]
+    return JSONResponse({"object": "list", "data": data})
 
 
-async def model(config: ServerConfig, request: Request) -> Response:
-    """``GET /v1/models/{model_id}``."""
-    model_id = request.path_params["model_id"]
-    if model_id != config.name:
-        return error_response(model_not_found(model_id, config))
-    return JSONResponse(model_card(config, request))
+async def model(served: ServedModels, request: Request) -> Response:
+    """``GET /v1/models/{model_id}``; 404 naming the served ones for any other."""
+    try:
+        found = served.get(request.path_params["model_id"])
+    except APIError as error:
+        return error_response(error)
+    return JSONResponse(model_card(found, request))
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

@@ -61,6 +61,7 @@ class RequestLog:
     finish: str = "-"
     disconnected: bool = False
     client: str = ""  # host:port, from a trusted proxy's X-Forwarded-For
+    model: str | None = None  # the served model's name, once the request named one
 
     def record(self, event: TokenEvent | FinalEvent, *, whole: bool = False) -> None:
         """Count ``event`` as it reaches the event loop; ``whole``: the events
@@ -88,7 +89,7 @@ class RequestLog:
         logger.info(
             "%sPOST /v1/chat/completions %d stream=%s images=%d prompt=%d "
             "completion=%d queue=%.1fms ttft=%.1fms total=%.1fms %.1f tok/s "
-            "finish=%s%s",
+            "finish=%s model=%s%s",
             f"{self.client} " if self.client else "",
             self.status,
             int(self.stream),
@@ -100,6 +101,7 @@ class RequestLog:
             (end - self.start) * 1e3,
             rate,
             self.finish,
+            self.model or "-",
             " (client disconnected)" if self.disconnected else "",
         )
 
