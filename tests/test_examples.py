@@ -235,16 +235,20 @@ def doc_blocks() -> list[Any]:
     return blocks
 
 
-def test_every_page_exists_and_the_index_links_them_all() -> None:
-    index = (DOCS / "index.md").read_text()
-    linked = set(re.findall(r"\]\(([\w-]+\.md)\)", index))
-    expected = {*PAGES, "server.md", "security.md", "benchmarks.md", "deployment.md"}
-    assert linked == expected - {"index.md"}
+def linked_pages(markdown: str, prefix: str = "") -> set[str]:
+    """The docs pages a Markdown text links to (anchors dropped)."""
+    return set(
+        re.findall(rf"\]\({re.escape(prefix)}([\w-]+\.md)(?:#[\w-]*)?\)", markdown)
+    )
+
+
+def test_every_docs_page_is_linked_from_the_readme_and_the_index() -> None:
+    pages = {page.name for page in DOCS.glob("*.md")}
+    assert linked_pages((ROOT / "README.md").read_text(), "docs/") == pages
+    assert linked_pages((DOCS / "index.md").read_text()) == pages - {"index.md"}
     for name in PAGES:
-        page = DOCS / name
-        assert page.is_file(), name
         if name != "index.md":
-            assert BLOCK.search(page.read_text()), f"{name} has no runnable example"
+            assert BLOCK.search((DOCS / name).read_text()), f"{name}: no example"
 
 
 @pytest.mark.parametrize(("page", "source"), doc_blocks())
@@ -253,3 +257,38 @@ def test_docs_python_block_runs(page: str, source: str, tmp_path: pathlib.Path) 
     assert done.returncode == 0, f"{page}:\n{source}\n{done.stdout}\n{done.stderr}"
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stdout.splitlines()[-1:] == ["ok"], "every block ends with print('ok')"
+
+
+# -- README.md: its program, exactly as shown ---------------------------------
+
+
+def readme_program() -> str:
+    match = BLOCK.search((ROOT / "README.md").read_text())
+    assert match, "README.md has no python block"
+    return match.group(1)
+
+
+def test_the_readme_program_runs_and_its_generations_match_alone_and_together(
+    tmp_path: pathlib.Path,
+) -> None:
+    done = run_script(["-c", readme_program()], tmp_path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert [line.partition(":")[0] for line in lines] == ["32 px", "128 px"]
+    for line in lines:
+        # Some text came out, and the same ids and text alone and together.
+        assert re.fullmatch(r".+: '.+'; the same when run together: True", line)
+    assert "There is no Stream" not in done.stderr
+
+
+def test_the_readme_program_needs_its_exclusive_key(tmp_path: pathlib.Path) -> None:
+    keyed = '@on_mlx_thread(exclusive="vlm")'
+    program = readme_program()
+    assert program.count(keyed) == 1
+    done = run_script(
+        ["-c", program.replace(keyed, "@on_mlx_thread")], tmp_path, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Interleaved, the 32 px generation reads the 128 px one's state.
+    endings = [line.rpartition(" ")[2] for line in done.stdout.splitlines()]
+    assert endings == ["False", "True"], done.stdout
