@@ -35,11 +35,19 @@ if TYPE_CHECKING:
 __all__ = [
     "GrammarMatcher",
     "Penalized",
+    "bias_rows",
     "compile_grammar",
     "constrain",
     "penalize",
     "prompt_seen",
 ]
+
+
+class Biased(Protocol):
+    """What the logit bias reads and writes of a row."""
+
+    bias: tuple[tuple[int, float], ...]  # (token id, bias) pairs
+    bias_row: mx.array | None  # (V,) made on first use
 
 
 class Penalized(Protocol):
@@ -196,3 +204,20 @@ def compile_grammar(grammar: Grammar) -> str:
     if error:
         raise ValueError(f"invalid {grammar.kind} grammar: {error}")
     return str(compiled)
+
+
+def bias_rows(rows: Sequence[Biased], logits: mx.array) -> mx.array | None:
+    """The rows' logit biases (B, V); None when no row has one. Each row's
+    (V,) bias is made once and kept on it."""
+    if not any(row.bias for row in rows):
+        return None
+    vocab = logits.shape[-1]
+    zero = mx.zeros((vocab,), logits.dtype)
+    for row in rows:
+        if row.bias and row.bias_row is None:
+            ids = mx.array([t for t, _ in row.bias], dtype=mx.int32)
+            values = mx.array([b for _, b in row.bias], dtype=logits.dtype)
+            row.bias_row = mx.zeros((vocab,), logits.dtype).at[ids].add(values)
+    return mx.stack(
+        [row.bias_row if row.bias_row is not None else zero for row in rows]
+    )

@@ -16,7 +16,6 @@ with per-row cache offsets, so no row ever reads another's state.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -24,28 +23,23 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 import numpy as np
 
-from ..errors import APIError
-from ..events import GenerationParams, Grammar
+from ..events import GenerationParams
+from .admission import make_row, media_tokens
 from .logits import (
-    GrammarMatcher,
-    compile_grammar,
+    bias_rows,
     constrain,
-    llg_tokenizer,
     penalize,
-    prompt_seen,
 )
 from .model import LoadedModel
 from .prefill import (
-    MEDIA_TOKENS,
     PREFILL_STEP,
     ChunkedPrefill,
     Prefilled,
     Prepared,
     batchable,
     prefill_together,
-    preprocess,
 )
-from .prompt_cache import Key, PromptCache, image_hash, prompt_key
+from .prompt_cache import Key, PromptCache
 from .rows import BatchStatistics, Row
 from .sampling import Draw, Sampled, collect, draw, vlm
 
@@ -129,75 +123,14 @@ class BatchState:
 
         Its prompt is prefilled at the next :meth:`step`, together with the
         others queued by then, and joins the decode batch there. Raises what
-        the processor raises, or ``PromptTooLongError`` for a prompt over the
-        request's limits; nothing is queued then.
+        :func:`.admission.make_row` raises; nothing is queued then.
         """
-        if images and not self.loaded.accepts_images:
-            # The HTTP side names the part; this guards other callers, as
-            # a text model's prompt would silently drop the image.
-            raise APIError(
-                400,
-                "This model takes no images; send text parts only.",
-                param="messages",
-                code="images_unsupported",
-            )
-        api = vlm()
-        model = self.loaded.model
-        temperature, top_p, top_k = api.resolve_sampling_defaults(
-            getattr(model, "config", None),
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
+        keyed = self.prompt_cache.enabled and self._reusable
+        row = make_row(
+            self.loaded, params, images, media=self._media if keyed else None
         )
-        temperature = float(api.clamp_temperature(temperature))
-        seed = params.seed if params.seed is not None else random.getrandbits(32)
-        prepared = preprocess(self.loaded, params, images)
-        # The request's prompt limits, as the unbatched engine checks them
-        # (a 400 before anything is prefilled).
-        check = getattr(params, "check_prompt_tokens", None)
-        if check is not None:
-            check(prepared.prompt_tokens)
-        matcher = self._matcher(params.grammar)
-        row = Row(
-            max_tokens=params.max_tokens,
-            sampling=(temperature, float(top_p), int(top_k or 0)),
-            seed=seed,
-            top_logprobs=params.top_logprobs if params.logprobs else 0,
-            logprobs=params.logprobs,
-            bias=params.logit_bias,
-            prompt_tokens=prepared.prompt_tokens,
-            token=prepared.last,
-            prepared=prepared,
-            min_p=params.min_p,
-            penalties=(
-                params.presence_penalty,
-                params.frequency_penalty,
-                params.repetition_penalty,
-            ),
-            matcher=matcher,
-        )
-        ids = prepared.inputs["input_ids"]
-        if params.repetition_penalty != 1.0:
-            row.seen = prompt_seen(ids, self.loaded.vocab_size)
-        if self.prompt_cache.enabled and self._reusable:
-            hashes = [image_hash(image) for image in images]
-            ids_list = cast("list[int]", ids[0].tolist())
-            row.key = prompt_key(ids_list, hashes, self._media)
         self.waiting.append(row)
         return row
-
-    def _matcher(self, grammar: Grammar | None) -> GrammarMatcher | None:
-        """A fresh matcher for ``grammar`` (compiled once per grammar).
-
-        Raises:
-            APIError: A 400 for a grammar llguidance refuses.
-        """
-        if grammar is None:
-            return None
-        try:
-            return GrammarMatcher(llg_tokenizer(self.loaded), compile_grammar(grammar))
-        except ValueError as exc:
-            raise APIError(400, f"{exc}.", code="invalid_grammar") from None
 
     def _prefill_waiting(self) -> bool:
         """Prefill the queued prompts: up to :data:`PREFILL_BATCH` together,
@@ -290,7 +223,7 @@ class BatchState:
             return
         logits = penalize(logits, rows)
         logits = constrain(logits, [row.matcher for row in rows])
-        bias = self._bias_rows(rows, logits)
+        bias = bias_rows(rows, logits)
         states = [c.state for c in group.cache]
         firsts = collect(draw(logits, rows, bias, states), self._stop)
         for row, first in zip(rows, firsts, strict=True):
@@ -564,37 +497,13 @@ class BatchState:
         self.leaving.clear()
         self._bias_stale = True
 
-    def _bias_row(self, row: Row, logits: mx.array) -> mx.array:
-        if row.bias_row is None:
-            ids = mx.array([t for t, _ in row.bias], dtype=mx.int32)
-            values = mx.array([b for _, b in row.bias], dtype=logits.dtype)
-            row.bias_row = (
-                mx.zeros((logits.shape[-1],), logits.dtype).at[ids].add(values)
-            )
-        return row.bias_row
-
-    def _bias_rows(self, rows: list[Row], logits: mx.array) -> mx.array | None:
-        """The rows' logit biases (B, V); None when no row has one."""
-        if not any(row.bias for row in rows):
-            return None
-        zero = mx.zeros((logits.shape[-1],), logits.dtype)
-        return mx.stack(
-            [self._bias_row(row, logits) if row.bias else zero for row in rows]
-        )
-
     def _bias_matrix(self, rows: list[Row], logits: mx.array) -> mx.array | None:
-        """:meth:`_bias_rows` of the decode batch, kept until its rows change."""
+        """:func:`.logits.bias_rows` of the decode batch, kept until its rows
+        change."""
         if self._bias_stale:
             self._bias_stale = False
-            self._bias = self._bias_rows(rows, logits)
+            self._bias = bias_rows(rows, logits)
         return self._bias
-
-
-def media_tokens(loaded: LoadedModel) -> frozenset[int]:
-    """The model's image and video placeholder token ids."""
-    config = loaded.model.config
-    found = {getattr(config, name, None) for name in MEDIA_TOKENS}
-    return frozenset(token for token in found if isinstance(token, int))
 
 
 def _unmasked_steps(make_mask: Any) -> Any:

@@ -1,0 +1,108 @@
+"""A request made into a row of the batch: MLX thread only.
+
+:func:`make_row` resolves the request's sampling settings against the
+checkpoint's defaults, runs the chat template and the processor, checks the
+prompt's limits, and prepares what the row's logits need (its grammar's
+matcher, the prompt's tokens for a repetition penalty, its prompt-cache key).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
+
+from ..errors import APIError
+from .logits import GrammarMatcher, compile_grammar, llg_tokenizer, prompt_seen
+from .prefill import MEDIA_TOKENS, preprocess
+from .prompt_cache import image_hash, prompt_key
+from .rows import Row
+from .sampling import vlm
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from ..events import GenerationParams, Grammar
+    from .model import LoadedModel
+
+__all__ = ["make_row", "media_tokens"]
+
+
+def make_row(
+    loaded: LoadedModel,
+    params: GenerationParams,
+    images: Sequence[Image.Image],
+    *,
+    media: frozenset[int] | None = None,
+) -> Row:
+    """A new row for a request, its prompt preprocessed; ``media``: the
+    model's media tokens, when the row gets a prompt-cache key.
+
+    Raises:
+        APIError: A 400 for images sent to a text model, a prompt over the
+            request's limits (``PromptTooLongError``) or a grammar llguidance
+            refuses; whatever the processor raises for its inputs.
+    """
+    if images and not loaded.accepts_images:
+        # The HTTP side names the part; this guards other callers, as a text
+        # model's prompt would silently drop the image.
+        raise APIError(
+            400,
+            "This model takes no images; send text parts only.",
+            param="messages",
+            code="images_unsupported",
+        )
+    api = vlm()
+    temperature, top_p, top_k = api.resolve_sampling_defaults(
+        getattr(loaded.model, "config", None),
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+    )
+    temperature = float(api.clamp_temperature(temperature))
+    seed = params.seed if params.seed is not None else random.getrandbits(32)
+    prepared = preprocess(loaded, params, images)
+    # A 400 before anything is prefilled.
+    params.check_prompt_tokens(prepared.prompt_tokens)
+    row = Row(
+        max_tokens=params.max_tokens,
+        sampling=(temperature, float(top_p), int(top_k or 0)),
+        seed=seed,
+        top_logprobs=params.top_logprobs if params.logprobs else 0,
+        logprobs=params.logprobs,
+        bias=params.logit_bias,
+        prompt_tokens=prepared.prompt_tokens,
+        token=prepared.last,
+        prepared=prepared,
+        min_p=params.min_p,
+        penalties=(
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.repetition_penalty,
+        ),
+        matcher=_matcher(loaded, params.grammar),
+    )
+    ids = prepared.inputs["input_ids"]
+    if params.repetition_penalty != 1.0:
+        row.seen = prompt_seen(ids, loaded.vocab_size)
+    if media is not None:
+        hashes = [image_hash(image) for image in images]
+        row.key = prompt_key(cast("list[int]", ids[0].tolist()), hashes, media)
+    return row
+
+
+def _matcher(loaded: LoadedModel, grammar: Grammar | None) -> GrammarMatcher | None:
+    """A fresh matcher for ``grammar`` (compiled once per grammar)."""
+    if grammar is None:
+        return None
+    try:
+        return GrammarMatcher(llg_tokenizer(loaded), compile_grammar(grammar))
+    except ValueError as exc:
+        raise APIError(400, f"{exc}.", code="invalid_grammar") from None
+
+
+def media_tokens(loaded: LoadedModel) -> frozenset[int]:
+    """The model's image and video placeholder token ids."""
+    config = loaded.model.config
+    found = {getattr(config, name, None) for name in MEDIA_TOKENS}
+    return frozenset(token for token in found if isinstance(token, int))
