@@ -173,13 +173,13 @@ class TestEveryFamily:
         assert batch.accepts_images is family.vision
 
 
-class TestTextModels:
-    @pytest.fixture
-    def text_family(self, family: Served) -> Served:
-        if family.vision:
-            pytest.skip("a vision family")
-        return family
+@pytest.fixture(scope="module", params=TINY_LM_TYPES)
+def text_family(request: pytest.FixtureRequest, thread: MLXThread) -> Served:
+    loaded: LoadedModel = thread.run_sync(engine.load, tiny_lm_path(request.param))
+    return Served(request.param, loaded)
 
+
+class TestTextModels:
     def test_an_image_is_refused_before_anything_runs(
         self, thread: MLXThread, text_family: Served
     ) -> None:

@@ -180,7 +180,7 @@ class TestSameAnswersWithTheCache:
         other = await run(on, params(ask), [second])
         expected = await run(off, params(ask), [second])
         assert max_logprob_difference(other, expected) <= TOL
-        prepared = thread.run_sync(preprocess, loaded, params(ask), [second])
+        prepared = await thread.run(preprocess, loaded, params(ask), [second])
         ids = prepared.inputs["input_ids"][0].tolist()
         # Only the text before the image could be shared.
         assert 0 < final(other).cached_tokens <= ids.index(IMAGE_TOKEN)
