@@ -198,6 +198,11 @@ class ChatEndpoint:
                     code="invalid_value",
                 )
         refs = image_refs(request.messages, self.config.image_limits)
+        if refs and not engine.accepts_images:
+            raise refs[0].error(
+                "this model takes no images; send text parts only.",
+                "images_unsupported",
+            )
         log.images = len(refs)
         images = await self.load_images(refs)
         arrived = time.perf_counter()
