@@ -52,7 +52,10 @@ def _token_ids(
             yield result.token
 
 
-@on_mlx_thread
+# Qwen-VL models keep per-request state on the model object, so two
+# generations on one model must not interleave on the MLX thread: calls that
+# share an exclusive key take turns there (no lock on the callers' side).
+@on_mlx_thread(exclusive="vlm")
 def generate_ids(
     model: Any, processor: Any, image: Image.Image, max_tokens: int
 ) -> list[int]:
@@ -60,7 +63,7 @@ def generate_ids(
     return list(_token_ids(model, processor, image, max_tokens))
 
 
-@on_mlx_thread
+@on_mlx_thread(exclusive="vlm")
 def stream_ids(
     model: Any, processor: Any, image: Image.Image, max_tokens: int
 ) -> Iterator[int]:
@@ -78,21 +81,16 @@ def main() -> None:
     path = args.model or str(tiny_vlm_path())
 
     model, processor = load.sync(path)  # blocks this (main) thread until loaded
-    # Qwen-VL models keep per-request state on the model object, so two
-    # generations on one model must not interleave. The callers take turns;
-    # the lock is held here, on plain threads, never on the MLX thread.
-    one_at_a_time = threading.Lock()
     lines: list[str] = []
 
     def worker(index: int) -> None:
         # Image decoding touches no MLX: it stays on this plain thread.
         image = Image.open(io.BytesIO(make_test_image(64, 64, seed=index)))
-        with one_at_a_time:
-            ids = generate_ids.sync(model, processor, image, args.max_tokens)
-            # A with block closes the generator on the MLX thread even if this
-            # loop stops early.
-            with stream_ids.sync(model, processor, image, args.max_tokens) as stream:
-                streamed = list(stream)
+        ids = generate_ids.sync(model, processor, image, args.max_tokens)
+        # A with block closes the generator on the MLX thread even if this
+        # loop stops early (and so frees the key for the next caller).
+        with stream_ids.sync(model, processor, image, args.max_tokens) as stream:
+            streamed = list(stream)
         lines.append(
             f"worker {index}: job {len(ids)} tokens, stream {len(streamed)} tokens,"
             f" same ids: {ids == streamed}"

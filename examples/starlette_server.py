@@ -54,11 +54,8 @@ mlx_vlm: Any = importlib.import_module("mlx_vlm")
 
 # One thread loads the model and runs every generation: MLX streams are
 # thread-local. The middleware starts it with the app and stops it last.
+# Past max_pending queued jobs and streams, a request gets 503 at once.
 mlx_thread = MLXThread(name="vision", max_pending=64)
-# Qwen-VL models keep per-request state on the model object, so generations
-# on one model take turns (mlx_pinned.server does the same, with a bounded
-# waiting room). An event-loop lock: it never blocks a thread.
-one_at_a_time = anyio.Lock()
 
 
 def load_model(path: str) -> tuple[Any, Any]:
@@ -67,7 +64,10 @@ def load_model(path: str) -> tuple[Any, Any]:
     return model, processor
 
 
-@on_mlx_thread(thread=mlx_thread)
+# Qwen-VL models keep per-request state on the model object, so generations
+# on one model must not interleave: streams that share an exclusive key take
+# turns on the MLX thread (mlx_pinned.server batches them instead).
+@on_mlx_thread(thread=mlx_thread, exclusive="vlm")
 def generate(
     model: Any, processor: Any, prompt: str, image: Image.Image, max_tokens: int
 ) -> Iterator[dict[str, Any]]:
@@ -107,17 +107,14 @@ async def describe(request: Request) -> Response:
     if not 1 <= max_tokens <= 512:
         return JSONResponse({"error": "max_tokens: 1 to 512"}, status_code=400)
     model, processor = request.state.model
+    # Created here, before the response starts: a full queue raises
+    # MLXThreadBusyError now, and the middleware answers 503.
+    pieces = generate(model, processor, prompt, image, max_tokens)
 
     async def lines() -> AsyncIterator[bytes]:
-        # Opened under the lock: at most one generation is queued on the MLX
-        # thread. (An error here comes after the response started, so the
-        # middleware can no longer turn it into a 503.)
-        async with (
-            one_at_a_time,
-            contextlib.aclosing(
-                generate(model, processor, prompt, image, max_tokens)
-            ) as pieces,
-        ):
+        # aclosing: a client that goes away closes the generator on the MLX
+        # thread, which frees the key for the next request.
+        async with contextlib.aclosing(pieces):
             async for piece in pieces:
                 yield json.dumps(piece).encode() + b"\n"
 

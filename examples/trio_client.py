@@ -40,7 +40,10 @@ def load(path: str) -> tuple[Any, Any]:
     return model, processor
 
 
-@on_mlx_thread(thread=mlx_thread)
+# Qwen-VL models keep per-request state on the model object: generations on
+# one model must not interleave. Streams that share an exclusive key take
+# turns on the MLX thread, each holding the key until it ends or is closed.
+@on_mlx_thread(thread=mlx_thread, exclusive="vlm")
 def token_ids(
     model: Any, processor: Any, image: Image.Image, max_tokens: int
 ) -> Iterator[int]:
@@ -60,18 +63,12 @@ def picture(seed: int) -> Image.Image:
 async def main(path: str, tasks: int, max_tokens: int) -> None:
     async with mlx_thread:  # started here; shut down on exit without blocking trio
         model, processor = await load(path)
-        # Qwen-VL models keep per-request state on the model object:
-        # generations on one model take turns.
-        one_at_a_time = trio.Lock()
         counts: dict[int, int] = {}
 
         async def generate(index: int) -> None:
-            async with (
-                one_at_a_time,
-                contextlib.aclosing(
-                    token_ids(model, processor, picture(index), max_tokens)
-                ) as stream,
-            ):
+            async with contextlib.aclosing(
+                token_ids(model, processor, picture(index), max_tokens)
+            ) as stream:
                 counts[index] = len([token async for token in stream])
 
         async with trio.open_nursery() as nursery:

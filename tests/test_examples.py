@@ -166,8 +166,10 @@ def server(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> Iterator[Server]:
             process.wait(10)
 
 
-def describe(url: str, max_tokens: int, seed: int = 0) -> list[dict[str, object]]:
-    image = image_data_uri(64, 64, seed=seed).partition(",")[2]
+def describe(
+    url: str, max_tokens: int, seed: int = 0, size: int = 64
+) -> list[dict[str, object]]:
+    image = image_data_uri(size, size, seed=seed).partition(",")[2]
     body = {"prompt": "Describe this image.", "image": image, "max_tokens": max_tokens}
     with httpx.stream("POST", f"{url}/describe", json=body, timeout=60) as response:
         assert response.status_code == 200
@@ -207,6 +209,18 @@ class TestStarletteServer:
         assert ids == [ids[0]] * 4  # greedy, same input: the same ids every time
         health = httpx.get(f"{server.url}/health").json()
         assert health == {"pending": 0, "completed": 5}  # the load and 4 streams
+
+    def test_generations_of_different_images_do_not_mix(self, server: Server) -> None:
+        # Interleaved item by item, a 32 px generation beside a 128 px one
+        # reads the other's rope state on the model: the exclusive key of
+        # the example's generate keeps each equal to its run alone.
+        sizes = [32, 128, 32, 128]
+        alone = {size: describe(server.url, 8, size=size) for size in set(sizes)}
+        with ThreadPoolExecutor(len(sizes)) as pool:
+            together = list(
+                pool.map(lambda size: describe(server.url, 8, size=size), sizes)
+            )
+        assert together == [alone[size] for size in sizes]
 
 
 # -- docs/: every ```python block is a complete program ------------------------
