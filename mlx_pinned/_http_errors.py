@@ -14,6 +14,7 @@ from ._exceptions import (
     MLXThreadBrokenError,
     MLXThreadBusyError,
     MLXThreadClosedError,
+    MLXThreadDeadlockError,
     StreamAffinityError,
 )
 
@@ -73,7 +74,9 @@ def http_answer(exc: BaseException) -> HTTPAnswer | None:
     ``MLXThreadClosedError`` and ``MLXThreadBrokenError``: 503
     ``mlx_thread_unavailable``. ``StreamAffinityError``: 500
     ``stream_affinity_error`` whose message names no job or thread (log
-    the error for those).
+    the error for those). ``MLXThreadDeadlockError`` (the app waited on the
+    MLX thread for its own work): 500 ``internal_error``, the generic
+    message; a bug of the app, whose details belong in the log.
     """
     if isinstance(exc, MLXThreadBusyError):
         return HTTPAnswer(503, "server_busy", str(exc), retry=True)
@@ -87,6 +90,8 @@ def http_answer(exc: BaseException) -> HTTPAnswer | None:
             "array was used on a thread that does not own it (details are in "
             "the server's log).",
         )
+    if isinstance(exc, MLXThreadDeadlockError):
+        return HTTPAnswer(500, "internal_error", INTERNAL_ERROR)
     return None
 
 

@@ -8,6 +8,7 @@ thread, and translation of MLX's "There is no Stream" errors.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -23,6 +24,9 @@ from ._exceptions import StreamAffinityError
 _STREAM_GLOBAL = "generation_stream"
 _STREAM_MODULE_PREFIXES = ("mlx_lm", "mlx_vlm")
 _STREAM_ERROR = "There is no Stream"
+# The stream index in MLX's error ("Stream(cpu, 3)") and in a stream's repr
+# ("Stream(Device(cpu, 0), 3)"); mx.Stream does not expose it.
+_STREAM_INDEX = re.compile(r"Stream\((?:\w+|Device\(\w+, \d+\)), (\d+)\)")
 SCALARS = (type(None), bool, int, float, str, bytes)
 
 
@@ -32,6 +36,9 @@ SCALARS = (type(None), bool, int, float, str, bytes)
 _owners: dict[str, tuple[ThreadStream, Any]] = {}  # module -> (owner, original)
 _owners_lock = threading.Lock()
 _owners_version = 0  # bumped on each release, so other threads rescan
+# The MLX threads whose streams are alive, by stream index (global in MLX), to
+# name the thread that owns an array in an affinity error.
+_stream_threads: dict[int, str] = {}
 
 
 class ThreadStream:
@@ -41,6 +48,8 @@ class ThreadStream:
         self.device = mx.default_device() if device is None else device
         self.stream = mx.new_stream(self.device)
         self.thread_name = thread_name
+        self._index = _stream_index(repr(self.stream))
+        _stream_threads[self._index] = thread_name
         self.thread_ident = threading.get_ident()
         mx.set_default_stream(self.stream)
         self._seen = (-1, -1)
@@ -83,6 +92,7 @@ class ThreadStream:
                 if getattr(module, _STREAM_GLOBAL, None) is self.stream:
                     setattr(module, _STREAM_GLOBAL, original)
             _owners_version += 1
+        _stream_threads.pop(self._index, None)
         mx.clear_streams()
 
 
@@ -165,14 +175,27 @@ def affinity_error(
     find the ones that belong to another thread's stream.
     """
     name = job_name(job)
-    culprits = [where for where, arg in _named_arguments(args, kwargs) if _foreign(arg)]
+    culprits = [
+        (where, arg, owner)
+        for where, arg in _named_arguments(args, kwargs)
+        if (owner := _foreign_owner(arg)) is not None
+    ]
     if culprits:
-        what = ", ".join(culprits)
-        advice = (
-            f"{what} {'is a lazy array' if len(culprits) == 1 else 'are lazy arrays'}"
-            " built on another thread; evaluate it there with mx.eval() before"
-            " passing it, or build it inside the job"
-        )
+        parts = [
+            f"{where} {_kind(arg)} built on {owner}" for where, arg, owner in culprits
+        ]
+        if any(holds_model(arg) for _, arg, _ in culprits):
+            parts.append(
+                "load the model through this MLXThread instead (thread.run_sync"
+                "(load, path), an @on_mlx_thread loader, or a start-up job of"
+                " MLXThreadMiddleware), so that its arrays belong to this thread"
+            )
+        if not all(holds_model(arg) for _, arg, _ in culprits):
+            parts.append(
+                "evaluate an array where it was built with mx.eval() before"
+                " passing it, or build it inside the job"
+            )
+        advice = "; ".join(parts)
     elif owned := globals_owned_elsewhere():
         advice = (
             f"{', '.join(owned)} is a plain stream that one thread only can use"
@@ -200,18 +223,54 @@ def _named_arguments(
         yield f"argument {key!r}", arg
 
 
-def _foreign(value: object) -> bool:
-    return any(not _evaluates_here(array) for array in _arrays(value))
+def holds_model(value: object) -> bool:
+    """Whether ``value`` is an ``mlx.nn.Module``, or a tuple or list with one."""
+    nn = sys.modules.get("mlx.nn")  # no model exists if it was never imported
+    if nn is None:
+        return False
+    module = nn.Module
+    if isinstance(value, module):
+        return True
+    return isinstance(value, (list, tuple)) and any(
+        isinstance(item, module) for item in value
+    )
 
 
-def _evaluates_here(array: object) -> bool:
+def _kind(value: object) -> str:
+    if isinstance(value, mx.array):
+        return "is a lazy array"
+    if holds_model(value):
+        model = "is a model" if isinstance(value, Mapping) else "holds a model"
+        return f"{model} whose lazy arrays were"
+    return "holds lazy arrays"
+
+
+def _foreign_owner(value: object) -> str | None:
+    """Who owns the first array of ``value`` that cannot be evaluated here:
+    "MLX thread 'name'" when known; None when every array evaluates."""
+    for array in _arrays(value):
+        error = _stream_error_here(array)
+        if error is not None:
+            owner = _stream_threads.get(_stream_index(error))
+            return "another thread" if owner is None else f"MLX thread {owner!r}"
+    return None
+
+
+def _stream_index(text: str) -> int:
+    """The stream index named in ``text``; -1 if none is."""
+    match = _STREAM_INDEX.search(text)
+    return -1 if match is None else int(match[1])
+
+
+def _stream_error_here(array: object) -> str | None:
+    """MLX's stream error for evaluating ``array`` here, None if it evaluates."""
     try:
         mx.eval(array)
     except RuntimeError as exc:
         if _STREAM_ERROR in str(exc):
-            return False
+            return str(exc)
         raise
-    return True
+    return None
 
 
 def job_name(fn: object) -> str:

@@ -27,7 +27,7 @@ if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
 
 from ._decorators import MLXFunction
 from ._default import hold_default_mlx_thread, release_default_mlx_thread
-from ._exceptions import MLXThreadClosedError, StreamAffinityError
+from ._exceptions import MLXThreadClosedError
 from ._executor import MLXThread
 from ._http_errors import SHUTTING_DOWN, STARTUP_FAILED, HTTPAnswer, http_answer
 
@@ -72,9 +72,10 @@ class MLXThreadMiddleware:
     ``MLXThreadBusyError`` 503 ``server_busy`` with ``Retry-After``;
     ``MLXThreadClosedError`` and ``MLXThreadBrokenError`` 503
     ``mlx_thread_unavailable``; ``StreamAffinityError`` 500
-    ``stream_affinity_error`` with a generic message (the details are
-    logged). Bodies use OpenAI's error shape. An error after the response
-    started is re-raised.
+    ``stream_affinity_error`` and ``MLXThreadDeadlockError`` 500
+    ``internal_error``, with a generic message (the details are logged).
+    Bodies use OpenAI's error shape. An error after the response started
+    is re-raised.
 
     Args:
         app: the ASGI app to wrap.
@@ -148,11 +149,11 @@ class MLXThreadMiddleware:
             answer = http_answer(error)
             if started or answer is None:
                 raise
-            if isinstance(error, StreamAffinityError):
+            if answer.status >= 500 and not answer.retry:
                 # The client gets a generic message; job and thread names
                 # are for the operator.
                 path = scope.get("path")
-                logger.error("stream affinity error in %s", path, exc_info=error)
+                logger.error("%s in %s", answer.code, path, exc_info=error)
             await self._answer(scope, send, answer)
         finally:
             self._in_flight -= 1

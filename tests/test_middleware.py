@@ -165,6 +165,25 @@ class TestStarlette:
             assert detail in caplog.text
         assert "lazy array" in caplog.text
 
+    async def test_a_deadlock_is_a_generic_500_detailed_in_the_log(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        async def waits_for_itself(request: Request) -> JSONResponse:
+            thread: MLXThread = request.state.mlx_thread
+            # A job that waits on the thread for a future of the thread.
+            await thread.run(lambda: thread.submit(int).result())
+            raise AssertionError  # pragma: no cover
+
+        app = Starlette(
+            routes=[Route("/", waits_for_itself)],
+            middleware=[Middleware(MLXThreadMiddleware)],
+        )
+        async with run_lifespan(app), client(app) as http:
+            response = await http.get("/")
+        assert_openai_error(response, 500, "internal_error")
+        assert "MLX" not in response.json()["error"]["message"]
+        assert "MLXThreadDeadlockError" in caplog.text
+
     async def test_error_after_response_started_is_reraised(self) -> None:
         app = starlette_app()
         async with run_lifespan(app), client(app) as http:
