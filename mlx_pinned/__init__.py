@@ -12,7 +12,9 @@ from ._decorators import MLXFunction as MLXFunction
 from ._decorators import MLXGeneratorFunction as MLXGeneratorFunction
 from ._decorators import on_mlx_thread as on_mlx_thread
 from ._default import current_default_mlx_thread as current_default_mlx_thread
+from ._exceptions import BlockingCallWarning as BlockingCallWarning
 from ._exceptions import MLXPinnedError as MLXPinnedError
+from ._exceptions import MLXPinnedWarning as MLXPinnedWarning
 from ._exceptions import MLXThreadBrokenError as MLXThreadBrokenError
 from ._exceptions import MLXThreadBusyError as MLXThreadBusyError
 from ._exceptions import MLXThreadClosedError as MLXThreadClosedError
@@ -32,10 +34,12 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncBatchIterator",
     "AsyncStreamIterator",
+    "BlockingCallWarning",
     "Exclusive",
     "MLXFunction",
     "MLXGeneratorFunction",
     "MLXPinnedError",
+    "MLXPinnedWarning",
     "MLXThread",
     "MLXThreadBrokenError",
     "MLXThreadBusyError",

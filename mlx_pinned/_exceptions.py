@@ -1,4 +1,5 @@
-"""One error tree for mlx-pinned, rooted at :class:`MLXPinnedError`.
+"""One error tree for mlx-pinned, rooted at :class:`MLXPinnedError`, and its
+warnings, rooted at :class:`MLXPinnedWarning`.
 
 "Closed" means your own code shut the thread down; "broken" means it died under
 you. Errors that signal misuse or a dead resource also subclass ``RuntimeError``
@@ -8,7 +9,9 @@ so code written against anyio's blocking portal keeps working.
 from __future__ import annotations
 
 __all__ = [
+    "BlockingCallWarning",
     "MLXPinnedError",
+    "MLXPinnedWarning",
     "MLXThreadBrokenError",
     "MLXThreadBusyError",
     "MLXThreadClosedError",
@@ -60,4 +63,21 @@ class StreamAffinityError(MLXPinnedError, RuntimeError):
     MLX streams are thread-local: a lazy array can only be evaluated on the
     thread that built it. The message names the job and, where it can, the
     argument at fault. The MLX error is the ``__cause__``.
+    """
+
+
+class MLXPinnedWarning(UserWarning):
+    """Base class of every warning mlx-pinned gives.
+
+    Turn them into errors in tests:
+    ``warnings.simplefilter("error", MLXPinnedWarning)``, or pytest's
+    ``filterwarnings = ["error::mlx_pinned.MLXPinnedWarning"]``.
+    """
+
+
+class BlockingCallWarning(MLXPinnedWarning):
+    """A blocking call (``run_sync``, a decorated function's ``.sync``, or the
+    iteration of a ``.sync`` stream) was made on a thread that runs an event
+    loop (asyncio or trio): it holds the whole loop until the MLX thread
+    answers. Await the call instead.
     """

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, NoReturn, Protocol, TypeVar
 
 from ._jobs import JobOwner
 from ._mlx import evaluate
-from ._waiters import SyncWaiter, async_waiter
+from ._waiters import SyncWaiter, async_waiter, warn_if_blocking_a_loop
 
 if TYPE_CHECKING:
     import sys
@@ -516,6 +516,7 @@ class SyncStreamIterator(Generic[T]):
                 "a stream of an MLXThread cannot be consumed on that thread"
                 " (it would wait for itself): call the generator directly."
             )
+        warn_if_blocking_a_loop("Iterating a .sync() or iterate_sync() stream")
         waiter = SyncWaiter()
         if stream.set_waiter(waiter):
             try:

@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ._jobs import AsyncioCall, Call, FutureCall
 from ._keys import sweep_if_cancelled
 from ._streams import AsyncStreamIterator, Stream, SyncStreamIterator
-from ._waiters import SyncWaiter, async_waiter, get_running_loop, is_asyncio
+from ._waiters import (
+    SyncWaiter,
+    async_waiter,
+    get_running_loop,
+    is_asyncio,
+    warn_if_blocking_a_loop,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -71,10 +77,20 @@ class Submitter:
         """Run ``fn(*args, **kwargs)`` on the thread and block until it returns.
 
         Called on the MLXThread itself, it runs inline instead of deadlocking.
-        Not cancellable once queued; use :meth:`run` from async code.
+        Not cancellable once queued; use :meth:`run` from async code: called
+        on a thread that runs an event loop, it warns
+        (:class:`BlockingCallWarning`), since it blocks the loop.
         """
+        return self.run_blocking(fn, args, kwargs)
+
+    def run_blocking(
+        self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> T:
+        """:meth:`run_sync`, for it and a decorated function's ``.sync``: one
+        frame below both, so a warning points at their caller."""
         if self.is_current():
             return self._call_inline(fn, args, kwargs)
+        warn_if_blocking_a_loop("run_sync() or .sync()")
         waiter = SyncWaiter()
         call = Call(fn, args, kwargs, waiter, self._key)
         self._enqueue(call)

@@ -12,11 +12,14 @@ from __future__ import annotations
 import abc
 import asyncio
 import threading
+import warnings
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 import sniffio
+
+from ._exceptions import BlockingCallWarning
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -180,6 +183,32 @@ def _trio_inbox() -> _Inbox:
         inbox = _Inbox(trio.lowlevel.current_trio_token().run_sync_soon)
         _trio_inbox_var.set(inbox)
     return inbox
+
+
+def loop_here() -> str | None:
+    """The event loop that runs on the calling thread ("asyncio", "trio"),
+    or None. Cheap: one call and one thread-local read."""
+    if get_running_loop() is not None:
+        return "asyncio"
+    name: str | None = sniffio.thread_local.name  # set by trio while it runs
+    return name
+
+
+def warn_if_blocking_a_loop(what: str) -> None:
+    """Warn that ``what`` blocks the event loop running here, if one is.
+
+    Called two frames below the user's call: the warning points at it.
+    """
+    loop = loop_here()
+    if loop is not None:
+        warnings.warn(
+            f"{what} on a thread that runs the {loop} event loop blocks the"
+            " whole loop until the MLX thread answers: await the call instead"
+            " (await thread.run(...), await the decorated function, or"
+            " async for over thread.iterate(...)).",
+            BlockingCallWarning,
+            stacklevel=4,
+        )
 
 
 def async_waiter() -> AsyncioWaiter | TrioWaiter:

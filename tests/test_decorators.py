@@ -9,7 +9,12 @@ import anyio
 import mlx.core as mx
 import pytest
 
-from mlx_pinned import MLXThread, current_default_mlx_thread, on_mlx_thread
+from mlx_pinned import (
+    BlockingCallWarning,
+    MLXThread,
+    current_default_mlx_thread,
+    on_mlx_thread,
+)
 
 WAIT = 10.0
 
@@ -33,6 +38,27 @@ def test_function_becomes_async_and_runs_on_the_thread(thread: MLXThread) -> Non
     assert scaled.sync(5, by=3) == (thread.ident, 15)
     assert scaled.__name__ == "scaled"
     assert scaled.__wrapped__.__name__ == "scaled"
+
+
+def test_sync_on_an_event_loop_warns_at_the_call(thread: MLXThread) -> None:
+    @on_mlx_thread(thread=thread)
+    def where() -> int:
+        return threading.get_ident()
+
+    @on_mlx_thread(thread=thread)
+    def count(n: int) -> Iterator[int]:
+        yield from range(n)
+
+    async def main() -> None:
+        with pytest.warns(BlockingCallWarning, match="asyncio event loop") as info:
+            assert where.sync() == thread.ident
+        assert info[0].filename == __file__
+        with pytest.warns(BlockingCallWarning) as info:
+            assert list(count.sync(2)) == [0, 1]
+        assert info[0].filename == __file__
+        assert await where() == thread.ident  # what to do instead: no warning
+
+    anyio.run(main)
 
 
 def test_generator_function_becomes_async_iterator(thread: MLXThread) -> None:
@@ -294,7 +320,7 @@ class TestExclusive:
                 tasks.start_soon(keyed_append, "keyed")
                 await anyio.sleep(0.05)
                 assert log == []  # waits for the key
-                assert list(stream) == [1, 2]
+                assert await anyio.to_thread.run_sync(list, stream) == [1, 2]
 
         anyio.run(main)
         assert log == ["gen:end", "keyed"]

@@ -16,6 +16,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_pinned import (
+    BlockingCallWarning,
     MLXThread,
     MLXThreadBrokenError,
     MLXThreadBusyError,
@@ -226,6 +227,74 @@ class TestResultsAndErrors:
 
         with pytest.raises(StreamAffinityError, match=r"use_global.*this MLXThread"):
             thread.run_sync(use_global)
+
+    def test_a_model_loaded_elsewhere_is_told_to_load_through_the_thread(
+        self, thread: MLXThread
+    ) -> None:
+        import mlx.nn as nn
+
+        model = nn.Linear(2, 2)  # its weights are lazy, built on this thread
+
+        def forward(model: nn.Module, x: list[float]) -> list[float]:
+            result: list[float] = model(mx.array(x)).tolist()
+            return result
+
+        for args, kind in [
+            ((model, [1.0, 2.0]), "argument 0 is a model"),
+            (((model, "processor"), [1.0, 2.0]), "argument 0 holds a model"),
+        ]:
+            with pytest.raises(StreamAffinityError) as info:
+                thread.run_sync(lambda pair, x: forward(_first(pair), x), *args)
+            message = str(info.value)
+            assert kind in message
+            assert "load the model through this MLXThread" in message
+            # Before, it said to evaluate the model where it was built.
+            assert "mx.eval" not in message
+
+    def test_an_affinity_error_names_the_mlx_thread_that_owns_the_array(
+        self, thread: MLXThread
+    ) -> None:
+        with MLXThread(name="owner", eval_results=False) as owner:
+            lazy = owner.run_sync(lambda: mx.ones(3) * 2)
+            with pytest.raises(StreamAffinityError) as info:
+                thread.run_sync(lambda x: x.sum().item(), lazy)
+        message = str(info.value)
+        assert "argument 0 is a lazy array built on MLX thread 'owner'" in message
+        assert "mx.eval" in message
+
+
+def _first(pair: Any) -> Any:
+    return pair[0] if isinstance(pair, tuple) else pair
+
+
+class TestBlockingCallWarning:
+    """A blocking call on an event loop's thread holds the whole loop."""
+
+    @pytest.mark.anyio
+    async def test_run_sync_on_an_event_loop_warns(self, thread: MLXThread) -> None:
+        with pytest.warns(BlockingCallWarning, match="blocks the whole loop") as info:
+            assert thread.run_sync(ident) == thread.ident
+        assert info[0].filename == __file__  # it points at the call
+
+    @pytest.mark.anyio
+    async def test_iterating_a_sync_stream_on_an_event_loop_warns(
+        self, thread: MLXThread
+    ) -> None:
+        with pytest.warns(BlockingCallWarning, match="iterate_sync") as info:
+            assert list(thread.iterate_sync(range, 3)) == [0, 1, 2]
+        assert info[0].filename == __file__
+
+    @pytest.mark.anyio
+    async def test_no_warning_off_the_loop_or_inline(self, thread: MLXThread) -> None:
+        # A worker thread of the loop, and the MLX thread itself: no loop there.
+        assert await anyio.to_thread.run_sync(thread.run_sync, ident) == thread.ident
+        inline = await thread.run(lambda: thread.run_sync(ident))
+        assert inline == thread.ident
+        assert await anyio.to_thread.run_sync(list, thread.iterate_sync(range, 2))
+
+    def test_no_warning_on_a_plain_thread(self, thread: MLXThread) -> None:
+        assert thread.run_sync(ident) == thread.ident  # warnings are errors here
+        assert list(thread.iterate_sync(range, 2)) == [0, 1]
 
 
 class TestGenerationStreamGlobals:

@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import mlx_pinned
 from mlx_pinned import (
+    BlockingCallWarning,
     MLXPinnedError,
+    MLXPinnedWarning,
     MLXThreadBrokenError,
     MLXThreadBusyError,
     MLXThreadClosedError,
@@ -48,6 +50,12 @@ def test_error_tree() -> None:
         assert issubclass(error, RuntimeError)
     assert not issubclass(MLXThreadBusyError, RuntimeError)
     assert not issubclass(MLXThreadClosedError, MLXThreadBrokenError)
+
+
+def test_warning_tree() -> None:
+    # UserWarning: shown once per place by default, filterable by class.
+    assert issubclass(MLXPinnedWarning, UserWarning)
+    assert issubclass(BlockingCallWarning, MLXPinnedWarning)
 
 
 def test_version() -> None:
