@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from ._decorators import MLXFunction as MLXFunction
 from ._decorators import MLXGeneratorFunction as MLXGeneratorFunction
+from ._decorators import MLXGeneratorMethod as MLXGeneratorMethod
+from ._decorators import MLXMethod as MLXMethod
 from ._decorators import on_mlx_thread as on_mlx_thread
 from ._default import current_default_mlx_thread as current_default_mlx_thread
 from ._exceptions import BlockingCallWarning as BlockingCallWarning
@@ -38,6 +40,8 @@ __all__ = [
     "Exclusive",
     "MLXFunction",
     "MLXGeneratorFunction",
+    "MLXGeneratorMethod",
+    "MLXMethod",
     "MLXPinnedError",
     "MLXPinnedWarning",
     "MLXThread",

@@ -17,6 +17,7 @@ from typing import (
     Concatenate,
     Generic,
     ParamSpec,
+    Protocol,
     TypeVar,
     overload,
 )
@@ -30,9 +31,12 @@ if TYPE_CHECKING:
 
 P = ParamSpec("P")
 P2 = ParamSpec("P2")
+FP = ParamSpec("FP")  # a function's whole signature, beside P: all but the first
 R = TypeVar("R")
 S = TypeVar("S")
 Y = TypeVar("Y")
+S_contra = TypeVar("S_contra", contravariant=True)
+R_co = TypeVar("R_co", covariant=True)
 
 
 class _Pinned:
@@ -125,6 +129,66 @@ class MLXGeneratorFunction(_Pinned, Generic[P, Y]):
         return MLXGeneratorFunction(bound, self._thread, self._key)
 
 
+class _Signatures(Protocol[FP, S_contra, P, R_co]):
+    """A function seen two ways, for type checkers only: its whole signature
+    ``FP``, and its first positional parameter ``S`` apart from the rest
+    ``P``, which is what binding it as a method leaves."""
+
+    @overload
+    def __call__(self, *args: FP.args, **kwargs: FP.kwargs) -> R_co: ...
+    @overload
+    def __call__(
+        self, first: S_contra, /, *args: P.args, **kwargs: P.kwargs
+    ) -> R_co: ...
+
+
+class MLXMethod(MLXFunction[FP, R], Generic[FP, S, P, R]):
+    """An :class:`MLXFunction` of a function with a positional parameter, typed
+    to bind as Python binds it when read off a class or an instance.
+
+    What the decorator returns for such a function, so type checkers know
+    the first parameter ``S``: a method (``S`` is the instance's type) is
+    bound when read off an instance; a class method (``S`` is the class's
+    type, ``type[...]``) whenever it is read; a static method (``S`` is
+    neither) never. Calls and ``.sync`` take the whole signature ``FP``.
+    """
+
+    @overload  # a class method, read off its class or an instance
+    def __get__(self, obj: object, owner: S) -> MLXFunction[P, R]: ...
+    @overload
+    def __get__(self, obj: None, owner: object = None) -> MLXFunction[FP, R]: ...
+    @overload
+    def __get__(self, obj: S, owner: object = None) -> MLXFunction[P, R]: ...
+    @overload  # a static method, read off an instance
+    def __get__(self, obj: object, owner: object = None) -> MLXFunction[FP, R]: ...
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        bound = _bind(self._fn, obj, owner)
+        return self if bound is None else MLXFunction(bound, self._thread, self._key)
+
+
+class MLXGeneratorMethod(MLXGeneratorFunction[FP, Y], Generic[FP, S, P, Y]):
+    """An :class:`MLXGeneratorFunction` of a generator function with a
+    positional parameter; typed to bind as :class:`MLXMethod` is."""
+
+    @overload  # a class method, read off its class or an instance
+    def __get__(self, obj: object, owner: S) -> MLXGeneratorFunction[P, Y]: ...
+    @overload
+    def __get__(
+        self, obj: None, owner: object = None
+    ) -> MLXGeneratorFunction[FP, Y]: ...
+    @overload
+    def __get__(self, obj: S, owner: object = None) -> MLXGeneratorFunction[P, Y]: ...
+    @overload  # a static method, read off an instance
+    def __get__(
+        self, obj: object, owner: object = None
+    ) -> MLXGeneratorFunction[FP, Y]: ...
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        bound = _bind(self._fn, obj, owner)
+        if bound is None:
+            return self
+        return MLXGeneratorFunction(bound, self._thread, self._key)
+
+
 def _runner(thread: MLXThread, key: object) -> MLXThread | Exclusive:
     return thread if key is None else thread.exclusive(key)
 
@@ -151,6 +215,14 @@ class _Decorator:
 
     @overload
     def __call__(  # type: ignore[overload-overlap]
+        self, fn: _Signatures[FP, S, P, Generator[Y, Any, Any]], /
+    ) -> MLXGeneratorMethod[FP, S, P, Y]: ...
+    @overload
+    def __call__(  # type: ignore[overload-overlap]
+        self, fn: _Signatures[FP, S, P, Iterator[Y]], /
+    ) -> MLXGeneratorMethod[FP, S, P, Y]: ...
+    @overload
+    def __call__(  # type: ignore[overload-overlap]
         self, fn: Callable[P, Generator[Y, Any, Any]], /
     ) -> MLXGeneratorFunction[P, Y]: ...
     @overload
@@ -158,11 +230,29 @@ class _Decorator:
         self, fn: Callable[P, Iterator[Y]], /
     ) -> MLXGeneratorFunction[P, Y]: ...
     @overload
+    def __call__(self, fn: _Signatures[FP, S, P, R], /) -> MLXMethod[FP, S, P, R]: ...
+    @overload
     def __call__(self, fn: Callable[P, R], /) -> MLXFunction[P, R]: ...
     def __call__(self, fn: Callable[..., Any], /) -> Any:
         return _wrap(fn, self._thread, self._key)
 
 
+@overload
+def on_mlx_thread(  # type: ignore[overload-overlap]
+    fn: _Signatures[FP, S, P, Generator[Y, Any, Any]],
+    /,
+    *,
+    thread: MLXThread | None = None,
+    exclusive: object = None,
+) -> MLXGeneratorMethod[FP, S, P, Y]: ...
+@overload
+def on_mlx_thread(  # type: ignore[overload-overlap]
+    fn: _Signatures[FP, S, P, Iterator[Y]],
+    /,
+    *,
+    thread: MLXThread | None = None,
+    exclusive: object = None,
+) -> MLXGeneratorMethod[FP, S, P, Y]: ...
 @overload
 def on_mlx_thread(  # type: ignore[overload-overlap]
     fn: Callable[P, Generator[Y, Any, Any]],
@@ -179,6 +269,14 @@ def on_mlx_thread(  # type: ignore[overload-overlap]
     thread: MLXThread | None = None,
     exclusive: object = None,
 ) -> MLXGeneratorFunction[P, Y]: ...
+@overload
+def on_mlx_thread(
+    fn: _Signatures[FP, S, P, R],
+    /,
+    *,
+    thread: MLXThread | None = None,
+    exclusive: object = None,
+) -> MLXMethod[FP, S, P, R]: ...
 @overload
 def on_mlx_thread(
     fn: Callable[P, R],
@@ -253,9 +351,10 @@ def _wrap(fn: Callable[..., Any], thread: MLXThread | None, key: object) -> Any:
         )
     if not callable(fn) and not isinstance(fn, classmethod):
         raise TypeError(f"@on_mlx_thread needs a function, not {fn!r}")
+    # The Method classes bind as their bases do; only their typing differs.
     if inspect.isgeneratorfunction(target):
-        return MLXGeneratorFunction(fn, thread, key)
-    return MLXFunction(fn, thread, key)
+        return MLXGeneratorMethod(fn, thread, key)
+    return MLXMethod(fn, thread, key)
 
 
 def _is_context_manager_factory(fn: object) -> bool:

@@ -116,7 +116,7 @@ class Kinds:
     def static(x: int) -> int:
         return x + 1
 
-    @on_mlx_thread  # type: ignore[arg-type]
+    @on_mlx_thread
     @classmethod
     def made(cls, x: int) -> tuple[str, int]:
         return cls.__name__, x
