@@ -21,6 +21,7 @@ from ._exceptions import MLXThreadBrokenError as MLXThreadBrokenError
 from ._exceptions import MLXThreadBusyError as MLXThreadBusyError
 from ._exceptions import MLXThreadClosedError as MLXThreadClosedError
 from ._exceptions import MLXThreadDeadlockError as MLXThreadDeadlockError
+from ._exceptions import SharedModelWarning as SharedModelWarning
 from ._exceptions import StreamAffinityError as StreamAffinityError
 from ._exclusive import Exclusive as Exclusive
 from ._executor import MLXThread as MLXThread
@@ -50,6 +51,7 @@ __all__ = [
     "MLXThreadClosedError",
     "MLXThreadDeadlockError",
     "MLXThreadStatistics",
+    "SharedModelWarning",
     "StreamAffinityError",
     "SyncBatchIterator",
     "SyncStreamIterator",

@@ -16,6 +16,7 @@ __all__ = [
     "MLXThreadBusyError",
     "MLXThreadClosedError",
     "MLXThreadDeadlockError",
+    "SharedModelWarning",
     "StreamAffinityError",
 ]
 
@@ -80,4 +81,16 @@ class BlockingCallWarning(MLXPinnedWarning):
     iteration of a ``.sync`` stream) was made on a thread that runs an event
     loop (asyncio or trio): it holds the whole loop until the MLX thread
     answers. Await the call instead.
+    """
+
+
+class SharedModelWarning(MLXPinnedWarning):
+    """Two streams open at once on one MLX thread were given the same
+    ``mlx.nn.Module`` (as an argument, or in a tuple or list argument) and
+    share no exclusive key: their items interleave, and a model that keeps
+    request state on itself then gives wrong answers. Give both the same
+    ``exclusive=`` key (the model itself will do).
+
+    Raised on the MLX thread when the second stream starts, once per pair of
+    functions; made an error, it ends that stream, whose consumer gets it.
     """

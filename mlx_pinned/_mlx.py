@@ -225,15 +225,30 @@ def _named_arguments(
 
 def holds_model(value: object) -> bool:
     """Whether ``value`` is an ``mlx.nn.Module``, or a tuple or list with one."""
+    return bool(models_in((value,), {}))
+
+
+# How far into a tuple or list argument to look for a model: far enough for
+# (model, processor), never a walk over a long list of tokens.
+_MODELS_IN_A_SEQUENCE = 16
+
+
+def models_in(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[object, ...]:
+    """The ``mlx.nn.Module`` arguments of a call, and those one level inside a
+    tuple or list argument (among its first 16 items)."""
     nn = sys.modules.get("mlx.nn")  # no model exists if it was never imported
     if nn is None:
-        return False
+        return ()
     module = nn.Module
-    if isinstance(value, module):
-        return True
-    return isinstance(value, (list, tuple)) and any(
-        isinstance(item, module) for item in value
-    )
+    found: list[object] = []
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, module):
+            found.append(arg)
+        elif isinstance(arg, (list, tuple)):
+            found.extend(
+                item for item in arg[:_MODELS_IN_A_SEQUENCE] if isinstance(item, module)
+            )
+    return tuple(found)
 
 
 def _kind(value: object) -> str:

@@ -14,11 +14,13 @@ an event loop's); what a stream needs of its executor is :class:`StreamOwner`.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import deque
 from typing import TYPE_CHECKING, Any, Generic, NoReturn, Protocol, TypeVar
 
+from ._exceptions import SharedModelWarning
 from ._jobs import JobOwner
-from ._mlx import evaluate
+from ._mlx import evaluate, job_name, models_in
 from ._waiters import SyncWaiter, async_waiter, warn_if_blocking_a_loop
 
 if TYPE_CHECKING:
@@ -53,6 +55,7 @@ class StreamOwner(JobOwner, Protocol):
     only. ``requeue``, ``sweep`` and ``is_current``: from any thread.
     """
 
+    name: str  # the MLX thread's
     # The next turn is put here directly, on the worker, while it is alive.
     queue: SimpleQueue[Any]
     open_streams: set[Stream[Any]]  # streams whose generator exists
@@ -92,6 +95,7 @@ class Stream(Generic[T]):
         "kwargs",
         "limit",
         "lock",
+        "models",
         "outcome",
         "owner",
         "scheduled",
@@ -124,6 +128,7 @@ class Stream(Generic[T]):
         self.gen: Iterator[T] | None = None
         self.waiter: Waiter | None = None
         self.limit = READ_AHEAD  # items read ahead of the consumer, at most
+        self.models: tuple[object, ...] = ()  # mlx.nn.Module arguments, while open
         self.wake_at = 1  # buffered items that wake a waiting consumer
 
     @property
@@ -151,6 +156,10 @@ class Stream(Generic[T]):
             if self.gen is None:
                 self.gen = iter(fn(*self.args, **self.kwargs))  # type: ignore[misc]
                 owner.open_streams.add(self)
+                models = models_in(self.args, self.kwargs)
+                if models:
+                    self.models = models
+                    _warn_if_sharing_a_model(self, owner)
             item = next(self.gen)
             if owner.eval_results:
                 evaluate(item)
@@ -217,6 +226,7 @@ class Stream(Generic[T]):
         self.owner.open_streams.discard(self)
         self.gen = self.fn = None
         self.args, self.kwargs = (), {}
+        self.models = ()
 
     def abandon(self, error: BaseException) -> None:
         """End a stream that will get no more turns (any thread)."""
@@ -342,6 +352,36 @@ class Stream(Generic[T]):
             elif sweep:
                 self.owner.sweep(self.key)
         return True
+
+
+def _warn_if_sharing_a_model(stream: Stream[Any], owner: StreamOwner) -> None:
+    """Warn if another open stream got one of ``stream``'s models and shares
+    no key with it (on the worker, as ``stream`` starts: never per item)."""
+    for other in owner.open_streams:
+        if other is stream or (stream.key is not None and stream.key == other.key):
+            continue
+        shared = [model for model in stream.models if _among(model, other.models)]
+        if shared:
+            first, second = job_name(other.fn), job_name(stream.fn)
+            streams = (
+                f"Two streams of {first!r} are"
+                if first == second
+                else f"Streams {first!r} and {second!r} are"
+            )
+            warnings.warn(
+                f"{streams} open at once on MLX thread {owner.name!r} with the"
+                f" same model ({type(shared[0]).__name__}) and no shared exclusive"
+                " key, so their items interleave: a model that keeps request"
+                " state on itself (as mlx-vlm's Qwen-VL family does) then gives"
+                " wrong answers. Give both the same key: exclusive=model.",
+                SharedModelWarning,
+                stacklevel=2,
+            )
+            return
+
+
+def _among(model: object, models: tuple[object, ...]) -> bool:
+    return any(model is other for other in models)
 
 
 class AsyncStreamIterator(Generic[T]):

@@ -21,7 +21,7 @@ import mlx.core as mx
 import pytest
 from PIL import Image
 
-from mlx_pinned import MLXThread
+from mlx_pinned import MLXThread, SharedModelWarning
 from mlx_pinned.testing import make_test_image, make_tiny_vlm
 
 MAX_TOKENS = 10
@@ -133,7 +133,9 @@ async def test_interleaved_generations_need_the_model_as_their_key(
         }
         assert all(len(tokens) == MAX_TOKENS for tokens in solo.values())
 
-        unkeyed, _ = await interleaved(mlx_thread, model, processor, None)
+        # The safety net sees the two streams share the model without a key.
+        with pytest.warns(SharedModelWarning, match="exclusive=model"):
+            unkeyed, _ = await interleaved(mlx_thread, model, processor, None)
         # Without a key a generation reads the rope state another one left on
         # the model: its tokens, or at least its log-probabilities, move.
         moved = {

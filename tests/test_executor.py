@@ -6,6 +6,7 @@ import gc
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -22,6 +23,7 @@ from mlx_pinned import (
     MLXThreadBusyError,
     MLXThreadClosedError,
     MLXThreadDeadlockError,
+    SharedModelWarning,
     StreamAffinityError,
     _streams,
     cancel_requested,
@@ -295,6 +297,70 @@ class TestBlockingCallWarning:
     def test_no_warning_on_a_plain_thread(self, thread: MLXThread) -> None:
         assert thread.run_sync(ident) == thread.ident  # warnings are errors here
         assert list(thread.iterate_sync(range, 2)) == [0, 1]
+
+
+def steps(model: object, n: int) -> Iterator[int]:
+    yield from range(n)
+
+
+def pair_steps(pair: tuple[object, str], n: int) -> Iterator[int]:
+    yield from range(n)
+
+
+class TestSharedModelWarning:
+    """Two streams open at once with one model and no shared key warn."""
+
+    @staticmethod
+    def open_two(
+        thread: MLXThread, first: Any, second: Any
+    ) -> tuple[Iterator[int], Iterator[int]]:
+        one, two = thread.iterate_sync(*first), thread.iterate_sync(*second)
+        assert next(one) == 0  # both generators exist now
+        assert next(two) == 0
+        return one, two
+
+    def test_the_same_model_without_a_key_warns_naming_both(
+        self, thread: MLXThread
+    ) -> None:
+        import mlx.nn as nn
+
+        model = thread.run_sync(nn.Linear, 2, 2)
+        with pytest.warns(SharedModelWarning) as info:
+            one, two = self.open_two(
+                thread, (steps, model, 3), (pair_steps, (model, "processor"), 3)
+            )
+        assert (list(one), list(two)) == ([1, 2], [1, 2])
+        message = str(info[0].message)
+        assert "'steps'" in message
+        assert "'pair_steps'" in message
+        assert "exclusive=model" in message
+
+    def test_a_shared_key_or_other_models_do_not_warn(self, thread: MLXThread) -> None:
+        import mlx.nn as nn
+
+        model, other = thread.run_sync(lambda: (nn.Linear(2, 2), nn.Linear(2, 2)))
+        keyed = thread.exclusive(model)
+        one = keyed.iterate_sync(steps, model, 2)
+        assert next(one) == 0
+        two = keyed.iterate_sync(steps, model, 2)  # waits for the key
+        three = thread.iterate_sync(steps, other, 2)
+        assert next(three) == 0  # warnings are errors here
+        assert (list(one), list(two), list(three)) == ([1], [0, 1], [1])
+        # One after the other is fine too.
+        assert list(thread.iterate_sync(steps, model, 2)) == [0, 1]
+
+    def test_made_an_error_it_ends_the_second_stream(self, thread: MLXThread) -> None:
+        import mlx.nn as nn
+
+        model = thread.run_sync(nn.Linear, 2, 2)
+        first = thread.iterate_sync(steps, model, 3)
+        assert next(first) == 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SharedModelWarning)
+            with pytest.raises(SharedModelWarning):
+                next(thread.iterate_sync(steps, model, 3))
+        assert list(first) == [1, 2]  # the first stream goes on
+        assert thread.statistics().open_streams == 0
 
 
 class TestGenerationStreamGlobals:

@@ -9,6 +9,7 @@ from mlx_pinned import (
     MLXThreadBusyError,
     MLXThreadClosedError,
     MLXThreadDeadlockError,
+    SharedModelWarning,
     StreamAffinityError,
 )
 
@@ -56,6 +57,7 @@ def test_warning_tree() -> None:
     # UserWarning: shown once per place by default, filterable by class.
     assert issubclass(MLXPinnedWarning, UserWarning)
     assert issubclass(BlockingCallWarning, MLXPinnedWarning)
+    assert issubclass(SharedModelWarning, MLXPinnedWarning)
 
 
 def test_version() -> None:
