@@ -108,7 +108,10 @@ class TestPinned:
         def load_model() -> tuple[Any, Any]:
             return load(model_path, lazy=lazy)
 
-        @on_mlx_thread(thread=thread)
+        # The key keeps generations on the one model from interleaving
+        # (mlx-vlm keeps request state on the model); without it the
+        # SharedModelWarning says so.
+        @on_mlx_thread(thread=thread, exclusive="vlm")
         def generate(model: Any, processor: Any, picture: Image.Image) -> Iterator[int]:
             assert thread.is_current()
             yield from stream_tokens(model, processor, picture)
