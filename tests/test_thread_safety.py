@@ -1094,7 +1094,12 @@ class ExecutorMachine(RuleBasedStateMachine):
         if isinstance(error, JobError):
             return [] if ran and e.job.kind == "raise" else [f"{where}: {error!r}"]
         if isinstance(error, MLXThreadClosedError):
-            if ran or not self.shutdown_requested:
+            # Keyed work still waiting for its key when the thread stops
+            # (behind a stream open then, which the end closes) never starts
+            # and ends with this error, as documented: at the machine's own
+            # end too, not only after a shutdown rule.
+            waited = e.key is not None
+            if ran or not (self.shutdown_requested or waited):
                 return [f"{where}: {error!r}, ran: {ran}"]
             return []
         if error is not None:  # StreamAffinityError included
