@@ -108,6 +108,20 @@ class TestRoutes:
             served.thread.shutdown()
             assert_error(await served.client.get("/health"), 503)
 
+    async def test_health_tells_each_models_rows_and_kv(self, serve: Serve) -> None:
+        async with serve() as served:
+            idle = (await served.client.get("/health")).json()["models"]
+            assert idle == {MODEL: {"rows": 0, "kv_bytes": 0}}
+            seen: list[dict[str, int]] = []
+            async with anyio.create_task_group() as group:
+                group.start_soon(served.chat, vision_body(300))
+                with anyio.fail_after(30):
+                    while not seen or not seen[-1]["rows"]:
+                        await anyio.sleep(0.005)
+                        health = await served.client.get("/health")
+                        seen.append(health.json()["models"][MODEL])
+            assert seen[-1]["kv_bytes"] > 0
+
     async def test_models(self, serve: Serve) -> None:
         async with serve() as served:
             listing = (await served.client.get("/v1/models")).json()

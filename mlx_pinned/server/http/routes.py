@@ -45,14 +45,27 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 async def health(thread: MLXThread, served: ServedModels, request: Request) -> Response:
-    """``GET /health``: 200 once every model is loaded and the thread runs."""
+    """``GET /health``: 200 once every model is loaded and the thread runs,
+    with each model's rows and the bytes of KV they hold."""
     if thread.closed:
         return error_response(thread_unavailable())
     if not served.loaded(request.scope.get("state", {})):
         return error_response(model_not_loaded())
     stats = thread.statistics()
+    state = request.scope.get("state", {})
+    models = {}
+    for item in served:
+        engine = item.engine(state)
+        if engine is not None:
+            counters = engine.counters()
+            models[item.name] = {"rows": counters.rows, "kv_bytes": counters.kv_bytes}
     return JSONResponse(
-        {"status": "ok", "pending": stats.pending, "open_streams": stats.open_streams}
+        {
+            "status": "ok",
+            "pending": stats.pending,
+            "open_streams": stats.open_streams,
+            "models": models,
+        }
     )
 
 
