@@ -11,8 +11,8 @@ instead, naming the parameter it came from.
 
 from __future__ import annotations
 
-import functools
 import json
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,12 +63,18 @@ def _styled(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "x-guidance": _JSON_STYLE}
 
 
-@functools.lru_cache(maxsize=512)
+# Verdicts by (kind, text), newest last: a grammar seen before is answered
+# on the event loop, without a hop to a worker thread.
+_VERDICTS: OrderedDict[tuple[str, str], str] = OrderedDict()
+_KEPT = 512
+
+
 def grammar_error(kind: str, source: str) -> str:
     """Why llguidance refuses the grammar; empty if it accepts it.
 
     Any thread (pure CPU, may take milliseconds for a large schema):
-    :func:`check_grammar` calls it off the event loop. Cached per text.
+    :func:`check_grammar` calls it off the event loop, the first time a
+    grammar is seen.
     """
     if kind == "json_object":
         return ""
@@ -90,9 +96,17 @@ async def check_grammar(grammar: Grammar, param: str) -> None:
     Raises:
         APIError: 400 ``invalid_json_schema`` naming ``param``.
     """
-    error = await anyio.to_thread.run_sync(
-        grammar_error, grammar.kind, grammar.source, abandon_on_cancel=True
-    )
+    key = (grammar.kind, grammar.source)
+    error = _VERDICTS.get(key)
+    if error is None:
+        error = await anyio.to_thread.run_sync(
+            grammar_error, grammar.kind, grammar.source, abandon_on_cancel=True
+        )
+        _VERDICTS[key] = error
+        if len(_VERDICTS) > _KEPT:
+            _VERDICTS.popitem(last=False)
+    else:
+        _VERDICTS.move_to_end(key)
     if error:
         first = error.strip().splitlines()[0]
         raise APIError(
