@@ -260,7 +260,7 @@ def test_mlx_thread_fixes_it(
 
     async def serve() -> tuple[Any, Any, int | None]:
         async with MLXThread(name="compat-044") as thread:
-            model, processor = thread.run_sync(LOAD, model_path)
+            model, processor = await thread.run(LOAD, model_path)
             prompt = _prompt(model, processor)
             first = await thread.run(job, model, processor, prompt)
             second = await thread.run(job, model, processor, prompt)
@@ -284,7 +284,7 @@ def test_mlx_thread_streams_tokens(
 
     async def serve() -> list[Any]:
         async with MLXThread(name="compat-044-stream") as thread:
-            model, processor = thread.run_sync(LOAD, model_path)
+            model, processor = await thread.run(LOAD, model_path)
             prompt = _prompt(model, processor)
             items = thread.iterate(
                 GEN.stream_generate,
