@@ -90,11 +90,18 @@ def image(size: tuple[int, int], seed: int) -> Image.Image:
     return Image.open(io.BytesIO(make_test_image(*size, seed=seed))).convert("RGB")
 
 
-def request(index: int, max_tokens: int, **params: Any) -> Request:
+def request(
+    index: int,
+    max_tokens: int,
+    *,
+    prompts: Sequence[str] = PROMPTS,
+    sizes: Sequence[tuple[int, int] | None] = SIZES,
+    **params: Any,
+) -> Request:
     """Request ``index``: its own prompt, and its own image size or none."""
-    size = SIZES[index % len(SIZES)]
+    size = sizes[index % len(sizes)]
     content: list[dict[str, Any]] = [
-        {"type": "text", "text": PROMPTS[index % len(PROMPTS)]}
+        {"type": "text", "text": prompts[index % len(prompts)]}
     ]
     images = []
     if size is not None:

@@ -12,24 +12,20 @@ prefill that mixes the images of a batch) moves them by 0.1 or more.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from PIL import Image
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.errors import APIError
-from mlx_pinned.server.events import GenerationParams
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import (
     TINY_LM_TYPES,
     TINY_MODEL_TYPES,
-    make_test_image,
     tiny_lm_path,
     tiny_vlm_path,
 )
@@ -39,9 +35,11 @@ from .test_batching import (
     Collector,
     Request,
     deadline,
+    image,
     max_logprob_difference,
     solo,
 )
+from .test_batching import request as batching_request
 
 pytestmark = pytest.mark.anyio
 
@@ -92,24 +90,11 @@ def family(request: pytest.FixtureRequest, thread: MLXThread) -> Served:
     return Served(model_type, loaded)
 
 
-def picture(size: tuple[int, int], seed: int) -> Image.Image:
-    return Image.open(io.BytesIO(make_test_image(*size, seed=seed))).convert("RGB")
-
-
 def request(family: Served, index: int, max_tokens: int, **params: Any) -> Request:
-    """Request ``index``: its own prompt, and its own image size or none."""
-    size = SIZES[index % len(SIZES)] if family.vision else None
-    content: list[dict[str, Any]] = [
-        {"type": "text", "text": PROMPTS[index % len(PROMPTS)]}
-    ]
-    images = []
-    if size is not None:
-        content.append({"type": "image_url"})
-        images.append(picture(size, seed=index))
-    params.setdefault("temperature", 0.0)
-    params.setdefault("logprobs", True)
-    messages = ({"role": "user", "content": content},)
-    return GenerationParams(messages, max_tokens=max_tokens, **params), images
+    """Request ``index``: its own prompt, and its own image size or none (a
+    text model gets none)."""
+    sizes = SIZES if family.vision else (None,)
+    return batching_request(index, max_tokens, prompts=PROMPTS, sizes=sizes, **params)
 
 
 class TestEveryFamily:
@@ -185,7 +170,7 @@ class TestTextModels:
     ) -> None:
         params, _ = request(text_family, 0, 4)
         batch = BatchEngine(text_family.loaded, thread)
-        events = batch.generate_stream(params, [picture((64, 64), 0)])
+        events = batch.generate_stream(params, [image((64, 64), 0)])
         with pytest.raises(APIError) as caught:
             thread.run_sync(next, events)
         assert caught.value.status == 400
