@@ -394,10 +394,14 @@ def generate_offline(path: pathlib.Path, images: int, max_tokens: int = 8) -> An
     )
 
 
+# Image tokens a 64x64 image becomes in each vision family's prompt.
+IMAGE_TOKENS = {"qwen3_vl": 4, "qwen2_5_vl": 4, "gemma3": 4}
+
+
 class TestFamilies:
     def test_lists_the_vision_and_text_families(self) -> None:
         assert TINY_MODEL_TYPES[0] == "qwen3_vl"
-        assert len(TINY_MODEL_TYPES) >= 2
+        assert set(TINY_MODEL_TYPES) == set(IMAGE_TOKENS)
         assert TINY_LM_TYPES[:2] == ("qwen3", "llama")
 
     @pytest.mark.parametrize("model_type", TINY_MODEL_TYPES)
@@ -412,6 +416,41 @@ class TestFamilies:
         )
         assert result.generation_tokens == 8
         assert sum(p.stat().st_size for p in path.iterdir()) < 2_000_000
+
+    @pytest.mark.parametrize("model_type", TINY_MODEL_TYPES)
+    def test_each_vision_family_turns_an_image_into_its_image_tokens(
+        self, model_type: str, tmp_path: pathlib.Path
+    ) -> None:
+        path = make_tiny_vlm(tmp_path / "model", model_type=model_type)
+        model, processor = mlx_vlm.load(str(path))
+        messages = [
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": PROMPT},
+                    {"type": "image_url", "image_url": {"url": "data:,"}},
+                ],
+            },
+        ]
+        tokenizer = getattr(processor, "tokenizer", processor)
+        prompt = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        assert "Be brief." in prompt
+        assert PROMPT in prompt
+        config = model.config
+        image_token = getattr(config, "image_token_index", None)
+        if image_token is None:
+            image_token = config.image_token_id
+        inputs = mlx_vlm.prepare_inputs(
+            processor,
+            images=[picture(size=64)],
+            prompts=prompt,
+            image_token_index=getattr(config, "image_token_index", None),
+        )
+        ids = inputs["input_ids"].tolist()[0]
+        assert ids.count(image_token) == IMAGE_TOKENS[model_type]
 
     @pytest.mark.parametrize("model_type", TINY_LM_TYPES)
     def test_each_text_family_generates_offline(

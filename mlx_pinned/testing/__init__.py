@@ -26,6 +26,7 @@ import pathlib
 from typing import Final
 
 from ._family import Family
+from ._gemma import GEMMA3
 from ._images import image_data_uri, make_test_image
 from ._install import write_folder
 from ._llama import LLAMA
@@ -44,7 +45,9 @@ __all__ = [
     "tiny_vlm_path",
 ]
 
-_VISION: Final = {family.model_type: family for family in (QWEN3_VL, QWEN2_5_VL)}
+_VISION: Final = {
+    family.model_type: family for family in (QWEN3_VL, QWEN2_5_VL, GEMMA3)
+}
 _TEXT: Final = {family.model_type: family for family in (QWEN3, LLAMA)}
 
 #: The vision families :func:`make_tiny_vlm` writes (``qwen3_vl`` first).

@@ -134,6 +134,31 @@ class TestEveryFamily:
             assert max_logprob_difference(run.events, expected) <= TOL
         assert batch.statistics().prefills == 6
 
+    async def test_a_long_row_and_a_chunked_prompt_joining_it_match_solo(
+        self, thread: MLXThread, family: Served
+    ) -> None:
+        # Row 0 decodes unpadded, alone at first, past a sliding window
+        # (Gemma 3's layers slide over 16 tokens); row 1's prompt is longer
+        # than the prefill step, so it is prefilled in chunks with mlx-vlm's
+        # own caches and then joins row 0's batch cache.
+        first = request(family, 0, 40, top_logprobs=2)
+        chunked = batching_request(
+            1, 10, prompts=(" ".join(PROMPTS),), sizes=(None,), top_logprobs=2
+        )
+        alone = [await solo(thread, family.loaded, req) for req in (first, chunked)]
+        batch = BatchEngine(family.loaded, thread, prefill_step_size=48)
+        gate = BatchGate(max_num_seqs=2, max_pending=0)
+        runs = [Collector(thread, batch, gate, req) for req in (first, chunked)]
+        async with deadline() as group:
+            group.start_soon(runs[0].run)
+            await runs[0].two_tokens.wait()
+            group.start_soon(runs[1].run)
+        for run, expected in zip(runs, alone, strict=True):
+            assert max_logprob_difference(run.events, expected) <= TOL
+        stats = batch.statistics()
+        assert (stats.peak_active, stats.prefills) == (2, 2)
+        assert stats.prefill_passes >= 3  # row 0's, and two chunks or more
+
     async def test_seeded_sampling_matches_solo(
         self, thread: MLXThread, family: Served
     ) -> None:

@@ -124,7 +124,6 @@ def prefill_together(loaded: LoadedModel, prompts: Sequence[Prepared]) -> Prefil
     """Prefill :func:`batchable` prompts in one pass; ``logits`` holds each
     one's next-token logits (left padding puts every last token in the last
     column), so the first token is sampled without another forward pass."""
-    api = vlm()
     model, lm = loaded.model, loaded.model.language_model
     lengths = [p.prompt_tokens for p in prompts]
     width = max(lengths)
@@ -145,7 +144,7 @@ def prefill_together(loaded: LoadedModel, prompts: Sequence[Prepared]) -> Prefil
         ids, mx.concatenate(pixels) if pixels else None, mask=mask, **extra
     )
     kwargs = _prefill_kwargs(extra, embedded)
-    cache = [api.BatchKVCache(pads) for _ in lm.layers]
+    cache = batch_caches(lm, pads)
     output = lm(
         inputs=ids,
         inputs_embeds=embedded.inputs_embeds,
@@ -236,6 +235,22 @@ class ChunkedPrefill:
             logits = output.logits[:, -1, :]
         batch_cache = [type(c).merge([c]) for c in self.cache]
         return Prefilled(batch_cache, deltas, logits)
+
+
+def batch_caches(lm: Any, pads: list[int]) -> list[Any]:
+    """An empty batch cache per layer, with ``pads`` left padding per row: of
+    the kind mlx-vlm's own cache of that layer is, so a sliding-window layer
+    (Gemma 3) keeps its window in the batch as it does alone."""
+    api = vlm()
+    caches: list[Any] = []
+    for layer in api.make_prompt_cache(lm):
+        if isinstance(layer, api.RotatingKVCache) and not layer.keep:
+            caches.append(api.BatchRotatingKVCache(layer.max_size, pads))
+        elif type(layer).__name__ == "KVCache":
+            caches.append(api.BatchKVCache(pads))
+        else:  # batchable() keeps such a model's prompts apart
+            raise TypeError(f"no batch cache for {type(layer).__name__}")
+    return caches
 
 
 def _prefill_kwargs(extra: dict[str, Any], embedded: Any) -> dict[str, Any]:

@@ -204,6 +204,8 @@ class VLM:
         self.should_add_special_tokens = utils.should_add_special_tokens
         self.make_prompt_cache = cache.make_prompt_cache
         self.BatchKVCache = cache.BatchKVCache
+        self.RotatingKVCache = cache.RotatingKVCache
+        self.BatchRotatingKVCache = cache.BatchRotatingKVCache
 
 
 @functools.cache
