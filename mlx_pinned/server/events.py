@@ -290,6 +290,11 @@ class Engine(Protocol):
         ...
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters (what the memory budget counts)."""
+        ...
+
+    @property
     def chat_template(self) -> str | None:
         """The model's chat template (its tool-call format and whether it
         thinks are read from it), or None when it has none."""

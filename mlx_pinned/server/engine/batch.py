@@ -189,6 +189,11 @@ class BatchEngine:
         """When the load ended (Unix time)."""
         return self.loaded.loaded_at
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters."""
+        return self.loaded.weight_bytes
+
     def statistics(self) -> BatchStatistics:
         """A snapshot of the batch; any thread (it may be a step old)."""
         return self._state.statistics()

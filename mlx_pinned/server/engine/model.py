@@ -40,6 +40,8 @@ class LoadedModel:
         parameters: Number of parameters.
         loaded_at: When the load ended (Unix time): ``created`` in
             ``/v1/models``.
+        weight_bytes: Bytes of its parameters, as loaded (the memory budget
+            counts these).
     """
 
     model: Any
@@ -48,6 +50,7 @@ class LoadedModel:
     load_seconds: float
     parameters: int
     loaded_at: float = field(default_factory=time.time)  # Unix time, at the end
+    weight_bytes: int = 0
     grammar_tokenizer: Any = None  # llguidance's, made on first use
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
     _longest_token: int | None = None
@@ -144,7 +147,14 @@ def load(model_path: str | Path) -> LoadedModel:
     seconds = time.perf_counter() - start
     flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
     parameters = sum(v.size for _, v in flat)
-    loaded = LoadedModel(model, processor, str(model_path), seconds, parameters)
+    loaded = LoadedModel(
+        model,
+        processor,
+        str(model_path),
+        seconds,
+        parameters,
+        weight_bytes=sum(v.nbytes for _, v in flat),
+    )
     _ = loaded.longest_token_chars  # once, at load, not in a request
     logger.info(
         "loaded %s (%s, %d parameters) in %.2f s",

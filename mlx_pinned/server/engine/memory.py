@@ -1,0 +1,101 @@
+"""A model's weight bytes before it loads, and giving its memory back: MLX
+thread only.
+
+The memory budget (``max_model_bytes``) counts model weights. Before a
+model is loaded the only measure is its checkpoint: the bytes of its
+``*.safetensors`` files (their small JSON headers included, so a little
+over). Once loaded, :attr:`.model.LoadedModel.weight_bytes` counts its
+parameters exactly. :func:`release` drops the last reference to an
+unloaded model's engine here, on the thread that owns its arrays, collects
+the reference cycles left behind and gives MLX's buffer cache back.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+__all__ = ["Released", "check_start_up_budget", "release", "stored_weight_bytes"]
+
+logger = logging.getLogger("mlx_pinned.server")
+
+
+def stored_weight_bytes(model_path: str | Path) -> int:
+    """Bytes of the model's ``*.safetensors`` files.
+
+    Runs on the MLX thread. A hub id is resolved as mlx-vlm's load resolves
+    it (downloaded when it is not in the local cache: the load needs it next).
+
+    Raises:
+        FileNotFoundError: The folder holds no ``*.safetensors`` file.
+    """
+    folder = Path(model_path)
+    if not folder.is_dir():
+        from mlx_vlm.utils import get_model_path
+
+        folder = Path(get_model_path(str(model_path)))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    return sum(file.stat().st_size for file in files)
+
+
+def check_start_up_budget(paths: tuple[str, ...], budget: int) -> int:
+    """Refuse a start-up whose models would hold more than ``budget`` bytes
+    of weights, before any of them loads; their bytes otherwise.
+
+    Runs on the MLX thread (the first start-up job).
+
+    Raises:
+        ValueError: They need more than ``budget``; the message gives both.
+    """
+    need = sum(stored_weight_bytes(path) for path in paths)
+    if need > budget:
+        raise ValueError(
+            f"the models loaded at start-up hold {need} bytes of weights, more "
+            f"than max_model_bytes ({budget}): raise it, or load models on "
+            "first use"
+        )
+    return need
+
+
+@dataclass(frozen=True)
+class Released:
+    """MLX's memory around one :func:`release` (bytes)."""
+
+    active_before: int
+    active_after: int
+    cache_after: int
+
+    @property
+    def freed(self) -> int:
+        """Active memory given back (0 if something else allocated)."""
+        return max(0, self.active_before - self.active_after)
+
+
+def release(holder: list[Any], name: str = "") -> Released:
+    """Free what ``holder`` holds (an unloaded model's engine): empty it, so
+    the last reference goes here, collect, and clear MLX's buffer cache.
+
+    Runs on the MLX thread. Give the engine inside a list that nothing else
+    keeps (the caller drops its own references first): a plain argument
+    would stay referenced by the job until it returned.
+    """
+    active = mx.get_active_memory()
+    holder.clear()
+    gc.collect()
+    mx.clear_cache()
+    released = Released(active, mx.get_active_memory(), mx.get_cache_memory())
+    logger.info(
+        "released %s: %d bytes of MLX memory given back (active %d -> %d bytes)",
+        name or "a model",
+        released.freed,
+        released.active_before,
+        released.active_after,
+    )
+    return released
