@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import gc
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +42,13 @@ from mlx_pinned.middleware import MLXThreadMiddleware
 
 from .config import ServerConfig
 from .engine import BatchEngine
-from .events import LoadImages
+from .engine.memory import check_start_up_budget, release, stored_weight_bytes
+from .events import Engine, LoadImages
 from .http.chat import ChatEndpoint
 from .http.gate import BatchGate
 from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.models import ServedModel, ServedModels
+from .http.residency import ModelSlot, Residency
 from .http.routes import (
     APIKeyMiddleware,
     health,
@@ -117,6 +119,17 @@ def create_app(
     if not all(config.models):
         raise ValueError("model is empty: give a model folder or a hub id")
     mlx_thread = thread or MLXThread(name="mlx-pinned", max_pending=config.thread_bound)
+    loads = {
+        path: functools.partial(
+            BatchEngine.load,
+            path,
+            mlx_thread,
+            prompt_cache_bytes=config.prompt_cache_budget,
+            prefill_step_size=config.prefill_step_size,
+            image_cache_bytes=config.image_cache_budget,
+        )
+        for path in config.models
+    }
     served = ServedModels(
         [
             ServedModel(
@@ -129,9 +142,21 @@ def create_app(
                     config.max_pending,
                     retry_after=config.retry_after,
                 ),
+                _slot(name, path, mlx_thread, loads[path])
+                if config.load_on_first_use
+                else None,
             )
-            for index, name in enumerate(config.names)
+            for index, (name, path) in enumerate(
+                zip(config.names, config.models, strict=True)
+            )
         ]
+    )
+    residency = Residency(
+        served,
+        functools.partial(mlx_thread.run, release),
+        budget=config.max_model_bytes,
+        idle_timeout=config.idle_unload_timeout,
+        retry_after=config.retry_after,
     )
     metrics = ServerMetrics(mlx_thread, served)
     turns = LoopTurns()
@@ -139,6 +164,7 @@ def create_app(
         config,
         mlx_thread,
         served,
+        residency,
         _image_loader(config, image_fetcher),
         turns,
         metrics=metrics,
@@ -156,17 +182,17 @@ def create_app(
         ),
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ]
-    startup: dict[str, Any] = {
-        entry.state_key: functools.partial(
-            BatchEngine.load,
-            path,
-            mlx_thread,
-            prompt_cache_bytes=config.prompt_cache_budget,
-            prefill_step_size=config.prefill_step_size,
-            image_cache_bytes=config.image_cache_budget,
+    startup: dict[str, Any] = {}
+    if config.max_model_bytes is not None and not config.load_on_first_use:
+        # Before any load: a start-up past the budget fails at once.
+        startup["model_budget"] = functools.partial(
+            check_start_up_budget, config.models, config.max_model_bytes
         )
-        for entry, path in zip(served, config.models, strict=True)
-    }
+    if not config.load_on_first_use:
+        startup.update(
+            (entry.state_key, loads[path])
+            for entry, path in zip(served, config.models, strict=True)
+        )
     if config.freeze_gc:
         startup["gc_frozen"] = _freeze_gc
     middleware = [
@@ -197,14 +223,31 @@ def create_app(
         routes=routes,
         middleware=middleware,
         exception_handlers={HTTPException: http_error, Exception: server_error},
+        lifespan=residency.running,
     )
     app.state.config = config
     app.state.mlx_thread = mlx_thread
     app.state.models = served
+    app.state.residency = residency
     app.state.gate = next(iter(served)).gate  # the first (or only) model's
     app.state.metrics = metrics
     app.state.loop_turns = turns
     return app
+
+
+def _slot(
+    name: str, path: str, thread: MLXThread, load: Callable[[], BatchEngine]
+) -> ModelSlot:
+    """The slot of a model loaded on first use: its load and its measure
+    each run as a job of the MLX thread."""
+
+    async def load_engine() -> Engine:
+        return await thread.run(load)
+
+    async def measure() -> int:
+        return await thread.run(stored_weight_bytes, path)
+
+    return ModelSlot(name, load_engine, measure)
 
 
 def _image_loader(config: ServerConfig, fetch: Fetcher | None) -> LoadImages:

@@ -136,6 +136,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"the API key (--api-key or ${API_KEY_ENV}) is empty: give a key, or "
             "unset it"
         )
+    if args.idle_unload_timeout is not None and not args.load_on_first_use:
+        parser.error(
+            "--idle-unload-timeout needs --load-on-first-use: models loaded at "
+            "start-up stay loaded"
+        )
     for model in args.model:
         if _looks_local(model) and not Path(model).is_dir():
             parser.error(

@@ -188,6 +188,19 @@ class ServerConfig:
         drain_timeout: Seconds in-flight requests get at shut-down.
         retry_after: Seconds sent in ``Retry-After`` with every 503 that
             asks the client to come back (a full waiting room, a busy thread).
+        load_on_first_use: Load each model when its first request arrives
+            (that request, and any that come meanwhile, wait for the one
+            load) instead of at start-up.
+        idle_unload_timeout: Seconds a model loaded on first use may be idle
+            (no rows, no request waiting for it or holding it) before it is
+            unloaded; the next request loads it again. None: never. Needs
+            ``load_on_first_use``.
+        max_model_bytes: Bytes of model weights loaded at once, over all
+            models. Loading a model on first use past it first unloads the
+            least recently used idle models loaded on first use; if it still
+            does not fit, the request is a 503 with ``Retry-After``. Models
+            loaded at start-up count and are never unloaded; more of them
+            than fit fail the start-up. None: no limit.
         freeze_gc: After the model is loaded, collect garbage once and move
             every object left to the collector's permanent generation
             (:func:`gc.freeze`), so later full collections skip the
@@ -294,6 +307,25 @@ class ServerConfig:
         "prompt tokens prefilled in one pass, at most (default: %(default)s)",
         parse=positive,
     )
+    load_on_first_use: bool = _setting(
+        False,
+        "load each model when its first request arrives, not at start-up "
+        "(default: off)",
+    )
+    idle_unload_timeout: float | None = _setting(
+        None,
+        "seconds a model loaded on first use may sit idle (no rows, no waiting "
+        "request) before it is unloaded; its next request loads it again; 0: "
+        "never (default); needs --load-on-first-use",
+        parse=seconds_or_none,
+    )
+    max_model_bytes: int | None = _setting(
+        None,
+        "bytes of model weights loaded at once, over all models; a load past it "
+        "first unloads the least recently used idle models loaded on first use, "
+        "else answers 503 (default: no limit)",
+        parse=positive,
+    )
     # Process-wide: a library user's app shares the process with other code.
     freeze_gc: bool = _setting(
         False,
@@ -347,6 +379,21 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0, not {value}")
         if not (self.drain_timeout >= 0 and math.isfinite(self.drain_timeout)):
             raise ValueError(f"drain_timeout must be >= 0, not {self.drain_timeout}")
+        if self.idle_unload_timeout is not None:
+            if not self.idle_unload_timeout > 0:
+                raise ValueError(
+                    "idle_unload_timeout must be > 0, not "
+                    f"{self.idle_unload_timeout}: None never unloads"
+                )
+            if not self.load_on_first_use:
+                raise ValueError(
+                    "idle_unload_timeout needs load_on_first_use: models loaded "
+                    "at start-up stay loaded"
+                )
+        if self.max_model_bytes is not None and self.max_model_bytes < 1:
+            raise ValueError(
+                f"max_model_bytes must be >= 1, not {self.max_model_bytes}"
+            )
         if self.default_max_tokens > self.max_tokens_limit:
             object.__setattr__(self, "default_max_tokens", self.max_tokens_limit)
 

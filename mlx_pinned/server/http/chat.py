@@ -29,7 +29,6 @@ from ..errors import (
     APIError,
     api_error,
     internal_error,
-    model_not_loaded,
     thread_unavailable,
     timed_out,
 )
@@ -75,9 +74,10 @@ if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
     from ..config import ServerConfig
-    from ..events import EventStream, LoadImages
+    from ..events import Engine, EventStream, LoadImages
     from .metrics import ServerMetrics
-    from .models import ServedModels
+    from .models import ServedModel, ServedModels
+    from .residency import Residency
     from .turns import LoopTurns
 
 __all__ = ["ChatEndpoint"]
@@ -90,10 +90,11 @@ class ChatEndpoint:
 
     Runs on the event loop; images are decoded off it (``load_images``) and
     the generation runs on ``thread``, through the engine of the model the
-    request names (from the lifespan state), after a turn of that model's
-    gate. A client that disconnects, while waiting or while generating,
-    cancels its request: a generation that has not started never starts, a
-    running one is closed on the MLX thread at its next token.
+    request names (held through ``residency``, which loads it first when it
+    is loaded on first use), after a turn of that model's gate. A client
+    that disconnects, while waiting or while generating, cancels its
+    request: a generation that has not started never starts, a running one
+    is closed on the MLX thread at its next token.
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class ChatEndpoint:
         config: ServerConfig,
         thread: MLXThread,
         models: ServedModels,
+        residency: Residency,
         load_images: LoadImages,
         turns: LoopTurns,
         *,
@@ -109,6 +111,7 @@ class ChatEndpoint:
         self.config = config
         self.thread = thread
         self.models = models
+        self.residency = residency
         self.load_images = load_images
         self.turns = turns
         self.metrics = metrics
@@ -161,10 +164,20 @@ class ChatEndpoint:
         request = parse_chat_request(body)
         log.stream = bool(request.stream)
         served = self.models.get(request.model)
-        engine = served.engine(scope.get("state", {}))
-        if engine is None:
-            raise model_not_loaded()
         log.model = served.name
+        # Held until the generation is closed: the model is not unloaded
+        # under it (and is loaded first, if it is loaded on first use).
+        async with self.residency.use(served, scope.get("state", {})) as engine:
+            await self._generate(request, served, engine, response, log)
+
+    async def _generate(
+        self,
+        request: ChatCompletionRequest,
+        served: ServedModel,
+        engine: Engine,
+        response: ResponseWriter,
+        log: RequestLog,
+    ) -> None:
         context = engine.context_length
         max_prompt = self.config.max_prompt_tokens or context
         if max_prompt is not None:

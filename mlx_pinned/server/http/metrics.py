@@ -62,6 +62,10 @@ class ServerMetrics:
     loaded: gauges ``kv_cache_bytes`` (the rows' KV), ``batch_rows`` and
     ``prompt_cache_bytes``, counters ``prompt_cache_hits_total``,
     ``prompt_cache_misses_total`` and ``prompt_cache_reused_tokens_total``.
+    Per model, whether loaded or not: gauges ``model_loaded`` (1 or 0) and
+    ``model_weight_bytes``, counters ``model_loads_total``,
+    ``model_unloads_total`` and ``model_load_failures_total`` (models loaded
+    on first use come and go; one loaded at start-up counts one load).
 
     Args:
         thread: The app's MLX thread.
@@ -197,8 +201,40 @@ class _LiveCollector(Collector):
             engine = model.engine(self.state)
             if engine is not None:
                 loaded.append((model.name, engine.counters()))
+        yield from self._residency()
         if loaded:
             yield from _engine_metrics(loaded)
+
+    def _residency(self) -> Iterator[Metric]:
+        """Whether each model is loaded, its weights' bytes, and (those
+        loaded on first use) how often it was loaded and unloaded."""
+        flag = _per_model("model_loaded", "1 while the model is loaded.")
+        weights = _per_model(
+            "model_weight_bytes", "Bytes of the model's weights while it is loaded."
+        )
+        counts = {
+            name: CounterMetricFamily(
+                f"mlx_pinned_model_{name}", text, labels=["model"]
+            )
+            for name, text in (
+                ("loads", "Loads of the model (its start-up load included)."),
+                ("unloads", "Unloads of the model (idle, or to make room)."),
+                ("load_failures", "Loads of the model that failed."),
+            )
+        }
+        for model in self.models:
+            engine = model.engine(self.state)
+            flag.add_metric([model.name], int(engine is not None))
+            weights.add_metric([model.name], engine.weight_bytes if engine else 0)
+            slot = model.slot
+            loads = slot.loads if slot else int(engine is not None)
+            counts["loads"].add_metric([model.name], loads)
+            counts["unloads"].add_metric([model.name], slot.unloads if slot else 0)
+            failures = slot.failures if slot else 0
+            counts["load_failures"].add_metric([model.name], failures)
+        yield flag
+        yield weights
+        yield from counts.values()
 
 
 def _engine_metrics(loaded: list[tuple[str, EngineCounters]]) -> Iterator[Metric]:

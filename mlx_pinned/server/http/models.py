@@ -1,9 +1,11 @@
 """The served models as the HTTP side sees them: a name, a gate, an engine.
 
 Event loop only. A server serves one model or several, all on the one MLX
-thread; each is loaded by its own start-up job of the middleware, whose
+thread. Each is loaded by its own start-up job of the middleware, whose
 result (its engine) is in the lifespan state under the model's
-:attr:`ServedModel.state_key`. Requests are routed by their ``model``; each
+:attr:`ServedModel.state_key`, or, with ``load_on_first_use``, by its first
+request: then its :attr:`ServedModel.slot` holds its engine while it is
+loaded (:mod:`.residency`). Requests are routed by their ``model``; each
 model has its own gate, so its batch and its waiting room are its own.
 """
 
@@ -18,6 +20,7 @@ from ..errors import APIError
 if TYPE_CHECKING:
     from ..events import Engine
     from .gate import BatchGate
+    from .residency import ModelSlot
 
 __all__ = ["ServedModel", "ServedModels", "model_not_found"]
 
@@ -32,14 +35,20 @@ class ServedModel:
             start-up job that loads it).
         gate: Its own gate: at most ``max_num_seqs`` of its generations at
             once, at most ``max_pending`` waiting.
+        slot: Where it is loaded on first use and unloaded (None: it is
+            loaded at start-up and stays loaded).
     """
 
     name: str
     state_key: str
     gate: BatchGate
+    slot: ModelSlot | None = None
 
     def engine(self, state: Mapping[str, Any]) -> Engine | None:
-        """Its engine in the lifespan ``state``; None until it is loaded."""
+        """Its engine: in its slot, or in the lifespan ``state``; None while
+        it is not loaded."""
+        if self.slot is not None:
+            return self.slot.engine
         engine: Engine | None = state.get(self.state_key)
         return engine
 
@@ -88,5 +97,6 @@ class ServedModels:
             raise model_not_found(name, self.names) from None
 
     def loaded(self, state: Mapping[str, Any]) -> bool:
-        """Whether every model's engine is in the lifespan ``state``."""
-        return all(model.state_key in state for model in self)
+        """Whether every model loaded at start-up has its engine in the
+        lifespan ``state`` (those loaded on first use are not waited for)."""
+        return all(model.state_key in state for model in self if model.slot is None)

@@ -45,8 +45,9 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 async def health(thread: MLXThread, served: ServedModels, request: Request) -> Response:
-    """``GET /health``: 200 once every model is loaded and the thread runs,
-    with each model's rows and the bytes of KV they hold."""
+    """``GET /health``: 200 once every model loaded at start-up is loaded and
+    the thread runs, with whether each model is loaded, its rows and the
+    bytes of KV they hold."""
     if thread.closed:
         return error_response(thread_unavailable())
     if not served.loaded(request.scope.get("state", {})):
@@ -56,9 +57,12 @@ async def health(thread: MLXThread, served: ServedModels, request: Request) -> R
     models = {}
     for item in served:
         engine = item.engine(state)
-        if engine is not None:
-            counters = engine.counters()
-            models[item.name] = {"rows": counters.rows, "kv_bytes": counters.kv_bytes}
+        counters = engine.counters() if engine is not None else None
+        models[item.name] = {
+            "loaded": counters is not None,
+            "rows": counters.rows if counters else 0,
+            "kv_bytes": counters.kv_bytes if counters else 0,
+        }
     return JSONResponse(
         {
             "status": "ok",
@@ -71,9 +75,13 @@ async def health(thread: MLXThread, served: ServedModels, request: Request) -> R
 
 def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
     """The ``/v1/models`` entry of a served model; ``created``: when it was
-    loaded (now, while it loads)."""
-    loaded = served.engine(request.scope.get("state", {}))
-    created = int(getattr(loaded, "loaded_at", None) or time.time())
+    loaded (now, while it loads), or for one loaded on first use, when the
+    server was made (its loads come and go)."""
+    if served.slot is not None:
+        created = int(served.slot.created)
+    else:
+        loaded = served.engine(request.scope.get("state", {}))
+        created = int(getattr(loaded, "loaded_at", None) or time.time())
     return {
         "id": served.name,
         "object": "model",

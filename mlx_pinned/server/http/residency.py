@@ -1,0 +1,392 @@
+"""Models loaded on first use: their loads, idle unloads and memory budget.
+
+Event loop only (asyncio or trio, through anyio): the decisions are made
+here, one at a time, and every load and unload itself runs on the MLX
+thread through the callables ``app.py`` wires in (this side never imports
+MLX). A model loaded at start-up has no :class:`ModelSlot` and stays loaded;
+one loaded on first use goes through these states:
+
+===========  ===============================  ==============================
+state        a request that arrives           leaves it for
+===========  ===============================  ==============================
+UNLOADED     starts a load and waits for it   LOADING
+LOADING      waits for that same load         LOADED, or UNLOADED (it failed:
+                                              its waiters get the error)
+LOADED       holds the engine at once         UNLOADING, once idle: by the
+                                              idle timeout, or to make room
+UNLOADING    waits, then loads it again       UNLOADED
+===========  ===============================  ==============================
+
+A request holds its model (:meth:`Residency.use`) from the moment it names
+it until its generation is closed on the MLX thread, waiting for the load
+and at the gate included: a model is *idle* only when no request holds it,
+so it has no rows and no waiting request, and only an idle model is
+unloaded. Loads and unloads take one lock, so the budget is checked and
+spent by one of them at a time; the check and the state change that
+follows it run without an ``await`` between them, so a request never slips
+in between. Loads run in the lifespan's task group, not in the request that
+started them: a client that leaves does not cancel a load that others wait
+for.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ..errors import APIError, api_error, model_not_loaded
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
+    from ..events import Engine
+    from .models import ServedModel, ServedModels
+
+__all__ = ["ModelSlot", "Residency", "SlotState"]
+
+logger = logging.getLogger("mlx_pinned.server")
+
+#: Frees the engine in the list it is given (emptying the list) on the MLX
+#: thread; whoever calls it keeps no other reference.
+Release = Callable[[list[Any], str], Awaitable[object]]
+
+
+class SlotState(enum.Enum):
+    """Where a model loaded on first use is (see the module's table)."""
+
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    LOADED = "loaded"
+    UNLOADING = "unloading"
+
+
+class _Change:
+    """One load or unload under way: its waiters wait for ``done``; a load
+    that failed leaves its answer in ``error``."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.error: APIError | None = None
+
+
+@dataclass(eq=False)
+class ModelSlot:
+    """A model loaded on first use: its state, engine and counts.
+
+    Attributes:
+        name: The served name.
+        load: Loads it on the MLX thread and gives its engine.
+        measure: Its weight bytes from its checkpoint, on the MLX thread
+            (the budget's measure before the first load).
+        state: See :class:`SlotState`.
+        engine: Its engine while LOADED.
+        holders: Requests holding it now (:meth:`Residency.use`).
+        weight_bytes: Its weights' bytes, measured at its last load; None
+            before the first.
+        idle_since: When the last holder let go (``anyio.current_time()``),
+            while LOADED and idle; None otherwise.
+        created: Unix time the server was made: its ``created`` in
+            ``/v1/models``, which does not move with loads.
+        loads, unloads, failures: Loads done, unloads done, loads failed.
+    """
+
+    name: str
+    load: Callable[[], Awaitable[Engine]]
+    measure: Callable[[], Awaitable[int]]
+    state: SlotState = SlotState.UNLOADED
+    engine: Engine | None = None
+    holders: int = 0
+    weight_bytes: int | None = None
+    idle_since: float | None = None
+    created: float = field(default_factory=time.time)
+    loads: int = 0
+    unloads: int = 0
+    failures: int = 0
+    _change: _Change | None = field(default=None, repr=False)
+
+    @property
+    def idle(self) -> bool:
+        """Loaded, and held by no request."""
+        return self.state is SlotState.LOADED and self.holders == 0
+
+
+class Residency:
+    """Loads models on first use, unloads idle ones, keeps the memory budget.
+
+    Event loop only. :meth:`running` is the app's lifespan: its task group
+    runs the loads and the idle watch. Requests take their model through
+    :meth:`use`, which waits for a load when needed.
+
+    Args:
+        models: The served models; those with a slot are loaded on first use.
+        release: Frees an unloaded engine on the MLX thread.
+        budget: Bytes of weights loaded at once, over all models (None: no
+            limit).
+        idle_timeout: Seconds idle before a model is unloaded (None: never).
+        retry_after: Seconds in the ``Retry-After`` of its 503s.
+    """
+
+    def __init__(
+        self,
+        models: ServedModels,
+        release: Release,
+        *,
+        budget: int | None = None,
+        idle_timeout: float | None = None,
+        retry_after: int = 1,
+    ) -> None:
+        self.models = models
+        self.release = release
+        self.budget = budget
+        self.idle_timeout = idle_timeout
+        self.retry_after = retry_after
+        self._slots = [model.slot for model in models if model.slot is not None]
+        self._tasks: TaskGroup | None = None
+        self._lock: anyio.Lock | None = None
+        self._wake: anyio.Event | None = None
+        self._state: Mapping[str, Any] = {}  # the lifespan state, from requests
+
+    @asynccontextmanager
+    async def running(self, app: object = None) -> AsyncIterator[None]:
+        """The lifespan (Starlette's ``lifespan=``): loads and the idle watch
+        run inside it; at its end both are cancelled (the server drained
+        its requests first)."""
+        self._lock = anyio.Lock()
+        async with anyio.create_task_group() as tasks:
+            self._tasks = tasks
+            if self.idle_timeout is not None and self._slots:
+                tasks.start_soon(self._watch_idle)
+            try:
+                yield
+            finally:
+                self._tasks = None
+                tasks.cancel_scope.cancel()
+
+    @asynccontextmanager
+    async def use(
+        self, served: ServedModel, state: Mapping[str, Any]
+    ) -> AsyncIterator[Engine]:
+        """Hold ``served`` for the block and give its engine, loading it
+        first if it is not loaded (waiting for the load under way, if one
+        is). Close the generation inside the block: the model may be
+        unloaded once the block ends.
+
+        Raises:
+            APIError: 503 ``model_not_loaded`` (a model loaded at start-up,
+                not yet loaded), 503 ``model_load_failed`` (its load failed:
+                the next request tries again), 503 ``model_memory_budget``
+                with ``Retry-After`` (it does not fit in the budget now).
+        """
+        self._state = state
+        slot = served.slot
+        if slot is None:
+            engine = served.engine(state)
+            if engine is None:
+                raise model_not_loaded()
+            yield engine
+            return
+        slot.holders += 1
+        slot.idle_since = None
+        try:
+            yield await self._loaded(slot)
+        finally:
+            slot.holders -= 1
+            if slot.idle:
+                slot.idle_since = anyio.current_time()
+                self._notify()
+
+    def weight_bytes(self, state: Mapping[str, Any]) -> int:
+        """Bytes of weights loaded now: the start-up models' and the slots'."""
+        return self._pinned_bytes(state) + sum(
+            slot.weight_bytes or 0
+            for slot in self._slots
+            if slot.state is SlotState.LOADED
+        )
+
+    def _pinned_bytes(self, state: Mapping[str, Any]) -> int:
+        """Bytes of the models loaded at start-up (never unloaded)."""
+        engines = (model.engine(state) for model in self.models if model.slot is None)
+        return sum(engine.weight_bytes for engine in engines if engine is not None)
+
+    # -- loading -------------------------------------------------------------
+
+    async def _loaded(self, slot: ModelSlot) -> Engine:
+        """The slot's engine once loaded; the caller holds the slot, so it
+        cannot be unloaded again before the caller lets go."""
+        while True:
+            if slot.state is SlotState.LOADED:
+                assert slot.engine is not None
+                return slot.engine
+            if slot.state is SlotState.UNLOADED:
+                self._start_load(slot)
+            change = slot._change
+            assert change is not None, "a slot loading or unloading has a change"
+            await change.done.wait()
+            if change.error is not None:
+                raise change.error
+
+    def _start_load(self, slot: ModelSlot) -> None:
+        if self._tasks is None:  # no lifespan runs: nothing can load it
+            raise model_not_loaded()
+        slot.state = SlotState.LOADING
+        slot._change = _Change()
+        self._tasks.start_soon(self._load, slot, slot._change)
+
+    async def _load(self, slot: ModelSlot, change: _Change) -> None:
+        assert self._lock is not None
+        engine: Engine | None = None
+        try:
+            async with self._lock:
+                need = slot.weight_bytes
+                if need is None and self.budget is not None:
+                    need = await slot.measure()
+                await self._make_room(slot, need or 0)
+                engine = await slot.load()
+        except APIError as error:  # the budget's refusal, already logged
+            change.error = error
+        except Exception as exc:
+            slot.failures += 1
+            logger.error("loading model %r failed", slot.name, exc_info=exc)
+            change.error = _load_failed(slot.name, exc, self.retry_after)
+        except BaseException:  # cancelled: the server is shutting down
+            change.error = model_not_loaded()
+            raise
+        finally:
+            if engine is None:
+                slot.state = SlotState.UNLOADED
+            else:
+                slot.engine = engine
+                slot.weight_bytes = engine.weight_bytes
+                slot.state = SlotState.LOADED
+                slot.loads += 1
+                if slot.holders == 0:  # its waiters left meanwhile
+                    slot.idle_since = anyio.current_time()
+            del engine
+            slot._change = None
+            change.done.set()
+            self._notify()
+
+    async def _make_room(self, slot: ModelSlot, need: int) -> None:
+        """Unload idle models, least recently used first, until ``need``
+        more bytes fit in the budget; refuse (503) when even unloading every
+        idle one would not make them fit, unloading none. Lock held."""
+        budget = self.budget
+        if budget is None or self.weight_bytes(self._state) + need <= budget:
+            return
+        pinned = self._pinned_bytes(self._state)
+        idle = sorted(
+            (other for other in self._slots if other.idle),
+            key=lambda other: other.idle_since or -math.inf,
+        )
+        freeable = sum(other.weight_bytes or 0 for other in idle)
+        if self.weight_bytes(self._state) - freeable + need > budget:
+            error = _over_budget(slot.name, need, budget, pinned, self.retry_after)
+            logger.warning("%s", error.message)
+            raise error
+        for other in idle:
+            if self.weight_bytes(self._state) + need <= budget:
+                return
+            if other.idle:  # not taken by a request during the last unload
+                await self._unload(other, f"to make room for {slot.name!r}")
+        if self.weight_bytes(self._state) + need > budget:
+            raise _over_budget(slot.name, need, budget, pinned, self.retry_after)
+
+    # -- unloading -----------------------------------------------------------
+
+    async def _unload(self, slot: ModelSlot, why: str) -> None:
+        """Unload an idle slot on the MLX thread. Lock held; the caller saw
+        it idle with no ``await`` since, so no request holds it."""
+        assert slot.idle, "only an idle model is unloaded"
+        assert slot.engine is not None
+        slot.state = SlotState.UNLOADING
+        slot.idle_since = None
+        change = slot._change = _Change()
+        holder: list[Any] = [slot.engine]
+        slot.engine = None
+        logger.info("unloading model %r (%s)", slot.name, why)
+        try:
+            await self.release(holder, slot.name)
+        except Exception:  # the MLX thread is gone: the engine goes anyway
+            logger.exception("releasing model %r failed", slot.name)
+        finally:
+            holder.clear()
+            slot.state = SlotState.UNLOADED
+            slot.unloads += 1
+            slot._change = None
+            change.done.set()
+
+    async def _watch_idle(self) -> None:
+        """Unload each model idle for ``idle_timeout``; sleeps until the
+        next one is due, or until a model's state changes."""
+        timeout = self.idle_timeout
+        assert timeout is not None
+        assert self._lock is not None
+        while True:
+            self._wake = anyio.Event()
+            now = anyio.current_time()
+            due = {
+                slot: slot.idle_since + timeout
+                for slot in self._slots
+                if slot.idle and slot.idle_since is not None
+            }
+            expired = [slot for slot, at in due.items() if at <= now]
+            if not expired:
+                with anyio.move_on_after(min(due.values(), default=math.inf) - now):
+                    await self._wake.wait()
+                continue
+            async with self._lock:
+                for slot in expired:
+                    # Checked again: a request may have taken it while this
+                    # waited for the lock.
+                    since = slot.idle_since
+                    if slot.idle and since is not None and since + timeout <= now:
+                        await self._unload(slot, f"idle for {timeout:g} s")
+
+    def _notify(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+
+def _load_failed(name: str, exc: BaseException, retry_after: int) -> APIError:
+    """The answer to every request that waited for a load that failed."""
+    known = api_error(exc, retry_after=retry_after)
+    if known is not None and known.status != 500:  # the MLX thread busy or gone
+        return known
+    return APIError(
+        503,
+        f"The model {name!r} could not be loaded (the server's log has the "
+        "reason); a later request tries again.",
+        code="model_load_failed",
+        headers={"Retry-After": str(retry_after)},
+    )
+
+
+def _over_budget(
+    name: str, need: int, budget: int, pinned: int, retry_after: int
+) -> APIError:
+    """The 503 of a model that does not fit: for now (models in use hold
+    the rest), or ever (the models loaded at start-up do)."""
+    if pinned + need > budget:
+        return APIError(
+            503,
+            f"The model {name!r} needs {need} bytes of weights and never fits in "
+            f"this server's max_model_bytes of {budget}: the models loaded at "
+            f"start-up hold {pinned}.",
+            code="model_memory_budget",
+        )
+    return APIError(
+        503,
+        f"The model {name!r} needs {need} bytes of weights and does not fit in "
+        f"this server's max_model_bytes of {budget} while the other models are "
+        "in use; retry shortly.",
+        code="model_memory_budget",
+        headers={"Retry-After": str(retry_after)},
+    )
