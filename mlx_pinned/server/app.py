@@ -46,12 +46,12 @@ from .engine.memory import check_start_up_budget, release, stored_weight_bytes
 from .events import Engine, LoadImages
 from .http.chat import ChatEndpoint
 from .http.gate import BatchGate
+from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.models import ServedModel, ServedModels
 from .http.residency import ModelSlot, Residency
 from .http.routes import (
     APIKeyMiddleware,
-    health,
     http_error,
     model,
     models,
@@ -103,7 +103,9 @@ def create_app(
 
     Returns:
         A Starlette app; ``app.state.config`` is its :class:`ServerConfig`,
-        ``app.state.models`` the served models (name, state key, gate).
+        ``app.state.models`` the served models (name, state key, gate),
+        ``app.state.readiness`` what ``/health`` answers (its ``drain()``
+        turns it 503 ahead of a shut-down).
 
     Raises:
         ValueError: A setting out of its range (the message names it).
@@ -159,6 +161,7 @@ def create_app(
         retry_after=config.retry_after,
     )
     metrics = ServerMetrics(mlx_thread, served)
+    readiness = Readiness(mlx_thread, served)
     turns = LoopTurns()
     chat = ChatEndpoint(
         config,
@@ -170,9 +173,8 @@ def create_app(
         metrics=metrics,
     )
     routes = [
-        Route(
-            "/health", functools.partial(health, mlx_thread, served), methods=["GET"]
-        ),
+        Route("/health", functools.partial(health, readiness), methods=["GET"]),
+        Route("/livez", functools.partial(live, readiness), methods=["GET"]),
         Route("/metrics", metrics.endpoint, methods=["GET"]),
         Route("/v1/models", functools.partial(models, served), methods=["GET"]),
         Route(
@@ -231,6 +233,7 @@ def create_app(
     app.state.residency = residency
     app.state.gate = next(iter(served)).gate  # the first (or only) model's
     app.state.metrics = metrics
+    app.state.readiness = readiness
     app.state.loop_turns = turns
     return app
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from queue import SimpleQueue
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .config import (
     API_KEY_ENV,
@@ -45,13 +45,11 @@ from .config import (
     whole,
 )
 
-if TYPE_CHECKING:
-    import uvicorn
-
 __all__ = ["main"]
 
 DEMO_MODEL_NAME = "mlx-pinned-demo"
 KEEP_ALIVE_SECONDS = 75  # an idle connection is kept this long
+STARTUP_FAILURE = 3  # the exit status of a failed model load, as uvicorn's
 
 logger = logging.getLogger("mlx_pinned.server")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -110,8 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mlx-pinned`` command; returns the exit status.
 
-    Blocks until the server stops (SIGINT or SIGTERM: in-flight requests get
-    ``--drain-timeout`` seconds to finish, then the MLX thread shuts down).
+    Blocks until the server stops (SIGINT or SIGTERM: ``/health`` answers
+    503 for ``--drain-seconds`` while the server goes on serving, then the
+    listener closes, in-flight requests get ``--drain-timeout`` seconds to
+    finish, and the MLX thread shuts down).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -181,6 +181,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .http.serving import Server
 
     models = list(args.model)
     names = args.served_model_name
@@ -233,15 +234,19 @@ def serve(args: argparse.Namespace) -> int:
         # closing fails.
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
     )
-    # The socket first, the model after: uvicorn binds once the start-up (the
-    # model load) is done, so a port in use would fail only after the load,
-    # with the load's exit status, and a restart loop would reload each time.
+    # The socket first, the model after: a port in use fails at once, not
+    # after the load with the load's exit status (a restart loop would reload
+    # each time); the server answers probes while the model loads.
     try:
         sockets = _listen(args.host, args.port, uvicorn_config.backlog)
     except OSError as exc:
         logger.error("cannot listen on %s port %d: %s", args.host, args.port, exc)
         return 1
-    server = _server(uvicorn_config)
+    server = Server(
+        uvicorn_config,
+        readiness=app.state.readiness,
+        drain_seconds=config.drain_seconds,
+    )
     previous = {s: signal.signal(s, _stopped) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run(sockets=sockets)
@@ -251,27 +256,7 @@ def serve(args: argparse.Namespace) -> int:
         for signum, handler in previous.items():
             if handler is not None:
                 signal.signal(signum, handler)
-    return 0  # a failed start-up (the model load) exits 3 inside uvicorn
-
-
-def _server(config: uvicorn.Config) -> uvicorn.Server:
-    """uvicorn's Server, for a socket bound before the start-up; it logs the
-    address it serves once started, as uvicorn does for a socket of its own
-    (given sockets, uvicorn leaves that line to whoever bound them)."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().startup(sockets)
-            if self.started and sockets:
-                host, port = sockets[0].getsockname()[:2]
-                logging.getLogger("uvicorn.error").info(
-                    "Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
-                    f"[{host}]" if ":" in host else host,
-                    port,
-                )
-
-    return Server(config)
+    return STARTUP_FAILURE if server.load_failed else 0
 
 
 def _listen(host: str, port: int, backlog: int) -> list[socket.socket]:

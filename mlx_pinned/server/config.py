@@ -186,6 +186,12 @@ class ServerConfig:
             (images, queue wait and generation); past it, 504 (or an error
             event) and the generation is closed. None: no limit.
         drain_timeout: Seconds in-flight requests get at shut-down.
+        drain_seconds: Seconds ``mlx-pinned serve`` keeps serving after
+            SIGTERM with ``/health`` answering 503, before it closes its
+            listener (then ``drain_timeout`` applies), so that balancers
+            that probe ``/health`` stop sending first. A second signal ends
+            the wait. Only the command line reads it: an app run under
+            another server has no such wait.
         retry_after: Seconds sent in ``Retry-After`` with every 503 that
             asks the client to come back (a full waiting room, a busy thread).
         load_on_first_use: Load each model when its first request arrives
@@ -280,6 +286,13 @@ class ServerConfig:
     drain_timeout: float = _setting(
         30.0,
         "seconds in-flight requests get at shut-down (default: %(default)s)",
+        parse=seconds,
+    )
+    drain_seconds: float = _setting(
+        0.0,
+        "seconds to keep serving after SIGTERM with /health answering 503, "
+        "before the listener closes, so balancers stop sending first "
+        "(default: %(default)s)",
         parse=seconds,
     )
     retry_after: int = _setting(
@@ -377,8 +390,10 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, not {value}")
-        if not (self.drain_timeout >= 0 and math.isfinite(self.drain_timeout)):
-            raise ValueError(f"drain_timeout must be >= 0, not {self.drain_timeout}")
+        for name in ("drain_timeout", "drain_seconds"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be >= 0, not {value}")
         if self.idle_unload_timeout is not None:
             if not self.idle_unload_timeout > 0:
                 raise ValueError(

@@ -14,7 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_pinned._http_errors import INTERNAL_ERROR, error_body, error_type, http_answer
+from mlx_pinned._http_errors import (
+    INTERNAL_ERROR,
+    SHUTTING_DOWN,
+    error_body,
+    error_type,
+    http_answer,
+)
 
 __all__ = [
     "APIError",
@@ -23,6 +29,7 @@ __all__ = [
     "internal_error",
     "model_not_loaded",
     "server_busy",
+    "shutting_down",
     "thread_unavailable",
     "timed_out",
 ]
@@ -88,6 +95,12 @@ def model_not_loaded() -> APIError:
     return APIError(
         503, "The model is not loaded yet; retry shortly.", code="model_not_loaded"
     )
+
+
+def shutting_down() -> APIError:
+    """The 503 of a server that is stopping: send new requests elsewhere."""
+    answer = SHUTTING_DOWN
+    return APIError(answer.status, answer.message, code=answer.code)
 
 
 def thread_unavailable() -> APIError:

@@ -40,7 +40,9 @@ if TYPE_CHECKING:
 
 __all__ = ["MetricsMiddleware", "ServerMetrics"]
 
-_ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/chat/completions"})
+_ROUTES = frozenset(
+    {"/health", "/livez", "/metrics", "/v1/models", "/v1/chat/completions"}
+)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -53,8 +55,10 @@ class ServerMetrics:
     and ``generated_tokens_total``, histograms
     ``time_to_first_token_seconds``, ``request_duration_seconds`` (completed
     chat requests, end to end) and ``queue_wait_seconds``, gauges
-    ``queue_depth`` (requests waiting for the model) and
-    ``active_generations``; for the MLX thread, gauges
+    ``queue_depth`` (requests waiting for the model), ``active_generations``
+    and ``batch_usage_ratio`` (``active_generations`` over ``max_num_seqs``:
+    1 means new requests wait; the KV cache has no fixed budget, so this is
+    the replica's fullness a balancer reads); for the MLX thread, gauges
     ``mlx_thread_pending_jobs``, ``mlx_thread_open_streams``,
     ``mlx_thread_up`` and ``mlx_thread_busy_fraction`` (since the previous
     scrape), and the counter ``mlx_thread_busy_seconds_total`` (``rate()``
@@ -170,11 +174,18 @@ class _LiveCollector(Collector):
         fraction = (stats.busy_time - busy_then) / (now - then) if now > then else 0.0
         queued = _per_model("queue_depth", "Requests waiting for the model.")
         active = _per_model("active_generations", "Generations running now.")
+        usage = _per_model(
+            "batch_usage_ratio",
+            "Share of the batch's rows (max_num_seqs) in use; 1: new requests wait.",
+        )
         for model in self.models:
             queued.add_metric([model.name], model.gate.waiting)
             active.add_metric([model.name], model.gate.active)
+            gate = model.gate
+            usage.add_metric([model.name], gate.active / gate.max_num_seqs)
         yield queued
         yield active
+        yield usage
         yield _gauge(
             "mlx_thread_pending_jobs", "Jobs queued on the MLX thread.", stats.pending
         )

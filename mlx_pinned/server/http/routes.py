@@ -1,5 +1,5 @@
-"""The small routes and the app's error handlers: ``/health``,
-``/v1/models``, unknown URLs, unexpected errors, and the API key check.
+"""The small routes and the app's error handlers: ``/v1/models``, unknown
+URLs, unexpected errors, and the API key check.
 
 Event loop only. Every answer is in OpenAI's error shape, from
 :mod:`..errors`.
@@ -15,20 +15,17 @@ from typing import TYPE_CHECKING, Any
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from ..errors import APIError, internal_error, model_not_loaded, thread_unavailable
+from ..errors import APIError, internal_error
 
 if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.types import ASGIApp, Receive, Scope, Send
-
-    from mlx_pinned import MLXThread
 
     from .models import ServedModel, ServedModels
 
 __all__ = [
     "APIKeyMiddleware",
     "error_response",
-    "health",
     "http_error",
     "model",
     "model_card",
@@ -38,39 +35,13 @@ __all__ = [
 
 logger = logging.getLogger("mlx_pinned.server")
 
+#: The probe routes, open without the API key.
+PROBES = frozenset({"/health", "/livez"})
+
 
 def error_response(error: APIError) -> JSONResponse:
     """``error`` as a JSON response with its status and headers."""
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
-async def health(thread: MLXThread, served: ServedModels, request: Request) -> Response:
-    """``GET /health``: 200 once every model loaded at start-up is loaded and
-    the thread runs, with whether each model is loaded, its rows and the
-    bytes of KV they hold."""
-    if thread.closed:
-        return error_response(thread_unavailable())
-    if not served.loaded(request.scope.get("state", {})):
-        return error_response(model_not_loaded())
-    stats = thread.statistics()
-    state = request.scope.get("state", {})
-    models = {}
-    for item in served:
-        engine = item.engine(state)
-        counters = engine.counters() if engine is not None else None
-        models[item.name] = {
-            "loaded": counters is not None,
-            "rows": counters.rows if counters else 0,
-            "kv_bytes": counters.kv_bytes if counters else 0,
-        }
-    return JSONResponse(
-        {
-            "status": "ok",
-            "pending": stats.pending,
-            "open_streams": stats.open_streams,
-            "models": models,
-        }
-    )
 
 
 def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
@@ -124,7 +95,8 @@ async def server_error(request: Request, exc: Exception) -> Response:
 
 
 class APIKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every HTTP route except ``/health``.
+    """``Authorization: Bearer <key>`` on every HTTP route except the probes
+    (``/health`` and ``/livez``): balancers and process managers send none.
 
     The key is compared in constant time.
     """
@@ -134,7 +106,7 @@ class APIKeyMiddleware:
         self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health":
+        if scope["type"] != "http" or scope["path"] in PROBES:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")

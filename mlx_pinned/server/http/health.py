@@ -1,0 +1,124 @@
+"""Readiness and liveness: ``GET /health`` and ``GET /livez``.
+
+``/health`` is the readiness probe, for balancers: 200 only while the server
+should be sent new requests. ``/livez`` is the liveness probe, for process
+managers: 200 while the process can still serve (also while the models load,
+and while it drains), so a slow load is never mistaken for a hung process.
+:class:`Readiness` is the one place that decides readiness; whatever can make
+a server unfit for traffic (shut-down, a follower rank that died) goes
+through it.
+
+The endpoints run on the event loop. :meth:`Readiness.drain` and
+:meth:`Readiness.fail` only set a value that the next probe reads, so any
+thread may call them (a signal handler, a watchdog).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import JSONResponse, Response
+
+from ..errors import APIError, model_not_loaded, shutting_down, thread_unavailable
+from .routes import error_response
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from mlx_pinned import MLXThread
+
+    from .models import ServedModels
+
+__all__ = ["Readiness", "health", "live"]
+
+
+class Readiness:
+    """Whether this server should get new requests, and why not.
+
+    Ready when the MLX thread runs, every model loaded at start-up is loaded
+    (those loaded on first use are not waited for), the server is not
+    draining and nothing marked it down.
+
+    Args:
+        thread: The app's MLX thread.
+        served: The served models.
+    """
+
+    def __init__(self, thread: MLXThread, served: ServedModels) -> None:
+        self.thread = thread
+        self.served = served
+        self._draining = False
+        self._down: APIError | None = None
+
+    @property
+    def draining(self) -> bool:
+        """Whether :meth:`drain` was called."""
+        return self._draining
+
+    def drain(self) -> None:
+        """Stop being ready for good: the server is about to stop (SIGTERM),
+        and balancers should send new requests elsewhere. Requests keep
+        being served meanwhile."""
+        self._draining = True
+
+    def fail(self, reason: str, *, code: str = "server_unavailable") -> None:
+        """Mark the server unfit for traffic for good: ``/health`` answers 503
+        with ``reason`` (one sentence: what broke) and ``code``. The first
+        reason is kept."""
+        if self._down is None:
+            self._down = APIError(503, reason, code=code)
+
+    def refusal(self, state: Mapping[str, Any]) -> APIError | None:
+        """Why the server is not ready, as the 503 ``/health`` answers; None
+        when it is. ``state``: the lifespan state (the loaded engines)."""
+        if self.thread.closed:
+            return thread_unavailable()
+        if self._down is not None:
+            return self._down
+        if self._draining:
+            return shutting_down()
+        if not self.served.loaded(state):
+            return model_not_loaded()
+        return None
+
+    def alive(self) -> bool:
+        """Whether the process can still serve: its MLX thread has not
+        stopped. Loading and draining are alive."""
+        return not self.thread.closed
+
+
+async def health(readiness: Readiness, request: Request) -> Response:
+    """``GET /health``, readiness: 200 while :class:`Readiness` says ready,
+    with whether each model is loaded (one loaded on first use may not be),
+    its rows and the bytes of KV they hold; else the 503 of the refusal."""
+    state = request.scope.get("state", {})
+    refusal = readiness.refusal(state)
+    if refusal is not None:
+        return error_response(refusal)
+    stats = readiness.thread.statistics()
+    models = {}
+    for item in readiness.served:
+        engine = item.engine(state)
+        counters = engine.counters() if engine is not None else None
+        models[item.name] = {
+            "loaded": counters is not None,
+            "rows": counters.rows if counters else 0,
+            "kv_bytes": counters.kv_bytes if counters else 0,
+        }
+    return JSONResponse(
+        {
+            "status": "ok",
+            "pending": stats.pending,
+            "open_streams": stats.open_streams,
+            "models": models,
+        }
+    )
+
+
+async def live(readiness: Readiness, request: Request) -> Response:
+    """``GET /livez``, liveness: 200 while the process can serve, loading and
+    draining included; 503 once its MLX thread stopped (restart it)."""
+    if not readiness.alive():
+        return error_response(thread_unavailable())
+    return JSONResponse({"status": "alive"})

@@ -1,0 +1,142 @@
+"""uvicorn's server as ``mlx-pinned serve`` runs it: it answers while the
+models load, and on SIGTERM it turns ``/health`` to 503 for
+``--drain-seconds`` before it closes its listener.
+
+Event loop (the main thread). uvicorn calls :meth:`Server.handle_exit` from
+its signal handler, on the loop's thread between two callbacks, and
+:meth:`Server.on_tick` from its main loop every 0.1 s; the load runs on the
+MLX thread, awaited by a task on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+from uvicorn.lifespan.on import LifespanOn
+
+from .health import Readiness
+
+__all__ = ["Server"]
+
+logger = logging.getLogger("mlx_pinned.server")
+
+
+class Server(uvicorn.Server):
+    """uvicorn's Server for sockets that listen before the models load.
+
+    It accepts connections from the start: while the app's start-up (the
+    model loads) runs, ``/livez`` answers 200 and ``/health`` and the chat
+    route answer 503 ``model_not_loaded``, so probes and balancers see a
+    process that loads rather than one that hangs. uvicorn's line
+    ``Uvicorn running on URL`` is logged once the models are loaded. A
+    failed load stops the server; :attr:`load_failed` says so.
+
+    The first SIGTERM or SIGINT turns readiness off (:meth:`Readiness.drain`);
+    when the server was ready it keeps serving ``drain_seconds`` more, then
+    shuts down as uvicorn does (the listener closes, in-flight requests
+    finish). A second signal ends the wait.
+
+    Args:
+        config: uvicorn's settings.
+        readiness: The app's readiness.
+        drain_seconds: Seconds between the signal and the listener's close.
+    """
+
+    def __init__(
+        self, config: uvicorn.Config, *, readiness: Readiness, drain_seconds: float
+    ) -> None:
+        super().__init__(config)
+        self.readiness = readiness
+        self.drain_seconds = drain_seconds
+        self.load_failed = False
+        self._url: str | None = None
+        self._drain_ends: float | None = None
+        self._signal: tuple[int, FrameType | None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        lifespan = _LoadWhileServing(self.config, self._loaded)
+        self.lifespan = lifespan
+        await super().startup(sockets)
+        if not self.started:
+            return
+        if sockets:
+            host, port = sockets[0].getsockname()[:2]
+            self._url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+            logger.info("listening on %s while the models load", self._url)
+        lifespan.begin()
+
+    def _loaded(self, failed: bool) -> None:
+        if failed:
+            self.load_failed = True
+            self.should_exit = True
+        elif self._url is not None:
+            # As uvicorn logs it for a socket of its own, but once the server
+            # is ready: scripts wait for this line.
+            logging.getLogger("uvicorn.error").info(
+                "Uvicorn running on %s (Press CTRL+C to quit)", self._url
+            )
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._signal is not None:  # a second signal: no more waiting
+            self._signal = None
+        elif not self.should_exit and self._drain_wanted():
+            self.readiness.drain()
+            self._signal = (sig, frame)
+            self._drain_ends = time.monotonic() + self.drain_seconds
+            logger.info(
+                "draining: /health answers 503 for %.1f s, then the listener "
+                "closes (a second signal skips the wait)",
+                self.drain_seconds,
+            )
+            return
+        self.readiness.drain()
+        super().handle_exit(sig, frame)
+
+    def _drain_wanted(self) -> bool:
+        """Whether to wait before closing: a balancer may be sending here
+        only if the server was ready."""
+        if self.drain_seconds <= 0 or not self.started:
+            return False
+        return self.readiness.refusal(self.lifespan.state) is None
+
+    async def on_tick(self, counter: int) -> bool:
+        ends = self._drain_ends
+        if self._signal is not None and ends is not None and time.monotonic() >= ends:
+            sig, frame = self._signal
+            self._signal = None
+            super().handle_exit(sig, frame)
+        return await super().on_tick(counter)
+
+
+class _LoadWhileServing(LifespanOn):
+    """uvicorn's lifespan, whose start-up (the model loads) runs in a task
+    once the server listens, instead of before; ``loaded(failed)`` is called
+    when it ends. The shut-down waits for a load still running: the MLX
+    thread cannot cut it short."""
+
+    def __init__(self, config: uvicorn.Config, loaded: Callable[[bool], None]):
+        super().__init__(config)
+        self._loaded = loaded
+        self._loading: asyncio.Task[None] | None = None
+
+    async def startup(self) -> None:
+        """Nothing yet: uvicorn awaits this before it serves; :meth:`begin`
+        starts the load once it does."""
+
+    def begin(self) -> None:
+        self._loading = asyncio.get_running_loop().create_task(self._load())
+
+    async def _load(self) -> None:
+        await super().startup()
+        self._loaded(self.should_exit)
+
+    async def shutdown(self) -> None:
+        if self._loading is not None:
+            await self._loading
+        await super().shutdown()

@@ -1,0 +1,92 @@
+"""Readiness (``/health``) and liveness (``/livez``) through the app."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+
+import anyio
+import pytest
+
+from .conftest import MODEL, Served, assert_error, vision_body
+
+pytestmark = pytest.mark.anyio
+
+Serve = Callable[..., AbstractAsyncContextManager[Served]]
+
+
+class TestReadiness:
+    async def test_ready_once_loaded(self, serve: Serve) -> None:
+        async with serve() as served:
+            assert served.app.state.readiness.refusal(served.state) is None
+            assert (await served.client.get("/health")).status_code == 200
+
+    async def test_not_ready_before_the_models_are_loaded(self, serve: Serve) -> None:
+        async with serve() as served:
+            refusal = served.app.state.readiness.refusal({})
+            assert refusal is not None
+            assert (refusal.status, refusal.code) == (503, "model_not_loaded")
+
+    async def test_draining_is_not_ready_and_still_serves(self, serve: Serve) -> None:
+        async with serve() as served:
+            served.app.state.readiness.drain()
+            assert_error(await served.client.get("/health"), 503, None, "shutting_down")
+            assert (await served.client.get("/livez")).status_code == 200
+            # Balancers that saw /health move away; what reaches it still runs.
+            assert (await served.chat(vision_body())).status_code == 200
+
+    async def test_a_failure_is_kept_with_its_reason(self, serve: Serve) -> None:
+        async with serve() as served:
+            readiness = served.app.state.readiness
+            readiness.fail("rank 1 stopped answering", code="rank_lost")
+            readiness.fail("a later reason")
+            body = assert_error(
+                await served.client.get("/health"), 503, None, "rank_lost"
+            )
+            assert body["message"] == "rank 1 stopped answering"
+            assert (await served.client.get("/livez")).status_code == 200
+
+    async def test_a_stopped_thread_is_neither_ready_nor_alive(
+        self, serve: Serve
+    ) -> None:
+        async with serve() as served:
+            served.thread.shutdown()
+            code = "mlx_thread_unavailable"
+            assert_error(await served.client.get("/health"), 503, None, code)
+            assert_error(await served.client.get("/livez"), 503, None, code)
+
+
+class TestLiveness:
+    async def test_alive(self, serve: Serve) -> None:
+        async with serve() as served:
+            response = await served.client.get("/livez")
+            assert response.status_code == 200
+            assert response.json() == {"status": "alive"}
+
+    async def test_the_probes_need_no_api_key(self, serve: Serve) -> None:
+        async with serve(api_key="s3cret") as served:
+            assert (await served.client.get("/livez")).status_code == 200
+            assert (await served.client.get("/health")).status_code == 200
+            assert_error(await served.client.get("/metrics"), 401)
+
+    async def test_probes_are_counted_by_route(self, serve: Serve) -> None:
+        async with serve() as served:
+            await served.client.get("/livez")
+            text = (await served.client.get("/metrics")).text
+            assert 'mlx_pinned_requests_total{route="/livez",status="200"} 1.0' in text
+
+
+async def test_batch_usage_ratio_is_rows_in_use_over_max_num_seqs(
+    serve: Serve,
+) -> None:
+    gauge = f'mlx_pinned_batch_usage_ratio{{model="{MODEL}"}}'
+    async with serve(max_num_seqs=4) as served:
+        assert f"{gauge} 0.0" in (await served.client.get("/metrics")).text
+        seen = []
+        async with anyio.create_task_group() as group:
+            group.start_soon(served.chat, vision_body(300))
+            with anyio.fail_after(30):
+                while f"{gauge} 0.25" not in (seen or [""])[-1]:
+                    await anyio.sleep(0.005)
+                    seen.append((await served.client.get("/metrics")).text)
+        assert f"{gauge} 0.0" in (await served.client.get("/metrics")).text

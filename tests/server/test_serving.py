@@ -1,0 +1,166 @@
+"""The CLI's uvicorn server: it answers probes while the model loads, and on
+SIGTERM it turns readiness off for ``--drain-seconds`` before its listener
+closes. Real ``mlx-pinned serve --demo`` subprocesses under real uvicorn."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import uvicorn
+from uvicorn.lifespan.on import LifespanOn
+
+from mlx_pinned import MLXThread
+from mlx_pinned.server import cli, create_app
+from mlx_pinned.server.cli import DEMO_MODEL_NAME
+from mlx_pinned.server.http.serving import Server
+from mlx_pinned.testing import image_data_uri
+
+from .replicas import replica
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def chat_body(max_tokens: int = 8, **fields: Any) -> dict[str, Any]:
+    content = [
+        {"type": "text", "text": "Describe this image."},
+        {"type": "image_url", "image_url": {"url": image_data_uri(64, 64)}},
+    ]
+    return {
+        "model": DEMO_MODEL_NAME,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        **fields,
+    }
+
+
+def error_code(response: httpx.Response) -> str:
+    code: str = response.json()["error"]["code"]
+    return code
+
+
+def test_sigterm_turns_readiness_off_then_closes_the_listener(tmp_path: Path) -> None:
+    drain = 2.0
+    with replica(tmp_path / "a.log", "--drain-seconds", str(drain), gated=True) as a:
+        # Loading: alive, not ready, and requests refused as not loaded.
+        assert a.status("/livez") == 200
+        loading = httpx.get(a.url + "/health")
+        assert loading.status_code == 503
+        assert error_code(loading) == "model_not_loaded"
+        early = httpx.post(a.url + "/v1/chat/completions", json=chat_body())
+        assert early.status_code == 503
+        assert error_code(early) == "model_not_loaded"
+        a.open_gate()
+        a.wait_ready()
+        assert a.status("/health") == 200
+        body = chat_body(max_tokens=1500, stream=True)  # outlives the window
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", a.url + "/v1/chat/completions", json=body) as stream,
+        ):
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")
+            signalled = time.monotonic()
+            a.terminate()
+            seen: dict[str, int] = {}
+            while True:  # the window: not ready, alive, still serving
+                try:
+                    ready = httpx.get(a.url + "/health", timeout=5)
+                    alive = httpx.get(a.url + "/livez", timeout=5)
+                except httpx.TransportError:
+                    break  # the listener closed
+                if ready.status_code == 503:
+                    assert error_code(ready) == "shutting_down"
+                    assert alive.status_code == 200
+                    seen["draining probes"] = seen.get("draining probes", 0) + 1
+                    if "served" not in seen:
+                        answer = client.post(
+                            a.url + "/v1/chat/completions", json=chat_body()
+                        )
+                        seen["served"] = answer.status_code
+                assert time.monotonic() - signalled < 60, "the listener stayed open"
+                time.sleep(0.05)
+            closed = time.monotonic()
+            rest = [line for line in lines if line]
+        assert seen.get("draining probes", 0) >= 2, seen
+        assert seen["served"] == 200  # new work is still served in the window
+        # The listener closed no earlier than the window's end.
+        assert closed - signalled >= drain - 0.1
+        assert rest[-1] == "data: [DONE]"  # the stream in flight finished
+        assert a.process.wait(timeout=60) == 0
+        log = a.log_text()
+        assert "draining: /health answers 503 for 2.0 s" in log
+        assert "Traceback" not in log
+        assert " ERROR " not in log
+
+
+def test_sigterm_while_loading_skips_the_window(tmp_path: Path) -> None:
+    # Never ready, so no balancer sends here: no reason to wait 60 s.
+    with replica(tmp_path / "b.log", "--drain-seconds", "60", gated=True) as b:
+        assert b.status("/livez") == 200
+        b.terminate()
+        deadline = time.monotonic() + 30
+        while "stopped by SIGTERM" not in b.log_text() and b.process.poll() is None:
+            if "Shutting down" in b.log_text():
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        b.open_gate()  # the shut-down waits for the load, then stops
+        assert b.process.wait(timeout=30) == 0
+        assert "draining:" not in b.log_text()
+
+
+def test_a_failed_load_exits_3(tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    assert cli.main(["serve", str(broken), "--port", "0"]) == cli.STARTUP_FAILURE
+
+
+class TestSignals:
+    """The window's logic, on a server that is not run: what each signal
+    and tick does to readiness and to uvicorn's should_exit."""
+
+    def server(self, drain: float, *, ready: bool = True) -> Server:
+        app = create_app("unused", thread=MLXThread(name="signals"))
+        config = uvicorn.Config(app, log_config=None)
+        server = Server(config, readiness=app.state.readiness, drain_seconds=drain)
+        server.started = True
+        server.lifespan = LifespanOn(config)
+        if ready:
+            server.lifespan.state["model"] = object()
+        return server
+
+    def test_the_first_signal_drains_and_waits(self) -> None:
+        server = self.server(30)
+        server.handle_exit(signal.SIGTERM, None)
+        assert server.readiness.draining
+        assert not server.should_exit
+
+    def test_a_second_signal_ends_the_wait(self) -> None:
+        server = self.server(30)
+        server.handle_exit(signal.SIGTERM, None)
+        server.handle_exit(signal.SIGTERM, None)
+        assert server.should_exit
+
+    @pytest.mark.anyio
+    async def test_the_window_ends_on_a_tick(self) -> None:
+        server = self.server(0.05)
+        server.handle_exit(signal.SIGINT, None)
+        assert not await server.on_tick(1)
+        await anyio.sleep(0.06)
+        assert await server.on_tick(2)
+        assert server.should_exit
+
+    @pytest.mark.parametrize(("drain", "ready"), [(0, True), (30, False)])
+    def test_no_window_when_off_or_never_ready(self, drain: float, ready: bool) -> None:
+        server = self.server(drain, ready=ready)
+        server.handle_exit(signal.SIGTERM, None)
+        assert server.should_exit
+        assert server.readiness.draining
