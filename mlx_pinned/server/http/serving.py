@@ -75,7 +75,7 @@ class Server(uvicorn.Server):
         if failed:
             self.load_failed = True
             self.should_exit = True
-        elif self._url is not None:
+        elif self._url is not None and not self.should_exit:
             # As uvicorn logs it for a socket of its own, but once the server
             # is ready: scripts wait for this line.
             logging.getLogger("uvicorn.error").info(
