@@ -395,7 +395,14 @@ def generate_offline(path: pathlib.Path, images: int, max_tokens: int = 8) -> An
 
 
 # Image tokens a 64x64 image becomes in each vision family's prompt.
-IMAGE_TOKENS = {"qwen3_vl": 4, "qwen2_5_vl": 4, "gemma3": 4}
+IMAGE_TOKENS = {
+    "qwen3_vl": 4,
+    "qwen2_5_vl": 4,
+    "qwen3_5": 4,
+    "gemma3": 4,
+    "smolvlm": 20,  # 2x2 tiles and the whole image, 4 each
+    "mistral3": 16,  # 4 rows of 4
+}
 
 
 class TestFamilies:

@@ -30,8 +30,11 @@ from ._gemma import GEMMA3
 from ._images import image_data_uri, make_test_image
 from ._install import write_folder
 from ._llama import LLAMA
+from ._mistral import MISTRAL3
 from ._qwen import _CHAT_TEMPLATE as _CHAT_TEMPLATE
 from ._qwen import QWEN2_5_VL, QWEN3, QWEN3_VL, SPECIAL_TOKENS
+from ._qwen3_5 import QWEN3_5
+from ._smolvlm import SMOLVLM
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -46,7 +49,8 @@ __all__ = [
 ]
 
 _VISION: Final = {
-    family.model_type: family for family in (QWEN3_VL, QWEN2_5_VL, GEMMA3)
+    family.model_type: family
+    for family in (QWEN3_VL, QWEN2_5_VL, QWEN3_5, GEMMA3, SMOLVLM, MISTRAL3)
 }
 _TEXT: Final = {family.model_type: family for family in (QWEN3, LLAMA)}
 

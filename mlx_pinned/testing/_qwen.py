@@ -128,7 +128,7 @@ def _tokenizer_config() -> dict[str, Any]:
     )
 
 
-def _text_config(model_type: str) -> dict[str, Any]:
+def qwen_text_config(model_type: str) -> dict[str, Any]:
     """The 2-layer, 64-wide decoder all the Qwen families here share."""
     return {
         "model_type": model_type,
@@ -149,7 +149,7 @@ def _text_config(model_type: str) -> dict[str, Any]:
     }
 
 
-def _media_ids() -> dict[str, int]:
+def media_ids() -> dict[str, int]:
     return {
         "image_token_id": _IDS["<|image_pad|>"],
         "video_token_id": _IDS["<|video_pad|>"],
@@ -164,7 +164,7 @@ def _media_ids() -> dict[str, int]:
 
 def _qwen3_vl_config() -> dict[str, Any]:
     text = {
-        **_text_config("qwen3_vl_text"),
+        **qwen_text_config("qwen3_vl_text"),
         "rope_theta": 5000000.0,
         "rope_scaling": {
             "rope_type": "default",
@@ -193,7 +193,7 @@ def _qwen3_vl_config() -> dict[str, Any]:
         "model_type": "qwen3_vl",
         "text_config": text,
         "vision_config": vision,
-        **_media_ids(),
+        **media_ids(),
         "tie_word_embeddings": True,
         "vocab_size": VOCAB_SIZE,
         "dtype": "float32",
@@ -217,7 +217,7 @@ def _pixel_settings(patch: int, min_pixels: int, max_pixels: int) -> dict[str, A
     }
 
 
-def _qwen_vl_files(
+def qwen_vl_files(
     config: dict[str, Any], processor: str, video: str, patch: int
 ) -> dict[str, Any]:
     # 32*32 .. 128*128 pixels: with patch 16, a 64x64 image stays 64x64, 4x4
@@ -249,7 +249,7 @@ QWEN3_VL: Final = Family(
     model_type="qwen3_vl",
     module="mlx_vlm.models.qwen3_vl",
     specials=SPECIAL_TOKENS,
-    files=lambda: _qwen_vl_files(
+    files=lambda: qwen_vl_files(
         _qwen3_vl_config(), "Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16
     ),
     build=lambda module: nested(module, _qwen3_vl_config()),
@@ -262,7 +262,7 @@ QWEN3_VL: Final = Family(
 
 def _qwen2_5_vl_config() -> dict[str, Any]:
     text = {
-        **_text_config("qwen2_5_vl"),
+        **qwen_text_config("qwen2_5_vl"),
         "rope_theta": 1000000.0,
         # Not interleaved: temporal, height, width sections in a row.
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
@@ -290,7 +290,7 @@ def _qwen2_5_vl_config() -> dict[str, Any]:
         **{k: v for k, v in text.items() if k != "model_type"},
         "text_config": text,
         "vision_config": vision,
-        **_media_ids(),
+        **media_ids(),
         "tie_word_embeddings": True,
         "vocab_size": VOCAB_SIZE,
         "dtype": "float32",
@@ -310,7 +310,7 @@ QWEN2_5_VL: Final = Family(
     model_type="qwen2_5_vl",
     module="mlx_vlm.models.qwen2_5_vl",
     specials=SPECIAL_TOKENS,
-    files=lambda: _qwen_vl_files(
+    files=lambda: qwen_vl_files(
         _qwen2_5_vl_config(), "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", 14
     ),
     build=lambda module: _build_qwen2_5_vl(module),
@@ -324,7 +324,7 @@ QWEN2_5_VL: Final = Family(
 def _qwen3_config() -> dict[str, Any]:
     return {
         "architectures": ["Qwen3ForCausalLM"],
-        **_text_config("qwen3"),
+        **qwen_text_config("qwen3"),
         "rope_theta": 1000000.0,
         "attention_bias": False,
     }

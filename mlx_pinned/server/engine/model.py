@@ -23,7 +23,18 @@ __all__ = ["EXACT_FAMILIES", "LoadedModel", "load"]
 # Families whose rows the batch engine computes exactly as each alone
 # (tests/server/test_families.py runs every one against mlx-vlm's own loop).
 # Any other family is served one generation at a time.
-EXACT_FAMILIES = frozenset({"qwen3_vl", "qwen2_5_vl", "gemma3", "qwen3", "llama"})
+EXACT_FAMILIES = frozenset(
+    {
+        "qwen3_vl",
+        "qwen2_5_vl",
+        "qwen3_5",
+        "gemma3",
+        "smolvlm",
+        "mistral3",
+        "qwen3",
+        "llama",
+    }
+)
 
 logger = logging.getLogger("mlx_pinned.server")
 

@@ -111,6 +111,7 @@ def batchable(
         prepared.prompt_tokens <= step
         and set(prepared.inputs) <= _BATCHABLE_INPUTS
         and _text_last(loaded, prepared)
+        and batch_caches(loaded.model.language_model, [0]) is not None
     )
 
 
@@ -145,6 +146,7 @@ def prefill_together(loaded: LoadedModel, prompts: Sequence[Prepared]) -> Prefil
     )
     kwargs = _prefill_kwargs(extra, embedded)
     cache = batch_caches(lm, pads)
+    assert cache is not None, "batchable() keeps this model's prompts apart"
     output = lm(
         inputs=ids,
         inputs_embeds=embedded.inputs_embeds,
@@ -237,10 +239,13 @@ class ChunkedPrefill:
         return Prefilled(batch_cache, deltas, logits)
 
 
-def batch_caches(lm: Any, pads: list[int]) -> list[Any]:
+def batch_caches(lm: Any, pads: list[int]) -> list[Any] | None:
     """An empty batch cache per layer, with ``pads`` left padding per row: of
     the kind mlx-vlm's own cache of that layer is, so a sliding-window layer
-    (Gemma 3) keeps its window in the batch as it does alone."""
+    (Gemma 3) keeps its window in the batch as it does alone. None when a
+    layer keeps another kind of state (a recurrent layer's, Qwen3.5's): such
+    a model's prompts are prefilled alone with its own caches, which then
+    join the batch."""
     api = vlm()
     caches: list[Any] = []
     for layer in api.make_prompt_cache(lm):
@@ -248,8 +253,8 @@ def batch_caches(lm: Any, pads: list[int]) -> list[Any]:
             caches.append(api.BatchRotatingKVCache(layer.max_size, pads))
         elif type(layer).__name__ == "KVCache":
             caches.append(api.BatchKVCache(pads))
-        else:  # batchable() keeps such a model's prompts apart
-            raise TypeError(f"no batch cache for {type(layer).__name__}")
+        else:
+            return None
     return caches
 
 

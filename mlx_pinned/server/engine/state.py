@@ -336,7 +336,8 @@ class BatchState:
         Masked or not, the numbers are the same (tested).
         """
         first = self.cache[0] if self.cache else None
-        if first is None or not hasattr(first, "left_padding"):
+        # A recurrent layer's state (Qwen3.5) has no padding to read.
+        if first is None or getattr(first, "left_padding", None) is None:
             return
         first.__dict__.pop("make_mask", None)  # the class's own, masking
         if not any(cast("list[int]", first.left_padding.tolist())):

@@ -1,0 +1,75 @@
+"""Qwen3.5: a hybrid decoder (gated delta-net linear attention in most
+layers, with a recurrent state per row instead of a KV cache, full
+attention with partial interleaved multimodal RoPE in the others) after a
+Qwen3-VL style vision tower without deepstack. Calling thread.
+
+It shares the Qwen tokenizer, template and processor files of
+:mod:`._qwen`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from ._family import Family, nested
+from ._qwen import SPECIAL_TOKENS, media_ids, qwen_text_config, qwen_vl_files
+from ._tokenizer import VOCAB_SIZE
+
+
+def _config() -> dict[str, Any]:
+    text = {
+        **qwen_text_config("qwen3_5_text"),
+        # Layer 0 linear (gated delta-net), layer 1 full attention.
+        "full_attention_interval": 2,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "attention_bias": False,
+        # Half of each 16-wide head rotates: 4 frequency pairs, sectioned
+        # 2 temporal, 1 height, 1 width, interleaved.
+        "rope_parameters": {
+            "type": "default",
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.5,
+        },
+    }
+    vision = {
+        "model_type": "qwen3_5",
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "in_channels": 3,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [],
+        "hidden_act": "gelu_pytorch_tanh",
+    }
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text,
+        "vision_config": vision,
+        **media_ids(),
+        "tie_word_embeddings": True,
+        "vocab_size": VOCAB_SIZE,
+        "dtype": "float32",
+    }
+
+
+QWEN3_5: Final = Family(
+    model_type="qwen3_5",
+    module="mlx_vlm.models.qwen3_5",
+    specials=SPECIAL_TOKENS,
+    files=lambda: qwen_vl_files(
+        _config(), "Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16
+    ),
+    build=lambda module: nested(module, _config()),
+)
