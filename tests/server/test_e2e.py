@@ -21,7 +21,8 @@ import openai
 import pytest
 
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
-from mlx_pinned.testing import image_data_uri
+from mlx_pinned.server.engine.model import EXACT_FAMILIES
+from mlx_pinned.testing import TINY_MODEL_TYPES, image_data_uri, tiny_vlm_path
 
 from .conftest import PROMPT
 
@@ -53,6 +54,14 @@ def running_server(log: Path) -> Iterator[Server]:
     """``serve --demo`` on a free loopback port; killed if still running."""
     command = [sys.executable, "-m", "mlx_pinned.server", "serve", "--demo"]
     command += ["--port", "0", "--max-tokens-limit", "4000"]
+    with running(command, log) as served:
+        yield served
+
+
+@contextmanager
+def running(command: list[str], log: Path) -> Iterator[Server]:
+    """``command`` (a server on port 0) until it says where it listens;
+    killed if still running."""
     with log.open("wb") as sink:
         process = subprocess.Popen(
             command, stdout=sink, stderr=subprocess.STDOUT, env=dict(os.environ)
@@ -317,3 +326,232 @@ def test_sigterm_drains_and_exits_cleanly(server: Server) -> None:
     )
     assert len(lines) >= 3
     assert not [status for status in lines if status.startswith("5")]
+
+
+# -- every vision family ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def all_families(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One server of every vision family's tiny model (written offline),
+    each served under its ``model_type``: each has its own batch."""
+    command = [sys.executable, "-m", "mlx_pinned.server", "serve"]
+    command += [str(tiny_vlm_path(model_type)) for model_type in TINY_MODEL_TYPES]
+    for model_type in TINY_MODEL_TYPES:
+        command += ["--served-model-name", model_type]
+    command += ["--port", "0", "--max-tokens-limit", "4000"]
+    log = tmp_path_factory.mktemp("e2e-families") / "server.log"
+    with running(command, log) as served:
+        yield served
+
+
+@pytest.fixture(params=TINY_MODEL_TYPES)
+def family(request: pytest.FixtureRequest, all_families: Server) -> tuple[str, Server]:
+    """A vision family's name on the server of every family."""
+    return request.param, all_families
+
+
+def family_messages(size: tuple[int, int], seed: int, text: str = PROMPT) -> Any:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": text},
+                {
+                    "type": "image_url",
+                    "image_url": {"url": image_data_uri(*size, seed=seed)},
+                },
+            ],
+        }
+    ]
+
+
+def logprob_values(completion: Any) -> list[float]:
+    content = completion.choices[0].logprobs.content or []
+    return [token.logprob for token in content]
+
+
+class TestEveryVisionFamily:
+    """The distinctive checks, over HTTP, for each vision family of
+    ``TINY_MODEL_TYPES``, each a model of one server."""
+
+    def test_vision_chat_and_its_stream_agree(self, family: tuple[str, Server]) -> None:
+        name, served = family
+        client = served.client()
+        request: dict[str, Any] = {
+            "model": name,
+            "messages": family_messages((64, 48), seed=1),
+            "max_tokens": 16,
+            "temperature": 0,
+        }
+        plain = client.chat.completions.create(**request)
+        assert plain.model == name
+        assert plain.choices[0].finish_reason == "length"
+        assert plain.usage is not None
+        assert plain.usage.completion_tokens == 16
+        assert plain.usage.prompt_tokens > 10  # the image's tokens among them
+        chunks = list(
+            client.chat.completions.create(
+                **request, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == plain.choices[0].message.content
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 16
+
+    def test_the_image_reaches_the_model(self, family: tuple[str, Server]) -> None:
+        name, served = family
+        client = served.client()
+
+        def greedy(seed: int) -> list[float]:
+            completion = client.chat.completions.create(
+                model=name,
+                messages=family_messages((64, 64), seed=seed),
+                max_tokens=3,
+                temperature=0,
+                logprobs=True,
+            )
+            return logprob_values(completion)
+
+        assert greedy(0) != greedy(1)
+
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+    async def test_greedy_alone_equals_among_16_different_images(
+        self, family: tuple[str, Server]
+    ) -> None:
+        name, served = family
+        client = served.async_client()
+        request: dict[str, Any] = {
+            "model": name,
+            "messages": family_messages((64, 64), seed=0),
+            "max_tokens": 24,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
+        rows: list[int] = []
+
+        async def other(i: int) -> int:
+            completion = await client.chat.completions.create(
+                model=name,
+                messages=family_messages(
+                    (32 + 16 * (i % 5), 96 - 16 * (i % 4)), seed=10 + i
+                ),
+                max_tokens=6 + i % 7,
+                temperature=0.7,
+                seed=i,
+            )
+            assert completion.usage is not None
+            return completion.usage.completion_tokens
+
+        async def watch(stop: asyncio.Event) -> None:
+            async with httpx.AsyncClient(base_url=served.url) as http:
+                while not stop.is_set():
+                    body = (await http.get("/health")).json()
+                    rows.append(body["models"][name]["rows"])
+                    await asyncio.sleep(0.005)
+
+        async with client:
+            alone = await client.chat.completions.create(**request)
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(watch(stop))
+            stream = await client.chat.completions.create(**request, stream=True)
+            among: list[Any] = []
+            others: list[asyncio.Task[int]] = []
+            async for chunk in stream:
+                if not others:  # it is generating: now 16 others arrive
+                    others = [asyncio.create_task(other(i)) for i in range(16)]
+                if chunk.choices and chunk.choices[0].logprobs:
+                    among += chunk.choices[0].logprobs.content or []
+            counts = await asyncio.gather(*others)
+            stop.set()
+            await watcher
+        # A sampled special token may end one early.
+        assert all(1 <= n <= 6 + i % 7 for i, n in enumerate(counts))
+        expected = alone.choices[0].logprobs
+        assert expected is not None
+        assert expected.content is not None
+        assert [t.token for t in among] == [t.token for t in expected.content]
+        assert [t.logprob for t in among] == pytest.approx(
+            [t.logprob for t in expected.content], abs=1e-5
+        )
+        for mine, theirs in zip(among, expected.content, strict=True):
+            assert [t.logprob for t in mine.top_logprobs] == pytest.approx(
+                [t.logprob for t in theirs.top_logprobs], abs=1e-5
+            )
+        if name in EXACT_FAMILIES:  # rows of different images together
+            assert max(rows) >= 2
+
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+    async def test_a_seeded_request_samples_the_same_among_others(
+        self, family: tuple[str, Server]
+    ) -> None:
+        name, served = family
+        client = served.async_client()
+        request: dict[str, Any] = {
+            "model": name,
+            "messages": family_messages((48, 48), seed=3),
+            "max_tokens": 12,
+            "temperature": 0.9,
+            "top_p": 0.9,
+            "seed": 1234,
+            "logprobs": True,
+        }
+
+        async def other(i: int) -> None:
+            await client.chat.completions.create(
+                model=name,
+                messages=family_messages((64, 32 + 16 * i), seed=20 + i),
+                max_tokens=10,
+                temperature=0.9,
+            )
+
+        async with client:
+            alone = await client.chat.completions.create(**request)
+            results = await asyncio.gather(
+                client.chat.completions.create(**request),
+                *(other(i) for i in range(4)),
+            )
+            other_seed = await client.chat.completions.create(
+                **{**request, "seed": 4321}
+            )
+        among = results[0]
+        assert among.choices[0].message.content == alone.choices[0].message.content
+        assert logprob_values(among) == pytest.approx(logprob_values(alone), abs=1e-5)
+        assert logprob_values(other_seed) != logprob_values(alone)
+
+    def test_a_disconnect_ends_the_generation(self, family: tuple[str, Server]) -> None:
+        name, served = family
+        body = {
+            "model": name,
+            "messages": family_messages((64, 64), seed=5),
+            "max_tokens": 3000,
+            "stream": True,
+        }
+        with (
+            httpx.Client(timeout=30) as client,
+            client.stream(
+                "POST", f"{served.url}/v1/chat/completions", json=body
+            ) as response,
+        ):
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            for _ in range(5):
+                next(lines)
+        deadline = time.monotonic() + 5
+        while health(served)["open_streams"] != 0:
+            assert time.monotonic() < deadline, "the generation was not closed"
+            time.sleep(0.01)
+        match = None
+        while match is None:
+            pattern = rf"completion=(\d+) .* model={name} \(client disconnected\)"
+            found = re.findall(pattern, served.log_text())
+            match = found[-1] if found else None
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert int(match) < 3000
+        assert " ERROR " not in served.log_text()
+        assert "Traceback" not in served.log_text()
