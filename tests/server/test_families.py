@@ -12,6 +12,9 @@ prefill that mixes the images of a batch) moves them by 0.1 or more.
 
 from __future__ import annotations
 
+import json
+import math
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +25,7 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.errors import APIError
+from mlx_pinned.server.events import Event
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import (
     TINY_LM_TYPES,
@@ -38,6 +42,7 @@ from .test_batching import (
     image,
     max_logprob_difference,
     solo,
+    tokens,
 )
 from .test_batching import request as batching_request
 
@@ -234,3 +239,82 @@ class TestOneAtATime:
         monkeypatch.setattr(engine.model, "EXACT_FAMILIES", frozenset())
         assert BatchEngine(family.loaded, thread)._state.exclusive
         assert f"not proven exact on the {family.model_type} family" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def ministral3(
+    thread: MLXThread, tmp_path_factory: pytest.TempPathFactory
+) -> LoadedModel:
+    """The tiny Mistral 3 with a Ministral 3 decoder (as Ministral 3's
+    checkpoints have): its attention scale grows past 8 positions."""
+    path = tmp_path_factory.mktemp("ministral3") / "model"
+    shutil.copytree(tiny_vlm_path("mistral3"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["model_type"] = "ministral3"
+    config["text_config"]["rope_parameters"] = {
+        "type": "default",
+        "rope_theta": 1000000000.0,
+        "llama_4_scaling_beta": 0.5,
+        "original_max_position_embeddings": 8,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    loaded: LoadedModel = thread.run_sync(engine.load, path)
+    return loaded
+
+
+def moved(batched: list[Event], alone: list[Event]) -> float:
+    """How far the chosen tokens' log-probabilities moved (inf: other
+    tokens, or NaN)."""
+    ours, theirs = tokens(batched), tokens(alone)
+    pairs = [(a.logprobs, b.logprobs) for a, b in zip(ours, theirs, strict=True)]
+    if any(a is None or b is None or a.token != b.token for a, b in pairs):
+        return float("inf")
+    gaps = [abs(a.logprob - b.logprob) for a, b in pairs if a and b]
+    return max(gaps, default=0.0) if not any(map(math.isnan, gaps)) else float("inf")
+
+
+class TestAVariantThatCannotBeBatched:
+    """Mistral 3 batches exactly, but not with a Ministral 3 decoder: mlx-vlm's
+    scales every row's queries by the first row's position."""
+
+    async def test_batched_its_rows_change_each_other(
+        self, thread: MLXThread, ministral3: LoadedModel
+    ) -> None:
+        # Why it is served one at a time: batched anyway, rows of different
+        # lengths move away from their solo runs.
+        reqs = [
+            batching_request(i, 6, prompts=PROMPTS, sizes=(None,)) for i in range(3)
+        ]
+        alone = [await solo(thread, ministral3, req) for req in reqs]
+        batch = BatchEngine(ministral3, thread)
+        batch._state.exclusive = False
+        gate = BatchGate(max_num_seqs=3, max_pending=0)
+        runs = [Collector(thread, batch, gate, req) for req in reqs]
+        async with deadline() as group:
+            for run in runs:
+                group.start_soon(run.run)
+        pairs = zip(runs, alone, strict=True)
+        assert max(moved(run.events, expected) for run, expected in pairs) > 1e-2
+
+    async def test_it_is_served_one_at_a_time_each_as_alone(
+        self,
+        thread: MLXThread,
+        ministral3: LoadedModel,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        reqs = [
+            batching_request(i, 6, prompts=PROMPTS, sizes=SIZES[:3], top_logprobs=2)
+            for i in range(3)
+        ]
+        alone = [await solo(thread, ministral3, req) for req in reqs]
+        batch = BatchEngine(ministral3, thread)
+        assert batch._state.exclusive
+        assert "Ministral 3 decoder" in caplog.text
+        gate = BatchGate(max_num_seqs=3, max_pending=0)
+        runs = [Collector(thread, batch, gate, req) for req in reqs]
+        async with deadline() as group:
+            for run in runs:
+                group.start_soon(run.run)
+        for run, expected in zip(runs, alone, strict=True):
+            assert max_logprob_difference(run.events, expected) <= TOL
+        assert batch.statistics().peak_active == 1

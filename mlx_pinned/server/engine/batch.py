@@ -133,11 +133,7 @@ class BatchEngine:
         self.image_cache = install_image_cache(loaded.model, image_cache_bytes)
         self._state = BatchState(loaded, self.prompt_cache, prefill_step_size)
         if self._state.exclusive:
-            logger.warning(
-                "the batch engine is not proven exact on the %s family: serving "
-                "one generation at a time",
-                getattr(loaded.config, "model_type", "?"),
-            )
+            logger.warning("%s: serving one generation at a time", loaded.serial_reason)
 
     @classmethod
     def load(

@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..limits import context_length, longest_token_chars
 from .text import token_bytes
 
-__all__ = ["EXACT_FAMILIES", "LoadedModel", "load"]
+__all__ = ["EXACT_FAMILIES", "LoadedModel", "load", "serial_reason"]
 
 # Families whose rows the batch engine computes exactly as each alone
 # (tests/server/test_families.py runs every one against mlx-vlm's own loop).
@@ -94,8 +94,15 @@ class LoadedModel:
 
     @property
     def batches_exactly(self) -> bool:
-        """Whether its family is one the batch engine is proven exact on."""
-        return getattr(self.config, "model_type", None) in EXACT_FAMILIES
+        """Whether the batch engine is proven exact on it (see
+        :attr:`serial_reason`)."""
+        return self.serial_reason is None
+
+    @property
+    def serial_reason(self) -> str | None:
+        """Why the batch engine serves it one generation at a time; None when
+        its rows may be batched."""
+        return serial_reason(self.config)
 
     @property
     def accepts_images(self) -> bool:
@@ -133,6 +140,24 @@ class LoadedModel:
             cached = (raw.decode("utf-8", errors="backslashreplace"), list(raw))
             self._token_text[token_id] = cached
         return cached
+
+
+def serial_reason(config: Any) -> str | None:
+    """Why the batch engine cannot batch a model of ``config`` exactly, or
+    None: a family not in :data:`EXACT_FAMILIES`, or a proven family's
+    variant whose rows would read each other's state."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in EXACT_FAMILIES:
+        return f"the batch engine is not proven exact on the {model_type} family"
+    text = getattr(config, "text_config", None)
+    if model_type == "mistral3" and getattr(text, "model_type", None) == "ministral3":
+        # mlx-vlm's Ministral 3 decoder scales the queries of every row by the
+        # position of the batch's first row (a padded row's is negative).
+        return (
+            "mlx-vlm's Ministral 3 decoder scales every row's attention by the "
+            "first row's position, so batched rows would change each other"
+        )
+    return None
 
 
 def load(model_path: str | Path) -> LoadedModel:
