@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -40,7 +41,7 @@ from mlx_pinned.server.engine.sampling import Sampled, collect, draw
 from mlx_pinned.server.errors import APIError
 from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
 from mlx_pinned.server.http.gate import BatchGate
-from mlx_pinned.testing import make_test_image
+from mlx_pinned.testing import TINY_MODEL_TYPES, make_test_image, tiny_vlm_path
 
 from .reference import reference_stream
 
@@ -224,6 +225,35 @@ class TestIsolation:
         assert stats.peak_active >= 6
         assert (stats.active, stats.joining) == (0, 0)
         assert thread.statistics().open_streams == 0
+
+    @pytest.mark.parametrize("family", TINY_MODEL_TYPES)
+    async def test_text_prompts_of_different_lengths_prefilled_together(
+        self, thread: MLXThread, family: str
+    ) -> None:
+        # Without images in the pass, mlx-vlm's rope deltas count each row's
+        # left padding, which the batch cache's offsets leave out: a padded
+        # row's decode positions moved by its padding from its second token.
+        loaded = await thread.run(engine.load, tiny_vlm_path(model_type=family))
+        texts = ["Hi", PROMPTS[0], " ".join(PROMPTS[:3])]
+        reqs = [request(0, 12, prompts=[t], sizes=[None]) for t in texts]
+        alone = [await solo(thread, loaded, req) for req in reqs]
+        batch = BatchEngine(loaded, thread)
+        gate = BatchGate(max_num_seqs=3, max_pending=0)
+        runs = [Collector(thread, batch, gate, req) for req in reqs]
+
+        def hold() -> None:  # until all three are queued: one prefill pass
+            deadline = time.monotonic() + 30
+            while thread.statistics().pending < 3 and time.monotonic() < deadline:
+                time.sleep(0.002)
+
+        held = thread.submit(hold)
+        async with deadline() as group:
+            for run in runs:
+                group.start_soon(run.run)
+        held.result()
+        assert batch.statistics().prefill_passes == 1
+        for run, expected in zip(runs, alone, strict=True):
+            assert max_logprob_difference(run.events, expected) <= TOL
 
     def test_steps_skip_the_attention_mask_only_while_no_row_is_padded(
         self, thread: MLXThread, loaded: LoadedModel

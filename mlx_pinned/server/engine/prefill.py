@@ -157,6 +157,11 @@ def prefill_together(loaded: LoadedModel, prompts: Sequence[Prepared]) -> Prefil
     )
     logits = output.logits[:, -1, :]
     deltas = _deltas(lm, kwargs, len(prompts))
+    if deltas is not None and not pixels:
+        # Without media, mlx-vlm's rope index counts a row's left padding in
+        # its delta (as its positions do); the batch cache's per-row offsets
+        # leave the padding out, so the delta adds it back.
+        deltas = deltas + mx.array(pads, dtype=deltas.dtype)[:, None]
     mx.eval([c.state for c in cache], deltas, logits)
     return Prefilled(cache, deltas, logits)
 
