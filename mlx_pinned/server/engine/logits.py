@@ -11,8 +11,9 @@ MLX thread only. Both act per row, on the (B, V) logits of a step:
 - grammars (:class:`GrammarMatcher`, :func:`constrain`): llguidance matches
   the text so far and masks every token that cannot continue it; once the
   grammar is complete only an end of turn is allowed. The mask of a step
-  needs the previous step's token, so a batch with a constrained row is not
-  pipelined (see ``BatchState.step``).
+  needs the previous step's token: a batch with a constrained row starts
+  each forward pass before that token is read and masks its logits after
+  (see ``BatchState.step``), so the matchers advance while it computes.
 
 A row without either pays nothing: the batch skips the work when no row
 asks for it.
@@ -33,8 +34,10 @@ if TYPE_CHECKING:
     from .model import LoadedModel
 
 __all__ = [
+    "Constrained",
     "GrammarMatcher",
     "Penalized",
+    "advance",
     "bias_rows",
     "compile_grammar",
     "constrain",
@@ -127,6 +130,7 @@ class GrammarMatcher:
     def __init__(self, tokenizer: Any, grammar: str) -> None:
         llguidance = importlib.import_module("llguidance")
         self._matcher = llguidance.LLMatcher(tokenizer, grammar)
+        self._fill = importlib.import_module("llguidance.numpy").fill_next_token_bitmask
         self._fail_if_broken()
 
     def consume(self, token: int) -> None:
@@ -141,12 +145,35 @@ class GrammarMatcher:
 
     def fill(self, mask: np.ndarray[Any, np.dtype[np.int32]], index: int) -> None:
         """Write the allowed next tokens into row ``index`` of ``mask``."""
-        numpy_side = importlib.import_module("llguidance.numpy")
-        numpy_side.fill_next_token_bitmask(self._matcher, mask, index)
+        self._fill(self._matcher, mask, index)
 
     def _fail_if_broken(self) -> None:
         if self._matcher.is_error():
             raise ValueError(f"the grammar failed: {self._matcher.get_error()}")
+
+
+class Constrained(Protocol):
+    """What advancing a grammar reads and writes of a row."""
+
+    matcher: GrammarMatcher | None
+    token: int  # its last sampled token
+    done: bool
+    error: BaseException | None
+
+
+def advance(rows: Sequence[Constrained]) -> None:
+    """Advance the matcher of each row that is not done past its last token.
+
+    A row whose grammar fails is done, with the error: its own failure, not
+    the batch's. (llguidance's parallel ``consume_token_par`` hands the
+    rows to its worker threads: slower than this loop on two cores.)
+    """
+    for row in rows:
+        if row.matcher is not None and not row.done:
+            try:
+                row.matcher.consume(row.token)
+            except ValueError as exc:
+                row.error, row.done = exc, True
 
 
 def constrain(logits: mx.array, matchers: Sequence[GrammarMatcher | None]) -> mx.array:

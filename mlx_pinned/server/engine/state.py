@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import mlx.core as mx
 import numpy as np
@@ -26,6 +26,7 @@ import numpy as np
 from ..events import GenerationParams
 from .admission import make_row, media_tokens
 from .logits import (
+    advance,
     bias_rows,
     constrain,
     penalize,
@@ -228,6 +229,7 @@ class BatchState:
         firsts = collect(draw(logits, rows, bias, states), self._stop)
         for row, first in zip(rows, firsts, strict=True):
             self._record(row, first)
+        advance(rows)
 
     def _joined(self, rows: list[Row], group: Prefilled) -> None:
         for i, row in enumerate(rows):
@@ -382,16 +384,19 @@ class BatchState:
             # Prompts queued meanwhile: prefilled now, so they join the next
             # step (their prefill computes after this step, on one stream).
             self._prefill_waiting()
+            last = {row for row in rows if row.sampled + 1 >= row.max_tokens}
+            self.leaving |= last
             if self._constrained():
-                # A grammar's mask needs the token before it: read this step,
-                # then build the next one on its tokens.
-                self._read(rows, collect(pending, self._stop), last=set())
-                self._launch()
+                # A grammar's mask needs this step's tokens: the next forward
+                # pass starts on them unread, they are read while it computes,
+                # then its logits are masked and sampled.
+                forward = self._forward(inflight, start=True)
+                self._read(rows, collect(pending, self._stop), last)
+                if forward is not None:
+                    self._sample(forward, read=True)
                 self.steps += 1
                 self.step_seconds += time.perf_counter() - start
                 return
-            last = {row for row in rows if row.sampled + 1 >= row.max_tokens}
-            self.leaving |= last
             self._launch(inflight)
             sampled = collect(pending, self._stop)
         except BaseException as exc:
@@ -404,6 +409,7 @@ class BatchState:
     def _read(self, rows: list[Row], sampled: list[Sampled], last: set[Row]) -> None:
         """Hand a step's tokens to its rows; rows in ``last`` left the batch
         already (the next step was built without them)."""
+        read = []
         for row, item in zip(rows, sampled, strict=True):
             if row.gone or row.done:
                 # It left while the step ran, or its token in the step before
@@ -412,6 +418,9 @@ class BatchState:
                 continue
             self._record(row, item)
             self.decoded += 1
+            read.append(row)
+        advance(read)
+        for row in read:
             # Adding a row of ``last`` to the leaving again would count twice.
             if row.done and row not in last:
                 self.leaving.add(row)
@@ -427,11 +436,20 @@ class BatchState:
     def _launch(self, inflight: tuple[list[Row], Draw] | None = None) -> None:
         """Build the next step for the rows still in, and start it. With the
         step ``inflight`` (not yet read), its rows' inputs are its tokens."""
+        forward = self._forward(inflight)
+        if forward is not None:
+            self._sample(forward)
+
+    def _forward(
+        self, inflight: tuple[list[Row], Draw] | None, *, start: bool = False
+    ) -> _Forward | None:
+        """The next step's forward pass for the rows still in, penalized; with
+        ``start``, started. None when no row is left."""
         self._compact()
         self._join()
         rows = list(self.rows)
         if not rows:
-            return
+            return None
         ahead: list[int] = []
         # Which inputs are generated tokens (counted by the penalties), not
         # a prompt's last token left to this step.
@@ -462,9 +480,21 @@ class BatchState:
             kwargs["rope_deltas"] = self.deltas
         output = self.lm(inputs[:, None], cache=self.cache, **kwargs)
         logits = penalize(output.logits[:, -1, :], rows, inputs, counted)
-        logits = constrain(logits, [row.matcher for row in rows])
+        if start:
+            mx.async_eval(logits, *(c.state for c in self.cache or ()))  # type: ignore[no-untyped-call]
+        return _Forward(rows, logits, ahead)
+
+    def _sample(self, forward: _Forward, *, read: bool = False) -> None:
+        """Mask, bias and sample a forward pass's logits, and start it: the
+        next step in flight. With ``read``, the step before it was read
+        since (its rows' positions count its tokens)."""
+        rows = forward.rows
+        # A row that ended in the step read since has no next token to mask.
+        matchers = [None if row.done else row.matcher for row in rows]
+        logits = constrain(forward.logits, matchers)
         bias = self._bias_matrix(rows, logits)
         states = [c.state for c in self.cache or ()]
+        ahead = () if read else forward.ahead
         self._inflight = (rows, draw(logits, rows, bias, states, ahead))
         self.peak_active = max(self.peak_active, len(rows))
 
@@ -475,11 +505,6 @@ class BatchState:
         row.done = item.eos or row.sampled >= row.max_tokens
         if row.key is not None:
             row.tokens.append(item.token)
-        if row.matcher is not None and not row.done:
-            try:
-                row.matcher.consume(item.token)
-            except ValueError as exc:  # its own failure, not the batch's
-                row.error, row.done = exc, True
 
     def _fail(self, exc: BaseException, reading: Sequence[Row] = ()) -> None:
         """Fail every row with ``exc``: those in the batch, joining, waiting,
@@ -505,6 +530,14 @@ class BatchState:
             self._bias_stale = False
             self._bias = bias_rows(rows, logits)
         return self._bias
+
+
+class _Forward(NamedTuple):
+    """A step's forward pass, penalized, not yet masked or sampled."""
+
+    rows: list[Row]
+    logits: mx.array
+    ahead: list[int]  # see :func:`.sampling.draw`
 
 
 def _unmasked_steps(make_mask: Any) -> Any:
