@@ -121,43 +121,38 @@ def create_app(
     if not all(config.models):
         raise ValueError("model is empty: give a model folder or a hub id")
     mlx_thread = thread or MLXThread(name="mlx-pinned", max_pending=config.thread_bound)
-    loads = {
-        path: functools.partial(
+    # Each model's own settings: the server's, with its model_settings on top.
+    each = [config.for_model(index) for index in range(len(config.models))]
+    loads = [
+        functools.partial(
             BatchEngine.load,
-            path,
+            own.models[0],
             mlx_thread,
-            prompt_cache_bytes=config.prompt_cache_budget,
-            prefill_step_size=config.prefill_step_size,
-            image_cache_bytes=config.image_cache_budget,
+            prompt_cache_bytes=own.prompt_cache_budget,
+            prefill_step_size=own.prefill_step_size,
+            image_cache_bytes=own.image_cache_budget,
         )
-        for path in config.models
-    }
+        for own in each
+    ]
     served = ServedModels(
         [
             ServedModel(
-                name,
-                MODEL_KEY if index == 0 else f"{MODEL_KEY}:{name}",
+                own.name,
+                MODEL_KEY if index == 0 else f"{MODEL_KEY}:{own.name}",
                 # A gate per model: its batch and its waiting room are its
                 # own, so a flood of one model's requests never holds another's.
                 BatchGate(
-                    config.max_num_seqs,
-                    config.max_pending,
-                    retry_after=config.retry_after,
+                    own.max_num_seqs, own.max_pending, retry_after=own.retry_after
                 ),
-                _slot(name, path, mlx_thread, loads[path])
-                if config.load_on_first_use
-                else None,
+                _slot(own, mlx_thread, loads[index]) if own.load_on_first_use else None,
             )
-            for index, (name, path) in enumerate(
-                zip(config.names, config.models, strict=True)
-            )
+            for index, own in enumerate(each)
         ]
     )
     residency = Residency(
         served,
         functools.partial(mlx_thread.run, release),
         budget=config.max_model_bytes,
-        idle_timeout=config.idle_unload_timeout,
         retry_after=config.retry_after,
     )
     metrics = ServerMetrics(mlx_thread, served)
@@ -185,16 +180,15 @@ def create_app(
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ]
     startup: dict[str, Any] = {}
-    if config.max_model_bytes is not None and not config.load_on_first_use:
+    at_start_up = [index for index, own in enumerate(each) if not own.load_on_first_use]
+    if config.max_model_bytes is not None and at_start_up:
         # Before any load: a start-up past the budget fails at once.
+        paths = tuple(config.models[index] for index in at_start_up)
         startup["model_budget"] = functools.partial(
-            check_start_up_budget, config.models, config.max_model_bytes
+            check_start_up_budget, paths, config.max_model_bytes
         )
-    if not config.load_on_first_use:
-        startup.update(
-            (entry.state_key, loads[path])
-            for entry, path in zip(served, config.models, strict=True)
-        )
+    entries = list(served)
+    startup.update((entries[index].state_key, loads[index]) for index in at_start_up)
     if config.freeze_gc:
         startup["gc_frozen"] = _freeze_gc
     middleware = [
@@ -239,18 +233,20 @@ def create_app(
 
 
 def _slot(
-    name: str, path: str, thread: MLXThread, load: Callable[[], BatchEngine]
+    own: ServerConfig, thread: MLXThread, load: Callable[[], BatchEngine]
 ) -> ModelSlot:
-    """The slot of a model loaded on first use: its load and its measure
-    each run as a job of the MLX thread."""
+    """The slot of a model loaded on first use (``own``: its settings): its
+    load and its measure each run as a job of the MLX thread."""
 
     async def load_engine() -> Engine:
         return await thread.run(load)
 
     async def measure() -> int:
-        return await thread.run(stored_weight_bytes, path)
+        return await thread.run(stored_weight_bytes, own.models[0])
 
-    return ModelSlot(name, load_engine, measure)
+    return ModelSlot(
+        own.name, load_engine, measure, idle_timeout=own.idle_unload_timeout
+    )
 
 
 def _image_loader(config: ServerConfig, fetch: Fetcher | None) -> LoadImages:

@@ -44,6 +44,7 @@ from .config import (
     command_line_settings,
     whole,
 )
+from .config_file import ConfigFile, read_config_file
 
 __all__ = ["main"]
 
@@ -80,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve the tiny random-weight test model (offline; random text)",
     )
+    serve.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML file of the models (each with its own settings, if any) "
+        "and the server's settings, instead of MODEL; flags given too override "
+        "its settings (docs/server.md)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
     serve.add_argument(
         "--port",
@@ -115,7 +123,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.demo == bool(args.model):
+    args.config_file = None
+    if args.config is not None:
+        if args.model or args.demo or args.served_model_name:
+            parser.error(
+                "--config names the models: give no MODEL, --demo or "
+                "--served-model-name with it"
+            )
+        try:
+            args.config_file = read_config_file(args.config)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--config: {exc}")
+        args.given = _given(argv)
+        args.model = list(args.config_file.models)
+        args.served_model_name = list(args.config_file.names)
+    elif args.demo == bool(args.model):
         parser.error("serve needs a MODEL, or --demo (not both)")
     names = args.served_model_name
     models = len(args.model) or 1  # --demo serves one
@@ -136,11 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"the API key (--api-key or ${API_KEY_ENV}) is empty: give a key, or "
             "unset it"
         )
-    if args.idle_unload_timeout is not None and not args.load_on_first_use:
-        parser.error(
-            "--idle-unload-timeout needs --load-on-first-use: models loaded at "
-            "start-up stay loaded"
-        )
+    try:  # the settings that depend on each other (the demo's model aside)
+        _config(args, args.model or [DEMO_MODEL_NAME], args.served_model_name)
+    except ValueError as exc:
+        parser.error(str(exc))
     for model in args.model:
         if _looks_local(model) and not Path(model).is_dir():
             parser.error(
@@ -354,7 +375,33 @@ def _config(
         else:
             values[setting.path[0]] = value
     values["served_model_name"] = None if names is None else tuple(names)
+    file: ConfigFile | None = getattr(args, "config_file", None)
+    if file is not None:
+        # The file's settings, unless a flag given on the command line says.
+        given: set[str] = getattr(args, "given", set())
+        for dest, value in file.settings.items():
+            if dest in given:
+                continue
+            if dest.startswith("image_limits_"):
+                limits[dest[len("image_limits_") :]] = value
+            else:
+                values[dest] = value
+        values["model_settings"] = file.model_settings
     return ServerConfig(**values, image_limits=ImageLimits(**limits))
+
+
+def _given(argv: Sequence[str] | None) -> set[str]:
+    """The settings whose flags ``argv`` gives (abbreviated ones included):
+    parsed again with no defaults, so only those given are set."""
+    parser = build_parser()
+    (commands,) = (
+        a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    dests = {"_".join(setting.path) for setting in command_line_settings()}
+    for action in commands.choices["serve"]._actions:
+        if action.dest in dests:
+            action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv))) & dests
 
 
 def _count(number: int, noun: str) -> str:

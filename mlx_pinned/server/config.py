@@ -18,6 +18,7 @@ from typing import Any
 
 __all__ = [
     "API_KEY_ENV",
+    "PER_MODEL_SETTINGS",
     "ImageLimits",
     "ServerConfig",
     "Setting",
@@ -26,6 +27,20 @@ __all__ = [
 
 #: The environment variable that gives the command line's ``--api-key``.
 API_KEY_ENV = "MLX_PINNED_API_KEY"
+
+#: The settings a model may set for itself (:attr:`ServerConfig.model_settings`,
+#: a config file's ``[[models]]`` entries); the others are the server's.
+PER_MODEL_SETTINGS = frozenset(
+    {
+        "load_on_first_use",
+        "idle_unload_timeout",
+        "max_num_seqs",
+        "max_pending",
+        "prompt_cache_bytes",
+        "image_cache_bytes",
+        "prefill_step_size",
+    }
+)
 
 
 def whole(text: str) -> int:
@@ -207,6 +222,11 @@ class ServerConfig:
             does not fit, the request is a 503 with ``Retry-After``. Models
             loaded at start-up count and are never unloaded; more of them
             than fit fail the start-up. None: no limit.
+        model_settings: Settings of each model on top of the server's, one
+            mapping per model in the order of ``model`` (empty: none); keys
+            from :data:`PER_MODEL_SETTINGS`. :meth:`for_model` gives a
+            model's settings. A server-wide ``idle_unload_timeout`` applies
+            to the models loaded on first use.
         freeze_gc: After the model is loaded, collect garbage once and move
             every object left to the collector's permanent generation
             (:func:`gc.freeze`), so later full collections skip the
@@ -346,9 +366,12 @@ class ServerConfig:
         "collections (default: on; --no-freeze-gc turns it off)",
         command_line_default=True,
     )
+    # No flag: a config file (``mlx-pinned serve --config``) or create_app.
+    model_settings: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", _one_or_many("model", self.model))
+        self._check_model_settings()
         if self.served_model_name is not None:
             names = _one_or_many("served_model_name", self.served_model_name)
             object.__setattr__(self, "served_model_name", names)
@@ -400,7 +423,10 @@ class ServerConfig:
                     "idle_unload_timeout must be > 0, not "
                     f"{self.idle_unload_timeout}: None never unloads"
                 )
-            if not self.load_on_first_use:
+            lazy = self.load_on_first_use or any(
+                own.get("load_on_first_use") for own in self.model_settings
+            )
+            if not lazy:
                 raise ValueError(
                     "idle_unload_timeout needs load_on_first_use: models loaded "
                     "at start-up stay loaded"
@@ -411,6 +437,56 @@ class ServerConfig:
             )
         if self.default_max_tokens > self.max_tokens_limit:
             object.__setattr__(self, "default_max_tokens", self.max_tokens_limit)
+        for index in range(len(self.model_settings)):
+            self.for_model(index)  # each model's own settings, checked
+
+    def _check_model_settings(self) -> None:
+        settings = self.model_settings
+        if isinstance(settings, dict) or not all(
+            isinstance(own, dict) for own in settings
+        ):
+            raise ValueError("model_settings is a sequence of dicts, one per model")
+        settings = tuple(dict(own) for own in settings)
+        object.__setattr__(self, "model_settings", settings)
+        if settings and len(settings) != len(self.models):
+            raise ValueError(
+                f"model_settings gives {len(settings)} for {len(self.models)} "
+                "models: give one per model, in order (an empty one for none)"
+            )
+        for own in settings:
+            unknown = sorted(set(own) - PER_MODEL_SETTINGS)
+            if unknown:
+                allowed = ", ".join(sorted(PER_MODEL_SETTINGS))
+                raise ValueError(
+                    f"{unknown[0]} is not a setting of one model: it applies to "
+                    f"every model (a model may set {allowed})"
+                )
+
+    def for_model(self, index: int) -> ServerConfig:
+        """The settings model ``index`` (in :attr:`models`) is served with:
+        the server's, with its own :attr:`model_settings` on top, as a config
+        of that one model. The default cache budgets stay shared out among
+        all the models; a server-wide ``idle_unload_timeout`` applies to it
+        only if it is loaded on first use.
+
+        Raises:
+            ValueError: Its own settings are out of range (names the field).
+        """
+        own = dict(self.model_settings[index]) if self.model_settings else {}
+        own.setdefault("prompt_cache_bytes", self.prompt_cache_budget)
+        own.setdefault("image_cache_bytes", self.image_cache_budget)
+        if not own.get("load_on_first_use", self.load_on_first_use):
+            own.setdefault("idle_unload_timeout", None)
+        try:
+            return dataclasses.replace(
+                self,
+                model=self.models[index],
+                served_model_name=self.names[index],
+                model_settings=(),
+                **own,
+            )
+        except ValueError as exc:
+            raise ValueError(f"model {self.names[index]!r}: {exc}") from None
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -452,7 +528,10 @@ class ServerConfig:
         """The MLX thread's queue bound: each model's waiting room plus a
         turn of each of its running generations (the running ones are queued
         there too)."""
-        return (self.max_pending + self.max_num_seqs) * len(self.models)
+        if not self.model_settings:
+            return (self.max_pending + self.max_num_seqs) * len(self.models)
+        each = (self.for_model(index) for index in range(len(self.models)))
+        return sum(own.max_pending + own.max_num_seqs for own in each)
 
 
 def _one_or_many(name: str, value: object) -> str | tuple[str, ...]:
@@ -493,9 +572,10 @@ class Setting:
 def command_line_settings() -> Iterator[Setting]:
     """Every setting of :class:`ServerConfig` that has a flag, with the
     limits of :class:`ImageLimits` flattened (``--max-images``); ``model``
-    is the command's positional argument and has none."""
+    is the command's positional argument and ``model_settings`` comes from
+    a config file: they have none."""
     for item in dataclasses.fields(ServerConfig):
-        if item.name == "model":
+        if item.name in ("model", "model_settings"):
             continue
         if item.name == "image_limits":
             for inner in dataclasses.fields(ImageLimits):

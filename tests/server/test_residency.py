@@ -176,7 +176,7 @@ class TestSettings:
         with pytest.raises(SystemExit) as info:
             cli.main(["serve", "org/m", "--idle-unload-timeout", "5"])
         assert info.value.code == 2
-        assert "needs --load-on-first-use" in capsys.readouterr().err
+        assert "idle_unload_timeout needs load_on_first_use" in capsys.readouterr().err
 
 
 class TestFirstUse:

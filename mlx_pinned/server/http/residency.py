@@ -86,6 +86,7 @@ class ModelSlot:
         load: Loads it on the MLX thread and gives its engine.
         measure: Its weight bytes from its checkpoint, on the MLX thread
             (the budget's measure before the first load).
+        idle_timeout: Seconds idle before it is unloaded (None: never).
         state: See :class:`SlotState`.
         engine: Its engine while LOADED.
         holders: Requests holding it now (:meth:`Residency.use`).
@@ -101,6 +102,7 @@ class ModelSlot:
     name: str
     load: Callable[[], Awaitable[Engine]]
     measure: Callable[[], Awaitable[int]]
+    idle_timeout: float | None = None
     state: SlotState = SlotState.UNLOADED
     engine: Engine | None = None
     holders: int = 0
@@ -130,7 +132,6 @@ class Residency:
         release: Frees an unloaded engine on the MLX thread.
         budget: Bytes of weights loaded at once, over all models (None: no
             limit).
-        idle_timeout: Seconds idle before a model is unloaded (None: never).
         retry_after: Seconds in the ``Retry-After`` of its 503s.
     """
 
@@ -140,13 +141,11 @@ class Residency:
         release: Release,
         *,
         budget: int | None = None,
-        idle_timeout: float | None = None,
         retry_after: int = 1,
     ) -> None:
         self.models = models
         self.release = release
         self.budget = budget
-        self.idle_timeout = idle_timeout
         self.retry_after = retry_after
         self._slots = [model.slot for model in models if model.slot is not None]
         self._tasks: TaskGroup | None = None
@@ -162,7 +161,7 @@ class Residency:
         self._lock = anyio.Lock()
         async with anyio.create_task_group() as tasks:
             self._tasks = tasks
-            if self.idle_timeout is not None and self._slots:
+            if any(slot.idle_timeout is not None for slot in self._slots):
                 tasks.start_soon(self._watch_idle)
             try:
                 yield
@@ -324,19 +323,13 @@ class Residency:
             change.done.set()
 
     async def _watch_idle(self) -> None:
-        """Unload each model idle for ``idle_timeout``; sleeps until the
+        """Unload each model idle for its ``idle_timeout``; sleeps until the
         next one is due, or until a model's state changes."""
-        timeout = self.idle_timeout
-        assert timeout is not None
         assert self._lock is not None
         while True:
             self._wake = anyio.Event()
             now = anyio.current_time()
-            due = {
-                slot: slot.idle_since + timeout
-                for slot in self._slots
-                if slot.idle and slot.idle_since is not None
-            }
+            due = {slot: at for slot in self._slots if (at := _due(slot)) is not None}
             expired = [slot for slot, at in due.items() if at <= now]
             if not expired:
                 with anyio.move_on_after(min(due.values(), default=math.inf) - now):
@@ -346,13 +339,21 @@ class Residency:
                 for slot in expired:
                     # Checked again: a request may have taken it while this
                     # waited for the lock.
-                    since = slot.idle_since
-                    if slot.idle and since is not None and since + timeout <= now:
-                        await self._unload(slot, f"idle for {timeout:g} s")
+                    at = _due(slot)
+                    if at is not None and at <= now:
+                        await self._unload(slot, f"idle for {slot.idle_timeout:g} s")
 
     def _notify(self) -> None:
         if self._wake is not None:
             self._wake.set()
+
+
+def _due(slot: ModelSlot) -> float | None:
+    """When an idle slot is unloaded (``anyio.current_time()``); None while
+    it is not idle, or never is unloaded for it."""
+    if not slot.idle or slot.idle_since is None or slot.idle_timeout is None:
+        return None
+    return slot.idle_since + slot.idle_timeout
 
 
 def _load_failed(name: str, exc: BaseException, retry_after: int) -> APIError:

@@ -1,0 +1,151 @@
+"""``mlx-pinned serve --config FILE``: the models and settings of a TOML file.
+
+A plain shared module (the command line reads the file on its own thread,
+before the server starts)::
+
+    # Settings of the server: any flag of `serve`, without its dashes and
+    # with '_' for '-' (max_num_seqs = 8 is --max-num-seqs 8).
+    max_model_bytes = 8_000_000_000
+    idle_unload_timeout = 600
+
+    [[models]]
+    path = "./qwen3-vl-2b"     # a local folder or a hub id (required)
+    name = "small"             # the name clients send (default: path)
+    max_num_seqs = 8           # settings of this model only
+
+    [[models]]
+    path = "./qwen3-vl-8b"
+    name = "large"
+    load_on_first_use = true
+
+A model may set :data:`~.config.PER_MODEL_SETTINGS` for itself; every other
+setting is the server's. Values mean what their flags mean (``0`` for
+``idle_unload_timeout`` is never, as ``--idle-unload-timeout 0``). Flags
+given on the command line too override the file's server settings.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import PER_MODEL_SETTINGS, Setting, command_line_settings
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["ConfigFile", "read_config_file"]
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """What a config file says.
+
+    Attributes:
+        models: Each model's folder or hub id, in order.
+        names: Each model's served name (its path where it gives none).
+        settings: The server's settings by the command line's destination
+            (``max_num_seqs``, ``image_limits_max_images``), as the flags
+            would give them.
+        model_settings: Each model's own settings (``model_settings`` of
+            :class:`~.config.ServerConfig`).
+    """
+
+    models: tuple[str, ...]
+    names: tuple[str, ...]
+    settings: dict[str, Any]
+    model_settings: tuple[dict[str, Any], ...]
+
+
+def read_config_file(path: str | Path) -> ConfigFile:
+    """Read and check a config file.
+
+    Raises:
+        ValueError: The file is not TOML, or says something this server
+            does not take; the message names the file and the key.
+        OSError: It cannot be read.
+    """
+    with open(path, "rb") as file:
+        try:
+            data = tomllib.load(file)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: not TOML: {exc}") from None
+    try:
+        return _read(data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def _read(data: dict[str, Any]) -> ConfigFile:
+    by_key = {setting.flag[2:].replace("-", "_"): setting for setting in _settings()}
+    entries = data.pop("models", None)
+    if not isinstance(entries, list) or not entries:
+        raise ValueError("give the models as [[models]] tables, each with a path")
+    for key in ("model", "served_model_name"):
+        if key in data:
+            raise ValueError(f"{key} goes in each [[models]] table (path, name)")
+    settings = {}
+    for key, value in data.items():
+        setting = _setting(by_key, key, "a setting of the server")
+        settings["_".join(setting.path)] = _value(key, setting, value)
+    models, names, own = [], [], []
+    for index, entry in enumerate(entries):
+        where = f"models[{index}]"
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{where} is a table ([[models]])")
+        entry = dict(entry)
+        model = entry.pop("path", None)
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"{where} needs a path: a model folder or a hub id")
+        name = entry.pop("name", model)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}.name is the name clients send, a string")
+        values = {}
+        for key, value in entry.items():
+            if key not in PER_MODEL_SETTINGS:
+                allowed = ", ".join(["path", "name", *sorted(PER_MODEL_SETTINGS)])
+                raise ValueError(
+                    f"{where}.{key}: a model sets only {allowed}; other settings "
+                    "are the server's (outside [[models]])"
+                )
+            setting = _setting(by_key, key, "a setting")
+            values[key] = _value(f"{where}.{key}", setting, value)
+        models.append(model)
+        names.append(name)
+        own.append(values)
+    return ConfigFile(tuple(models), tuple(names), settings, tuple(own))
+
+
+def _settings() -> list[Setting]:
+    return [s for s in command_line_settings() if s.path != ("served_model_name",)]
+
+
+def _setting(by_key: dict[str, Setting], key: str, what: str) -> Setting:
+    try:
+        return by_key[key]
+    except KeyError:
+        raise ValueError(
+            f"{key} is not {what}: use a flag of `mlx-pinned serve` without its "
+            "dashes and with '_' for '-'"
+        ) from None
+
+
+def _value(key: str, setting: Setting, value: Any) -> Any:
+    """``value`` as its flag would give it: a switch takes true or false,
+    every other setting is read by its flag's parser."""
+    if setting.parse is None:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} is true or false, not {value!r}")
+        return value
+    if isinstance(value, bool) or (isinstance(value, (dict, list)) and not value):
+        raise ValueError(f"{key}: {value!r} is not a value of {setting.flag}")
+    text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    try:
+        return setting.parse(text)
+    except ValueError as exc:
+        raise ValueError(f"{key} {exc}") from None
