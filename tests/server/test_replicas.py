@@ -162,54 +162,54 @@ def test_replicas_behind_nginx(
     a.wait_ready()
     b.wait_ready()
     nginx = nginx_for(tmp_path, [a.port, b.port])
-    client = nginx.client()
+    with nginx.client() as client:
+        # Spread: both replicas answer a burst.
+        with ThreadPoolExecutor(8) as pool:
+            assert len(set(pool.map(lambda i: ask(client, i), range(16)))) == 16
+        assert a.chat_statuses().get("200", 0) > 0
+        assert b.chat_statuses().get("200", 0) > 0
 
-    # Spread: both replicas answer a burst.
-    with ThreadPoolExecutor(8) as pool:
-        assert len(set(pool.map(lambda i: ask(client, i), range(16)))) == 16
-    assert a.chat_statuses().get("200", 0) > 0
-    assert b.chat_statuses().get("200", 0) > 0
+        # A stopped under load: it drains, nginx moves on, nothing is lost.
+        answered: list[str] = []
+        stop = threading.Event()
 
-    # A stopped under load: it drains, nginx moves on, nothing is lost.
-    answered: list[str] = []
-    stop = threading.Event()
+        def load() -> None:
+            seed = 100
+            while not stop.is_set():
+                answered.append(ask(client, seed))
+                seed += 1
 
-    def load() -> None:
-        seed = 100
-        while not stop.is_set():
-            answered.append(ask(client, seed))
-            seed += 1
+        with ThreadPoolExecutor(4) as pool:
+            running = [pool.submit(load) for _ in range(4)]
+            while len(answered) < 8:
+                assert not any(future.done() for future in running)
+                time.sleep(0.01)
+            a.terminate()
+            assert a.process.wait(timeout=60) == 0
+            after = len(answered)
+            while len(answered) < after + 8:  # B alone serves on
+                assert not any(future.done() for future in running)
+                time.sleep(0.01)
+            stop.set()
+            for future in running:
+                future.result()  # a lost request raises here
+        assert "draining: /health answers 503" in a.log_text()
 
-    with ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(load) for _ in range(4)]
-        while len(answered) < 8:
-            assert not any(future.done() for future in running)
-            time.sleep(0.01)
-        a.terminate()
-        assert a.process.wait(timeout=60) == 0
-        after = len(answered)
-        while len(answered) < after + 8:  # B alone serves on
-            assert not any(future.done() for future in running)
-            time.sleep(0.01)
-        stop.set()
-        for future in running:
-            future.result()  # a lost request raises here
-    assert "draining: /health answers 503" in a.log_text()
-
-    # A restarted on its port: loading, it answers 503, nginx skips it.
-    with replica(tmp_path / "a2.log", "--port", str(a.port), gated=True) as again:
-        seen = len(nginx.lines())
-        deadline = time.monotonic() + 30
-        while not any(
-            line.endswith(", 200") and "503" in line for line in nginx.lines()[seen:]
-        ):
-            ask(client, 0)
-            assert time.monotonic() < deadline, nginx.lines()[seen:]
-        assert again.chat_statuses().get("503", 0) > 0
-        assert again.chat_statuses().get("200", 0) == 0
-        again.open_gate()
-        again.wait_ready()
-        assert again.status("/health") == 200
+        # A restarted on its port: loading, it answers 503, nginx skips it.
+        with replica(tmp_path / "a2.log", "--port", str(a.port), gated=True) as again:
+            seen = len(nginx.lines())
+            deadline = time.monotonic() + 30
+            while not any(
+                line.endswith(", 200") and "503" in line
+                for line in nginx.lines()[seen:]
+            ):
+                ask(client, 0)
+                assert time.monotonic() < deadline, nginx.lines()[seen:]
+            assert again.chat_statuses().get("503", 0) > 0
+            assert again.chat_statuses().get("200", 0) == 0
+            again.open_gate()
+            again.wait_ready()
+            assert again.status("/health") == 200
     log = a.log_text() + b.log_text()
     assert "Traceback" not in log
     assert " ERROR " not in log

@@ -45,7 +45,7 @@ def error_code(response: httpx.Response) -> str:
 
 
 def test_sigterm_turns_readiness_off_then_closes_the_listener(tmp_path: Path) -> None:
-    drain = 1.0
+    drain = 1.5
     with replica(tmp_path / "a.log", "--drain-seconds", str(drain)) as a:
         a.wait_ready()
         assert a.status("/health") == 200
@@ -86,7 +86,7 @@ def test_sigterm_turns_readiness_off_then_closes_the_listener(tmp_path: Path) ->
         assert rest[-1] == "data: [DONE]"  # the stream in flight finished
         assert a.process.wait(timeout=60) == 0
         log = a.log_text()
-        assert "draining: /health answers 503 for 1.0 s" in log
+        assert "draining: /health answers 503 for 1.5 s" in log
         assert "Traceback" not in log
         assert " ERROR " not in log
 
