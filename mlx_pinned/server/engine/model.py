@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -160,7 +161,9 @@ def serial_reason(config: Any) -> str | None:
     return None
 
 
-def load(model_path: str | Path) -> LoadedModel:
+def load(
+    model_path: str | Path, *, shard: Callable[[Any], None] | None = None
+) -> LoadedModel:
     """Load a model with mlx-vlm and evaluate all of it.
 
     Runs on the MLX thread (the middleware's start-up job): the weights, and
@@ -169,6 +172,8 @@ def load(model_path: str | Path) -> LoadedModel:
 
     Args:
         model_path: A local folder or a Hugging Face hub id.
+        shard: Given the model loaded lazily, splits it in place
+            (:func:`.shard.shard`): only this rank's part is then read.
 
     Raises:
         Whatever mlx-vlm raises for a missing or unsupported model.
@@ -178,7 +183,9 @@ def load(model_path: str | Path) -> LoadedModel:
 
     start = time.perf_counter()
     logger.info("loading model %s", model_path)
-    model, processor = vlm_load(str(model_path))
+    model, processor = vlm_load(str(model_path), lazy=shard is not None)
+    if shard is not None:
+        shard(model)
     mx.eval(model)  # the whole tree, private attributes included
     seconds = time.perf_counter() - start
     flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
