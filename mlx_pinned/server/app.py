@@ -76,6 +76,7 @@ def create_app(
     *,
     thread: MLXThread | None = None,
     image_fetcher: Fetcher | None = None,
+    engine_factory: Callable[..., BatchEngine] | None = None,
     **settings: Any,
 ) -> Starlette:
     """Create the server app for one model, or several.
@@ -98,6 +99,9 @@ def create_app(
             lifespan starts and closes it.
         image_fetcher: Fetches remote images instead of the default
             :class:`RemoteImageFetcher` (implies ``allow_remote_images``).
+        engine_factory: Loads a model and makes its engine on the MLX thread,
+            called as ``BatchEngine.load`` is (the default), e.g. the
+            tensor-parallel leader's (``engine.distributed.Leader.load``).
         **settings: Fields of :class:`ServerConfig` to set (on top of
             ``config``), e.g. ``max_num_seqs=8``.
 
@@ -125,7 +129,7 @@ def create_app(
     each = [config.for_model(index) for index in range(len(config.models))]
     loads = [
         functools.partial(
-            BatchEngine.load,
+            engine_factory or BatchEngine.load,
             own.models[0],
             mlx_thread,
             prompt_cache_bytes=own.prompt_cache_budget,

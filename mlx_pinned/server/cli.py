@@ -228,7 +228,19 @@ def serve(args: argparse.Namespace) -> int:
             API_KEY_ENV,
         )
     config = _config(args, models, names)
-    app = create_app(config=config)
+    leader = None
+    if config.distributed is not None:
+        from .engine import distributed
+
+        try:
+            group = distributed.join(config)
+        except distributed.DistributedError as exc:
+            logger.error("%s", exc)
+            return distributed.SETUP_STATUS
+        if group.rank() != 0:  # a follower: no port, no app
+            return int(distributed.Follower(group, config).run())
+        leader = distributed.Leader(group, config.distributed_timeout)
+    app = create_app(config=config, engine_factory=leader.load if leader else None)
     logger.info(
         "serving %s (event loop: %s, HTTP parser: %s)",
         ", ".join(
@@ -274,6 +286,8 @@ def serve(args: argparse.Namespace) -> int:
     finally:  # Ctrl-C works again in a process that goes on (tests, embedding)
         for sock in sockets:
             sock.close()
+        if leader is not None:  # the followers exit once rank 0 is done
+            leader.stop()
         for signum, handler in previous.items():
             if handler is not None:
                 signal.signal(signum, handler)

@@ -97,6 +97,13 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def distribution(text: str) -> str:
+    """How a model is split over the ranks of a group: ``tensor``."""
+    if text != "tensor":
+        raise ValueError(f"must be 'tensor', not {text!r}")
+    return text
+
+
 def seconds_or_none(text: str) -> float | None:
     """A number of seconds; 0 means no limit (None)."""
     return seconds(text) or None
@@ -227,6 +234,13 @@ class ServerConfig:
             from :data:`PER_MODEL_SETTINGS`. :meth:`for_model` gives a
             model's settings. A server-wide ``idle_unload_timeout`` applies
             to the models loaded on first use.
+        distributed: ``tensor``: split the model over the ranks of an
+            ``mx.distributed`` group (tensor parallelism; every rank runs the
+            same command under ``mlx.launch``; rank 0 serves, the others
+            follow); None: one process holds the whole model.
+        distributed_timeout: Seconds a rank of the group may take to answer
+            (a step, a collective) before the group counts as lost: rank 0's
+            ``/health`` turns 503 and every rank exits with status 1.
         freeze_gc: After the model is loaded, collect garbage once and move
             every object left to the collector's permanent generation
             (:func:`gc.freeze`), so later full collections skip the
@@ -359,6 +373,18 @@ class ServerConfig:
         "else answers 503 (default: no limit)",
         parse=positive,
     )
+    distributed: str | None = _setting(
+        None,
+        "'tensor': split the model over the ranks of an mx.distributed group "
+        "(run every rank under mlx.launch; rank 0 serves HTTP) (default: off)",
+        parse=distribution,
+    )
+    distributed_timeout: float = _setting(
+        30.0,
+        "seconds a rank of a --distributed group may take to answer before the "
+        "group counts as lost and exits with status 1 (default: %(default)s)",
+        parse=positive_seconds,
+    )
     # Process-wide: a library user's app shares the process with other code.
     freeze_gc: bool = _setting(
         False,
@@ -434,6 +460,23 @@ class ServerConfig:
         if self.max_model_bytes is not None and self.max_model_bytes < 1:
             raise ValueError(
                 f"max_model_bytes must be >= 1, not {self.max_model_bytes}"
+            )
+        if self.distributed not in (None, "tensor"):
+            raise ValueError(
+                f"distributed must be 'tensor' or None, not {self.distributed!r}"
+            )
+        if self.distributed is not None and len(self.models) > 1:
+            raise ValueError("distributed serves one model: give one")
+        if self.distributed is not None and self.load_on_first_use:
+            # Every rank holds its part from the start to the stop.
+            raise ValueError(
+                "distributed loads the model at start-up: no load_on_first_use"
+            )
+        if not (
+            self.distributed_timeout > 0 and math.isfinite(self.distributed_timeout)
+        ):
+            raise ValueError(
+                f"distributed_timeout must be > 0, not {self.distributed_timeout}"
             )
         if self.default_max_tokens > self.max_tokens_limit:
             object.__setattr__(self, "default_max_tokens", self.max_tokens_limit)

@@ -255,6 +255,8 @@ class EngineCounters:
         prompt_cache_misses: Requests that looked and found none.
         prompt_cache_reused_tokens: Prompt tokens not prefilled thanks to it.
         prompt_cache_bytes: Bytes of KV the prompt cache holds.
+        ranks: Under tensor parallelism, the rows each rank holds, rank 0
+            first (the others as of their last message); empty otherwise.
     """
 
     rows: int
@@ -263,6 +265,7 @@ class EngineCounters:
     prompt_cache_misses: int
     prompt_cache_reused_tokens: int
     prompt_cache_bytes: int
+    ranks: tuple[int, ...] = ()
 
 
 class Engine(Protocol):

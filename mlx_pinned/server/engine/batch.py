@@ -65,7 +65,7 @@ from __future__ import annotations
 import importlib
 import logging
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -116,6 +116,9 @@ class BatchEngine:
         image_cache_bytes: Bytes of vision-tower outputs kept for images
             sent again (:mod:`.image_cache`; families of the Qwen-VL kind);
             0: none.
+        make_state: Makes the batch from the model, the prompt cache and
+            the prefill step size (the tensor-parallel leader's records
+            what it does for the other ranks: :mod:`.distributed`).
     """
 
     def __init__(
@@ -126,12 +129,13 @@ class BatchEngine:
         prompt_cache_bytes: int = 0,
         prefill_step_size: int = PREFILL_STEP,
         image_cache_bytes: int = 0,
+        make_state: Callable[[LoadedModel, PromptCache, int], BatchState] = BatchState,
     ) -> None:
         self.loaded = loaded
         self.thread = thread
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.image_cache = install_image_cache(loaded.model, image_cache_bytes)
-        self._state = BatchState(loaded, self.prompt_cache, prefill_step_size)
+        self._state = make_state(loaded, self.prompt_cache, prefill_step_size)
         if self._state.exclusive:
             logger.warning("%s: serving one generation at a time", loaded.serial_reason)
 
@@ -204,6 +208,7 @@ class BatchEngine:
             prompt_cache_misses=cache.misses,
             prompt_cache_reused_tokens=cache.reused_tokens,
             prompt_cache_bytes=cache.bytes,
+            ranks=self._state.ranks(),
         )
 
     def stream(

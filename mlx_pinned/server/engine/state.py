@@ -111,6 +111,10 @@ class BatchState:
             step_seconds=self.step_seconds,
         )
 
+    def ranks(self) -> tuple[int, ...]:
+        """The rows each rank of a tensor-parallel group holds; () alone."""
+        return ()
+
     def kv_bytes(self) -> int:
         """Bytes of KV held by the batch and the rows about to join it."""
         caches = [*(self.cache or ()), *(c for _, g in self.joining for c in g.cache)]

@@ -101,11 +101,14 @@ async def health(readiness: Readiness, request: Request) -> Response:
     for item in readiness.served:
         engine = item.engine(state)
         counters = engine.counters() if engine is not None else None
-        models[item.name] = {
+        entry: dict[str, Any] = {
             "loaded": counters is not None,
             "rows": counters.rows if counters else 0,
             "kv_bytes": counters.kv_bytes if counters else 0,
         }
+        if counters is not None and counters.ranks:  # tensor parallel
+            entry["ranks"] = list(counters.ranks)
+        models[item.name] = entry
     return JSONResponse(
         {
             "status": "ok",
