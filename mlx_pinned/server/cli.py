@@ -8,6 +8,7 @@
                            [--request-timeout S] [--max-prompt-tokens N]
                            [--allow-remote-images] [--max-images N] ...
     mlx-pinned serve --demo        # the tiny offline model of mlx_pinned.testing
+    mlx.launch ... -- -m mlx_pinned.server serve MODEL --distributed tensor
 
 ``MODEL`` is a local model folder or a Hugging Face hub id; several are
 served together, each under its own name (``--served-model-name`` given once
@@ -15,6 +16,9 @@ per MODEL, in the same order, or not at all). ``--demo`` writes the tiny
 random-weight model to the cache folder (``$MLX_PINNED_CACHE``, else
 ``~/.cache/mlx-pinned``) and serves it as ``mlx-pinned-demo``: it works
 offline, and answers with random text. Every limit: docs/security.md.
+With ``--distributed tensor`` every rank of an ``mx.distributed`` group runs
+the same command: rank 0 serves, the others bind no port and follow it
+(docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -146,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "give --served-model-name once per MODEL, in the same order "
             f"({_count(models, 'MODEL')}, {_count(len(names), 'name')})"
         )
+    if args.distributed is not None and models > 1:
+        parser.error("--distributed serves one MODEL")
     served = names or args.model
     taken = [name for name in served if served.count(name) > 1]
     if taken:
@@ -288,6 +294,8 @@ def serve(args: argparse.Namespace) -> int:
             sock.close()
         if leader is not None:  # the followers exit once rank 0 is done
             leader.stop()
+    if leader is not None and leader.fault_reason is not None:
+        return distributed.FAULT_STATUS
         for signum, handler in previous.items():
             if handler is not None:
                 signal.signal(signum, handler)

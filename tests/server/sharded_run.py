@@ -66,7 +66,9 @@ def run(out: Path) -> None:
     families = {"qwen3_vl": (tiny_vlm_path(), True), "qwen3": (tiny_lm_path(), False)}
     for family, (path, image) in families.items():
         whole = BatchEngine(load(path), thread)
-        part = BatchEngine(load(path, shard=functools.partial(shard, group=group)), thread)
+        part = BatchEngine(
+            load(path, shard=functools.partial(shard, group=group)), thread
+        )
         result[family] = {
             "whole": generate(whole, image),
             "sharded": generate(part, image),

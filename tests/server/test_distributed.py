@@ -39,6 +39,9 @@ pytestmark = pytest.mark.timeout(180)
 START = 120.0  # seconds for a group to load and serve, on a loaded machine
 END = 30.0  # seconds for any rank to exit once it should
 TIMEOUT = 2.0  # --distributed-timeout of the groups here
+# The tiny model's end-of-turn and end-of-text tokens never sampled: a long
+# stream runs its whole length.
+NO_END = {"0": -100, "2": -100}
 
 
 def free_ports(count: int) -> list[int]:
@@ -235,6 +238,7 @@ class TestServing:
             model=DEMO_MODEL_NAME,
             messages=vision_messages(64, 5, 3),
             max_tokens=4000,
+            logit_bias=NO_END,
             stream=True,
         )
         chunks = iter(stream)
@@ -276,6 +280,7 @@ def test_sigterm_drains_and_every_rank_exits_0(tmp_path: Path) -> None:
             model=DEMO_MODEL_NAME,
             messages=vision_messages(32, 6, 2),
             max_tokens=400,
+            logit_bias=NO_END,
             stream=True,
         )
         chunks = iter(stream)

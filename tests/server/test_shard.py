@@ -31,7 +31,10 @@ class TestPlan:
             assert callable(plan(lazy_model(path), 2))
 
     def test_heads_that_do_not_divide_are_refused_by_layer(self) -> None:
-        with pytest.raises(ShardError, match=r"3 ranks: layer 0 has 4 attention heads, not a multiple of 3"):
+        with pytest.raises(
+            ShardError,
+            match=r"3 ranks: layer 0 has 4 attention heads, not a multiple of 3",
+        ):
             plan(lazy_model(tiny_vlm_path()), 3)
 
     def test_a_family_without_a_plan_is_refused(
@@ -98,4 +101,3 @@ def test_sharded_models_generate_as_whole_ones(tmp_path: Path) -> None:
         assert results[1][family]["sharded"] == sharded
         total, part = results[0][family]["parameters"]
         assert part < total
-

@@ -266,6 +266,7 @@ class Leader(_Rank):
         self._stopping = False
         #: Rows each follower held at its last message, rank 1 first.
         self.follower_rows: tuple[int, ...] = ()
+        self.watchdog.start()  # from here on, every wait is bounded
 
     def load(
         self,
@@ -287,7 +288,6 @@ class Leader(_Rank):
             model_path, shard=functools.partial(shard, group=self.channel.group)
         )
         self._thread = thread
-        self.watchdog.start()
         settings = {
             "prompt_cache_bytes": prompt_cache_bytes,
             "prefill_step_size": prefill_step_size,
