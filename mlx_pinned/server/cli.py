@@ -292,14 +292,16 @@ def serve(args: argparse.Namespace) -> int:
     finally:  # Ctrl-C works again in a process that goes on (tests, embedding)
         for sock in sockets:
             sock.close()
-        if leader is not None:  # the followers exit once rank 0 is done
-            leader.stop()
-    if leader is not None and leader.fault_reason is not None:
-        return distributed.FAULT_STATUS
         for signum, handler in previous.items():
             if handler is not None:
                 signal.signal(signum, handler)
-    return STARTUP_FAILURE if server.load_failed else 0
+        if leader is not None:  # the followers exit once rank 0 is done
+            leader.stop()
+    if server.load_failed:
+        return STARTUP_FAILURE
+    if leader is not None and leader.fault_reason is not None:
+        return distributed.FAULT_STATUS
+    return 0
 
 
 def _listen(host: str, port: int, backlog: int) -> list[socket.socket]:

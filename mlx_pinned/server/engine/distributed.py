@@ -437,7 +437,8 @@ class Follower(_Rank):
     def __init__(self, group: Any, config: ServerConfig) -> None:
         super().__init__(group, config.distributed_timeout, grace=0.0)
         self._model = config.models[0]
-        self._drain = config.drain_timeout
+        # Rank 0's whole stop: its drain window, then its in-flight requests.
+        self._drain = config.drain_seconds + config.drain_timeout
         self._deadline: float | None = None  # after SIGTERM, for rank 0's stop
 
     def run(self) -> int:
