@@ -279,7 +279,7 @@ def test_sigterm_drains_and_every_rank_exits_0(tmp_path: Path) -> None:
         stream = group.client().chat.completions.create(
             model=DEMO_MODEL_NAME,
             messages=vision_messages(32, 6, 2),
-            max_tokens=400,
+            max_tokens=150,
             logit_bias=NO_END,
             stream=True,
         )
