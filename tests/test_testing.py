@@ -402,6 +402,7 @@ IMAGE_TOKENS = {
     "gemma3": 4,
     "smolvlm": 20,  # 2x2 tiles and the whole image, 4 each
     "mistral3": 16,  # 4 rows of 4
+    "aya_vision": 4,  # the global view alone: a square fits one tile
 }
 
 

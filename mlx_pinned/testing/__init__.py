@@ -25,6 +25,7 @@ import os
 import pathlib
 from typing import Final
 
+from ._aya import AYA_VISION
 from ._family import Family
 from ._gemma import GEMMA3
 from ._images import image_data_uri, make_test_image
@@ -50,7 +51,15 @@ __all__ = [
 
 _VISION: Final = {
     family.model_type: family
-    for family in (QWEN3_VL, QWEN2_5_VL, QWEN3_5, GEMMA3, SMOLVLM, MISTRAL3)
+    for family in (
+        QWEN3_VL,
+        QWEN2_5_VL,
+        QWEN3_5,
+        GEMMA3,
+        SMOLVLM,
+        MISTRAL3,
+        AYA_VISION,
+    )
 }
 _TEXT: Final = {family.model_type: family for family in (QWEN3, LLAMA)}
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import pytest
 
 from mlx_pinned import MLXThread
@@ -95,6 +97,13 @@ def family(request: pytest.FixtureRequest, thread: MLXThread) -> Served:
     return Served(model_type, loaded)
 
 
+async def queued(thread: MLXThread, items: int) -> None:
+    """Return once ``items`` work items wait for the thread."""
+    with anyio.fail_after(10):
+        while thread.statistics().pending < items:  # noqa: ASYNC110 (no event to wait on)
+            await anyio.sleep(0.001)
+
+
 def request(family: Served, index: int, max_tokens: int, **params: Any) -> Request:
     """Request ``index``: its own prompt, and its own image size or none (a
     text model gets none)."""
@@ -163,6 +172,32 @@ class TestEveryFamily:
         stats = batch.statistics()
         assert (stats.peak_active, stats.prefills) == (2, 2)
         assert stats.prefill_passes >= 3  # row 0's, and two chunks or more
+
+    async def test_a_text_prompt_then_an_image_prompt_together_match_solo(
+        self, thread: MLXThread, family: Served
+    ) -> None:
+        # Prefilled in one pass, the image is not the first row's: an
+        # embedding that places images by the first row's positions (Aya
+        # Vision's in mlx-vlm) drops it.
+        reqs = [request(family, i, 6, top_logprobs=2) for i in (1, 3)]
+        alone = [await solo(thread, family.loaded, req) for req in reqs]
+        batch = BatchEngine(family.loaded, thread)
+        gate = BatchGate(max_num_seqs=2, max_pending=0)
+        runs = [Collector(thread, batch, gate, req) for req in reqs]
+        # The thread waits until both requests are queued, so both are
+        # admitted before the step that prefills them.
+        release = threading.Event()
+        blocked = thread.submit(release.wait)
+        async with deadline() as group:
+            for run in runs:
+                group.start_soon(run.run)
+            await queued(thread, 2)
+            release.set()
+        assert blocked.result() is True
+        for run, expected in zip(runs, alone, strict=True):
+            assert max_logprob_difference(run.events, expected) <= TOL
+        stats = batch.statistics()
+        assert (stats.prefills, stats.peak_active) == (2, 2)
 
     async def test_seeded_sampling_matches_solo(
         self, thread: MLXThread, family: Served

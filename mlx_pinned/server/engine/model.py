@@ -32,6 +32,7 @@ EXACT_FAMILIES = frozenset(
         "gemma3",
         "smolvlm",
         "mistral3",
+        "aya_vision",
         "qwen3",
         "llama",
     }

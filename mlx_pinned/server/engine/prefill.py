@@ -46,6 +46,10 @@ _POSITION_ONLY = frozenset(
         "deepstack_visual_embeds",
     }
 )
+# Families whose mlx-vlm embedding places every row's image features at the
+# first row's image positions (it assumes one row): their prompts with
+# images are prefilled alone.
+_ONE_ROW_IMAGES = frozenset({"aya_vision"})
 MEDIA_TOKENS = (
     "image_token_index",
     "image_token_id",
@@ -112,6 +116,10 @@ def batchable(
         and set(prepared.inputs) <= _BATCHABLE_INPUTS
         and _text_last(loaded, prepared)
         and batch_caches(loaded.model.language_model, [0]) is not None
+        and not (
+            "pixel_values" in prepared.inputs
+            and loaded.config.model_type in _ONE_ROW_IMAGES
+        )
     )
 
 
