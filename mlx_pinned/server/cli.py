@@ -250,8 +250,9 @@ def serve(args: argparse.Namespace) -> int:
     logger.info(
         "serving %s (event loop: %s, HTTP parser: %s)",
         ", ".join(
-            f"{model} as {name!r}"
-            for model, name in zip(config.models, config.names, strict=True)
+            f"{own.model} as {own.name!r}"
+            + (" (loaded on first use)" if own.load_on_first_use else "")
+            for own in map(config.for_model, range(len(config.models)))
         ),
         "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
         "httptools" if importlib.util.find_spec("httptools") else "h11",

@@ -103,6 +103,29 @@ class TestServe:
         assert config.max_num_seqs == 2  # every setting applies to each model
         assert app.state.models.names == ["a", "b"]
 
+    def test_a_config_file_serves_its_models_with_their_settings(
+        self,
+        runs: list[dict[str, Any]],
+        tiny_model_path: Path,
+        tmp_path: Path,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        caplog.set_level(logging.INFO, logger="mlx_pinned.server")
+        file = tmp_path / "models.toml"
+        file.write_text(
+            f"max_num_seqs = 4\n[[models]]\npath = '{tiny_model_path}'\nname = 'a'\n"
+            f"[[models]]\npath = '{tiny_model_path}'\nname = 'b'\n"
+            "load_on_first_use = true\n"
+        )
+        assert cli.main(["serve", "--config", str(file)]) == 0
+        models = runs[0]["app"].state.models
+        assert models.names == ["a", "b"]
+        assert models.get("a").slot is None
+        assert models.get("b").slot is not None
+        assert models.get("b").gate.max_num_seqs == 4  # the file's server setting
+        assert "as 'b' (loaded on first use)" in caplog.text
+        assert "as 'a' (loaded" not in caplog.text
+
     def test_several_models_without_names_are_served_as_given(
         self, runs: list[dict[str, Any]]
     ) -> None:
