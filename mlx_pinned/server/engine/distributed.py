@@ -36,25 +36,33 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
-import pickle
 import random
-import signal
-import sys
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from mlx_pinned import MLXPinnedError, MLXThread
 
 from ..events import GenerationParams
 from .batch import BatchEngine
-from .collectives import Channel, Watchdog
+from .follower import Follower
+from .group import (
+    FAULT_GRACE,
+    FAULT_STATUS,
+    LOAD_WAIT,
+    SETUP_STATUS,
+    Admit,
+    DistributedError,
+    GroupLostError,
+    Leave,
+    Message,
+    Rank,
+    counts,
+    live_rows,
+)
 from .model import LoadedModel, load
 from .prefill import PREFILL_STEP
 from .prompt_cache import PromptCache
@@ -68,7 +76,6 @@ if TYPE_CHECKING:
     from ..config import ServerConfig
 
 __all__ = [
-    "FAULT_GRACE",
     "FAULT_STATUS",
     "SETUP_STATUS",
     "DistributedError",
@@ -76,86 +83,10 @@ __all__ = [
     "GroupLostError",
     "Leader",
     "LeaderState",
-    "heartbeat_interval",
     "join",
 ]
 
 logger = logging.getLogger("mlx_pinned.server")
-
-#: The exit status of a rank whose group was lost.
-FAULT_STATUS = 1
-#: The exit status when the group cannot start (no group, a model that
-#: cannot be split): restarting would fail the same way.
-SETUP_STATUS = 2
-#: Seconds rank 0 answers 503 after its group is lost, before it exits.
-FAULT_GRACE = 3.0
-# A follower's load and rank 0's may differ this many timeouts, at most.
-LOAD_WAIT = 10
-
-
-class DistributedError(RuntimeError):
-    """The group cannot serve this model; the message says why."""
-
-
-class GroupLostError(RuntimeError):
-    """A rank of the tensor-parallel group is gone or stuck."""
-
-
-def heartbeat_interval(timeout: float) -> float:
-    """Seconds between rank 0's messages while it is idle."""
-    return max(0.1, min(1.0, timeout / 5))
-
-
-@dataclass(frozen=True)
-class Admit:
-    """A row admitted on rank 0: its request, its seed set."""
-
-    row: int
-    params: GenerationParams
-    images: tuple[Image.Image, ...]
-
-
-@dataclass(frozen=True)
-class Leave:
-    """A row that left on rank 0."""
-
-    row: int
-
-
-@dataclass(frozen=True)
-class Message:
-    """What rank 0 did to its batch since its last message.
-
-    Attributes:
-        counts: Rank 0's step counts and tokens after ``ops`` (:func:`counts`).
-        ops: Rows admitted and rows that left, in order.
-        step: Whether a step follows them.
-        stop: The group stops: each follower exits 0.
-        settings: The first message only: the engine's settings, which
-            every rank must share (rank 0's are the ones used).
-    """
-
-    counts: tuple[int, ...]
-    ops: tuple[Admit | Leave, ...] = ()
-    step: bool = False
-    stop: bool = False
-    settings: dict[str, int] | None = None
-
-
-def counts(state: BatchState) -> tuple[int, ...]:
-    """Steps, decoded tokens, prefills and each row's last token: the same on
-    every rank in step (a rank that sampled otherwise differs)."""
-    stats = state.statistics()
-    tokens = (row.token for row in state.rows)
-    return (stats.steps, stats.decoded_tokens, stats.prefills, *tokens)
-
-
-def live_rows(state: BatchState | None) -> int:
-    """Rows in the batch or joining it."""
-    if state is None:
-        return 0
-    stats = state.statistics()
-    return stats.active + stats.joining
 
 
 def join(config: ServerConfig) -> Any:
@@ -188,64 +119,7 @@ def join(config: ServerConfig) -> Any:
     return group
 
 
-class _Rank:
-    """What both sides have: the channel, the watchdog, the fault."""
-
-    def __init__(self, group: Any, timeout: float, *, grace: float) -> None:
-        self.channel = Channel(group)
-        self.rank = self.channel.rank
-        self.timeout = timeout
-        self.heartbeat = heartbeat_interval(timeout)
-        self.watchdog = Watchdog(self.fault, tick=self._tick)
-        self._grace = grace
-        self._fault_lock = threading.Lock()
-        self.fault_reason: str | None = None
-
-    def fault(self, reason: str) -> None:
-        """The group is lost: log why, then exit with :data:`FAULT_STATUS`
-        (after the grace). Any thread; the first call counts."""
-        with self._fault_lock:
-            if self.fault_reason is not None:
-                return
-            self.fault_reason = reason
-        logger.error(
-            "rank %d: the tensor-parallel group is lost (%s): exiting with status %d",
-            self.rank,
-            reason,
-            FAULT_STATUS,
-        )
-        self._on_fault()
-        timer = threading.Timer(self._grace, _exit, (FAULT_STATUS,))
-        timer.daemon = True
-        timer.start()
-
-    def _on_fault(self) -> None:
-        pass
-
-    def _tick(self) -> None:
-        pass
-
-    def _exchange(
-        self, message: Message | None, report: int
-    ) -> tuple[Message, list[int]]:
-        payload = None if message is None else pickle.dumps(message, protocol=5)
-        try:
-            data, reports = self.channel.exchange(payload, report)
-        except RuntimeError as exc:
-            self.fault(f"{exc}")
-            raise GroupLostError(f"the tensor-parallel group is lost: {exc}") from exc
-        return (message if message is not None else pickle.loads(data)), reports
-
-
-def _exit(status: int) -> None:
-    """End the process now: the MLX thread may be stuck in a collective,
-    which no Python code can interrupt."""
-    time.sleep(0.2)  # the log's own thread writes what is queued
-    sys.stderr.flush()
-    os._exit(status)
-
-
-class Leader(_Rank):
+class Leader(Rank):
     """Rank 0's side of the group: loads its engine, leads the followers.
 
     Made on the main thread before the server starts; :meth:`load` is the
@@ -424,124 +298,3 @@ class LeaderState(BatchState):
         with leader.watchdog.watch("a batch step", leader.timeout):
             leader.send(self, step=True)
             super().step()
-
-
-class Follower(_Rank):
-    """A rank other than 0: loads its part, then replays rank 0's messages.
-
-    Args:
-        group: The ``mx.distributed`` group.
-        config: The server's settings (rank 0's engine settings are used).
-    """
-
-    def __init__(self, group: Any, config: ServerConfig) -> None:
-        super().__init__(group, config.distributed_timeout, grace=0.0)
-        self._model = config.models[0]
-        # Rank 0's whole stop: its drain window, then its in-flight requests.
-        self._drain = config.drain_seconds + config.drain_timeout
-        self._deadline: float | None = None  # after SIGTERM, for rank 0's stop
-
-    def run(self) -> int:
-        """Follow until rank 0 stops the group; the exit status. Main
-        thread: SIGINT and SIGTERM wait for rank 0's stop (its drain needs
-        every rank), for at most the drain timeout plus the timeout."""
-        previous = {
-            signum: signal.signal(signum, self._signalled)
-            for signum in (signal.SIGINT, signal.SIGTERM)
-        }
-        thread = MLXThread(name="mlx-pinned")
-        thread.start()
-        self.watchdog.start()
-        try:
-            logger.info("rank %d: loading %s", self.rank, self._model)
-            part = functools.partial(shard, group=self.channel.group)
-            loaded = thread.run_sync(load, self._model, shard=part)
-            return thread.run_sync(self._follow, loaded, thread)
-        except GroupLostError:
-            return FAULT_STATUS
-        finally:
-            self.watchdog.stop()
-            thread.shutdown(wait=True, cancel_futures=True)
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-
-    def _signalled(self, signum: int, frame: FrameType | None) -> None:
-        if self._deadline is None:
-            logger.info(
-                "rank %d: %s: following until rank 0 stops the group",
-                self.rank,
-                signal.Signals(signum).name,
-            )
-            self._deadline = time.monotonic() + self._drain + self.timeout
-
-    def _tick(self) -> None:
-        deadline = self._deadline
-        if deadline is not None and time.monotonic() > deadline:
-            self._deadline = None
-            self.fault("rank 0 did not stop the group in time after a signal")
-
-    def _receive(self, what: str, seconds: float, report: int) -> Message:
-        with self.watchdog.watch(what, seconds):
-            message, _ = self._exchange(None, report)
-        return message
-
-    def _follow(self, loaded: LoadedModel, thread: MLXThread) -> int:
-        """Replay rank 0's messages; MLX thread."""
-        hello = self._receive(
-            "rank 0's load", self.timeout * LOAD_WAIT, loaded.parameters
-        )
-        if hello.stop or hello.settings is None:
-            logger.error("rank %d: rank 0 stopped before serving", self.rank)
-            return FAULT_STATUS
-        settings = dict(hello.settings)
-        if settings.pop("parameters") != loaded.parameters:
-            logger.error("rank %d: rank 0 holds a different model", self.rank)
-            return SETUP_STATUS
-        states: list[BatchState] = []
-
-        def make(loaded: LoadedModel, cache: PromptCache, step: int) -> BatchState:
-            states.append(BatchState(loaded, cache, step))
-            return states[0]
-
-        BatchEngine(loaded, thread, make_state=make, **settings)
-        state = states[0]
-        rows: dict[int, Row] = {}
-        logger.info("rank %d: following rank 0", self.rank)
-        waiting = self.timeout + self.heartbeat
-        while True:
-            message = self._receive("rank 0's next message", waiting, live_rows(state))
-            if message.stop:
-                logger.info("rank %d: rank 0 stopped the group", self.rank)
-                return 0
-            with self.watchdog.watch("a batch step", self.timeout):
-                self._replay(state, rows, message)
-
-    def _replay(
-        self, state: BatchState, rows: dict[int, Row], message: Message
-    ) -> None:
-        """Do what rank 0 did: its ops, a check that both batches are the
-        same now, then its step."""
-        for op in message.ops:
-            if isinstance(op, Admit):
-                try:
-                    rows[op.row] = state.admit(op.params, op.images)
-                except Exception as exc:  # rank 0 admitted the same request
-                    self.fault(f"a request rank 0 admitted failed here: {exc!r}")
-                    raise GroupLostError("diverged from rank 0") from exc
-            else:
-                row = rows.pop(op.row, None)
-                if row is not None:
-                    state.leave(row)
-        if message.counts != counts(state):
-            self.fault(
-                f"diverged from rank 0 (steps, tokens, prefills, last tokens: "
-                f"{counts(state)} here, {message.counts} on rank 0)"
-            )
-            raise GroupLostError("diverged from rank 0")
-        if message.step:
-            try:
-                state.step()
-            except Exception:  # rank 0's step failed alike: its rows ended
-                logger.debug("rank %d: a step failed", self.rank, exc_info=True)
-        for row in rows.values():
-            row.pending.clear()  # nobody reads the tokens here
