@@ -13,7 +13,7 @@ and errors, then the ratios against vllm-mlx, and writes a PNG.
 ::
 
     python benchmarks/peers.py run [--systems ...] [--concurrency 1,8,32]
-        [--rounds 3] [--peers-venv VENV] [--plot peers.png]
+        [--rounds 3] [--peers-venv VENV] [--plot peers.png] [--text]
     python benchmarks/peers.py inprocess      # batched vs one at a time
 
 Systems (``--systems``, comma-separated; override a command with
@@ -28,13 +28,21 @@ Systems (``--systems``, comma-separated; override a command with
   with ``--continuous-batching``;
 - ``mlx-vlm``: ``python -m mlx_vlm.server --model MODEL``.
 
+With ``--text`` the model is a text-only one (the tiny Qwen3 of
+``mlx_pinned.testing.make_tiny_lm`` by default, copied with mlx-lm's
+weight names, which mlx-vlm loads too), the request the same
+prompt without the image, and the systems ``mlx-pinned`` (and
+``mlx-pinned-nocache``, without its prompt cache), ``vllm-mlx`` and
+``vllm-mlx-cb`` (``vllm-mlx serve MODEL``, without ``--mllm``) and
+``mlx-lm`` (``python -m mlx_lm.server --model MODEL``).
+
 The peers live in their own virtual environment (vllm-mlx 0.6.0 installs on
 Linux beside ``mlx[cpu]``), given by ``--peers-venv`` or
 ``$MLX_PINNED_PEERS_VENV``; it is needed only when a peer is among the
 systems::
 
     python -m venv VENV
-    VENV/bin/pip install vllm-mlx==0.6.0 'mlx[cpu]==0.32.4' mlx-vlm==0.7.10
+    VENV/bin/pip install vllm-mlx==0.6.0 'mlx[cpu]==0.32.4' mlx-vlm==0.7.10 mlx-lm
 
 This script needs ``httpx`` and ``matplotlib`` beside mlx-pinned. It is
 expensive (every server, every level, every round): run it on a quiet
@@ -54,7 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +90,16 @@ COMMANDS: dict[str, str] = {
     "vllm-mlx-cb": "{peers_bin}/vllm-mlx serve {model} --mllm --port {port} "
     "--continuous-batching",
     "mlx-vlm": "{peers_bin}/python -m mlx_vlm.server --model {model} --port {port}",
+}
+TEXT_COMMANDS: dict[str, str] = {
+    "mlx-pinned": COMMANDS["mlx-pinned"],
+    # Every request of the run is the same: the prompt cache answers the
+    # prompt from the second on; this row is the engine without it.
+    "mlx-pinned-nocache": COMMANDS["mlx-pinned"] + " --prompt-cache-bytes 0",
+    "vllm-mlx": "{peers_bin}/vllm-mlx serve {model} --port {port}",
+    "vllm-mlx-cb": "{peers_bin}/vllm-mlx serve {model} --port {port} "
+    "--continuous-batching",
+    "mlx-lm": "{peers_bin}/python -m mlx_lm.server --model {model} --port {port}",
 }
 BASELINE = "vllm-mlx-cb"
 PEERS_VENV_ENV = "MLX_PINNED_PEERS_VENV"
@@ -178,7 +196,10 @@ async def wait_ready(
 
 
 async def bench_system(
-    name: str, command: list[str], args: argparse.Namespace, image_uri: str
+    name: str,
+    command: list[str],
+    args: argparse.Namespace,
+    make_body: Callable[[str], dict[str, Any]],
 ) -> list[Level]:
     import httpx
 
@@ -197,7 +218,7 @@ async def bench_system(
             except Exception as exc:
                 print(f"   not started: {exc}\n{_tail(log)}", flush=True)
                 return []
-            body = request_body(served or args.model, image_uri, args.max_tokens)
+            body = make_body(served or args.model)
             for _ in range(args.warmup):
                 await client.post("/v1/chat/completions", json=body)
             for concurrency in args.concurrency:
@@ -296,12 +317,57 @@ def plot(levels: list[Level], path: Path, title: str) -> None:
 # -- commands ---------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> int:
-    from mlx_pinned.testing import image_data_uri, tiny_vlm_path
+def text_body(model: str, max_tokens: int) -> dict[str, Any]:
+    """The bug report's prompt without its image, greedy."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+    }
 
-    args.model = args.model or str(tiny_vlm_path())
-    image_uri = image_data_uri(64, 64, "JPEG")
-    commands = dict(COMMANDS)
+
+def mlx_lm_layout(model: Path) -> Path:
+    """A copy of a tiny text model of ``mlx_pinned.testing`` that mlx-lm
+    loads too: the same weights under mlx-lm's names (mlx-vlm's carry a
+    ``language_model.`` prefix, which mlx-lm's loader refuses; mlx-vlm adds it
+    back itself), the other files as they are."""
+    import shutil
+
+    import mlx.core as mx
+
+    copy = Path(tempfile.gettempdir()) / f"peers-{model.name}-mlx-lm"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(model, copy)
+    weights = copy / "model.safetensors"
+    arrays = mx.load(str(weights))
+    assert isinstance(arrays, dict)
+    mx.save_safetensors(
+        str(weights), {k.removeprefix("language_model."): v for k, v in arrays.items()}
+    )
+    return copy
+
+
+def run(args: argparse.Namespace) -> int:
+    from mlx_pinned.testing import image_data_uri, tiny_lm_path, tiny_vlm_path
+
+    if args.text:
+        args.model = args.model or str(mlx_lm_layout(tiny_lm_path("qwen3")))
+        commands = dict(TEXT_COMMANDS)
+        what = "text only"
+
+        def make_body(model: str) -> dict[str, Any]:
+            return text_body(model, args.max_tokens)
+    else:
+        args.model = args.model or str(tiny_vlm_path())
+        image_uri = image_data_uri(64, 64, "JPEG")
+        commands = dict(COMMANDS)
+        what = "64x64 JPEG"
+
+        def make_body(model: str) -> dict[str, Any]:
+            return request_body(model, image_uri, args.max_tokens)
+
+    args.systems = args.systems or list(commands)
     for override in args.cmd:
         name, _, template = override.partition("=")
         commands[name] = template
@@ -322,13 +388,13 @@ def run(args: argparse.Namespace) -> int:
         if name not in commands:
             raise SystemExit(f"unknown system {name!r}: one of {sorted(commands)}")
         command = commands[name].format(**fields, port=free_port()).split()
-        levels += asyncio.run(bench_system(name, command, args, image_uri))
+        levels += asyncio.run(bench_system(name, command, args, make_body))
     report(levels)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(lv) for lv in levels], indent=1))
     if args.plot and levels:
         title = (
-            f"same request (64x64 JPEG, {args.max_tokens} tokens, non-streaming), "
+            f"same request ({what}, {args.max_tokens} tokens, non-streaming), "
             f"{args.rounds} rounds, {os.cpu_count()} CPUs"
         )
         plot(levels, Path(args.plot), title)
@@ -424,7 +490,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument(
         "--systems",
         type=lambda s: s.split(","),
-        default=list(COMMANDS),
+        help="default: every system of the run's kind",
+    )
+    bench.add_argument(
+        "--text",
+        action="store_true",
+        help="a text-only model and request, against vllm-mlx and mlx-lm",
     )
     bench.add_argument(
         "--peers-venv",
