@@ -15,6 +15,7 @@ and errors, then the ratios against vllm-mlx, and writes a PNG.
     python benchmarks/peers.py run [--systems ...] [--concurrency 1,8,32]
         [--rounds 3] [--peers-venv VENV] [--plot peers.png] [--text]
     python benchmarks/peers.py inprocess      # batched vs one at a time
+    python benchmarks/peers.py plot RESULTS.json --plot peers.png --title ...
 
 Systems (``--systems``, comma-separated; override a command with
 ``--cmd NAME='TEMPLATE'``, fields ``{python} {peers_bin} {model} {port}
@@ -474,6 +475,14 @@ def inprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def replot(args: argparse.Namespace) -> int:
+    """The table and the plot again, from ``run --json``'s results."""
+    levels = [Level(**raw) for raw in json.loads(Path(args.results).read_text())]
+    report(levels)
+    plot(levels, Path(args.plot), args.title)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -513,6 +522,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     local = commands.add_parser("inprocess", help="batched vs one at a time")
     common(local)
     local.set_defaults(handler=inprocess)
+
+    again = commands.add_parser("plot", help="plot the results of run --json")
+    again.add_argument("results")
+    again.add_argument("--plot", default="peers.png")
+    again.add_argument("--title", default="")
+    again.set_defaults(handler=replot)
 
     args = parser.parse_args(argv)
     handler: Any = args.handler
