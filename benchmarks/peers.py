@@ -192,7 +192,12 @@ async def wait_ready(
 ) -> str:
     """Wait until ``GET /v1/models`` answers; the served model id."""
     response = await wait_for(client, process, "/v1/models", timeout)
-    data = response.json().get("data") or [{}]
+    try:
+        data = response.json().get("data") or [{}]
+    except ValueError:
+        # mlx-lm's server answers 200, then fails to list models when the
+        # Hugging Face cache folder is missing: it is up, and takes the path.
+        return ""
     return str(data[0].get("id") or "")
 
 
