@@ -122,6 +122,9 @@ def penalize(
 class GrammarMatcher:
     """One row's llguidance matcher: the text so far against its grammar.
 
+    Attributes:
+        matcher: llguidance's ``LLMatcher``.
+
     Args:
         tokenizer: The model's llguidance tokenizer (:func:`llg_tokenizer`).
         grammar: The compiled grammar (:func:`compile_grammar`).
@@ -129,8 +132,7 @@ class GrammarMatcher:
 
     def __init__(self, tokenizer: Any, grammar: str) -> None:
         llguidance = importlib.import_module("llguidance")
-        self._matcher = llguidance.LLMatcher(tokenizer, grammar)
-        self._fill = importlib.import_module("llguidance.numpy").fill_next_token_bitmask
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
         self._fail_if_broken()
 
     def consume(self, token: int) -> None:
@@ -140,16 +142,12 @@ class GrammarMatcher:
             ValueError: The token does not continue the grammar (the mask
                 allowed it, so llguidance failed).
         """
-        self._matcher.consume_token(token)
+        self.matcher.consume_token(token)
         self._fail_if_broken()
 
-    def fill(self, mask: np.ndarray[Any, np.dtype[np.int32]], index: int) -> None:
-        """Write the allowed next tokens into row ``index`` of ``mask``."""
-        self._fill(self._matcher, mask, index)
-
     def _fail_if_broken(self) -> None:
-        if self._matcher.is_error():
-            raise ValueError(f"the grammar failed: {self._matcher.get_error()}")
+        if self.matcher.is_error():
+            raise ValueError(f"the grammar failed: {self.matcher.get_error()}")
 
 
 class Constrained(Protocol):
@@ -166,7 +164,7 @@ def advance(rows: Sequence[Constrained]) -> None:
 
     A row whose grammar fails is done, with the error: its own failure, not
     the batch's. (llguidance's parallel ``consume_token_par`` hands the
-    rows to its worker threads: slower than this loop on two cores.)
+    rows to its worker threads: no faster than this loop on two cores.)
     """
     for row in rows:
         if row.matcher is not None and not row.done:
@@ -184,12 +182,19 @@ def constrain(logits: mx.array, matchers: Sequence[GrammarMatcher | None]) -> mx
     vocab = logits.shape[-1]
     words = (vocab + 31) // 32
     bits = np.full((len(matchers), words), -1, dtype=np.int32)
-    for i, matcher in enumerate(matchers):
-        if matcher is not None:
-            matcher.fill(bits, i)
+    # One call for the batch (one release of the GIL, not one per row).
+    rows = [(m.matcher, i) for i, m in enumerate(matchers) if m is not None]
+    numpy_side = importlib.import_module("llguidance.numpy")
+    numpy_side.fill_next_token_bitmask_par(_executor(), rows, bits)
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
     mask = mx.array(allowed[:, :vocab].astype(np.bool_))
     return mx.where(mask, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+@functools.cache
+def _executor() -> Any:
+    """llguidance's executor for batch masks (its default thread count)."""
+    return importlib.import_module("llguidance").LLExecutor()
 
 
 def llg_tokenizer(loaded: LoadedModel) -> Any:
