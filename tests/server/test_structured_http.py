@@ -10,16 +10,21 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 from typing import Any
 
 import anyio
 import jsonschema
 import openai
+import pydantic
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
+from mlx_pinned.server.cli import DEMO_MODEL_NAME
+
 from .conftest import MODEL, Served, sse_events
 from .test_batching import TOL
+from .test_e2e import running_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -342,6 +347,50 @@ class TestStructuredOutputs:
         )
         assert alone.content == free.content
         assert alone.logprobs == pytest.approx(free.logprobs, abs=TOL)
+
+
+class Scene(pydantic.BaseModel):
+    """What the SDK's ``parse`` asks for: a schema from a pydantic model."""
+
+    caption: str = pydantic.Field(max_length=16)
+    count: int = pydantic.Field(ge=0, le=9)
+
+
+class TestThroughUvicorn:
+    """The SDK against ``serve --demo`` in a subprocess (real uvicorn)."""
+
+    @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # as the test above
+    async def test_parse_and_a_forced_call_streamed_and_not(
+        self, tmp_path: Path
+    ) -> None:
+        call = {
+            "model": DEMO_MODEL_NAME,
+            "max_tokens": 120,
+            "temperature": 0,
+            "tools": [WEATHER, CLOCK],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+        }
+        with running_server(tmp_path / "server.log") as server:
+            async with server.async_client() as sdk:
+                parsed = await sdk.chat.completions.parse(
+                    model=DEMO_MODEL_NAME,
+                    messages=MESSAGES,  # type: ignore[arg-type]
+                    max_tokens=120,
+                    temperature=0,
+                    response_format=Scene,
+                )
+                whole = await answer(sdk, stream=False, **call)
+                streamed = await answer(sdk, stream=True, **call)
+        choice = parsed.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Scene)
+        assert whole.finish == "tool_calls"
+        name, arguments = whole.calls[0]
+        jsonschema.validate(
+            json.loads(arguments), SCHEMAS[name]["function"]["parameters"]
+        )
+        assert streamed == whole
 
 
 class TestPenalties:
