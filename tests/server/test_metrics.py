@@ -129,10 +129,11 @@ class TestMetrics:
         replace_generation(monkeypatch, slow)
         async with serve() as served:
             gate = served.app.state.gate
-            with anyio.fail_after(10):
+            with anyio.fail_after(30):
                 async with anyio.create_task_group() as group:
                     group.start_soon(served.chat, vision_body(4000))
-                    await until(lambda: gate.busy)
+                    # busy comes before the stream opens on the MLX thread
+                    await until(lambda: served.thread.statistics().open_streams == 1)
                     for _ in range(2):
                         group.start_soon(served.chat, vision_body(2))
                     await until(lambda: gate.waiting == 2)
