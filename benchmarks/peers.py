@@ -201,6 +201,19 @@ async def wait_ready(
     return str(data[0].get("id") or "")
 
 
+async def first_answer(client: Any, body: dict[str, Any], timeout: float) -> None:
+    """Send ``body`` until it is answered 200: a server may list its model
+    (mlx-pinned does) and answer 503 until the model is loaded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        response = await client.post("/v1/chat/completions", json=body)
+        if response.status_code == 200:
+            return
+        if response.status_code != 503 or time.monotonic() > deadline:
+            raise RuntimeError(f"answered {response.status_code}: {response.text}")
+        await asyncio.sleep(0.2)
+
+
 async def bench_system(
     name: str,
     command: list[str],
@@ -225,6 +238,11 @@ async def bench_system(
                 print(f"   not started: {exc}\n{_tail(log)}", flush=True)
                 return []
             body = make_body(served or args.model)
+            try:
+                await first_answer(client, body, args.startup_timeout)
+            except Exception as exc:
+                print(f"   never answered: {exc}\n{_tail(log)}", flush=True)
+                return []
             for _ in range(args.warmup):
                 await client.post("/v1/chat/completions", json=body)
             for concurrency in args.concurrency:
