@@ -164,7 +164,8 @@ def advance(rows: Sequence[Constrained]) -> None:
 
     A row whose grammar fails is done, with the error: its own failure, not
     the batch's. (llguidance's parallel ``consume_token_par`` hands the
-    rows to its worker threads: no faster than this loop on two cores.)
+    rows to its worker threads: not reliably faster than this loop on two
+    cores, and slower under load.)
     """
     for row in rows:
         if row.matcher is not None and not row.done:
