@@ -128,6 +128,26 @@ def _tokenizer_config() -> dict[str, Any]:
     )
 
 
+def qwen3_vision_config(model_type: str, *, deepstack: list[int]) -> dict[str, Any]:
+    """The 2-layer, 32-wide vision tower of Qwen3-VL and Qwen3.5 (patch 16,
+    merged 2x2); ``deepstack``: the layers whose features feed the decoder."""
+    return {
+        "model_type": model_type,
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "in_channels": 3,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": deepstack,
+        "hidden_act": "gelu_pytorch_tanh",
+    }
+
+
 def qwen_text_config(model_type: str) -> dict[str, Any]:
     """The 2-layer, 64-wide decoder all the Qwen families here share."""
     return {
@@ -173,26 +193,11 @@ def _qwen3_vl_config() -> dict[str, Any]:
         },
         "attention_bias": False,
     }
-    vision = {
-        "model_type": "qwen3_vl",
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "out_hidden_size": 64,
-        "in_channels": 3,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "num_position_embeddings": 16,
-        "deepstack_visual_indexes": [0],
-        "hidden_act": "gelu_pytorch_tanh",
-    }
     return {
         "architectures": ["Qwen3VLForConditionalGeneration"],
         "model_type": "qwen3_vl",
         "text_config": text,
-        "vision_config": vision,
+        "vision_config": qwen3_vision_config("qwen3_vl", deepstack=[0]),
         **media_ids(),
         "tie_word_embeddings": True,
         "vocab_size": VOCAB_SIZE,

@@ -12,7 +12,13 @@ from __future__ import annotations
 from typing import Any, Final
 
 from ._family import Family, nested
-from ._qwen import SPECIAL_TOKENS, media_ids, qwen_text_config, qwen_vl_files
+from ._qwen import (
+    SPECIAL_TOKENS,
+    media_ids,
+    qwen3_vision_config,
+    qwen_text_config,
+    qwen_vl_files,
+)
 from ._tokenizer import VOCAB_SIZE
 
 
@@ -37,26 +43,11 @@ def _config() -> dict[str, Any]:
             "partial_rotary_factor": 0.5,
         },
     }
-    vision = {
-        "model_type": "qwen3_5",
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "out_hidden_size": 64,
-        "in_channels": 3,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "num_position_embeddings": 16,
-        "deepstack_visual_indexes": [],
-        "hidden_act": "gelu_pytorch_tanh",
-    }
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",
         "text_config": text,
-        "vision_config": vision,
+        "vision_config": qwen3_vision_config("qwen3_5", deepstack=[]),
         **media_ids(),
         "tie_word_embeddings": True,
         "vocab_size": VOCAB_SIZE,
