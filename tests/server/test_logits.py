@@ -18,11 +18,14 @@ import mlx.core as mx
 import pytest
 
 from mlx_pinned import MLXThread
+from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.logits import compile_grammar, penalize, prompt_seen
+from mlx_pinned.server.engine.state import BatchState
 from mlx_pinned.server.errors import APIError
 from mlx_pinned.server.events import FinalEvent, Grammar
 from mlx_pinned.server.http.gate import BatchGate
+from mlx_pinned.testing import tiny_vlm_path
 
 from .test_batching import (
     TOL,
@@ -226,3 +229,79 @@ class TestGrammarInTheBatch:
         compile_grammar(grammar)
         compile_grammar(Grammar("json_schema", json.dumps({"type": "integer"})))
         assert compile_grammar.cache_info().hits == 1
+
+
+class TestGrammarSpeculation:
+    """A row that reads no log-probabilities is drawn without its grammar's
+    mask and checked after (``speculates``); where its grammar refuses the
+    token, it is drawn again masked and the next step built again. Its
+    answer must be the masked row's, token for token."""
+
+    async def test_a_row_drawn_without_its_mask_answers_as_a_masked_one(
+        self,
+        thread: MLXThread,
+        loaded: LoadedModel,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        calls = {"speculative": 0, "rebuild": 0}
+        for name in calls:
+            method = getattr(BatchState, f"_{name}")
+
+            def counted(*args: Any, _m: Any = method, _n: str = name) -> Any:
+                result = _m(*args)
+                calls[_n] += bool(result) if _n == "speculative" else 1
+                return result
+
+            monkeypatch.setattr(BatchState, f"_{name}", counted)
+        grammar = Grammar("json_schema", json.dumps(SCHEMA))
+        options: list[dict[str, Any]] = [
+            {"grammar": grammar},
+            {"grammar": grammar, "temperature": 1.0, "seed": 9},
+            {"grammar": grammar, "frequency_penalty": 0.8, "presence_penalty": 0.3},
+            {"grammar": Grammar("json_object"), "frequency_penalty": 0.4},
+            {"grammar": Grammar("json_object"), "repetition_penalty": 1.3},
+        ]
+        masked = [request(i, 48, logprobs=True, **o) for i, o in enumerate(options)]
+        drawn = [request(i, 48, logprobs=False, **o) for i, o in enumerate(options)]
+        expected = [await alone(thread, loaded, r) for r in masked]
+        assert calls == {"speculative": 0, "rebuild": 0}  # all masked
+        solo = [await alone(thread, loaded, r) for r in drawn]
+        # The random weights pick control bytes inside strings, which JSON
+        # refuses: the checked path was taken, and the path that corrects it.
+        assert calls["speculative"] > 0
+        assert calls["rebuild"] > 0
+        batched = await together(thread, loaded, [*drawn, request(1, 20)])
+        for ours in (solo, batched[: len(drawn)]):
+            for events, theirs in zip(ours, expected, strict=True):
+                assert [e.text for e in tokens(events)] == [
+                    e.text for e in tokens(theirs)
+                ]
+                assert events[-1] == theirs[-1]  # text, finish, token counts
+        jsonschema.validate(json.loads(text(batched[0])), SCHEMA)
+
+    async def test_a_batch_whose_caches_cannot_be_cut_back_masks_every_row(
+        self, thread: MLXThread, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Gemma 3's sliding-window layers keep rotating caches: no step of
+        # its batch can be built again, so no row may speculate.
+        gemma: LoadedModel = await thread.run(engine.load, tiny_vlm_path("gemma3"))
+        picked: list[list[int]] = []
+        method = BatchState._speculative
+
+        def spied(self: BatchState, rows: list[Any]) -> list[int]:
+            picked.append(method(self, rows))
+            return picked[-1]
+
+        monkeypatch.setattr(BatchState, "_speculative", spied)
+        grammar = Grammar("json_schema", json.dumps(SCHEMA))
+        reqs = [request(i, 40, logprobs=False, grammar=grammar) for i in range(3)]
+        answers = await together(thread, gemma, reqs)
+        assert picked
+        assert not any(picked)
+        for events in answers:
+            final = events[-1]
+            assert isinstance(final, FinalEvent)
+            if final.finish_reason == "stop":
+                jsonschema.validate(json.loads(text(events)), SCHEMA)
+            else:
+                assert text(events).startswith('{"')

@@ -14,6 +14,10 @@ MLX thread only. Both act per row, on the (B, V) logits of a step:
   needs the previous step's token: a batch with a constrained row starts
   each forward pass before that token is read and masks its logits after
   (see ``BatchState.step``), so the matchers advance while it computes.
+  A row that reads no log-probabilities and draws greedily or by
+  temperature alone skips its mask where its grammar leaves the choice
+  open (:func:`speculates`): its token is checked when read, and drawn
+  again with the mask only where the grammar refuses it.
 
 A row without either pays nothing: the batch skips the work when no row
 asks for it.
@@ -41,8 +45,11 @@ __all__ = [
     "bias_rows",
     "compile_grammar",
     "constrain",
+    "fill_masks",
+    "mask",
     "penalize",
     "prompt_seen",
+    "speculates",
 ]
 
 
@@ -145,6 +152,15 @@ class GrammarMatcher:
         self.matcher.consume_token(token)
         self._fail_if_broken()
 
+    def try_consume(self, token: int) -> bool:
+        """Advance past ``token`` if the grammar allows it; else leave the
+        matcher as it was and answer False."""
+        return bool(self.matcher.try_consume_tokens([token]))
+
+    def forced(self) -> bool:
+        """Whether the grammar forces the next token, or may end here."""
+        return self.matcher.is_accepting() or bool(self.matcher.compute_ff_tokens())
+
     def _fail_if_broken(self) -> None:
         if self.matcher.is_error():
             raise ValueError(f"the grammar failed: {self.matcher.get_error()}")
@@ -175,21 +191,75 @@ def advance(rows: Sequence[Constrained]) -> None:
                 row.error, row.done = exc, True
 
 
+class Speculating(Protocol):
+    """What deciding whether a row's grammar can speculate reads of it."""
+
+    matcher: GrammarMatcher | None
+    sampling: tuple[float, float, int]  # temperature, top_p, top_k
+    min_p: float
+    logprobs: bool
+    top_logprobs: int
+
+
+def speculates(row: Speculating) -> bool:
+    """Whether ``row``'s token can be drawn without its grammar's mask, and
+    checked after.
+
+    A draw picks the greatest of the log-probabilities (greedy) or of them
+    plus noise from the row's key (temperature alone: the Gumbel-max draw
+    of ``mx.random.categorical``). A mask only takes tokens out and moves
+    every log-probability by one constant, so when the unmasked pick is
+    allowed, the masked draw picks it too (the same key, the same noise);
+    when it is not, the row is drawn again with the mask. Most tokens of a
+    constrained answer (inside a string, say) are allowed, and checking one
+    costs a few microseconds against a mask's tens per row. Not for rows
+    whose nucleus, top-k or min-p set depends on the mask, nor for rows that
+    read log-probabilities: those are the masked distribution's.
+    """
+    temperature, top_p, top_k = row.sampling
+    free_draw = temperature <= 0 or (
+        not 0 < top_p < 1 and top_k <= 0 and row.min_p <= 0
+    )
+    return (
+        row.matcher is not None
+        and free_draw
+        and not row.logprobs
+        and not row.top_logprobs
+    )
+
+
 def constrain(logits: mx.array, matchers: Sequence[GrammarMatcher | None]) -> mx.array:
     """``logits`` (B, V) with the tokens each row's grammar forbids at -inf;
     rows without a matcher are left as they are."""
+    allowed = fill_masks(matchers, logits.shape[-1])
+    return logits if allowed is None else mask(logits, allowed)
+
+
+def fill_masks(
+    matchers: Sequence[GrammarMatcher | None], vocab: int
+) -> np.ndarray | None:
+    """(B, V) true where row ``i``'s grammar allows the token; rows without
+    a matcher, or whose grammar failed, allow every token. None when no row
+    has a matcher."""
     if not any(matchers):
-        return logits
-    vocab = logits.shape[-1]
+        return None
     words = (vocab + 31) // 32
     bits = np.full((len(matchers), words), -1, dtype=np.int32)
+    rows = [
+        (m.matcher, i)
+        for i, m in enumerate(matchers)
+        if m is not None and not m.matcher.is_error()
+    ]
     # One call for the batch (one release of the GIL, not one per row).
-    rows = [(m.matcher, i) for i, m in enumerate(matchers) if m is not None]
     numpy_side = importlib.import_module("llguidance.numpy")
     numpy_side.fill_next_token_bitmask_par(_executor(), rows, bits)
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
-    mask = mx.array(allowed[:, :vocab].astype(np.bool_))
-    return mx.where(mask, logits, mx.array(-mx.inf, dtype=logits.dtype))
+    return allowed[:, :vocab].astype(np.bool_)
+
+
+def mask(logits: mx.array, allowed: np.ndarray) -> mx.array:
+    """``logits`` (B, V) at -inf where ``allowed`` (B, V) is false."""
+    return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
 @functools.cache

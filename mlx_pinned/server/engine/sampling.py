@@ -61,6 +61,11 @@ class Draw:
     top_values: mx.array | None
     keep: int  # the most alternatives a row asked for
     top_sizes: list[int]
+    # Rows drawn without their grammar's mask (:func:`.logits.speculates`),
+    # to be checked when read; with the logits and bias they were drawn from.
+    speculative: Sequence[int] = ()
+    logits: mx.array | None = None
+    bias: mx.array | None = None
 
 
 def draw(
@@ -69,13 +74,16 @@ def draw(
     bias: mx.array | None,
     also: Sequence[Any] = (),
     ahead: Sequence[int] = (),
+    speculative: Sequence[int] = (),
 ) -> Draw:
     """Build one token per row of ``logits`` (B, V) and start computing it,
     with ``also`` (the caches' states, so their graph does not grow).
     ``ahead`` holds, per row, how many of its tokens are sampled but not yet
     counted in its ``sampled`` (a step built before the previous one was
-    read); empty: none."""
+    read); empty: none. ``speculative``: the rows whose grammar's mask was
+    left out, kept in the :class:`Draw` with what they were drawn from."""
     api = vlm()
+    kept = (speculative, logits, bias) if speculative else ((), None, None)
     if bias is not None:
         logits = logits + bias
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -121,7 +129,7 @@ def draw(
     targets.extend(also)
     mx.async_eval(targets)  # type: ignore[no-untyped-call]
     sizes = [rows[i].top_logprobs for i in wanted]
-    return Draw(tokens, chosen, wanted, top_ids, top_values, keep, sizes)
+    return Draw(tokens, chosen, wanted, top_ids, top_values, keep, sizes, *kept)
 
 
 def collect(pending: Draw, stop: Callable[[int], Any]) -> list[Sampled]:

@@ -17,7 +17,7 @@ with per-row cache offsets, so no row ever reads another's state.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import mlx.core as mx
@@ -29,7 +29,10 @@ from .logits import (
     advance,
     bias_rows,
     constrain,
+    fill_masks,
+    mask,
     penalize,
+    speculates,
 )
 from .model import LoadedModel
 from .prefill import (
@@ -392,10 +395,14 @@ class BatchState:
             self.leaving |= last
             if self._constrained():
                 # A grammar's mask needs this step's tokens: the next forward
-                # pass starts on them unread, they are read while it computes,
-                # then its logits are masked and sampled.
+                # pass starts on them unread, they are read and checked while
+                # it computes, then its logits are masked and sampled.
                 forward = self._forward(inflight, start=True)
-                self._read(rows, collect(pending, self._stop), last)
+                sampled = collect(pending, self._stop)
+                consumed, refused = self._check(rows, pending, sampled)
+                self._read(rows, sampled, last, consumed)
+                if refused and forward is not None:
+                    forward = self._rebuild(forward)
                 if forward is not None:
                     self._sample(forward, read=True)
                 self.steps += 1
@@ -410,9 +417,16 @@ class BatchState:
         self.steps += 1
         self.step_seconds += time.perf_counter() - start
 
-    def _read(self, rows: list[Row], sampled: list[Sampled], last: set[Row]) -> None:
-        """Hand a step's tokens to its rows; rows in ``last`` left the batch
-        already (the next step was built without them)."""
+    def _read(
+        self,
+        rows: list[Row],
+        sampled: list[Sampled],
+        last: set[Row],
+        consumed: Collection[Row] = (),
+    ) -> None:
+        """Hand a step's tokens to its rows and advance their grammars (but
+        those ``consumed`` already); rows in ``last`` left the batch already
+        (the next step was built without them)."""
         read = []
         for row, item in zip(rows, sampled, strict=True):
             if row.gone or row.done:
@@ -423,7 +437,7 @@ class BatchState:
             self._record(row, item)
             self.decoded += 1
             read.append(row)
-        advance(read)
+        advance([row for row in read if row not in consumed])
         for row in read:
             # Adding a row of ``last`` to the leaving again would count twice.
             if row.done and row not in last:
@@ -436,6 +450,70 @@ class BatchState:
             row.matcher is not None and not (row.gone or row.done)
             for row in (*self.rows, *joining)
         )
+
+    def _check(
+        self, rows: list[Row], pending: Draw, sampled: list[Sampled]
+    ) -> tuple[set[Row], bool]:
+        """Check the tokens of the rows drawn without their grammar's mask
+        (:func:`.logits.speculates`).
+
+        An allowed token is consumed by its row's matcher. The rows whose
+        grammar refuses theirs are drawn again, from the same logits with the
+        mask and the same keys, and their items in ``sampled`` replaced. The
+        rows whose matchers consumed their token, and whether any refused.
+        """
+        consumed: set[Row] = set()
+        refused: list[int] = []
+        for i in pending.speculative:
+            row = rows[i]
+            if row.gone or row.done or row.matcher is None:
+                continue  # not read (see _read)
+            if row.matcher.try_consume(sampled[i].token):
+                consumed.add(row)
+            else:
+                refused.append(i)
+        if refused:
+            assert pending.logits is not None
+            again = [rows[i] for i in refused]
+            vocab = pending.logits.shape[-1]
+            allowed = fill_masks([row.matcher for row in again], vocab)
+            assert allowed is not None
+            index = mx.array(refused, dtype=mx.int32)
+            logits = mask(pending.logits[index], allowed)
+            bias = None if pending.bias is None else pending.bias[index]
+            redrawn = collect(draw(logits, again, bias), self._stop)
+            for i, item in zip(refused, redrawn, strict=True):
+                sampled[i] = item
+        return consumed, bool(refused)
+
+    def _rebuild(self, forward: _Forward) -> _Forward | None:
+        """The next forward pass again, on the step's tokens as read: the one
+        started was built on a token its row's grammar refused. Its cache
+        entries are cut off (every cache is a plain one: see
+        :meth:`_speculative`) and the penalties' counts put back."""
+        for c in self.cache or ():
+            c.trim(1)
+        for row, counts in zip(forward.rows, forward.counts, strict=True):
+            row.counts = counts
+        return self._forward(None, start=True)
+
+    def _speculative(self, rows: list[Row]) -> list[int]:
+        """The rows of a step built on read tokens to draw without their
+        grammar's mask: those that can (:func:`.logits.speculates`) and
+        whose grammar neither forces the next token nor may end here (the
+        model's own pick would most likely be refused), while every cache
+        can be cut back a token (:meth:`_rebuild`)."""
+        caches = self.cache or ()
+        if not all(type(c).__name__ == "BatchKVCache" for c in caches):
+            return []
+        return [
+            i
+            for i, row in enumerate(rows)
+            if speculates(row)
+            and not row.done
+            and row.matcher is not None
+            and not row.matcher.forced()
+        ]
 
     def _launch(self, inflight: tuple[list[Row], Draw] | None = None) -> None:
         """Build the next step for the rows still in, and start it. With the
@@ -482,24 +560,30 @@ class BatchState:
         kwargs: dict[str, Any] = {}
         if self.deltas is not None:
             kwargs["rope_deltas"] = self.deltas
+        counts = [row.counts for row in rows]
         output = self.lm(inputs[:, None], cache=self.cache, **kwargs)
         logits = penalize(output.logits[:, -1, :], rows, inputs, counted)
         if start:
             mx.async_eval(logits, *(c.state for c in self.cache or ()))  # type: ignore[no-untyped-call]
-        return _Forward(rows, logits, ahead)
+        return _Forward(rows, logits, ahead, counts)
 
     def _sample(self, forward: _Forward, *, read: bool = False) -> None:
         """Mask, bias and sample a forward pass's logits, and start it: the
         next step in flight. With ``read``, the step before it was read
         since (its rows' positions count its tokens)."""
         rows = forward.rows
+        speculative = self._speculative(rows) if read else []
         # A row that ended in the step read since has no next token to mask.
-        matchers = [None if row.done else row.matcher for row in rows]
+        matchers = [
+            None if row.done or i in speculative else row.matcher
+            for i, row in enumerate(rows)
+        ]
         logits = constrain(forward.logits, matchers)
         bias = self._bias_matrix(rows, logits)
         states = [c.state for c in self.cache or ()]
         ahead = () if read else forward.ahead
-        self._inflight = (rows, draw(logits, rows, bias, states, ahead))
+        pending = draw(logits, rows, bias, states, ahead, speculative)
+        self._inflight = (rows, pending)
         self.peak_active = max(self.peak_active, len(rows))
 
     def _record(self, row: Row, item: Sampled) -> None:
@@ -542,6 +626,7 @@ class _Forward(NamedTuple):
     rows: list[Row]
     logits: mx.array
     ahead: list[int]  # see :func:`.sampling.draw`
+    counts: list[mx.array | None]  # the rows' penalty counts before it
 
 
 def _unmasked_steps(make_mask: Any) -> Any:
