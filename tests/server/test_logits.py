@@ -21,7 +21,7 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.logits import compile_grammar, penalize, prompt_seen
-from mlx_pinned.server.engine.state import BatchState
+from mlx_pinned.server.engine.state import SPECULATION_MISSES, BatchState
 from mlx_pinned.server.errors import APIError
 from mlx_pinned.server.events import FinalEvent, Grammar
 from mlx_pinned.server.http.gate import BatchGate
@@ -305,3 +305,32 @@ class TestGrammarSpeculation:
                 jsonschema.validate(json.loads(text(events)), SCHEMA)
             else:
                 assert text(events).startswith('{"')
+
+    async def test_a_batch_whose_rows_are_often_refused_stops_speculating(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        grammar = Grammar("json_schema", json.dumps(SCHEMA))
+
+        def run() -> tuple[list[int], list[int], list[int]]:
+            state = BatchState(loaded)
+            rows = [
+                state.admit(*request(i, 30, logprobs=False, grammar=grammar))
+                for i in range(2)
+            ]
+            while not state.rows or any(not r.sampled for r in rows):
+                state.step()
+            assert not any(r.done for r in rows)
+            # Rows inside a string, their grammar leaving the choice open.
+            while any(r.matcher is not None and r.matcher.forced() for r in rows):
+                state.step()
+            before = state._speculative(state.rows)
+            state._rebuilt.extend([True] * (SPECULATION_MISSES + 1))
+            paused = [len(state._speculative(state.rows)) for _ in range(3)]
+            state._paused = 0
+            after = state._speculative(state.rows)
+            return before, paused, after
+
+        before, paused, after = await thread.run(run)
+        assert before == [0, 1]
+        assert paused == [0, 0, 0]
+        assert after == [0, 1]  # the window was cleared

@@ -16,6 +16,7 @@ with per-row cache offsets, so no row ever reads another's state.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -52,6 +53,11 @@ if TYPE_CHECKING:
 
 # Prompts prefilled together at most (mlx-vlm's default prefill batch).
 PREFILL_BATCH = 8
+# Grammar rows stop speculating for a while when more than SPECULATION_MISSES
+# of the batch's last SPECULATION_WINDOW speculative steps were built again.
+SPECULATION_WINDOW = 16
+SPECULATION_MISSES = 4
+SPECULATION_PAUSE = 64
 
 
 class BatchState:
@@ -94,6 +100,15 @@ class BatchState:
         # The step started and not yet collected: its rows and its draw.
         self._inflight: tuple[list[Row], Draw] | None = None
         self._bias_stale = True
+        # Whether each recent speculative step was built again, and how many
+        # steps speculation waits (see _speculative). Only on the CPU backend,
+        # where the masks compete with the forward pass for the same cores;
+        # elsewhere they are computed while the pass runs on the device.
+        self._speculating = mx.default_device() == mx.cpu
+        self._rebuilt: collections.deque[bool] = collections.deque(
+            maxlen=SPECULATION_WINDOW
+        )
+        self._paused = 0
         self._stop = loaded.tokenizer.stopping_criteria
         self.peak_active = self.steps = self.decoded = self.prefills = 0
         self.passes = 0
@@ -400,6 +415,8 @@ class BatchState:
                 forward = self._forward(inflight, start=True)
                 sampled = collect(pending, self._stop)
                 consumed, refused = self._check(rows, pending, sampled)
+                if pending.speculative:
+                    self._rebuilt.append(refused)
                 self._read(rows, sampled, last, consumed)
                 if refused and forward is not None:
                     forward = self._rebuild(forward)
@@ -502,9 +519,26 @@ class BatchState:
         grammar's mask: those that can (:func:`.logits.speculates`) and
         whose grammar neither forces the next token nor may end here (the
         model's own pick would most likely be refused), while every cache
-        can be cut back a token (:meth:`_rebuild`)."""
+        can be cut back a token (:meth:`_rebuild`).
+
+        A refusal costs the batch a forward pass, a mask a few tens of
+        microseconds a row: when more than :data:`SPECULATION_MISSES` of
+        the last :data:`SPECULATION_WINDOW` speculative steps were built
+        again (rows whose models often pick what their grammar refuses, and
+        refuse at different steps), every row is masked for the next
+        :data:`SPECULATION_PAUSE` steps. It depends on the tokens only, so
+        every rank of a sharded model decides alike.
+        """
         caches = self.cache or ()
-        if not all(type(c).__name__ == "BatchKVCache" for c in caches):
+        if not self._speculating or not all(
+            type(c).__name__ == "BatchKVCache" for c in caches
+        ):
+            return []
+        if sum(self._rebuilt) > SPECULATION_MISSES:
+            self._rebuilt.clear()
+            self._paused = SPECULATION_PAUSE
+        if self._paused:
+            self._paused -= 1
             return []
         return [
             i
