@@ -19,7 +19,7 @@ import pytest
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server import engine
-from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.engine import BatchEngine, LoadedModel, logits
 from mlx_pinned.server.engine.logits import compile_grammar, penalize, prompt_seen
 from mlx_pinned.server.engine.state import SPECULATION_MISSES, BatchState
 from mlx_pinned.server.errors import APIError
@@ -222,6 +222,50 @@ class TestGrammarInTheBatch:
         assert caught.value.status == 400
         assert caught.value.code == "invalid_grammar"
         assert batch.statistics().prefills == 0
+
+    async def test_a_request_gets_a_copy_of_the_one_matcher_kept_per_grammar(
+        self,
+        thread: MLXThread,
+        loaded: LoadedModel,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        monkeypatch.setattr(logits, "MATCHERS_KEPT", 2)
+        grammar = Grammar("json_schema", json.dumps(SCHEMA))
+
+        def run() -> tuple[bool, bool, list[Grammar]]:
+            loaded.grammar_matchers.clear()
+            first = logits.new_matcher(loaded, grammar)
+            second = logits.new_matcher(loaded, grammar)
+            allowed = logits.fill_masks([first], loaded.vocab_size)
+            assert allowed is not None
+            token = int(allowed[0].argmax())  # the first token it allows
+            first.consume(token)
+            # The second copy and the kept one are still at the start.
+            still = logits.fill_masks(
+                [second, loaded.grammar_matchers[grammar]], loaded.vocab_size
+            )
+            assert still is not None
+            moved = logits.fill_masks([first], loaded.vocab_size)
+            assert moved is not None
+            others = [
+                Grammar("json_schema", json.dumps({"type": kind}))
+                for kind in ("integer", "boolean")
+            ]
+            for other in others:
+                logits.new_matcher(loaded, other)
+            return (
+                bool(still[:, token].all()),
+                bool((moved[0] == allowed[0]).all()),
+                list(loaded.grammar_matchers),
+            )
+
+        untouched, same, kept = await thread.run(run)
+        assert untouched
+        assert not same  # the consumed copy moved on
+        assert kept == [  # the least recently used one left
+            Grammar("json_schema", json.dumps({"type": kind}))
+            for kind in ("integer", "boolean")
+        ]
 
     def test_a_grammar_is_compiled_once(self) -> None:
         grammar = Grammar("json_schema", json.dumps({"type": "integer"}))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 from ..errors import APIError
-from .logits import GrammarMatcher, compile_grammar, llg_tokenizer, prompt_seen
+from .logits import GrammarMatcher, new_matcher, prompt_seen
 from .prefill import MEDIA_TOKENS, preprocess
 from .prompt_cache import image_hash, prompt_key
 from .rows import Row
@@ -92,11 +92,12 @@ def make_row(
 
 
 def _matcher(loaded: LoadedModel, grammar: Grammar | None) -> GrammarMatcher | None:
-    """A fresh matcher for ``grammar`` (compiled once per grammar)."""
+    """A fresh matcher for ``grammar`` (compiled once per grammar, copied
+    from the model's own)."""
     if grammar is None:
         return None
     try:
-        return GrammarMatcher(llg_tokenizer(loaded), compile_grammar(grammar))
+        return new_matcher(loaded, grammar)
     except ValueError as exc:
         raise APIError(400, f"{exc}.", code="invalid_grammar") from None
 

@@ -12,12 +12,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
 from ..limits import context_length, longest_token_chars
 from .text import token_bytes
+
+if TYPE_CHECKING:
+    from ..events import Grammar
+    from .logits import GrammarMatcher
 
 __all__ = ["EXACT_FAMILIES", "LoadedModel", "load", "serial_reason"]
 
@@ -65,6 +69,8 @@ class LoadedModel:
     loaded_at: float = field(default_factory=time.time)  # Unix time, at the end
     weight_bytes: int = 0
     grammar_tokenizer: Any = None  # llguidance's, made on first use
+    # A fresh matcher per grammar, to copy: see .logits.new_matcher.
+    grammar_matchers: dict[Grammar, GrammarMatcher] = field(default_factory=dict)
     _token_text: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
     _longest_token: int | None = None
 
