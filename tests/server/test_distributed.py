@@ -233,6 +233,52 @@ class TestServing:
         group.wait_for(ranks(group, [0, 0]), "both ranks idle", 30)
         assert "diverged" not in group.log(1)
 
+    def test_schema_rows_drawn_unmasked_agree_across_ranks(self, group: Group) -> None:
+        # Greedy schema rows that read no log-probabilities draw without
+        # their mask; where a rank's grammar refuses a token, every rank
+        # must cut its cache back and build the step again alike.
+        schema = {
+            "type": "object",
+            "properties": {"caption": {"type": "string", "maxLength": 60}},
+            "required": ["caption"],
+            "additionalProperties": False,
+        }
+        bodies = [
+            {
+                "messages": vision_messages(size, seed, 3),
+                "max_tokens": 40,
+                "temperature": 0.0,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "scene", "schema": schema},
+                },
+            }
+            for size, seed in [(64, 6), (0, 0), (32, 7), (96, 8)]
+        ]
+
+        def content(client: openai.OpenAI, body: dict[str, Any]) -> tuple[str, str]:
+            done = client.chat.completions.create(model=DEMO_MODEL_NAME, **body)
+            choice = done.choices[0]
+            return choice.message.content or "", choice.finish_reason
+
+        app = create_app(tiny_vlm_path(), served_model_name=DEMO_MODEL_NAME)
+        with TestClient(app) as http:
+            whole = openai.OpenAI(
+                base_url="http://testserver/v1", api_key="unused", http_client=http
+            )
+            expected = [content(whole, body) for body in bodies]
+        client = group.client()
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            found = list(pool.map(lambda body: content(client, body), bodies))
+        assert found == expected
+        for text, finish in found:
+            if finish == "stop":
+                assert set(json.loads(text)) == {"caption"}
+            else:
+                assert text.startswith('{"caption":"')
+        group.wait_for(ranks(group, [0, 0]), "both ranks idle", 30)
+        assert "diverged" not in group.log(1)
+
     def test_a_disconnect_frees_the_row_on_both_ranks(self, group: Group) -> None:
         stream = group.client().chat.completions.create(
             model=DEMO_MODEL_NAME,

@@ -323,6 +323,56 @@ class TestGrammarSpeculation:
                 assert events[-1] == theirs[-1]  # text, finish, token counts
         jsonschema.validate(json.loads(text(batched[0])), SCHEMA)
 
+    async def test_rows_joining_a_speculating_batch_answer_as_alone(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        # Rows join while others speculate, so steps are cut back and built
+        # again with joiners in them, and joiners are refused in turn.
+        grammar = Grammar("json_schema", json.dumps(SCHEMA))
+        bias = ((5, 2.0), (7, -3.0))
+        reqs = [
+            request(i, 40, logprobs=False, grammar=grammar, logit_bias=bias)
+            for i in range(4)
+        ]
+
+        def drive(reqs: list[Request], joins: list[int]) -> list[list[int]]:
+            """Each row's tokens; row ``i`` admitted before step ``joins[i]``."""
+            state = BatchState(loaded)
+            rows: list[Any] = []
+            out: list[list[int]] = []
+            steps = 0
+            while len(rows) < len(reqs) or not all(r.done for r in rows):
+                while len(rows) < len(reqs) and steps >= joins[len(rows)]:
+                    rows.append(state.admit(*reqs[len(rows)]))
+                    out.append([])
+                state.step()
+                steps += 1
+                for row, got in zip(rows, out, strict=True):
+                    got += [item.token for item in row.pending]
+                    row.pending.clear()
+            return out
+
+        def run() -> tuple[list[list[int]], list[list[int]], int]:
+            solo = [drive([req], [0])[0] for req in reqs]
+            rebuilt = 0
+            method = BatchState._rebuild
+
+            def counted(self: BatchState, forward: Any) -> Any:
+                nonlocal rebuilt
+                rebuilt += 1
+                return method(self, forward)
+
+            BatchState._rebuild = counted  # type: ignore[method-assign]
+            try:
+                staggered = drive(reqs, [0, 3, 7, 12])
+            finally:
+                BatchState._rebuild = method  # type: ignore[method-assign]
+            return solo, staggered, rebuilt
+
+        solo, staggered, rebuilt = await thread.run(run)
+        assert staggered == solo
+        assert rebuilt > 0
+
     async def test_a_batch_whose_caches_cannot_be_cut_back_masks_every_row(
         self, thread: MLXThread, monkeypatch: pytest.MonkeyPatch
     ) -> None:
