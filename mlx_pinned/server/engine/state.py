@@ -411,7 +411,9 @@ class BatchState:
             if self._constrained():
                 # A grammar's mask needs this step's tokens: the next forward
                 # pass starts on them unread, they are read and checked while
-                # it computes, then its logits are masked and sampled.
+                # it computes, then its logits are masked and sampled. Where a
+                # grammar refuses a token drawn without its mask, the row is
+                # drawn again and the pass built again (_check, _rebuild).
                 forward = self._forward(inflight, start=True)
                 sampled = collect(pending, self._stop)
                 consumed, refused = self._check(rows, pending, sampled)
