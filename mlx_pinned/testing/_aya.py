@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from ._family import Family, ids, nested
+from ._family import Family, ids, nested, siglip_tower
 from ._tokenizer import VOCAB_SIZE, tokenizer_config
 
 SPECIAL_TOKENS: Final = (
@@ -90,17 +90,7 @@ def _config() -> dict[str, Any]:
         "sliding_window_pattern": 2,
         "max_position_embeddings": 8192,
     }
-    vision = {
-        "model_type": "siglip_vision_model",
-        "num_hidden_layers": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_attention_heads": 2,
-        "patch_size": 8,
-        "image_size": _TILE,
-        "num_channels": 3,
-        "layer_norm_eps": 1e-6,
-    }
+    vision = siglip_tower(_TILE, 8)
     return {
         "architectures": ["AyaVisionForConditionalGeneration"],
         "model_type": "aya_vision",

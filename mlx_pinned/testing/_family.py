@@ -96,6 +96,22 @@ def flat(module: Any, config: dict[str, Any]) -> Any:
     return module.Model(module.ModelConfig.from_dict(dict(config)))
 
 
+def siglip_tower(side: int, patch: int) -> dict[str, Any]:
+    """A 2-layer, 32-wide SigLIP vision tower for ``side``-pixel images
+    (Gemma 3, SmolVLM and Aya Vision use one)."""
+    return {
+        "model_type": "siglip_vision_model",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "patch_size": patch,
+        "image_size": side,
+        "num_channels": 3,
+        "layer_norm_eps": 1e-6,
+    }
+
+
 def _mlx_vlm_version() -> str:
     try:
         return metadata.version("mlx-vlm")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from ._family import Family, ids, nested
+from ._family import Family, ids, nested, siglip_tower
 from ._tokenizer import VOCAB_SIZE, tokenizer_config
 
 SPECIAL_TOKENS: Final = (
@@ -101,21 +101,6 @@ def _image_processor(kind: str, side: int, processor: str) -> dict[str, Any]:
     }
 
 
-def _siglip(side: int, patch: int) -> dict[str, Any]:
-    """A 2-layer, 32-wide SigLIP tower."""
-    return {
-        "model_type": "siglip_vision_model",
-        "num_hidden_layers": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_attention_heads": 2,
-        "patch_size": patch,
-        "image_size": side,
-        "num_channels": 3,
-        "layer_norm_eps": 1e-6,
-    }
-
-
 # -- Gemma 3 -------------------------------------------------------------------
 
 # A 32x32 image of 8x8 patches, pooled 2x2: 4 soft tokens per image.
@@ -150,7 +135,7 @@ def _gemma3_config() -> dict[str, Any]:
         "architectures": ["Gemma3ForConditionalGeneration"],
         "model_type": "gemma3",
         "text_config": text,
-        "vision_config": _siglip(_GEMMA3_SIDE, 8),
+        "vision_config": siglip_tower(_GEMMA3_SIDE, 8),
         "boi_token_index": _IDS["<start_of_image>"],
         "eoi_token_index": _IDS["<end_of_image>"],
         "image_token_index": _IDS["<image_soft_token>"],

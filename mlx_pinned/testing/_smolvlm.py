@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from ._family import Family, ids, nested
+from ._family import Family, ids, nested, siglip_tower
 from ._tokenizer import VOCAB_SIZE, tokenizer_config
 
 # The largest split here is 2x2 tiles, so four row/column tokens.
@@ -77,17 +77,7 @@ def _config() -> dict[str, Any]:
         "max_position_embeddings": 8192,
         "tie_word_embeddings": False,
     }
-    vision = {
-        "model_type": "siglip_vision_model",
-        "num_hidden_layers": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_attention_heads": 2,
-        "patch_size": 8,
-        "image_size": _TILE,
-        "num_channels": 3,
-        "layer_norm_eps": 1e-6,
-    }
+    vision = siglip_tower(_TILE, 8)
     return {
         "architectures": ["SmolVLMForConditionalGeneration"],
         "model_type": "smolvlm",
