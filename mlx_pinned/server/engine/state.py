@@ -417,10 +417,12 @@ class BatchState:
                 forward = self._forward(inflight, start=True)
                 sampled = collect(pending, self._stop)
                 consumed, refused = self._check(rows, pending, sampled)
+                # Only a pass that holds a refused row's token is wrong.
+                wrong = forward is not None and not refused.isdisjoint(forward.rows)
                 if pending.speculative:
-                    self._rebuilt.append(refused)
+                    self._rebuilt.append(wrong)
                 self._read(rows, sampled, last, consumed)
-                if refused and forward is not None:
+                if wrong and forward is not None:
                     forward = self._rebuild(forward)
                 if forward is not None:
                     self._sample(forward, read=True)
@@ -472,14 +474,14 @@ class BatchState:
 
     def _check(
         self, rows: list[Row], pending: Draw, sampled: list[Sampled]
-    ) -> tuple[set[Row], bool]:
+    ) -> tuple[set[Row], set[Row]]:
         """Check the tokens of the rows drawn without their grammar's mask
         (:func:`.logits.speculates`).
 
         An allowed token is consumed by its row's matcher. The rows whose
         grammar refuses theirs are drawn again, from the same logits with the
         mask and the same keys, and their items in ``sampled`` replaced. The
-        rows whose matchers consumed their token, and whether any refused.
+        rows whose matchers consumed their token, and those refused.
         """
         consumed: set[Row] = set()
         refused: list[int] = []
@@ -503,7 +505,7 @@ class BatchState:
             redrawn = collect(draw(logits, again, bias), self._stop)
             for i, item in zip(refused, redrawn, strict=True):
                 sampled[i] = item
-        return consumed, bool(refused)
+        return consumed, {rows[i] for i in refused}
 
     def _rebuild(self, forward: _Forward) -> _Forward | None:
         """The next forward pass again, on the step's tokens as read: the one
