@@ -25,13 +25,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from ..errors import (
-    APIError,
-    api_error,
-    internal_error,
-    thread_unavailable,
-    timed_out,
-)
+from ..errors import APIError, internal_error, thread_unavailable, timed_out
 from ..events import FinalEvent, TokenEvent, TokenLogprobs
 from ..limits import check_text_length
 from .answer import (
@@ -42,7 +36,8 @@ from .answer import (
     delta,
     finish_reason,
 )
-from .params import generation_params, image_refs, text_chars
+from .errors import api_error
+from .params import generation_params, image_parts, image_refs, text_chars
 from .responses import (
     ChatCompletion,
     Choice,
@@ -145,10 +140,11 @@ class ChatEndpoint:
         self, scope: Scope, body: bytes, response: ResponseWriter, log: RequestLog
     ) -> None:
         """Handle the request; every error becomes an answer (none escapes)."""
+        images: list[str] = []  # where the request's images are, once parsed
         try:
-            await self._handle(scope, body, response, log)
+            await self._handle(scope, body, response, log, images)
         except Exception as exc:
-            error = api_error(exc, retry_after=self.config.retry_after)
+            error = api_error(exc, retry_after=self.config.retry_after, images=images)
             if error is None:
                 logger.exception("chat completion failed")
                 error = internal_error()
@@ -157,11 +153,17 @@ class ChatEndpoint:
             await response.error(error)
 
     async def _handle(
-        self, scope: Scope, body: bytes, response: ResponseWriter, log: RequestLog
+        self,
+        scope: Scope,
+        body: bytes,
+        response: ResponseWriter,
+        log: RequestLog,
+        images: list[str],
     ) -> None:
         if self.thread.closed:  # fail fast: nothing will ever run
             raise thread_unavailable()
         request = parse_chat_request(body)
+        images.extend(param for param, _ in image_parts(request.messages))
         log.stream = bool(request.stream)
         served = self.models.get(request.model)
         log.model = served.name

@@ -25,7 +25,13 @@ from .messages import (
 )
 from .schemas import ChatCompletionRequest
 
-__all__ = ["chat_messages", "generation_params", "image_refs", "text_chars"]
+__all__ = [
+    "chat_messages",
+    "generation_params",
+    "image_parts",
+    "image_refs",
+    "text_chars",
+]
 
 _TOP_P_FLOOR = 1.1754943508222875e-38  # float32's smallest normal number
 
@@ -129,15 +135,10 @@ def image_refs(messages: Sequence[Message], limits: ImageLimits) -> list[ImageRe
     """The image parts of ``messages`` in prompt order; checks the count.
 
     Raises:
-        ImageError: More than ``limits.max_images`` images.
+        ImageRefusedError: More than ``limits.max_images`` images.
     """
-    refs = [
-        ImageRef(i, j, part.image_url.url)
-        for i, message in enumerate(messages)
-        if isinstance(message, UserMessage) and not isinstance(message.content, str)
-        for j, part in enumerate(message.content)
-        if isinstance(part, ImagePart)
-    ]
+    parts = image_parts(messages)
+    refs = [ImageRef(index, url) for index, (_, url) in enumerate(parts)]
     if len(refs) > limits.max_images:
         raise refs[limits.max_images].error(
             f"too many images: {len(refs)} in this request, at most "
@@ -145,6 +146,18 @@ def image_refs(messages: Sequence[Message], limits: ImageLimits) -> list[ImageRe
             "too_many_images",
         )
     return refs
+
+
+def image_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
+    """Each image part of ``messages`` in prompt order: where it is in the
+    request (``messages[1].content[0].image_url``), and its URL."""
+    return [
+        (f"messages[{i}].content[{j}].image_url", part.image_url.url)
+        for i, message in enumerate(messages)
+        if isinstance(message, UserMessage) and not isinstance(message.content, str)
+        for j, part in enumerate(message.content)
+        if isinstance(part, ImagePart)
+    ]
 
 
 def text_chars(request: ChatCompletionRequest) -> int:
