@@ -207,6 +207,10 @@ class ServerConfig:
         request_timeout: Seconds a request may take after its body is read
             (images, queue wait and generation); past it, 504 (or an error
             event) and the generation is closed. None: no limit.
+        load_wait: Seconds a request waits for its model's load (at start-up,
+            or on first use) before a 503 ``model_not_loaded``; the
+            readiness probe answers 503 meanwhile. None: as long as the load
+            takes.
         drain_timeout: Seconds in-flight requests get at shut-down.
         drain_seconds: Seconds ``mlx-pinned serve`` keeps serving after
             SIGTERM with ``/health`` answering 503, before it closes its
@@ -315,6 +319,12 @@ class ServerConfig:
         600.0,
         "seconds a request may wait and generate before 504; 0: no limit "
         "(default: %(default)s)",
+        parse=seconds_or_none,
+    )
+    load_wait: float | None = _setting(
+        120.0,
+        "seconds a request waits for its model to load before 503 "
+        "model_not_loaded; 0: as long as the load takes (default: %(default)s)",
         parse=seconds_or_none,
     )
     drain_timeout: float = _setting(
@@ -434,7 +444,7 @@ class ServerConfig:
             raise ValueError(
                 f"max_prompt_tokens must be >= 1, not {self.max_prompt_tokens}"
             )
-        positive_times = ("request_timeout", "remote_image_timeout")
+        positive_times = ("request_timeout", "remote_image_timeout", "load_wait")
         for name in positive_times:
             value = getattr(self, name)
             if value is not None and not value > 0:

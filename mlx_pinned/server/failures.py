@@ -18,6 +18,7 @@ __all__ = [
     "ImageRefusedError",
     "ImagesUnsupportedError",
     "InvalidGrammarError",
+    "ModelNotLoadedError",
     "OverloadedError",
     "PromptTooLongError",
     "RequestError",
@@ -118,3 +119,21 @@ class OverloadedError(UnavailableError):
             retry_after=retry_after,
         )
         self.waiting = waiting
+
+
+class ModelNotLoadedError(UnavailableError):
+    """The model is not loaded (yet): its load is under way, or no lifespan
+    runs to load it.
+
+    Args:
+        name: The served name of the model.
+        retry_after: Seconds to wait before sending it again.
+    """
+
+    def __init__(self, name: str, *, retry_after: int) -> None:
+        super().__init__(
+            f"The model {name!r} is not loaded yet; retry shortly.",
+            "model_not_loaded",
+            retry_after=retry_after,
+        )
+        self.name = name

@@ -38,8 +38,8 @@ from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine import state as _batch_state
 from mlx_pinned.server.engine.sampling import Sampled, collect, draw
-from mlx_pinned.server.failures import OverloadedError, PromptTooLongError
 from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
+from mlx_pinned.server.failures import OverloadedError, PromptTooLongError
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import make_test_image, tiny_vlm_path
 

@@ -120,8 +120,8 @@ class TestServe:
         assert cli.main(["serve", "--config", str(file)]) == 0
         models = runs[0]["app"].state.models
         assert models.names == ["a", "b"]
-        assert models.get("a").slot is None
-        assert models.get("b").slot is not None
+        assert models.get("a").slot.pinned
+        assert not models.get("b").slot.pinned
         assert models.get("b").gate.max_num_seqs == 4  # the file's server setting
         assert "as 'b' (loaded on first use)" in caplog.text
         assert "as 'a' (loaded" not in caplog.text

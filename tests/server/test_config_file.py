@@ -201,8 +201,8 @@ class TestMixed:
                 "lazy": False,
             }
             eager, lazy = app.state.models.get("eager"), app.state.models.get("lazy")
-            assert eager.slot is None
-            assert lazy.slot is not None
+            assert eager.slot.pinned
+            assert not lazy.slot.pinned
             assert lazy.slot.idle_timeout == 60
             assert (eager.gate.max_num_seqs, lazy.gate.max_num_seqs) == (3, 32)
             body = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}

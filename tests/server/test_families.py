@@ -26,8 +26,8 @@ import pytest
 from mlx_pinned import MLXThread
 from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
-from mlx_pinned.server.failures import ImagesUnsupportedError
 from mlx_pinned.server.events import Event
+from mlx_pinned.server.failures import ImagesUnsupportedError
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import (
     TINY_LM_TYPES,

@@ -23,7 +23,7 @@ Serve = Callable[..., AbstractAsyncContextManager[Served]]
 class TestReadiness:
     async def test_ready_once_loaded(self, serve: Serve) -> None:
         async with serve() as served:
-            assert served.app.state.readiness.refusal(served.state) is None
+            assert served.app.state.readiness.refusal() is None
             assert (await served.client.get("/health")).status_code == 200
 
     async def test_not_ready_before_the_models_are_loaded(self, tmp_path: Path) -> None:

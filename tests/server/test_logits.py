@@ -22,8 +22,8 @@ from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel, logits
 from mlx_pinned.server.engine.logits import compile_grammar, penalize, prompt_seen
 from mlx_pinned.server.engine.state import SPECULATION_MISSES, BatchState
-from mlx_pinned.server.failures import InvalidGrammarError
 from mlx_pinned.server.events import FinalEvent, Grammar
+from mlx_pinned.server.failures import InvalidGrammarError
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import tiny_vlm_path
 

@@ -208,7 +208,7 @@ class TestFirstUse:
             weights = numbers["mlx_pinned_model_weight_bytes", "a"]
             assert weights == served.slot("a").weight_bytes
             assert weights > 0
-            assert served.state.get("model") is None  # not a start-up job
+            assert not served.slot("a").pinned  # not loaded at start-up
 
     async def test_concurrent_first_requests_share_one_load(
         self, serve: Serve, loads: CountedLoads
@@ -393,7 +393,7 @@ class TestBudget:
             }
             health = await served.health()
             assert [health[name]["loaded"] for name in "abc"] == [True, False, True]
-            assert served.app.state.residency.weight_bytes(served.state) <= budget
+            assert served.app.state.residency.weight_bytes() <= budget
 
     async def test_no_room_next_to_a_model_in_use_is_a_503(
         self, serve: Serve, monkeypatch: pytest.MonkeyPatch

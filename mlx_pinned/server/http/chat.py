@@ -169,7 +169,7 @@ class ChatEndpoint:
         log.model = served.name
         # Held until the generation is closed: the model is not unloaded
         # under it (and is loaded first, if it is loaded on first use).
-        async with self.residency.use(served, scope.get("state", {})) as engine:
+        async with self.residency.use(served) as engine:
             await self._generate(request, served, engine, response, log)
 
     async def _generate(

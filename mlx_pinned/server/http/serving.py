@@ -103,7 +103,7 @@ class Server(uvicorn.Server):
         only if the server was ready."""
         if self.drain_seconds <= 0 or not self.started:
             return False
-        return self.readiness.refusal(self.lifespan.state) is None
+        return self.readiness.refusal() is None
 
     async def on_tick(self, counter: int) -> bool:
         ends = self._drain_ends
