@@ -269,11 +269,8 @@ def answer(
     model: Any, processor: Any, chat: Chat, images: list[Image.Image]
 ) -> AsyncGenerator[Delta, None]:
     """The text deltas of one generation, the last with the finish reason.
-
-    Called on the event loop: the stream is queued at once (a full queue
-    raises MLXThreadBusyError here). Text that may start a stop string is
-    held back until it cannot.
-    """
+    On the event loop; the stream is queued at once (a full queue raises
+    MLXThreadBusyError here). Text that may start a stop string waits."""
     pieces = generate(model, processor, chat, images)
     hold = max(map(len, chat.stop), default=1) - 1
 
@@ -310,8 +307,8 @@ async def completions(request: Request) -> Response:
         await anyio.to_thread.run_sync(decode_image, url, where)
         for url, where in chat.images
     ]
-    # Before the response starts: a full queue answers 503 with Retry-After.
     model, processor = request.state.model
+    # Before the response starts: a full queue answers 503 with Retry-After.
     deltas = answer(model, processor, chat, images)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time())}
     head["model"] = served
