@@ -16,7 +16,7 @@ import pytest
 import mlx_pinned.server
 
 ROOT = Path(mlx_pinned.server.__file__).parent
-SHARED = {"config", "config_file", "errors", "events", "limits"}
+SHARED = {"config", "config_file", "errors", "events", "formats", "limits"}
 # What each part of the server may import from the server itself.
 ALLOWED = {
     "shared": {"shared"},
