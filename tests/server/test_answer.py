@@ -27,7 +27,7 @@ def cut(text: str, points: list[int]) -> list[str]:
 
 
 def parse(
-    pieces: list[str], *, reasoning: Any = None, tools: bool = True
+    pieces: list[str], *, reasoning: Any = None, tools: bool = True, cut: bool = False
 ) -> dict[str, Any]:
     # reasoning: None (the model does not think), "optional" or "opened"
     # (the answer starts inside the reasoning).
@@ -36,7 +36,7 @@ def parse(
     answer = Answer()
     for piece in pieces:
         answer.add(parser.feed(piece))
-    answer.add(parser.end())
+    answer.add(parser.end(cut=cut))
     answer.thought = parser.thought
     message = answer.message().model_dump()
     for call in message.get("tool_calls") or []:
@@ -126,6 +126,15 @@ class TestToolCalls:
             assert len(message["tool_calls"]) == 1
             assert parse([cut_call])["content"] == ""
 
+    def test_a_cut_in_the_opening_tag_drops_it_only_when_cut(self) -> None:
+        assert parse(["Checking.\n<tool_c"], cut=True)["content"] == "Checking."
+        assert parse(["a < b <tool_c"])["content"] == "a < b <tool_c"
+
+    def test_a_cut_in_the_closing_tag_leaves_the_arguments_clean(self) -> None:
+        message = parse([CALL[:-4]], cut=True)
+        assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+        assert message["content"] is None
+
     def test_escaped_names_are_decoded(self) -> None:
         message = parse(
             ['<tool_call>{"name": "a\\u0062", "arguments": {}}</tool_call>']
@@ -202,6 +211,9 @@ class TestToolCalls:
         whole = whole[: cut_at + len(prefix)]  # cut short anywhere too
         expected = parse([whole])
         assert parse(cut(whole, points)) == expected
+        cut_short = parse([whole], cut=True)
+        assert parse(cut(whole, points), cut=True) == cut_short
+        assert "<tool_c" not in (cut_short["content"] or "")
         for tool_call in expected.get("tool_calls") or []:
             if whole.count("</tool_call>") == calls:
                 assert json.loads(tool_call["function"]["arguments"]) == arguments

@@ -62,7 +62,7 @@ class ToolCallParser(Protocol):
     """Content and tool calls from one answer's text, fed piece by piece.
 
     Text inside a call never comes out as content, and neither does a call
-    the end of the text cut before its name and arguments.
+    cut before its name and arguments.
     """
 
     @property
@@ -73,8 +73,10 @@ class ToolCallParser(Protocol):
         """The pieces ``text`` releases, in order (text that may begin a
         call is held until it is clear)."""
 
-    def end(self) -> list[Piece]:
-        """Everything still held, at the end of the answer."""
+    def end(self, *, cut: bool = False) -> list[Piece]:
+        """Everything still held, at the end of the answer; ``cut``: the
+        answer was cut short (``max_tokens``), so text at its end that may
+        begin a call is markup too, and is dropped."""
 
 
 class ReasoningParser(Protocol):

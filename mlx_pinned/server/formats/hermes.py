@@ -94,6 +94,7 @@ class HermesToolParser:
         self._lead = False  # content right after a call: drop its whitespace
         self._sent = ""  # the current call's arguments given out so far
         self._gap = ""  # whitespace before the current <tool_call>
+        self._cut = False  # the answer was cut short
         self.calls = 0
 
     def feed(self, text: str) -> list[Piece]:
@@ -101,8 +102,10 @@ class HermesToolParser:
         self._buffer += text
         return self._parse(final=False)
 
-    def end(self) -> list[Piece]:
-        """Everything still held, at the end of the answer."""
+    def end(self, *, cut: bool = False) -> list[Piece]:
+        """Everything still held, at the end of the answer; one ``cut``
+        short drops a possible start of a call at its end too."""
+        self._cut = cut
         return self._parse(final=True)
 
     def _parse(self, *, final: bool) -> list[Piece]:
@@ -135,6 +138,9 @@ class HermesToolParser:
             self._state = _State.HEAD
             return True
         if final:
+            begun = partial_marker(text, TOOL_CALL_OPEN) if self._cut else 0
+            if begun:  # a call may have begun: its markup goes, as a call's
+                text = text[: len(text) - begun].rstrip()
             # Whitespace at the end goes with the calls, if any were made.
             self._content(out, text.rstrip() if self.calls else text)
             self._buffer = ""
@@ -170,7 +176,8 @@ class HermesToolParser:
     def _arguments_piece(self, out: list[Piece], *, final: bool) -> bool:
         close = self._buffer.find(TOOL_CALL_CLOSE)
         if close >= 0 or final:
-            body = self._buffer if close < 0 else self._buffer[:close]
+            held = 0 if close >= 0 else partial_marker(self._buffer, TOOL_CALL_CLOSE)
+            body = self._buffer[: close if close >= 0 else len(self._buffer) - held]
             arguments = _arguments(body)
             rest = "" if close < 0 else self._buffer[close + len(TOOL_CALL_CLOSE) :]
             self._buffer, self._state, self._lead = rest, _State.TEXT, True

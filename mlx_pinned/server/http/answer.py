@@ -90,23 +90,26 @@ class AnswerParser:
         reasoning, content = self._splitter.feed(text)
         return self._parts(reasoning, content, final=False)
 
-    def end(self) -> list[Part]:
-        """Every part still held, at the end of the answer."""
+    def end(self, *, cut: bool = False) -> list[Part]:
+        """Every part still held, at the end of the answer (``cut``: by
+        ``max_tokens``; the start of a call it cut is no content)."""
         if self._splitter is None:
-            return self._content("", final=True)
+            return self._content("", final=True, cut=cut)
         reasoning, content = self._splitter.end()
-        return self._parts(reasoning, content, final=True)
+        return self._parts(reasoning, content, final=True, cut=cut)
 
-    def _parts(self, reasoning: str, content: str, *, final: bool) -> list[Part]:
+    def _parts(
+        self, reasoning: str, content: str, *, final: bool, cut: bool = False
+    ) -> list[Part]:
         parts: list[Part] = [Reasoning(reasoning)] if reasoning else []
-        return parts + self._content(content, final=final)
+        return parts + self._content(content, final=final, cut=cut)
 
-    def _content(self, text: str, *, final: bool) -> list[Part]:
+    def _content(self, text: str, *, final: bool, cut: bool = False) -> list[Part]:
         if self._tools is None:
             return [text] if text else []
         pieces = list(self._tools.feed(text)) if text else []
         if final:
-            pieces += self._tools.end()
+            pieces += self._tools.end(cut=cut)
         # Each call gets its id here, where the answer is made.
         return [
             dataclasses.replace(piece, id=tool_call_id())

@@ -300,7 +300,7 @@ class ChatEndpoint:
         else:
             answer = Answer()
             answer.add(parser.feed("".join(text)))
-            answer.add(parser.end())
+            answer.add(parser.end(cut=final.finish_reason == "length"))
             answer.thought = parser.thought
             message = answer.message()
             reason = finish_reason(final.finish_reason, parser.called)
@@ -356,7 +356,8 @@ class ChatEndpoint:
                 tail = [chunks.content(event.text)] if event.text else []
                 reason = finish_reason(event.finish_reason, calls=False)
             else:
-                parts = [*parser.feed(event.text), *parser.end()]
+                cut = event.finish_reason == "length"
+                parts = [*parser.feed(event.text), *parser.end(cut=cut)]
                 tail = [_parsed_chunks(chunks, parts)]
                 reason = finish_reason(event.finish_reason, parser.called)
             done = ChunkChoice(delta=Delta(), finish_reason=reason)
