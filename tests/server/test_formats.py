@@ -116,18 +116,18 @@ class TestRegistry:
 
     @pytest.mark.parametrize("kind", ["tool_call_parser", "reasoning_parser"])
     def test_an_unknown_name_is_refused_with_the_known_ones(self, kind: str) -> None:
-        known = ", ".join([*(TOOL_CALL_FORMATS), "none"])
-        if kind == "reasoning_parser":
-            known = ", ".join([*(REASONING_FORMATS), "none"])
+        names = TOOL_CALL_FORMATS if kind == "tool_call_parser" else REASONING_FORMATS
+        known = ", ".join([*names, "none"])
+        setting: dict[str, Any] = {kind: "xml"}
         with pytest.raises(ValueError, match=f"{kind} 'xml'.*{known}"):
-            model_formats(PLAIN, **{kind: "xml"})
+            model_formats(PLAIN, **setting)
         with pytest.raises(ValueError, match=known):
-            ServerConfig(model="m", **{kind: "xml"})
+            ServerConfig(model="m", **setting)
         with pytest.raises(ValueError, match=r"model 'b'.*'xml'"):
             ServerConfig(
                 model=("a", "b"),
                 served_model_name=("a", "b"),
-                model_settings=({}, {kind: "xml"}),
+                model_settings=({}, setting),
             )
 
     def test_names_get_their_entries(self) -> None:
@@ -198,7 +198,8 @@ async def whole_and_streamed(
     response = await served.chat({**body, "stream": True})
     events = sse_events(response.text)
     assert events[-1] == "[DONE]", events[-3:]
-    content, calls, finish = "", {}, None
+    content, finish = "", None
+    calls: dict[int, list[str]] = {}
     for event in events[:-1]:
         for chunk_choice in ChatCompletionChunk.model_validate(event).choices:
             delta = chunk_choice.delta

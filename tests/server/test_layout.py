@@ -1,7 +1,7 @@
 """The server's layout: each package imports only in the allowed direction.
 
 cli -> app -> {http, inputs, engine} -> shared (config, errors, events,
-limits). The engine (the MLX thread) never imports HTTP libraries; the HTTP
+formats, limits). The engine (the MLX thread) never imports HTTP libraries; the HTTP
 side (the event loop) never imports MLX; the input decoders neither. Every
 import counts, those under ``TYPE_CHECKING`` and inside functions too.
 """
@@ -116,6 +116,8 @@ def _is_name_of(target: str) -> bool:
         ("engine/batch.py", "from ..http import schemas"),
         ("engine/batch.py", "from pydantic import BaseModel"),
         ("events.py", "from .engine import BatchEngine"),
+        ("formats/hermes.py", "from pydantic import BaseModel"),
+        ("formats/registry.py", "from ..http.schemas import Tool"),
         ("inputs/images.py", "from ..http.params import image_refs"),
         ("app.py", "from . import cli"),
     ],

@@ -125,6 +125,8 @@ async def request_grammar(
         return Grammar("json_object")
     if isinstance(response_format, JSONSchemaResponseFormat):
         wanted = response_format.json_schema.json_schema
+        # As sent: the engine compiles a response_format schema's JSON
+        # compactly itself.
         grammar = Grammar("json_schema", json.dumps(wanted or {}))
         await check_grammar(grammar, "response_format")
         return grammar
