@@ -16,6 +16,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .formats import (
+    REASONING_FORMATS,
+    TOOL_CALL_FORMATS,
+    check_reasoning_parser,
+    check_tool_call_parser,
+)
+
 __all__ = [
     "API_KEY_ENV",
     "PER_MODEL_SETTINGS",
@@ -39,6 +46,8 @@ PER_MODEL_SETTINGS = frozenset(
         "prompt_cache_bytes",
         "image_cache_bytes",
         "prefill_step_size",
+        "tool_call_parser",
+        "reasoning_parser",
     }
 )
 
@@ -220,6 +229,13 @@ class ServerConfig:
             another server has no such wait.
         retry_after: Seconds sent in ``Retry-After`` with every 503 that
             asks the client to come back (a full waiting room, a busy thread).
+        tool_call_parser: The format each model writes tool calls in, by
+            name (``mlx_pinned.server.formats``), or ``"none"``: a request
+            with tools is then a 400. None: the format its chat template
+            shows, if any.
+        reasoning_parser: The format each model writes its reasoning in, by
+            name, or ``"none"``: the reasoning stays in the content. None:
+            the format its chat template shows, if any.
         load_on_first_use: Load each model when its first request arrives
             (that request, and any that come meanwhile, wait for the one
             load) instead of at start-up.
@@ -364,6 +380,22 @@ class ServerConfig:
         "prompt tokens prefilled in one pass, at most (default: %(default)s)",
         parse=positive,
     )
+    tool_call_parser: str | None = _setting(
+        None,
+        "the format the model writes tool calls in: "
+        + ", ".join(TOOL_CALL_FORMATS)
+        + ", or 'none' for no tool calls (default: detected from its chat "
+        "template)",
+        parse=check_tool_call_parser,
+    )
+    reasoning_parser: str | None = _setting(
+        None,
+        "the format the model writes its reasoning in: "
+        + ", ".join(REASONING_FORMATS)
+        + ", or 'none' to keep it in the content (default: detected from its "
+        "chat template)",
+        parse=check_reasoning_parser,
+    )
     load_on_first_use: bool = _setting(
         False,
         "load each model when its first request arrives, not at start-up "
@@ -440,6 +472,10 @@ class ServerConfig:
             raise ValueError(
                 f"prefill_step_size must be >= 1, not {self.prefill_step_size}"
             )
+        if self.tool_call_parser is not None:
+            check_tool_call_parser(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            check_reasoning_parser(self.reasoning_parser)
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(
                 f"max_prompt_tokens must be >= 1, not {self.max_prompt_tokens}"

@@ -126,6 +126,15 @@ class TestServe:
         assert "as 'b' (loaded on first use)" in caplog.text
         assert "as 'a' (loaded" not in caplog.text
 
+    def test_output_formats_are_named_on_the_command_line(
+        self, runs: list[dict[str, Any]], tiny_model_path: Path
+    ) -> None:
+        argv = ["serve", str(tiny_model_path), "--tool-call-parser", "none"]
+        argv += ["--reasoning-parser", "think"]
+        assert cli.main(argv) == 0
+        config = runs[0]["app"].state.config
+        assert (config.tool_call_parser, config.reasoning_parser) == ("none", "think")
+
     def test_several_models_without_names_are_served_as_given(
         self, runs: list[dict[str, Any]]
     ) -> None:
@@ -330,6 +339,8 @@ class TestArguments:
             ["serve", "a/b", "--served-model-name", "x", "--served-model-name", "y"],
             ["serve", "--demo", "--served-model-name", "x", "--served-model-name", "y"],
             ["serve", "a/b", "a/b"],  # two models served as one name
+            ["serve", "a/b", "--tool-call-parser", "xml"],
+            ["serve", "a/b", "--reasoning-parser", "xml"],
             # two models, one name twice
             ["serve", "a/b", "c/d", *["--served-model-name", "x"] * 2],
         ],
@@ -355,6 +366,15 @@ class TestArguments:
                 "once per MODEL, in the same order (2 MODELs, 1 name)",
             ),
             (["serve", "a/b", "a/b"], "two models are served as 'a/b'"),
+            (
+                ["serve", "m", "--tool-call-parser", "xml"],
+                "tool_call_parser 'xml' is not a format this server knows: give "
+                "one of hermes, none",
+            ),
+            (
+                ["serve", "m", "--reasoning-parser", "xml"],
+                "give one of think, none",
+            ),
         ]
         for argv, text in cases:
             with pytest.raises(SystemExit):

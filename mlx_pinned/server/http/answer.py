@@ -1,20 +1,27 @@
 """The generated text as OpenAI's answer: reasoning, content and tool calls.
 
 Event loop, pure Python. :class:`AnswerParser` runs the generated text
-through the reasoning splitter (for a model that thinks) and the tool-call
-parser (for a request with tools), piece by piece; a stream turns each part
-into a delta (:func:`delta`), a whole answer collects them
-(:class:`Answer`). Both see the same parts, so a stream's deltas join to
-exactly the whole answer. A request with neither needs no parser: its text
-is its content, as generated.
+through the model's reasoning format's parser (for a model that thinks) and
+its tool-call format's parser (for a request with tools), piece by piece; a
+stream turns each part into a delta (:func:`delta`), a whole answer collects
+them (:class:`Answer`). Both see the same parts, so a stream's deltas join
+to exactly the whole answer. A request with neither needs no parser: its
+text is its content, as generated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..events import FinishReason
-from .reasoning import ReasoningMode, ReasoningSplitter, reasoning_mode
+from ..formats import (
+    CallArguments,
+    CallStart,
+    ModelFormats,
+    ReasoningParser,
+    ToolCallParser,
+)
 from .responses import (
     Delta,
     DeltaFunction,
@@ -23,9 +30,9 @@ from .responses import (
     ResponseMessage,
     ResponseToolCall,
     WireFinishReason,
+    tool_call_id,
 )
 from .schemas import ChatCompletionRequest
-from .toolcalls import CallArguments, CallStart, HermesToolParser
 
 __all__ = [
     "Answer",
@@ -53,14 +60,17 @@ class AnswerParser:
     """Splits generated text, fed piece by piece, into the parts of an answer.
 
     Args:
-        reasoning: How the model thinks (None: it does not).
-        tools: Whether to parse tool calls (the request has tools the
-            model may call).
+        reasoning: The parser of the model's reasoning (None: it does not
+            think, or not in this answer).
+        tools: The parser of its tool calls (None: the request has no tools
+            the model may call).
     """
 
-    def __init__(self, *, reasoning: ReasoningMode | None, tools: bool) -> None:
-        self._splitter = ReasoningSplitter(reasoning) if reasoning else None
-        self._tools = HermesToolParser() if tools else None
+    def __init__(
+        self, *, reasoning: ReasoningParser | None, tools: ToolCallParser | None
+    ) -> None:
+        self._splitter = reasoning
+        self._tools = tools
 
     @property
     def called(self) -> bool:
@@ -80,42 +90,60 @@ class AnswerParser:
         reasoning, content = self._splitter.feed(text)
         return self._parts(reasoning, content, final=False)
 
-    def end(self) -> list[Part]:
-        """Every part still held, at the end of the answer."""
+    def end(self, *, cut: bool = False) -> list[Part]:
+        """Every part still held, at the end of the answer (``cut``: by
+        ``max_tokens``; the start of a call it cut is no content)."""
         if self._splitter is None:
-            return self._content("", final=True)
+            return self._content("", final=True, cut=cut)
         reasoning, content = self._splitter.end()
-        return self._parts(reasoning, content, final=True)
+        return self._parts(reasoning, content, final=True, cut=cut)
 
-    def _parts(self, reasoning: str, content: str, *, final: bool) -> list[Part]:
+    def _parts(
+        self, reasoning: str, content: str, *, final: bool, cut: bool = False
+    ) -> list[Part]:
         parts: list[Part] = [Reasoning(reasoning)] if reasoning else []
-        return parts + self._content(content, final=final)
+        return parts + self._content(content, final=final, cut=cut)
 
-    def _content(self, text: str, *, final: bool) -> list[Part]:
+    def _content(self, text: str, *, final: bool, cut: bool = False) -> list[Part]:
         if self._tools is None:
             return [text] if text else []
-        parts: list[Part] = list(self._tools.feed(text)) if text else []
+        pieces = list(self._tools.feed(text)) if text else []
         if final:
-            parts += self._tools.end()
-        return parts
+            pieces += self._tools.end(cut=cut)
+        # Each call gets its id here, where the answer is made.
+        return [
+            dataclasses.replace(piece, id=tool_call_id())
+            if isinstance(piece, CallStart)
+            else piece
+            for piece in pieces
+        ]
 
 
 def answer_parser(
-    request: ChatCompletionRequest, template: str | None, *, constrained: bool
+    request: ChatCompletionRequest,
+    template: str | None,
+    formats: ModelFormats,
+    *,
+    constrained: bool,
 ) -> AnswerParser | None:
     """The parser a request's answer needs; None when its text is its content.
 
-    The model's chat ``template`` says whether it thinks; tools are parsed
-    when the request gives tools the model may call. A ``constrained``
-    answer (it follows a grammar from its first token) has no reasoning.
+    The model's reasoning format and its chat ``template`` say whether and
+    how it thinks; tool calls are parsed in its tool-call format when the
+    request gives tools the model may call. A ``constrained`` answer (it
+    follows a grammar from its first token) has no reasoning.
     """
-    mode = (
-        None if constrained else reasoning_mode(template, request.chat_template_kwargs)
-    )
-    tools = bool(request.active_tools)
-    if mode is None and not tools:
+    reasoning = None
+    if formats.reasoning is not None and not constrained:
+        kwargs = request.chat_template_kwargs or {}
+        opened = formats.reasoning.opens(template or "", kwargs)
+        reasoning = formats.reasoning.parser(opened)
+    tools = None
+    if formats.tool_call is not None and request.active_tools:
+        tools = formats.tool_call.parser()
+    if reasoning is None and tools is None:
         return None
-    return AnswerParser(reasoning=mode, tools=tools)
+    return AnswerParser(reasoning=reasoning, tools=tools)
 
 
 @dataclass

@@ -27,6 +27,7 @@ import anyio
 
 from ..errors import APIError, internal_error, thread_unavailable, timed_out
 from ..events import FinalEvent, TokenEvent, TokenLogprobs
+from ..formats import model_formats
 from ..limits import check_text_length
 from .answer import (
     Answer,
@@ -54,7 +55,6 @@ from .responses import (
 )
 from .schemas import ChatCompletionRequest, parse_chat_request
 from .structured import request_grammar
-from .toolcalls import tool_call_format
 from .wire import (
     Disconnected,
     RequestLog,
@@ -110,6 +110,11 @@ class ChatEndpoint:
         self.load_images = load_images
         self.turns = turns
         self.metrics = metrics
+        # Each model's format settings (None: detected from its template).
+        self._parsers = {
+            own.name: (own.tool_call_parser, own.reasoning_parser)
+            for own in map(config.for_model, range(len(config.models)))
+        }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         log = RequestLog(start=time.perf_counter(), client=_client(scope))
@@ -187,20 +192,16 @@ class ChatEndpoint:
                 text_chars(request), engine.longest_token_chars, max_prompt
             )
         template = engine.chat_template
-        if request.active_tools and tool_call_format(template) is None:
-            raise APIError(
-                400,
-                "This model's chat template has no tool-call format this server "
-                "parses (Hermes' <tool_call>): send the request without tools.",
-                param="tools",
-                code="unsupported_parameter",
-            )
+        tools, reasoning = self._parsers[served.name]
+        formats = model_formats(
+            template, tool_call_parser=tools, reasoning_parser=reasoning
+        )
         params = generation_params(
             request,
             self._max_tokens(request),
             max_prompt_tokens=max_prompt,
             context_length=context,
-            grammar=await request_grammar(request),
+            grammar=await request_grammar(request, formats.tool_call),
         )
         vocab = engine.vocab_size
         for token_id, _ in params.logit_bias:
@@ -225,7 +226,7 @@ class ChatEndpoint:
             log.queued = time.perf_counter() - arrived
             stream = engine.stream(params, images)
             constrained = params.grammar is not None
-            parser = answer_parser(request, template, constrained=constrained)
+            parser = answer_parser(request, template, formats, constrained=constrained)
             try:
                 if request.stream:
                     await self._send_stream(
@@ -301,7 +302,7 @@ class ChatEndpoint:
         else:
             answer = Answer()
             answer.add(parser.feed("".join(text)))
-            answer.add(parser.end())
+            answer.add(parser.end(cut=final.finish_reason == "length"))
             answer.thought = parser.thought
             message = answer.message()
             reason = finish_reason(final.finish_reason, parser.called)
@@ -357,7 +358,8 @@ class ChatEndpoint:
                 tail = [chunks.content(event.text)] if event.text else []
                 reason = finish_reason(event.finish_reason, calls=False)
             else:
-                parts = [*parser.feed(event.text), *parser.end()]
+                cut = event.finish_reason == "length"
+                parts = [*parser.feed(event.text), *parser.end(cut=cut)]
                 tail = [_parsed_chunks(chunks, parts)]
                 reason = finish_reason(event.finish_reason, parser.called)
             done = ChunkChoice(delta=Delta(), finish_reason=reason)

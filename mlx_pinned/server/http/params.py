@@ -116,7 +116,7 @@ def chat_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
 
 
 def _tool_call(call: ToolCall) -> dict[str, Any]:
-    """An earlier tool call as chat templates read it (Qwen's, Hermes'):
+    """An earlier tool call as chat templates that take tools read it:
     its arguments as an object when they are one, else the text."""
     try:
         arguments: Any = json.loads(call.function.arguments)

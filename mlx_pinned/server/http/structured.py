@@ -13,55 +13,17 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
 
 import anyio
 import llguidance
 
 from ..errors import APIError
 from ..events import Grammar
-from .messages import (
-    JSONObjectFormat,
-    JSONSchemaResponseFormat,
-    NamedToolChoice,
-    Tool,
-)
+from ..formats import TOOL_CALL_FORMATS, ToolCallFormat, ToolSpec, json_arguments
+from .messages import JSONObjectFormat, JSONSchemaResponseFormat, NamedToolChoice
 from .schemas import ChatCompletionRequest
 
-__all__ = [
-    "TOOL_CALL_CLOSE",
-    "TOOL_CALL_OPEN",
-    "check_grammar",
-    "grammar_error",
-    "request_grammar",
-    "tool_call_grammar",
-]
-
-#: Hermes' (and Qwen's) tool-call markers; the JSON between them is
-#: ``{"name": NAME, "arguments": ARGS}``.
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
-
-# Tool arguments in a call are written as Qwen's template writes them
-# (json.dumps' separators, no other whitespace), so a model (above all a
-# random one) cannot spend its tokens on blank space. A schema's own
-# x-guidance wins. (A response_format schema goes to the engine as sent: it
-# compiles JSON compactly itself.)
-_JSON_STYLE = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-}
-# Any object: what a tool without 'parameters' takes.
-_ANY_OBJECT: dict[str, Any] = {"type": "object"}
-
-
-def _styled(schema: dict[str, Any]) -> dict[str, Any]:
-    if "x-guidance" in schema:
-        return schema
-    return {**schema, "x-guidance": _JSON_STYLE}
-
+__all__ = ["check_grammar", "grammar_error", "request_grammar"]
 
 # Verdicts by (kind, text), newest last: a grammar seen before is answered
 # on the event loop, without a hop to a worker thread.
@@ -118,47 +80,44 @@ async def check_grammar(grammar: Grammar, param: str) -> None:
         )
 
 
-def tool_call_grammar(tools: Sequence[Tool], *, parallel: bool) -> str:
-    """A Lark grammar for one tool call (or, with ``parallel``, one or more,
-    a newline apart) in Hermes' format to one of ``tools``, its arguments
-    constrained by the tool's ``parameters`` schema."""
-    rules = []
-    for i, tool in enumerate(tools):
-        head = f'{TOOL_CALL_OPEN}\n{{"name": "{tool.function.name}", "arguments": '
-        schema = _styled(tool.function.parameters or _ANY_OBJECT)
-        rules.append(
-            f"call_{i}: {json.dumps(head)} args_{i} "
-            f"{json.dumps('}' + chr(10) + TOOL_CALL_CLOSE)}"
-        )
-        rules.append(f"args_{i}: %json {json.dumps(schema)}")
-    calls = " | ".join(f"call_{i}" for i in range(len(tools)))
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return "\n".join([start, f"call: {calls}", *rules]) + "\n"
-
-
-async def request_grammar(request: ChatCompletionRequest) -> Grammar | None:
+async def request_grammar(
+    request: ChatCompletionRequest, tool_format: ToolCallFormat | None
+) -> Grammar | None:
     """The grammar the request's answer must follow, checked; None if free.
 
     ``response_format`` ``json_object`` or ``json_schema``; ``tool_choice``
-    ``required`` or a named function (one call, or with
-    ``parallel_tool_calls`` not false, one or more, of the allowed tools).
+    ``required`` (one call, or with ``parallel_tool_calls`` not false, one or
+    more, of the tools) or a named function (exactly one call to it), in the
+    model's ``tool_format``.
 
     Raises:
-        APIError: 400 naming the schema that cannot be used.
+        APIError: 400 naming the schema that cannot be used, or ``tools``
+            when the model has no tool-call format.
     """
+    if request.active_tools and tool_format is None:
+        raise APIError(
+            400,
+            "This model has no tool-call format (none in its chat template, "
+            "or tool_call_parser 'none'): send the request without tools, or "
+            f"serve it with --tool-call-parser {'|'.join(TOOL_CALL_FORMATS)}.",
+            param="tools",
+            code="unsupported_parameter",
+        )
     choice = request.tool_choice
-    if request.tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+    named = isinstance(choice, NamedToolChoice)
+    if tool_format is not None and request.tools and (choice == "required" or named):
         tools = request.tools
         if isinstance(choice, NamedToolChoice):
             tools = [t for t in tools if t.function.name == choice.function.name]
         for i, tool in enumerate(request.tools):
             if tool in tools and tool.function.parameters is not None:
-                schema = json.dumps(_styled(tool.function.parameters))
+                schema = json.dumps(json_arguments(tool.function.parameters))
                 await check_grammar(
                     Grammar("json_schema", schema), f"tools[{i}].function.parameters"
                 )
-        parallel = request.parallel_tool_calls is not False
-        grammar = Grammar("lark", tool_call_grammar(tools, parallel=parallel))
+        specs = [ToolSpec(t.function.name, t.function.parameters) for t in tools]
+        parallel = not named and request.parallel_tool_calls is not False
+        grammar = Grammar("lark", tool_format.grammar(specs, parallel))
         await check_grammar(grammar, "tools")
         return grammar
     response_format = request.response_format
@@ -166,6 +125,8 @@ async def request_grammar(request: ChatCompletionRequest) -> Grammar | None:
         return Grammar("json_object")
     if isinstance(response_format, JSONSchemaResponseFormat):
         wanted = response_format.json_schema.json_schema
+        # As sent: the engine compiles a response_format schema's JSON
+        # compactly itself.
         grammar = Grammar("json_schema", json.dumps(wanted or {}))
         await check_grammar(grammar, "response_format")
         return grammar
