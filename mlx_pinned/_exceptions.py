@@ -8,6 +8,8 @@ so code written against anyio's blocking portal keeps working.
 
 from __future__ import annotations
 
+from concurrent.futures import BrokenExecutor
+
 __all__ = [
     "BlockingCallWarning",
     "MLXPinnedError",
@@ -33,11 +35,13 @@ class MLXThreadClosedError(MLXPinnedError, RuntimeError):
     """
 
 
-class MLXThreadBrokenError(MLXPinnedError, RuntimeError):
+class MLXThreadBrokenError(MLXPinnedError, BrokenExecutor):
     """The :class:`~mlx_pinned.MLXThread` died: its set-up or initializer raised,
     or the process forked and the thread does not exist in the child.
 
-    The original error, when there is one, is the ``__cause__``.
+    A ``concurrent.futures.BrokenExecutor`` (so a ``RuntimeError``), as the
+    standard library's executors raise when they died. The original error,
+    when there is one, is the ``__cause__``.
     """
 
 

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+from concurrent.futures import BrokenExecutor
+
+import pytest
+
 import mlx_pinned
 from mlx_pinned import (
     BlockingCallWarning,
@@ -51,6 +55,16 @@ def test_error_tree() -> None:
         assert issubclass(error, RuntimeError)
     assert not issubclass(MLXThreadBusyError, RuntimeError)
     assert not issubclass(MLXThreadClosedError, MLXThreadBrokenError)
+
+
+def test_a_broken_thread_is_a_broken_executor() -> None:
+    # Code written against the standard library's executors catches it.
+    assert issubclass(MLXThreadBrokenError, BrokenExecutor)
+    assert MLXThreadBrokenError.__mro__.index(
+        MLXPinnedError
+    ) < MLXThreadBrokenError.__mro__.index(BrokenExecutor)
+    with pytest.raises(BrokenExecutor, match="died"):
+        raise MLXThreadBrokenError("the thread died")
 
 
 def test_warning_tree() -> None:
