@@ -8,10 +8,6 @@ to an ASGI app's lifespan.
 
 from __future__ import annotations
 
-from ._decorators import MLXFunction as MLXFunction
-from ._decorators import MLXGeneratorFunction as MLXGeneratorFunction
-from ._decorators import MLXGeneratorMethod as MLXGeneratorMethod
-from ._decorators import MLXMethod as MLXMethod
 from ._decorators import on_mlx_thread as on_mlx_thread
 from ._default import current_default_mlx_thread as current_default_mlx_thread
 from ._exceptions import BlockingCallWarning as BlockingCallWarning
@@ -25,24 +21,13 @@ from ._exceptions import SharedModelWarning as SharedModelWarning
 from ._exceptions import StreamAffinityError as StreamAffinityError
 from ._exclusive import Exclusive as Exclusive
 from ._executor import MLXThread as MLXThread
-from ._executor import MLXThreadStatistics as MLXThreadStatistics
-from ._streams import AsyncBatchIterator as AsyncBatchIterator
-from ._streams import AsyncStreamIterator as AsyncStreamIterator
-from ._streams import SyncBatchIterator as SyncBatchIterator
-from ._streams import SyncStreamIterator as SyncStreamIterator
 from ._worker import cancel_requested as cancel_requested
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncBatchIterator",
-    "AsyncStreamIterator",
     "BlockingCallWarning",
     "Exclusive",
-    "MLXFunction",
-    "MLXGeneratorFunction",
-    "MLXGeneratorMethod",
-    "MLXMethod",
     "MLXPinnedError",
     "MLXPinnedWarning",
     "MLXThread",
@@ -50,11 +35,8 @@ __all__ = [
     "MLXThreadBusyError",
     "MLXThreadClosedError",
     "MLXThreadDeadlockError",
-    "MLXThreadStatistics",
     "SharedModelWarning",
     "StreamAffinityError",
-    "SyncBatchIterator",
-    "SyncStreamIterator",
     "__version__",
     "cancel_requested",
     "current_default_mlx_thread",

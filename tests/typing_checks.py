@@ -12,13 +12,12 @@ from typing import Any
 
 from typing_extensions import assert_type
 
-from mlx_pinned import (
+from mlx_pinned import MLXThread, on_mlx_thread
+from mlx_pinned.types import (
     AsyncStreamIterator,
     MLXFunction,
     MLXGeneratorFunction,
-    MLXThread,
     SyncStreamIterator,
-    on_mlx_thread,
 )
 
 mlx_thread = MLXThread(name="typing")
