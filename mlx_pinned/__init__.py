@@ -2,8 +2,9 @@
 
 MLX streams are thread-local: a model loaded on one thread cannot be run on
 another. :class:`MLXThread` owns one thread and its stream and runs every job
-there; :func:`on_mlx_thread` makes a function run on it; the middleware ties it
-to an ASGI app's lifespan.
+there; :func:`on_mlx_thread` makes a function run on it; :func:`mlx_lifespan`
+and the middleware tie it to an ASGI app's lifespan. The types these return,
+for annotations, are in :mod:`mlx_pinned.types`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from ._exceptions import MLXThreadBusyError as MLXThreadBusyError
 from ._exceptions import MLXThreadClosedError as MLXThreadClosedError
 from ._exceptions import MLXThreadDeadlockError as MLXThreadDeadlockError
 from ._exceptions import SharedModelWarning as SharedModelWarning
+from ._exceptions import ShuttingDownError as ShuttingDownError
 from ._exceptions import StreamAffinityError as StreamAffinityError
 from ._exclusive import Exclusive as Exclusive
 from ._executor import MLXThread as MLXThread
+from ._lifespan import mlx_lifespan as mlx_lifespan
 from ._worker import cancel_requested as cancel_requested
 
 __version__ = "0.1.0"
@@ -36,9 +39,11 @@ __all__ = [
     "MLXThreadClosedError",
     "MLXThreadDeadlockError",
     "SharedModelWarning",
+    "ShuttingDownError",
     "StreamAffinityError",
     "__version__",
     "cancel_requested",
     "current_default_mlx_thread",
+    "mlx_lifespan",
     "on_mlx_thread",
 ]

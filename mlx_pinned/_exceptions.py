@@ -19,6 +19,7 @@ __all__ = [
     "MLXThreadClosedError",
     "MLXThreadDeadlockError",
     "SharedModelWarning",
+    "ShuttingDownError",
     "StreamAffinityError",
 ]
 
@@ -32,6 +33,16 @@ class MLXThreadClosedError(MLXPinnedError, RuntimeError):
 
     Raised by ``submit``/``run``/``iterate`` after ``shutdown()``, and to the
     consumer of a stream that was still open when the thread shut down.
+    """
+
+
+class ShuttingDownError(MLXThreadClosedError):
+    """The app's lifespan is shutting down: new requests are refused while
+    those in flight finish, then the thread shuts down.
+
+    What :class:`~mlx_pinned.middleware.MLXThreadMiddleware` hands its
+    ``refusal`` for a request that arrives in the shut-down: send new
+    requests to another server.
     """
 
 

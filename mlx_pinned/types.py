@@ -2,9 +2,10 @@
 
 ``@on_mlx_thread`` makes an :class:`MLXFunction` (or one of its kin),
 ``MLXThread.iterate`` an :class:`AsyncStreamIterator`, ``statistics()`` an
-:class:`MLXThreadStatistics`. Import them from here to annotate your own
-code; the concepts themselves are in :mod:`mlx_pinned`. Nothing here runs
-code: the objects' docstrings say which thread each method runs on.
+:class:`MLXThreadStatistics`, ``mlx_lifespan()`` an :class:`MLXLifespan`.
+Import them from here to annotate your own code; the concepts themselves are
+in :mod:`mlx_pinned`. Nothing here runs code: the objects' docstrings say
+which thread each method runs on.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from ._decorators import MLXGeneratorFunction as MLXGeneratorFunction
 from ._decorators import MLXGeneratorMethod as MLXGeneratorMethod
 from ._decorators import MLXMethod as MLXMethod
 from ._executor import MLXThreadStatistics as MLXThreadStatistics
+from ._lifespan import MLXLifespan as MLXLifespan
 from ._streams import AsyncBatchIterator as AsyncBatchIterator
 from ._streams import AsyncStreamIterator as AsyncStreamIterator
 from ._streams import SyncBatchIterator as SyncBatchIterator
@@ -25,6 +27,7 @@ __all__ = [
     "MLXFunction",
     "MLXGeneratorFunction",
     "MLXGeneratorMethod",
+    "MLXLifespan",
     "MLXMethod",
     "MLXThreadStatistics",
     "SyncBatchIterator",
