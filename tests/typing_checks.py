@@ -119,4 +119,3 @@ def lifespans() -> None:
     uncalled: Lifespan[Starlette] = mlx_lifespan
     assert_type(mlx_lifespan(), MLXLifespan)
     del called, uncalled
-
