@@ -145,8 +145,8 @@ class MLXThreadMiddleware:
             if started or not isinstance(error, MLXPinnedError):
                 raise
             if not isinstance(error, MLXThreadBusyError):
-                # The client gets a generic message; job and thread names
-                # are for the operator.
+                # For the operator: the job and thread a bug names stay out
+                # of the response (see public_message).
                 path = scope.get("path")
                 logger.error("%s in %s", type(error).__name__, path, exc_info=error)
             await self._answer(scope, receive, send, error)
