@@ -82,7 +82,7 @@ class MLXFunction(_Pinned, Generic[P, R]):
 
     def sync(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call the function on the thread and block until it returns."""
-        result: R = self._target().run_blocking(self._fn, args, kwargs)
+        result: R = self._target()._run_blocking(self._fn, args, kwargs)
         return result
 
     @overload

@@ -81,9 +81,9 @@ class Submitter:
         on a thread that runs an event loop, it warns
         (:class:`BlockingCallWarning`), since it blocks the loop.
         """
-        return self.run_blocking(fn, args, kwargs)
+        return self._run_blocking(fn, args, kwargs)
 
-    def run_blocking(
+    def _run_blocking(
         self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> T:
         """:meth:`run_sync`, for it and a decorated function's ``.sync``: one

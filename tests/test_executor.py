@@ -8,7 +8,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import BrokenExecutor, Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
@@ -1056,6 +1056,16 @@ class TestBroken:
         with pytest.raises(MLXThreadBrokenError):
             t.submit(ident)
         assert t.closed
+        t.shutdown()
+
+    def test_a_broken_thread_fails_as_a_broken_stdlib_executor(self) -> None:
+        def fail() -> None:
+            raise OSError("no model here")
+
+        t = MLXThread(initializer=fail)
+        # What a dead ThreadPoolExecutor raises, so code written for one works.
+        with pytest.raises(BrokenExecutor, match="no model here"):
+            t.submit(ident).result()
         t.shutdown()
 
     @pytest.mark.usefixtures("no_stream")

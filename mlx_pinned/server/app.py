@@ -43,6 +43,7 @@ from mlx_pinned.middleware import MLXThreadMiddleware
 from .config import ServerConfig
 from .engine import BatchEngine
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
+from .errors import refusal
 from .events import Engine, LoadImages
 from .http.chat import ChatEndpoint
 from .http.gate import BatchGate
@@ -201,7 +202,8 @@ def create_app(
             MLXThreadMiddleware,
             thread=mlx_thread,
             drain_timeout=config.drain_timeout,
-            retry_after=config.retry_after,
+            # The thread's errors answered in OpenAI's shape, as every route.
+            refusal=functools.partial(refusal, retry_after=config.retry_after),
         ),
     ]
     if config.api_key is not None:

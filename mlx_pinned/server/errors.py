@@ -5,34 +5,63 @@ A plain shared module (no Starlette, no pydantic, no MLX): the engine raises
 the HTTP side raises and answers them, and :func:`api_error` turns every
 other known condition (the MLX thread busy, closed or broken, a stream
 affinity error, the model not loaded, a deadline) into one, so the same
-condition has the same status and code on every route. The MLX thread's
-errors are mapped by :func:`mlx_pinned._http_errors.http_answer`, the table
-:class:`~mlx_pinned.middleware.MLXThreadMiddleware` answers with too.
+condition has the same status and code on every route. :func:`refusal` is
+the same map as the ASGI response
+:class:`~mlx_pinned.middleware.MLXThreadMiddleware` sends for the thread's
+errors. Any thread; nothing here waits but an answer's sends.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from mlx_pinned._http_errors import (
-    INTERNAL_ERROR,
-    SHUTTING_DOWN,
-    error_body,
-    error_type,
-    http_answer,
+from mlx_pinned import (
+    MLXThreadBrokenError,
+    MLXThreadBusyError,
+    MLXThreadClosedError,
+    MLXThreadDeadlockError,
+    ShuttingDownError,
+    StreamAffinityError,
 )
 
 __all__ = [
     "APIError",
+    "ErrorAnswer",
     "api_error",
     "error_body",
     "internal_error",
     "model_not_loaded",
+    "refusal",
     "server_busy",
     "shutting_down",
     "thread_unavailable",
     "timed_out",
 ]
+
+#: The message of every 500: what went wrong is logged, never sent.
+INTERNAL_ERROR = "The server had an error while processing your request."
+
+Message = MutableMapping[str, Any]
+
+
+def error_type(status: int) -> str:
+    """OpenAI's ``error.type`` for an HTTP status."""
+    if status == 429:
+        return "rate_limit_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_body(
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, object]:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class APIError(Exception):
@@ -74,15 +103,65 @@ class APIError(Exception):
 
 def api_error(exc: BaseException, *, retry_after: int) -> APIError | None:
     """The answer for a known condition: ``exc`` itself if it is an
-    :class:`APIError`, the MLX thread's errors through the shared table
-    (``Retry-After: retry_after`` when busy); None for anything else."""
+    :class:`APIError`, the MLX thread's errors by the table below
+    (``Retry-After: retry_after`` when busy); None for anything else.
+
+    ``ShuttingDownError`` (a request in the shut-down): 503
+    ``shutting_down``. ``MLXThreadBusyError``: 503 ``server_busy``, with
+    ``Retry-After``. ``MLXThreadClosedError`` and ``MLXThreadBrokenError``:
+    503 ``mlx_thread_unavailable``. ``StreamAffinityError``: 500
+    ``stream_affinity_error`` whose message names no job or thread (log the
+    error for those). ``MLXThreadDeadlockError`` (the app waited on the MLX
+    thread for its own work): 500 ``internal_error``, the generic message.
+    """
     if isinstance(exc, APIError):
         return exc
-    answer = http_answer(exc)
-    if answer is None:
-        return None
-    headers = {"Retry-After": str(retry_after)} if answer.retry else None
-    return APIError(answer.status, answer.message, code=answer.code, headers=headers)
+    if isinstance(exc, ShuttingDownError):
+        return shutting_down()
+    if isinstance(exc, MLXThreadBusyError):
+        headers = {"Retry-After": str(retry_after)}
+        return APIError(503, str(exc), code="server_busy", headers=headers)
+    if isinstance(exc, (MLXThreadClosedError, MLXThreadBrokenError)):
+        return APIError(503, str(exc), code="mlx_thread_unavailable")
+    if isinstance(exc, StreamAffinityError):
+        return APIError(
+            500,
+            f"{INTERNAL_ERROR[:-1]}: an MLX array was used on a thread that does "
+            "not own it (details are in the server's log).",
+            code="stream_affinity_error",
+        )
+    if isinstance(exc, MLXThreadDeadlockError):
+        return APIError(500, INTERNAL_ERROR, code="internal_error")
+    return None
+
+
+def refusal(exc: BaseException, *, retry_after: int) -> ErrorAnswer:
+    """The middleware's answer to one of the MLX thread's errors, in OpenAI's
+    shape (give it ``functools.partial(refusal, retry_after=...)``)."""
+    return ErrorAnswer(api_error(exc, retry_after=retry_after) or internal_error())
+
+
+class ErrorAnswer:
+    """A pure ASGI app that answers one :class:`APIError` as JSON."""
+
+    def __init__(self, error: APIError) -> None:
+        self.status = error.status
+        self.body = json.dumps(error.body()).encode()
+        self.headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(self.body)).encode()),
+            *((k.lower().encode(), v.encode()) for k, v in error.headers.items()),
+        ]
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[Message]],
+        send: Callable[[Message], Awaitable[None]],
+    ) -> None:
+        start = {"type": "http.response.start", "status": self.status}
+        await send({**start, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body})
 
 
 def internal_error() -> APIError:
@@ -99,8 +178,7 @@ def model_not_loaded() -> APIError:
 
 def shutting_down() -> APIError:
     """The 503 of a server that is stopping: send new requests elsewhere."""
-    answer = SHUTTING_DOWN
-    return APIError(answer.status, answer.message, code=answer.code)
+    return APIError(503, "The server is shutting down.", code="shutting_down")
 
 
 def thread_unavailable() -> APIError:

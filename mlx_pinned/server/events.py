@@ -20,7 +20,7 @@ from .limits import check_prompt_tokens
 if TYPE_CHECKING:
     from PIL import Image
 
-    from mlx_pinned import AsyncStreamIterator
+    from mlx_pinned.types import AsyncStreamIterator
 
 __all__ = [
     "HANDOFF",

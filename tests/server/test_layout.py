@@ -10,6 +10,7 @@ inside functions too.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,37 @@ def test_a_wrong_import_is_caught(where: str, line: str) -> None:
 def test_every_part_is_known() -> None:
     parts = {part_of(module_name(path)) for path in SOURCES}
     assert parts <= set(ALLOWED), parts - set(ALLOWED)
+
+
+# OpenAI's error types (and Anthropic's, for the APIs to come): the server's
+# edge writes them; the core (mlx_pinned/*.py) takes its answers from the app.
+API_ERROR_TYPES = (
+    "invalid_request_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+    "rate_limit_error",
+    "server_error",
+    "api_error",
+    "overloaded_error",
+)
+CORE = sorted(ROOT.parent.glob("*.py"))
+
+
+def api_error_types_in(text: str) -> list[str]:
+    """The API error types ``text`` names, as whole words."""
+    return [kind for kind in API_ERROR_TYPES if re.search(rf"\b{kind}\b", text)]
+
+
+def test_the_core_names_no_api_error_type() -> None:
+    assert len(CORE) > 10  # the glob found the core modules
+    named = {
+        path.name: found
+        for path in CORE
+        if (found := api_error_types_in(path.read_text()))
+    }
+    assert not named, f"core modules name API error types: {named}"
+    # The check sees one planted in any form the core could write it.
+    planted = 'body = {"error": {"type": "server_error"}}'
+    assert api_error_types_in(planted) == ["server_error"]
+    assert api_error_types_in("kind = 'rate_limit_error'") == ["rate_limit_error"]
