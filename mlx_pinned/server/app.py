@@ -43,9 +43,9 @@ from mlx_pinned.middleware import MLXThreadMiddleware
 from .config import ServerConfig
 from .engine import BatchEngine
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
-from .errors import refusal
 from .events import Engine, LoadImages
 from .http.chat import ChatEndpoint
+from .http.errors import refusal
 from .http.gate import BatchGate
 from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics

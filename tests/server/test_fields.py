@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from mlx_pinned.server.errors import APIError
 from mlx_pinned.server.events import Grammar
+from mlx_pinned.server.http.errors import APIError
 from mlx_pinned.server.http.params import chat_messages, generation_params
 from mlx_pinned.server.http.schemas import ChatCompletionRequest, parse_chat_request
 

@@ -1,7 +1,7 @@
 """The server's layout: each package imports only in the allowed direction.
 
-cli -> app -> {http, inputs, engine} -> shared (config, errors, events,
-failures, formats, limits). The engine (the MLX thread) never imports HTTP
+cli -> app -> {http, inputs, engine} -> shared (config, events, failures,
+formats, limits). The engine (the MLX thread) never imports HTTP
 libraries; the HTTP side (the event loop) never imports MLX; the input
 decoders neither. Every import counts, those under ``TYPE_CHECKING`` and
 inside functions too.
@@ -18,7 +18,7 @@ import pytest
 import mlx_pinned.server
 
 ROOT = Path(mlx_pinned.server.__file__).parent
-SHARED = {"config", "config_file", "errors", "events", "failures", "formats", "limits"}
+SHARED = {"config", "config_file", "events", "failures", "formats", "limits"}
 # What each part of the server may import from the server itself.
 ALLOWED = {
     "shared": {"shared"},
@@ -167,3 +167,74 @@ def test_the_core_names_no_api_error_type() -> None:
     planted = 'body = {"error": {"type": "server_error"}}'
     assert api_error_types_in(planted) == ["server_error"]
     assert api_error_types_in("kind = 'rate_limit_error'") == ["rate_limit_error"]
+
+
+# Below the edge: what raises there raises what went wrong, with no HTTP
+# status and no wire path (``param="messages[0]..."``); each API's edge
+# (``http/errors.py`` for OpenAI's) answers it.
+BELOW_THE_EDGE = [
+    path
+    for path in SOURCES
+    if part_of(module_name(path)) in ("engine", "inputs", "shared")
+]
+STATUS_NAMES = {"status", "status_code", "http_status"}
+
+
+def http_statuses(path: Path, text: str | None = None) -> list[str]:
+    """Where ``path`` (or ``text`` as if it were there) raises or defines an
+    error that carries an HTTP status or a wire path."""
+    found = []
+    tree = ast.parse(path.read_text() if text is None else text, str(path))
+    for node in ast.walk(tree):
+        # An error made (raised, returned, or a subclass's super().__init__)
+        # with a status or a wire path.
+        if isinstance(node, ast.Call) and _makes_an_error(node.func):
+            values = [*node.args, *(k.value for k in node.keywords)]
+            if any(_is_status(value) for value in values):
+                found.append(f"line {node.lineno}: an error with an HTTP status")
+            if any(k.arg in STATUS_NAMES | {"param"} for k in node.keywords):
+                found.append(f"line {node.lineno}: an error with a wire path")
+        if isinstance(node, ast.Attribute) and node.attr in STATUS_NAMES:
+            if isinstance(node.ctx, ast.Store):
+                found.append(f"line {node.lineno}: sets .{node.attr}")
+    return found
+
+
+def _makes_an_error(func: ast.expr) -> bool:
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    return name.endswith("Error") or name == "__init__"
+
+
+def _is_status(node: ast.expr) -> bool:
+    return (
+        isinstance(node, ast.Constant)
+        and type(node.value) is int
+        and 400 <= node.value <= 599
+    )
+
+
+def test_the_shared_modules_engine_and_inputs_are_found() -> None:
+    parts = {part_of(module_name(path)) for path in BELOW_THE_EDGE}
+    assert parts == {"engine", "inputs", "shared"}
+
+
+@pytest.mark.parametrize("path", BELOW_THE_EDGE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_http_status_below_the_edge(path: Path) -> None:
+    found = http_statuses(path)
+    assert not found, f"{path.relative_to(ROOT)} carries HTTP answers: {found}"
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "raise APIError(400, 'no images')",
+        "raise RefusedError('too long', status=413)",
+        "raise ImageRefusedError('bad', param='messages[0].content[1]')",
+        "class Refused(Exception):\n    def __init__(self):\n        self.status = 400",
+        "class Long(APIError):\n    def __init__(self):\n        super().__init__(400)",
+    ],
+)
+def test_a_status_below_the_edge_is_caught(planted: str) -> None:
+    path = ROOT / "engine" / "admission.py"
+    assert not http_statuses(path)
+    assert http_statuses(path, path.read_text() + "\n" + planted + "\n")

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlx_pinned.server.errors import APIError, error_body
+from mlx_pinned.server.http.errors import APIError, error_body
 from mlx_pinned.server.http.schemas import (
     ChatCompletion,
     ChatCompletionChunk,

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from ..errors import APIError, internal_error, thread_unavailable, timed_out
 from ..events import FinalEvent, TokenEvent, TokenLogprobs
 from ..formats import model_formats
 from ..limits import check_text_length
@@ -37,7 +36,13 @@ from .answer import (
     delta,
     finish_reason,
 )
-from .errors import api_error
+from .errors import (
+    APIError,
+    api_error,
+    internal_error,
+    thread_unavailable,
+    timed_out,
+)
 from .params import generation_params, image_parts, image_refs, text_chars
 from .responses import (
     ChatCompletion,

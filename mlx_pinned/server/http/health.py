@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse, Response
 
-from ..errors import APIError, model_not_loaded, shutting_down, thread_unavailable
+from .errors import APIError, model_not_loaded, shutting_down, thread_unavailable
 from .routes import error_response
 
 if TYPE_CHECKING:

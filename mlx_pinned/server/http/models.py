@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import APIError
+from .errors import APIError
 
 if TYPE_CHECKING:
     from ..events import Engine

@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ..errors import APIError, api_error
 from ..failures import ModelNotLoadedError
+from .errors import APIError, api_error
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from ..errors import APIError, internal_error
+from .errors import APIError, internal_error
 
 if TYPE_CHECKING:
     from starlette.requests import Request

@@ -17,9 +17,9 @@ from collections import OrderedDict
 import anyio
 import llguidance
 
-from ..errors import APIError
 from ..events import Grammar
 from ..formats import TOOL_CALL_FORMATS, ToolCallFormat, ToolSpec, json_arguments
+from .errors import APIError
 from .messages import JSONObjectFormat, JSONSchemaResponseFormat, NamedToolChoice
 from .schemas import ChatCompletionRequest
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..errors import APIError
+from .errors import APIError
 
 __all__ = ["validation_error_to_api_error"]
 

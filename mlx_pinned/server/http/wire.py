@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import anyio
 import sniffio
 
-from ..errors import APIError
 from ..events import FinalEvent, TokenEvent
+from .errors import APIError
 
 if TYPE_CHECKING:
     from starlette.types import Message, Receive, Scope, Send
