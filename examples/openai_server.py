@@ -27,6 +27,7 @@ import argparse
 import base64
 import binascii
 import contextlib
+import functools
 import importlib
 import io
 import json
@@ -301,7 +302,7 @@ async def completions(request: Request) -> Response:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise bad("body", "is not valid JSON.") from None
-    served = request.state.name
+    served = request.app.state.name
     chat = parse(body, served)
     images = [
         await anyio.to_thread.run_sync(decode_image, url, where)
@@ -346,22 +347,21 @@ async def completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> JSONResponse:
-    card = {"id": request.state.name, "object": "model", "owned_by": "mlx-pinned"}
+    card = {"id": request.app.state.name, "object": "model", "owned_by": "mlx-pinned"}
     return JSONResponse({"object": "list", "data": [card | {"created": 0}]})
 
 
 def create_app(model_path: str, name: str) -> Starlette:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
-        # The thread starts with the app and stops after the server has
-        # finished its requests; the model loads on it before the first one.
-        async with mlx_thread:
-            yield {"model": await load(model_path), "name": name}
-
+    # The thread starts with the app and stops after the server has finished
+    # its requests; the model loads on it before the first one, into
+    # request.state.model.
+    lifespan = mlx_pinned.mlx_lifespan(
+        thread=mlx_thread, startup={"model": functools.partial(load.sync, model_path)}
+    )
     # Exception: a 500 in OpenAI's shape, and Starlette logs the traceback.
     errors = (APIError, HTTPException, BusyError, ClosedError, BrokenError, Exception)
     handlers: Any = dict.fromkeys(errors, error_response)
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/v1/chat/completions", completions, methods=["POST"]),
             Route("/v1/models", models),
@@ -369,6 +369,8 @@ def create_app(model_path: str, name: str) -> Starlette:
         exception_handlers=handlers,
         lifespan=lifespan,
     )
+    app.state.name = name
+    return app
 
 
 def main() -> None:
