@@ -50,7 +50,7 @@ from .http.gate import BatchGate
 from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.models import ServedModel, ServedModels
-from .http.residency import ModelSlot, Residency
+from .http.residency import Residency
 from .http.routes import (
     APIKeyMiddleware,
     http_error,
@@ -58,6 +58,7 @@ from .http.routes import (
     models,
     server_error,
 )
+from .http.slots import ModelSlot
 from .http.turns import LoopTurns
 from .inputs.images import Fetcher, load_images
 from .inputs.remote import RemoteImageFetcher

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import mlx_pinned.server.app as server_app
 from mlx_pinned.server import ServerConfig, cli, create_app
 from mlx_pinned.server.engine import BatchEngine, memory
-from mlx_pinned.server.http.residency import ModelSlot, SlotState
+from mlx_pinned.server.http.slots import ModelSlot, SlotState
 from mlx_pinned.testing import make_tiny_lm, make_tiny_vlm
 
 from .conftest import Lifespan, assert_error, replace_generation, until

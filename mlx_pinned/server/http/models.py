@@ -19,7 +19,7 @@ from .errors import APIError
 if TYPE_CHECKING:
     from ..events import Engine
     from .gate import BatchGate
-    from .residency import ModelSlot
+    from .slots import ModelSlot
 
 __all__ = ["ServedModel", "ServedModels", "model_not_found"]
 

@@ -4,7 +4,7 @@ the app's lifespan.
 Event loop only (asyncio or trio, through anyio): the decisions are made
 here, one at a time, and every load and unload itself runs on the MLX
 thread through the callables ``app.py`` wires in (this side never imports
-MLX). Every model has a :class:`ModelSlot`. The lifespan
+MLX). Every model has a :class:`~.slots.ModelSlot`. The lifespan
 (:meth:`Residency.running`) loads the models pinned at start-up, in order,
 before the server is ready; they stay loaded. A request that arrives while
 its model loads waits for that load (at most ``load_wait`` seconds). A model
@@ -35,19 +35,17 @@ for.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from ..failures import ModelNotLoadedError
 from .errors import APIError, api_error
+from .slots import ModelSlot, SlotChange, SlotState, due
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -55,80 +53,13 @@ if TYPE_CHECKING:
     from ..events import Engine
     from .models import ServedModel, ServedModels
 
-__all__ = ["ModelSlot", "Residency", "SlotState"]
+__all__ = ["Residency"]
 
 logger = logging.getLogger("mlx_pinned.server")
 
 #: Frees the engine in the list it is given (emptying the list) on the MLX
 #: thread; whoever calls it keeps no other reference.
 Release = Callable[[list[Any], str], Awaitable[object]]
-
-
-class SlotState(enum.Enum):
-    """Where a model loaded on first use is (see the module's table)."""
-
-    UNLOADED = "unloaded"
-    LOADING = "loading"
-    LOADED = "loaded"
-    UNLOADING = "unloading"
-
-
-class _Change:
-    """One load or unload under way: its waiters wait for ``done``; a load
-    that failed leaves its answer in ``error`` and what it raised in
-    ``cause``."""
-
-    def __init__(self) -> None:
-        self.done = anyio.Event()
-        self.error: APIError | ModelNotLoadedError | None = None
-        self.cause: BaseException | None = None
-
-
-@dataclass(eq=False)
-class ModelSlot:
-    """A served model: its state, engine and counts.
-
-    Attributes:
-        name: The served name.
-        load: Loads it on the MLX thread and gives its engine.
-        measure: Its weight bytes from its checkpoint, on the MLX thread
-            (the budget's measure before the first load).
-        pinned: Loaded by the lifespan at start-up and never unloaded; else
-            loaded on first use.
-        idle_timeout: Seconds idle before it is unloaded (None: never).
-        state: See :class:`SlotState`.
-        engine: Its engine while LOADED.
-        holders: Requests holding it now (:meth:`Residency.use`).
-        weight_bytes: Its weights' bytes, measured at its last load; None
-            before the first.
-        idle_since: When the last holder let go (``anyio.current_time()``),
-            while LOADED and idle; None otherwise.
-        created: Unix time the server was made: the ``created`` in
-            ``/v1/models`` of a model loaded on first use, which does not
-            move with loads.
-        loads, unloads, failures: Loads done, unloads done, loads failed.
-    """
-
-    name: str
-    load: Callable[[], Awaitable[Engine]]
-    measure: Callable[[], Awaitable[int]]
-    pinned: bool = False
-    idle_timeout: float | None = None
-    state: SlotState = SlotState.UNLOADED
-    engine: Engine | None = None
-    holders: int = 0
-    weight_bytes: int | None = None
-    idle_since: float | None = None
-    created: float = field(default_factory=time.time)
-    loads: int = 0
-    unloads: int = 0
-    failures: int = 0
-    _change: _Change | None = field(default=None, repr=False)
-
-    @property
-    def idle(self) -> bool:
-        """Loaded on first use, loaded now, and held by no request."""
-        return self.state is SlotState.LOADED and self.holders == 0 and not self.pinned
 
 
 class Residency:
@@ -213,7 +144,7 @@ class Residency:
         pinned = [slot for slot in self._slots if slot.pinned]
         for slot in pinned:
             slot.state = SlotState.LOADING
-            slot._change = _Change()
+            slot._change = SlotChange()
         try:
             for slot in pinned:
                 change = slot._change
@@ -304,10 +235,10 @@ class Residency:
         if self._tasks is None:  # no lifespan runs: nothing can load it
             raise ModelNotLoadedError(slot.name, retry_after=self.retry_after)
         slot.state = SlotState.LOADING
-        slot._change = _Change()
+        slot._change = SlotChange()
         self._tasks.start_soon(self._load, slot, slot._change)
 
-    async def _load(self, slot: ModelSlot, change: _Change) -> None:
+    async def _load(self, slot: ModelSlot, change: SlotChange) -> None:
         assert self._lock is not None
         engine: Engine | None = None
         try:
@@ -376,7 +307,7 @@ class Residency:
         assert slot.engine is not None
         slot.state = SlotState.UNLOADING
         slot.idle_since = None
-        change = slot._change = _Change()
+        change = slot._change = SlotChange()
         holder: list[Any] = [slot.engine]
         slot.engine = None
         logger.info("unloading model %r (%s)", slot.name, why)
@@ -398,31 +329,23 @@ class Residency:
         while True:
             self._wake = anyio.Event()
             now = anyio.current_time()
-            due = {slot: at for slot in self._slots if (at := _due(slot)) is not None}
-            expired = [slot for slot, at in due.items() if at <= now]
+            dues = {slot: at for slot in self._slots if (at := due(slot)) is not None}
+            expired = [slot for slot, at in dues.items() if at <= now]
             if not expired:
-                with anyio.move_on_after(min(due.values(), default=math.inf) - now):
+                with anyio.move_on_after(min(dues.values(), default=math.inf) - now):
                     await self._wake.wait()
                 continue
             async with self._lock:
                 for slot in expired:
                     # Checked again: a request may have taken it while this
                     # waited for the lock.
-                    at = _due(slot)
+                    at = due(slot)
                     if at is not None and at <= now:
                         await self._unload(slot, f"idle for {slot.idle_timeout:g} s")
 
     def _notify(self) -> None:
         if self._wake is not None:
             self._wake.set()
-
-
-def _due(slot: ModelSlot) -> float | None:
-    """When an idle slot is unloaded (``anyio.current_time()``); None while
-    it is not idle, or never is unloaded for it."""
-    if not slot.idle or slot.idle_since is None or slot.idle_timeout is None:
-        return None
-    return slot.idle_since + slot.idle_timeout
 
 
 def _load_failed(name: str, exc: BaseException, retry_after: int) -> APIError:
