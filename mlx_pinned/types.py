@@ -16,8 +16,8 @@ from ._decorators import MLXFunction as MLXFunction
 from ._decorators import MLXGeneratorFunction as MLXGeneratorFunction
 from ._decorators import MLXGeneratorMethod as MLXGeneratorMethod
 from ._decorators import MLXMethod as MLXMethod
-from ._executor import MLXThreadStatistics as MLXThreadStatistics
 from ._lifespan import MLXLifespan as MLXLifespan
+from ._statistics import MLXThreadStatistics as MLXThreadStatistics
 from ._sync_streams import SyncBatchIterator as SyncBatchIterator
 from ._sync_streams import SyncStreamIterator as SyncStreamIterator
 
