@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from ._closing import AsyncClosing
 from ._waiters import async_waiter
 
 if TYPE_CHECKING:
     import sys
-    from types import TracebackType
+    from collections.abc import Callable
 
     from ._streams import Stream
 
@@ -23,9 +24,10 @@ if TYPE_CHECKING:
         from typing_extensions import Self
 
 T = TypeVar("T")
+V = TypeVar("V")  # what one take gives: an item, or a batch of them
 
 
-class AsyncStreamIterator(Generic[T]):
+class AsyncStreamIterator(AsyncClosing, Generic[T]):
     """An async iterator over a generator that runs on an MLXThread.
 
     Returned by :meth:`MLXThread.iterate`. ``aclose()`` (or cancelling the
@@ -43,15 +45,8 @@ class AsyncStreamIterator(Generic[T]):
         return self
 
     async def __anext__(self) -> T:
-        stream = self._stream
-        while True:
-            try:
-                ready, item = stream.take()
-            except StopIteration:
-                raise StopAsyncIteration from None
-            if ready:
-                return item  # type: ignore[return-value]
-            await self._wait()
+        item = await self._next(self._stream.take)
+        return item  # type: ignore[return-value]
 
     def batched(self, n: int) -> AsyncBatchIterator[T]:
         """The items in tuples of ``n`` (the last may be shorter), as
@@ -70,6 +65,18 @@ class AsyncStreamIterator(Generic[T]):
             raise ValueError(f"n must be at least 1, not {n}")
         self._stream.batch_mode(n)
         return AsyncBatchIterator(self)
+
+    async def _next(self, take: Callable[[], tuple[bool, V]]) -> V:
+        """What ``take`` (``Stream.take`` or ``take_batch``) gives next,
+        waiting while it has nothing."""
+        while True:
+            try:
+                ready, value = take()
+            except StopIteration:
+                raise StopAsyncIteration from None
+            if ready:
+                return value
+            await self._wait()
 
     async def _wait(self) -> None:
         """Wait until there is something to take (or the stream ended)."""
@@ -99,22 +106,11 @@ class AsyncStreamIterator(Generic[T]):
                     return
                 await waiter.wait()
 
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
     def __del__(self) -> None:
         self._stream.request_close()
 
 
-class AsyncBatchIterator(Generic[T]):
+class AsyncBatchIterator(AsyncClosing, Generic[T]):
     """The items of an :class:`AsyncStreamIterator` in tuples; from
     :meth:`AsyncStreamIterator.batched`. ``aclose()`` closes the generator."""
 
@@ -128,27 +124,8 @@ class AsyncBatchIterator(Generic[T]):
 
     async def __anext__(self) -> tuple[T, ...]:
         items = self._items
-        stream = items._stream
-        while True:
-            try:
-                ready, batch = stream.take_batch()
-            except StopIteration:
-                raise StopAsyncIteration from None
-            if ready:
-                return batch
-            await items._wait()
+        return await items._next(items._stream.take_batch)
 
     async def aclose(self) -> None:
         """Close the generator on the thread and wait until it is closed."""
         await self._items.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()

@@ -17,6 +17,7 @@ from concurrent.futures import Executor
 from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ._closing import AsyncClosing
 from ._exceptions import (
     MLXThreadBrokenError,
     MLXThreadBusyError,
@@ -36,7 +37,6 @@ else:  # pragma: no cover
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from types import TracebackType
 
     from ._jobs import Call
     from ._statistics import MLXThreadStatistics
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class MLXThread(Submitter, Executor):
+class MLXThread(AsyncClosing, Submitter, Executor):
     """An executor that runs every job on one dedicated thread with its own stream.
 
     MLX streams are thread-local, so a model must be loaded, run and evaluated
@@ -174,29 +174,15 @@ class MLXThread(Submitter, Executor):
         if thread is not None and not self.is_current() and thread.is_alive():
             await anyio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
 
+    # The blocks start the thread; on the way out, Executor's __exit__ calls
+    # shutdown(wait=True) and AsyncClosing's __aexit__ awaits aclose().
     def __enter__(self) -> Self:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        self.shutdown(wait=True)
-
     async def __aenter__(self) -> Self:
         self.start()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     # -- introspection -------------------------------------------------------
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from ._closing import Closing
 from ._waiters import SyncWaiter, warn_if_blocking_a_loop
 
 if TYPE_CHECKING:
     import sys
-    from types import TracebackType
 
     from ._streams import Stream
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class SyncStreamIterator(Generic[T]):
+class SyncStreamIterator(Closing, Generic[T]):
     """A blocking iterator over a generator that runs on an MLXThread.
 
     Returned by :meth:`MLXThread.iterate_sync`; ``close()`` (or a ``with``
@@ -87,22 +87,11 @@ class SyncStreamIterator(Generic[T]):
                     return
                 waiter.wait()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def __del__(self) -> None:
         self._stream.request_close()
 
 
-class SyncBatchIterator(Generic[T]):
+class SyncBatchIterator(Closing, Generic[T]):
     """The items of a :class:`SyncStreamIterator` in tuples; from
     :meth:`SyncStreamIterator.batched`. ``close()`` closes the generator."""
 
@@ -126,14 +115,3 @@ class SyncBatchIterator(Generic[T]):
     def close(self) -> None:
         """Close the generator on the thread and wait until it is closed."""
         self._items.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        self.close()
