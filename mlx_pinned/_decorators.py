@@ -27,7 +27,8 @@ from ._exclusive import Exclusive
 from ._executor import MLXThread
 
 if TYPE_CHECKING:
-    from ._streams import AsyncStreamIterator, SyncStreamIterator
+    from ._async_streams import AsyncStreamIterator
+    from ._sync_streams import SyncStreamIterator
 
 P = ParamSpec("P")
 P2 = ParamSpec("P2")

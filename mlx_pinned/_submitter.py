@@ -10,9 +10,11 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ._async_streams import AsyncStreamIterator
 from ._jobs import AsyncioCall, Call, FutureCall
 from ._keys import sweep_if_cancelled
-from ._streams import AsyncStreamIterator, Stream, SyncStreamIterator
+from ._streams import Stream
+from ._sync_streams import SyncStreamIterator
 from ._waiters import (
     SyncWaiter,
     async_waiter,

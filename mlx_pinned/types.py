@@ -10,16 +10,16 @@ which thread each method runs on.
 
 from __future__ import annotations
 
+from ._async_streams import AsyncBatchIterator as AsyncBatchIterator
+from ._async_streams import AsyncStreamIterator as AsyncStreamIterator
 from ._decorators import MLXFunction as MLXFunction
 from ._decorators import MLXGeneratorFunction as MLXGeneratorFunction
 from ._decorators import MLXGeneratorMethod as MLXGeneratorMethod
 from ._decorators import MLXMethod as MLXMethod
-from ._executor import MLXThreadStatistics as MLXThreadStatistics
 from ._lifespan import MLXLifespan as MLXLifespan
-from ._streams import AsyncBatchIterator as AsyncBatchIterator
-from ._streams import AsyncStreamIterator as AsyncStreamIterator
-from ._streams import SyncBatchIterator as SyncBatchIterator
-from ._streams import SyncStreamIterator as SyncStreamIterator
+from ._statistics import MLXThreadStatistics as MLXThreadStatistics
+from ._sync_streams import SyncBatchIterator as SyncBatchIterator
+from ._sync_streams import SyncStreamIterator as SyncStreamIterator
 
 __all__ = [
     "AsyncBatchIterator",
