@@ -8,6 +8,7 @@ MLX thread (except the inline calls, which run there by design).
 from __future__ import annotations
 
 import functools
+from abc import abstractmethod
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._async_streams import AsyncStreamIterator
@@ -40,17 +41,19 @@ class Submitter:
     _key: object  # the exclusive key of the work, or None
     _worker: Worker
 
+    @abstractmethod
     def is_current(self) -> bool:
         """Whether the caller is running on this MLX thread."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _enqueue(self, item: Call[Any] | Stream[Any]) -> None:
-        raise NotImplementedError
+        """Queue ``item`` on the thread."""
 
+    @abstractmethod
     def _call_inline(
         self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> T:
-        raise NotImplementedError
+        """Run ``fn`` now: the caller is on the thread."""
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Queue ``fn(*args, **kwargs)`` to run on the thread.
