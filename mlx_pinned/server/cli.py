@@ -116,8 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mlx-pinned`` command; returns the exit status.
 
     Blocks until the server stops (SIGINT or SIGTERM: ``/health`` answers
-    503 for ``--drain-seconds`` while the server goes on serving, then the
-    listener closes, in-flight requests get ``--drain-timeout`` seconds
+    503 for ``--unready-seconds`` while the server goes on serving, then the
+    listener closes, in-flight requests get ``--in-flight-timeout`` seconds
     to finish, and the MLX thread shuts down).
     """
     parser = build_parser()
@@ -236,7 +236,7 @@ def serve(args: argparse.Namespace, config: ServerConfig) -> int:
         access_log=args.access_log,
         log_config=None,  # keep the logging set up in main()
         # Past the drain: uvicorn's own limit must not cut it short.
-        timeout_graceful_shutdown=math.ceil(config.drain_timeout) + 5,
+        timeout_graceful_shutdown=math.ceil(config.in_flight_timeout) + 5,
         # Longer than clients keep idle connections (httpx, and so the openai
         # package: 5 s; nginx upstream: 60 s), so the client always closes
         # first: otherwise a request sent on a connection the server is
@@ -254,7 +254,7 @@ def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     server = Server(
         uvicorn_config,
         readiness=app.state.readiness,
-        drain_seconds=config.drain_seconds,
+        unready_seconds=config.unready_seconds,
     )
     previous = {s: signal.signal(s, _stopped) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

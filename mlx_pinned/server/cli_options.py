@@ -204,14 +204,14 @@ OPTIONS = (
         seconds_or_none,
     ),
     Option(
-        "drain_seconds",
+        "unready_seconds",
         "on SIGTERM, seconds to keep serving with /health answering 503 before "
         "the listener closes, so balancers stop sending first (default: "
         "%(default)s)",
         seconds,
     ),
     Option(
-        "drain_timeout",
+        "in_flight_timeout",
         "seconds the requests in flight get to finish once the listener is "
         "closed (default: %(default)s)",
         seconds,

@@ -80,14 +80,14 @@ class ServerConfig:
             or on first use) before a 503 ``model_not_loaded``; the
             readiness probe answers 503 meanwhile. None: as long as the load
             takes.
-        drain_seconds: The first phase of a stop: seconds the server
+        unready_seconds: The first phase of a stop: seconds the server
             keeps serving after SIGTERM with ``/health`` answering 503,
             before it closes its listener, so that balancers that probe
             ``/health`` stop sending first. A second signal ends the wait.
             Read by the runner of ``mlx-pinned serve``
             (:class:`~.http.serving.Server`): an app run under another
             server has no such wait.
-        drain_timeout: The second phase: seconds the requests in
+        in_flight_timeout: The second phase: seconds the requests in
             flight get to finish once the listener is closed, before the
             MLX thread stops.
         retry_after: Seconds sent in ``Retry-After`` with every 503 that
@@ -146,8 +146,8 @@ class ServerConfig:
     max_prompt_tokens: int | None = None
     request_timeout: float | None = 600.0
     load_wait: float | None = 120.0
-    drain_seconds: float = 0.0
-    drain_timeout: float = 30.0
+    unready_seconds: float = 0.0
+    in_flight_timeout: float = 30.0
     retry_after: int = 1
     prompt_cache_bytes: int | None = None
     image_cache_bytes: int | None = None

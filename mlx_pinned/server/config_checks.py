@@ -83,7 +83,7 @@ def check_config(config: ServerConfig) -> None:
                 raise SettingError(name, str(exc)) from None
     for name in ("request_timeout", "remote_image_timeout", "load_wait"):
         _seconds(config, name, positive=True, optional=True)
-    for name in ("drain_seconds", "drain_timeout"):
+    for name in ("unready_seconds", "in_flight_timeout"):
         _seconds(config, name, finite=True)
     _seconds(config, "distributed_timeout", positive=True, finite=True)
     _check_residency(config)

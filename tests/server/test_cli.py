@@ -478,11 +478,11 @@ class TestOneSettingsSource:
         assert "closed (default: 30.0)" in out
 
     def test_a_new_value_reaches_the_config(self) -> None:
-        argv = ["serve", "m", "--drain-timeout", "3", "--drain-seconds", "2"]
+        argv = ["serve", "m", "--in-flight-timeout", "3", "--unready-seconds", "2"]
         argv += ["--retry-after", "4", "--no-freeze-gc", "--served-model-name", "name"]
         args = cli.build_parser().parse_args(argv)
         config = cli._config(args)
-        assert (config.drain_timeout, config.drain_seconds) == (3.0, 2.0)
+        assert (config.in_flight_timeout, config.unready_seconds) == (3.0, 2.0)
         assert config.retry_after == 4
         assert not config.freeze_gc
         assert config.name == "name"
