@@ -365,10 +365,6 @@ def _refused(
     return re.sub(names, lambda word: words.get(word[0], word[0]), text)
 
 
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'s' * (number != 1)}"
-
-
 def _looks_local(model: str) -> bool:
     """Whether MODEL is written as a path: a hub id is 'name' or 'org/name'."""
     return model.startswith(("/", ".", "~")) or model.count("/") > 1
