@@ -84,7 +84,7 @@ def create_app(
     its first request with ``load_on_first_use``; a failed start-up load
     fails the start-up with the reason. A request that arrives while its
     model loads waits for the load (``load_wait``). At shutdown in-flight
-    requests get ``drain_timeout`` seconds to finish, then the thread is
+    requests get ``in_flight_timeout`` seconds to finish, then the thread is
     closed.
 
     Args:
@@ -202,7 +202,7 @@ def create_app(
         Middleware(
             MLXThreadMiddleware,
             thread=mlx_thread,
-            drain_timeout=config.drain_timeout,
+            drain_timeout=config.in_flight_timeout,
             # The thread's errors answered in OpenAI's shape, as every route.
             refusal=functools.partial(refusal, retry_after=config.retry_after),
         ),

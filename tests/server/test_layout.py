@@ -18,7 +18,8 @@ import pytest
 import mlx_pinned.server
 
 ROOT = Path(mlx_pinned.server.__file__).parent
-SHARED = {"config", "config_file", "events", "failures", "formats", "limits"}
+SHARED = {"config", "config_checks", "config_file", "cli_options"}
+SHARED |= {"events", "failures", "formats", "limits"}
 # What each part of the server may import from the server itself.
 ALLOWED = {
     "shared": {"shared"},

@@ -163,12 +163,12 @@ class TestSettings:
         parser = cli.build_parser()
         argv = ["serve", "m", "--load-on-first-use", "--idle-unload-timeout", "30"]
         args = parser.parse_args([*argv, "--max-model-bytes", "1000"])
-        config = cli._config(args, ["m"], None)
+        config = cli._config(args)
         assert config.load_on_first_use
         assert config.idle_unload_timeout == 30.0
         assert config.max_model_bytes == 1000
         args = parser.parse_args([*argv[:-1], "0"])  # 0: never
-        assert cli._config(args, ["m"], None).idle_unload_timeout is None
+        assert cli._config(args).idle_unload_timeout is None
 
     def test_idle_unload_without_first_use_is_a_usage_error(
         self, capsys: pytest.CaptureFixture[str]
@@ -176,7 +176,9 @@ class TestSettings:
         with pytest.raises(SystemExit) as info:
             cli.main(["serve", "org/m", "--idle-unload-timeout", "5"])
         assert info.value.code == 2
-        assert "idle_unload_timeout needs load_on_first_use" in capsys.readouterr().err
+        assert "--idle-unload-timeout needs --load-on-first-use" in (
+            capsys.readouterr().err
+        )
 
 
 class TestFirstUse:

@@ -1,5 +1,5 @@
 """The CLI's uvicorn server: it answers probes while the model loads, and on
-SIGTERM it turns readiness off for ``--drain-seconds`` before its listener
+SIGTERM it turns readiness off for ``--unready-seconds`` before its listener
 closes. Real ``mlx-pinned serve --demo`` subprocesses under real uvicorn."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def error_code(response: httpx.Response) -> str:
 
 def test_sigterm_turns_readiness_off_then_closes_the_listener(tmp_path: Path) -> None:
     drain = 1.5
-    with replica(tmp_path / "a.log", "--drain-seconds", str(drain)) as a:
+    with replica(tmp_path / "a.log", "--unready-seconds", str(drain)) as a:
         a.wait_ready()
         assert a.status("/health") == 200
         body = chat_body(max_tokens=800, stream=True)  # in flight at the signal
@@ -95,7 +95,7 @@ def test_sigterm_turns_readiness_off_then_closes_the_listener(tmp_path: Path) ->
 def test_alive_while_loading_and_a_sigterm_then_skips_the_window(
     tmp_path: Path,
 ) -> None:
-    options = ("--drain-seconds", "60", "--load-wait", "0.5")
+    options = ("--unready-seconds", "60", "--load-wait", "0.5")
     with replica(tmp_path / "b.log", *options, gated=True) as b:
         # Loading: alive, not ready, and a request refused as not loaded
         # once it waited --load-wait for the load.
@@ -158,7 +158,7 @@ class TestSignals:
     def server(self, drain: float, *, ready: bool = True) -> Server:
         app = create_app("unused", thread=MLXThread(name="signals"))
         config = uvicorn.Config(app, log_config=None)
-        server = Server(config, readiness=app.state.readiness, drain_seconds=drain)
+        server = Server(config, readiness=app.state.readiness, unready_seconds=drain)
         server.started = True
         server.lifespan = LifespanOn(config)
         if ready:
