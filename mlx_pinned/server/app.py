@@ -44,7 +44,7 @@ from .config import ServerConfig
 from .engine import BatchEngine
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
 from .events import Engine, LoadImages
-from .http.chat import ChatEndpoint
+from .http.chat_completions.route import ChatEndpoint
 from .http.errors import refusal
 from .http.gate import BatchGate
 from .http.health import Readiness, health, live

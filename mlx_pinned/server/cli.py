@@ -208,7 +208,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
-    from .http.serving import Server
+    from .http.uvicorn_server import Server
 
     models = list(args.model)
     names = args.served_model_name

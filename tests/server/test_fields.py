@@ -11,9 +11,15 @@ from typing import Any
 import pytest
 
 from mlx_pinned.server.events import Grammar
+from mlx_pinned.server.http.chat_completions.params import (
+    chat_messages,
+    generation_params,
+)
+from mlx_pinned.server.http.chat_completions.protocol import (
+    ChatCompletionRequest,
+    parse_chat_request,
+)
 from mlx_pinned.server.http.errors import APIError
-from mlx_pinned.server.http.params import chat_messages, generation_params
-from mlx_pinned.server.http.schemas import ChatCompletionRequest, parse_chat_request
 
 from .conftest import Served, vision_body
 

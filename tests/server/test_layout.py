@@ -112,15 +112,16 @@ def _is_name_of(target: str) -> bool:
 @pytest.mark.parametrize(
     ("where", "line"),
     [
-        ("http/chat.py", "from ..engine import BatchEngine"),
-        ("http/chat.py", "from ..engine.batch import BatchEngine"),
-        ("http/chat.py", "import mlx.core as mx"),
-        ("engine/batch.py", "from ..http import schemas"),
+        ("http/chat_completions/route.py", "from ...engine import BatchEngine"),
+        ("http/chat_completions/route.py", "from ...engine.batch import BatchEngine"),
+        ("http/chat_completions/route.py", "import mlx.core as mx"),
+        ("http/wire.py", "from ..engine import BatchEngine"),
+        ("engine/batch.py", "from ..http.chat_completions import protocol"),
         ("engine/batch.py", "from pydantic import BaseModel"),
         ("events.py", "from .engine import BatchEngine"),
         ("formats/hermes.py", "from pydantic import BaseModel"),
-        ("formats/registry.py", "from ..http.schemas import Tool"),
-        ("inputs/images.py", "from ..http.params import image_refs"),
+        ("formats/registry.py", "from ..http.chat_completions.messages import Tool"),
+        ("inputs/images.py", "from ..http.chat_completions.params import image_refs"),
         ("app.py", "from . import cli"),
     ],
 )

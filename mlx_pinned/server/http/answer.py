@@ -22,7 +22,8 @@ from ..formats import (
     ReasoningParser,
     ToolCallParser,
 )
-from .responses import (
+from .chat_completions.protocol import ChatCompletionRequest
+from .chat_completions.responses import (
     Delta,
     DeltaFunction,
     DeltaToolCall,
@@ -32,7 +33,6 @@ from .responses import (
     WireFinishReason,
     tool_call_id,
 )
-from .schemas import ChatCompletionRequest
 
 __all__ = [
     "Answer",

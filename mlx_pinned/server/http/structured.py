@@ -19,9 +19,13 @@ import llguidance
 
 from ..events import Grammar
 from ..formats import TOOL_CALL_FORMATS, ToolCallFormat, ToolSpec, json_arguments
+from .chat_completions.messages import (
+    JSONObjectFormat,
+    JSONSchemaResponseFormat,
+    NamedToolChoice,
+)
+from .chat_completions.protocol import ChatCompletionRequest
 from .errors import APIError
-from .messages import JSONObjectFormat, JSONSchemaResponseFormat, NamedToolChoice
-from .schemas import ChatCompletionRequest
 
 __all__ = ["check_grammar", "grammar_error", "request_grammar"]
 

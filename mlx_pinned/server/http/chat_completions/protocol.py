@@ -25,6 +25,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ..validation import validation_error_to_api_error
 from .messages import (
     AssistantMessage,
     FunctionDefinition,
@@ -47,53 +48,8 @@ from .messages import (
     ToolMessage,
     UserMessage,
 )
-from .responses import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    Choice,
-    ChoiceLogprobs,
-    ChunkChoice,
-    ChunkEncoder,
-    Delta,
-    ResponseMessage,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
-    completion_id,
-)
-from .validation import validation_error_to_api_error
 
-__all__ = [
-    "AssistantMessage",
-    "ChatCompletion",
-    "ChatCompletionChunk",
-    "ChatCompletionRequest",
-    "Choice",
-    "ChoiceLogprobs",
-    "ChunkChoice",
-    "ChunkEncoder",
-    "Delta",
-    "FunctionDefinition",
-    "ImagePart",
-    "ImageURL",
-    "JSONSchemaFormat",
-    "Message",
-    "NamedToolChoice",
-    "ResponseFormat",
-    "ResponseMessage",
-    "StreamOptions",
-    "SystemMessage",
-    "TextPart",
-    "TokenLogprob",
-    "Tool",
-    "ToolCall",
-    "ToolMessage",
-    "TopLogprob",
-    "Usage",
-    "UserMessage",
-    "completion_id",
-    "parse_chat_request",
-]
+__all__ = ["ChatCompletionRequest", "parse_chat_request"]
 
 #: Keyword arguments the server passes to the chat template itself.
 _TEMPLATE_ARGUMENTS = frozenset(

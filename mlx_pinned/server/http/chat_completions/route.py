@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from ..events import FinalEvent, TokenEvent, TokenLogprobs
-from ..formats import model_formats
-from ..limits import check_text_length
-from .answer import (
+from ...events import FinalEvent, TokenEvent, TokenLogprobs
+from ...formats import model_formats
+from ...limits import check_text_length
+from ..answer import (
     Answer,
     AnswerParser,
     Part,
@@ -36,14 +36,23 @@ from .answer import (
     delta,
     finish_reason,
 )
-from .errors import (
+from ..errors import (
     APIError,
     api_error,
     internal_error,
     thread_unavailable,
     timed_out,
 )
+from ..structured import request_grammar
+from ..wire import (
+    Disconnected,
+    RequestLog,
+    ResponseWriter,
+    cancel_on_disconnect,
+    read_body,
+)
 from .params import generation_params, image_parts, image_refs, text_chars
+from .protocol import ChatCompletionRequest, parse_chat_request
 from .responses import (
     ChatCompletion,
     Choice,
@@ -58,27 +67,18 @@ from .responses import (
     Usage,
     completion_id,
 )
-from .schemas import ChatCompletionRequest, parse_chat_request
-from .structured import request_grammar
-from .wire import (
-    Disconnected,
-    RequestLog,
-    ResponseWriter,
-    cancel_on_disconnect,
-    read_body,
-)
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
     from mlx_pinned import MLXThread
 
-    from ..config import ServerConfig
-    from ..events import Engine, EventStream, LoadImages
-    from .metrics import ServerMetrics
-    from .models import ServedModel, ServedModels
-    from .residency import Residency
-    from .turns import LoopTurns
+    from ...config import ServerConfig
+    from ...events import Engine, EventStream, LoadImages
+    from ..metrics import ServerMetrics
+    from ..models import ServedModel, ServedModels
+    from ..residency import Residency
+    from ..turns import LoopTurns
 
 __all__ = ["ChatEndpoint"]
 

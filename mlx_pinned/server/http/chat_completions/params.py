@@ -11,8 +11,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ..config import ImageLimits
-from ..events import GenerationParams, Grammar, ImageRef
+from ...config import ImageLimits
+from ...events import GenerationParams, Grammar, ImageRef
 from .messages import (
     AssistantMessage,
     ImagePart,
@@ -23,7 +23,7 @@ from .messages import (
     ToolMessage,
     UserMessage,
 )
-from .schemas import ChatCompletionRequest
+from .protocol import ChatCompletionRequest
 
 __all__ = [
     "chat_messages",
