@@ -122,7 +122,11 @@ class ChatCompletionsEndpoint:
         self.serving = ChatCompletionsServing(config)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        log = RequestLog(start=time.perf_counter(), client=_client(scope))
+        log = RequestLog(
+            start=time.perf_counter(),
+            client=_client(scope),
+            route="POST /v1/chat/completions",
+        )
         response = ResponseWriter(send)
         try:
             await self.turns.checkpoint()
