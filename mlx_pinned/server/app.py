@@ -44,7 +44,7 @@ from .config import ServerConfig
 from .engine import BatchEngine
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
 from .events import Engine, LoadImages
-from .http.chat import ChatEndpoint
+from .http.chat_completions import ChatCompletionsEndpoint
 from .http.errors import refusal
 from .http.gate import BatchGate
 from .http.health import Readiness, health, live
@@ -148,6 +148,8 @@ def create_app(
                     own.max_num_seqs, own.max_pending, retry_after=own.retry_after
                 ),
                 _slot(own, mlx_thread, loads[index]),
+                tool_call_parser=own.tool_call_parser,
+                reasoning_parser=own.reasoning_parser,
             )
             for index, own in enumerate(each)
         ]
@@ -176,7 +178,7 @@ def create_app(
     metrics = ServerMetrics(mlx_thread, served)
     readiness = Readiness(mlx_thread, served)
     turns = LoopTurns()
-    chat = ChatEndpoint(
+    chat = ChatCompletionsEndpoint(
         config,
         mlx_thread,
         served,

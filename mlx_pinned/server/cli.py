@@ -179,7 +179,7 @@ def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     import uvicorn
 
     from .app import create_app
-    from .http.serving import Server
+    from .http.uvicorn_server import Server
 
     if args.demo:
         from mlx_pinned.testing import tiny_vlm_path

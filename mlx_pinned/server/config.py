@@ -85,7 +85,7 @@ class ServerConfig:
             before it closes its listener, so that balancers that probe
             ``/health`` stop sending first. A second signal ends the wait.
             Read by the runner of ``mlx-pinned serve``
-            (:class:`~.http.serving.Server`): an app run under another
+            (:class:`~.http.uvicorn_server.Server`): an app run under another
             server has no such wait.
         in_flight_timeout: The second phase: seconds the requests in
             flight get to finish once the listener is closed, before the

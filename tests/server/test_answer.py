@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from mlx_pinned.server.formats import CallArguments, CallStart
 from mlx_pinned.server.formats.hermes import HERMES, HermesToolParser
 from mlx_pinned.server.formats.think import THINK, ReasoningSplitter
-from mlx_pinned.server.http.answer import Answer, AnswerParser, Reasoning, delta
+from mlx_pinned.server.http.answer import AnswerParser, Reasoning
+from mlx_pinned.server.http.chat_completions.output import Answer, delta
+from mlx_pinned.server.http.chat_completions.responses import tool_call_id
 
 CALL = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -32,7 +34,8 @@ def parse(
     # reasoning: None (the model does not think), "optional" or "opened"
     # (the answer starts inside the reasoning).
     splitter = None if reasoning is None else THINK.parser(reasoning == "opened")
-    parser = AnswerParser(reasoning=splitter, tools=HERMES.parser() if tools else None)
+    calls = HERMES.parser() if tools else None
+    parser = AnswerParser(reasoning=splitter, tools=calls, call_id=tool_call_id)
     answer = Answer()
     for piece in pieces:
         answer.add(parser.feed(piece))
@@ -156,7 +159,9 @@ class TestToolCalls:
         assert all(isinstance(p, CallArguments) for p in pieces[1:])
 
     def test_the_answer_gives_each_call_its_own_id(self) -> None:
-        parser = AnswerParser(reasoning=None, tools=HERMES.parser())
+        parser = AnswerParser(
+            reasoning=None, tools=HERMES.parser(), call_id=tool_call_id
+        )
         parts = parser.feed(f"{CALL}\n{CALL}") + parser.end()
         ids = [part.id for part in parts if isinstance(part, CallStart)]
         assert len(ids) == 2

@@ -11,9 +11,12 @@ from typing import Any
 import pytest
 
 from mlx_pinned.server.events import Grammar
+from mlx_pinned.server.http.chat_completions.messages import chat_messages
+from mlx_pinned.server.http.chat_completions.protocol import (
+    ChatCompletionRequest,
+    parse_chat_request,
+)
 from mlx_pinned.server.http.errors import APIError
-from mlx_pinned.server.http.params import chat_messages, generation_params
-from mlx_pinned.server.http.schemas import ChatCompletionRequest, parse_chat_request
 
 from .conftest import Served, vision_body
 
@@ -82,7 +85,7 @@ def refused(**fields: Any) -> APIError:
 
 
 def params(**fields: Any) -> Any:
-    return generation_params(parse_chat_request(body(**fields)), 16)
+    return parse_chat_request(body(**fields)).to_generation_params(16)
 
 
 class TestEveryField:
@@ -149,7 +152,7 @@ class TestEveryField:
         plain = parse_chat_request(body())
         given = parse_chat_request(body(**WITHOUT_EFFECT))
         # Accepted, and nothing of them reaches the engine or the template.
-        assert generation_params(given, 16) == generation_params(plain, 16)
+        assert given.to_generation_params(16) == plain.to_generation_params(16)
         assert chat_messages(given.messages) == chat_messages(plain.messages)
 
     @pytest.mark.parametrize(
@@ -238,7 +241,7 @@ class TestParams:
     def test_a_grammar_is_passed_through(self) -> None:
         request = parse_chat_request(body())
         grammar = Grammar("json_object")
-        assert generation_params(request, 4, grammar=grammar).grammar == grammar
+        assert request.to_generation_params(4, grammar=grammar).grammar == grammar
 
 
 class TestToolMessages:

@@ -16,10 +16,12 @@ from PIL import Image
 from mlx_pinned.server.config import ImageLimits
 from mlx_pinned.server.events import ImageRef
 from mlx_pinned.server.failures import ImageRefusedError
+from mlx_pinned.server.http.chat_completions.messages import image_parts
+from mlx_pinned.server.http.chat_completions.messages import (
+    image_refs as collect_image_refs,
+)
+from mlx_pinned.server.http.chat_completions.protocol import parse_chat_request
 from mlx_pinned.server.http.errors import api_error
-from mlx_pinned.server.http.params import image_parts
-from mlx_pinned.server.http.params import image_refs as collect_image_refs
-from mlx_pinned.server.http.schemas import parse_chat_request
 from mlx_pinned.server.inputs.images import decode_image, load_images
 
 from .conftest import AtOnce

@@ -3,8 +3,9 @@
 cli (and its options and config file) -> app -> {http, inputs, engine} ->
 shared (config and its checks, events, failures, formats, limits). The
 engine (the MLX thread) never imports HTTP libraries; the HTTP side (the
-event loop) never imports MLX; the input decoders neither. Every import
-counts, those under ``TYPE_CHECKING`` and inside functions too.
+event loop) never imports MLX; the input decoders neither. Inside the HTTP
+side, each API's slice imports only the shared pieces. Every import counts,
+those under ``TYPE_CHECKING`` and inside functions too.
 """
 
 from __future__ import annotations
@@ -117,15 +118,16 @@ def _is_name_of(target: str) -> bool:
 @pytest.mark.parametrize(
     ("where", "line"),
     [
-        ("http/chat.py", "from ..engine import BatchEngine"),
-        ("http/chat.py", "from ..engine.batch import BatchEngine"),
-        ("http/chat.py", "import mlx.core as mx"),
-        ("engine/batch.py", "from ..http import schemas"),
+        ("http/chat_completions/route.py", "from ...engine import BatchEngine"),
+        ("http/chat_completions/route.py", "from ...engine.batch import BatchEngine"),
+        ("http/chat_completions/route.py", "import mlx.core as mx"),
+        ("http/wire.py", "from ..engine import BatchEngine"),
+        ("engine/batch.py", "from ..http.chat_completions import protocol"),
         ("engine/batch.py", "from pydantic import BaseModel"),
         ("events.py", "from .engine import BatchEngine"),
         ("formats/hermes.py", "from pydantic import BaseModel"),
-        ("formats/registry.py", "from ..http.schemas import Tool"),
-        ("inputs/images.py", "from ..http.params import image_refs"),
+        ("formats/registry.py", "from ..http.chat_completions.messages import Tool"),
+        ("inputs/images.py", "from ..http.chat_completions.messages import image_refs"),
         ("app.py", "from . import cli"),
     ],
 )
@@ -138,6 +140,64 @@ def test_a_wrong_import_is_caught(where: str, line: str) -> None:
 def test_every_part_is_known() -> None:
     parts = {part_of(module_name(path)) for path in SOURCES}
     assert parts <= set(ALLOWED), parts - set(ALLOWED)
+
+
+# The HTTP side is a slice per API (a folder: protocol, serving, route) over
+# shared pieces (the modules of http/ itself): a shared piece imports no
+# slice, and a slice imports no other slice.
+HTTP = ROOT / "http"
+SLICES = {path.parent.name for path in HTTP.glob("*/__init__.py")}
+HTTP_SOURCES = [path for path in SOURCES if part_of(module_name(path)) == "http"]
+
+
+def slice_of(module: str, slices: set[str] = SLICES) -> str | None:
+    """The slice a dotted module name is in; None for a shared piece."""
+    parts = module.split(".")
+    if len(parts) >= 4 and parts[2] == "http" and parts[3] in slices:
+        return parts[3]
+    return None
+
+
+def slice_violations(
+    path: Path, text: str | None = None, slices: set[str] = SLICES
+) -> list[str]:
+    """The imports of ``path`` (in http/) that reach into another slice."""
+    mine = slice_of(module_name(path), slices)
+    wrong = []
+    for target, line in imports(path, text):
+        theirs = slice_of(target, slices)
+        if theirs is not None and theirs != mine:
+            wrong.append(f"line {line}: {target} ({mine or 'shared'} -> {theirs})")
+    return wrong
+
+
+def test_the_slices_are_found() -> None:
+    assert "chat_completions" in SLICES
+    assert any(slice_of(module_name(path)) for path in HTTP_SOURCES)
+
+
+@pytest.mark.parametrize("path", HTTP_SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_slices_import_only_shared_pieces(path: Path) -> None:
+    wrong = slice_violations(path)
+    assert not wrong, f"{path.relative_to(ROOT)} reaches into a slice: {wrong}"
+
+
+@pytest.mark.parametrize(
+    ("where", "line"),
+    [
+        ("http/wire.py", "from .chat_completions.protocol import parse_chat_request"),
+        ("http/answer.py", "from .chat_completions import ChatCompletionsEndpoint"),
+        ("http/answer.py", "from . import chat_completions"),
+        # A second slice (as issue 23's completions) beside chat completions.
+        ("http/chat_completions/route.py", "from ..completions import protocol"),
+    ],
+)
+def test_an_import_into_a_slice_is_caught(where: str, line: str) -> None:
+    path = ROOT / where
+    slices = {*SLICES, "completions"}
+    assert not slice_violations(path, slices=slices)
+    text = path.read_text() + "\n" + line + "\n"
+    assert slice_violations(path, text, slices=slices)
 
 
 # OpenAI's error types (and Anthropic's, for the APIs to come): the server's

@@ -19,7 +19,7 @@ from uvicorn.lifespan.on import LifespanOn
 from mlx_pinned import MLXThread
 from mlx_pinned.server import cli, create_app
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
-from mlx_pinned.server.http.serving import Server
+from mlx_pinned.server.http.uvicorn_server import Server
 from mlx_pinned.testing import image_data_uri
 
 from .replicas import replica

@@ -1,29 +1,27 @@
 """Grammars for structured outputs and forced tool calls, checked before a
-request waits for the model.
+request waits for the model; the same check for every API.
 
 Event loop, except the check itself: llguidance validates a grammar in a
 worker thread (:func:`check_grammar`), and remembers its verdict per
 grammar text (a schema sent again is not checked again). The engine
 compiles the same grammar against the model's tokenizer on the MLX thread
 and masks every step with it; a grammar it would refuse is a 400 here
-instead, naming the parameter it came from.
+instead, naming the parameter it came from. Each API's serving module
+builds the grammar from its own fields (for chat completions,
+:func:`.chat_completions.serving.request_grammar`).
 """
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 
 import anyio
 import llguidance
 
 from ..events import Grammar
-from ..formats import TOOL_CALL_FORMATS, ToolCallFormat, ToolSpec, json_arguments
 from .errors import APIError
-from .messages import JSONObjectFormat, JSONSchemaResponseFormat, NamedToolChoice
-from .schemas import ChatCompletionRequest
 
-__all__ = ["check_grammar", "grammar_error", "request_grammar"]
+__all__ = ["check_grammar", "grammar_error"]
 
 # Verdicts by (kind, text), newest last: a grammar seen before is answered
 # on the event loop, without a hop to a worker thread.
@@ -78,56 +76,3 @@ async def check_grammar(grammar: Grammar, param: str) -> None:
             param=param,
             code="invalid_json_schema",
         )
-
-
-async def request_grammar(
-    request: ChatCompletionRequest, tool_format: ToolCallFormat | None
-) -> Grammar | None:
-    """The grammar the request's answer must follow, checked; None if free.
-
-    ``response_format`` ``json_object`` or ``json_schema``; ``tool_choice``
-    ``required`` (one call, or with ``parallel_tool_calls`` not false, one or
-    more, of the tools) or a named function (exactly one call to it), in the
-    model's ``tool_format``.
-
-    Raises:
-        APIError: 400 naming the schema that cannot be used, or ``tools``
-            when the model has no tool-call format.
-    """
-    if request.active_tools and tool_format is None:
-        raise APIError(
-            400,
-            "This model has no tool-call format (none in its chat template, "
-            "or tool_call_parser 'none'): send the request without tools, or "
-            f"serve it with --tool-call-parser {'|'.join(TOOL_CALL_FORMATS)}.",
-            param="tools",
-            code="unsupported_parameter",
-        )
-    choice = request.tool_choice
-    named = isinstance(choice, NamedToolChoice)
-    if tool_format is not None and request.tools and (choice == "required" or named):
-        tools = request.tools
-        if isinstance(choice, NamedToolChoice):
-            tools = [t for t in tools if t.function.name == choice.function.name]
-        for i, tool in enumerate(request.tools):
-            if tool in tools and tool.function.parameters is not None:
-                schema = json.dumps(json_arguments(tool.function.parameters))
-                await check_grammar(
-                    Grammar("json_schema", schema), f"tools[{i}].function.parameters"
-                )
-        specs = [ToolSpec(t.function.name, t.function.parameters) for t in tools]
-        parallel = not named and request.parallel_tool_calls is not False
-        grammar = Grammar("lark", tool_format.grammar(specs, parallel))
-        await check_grammar(grammar, "tools")
-        return grammar
-    response_format = request.response_format
-    if isinstance(response_format, JSONObjectFormat):
-        return Grammar("json_object")
-    if isinstance(response_format, JSONSchemaResponseFormat):
-        wanted = response_format.json_schema.json_schema
-        # As sent: the engine compiles a response_format schema's JSON
-        # compactly itself.
-        grammar = Grammar("json_schema", json.dumps(wanted or {}))
-        await check_grammar(grammar, "response_format")
-        return grammar
-    return None
