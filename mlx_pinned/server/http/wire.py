@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import sniffio
@@ -28,7 +28,10 @@ if TYPE_CHECKING:
 __all__ = [
     "DRAIN_FACTOR",
     "DRAIN_SECONDS",
+    "OPENAI_ERRORS",
     "Disconnected",
+    "ErrorShape",
+    "OpenAIErrors",
     "RequestLog",
     "ResponseWriter",
     "cancel_on_disconnect",
@@ -113,11 +116,43 @@ class Disconnected(Exception):
     """The client left before its request body was read."""
 
 
-class ResponseWriter:
-    """The response side of one request: a status is sent once, first."""
+class ErrorShape(Protocol):
+    """How an API writes an :class:`~.errors.APIError`: as a response body,
+    and as the event that ends a stream already begun."""
 
-    def __init__(self, send: Send) -> None:
+    def body(self, error: APIError) -> bytes:
+        """The JSON body of the error response."""
+        ...
+
+    def event(self, error: APIError) -> bytes:
+        """The server-sent event that ends a stream with the error."""
+        ...
+
+
+class OpenAIErrors:
+    """OpenAI's shape: ``{"error": {...}}``, and a ``data:`` event of it."""
+
+    def body(self, error: APIError) -> bytes:
+        return json.dumps(error.body()).encode()
+
+    def event(self, error: APIError) -> bytes:
+        return b"data: " + self.body(error) + b"\n\n"
+
+
+OPENAI_ERRORS = OpenAIErrors()
+
+
+class ResponseWriter:
+    """The response side of one request: a status is sent once, first.
+
+    Args:
+        send: The ASGI send.
+        errors: How the request's API writes an error.
+    """
+
+    def __init__(self, send: Send, errors: ErrorShape = OPENAI_ERRORS) -> None:
         self._send = send
+        self._errors = errors
         self.status = 0
         self.started = False
         self.ended = False
@@ -154,7 +189,6 @@ class ResponseWriter:
 
     async def error(self, error: APIError) -> None:
         """An error response, or an error event if the stream already began."""
-        body = json.dumps(error.body()).encode()
         if error.status >= 500:
             logger.warning("answering %d: %s", error.status, error.message)
         try:
@@ -162,9 +196,9 @@ class ResponseWriter:
                 headers = [
                     (k.lower().encode(), v.encode()) for k, v in error.headers.items()
                 ]
-                await self.json(body, error.status, headers)
+                await self.json(self._errors.body(error), error.status, headers)
             elif not self.ended:
-                await self.send(b"data: " + body + b"\n\n", more=False)
+                await self.send(self._errors.event(error), more=False)
         except OSError:  # the client is gone; nothing left to tell it
             pass
 

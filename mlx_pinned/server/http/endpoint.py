@@ -1,0 +1,199 @@
+"""What every API's generation route shares, whatever its shapes.
+
+Event loop only. :class:`GenerationEndpoint` is a plain ASGI endpoint
+rather than a Starlette request handler, so that one ``try``/``finally``
+owns the request from its first byte to its last: the model's turn and the
+stream on the MLX thread are always given back, whether the request ends,
+fails, or the client goes away. A slice (an API) subclasses it, parses its
+own body in :meth:`GenerationEndpoint.handle`, and writes its own answer;
+the base reads the body, keeps the deadline, watches the client, holds the
+model, takes the gate's turn and closes the stream, and answers every error
+through the slice's table (:meth:`GenerationEndpoint.error_for`) in the
+slice's shape (:attr:`GenerationEndpoint.errors`).
+
+A status code is chosen only before the first byte of the response: prefill
+runs before the response starts, so a bad request or a failed prefill is a
+4xx/5xx, never a 200 that carries an error. A failure after a stream began is
+sent as the API's error event.
+
+Each request has one deadline (``request_timeout``) for everything after its
+body was read: images, the wait for the model and the generation. Past it the
+answer is a 504 (an error event if the stream began) and the generation is
+closed on the MLX thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, ClassVar
+
+import anyio
+
+from .errors import APIError, api_error, internal_error, thread_unavailable, timed_out
+from .wire import (
+    OPENAI_ERRORS,
+    Disconnected,
+    ErrorShape,
+    RequestLog,
+    ResponseWriter,
+    cancel_on_disconnect,
+    read_body,
+)
+
+if TYPE_CHECKING:
+    from PIL import Image
+    from starlette.types import Receive, Scope, Send
+
+    from mlx_pinned import MLXThread
+
+    from ..config import ServerConfig
+    from ..events import Engine, EventStream, GenerationParams, LoadImages
+    from .metrics import ServerMetrics
+    from .models import ServedModel, ServedModels
+    from .residency import Residency
+    from .turns import LoopTurns
+
+__all__ = ["GenerationEndpoint"]
+
+logger = logging.getLogger("mlx_pinned.server")
+
+
+class GenerationEndpoint(ABC):
+    """The ASGI endpoint of one API's generation route.
+
+    Runs on the event loop; the generation runs on ``thread``, through the
+    engine of the model the request names (held through ``residency``,
+    which loads it first when needed), after a turn of that model's gate. A
+    client that disconnects, while waiting or while generating, cancels its
+    request: a generation that has not started never starts, a running one
+    is closed on the MLX thread at its next token.
+
+    Attributes:
+        route: The method and path, for the log line.
+        errors: How this API writes an error (OpenAI's, unless overridden).
+    """
+
+    route: ClassVar[str]
+    errors: ClassVar[ErrorShape] = OPENAI_ERRORS
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        thread: MLXThread,
+        models: ServedModels,
+        residency: Residency,
+        load_images: LoadImages,
+        turns: LoopTurns,
+        *,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.thread = thread
+        self.models = models
+        self.residency = residency
+        self.load_images = load_images
+        self.turns = turns
+        self.metrics = metrics
+
+    @abstractmethod
+    async def handle(
+        self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
+    ) -> None:
+        """Parse ``body``, generate through :meth:`model` and
+        :meth:`generation`, and write the answer; raise for any error (the
+        base answers it). Add to ``images`` where each image of the request
+        is, in prompt order, once parsed, so a refused one can be named."""
+
+    def error_for(self, exc: BaseException, images: Sequence[str]) -> APIError | None:
+        """This API's table: the answer for a known failure, None for a bug."""
+        return api_error(exc, retry_after=self.config.retry_after, images=images)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        log = RequestLog(
+            start=time.perf_counter(), client=_client(scope), route=self.route
+        )
+        response = ResponseWriter(send, self.errors)
+        try:
+            await self.turns.checkpoint()
+            body = await read_body(scope, receive, self.config.max_body_bytes)
+            timeout = self.config.request_timeout
+            deadline = anyio.current_time() + timeout if timeout else math.inf
+            # One scope: the deadline cancels it, and so does the watcher
+            # when the client goes away (it marks the log first).
+            with anyio.CancelScope(deadline=deadline) as limit:
+                async with cancel_on_disconnect(receive, limit, response, log):
+                    await self._answer(body, response, log)
+            if limit.cancelled_caught and not log.disconnected:
+                await response.error(timed_out(timeout))
+        except Disconnected:
+            log.disconnected = True
+        except APIError as error:
+            await response.error(error)
+        finally:
+            log.status = response.status or (499 if log.disconnected else 0)
+            log.emit()
+            if self.metrics is not None:
+                self.metrics.observe(log)
+
+    async def _answer(
+        self, body: bytes, response: ResponseWriter, log: RequestLog
+    ) -> None:
+        """Handle the request; every error becomes an answer (none escapes)."""
+        images: list[str] = []
+        try:
+            if self.thread.closed:  # fail fast: nothing will ever run
+                raise thread_unavailable()
+            await self.handle(body, response, log, images)
+        except Exception as exc:
+            error = self.error_for(exc, images)
+            if error is None:
+                logger.exception("%s failed", self.route)
+                error = internal_error()
+            elif error.status == 500:  # the body names nothing: the log does
+                logger.error("%s failed", self.route, exc_info=exc)
+            await response.error(error)
+
+    @asynccontextmanager
+    async def model(
+        self, name: str, log: RequestLog
+    ) -> AsyncIterator[tuple[ServedModel, Engine]]:
+        """The model served as ``name`` and its engine, held for the block:
+        it is not unloaded under it (and is loaded first, if needed)."""
+        served = self.models.get(name)
+        log.model = served.name
+        async with self.residency.use(served) as engine:
+            yield served, engine
+
+    @asynccontextmanager
+    async def generation(
+        self,
+        served: ServedModel,
+        engine: Engine,
+        params: GenerationParams,
+        images: Sequence[Image.Image],
+        log: RequestLog,
+    ) -> AsyncIterator[EventStream]:
+        """The generation's events, after a turn of the model's gate; closed
+        on the MLX thread when the block ends, however it ends."""
+        arrived = time.perf_counter()
+        async with served.gate.turn():
+            log.queued = time.perf_counter() - arrived
+            stream = engine.stream(params, images)
+            try:
+                yield stream
+            finally:
+                # Shielded: the close is queued on the MLX thread before the
+                # slot is given back, even if we were cancelled, so (FIFO) it
+                # runs before the next generation starts.
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else ""
