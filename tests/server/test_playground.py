@@ -40,8 +40,9 @@ from .conftest import Served, assert_error
 Serve = Callable[..., AbstractAsyncContextManager[Served]]
 T = TypeVar("T")
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
+# Debian's paths (.ci/run installs them); elsewhere, name them in the environment.
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+CHROMEDRIVER = os.environ.get("CHROMEDRIVER", "/usr/bin/chromedriver")
 LONG = 30000  # max_tokens of an answer the test stops
 READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 
