@@ -47,15 +47,20 @@ LONG = 30000  # max_tokens of an answer the test stops
 READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 
 # The server the browser talks to: two tiny models of different families
-# (create_app, as `mlx-pinned serve` builds it, under uvicorn), and under
-# /broken/ the page read from another folder (the negative control's).
+# (create_app, as `mlx-pinned serve` builds it, under uvicorn). Beside them,
+# for the tests: under /broken/ the page read from another folder (the
+# negative control's), and under /canned/ the page with a scripted API (the
+# page's API paths are relative) whose one answer has reasoning and a tool
+# call, each event split over two writes; /canned/last is the body it got.
 SERVER = textwrap.dedent(
     """
+    import json
     import sys
     from pathlib import Path
 
     import uvicorn
-    from starlette.routing import Mount
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Mount, Route
 
     from mlx_pinned.server import create_app
     from mlx_pinned.server.http.playground import routes
@@ -68,7 +73,55 @@ SERVER = textwrap.dedent(
         max_tokens_limit=limit,
         api_key=key,
     )
-    app.router.routes.insert(0, Mount("/broken", routes=routes(broken)))
+
+    def chunk(delta, finish=None):
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return {"model": "canned", "choices": [choice]}
+
+    call = {"index": 0, "id": "call_1", "type": "function"}
+    CANNED = [
+        chunk({"role": "assistant", "reasoning_content": "Let me "}),
+        chunk({"reasoning_content": "think."}),
+        chunk({"content": "Sunny."}),
+        chunk({"tool_calls": [{**call, "function": {"name": "get_weather"}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city":'}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": ' "Paris"}'}}]}),
+        chunk({}, "tool_calls"),
+        {"model": "canned", "choices": [], "usage": {
+            "prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}},
+    ]
+    last = {}
+
+    async def models(request):
+        card = {"id": "canned", "object": "model", "created": 0, "owned_by": "t"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def chat(request):
+        last.clear()
+        last.update(await request.json())
+
+        async def events():
+            for event in CANNED:
+                text = "data: " + json.dumps(event) + "\\r\\n\\r\\n"
+                yield text[:9]
+                yield text[9:]
+            yield "data: [DONE]\\n\\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def seen(request):
+        return JSONResponse(last)
+
+    canned = [
+        *routes(),
+        Route("/v1/models", models),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/last", seen),
+    ]
+    app.router.routes[:0] = [
+        Mount("/broken", routes=routes(broken)),
+        Mount("/canned", routes=canned),
+    ]
     uvicorn.run(app, host="127.0.0.1", port=0)
     """
 )
@@ -420,6 +473,53 @@ def test_drop_and_paste_attach_with_previews(
     assert [entry.find_element(By.TAG_NAME, "video") for entry in left]
     left[0].find_element(By.CLASS_NAME, "remove").click()
     assert not browser.find_elements(By.CSS_SELECTOR, "#attachments li")
+    assert_no_console_errors(browser)
+
+
+def test_reasoning_folds_and_tool_calls_show(
+    server: Server, browser: WebDriver
+) -> None:
+    open_page(browser, server.url + "/canned/")
+    answer = ask(browser, "Weather in Paris?", 64)
+    assert "7 tokens · " in finished(answer)
+    assert "tool_calls" in finished(answer)
+    assert text_of(answer) == "Sunny."
+    reasoning = answer.find_element(By.CSS_SELECTOR, "details.reasoning")
+    assert reasoning.is_displayed()
+    assert reasoning.get_attribute("open") is None  # folded
+    assert not answer.find_element(By.CLASS_NAME, "reasoning-text").is_displayed()
+    reasoning.find_element(By.TAG_NAME, "summary").click()
+    assert answer.find_element(By.CLASS_NAME, "reasoning-text").text == (
+        "Let me think."
+    )
+    assert answer.find_element(By.CLASS_NAME, "tool-name").text == (
+        "tool call: get_weather"
+    )
+    arguments = answer.find_element(By.CLASS_NAME, "tool-arguments").text
+    assert arguments == '{"city": "Paris"}'
+
+    # The next question carries the turn: the answer and its tool call, not
+    # its reasoning.
+    finished(ask(browser, "Thanks.", 8))
+    sent = httpx.get(server.url + "/canned/last").json()
+    assert sent["stream"] is True
+    assert sent["stream_options"] == {"include_usage": True}
+    assert sent["max_tokens"] == 8
+    assert sent["messages"] == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "Sunny.",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": arguments},
+                }
+            ],
+        },
+        {"role": "user", "content": "Thanks."},
+    ]
     assert_no_console_errors(browser)
 
 

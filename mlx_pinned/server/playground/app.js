@@ -455,6 +455,7 @@
       if (error.name === "AbortError") {
         ending = "stopped";
       } else {
+        controller.abort(); // an error event mid-stream: close the connection
         view.turn.classList.add("failed");
         view.text.append(element("div", "error", error.message));
         if (error.status === 401) needKey(error.message);
