@@ -524,18 +524,22 @@ def test_reasoning_folds_and_tool_calls_show(
 
 
 def test_the_page_fits_a_phone(server: Server, browser: WebDriver) -> None:
-    browser.set_window_size(390, 844)
+    phone = {"width": 390, "height": 844, "deviceScaleFactor": 3, "mobile": True}
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", phone)
     try:
         open_page(browser, server.url + "/")
         scrolled, shown = browser.execute_script(
             "return [document.documentElement.scrollWidth, window.innerWidth]"
         )
+        assert shown == 390
         assert scrolled <= shown, (scrolled, shown)
-        for control in ("model", "prompt", "send"):
-            assert browser.find_element(By.ID, control).is_displayed(), control
+        for control in ("model", "prompt", "send", "file"):
+            box = browser.find_element(By.ID, control).rect
+            assert box["x"] >= 0, control
+            assert box["x"] + box["width"] <= shown, control
         assert_no_console_errors(browser)
     finally:
-        browser.set_window_size(1100, 900)
+        browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
 
 def test_the_console_check_catches_a_broken_page(
