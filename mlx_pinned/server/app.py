@@ -50,6 +50,7 @@ from .http.gate import BatchGate
 from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.models import ServedModel, ServedModels
+from .http.playground import routes as playground_routes
 from .http.residency import Residency
 from .http.routes import (
     APIKeyMiddleware,
@@ -199,6 +200,9 @@ def create_app(
         ),
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ]
+    # The playground: the chat page at / and its assets, open without the API
+    # key (the page sends it). The one place a switch would turn it off.
+    routes += playground_routes()
     middleware = [
         Middleware(MetricsMiddleware, metrics=metrics),
         Middleware(

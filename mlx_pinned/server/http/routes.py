@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from .errors import APIError, internal_error
+from .playground import ASSETS_PREFIX, PAGE
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -96,7 +97,9 @@ async def server_error(request: Request, exc: Exception) -> Response:
 
 class APIKeyMiddleware:
     """``Authorization: Bearer <key>`` on every HTTP route except the probes
-    (``/health`` and ``/livez``): balancers and process managers send none.
+    (``/health`` and ``/livez``): balancers and process managers send none;
+    and except the playground's page and assets, which hold no data: the
+    page asks for the key and sends it on its API calls.
 
     The key is compared in constant time.
     """
@@ -106,7 +109,7 @@ class APIKeyMiddleware:
         self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PROBES:
+        if scope["type"] != "http" or _is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
@@ -122,3 +125,9 @@ class APIKeyMiddleware:
             code="invalid_api_key",
         )
         await error_response(error)(scope, receive, send)
+
+
+def _is_open(path: str) -> bool:
+    """Whether ``path`` needs no API key: a probe, or the playground's page
+    or one of its assets."""
+    return path in PROBES or path == PAGE or path.startswith(ASSETS_PREFIX)
