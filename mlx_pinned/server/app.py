@@ -44,6 +44,7 @@ from .config import ServerConfig
 from .engine import BatchEngine
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
 from .events import Engine, LoadImages
+from .http.anthropic_messages import CountTokensEndpoint, MessagesEndpoint
 from .http.chat_completions import ChatCompletionsEndpoint
 from .http.errors import refusal
 from .http.gate import BatchGate
@@ -179,14 +180,12 @@ def create_app(
     metrics = ServerMetrics(mlx_thread, served)
     readiness = Readiness(mlx_thread, served)
     turns = LoopTurns()
-    chat = ChatCompletionsEndpoint(
-        config,
-        mlx_thread,
-        served,
-        residency,
-        _image_loader(config, image_fetcher),
-        turns,
-        metrics=metrics,
+    image_loader = _image_loader(config, image_fetcher)
+    chat, messages, count_tokens = (
+        endpoint(
+            config, mlx_thread, served, residency, image_loader, turns, metrics=metrics
+        )
+        for endpoint in (ChatCompletionsEndpoint, MessagesEndpoint, CountTokensEndpoint)
     )
     routes = [
         Route("/health", functools.partial(health, readiness), methods=["GET"]),
@@ -199,6 +198,8 @@ def create_app(
             methods=["GET"],
         ),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
     ]
     # The playground: the chat page at / and its assets, open without the API
     # key (the page sends it). The one place a switch would turn it off.

@@ -321,6 +321,14 @@ class Engine(Protocol):
         """
         ...
 
+    def count_tokens(
+        self, params: GenerationParams, images: Sequence[Image.Image]
+    ) -> Awaitable[int]:
+        """The tokens of the prompt of ``params`` (chat template and
+        processor, images included), counted on the MLX thread; nothing is
+        generated or queued in the batch."""
+        ...
+
 
 @dataclass(frozen=True)
 class ImageRef:

@@ -83,7 +83,7 @@ from ..events import (
 )
 from .image_cache import install as install_image_cache
 from .model import LoadedModel, load
-from .prefill import PREFILL_STEP
+from .prefill import PREFILL_STEP, preprocess
 from .prompt_cache import PromptCache
 from .rows import BatchStatistics
 from .sampling import Sampled
@@ -234,6 +234,19 @@ class BatchEngine:
         return EventStream(
             self.thread.iterate(self._generate, params, images, announce=True)
         )
+
+    async def count_tokens(
+        self, params: GenerationParams, images: Sequence[Image.Image] = ()
+    ) -> int:
+        """The tokens of the prompt of ``params``, images included: the chat
+        template and the processor, run as one job of the MLX thread; the
+        batch is not touched. Awaited on the event loop."""
+        return await self.thread.run(self._count_tokens, params, images)
+
+    def _count_tokens(
+        self, params: GenerationParams, images: Sequence[Image.Image]
+    ) -> int:
+        return preprocess(self.loaded, params, images).prompt_tokens
 
     def generate_stream(
         self, params: GenerationParams, images: Sequence[Image.Image] = ()

@@ -1,0 +1,200 @@
+"""The answer as Anthropic writes it: a message of content blocks, or the
+events of its stream.
+
+Event loop (pure CPU). Both are made from the parts of the shared
+:class:`~..answer.AnswerParser` (or the plain text, for a request that
+needs no parser): a whole answer collects them into blocks
+(:class:`Blocks`), a stream turns them into events (:class:`EventWriter`),
+one block at a time, so a stream's deltas join to exactly the whole
+answer's blocks: text to ``text``, thinking to ``thinking``, a tool call's
+``input_json_delta`` fragments to its ``input``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ...events import FinalEvent
+from ...formats import CallStart
+from ..answer import Part, Reasoning
+
+__all__ = [
+    "Blocks",
+    "EventWriter",
+    "StopReason",
+    "message_id",
+    "stop_reason",
+    "tool_use_id",
+]
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+_ids = random.Random(os.urandom(16))
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(16)))
+
+
+def message_id() -> str:
+    """A fresh ``msg_…`` id (unique, not secret)."""
+    return f"msg_{_ids.getrandbits(96):024x}"
+
+
+def tool_use_id() -> str:
+    """A fresh ``toolu_…`` id for a tool call."""
+    return f"toolu_{_ids.getrandbits(96):024x}"
+
+
+def stop_reason(final: FinalEvent, *, called: bool) -> StopReason:
+    """The engine's reason as Anthropic's: a turn that called tools and
+    ended by itself ended with ``tool_use``."""
+    if final.finish_reason == "length":
+        return "max_tokens"
+    return "tool_use" if called else "end_turn"
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as its ``input``. A complete call's arguments are
+    a JSON object (always, for a forced call: its grammar says so); text
+    that is none (a free answer's broken call) is kept under ``_raw``, so
+    nothing the model wrote is lost."""
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except ValueError:
+        return {"_raw": arguments}
+    return value if isinstance(value, dict) else {"_raw": arguments}
+
+
+@dataclass
+class Blocks:
+    """The parts of a whole answer, collected into content blocks
+    (``shown``: whether thinking blocks carry their text)."""
+
+    shown: bool = True
+    blocks: list[dict[str, Any]] = field(default_factory=list)
+    # Each call's block (its position in blocks) and its arguments.
+    _calls: dict[int, tuple[int, list[str]]] = field(default_factory=dict)
+
+    def add(self, parts: list[Part]) -> None:
+        for part in parts:
+            last = self.blocks[-1] if self.blocks else None
+            if isinstance(part, Reasoning):
+                if last is None or last["type"] != "thinking":
+                    last = {"type": "thinking", "thinking": "", "signature": ""}
+                    self.blocks.append(last)
+                if self.shown:
+                    last["thinking"] += part.text
+            elif isinstance(part, str):
+                if not part:
+                    continue
+                if last is None or last["type"] != "text":
+                    last = {"type": "text", "text": ""}
+                    self.blocks.append(last)
+                last["text"] += part
+            elif isinstance(part, CallStart):
+                block = {"type": "tool_use", "id": part.id, "name": part.name}
+                self.blocks.append({**block, "input": {}})
+                self._calls[part.index] = (len(self.blocks) - 1, [])
+            else:
+                self._calls[part.index][1].append(part.text)
+
+    def content(self) -> list[dict[str, Any]]:
+        """The blocks, each tool call's input parsed."""
+        out = [dict(block) for block in self.blocks]
+        for position, arguments in self._calls.values():
+            out[position]["input"] = _input("".join(arguments))
+        return out
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    body = json.dumps({"type": kind, **data}, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {kind}\ndata: {body}\n\n".encode()
+
+
+class EventWriter:
+    """The server-sent events of one answer, block by block.
+
+    States: no block open; a ``text``, ``thinking`` or ``tool_use`` block
+    open at ``index``. A part of another kind closes the open block and
+    opens its own.
+    """
+
+    def __init__(self, *, shown: bool = True) -> None:
+        self.shown = shown
+        self.index = -1
+        self.open: str | None = None
+
+    @staticmethod
+    def start(id: str, model: str) -> bytes:
+        """``message_start`` (its usage is known only at the end: see
+        ``message_delta``) and a ``ping``."""
+        message: dict[str, Any] = {
+            "id": id,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+        return _event("message_start", {"message": message}) + _event("ping", {})
+
+    def _open(self, kind: str, block: dict[str, Any]) -> bytes:
+        out = self._close()
+        self.index += 1
+        self.open = kind
+        start = {"index": self.index, "content_block": block}
+        return out + _event("content_block_start", start)
+
+    def _close(self) -> bytes:
+        if self.open is None:
+            return b""
+        self.open = None
+        return _event("content_block_stop", {"index": self.index})
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def parts(self, parts: list[Part]) -> bytes:
+        """The events of these parts of the answer."""
+        out = []
+        for part in parts:
+            if isinstance(part, Reasoning):
+                if self.open != "thinking":
+                    block = {"type": "thinking", "thinking": "", "signature": ""}
+                    out.append(self._open("thinking", block))
+                if self.shown:
+                    delta = {"type": "thinking_delta", "thinking": part.text}
+                    out.append(self._delta(delta))
+            elif isinstance(part, str):
+                if not part:
+                    continue
+                if self.open != "text":
+                    out.append(self._open("text", {"type": "text", "text": ""}))
+                out.append(self._delta({"type": "text_delta", "text": part}))
+            elif isinstance(part, CallStart):
+                block = {"type": "tool_use", "id": part.id, "name": part.name}
+                out.append(self._open("tool_use", {**block, "input": {}}))
+            elif part.text:
+                delta = {"type": "input_json_delta", "partial_json": part.text}
+                out.append(self._delta(delta))
+        return b"".join(out)
+
+    def end(
+        self, reason: StopReason, final: FinalEvent, sequence: str | None = None
+    ) -> bytes:
+        """The open block's end, ``message_delta`` and ``message_stop``."""
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        usage = {
+            "input_tokens": final.prompt_tokens,
+            "output_tokens": final.completion_tokens,
+        }
+        return (
+            self._close()
+            + _event("message_delta", {"delta": delta, "usage": usage})
+            + _event("message_stop", {})
+        )

@@ -1,0 +1,175 @@
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+Event loop. The routes of the Anthropic Messages slice: the body is parsed
+(:mod:`.protocol`), checked against the model once (:mod:`.serving`); a
+generation runs through the model's gate and engine
+(:class:`~..endpoint.GenerationEndpoint`: the deadline, the client watched,
+every error answered in Anthropic's shape by this slice's table,
+:mod:`.errors`), and the answer is written as Anthropic's (:mod:`.output`):
+one message, or its event stream. A count runs the chat template and the
+processor on the MLX thread (``Engine.count_tokens``) and generates
+nothing. A query string (Claude Code's ``?beta=true``) changes neither.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from ...events import FinalEvent
+from ..answer import AnswerParser, Part
+from ..capabilities import Capabilities
+from ..endpoint import GenerationEndpoint
+from ..errors import APIError
+from ..wire import ErrorShape, RequestLog, ResponseWriter
+from .blocks import image_parts
+from .errors import ANTHROPIC_ERRORS, anthropic_error
+from .output import Blocks, EventWriter, message_id, stop_reason
+from .protocol import MessagesRequest, parse_count_request, parse_messages_request
+from .serving import MessagesServing
+
+if TYPE_CHECKING:
+    from ...events import EventStream
+
+__all__ = ["CountTokensEndpoint", "MessagesEndpoint"]
+
+
+class _AnthropicEndpoint(GenerationEndpoint):
+    """What both routes share: Anthropic's errors, and the one serving."""
+
+    errors: ClassVar[ErrorShape] = ANTHROPIC_ERRORS
+
+    @functools.cached_property
+    def serving(self) -> MessagesServing:
+        """The one place a request is checked against its model."""
+        return MessagesServing(self.config)
+
+    def error_for(self, exc: BaseException, images: Sequence[str]) -> APIError | None:
+        return anthropic_error(exc, retry_after=self.config.retry_after, images=images)
+
+
+class MessagesEndpoint(_AnthropicEndpoint):
+    """The ASGI endpoint of ``POST /v1/messages``."""
+
+    route = "POST /v1/messages"
+
+    async def handle(
+        self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
+    ) -> None:
+        request = parse_messages_request(body)
+        images.extend(param for param, _ in image_parts(request.messages))
+        log.stream = bool(request.stream)
+        async with self.model(request.model, log) as (served, engine):
+            capabilities = Capabilities.of(engine, served)
+            prepared = await self.serving.prepare(request, capabilities)
+            params = prepared.params
+            log.images = len(prepared.images)
+            decoded = await self.load_images(prepared.images)
+            async with self.generation(served, engine, params, decoded, log) as stream:
+                parser = self.serving.answer_parser(request, capabilities, params)
+                send = self._send_stream if request.stream else self._send_whole
+                await send(request, served.name, stream, response, log, parser)
+
+    async def _send_whole(
+        self,
+        request: MessagesRequest,
+        name: str,
+        stream: EventStream,
+        response: ResponseWriter,
+        log: RequestLog,
+        parser: AnswerParser | None,
+    ) -> None:
+        """The whole answer as one message, once the generation ended."""
+        text: list[str] = []
+        final: FinalEvent | None = None
+        async for events in stream.batched(request.max_tokens + 2):
+            await self.turns.checkpoint()
+            for event in events:
+                log.record(event, whole=True)
+                text.append(event.text)
+                if isinstance(event, FinalEvent):
+                    final = event
+        assert final is not None, "a generation always ends with a FinalEvent"
+        blocks = Blocks(shown=request.thinking_shown)
+        if parser is None:
+            blocks.add(["".join(text)])
+        else:
+            blocks.add(parser.feed("".join(text)))
+            blocks.add(parser.end(cut=final.finish_reason == "length"))
+        called = parser is not None and parser.called
+        message = {
+            "id": message_id(),
+            "type": "message",
+            "role": "assistant",
+            "model": name,
+            "content": blocks.content(),
+            "stop_reason": stop_reason(final, called=called),
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": final.prompt_tokens,
+                "output_tokens": final.completion_tokens,
+                "cache_read_input_tokens": final.cached_tokens,
+            },
+        }
+        await response.json(json.dumps(message, ensure_ascii=False).encode())
+
+    async def _send_stream(
+        self,
+        request: MessagesRequest,
+        name: str,
+        stream: EventStream,
+        response: ResponseWriter,
+        log: RequestLog,
+        parser: AnswerParser | None,
+    ) -> None:
+        """Anthropic's events; the status is sent with the first token, so a
+        failed prefill is still an error status."""
+        writer = EventWriter(shown=request.thinking_shown)
+        head = writer.start(message_id(), name)
+        async for event in stream:
+            await self.turns.checkpoint()
+            log.record(event)
+            if not isinstance(event, FinalEvent):
+                parts: list[Part] = parser.feed(event.text) if parser else [event.text]
+                data = writer.parts(parts)
+                if not response.started:
+                    await response.start_stream(head + data)
+                elif data:
+                    await response.send(data)
+                continue
+            cut = event.finish_reason == "length"
+            parts = [event.text]
+            if parser is not None:
+                parts = [*parser.feed(event.text), *parser.end(cut=cut)]
+            called = parser is not None and parser.called
+            tail = writer.parts(parts) + writer.end(
+                stop_reason(event, called=called), event
+            )
+            if not response.started:
+                await response.start_stream(head)
+            await response.send(tail, more=False)
+        await response.end()
+
+
+class CountTokensEndpoint(_AnthropicEndpoint):
+    """The ASGI endpoint of ``POST /v1/messages/count_tokens``: the prompt's
+    tokens through the model's chat template and processor, images
+    included; it waits for no gate (it generates nothing)."""
+
+    route = "POST /v1/messages/count_tokens"
+
+    async def handle(
+        self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
+    ) -> None:
+        request = parse_count_request(body)
+        images.extend(param for param, _ in image_parts(request.messages))
+        async with self.model(request.model, log) as (served, engine):
+            capabilities = Capabilities.of(engine, served)
+            prepared = self.serving.prepare_count(request, capabilities)
+            log.images = len(prepared.images)
+            decoded = await self.load_images(prepared.images)
+            tokens = await engine.count_tokens(prepared.params, decoded)
+        log.prompt_tokens = tokens
+        await response.json(json.dumps({"input_tokens": tokens}).encode())
