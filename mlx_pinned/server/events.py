@@ -172,6 +172,8 @@ class FinalEvent:
         cached_tokens: Prompt tokens taken from the prompt cache, not
             prefilled (OpenAI's ``usage.prompt_tokens_details``); the
             answer is the same either way, so events compare equal.
+        stop_sequence: The stop string that ended the generation (None: it
+            ended otherwise).
     """
 
     text: str
@@ -181,6 +183,7 @@ class FinalEvent:
     prefill_seconds: float = field(default=0.0, compare=False)
     decode_seconds: float = field(default=0.0, compare=False)
     cached_tokens: int = field(default=0, compare=False)
+    stop_sequence: str | None = None
 
 
 Event = TokenEvent | FinalEvent

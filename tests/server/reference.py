@@ -88,7 +88,7 @@ def reference_stream(
     finally:
         inner.close()
     tail += matcher.flush()
-    yield FinalEvent(tail, finish, prompt_tokens, completion)
+    yield FinalEvent(tail, finish, prompt_tokens, completion, stop_sequence=matcher.hit)
 
 
 def _logprobs(

@@ -22,7 +22,10 @@ import anthropic
 import httpx
 import openai
 import pytest
+from starlette.responses import PlainTextResponse
+from starlette.testclient import TestClient
 
+from mlx_pinned.server.http.routes import APIKeyMiddleware
 from mlx_pinned.testing import image_data_uri, tiny_vlm_path
 
 pytestmark = pytest.mark.timeout(120)
@@ -599,3 +602,36 @@ def test_claude_code_runs_against_the_server(server: Server, tmp_path: Path) -> 
     posts = [line for line in lines if "POST /v1/messages" in line]
     assert posts, lines
     assert all(" 200 " in line for line in posts), posts
+
+
+def test_a_stop_sequence_is_named(server: Server) -> None:
+    client = server.client()
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": user()}
+    kwargs["extra_body"] = GREEDY
+    free = texts(client.messages.create(max_tokens=16, **kwargs))
+    stop = free[4:6]
+    message = client.messages.create(max_tokens=16, stop_sequences=[stop], **kwargs)
+    assert message.stop_reason == "stop_sequence"
+    assert message.stop_sequence == stop
+    assert texts(message) == free[: free.find(stop)]
+    with client.messages.stream(
+        max_tokens=16, stop_sequences=["\x00never", stop], **kwargs
+    ) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "stop_sequence"
+    assert streamed.stop_sequence == stop
+    assert texts(streamed) == texts(message)
+
+
+def test_x_api_key_passes_the_api_key_check() -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await PlainTextResponse("ok")(scope, receive, send)
+
+    # No lifespan (no "with"): only the middleware is under test.
+    client = TestClient(APIKeyMiddleware(app, api_key="secret"))
+    assert client.post("/v1/messages", headers={"x-api-key": "secret"}).text == "ok"
+    bearer = {"authorization": "Bearer secret"}
+    assert client.post("/v1/messages", headers=bearer).text == "ok"
+    wrong = client.post("/v1/messages", headers={"x-api-key": "other"})
+    assert wrong.status_code == 401
+    assert "x-api-key" in wrong.json()["error"]["message"]

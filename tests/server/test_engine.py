@@ -135,6 +135,7 @@ class TestStopMatcher:
     def test_earliest_stop_wins(self) -> None:
         matcher = StopMatcher(["world", "lo w"])
         assert matcher.feed("hello world") == ("hel", True)
+        assert matcher.hit == "lo w"
 
     def test_flush_releases_held_text(self) -> None:
         matcher = StopMatcher(["ab"])
@@ -142,7 +143,9 @@ class TestStopMatcher:
         assert matcher.flush() == "a"
 
     def test_no_stops_passes_through(self) -> None:
-        assert StopMatcher([]).feed("anything") == ("anything", False)
+        matcher = StopMatcher([])
+        assert matcher.feed("anything") == ("anything", False)
+        assert matcher.hit is None
 
     @given(
         chunks=st.lists(st.text("abc", max_size=4), max_size=12),

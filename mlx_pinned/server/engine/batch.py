@@ -348,6 +348,7 @@ class BatchEngine:
             prefill_seconds=first - start,
             decode_seconds=end - first,
             cached_tokens=row.cached,
+            stop_sequence=matcher.hit,
         )
 
     def _logprobs(self, item: Sampled) -> TokenLogprobs:

@@ -19,6 +19,7 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)
         self._pending = ""
+        self.hit: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add text; returns the text safe to release and whether a stop hit."""
@@ -28,7 +29,9 @@ class StopMatcher:
         hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
         if hits:
             self._pending = ""
-            return pending[: min(hits)], True
+            first = min(hits)
+            self.hit = next(s for s in self.stops if pending.find(s) == first)
+            return pending[:first], True
         hold = 0
         for k in range(min(len(pending), max(map(len, self.stops)) - 1), 0, -1):
             if any(s.startswith(pending[-k:]) for s in self.stops):

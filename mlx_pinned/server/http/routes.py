@@ -96,7 +96,8 @@ async def server_error(request: Request, exc: Exception) -> Response:
 
 
 class APIKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every HTTP route except the probes
+    """``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``)
+    on every HTTP route except the probes
     (``/health`` and ``/livez``): balancers and process managers send none;
     and except the playground's page and assets, which hold no data: the
     page asks for the key and sends it on its API calls.
@@ -112,16 +113,25 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or _is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
         scheme, _, key = given.strip().partition(b" ")
         # The scheme is case-insensitive, and spaces may follow it (RFC 9110).
         key = key.strip()
         if scheme.lower() == b"bearer" and hmac.compare_digest(key, self._expected):
             await self.app(scope, receive, send)
             return
+        # Anthropic's clients (Claude Code) send the key as x-api-key.
+        anthropic_key = headers.get(b"x-api-key")
+        if anthropic_key is not None and hmac.compare_digest(
+            anthropic_key.strip(), self._expected
+        ):
+            await self.app(scope, receive, send)
+            return
         error = APIError(
             401,
-            "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+            "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
+            "or 'x-api-key: <key>'.",
             code="invalid_api_key",
         )
         await error_response(error)(scope, receive, send)

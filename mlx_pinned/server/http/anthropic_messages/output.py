@@ -50,9 +50,12 @@ def tool_use_id() -> str:
 
 def stop_reason(final: FinalEvent, *, called: bool) -> StopReason:
     """The engine's reason as Anthropic's: a turn that called tools and
-    ended by itself ended with ``tool_use``."""
+    ended by itself ended with ``tool_use``; one a stop string ended, with
+    ``stop_sequence``."""
     if final.finish_reason == "length":
         return "max_tokens"
+    if final.stop_sequence is not None:
+        return "stop_sequence"
     return "tool_use" if called else "end_turn"
 
 
@@ -184,11 +187,9 @@ class EventWriter:
                 out.append(self._delta(delta))
         return b"".join(out)
 
-    def end(
-        self, reason: StopReason, final: FinalEvent, sequence: str | None = None
-    ) -> bytes:
+    def end(self, reason: StopReason, final: FinalEvent) -> bytes:
         """The open block's end, ``message_delta`` and ``message_stop``."""
-        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        delta = {"stop_reason": reason, "stop_sequence": final.stop_sequence}
         usage = {
             "input_tokens": final.prompt_tokens,
             "output_tokens": final.completion_tokens,

@@ -106,7 +106,7 @@ class MessagesEndpoint(_AnthropicEndpoint):
             "model": name,
             "content": blocks.content(),
             "stop_reason": stop_reason(final, called=called),
-            "stop_sequence": None,
+            "stop_sequence": final.stop_sequence,
             "usage": {
                 "input_tokens": final.prompt_tokens,
                 "output_tokens": final.completion_tokens,
