@@ -635,3 +635,37 @@ def test_x_api_key_passes_the_api_key_check() -> None:
     wrong = client.post("/v1/messages", headers={"x-api-key": "other"})
     assert wrong.status_code == 401
     assert "x-api-key" in wrong.json()["error"]["message"]
+
+
+def test_an_image_in_a_tool_result_reaches_the_prompt(server: Server) -> None:
+    def count(result: Any) -> int:
+        messages = [
+            *user("Look."),
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": "t1", "name": "look", "input": {}}
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": result}
+                ],
+            },
+        ]
+        tool = {"name": "look", "input_schema": {"type": "object"}}
+        body = {"model": MODEL, "messages": messages, "tools": [tool]}
+        response = server.post("/v1/messages/count_tokens", body)
+        assert response.status_code == 200, response.text
+        tokens: int = response.json()["input_tokens"]
+        return tokens
+
+    data = image_data_uri(64, 64).split(",", 1)[1]
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": data},
+    }
+    text = {"type": "text", "text": "A picture."}
+    assert count([text, image]) == count([text]) + 6
+    assert count("A picture.") == count([text])

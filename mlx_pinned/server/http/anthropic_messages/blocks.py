@@ -30,6 +30,7 @@ from ...events import ImageRef
 __all__ = [
     "AssistantMessage",
     "Base64Source",
+    "CacheControl",
     "ImageBlock",
     "Message",
     "RedactedThinkingBlock",

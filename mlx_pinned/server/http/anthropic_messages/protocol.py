@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 from ...events import GenerationParams, Grammar
 from ..validation import parse_request
 from .blocks import (
+    CacheControl,
     Message,
     RequestModel,
     System,
@@ -219,6 +220,8 @@ class CountTokensRequest(RequestModel):
     thinking: Thinking | None = None
     context_management: ContextManagement | None = None
     output_config: OutputConfig | None = None
+    # Without effect: the prompt cache reuses any shared prefix by itself.
+    cache_control: CacheControl | None = None
     # Refused whenever set (_REFUSED says why).
     container: Any = None
     mcp_servers: Any = None
