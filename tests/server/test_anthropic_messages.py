@@ -532,6 +532,24 @@ HOSTILE: list[tuple[str, Any, str]] = [
         "tool_choice",
     ),
     (
+        "an empty content list",
+        {
+            "model": MODEL,
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": []}],
+        },
+        "messages[0].content",
+    ),
+    (
+        "no turn with content",
+        {
+            "model": MODEL,
+            "max_tokens": 5,
+            "messages": [{"role": "system", "content": ""}],
+        },
+        "messages",
+    ),
+    (
         "too many tokens",
         {"model": MODEL, "max_tokens": 10**6, "messages": user()},
         "max_tokens",

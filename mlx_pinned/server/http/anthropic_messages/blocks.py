@@ -18,7 +18,6 @@ of the prompt, as thinking models' templates leave out earlier reasoning.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -145,7 +144,7 @@ AssistantBlock = Annotated[
 
 class UserMessage(RequestModel):
     role: Literal["user"]
-    content: str | list[UserBlock]
+    content: str | Annotated[list[UserBlock], Field(min_length=1)]
 
 
 class AssistantMessage(RequestModel):
@@ -287,7 +286,9 @@ def image_refs(messages: Sequence[Message], limits: ImageLimits) -> list[ImageRe
 
 
 def text_chars(system: System | None, messages: Sequence[Message]) -> int:
-    """Characters of text in the request's turns (images not counted)."""
+    """Characters of text in the request's turns: what every chat template
+    writes into the prompt (not images, nor tool calls, which a template
+    may write in its own shorter form)."""
     total = len(system_text(system, messages))
     for message in messages:
         if isinstance(message, SystemMessage):
@@ -299,11 +300,6 @@ def text_chars(system: System | None, messages: Sequence[Message]) -> int:
         for block in content:
             if isinstance(block, TextBlock):
                 total += len(block.text)
-            elif isinstance(block, ToolUseBlock):
-                total += len(json.dumps(block.input))
             elif isinstance(block, ToolResultBlock):
-                result = block.content
-                total += len(result or "") if not isinstance(result, list) else 0
-                if isinstance(result, list):
-                    total += len(_text(result))
+                total += len(_text(block.content or ""))
     return total

@@ -238,10 +238,11 @@ class CountTokensRequest(RequestModel):
     @field_validator("tools")
     @classmethod
     def _check_tools(cls, value: list[Tool] | None) -> list[Tool] | None:
-        names = [tool.name for tool in value or []]
-        for name in names:
-            if names.count(name) > 1:
-                raise ValueError(f"the tool name {name!r} is given twice")
+        seen: set[str] = set()
+        for tool in value or []:
+            if tool.name in seen:
+                raise ValueError(f"the tool name {tool.name!r} is given twice")
+            seen.add(tool.name)
         return value
 
     @field_validator("tool_choice")

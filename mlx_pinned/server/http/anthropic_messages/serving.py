@@ -53,6 +53,14 @@ def _invalid(param: str, message: str) -> APIError:
     return APIError(400, f"Invalid value for '{param}': {message}", param=param)
 
 
+def _with_turns(prepared: Prepared) -> Prepared:
+    """``prepared``, refused if its chat has no turn at all (only empty
+    system texts): a chat template has nothing to render."""
+    if not prepared.params.messages:
+        raise _invalid("messages", "no message has any content; send some text.")
+    return prepared
+
+
 class MessagesServing:
     """Checks Messages requests against the served model and the server's
     limits (``config``: ``max_prompt_tokens``, ``max_tokens_limit``,
@@ -127,7 +135,7 @@ class MessagesServing:
             context_length=context,
             grammar=await request_grammar(request, capabilities.formats.tool_call),
         )
-        return Prepared(params, refs)
+        return _with_turns(Prepared(params, refs))
 
     def prepare_count(
         self, request: CountTokensRequest, capabilities: Capabilities
@@ -135,7 +143,7 @@ class MessagesServing:
         """Check a count's request against the model; its prompt, with no
         limits (a count reports the length, it refuses none)."""
         refs = self._check(request, capabilities)
-        return Prepared(request.prompt_params(1), refs)
+        return _with_turns(Prepared(request.prompt_params(1), refs))
 
     def answer_parser(
         self,
