@@ -25,6 +25,17 @@ import pytest
 from starlette.responses import PlainTextResponse
 from starlette.testclient import TestClient
 
+from mlx_pinned import MLXThreadBusyError
+from mlx_pinned.server.failures import (
+    ModelNotLoadedError,
+    OverloadedError,
+    PromptTooLongError,
+)
+from mlx_pinned.server.http.anthropic_messages.errors import (
+    ANTHROPIC_ERRORS,
+    anthropic_error,
+)
+from mlx_pinned.server.http.errors import APIError, timed_out
 from mlx_pinned.server.http.routes import APIKeyMiddleware
 from mlx_pinned.testing import image_data_uri, tiny_vlm_path
 
@@ -687,3 +698,31 @@ def test_an_image_in_a_tool_result_reaches_the_prompt(server: Server) -> None:
     text = {"type": "text", "text": "A picture."}
     assert count([text, image]) == count([text]) + 6
     assert count("A picture.") == count([text])
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "kind"),
+    [
+        (OverloadedError(3, retry_after=2), 529, "overloaded_error"),
+        (MLXThreadBusyError("busy"), 529, "overloaded_error"),
+        (ModelNotLoadedError("tiny", retry_after=2), 503, "api_error"),
+        (PromptTooLongError("too long", 10, 5), 400, "invalid_request_error"),
+        (timed_out(5.0), 504, "timeout_error"),
+        (APIError(413, "too large"), 413, "request_too_large"),
+    ],
+)
+def test_the_error_table(exc: Exception, status: int, kind: str) -> None:
+    error = anthropic_error(exc, retry_after=1)
+    assert error is not None
+    assert error.status == status
+    body = json.loads(ANTHROPIC_ERRORS.body(error))
+    assert body == {"type": "error", "error": {"type": kind, "message": error.message}}
+    event = ANTHROPIC_ERRORS.event(error)
+    assert event.startswith(b"event: error\ndata: ")
+    assert json.loads(event.split(b"data: ", 1)[1]) == body
+    if status in (529, 503):
+        assert "Retry-After" in error.headers
+
+
+def test_a_bug_is_no_known_error() -> None:
+    assert anthropic_error(KeyError("x"), retry_after=1) is None
