@@ -201,8 +201,9 @@ def create_app(
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ]
     # The playground: the chat page at / and its assets, open without the API
-    # key (the page sends it). The one place a switch would turn it off.
-    routes += playground_routes()
+    # key (the page sends it).
+    if config.playground:
+        routes += playground_routes()
     middleware = [
         Middleware(MetricsMiddleware, metrics=metrics),
         Middleware(
