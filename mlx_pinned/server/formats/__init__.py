@@ -18,7 +18,9 @@ from .base import (
     ReasoningParser,
     ToolCallFormat,
     ToolCallParser,
+    ToolParserFactory,
     ToolSpec,
+    UnforcedCallError,
     json_arguments,
 )
 from .registry import (
@@ -45,7 +47,9 @@ __all__ = [
     "ReasoningParser",
     "ToolCallFormat",
     "ToolCallParser",
+    "ToolParserFactory",
     "ToolSpec",
+    "UnforcedCallError",
     "check_reasoning_parser",
     "check_tool_call_parser",
     "json_arguments",

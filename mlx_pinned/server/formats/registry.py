@@ -16,6 +16,10 @@ from typing import TypeVar
 
 from .base import ReasoningFormat, ToolCallFormat
 from .hermes import HERMES
+from .llama3 import LLAMA3_JSON
+from .mistral import MISTRAL, MISTRAL_V11
+from .pythonic import PYTHONIC
+from .qwen3_coder import QWEN3_CODER
 from .think import THINK
 
 __all__ = [
@@ -33,9 +37,16 @@ __all__ = [
 #: The setting's value that turns a kind of format off.
 NONE = "none"
 
-#: Tool-call formats by name, in the order detection tries them. The first
-#: is also the format of a model with no chat template (the Qwen-VL family).
-TOOL_CALL_FORMATS: Mapping[str, ToolCallFormat] = {f.name: f for f in (HERMES,)}
+#: Tool-call formats by name, in the order detection tries them: Hermes'
+#: JSON comes last, since other formats write ``<tool_call>`` too (Qwen3-Coder's
+#: XML, GLM's keys and values).
+TOOL_CALL_FORMATS: Mapping[str, ToolCallFormat] = {
+    f.name: f
+    for f in (QWEN3_CODER, MISTRAL_V11, MISTRAL, LLAMA3_JSON, PYTHONIC, HERMES)
+}
+
+#: The tool-call format of a model with no chat template (the Qwen-VL family).
+UNTEMPLATED = HERMES
 
 #: Reasoning formats by name, in the order detection tries them.
 REASONING_FORMATS: Mapping[str, ReasoningFormat] = {f.name: f for f in (THINK,)}
@@ -121,7 +132,7 @@ def model_formats(
     if tool_call_parser is not None:
         tools = tool_call_format(tool_call_parser)
     elif template is None:
-        tools = next(iter(TOOL_CALL_FORMATS.values()))
+        tools = UNTEMPLATED
     else:
         tools = next(
             (f for f in TOOL_CALL_FORMATS.values() if f.detect(template)), None
