@@ -16,7 +16,14 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import CallArguments, CallStart, Piece, ToolSpec, partial_marker
+from .base import (
+    CallArguments,
+    CallStart,
+    Piece,
+    ToolSpec,
+    UnforcedCallError,
+    partial_marker,
+)
 from .vlm import Decoded
 
 __all__ = [
@@ -28,6 +35,7 @@ __all__ = [
     "json_end",
     "literal",
     "property_items",
+    "raw_value",
 ]
 
 #: Decodes a block's body into its calls; raises ValueError if it is none.
@@ -249,3 +257,34 @@ def property_items(parameters: Any) -> list[tuple[str, dict[str, Any], bool]]:
         (key, value if isinstance(value, dict) else {}, key in required)
         for key, value in properties.items()
     ]
+
+
+def _is_string(schema: dict[str, Any]) -> bool:
+    if schema.get("type") == "string":
+        return True
+    values = schema.get("enum") or ()
+    return bool(values) and all(isinstance(v, str) for v in values)
+
+
+def raw_value(fmt: str, tool: str, key: str, schema: dict[str, Any]) -> str:
+    """A Lark expression for an argument in a format that writes strings
+    raw and other values as JSON (Qwen3-Coder's parameters, GLM's values).
+
+    Raises:
+        UnforcedCallError: A string with a ``pattern`` or ``format``, which
+            raw text cannot be held to.
+    """
+    if not _is_string(schema):
+        return f"%json {json.dumps(schema)}"
+    if "enum" in schema:
+        return " | ".join(literal(str(v)) for v in schema["enum"])
+    if "pattern" in schema or "format" in schema:
+        raise UnforcedCallError(
+            f"The {fmt} tool-call format cannot force {tool}'s argument "
+            f"{key!r}: it writes strings raw, so a 'pattern' or 'format' "
+            "cannot be kept; use tool_choice 'auto'."
+        )
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    count = f"{{{low},{high}}}" if high is not None else ("+" if low else "*")
+    # No '<' (it would begin a closing tag) and no newline in a forced value.
+    return f"/[^<\\n]{count}/"

@@ -10,12 +10,17 @@ from the request's tools; :func:`grammar` forces calls in this syntax.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from typing import Any
 
-from .base import ToolCallFormat, ToolCallParser, ToolSpec, UnforcedCallError
-from .blocks import BlockToolParser, Markers, grammar_of_calls, literal, property_items
+from .base import ToolCallFormat, ToolCallParser, ToolSpec
+from .blocks import (
+    BlockToolParser,
+    Markers,
+    grammar_of_calls,
+    literal,
+    property_items,
+    raw_value,
+)
 from .vlm import vlm_decoder, vlm_detects
 
 __all__ = ["QWEN3_CODER", "grammar"]
@@ -24,38 +29,11 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NAME = "qwen3_coder"
 
 
-def _string_value(name: str, key: str, schema: dict[str, Any]) -> str:
-    """A Lark expression for a string parameter's raw text."""
-    if "enum" in schema:
-        return " | ".join(literal(str(v)) for v in schema["enum"])
-    if "pattern" in schema or "format" in schema:
-        raise UnforcedCallError(
-            f"The {NAME} tool-call format cannot force {name}'s parameter "
-            f"{key!r}: it writes strings raw, so a 'pattern' or 'format' "
-            "cannot be kept; use tool_choice 'auto'."
-        )
-    low, high = schema.get("minLength", 0), schema.get("maxLength")
-    count = f"{{{low},{high}}}" if high is not None else ("+" if low else "*")
-    # No '<' (it would begin the closing tag) and no newline in a forced value.
-    return f"/[^<\\n]{count}/"
-
-
-def _is_string(schema: dict[str, Any]) -> bool:
-    if schema.get("type") == "string":
-        return True
-    values = schema.get("enum") or ()
-    return bool(values) and all(isinstance(v, str) for v in values)
-
-
 def _call(i: int, tool: ToolSpec) -> list[str]:
     head = f"{OPEN}\n<function={tool.name}>\n"
     params, rules = [], []
     for k, (key, schema, required) in enumerate(property_items(tool.parameters)):
-        value = (
-            _string_value(tool.name, key, schema)
-            if _is_string(schema)
-            else f"%json {json.dumps(schema)}"
-        )
+        value = raw_value(NAME, tool.name, key, schema)
         rules.append(f"value_{i}_{k}: {value}")
         rules.append(
             f"param_{i}_{k}: {literal(f'<parameter={key}>' + chr(10))} value_{i}_{k} "

@@ -15,12 +15,17 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from .base import ReasoningFormat, ToolCallFormat
+from .deepseek import DEEPSEEK_V3, DEEPSEEK_V31
+from .gemma4 import GEMMA4
+from .glm47 import GLM47
+from .harmony import HARMONY, HARMONY_REASONING
 from .hermes import HERMES
+from .kimi_k2 import KIMI_K2
 from .llama3 import LLAMA3_JSON
 from .mistral import MISTRAL, MISTRAL_V11
 from .pythonic import PYTHONIC
 from .qwen3_coder import QWEN3_CODER
-from .think import THINK
+from .think import MAGISTRAL, THINK
 
 __all__ = [
     "NONE",
@@ -42,14 +47,29 @@ NONE = "none"
 #: XML, GLM's keys and values).
 TOOL_CALL_FORMATS: Mapping[str, ToolCallFormat] = {
     f.name: f
-    for f in (QWEN3_CODER, MISTRAL_V11, MISTRAL, LLAMA3_JSON, PYTHONIC, HERMES)
+    for f in (
+        QWEN3_CODER,
+        GLM47,
+        MISTRAL_V11,
+        MISTRAL,
+        LLAMA3_JSON,
+        PYTHONIC,
+        KIMI_K2,
+        DEEPSEEK_V3,
+        DEEPSEEK_V31,
+        GEMMA4,
+        HARMONY,
+        HERMES,
+    )
 }
 
 #: The tool-call format of a model with no chat template (the Qwen-VL family).
 UNTEMPLATED = HERMES
 
 #: Reasoning formats by name, in the order detection tries them.
-REASONING_FORMATS: Mapping[str, ReasoningFormat] = {f.name: f for f in (THINK,)}
+REASONING_FORMATS: Mapping[str, ReasoningFormat] = {
+    f.name: f for f in (HARMONY_REASONING, MAGISTRAL, THINK)
+}
 
 F = TypeVar("F", ToolCallFormat, ReasoningFormat)
 
