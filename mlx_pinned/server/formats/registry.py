@@ -10,6 +10,7 @@ Adding a format is one entry in :data:`TOOL_CALL_FORMATS` or
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -34,10 +35,13 @@ __all__ = [
     "ModelFormats",
     "check_reasoning_parser",
     "check_tool_call_parser",
+    "log_formats",
     "model_formats",
     "reasoning_format",
     "tool_call_format",
 ]
+
+logger = logging.getLogger("mlx_pinned.server")
 
 #: The setting's value that turns a kind of format off.
 NONE = "none"
@@ -136,6 +140,13 @@ class ModelFormats:
     tool_call: ToolCallFormat | None
     reasoning: ReasoningFormat | None
 
+    def names(self) -> dict[str, str | None]:
+        """Each kind's format by name (None: none), as ``/v1/models`` shows."""
+        return {
+            "tool_calls": None if self.tool_call is None else self.tool_call.name,
+            "reasoning": None if self.reasoning is None else self.reasoning.name,
+        }
+
 
 def model_formats(
     template: str | None,
@@ -165,3 +176,27 @@ def model_formats(
         )
         reasoning = next(found, None)
     return ModelFormats(tools, reasoning)
+
+
+def log_formats(
+    model: str,
+    template: str | None,
+    *,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+) -> ModelFormats:
+    """:func:`model_formats`, logged in one line naming ``model`` and how
+    each was chosen (a setting, or detected from its chat template)."""
+    formats = model_formats(
+        template, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser
+    )
+    names = formats.names()
+    logger.info(
+        "model %r: tool calls in %s (%s), reasoning in %s (%s)",
+        model,
+        names["tool_calls"] or NONE,
+        "set" if tool_call_parser is not None else "detected",
+        names["reasoning"] or NONE,
+        "set" if reasoning_parser is not None else "detected",
+    )
+    return formats
