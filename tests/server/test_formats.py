@@ -395,3 +395,35 @@ class TestShownFormats:
             body["tool_choice"] = "auto"
             body["max_tokens"] = 2
             assert (await served.chat(body)).status_code == 200
+
+
+class TestEveryFormatServed:
+    @pytest.mark.parametrize("name", list(TOOL_CALL_FORMATS))
+    async def test_a_forced_call_in_each_format_parses_back_valid(
+        self, serve: Serve, name: str
+    ) -> None:
+        # The tiny model is served as if its template wrote this format: the
+        # grammar forces a call in the format's syntax, its parser reads it.
+        async with serve(tool_call_parser=name) as served:
+            client = openai.AsyncOpenAI(
+                base_url="http://test/v1",
+                api_key="unused",
+                http_client=served.client,
+                max_retries=0,
+            )
+            answers = await whole_and_streamed(
+                served,
+                client,
+                max_tokens=200,
+                temperature=0,
+                tools=[WEATHER, CLOCK],
+                tool_choice=NAMED,
+            )
+        for answer in answers:
+            assert answer["finish"] == "tool_calls", answer
+            assert answer["content"] == "", answer
+            [(called, arguments)] = answer["calls"]
+            assert called == "get_weather"
+            parameters = WEATHER["function"]["parameters"]  # type: ignore[index]
+            jsonschema.validate(json.loads(arguments), parameters)
+        assert answers[0] == answers[1]
