@@ -344,6 +344,21 @@ class TestParsers:
         assert parsed.calls == []
         assert parsed.content == text
 
+    @pytest.mark.parametrize("cut", [True, False])
+    def test_a_block_left_open_is_no_call_and_no_content(self, cut: bool) -> None:
+        # Without its closing marker a block is no call (a cut name would
+        # be a call to the wrong function), and its markup goes too.
+        for name, text in [
+            ("glm47", "Hi <tool_call>get_wea"),
+            ("qwen3_coder", "Hi <tool_call>\n<function=get_time>\n</function>\n"),
+            (
+                "kimi_k2",
+                "Hi <|tool_calls_section_begin|><|tool_call_begin|>functions.g",
+            ),
+            ("gemma4", 'Hi <|tool_call>call:get_time{zone:<|"|>UTC<|"|>}'),
+        ]:
+            assert parse(name, text, [3], cut=cut) == Parsed("Hi", []), name
+
     def test_json_that_is_no_llama3_call_stays_content(self) -> None:
         for text in ('{"answer": 42} is it', '{"answer": 4'):
             parsed = parse("llama3_json", text, [2])

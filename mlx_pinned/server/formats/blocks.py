@@ -49,11 +49,16 @@ class CallSyntax:
 
     Attributes:
         decode: The block's body into its calls.
+        open_ended: A block may end with the text (its closing marker is a
+            stop token, or it has none): one left open at the end of the
+            answer is decoded as it stands. Else it is no call, as for
+            mlx-vlm's extractor, which needs the closing marker.
         loose: A block left open at the end of an answer that was not cut
             and is no call is content (its opening is ordinary text, such
             as Llama 3's ``{``); else it is dropped, as markup.
     """
 
+    open_ended = False
     loose = False
 
     def __init__(self, decode: Decoder) -> None:
@@ -115,8 +120,8 @@ class BlockToolParser:
 
     Whitespace next to a call is dropped from the content. A closed block
     that is no call stays content, markers and all; a block left open at
-    the end of the answer is decoded as it stands (formats whose call ends
-    with the end of the turn), and dropped if it is no call.
+    the end of the answer is decoded as it stands if the syntax is
+    open-ended, and dropped if it is no call.
 
     Args:
         syntax: The format's blocks.
@@ -196,7 +201,7 @@ class BlockToolParser:
             if not final:
                 return False
             body, rest = self._buffer, ""
-            calls = self._decoded(body)
+            calls = self._decoded(body) if self._syntax.open_ended else []
             if not calls and self._syntax.loose and not self._cut:
                 self._content(out, self._gap + self._opening + body)
         else:

@@ -53,6 +53,8 @@ class _Calls(CallSyntax):
     """A call from its commentary header to ``<|call|>``, or to the next
     message, or to the end of the text (``<|call|>`` stops the model)."""
 
+    open_ended = True  # <|call|> is a stop token
+
     def __init__(self) -> None:
         super().__init__(vlm_decoder(NAME))
 

@@ -57,6 +57,7 @@ def decode(body: str, tools: Sequence[ToolSpec]) -> list[Decoded]:
 
 
 class _Objects(CallSyntax):
+    open_ended = True  # the call is the whole turn
     loose = True  # '{' is ordinary text too
 
     def start(self, text: str, *, first: bool) -> tuple[int, int] | None:

@@ -50,6 +50,8 @@ def decode(body: str, tools: Sequence[ToolSpec]) -> list[Decoded]:
 class _JSONBlocks(Markers):
     """A block from ``[TOOL_CALLS]`` to the end of its JSON value."""
 
+    open_ended = True  # the turn may end right after the JSON
+
     def __init__(self) -> None:
         super().__init__(OPEN, "", decode)
 

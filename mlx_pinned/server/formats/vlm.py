@@ -16,7 +16,7 @@ import importlib.util
 import json
 import sys
 from collections.abc import Callable, Sequence
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -63,10 +63,17 @@ def vlm_detects(name: str) -> Callable[[str], bool]:
     calls ``name`` (its markers and their priorities, as mlx-vlm infers)."""
 
     def detect(template: str) -> bool:
-        infer = _load("tools.registry")._infer_tool_parser
-        return bool(infer(template) == name)
+        return _inferred(template) == name
 
     return detect
+
+
+@lru_cache(maxsize=64)
+def _inferred(template: str) -> str | None:
+    """mlx-vlm's format for a template (asked once per template: every
+    request looks its model's formats up)."""
+    found = _load("tools.registry")._infer_tool_parser(template)
+    return found if isinstance(found, str) else None
 
 
 def _wire_tools(tools: Sequence[ToolSpec]) -> list[dict[str, Any]]:
@@ -86,10 +93,11 @@ def arguments_text(arguments: Any) -> str:
 
 def vlm_decoder(name: str) -> Callable[[str, Sequence[ToolSpec]], list[Decoded]]:
     """Decodes the text between a call's markers with mlx-vlm's parser
-    ``name``: a list of calls; raises ValueError if it is no call."""
-    module = vlm_parser(name)
+    ``name``: a list of calls; raises ValueError if it is no call. The
+    parser's file is loaded at the first call."""
 
     def decode(body: str, tools: Sequence[ToolSpec]) -> list[Decoded]:
+        module = vlm_parser(name)
         try:
             parsed = module.parse_tool_call(body, _wire_tools(tools) or None)
         except (ValueError, KeyError, TypeError, SyntaxError, IndexError) as exc:
