@@ -12,6 +12,7 @@ same parts, because it decides only on complete blocks.
 
 from __future__ import annotations
 
+import abc
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,7 +45,7 @@ Decoder = Callable[[str, Sequence[ToolSpec]], list[Decoded]]
 _JSON = json.JSONDecoder()
 
 
-class CallSyntax:
+class CallSyntax(abc.ABC):
     """Where a format's call blocks begin and end.
 
     Attributes:
@@ -64,20 +65,20 @@ class CallSyntax:
     def __init__(self, decode: Decoder) -> None:
         self.decode = decode
 
+    @abc.abstractmethod
     def start(self, text: str, *, first: bool) -> tuple[int, int] | None:
         """Where the first block in ``text`` begins: its markup's start and
         its body's start; None if none does. ``first``: nothing but
         whitespace came before ``text`` in the answer, or since a call."""
-        raise AssertionError("a syntax defines start")
 
+    @abc.abstractmethod
     def held(self, text: str, *, first: bool) -> int:
         """How much of the end of ``text`` may begin a block."""
-        raise AssertionError("a syntax defines held")
 
+    @abc.abstractmethod
     def end(self, body: str) -> tuple[int, int] | None:
         """Where the block whose body begins ``body`` ends: its body's end
         and its markup's end; None while that is not known."""
-        raise AssertionError("a syntax defines end")
 
 
 class Markers(CallSyntax):
