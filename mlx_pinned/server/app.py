@@ -44,6 +44,7 @@ from .config import ServerConfig
 from .engine import BatchEngine
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
 from .events import Engine, LoadImages
+from .formats import log_formats
 from .http.chat_completions import ChatCompletionsEndpoint
 from .http.errors import refusal
 from .http.gate import BatchGate
@@ -252,7 +253,14 @@ def _slot(
     each run as a job of the MLX thread."""
 
     async def load_engine() -> Engine:
-        return await thread.run(load)
+        engine = await thread.run(load)
+        log_formats(
+            own.name,
+            engine.chat_template,
+            tool_call_parser=own.tool_call_parser,
+            reasoning_parser=own.reasoning_parser,
+        )
+        return engine
 
     async def measure() -> int:
         return await thread.run(stored_weight_bytes, own.models[0])

@@ -86,9 +86,12 @@ class HermesToolParser:
     newline between calls); a closed ``<tool_call>`` block that is not a
     call (no name and arguments) stays content. The end of the text closes
     a call cut short in its arguments, and drops one cut before them.
+
+    Args:
+        tools: The request's tools (unused: the arguments are JSON as written).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tools: Sequence[ToolSpec] = ()) -> None:
         self._state = _State.TEXT
         self._buffer = ""  # text not yet given out
         self._lead = False  # content right after a call: drop its whitespace
