@@ -36,7 +36,7 @@ from PIL import Image
 from mlx_pinned import MLXThread
 from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
-from mlx_pinned.server.engine import state as _batch_state
+from mlx_pinned.server.engine import decode as _decode
 from mlx_pinned.server.engine.sampling import Sampled, collect, draw
 from mlx_pinned.server.errors import APIError
 from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
@@ -297,13 +297,13 @@ class TestIsolation:
         # The first token comes from the prefill; no step is built past a
         # row's max_tokens-th token.
         log: list[str] = []
-        read = _batch_state.collect
+        read = _decode.collect
 
         def collect(*args: Any) -> Any:
             log.append("C")
             return read(*args)
 
-        monkeypatch.setattr(_batch_state, "collect", collect)
+        monkeypatch.setattr(_decode, "collect", collect)
 
         def run() -> list[Event]:
             batch = BatchEngine(loaded, thread)
@@ -332,14 +332,14 @@ class TestIsolation:
             a = state.admit(*request(0, 10, logprobs=False))
             b = state.admit(*request(1, 10, logprobs=False))
             calls = 0
-            stop = state._stop
+            stop = state.decoder.stop
 
             def end_of_turn(token: int) -> bool:
                 nonlocal calls
                 calls += 1  # rows in order: first tokens, then each step
                 return calls == 5 or bool(stop(token))
 
-            state._stop = end_of_turn
+            state.decoder.stop = end_of_turn
             for _ in range(4):
                 state.step()
             ended = [item.eos for item in a.pending]
@@ -357,7 +357,7 @@ class TestIsolation:
         # Row 0's second token is its last: the step built ahead leaves it
         # out, so it is no longer in the batch when the step holding that
         # token is read. A failure there must still reach it.
-        read = _batch_state.collect
+        read = _decode.collect
         calls = 0
 
         def collect(*args: Any) -> Any:
@@ -367,7 +367,7 @@ class TestIsolation:
                 raise RuntimeError("injected")
             return read(*args)
 
-        monkeypatch.setattr(_batch_state, "collect", collect)
+        monkeypatch.setattr(_decode, "collect", collect)
 
         def run() -> list[tuple[bool, str]]:
             state = BatchEngine(loaded, thread)._state

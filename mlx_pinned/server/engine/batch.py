@@ -62,12 +62,11 @@ model while its engine has rows: it keeps its rope state on the model.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from ..events import (
     HANDOFF,
@@ -85,10 +84,11 @@ from .image_cache import install as install_image_cache
 from .model import LoadedModel, load
 from .prefill import PREFILL_STEP
 from .prompt_cache import PromptCache
+from .quirks import SequenceText
 from .rows import BatchStatistics
 from .sampling import Sampled
 from .state import BatchState
-from .text import StopMatcher, TextDecoder
+from .text import StopMatcher
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -275,7 +275,7 @@ class BatchEngine:
         start = time.perf_counter()
         state = self._state
         row = state.admit(params, images)
-        text = _Text(self.loaded)
+        text = SequenceText(self.loaded)
         matcher = StopMatcher(params.stop)
         finish: FinishReason = "length"
         tail = ""
@@ -345,34 +345,3 @@ class BatchEngine:
             alt_text, alt_raw = token_text(index)
             top.append((alt_text, value, alt_raw))
         return TokenLogprobs(text, item.logprob, raw, top)
-
-
-class _Text:
-    """A sequence's text, token by token, as the unbatched path makes it."""
-
-    def __init__(self, loaded: LoadedModel) -> None:
-        self._decoder = TextDecoder(loaded.processor, lambda t: loaded.token_text(t)[1])
-        self._detokenizer: Any = None
-        detokenizer = getattr(loaded.processor, "detokenizer", None)
-        if (
-            detokenizer is not None
-            and getattr(detokenizer, "_byte_decoder", None) is None
-        ):
-            # Not byte-level: the decoder uses mlx-vlm's text, from a
-            # detokenizer of this sequence's own.
-            utils = importlib.import_module("mlx_vlm.tokenizer_utils")
-            self._detokenizer = utils.make_streaming_detokenizer(loaded.processor)
-
-    def add(self, token: int) -> str:
-        fallback = ""
-        if self._detokenizer is not None:
-            self._detokenizer.add_token(token)
-            fallback = str(self._detokenizer.last_segment)
-        return self._decoder.add(token, fallback)
-
-    def finish(self) -> str:
-        fallback = ""
-        if self._detokenizer is not None:
-            self._detokenizer.finalize()
-            fallback = str(self._detokenizer.last_segment)
-        return self._decoder.finish(fallback)
