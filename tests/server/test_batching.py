@@ -244,7 +244,7 @@ class TestIsolation:
 
         def hold() -> None:  # until all three are queued: one prefill pass
             deadline = time.monotonic() + 30
-            while thread.statistics().pending < 3 and time.monotonic() < deadline:
+            while batch.statistics().joining < 3 and time.monotonic() < deadline:
                 time.sleep(0.002)
 
         held = thread.submit(hold)
@@ -519,6 +519,55 @@ class TestLeaving:
         assert batch.statistics().peak_active == 3
         for i, run in enumerate(runs):
             assert len(tokens(run.events)) == 6 + i
+
+
+class TestLoop:
+    async def test_every_request_of_a_model_shares_its_one_loop(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        # The batch is stepped by the model's loop, one stream on the thread
+        # however many requests read it; it closes once its readers left.
+        reqs = [request(i, 400, logprobs=False) for i in range(4)]
+        batch = BatchEngine(loaded, thread)
+        gate = BatchGate(max_num_seqs=4, max_pending=0)
+        runs = [Collector(thread, batch, gate, req) for req in reqs]
+        leave = anyio.Event()
+        before = thread.statistics()
+        async with deadline() as group:
+            for run in runs:
+                group.start_soon(run.run, leave)
+            for run in runs:
+                await run.two_tokens.wait()
+            during = thread.statistics()
+            stats = batch.statistics()
+            leave.set()
+        await thread.run(lambda: None)
+        after = thread.statistics()
+        assert during.open_streams == before.open_streams + 1
+        assert stats.active == 4
+        assert all(len(run.events) == 3 for run in runs)
+        assert after.open_streams == before.open_streams
+        assert (batch.statistics().active, batch.statistics().joining) == (0, 0)
+
+    def test_a_generation_inline_runs_the_loop_on_its_own_thread(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        # generate_stream steps the batch where it is called: two of them
+        # share its steps, and a closed one leaves at once.
+        def run() -> tuple[int, int, int]:
+            batch = BatchEngine(loaded, thread)
+            first = batch.generate_stream(*request(0, 30, logprobs=False))
+            second = batch.generate_stream(*request(1, 6, logprobs=False))
+            next(first)
+            events = list(second)
+            rest = 0
+            for _ in range(3):
+                next(first)
+                rest += 1
+            first.close()
+            return len(tokens(events)), batch.statistics().active, rest
+
+        assert thread.run_sync(run) == (6, 0, 3)
 
 
 class TestSeeds:

@@ -104,6 +104,11 @@ class BatchState:
             step_seconds=self.decoder.step_seconds,
         )
 
+    def idle(self) -> bool:
+        """Whether no row is in the batch, joining it, queued or prefilled."""
+        busy = self.rows or self.waiting or self.joining or self.prefilling
+        return not busy and self.decoder.inflight is None
+
     def ranks(self) -> tuple[int, ...]:
         """The rows each rank of a tensor-parallel group holds; () alone."""
         return ()
