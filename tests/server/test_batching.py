@@ -20,6 +20,7 @@ four to five orders of magnitude larger (a leaked rope delta: 0.1 to 1).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import io
 import math
 import time
@@ -33,7 +34,7 @@ import mlx.core as mx
 import pytest
 from PIL import Image
 
-from mlx_pinned import MLXThread
+from mlx_pinned import MLXThread, MLXThreadClosedError
 from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine import decode as _decode
@@ -521,6 +522,11 @@ class TestLeaving:
             assert len(tokens(run.events)) == 6 + i
 
 
+def rows(batch: BatchEngine) -> int:
+    stats = batch.statistics()
+    return stats.active + stats.joining
+
+
 class TestLoop:
     async def test_every_request_of_a_model_shares_its_one_loop(
         self, thread: MLXThread, loaded: LoadedModel
@@ -548,6 +554,42 @@ class TestLoop:
         assert all(len(run.events) == 3 for run in runs)
         assert after.open_streams == before.open_streams
         assert (batch.statistics().active, batch.statistics().joining) == (0, 0)
+
+    async def test_a_dropped_stream_takes_its_row_out(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        batch = BatchEngine(loaded, thread)
+        stream = batch.stream(*request(0, 4000, logprobs=False))
+        await stream.__anext__()
+        assert rows(batch) == 1
+        del stream
+        gc.collect()
+        with anyio.fail_after(20):
+            while rows(batch):  # noqa: ASYNC110 (no event to wait on)
+                await anyio.sleep(0.001)
+            while thread.statistics().open_streams:  # noqa: ASYNC110
+                await anyio.sleep(0.001)
+        # Taken out, not decoded to its max_tokens.
+        assert batch.statistics().decoded_tokens < 4000 - 1
+
+    async def test_a_thread_closed_under_the_loop_fails_its_requests(
+        self, tiny_model_path: Path
+    ) -> None:
+        with MLXThread(name="test-loop-closed") as own:
+            loaded = await own.run(engine.load, tiny_model_path)
+            batch = BatchEngine(loaded, own)
+            streams = [batch.stream(*request(i, 400, logprobs=False)) for i in (0, 1)]
+            for stream in streams:
+                await stream.__anext__()
+            own.shutdown(wait=False, cancel_futures=True)
+            with anyio.fail_after(10):
+                for stream in streams:
+                    with pytest.raises(MLXThreadClosedError):
+                        async for _ in stream:
+                            pass
+                    await stream.aclose()
+            with pytest.raises(MLXThreadClosedError):
+                batch.stream(*request(2, 4))
 
     def test_a_generation_inline_runs_the_loop_on_its_own_thread(
         self, thread: MLXThread, loaded: LoadedModel

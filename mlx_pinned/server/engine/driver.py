@@ -174,7 +174,9 @@ class LoopDriver(abc.ABC):
 
     def __init__(self, thread: MLXThread) -> None:
         self.thread = thread
-        self._lock = threading.Lock()
+        # Reentrant: garbage collection can run while a thread holds it and
+        # collect a request's stream, whose finalizer closes the request.
+        self._lock = threading.RLock()
         # Under the lock: what requests asked for since the last turn, what
         # the last turns handed out to async requests, and those requests.
         self._admissions: list[Request] = []
