@@ -13,7 +13,7 @@ Three phases, each with ``--concurrency`` clients sending through
 
 1. spread: ``--requests`` requests; how many each replica answered;
 2. drain: the same again while replica A is stopped with SIGTERM
-   (``--drain-seconds 1``): failed requests (0 expected) and A's exit status;
+   (``--unready-seconds 1``): failed requests (0 expected) and A's exit status;
 3. restart: A started again on its port; requests sent while it loads
    (A answers 503 ``model_not_loaded``) until it is ready: failed requests,
    and the 503s A answered.
@@ -142,7 +142,7 @@ def main() -> int:
 
     ports = [free_port(), free_port()]
     logs = Path(tempfile.mkdtemp(prefix="litellm-router-"))
-    a = Replica(args.server_python, ports[0], logs / "a.log", "--drain-seconds", "1")
+    a = Replica(args.server_python, ports[0], logs / "a.log", "--unready-seconds", "1")
     b = Replica(args.server_python, ports[1], logs / "b.log")
     version = importlib.metadata.version("litellm")
     result: dict[str, Any] = {"litellm": version, "logs": str(logs)}

@@ -27,7 +27,8 @@ from ._exclusive import Exclusive
 from ._executor import MLXThread
 
 if TYPE_CHECKING:
-    from ._streams import AsyncStreamIterator, SyncStreamIterator
+    from ._async_streams import AsyncStreamIterator
+    from ._sync_streams import SyncStreamIterator
 
 P = ParamSpec("P")
 P2 = ParamSpec("P2")
@@ -82,7 +83,7 @@ class MLXFunction(_Pinned, Generic[P, R]):
 
     def sync(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call the function on the thread and block until it returns."""
-        result: R = self._target().run_blocking(self._fn, args, kwargs)
+        result: R = self._target()._run_blocking(self._fn, args, kwargs)
         return result
 
     @overload

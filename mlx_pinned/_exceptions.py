@@ -8,6 +8,8 @@ so code written against anyio's blocking portal keeps working.
 
 from __future__ import annotations
 
+from concurrent.futures import BrokenExecutor
+
 __all__ = [
     "BlockingCallWarning",
     "MLXPinnedError",
@@ -17,6 +19,7 @@ __all__ = [
     "MLXThreadClosedError",
     "MLXThreadDeadlockError",
     "SharedModelWarning",
+    "ShuttingDownError",
     "StreamAffinityError",
 ]
 
@@ -33,11 +36,23 @@ class MLXThreadClosedError(MLXPinnedError, RuntimeError):
     """
 
 
-class MLXThreadBrokenError(MLXPinnedError, RuntimeError):
+class ShuttingDownError(MLXThreadClosedError):
+    """The app's lifespan is shutting down: new requests are refused while
+    those in flight finish, then the thread shuts down.
+
+    What :class:`~mlx_pinned.middleware.MLXThreadMiddleware` hands its
+    ``refusal`` for a request that arrives in the shut-down: send new
+    requests to another server.
+    """
+
+
+class MLXThreadBrokenError(MLXPinnedError, BrokenExecutor):
     """The :class:`~mlx_pinned.MLXThread` died: its set-up or initializer raised,
     or the process forked and the thread does not exist in the child.
 
-    The original error, when there is one, is the ``__cause__``.
+    A ``concurrent.futures.BrokenExecutor`` (so a ``RuntimeError``), as the
+    standard library's executors raise when they died. The original error,
+    when there is one, is the ``__cause__``.
     """
 
 

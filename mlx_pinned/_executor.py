@@ -1,17 +1,23 @@
-"""MLXThread: an executor that owns one OS thread and that thread's MLX stream."""
+"""MLXThread: an executor that owns one OS thread and that thread's MLX stream.
+
+Its public methods run on the caller's thread, any thread (the ways to hand
+it work are in :mod:`._submitter`, its snapshot in :mod:`._statistics`);
+``_work`` and ``_finish`` run on the MLX thread it starts. The hooks at the
+bottom run at interpreter exit (before threads are joined) and in a forked
+child.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 import threading
-import time
 import weakref
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ._closing import AsyncClosing
 from ._exceptions import (
     MLXThreadBrokenError,
     MLXThreadBusyError,
@@ -19,8 +25,8 @@ from ._exceptions import (
 )
 from ._exclusive import Exclusive
 from ._jobs import FutureCall
-from ._keys import user_key
-from ._mlx import ThreadStream, evaluate, job_name
+from ._mlx import ThreadStream, evaluate
+from ._statistics import take_statistics
 from ._submitter import Submitter
 from ._worker import CLOSED, NEW, RUNNING, STOP, Worker, drain
 
@@ -31,45 +37,15 @@ else:  # pragma: no cover
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from types import TracebackType
 
     from ._jobs import Call
+    from ._statistics import MLXThreadStatistics
     from ._streams import Stream
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class MLXThreadStatistics:
-    """A snapshot of an :class:`MLXThread`'s queue and counters.
-
-    Attributes:
-        pending: jobs and streams queued and not started (what ``max_pending``
-            bounds); the running job is not counted.
-        running: name of the job running now, or ``None``.
-        completed: jobs and streams that ended with a result.
-        failed: jobs and streams that ended with an exception.
-        cancelled: jobs and streams that never started or were closed early.
-        busy_time: seconds the thread spent running jobs.
-        open_streams: streams whose generator exists on the thread.
-        max_pending: the queue bound, ``None`` for unbounded.
-        waiting_for_key: ``(key, count)`` for each exclusive key that keyed
-            jobs and streams are waiting for (another holder of the key is
-            open); they are counted in ``pending`` too.
-    """
-
-    pending: int
-    running: str | None
-    completed: int
-    failed: int
-    cancelled: int
-    busy_time: float
-    open_streams: int
-    max_pending: int | None
-    waiting_for_key: tuple[tuple[object, int], ...] = field(default=())
-
-
-class MLXThread(Submitter, Executor):
+class MLXThread(AsyncClosing, Submitter, Executor):
     """An executor that runs every job on one dedicated thread with its own stream.
 
     MLX streams are thread-local, so a model must be loaded, run and evaluated
@@ -198,29 +174,15 @@ class MLXThread(Submitter, Executor):
         if thread is not None and not self.is_current() and thread.is_alive():
             await anyio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
 
+    # The blocks start the thread; on the way out, Executor's __exit__ calls
+    # shutdown(wait=True) and AsyncClosing's __aexit__ awaits aclose().
     def __enter__(self) -> Self:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        self.shutdown(wait=True)
-
     async def __aenter__(self) -> Self:
         self.start()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     # -- introspection -------------------------------------------------------
 
@@ -240,28 +202,7 @@ class MLXThread(Submitter, Executor):
 
     def statistics(self) -> MLXThreadStatistics:
         """Counters and queue depth, read without stopping the thread."""
-        worker = self._worker
-        job, since = worker.running, worker.busy_since
-        fn = None if job is None else job.fn
-        busy = worker.busy_time + (
-            0.0 if since is None else time.perf_counter() - since
-        )
-        return MLXThreadStatistics(
-            pending=max(0, worker.pending()),
-            running=None if fn is None else job_name(fn),
-            completed=worker.completed_count,
-            failed=worker.failed_count,
-            cancelled=worker.cancelled_count + worker.discarded_count,
-            busy_time=busy,
-            open_streams=len(worker.open_streams),
-            max_pending=self.max_pending,
-            # list(): one step that another thread cannot interleave with.
-            waiting_for_key=tuple(
-                (user_key(key), len(waiting))
-                for key, waiting in list(worker.waiting.items())
-                if waiting
-            ),
-        )
+        return take_statistics(self._worker, self.max_pending)
 
     def exclusive(self, key: object) -> Exclusive:
         """A handle whose work never overlaps other work with the same key.

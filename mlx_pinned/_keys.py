@@ -8,6 +8,7 @@ on the worker thread only; ``sweep`` queues a turn from any thread.
 from __future__ import annotations
 
 import threading
+from abc import abstractmethod
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -40,9 +41,9 @@ class ExclusiveKeys:
         self.ready: deque[Any] = deque()
 
     @property
+    @abstractmethod
     def closed(self) -> bool:
         """Whether the worker was shut down or broke."""
-        raise NotImplementedError
 
     def sweep(self, key: object) -> None:
         with self.lock:

@@ -6,9 +6,12 @@ streams interleave item by item with each other and with plain jobs. It reads
 at most ``READ_AHEAD`` items ahead of its consumer, then parks until the
 consumer takes one; a slow consumer never holds the thread.
 
-The ``Stream`` methods under "worker side" run on the MLX thread, those under
-"consumer side" on the consumer's thread (any thread but the MLX thread, or
-an event loop's); what a stream needs of its executor is :class:`StreamOwner`.
+This module is the state a stream's two sides share. The ``Stream`` methods
+under "worker side" run on the MLX thread, those under "consumer side" on the
+consumer's thread (any thread but the MLX thread, or an event loop's); what a
+stream needs of its executor is :class:`StreamOwner`. The consumers' iterators
+are in :mod:`._async_streams` (event loops) and :mod:`._sync_streams`
+(blocking).
 """
 
 from __future__ import annotations
@@ -21,20 +24,12 @@ from typing import TYPE_CHECKING, Any, Generic, NoReturn, Protocol, TypeVar
 from ._exceptions import SharedModelWarning
 from ._jobs import JobOwner
 from ._mlx import evaluate, job_name, models_in
-from ._waiters import SyncWaiter, async_waiter, warn_if_blocking_a_loop
 
 if TYPE_CHECKING:
-    import sys
     from collections.abc import Callable, Iterable, Iterator
     from queue import SimpleQueue
-    from types import TracebackType
 
     from ._waiters import Waiter
-
-    if sys.version_info >= (3, 11):
-        from typing import Self
-    else:  # pragma: no cover
-        from typing_extensions import Self
 
 T = TypeVar("T")
 
@@ -382,246 +377,3 @@ def _warn_if_sharing_a_model(stream: Stream[Any], owner: StreamOwner) -> None:
 
 def _among(model: object, models: tuple[object, ...]) -> bool:
     return any(model is other for other in models)
-
-
-class AsyncStreamIterator(Generic[T]):
-    """An async iterator over a generator that runs on an MLXThread.
-
-    Returned by :meth:`MLXThread.iterate`. ``aclose()`` (or cancelling the
-    consumer, or dropping the iterator) closes the generator on the thread
-    before its next item. :meth:`batched` takes the items in batches.
-    """
-
-    __slots__ = ("__weakref__", "_cancelled", "_stream")
-
-    def __init__(self, stream: Stream[T]) -> None:
-        self._stream = stream
-        self._cancelled = False
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> T:
-        stream = self._stream
-        while True:
-            try:
-                ready, item = stream.take()
-            except StopIteration:
-                raise StopAsyncIteration from None
-            if ready:
-                return item  # type: ignore[return-value]
-            await self._wait()
-
-    def batched(self, n: int) -> AsyncBatchIterator[T]:
-        """The items in tuples of ``n`` (the last may be shorter), as
-        :func:`itertools.batched` groups them.
-
-        The thread reads up to ``n`` items ahead and wakes the consumer once
-        per batch, not once per item: for a consumer that needs the items
-        together (a response sent whole), not as soon as each is made. If the
-        generator raises, the items made before the error come first, then
-        the error. Closing either iterator closes the generator.
-
-        Raises:
-            ValueError: ``n`` is less than 1.
-        """
-        if n < 1:
-            raise ValueError(f"n must be at least 1, not {n}")
-        self._stream.batch_mode(n)
-        return AsyncBatchIterator(self)
-
-    async def _wait(self) -> None:
-        """Wait until there is something to take (or the stream ended)."""
-        stream = self._stream
-        waiter = async_waiter()
-        if stream.set_waiter(waiter):
-            try:
-                await waiter.wait()
-            except BaseException:
-                stream.request_close()  # cancelled: stop the generator
-                # asyncio delivers a cancellation once: an aclose() that
-                # follows (contextlib.aclosing) must not wait again.
-                self._cancelled = True
-                raise
-
-    async def aclose(self) -> None:
-        """Close the generator on the thread and wait until it is closed.
-
-        After the consumer was cancelled, only asks for the close (queued on
-        the thread) and returns at once, so a cancelled task is released.
-        """
-        stream = self._stream
-        if stream.request_close() and not self._cancelled:
-            while True:
-                waiter = async_waiter()
-                if not stream.set_waiter(waiter):
-                    return
-                await waiter.wait()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    def __del__(self) -> None:
-        self._stream.request_close()
-
-
-class AsyncBatchIterator(Generic[T]):
-    """The items of an :class:`AsyncStreamIterator` in tuples; from
-    :meth:`AsyncStreamIterator.batched`. ``aclose()`` closes the generator."""
-
-    __slots__ = ("_items",)
-
-    def __init__(self, items: AsyncStreamIterator[T]) -> None:
-        self._items = items  # keeps it alive: dropping it closes the stream
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> tuple[T, ...]:
-        items = self._items
-        stream = items._stream
-        while True:
-            try:
-                ready, batch = stream.take_batch()
-            except StopIteration:
-                raise StopAsyncIteration from None
-            if ready:
-                return batch
-            await items._wait()
-
-    async def aclose(self) -> None:
-        """Close the generator on the thread and wait until it is closed."""
-        await self._items.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-
-class SyncStreamIterator(Generic[T]):
-    """A blocking iterator over a generator that runs on an MLXThread.
-
-    Returned by :meth:`MLXThread.iterate_sync`; ``close()`` (or a ``with``
-    block, or dropping it) closes the generator on the thread.
-    :meth:`batched` takes the items in batches.
-    """
-
-    __slots__ = ("__weakref__", "_stream")
-
-    def __init__(self, stream: Stream[T]) -> None:
-        self._stream = stream
-
-    def __iter__(self) -> Self:
-        return self
-
-    def __next__(self) -> T:
-        stream = self._stream
-        while True:
-            ready, item = stream.take()
-            if ready:
-                return item  # type: ignore[return-value]
-            self._wait()
-
-    def batched(self, n: int) -> SyncBatchIterator[T]:
-        """The items in tuples of ``n`` (the last may be shorter); see
-        :meth:`AsyncStreamIterator.batched`.
-
-        Raises:
-            ValueError: ``n`` is less than 1.
-        """
-        if n < 1:
-            raise ValueError(f"n must be at least 1, not {n}")
-        self._stream.batch_mode(n)
-        return SyncBatchIterator(self)
-
-    def _wait(self) -> None:
-        stream = self._stream
-        if stream.owner.is_current():
-            raise RuntimeError(
-                "a stream of an MLXThread cannot be consumed on that thread"
-                " (it would wait for itself): call the generator directly."
-            )
-        warn_if_blocking_a_loop("Iterating a .sync() or iterate_sync() stream")
-        waiter = SyncWaiter()
-        if stream.set_waiter(waiter):
-            try:
-                waiter.wait()
-            except BaseException:
-                stream.request_close()
-                raise
-
-    def close(self) -> None:
-        """Close the generator on the thread and wait until it is closed."""
-        stream = self._stream
-        if stream.request_close() and not stream.owner.is_current():
-            while True:
-                waiter = SyncWaiter()
-                if not stream.set_waiter(waiter):
-                    return
-                waiter.wait()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self._stream.request_close()
-
-
-class SyncBatchIterator(Generic[T]):
-    """The items of a :class:`SyncStreamIterator` in tuples; from
-    :meth:`SyncStreamIterator.batched`. ``close()`` closes the generator."""
-
-    __slots__ = ("_items",)
-
-    def __init__(self, items: SyncStreamIterator[T]) -> None:
-        self._items = items  # keeps it alive: dropping it closes the stream
-
-    def __iter__(self) -> Self:
-        return self
-
-    def __next__(self) -> tuple[T, ...]:
-        items = self._items
-        stream = items._stream
-        while True:
-            ready, batch = stream.take_batch()
-            if ready:
-                return batch
-            items._wait()
-
-    def close(self) -> None:
-        """Close the generator on the thread and wait until it is closed."""
-        self._items.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        self.close()

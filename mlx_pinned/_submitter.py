@@ -8,11 +8,14 @@ MLX thread (except the inline calls, which run there by design).
 from __future__ import annotations
 
 import functools
+from abc import abstractmethod
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ._async_streams import AsyncStreamIterator
 from ._jobs import AsyncioCall, Call, FutureCall
 from ._keys import sweep_if_cancelled
-from ._streams import AsyncStreamIterator, Stream, SyncStreamIterator
+from ._streams import Stream
+from ._sync_streams import SyncStreamIterator
 from ._waiters import (
     SyncWaiter,
     async_waiter,
@@ -38,17 +41,19 @@ class Submitter:
     _key: object  # the exclusive key of the work, or None
     _worker: Worker
 
+    @abstractmethod
     def is_current(self) -> bool:
         """Whether the caller is running on this MLX thread."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _enqueue(self, item: Call[Any] | Stream[Any]) -> None:
-        raise NotImplementedError
+        """Queue ``item`` on the thread."""
 
+    @abstractmethod
     def _call_inline(
         self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> T:
-        raise NotImplementedError
+        """Run ``fn`` now: the caller is on the thread."""
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Queue ``fn(*args, **kwargs)`` to run on the thread.
@@ -81,9 +86,9 @@ class Submitter:
         on a thread that runs an event loop, it warns
         (:class:`BlockingCallWarning`), since it blocks the loop.
         """
-        return self.run_blocking(fn, args, kwargs)
+        return self._run_blocking(fn, args, kwargs)
 
-    def run_blocking(
+    def _run_blocking(
         self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> T:
         """:meth:`run_sync`, for it and a decorated function's ``.sync``: one

@@ -7,37 +7,34 @@ inside the framework's error handling so it sees the app's exceptions::
         Middleware(MLXThreadMiddleware, startup={"model": load_model}),
     ])
 
-Its code runs on the event loop; start-up jobs run on the MLX thread.
+Its code runs on the event loop; start-up jobs run on the MLX thread (through
+:func:`~mlx_pinned.mlx_lifespan`, which starts and stops it).
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-import inspect
 import logging
 import sys
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from typing import Any
 
 import anyio
 
 if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport
     from exceptiongroup import BaseExceptionGroup
 
-from ._decorators import MLXFunction
-from ._default import hold_default_mlx_thread, release_default_mlx_thread
-from ._exceptions import MLXThreadClosedError
+from ._exceptions import (
+    MLXPinnedError,
+    MLXThreadBrokenError,
+    MLXThreadBusyError,
+    ShuttingDownError,
+)
 from ._executor import MLXThread
-from ._http_errors import SHUTTING_DOWN, STARTUP_FAILED, HTTPAnswer, http_answer
+from ._lifespan import MLXLifespan, StartupJobs, mlx_lifespan
+from ._refusals import ASGIApp, Message, Receive, Refusal, Scope, Send, plain_refusal
+from ._refusals import public_message as _public
 
 __all__ = ["MLXThreadMiddleware"]
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 logger = logging.getLogger("mlx_pinned.middleware")
 
@@ -45,37 +42,29 @@ logger = logging.getLogger("mlx_pinned.middleware")
 class MLXThreadMiddleware:
     """Start an MLXThread with the app, run start-up jobs on it, stop it last.
 
-    Lifespan start-up: the thread starts, each ``startup`` callable runs on it
-    in order (load the model here) and its result is put in the lifespan state
-    under its key, next to the thread under ``state_key`` (in Starlette,
-    ``request.state.model`` and ``request.state.mlx_thread``). An
-    ``@on_mlx_thread`` function, or a ``functools.partial`` of one, is called
-    through its ``.sync`` from the thread: inline when its decorator names
-    this thread. If one raises, or returns an awaitable (it is closed and a
-    ``TypeError`` raised), the server gets ``lifespan.startup.failed`` with
-    the reason, and the error is re-raised (as Starlette's router does, so
-    that ``TestClient`` raises it); later requests get 503.
+    Lifespan start-up: :func:`~mlx_pinned.mlx_lifespan` starts the thread
+    and runs each ``startup`` callable on it, in order (load the model here);
+    its state (the thread under ``state_key``, each result under its key) is
+    put in the lifespan state (in Starlette, ``request.state.model`` and
+    ``request.state.mlx_thread``). If a job fails, the server gets
+    ``lifespan.startup.failed`` with the reason, and the error is re-raised
+    (as Starlette's router does, so that ``TestClient`` raises it); later
+    requests are refused with an ``MLXThreadBrokenError`` whose cause it is.
 
-    Lifespan shut-down: new requests get 503, in-flight ones get up to
+    Lifespan shut-down: new requests are refused with a
+    :class:`~mlx_pinned.ShuttingDownError`, in-flight ones get up to
     ``drain_timeout`` seconds to finish, the app's own shut-down runs, then
     the thread shuts down.
 
-    Without ``thread``, each lifespan runs the process-wide default thread,
-    :func:`~mlx_pinned.current_default_mlx_thread`, the one
-    ``@on_mlx_thread`` without ``thread=`` calls, and shuts it down at its
-    end (once no other lifespan holds it); the next lifespan, or the next
-    call, gets a fresh one. So module-level decorated functions follow one
-    lifespan after another (a ``TestClient`` per test).
-
-    Requests: mlx-pinned's errors get the answers of
-    :func:`~mlx_pinned._http_errors.http_answer`, the same on every route:
-    ``MLXThreadBusyError`` 503 ``server_busy`` with ``Retry-After``;
-    ``MLXThreadClosedError`` and ``MLXThreadBrokenError`` 503
-    ``mlx_thread_unavailable``; ``StreamAffinityError`` 500
-    ``stream_affinity_error`` and ``MLXThreadDeadlockError`` 500
-    ``internal_error``, with a generic message (the details are logged).
-    Bodies use OpenAI's error shape. An error after the response started
-    is re-raised.
+    Requests: an mlx-pinned error (an :class:`~mlx_pinned.MLXPinnedError`)
+    raised before the response started is answered by ``refusal(error)``, an
+    ASGI app the middleware calls. The default answers in plain text:
+    ``MLXThreadBusyError`` 503 with ``Retry-After``; ``MLXThreadClosedError``
+    and ``MLXThreadBrokenError`` 503; ``StreamAffinityError`` and
+    ``MLXThreadDeadlockError`` 500 with a generic message. Every one but a
+    busy thread is logged with its traceback. A WebSocket is accepted and
+    closed with code 1013 instead. An error after the response started is
+    re-raised.
 
     Args:
         app: the ASGI app to wrap.
@@ -85,7 +74,10 @@ class MLXThreadMiddleware:
             start-up.
         drain_timeout: seconds in-flight requests get at shut-down.
         state_key: the lifespan-state key of the thread.
-        retry_after: seconds sent in ``Retry-After`` when busy.
+        retry_after: seconds the default refusal sends in ``Retry-After``
+            when busy.
+        refusal: the response to an mlx-pinned error, made by the app (in its
+            own error shape); the plain-text one above if ``None``.
     """
 
     def __init__(
@@ -93,23 +85,27 @@ class MLXThreadMiddleware:
         app: ASGIApp,
         *,
         thread: MLXThread | None = None,
-        startup: Mapping[str, Callable[[], object]] | None = None,
+        startup: StartupJobs | None = None,
         drain_timeout: float = 30.0,
         state_key: str = "mlx_thread",
         retry_after: int = 1,
+        refusal: Refusal | None = None,
     ) -> None:
         self.app = app
-        self._given_thread = thread
+        self._lifespans = mlx_lifespan(
+            thread=thread, startup=startup, state_key=state_key
+        )
         self.thread: MLXThread | None = thread
-        self._startup = dict(startup or {})
         self.drain_timeout = drain_timeout
         self.state_key = state_key
         self.retry_after = retry_after
+        self.refusal: Refusal = refusal or functools.partial(
+            plain_refusal, retry_after=retry_after
+        )
         self._state: dict[str, object] = {}
-        # What new requests get instead of the app: None while it serves.
-        self._refusal: HTTPAnswer | None = None
-        # The thread this lifespan stops at its end, until it does.
-        self._stops: MLXThread | None = None
+        # The error new requests get instead of the app: None while it serves.
+        self._refused: MLXPinnedError | None = None
+        self._run: MLXLifespan | None = None
         self._in_flight = 0
         self._idle: anyio.Event | None = None
 
@@ -127,9 +123,9 @@ class MLXThreadMiddleware:
         state = scope.setdefault("state", {})
         for key, value in self._state.items():
             state.setdefault(key, value)
-        refusal = self._refusal
-        if refusal is not None:
-            await self._answer(scope, send, refusal)
+        refused = self._refused
+        if refused is not None:
+            await self._answer(scope, receive, send, refused)
             return
         started = False
 
@@ -146,40 +142,31 @@ class MLXThreadMiddleware:
             # Also the one error of a task group the endpoint ran (anyio's
             # groups wrap even a single error).
             error = _sole(exc)
-            answer = http_answer(error)
-            if started or answer is None:
+            if started or not isinstance(error, MLXPinnedError):
                 raise
-            if answer.status >= 500 and not answer.retry:
-                # The client gets a generic message; job and thread names
-                # are for the operator.
+            if not isinstance(error, MLXThreadBusyError):
+                # For the operator: the job and thread a bug names stay out
+                # of the response (see public_message).
                 path = scope.get("path")
-                logger.error("%s in %s", answer.code, path, exc_info=error)
-            await self._answer(scope, send, answer)
+                logger.error("%s in %s", type(error).__name__, path, exc_info=error)
+            await self._answer(scope, receive, send, error)
         finally:
             self._in_flight -= 1
             if self._in_flight == 0 and self._idle is not None:
                 self._idle.set()
 
-    async def _answer(self, scope: Scope, send: Send, answer: HTTPAnswer) -> None:
+    async def _answer(
+        self, scope: Scope, receive: Receive, send: Send, error: MLXPinnedError
+    ) -> None:
         if scope["type"] != "http":
             # Accepted first: a close before the accept is answered by the
             # server as an HTTP 403, and the client never sees code 1013.
             # A close frame carries at most 123 bytes of reason.
-            reason = answer.message.encode()[:123].decode(errors="ignore")
+            reason = _public(error).encode()[:123].decode(errors="ignore")
             await send({"type": "websocket.accept"})
             await send({"type": "websocket.close", "code": 1013, "reason": reason})
             return
-        body = answer.body()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ]
-        if answer.retry:
-            headers.append((b"retry-after", str(self.retry_after).encode()))
-        await send(
-            {"type": "http.response.start", "status": answer.status, "headers": headers}
-        )
-        await send({"type": "http.response.body", "body": body})
+        await self.refusal(error)(scope, receive, send)
 
     # -- lifespan ------------------------------------------------------------
 
@@ -217,7 +204,10 @@ class MLXThreadMiddleware:
         except Exception as exc:
             logger.exception("MLX thread start-up failed")
             await send({"type": "lifespan.startup.failed", "message": _reason(exc)})
-            await self._stop(STARTUP_FAILED)
+            # Later requests learn why they are refused.
+            failed = MLXThreadBrokenError("The server failed to start: see its log.")
+            failed.__cause__ = exc
+            await self._stop(failed)
             # As Starlette's router does: a server that reads on (TestClient)
             # learns the failure, instead of serving an app never started.
             raise
@@ -269,30 +259,19 @@ class MLXThreadMiddleware:
             await send({"type": "lifespan.shutdown.complete"})
 
     async def _start(self, scope: Scope) -> None:
-        thread = self._given_thread
-        if thread is None:
-            thread = self.thread = hold_default_mlx_thread()
-        elif thread.closed:
-            raise MLXThreadClosedError(
-                f"MLX thread {thread.name!r} was shut down by an earlier lifespan,"
-                " and a thread given to MLXThreadMiddleware serves one: for a"
-                " lifespan per test, pass no thread= (the middleware and"
-                " @on_mlx_thread then share the default thread, fresh for each"
-                " lifespan), or create the thread with the app."
-            )
-        self._refusal = None
-        self._stops = thread
-        thread.start()
-        state: dict[str, object] = {self.state_key: thread}
-        for name, load in self._startup.items():
-            logger.info("running start-up job %r on the MLX thread", name)
-            state[name] = _result(name, await thread.run(_blocking(load)))
-        self._state = state
+        self._refused = None
+        run = self._run = self._lifespans()
+        try:
+            # Not __aenter__, which stops the thread itself if a job fails:
+            # the server hears of the failure first.
+            self._state = await run.start()
+        finally:
+            self.thread = run.thread
         if "state" in scope:
-            scope["state"].update(state)
+            scope["state"].update(self._state)
 
     async def _drain(self) -> None:
-        self._refusal = SHUTTING_DOWN
+        self._refused = _shutting_down()
         if self._in_flight:
             self._idle = anyio.Event()
             with anyio.move_on_after(self.drain_timeout) as timeout:
@@ -304,27 +283,15 @@ class MLXThreadMiddleware:
                     self.drain_timeout,
                 )
 
-    async def _stop(self, refusal: HTTPAnswer = SHUTTING_DOWN) -> None:
-        self._refusal = refusal
-        thread = self._let_go()
-        if thread is not None:
-            await thread.aclose()
+    async def _stop(self, refused: MLXPinnedError | None = None) -> None:
+        self._refused = refused or _shutting_down()
+        if self._run is not None:
+            await self._run.aclose()
 
     def _abandon(self) -> None:
-        """Stop the thread without waiting (cancelled: a start-up job may
-        still run, and a model load is not waited out); queued jobs end."""
-        self._refusal = SHUTTING_DOWN
-        thread = self._let_go()
-        if thread is not None:
-            thread.shutdown(wait=False, cancel_futures=True)
-
-    def _let_go(self) -> MLXThread | None:
-        """The thread to shut down as the lifespan ends, once: the given one,
-        or the default once no other lifespan holds it (None: leave it up)."""
-        thread, self._stops = self._stops, None
-        if thread is None or thread is self._given_thread:
-            return thread
-        return thread if release_default_mlx_thread(thread) else None
+        self._refused = _shutting_down()
+        if self._run is not None:
+            self._run.abandon()
 
 
 def _sole(exc: BaseException) -> BaseException:
@@ -391,34 +358,13 @@ class _AppLifespan:
         await self._send(message)
 
 
-def _blocking(job: Callable[[], object]) -> Callable[[], object]:
-    """``job``, or the ``.sync`` of an ``@on_mlx_thread`` function (also under
-    ``functools.partial``): called plain, that one only returns a coroutine."""
-    if isinstance(job, MLXFunction):
-        return job.sync
-    if isinstance(job, functools.partial) and isinstance(job.func, MLXFunction):
-        return functools.partial(job.func.sync, *job.args, **job.keywords)
-    return job
-
-
-def _result(name: str, result: object) -> object:
-    """A start-up job's result, refused if it is awaitable: awaited here, an
-    ``async def`` body would do its MLX work on the event loop's thread."""
-    if inspect.isawaitable(result):
-        if inspect.iscoroutine(result):
-            result.close()  # never started: nothing to undo, no warning
-        raise TypeError(
-            f"Start-up job {name!r} returned {type(result).__name__} instead of a "
-            "result: pass a plain function, an @on_mlx_thread function or a "
-            "functools.partial of one, not an async function or a lambda that "
-            "calls one."
-        )
-    return result
-
-
 class _NotLifespan(Exception):
     """Raised into an app that sent a non-lifespan message in a lifespan."""
 
 
 def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _shutting_down() -> ShuttingDownError:
+    return ShuttingDownError("The server is shutting down.")

@@ -54,9 +54,23 @@ async def run_lifespan(app: Any) -> AsyncIterator[dict[str, Any]]:
     app_outbox, from_app = anyio.create_memory_object_stream[dict[str, Any]](4)
     scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": state}
     failure = None
+    reported: list[str] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        reported.append(message["type"])
+        await app_outbox.send(message)
+
+    async def run() -> None:
+        try:
+            await app(scope, app_inbox.receive, send)
+        except Exception:
+            # As uvicorn: an app that reported its failed start-up may raise.
+            if "lifespan.startup.failed" not in reported:
+                raise
+
     async with to_app, app_inbox, app_outbox, from_app:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(app, scope, app_inbox.receive, app_outbox.send)
+            tg.start_soon(run)
             await to_app.send({"type": "lifespan.startup"})
             answer = await from_app.receive()
             if answer["type"] == "lifespan.startup.failed":

@@ -246,7 +246,7 @@ def test_signatures_are_kept_for_type_checkers() -> None:
 
     from typing_extensions import assert_type
 
-    from mlx_pinned import AsyncStreamIterator, SyncStreamIterator
+    from mlx_pinned.types import AsyncStreamIterator, SyncStreamIterator
 
     @on_mlx_thread
     def add(x: int, y: int) -> int:
@@ -373,7 +373,7 @@ class TestExclusive:
     ) -> None:
         from typing_extensions import assert_type
 
-        from mlx_pinned import SyncStreamIterator
+        from mlx_pinned.types import SyncStreamIterator
 
         def count(n: int) -> Iterator[int]:
             yield from range(n)

@@ -7,6 +7,8 @@ process exits cleanly. The first MLX call on a fresh machine compiles kernels
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -15,14 +17,18 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import openai
 import pytest
+import uvicorn
 
+from mlx_pinned import MLXThreadBusyError
 from mlx_pinned.testing import image_data_uri, make_tiny_vlm
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -128,23 +134,19 @@ class Server:
         return self.log.read_text(errors="replace")
 
 
-@pytest.fixture
-def server(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> Iterator[Server]:
+@contextlib.contextmanager
+def serving(
+    script: str, args: list[str], ready: str, cache: pathlib.Path
+) -> Iterator[Server]:
+    """``examples/script`` on a free port, once ``ready`` answers 200."""
     port = free_port()
-    log = tmp_path / "server.log"
+    log = cache / "server.log"
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            [
-                sys.executable,
-                str(EXAMPLES / "starlette_server.py"),
-                "--port",
-                str(port),
-                "--model",
-                str(model_dir),
-            ],
+            [sys.executable, str(EXAMPLES / script), "--port", str(port), *args],
             stdout=sink,
             stderr=subprocess.STDOUT,
-            env=environment(tmp_path),
+            env=environment(cache),
             cwd=ROOT,
         )
     running = Server(process, f"http://127.0.0.1:{port}", log)
@@ -153,7 +155,7 @@ def server(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> Iterator[Server]:
         while True:
             assert process.poll() is None, running.output()
             try:
-                if httpx.get(f"{running.url}/health", timeout=5).status_code == 200:
+                if httpx.get(f"{running.url}{ready}", timeout=5).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -164,6 +166,13 @@ def server(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> Iterator[Server]:
         if process.poll() is None:
             process.kill()
             process.wait(10)
+
+
+@pytest.fixture
+def server(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> Iterator[Server]:
+    args = ["--model", str(model_dir)]
+    with serving("starlette_server.py", args, "/health", tmp_path) as running:
+        yield running
 
 
 def describe(
@@ -221,6 +230,254 @@ class TestStarletteServer:
                 pool.map(lambda size: describe(server.url, 8, size=size), sizes)
             )
         assert together == [alone[size] for size in sizes]
+
+
+# -- examples/openai_server.py, driven by the official openai client ----------
+
+DEMO = "mlx-pinned-demo"
+HELLO: Any = [{"role": "user", "content": "Hello there."}]
+
+
+@pytest.fixture(scope="module")
+def openai_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # No --model: the default tiny model, written to the cache, as DEMO.
+    cache = tmp_path_factory.mktemp("openai-server")
+    with serving("openai_server.py", [], "/v1/models", cache) as running:
+        yield running
+        # The last check: SIGTERM stops it cleanly, the MLX thread included.
+        running.process.send_signal(signal.SIGTERM)
+        assert running.process.wait(30) == 0, running.output()
+        assert "Application shutdown complete" in running.output()
+        assert "Traceback" not in running.output()
+
+
+@pytest.fixture
+def client(openai_server: Server) -> Iterator[openai.OpenAI]:
+    url = f"{openai_server.url}/v1"
+    with openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def text_of(client: openai.OpenAI, **fields: Any) -> tuple[str, str | None]:
+    """The content and finish reason of a whole answer of 12 greedy tokens."""
+    fields = {"model": DEMO, "messages": HELLO, "max_tokens": 12} | fields
+    answer = client.chat.completions.create(**fields)
+    return answer.choices[0].message.content or "", answer.choices[0].finish_reason
+
+
+IMAGE_URL = "messages[0].content[0].image_url.url"
+
+
+def image_message(url: str) -> list[dict[str, Any]]:
+    image = {"type": "image_url", "image_url": {"url": url}}
+    return [{"role": "user", "content": [image]}]
+
+
+class TestOpenAIServer:
+    def test_lists_its_model_and_answers_with_usage(
+        self, client: openai.OpenAI
+    ) -> None:
+        assert [model.id for model in client.models.list()] == [DEMO]
+        answer = client.chat.completions.create(
+            model=DEMO, messages=HELLO, max_tokens=12, temperature=0
+        )
+        assert answer.object == "chat.completion"
+        assert answer.model == DEMO
+        [choice] = answer.choices
+        assert choice.message.role == "assistant"
+        assert choice.message.content  # random weights: some text
+        assert choice.finish_reason == "length"
+        assert answer.usage is not None
+        assert answer.usage.completion_tokens == 12
+        assert answer.usage.prompt_tokens > 0
+        total = answer.usage.prompt_tokens + answer.usage.completion_tokens
+        assert answer.usage.total_tokens == total
+
+    def test_a_stream_carries_the_same_text_then_the_reason_and_usage(
+        self, client: openai.OpenAI
+    ) -> None:
+        whole, _ = text_of(client, temperature=0)
+        chunks = list(
+            client.chat.completions.create(
+                model=DEMO,
+                messages=HELLO,
+                max_completion_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        deltas = [chunk.choices[0] for chunk in chunks if chunk.choices]
+        assert "".join(d.delta.content or "" for d in deltas) == whole
+        assert [d.finish_reason for d in deltas][-1] == "length"
+        assert all(d.finish_reason is None for d in deltas[:-1])
+        assert chunks[-1].choices == []  # the usage chunk comes last
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 12
+
+    def test_an_image_reaches_the_prompt(self, client: openai.OpenAI) -> None:
+        content: Any = [
+            {"type": "text", "text": "Describe this image."},
+            {"type": "image_url", "image_url": {"url": image_data_uri(64, 64)}},
+        ]
+        messages: Any = [{"role": "user", "content": content}]
+        seen = client.chat.completions.create(
+            model=DEMO, messages=messages, max_tokens=6, temperature=0
+        )
+        messages[0]["content"] = content[:1]
+        unseen = client.chat.completions.create(
+            model=DEMO, messages=messages, max_tokens=6, temperature=0
+        )
+        assert seen.choices[0].finish_reason == "length"
+        assert seen.usage is not None
+        assert unseen.usage is not None
+        # The image's tokens sit in the prompt beside the same text.
+        assert seen.usage.prompt_tokens > unseen.usage.prompt_tokens + 4
+
+    def test_a_stop_string_cuts_the_answer(self, client: openai.OpenAI) -> None:
+        whole, _ = text_of(client, temperature=0)
+        stop = whole[len(whole) // 2 :][:3]
+        assert len(stop) == 3, whole
+        cut, reason = text_of(client, temperature=0, stop=[stop])
+        assert (cut, reason) == (whole[: whole.find(stop)], "stop")
+        streamed = client.chat.completions.create(
+            model=DEMO,
+            messages=HELLO,
+            max_tokens=12,
+            temperature=0,
+            stop=stop,
+            stream=True,
+        )
+        deltas = [chunk.choices[0] for chunk in streamed]
+        assert "".join(d.delta.content or "" for d in deltas) == cut
+        assert deltas[-1].finish_reason == "stop"
+
+    def test_a_seed_repeats_a_sampled_answer(self, client: openai.OpenAI) -> None:
+        first = text_of(client, temperature=1.0, seed=3)
+        assert text_of(client, temperature=1.0, seed=3) == first
+        assert text_of(client, temperature=1.0, seed=4) != first
+
+    @pytest.mark.parametrize(
+        ("fields", "param", "code"),
+        [
+            ({"tools": []}, "tools", "unsupported_parameter"),
+            ({"n": 2}, "n", "unsupported_parameter"),
+            ({"temperature": 5}, "temperature", "invalid_value"),
+            ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+            ({"max_tokens": 2.5}, "max_tokens", "invalid_value"),
+            ({"stop": [""]}, "stop", "invalid_value"),
+            (
+                {"messages": [{"role": "user", "content": "x", "name": "bob"}]},
+                "messages[0].name",
+                "unsupported_parameter",
+            ),
+            (
+                {"messages": [{"role": "tool", "content": "x"}]},
+                "messages[0].role",
+                "invalid_value",
+            ),
+            *(
+                ({"messages": image_message(url)}, IMAGE_URL, "invalid_value")
+                for url in ["https://example.com/cat.png", "data:image/png;base64,AAAA"]
+            ),
+        ],
+    )
+    def test_a_field_it_does_not_take_is_a_400_that_names_it(
+        self, client: openai.OpenAI, fields: dict[str, Any], param: str, code: str
+    ) -> None:
+        body = {"model": DEMO, "messages": HELLO} | fields
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(**body)
+        error = refused.value.body
+        assert isinstance(error, dict)
+        assert error["type"] == "invalid_request_error"
+        assert (error["param"], error["code"]) == (param, code)
+        assert param in error["message"]
+
+    def test_an_unknown_model_is_a_404(self, client: openai.OpenAI) -> None:
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.chat.completions.create(model="gpt-4o", messages=HELLO)
+        error = missing.value.body
+        assert isinstance(error, dict)
+        assert error["code"] == "model_not_found"
+        assert error["param"] == "model"
+        assert "gpt-4o" in error["message"]
+
+
+@contextlib.contextmanager
+def uvicorn_in_thread(app: Any) -> Iterator[str]:
+    """``app`` under uvicorn on a free loopback port, in a thread."""
+    config = uvicorn.Config(app, port=0, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn")
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive(), "uvicorn did not start"
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def block(started: threading.Event, release: threading.Event) -> None:
+    started.set()
+    release.wait(30)
+
+
+def test_the_openai_server_answers_503_with_retry_after_when_its_thread_is_full(
+    model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fresh copy of the example, with its own MLX thread to fill.
+    spec = importlib.util.spec_from_file_location(
+        "openai_server", EXAMPLES / "openai_server.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, example)  # for its dataclass
+    spec.loader.exec_module(example)
+    thread = example.mlx_thread
+    started, release = threading.Event(), threading.Event()
+    app = example.create_app(str(model_dir), "tiny")
+    with (
+        uvicorn_in_thread(app) as url,
+        openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as client,
+    ):
+        blocker = thread.submit(block, started, release)
+        try:
+            assert started.wait(30)
+            # The running job blocks; max_pending queued jobs fill the queue.
+            queued = [thread.submit(int) for _ in range(thread.max_pending)]
+            with pytest.raises(MLXThreadBusyError):
+                thread.submit(int)
+            for stream in (False, True):
+                with pytest.raises(openai.InternalServerError) as busy:
+                    client.chat.completions.create(
+                        model="tiny", messages=HELLO, max_tokens=4, stream=stream
+                    )
+                assert busy.value.status_code == 503
+                assert busy.value.response.headers["retry-after"] == "1"
+                error = busy.value.body
+                assert isinstance(error, dict)
+                assert (error["type"], error["code"]) == ("server_error", "server_busy")
+                assert "retry later" in error["message"]
+        finally:
+            release.set()
+        blocker.result(30)
+        for job in queued:
+            job.result(30)
+        # Drained, it answers again.
+        answer = client.chat.completions.create(
+            model="tiny", messages=HELLO, max_tokens=4
+        )
+        assert answer.choices[0].finish_reason == "length"
+    assert thread.closed  # the lifespan stopped it
 
 
 # -- docs/: every ```python block is a complete program ------------------------

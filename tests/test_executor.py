@@ -8,7 +8,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import BrokenExecutor, Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
@@ -25,7 +25,7 @@ from mlx_pinned import (
     MLXThreadDeadlockError,
     SharedModelWarning,
     StreamAffinityError,
-    _streams,
+    _async_streams,
     cancel_requested,
     current_default_mlx_thread,
 )
@@ -719,7 +719,7 @@ class TestStreams:
         # the consumer can see the item, ahead of any job the consumer queues
         # next. (Found as a 1-in-30 failure of the server's disconnect test:
         # the close ran after the next job.)
-        make_waiter = _streams.async_waiter
+        make_waiter = _async_streams.async_waiter
 
         class SlowAfterWaking:
             def __init__(self) -> None:
@@ -733,7 +733,7 @@ class TestStreams:
             async def wait(self) -> None:
                 await self.inner.wait()
 
-        monkeypatch.setattr(_streams, "async_waiter", SlowAfterWaking)
+        monkeypatch.setattr(_async_streams, "async_waiter", SlowAfterWaking)
         log: list[str] = []
         stream = thread.iterate(numbers, 1000, log)
         with anyio.CancelScope() as scope:
@@ -1056,6 +1056,16 @@ class TestBroken:
         with pytest.raises(MLXThreadBrokenError):
             t.submit(ident)
         assert t.closed
+        t.shutdown()
+
+    def test_a_broken_thread_fails_as_a_broken_stdlib_executor(self) -> None:
+        def fail() -> None:
+            raise OSError("no model here")
+
+        t = MLXThread(initializer=fail)
+        # What a dead ThreadPoolExecutor raises, so code written for one works.
+        with pytest.raises(BrokenExecutor, match="no model here"):
+            t.submit(ident).result()
         t.shutdown()
 
     @pytest.mark.usefixtures("no_stream")

@@ -1,6 +1,11 @@
 from __future__ import annotations
 
+from concurrent.futures import BrokenExecutor
+
+import pytest
+
 import mlx_pinned
+import mlx_pinned.types
 from mlx_pinned import (
     BlockingCallWarning,
     MLXPinnedError,
@@ -24,6 +29,14 @@ def test_all_is_sorted_and_matches_the_public_names() -> None:
     }
     assert sorted(mlx_pinned.__all__) == mlx_pinned.__all__
     assert set(mlx_pinned.__all__) - {"__version__"} == public
+
+
+def test_the_types_module_lists_what_it_exports() -> None:
+    public = {name for name in vars(mlx_pinned.types) if not name.startswith("_")}
+    assert sorted(mlx_pinned.types.__all__) == mlx_pinned.types.__all__
+    assert set(mlx_pinned.types.__all__) == public - {"annotations"}
+    # Types to annotate with are not concepts: none is at the top level too.
+    assert not set(mlx_pinned.types.__all__) & set(mlx_pinned.__all__)
 
 
 def test_public_objects_claim_the_package() -> None:
@@ -51,6 +64,16 @@ def test_error_tree() -> None:
         assert issubclass(error, RuntimeError)
     assert not issubclass(MLXThreadBusyError, RuntimeError)
     assert not issubclass(MLXThreadClosedError, MLXThreadBrokenError)
+
+
+def test_a_broken_thread_is_a_broken_executor() -> None:
+    # Code written against the standard library's executors catches it.
+    assert issubclass(MLXThreadBrokenError, BrokenExecutor)
+    assert MLXThreadBrokenError.__mro__.index(
+        MLXPinnedError
+    ) < MLXThreadBrokenError.__mro__.index(BrokenExecutor)
+    with pytest.raises(BrokenExecutor, match="died"):
+        raise MLXThreadBrokenError("the thread died")
 
 
 def test_warning_tree() -> None:

@@ -276,9 +276,9 @@ def stop(t: MLXThread, worker: threading.Thread) -> bool:
     # A bug left the worker without its stop sentinel: it would keep this
     # process from exiting (the exit hook joins it), so post the sentinel here
     # and let the test fail instead of the session hanging.
-    from mlx_pinned import _executor
+    from mlx_pinned._worker import STOP
 
-    t._worker.queue.put(_executor._STOP)
+    t._worker.queue.put(STOP)
     worker.join(WAIT)
     return False
 

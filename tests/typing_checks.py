@@ -10,15 +10,17 @@ from __future__ import annotations
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
+from starlette.applications import Starlette
+from starlette.types import Lifespan
 from typing_extensions import assert_type
 
-from mlx_pinned import (
+from mlx_pinned import MLXThread, mlx_lifespan, on_mlx_thread
+from mlx_pinned.types import (
     AsyncStreamIterator,
     MLXFunction,
     MLXGeneratorFunction,
-    MLXThread,
+    MLXLifespan,
     SyncStreamIterator,
-    on_mlx_thread,
 )
 
 mlx_thread = MLXThread(name="typing")
@@ -109,3 +111,11 @@ def class_methods(kinds: Kinds) -> None:
     close(assert_type(Kinds.made(1), Coroutine[Any, Any, bytes]))
     assert_type(Kinds.class_tokens(2), AsyncStreamIterator[str])
     assert_type(kinds.class_tokens.sync(2), SyncStreamIterator[str])
+
+
+def lifespans() -> None:
+    # What Starlette's and FastAPI's lifespan= accept, called or not.
+    called: Lifespan[Starlette] = mlx_lifespan(startup={"model": lambda: 1})
+    uncalled: Lifespan[Starlette] = mlx_lifespan
+    assert_type(mlx_lifespan(), MLXLifespan)
+    del called, uncalled

@@ -8,9 +8,9 @@ package:
   slot (the gate), write responses;
 - :mod:`.inputs`, in worker threads: decode (and, where allowed, fetch)
   images;
-- :mod:`.engine`, on the MLX thread: load each model (a start-up job of the
-  middleware per model) and run every generation of a model in its
-  continuous batch.
+- :mod:`.engine`, on the MLX thread: load each model (asked by the one
+  model registry, :mod:`.http.residency`, which is the app's lifespan) and
+  run every generation of a model in its continuous batch.
 
 Several models share the one MLX thread, each with its own engine (its own
 batch) and its own gate; requests are routed by ``model``. A model's
@@ -44,12 +44,13 @@ from .config import ServerConfig
 from .engine import BatchEngine
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
 from .events import Engine, LoadImages
-from .http.chat import ChatEndpoint
+from .http.chat_completions import ChatCompletionsEndpoint
+from .http.errors import refusal
 from .http.gate import BatchGate
 from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.models import ServedModel, ServedModels
-from .http.residency import ModelSlot, Residency
+from .http.residency import Residency
 from .http.routes import (
     APIKeyMiddleware,
     http_error,
@@ -57,6 +58,7 @@ from .http.routes import (
     models,
     server_error,
 )
+from .http.slots import ModelSlot
 from .http.turns import LoopTurns
 from .inputs.images import Fetcher, load_images
 from .inputs.remote import RemoteImageFetcher
@@ -64,10 +66,6 @@ from .inputs.remote import RemoteImageFetcher
 __all__ = ["create_app"]
 
 logger = logging.getLogger("mlx_pinned.server")
-
-#: The lifespan-state key of the first (or only) model's engine; the others
-#: are under ``model:NAME``.
-MODEL_KEY = "model"
 
 
 def create_app(
@@ -81,12 +79,13 @@ def create_app(
 ) -> Starlette:
     """Create the server app for one model, or several.
 
-    Each model is loaded on the MLX thread when the app's lifespan starts, by
-    a start-up job of its own, in order (run the app under uvicorn, or drive
-    its lifespan in tests); a failed load fails the start-up with the reason.
-    The first model's engine is in the lifespan state under ``model``, each
-    other one's under ``model:NAME``. At shutdown in-flight requests get
-    ``drain_timeout`` seconds to finish, then the thread is closed.
+    Each model is loaded on the MLX thread when the app's lifespan starts, in
+    order (run the app under uvicorn, or drive its lifespan in tests), or on
+    its first request with ``load_on_first_use``; a failed start-up load
+    fails the start-up with the reason. A request that arrives while its
+    model loads waits for the load (``load_wait``). At shutdown in-flight
+    requests get ``in_flight_timeout`` seconds to finish, then the thread is
+    closed.
 
     Args:
         model_path: A local model folder or a Hugging Face hub id (the
@@ -107,7 +106,8 @@ def create_app(
 
     Returns:
         A Starlette app; ``app.state.config`` is its :class:`ServerConfig`,
-        ``app.state.models`` the served models (name, state key, gate),
+        ``app.state.models`` the served models (name, gate, slot: its
+        engine while loaded),
         ``app.state.readiness`` what ``/health`` answers (its ``drain()``
         turns it 503 ahead of a shut-down).
 
@@ -142,27 +142,43 @@ def create_app(
         [
             ServedModel(
                 own.name,
-                MODEL_KEY if index == 0 else f"{MODEL_KEY}:{own.name}",
                 # A gate per model: its batch and its waiting room are its
                 # own, so a flood of one model's requests never holds another's.
                 BatchGate(
                     own.max_num_seqs, own.max_pending, retry_after=own.retry_after
                 ),
-                _slot(own, mlx_thread, loads[index]) if own.load_on_first_use else None,
+                _slot(own, mlx_thread, loads[index]),
+                tool_call_parser=own.tool_call_parser,
+                reasoning_parser=own.reasoning_parser,
             )
             for index, own in enumerate(each)
         ]
     )
+    at_start_up = [own.models[0] for own in each if not own.load_on_first_use]
+    prepare = settle = None
+    if config.max_model_bytes is not None and at_start_up:
+        # Before any load: a start-up past the budget fails at once.
+        prepare = functools.partial(
+            mlx_thread.run,
+            check_start_up_budget,
+            tuple(at_start_up),
+            config.max_model_bytes,
+        )
+    if config.freeze_gc:
+        settle = functools.partial(mlx_thread.run, _freeze_gc)
     residency = Residency(
         served,
         functools.partial(mlx_thread.run, release),
         budget=config.max_model_bytes,
         retry_after=config.retry_after,
+        load_wait=config.load_wait,
+        prepare=prepare,
+        settle=settle,
     )
     metrics = ServerMetrics(mlx_thread, served)
     readiness = Readiness(mlx_thread, served)
     turns = LoopTurns()
-    chat = ChatEndpoint(
+    chat = ChatCompletionsEndpoint(
         config,
         mlx_thread,
         served,
@@ -183,26 +199,14 @@ def create_app(
         ),
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ]
-    startup: dict[str, Any] = {}
-    at_start_up = [index for index, own in enumerate(each) if not own.load_on_first_use]
-    if config.max_model_bytes is not None and at_start_up:
-        # Before any load: a start-up past the budget fails at once.
-        paths = tuple(config.models[index] for index in at_start_up)
-        startup["model_budget"] = functools.partial(
-            check_start_up_budget, paths, config.max_model_bytes
-        )
-    entries = list(served)
-    startup.update((entries[index].state_key, loads[index]) for index in at_start_up)
-    if config.freeze_gc:
-        startup["gc_frozen"] = _freeze_gc
     middleware = [
         Middleware(MetricsMiddleware, metrics=metrics),
         Middleware(
             MLXThreadMiddleware,
             thread=mlx_thread,
-            startup=startup,
-            drain_timeout=config.drain_timeout,
-            retry_after=config.retry_after,
+            drain_timeout=config.in_flight_timeout,
+            # The thread's errors answered in OpenAI's shape, as every route.
+            refusal=functools.partial(refusal, retry_after=config.retry_after),
         ),
     ]
     if config.api_key is not None:
@@ -239,8 +243,8 @@ def create_app(
 def _slot(
     own: ServerConfig, thread: MLXThread, load: Callable[[], BatchEngine]
 ) -> ModelSlot:
-    """The slot of a model loaded on first use (``own``: its settings): its
-    load and its measure each run as a job of the MLX thread."""
+    """The slot of a model (``own``: its settings): its load and its measure
+    each run as a job of the MLX thread."""
 
     async def load_engine() -> Engine:
         return await thread.run(load)
@@ -249,7 +253,11 @@ def _slot(
         return await thread.run(stored_weight_bytes, own.models[0])
 
     return ModelSlot(
-        own.name, load_engine, measure, idle_timeout=own.idle_unload_timeout
+        own.name,
+        load_engine,
+        measure,
+        pinned=not own.load_on_first_use,
+        idle_timeout=own.idle_unload_timeout,
     )
 
 

@@ -25,29 +25,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import ipaddress
 import logging
 import logging.handlers
 import math
 import os
+import re
 import signal
 import socket
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from queue import SimpleQueue
 from types import FrameType
 from typing import Any
 
-from .config import (
-    API_KEY_ENV,
-    ImageLimits,
-    ServerConfig,
-    Setting,
-    command_line_settings,
-    whole,
-)
+from .cli_options import API_KEY_ENV, AS_THE_FIELD, OPTIONS, add_options, whole
+from .config import ImageLimits, ServerConfig, SettingError
 from .config_file import ConfigFile, read_config_file
 
 __all__ = ["main"]
@@ -99,8 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=8000,
         help="default: %(default)s; 0: any free port",
     )
-    for setting in command_line_settings():
-        _add_setting(serve, setting)
+    add_options(serve)
     serve.add_argument(
         "--access-log",
         action="store_true",
@@ -121,61 +116,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mlx-pinned`` command; returns the exit status.
 
     Blocks until the server stops (SIGINT or SIGTERM: ``/health`` answers
-    503 for ``--drain-seconds`` while the server goes on serving, then the
-    listener closes, in-flight requests get ``--drain-timeout`` seconds to
-    finish, and the MLX thread shuts down).
+    503 for ``--unready-seconds`` while the server goes on serving, then the
+    listener closes, in-flight requests get ``--in-flight-timeout`` seconds
+    to finish, and the MLX thread shuts down).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.config_file = None
+    file = None
     if args.config is not None:
-        if args.model or args.demo or args.served_model_name:
+        if args.model or args.demo or "served_model_name" in args:
             parser.error(
                 "--config names the models: give no MODEL, --demo or "
                 "--served-model-name with it"
             )
         try:
-            args.config_file = read_config_file(args.config)
+            file = read_config_file(args.config)
         except (OSError, ValueError) as exc:
             parser.error(f"--config: {exc}")
-        args.given = _given(argv)
-        args.model = list(args.config_file.models)
-        args.served_model_name = list(args.config_file.names)
     elif args.demo == bool(args.model):
         parser.error("serve needs a MODEL, or --demo (not both)")
-    names = args.served_model_name
-    models = len(args.model) or 1  # --demo serves one
-    if names is not None and len(names) != models:
-        parser.error(
-            "give --served-model-name once per MODEL, in the same order "
-            f"({_count(models, 'MODEL')}, {_count(len(names), 'name')})"
-        )
-    if args.distributed is not None and models > 1:
-        parser.error("--distributed serves one MODEL")
-    served = names or args.model
-    taken = [name for name in served if served.count(name) > 1]
-    if taken:
-        parser.error(
-            f"two models are served as {taken[0]!r}: give each its own "
-            "--served-model-name"
-        )
-    if args.api_key == "":  # e.g. a blank MLX_PINNED_API_KEY= line
-        parser.error(
-            f"the API key (--api-key or ${API_KEY_ENV}) is empty: give a key, or "
-            "unset it"
-        )
-    try:  # the settings that depend on each other (the demo's model aside)
-        _config(args, args.model or [DEMO_MODEL_NAME], args.served_model_name)
-    except ValueError as exc:
-        parser.error(str(exc))
-    for model in args.model:
+    try:
+        config = _config(args, file)
+    except SettingError as exc:
+        parser.error(_refused(exc, args, file))
+    for model in () if args.demo else config.models:
         if _looks_local(model) and not Path(model).is_dir():
             parser.error(
                 f"no model folder at {model!r} (a path; a Hugging Face hub id "
                 "looks like 'org/name')"
             )
     with log_from_a_thread(args.log_level.upper()):
-        return serve(args)
+        return serve(args, config)
 
 
 @contextlib.contextmanager
@@ -203,21 +174,21 @@ def log_from_a_thread(level: str) -> Iterator[None]:
         logging.getLogger().removeHandler(queued)  # if basicConfig put it there
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Load the models and serve them until interrupted."""
+def serve(args: argparse.Namespace, config: ServerConfig) -> int:
+    """Load the models of ``config`` and serve them until interrupted."""
     import uvicorn
 
     from .app import create_app
-    from .http.serving import Server
+    from .http.uvicorn_server import Server
 
-    models = list(args.model)
-    names = args.served_model_name
     if args.demo:
         from mlx_pinned.testing import tiny_vlm_path
 
         logger.info("writing the demo model (offline)")
         try:
-            models = [str(tiny_vlm_path())]
+            config = dataclasses.replace(
+                config, model=str(tiny_vlm_path()), served_model_name=config.names
+            )
         except OSError as exc:
             logger.error(
                 "could not write the demo model: %s; set MLX_PINNED_CACHE to a "
@@ -225,15 +196,13 @@ def serve(args: argparse.Namespace) -> int:
                 exc,
             )
             return 1
-        names = names or [DEMO_MODEL_NAME]
-    if not _is_loopback(args.host) and not args.api_key:
+    if not _is_loopback(args.host) and not config.api_key:
         logger.warning(
             "listening on %s without an API key: anyone who can reach it can use "
             "the model; pass --api-key or set %s",
             args.host,
             API_KEY_ENV,
         )
-    config = _config(args, models, names)
     leader = None
     if config.distributed is not None:
         from .engine import distributed
@@ -267,7 +236,7 @@ def serve(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         log_config=None,  # keep the logging set up in main()
         # Past the drain: uvicorn's own limit must not cut it short.
-        timeout_graceful_shutdown=math.ceil(config.drain_timeout) + 5,
+        timeout_graceful_shutdown=math.ceil(config.in_flight_timeout) + 5,
         # Longer than clients keep idle connections (httpx, and so the openai
         # package: 5 s; nginx upstream: 60 s), so the client always closes
         # first: otherwise a request sent on a connection the server is
@@ -285,7 +254,7 @@ def serve(args: argparse.Namespace) -> int:
     server = Server(
         uvicorn_config,
         readiness=app.state.readiness,
-        drain_seconds=config.drain_seconds,
+        unready_seconds=config.unready_seconds,
     )
     previous = {s: signal.signal(s, _stopped) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -336,101 +305,64 @@ def _stopped(signum: int, frame: FrameType | None) -> None:
 
 
 def _port(text: str) -> int:
-    value = _argument(whole)(text)
+    try:
+        value = whole(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if not 0 <= value <= 65535:  # uvloop took 70000 as 70000 - 65536
         raise argparse.ArgumentTypeError(f"must be 0 to 65535, not {value}")
     return int(value)
 
 
-def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``parse`` for argparse: its ValueError becomes the usage error's text."""
-
-    def read(text: str) -> Any:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    read.__name__ = parse.__name__  # argparse names it in some messages
-    return read
-
-
-def _add_setting(parser: argparse.ArgumentParser, setting: Setting) -> None:
-    """A flag for one setting of :class:`ServerConfig`."""
-    dest = "_".join(setting.path)
-    default = setting.default
-    if setting.env is not None:
-        default = os.environ.get(setting.env, default)
-    if setting.repeated:  # once per model: a list, in order
-        parser.add_argument(
-            setting.flag,
-            dest=dest,
-            type=_argument(setting.parse or str),
-            action="append",
-            default=default,
-            help=setting.help,
-        )
-        return
-    if setting.parse is None:  # a switch: --x, and --no-x where it is on
-        action = argparse.BooleanOptionalAction if default else "store_true"
-        parser.add_argument(
-            setting.flag, dest=dest, action=action, default=default, help=setting.help
-        )
-        return
-    parser.add_argument(
-        setting.flag,
-        dest=dest,
-        type=_argument(setting.parse),
-        default=default,
-        help=setting.help,
-    )
-
-
-def _config(
-    args: argparse.Namespace, models: Sequence[str], names: Sequence[str] | None
-) -> ServerConfig:
-    """The :class:`ServerConfig` of the parsed flags, for ``models`` served as
-    ``names`` (None: as given)."""
-    values: dict[str, Any] = {"model": tuple(models)}
-    limits: dict[str, Any] = {}
-    for setting in command_line_settings():
-        value = getattr(args, "_".join(setting.path))
-        if len(setting.path) == 2:
-            limits[setting.path[1]] = value
-        else:
-            values[setting.path[0]] = value
-    values["served_model_name"] = None if names is None else tuple(names)
-    file: ConfigFile | None = getattr(args, "config_file", None)
+def _config(args: argparse.Namespace, file: ConfigFile | None = None) -> ServerConfig:
+    """The :class:`ServerConfig` of the parsed flags, over the command line's
+    own defaults, then a config file's settings: a flag given wins."""
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        if option.default is not AS_THE_FIELD:
+            values[option.setting] = option.default
+        if option.env is not None and option.env in os.environ:
+            values[option.setting] = os.environ[option.env]
     if file is not None:
-        # The file's settings, unless a flag given on the command line says.
-        given: set[str] = getattr(args, "given", set())
-        for dest, value in file.settings.items():
-            if dest in given:
-                continue
-            if dest.startswith("image_limits_"):
-                limits[dest[len("image_limits_") :]] = value
-            else:
-                values[dest] = value
-        values["model_settings"] = file.model_settings
-    return ServerConfig(**values, image_limits=ImageLimits(**limits))
-
-
-def _given(argv: Sequence[str] | None) -> set[str]:
-    """The settings whose flags ``argv`` gives (abbreviated ones included):
-    parsed again with no defaults, so only those given are set."""
-    parser = build_parser()
-    (commands,) = (
-        a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+        values.update(file.settings)
+        values.update(served_model_name=file.names, model_settings=file.model_settings)
+        models = list(file.models)
+    else:
+        models = args.model or [DEMO_MODEL_NAME]
+    values.update(
+        (o.setting, vars(args)[o.setting]) for o in OPTIONS if o.setting in args
     )
-    dests = {"_".join(setting.path) for setting in command_line_settings()}
-    for action in commands.choices["serve"]._actions:
-        if action.dest in dests:
-            action.default = argparse.SUPPRESS
-    return set(vars(parser.parse_args(argv))) & dests
+    prefix = "image_limits."
+    limits = {
+        key[len(prefix) :]: values.pop(key)
+        for key in list(values)
+        if key.startswith(prefix)
+    }
+    try:
+        image_limits = ImageLimits(**limits)
+    except SettingError as exc:
+        raise SettingError(prefix + exc.setting, str(exc)) from None
+    return ServerConfig(model=tuple(models), image_limits=image_limits, **values)
 
 
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'s' * (number != 1)}"
+def _refused(
+    error: SettingError, args: argparse.Namespace, file: ConfigFile | None
+) -> str:
+    """The usage error for a setting the config refused, in the words it
+    was given in: the config file's keys (the fields' names), else the
+    flags (and the environment variable that gave a value)."""
+    text = str(error)
+    from_file = ("served_model_name", "model_settings", *file.settings) if file else ()
+    if error.setting in from_file and error.setting not in args:
+        return f"--config {args.config}: {text}"
+    words = {o.setting.rpartition(".")[2]: o.flag for o in OPTIONS}
+    for option in OPTIONS:
+        by_env = option.env is not None and option.env in os.environ
+        if by_env and option.setting not in args:
+            words[option.setting] = f"${option.env}"
+    # A name in quotes is a value (a served name): as given.
+    names = r"'[^']*'|\"[^\"]*\"|\b[a-z][a-z_]*\b"
+    return re.sub(names, lambda word: words.get(word[0], word[0]), text)
 
 
 def _looks_local(model: str) -> bool:

@@ -1,139 +1,22 @@
-"""Every setting of the server, with its default, its check and its help.
+"""Every setting of the server: its default, its meaning and its check.
 
-One source: :class:`ServerConfig` declares each setting once, as a field
-whose metadata holds its help text and how the command line spells and
-parses it; ``create_app`` takes a config (or the same names as keywords) and
-``mlx-pinned serve`` builds its flags from these fields
-(:func:`command_line_settings`). A plain shared module: any thread.
+:class:`ServerConfig` declares each setting once, as a field, checked in
+one place (``config_checks.py``); ``create_app`` takes a config (or the same names as
+keywords). How ``mlx-pinned serve`` spells them (flags, help, config-file
+keys) is the command line's own (``cli_options.py``). A plain shared module:
+any thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = [
-    "API_KEY_ENV",
-    "PER_MODEL_SETTINGS",
-    "ImageLimits",
-    "ServerConfig",
-    "Setting",
-    "command_line_settings",
-]
+from .config_checks import PER_MODEL_SETTINGS, SettingError, check_config, check_limits
 
-#: The environment variable that gives the command line's ``--api-key``.
-API_KEY_ENV = "MLX_PINNED_API_KEY"
-
-#: The settings a model may set for itself (:attr:`ServerConfig.model_settings`,
-#: a config file's ``[[models]]`` entries); the others are the server's.
-PER_MODEL_SETTINGS = frozenset(
-    {
-        "load_on_first_use",
-        "idle_unload_timeout",
-        "max_num_seqs",
-        "max_pending",
-        "prompt_cache_bytes",
-        "image_cache_bytes",
-        "prefill_step_size",
-    }
-)
-
-
-def whole(text: str) -> int:
-    """A whole number, from the command line."""
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"must be a whole number, not {text!r}") from None
-
-
-def positive(text: str) -> int:
-    """A whole number of at least 1."""
-    value = whole(text)
-    if value < 1:
-        raise ValueError(f"must be at least 1, not {value}")
-    return value
-
-
-def non_negative(text: str) -> int:
-    """A whole number, 0 or more."""
-    value = whole(text)
-    if value < 0:
-        raise ValueError(f"must be 0 or more, not {value}")
-    return value
-
-
-def origins(text: str) -> tuple[str, ...]:
-    """Comma-separated origins (``https://app.example``), or ``*`` for any."""
-    found = tuple(item.strip().rstrip("/") for item in text.split(",") if item.strip())
-    if not found:
-        raise ValueError("give at least one origin, e.g. https://app.example")
-    for origin in found:
-        if origin != "*" and "://" not in origin:
-            raise ValueError(f"an origin is scheme://host[:port], not {origin!r}")
-    return found
-
-
-def seconds(text: str) -> float:
-    """A number of seconds, 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"must be a number of seconds, not {text!r}") from None
-    if not value >= 0:  # also refuses nan
-        raise ValueError(f"must be 0 or more, not {text}")
-    return value
-
-
-def positive_seconds(text: str) -> float:
-    """A number of seconds, more than 0."""
-    value = seconds(text)
-    if value == 0:
-        raise ValueError("must be more than 0")
-    return value
-
-
-def distribution(text: str) -> str:
-    """How a model is split over the ranks of a group: ``tensor``."""
-    if text != "tensor":
-        raise ValueError(f"must be 'tensor', not {text!r}")
-    return text
-
-
-def seconds_or_none(text: str) -> float | None:
-    """A number of seconds; 0 means no limit (None)."""
-    return seconds(text) or None
-
-
-def _setting(
-    default: Any,
-    help: str,
-    *,
-    parse: Callable[[str], Any] | None = None,
-    flag: str | None = None,
-    env: str | None = None,
-    command_line_default: Any = dataclasses.MISSING,
-    repeated: bool = False,
-) -> Any:
-    """A field of a settings class. ``help`` is its command-line help (with
-    ``%(default)s``); ``parse`` reads its flag's text (None: a switch);
-    ``flag`` overrides the flag's name; ``env``: the variable that gives the
-    command line's default; ``command_line_default``: a default that the
-    command line sets and the library does not (say why where it is used);
-    ``repeated``: the flag is given once per model."""
-    metadata = {
-        "help": help,
-        "parse": parse,
-        "flag": flag,
-        "env": env,
-        "command_line_default": command_line_default,
-        "repeated": repeated,
-    }
-    return field(default=default, metadata=metadata)
+__all__ = ["PER_MODEL_SETTINGS", "ImageLimits", "ServerConfig", "SettingError"]
 
 
 @dataclass(frozen=True)
@@ -146,34 +29,20 @@ class ImageLimits:
         max_pixels: Width times height per image, read from the header.
     """
 
-    max_images: int = _setting(
-        8, "images per request (default: %(default)s)", parse=positive
-    )
-    max_bytes: int = _setting(
-        10 * 1024 * 1024,
-        "encoded bytes per image (default: %(default)s)",
-        parse=positive,
-        flag="--max-image-bytes",
-    )
-    max_pixels: int = _setting(
-        4096 * 4096,
-        "width x height per image (default: %(default)s)",
-        parse=positive,
-        flag="--max-image-pixels",
-    )
+    max_images: int = 8
+    max_bytes: int = 10 * 1024 * 1024
+    max_pixels: int = 4096 * 4096
 
     def __post_init__(self) -> None:
-        for item in dataclasses.fields(self):
-            if getattr(self, item.name) < 1:
-                raise ValueError(f"{item.name} must be >= 1")
+        check_limits(self)
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Settings of one server. Each is checked here; a bad one is a
-    ``ValueError`` that names it. Every setting applies to each served
-    model alike (``max_num_seqs`` rows and ``max_pending`` waiting requests
-    per model).
+    """Settings of one server. Each is checked as the config is made, in
+    one place (``config_checks.py``); a bad one is a :class:`SettingError`
+    that names it. Every setting applies to each served model alike
+    (``max_num_seqs`` rows and ``max_pending`` waiting requests per model).
 
     Attributes:
         model: A local model folder or a Hugging Face hub id; for several
@@ -207,15 +76,29 @@ class ServerConfig:
         request_timeout: Seconds a request may take after its body is read
             (images, queue wait and generation); past it, 504 (or an error
             event) and the generation is closed. None: no limit.
-        drain_timeout: Seconds in-flight requests get at shut-down.
-        drain_seconds: Seconds ``mlx-pinned serve`` keeps serving after
-            SIGTERM with ``/health`` answering 503, before it closes its
-            listener (then ``drain_timeout`` applies), so that balancers
-            that probe ``/health`` stop sending first. A second signal ends
-            the wait. Only the command line reads it: an app run under
-            another server has no such wait.
+        load_wait: Seconds a request waits for its model's load (at start-up,
+            or on first use) before a 503 ``model_not_loaded``; the
+            readiness probe answers 503 meanwhile. None: as long as the load
+            takes.
+        unready_seconds: The first phase of a stop: seconds the server
+            keeps serving after SIGTERM with ``/health`` answering 503,
+            before it closes its listener, so that balancers that probe
+            ``/health`` stop sending first. A second signal ends the wait.
+            Read by the runner of ``mlx-pinned serve``
+            (:class:`~.http.uvicorn_server.Server`): an app run under another
+            server has no such wait.
+        in_flight_timeout: The second phase: seconds the requests in
+            flight get to finish once the listener is closed, before the
+            MLX thread stops.
         retry_after: Seconds sent in ``Retry-After`` with every 503 that
             asks the client to come back (a full waiting room, a busy thread).
+        tool_call_parser: The format each model writes tool calls in, by
+            name (``mlx_pinned.server.formats``), or ``"none"``: a request
+            with tools is then a 400. None: the format its chat template
+            shows, if any.
+        reasoning_parser: The format each model writes its reasoning in, by
+            name, or ``"none"``: the reasoning stays in the content. None:
+            the format its chat template shows, if any.
         load_on_first_use: Load each model when its first request arrives
             (that request, and any that come meanwhile, wait for the one
             load) instead of at start-up.
@@ -245,265 +128,43 @@ class ServerConfig:
             every object left to the collector's permanent generation
             (:func:`gc.freeze`), so later full collections skip the
             libraries and the model, during which nothing on the event loop
-            or the MLX thread runs. Process-wide, so off by default in the
-            library; the command line turns it on.
+            or the MLX thread runs. Process-wide, so off by default.
     """
 
-    model: str | tuple[str, ...] = _setting(
-        "", "a local model folder or a Hugging Face hub id; several: a tuple"
-    )
-    served_model_name: str | tuple[str, ...] | None = _setting(
-        None,
-        "the model name clients send; once per MODEL, in the same order "
-        "(default: MODEL as given)",
-        parse=str,
-        repeated=True,
-    )
-    max_tokens_limit: int = _setting(
-        4096,
-        "largest max_tokens a request may ask for (default: %(default)s)",
-        parse=positive,
-    )
-    default_max_tokens: int = _setting(
-        512,
-        "max_tokens of a request that sets none (default: %(default)s)",
-        parse=positive,
-    )
-    max_pending: int = _setting(
-        256,
-        "requests that may wait for the model before 503 (default: %(default)s)",
-        parse=positive,
-    )
-    max_num_seqs: int = _setting(
-        32,
-        "generations decoded together in one batch (default: %(default)s)",
-        parse=positive,
-    )
-    max_body_bytes: int = _setting(
-        20 * 1024 * 1024,
-        "largest request body (default: %(default)s)",
-        parse=positive,
-    )
+    model: str | tuple[str, ...] = ""
+    served_model_name: str | tuple[str, ...] | None = None
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 512
+    max_pending: int = 256
+    max_num_seqs: int = 32
+    max_body_bytes: int = 20 * 1024 * 1024
     image_limits: ImageLimits = field(default_factory=ImageLimits)
-    api_key: str | None = _setting(
-        None,
-        "require 'Authorization: Bearer KEY' (default: $MLX_PINNED_API_KEY)",
-        parse=str,
-        env=API_KEY_ENV,
-    )
-    allowed_origins: tuple[str, ...] = _setting(
-        (),
-        "browser origins allowed to call the API (CORS), comma-separated, or "
-        "'*' for any (default: none, CORS off)",
-        parse=origins,
-    )
-    allow_remote_images: bool = _setting(
-        False,
-        "fetch http(s) image URLs, from public addresses only (default: off)",
-    )
-    remote_image_timeout: float = _setting(
-        10.0,
-        "seconds to fetch one remote image (default: %(default)s)",
-        parse=positive_seconds,
-    )
-    max_prompt_tokens: int | None = _setting(
-        None,
-        "most prompt tokens, images included (default: the model's context length)",
-        parse=positive,
-    )
-    request_timeout: float | None = _setting(
-        600.0,
-        "seconds a request may wait and generate before 504; 0: no limit "
-        "(default: %(default)s)",
-        parse=seconds_or_none,
-    )
-    drain_timeout: float = _setting(
-        30.0,
-        "seconds in-flight requests get at shut-down (default: %(default)s)",
-        parse=seconds,
-    )
-    drain_seconds: float = _setting(
-        0.0,
-        "seconds to keep serving after SIGTERM with /health answering 503, "
-        "before the listener closes, so balancers stop sending first "
-        "(default: %(default)s)",
-        parse=seconds,
-    )
-    retry_after: int = _setting(
-        1,
-        "seconds a client is asked to wait (Retry-After) when the server is "
-        "busy (default: %(default)s)",
-        parse=positive,
-    )
-    prompt_cache_bytes: int | None = _setting(
-        None,
-        "bytes of prompt KV kept for requests that start the same way (a chat's "
-        "next turn), per model; 0: off (default: an eighth of the machine's "
-        "memory, shared out among the models)",
-        parse=non_negative,
-    )
-    image_cache_bytes: int | None = _setting(
-        None,
-        "bytes of vision-tower outputs kept for images sent again, per model; 0: "
-        "off (default: a 32nd of the machine's memory, shared out among the "
-        "models)",
-        parse=non_negative,
-    )
-    prefill_step_size: int = _setting(
-        2048,
-        "prompt tokens prefilled in one pass, at most (default: %(default)s)",
-        parse=positive,
-    )
-    load_on_first_use: bool = _setting(
-        False,
-        "load each model when its first request arrives, not at start-up "
-        "(default: off)",
-    )
-    idle_unload_timeout: float | None = _setting(
-        None,
-        "seconds a model loaded on first use may sit idle (no rows, no waiting "
-        "request) before it is unloaded; its next request loads it again; 0: "
-        "never (default); needs --load-on-first-use",
-        parse=seconds_or_none,
-    )
-    max_model_bytes: int | None = _setting(
-        None,
-        "bytes of model weights loaded at once, over all models; a load past it "
-        "first unloads the least recently used idle models loaded on first use, "
-        "else answers 503 (default: no limit)",
-        parse=positive,
-    )
-    distributed: str | None = _setting(
-        None,
-        "'tensor': split the model over the ranks of an mx.distributed group "
-        "(run every rank under mlx.launch; rank 0 serves HTTP) (default: off)",
-        parse=distribution,
-    )
-    distributed_timeout: float = _setting(
-        30.0,
-        "seconds a rank of a --distributed group may take to answer before the "
-        "group counts as lost and exits with status 1 (default: %(default)s)",
-        parse=positive_seconds,
-    )
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    allow_remote_images: bool = False
+    remote_image_timeout: float = 10.0
+    max_prompt_tokens: int | None = None
+    request_timeout: float | None = 600.0
+    load_wait: float | None = 120.0
+    unready_seconds: float = 0.0
+    in_flight_timeout: float = 30.0
+    retry_after: int = 1
+    prompt_cache_bytes: int | None = None
+    image_cache_bytes: int | None = None
+    prefill_step_size: int = 2048
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    load_on_first_use: bool = False
+    idle_unload_timeout: float | None = None
+    max_model_bytes: int | None = None
+    distributed: str | None = None
+    distributed_timeout: float = 30.0
     # Process-wide: a library user's app shares the process with other code.
-    freeze_gc: bool = _setting(
-        False,
-        "freeze the objects left after the model load out of later garbage "
-        "collections (default: on; --no-freeze-gc turns it off)",
-        command_line_default=True,
-    )
-    # No flag: a config file (``mlx-pinned serve --config``) or create_app.
+    freeze_gc: bool = False
     model_settings: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "model", _one_or_many("model", self.model))
-        self._check_model_settings()
-        if self.served_model_name is not None:
-            names = _one_or_many("served_model_name", self.served_model_name)
-            object.__setattr__(self, "served_model_name", names)
-            given = 1 if isinstance(names, str) else len(names)
-            if given != len(self.models):
-                raise ValueError(
-                    f"served_model_name gives {given} names for "
-                    f"{len(self.models)} models: give one per model, in order"
-                )
-        taken = [name for name in self.names if self.names.count(name) > 1]
-        if taken:
-            raise ValueError(
-                f"two models are served as {taken[0]!r}: give each its own "
-                "served_model_name"
-            )
-        bounded = ("max_tokens_limit", "max_pending", "max_num_seqs")
-        for name in (*bounded, "max_body_bytes", "retry_after"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
-        if isinstance(self.allowed_origins, str):
-            raise ValueError("allowed_origins is a sequence of origins, not one string")
-        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
-        if self.api_key == "":
-            raise ValueError("api_key is empty: give a key, or None for no key")
-        for name in ("prompt_cache_bytes", "image_cache_bytes"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0, not {value}")
-        if self.prefill_step_size < 1:
-            raise ValueError(
-                f"prefill_step_size must be >= 1, not {self.prefill_step_size}"
-            )
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(
-                f"max_prompt_tokens must be >= 1, not {self.max_prompt_tokens}"
-            )
-        positive_times = ("request_timeout", "remote_image_timeout")
-        for name in positive_times:
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0, not {value}")
-        for name in ("drain_timeout", "drain_seconds"):
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be >= 0, not {value}")
-        if self.idle_unload_timeout is not None:
-            if not self.idle_unload_timeout > 0:
-                raise ValueError(
-                    "idle_unload_timeout must be > 0, not "
-                    f"{self.idle_unload_timeout}: None never unloads"
-                )
-            lazy = self.load_on_first_use or any(
-                own.get("load_on_first_use") for own in self.model_settings
-            )
-            if not lazy:
-                raise ValueError(
-                    "idle_unload_timeout needs load_on_first_use: models loaded "
-                    "at start-up stay loaded"
-                )
-        if self.max_model_bytes is not None and self.max_model_bytes < 1:
-            raise ValueError(
-                f"max_model_bytes must be >= 1, not {self.max_model_bytes}"
-            )
-        if self.distributed not in (None, "tensor"):
-            raise ValueError(
-                f"distributed must be 'tensor' or None, not {self.distributed!r}"
-            )
-        if self.distributed is not None and len(self.models) > 1:
-            raise ValueError("distributed serves one model: give one")
-        if self.distributed is not None and self.load_on_first_use:
-            # Every rank holds its part from the start to the stop.
-            raise ValueError(
-                "distributed loads the model at start-up: no load_on_first_use"
-            )
-        if not (
-            self.distributed_timeout > 0 and math.isfinite(self.distributed_timeout)
-        ):
-            raise ValueError(
-                f"distributed_timeout must be > 0, not {self.distributed_timeout}"
-            )
-        if self.default_max_tokens > self.max_tokens_limit:
-            object.__setattr__(self, "default_max_tokens", self.max_tokens_limit)
-        for index in range(len(self.model_settings)):
-            self.for_model(index)  # each model's own settings, checked
-
-    def _check_model_settings(self) -> None:
-        settings = self.model_settings
-        if isinstance(settings, dict) or not all(
-            isinstance(own, dict) for own in settings
-        ):
-            raise ValueError("model_settings is a sequence of dicts, one per model")
-        settings = tuple(dict(own) for own in settings)
-        object.__setattr__(self, "model_settings", settings)
-        if settings and len(settings) != len(self.models):
-            raise ValueError(
-                f"model_settings gives {len(settings)} for {len(self.models)} "
-                "models: give one per model, in order (an empty one for none)"
-            )
-        for own in settings:
-            unknown = sorted(set(own) - PER_MODEL_SETTINGS)
-            if unknown:
-                allowed = ", ".join(sorted(PER_MODEL_SETTINGS))
-                raise ValueError(
-                    f"{unknown[0]} is not a setting of one model: it applies to "
-                    f"every model (a model may set {allowed})"
-                )
+        check_config(self)
 
     def for_model(self, index: int) -> ServerConfig:
         """The settings model ``index`` (in :attr:`models`) is served with:
@@ -513,7 +174,9 @@ class ServerConfig:
         only if it is loaded on first use.
 
         Raises:
-            ValueError: Its own settings are out of range (names the field).
+            SettingError: Its own settings are out of range (the message
+                names the model and the field; :attr:`~SettingError.setting`
+                is ``model_settings``).
         """
         own = dict(self.model_settings[index]) if self.model_settings else {}
         own.setdefault("prompt_cache_bytes", self.prompt_cache_budget)
@@ -529,7 +192,9 @@ class ServerConfig:
                 **own,
             )
         except ValueError as exc:
-            raise ValueError(f"model {self.names[index]!r}: {exc}") from None
+            raise SettingError(
+                "model_settings", f"model {self.names[index]!r}: {exc}"
+            ) from None
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -577,62 +242,9 @@ class ServerConfig:
         return sum(own.max_pending + own.max_num_seqs for own in each)
 
 
-def _one_or_many(name: str, value: object) -> str | tuple[str, ...]:
-    """A string as it is; a sequence of strings as a tuple, or as its one
-    string when it has one (so one model compares equal however given)."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, (tuple, list)) or not all(
-        isinstance(item, str) for item in value
-    ):
-        raise ValueError(f"{name} is a string or a sequence of strings")
-    if not value:
-        raise ValueError(f"{name} is empty: give at least one")
-    return value[0] if len(value) == 1 else tuple(value)
-
-
 def _memory() -> int:
     """The machine's memory in bytes (8 GiB where it cannot be read)."""
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (AttributeError, OSError, ValueError):  # not POSIX
         return 8 * 2**30
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One command-line setting: where it goes and how it is read."""
-
-    path: tuple[str, ...]  # the field, and the field inside it for limits
-    flag: str
-    help: str
-    parse: Callable[[str], Any] | None
-    default: Any
-    env: str | None
-    repeated: bool  # given once per model: the values, in order
-
-
-def command_line_settings() -> Iterator[Setting]:
-    """Every setting of :class:`ServerConfig` that has a flag, with the
-    limits of :class:`ImageLimits` flattened (``--max-images``); ``model``
-    is the command's positional argument and ``model_settings`` comes from
-    a config file: they have none."""
-    for item in dataclasses.fields(ServerConfig):
-        if item.name in ("model", "model_settings"):
-            continue
-        if item.name == "image_limits":
-            for inner in dataclasses.fields(ImageLimits):
-                yield _as_setting((item.name, inner.name), inner)
-            continue
-        yield _as_setting((item.name,), item)
-
-
-def _as_setting(path: tuple[str, ...], item: dataclasses.Field[Any]) -> Setting:
-    meta = item.metadata
-    default = meta["command_line_default"]
-    if default is dataclasses.MISSING:
-        default = item.default
-    flag = meta["flag"] or "--" + path[-1].replace("_", "-")
-    return Setting(
-        path, flag, meta["help"], meta["parse"], default, meta["env"], meta["repeated"]
-    )

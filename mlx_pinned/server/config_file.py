@@ -20,8 +20,10 @@ before the server starts)::
 
 A model may set :data:`~.config.PER_MODEL_SETTINGS` for itself; every other
 setting is the server's. Values mean what their flags mean (``0`` for
-``idle_unload_timeout`` is never, as ``--idle-unload-timeout 0``). Flags
-given on the command line too override the file's server settings.
+``idle_unload_timeout`` is never, as ``--idle-unload-timeout 0``), and are
+read as the flags are (:mod:`.cli_options`); whether a value is in range is
+the config's to check, once the flags are on top. Flags given on the command
+line too override the file's server settings.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import PER_MODEL_SETTINGS, Setting, command_line_settings
+from .cli_options import OPTIONS, Option
+from .config import PER_MODEL_SETTINGS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,9 +52,8 @@ class ConfigFile:
     Attributes:
         models: Each model's folder or hub id, in order.
         names: Each model's served name (its path where it gives none).
-        settings: The server's settings by the command line's destination
-            (``max_num_seqs``, ``image_limits_max_images``), as the flags
-            would give them.
+        settings: The server's settings by field (``max_num_seqs``,
+            ``image_limits.max_images``), as the flags would give them.
         model_settings: Each model's own settings (``model_settings`` of
             :class:`~.config.ServerConfig`).
     """
@@ -63,11 +65,12 @@ class ConfigFile:
 
 
 def read_config_file(path: str | Path) -> ConfigFile:
-    """Read and check a config file.
+    """Read a config file.
 
     Raises:
         ValueError: The file is not TOML, or says something this server
-            does not take; the message names the file and the key.
+            does not take (a key it does not know, a value its flag would
+            not read); the message names the file and the key.
         OSError: It cannot be read.
     """
     with open(path, "rb") as file:
@@ -82,7 +85,7 @@ def read_config_file(path: str | Path) -> ConfigFile:
 
 
 def _read(data: dict[str, Any]) -> ConfigFile:
-    by_key = {setting.flag[2:].replace("-", "_"): setting for setting in _settings()}
+    by_key = {o.key: o for o in OPTIONS if o.setting != "served_model_name"}
     entries = data.pop("models", None)
     if not isinstance(entries, list) or not entries:
         raise ValueError("give the models as [[models]] tables, each with a path")
@@ -91,8 +94,8 @@ def _read(data: dict[str, Any]) -> ConfigFile:
             raise ValueError(f"{key} goes in each [[models]] table (path, name)")
     settings = {}
     for key, value in data.items():
-        setting = _setting(by_key, key, "a setting of the server")
-        settings["_".join(setting.path)] = _value(key, setting, value)
+        option = _option(by_key, key, "a setting of the server")
+        settings[option.setting] = _value(key, option, value)
     models, names, own = [], [], []
     for index, entry in enumerate(entries):
         where = f"models[{index}]"
@@ -113,19 +116,15 @@ def _read(data: dict[str, Any]) -> ConfigFile:
                     f"{where}.{key}: a model sets only {allowed}; other settings "
                     "are the server's (outside [[models]])"
                 )
-            setting = _setting(by_key, key, "a setting")
-            values[key] = _value(f"{where}.{key}", setting, value)
+            option = _option(by_key, key, "a setting")
+            values[key] = _value(f"{where}.{key}", option, value)
         models.append(model)
         names.append(name)
         own.append(values)
     return ConfigFile(tuple(models), tuple(names), settings, tuple(own))
 
 
-def _settings() -> list[Setting]:
-    return [s for s in command_line_settings() if s.path != ("served_model_name",)]
-
-
-def _setting(by_key: dict[str, Setting], key: str, what: str) -> Setting:
+def _option(by_key: dict[str, Option], key: str, what: str) -> Option:
     try:
         return by_key[key]
     except KeyError:
@@ -135,17 +134,17 @@ def _setting(by_key: dict[str, Setting], key: str, what: str) -> Setting:
         ) from None
 
 
-def _value(key: str, setting: Setting, value: Any) -> Any:
+def _value(key: str, option: Option, value: Any) -> Any:
     """``value`` as its flag would give it: a switch takes true or false,
     every other setting is read by its flag's parser."""
-    if setting.parse is None:
+    if option.parse is None:
         if not isinstance(value, bool):
             raise ValueError(f"{key} is true or false, not {value!r}")
         return value
     if isinstance(value, bool) or (isinstance(value, (dict, list)) and not value):
-        raise ValueError(f"{key}: {value!r} is not a value of {setting.flag}")
+        raise ValueError(f"{key}: {value!r} is not a value of {option.flag}")
     text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
     try:
-        return setting.parse(text)
+        return option.parse(text)
     except ValueError as exc:
         raise ValueError(f"{key} {exc}") from None

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from .errors import APIError
+from .failures import ImageRefusedError
 from .limits import check_prompt_tokens
 
 if TYPE_CHECKING:
@@ -31,7 +31,6 @@ __all__ = [
     "FinishReason",
     "GenerationParams",
     "Grammar",
-    "ImageError",
     "ImageRef",
     "LoadImages",
     "TokenEvent",
@@ -123,7 +122,7 @@ class GenerationParams:
         """Refuse a prompt over this request's limits; call before prefill.
 
         Raises:
-            PromptTooLongError: A 400 whose message gives the numbers.
+            PromptTooLongError: The message gives the numbers.
         """
         check_prompt_tokens(
             prompt_tokens,
@@ -308,45 +307,19 @@ class Engine(Protocol):
         ...
 
 
-class ImageError(APIError):
-    """An image part that cannot be used; a 400 that names the part.
-
-    Args:
-        message: What is wrong and what to send instead.
-        message_index: Index of the message in ``messages``.
-        part_index: Index of the part in that message's ``content``.
-        code: A short machine-readable code.
-    """
-
-    def __init__(
-        self, message: str, *, message_index: int, part_index: int, code: str
-    ) -> None:
-        param = f"messages[{message_index}].content[{part_index}].image_url"
-        super().__init__(
-            400, f"Invalid image at '{param}': {message}", param=param, code=code
-        )
-        self.message_index = message_index
-        self.part_index = part_index
-
-
 @dataclass(frozen=True)
 class ImageRef:
-    """Where an image part is in the request, and its URL."""
+    """An image of the request: which one, in prompt order, and its URL."""
 
-    message_index: int
-    part_index: int
+    index: int
     url: str
 
-    def error(self, message: str, code: str) -> ImageError:
-        """An :class:`ImageError` for this part."""
-        return ImageError(
-            message,
-            message_index=self.message_index,
-            part_index=self.part_index,
-            code=code,
-        )
+    def error(self, message: str, code: str) -> ImageRefusedError:
+        """An :class:`~.failures.ImageRefusedError` for this image."""
+        return ImageRefusedError(message, index=self.index, code=code)
 
 
 #: Decodes (and, where allowed, fetches) a request's images, in order, off
-#: the event loop; raises :class:`ImageError` for the first it cannot use.
+#: the event loop; raises :class:`~.failures.ImageRefusedError` for the first
+#: it cannot use.
 LoadImages = Callable[[Sequence[ImageRef]], Awaitable[list["Image.Image"]]]

@@ -1,6 +1,7 @@
 """Limits on a prompt's length, with errors that give the numbers.
 
-Pure Python: the checks run wherever the numbers are known. The exact prompt
+Pure Python: the checks run wherever the numbers are known, and raise
+:class:`~.failures.PromptTooLongError`. The exact prompt
 length is known only on the MLX thread, after the chat template and the image
 processor ran (:func:`check_prompt_tokens`, before any prefill); a cheap lower
 bound from the text alone refuses a huge prompt on the event loop, before it
@@ -11,30 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import APIError
+from .failures import PromptTooLongError
 
 __all__ = [
-    "PromptTooLongError",
     "check_prompt_tokens",
     "check_text_length",
     "context_length",
     "longest_token_chars",
 ]
-
-
-class PromptTooLongError(APIError):
-    """A 400 for a prompt over a limit; the message gives the numbers.
-
-    Args:
-        message: The sentence for the client.
-        prompt_tokens: Tokens in the prompt (a lower bound when estimated).
-        limit: The limit it broke.
-    """
-
-    def __init__(self, message: str, prompt_tokens: int, limit: int) -> None:
-        super().__init__(400, message, param="messages", code="context_length_exceeded")
-        self.prompt_tokens = prompt_tokens
-        self.limit = limit
 
 
 def context_length(config: Any) -> int | None:

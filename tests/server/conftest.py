@@ -66,7 +66,8 @@ class Served:
 
     @property
     def engine(self) -> BatchEngine:
-        engine: BatchEngine = self.state["model"]
+        engine = next(iter(self.app.state.models)).engine()
+        assert isinstance(engine, BatchEngine)
         return engine
 
     @property

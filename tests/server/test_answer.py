@@ -10,25 +10,13 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlx_pinned.server.http.answer import Answer, AnswerParser, Reasoning, delta
-from mlx_pinned.server.http.reasoning import ReasoningSplitter, reasoning_mode
-from mlx_pinned.server.http.toolcalls import (
-    CallArguments,
-    CallStart,
-    HermesToolParser,
-    tool_call_format,
-)
+from mlx_pinned.server.formats import CallArguments, CallStart
+from mlx_pinned.server.formats.hermes import HERMES, HermesToolParser
+from mlx_pinned.server.formats.think import THINK, ReasoningSplitter
+from mlx_pinned.server.http.answer import AnswerParser, Reasoning
+from mlx_pinned.server.http.chat_completions.output import Answer, delta
+from mlx_pinned.server.http.chat_completions.responses import tool_call_id
 
-QWEN3_HYBRID = (
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
-)
-QWEN3_THINKING = (
-    "{%- if '</think>' in content %}{%- endif %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}"
-    "{%- endif %}"
-)
 CALL = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 )
@@ -41,43 +29,22 @@ def cut(text: str, points: list[int]) -> list[str]:
 
 
 def parse(
-    pieces: list[str], *, reasoning: Any = None, tools: bool = True
+    pieces: list[str], *, reasoning: Any = None, tools: bool = True, cut: bool = False
 ) -> dict[str, Any]:
-    parser = AnswerParser(reasoning=reasoning, tools=tools)
+    # reasoning: None (the model does not think), "optional" or "opened"
+    # (the answer starts inside the reasoning).
+    splitter = None if reasoning is None else THINK.parser(reasoning == "opened")
+    calls = HERMES.parser() if tools else None
+    parser = AnswerParser(reasoning=splitter, tools=calls, call_id=tool_call_id)
     answer = Answer()
     for piece in pieces:
         answer.add(parser.feed(piece))
-    answer.add(parser.end())
+    answer.add(parser.end(cut=cut))
     answer.thought = parser.thought
     message = answer.message().model_dump()
     for call in message.get("tool_calls") or []:
         call.pop("id")
     return message
-
-
-class TestFormats:
-    def test_reasoning_mode_is_read_from_the_template(self) -> None:
-        assert reasoning_mode(QWEN3_HYBRID) == "optional"
-        assert reasoning_mode(QWEN3_THINKING) == "opened"
-        assert reasoning_mode("{{ messages }}") is None
-        assert reasoning_mode(None) is None
-
-    def test_a_think_opened_under_a_switch_opens_only_when_switched_on(
-        self,
-    ) -> None:
-        template = (
-            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-            "{%- if enable_thinking is true %}{{- '<think>\\n' }}{%- endif %}"
-            "{%- endif %}"
-        )
-        assert reasoning_mode(template) == "optional"
-        assert reasoning_mode(template, {"enable_thinking": False}) == "optional"
-        assert reasoning_mode(template, {"enable_thinking": True}) == "opened"
-
-    def test_tool_call_format_is_read_from_the_template(self) -> None:
-        assert tool_call_format("... <tool_call> ...") == "hermes"
-        assert tool_call_format(None) == "hermes"  # unknown: the Qwen family's
-        assert tool_call_format("{{ messages }}") is None
 
 
 class TestReasoning:
@@ -105,7 +72,7 @@ class TestReasoning:
         )
 
     def test_a_lone_start_of_think_is_held_then_released(self) -> None:
-        splitter = ReasoningSplitter("optional")
+        splitter = ReasoningSplitter(opened=False)
         assert splitter.feed("<th") == ("", "")
         assert splitter.feed("e") == ("", "<the")
 
@@ -155,6 +122,22 @@ class TestToolCalls:
         message = parse(['<tool_call>\n{"name": "f", "arguments": {"a": [1, 2'])
         assert message["tool_calls"][0]["function"]["arguments"] == '{"a": [1, 2'
 
+    def test_a_call_cut_before_its_arguments_leaves_no_markup(self) -> None:
+        for cut_call in ("<tool_call>", '<tool_call>\n{"name": "get_weather",'):
+            message = parse([f"Checking.\n{CALL}\n{cut_call}"])
+            assert message["content"] == "Checking."
+            assert len(message["tool_calls"]) == 1
+            assert parse([cut_call])["content"] == ""
+
+    def test_a_cut_in_the_opening_tag_drops_it_only_when_cut(self) -> None:
+        assert parse(["Checking.\n<tool_c"], cut=True)["content"] == "Checking."
+        assert parse(["a < b <tool_c"])["content"] == "a < b <tool_c"
+
+    def test_a_cut_in_the_closing_tag_leaves_the_arguments_clean(self) -> None:
+        message = parse([CALL[:-4]], cut=True)
+        assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+        assert message["content"] is None
+
     def test_escaped_names_are_decoded(self) -> None:
         message = parse(
             ['<tool_call>{"name": "a\\u0062", "arguments": {}}</tool_call>']
@@ -169,14 +152,24 @@ class TestToolCalls:
         pieces += parser.end()
         assert isinstance(pieces[0], CallStart)
         assert pieces[0].name == "get_weather"
-        assert pieces[0].id.startswith("call_")
+        assert pieces[0].id == ""  # the answer gives it
         fragments = [p.text for p in pieces[1:] if isinstance(p, CallArguments)]
         assert len(fragments) > 1  # streamed, not held to the end
         assert "".join(fragments) == '{"city": "Paris"}'
         assert all(isinstance(p, CallArguments) for p in pieces[1:])
 
+    def test_the_answer_gives_each_call_its_own_id(self) -> None:
+        parser = AnswerParser(
+            reasoning=None, tools=HERMES.parser(), call_id=tool_call_id
+        )
+        parts = parser.feed(f"{CALL}\n{CALL}") + parser.end()
+        ids = [part.id for part in parts if isinstance(part, CallStart)]
+        assert len(ids) == 2
+        assert all(i.startswith("call_") for i in ids)
+        assert ids[0] != ids[1]
+
     def test_deltas_carry_name_first_then_fragments(self) -> None:
-        first = delta(CallStart(0, "call_x", "f")).model_dump(exclude_none=True)
+        first = delta(CallStart(0, "f", "call_x")).model_dump(exclude_none=True)
         assert first["tool_calls"] == [
             {
                 "index": 0,
@@ -223,6 +216,9 @@ class TestToolCalls:
         whole = whole[: cut_at + len(prefix)]  # cut short anywhere too
         expected = parse([whole])
         assert parse(cut(whole, points)) == expected
+        cut_short = parse([whole], cut=True)
+        assert parse(cut(whole, points), cut=True) == cut_short
+        assert "<tool_c" not in (cut_short["content"] or "")
         for tool_call in expected.get("tool_calls") or []:
             if whole.count("</tool_call>") == calls:
                 assert json.loads(tool_call["function"]["arguments"]) == arguments

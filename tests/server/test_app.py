@@ -132,7 +132,7 @@ class TestRoutes:
             assert card["owned_by"] == "mlx-pinned"
             # When the model was loaded: the same at every call (it was now
             # minus the load's duration, moving with the clock).
-            loaded_at = int(served.state["model"].loaded_at)
+            loaded_at = int(served.engine.loaded_at)
             assert listing["data"][0]["created"] == card["created"] == loaded_at
             missing = await served.client.get("/v1/models/gpt-4o")
             assert_error(missing, 404, "model", "model_not_found")
@@ -312,12 +312,19 @@ class TestCompletion:
         assert 0 < ttft < total
         assert rate > 0
 
-    async def test_freeze_gc_after_the_model_loads(self, serve: Serve) -> None:
+    async def test_freeze_gc_after_the_model_loads(
+        self, serve: Serve, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        caplog.set_level(logging.INFO, logger="mlx_pinned.server")
         assert gc.get_freeze_count() == 0
         try:
             async with serve(freeze_gc=True) as served:
+                frozen = [r for r in caplog.records if "froze" in r.getMessage()]
+                assert len(frozen) == 1
+                assert served.engine is not None  # frozen after the load
                 # The libraries and the model: some of them die later.
-                assert served.state["gc_frozen"] >= gc.get_freeze_count() > 10_000
+                count = int(frozen[0].getMessage().split()[1])
+                assert count >= gc.get_freeze_count() > 10_000
                 response = await served.chat(vision_body(4))
                 assert response.json()["usage"]["completion_tokens"] == 4
         finally:

@@ -39,8 +39,8 @@ from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine import decode as _decode
 from mlx_pinned.server.engine.sampling import Sampled, collect, draw
-from mlx_pinned.server.errors import APIError
 from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
+from mlx_pinned.server.failures import OverloadedError, PromptTooLongError
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import make_test_image, tiny_vlm_path
 
@@ -464,9 +464,9 @@ class TestIsolation:
         params, images = request(0, 4)
         limited = dataclasses.replace(params, max_prompt_tokens=5)
         batch = BatchEngine(loaded, thread)
-        with pytest.raises(APIError) as caught:
+        with pytest.raises(PromptTooLongError) as caught:
             await drain(batch.stream(limited, images))
-        assert caught.value.status == 400
+        assert caught.value.limit == 5
         assert batch.statistics().prefills == 0
 
 
@@ -663,11 +663,10 @@ class TestGate:
             group.start_soon(hold)  # waits
             await anyio.wait_all_tasks_blocked()
             assert gate.waiting == 1
-            with pytest.raises(APIError) as caught:
+            with pytest.raises(OverloadedError) as caught:
                 async with gate.turn():
                     pass  # pragma: no cover
-            assert caught.value.status == 503
-            assert caught.value.headers == {"Retry-After": "1"}
+            assert (caught.value.waiting, caught.value.retry_after) == (1, 1)
             release.set()
         assert (gate.active, gate.waiting, gate.busy) == (0, 0, False)
 
@@ -706,8 +705,8 @@ class TestGate:
             try:
                 async with gate.turn():  # no await since the slot was handed
                     order.append("holder again")
-            except APIError as error:
-                order.append(str(error.status))
+            except OverloadedError as error:
+                order.append(error.code)
 
         async def waiter() -> None:
             async with gate.turn():

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
+import re
 import signal
 import socket
 import subprocess
@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from mlx_pinned.server import cli
+from mlx_pinned.server.cli_options import NOT_ON_THE_COMMAND_LINE, OPTIONS
 from mlx_pinned.server.config import ImageLimits, ServerConfig
 from mlx_pinned.testing import make_tiny_vlm
 
@@ -120,11 +121,20 @@ class TestServe:
         assert cli.main(["serve", "--config", str(file)]) == 0
         models = runs[0]["app"].state.models
         assert models.names == ["a", "b"]
-        assert models.get("a").slot is None
-        assert models.get("b").slot is not None
+        assert models.get("a").slot.pinned
+        assert not models.get("b").slot.pinned
         assert models.get("b").gate.max_num_seqs == 4  # the file's server setting
         assert "as 'b' (loaded on first use)" in caplog.text
         assert "as 'a' (loaded" not in caplog.text
+
+    def test_output_formats_are_named_on_the_command_line(
+        self, runs: list[dict[str, Any]], tiny_model_path: Path
+    ) -> None:
+        argv = ["serve", str(tiny_model_path), "--tool-call-parser", "none"]
+        argv += ["--reasoning-parser", "think"]
+        assert cli.main(argv) == 0
+        config = runs[0]["app"].state.config
+        assert (config.tool_call_parser, config.reasoning_parser) == ("none", "think")
 
     def test_several_models_without_names_are_served_as_given(
         self, runs: list[dict[str, Any]]
@@ -330,6 +340,8 @@ class TestArguments:
             ["serve", "a/b", "--served-model-name", "x", "--served-model-name", "y"],
             ["serve", "--demo", "--served-model-name", "x", "--served-model-name", "y"],
             ["serve", "a/b", "a/b"],  # two models served as one name
+            ["serve", "a/b", "--tool-call-parser", "xml"],
+            ["serve", "a/b", "--reasoning-parser", "xml"],
             # two models, one name twice
             ["serve", "a/b", "c/d", *["--served-model-name", "x"] * 2],
         ],
@@ -352,9 +364,47 @@ class TestArguments:
             (["serve", "/nonexistent/model/dir"], "no model folder at"),
             (
                 ["serve", "a/b", "c/d", "--served-model-name", "x"],
-                "once per MODEL, in the same order (2 MODELs, 1 name)",
+                "--served-model-name gives 1 names for 2 models: give one per "
+                "model, in order",
             ),
-            (["serve", "a/b", "a/b"], "two models are served as 'a/b'"),
+            (
+                ["serve", "a/b", "a/b"],
+                "two models are served as 'a/b': give each its own --served-model-name",
+            ),
+            (  # a value in the message is as given, even a setting's name
+                ["serve", "a/b", "c/d", *["--served-model-name", "max_pending"] * 2],
+                "served as 'max_pending'",
+            ),
+            (
+                ["serve", "m", "--tool-call-parser", "xml"],
+                "--tool-call-parser 'xml' is not a format this server knows: give "
+                "one of hermes, none",
+            ),
+            # Refused by the config, named by the flag that gave it.
+            (["serve", "m", "--max-pending", "0"], "--max-pending must be >= 1"),
+            (["serve", "m", "--max-images", "0"], "--max-images must be >= 1"),
+            (["serve", "m", "--max-image-bytes", "0"], "--max-image-bytes must be"),
+            (
+                ["serve", "m", "--request-timeout", "-1"],
+                "--request-timeout must be > 0, not -1.0",
+            ),
+            (
+                ["serve", "m", "--allowed-origins", "a.example"],
+                "--allowed-origins gives 'a.example': an origin is scheme://host",
+            ),
+            (["serve", "m", "--distributed", "pipe"], "--distributed must be"),
+            (
+                ["serve", "a/b", "c/d", "--distributed", "tensor"],
+                "--distributed serves one model",
+            ),
+            (
+                ["serve", "m", "--idle-unload-timeout", "5"],
+                "--idle-unload-timeout needs --load-on-first-use",
+            ),
+            (
+                ["serve", "m", "--reasoning-parser", "xml"],
+                "give one of think, none",
+            ),
         ]
         for argv, text in cases:
             with pytest.raises(SystemExit):
@@ -366,54 +416,73 @@ class TestArguments:
         with pytest.raises(SystemExit) as info:
             cli.main(["serve", "--demo"])
         assert info.value.code == 2
-        assert "is empty" in capsys.readouterr().err
+        assert f"${cli.API_KEY_ENV} is empty" in capsys.readouterr().err
 
 
 class TestOneSettingsSource:
-    """Every setting of ServerConfig has a flag, every flag a setting (or is
-    the command's own), and the command line's defaults are the config's."""
+    """Every field of ServerConfig has a flag or is listed as having none,
+    every flag is a field's (or the command's own), and the command line's
+    defaults are the config's."""
 
     COMMAND_ONLY = frozenset(
         {
-            *("-h", "--help", "--demo", "--config", "--host", "--port"),
+            *("--help", "--demo", "--config", "--host", "--port"),
             *("--access-log", "--log-level"),
         }
     )
 
-    def serve_parser(self) -> argparse.ArgumentParser:
-        parser = cli.build_parser()
-        (commands,) = (
-            a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
-        )
-        serve: argparse.ArgumentParser = commands.choices["serve"]
-        return serve
-
-    def test_every_field_has_a_flag_and_every_flag_a_field(self) -> None:
+    def test_every_field_has_an_option_or_is_off_the_command_line(self) -> None:
         fields = {f.name for f in dataclasses.fields(ServerConfig)}
-        fields -= {"model", "model_settings"}  # positional, and a config file's
-        fields.remove("image_limits")
-        fields |= {f"image_limits_{f.name}" for f in dataclasses.fields(ImageLimits)}
-        actions = self.serve_parser()._actions
-        flags = {
-            a.dest: a.option_strings
-            for a in actions
-            if a.option_strings and not set(a.option_strings) & self.COMMAND_ONLY
-        }
-        assert set(flags) == fields
-        assert all(a.help for a in actions)
+        fields |= {f"image_limits.{f.name}" for f in dataclasses.fields(ImageLimits)}
+        settings = [option.setting for option in OPTIONS]
+        assert len(settings) == len(set(settings))
+        assert not set(settings) & set(NOT_ON_THE_COMMAND_LINE)
+        assert set(settings) | set(NOT_ON_THE_COMMAND_LINE) == fields
+        flags = [option.flag for option in OPTIONS]
+        assert len(flags) == len(set(flags))
+        assert not set(flags) & self.COMMAND_ONLY
+
+    def test_every_flag_of_serve_is_an_options_or_the_commands(
+        self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("COLUMNS", "1000")  # no flag cut at its dashes
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["serve", "--help"])
+        out = capsys.readouterr().out
+        shown = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", out))
+        options = {option.flag for option in OPTIONS}
+        assert shown == options | self.COMMAND_ONLY | {"--no-freeze-gc"}
+        assert "SUPPRESS" not in out
+
+    def test_the_namespace_holds_the_flags_given_only(self) -> None:
+        args = cli.build_parser().parse_args(
+            ["serve", "m", "--max-pend", "3", "--no-freeze-gc"]  # abbreviated too
+        )
+        given = [option.setting for option in OPTIONS if option.setting in args]
+        assert given == ["max_pending", "freeze_gc"]
 
     def test_defaults_are_the_configs(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
-        args = self.serve_parser().parse_args(["m"])
-        config = cli._config(args, ["m"], None)
+        args = cli.build_parser().parse_args(["serve", "m"])
         # The one default the command line sets itself (documented there).
-        assert config == ServerConfig(model="m", freeze_gc=True)
+        assert cli._config(args) == ServerConfig(model="m", freeze_gc=True)
+
+    def test_the_help_shows_the_command_lines_defaults(
+        self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("COLUMNS", "1000")
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["serve", "--help"])
+        out = capsys.readouterr().out
+        assert "largest max_tokens a request may ask for (default: 4096)" in out
+        assert "closed (default: 30.0)" in out
 
     def test_a_new_value_reaches_the_config(self) -> None:
-        args = self.serve_parser().parse_args(
-            ["m", "--drain-timeout", "3", "--retry-after", "4", "--no-freeze-gc"]
-        )
-        config = cli._config(args, ["m"], ["name"])
-        assert (config.drain_timeout, config.retry_after) == (3.0, 4)
+        argv = ["serve", "m", "--in-flight-timeout", "3", "--unready-seconds", "2"]
+        argv += ["--retry-after", "4", "--no-freeze-gc", "--served-model-name", "name"]
+        args = cli.build_parser().parse_args(argv)
+        config = cli._config(args)
+        assert (config.in_flight_timeout, config.unready_seconds) == (3.0, 2.0)
+        assert config.retry_after == 4
         assert not config.freeze_gc
         assert config.name == "name"

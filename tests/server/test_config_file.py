@@ -54,7 +54,7 @@ class TestReading:
         assert read.settings == {
             "max_model_bytes": 8_000_000_000,
             "idle_unload_timeout": 600.0,
-            "image_limits_max_images": 3,
+            "image_limits.max_images": 3,
             "allowed_origins": ("https://app.example", "http://localhost:3000"),
         }
         # As the flags read them: 0 seconds is never, as --idle-unload-timeout 0.
@@ -72,7 +72,7 @@ class TestReading:
             ("model = 'x'\n[[models]]\npath = 'a/b'", "model goes in each"),
             ("max_num_sequences = 4\n[[models]]\npath = 'a/b'", "max_num_sequences"),
             ("[[models]]\npath = 'a/b'\napi_key = 'k'", "models[0].api_key: a model"),
-            ("[[models]]\npath = 'a/b'\nmax_num_seqs = 0", "must be at least 1, not 0"),
+            ("[[models]]\npath = 'a/b'\nmax_num_seqs = 'x'", "must be a whole number"),
             ("load_on_first_use = 1\n[[models]]\npath = 'a/b'", "is true or false"),
             ("max_pending = true\n[[models]]\npath = 'a/b'", "not a value of"),
         ],
@@ -88,16 +88,16 @@ class TestReading:
 class TestCommandLine:
     def config(self, monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> ServerConfig:
         """The config ``serve`` would start with (uvicorn never runs)."""
-        seen: list[argparse.Namespace] = []
+        seen: list[ServerConfig] = []
 
-        def serve(args: argparse.Namespace) -> int:
-            seen.append(args)
+        def serve(args: argparse.Namespace, config: ServerConfig) -> int:
+            seen.append(config)
             return 0
 
         monkeypatch.setattr(cli, "serve", serve)
         assert cli.main(["serve", *argv]) == 0
-        (args,) = seen
-        return cli._config(args, args.model, args.served_model_name)
+        (config,) = seen
+        return config
 
     def test_the_file_gives_the_models_and_settings(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -129,6 +129,17 @@ class TestCommandLine:
         assert config.for_model(0).max_num_seqs == 8
         assert config.for_model(1).max_num_seqs == 2
 
+    def test_the_config_checks_the_file_with_the_flags_on_top(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Eager models may not idle out: the flag makes them lazy, and the one
+        # check runs on what the server will use.
+        path = write(tmp_path, "idle_unload_timeout = 5\n[[models]]\npath = 'org/m'\n")
+        config = self.config(
+            monkeypatch, ["--config", str(path), "--load-on-first-use"]
+        )
+        assert (config.idle_unload_timeout, config.load_on_first_use) == (5.0, True)
+
     @pytest.mark.parametrize(
         ("extra", "message"),
         [
@@ -154,10 +165,20 @@ class TestCommandLine:
         self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     ) -> None:
         eager = "idle_unload_timeout = 5\n[[models]]\npath = 'org/m'\n"
+        none = "[[models]]\npath = 'org/m'\nmax_num_seqs = 0\n"
         for path, text in (
             (str(tmp_path / "missing.toml"), "missing.toml"),
             (str(write(tmp_path, "[[models]]\nname = 'x'", "a.toml")), "needs a path"),
-            (str(write(tmp_path, eager, "b.toml")), "needs load_on_first_use"),
+            (
+                str(write(tmp_path, eager, "b.toml")),
+                "b.toml: idle_unload_timeout needs load_on_first_use",
+            ),
+            # The config's check, named as the file says it.
+            (
+                str(write(tmp_path, none, "c.toml")),
+                "--config " + str(tmp_path / "c.toml") + ": model 'org/m': "
+                "max_num_seqs must be >= 1, not 0",
+            ),
         ):
             with pytest.raises(SystemExit) as info:
                 cli.main(["serve", "--config", path])
@@ -201,8 +222,8 @@ class TestMixed:
                 "lazy": False,
             }
             eager, lazy = app.state.models.get("eager"), app.state.models.get("lazy")
-            assert eager.slot is None
-            assert lazy.slot is not None
+            assert eager.slot.pinned
+            assert not lazy.slot.pinned
             assert lazy.slot.idle_timeout == 60
             assert (eager.gate.max_num_seqs, lazy.gate.max_num_seqs) == (3, 32)
             body = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}

@@ -18,8 +18,8 @@ from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.prompt import build_prompt
 from mlx_pinned.server.engine.text import StopMatcher
 from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
-from mlx_pinned.server.http.params import chat_messages
-from mlx_pinned.server.http.schemas import parse_chat_request
+from mlx_pinned.server.http.chat_completions.messages import chat_messages
+from mlx_pinned.server.http.chat_completions.protocol import parse_chat_request
 from mlx_pinned.testing import make_test_image
 
 PROMPT = "Describe this image in one sentence."

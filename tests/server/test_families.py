@@ -26,8 +26,8 @@ import pytest
 from mlx_pinned import MLXThread
 from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
-from mlx_pinned.server.errors import APIError
 from mlx_pinned.server.events import Event
+from mlx_pinned.server.failures import ImagesUnsupportedError
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import (
     TINY_LM_TYPES,
@@ -236,9 +236,8 @@ class TestTextModels:
         params, _ = request(text_family, 0, 4)
         batch = BatchEngine(text_family.loaded, thread)
         events = batch.generate_stream(params, [image((64, 64), 0)])
-        with pytest.raises(APIError) as caught:
+        with pytest.raises(ImagesUnsupportedError) as caught:
             thread.run_sync(next, events)
-        assert caught.value.status == 400
         assert caught.value.code == "images_unsupported"
         assert batch.statistics().prefills == 0
 

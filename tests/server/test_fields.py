@@ -4,14 +4,23 @@ by name; unknown fields are refused as OpenAI refuses them."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import pytest
 
-from mlx_pinned.server.errors import APIError
 from mlx_pinned.server.events import Grammar
-from mlx_pinned.server.http.params import chat_messages, generation_params
-from mlx_pinned.server.http.schemas import ChatCompletionRequest, parse_chat_request
+from mlx_pinned.server.http.chat_completions.messages import chat_messages
+from mlx_pinned.server.http.chat_completions.protocol import (
+    ChatCompletionRequest,
+    parse_chat_request,
+)
+from mlx_pinned.server.http.errors import APIError
+
+from .conftest import Served, vision_body
+
+Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 # OpenAI's chat-completions request fields (API reference, 2025).
 OPENAI_FIELDS = {
@@ -42,6 +51,21 @@ SCHEMA_WITHOUT = {"type": "json_schema"}
 BAD_NAME = {"type": "json_schema", "json_schema": {"name": "a b"}}
 NAMED_G = {"type": "function", "function": {"name": "g"}}
 JSON = {"type": "json_object"}
+# Fields OpenAI documents that change nothing a local model generates.
+WITHOUT_EFFECT: dict[str, Any] = {
+    "user": "u",
+    "safety_identifier": "s",
+    "prompt_cache_key": "k",
+    "prompt_cache_retention": "24h",
+    "prompt_cache_options": {"mode": "explicit", "ttl": "30m"},
+    "metadata": {"a": "b"},
+    "store": False,
+    "service_tier": "auto",
+    "modalities": ["text"],
+    "verbosity": "medium",
+    "audio": None,
+    "functions": None,
+}
 
 
 def body(**fields: Any) -> bytes:
@@ -61,7 +85,7 @@ def refused(**fields: Any) -> APIError:
 
 
 def params(**fields: Any) -> Any:
-    return generation_params(parse_chat_request(body(**fields)), 16)
+    return parse_chat_request(body(**fields)).to_generation_params(16)
 
 
 class TestEveryField:
@@ -125,22 +149,11 @@ class TestEveryField:
         assert (error.param, error.code) == (name, "unsupported_value")
 
     def test_fields_without_effect_on_the_output_are_accepted(self) -> None:
-        parse_chat_request(
-            body(
-                user="u",
-                safety_identifier="s",
-                prompt_cache_key="k",
-                prompt_cache_retention="24h",
-                prompt_cache_options={"mode": "explicit", "ttl": "30m"},
-                metadata={"a": "b"},
-                store=False,
-                service_tier="auto",
-                modalities=["text"],
-                verbosity="medium",
-                audio=None,
-                functions=None,
-            )
-        )
+        plain = parse_chat_request(body())
+        given = parse_chat_request(body(**WITHOUT_EFFECT))
+        # Accepted, and nothing of them reaches the engine or the template.
+        assert given.to_generation_params(16) == plain.to_generation_params(16)
+        assert chat_messages(given.messages) == chat_messages(plain.messages)
 
     @pytest.mark.parametrize(
         ("fields", "param"),
@@ -176,6 +189,25 @@ class TestEveryField:
         assert refused(**fields).param == param
 
 
+@pytest.mark.anyio
+class TestWithoutEffect:
+    async def test_the_answer_is_the_same_with_them_and_without(
+        self, serve: Serve
+    ) -> None:
+        request = vision_body(8, logprobs=True, top_logprobs=2)
+        async with serve() as served:
+            plain = await served.chat(request)
+            given = await served.chat({**request, **WITHOUT_EFFECT})
+        assert (plain.status_code, given.status_code) == (200, 200)
+        first, second = plain.json()["choices"][0], given.json()["choices"][0]
+        assert second["message"] == first["message"]
+        assert second["logprobs"] == first["logprobs"]
+        assert second["finish_reason"] == first["finish_reason"]
+        counts = ("prompt_tokens", "completion_tokens")
+        used, used_plain = given.json()["usage"], plain.json()["usage"]
+        assert [used[key] for key in counts] == [used_plain[key] for key in counts]
+
+
 class TestParams:
     def test_samplers_and_penalties_reach_the_engine(self) -> None:
         got = params(
@@ -209,7 +241,7 @@ class TestParams:
     def test_a_grammar_is_passed_through(self) -> None:
         request = parse_chat_request(body())
         grammar = Grammar("json_object")
-        assert generation_params(request, 4, grammar=grammar).grammar == grammar
+        assert request.to_generation_params(4, grammar=grammar).grammar == grammar
 
 
 class TestToolMessages:

@@ -26,7 +26,10 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from mlx_pinned.server import ImageLimits
-from mlx_pinned.server.http.schemas import ChatCompletion, ChatCompletionChunk
+from mlx_pinned.server.http.chat_completions.responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+)
 from mlx_pinned.testing import make_test_image
 
 from .conftest import MODEL, Served, sse_events

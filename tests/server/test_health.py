@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 
 import anyio
+import httpx
 import pytest
 
+from mlx_pinned.server.cli import DEMO_MODEL_NAME
+
 from .conftest import MODEL, Served, assert_error, vision_body
+from .replicas import replica
 
 pytestmark = pytest.mark.anyio
 
@@ -18,14 +23,22 @@ Serve = Callable[..., AbstractAsyncContextManager[Served]]
 class TestReadiness:
     async def test_ready_once_loaded(self, serve: Serve) -> None:
         async with serve() as served:
-            assert served.app.state.readiness.refusal(served.state) is None
+            assert served.app.state.readiness.refusal() is None
             assert (await served.client.get("/health")).status_code == 200
 
-    async def test_not_ready_before_the_models_are_loaded(self, serve: Serve) -> None:
-        async with serve() as served:
-            refusal = served.app.state.readiness.refusal({})
-            assert refusal is not None
-            assert (refusal.status, refusal.code) == (503, "model_not_loaded")
+    async def test_not_ready_before_the_models_are_loaded(self, tmp_path: Path) -> None:
+        # A real server (the CLI under uvicorn) whose load is held back.
+        with replica(tmp_path / "loading.log", gated=True) as loading:
+            loading.wait_listening()
+            async with httpx.AsyncClient(base_url=loading.url) as client:
+                early = await client.get("/health")
+                assert_error(early, 503, None, "model_not_loaded")
+                assert (await client.get("/livez")).status_code == 200
+                loading.open_gate()
+                loading.wait_ready()
+                ready = await client.get("/health")
+                assert ready.status_code == 200
+                assert ready.json()["models"][DEMO_MODEL_NAME]["loaded"] is True
 
     async def test_draining_is_not_ready_and_still_serves(self, serve: Serve) -> None:
         async with serve() as served:

@@ -14,14 +14,20 @@ import pytest
 from PIL import Image
 
 from mlx_pinned.server.config import ImageLimits
-from mlx_pinned.server.events import ImageError, ImageRef
-from mlx_pinned.server.http.params import image_refs as collect_image_refs
-from mlx_pinned.server.http.schemas import parse_chat_request
+from mlx_pinned.server.events import ImageRef
+from mlx_pinned.server.failures import ImageRefusedError
+from mlx_pinned.server.http.chat_completions.messages import image_parts
+from mlx_pinned.server.http.chat_completions.messages import (
+    image_refs as collect_image_refs,
+)
+from mlx_pinned.server.http.chat_completions.protocol import parse_chat_request
+from mlx_pinned.server.http.errors import api_error
 from mlx_pinned.server.inputs.images import decode_image, load_images
 
 from .conftest import AtOnce
 
 LIMITS = ImageLimits()
+PARAM = "messages[1].content[2].image_url"
 
 
 def encode(image: Image.Image, fmt: str, **save: Any) -> bytes:
@@ -35,7 +41,7 @@ def data_uri(data: bytes, mime: str = "image/png") -> str:
 
 
 def ref(url: str) -> ImageRef:
-    return ImageRef(message_index=1, part_index=2, url=url)
+    return ImageRef(index=2, url=url)
 
 
 def png_header(width: int, height: int) -> bytes:
@@ -134,32 +140,36 @@ REFUSED = [
 class TestRefusals:
     @pytest.mark.parametrize(("url", "code", "text"), REFUSED)
     def test_refused_with_part_named(self, url: str, code: str, text: str) -> None:
-        with pytest.raises(ImageError) as info:
+        with pytest.raises(ImageRefusedError) as info:
             decode_image(ref(url), LIMITS)
         error = info.value
-        assert error.status == 400
         assert error.code == code
-        assert error.param == "messages[1].content[2].image_url"
         assert text in error.message
-        assert (error.message_index, error.part_index) == (1, 2)
+        assert error.index == 2
+        where = ["messages[0].content[0].image_url"] * 2
+        answer = api_error(error, retry_after=1, images=[*where, PARAM])
+        assert answer is not None
+        assert answer.status == 400
+        assert (answer.param, answer.code) == (PARAM, code)
+        assert answer.message == f"Invalid image at '{PARAM}': {error.message}"
 
     def test_truncated_file(self) -> None:
         data = encode(Image.effect_noise((64, 64), 50).convert("RGB"), "PNG")
-        with pytest.raises(ImageError) as info:
+        with pytest.raises(ImageRefusedError) as info:
             decode_image(ref(data_uri(data[: len(data) // 2])), LIMITS)
         assert info.value.code == "invalid_image"
         assert "truncated or corrupt" in info.value.message
 
     def test_bmp_bytes_are_not_decoded(self) -> None:
         # Only the documented formats: a real BMP labelled as PNG is refused.
-        with pytest.raises(ImageError) as info:
+        with pytest.raises(ImageRefusedError) as info:
             decode_image(ref(data_uri(encode(RED, "BMP"))), LIMITS)
         assert info.value.code == "invalid_image"
 
     def test_encoded_size_limit_before_decoding(self) -> None:
         limits = ImageLimits(max_bytes=1000)
         url = "data:image/png;base64," + "A" * 100_000
-        with pytest.raises(ImageError) as info:
+        with pytest.raises(ImageRefusedError) as info:
             decode_image(ref(url), limits)
         assert info.value.code == "image_too_large"
         assert "at most 1000" in info.value.message
@@ -171,7 +181,7 @@ class TestRefusals:
         data = png_header(*size)
         assert len(data) < 200
         start = time.perf_counter()
-        with pytest.raises(ImageError) as info:
+        with pytest.raises(ImageRefusedError) as info:
             decode_image(ref(data_uri(data)), ImageLimits(max_pixels=limit))
         assert time.perf_counter() - start < 0.05
         assert info.value.code == "image_too_large"
@@ -179,7 +189,7 @@ class TestRefusals:
     @pytest.mark.parametrize("size", [(201, 1), (1, 300), (2, 1000)])
     def test_sides_over_200_to_1_are_refused(self, size: tuple[int, int]) -> None:
         # Qwen-VL's processor raises on them in the middle of the request.
-        with pytest.raises(ImageError) as info:
+        with pytest.raises(ImageRefusedError) as info:
             decode_image(ref(data_uri(encode(Image.new("RGB", size), "PNG"))), LIMITS)
         assert info.value.code == "invalid_image"
         assert f"{size[0]}x{size[1]}" in info.value.message
@@ -195,7 +205,7 @@ class TestRefusals:
             10,
             10,
         )
-        with pytest.raises(ImageError):
+        with pytest.raises(ImageRefusedError):
             decode_image(ref(data_uri(data)), ImageLimits(max_pixels=99))
 
 
@@ -218,17 +228,23 @@ class TestCollect:
             [{"type": "text", "text": "y"}, image_part("data:c")],
         )
         refs = collect_image_refs(request.messages, LIMITS)
-        assert [(r.message_index, r.part_index, r.url) for r in refs] == [
-            (0, 0, "data:a"),
-            (0, 2, "data:b"),
-            (2, 1, "data:c"),
+        assert [(r.index, r.url) for r in refs] == [
+            (0, "data:a"),
+            (1, "data:b"),
+            (2, "data:c"),
+        ]
+        assert [where for where, _ in image_parts(request.messages)] == [
+            "messages[0].content[0].image_url",
+            "messages[0].content[2].image_url",
+            "messages[2].content[1].image_url",
         ]
 
     def test_count_limit_names_first_extra_part(self) -> None:
         request = request_with([image_part("data:a")] * 3)
-        with pytest.raises(ImageError) as info:
+        with pytest.raises(ImageRefusedError) as info:
             collect_image_refs(request.messages, ImageLimits(max_images=2))
-        assert info.value.param == "messages[0].content[2].image_url"
+        assert info.value.index == 2
+        assert info.value.code == "too_many_images"
         assert "too many images: 3" in info.value.message
 
 
@@ -253,7 +269,7 @@ class TestLoadImages:
 
     @pytest.mark.anyio
     async def test_remote_urls_refused_by_default(self) -> None:
-        with pytest.raises(ImageError) as info:
+        with pytest.raises(ImageRefusedError) as info:
             await load_images([ref("https://example.com/cat.png")], LIMITS)
         assert info.value.code == "remote_images_disabled"
         assert "not enabled" in info.value.message

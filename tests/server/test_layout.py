@@ -1,14 +1,17 @@
 """The server's layout: each package imports only in the allowed direction.
 
-cli -> app -> {http, inputs, engine} -> shared (config, errors, events,
-limits). The engine (the MLX thread) never imports HTTP libraries; the HTTP
-side (the event loop) never imports MLX; the input decoders neither. Every
-import counts, those under ``TYPE_CHECKING`` and inside functions too.
+cli (and its options and config file) -> app -> {http, inputs, engine} ->
+shared (config and its checks, events, failures, formats, limits). The
+engine (the MLX thread) never imports HTTP libraries; the HTTP side (the
+event loop) never imports MLX; the input decoders neither. Inside the HTTP
+side, each API's slice imports only the shared pieces. Every import counts,
+those under ``TYPE_CHECKING`` and inside functions too.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,10 @@ import pytest
 import mlx_pinned.server
 
 ROOT = Path(mlx_pinned.server.__file__).parent
-SHARED = {"config", "config_file", "errors", "events", "limits"}
+SHARED = {"config", "config_checks", "events", "failures", "formats", "limits"}
+# The command line: the CLI, its options (the settings' projection) and its
+# config file.
+CLI = {"cli", "cli_options", "config_file"}
 # What each part of the server may import from the server itself.
 ALLOWED = {
     "shared": {"shared"},
@@ -42,6 +48,8 @@ def part_of(module: str) -> str:
     first = parts[2]
     if first in SHARED:
         return "shared"
+    if first in CLI:
+        return "cli"
     if first in ("__init__", "__main__"):
         return "package"
     return first
@@ -110,13 +118,16 @@ def _is_name_of(target: str) -> bool:
 @pytest.mark.parametrize(
     ("where", "line"),
     [
-        ("http/chat.py", "from ..engine import BatchEngine"),
-        ("http/chat.py", "from ..engine.batch import BatchEngine"),
-        ("http/chat.py", "import mlx.core as mx"),
-        ("engine/batch.py", "from ..http import schemas"),
+        ("http/chat_completions/route.py", "from ...engine import BatchEngine"),
+        ("http/chat_completions/route.py", "from ...engine.batch import BatchEngine"),
+        ("http/chat_completions/route.py", "import mlx.core as mx"),
+        ("http/wire.py", "from ..engine import BatchEngine"),
+        ("engine/batch.py", "from ..http.chat_completions import protocol"),
         ("engine/batch.py", "from pydantic import BaseModel"),
         ("events.py", "from .engine import BatchEngine"),
-        ("inputs/images.py", "from ..http.params import image_refs"),
+        ("formats/hermes.py", "from pydantic import BaseModel"),
+        ("formats/registry.py", "from ..http.chat_completions.messages import Tool"),
+        ("inputs/images.py", "from ..http.chat_completions.messages import image_refs"),
         ("app.py", "from . import cli"),
     ],
 )
@@ -129,3 +140,166 @@ def test_a_wrong_import_is_caught(where: str, line: str) -> None:
 def test_every_part_is_known() -> None:
     parts = {part_of(module_name(path)) for path in SOURCES}
     assert parts <= set(ALLOWED), parts - set(ALLOWED)
+
+
+# The HTTP side is a slice per API (a folder: protocol, serving, route) over
+# shared pieces (the modules of http/ itself): a shared piece imports no
+# slice, and a slice imports no other slice.
+HTTP = ROOT / "http"
+SLICES = {path.parent.name for path in HTTP.glob("*/__init__.py")}
+HTTP_SOURCES = [path for path in SOURCES if part_of(module_name(path)) == "http"]
+
+
+def slice_of(module: str, slices: set[str] = SLICES) -> str | None:
+    """The slice a dotted module name is in; None for a shared piece."""
+    parts = module.split(".")
+    if len(parts) >= 4 and parts[2] == "http" and parts[3] in slices:
+        return parts[3]
+    return None
+
+
+def slice_violations(
+    path: Path, text: str | None = None, slices: set[str] = SLICES
+) -> list[str]:
+    """The imports of ``path`` (in http/) that reach into another slice."""
+    mine = slice_of(module_name(path), slices)
+    wrong = []
+    for target, line in imports(path, text):
+        theirs = slice_of(target, slices)
+        if theirs is not None and theirs != mine:
+            wrong.append(f"line {line}: {target} ({mine or 'shared'} -> {theirs})")
+    return wrong
+
+
+def test_the_slices_are_found() -> None:
+    assert "chat_completions" in SLICES
+    assert any(slice_of(module_name(path)) for path in HTTP_SOURCES)
+
+
+@pytest.mark.parametrize("path", HTTP_SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_slices_import_only_shared_pieces(path: Path) -> None:
+    wrong = slice_violations(path)
+    assert not wrong, f"{path.relative_to(ROOT)} reaches into a slice: {wrong}"
+
+
+@pytest.mark.parametrize(
+    ("where", "line"),
+    [
+        ("http/wire.py", "from .chat_completions.protocol import parse_chat_request"),
+        ("http/answer.py", "from .chat_completions import ChatCompletionsEndpoint"),
+        ("http/answer.py", "from . import chat_completions"),
+        # A second slice (as issue 23's completions) beside chat completions.
+        ("http/chat_completions/route.py", "from ..completions import protocol"),
+    ],
+)
+def test_an_import_into_a_slice_is_caught(where: str, line: str) -> None:
+    path = ROOT / where
+    slices = {*SLICES, "completions"}
+    assert not slice_violations(path, slices=slices)
+    text = path.read_text() + "\n" + line + "\n"
+    assert slice_violations(path, text, slices=slices)
+
+
+# OpenAI's error types (and Anthropic's, for the APIs to come): the server's
+# edge writes them; the core (mlx_pinned/*.py) takes its answers from the app.
+API_ERROR_TYPES = (
+    "invalid_request_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+    "rate_limit_error",
+    "server_error",
+    "api_error",
+    "overloaded_error",
+)
+CORE = sorted(ROOT.parent.glob("*.py"))
+
+
+def api_error_types_in(text: str) -> list[str]:
+    """The API error types ``text`` names, as whole words."""
+    return [kind for kind in API_ERROR_TYPES if re.search(rf"\b{kind}\b", text)]
+
+
+def test_the_core_names_no_api_error_type() -> None:
+    assert len(CORE) > 10  # the glob found the core modules
+    named = {
+        path.name: found
+        for path in CORE
+        if (found := api_error_types_in(path.read_text()))
+    }
+    assert not named, f"core modules name API error types: {named}"
+    # The check sees one planted in any form the core could write it.
+    planted = 'body = {"error": {"type": "server_error"}}'
+    assert api_error_types_in(planted) == ["server_error"]
+    assert api_error_types_in("kind = 'rate_limit_error'") == ["rate_limit_error"]
+
+
+# Below the edge: what raises there raises what went wrong, with no HTTP
+# status and no wire path (``param="messages[0]..."``); each API's edge
+# (``http/errors.py`` for OpenAI's) answers it.
+BELOW_THE_EDGE = [
+    path
+    for path in SOURCES
+    if part_of(module_name(path)) in ("engine", "inputs", "shared")
+]
+STATUS_NAMES = {"status", "status_code", "http_status"}
+
+
+def http_statuses(path: Path, text: str | None = None) -> list[str]:
+    """Where ``path`` (or ``text`` as if it were there) raises or defines an
+    error that carries an HTTP status or a wire path."""
+    found = []
+    tree = ast.parse(path.read_text() if text is None else text, str(path))
+    for node in ast.walk(tree):
+        # An error made (raised, returned, or a subclass's super().__init__)
+        # with a status or a wire path.
+        if isinstance(node, ast.Call) and _makes_an_error(node.func):
+            values = [*node.args, *(k.value for k in node.keywords)]
+            if any(_is_status(value) for value in values):
+                found.append(f"line {node.lineno}: an error with an HTTP status")
+            if any(k.arg in STATUS_NAMES | {"param"} for k in node.keywords):
+                found.append(f"line {node.lineno}: an error with a wire path")
+        if isinstance(node, ast.Attribute) and node.attr in STATUS_NAMES:
+            if isinstance(node.ctx, ast.Store):
+                found.append(f"line {node.lineno}: sets .{node.attr}")
+    return found
+
+
+def _makes_an_error(func: ast.expr) -> bool:
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    return name.endswith("Error") or name == "__init__"
+
+
+def _is_status(node: ast.expr) -> bool:
+    return (
+        isinstance(node, ast.Constant)
+        and type(node.value) is int
+        and 400 <= node.value <= 599
+    )
+
+
+def test_the_shared_modules_engine_and_inputs_are_found() -> None:
+    parts = {part_of(module_name(path)) for path in BELOW_THE_EDGE}
+    assert parts == {"engine", "inputs", "shared"}
+
+
+@pytest.mark.parametrize("path", BELOW_THE_EDGE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_http_status_below_the_edge(path: Path) -> None:
+    found = http_statuses(path)
+    assert not found, f"{path.relative_to(ROOT)} carries HTTP answers: {found}"
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "raise APIError(400, 'no images')",
+        "raise RefusedError('too long', status=413)",
+        "raise ImageRefusedError('bad', param='messages[0].content[1]')",
+        "class Refused(Exception):\n    def __init__(self):\n        self.status = 400",
+        "class Long(APIError):\n    def __init__(self):\n        super().__init__(400)",
+    ],
+)
+def test_a_status_below_the_edge_is_caught(planted: str) -> None:
+    path = ROOT / "engine" / "admission.py"
+    assert not http_statuses(path)
+    assert http_statuses(path, path.read_text() + "\n" + planted + "\n")

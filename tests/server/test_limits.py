@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from mlx_pinned.server.engine import LoadedModel
+from mlx_pinned.server.failures import PromptTooLongError
+from mlx_pinned.server.http.errors import api_error
 from mlx_pinned.server.limits import (
-    PromptTooLongError,
     check_prompt_tokens,
     check_text_length,
     context_length,
@@ -38,7 +39,11 @@ class TestChecks:
             check_prompt_tokens(101, 1, max_prompt_tokens=100, context=None)
         assert "101" in over.value.message
         assert "100" in over.value.message
-        assert over.value.status == 400
+        assert (over.value.prompt_tokens, over.value.limit) == (101, 100)
+        answer = api_error(over.value, retry_after=1)
+        assert answer is not None
+        assert (answer.status, answer.param) == (400, "messages")
+        assert answer.code == "context_length_exceeded"
         with pytest.raises(PromptTooLongError) as context:
             check_prompt_tokens(100, 29, max_prompt_tokens=None, context=128)
         for number in ("128", "100", "29", "129"):

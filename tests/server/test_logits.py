@@ -23,8 +23,8 @@ from mlx_pinned.server.engine import BatchEngine, LoadedModel, logits
 from mlx_pinned.server.engine.logits import compile_grammar, penalize, prompt_seen
 from mlx_pinned.server.engine.speculation import SPECULATION_MISSES, Speculation
 from mlx_pinned.server.engine.state import BatchState
-from mlx_pinned.server.errors import APIError
 from mlx_pinned.server.events import FinalEvent, Grammar
+from mlx_pinned.server.failures import InvalidGrammarError
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import tiny_vlm_path
 
@@ -217,10 +217,9 @@ class TestGrammarInTheBatch:
     ) -> None:
         bad = Grammar("json_schema", '{"type": "no-such-type"}')
         batch = BatchEngine(loaded, thread)
-        with pytest.raises(APIError) as caught:
+        with pytest.raises(InvalidGrammarError) as caught:
             async with batch.stream(*request(0, 4, grammar=bad)) as stream:
                 [event async for event in stream]
-        assert caught.value.status == 400
         assert caught.value.code == "invalid_grammar"
         assert batch.statistics().prefills == 0
 

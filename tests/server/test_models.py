@@ -51,7 +51,8 @@ class TwoServed:
         self.state = state
 
     def engine(self, name: str) -> BatchEngine:
-        engine: BatchEngine = self.state[self.app.state.models.get(name).state_key]
+        engine = self.app.state.models.get(name).engine()
+        assert isinstance(engine, BatchEngine)
         return engine
 
     async def chat(self, body: dict[str, Any]) -> httpx.Response:
@@ -210,13 +211,13 @@ class TestRouting:
                 assert card == entry
                 assert card["created"] == int(served.engine(name).loaded_at)
 
-    async def test_each_model_is_its_own_start_up_job(
+    async def test_each_model_is_loaded_at_start_up_with_its_own_engine(
         self, serve_models: ServeModels
     ) -> None:
         async with serve_models() as served:
             first, second = served.engine("first"), served.engine("second")
-            assert served.state["model"] is first  # the first keeps the old key
-            assert served.state["model:second"] is second
+            slots = [model.slot for model in served.app.state.models]
+            assert [(slot.pinned, slot.loads) for slot in slots] == [(True, 1)] * 2
             assert first is not second
             assert first.thread is second.thread is served.app.state.mlx_thread
             assert (await served.client.get("/health")).status_code == 200

@@ -143,8 +143,8 @@ def ask(client: openai.OpenAI, seed: int) -> str:
 
 @pytest.fixture
 def two(tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
-    """Replicas A (``--drain-seconds 1``) and B, started together."""
-    a = Replica(tmp_path / "a.log", "--drain-seconds", "1")
+    """Replicas A (``--unready-seconds 1``) and B, started together."""
+    a = Replica(tmp_path / "a.log", "--unready-seconds", "1")
     b = Replica(tmp_path / "b.log")
     try:
         a.wait_listening()

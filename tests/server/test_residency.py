@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import mlx_pinned.server.app as server_app
 from mlx_pinned.server import ServerConfig, cli, create_app
 from mlx_pinned.server.engine import BatchEngine, memory
-from mlx_pinned.server.http.residency import ModelSlot, SlotState
+from mlx_pinned.server.http.slots import ModelSlot, SlotState
 from mlx_pinned.testing import make_tiny_lm, make_tiny_vlm
 
 from .conftest import Lifespan, assert_error, replace_generation, until
@@ -163,12 +163,12 @@ class TestSettings:
         parser = cli.build_parser()
         argv = ["serve", "m", "--load-on-first-use", "--idle-unload-timeout", "30"]
         args = parser.parse_args([*argv, "--max-model-bytes", "1000"])
-        config = cli._config(args, ["m"], None)
+        config = cli._config(args)
         assert config.load_on_first_use
         assert config.idle_unload_timeout == 30.0
         assert config.max_model_bytes == 1000
         args = parser.parse_args([*argv[:-1], "0"])  # 0: never
-        assert cli._config(args, ["m"], None).idle_unload_timeout is None
+        assert cli._config(args).idle_unload_timeout is None
 
     def test_idle_unload_without_first_use_is_a_usage_error(
         self, capsys: pytest.CaptureFixture[str]
@@ -176,7 +176,9 @@ class TestSettings:
         with pytest.raises(SystemExit) as info:
             cli.main(["serve", "org/m", "--idle-unload-timeout", "5"])
         assert info.value.code == 2
-        assert "idle_unload_timeout needs load_on_first_use" in capsys.readouterr().err
+        assert "--idle-unload-timeout needs --load-on-first-use" in (
+            capsys.readouterr().err
+        )
 
 
 class TestFirstUse:
@@ -208,7 +210,7 @@ class TestFirstUse:
             weights = numbers["mlx_pinned_model_weight_bytes", "a"]
             assert weights == served.slot("a").weight_bytes
             assert weights > 0
-            assert served.state.get("model") is None  # not a start-up job
+            assert not served.slot("a").pinned  # not loaded at start-up
 
     async def test_concurrent_first_requests_share_one_load(
         self, serve: Serve, loads: CountedLoads
@@ -393,7 +395,7 @@ class TestBudget:
             }
             health = await served.health()
             assert [health[name]["loaded"] for name in "abc"] == [True, False, True]
-            assert served.app.state.residency.weight_bytes(served.state) <= budget
+            assert served.app.state.residency.weight_bytes() <= budget
 
     async def test_no_room_next_to_a_model_in_use_is_a_503(
         self, serve: Serve, monkeypatch: pytest.MonkeyPatch

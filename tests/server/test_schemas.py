@@ -9,21 +9,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlx_pinned.server.errors import APIError, error_body
-from mlx_pinned.server.http.schemas import (
+from mlx_pinned.server.http.chat_completions.messages import ImagePart, UserMessage
+from mlx_pinned.server.http.chat_completions.protocol import parse_chat_request
+from mlx_pinned.server.http.chat_completions.responses import (
     ChatCompletion,
     ChatCompletionChunk,
     Choice,
     ChunkChoice,
     ChunkEncoder,
     Delta,
-    ImagePart,
     ResponseMessage,
     Usage,
-    UserMessage,
     completion_id,
-    parse_chat_request,
 )
+from mlx_pinned.server.http.errors import APIError, error_body
 
 
 def body(**fields: Any) -> bytes:
@@ -251,7 +250,7 @@ class TestResponses:
         # In a fresh process with no threads, so the fork is safe.
         script = """if True:
             import os
-            from mlx_pinned.server.http.schemas import completion_id
+            from mlx_pinned.server.http.chat_completions.responses import completion_id
             read, write = os.pipe()
             child = os.fork()
             if child == 0:

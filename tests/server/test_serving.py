@@ -1,10 +1,11 @@
 """The CLI's uvicorn server: it answers probes while the model loads, and on
-SIGTERM it turns readiness off for ``--drain-seconds`` before its listener
+SIGTERM it turns readiness off for ``--unready-seconds`` before its listener
 closes. Real ``mlx-pinned serve --demo`` subprocesses under real uvicorn."""
 
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from uvicorn.lifespan.on import LifespanOn
 from mlx_pinned import MLXThread
 from mlx_pinned.server import cli, create_app
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
-from mlx_pinned.server.http.serving import Server
+from mlx_pinned.server.http.uvicorn_server import Server
 from mlx_pinned.testing import image_data_uri
 
 from .replicas import replica
@@ -46,7 +47,7 @@ def error_code(response: httpx.Response) -> str:
 
 def test_sigterm_turns_readiness_off_then_closes_the_listener(tmp_path: Path) -> None:
     drain = 1.5
-    with replica(tmp_path / "a.log", "--drain-seconds", str(drain)) as a:
+    with replica(tmp_path / "a.log", "--unready-seconds", str(drain)) as a:
         a.wait_ready()
         assert a.status("/health") == 200
         body = chat_body(max_tokens=800, stream=True)  # in flight at the signal
@@ -94,15 +95,20 @@ def test_sigterm_turns_readiness_off_then_closes_the_listener(tmp_path: Path) ->
 def test_alive_while_loading_and_a_sigterm_then_skips_the_window(
     tmp_path: Path,
 ) -> None:
-    with replica(tmp_path / "b.log", "--drain-seconds", "60", gated=True) as b:
-        # Loading: alive, not ready, and requests refused as not loaded.
+    options = ("--unready-seconds", "60", "--load-wait", "0.5")
+    with replica(tmp_path / "b.log", *options, gated=True) as b:
+        # Loading: alive, not ready, and a request refused as not loaded
+        # once it waited --load-wait for the load.
         assert b.status("/livez") == 200
         loading = httpx.get(b.url + "/health")
         assert loading.status_code == 503
         assert error_code(loading) == "model_not_loaded"
+        sent = time.monotonic()
         early = httpx.post(b.url + "/v1/chat/completions", json=chat_body())
+        assert time.monotonic() - sent >= 0.5
         assert early.status_code == 503
         assert error_code(early) == "model_not_loaded"
+        assert early.headers["Retry-After"] == "1"
         assert b.status("/metrics") == 200
         # Never ready, so no balancer sends here: no reason to wait 60 s.
         b.terminate()
@@ -115,6 +121,27 @@ def test_alive_while_loading_and_a_sigterm_then_skips_the_window(
         log = b.log_text()
         assert "draining:" not in log
         assert "Uvicorn running on" not in log  # it never said it was ready
+
+
+def test_a_request_sent_while_the_model_loads_waits_for_it(tmp_path: Path) -> None:
+    with replica(tmp_path / "c.log", gated=True) as c:
+        answers: list[httpx.Response] = []
+
+        def send() -> None:
+            answers.append(
+                httpx.post(c.url + "/v1/chat/completions", json=chat_body(), timeout=60)
+            )
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        time.sleep(0.5)
+        assert not answers  # waiting for the load, not refused
+        assert c.status("/health") == 503  # balancers still see it loading
+        c.open_gate()
+        sender.join(timeout=60)
+        assert len(answers) == 1
+        assert answers[0].status_code == 200
+        assert answers[0].json()["usage"]["completion_tokens"] == 8
 
 
 def test_a_failed_load_exits_3(tmp_path: Path) -> None:
@@ -131,11 +158,11 @@ class TestSignals:
     def server(self, drain: float, *, ready: bool = True) -> Server:
         app = create_app("unused", thread=MLXThread(name="signals"))
         config = uvicorn.Config(app, log_config=None)
-        server = Server(config, readiness=app.state.readiness, drain_seconds=drain)
+        server = Server(config, readiness=app.state.readiness, unready_seconds=drain)
         server.started = True
         server.lifespan = LifespanOn(config)
         if ready:
-            server.lifespan.state["model"] = object()
+            next(iter(app.state.models)).slot.engine = object()  # type: ignore[assignment]
         return server
 
     def test_the_first_signal_drains_and_waits(self) -> None:

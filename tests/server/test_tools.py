@@ -273,6 +273,8 @@ class TestToolCalls:
         assert grammar is not None
         assert "get_weather" not in grammar.source
         assert "get_time" in grammar.source
+        # Exactly one call, then the end, whatever parallel_tool_calls says.
+        assert "call)*" not in grammar.source
         assert calls_of(whole.choices[0].message) == [
             {"name": "get_time", "arguments": "{}"}
         ]
@@ -335,7 +337,11 @@ class TestToolCalls:
             "messages": [{"role": "user", "content": "x"}],
             "tools": [WEATHER],
         }
-        assert_error(await served.chat(body), 400, "tools", "unsupported_parameter")
+        error = assert_error(
+            await served.chat(body), 400, "tools", "unsupported_parameter"
+        )
+        assert "--tool-call-parser" in error["message"]
+        assert "Hermes" not in error["message"]
 
 
 class TestStructuredOutputs:
@@ -546,11 +552,13 @@ class TestTinyModelTemplate:
         assert render(messages, enable_thinking=True) == plain + "<think>\n"
 
     def test_its_formats_are_recognised(self) -> None:
-        from mlx_pinned.server.http.reasoning import reasoning_mode
-        from mlx_pinned.server.http.toolcalls import tool_call_format
+        from mlx_pinned.server.formats import model_formats
         from mlx_pinned.testing import _CHAT_TEMPLATE
 
-        assert tool_call_format(_CHAT_TEMPLATE) == "hermes"
-        assert reasoning_mode(_CHAT_TEMPLATE) == "optional"
-        thinking = {"enable_thinking": True}
-        assert reasoning_mode(_CHAT_TEMPLATE, thinking) == "opened"
+        formats = model_formats(_CHAT_TEMPLATE)
+        assert formats.tool_call is not None
+        assert formats.tool_call.name == "hermes"
+        assert formats.reasoning is not None
+        assert formats.reasoning.name == "think"
+        assert not formats.reasoning.opens(_CHAT_TEMPLATE, {})
+        assert formats.reasoning.opens(_CHAT_TEMPLATE, {"enable_thinking": True})

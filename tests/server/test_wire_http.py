@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from mlx_pinned.server import ServerConfig, create_app
-from mlx_pinned.server.config import command_line_settings
+from mlx_pinned.server.cli_options import OPTIONS
 
 from .conftest import MODEL, Served
 
@@ -150,20 +150,22 @@ class TestCORS:
             assert "access-control-allow-origin" not in response.headers
 
     def test_the_flag_takes_comma_separated_origins(self) -> None:
-        from mlx_pinned.server.config import origins
+        from mlx_pinned.server.cli_options import origins
 
         assert origins(" https://a.example/, http://b:3000 ") == (
             "https://a.example",
             "http://b:3000",
         )
         assert origins("*") == ("*",)
-        for bad in ("", "a.example", ","):
+        for bad in ("", ","):
             with pytest.raises(ValueError, match="origin"):
                 origins(bad)
+        with pytest.raises(ValueError, match="origin is scheme://host"):
+            ServerConfig(allowed_origins=("a.example",))
         with pytest.raises(ValueError, match="one string"):
             ServerConfig(allowed_origins="https://a.example")  # type: ignore[arg-type]
-        settings = {s.flag: s for s in command_line_settings()}
-        assert settings["--allowed-origins"].default == ()
+        options = {option.flag: option for option in OPTIONS}
+        assert options["--allowed-origins"].command_line_default() == ()
 
     def test_the_command_line_value_reaches_the_config(self) -> None:
         from mlx_pinned.server import cli
@@ -171,5 +173,5 @@ class TestCORS:
         args = cli.build_parser().parse_args(
             ["serve", "m", "--allowed-origins", "https://a.example,http://b:3000"]
         )
-        config = cli._config(args, "m", None)
+        config = cli._config(args)
         assert config.allowed_origins == ("https://a.example", "http://b:3000")

@@ -12,7 +12,7 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
-from ..errors import APIError
+from ..failures import ImagesUnsupportedError, InvalidGrammarError
 from .logits import GrammarMatcher, new_matcher, prompt_seen
 from .prefill import MEDIA_TOKENS, preprocess
 from .prompt_cache import image_hash, prompt_key
@@ -39,19 +39,15 @@ def make_row(
     model's media tokens, when the row gets a prompt-cache key.
 
     Raises:
-        APIError: A 400 for images sent to a text model, a prompt over the
-            request's limits (``PromptTooLongError``) or a grammar llguidance
-            refuses; whatever the processor raises for its inputs.
+        ImagesUnsupportedError: Images sent to a text model.
+        PromptTooLongError: A prompt over the request's limits.
+        InvalidGrammarError: A grammar llguidance refuses.
+        Exception: Whatever the processor raises for its inputs.
     """
     if images and not loaded.accepts_images:
-        # The HTTP side names the part; this guards other callers, as a text
-        # model's prompt would silently drop the image.
-        raise APIError(
-            400,
-            "This model takes no images; send text parts only.",
-            param="messages",
-            code="images_unsupported",
-        )
+        # The HTTP side refuses it first and names the part; this guards other
+        # callers, as a text model's prompt would silently drop the image.
+        raise ImagesUnsupportedError()
     api = vlm()
     temperature, top_p, top_k = api.resolve_sampling_defaults(
         getattr(loaded.model, "config", None),
@@ -62,7 +58,7 @@ def make_row(
     temperature = float(api.clamp_temperature(temperature))
     seed = params.seed if params.seed is not None else random.getrandbits(32)
     prepared = preprocess(loaded, params, images)
-    # A 400 before anything is prefilled.
+    # Refused before anything is prefilled.
     params.check_prompt_tokens(prepared.prompt_tokens)
     row = Row(
         max_tokens=params.max_tokens,
@@ -99,7 +95,7 @@ def _matcher(loaded: LoadedModel, grammar: Grammar | None) -> GrammarMatcher | N
     try:
         return new_matcher(loaded, grammar)
     except ValueError as exc:
-        raise APIError(400, f"{exc}.", code="invalid_grammar") from None
+        raise InvalidGrammarError(f"{exc}.") from None
 
 
 def media_tokens(loaded: LoadedModel) -> frozenset[int]:

@@ -29,7 +29,8 @@ from .answers import Item, Outputs, Request
 if TYPE_CHECKING:
     from PIL import Image
 
-    from mlx_pinned import AsyncStreamIterator, MLXThread
+    from mlx_pinned import MLXThread
+    from mlx_pinned.types import AsyncStreamIterator
 
 __all__ = ["LAZY_TURNS", "LoopDriver", "RowOutput", "RowStream", "spawn"]
 

@@ -53,8 +53,8 @@ class Follower(Rank):
     def __init__(self, group: Any, config: ServerConfig) -> None:
         super().__init__(group, config.distributed_timeout, grace=0.0)
         self._model = config.models[0]
-        # Rank 0's whole stop: its drain window, then its in-flight requests.
-        self._drain = config.drain_seconds + config.drain_timeout
+        # Rank 0's whole stop: its unready window, then its in-flight requests.
+        self._drain = config.unready_seconds + config.in_flight_timeout
         self._deadline: float | None = None  # after SIGTERM, for rank 0's stop
 
     def run(self) -> int:

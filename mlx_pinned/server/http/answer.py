@@ -1,40 +1,28 @@
-"""The generated text as OpenAI's answer: reasoning, content and tool calls.
+"""The generated text as an answer's parts: reasoning, content and tool calls.
 
-Event loop, pure Python. :class:`AnswerParser` runs the generated text
-through the reasoning splitter (for a model that thinks) and the tool-call
-parser (for a request with tools), piece by piece; a stream turns each part
-into a delta (:func:`delta`), a whole answer collects them
-(:class:`Answer`). Both see the same parts, so a stream's deltas join to
-exactly the whole answer. A request with neither needs no parser: its text
-is its content, as generated.
+Event loop, pure Python, the same for every API. :class:`AnswerParser` runs
+the generated text through the model's reasoning format's parser (for a
+model that thinks) and its tool-call format's parser (for a request with
+tools), piece by piece. Each API writes the parts in its own shape: a stream
+turns each part into a delta, a whole answer collects them (for chat
+completions, :mod:`.chat_completions.output`); both see the same parts, so a
+stream's deltas join to exactly the whole answer. A request with neither
+needs no parser: its text is its content, as generated.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from ..events import FinishReason
-from .reasoning import ReasoningMode, ReasoningSplitter, reasoning_mode
-from .responses import (
-    Delta,
-    DeltaFunction,
-    DeltaToolCall,
-    FunctionCall,
-    ResponseMessage,
-    ResponseToolCall,
-    WireFinishReason,
-)
-from .schemas import ChatCompletionRequest
-from .toolcalls import CallArguments, CallStart, HermesToolParser
+from ..formats import CallArguments, CallStart, ReasoningParser, ToolCallParser
 
-__all__ = [
-    "Answer",
-    "AnswerParser",
-    "Part",
-    "Reasoning",
-    "answer_parser",
-    "delta",
-]
+if TYPE_CHECKING:
+    from .capabilities import Capabilities
+
+__all__ = ["AnswerParser", "Part", "Reasoning", "answer_parser"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,14 +41,23 @@ class AnswerParser:
     """Splits generated text, fed piece by piece, into the parts of an answer.
 
     Args:
-        reasoning: How the model thinks (None: it does not).
-        tools: Whether to parse tool calls (the request has tools the
-            model may call).
+        reasoning: The parser of the model's reasoning (None: it does not
+            think, or not in this answer).
+        tools: The parser of its tool calls (None: the request has no tools
+            the model may call).
+        call_id: Makes each tool call's id, in the API's own form.
     """
 
-    def __init__(self, *, reasoning: ReasoningMode | None, tools: bool) -> None:
-        self._splitter = ReasoningSplitter(reasoning) if reasoning else None
-        self._tools = HermesToolParser() if tools else None
+    def __init__(
+        self,
+        *,
+        reasoning: ReasoningParser | None,
+        tools: ToolCallParser | None,
+        call_id: Callable[[], str],
+    ) -> None:
+        self._splitter = reasoning
+        self._tools = tools
+        self._call_id = call_id
 
     @property
     def called(self) -> bool:
@@ -80,110 +77,61 @@ class AnswerParser:
         reasoning, content = self._splitter.feed(text)
         return self._parts(reasoning, content, final=False)
 
-    def end(self) -> list[Part]:
-        """Every part still held, at the end of the answer."""
+    def end(self, *, cut: bool = False) -> list[Part]:
+        """Every part still held, at the end of the answer (``cut``: by
+        ``max_tokens``; the start of a call it cut is no content)."""
         if self._splitter is None:
-            return self._content("", final=True)
+            return self._content("", final=True, cut=cut)
         reasoning, content = self._splitter.end()
-        return self._parts(reasoning, content, final=True)
+        return self._parts(reasoning, content, final=True, cut=cut)
 
-    def _parts(self, reasoning: str, content: str, *, final: bool) -> list[Part]:
+    def _parts(
+        self, reasoning: str, content: str, *, final: bool, cut: bool = False
+    ) -> list[Part]:
         parts: list[Part] = [Reasoning(reasoning)] if reasoning else []
-        return parts + self._content(content, final=final)
+        return parts + self._content(content, final=final, cut=cut)
 
-    def _content(self, text: str, *, final: bool) -> list[Part]:
+    def _content(self, text: str, *, final: bool, cut: bool = False) -> list[Part]:
         if self._tools is None:
             return [text] if text else []
-        parts: list[Part] = list(self._tools.feed(text)) if text else []
+        pieces = list(self._tools.feed(text)) if text else []
         if final:
-            parts += self._tools.end()
-        return parts
+            pieces += self._tools.end(cut=cut)
+        # Each call gets its id here, where the answer is made.
+        return [
+            dataclasses.replace(piece, id=self._call_id())
+            if isinstance(piece, CallStart)
+            else piece
+            for piece in pieces
+        ]
 
 
 def answer_parser(
-    request: ChatCompletionRequest, template: str | None, *, constrained: bool
+    capabilities: Capabilities,
+    *,
+    template_kwargs: Mapping[str, Any],
+    tools: bool,
+    constrained: bool,
+    call_id: Callable[[], str],
 ) -> AnswerParser | None:
-    """The parser a request's answer needs; None when its text is its content.
+    """The parser an answer needs; None when its text is its content.
 
-    The model's chat ``template`` says whether it thinks; tools are parsed
-    when the request gives tools the model may call. A ``constrained``
-    answer (it follows a grammar from its first token) has no reasoning.
+    The model's reasoning format and its chat template (with the request's
+    ``template_kwargs``) say whether and how it thinks; tool calls are parsed
+    in its tool-call format when the request gives ``tools`` the model may
+    call. A ``constrained`` answer (it follows a grammar from its first
+    token) has no reasoning. ``call_id`` makes each tool call's id.
     """
-    mode = (
-        None if constrained else reasoning_mode(template, request.chat_template_kwargs)
-    )
-    tools = bool(request.active_tools)
-    if mode is None and not tools:
+    formats = capabilities.formats
+    reasoning = None
+    if formats.reasoning is not None and not constrained:
+        opened = formats.reasoning.opens(
+            capabilities.chat_template or "", template_kwargs
+        )
+        reasoning = formats.reasoning.parser(opened)
+    calls = None
+    if formats.tool_call is not None and tools:
+        calls = formats.tool_call.parser()
+    if reasoning is None and calls is None:
         return None
-    return AnswerParser(reasoning=mode, tools=tools)
-
-
-@dataclass
-class _Call:
-    id: str
-    name: str
-    arguments: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Answer:
-    """The parts of a whole answer, collected into its message."""
-
-    reasoning: list[str] = field(default_factory=list)
-    content: list[str] = field(default_factory=list)
-    calls: list[_Call] = field(default_factory=list)
-    thought: bool = False
-
-    def add(self, parts: list[Part]) -> None:
-        for part in parts:
-            if isinstance(part, Reasoning):
-                self.reasoning.append(part.text)
-            elif isinstance(part, str):
-                self.content.append(part)
-            elif isinstance(part, CallStart):
-                self.calls.append(_Call(part.id, part.name))
-            else:
-                self.calls[part.index].arguments.append(part.text)
-
-    def message(self) -> ResponseMessage:
-        content = "".join(self.content)
-        calls = [
-            ResponseToolCall(
-                id=call.id,
-                function=FunctionCall(
-                    name=call.name, arguments="".join(call.arguments)
-                ),
-            )
-            for call in self.calls
-        ]
-        return ResponseMessage(
-            content=None if calls and not content else content,
-            tool_calls=calls or None,
-            reasoning_content="".join(self.reasoning) if self.thought else None,
-        )
-
-
-def finish_reason(engine: FinishReason, calls: bool) -> WireFinishReason:
-    """The engine's reason on the wire: an answer that called tools and
-    ended by itself ended with ``tool_calls``."""
-    return "tool_calls" if calls and engine == "stop" else engine
-
-
-def delta(part: Part) -> Delta:
-    """The stream delta of one part."""
-    if isinstance(part, Reasoning):
-        return Delta(reasoning_content=part.text)
-    if isinstance(part, str):
-        return Delta(content=part)
-    if isinstance(part, CallStart):
-        call = DeltaToolCall(
-            index=part.index,
-            id=part.id,
-            type="function",
-            function=DeltaFunction(name=part.name, arguments=""),
-        )
-    else:
-        call = DeltaToolCall(
-            index=part.index, function=DeltaFunction(arguments=part.text)
-        )
-    return Delta(tool_calls=[call])
+    return AnswerParser(reasoning=reasoning, tools=calls, call_id=call_id)

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import anyio
 from anyio.lowlevel import RunVar
 
-from ..errors import server_busy
+from ..failures import OverloadedError
 
 __all__ = ["BatchGate"]
 
@@ -21,13 +21,13 @@ class BatchGate:
 
     Event-loop side (asyncio or trio, through anyio). Waiting requests are
     admitted in arrival order as slots free up; at most ``max_pending`` may
-    wait, past that :meth:`turn` answers 503 at once. A slot is given back
+    wait, past that :meth:`turn` refuses at once. A slot is given back
     when the ``turn()`` block exits, so close the stream inside it.
 
     Args:
         max_num_seqs: Generations active at once (the decode batch bound).
         max_pending: Requests that may wait for a slot.
-        retry_after: Seconds in the ``Retry-After`` of the 503.
+        retry_after: Seconds a refused request is told to wait.
     """
 
     def __init__(
@@ -54,13 +54,14 @@ class BatchGate:
 
     @asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
-        """Hold a slot for the block; 503 at once when the waiting room is full.
+        """Hold a slot for the block; refused at once when the waiting room is
+        full.
 
         Cancelling the caller while it waits gives up its place: its
         generation never starts.
 
         Raises:
-            APIError: 503 with ``Retry-After`` when ``max_pending`` wait already.
+            OverloadedError: ``max_pending`` requests wait already.
         """
         try:
             slots = self._slots.get()
@@ -72,7 +73,7 @@ class BatchGate:
         # gate's own count lags until then).
         queued = slots.statistics().tasks_waiting
         if slots.value == 0 and queued >= self.max_pending:
-            raise server_busy(queued, retry_after=self.retry_after)
+            raise OverloadedError(queued, retry_after=self.retry_after)
         self.waiting += 1
         try:
             await slots.acquire()

@@ -15,12 +15,11 @@ thread may call them (a signal handler, a watchdog).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse, Response
 
-from ..errors import APIError, model_not_loaded, shutting_down, thread_unavailable
+from .errors import APIError, model_not_loaded, shutting_down, thread_unavailable
 from .routes import error_response
 
 if TYPE_CHECKING:
@@ -69,16 +68,16 @@ class Readiness:
         if self._down is None:
             self._down = APIError(503, reason, code=code)
 
-    def refusal(self, state: Mapping[str, Any]) -> APIError | None:
+    def refusal(self) -> APIError | None:
         """Why the server is not ready, as the 503 ``/health`` answers; None
-        when it is. ``state``: the lifespan state (the loaded engines)."""
+        when it is."""
         if self.thread.closed:
             return thread_unavailable()
         if self._down is not None:
             return self._down
         if self._draining:
             return shutting_down()
-        if not self.served.loaded(state):
+        if not self.served.loaded():
             return model_not_loaded()
         return None
 
@@ -92,14 +91,13 @@ async def health(readiness: Readiness, request: Request) -> Response:
     """``GET /health``, readiness: 200 while :class:`Readiness` says ready,
     with whether each model is loaded (one loaded on first use may not be),
     its rows and the bytes of KV they hold; else the 503 of the refusal."""
-    state = request.scope.get("state", {})
-    refusal = readiness.refusal(state)
+    refusal = readiness.refusal()
     if refusal is not None:
         return error_response(refusal)
     stats = readiness.thread.statistics()
     models = {}
     for item in readiness.served:
-        engine = item.engine(state)
+        engine = item.engine()
         counters = engine.counters() if engine is not None else None
         entry: dict[str, Any] = {
             "loaded": counters is not None,

@@ -13,8 +13,8 @@ the MLX thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -150,9 +150,8 @@ class ServerMetrics:
             self.latency.labels(model).observe(time.perf_counter() - log.start)
 
     async def endpoint(self, request: Request) -> Response:
-        """``GET /metrics``; each engine's numbers are read from the lifespan
-        state, once its model is loaded."""
-        self._live.state = request.scope.get("state", {})
+        """``GET /metrics``; each engine's numbers are read once its model is
+        loaded."""
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -163,7 +162,6 @@ class _LiveCollector(Collector):
     def __init__(self, thread: MLXThread, models: ServedModels) -> None:
         self.thread = thread
         self.models = models
-        self.state: Mapping[str, Any] = {}  # the lifespan state, set by each scrape
         self._last = (time.perf_counter(), thread.statistics().busy_time)
 
     def collect(self) -> Iterator[Metric]:
@@ -209,7 +207,7 @@ class _LiveCollector(Collector):
         )
         loaded = []
         for model in self.models:
-            engine = model.engine(self.state)
+            engine = model.engine()
             if engine is not None:
                 loaded.append((model.name, engine.counters()))
         yield from self._residency()
@@ -234,15 +232,13 @@ class _LiveCollector(Collector):
             )
         }
         for model in self.models:
-            engine = model.engine(self.state)
+            engine = model.engine()
             flag.add_metric([model.name], int(engine is not None))
             weights.add_metric([model.name], engine.weight_bytes if engine else 0)
             slot = model.slot
-            loads = slot.loads if slot else int(engine is not None)
-            counts["loads"].add_metric([model.name], loads)
-            counts["unloads"].add_metric([model.name], slot.unloads if slot else 0)
-            failures = slot.failures if slot else 0
-            counts["load_failures"].add_metric([model.name], failures)
+            counts["loads"].add_metric([model.name], slot.loads)
+            counts["unloads"].add_metric([model.name], slot.unloads)
+            counts["load_failures"].add_metric([model.name], slot.failures)
         yield flag
         yield weights
         yield from counts.values()

@@ -1,26 +1,25 @@
-"""The served models as the HTTP side sees them: a name, a gate, an engine.
+"""The served models as the HTTP side sees them: a name, a gate, a slot.
 
 Event loop only. A server serves one model or several, all on the one MLX
-thread. Each is loaded by its own start-up job of the middleware, whose
-result (its engine) is in the lifespan state under the model's
-:attr:`ServedModel.state_key`, or, with ``load_on_first_use``, by its first
-request: then its :attr:`ServedModel.slot` holds its engine while it is
-loaded (:mod:`.residency`). Requests are routed by their ``model``; each
+thread. Each model's :attr:`ServedModel.slot` holds its engine while it is
+loaded: a model loaded at start-up is loaded by the app's lifespan and
+stays; one loaded on first use comes and goes (:mod:`.residency`, the one
+place that loads and unloads). Requests are routed by their ``model``; each
 model has its own gate, so its batch and its waiting room are its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..errors import APIError
+from .errors import APIError
 
 if TYPE_CHECKING:
     from ..events import Engine
     from .gate import BatchGate
-    from .residency import ModelSlot
+    from .slots import ModelSlot
 
 __all__ = ["ServedModel", "ServedModels", "model_not_found"]
 
@@ -31,26 +30,24 @@ class ServedModel:
 
     Attributes:
         name: What clients send as ``model``.
-        state_key: The lifespan-state key of its engine (the name of the
-            start-up job that loads it).
         gate: Its own gate: at most ``max_num_seqs`` of its generations at
             once, at most ``max_pending`` waiting.
-        slot: Where it is loaded on first use and unloaded (None: it is
-            loaded at start-up and stays loaded).
+        slot: Where it is loaded (at start-up, or on first use) and unloaded.
+        tool_call_parser: The tool-call format its answers are read in
+            (None: detected from its chat template).
+        reasoning_parser: The reasoning format its answers are read in
+            (None: detected from its chat template).
     """
 
     name: str
-    state_key: str
     gate: BatchGate
-    slot: ModelSlot | None = None
+    slot: ModelSlot
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
-    def engine(self, state: Mapping[str, Any]) -> Engine | None:
-        """Its engine: in its slot, or in the lifespan ``state``; None while
-        it is not loaded."""
-        if self.slot is not None:
-            return self.slot.engine
-        engine: Engine | None = state.get(self.state_key)
-        return engine
+    def engine(self) -> Engine | None:
+        """Its engine; None while it is not loaded."""
+        return self.slot.engine
 
 
 def model_not_found(name: str, served: Sequence[str]) -> APIError:
@@ -96,7 +93,7 @@ class ServedModels:
         except KeyError:
             raise model_not_found(name, self.names) from None
 
-    def loaded(self, state: Mapping[str, Any]) -> bool:
-        """Whether every model loaded at start-up has its engine in the
-        lifespan ``state`` (those loaded on first use are not waited for)."""
-        return all(model.state_key in state for model in self if model.slot is None)
+    def loaded(self) -> bool:
+        """Whether every model loaded at start-up is loaded (those loaded on
+        first use are not waited for)."""
+        return all(model.slot.engine is not None for model in self if model.slot.pinned)

@@ -1,10 +1,14 @@
-"""Models loaded on first use: their loads, idle unloads and memory budget.
+"""The one model registry: every load and unload, the memory budget, and
+the app's lifespan.
 
 Event loop only (asyncio or trio, through anyio): the decisions are made
 here, one at a time, and every load and unload itself runs on the MLX
 thread through the callables ``app.py`` wires in (this side never imports
-MLX). A model loaded at start-up has no :class:`ModelSlot` and stays loaded;
-one loaded on first use goes through these states:
+MLX). Every model has a :class:`~.slots.ModelSlot`. The lifespan
+(:meth:`Residency.running`) loads the models pinned at start-up, in order,
+before the server is ready; they stay loaded. A request that arrives while
+its model loads waits for that load (at most ``load_wait`` seconds). A model
+loaded on first use goes through these states:
 
 ===========  ===============================  ==============================
 state        a request that arrives           leaves it for
@@ -31,18 +35,17 @@ for.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ..errors import APIError, api_error, model_not_loaded
+from ..failures import ModelNotLoadedError
+from .errors import APIError, api_error
+from .slots import ModelSlot, SlotChange, SlotState, due
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -50,7 +53,7 @@ if TYPE_CHECKING:
     from ..events import Engine
     from .models import ServedModel, ServedModels
 
-__all__ = ["ModelSlot", "Residency", "SlotState"]
+__all__ = ["Residency"]
 
 logger = logging.getLogger("mlx_pinned.server")
 
@@ -59,80 +62,25 @@ logger = logging.getLogger("mlx_pinned.server")
 Release = Callable[[list[Any], str], Awaitable[object]]
 
 
-class SlotState(enum.Enum):
-    """Where a model loaded on first use is (see the module's table)."""
-
-    UNLOADED = "unloaded"
-    LOADING = "loading"
-    LOADED = "loaded"
-    UNLOADING = "unloading"
-
-
-class _Change:
-    """One load or unload under way: its waiters wait for ``done``; a load
-    that failed leaves its answer in ``error``."""
-
-    def __init__(self) -> None:
-        self.done = anyio.Event()
-        self.error: APIError | None = None
-
-
-@dataclass(eq=False)
-class ModelSlot:
-    """A model loaded on first use: its state, engine and counts.
-
-    Attributes:
-        name: The served name.
-        load: Loads it on the MLX thread and gives its engine.
-        measure: Its weight bytes from its checkpoint, on the MLX thread
-            (the budget's measure before the first load).
-        idle_timeout: Seconds idle before it is unloaded (None: never).
-        state: See :class:`SlotState`.
-        engine: Its engine while LOADED.
-        holders: Requests holding it now (:meth:`Residency.use`).
-        weight_bytes: Its weights' bytes, measured at its last load; None
-            before the first.
-        idle_since: When the last holder let go (``anyio.current_time()``),
-            while LOADED and idle; None otherwise.
-        created: Unix time the server was made: its ``created`` in
-            ``/v1/models``, which does not move with loads.
-        loads, unloads, failures: Loads done, unloads done, loads failed.
-    """
-
-    name: str
-    load: Callable[[], Awaitable[Engine]]
-    measure: Callable[[], Awaitable[int]]
-    idle_timeout: float | None = None
-    state: SlotState = SlotState.UNLOADED
-    engine: Engine | None = None
-    holders: int = 0
-    weight_bytes: int | None = None
-    idle_since: float | None = None
-    created: float = field(default_factory=time.time)
-    loads: int = 0
-    unloads: int = 0
-    failures: int = 0
-    _change: _Change | None = field(default=None, repr=False)
-
-    @property
-    def idle(self) -> bool:
-        """Loaded, and held by no request."""
-        return self.state is SlotState.LOADED and self.holders == 0
-
-
 class Residency:
-    """Loads models on first use, unloads idle ones, keeps the memory budget.
+    """Loads every model, unloads idle ones, keeps the memory budget.
 
-    Event loop only. :meth:`running` is the app's lifespan: its task group
-    runs the loads and the idle watch. Requests take their model through
-    :meth:`use`, which waits for a load when needed.
+    Event loop only. :meth:`running` is the app's lifespan: it loads the
+    pinned models, and its task group runs the loads and the idle watch.
+    Requests take their model through :meth:`use`, which waits for a load
+    when needed.
 
     Args:
-        models: The served models; those with a slot are loaded on first use.
+        models: The served models.
         release: Frees an unloaded engine on the MLX thread.
         budget: Bytes of weights loaded at once, over all models (None: no
             limit).
         retry_after: Seconds in the ``Retry-After`` of its 503s.
+        load_wait: Seconds a request waits for its model's load before a 503
+            ``model_not_loaded`` (None: as long as the load takes).
+        prepare: Runs before the start-up loads (the budget's check); what
+            it raises fails the start-up.
+        settle: Runs once the start-up loads are done.
     """
 
     def __init__(
@@ -142,78 +90,127 @@ class Residency:
         *,
         budget: int | None = None,
         retry_after: int = 1,
+        load_wait: float | None = None,
+        prepare: Callable[[], Awaitable[object]] | None = None,
+        settle: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self.models = models
         self.release = release
         self.budget = budget
         self.retry_after = retry_after
-        self._slots = [model.slot for model in models if model.slot is not None]
+        self.load_wait = load_wait
+        self._prepare = prepare
+        self._settle = settle
+        self._slots = [model.slot for model in models]
         self._tasks: TaskGroup | None = None
         self._lock: anyio.Lock | None = None
         self._wake: anyio.Event | None = None
-        self._state: Mapping[str, Any] = {}  # the lifespan state, from requests
 
     @asynccontextmanager
     async def running(self, app: object = None) -> AsyncIterator[None]:
-        """The lifespan (Starlette's ``lifespan=``): loads and the idle watch
-        run inside it; at its end both are cancelled (the server drained
-        its requests first)."""
+        """The lifespan (Starlette's ``lifespan=``): loads the pinned models
+        in order (a request that arrives meanwhile waits); loads and the
+        idle watch run inside it; at its end both are cancelled (the server
+        drained its requests first).
+
+        Raises:
+            Exception: What ``prepare`` or a start-up load raised: the
+                start-up fails with it.
+        """
         self._lock = anyio.Lock()
+        failure: Exception | None = None
         async with anyio.create_task_group() as tasks:
             self._tasks = tasks
-            if any(slot.idle_timeout is not None for slot in self._slots):
-                tasks.start_soon(self._watch_idle)
             try:
-                yield
+                try:
+                    await self._start_up()
+                except Exception as exc:  # raised below: not as a group
+                    failure = exc
+                else:
+                    if any(slot.idle_timeout is not None for slot in self._slots):
+                        tasks.start_soon(self._watch_idle)
+                    yield
             finally:
                 self._tasks = None
                 tasks.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
+    async def _start_up(self) -> None:
+        if self._prepare is not None:
+            await self._prepare()
+        # All marked loading first: a request for the second waits for it
+        # while the first loads.
+        pinned = [slot for slot in self._slots if slot.pinned]
+        for slot in pinned:
+            slot.state = SlotState.LOADING
+            slot._change = SlotChange()
+        try:
+            for slot in pinned:
+                change = slot._change
+                assert change is not None
+                await self._load(slot, change)
+                if change.cause is not None:
+                    raise change.cause
+        finally:  # failed or cancelled: the rest will never load
+            for slot in pinned:
+                if slot.state is SlotState.LOADING and slot._change is not None:
+                    waiting, slot._change = slot._change, None
+                    slot.state = SlotState.UNLOADED
+                    waiting.error = ModelNotLoadedError(
+                        slot.name, retry_after=self.retry_after
+                    )
+                    waiting.done.set()
+        if self._settle is not None:
+            await self._settle()
 
     @asynccontextmanager
-    async def use(
-        self, served: ServedModel, state: Mapping[str, Any]
-    ) -> AsyncIterator[Engine]:
+    async def use(self, served: ServedModel) -> AsyncIterator[Engine]:
         """Hold ``served`` for the block and give its engine, loading it
-        first if it is not loaded (waiting for the load under way, if one
-        is). Close the generation inside the block: the model may be
-        unloaded once the block ends.
+        first if it is loaded on first use and not loaded (waiting for the
+        load under way, if one is, at most ``load_wait`` seconds). Close the
+        generation inside the block: the model may be unloaded once the
+        block ends.
 
         Raises:
-            APIError: 503 ``model_not_loaded`` (a model loaded at start-up,
-                not yet loaded), 503 ``model_load_failed`` (its load failed:
-                the next request tries again), 503 ``model_memory_budget``
-                with ``Retry-After`` (it does not fit in the budget now).
+            ModelNotLoadedError: Its load did not end within ``load_wait``,
+                or no lifespan runs to load it.
+            APIError: 503 ``model_load_failed`` (its load failed: the next
+                request tries again), 503 ``model_memory_budget`` with
+                ``Retry-After`` (it does not fit in the budget now).
         """
-        self._state = state
         slot = served.slot
-        if slot is None:
-            engine = served.engine(state)
-            if engine is None:
-                raise model_not_loaded()
-            yield engine
-            return
         slot.holders += 1
         slot.idle_since = None
         try:
-            yield await self._loaded(slot)
+            wait = math.inf if self.load_wait is None else self.load_wait
+            engine: Engine | None = None
+            with anyio.move_on_after(wait):
+                engine = await self._loaded(slot)
+            if engine is None:
+                raise ModelNotLoadedError(slot.name, retry_after=self.retry_after)
+            yield engine
         finally:
             slot.holders -= 1
             if slot.idle:
                 slot.idle_since = anyio.current_time()
                 self._notify()
 
-    def weight_bytes(self, state: Mapping[str, Any]) -> int:
-        """Bytes of weights loaded now: the start-up models' and the slots'."""
-        return self._pinned_bytes(state) + sum(
+    def weight_bytes(self) -> int:
+        """Bytes of weights loaded now."""
+        return sum(
             slot.weight_bytes or 0
             for slot in self._slots
             if slot.state is SlotState.LOADED
         )
 
-    def _pinned_bytes(self, state: Mapping[str, Any]) -> int:
+    def _pinned_bytes(self) -> int:
         """Bytes of the models loaded at start-up (never unloaded)."""
-        engines = (model.engine(state) for model in self.models if model.slot is None)
-        return sum(engine.weight_bytes for engine in engines if engine is not None)
+        return sum(
+            slot.weight_bytes or 0
+            for slot in self._slots
+            if slot.pinned and slot.state is SlotState.LOADED
+        )
 
     # -- loading -------------------------------------------------------------
 
@@ -225,6 +222,8 @@ class Residency:
                 assert slot.engine is not None
                 return slot.engine
             if slot.state is SlotState.UNLOADED:
+                if slot.pinned:  # its start-up load has not begun
+                    raise ModelNotLoadedError(slot.name, retry_after=self.retry_after)
                 self._start_load(slot)
             change = slot._change
             assert change is not None, "a slot loading or unloading has a change"
@@ -234,12 +233,12 @@ class Residency:
 
     def _start_load(self, slot: ModelSlot) -> None:
         if self._tasks is None:  # no lifespan runs: nothing can load it
-            raise model_not_loaded()
+            raise ModelNotLoadedError(slot.name, retry_after=self.retry_after)
         slot.state = SlotState.LOADING
-        slot._change = _Change()
+        slot._change = SlotChange()
         self._tasks.start_soon(self._load, slot, slot._change)
 
-    async def _load(self, slot: ModelSlot, change: _Change) -> None:
+    async def _load(self, slot: ModelSlot, change: SlotChange) -> None:
         assert self._lock is not None
         engine: Engine | None = None
         try:
@@ -255,8 +254,9 @@ class Residency:
             slot.failures += 1
             logger.error("loading model %r failed", slot.name, exc_info=exc)
             change.error = _load_failed(slot.name, exc, self.retry_after)
+            change.cause = exc
         except BaseException:  # cancelled: the server is shutting down
-            change.error = model_not_loaded()
+            change.error = ModelNotLoadedError(slot.name, retry_after=self.retry_after)
             raise
         finally:
             if engine is None:
@@ -278,24 +278,24 @@ class Residency:
         more bytes fit in the budget; refuse (503) when even unloading every
         idle one would not make them fit, unloading none. Lock held."""
         budget = self.budget
-        if budget is None or self.weight_bytes(self._state) + need <= budget:
+        if budget is None or self.weight_bytes() + need <= budget:
             return
-        pinned = self._pinned_bytes(self._state)
+        pinned = self._pinned_bytes()
         idle = sorted(
             (other for other in self._slots if other.idle),
             key=lambda other: other.idle_since or -math.inf,
         )
         freeable = sum(other.weight_bytes or 0 for other in idle)
-        if self.weight_bytes(self._state) - freeable + need > budget:
+        if self.weight_bytes() - freeable + need > budget:
             error = _over_budget(slot.name, need, budget, pinned, self.retry_after)
             logger.warning("%s", error.message)
             raise error
         for other in idle:
-            if self.weight_bytes(self._state) + need <= budget:
+            if self.weight_bytes() + need <= budget:
                 return
             if other.idle:  # not taken by a request during the last unload
                 await self._unload(other, f"to make room for {slot.name!r}")
-        if self.weight_bytes(self._state) + need > budget:
+        if self.weight_bytes() + need > budget:
             raise _over_budget(slot.name, need, budget, pinned, self.retry_after)
 
     # -- unloading -----------------------------------------------------------
@@ -307,7 +307,7 @@ class Residency:
         assert slot.engine is not None
         slot.state = SlotState.UNLOADING
         slot.idle_since = None
-        change = slot._change = _Change()
+        change = slot._change = SlotChange()
         holder: list[Any] = [slot.engine]
         slot.engine = None
         logger.info("unloading model %r (%s)", slot.name, why)
@@ -329,31 +329,23 @@ class Residency:
         while True:
             self._wake = anyio.Event()
             now = anyio.current_time()
-            due = {slot: at for slot in self._slots if (at := _due(slot)) is not None}
-            expired = [slot for slot, at in due.items() if at <= now]
+            dues = {slot: at for slot in self._slots if (at := due(slot)) is not None}
+            expired = [slot for slot, at in dues.items() if at <= now]
             if not expired:
-                with anyio.move_on_after(min(due.values(), default=math.inf) - now):
+                with anyio.move_on_after(min(dues.values(), default=math.inf) - now):
                     await self._wake.wait()
                 continue
             async with self._lock:
                 for slot in expired:
                     # Checked again: a request may have taken it while this
                     # waited for the lock.
-                    at = _due(slot)
+                    at = due(slot)
                     if at is not None and at <= now:
                         await self._unload(slot, f"idle for {slot.idle_timeout:g} s")
 
     def _notify(self) -> None:
         if self._wake is not None:
             self._wake.set()
-
-
-def _due(slot: ModelSlot) -> float | None:
-    """When an idle slot is unloaded (``anyio.current_time()``); None while
-    it is not idle, or never is unloaded for it."""
-    if not slot.idle or slot.idle_since is None or slot.idle_timeout is None:
-        return None
-    return slot.idle_since + slot.idle_timeout
 
 
 def _load_failed(name: str, exc: BaseException, retry_after: int) -> APIError:

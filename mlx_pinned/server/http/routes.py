@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from ..errors import APIError, internal_error
+from .errors import APIError, internal_error
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -48,10 +48,10 @@ def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
     """The ``/v1/models`` entry of a served model; ``created``: when it was
     loaded (now, while it loads), or for one loaded on first use, when the
     server was made (its loads come and go)."""
-    if served.slot is not None:
+    if not served.slot.pinned:
         created = int(served.slot.created)
     else:
-        loaded = served.engine(request.scope.get("state", {}))
+        loaded = served.engine()
         created = int(getattr(loaded, "loaded_at", None) or time.time())
     return {
         "id": served.name,

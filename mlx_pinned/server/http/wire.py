@@ -1,7 +1,8 @@
-"""The HTTP side of a chat request: body, response, disconnects, log line.
+"""The HTTP side of a generation request, the same for every API: body,
+response, disconnects, log line.
 
-Plain ASGI, on the event loop. Nothing here knows about models: it reads
-only the plain events of :mod:`..events`.
+Plain ASGI, on the event loop. Nothing here knows about models or an API's
+shapes: it reads only the plain events of :mod:`..events`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import TYPE_CHECKING
 import anyio
 import sniffio
 
-from ..errors import APIError
 from ..events import FinalEvent, TokenEvent
+from .errors import APIError
 
 if TYPE_CHECKING:
     from starlette.types import Message, Receive, Scope, Send
@@ -50,6 +51,7 @@ class RequestLog:
     """What the one log line of a request reports."""
 
     start: float
+    route: str  # the method and path, as logged: "POST /v1/chat/completions"
     status: int = 0
     stream: bool = False
     images: int = 0
@@ -87,10 +89,11 @@ class RequestLog:
         decode = (self.last_token or end) - (self.first_token or end)
         rate = (self.completion_tokens - 1) / decode if decode > 0 else 0.0
         logger.info(
-            "%sPOST /v1/chat/completions %d stream=%s images=%d prompt=%d "
+            "%s%s %d stream=%s images=%d prompt=%d "
             "completion=%d queue=%.1fms ttft=%.1fms total=%.1fms %.1f tok/s "
             "finish=%s model=%s%s",
             f"{self.client} " if self.client else "",
+            self.route,
             self.status,
             int(self.stream),
             self.images,

@@ -27,7 +27,8 @@ from anyio.lowlevel import RunVar
 from PIL import Image, ImageOps
 
 from ..config import ImageLimits
-from ..events import ImageError, ImageRef
+from ..events import ImageRef
+from ..failures import ImageRefusedError
 from .remote import RemoteImageError
 
 __all__ = ["FORMATS", "Fetcher", "decode_image", "decoders", "load_images"]
@@ -72,7 +73,8 @@ def decode_image(
         data: The encoded bytes, when already fetched from a remote URL.
 
     Raises:
-        ImageError: Unsupported URL or format, bad base64, over a limit, corrupt.
+        ImageRefusedError: Unsupported URL or format, bad base64, over a limit,
+            corrupt.
     """
     if data is None:
         data = _data_uri_bytes(ref, limits)
@@ -130,12 +132,12 @@ async def load_images(
         refs: The image parts, in prompt order.
         limits: The size limits.
         fetch: Fetches ``http(s)://`` URLs; when None they are refused. Its
-            :class:`RemoteImageError` becomes a 400 that names the part.
+            :class:`RemoteImageError` becomes an ``ImageRefusedError``.
         limiter: Bounds the requests decoding at once (default:
             :func:`decoders`, one per core).
 
     Raises:
-        ImageError: The first image that cannot be used.
+        ImageRefusedError: The first image that cannot be used.
     """
     payloads: list[bytes | None] = []
     for ref in refs:
@@ -220,7 +222,7 @@ def _data_uri_bytes(ref: ImageRef, limits: ImageLimits) -> bytes:
         ) from None
 
 
-def _too_large(ref: ImageRef, size: int, limits: ImageLimits) -> ImageError:
+def _too_large(ref: ImageRef, size: int, limits: ImageLimits) -> ImageRefusedError:
     return ref.error(
         f"the image is {size} bytes; at most {limits.max_bytes} are allowed.",
         "image_too_large",

@@ -1,6 +1,6 @@
 """uvicorn's server as ``mlx-pinned serve`` runs it: it answers while the
 models load, and on SIGTERM it turns ``/health`` to 503 for
-``--drain-seconds`` before it closes its listener.
+``--unready-seconds`` before it closes its listener.
 
 Event loop (the main thread). uvicorn calls :meth:`Server.handle_exit` from
 its signal handler, on the loop's thread between two callbacks, and
@@ -38,22 +38,22 @@ class Server(uvicorn.Server):
     failed load stops the server; :attr:`load_failed` says so.
 
     The first SIGTERM or SIGINT turns readiness off (:meth:`Readiness.drain`);
-    when the server was ready it keeps serving ``drain_seconds`` more, then
-    shuts down as uvicorn does (the listener closes, in-flight requests
+    when the server was ready it keeps serving ``unready_seconds`` more,
+    then shuts down as uvicorn does (the listener closes, in-flight requests
     finish). A second signal ends the wait.
 
     Args:
         config: uvicorn's settings.
         readiness: The app's readiness.
-        drain_seconds: Seconds between the signal and the listener's close.
+        unready_seconds: Seconds between the signal and the listener's close.
     """
 
     def __init__(
-        self, config: uvicorn.Config, *, readiness: Readiness, drain_seconds: float
+        self, config: uvicorn.Config, *, readiness: Readiness, unready_seconds: float
     ) -> None:
         super().__init__(config)
         self.readiness = readiness
-        self.drain_seconds = drain_seconds
+        self.unready_seconds = unready_seconds
         self.load_failed = False
         self._url: str | None = None
         self._drain_ends: float | None = None
@@ -88,11 +88,11 @@ class Server(uvicorn.Server):
         elif not self.should_exit and self._drain_wanted():
             self.readiness.drain()
             self._signal = (sig, frame)
-            self._drain_ends = time.monotonic() + self.drain_seconds
+            self._drain_ends = time.monotonic() + self.unready_seconds
             logger.info(
                 "draining: /health answers 503 for %.1f s, then the listener "
                 "closes (a second signal skips the wait)",
-                self.drain_seconds,
+                self.unready_seconds,
             )
             return
         self.readiness.drain()
@@ -101,9 +101,9 @@ class Server(uvicorn.Server):
     def _drain_wanted(self) -> bool:
         """Whether to wait before closing: a balancer may be sending here
         only if the server was ready."""
-        if self.drain_seconds <= 0 or not self.started:
+        if self.unready_seconds <= 0 or not self.started:
             return False
-        return self.readiness.refusal(self.lifespan.state) is None
+        return self.readiness.refusal() is None
 
     async def on_tick(self, counter: int) -> bool:
         ends = self._drain_ends

@@ -1,17 +1,16 @@
-"""Tool calls, parsed from the text a model writes.
+"""Hermes' tool-call format: ``<tool_call>`` JSON ``</tool_call>``.
 
-Event loop, pure Python. One format so far, Hermes' (Qwen2.5, Qwen3,
-Qwen3-VL, Hermes and the models tuned on them): each call is
-``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>``. The
-format is chosen from the model's chat template (:func:`tool_call_format`);
-a template with no known format refuses ``tools`` with a 400 instead of
-answering calls as plain text.
+Any thread, pure Python. Qwen2.5, Qwen3, Qwen3-VL, Hermes and the models
+tuned on them write each call as
+``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>``; a chat
+template that contains ``<tool_call>`` has this format.
 
 :class:`HermesToolParser` reads the text piece by piece and gives content,
 then each call's start (its name) and its arguments in fragments, as soon
 as they are certain; fed the whole text at once it gives the same calls,
 so a stream and a whole answer agree exactly (a test checks it). A call's
-arguments are its ``ARGS`` text as the model wrote it.
+arguments are its ``ARGS`` text as the model wrote it. :func:`grammar`
+forces calls in this format.
 """
 
 from __future__ import annotations
@@ -19,23 +18,22 @@ from __future__ import annotations
 import enum
 import json
 import re
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Sequence
 
-from .reasoning import partial_marker
-from .responses import tool_call_id
-from .structured import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from .base import (
+    CallArguments,
+    CallStart,
+    Piece,
+    ToolCallFormat,
+    ToolSpec,
+    json_arguments,
+    partial_marker,
+)
 
-__all__ = [
-    "CallArguments",
-    "CallStart",
-    "HermesToolParser",
-    "ToolCallFormat",
-    "tool_call_format",
-]
+__all__ = ["HERMES", "HermesToolParser", "grammar"]
 
-#: The tool-call formats this server parses.
-ToolCallFormat = Literal["hermes"]
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
 
 # What comes before the arguments; committed only once the first character of
 # the arguments is there (never '<', which begins the closing tag), so more
@@ -46,33 +44,26 @@ _HEAD = re.compile(
 )
 
 
-def tool_call_format(template: str | None) -> ToolCallFormat | None:
-    """The tool-call format of a model with this chat template; None if it
-    has none this server parses. An unknown template (None) is taken for
-    Hermes', the format of the Qwen-VL family."""
-    if template is None or TOOL_CALL_OPEN in template:
-        return "hermes"
-    return None
+def detect(template: str) -> bool:
+    """Whether a chat template writes Hermes' calls."""
+    return TOOL_CALL_OPEN in template
 
 
-@dataclass(frozen=True, slots=True)
-class CallStart:
-    """A tool call begins: its index in the answer, id and function name."""
-
-    index: int
-    id: str
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class CallArguments:
-    """A fragment of a tool call's arguments (JSON text)."""
-
-    index: int
-    text: str
-
-
-Piece = str | CallStart | CallArguments
+def grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
+    """A Lark grammar for one call (or, with ``parallel``, one or more, a
+    newline apart) to one of ``tools``, its arguments constrained by the
+    tool's ``parameters`` schema."""
+    rules = []
+    for i, tool in enumerate(tools):
+        head = f'{TOOL_CALL_OPEN}\n{{"name": "{tool.name}", "arguments": '
+        rules.append(
+            f"call_{i}: {json.dumps(head)} args_{i} "
+            f"{json.dumps('}' + chr(10) + TOOL_CALL_CLOSE)}"
+        )
+        rules.append(f"args_{i}: %json {json.dumps(json_arguments(tool.parameters))}")
+    calls = " | ".join(f"call_{i}" for i in range(len(tools)))
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return "\n".join([start, f"call: {calls}", *rules]) + "\n"
 
 
 class _State(enum.Enum):
@@ -92,9 +83,9 @@ class HermesToolParser:
     """Content and tool calls from Hermes-format text, fed piece by piece.
 
     Whitespace next to a call is dropped from the content (Qwen writes a
-    newline between calls); text that opens ``<tool_call>`` but is not a
+    newline between calls); a closed ``<tool_call>`` block that is not a
     call (no name and arguments) stays content. The end of the text closes
-    a call cut short.
+    a call cut short in its arguments, and drops one cut before them.
     """
 
     def __init__(self) -> None:
@@ -103,6 +94,7 @@ class HermesToolParser:
         self._lead = False  # content right after a call: drop its whitespace
         self._sent = ""  # the current call's arguments given out so far
         self._gap = ""  # whitespace before the current <tool_call>
+        self._cut = False  # the answer was cut short
         self.calls = 0
 
     def feed(self, text: str) -> list[Piece]:
@@ -110,8 +102,10 @@ class HermesToolParser:
         self._buffer += text
         return self._parse(final=False)
 
-    def end(self) -> list[Piece]:
-        """Everything still held, at the end of the answer."""
+    def end(self, *, cut: bool = False) -> list[Piece]:
+        """Everything still held, at the end of the answer; one ``cut``
+        short drops a possible start of a call at its end too."""
+        self._cut = cut
         return self._parse(final=True)
 
     def _parse(self, *, final: bool) -> list[Piece]:
@@ -144,6 +138,9 @@ class HermesToolParser:
             self._state = _State.HEAD
             return True
         if final:
+            begun = partial_marker(text, TOOL_CALL_OPEN) if self._cut else 0
+            if begun:  # a call may have begun: its markup goes, as a call's
+                text = text[: len(text) - begun].rstrip()
             # Whitespace at the end goes with the calls, if any were made.
             self._content(out, text.rstrip() if self.calls else text)
             self._buffer = ""
@@ -161,23 +158,26 @@ class HermesToolParser:
         head = _HEAD.match(body)
         if head is not None:
             name = json.loads(f'"{head.group(1)}"')
-            out.append(CallStart(self.calls, tool_call_id(), name))
+            out.append(CallStart(self.calls, name))
             self._buffer = self._buffer[head.end() :]
             self._state, self._sent = _State.ARGUMENTS, ""
             return True
-        if close < 0 and not final:
-            return False  # the head may still come
-        # Not a call: the text goes back to the content, markers and all.
-        rest = "" if close < 0 else self._buffer[close + len(TOOL_CALL_CLOSE) :]
-        closing = "" if close < 0 else TOOL_CALL_CLOSE
-        self._content(out, self._gap + TOOL_CALL_OPEN + body + closing)
+        if close < 0:
+            if final:  # a call cut before its arguments: no content either
+                self._buffer, self._state = "", _State.TEXT
+            return final  # else the head may still come
+        # A closed block that is no call goes back to the content, markers
+        # and all.
+        rest = self._buffer[close + len(TOOL_CALL_CLOSE) :]
+        self._content(out, self._gap + TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE)
         self._buffer, self._state = rest, _State.TEXT
         return True
 
     def _arguments_piece(self, out: list[Piece], *, final: bool) -> bool:
         close = self._buffer.find(TOOL_CALL_CLOSE)
         if close >= 0 or final:
-            body = self._buffer if close < 0 else self._buffer[:close]
+            held = 0 if close >= 0 else partial_marker(self._buffer, TOOL_CALL_CLOSE)
+            body = self._buffer[: close if close >= 0 else len(self._buffer) - held]
             arguments = _arguments(body)
             rest = "" if close < 0 else self._buffer[close + len(TOOL_CALL_CLOSE) :]
             self._buffer, self._state, self._lead = rest, _State.TEXT, True
@@ -192,3 +192,9 @@ class HermesToolParser:
             self.calls += 1
             return True
         return False
+
+
+#: Hermes' format, an entry of the registry.
+HERMES = ToolCallFormat(
+    name="hermes", detect=detect, parser=HermesToolParser, grammar=grammar
+)

@@ -8,92 +8,35 @@ API reference is declared here and either honoured or refused with a 400
 that names it; an unknown top-level field is refused as OpenAI refuses it
 ("Unrecognized request argument supplied"), except the vLLM extensions
 clients commonly send (``top_k``, ``min_p``, ``repetition_penalty``,
-``chat_template_kwargs``), which are honoured. Nothing here touches MLX or
-the event loop.
+``chat_template_kwargs``), which are honoured. A validated request turns
+itself into the shared generation request
+(:meth:`ChatCompletionRequest.to_generation_params`): the wire schema stops
+here. Nothing here touches MLX or the event loop.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-)
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from ...events import GenerationParams, Grammar
+from ..validation import parse_request
 from .messages import (
-    AssistantMessage,
-    FunctionDefinition,
-    ImagePart,
-    ImageURL,
-    JSONSchemaFormat,
-    JSONSchemaResponseFormat,
     Message,
-    NamedFunction,
     NamedToolChoice,
     RequestModel,
     ResponseFormat,
     StreamOptions,
-    SystemMessage,
     TextFormat,
-    TextPart,
     Tool,
-    ToolCall,
-    ToolCallFunction,
-    ToolMessage,
-    UserMessage,
+    chat_messages,
 )
-from .responses import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    Choice,
-    ChoiceLogprobs,
-    ChunkChoice,
-    ChunkEncoder,
-    Delta,
-    ResponseMessage,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
-    completion_id,
-)
-from .validation import validation_error_to_api_error
 
-__all__ = [
-    "AssistantMessage",
-    "ChatCompletion",
-    "ChatCompletionChunk",
-    "ChatCompletionRequest",
-    "Choice",
-    "ChoiceLogprobs",
-    "ChunkChoice",
-    "ChunkEncoder",
-    "Delta",
-    "FunctionDefinition",
-    "ImagePart",
-    "ImageURL",
-    "JSONSchemaFormat",
-    "Message",
-    "NamedToolChoice",
-    "ResponseFormat",
-    "ResponseMessage",
-    "StreamOptions",
-    "SystemMessage",
-    "TextPart",
-    "TokenLogprob",
-    "Tool",
-    "ToolCall",
-    "ToolMessage",
-    "TopLogprob",
-    "Usage",
-    "UserMessage",
-    "completion_id",
-    "parse_chat_request",
-]
+__all__ = ["ChatCompletionRequest", "parse_chat_request"]
+
+_TOP_P_FLOOR = 1.1754943508222875e-38  # float32's smallest normal number
 
 #: Keyword arguments the server passes to the chat template itself.
 _TEMPLATE_ARGUMENTS = frozenset(
@@ -373,6 +316,51 @@ class ChatCompletionRequest(RequestModel):
             return []
         return self.tools
 
+    def to_generation_params(
+        self,
+        max_tokens: int,
+        *,
+        max_prompt_tokens: int | None = None,
+        context_length: int | None = None,
+        grammar: Grammar | None = None,
+    ) -> GenerationParams:
+        """This request as the shared generation request, with ``max_tokens``
+        resolved and its ``grammar`` (:func:`.serving.request_grammar`)
+        checked.
+
+        Tools go to the chat template unless ``tool_choice`` is ``none`` (the
+        model is not told of tools it may not call).
+        """
+        top_k = self.top_k
+        return GenerationParams(
+            messages=tuple(chat_messages(self.messages)),
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            # At least float32's smallest normal number: a smaller top_p is 0 in
+            # float32, which keeps no token at all; this one keeps the most
+            # likely token, as 1e-30 does.
+            top_p=None if self.top_p is None else max(self.top_p, _TOP_P_FLOOR),
+            seed=self.seed,
+            stop=self.stop_sequences,
+            logprobs=bool(self.logprobs),
+            top_logprobs=self.top_logprobs or 0,
+            logit_bias=tuple(self.token_bias.items()),
+            max_prompt_tokens=max_prompt_tokens,
+            context_length=context_length,
+            top_k=0 if top_k == -1 else top_k,  # vLLM's -1: no limit
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(
+                1.0 if self.repetition_penalty is None else self.repetition_penalty
+            ),
+            grammar=grammar,
+            tools=tuple(
+                tool.model_dump(exclude_none=True) for tool in self.active_tools
+            ),
+            template_kwargs=tuple((self.chat_template_kwargs or {}).items()),
+        )
+
 
 def _token_id(key: str) -> int:
     """A ``logit_bias`` key's token id: "000...05" is 5, past int()'s limit."""
@@ -380,43 +368,9 @@ def _token_id(key: str) -> int:
 
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
-    """Parse and validate a chat-completions body.
-
-    Runs wherever it is called (pure CPU, no MLX); cheap enough for the event loop
-    for bodies within the server's size limit.
+    """Parse and validate a chat-completions body (any thread, pure CPU).
 
     Raises:
         APIError: 400 naming the first invalid parameter.
     """
-    try:
-        return ChatCompletionRequest.model_validate_json(body)
-    except ValidationError as exc:
-        raise validation_error_to_api_error(exc, body, _FIELD_NAMES) from None
-
-
-def _field_names() -> frozenset[str]:
-    names: set[str] = set()
-    for model in (
-        ChatCompletionRequest,
-        SystemMessage,
-        UserMessage,
-        AssistantMessage,
-        TextPart,
-        ImagePart,
-        ImageURL,
-        StreamOptions,
-        ToolMessage,
-        ToolCall,
-        ToolCallFunction,
-        Tool,
-        FunctionDefinition,
-        NamedToolChoice,
-        NamedFunction,
-        JSONSchemaResponseFormat,
-        JSONSchemaFormat,
-    ):
-        names.update(field.alias or name for name, field in model.model_fields.items())
-    return frozenset(names)
-
-
-_FIELD_NAMES = _field_names()
+    return parse_request(ChatCompletionRequest, body)

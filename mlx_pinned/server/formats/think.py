@@ -1,11 +1,11 @@
-"""The reasoning of thinking models, split from their answer.
+"""The ``<think>...</think>`` reasoning format.
 
-Event loop, pure Python. A model whose chat template thinks writes
-``<think>...</think>`` before its answer; :class:`ReasoningSplitter` sends
-the text between to ``reasoning_content`` and the rest to ``content``, one
-piece of text at a time, so a stream and a whole answer split alike.
-Whether and how a model thinks is read from its chat template
-(:func:`reasoning_mode`).
+Any thread, pure Python. A model whose chat template thinks writes
+``<think>...</think>`` before its answer (Qwen3, Qwen3-VL-Thinking,
+DeepSeek-R1); :class:`ReasoningSplitter` sends the text between to the
+reasoning and the rest to the content, one piece of text at a time, so a
+stream and a whole answer split alike. Whether the answer starts inside
+the reasoning is read from the chat template (:func:`opens`).
 """
 
 from __future__ import annotations
@@ -13,25 +13,14 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
-__all__ = [
-    "THINK_CLOSE",
-    "THINK_OPEN",
-    "ReasoningMode",
-    "ReasoningSplitter",
-    "partial_marker",
-    "reasoning_mode",
-]
+from .base import ReasoningFormat, partial_marker
+
+__all__ = ["THINK", "ReasoningSplitter", "opens"]
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
-
-#: ``opened``: the template's generation prompt ends with ``<think>``, so
-#: the answer starts inside the reasoning (Qwen3-VL-Thinking, DeepSeek-R1);
-#: ``optional``: the model may open ``<think>`` as its first text (Qwen3's
-#: hybrid templates, whose ``enable_thinking: false`` writes an empty pair).
-ReasoningMode = Literal["opened", "optional"]
 
 # The generation prompt: what follows the template's last test of
 # add_generation_prompt.
@@ -40,17 +29,22 @@ _GENERATION_PROMPT = re.compile(
 )
 
 
-def reasoning_mode(
-    template: str | None, template_kwargs: Mapping[str, Any] | None = None
-) -> ReasoningMode | None:
-    """How a model with this chat template thinks; None if it does not.
+def detect(template: str) -> bool:
+    """Whether a chat template thinks in ``<think>`` tags."""
+    return THINK_OPEN in template
+
+
+def opens(template: str, template_kwargs: Mapping[str, Any]) -> bool:
+    """Whether the template's generation prompt ends with ``<think>``
+    (Qwen3-VL-Thinking, DeepSeek-R1), so the answer starts inside the
+    reasoning; else the model may open ``<think>`` as its first text
+    (Qwen3's hybrid templates, whose ``enable_thinking: false`` writes an
+    empty pair).
 
     A ``<think>`` the generation prompt opens only under an ``enable_thinking``
     test opens it only when the request sets ``enable_thinking: true`` (mlx-vlm
     passes false to templates that take it, unless the request says).
     """
-    if not template or THINK_OPEN not in template:
-        return None
     found = _GENERATION_PROMPT.search(template)
     tail = template[found.end() :] if found else ""
     for match in re.finditer(re.escape(THINK_OPEN), tail):
@@ -58,18 +52,9 @@ def reasoning_mode(
         if THINK_CLOSE in tail[match.end() : match.end() + 24]:
             continue
         guarded = "enable_thinking" in tail[: match.start()]
-        if not guarded or (template_kwargs or {}).get("enable_thinking") is True:
-            return "opened"
-    return "optional"
-
-
-def partial_marker(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that begins ``marker`` (and is
-    shorter than it): text to hold back until the next piece says more."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0
+        if not guarded or template_kwargs.get("enable_thinking") is True:
+            return True
+    return False
 
 
 class _State(enum.Enum):
@@ -82,20 +67,20 @@ class ReasoningSplitter:
     """Splits generated text, fed piece by piece, into reasoning and content.
 
     Newlines just inside the tags and just after ``</think>`` are dropped,
-    as Qwen's templates drop them when the turn is sent back. Without
-    ``<think>`` at the very start (``optional`` mode), all is content,
-    unchanged. The pieces out join to the same two texts however the input
-    was cut (a test checks it).
+    as Qwen's templates drop them when the turn is sent back. An answer
+    that does not start inside the reasoning and does not begin with
+    ``<think>`` is all content, unchanged. The pieces out join to the same
+    two texts however the input was cut (a test checks it).
 
     Args:
-        mode: How the model thinks (:func:`reasoning_mode`).
+        opened: Whether the answer starts inside the reasoning (:func:`opens`).
     """
 
-    def __init__(self, mode: ReasoningMode) -> None:
-        self._state = _State.REASONING if mode == "opened" else _State.START
+    def __init__(self, opened: bool) -> None:
+        self._state = _State.REASONING if opened else _State.START
         self._held = ""
         self._lead = True  # at the start of a section: drop its newlines
-        self.thought = mode == "opened"  # whether any reasoning began
+        self.thought = opened  # whether any reasoning began
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and the content ``text`` releases (either may be
@@ -138,3 +123,9 @@ class ReasoningSplitter:
             text = text.lstrip("\n")
             self._lead = not text
         return reasoning, text
+
+
+#: The ``<think>`` format, an entry of the registry.
+THINK = ReasoningFormat(
+    name="think", detect=detect, opens=opens, parser=ReasoningSplitter
+)

@@ -1,5 +1,10 @@
 """``POST /v1/chat/completions``: validate, decode images, wait, generate, answer.
 
+Event loop. The route of the chat-completions slice: the body is parsed
+(:mod:`.protocol`), checked against the model once (:mod:`.serving`), the
+generation runs through the model's gate and engine, and the answer is
+written as OpenAI's (:mod:`.output`).
+
 A plain ASGI endpoint rather than a Starlette request handler, so that one
 ``try``/``finally`` owns the request from its first byte to its last: the
 model's turn and the stream on the MLX thread are always given back, whether
@@ -25,6 +30,9 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from ...events import FinalEvent, TokenEvent
+from ..answer import AnswerParser
+from ..capabilities import Capabilities
 from ..errors import (
     APIError,
     api_error,
@@ -32,17 +40,23 @@ from ..errors import (
     thread_unavailable,
     timed_out,
 )
-from ..events import FinalEvent, TokenEvent, TokenLogprobs
-from ..limits import check_text_length
-from .answer import (
-    Answer,
-    AnswerParser,
-    Part,
-    answer_parser,
-    delta,
-    finish_reason,
+from ..wire import (
+    Disconnected,
+    RequestLog,
+    ResponseWriter,
+    cancel_on_disconnect,
+    read_body,
 )
-from .params import generation_params, image_refs, text_chars
+from .messages import image_parts
+from .output import (
+    Answer,
+    content_choice,
+    finish_reason,
+    parsed_chunks,
+    token_logprob,
+    usage,
+)
+from .protocol import ChatCompletionRequest, parse_chat_request
 from .responses import (
     ChatCompletion,
     Choice,
@@ -50,45 +64,35 @@ from .responses import (
     ChunkChoice,
     ChunkEncoder,
     Delta,
-    PromptTokensDetails,
     ResponseMessage,
     TokenLogprob,
-    TopLogprob,
-    Usage,
     completion_id,
 )
-from .schemas import ChatCompletionRequest, parse_chat_request
-from .structured import request_grammar
-from .toolcalls import tool_call_format
-from .wire import (
-    Disconnected,
-    RequestLog,
-    ResponseWriter,
-    cancel_on_disconnect,
-    read_body,
-)
+from .serving import ChatCompletionsServing
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
     from mlx_pinned import MLXThread
 
-    from ..config import ServerConfig
-    from ..events import Engine, EventStream, LoadImages
-    from .metrics import ServerMetrics
-    from .models import ServedModel, ServedModels
-    from .residency import Residency
-    from .turns import LoopTurns
+    from ...config import ServerConfig
+    from ...events import Engine, EventStream, LoadImages
+    from ..metrics import ServerMetrics
+    from ..models import ServedModel, ServedModels
+    from ..residency import Residency
+    from ..turns import LoopTurns
 
-__all__ = ["ChatEndpoint"]
+__all__ = ["ChatCompletionsEndpoint"]
 
 logger = logging.getLogger("mlx_pinned.server")
 
 
-class ChatEndpoint:
+class ChatCompletionsEndpoint:
     """The ASGI endpoint of ``POST /v1/chat/completions``.
 
-    Runs on the event loop; images are decoded off it (``load_images``) and
+    Runs on the event loop; the request is checked against its model in one
+    place (:class:`.serving.ChatCompletionsServing`), images are decoded off
+    the loop (``load_images``) and
     the generation runs on ``thread``, through the engine of the model the
     request names (held through ``residency``, which loads it first when it
     is loaded on first use), after a turn of that model's gate. A client
@@ -115,9 +119,14 @@ class ChatEndpoint:
         self.load_images = load_images
         self.turns = turns
         self.metrics = metrics
+        self.serving = ChatCompletionsServing(config)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        log = RequestLog(start=time.perf_counter(), client=_client(scope))
+        log = RequestLog(
+            start=time.perf_counter(),
+            client=_client(scope),
+            route="POST /v1/chat/completions",
+        )
         response = ResponseWriter(send)
         try:
             await self.turns.checkpoint()
@@ -145,10 +154,11 @@ class ChatEndpoint:
         self, scope: Scope, body: bytes, response: ResponseWriter, log: RequestLog
     ) -> None:
         """Handle the request; every error becomes an answer (none escapes)."""
+        images: list[str] = []  # where the request's images are, once parsed
         try:
-            await self._handle(scope, body, response, log)
+            await self._handle(scope, body, response, log, images)
         except Exception as exc:
-            error = api_error(exc, retry_after=self.config.retry_after)
+            error = api_error(exc, retry_after=self.config.retry_after, images=images)
             if error is None:
                 logger.exception("chat completion failed")
                 error = internal_error()
@@ -157,17 +167,23 @@ class ChatEndpoint:
             await response.error(error)
 
     async def _handle(
-        self, scope: Scope, body: bytes, response: ResponseWriter, log: RequestLog
+        self,
+        scope: Scope,
+        body: bytes,
+        response: ResponseWriter,
+        log: RequestLog,
+        images: list[str],
     ) -> None:
         if self.thread.closed:  # fail fast: nothing will ever run
             raise thread_unavailable()
         request = parse_chat_request(body)
+        images.extend(param for param, _ in image_parts(request.messages))
         log.stream = bool(request.stream)
         served = self.models.get(request.model)
         log.model = served.name
         # Held until the generation is closed: the model is not unloaded
         # under it (and is loaded first, if it is loaded on first use).
-        async with self.residency.use(served, scope.get("state", {})) as engine:
+        async with self.residency.use(served) as engine:
             await self._generate(request, served, engine, response, log)
 
     async def _generate(
@@ -178,52 +194,16 @@ class ChatEndpoint:
         response: ResponseWriter,
         log: RequestLog,
     ) -> None:
-        context = engine.context_length
-        max_prompt = self.config.max_prompt_tokens or context
-        if max_prompt is not None:
-            check_text_length(
-                text_chars(request), engine.longest_token_chars, max_prompt
-            )
-        template = engine.chat_template
-        if request.active_tools and tool_call_format(template) is None:
-            raise APIError(
-                400,
-                "This model's chat template has no tool-call format this server "
-                "parses (Hermes' <tool_call>): send the request without tools.",
-                param="tools",
-                code="unsupported_parameter",
-            )
-        params = generation_params(
-            request,
-            self._max_tokens(request),
-            max_prompt_tokens=max_prompt,
-            context_length=context,
-            grammar=await request_grammar(request),
-        )
-        vocab = engine.vocab_size
-        for token_id, _ in params.logit_bias:
-            if token_id >= vocab:
-                raise APIError(
-                    400,
-                    f"Invalid value for 'logit_bias': token id {token_id} is "
-                    f"outside the vocabulary (0 to {vocab - 1}).",
-                    param="logit_bias",
-                    code="invalid_value",
-                )
-        refs = image_refs(request.messages, self.config.image_limits)
-        if refs and not engine.accepts_images:
-            raise refs[0].error(
-                "this model takes no images; send text parts only.",
-                "images_unsupported",
-            )
-        log.images = len(refs)
-        images = await self.load_images(refs)
+        capabilities = Capabilities.of(engine, served)
+        prepared = await self.serving.prepare(request, capabilities)
+        params = prepared.params
+        log.images = len(prepared.images)
+        images = await self.load_images(prepared.images)
         arrived = time.perf_counter()
         async with served.gate.turn():
             log.queued = time.perf_counter() - arrived
             stream = engine.stream(params, images)
-            constrained = params.grammar is not None
-            parser = answer_parser(request, template, constrained=constrained)
+            parser = self.serving.answer_parser(request, capabilities, params)
             try:
                 if request.stream:
                     await self._send_stream(
@@ -245,25 +225,6 @@ class ChatEndpoint:
                 # runs before the next generation starts.
                 with anyio.CancelScope(shield=True):
                     await stream.aclose()
-
-    def _max_tokens(self, request: ChatCompletionRequest) -> int:
-        asked = request.requested_max_tokens
-        if asked is None:
-            return self.config.default_max_tokens
-        if asked > self.config.max_tokens_limit:
-            name = (
-                "max_completion_tokens"
-                if request.max_completion_tokens is not None
-                else "max_tokens"
-            )
-            raise APIError(
-                400,
-                f"Invalid value for '{name}': {asked} is more than this server's "
-                f"limit of {self.config.max_tokens_limit} tokens.",
-                param=name,
-                code="invalid_value",
-            )
-        return asked
 
     async def _send_whole(
         self,
@@ -288,7 +249,7 @@ class ChatEndpoint:
                 log.record(event, whole=True)
                 text.append(event.text)
                 if isinstance(event, TokenEvent) and event.logprobs is not None:
-                    logprobs.append(_token_logprob(event.logprobs))
+                    logprobs.append(token_logprob(event.logprobs))
                 if isinstance(event, FinalEvent):
                     final = event
         assert final is not None, "a generation always ends with a FinalEvent"
@@ -299,7 +260,7 @@ class ChatEndpoint:
         else:
             answer = Answer()
             answer.add(parser.feed("".join(text)))
-            answer.add(parser.end())
+            answer.add(parser.end(cut=final.finish_reason == "length"))
             answer.thought = parser.thought
             message = answer.message()
             reason = finish_reason(final.finish_reason, parser.called)
@@ -313,7 +274,7 @@ class ChatEndpoint:
             created=created,
             model=name,
             choices=[choice],
-            usage=_usage(final),
+            usage=usage(final),
         )
         await response.json(completion.model_dump_json().encode())
 
@@ -341,9 +302,9 @@ class ChatEndpoint:
             log.record(event)
             if isinstance(event, TokenEvent):
                 if parser is not None:
-                    data = _parsed_chunks(chunks, parser.feed(event.text), event)
+                    data = parsed_chunks(chunks, parser.feed(event.text), event)
                 elif event.logprobs is not None:
-                    data = chunks.chunk([_content_choice(event)])
+                    data = chunks.chunk([content_choice(event)])
                 else:
                     data = chunks.content(event.text) if event.text else b""
                 if not response.started:
@@ -355,13 +316,14 @@ class ChatEndpoint:
                 tail = [chunks.content(event.text)] if event.text else []
                 reason = finish_reason(event.finish_reason, calls=False)
             else:
-                parts = [*parser.feed(event.text), *parser.end()]
-                tail = [_parsed_chunks(chunks, parts)]
+                cut = event.finish_reason == "length"
+                parts = [*parser.feed(event.text), *parser.end(cut=cut)]
+                tail = [parsed_chunks(chunks, parts)]
                 reason = finish_reason(event.finish_reason, parser.called)
             done = ChunkChoice(delta=Delta(), finish_reason=reason)
             tail.append(chunks.chunk([done]))
             if request.include_usage:
-                tail.append(chunks.chunk([], _usage(event)))
+                tail.append(chunks.chunk([], usage(event)))
             tail.append(b"data: [DONE]\n\n")
             if not response.started:
                 await response.start_stream(role)
@@ -372,49 +334,3 @@ class ChatEndpoint:
 def _client(scope: Scope) -> str:
     client = scope.get("client")
     return f"{client[0]}:{client[1]}" if client else ""
-
-
-def _usage(event: FinalEvent) -> Usage:
-    return Usage(
-        prompt_tokens=event.prompt_tokens,
-        completion_tokens=event.completion_tokens,
-        total_tokens=event.prompt_tokens + event.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=event.cached_tokens),
-    )
-
-
-def _token_logprob(lp: TokenLogprobs) -> TokenLogprob:
-    return TokenLogprob(
-        token=lp.token,
-        logprob=lp.logprob,
-        bytes=lp.bytes,
-        top_logprobs=[TopLogprob(token=t, logprob=v, bytes=b) for t, v, b in lp.top],
-    )
-
-
-def _parsed_chunks(
-    chunks: ChunkEncoder, parts: list[Part], event: TokenEvent | None = None
-) -> bytes:
-    """A chunk per part of the answer; a token's logprobs go with its first
-    chunk (a token that released nothing yet still gets one, empty)."""
-    logprobs = None
-    if event is not None and event.logprobs is not None:
-        logprobs = ChoiceLogprobs(content=[_token_logprob(event.logprobs)])
-        if not parts:
-            parts = [""]
-    out = []
-    for part in parts:
-        if isinstance(part, str) and logprobs is None:
-            out.append(chunks.content(part))  # the common chunk, from its template
-        else:
-            choice = ChunkChoice(delta=delta(part), logprobs=logprobs)
-            out.append(chunks.chunk([choice]))
-        logprobs = None
-    return b"".join(out)
-
-
-def _content_choice(event: TokenEvent) -> ChunkChoice:
-    logprobs = None
-    if event.logprobs is not None:
-        logprobs = ChoiceLogprobs(content=[_token_logprob(event.logprobs)])
-    return ChunkChoice(delta=Delta(content=event.text), logprobs=logprobs)

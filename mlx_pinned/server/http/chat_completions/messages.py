@@ -1,15 +1,23 @@
 """The parts of a chat-completions request body: messages and their content,
-tools, tool choices and response formats, as pydantic models.
+tools, tool choices and response formats, as pydantic models; and the
+messages as what the engine and the image decoders take.
 
-Pure CPU, no MLX, no event loop; :mod:`.schemas` assembles them into the
-request and parses it.
+Pure CPU, no MLX, no event loop; :mod:`.protocol` assembles them into the
+request and parses it. The engine gets mlx-vlm's chat messages
+(:func:`chat_messages`), the image decoders :class:`~...events.ImageRef`
+values (:func:`image_refs`); neither sees pydantic.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ...config import ImageLimits
+from ...events import ImageRef
 
 __all__ = [
     "NAME_PATTERN",
@@ -34,6 +42,10 @@ __all__ = [
     "ToolCallFunction",
     "ToolMessage",
     "UserMessage",
+    "chat_messages",
+    "image_parts",
+    "image_refs",
+    "text_chars",
 ]
 
 #: OpenAI's rule for function and schema names.
@@ -200,3 +212,94 @@ ResponseFormat = Annotated[
     TextFormat | JSONObjectFormat | JSONSchemaResponseFormat,
     Field(discriminator="type"),
 ]
+
+
+def chat_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """Request messages as mlx-vlm's chat messages.
+
+    Assistant turns keep their ``tool_calls`` and tool turns their
+    ``tool_call_id``, as chat templates that take tools expect them. Image
+    parts become ``{"type": "image_url"}`` markers in place, so mlx-vlm
+    puts each image in the turn and position where it was sent.
+    """
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if isinstance(message, (SystemMessage, AssistantMessage, ToolMessage)):
+            content = message.content or ""
+            if not isinstance(content, str):
+                content = "".join(part.text for part in content)
+            role = "system" if isinstance(message, SystemMessage) else message.role
+            turn: dict[str, Any] = {"role": role, "content": content}
+            if isinstance(message, ToolMessage):
+                turn["tool_call_id"] = message.tool_call_id
+            elif isinstance(message, AssistantMessage) and message.tool_calls:
+                turn["tool_calls"] = [_tool_call(call) for call in message.tool_calls]
+            out.append(turn)
+        elif isinstance(message.content, str):
+            out.append({"role": "user", "content": message.content})
+        else:
+            parts = [
+                {"type": "text", "text": part.text}
+                if isinstance(part, TextPart)
+                else {"type": "image_url"}
+                for part in message.content
+            ]
+            out.append({"role": "user", "content": parts})
+    return out
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    """An earlier tool call as chat templates that take tools read it:
+    its arguments as an object when they are one, else the text."""
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    if not isinstance(arguments, dict):
+        arguments = call.function.arguments
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
+
+
+def image_refs(messages: Sequence[Message], limits: ImageLimits) -> list[ImageRef]:
+    """The image parts of ``messages`` in prompt order; checks the count.
+
+    Raises:
+        ImageRefusedError: More than ``limits.max_images`` images.
+    """
+    parts = image_parts(messages)
+    refs = [ImageRef(index, url) for index, (_, url) in enumerate(parts)]
+    if len(refs) > limits.max_images:
+        raise refs[limits.max_images].error(
+            f"too many images: {len(refs)} in this request, at most "
+            f"{limits.max_images} are allowed.",
+            "too_many_images",
+        )
+    return refs
+
+
+def image_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
+    """Each image part of ``messages`` in prompt order: where it is in the
+    request (``messages[1].content[0].image_url``), and its URL."""
+    return [
+        (f"messages[{i}].content[{j}].image_url", part.image_url.url)
+        for i, message in enumerate(messages)
+        if isinstance(message, UserMessage) and not isinstance(message.content, str)
+        for j, part in enumerate(message.content)
+        if isinstance(part, ImagePart)
+    ]
+
+
+def text_chars(messages: Sequence[Message]) -> int:
+    """Characters of text in ``messages`` (images not counted)."""
+    total = 0
+    for message in messages:
+        content = message.content or ""
+        if isinstance(content, str):
+            total += len(content)
+        else:
+            total += sum(len(p.text) for p in content if isinstance(p, TextPart))
+    return total
