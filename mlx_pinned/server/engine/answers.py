@@ -1,9 +1,11 @@
-"""A row's tokens turned into its request's events (MLX thread only).
+"""A generation as the loop sees it, and its row's tokens turned into events.
 
 The loop (:mod:`.loop`) hands each row's sampled tokens to its
-:class:`RowAnswer` after every step: text per token (:mod:`.text`, through
-:class:`~.quirks.SequenceText`), stop strings, log-probabilities, and the
-final event with its counts and timings.
+:class:`RowAnswer` after every step, on the MLX thread: text per token
+(:mod:`.text`, through :class:`~.quirks.SequenceText`), stop strings,
+log-probabilities, and the final event with its counts and timings. A
+:class:`Request` is made on the event loop and read on both sides; the
+fields both sides touch are guarded by the loop's lock.
 """
 
 from __future__ import annotations
