@@ -16,6 +16,7 @@ from starlette.applications import Starlette
 from mlx_pinned import MLXThread
 from mlx_pinned.server import create_app
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.events import EventStream
 from mlx_pinned.testing import image_data_uri, tiny_vlm_path
 
 MODEL = "tiny"
@@ -242,11 +243,10 @@ class AtOnce:
 
 def replace_generation(monkeypatch: pytest.MonkeyPatch, fake: Any) -> None:
     """Make the engine run ``fake(loaded, params, images)``, a generator of
-    events, on the MLX thread instead of the model (fault injection)."""
+    events, on the MLX thread instead of the model (fault injection): each
+    request's stream is the fake's ``MLXThread.iterate`` stream."""
 
-    def generate(
-        engine: BatchEngine, params: Any, images: Any, *, announce: bool
-    ) -> Any:
-        return fake(engine.loaded, params, images)
+    def stream(engine: BatchEngine, params: Any, images: Any = ()) -> EventStream:
+        return EventStream(engine.thread.iterate(fake, engine.loaded, params, images))
 
-    monkeypatch.setattr(BatchEngine, "_generate", generate)
+    monkeypatch.setattr(BatchEngine, "stream", stream)

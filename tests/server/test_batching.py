@@ -20,6 +20,7 @@ four to five orders of magnitude larger (a leaked rope delta: 0.1 to 1).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import io
 import math
 import time
@@ -33,10 +34,10 @@ import mlx.core as mx
 import pytest
 from PIL import Image
 
-from mlx_pinned import MLXThread
+from mlx_pinned import MLXThread, MLXThreadClosedError
 from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
-from mlx_pinned.server.engine import state as _batch_state
+from mlx_pinned.server.engine import decode as _decode
 from mlx_pinned.server.engine.sampling import Sampled, collect, draw
 from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
 from mlx_pinned.server.failures import OverloadedError, PromptTooLongError
@@ -244,7 +245,7 @@ class TestIsolation:
 
         def hold() -> None:  # until all three are queued: one prefill pass
             deadline = time.monotonic() + 30
-            while thread.statistics().pending < 3 and time.monotonic() < deadline:
+            while batch.statistics().joining < 3 and time.monotonic() < deadline:
                 time.sleep(0.002)
 
         held = thread.submit(hold)
@@ -297,13 +298,13 @@ class TestIsolation:
         # The first token comes from the prefill; no step is built past a
         # row's max_tokens-th token.
         log: list[str] = []
-        read = _batch_state.collect
+        read = _decode.collect
 
         def collect(*args: Any) -> Any:
             log.append("C")
             return read(*args)
 
-        monkeypatch.setattr(_batch_state, "collect", collect)
+        monkeypatch.setattr(_decode, "collect", collect)
 
         def run() -> list[Event]:
             batch = BatchEngine(loaded, thread)
@@ -332,14 +333,14 @@ class TestIsolation:
             a = state.admit(*request(0, 10, logprobs=False))
             b = state.admit(*request(1, 10, logprobs=False))
             calls = 0
-            stop = state._stop
+            stop = state.decoder.stop
 
             def end_of_turn(token: int) -> bool:
                 nonlocal calls
                 calls += 1  # rows in order: first tokens, then each step
                 return calls == 5 or bool(stop(token))
 
-            state._stop = end_of_turn
+            state.decoder.stop = end_of_turn
             for _ in range(4):
                 state.step()
             ended = [item.eos for item in a.pending]
@@ -357,7 +358,7 @@ class TestIsolation:
         # Row 0's second token is its last: the step built ahead leaves it
         # out, so it is no longer in the batch when the step holding that
         # token is read. A failure there must still reach it.
-        read = _batch_state.collect
+        read = _decode.collect
         calls = 0
 
         def collect(*args: Any) -> Any:
@@ -367,7 +368,7 @@ class TestIsolation:
                 raise RuntimeError("injected")
             return read(*args)
 
-        monkeypatch.setattr(_batch_state, "collect", collect)
+        monkeypatch.setattr(_decode, "collect", collect)
 
         def run() -> list[tuple[bool, str]]:
             state = BatchEngine(loaded, thread)._state
@@ -519,6 +520,96 @@ class TestLeaving:
         assert batch.statistics().peak_active == 3
         for i, run in enumerate(runs):
             assert len(tokens(run.events)) == 6 + i
+
+
+def rows(batch: BatchEngine) -> int:
+    stats = batch.statistics()
+    return stats.active + stats.joining
+
+
+class TestLoop:
+    async def test_every_request_of_a_model_shares_its_one_loop(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        # The batch is stepped by the model's loop, one stream on the thread
+        # however many requests read it; it closes once its readers left.
+        reqs = [request(i, 400, logprobs=False) for i in range(4)]
+        batch = BatchEngine(loaded, thread)
+        gate = BatchGate(max_num_seqs=4, max_pending=0)
+        runs = [Collector(thread, batch, gate, req) for req in reqs]
+        leave = anyio.Event()
+        before = thread.statistics()
+        async with deadline() as group:
+            for run in runs:
+                group.start_soon(run.run, leave)
+            for run in runs:
+                await run.two_tokens.wait()
+            during = thread.statistics()
+            stats = batch.statistics()
+            leave.set()
+        await thread.run(lambda: None)
+        after = thread.statistics()
+        assert during.open_streams == before.open_streams + 1
+        assert stats.active == 4
+        assert all(len(run.events) == 3 for run in runs)
+        assert after.open_streams == before.open_streams
+        assert (batch.statistics().active, batch.statistics().joining) == (0, 0)
+
+    async def test_a_dropped_stream_takes_its_row_out(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        batch = BatchEngine(loaded, thread)
+        stream = batch.stream(*request(0, 4000, logprobs=False))
+        await stream.__anext__()
+        assert rows(batch) == 1
+        del stream
+        gc.collect()
+        with anyio.fail_after(20):
+            while rows(batch):  # noqa: ASYNC110 (no event to wait on)
+                await anyio.sleep(0.001)
+            while thread.statistics().open_streams:  # noqa: ASYNC110
+                await anyio.sleep(0.001)
+        # Taken out, not decoded to its max_tokens.
+        assert batch.statistics().decoded_tokens < 4000 - 1
+
+    async def test_a_thread_closed_under_the_loop_fails_its_requests(
+        self, tiny_model_path: Path
+    ) -> None:
+        with MLXThread(name="test-loop-closed") as own:
+            loaded = await own.run(engine.load, tiny_model_path)
+            batch = BatchEngine(loaded, own)
+            streams = [batch.stream(*request(i, 400, logprobs=False)) for i in (0, 1)]
+            for stream in streams:
+                await stream.__anext__()
+            own.shutdown(wait=False, cancel_futures=True)
+            with anyio.fail_after(10):
+                for stream in streams:
+                    with pytest.raises(MLXThreadClosedError):
+                        async for _ in stream:
+                            pass
+                    await stream.aclose()
+            with pytest.raises(MLXThreadClosedError):
+                batch.stream(*request(2, 4))
+
+    def test_a_generation_inline_runs_the_loop_on_its_own_thread(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        # generate_stream steps the batch where it is called: two of them
+        # share its steps, and a closed one leaves at once.
+        def run() -> tuple[int, int, int]:
+            batch = BatchEngine(loaded, thread)
+            first = batch.generate_stream(*request(0, 30, logprobs=False))
+            second = batch.generate_stream(*request(1, 6, logprobs=False))
+            next(first)
+            events = list(second)
+            rest = 0
+            for _ in range(3):
+                next(first)
+                rest += 1
+            first.close()
+            return len(tokens(events)), batch.statistics().active, rest
+
+        assert thread.run_sync(run) == (6, 0, 3)
 
 
 class TestSeeds:

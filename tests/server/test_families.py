@@ -97,10 +97,10 @@ def family(request: pytest.FixtureRequest, thread: MLXThread) -> Served:
     return Served(model_type, loaded)
 
 
-async def queued(thread: MLXThread, items: int) -> None:
-    """Return once ``items`` work items wait for the thread."""
+async def queued(batch: BatchEngine, items: int) -> None:
+    """Return once ``items`` requests wait for the batch's loop to admit them."""
     with anyio.fail_after(10):
-        while thread.statistics().pending < items:  # noqa: ASYNC110 (no event to wait on)
+        while batch.statistics().joining < items:  # noqa: ASYNC110 (no event to wait on)
             await anyio.sleep(0.001)
 
 
@@ -191,7 +191,7 @@ class TestEveryFamily:
         async with deadline() as group:
             for run in runs:
                 group.start_soon(run.run)
-            await queued(thread, 2)
+            await queued(batch, 2)
             release.set()
         assert blocked.result() is True
         for run, expected in zip(runs, alone, strict=True):
