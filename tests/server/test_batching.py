@@ -21,177 +21,41 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import io
 import math
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 import mlx.core as mx
 import pytest
-from PIL import Image
 
 from mlx_pinned import MLXThread, MLXThreadClosedError
 from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine import decode as _decode
 from mlx_pinned.server.engine.sampling import Sampled, collect, draw
-from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
+from mlx_pinned.server.events import FinalEvent, TokenEvent
 from mlx_pinned.server.failures import OverloadedError, PromptTooLongError
 from mlx_pinned.server.http.gate import BatchGate
-from mlx_pinned.testing import make_test_image, tiny_vlm_path
+from mlx_pinned.testing import tiny_vlm_path
 
-from .reference import reference_stream
+from .kit import (
+    PROMPTS,
+    TOL,
+    Collector,
+    Event,
+    Request,
+    deadline,
+    drain,
+    image,
+    max_logprob_difference,
+    request,
+    solo,
+    tokens,
+)
 
 pytestmark = pytest.mark.anyio
-
-TOL = 1e-5
-
-Event = TokenEvent | FinalEvent
-Request = tuple[GenerationParams, list[Image.Image]]
-
-PROMPTS = (
-    "Describe this image in one sentence.",
-    "What is in this picture? Answer in a few words.",
-    "Count the objects in the image and list their colours.",
-    "Hello! How can I help you today?",
-    "The quick brown fox jumps over the lazy dog.",
-    "Is this a photo of a dog, a cat or a bird?",
-    "Summarise the text below in one paragraph, please.",
-    "Green trees, white clouds, yellow sun and a grey road.",
-)
-# Different prompt lengths, image sizes (so image token counts) and none.
-SIZES: tuple[tuple[int, int] | None, ...] = (
-    (64, 64),
-    (32, 32),
-    (96, 64),
-    (128, 128),
-    None,
-    (64, 96),
-    (48, 48),
-    None,
-)
-
-
-@pytest.fixture(scope="module")
-def thread() -> Iterator[MLXThread]:
-    with MLXThread(name="test-batching") as mlx_thread:
-        yield mlx_thread
-
-
-@pytest.fixture(scope="module")
-def loaded(thread: MLXThread, tiny_model_path: Path) -> LoadedModel:
-    model: LoadedModel = thread.run_sync(engine.load, tiny_model_path)
-    return model
-
-
-def image(size: tuple[int, int], seed: int) -> Image.Image:
-    return Image.open(io.BytesIO(make_test_image(*size, seed=seed))).convert("RGB")
-
-
-def request(
-    index: int,
-    max_tokens: int,
-    *,
-    prompts: Sequence[str] = PROMPTS,
-    sizes: Sequence[tuple[int, int] | None] = SIZES,
-    **params: Any,
-) -> Request:
-    """Request ``index``: its own prompt, and its own image size or none."""
-    size = sizes[index % len(sizes)]
-    content: list[dict[str, Any]] = [
-        {"type": "text", "text": prompts[index % len(prompts)]}
-    ]
-    images = []
-    if size is not None:
-        content.append({"type": "image_url"})
-        images.append(image(size, seed=index))
-    params.setdefault("temperature", 0.0)
-    params.setdefault("logprobs", True)
-    messages = ({"role": "user", "content": content},)
-    return GenerationParams(messages, max_tokens=max_tokens, **params), images
-
-
-async def solo(thread: MLXThread, loaded: LoadedModel, req: Request) -> list[Event]:
-    """mlx-vlm's own loop, alone on the model."""
-    stream = thread.iterate(reference_stream, loaded, *req)
-    async with stream:
-        return [event async for event in stream]
-
-
-def tokens(events: Sequence[Event]) -> list[TokenEvent]:
-    assert isinstance(events[-1], FinalEvent)
-    out = [e for e in events[:-1] if isinstance(e, TokenEvent)]
-    assert len(out) == len(events) - 1
-    return out
-
-
-def max_logprob_difference(batched: list[Event], alone: list[Event]) -> float:
-    """Largest difference of the chosen and top log-probabilities; the
-    sequences must have the same tokens, text, length and ending."""
-    ours, theirs = tokens(batched), tokens(alone)
-    assert len(ours) == len(theirs)
-    assert [e.text for e in ours] == [e.text for e in theirs]
-    assert batched[-1] == alone[-1]  # text, finish reason, token counts
-    worst = 0.0
-    for a, b in zip(ours, theirs, strict=True):
-        assert a.logprobs is not None
-        assert b.logprobs is not None
-        assert a.logprobs.token == b.logprobs.token
-        assert [t for t, _, _ in a.logprobs.top] == [t for t, _, _ in b.logprobs.top]
-        pairs = [(a.logprobs.logprob, b.logprobs.logprob)]
-        top = zip(a.logprobs.top, b.logprobs.top, strict=True)
-        pairs += [(x, y) for (_, x, _), (_, y, _) in top]
-        worst = max(worst, *(abs(x - y) for x, y in pairs))
-    return worst
-
-
-class Collector:
-    """Consumes one batched stream inside a gate turn, recording its events."""
-
-    def __init__(
-        self, thread: MLXThread, batch: BatchEngine, gate: BatchGate, req: Request
-    ) -> None:
-        self.thread, self.batch, self.gate, self.req = thread, batch, gate, req
-        self.events: list[Event] = []
-        self.active_at_start = 0  # slots held when it was admitted, its own included
-        self.started = anyio.Event()  # admitted by the gate
-        self.two_tokens = anyio.Event()
-        self.done = anyio.Event()
-
-    async def run(self, leave: anyio.Event | None = None) -> None:
-        """Consume the stream; with ``leave``, stop reading after three events,
-        wait for ``leave``, then go away (the stream is closed)."""
-        try:
-            async with self.gate.turn():
-                self.active_at_start = self.gate.active
-                self.started.set()
-                stream = self.batch.stream(*self.req)
-                async with stream:
-                    async for event in stream:
-                        self.events.append(event)
-                        if len(self.events) >= 2:
-                            self.two_tokens.set()
-                        if leave is not None and len(self.events) == 3:
-                            await leave.wait()
-                            return
-        finally:
-            self.two_tokens.set()
-            self.done.set()
-
-
-async def drain(stream: AsyncIterator[Event]) -> list[Event]:
-    return [event async for event in stream]
-
-
-@asynccontextmanager
-async def deadline(seconds: float = 60) -> AsyncIterator[anyio.abc.TaskGroup]:
-    with anyio.fail_after(seconds):
-        async with anyio.create_task_group() as group:
-            yield group
 
 
 class TestIsolation:

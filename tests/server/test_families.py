@@ -36,7 +36,7 @@ from mlx_pinned.testing import (
     tiny_vlm_path,
 )
 
-from .test_batching import (
+from .kit import (
     TOL,
     Collector,
     Request,
@@ -46,7 +46,7 @@ from .test_batching import (
     solo,
     tokens,
 )
-from .test_batching import request as batching_request
+from .kit import request as batching_request
 
 pytestmark = pytest.mark.anyio
 

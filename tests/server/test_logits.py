@@ -28,20 +28,16 @@ from mlx_pinned.server.failures import InvalidGrammarError
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import tiny_vlm_path
 
-from .test_batching import (
+from .kit import (
     TOL,
     Collector,
     Event,
     Request,
     deadline,
-    loaded,
     max_logprob_difference,
     request,
-    thread,
     tokens,
 )
-
-__all__ = ["loaded", "thread"]  # module fixtures, shared with test_batching
 
 pytestmark = pytest.mark.anyio
 
