@@ -7,8 +7,16 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from ._family import Family, ids, nested, siglip_tower
-from ._tokenizer import VOCAB_SIZE, tokenizer_config
+from ._configs import (
+    decoder,
+    generation_config,
+    image_processor,
+    siglip_tower,
+    vision_model,
+)
+from ._family import Family
+from ._templates import content
+from ._tokenizer import ids, tokenizer_config
 
 SPECIAL_TOKENS: Final = (
     "<PAD>",
@@ -43,19 +51,7 @@ _CHAT_TEMPLATE: Final = (
     "{{- '<|START_OF_TURN_TOKEN|><|' + roles[message['role']] + '_TOKEN|>' -}}"
     "{%- if message['role'] == 'assistant' -%}"
     "{{- '<|START_RESPONSE|>' -}}"
-    "{%- endif -%}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
-    "{%- elif message['content'] is not none -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if part.get('type', '') in ('image', 'image_url') -%}"
-    "{{- '<image>' -}}"
-    "{%- elif 'text' in part -%}"
-    "{{- part['text'] -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- if message['role'] == 'assistant' -%}"
+    "{%- endif -%}" + content("<image>") + "{%- if message['role'] == 'assistant' -%}"
     "{{- '<|END_RESPONSE|>' -}}"
     "{%- endif -%}"
     "{{- '<|END_OF_TURN_TOKEN|>' -}}"
@@ -73,50 +69,41 @@ SLIDING_WINDOW: Final = 16
 
 
 def _config() -> dict[str, Any]:
-    text = {
-        "model_type": "cohere2",
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "head_dim": 16,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rope_theta": 50000.0,
-        "vocab_size": VOCAB_SIZE,
-        "layer_norm_eps": 1e-5,
-        "logit_scale": 0.0625,
+    text = decoder(
+        "cohere2",
+        head_dim=16,
+        rope_theta=50000.0,
+        layer_norm_eps=1e-5,
+        logit_scale=0.0625,
         # Layer 0 slides (with RoPE), layer 1 attends to everything (no RoPE).
-        "sliding_window": SLIDING_WINDOW,
-        "sliding_window_pattern": 2,
-        "max_position_embeddings": 8192,
-    }
-    vision = siglip_tower(_TILE, 8)
-    return {
-        "architectures": ["AyaVisionForConditionalGeneration"],
-        "model_type": "aya_vision",
-        "text_config": text,
-        "vision_config": vision,
-        "image_token_index": _IDS["<|IMG_PATCH|>"],
-        "downsample_factor": 2,
-        "max_splits_per_img": 2,
-        "alignment_intermediate_size": 128,
-        "adapter_layer_norm_eps": 1e-6,
-        "vision_feature_layer": -1,
-        "vision_feature_select_strategy": "full",
-        "eos_token_id": [_IDS["<|END_OF_TURN_TOKEN|>"]],
-        "vocab_size": VOCAB_SIZE,
-        "dtype": "float32",
-    }
+        sliding_window=SLIDING_WINDOW,
+        sliding_window_pattern=2,
+        max_position_embeddings=8192,
+    )
+    return vision_model(
+        "AyaVisionForConditionalGeneration",
+        "aya_vision",
+        text,
+        siglip_tower(_TILE, 8),
+        image_token_index=_IDS["<|IMG_PATCH|>"],
+        downsample_factor=2,
+        max_splits_per_img=2,
+        alignment_intermediate_size=128,
+        adapter_layer_norm_eps=1e-6,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        eos_token_id=[_IDS["<|END_OF_TURN_TOKEN|>"]],
+    )
 
 
 def _files() -> dict[str, Any]:
     return {
-        "config.json": _config(),
-        "generation_config.json": {
-            "bos_token_id": _IDS["<BOS_TOKEN>"],
-            "eos_token_id": [_IDS["<|END_OF_TURN_TOKEN|>"], _IDS["<EOS_TOKEN>"]],
-            "pad_token_id": _IDS["<PAD>"],
-        },
+        "generation_config.json": generation_config(
+            SPECIAL_TOKENS,
+            bos="<BOS_TOKEN>",
+            eos=["<|END_OF_TURN_TOKEN|>", "<EOS_TOKEN>"],
+            pad="<PAD>",
+        ),
         "tokenizer_config.json": tokenizer_config(
             SPECIAL_TOKENS,
             _CHAT_TEMPLATE,
@@ -124,22 +111,16 @@ def _files() -> dict[str, Any]:
             eos="<|END_OF_TURN_TOKEN|>",
             pad="<PAD>",
         ),
-        "preprocessor_config.json": {
-            "image_processor_type": "GotOcr2ImageProcessor",
-            "processor_class": "AyaVisionProcessor",
-            "size": {"height": _TILE, "width": _TILE},
-            "crop_to_patches": True,
-            "min_patches": 1,
-            "max_patches": 2,
-            "do_resize": True,
-            "resample": 3,
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
-            "do_convert_rgb": True,
-        },
+        "preprocessor_config.json": image_processor(
+            "GotOcr2ImageProcessor",
+            "AyaVisionProcessor",
+            size={"height": _TILE, "width": _TILE},
+            crop_to_patches=True,
+            min_patches=1,
+            max_patches=2,
+            do_resize=True,
+            resample=3,
+        ),
         "processor_config.json": {
             "processor_class": "AyaVisionProcessor",
             "patch_size": 8,
@@ -151,8 +132,7 @@ def _files() -> dict[str, Any]:
 
 AYA_VISION: Final = Family(
     model_type="aya_vision",
-    module="mlx_vlm.models.aya_vision",
     specials=SPECIAL_TOKENS,
+    config=_config,
     files=_files,
-    build=lambda module: nested(module, _config()),
 )

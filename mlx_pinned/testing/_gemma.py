@@ -11,8 +11,16 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from ._family import Family, ids, nested, siglip_tower
-from ._tokenizer import VOCAB_SIZE, tokenizer_config
+from ._configs import (
+    decoder,
+    generation_config,
+    image_processor,
+    siglip_tower,
+    vision_model,
+)
+from ._family import Family
+from ._templates import content
+from ._tokenizer import ids, tokenizer_config
 
 SPECIAL_TOKENS: Final = (
     "<pad>",
@@ -50,56 +58,13 @@ _GEMMA3_TEMPLATE: Final = (
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
     "{{- '<start_of_turn>' + role + '\\n' -}}"
     "{%- if loop.first -%}{{- first_user_prefix -}}{%- endif -%}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] | trim -}}"
-    "{%- elif message['content'] is not none -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if part is string -%}"
-    "{{- part | trim -}}"
-    "{%- elif part.get('type', '') in ('image', 'image_url') -%}"
-    "{{- '<start_of_image>' -}}"
-    "{%- elif 'text' in part -%}"
-    "{{- part['text'] | trim -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{- '<end_of_turn>\\n' -}}"
+    + content("<start_of_image>", strings=True, trim=True)
+    + "{{- '<end_of_turn>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '<start_of_turn>model\\n' -}}"
     "{%- endif -%}"
 )
-
-
-def _generation_config() -> dict[str, Any]:
-    return {
-        "bos_token_id": _IDS["<bos>"],
-        "eos_token_id": [_IDS["<eos>"], _IDS["<end_of_turn>"]],
-        "pad_token_id": _IDS["<pad>"],
-    }
-
-
-def _tokenizer_config(template: str, **extra: Any) -> dict[str, Any]:
-    return tokenizer_config(
-        SPECIAL_TOKENS, template, bos="<bos>", eos="<eos>", pad="<pad>", **extra
-    )
-
-
-def _image_processor(kind: str, side: int, processor: str) -> dict[str, Any]:
-    return {
-        "image_processor_type": kind,
-        "processor_class": processor,
-        "size": {"height": side, "width": side},
-        "resample": 2,
-        "do_convert_rgb": True,
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-    }
-
 
 # -- Gemma 3 -------------------------------------------------------------------
 
@@ -112,58 +77,59 @@ GEMMA3_SLIDING_WINDOW: Final = 16
 
 
 def _gemma3_config() -> dict[str, Any]:
-    text = {
-        "model_type": "gemma3_text",
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "query_pre_attn_scalar": 16,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": VOCAB_SIZE,
-        "rope_global_base_freq": 1000000.0,
-        "rope_local_base_freq": 10000.0,
+    text = decoder(
+        "gemma3_text",
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        rms_norm_eps=1e-6,
+        rope_global_base_freq=1000000.0,
+        rope_local_base_freq=10000.0,
         # Layer 0 slides, layer 1 attends to everything.
-        "sliding_window": GEMMA3_SLIDING_WINDOW,
-        "sliding_window_pattern": 2,
-        "mm_tokens_per_image": _GEMMA3_IMAGE_TOKENS,
-        "max_position_embeddings": 32768,
-    }
-    return {
-        "architectures": ["Gemma3ForConditionalGeneration"],
-        "model_type": "gemma3",
-        "text_config": text,
-        "vision_config": siglip_tower(_GEMMA3_SIDE, 8),
-        "boi_token_index": _IDS["<start_of_image>"],
-        "eoi_token_index": _IDS["<end_of_image>"],
-        "image_token_index": _IDS["<image_soft_token>"],
-        "mm_tokens_per_image": _GEMMA3_IMAGE_TOKENS,
-        "hidden_size": 64,
-        "pad_token_id": _IDS["<pad>"],
-        "eos_token_id": [_IDS["<eos>"], _IDS["<end_of_turn>"]],
-        "vocab_size": VOCAB_SIZE,
-        "dtype": "float32",
-    }
+        sliding_window=GEMMA3_SLIDING_WINDOW,
+        sliding_window_pattern=2,
+        mm_tokens_per_image=_GEMMA3_IMAGE_TOKENS,
+        max_position_embeddings=32768,
+    )
+    return vision_model(
+        "Gemma3ForConditionalGeneration",
+        "gemma3",
+        text,
+        siglip_tower(_GEMMA3_SIDE, 8),
+        boi_token_index=_IDS["<start_of_image>"],
+        eoi_token_index=_IDS["<end_of_image>"],
+        image_token_index=_IDS["<image_soft_token>"],
+        mm_tokens_per_image=_GEMMA3_IMAGE_TOKENS,
+        hidden_size=64,
+        pad_token_id=_IDS["<pad>"],
+        eos_token_id=[_IDS["<eos>"], _IDS["<end_of_turn>"]],
+    )
 
 
 def _gemma3_files() -> dict[str, Any]:
     return {
-        "config.json": _gemma3_config(),
-        "generation_config.json": _generation_config(),
-        "tokenizer_config.json": _tokenizer_config(
+        "generation_config.json": generation_config(
+            SPECIAL_TOKENS, bos="<bos>", eos=["<eos>", "<end_of_turn>"], pad="<pad>"
+        ),
+        "tokenizer_config.json": tokenizer_config(
+            SPECIAL_TOKENS,
             _GEMMA3_TEMPLATE,
+            bos="<bos>",
+            eos="<eos>",
+            pad="<pad>",
             extra_special_tokens={
                 "boi_token": "<start_of_image>",
                 "eoi_token": "<end_of_image>",
                 "image_token": "<image_soft_token>",
             },
         ),
-        "preprocessor_config.json": {
-            **_image_processor("Gemma3ImageProcessor", _GEMMA3_SIDE, "Gemma3Processor"),
-            "do_pan_and_scan": False,
-        },
+        "preprocessor_config.json": image_processor(
+            "Gemma3ImageProcessor",
+            "Gemma3Processor",
+            size={"height": _GEMMA3_SIDE, "width": _GEMMA3_SIDE},
+            resample=2,
+            do_resize=True,
+            do_pan_and_scan=False,
+        ),
         "processor_config.json": {
             "processor_class": "Gemma3Processor",
             "image_seq_length": _GEMMA3_IMAGE_TOKENS,
@@ -173,8 +139,7 @@ def _gemma3_files() -> dict[str, Any]:
 
 GEMMA3: Final = Family(
     model_type="gemma3",
-    module="mlx_vlm.models.gemma3",
     specials=SPECIAL_TOKENS,
+    config=_gemma3_config,
     files=_gemma3_files,
-    build=lambda module: nested(module, _gemma3_config()),
 )

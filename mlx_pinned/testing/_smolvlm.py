@@ -6,8 +6,16 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from ._family import Family, ids, nested, siglip_tower
-from ._tokenizer import VOCAB_SIZE, tokenizer_config
+from ._configs import (
+    decoder,
+    generation_config,
+    image_processor,
+    siglip_tower,
+    vision_model,
+)
+from ._family import Family
+from ._templates import parts
+from ._tokenizer import ids, tokenizer_config
 
 # The largest split here is 2x2 tiles, so four row/column tokens.
 SPECIAL_TOKENS: Final = (
@@ -40,15 +48,7 @@ _CHAT_TEMPLATE: Final = (
     "{{- ':' -}}"
     "{%- else -%}"
     "{{- ': ' -}}"
-    "{%- endif -%}"
-    "{%- for part in message['content'] or [] -%}"
-    "{%- if part.get('type', '') in ('image', 'image_url') -%}"
-    "{{- '<image>' -}}"
-    "{%- elif 'text' in part -%}"
-    "{{- part['text'] -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
+    "{%- endif -%}" + parts("message['content'] or []", "<image>") + "{%- endif -%}"
     "{{- '<end_of_utterance>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
@@ -64,42 +64,33 @@ _TILE_TOKENS: Final = 4
 
 
 def _config() -> dict[str, Any]:
-    text = {
-        "model_type": "llama",
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": VOCAB_SIZE,
-        "rope_theta": 100000.0,
-        "max_position_embeddings": 8192,
-        "tie_word_embeddings": False,
-    }
-    vision = siglip_tower(_TILE, 8)
-    return {
-        "architectures": ["SmolVLMForConditionalGeneration"],
-        "model_type": "smolvlm",
-        "text_config": text,
-        "vision_config": vision,
-        "scale_factor": 2,
-        "image_token_id": _IDS["<image>"],
-        "eos_token_id": [_IDS["<end_of_utterance>"]],
-        "pad_token_id": _IDS["<|endoftext|>"],
-        "vocab_size": VOCAB_SIZE,
-        "dtype": "float32",
-    }
+    text = decoder(
+        "llama",
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
+    return vision_model(
+        "SmolVLMForConditionalGeneration",
+        "smolvlm",
+        text,
+        siglip_tower(_TILE, 8),
+        scale_factor=2,
+        image_token_id=_IDS["<image>"],
+        eos_token_id=[_IDS["<end_of_utterance>"]],
+        pad_token_id=_IDS["<|endoftext|>"],
+    )
 
 
 def _files() -> dict[str, Any]:
     return {
-        "config.json": _config(),
-        "generation_config.json": {
-            "bos_token_id": _IDS["<|im_start|>"],
-            "eos_token_id": [_IDS["<end_of_utterance>"], _IDS["<|endoftext|>"]],
-            "pad_token_id": _IDS["<|endoftext|>"],
-        },
+        "generation_config.json": generation_config(
+            SPECIAL_TOKENS,
+            bos="<|im_start|>",
+            eos=["<end_of_utterance>", "<|endoftext|>"],
+            pad="<|endoftext|>",
+        ),
         "tokenizer_config.json": tokenizer_config(
             SPECIAL_TOKENS,
             _CHAT_TEMPLATE,
@@ -107,22 +98,16 @@ def _files() -> dict[str, Any]:
             eos="<end_of_utterance>",
             pad="<|endoftext|>",
         ),
-        "preprocessor_config.json": {
-            "image_processor_type": "SmolVLMImageProcessor",
-            "processor_class": "SmolVLMProcessor",
-            "do_convert_rgb": True,
-            "do_resize": True,
-            "size": {"longest_edge": 2 * _TILE},
-            "max_image_size": {"longest_edge": _TILE},
-            "do_image_splitting": True,
-            "resample": 1,
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
-            "do_pad": True,
-        },
+        "preprocessor_config.json": image_processor(
+            "SmolVLMImageProcessor",
+            "SmolVLMProcessor",
+            do_resize=True,
+            size={"longest_edge": 2 * _TILE},
+            max_image_size={"longest_edge": _TILE},
+            do_image_splitting=True,
+            resample=1,
+            do_pad=True,
+        ),
         "processor_config.json": {
             "processor_class": "SmolVLMProcessor",
             "image_seq_len": _TILE_TOKENS,
@@ -132,8 +117,7 @@ def _files() -> dict[str, Any]:
 
 SMOLVLM: Final = Family(
     model_type="smolvlm",
-    module="mlx_vlm.models.smolvlm",
     specials=SPECIAL_TOKENS,
+    config=_config,
     files=_files,
-    build=lambda module: nested(module, _config()),
 )

@@ -1,0 +1,48 @@
+"""Pieces of the tiny families' Jinja chat templates. Calling thread; plain
+strings, nothing rendered here.
+"""
+
+from __future__ import annotations
+
+
+def content(image: str, *, strings: bool = False, trim: bool = False) -> str:
+    """Jinja writing ``message['content']``: a string as it is, or its parts
+    as :func:`parts` writes them (``None`` writes nothing)."""
+    pipe = " | trim" if trim else ""
+    return (
+        "{%- if message['content'] is string -%}"
+        "{{- message['content']" + pipe + " -}}"
+        "{%- elif message['content'] is not none -%}"
+        + parts("message['content']", image, strings=strings, trim=trim)
+        + "{%- endif -%}"
+    )
+
+
+def parts(source: str, image: str, *, strings: bool = False, trim: bool = False) -> str:
+    """Jinja writing each typed part of the list ``source`` (an expression).
+
+    Args:
+        source: The list of parts.
+        image: What an image part becomes, as the inside of a Jinja string
+            literal (``\\\\n`` for a newline).
+        strings: Write bare strings among the parts too.
+        trim: Trim every text of white space.
+    """
+    pipe = " | trim" if trim else ""
+    first = (
+        "{%- if part is string -%}{{- part" + pipe + " -}}{%- elif "
+        if strings
+        else "{%- if "
+    )
+    return (
+        "{%- for part in "
+        + source
+        + " -%}"
+        + first
+        + "part.get('type', '') in ('image', 'image_url') -%}"
+        "{{- '" + image + "' -}}"
+        "{%- elif 'text' in part -%}"
+        "{{- part['text']" + pipe + " -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+    )
