@@ -8,15 +8,16 @@ from __future__ import annotations
 from typing import Any, Final
 
 from ._configs import (
+    SLIDING_WINDOW,
     decoder,
-    generation_config,
-    image_processor,
+    processor_files,
     siglip_tower,
+    token_files,
     vision_model,
 )
 from ._family import Family
-from ._templates import content
-from ._tokenizer import ids, tokenizer_config
+from ._templates import content, generation_prompt
+from ._tokenizer import ids
 
 SPECIAL_TOKENS: Final = (
     "<PAD>",
@@ -56,22 +57,17 @@ _CHAT_TEMPLATE: Final = (
     "{%- endif -%}"
     "{{- '<|END_OF_TURN_TOKEN|>' -}}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>' -}}"
-    "{%- endif -%}"
+    + generation_prompt("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>")
 )
 
 # Tiles of 32x32 pixels, 8x8 patches each, shuffled 2x2: 4 image tokens a
 # tile; up to 2 tiles and the global view.
 _TILE: Final = 32
-# As Gemma 3's: short enough that tests' prompts and answers pass it.
-SLIDING_WINDOW: Final = 16
 
 
 def _config() -> dict[str, Any]:
     text = decoder(
         "cohere2",
-        head_dim=16,
         rope_theta=50000.0,
         layer_norm_eps=1e-5,
         logit_scale=0.0625,
@@ -97,42 +93,32 @@ def _config() -> dict[str, Any]:
 
 
 def _files() -> dict[str, Any]:
+    image = {
+        "size": {"height": _TILE, "width": _TILE},
+        "crop_to_patches": True,
+        "min_patches": 1,
+        "max_patches": 2,
+        "do_resize": True,
+        "resample": 3,
+    }
     return {
-        "generation_config.json": generation_config(
-            SPECIAL_TOKENS,
-            bos="<BOS_TOKEN>",
-            eos=["<|END_OF_TURN_TOKEN|>", "<EOS_TOKEN>"],
-            pad="<PAD>",
-        ),
-        "tokenizer_config.json": tokenizer_config(
+        **token_files(
             SPECIAL_TOKENS,
             _CHAT_TEMPLATE,
             bos="<BOS_TOKEN>",
             eos="<|END_OF_TURN_TOKEN|>",
             pad="<PAD>",
+            stops=("<EOS_TOKEN>",),
         ),
-        "preprocessor_config.json": image_processor(
+        **processor_files(
             "GotOcr2ImageProcessor",
             "AyaVisionProcessor",
-            size={"height": _TILE, "width": _TILE},
-            crop_to_patches=True,
-            min_patches=1,
-            max_patches=2,
-            do_resize=True,
-            resample=3,
+            image,
+            patch_size=8,
+            img_size=_TILE,
+            downsample_factor=2,
         ),
-        "processor_config.json": {
-            "processor_class": "AyaVisionProcessor",
-            "patch_size": 8,
-            "img_size": _TILE,
-            "downsample_factor": 2,
-        },
     }
 
 
-AYA_VISION: Final = Family(
-    model_type="aya_vision",
-    specials=SPECIAL_TOKENS,
-    config=_config,
-    files=_files,
-)
+AYA_VISION: Final = Family("aya_vision", SPECIAL_TOKENS, _config, _files)

@@ -1,20 +1,26 @@
 """The config pieces the tiny families share: the decoder's size, a vision
-model's root keys, SigLIP's tower, image scaling and the generation config.
+model's root keys, SigLIP's tower, the processor and the token files.
 
 Calling thread; plain dicts, no MLX.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
-from ._tokenizer import VOCAB_SIZE, ids
+from ._tokenizer import VOCAB_SIZE, ids, tokenizer_config
 
 
-def decoder(model_type: str, **settings: Any) -> dict[str, Any]:
-    """The 2-layer, 64-wide decoder of every family (4 query heads, 2 KV
-    heads), with the family's own ``settings``."""
-    return {
+def decoder(
+    model_type: str, *, head_dim: int | None = 16, **settings: Any
+) -> dict[str, Any]:
+    """The 2-layer, 64-wide decoder of every family (4 query heads of 16, 2
+    KV heads), with the family's own ``settings``.
+
+    ``head_dim=None`` leaves the head size out of the config, for a family
+    whose real config derives it.
+    """
+    config = {
         "model_type": model_type,
         "num_hidden_layers": 2,
         "hidden_size": 64,
@@ -24,6 +30,14 @@ def decoder(model_type: str, **settings: Any) -> dict[str, Any]:
         "vocab_size": VOCAB_SIZE,
         **settings,
     }
+    if head_dim is not None:
+        config["head_dim"] = head_dim
+    return config
+
+
+# Short enough that tests' prompts and answers pass it, so the sliding-window
+# layers' rotating caches wrap (Gemma 3 and Aya Vision have such layers).
+SLIDING_WINDOW: Final = 16
 
 
 def vision_model(
@@ -75,27 +89,56 @@ def scaled_rgb() -> dict[str, Any]:
     }
 
 
-def image_processor(kind: str, processor: str, **settings: Any) -> dict[str, Any]:
-    """``preprocessor_config.json``: the image processor class ``kind`` of
-    ``processor``, with :func:`scaled_rgb` and the family's ``settings``."""
+def processor_files(
+    kind: str, processor: str, image: dict[str, Any], **settings: Any
+) -> dict[str, Any]:
+    """``preprocessor_config.json`` (the image processor class ``kind``,
+    :func:`scaled_rgb` and ``image``) and ``processor_config.json``
+    (``settings``) of the processor class ``processor``."""
     return {
-        "image_processor_type": kind,
-        "processor_class": processor,
-        **scaled_rgb(),
-        **settings,
+        "preprocessor_config.json": {
+            "image_processor_type": kind,
+            "processor_class": processor,
+            **scaled_rgb(),
+            **image,
+        },
+        "processor_config.json": {"processor_class": processor, **settings},
     }
 
 
-def generation_config(
-    specials: tuple[str, ...], *, bos: str, eos: str | list[str], pad: str
+def token_files(
+    specials: tuple[str, ...],
+    chat_template: str,
+    *,
+    bos: str | None,
+    eos: str,
+    pad: str,
+    stops: tuple[str, ...] = (),
+    **extra: Any,
 ) -> dict[str, Any]:
-    """``generation_config.json``, naming its tokens by their text; ``eos``
-    a list where generation stops at any of several tokens."""
+    """``tokenizer_config.json`` and ``generation_config.json``.
+
+    Args:
+        specials: The family's special tokens, in id order.
+        chat_template: Its Jinja chat template.
+        bos: Its beginning-of-sequence token; where it has none, the
+            generation config names ``pad`` instead, as Qwen's does.
+        eos: The token that ends a turn.
+        pad: The padding token.
+        stops: Other tokens generation stops at; with any, the generation
+            config lists ``eos`` and these, else it names ``eos`` alone.
+        **extra: More ``tokenizer_config.json`` keys.
+    """
     index = ids(specials)
     return {
-        "bos_token_id": index[bos],
-        "eos_token_id": (
-            index[eos] if isinstance(eos, str) else [index[token] for token in eos]
+        "tokenizer_config.json": tokenizer_config(
+            specials, chat_template, bos=bos, eos=eos, pad=pad, **extra
         ),
-        "pad_token_id": index[pad],
+        "generation_config.json": {
+            "bos_token_id": index[pad if bos is None else bos],
+            "eos_token_id": (
+                [index[token] for token in (eos, *stops)] if stops else index[eos]
+            ),
+            "pad_token_id": index[pad],
+        },
     }

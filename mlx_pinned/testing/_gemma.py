@@ -12,15 +12,16 @@ from __future__ import annotations
 from typing import Any, Final
 
 from ._configs import (
+    SLIDING_WINDOW,
     decoder,
-    generation_config,
-    image_processor,
+    processor_files,
     siglip_tower,
+    token_files,
     vision_model,
 )
 from ._family import Family
-from ._templates import content
-from ._tokenizer import ids, tokenizer_config
+from ._templates import content, generation_prompt
+from ._tokenizer import ids
 
 SPECIAL_TOKENS: Final = (
     "<pad>",
@@ -60,10 +61,7 @@ _GEMMA3_TEMPLATE: Final = (
     "{%- if loop.first -%}{{- first_user_prefix -}}{%- endif -%}"
     + content("<start_of_image>", strings=True, trim=True)
     + "{{- '<end_of_turn>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<start_of_turn>model\\n' -}}"
-    "{%- endif -%}"
+    "{%- endfor -%}" + generation_prompt("<start_of_turn>model\\n")
 )
 
 # -- Gemma 3 -------------------------------------------------------------------
@@ -71,21 +69,17 @@ _GEMMA3_TEMPLATE: Final = (
 # A 32x32 image of 8x8 patches, pooled 2x2: 4 soft tokens per image.
 _GEMMA3_SIDE: Final = 32
 _GEMMA3_IMAGE_TOKENS: Final = 4
-# Small enough that prompts and answers of a few tokens go past it, so the
-# sliding-window layers' rotating caches wrap in tests.
-GEMMA3_SLIDING_WINDOW: Final = 16
 
 
 def _gemma3_config() -> dict[str, Any]:
     text = decoder(
         "gemma3_text",
-        head_dim=16,
         query_pre_attn_scalar=16,
         rms_norm_eps=1e-6,
         rope_global_base_freq=1000000.0,
         rope_local_base_freq=10000.0,
         # Layer 0 slides, layer 1 attends to everything.
-        sliding_window=GEMMA3_SLIDING_WINDOW,
+        sliding_window=SLIDING_WINDOW,
         sliding_window_pattern=2,
         mm_tokens_per_image=_GEMMA3_IMAGE_TOKENS,
         max_position_embeddings=32768,
@@ -106,40 +100,33 @@ def _gemma3_config() -> dict[str, Any]:
 
 
 def _gemma3_files() -> dict[str, Any]:
+    image = {
+        "size": {"height": _GEMMA3_SIDE, "width": _GEMMA3_SIDE},
+        "resample": 2,
+        "do_resize": True,
+        "do_pan_and_scan": False,
+    }
     return {
-        "generation_config.json": generation_config(
-            SPECIAL_TOKENS, bos="<bos>", eos=["<eos>", "<end_of_turn>"], pad="<pad>"
-        ),
-        "tokenizer_config.json": tokenizer_config(
+        **token_files(
             SPECIAL_TOKENS,
             _GEMMA3_TEMPLATE,
             bos="<bos>",
             eos="<eos>",
             pad="<pad>",
+            stops=("<end_of_turn>",),
             extra_special_tokens={
                 "boi_token": "<start_of_image>",
                 "eoi_token": "<end_of_image>",
                 "image_token": "<image_soft_token>",
             },
         ),
-        "preprocessor_config.json": image_processor(
+        **processor_files(
             "Gemma3ImageProcessor",
             "Gemma3Processor",
-            size={"height": _GEMMA3_SIDE, "width": _GEMMA3_SIDE},
-            resample=2,
-            do_resize=True,
-            do_pan_and_scan=False,
+            image,
+            image_seq_length=_GEMMA3_IMAGE_TOKENS,
         ),
-        "processor_config.json": {
-            "processor_class": "Gemma3Processor",
-            "image_seq_length": _GEMMA3_IMAGE_TOKENS,
-        },
     }
 
 
-GEMMA3: Final = Family(
-    model_type="gemma3",
-    specials=SPECIAL_TOKENS,
-    config=_gemma3_config,
-    files=_gemma3_files,
-)
+GEMMA3: Final = Family("gemma3", SPECIAL_TOKENS, _gemma3_config, _gemma3_files)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import functools
 from typing import Any, Final
 
-from ._configs import decoder, generation_config
+from ._configs import decoder, token_files
 from ._family import Family, flat
-from ._templates import content
-from ._tokenizer import ids, tokenizer_config
+from ._templates import content, generation_prompt
+from ._tokenizer import ids
 
 SPECIAL_TOKENS: Final = (
     "<|begin_of_text|>",
@@ -35,9 +35,7 @@ CHAT_TEMPLATE: Final = (
     + content("<image>\\n", strings=True)
     + "{{- '<|eot_id|>' -}}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}"
-    "{%- endif -%}"
+    + generation_prompt("<|start_header_id|>assistant<|end_header_id|>\\n\\n")
 )
 
 
@@ -47,7 +45,6 @@ def _config() -> dict[str, Any]:
         "architectures": ["LlamaForCausalLM"],
         **decoder(
             "llama",
-            head_dim=16,
             hidden_act="silu",
             rms_norm_eps=1e-5,
             max_position_embeddings=8192,
@@ -60,25 +57,17 @@ def _config() -> dict[str, Any]:
     }
 
 
+def _files() -> dict[str, Any]:
+    return token_files(
+        SPECIAL_TOKENS,
+        CHAT_TEMPLATE,
+        bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
+        pad="<|end_of_text|>",
+        stops=("<|end_of_text|>",),
+    )
+
+
 LLAMA: Final = Family(
-    model_type="llama",
-    specials=SPECIAL_TOKENS,
-    config=_config,
-    files=lambda: {
-        "generation_config.json": generation_config(
-            SPECIAL_TOKENS,
-            bos="<|begin_of_text|>",
-            eos=["<|eot_id|>", "<|end_of_text|>"],
-            pad="<|end_of_text|>",
-        ),
-        "tokenizer_config.json": tokenizer_config(
-            SPECIAL_TOKENS,
-            CHAT_TEMPLATE,
-            bos="<|begin_of_text|>",
-            eos="<|eot_id|>",
-            pad="<|end_of_text|>",
-        ),
-    },
-    build=flat,
-    vision=False,
+    "llama", SPECIAL_TOKENS, _config, _files, build=flat, vision=False
 )

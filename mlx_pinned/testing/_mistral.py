@@ -7,15 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from ._configs import (
-    decoder,
-    generation_config,
-    image_processor,
-    vision_model,
-)
+from ._configs import decoder, processor_files, token_files, vision_model
 from ._family import Family
 from ._templates import content
-from ._tokenizer import ids, tokenizer_config
+from ._tokenizer import ids
 
 SPECIAL_TOKENS: Final = (
     "<unk>",
@@ -62,7 +57,6 @@ _LONGEST: Final = 64
 def _config() -> dict[str, Any]:
     text = decoder(
         "mistral",
-        head_dim=16,
         rms_norm_eps=1e-5,
         rope_theta=1000000000.0,
         max_position_embeddings=32768,
@@ -95,35 +89,27 @@ def _config() -> dict[str, Any]:
 
 
 def _files() -> dict[str, Any]:
+    image = {
+        "size": {"longest_edge": _LONGEST},
+        "patch_size": {"height": _PATCH, "width": _PATCH},
+        "do_resize": True,
+        "resample": 3,
+    }
     return {
-        "generation_config.json": generation_config(
-            SPECIAL_TOKENS, bos="<s>", eos="</s>", pad="<unk>"
-        ),
-        "tokenizer_config.json": tokenizer_config(
+        **token_files(
             SPECIAL_TOKENS, _CHAT_TEMPLATE, bos="<s>", eos="</s>", pad="<unk>"
         ),
-        "preprocessor_config.json": image_processor(
+        **processor_files(
             "PixtralImageProcessor",
             "Mistral3Processor",
-            size={"longest_edge": _LONGEST},
-            patch_size={"height": _PATCH, "width": _PATCH},
-            do_resize=True,
-            resample=3,
+            image,
+            image_token="[IMG]",
+            image_break_token="[IMG_BREAK]",
+            image_end_token="[IMG_END]",
+            patch_size=_PATCH,
+            spatial_merge_size=2,
         ),
-        "processor_config.json": {
-            "processor_class": "Mistral3Processor",
-            "image_token": "[IMG]",
-            "image_break_token": "[IMG_BREAK]",
-            "image_end_token": "[IMG_END]",
-            "patch_size": _PATCH,
-            "spatial_merge_size": 2,
-        },
     }
 
 
-MISTRAL3: Final = Family(
-    model_type="mistral3",
-    specials=SPECIAL_TOKENS,
-    config=_config,
-    files=_files,
-)
+MISTRAL3: Final = Family("mistral3", SPECIAL_TOKENS, _config, _files)

@@ -11,13 +11,13 @@ from typing import Any, Final
 
 from ._configs import (
     decoder,
-    generation_config,
-    image_processor,
+    processor_files,
     scaled_rgb,
+    token_files,
     vision_model,
 )
 from ._family import Family, flat
-from ._tokenizer import ids, tokenizer_config
+from ._tokenizer import ids
 
 #: The tokenizer's special tokens, in id order (``<|endoftext|>`` is id 0).
 SPECIAL_TOKENS: Final = (
@@ -151,7 +151,6 @@ def qwen_text_config(model_type: str, **settings: Any) -> dict[str, Any]:
     """The decoder all the Qwen families here share."""
     return decoder(
         model_type,
-        head_dim=16,
         hidden_act="silu",
         rms_norm_eps=1e-6,
         max_position_embeddings=32768,
@@ -163,16 +162,10 @@ def qwen_text_config(model_type: str, **settings: Any) -> dict[str, Any]:
     )
 
 
-def qwen_vl_config(
-    architecture: str,
-    model_type: str,
-    text: dict[str, Any],
-    vision: dict[str, Any],
-    **settings: Any,
-) -> dict[str, Any]:
-    """``config.json`` of a Qwen vision family: its media token ids, tied
-    embeddings."""
-    shared = {
+def qwen_media() -> dict[str, Any]:
+    """Root keys of a Qwen vision family's ``config.json``: its media token
+    ids, and tied embeddings."""
+    return {
         "image_token_id": _IDS["<|image_pad|>"],
         "video_token_id": _IDS["<|video_pad|>"],
         "vision_start_token_id": _IDS["<|vision_start|>"],
@@ -180,25 +173,17 @@ def qwen_vl_config(
         "vision_token_id": _IDS["<|vision_pad|>"],
         "tie_word_embeddings": True,
     }
-    return vision_model(architecture, model_type, text, vision, **shared | settings)
 
 
 def _token_files() -> dict[str, Any]:
-    return {
-        "generation_config.json": generation_config(
-            SPECIAL_TOKENS,
-            bos="<|endoftext|>",
-            eos=["<|im_end|>", "<|endoftext|>"],
-            pad="<|endoftext|>",
-        ),
-        "tokenizer_config.json": tokenizer_config(
-            SPECIAL_TOKENS,
-            _CHAT_TEMPLATE,
-            bos=None,
-            eos="<|im_end|>",
-            pad="<|endoftext|>",
-        ),
-    }
+    return token_files(
+        SPECIAL_TOKENS,
+        _CHAT_TEMPLATE,
+        bos=None,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        stops=("<|endoftext|>",),
+    )
 
 
 def qwen_vl_files(processor: str, video: str, patch: int) -> dict[str, Any]:
@@ -216,9 +201,7 @@ def qwen_vl_files(processor: str, video: str, patch: int) -> dict[str, Any]:
     }
     return {
         **_token_files(),
-        "preprocessor_config.json": image_processor(
-            "Qwen2VLImageProcessor", processor, **pixels
-        ),
+        **processor_files("Qwen2VLImageProcessor", processor, pixels),
         # Without these two the processor asks the hub for them.
         "video_preprocessor_config.json": {
             "video_processor_type": video,
@@ -229,7 +212,6 @@ def qwen_vl_files(processor: str, video: str, patch: int) -> dict[str, Any]:
             **scaled_rgb(),
             **pixels,
         },
-        "processor_config.json": {"processor_class": processor},
     }
 
 
@@ -252,20 +234,17 @@ def _qwen3_vl_config() -> dict[str, Any]:
         },
         attention_bias=False,
     )
-    return qwen_vl_config(
+    return vision_model(
         "Qwen3VLForConditionalGeneration",
         "qwen3_vl",
         text,
         qwen3_vision_config("qwen3_vl", deepstack=[0]),
+        **qwen_media(),
     )
 
 
 QWEN3_VL: Final = Family(
-    model_type="qwen3_vl",
-    specials=SPECIAL_TOKENS,
-    config=_qwen3_vl_config,
-    files=qwen3_vl_files,
-    marked=False,
+    "qwen3_vl", SPECIAL_TOKENS, _qwen3_vl_config, qwen3_vl_files, marked=False
 )
 
 
@@ -290,8 +269,12 @@ def _qwen2_5_vl_config() -> dict[str, Any]:
     )
     # Its ModelConfig reads the text settings from the root keys too.
     root = {k: v for k, v in text.items() if k != "model_type"}
-    return qwen_vl_config(
-        "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", text, vision, **root
+    return vision_model(
+        "Qwen2_5_VLForConditionalGeneration",
+        "qwen2_5_vl",
+        text,
+        vision,
+        **root | qwen_media(),
     )
 
 
@@ -307,10 +290,10 @@ def _build_qwen2_5_vl(module: Any, config: dict[str, Any]) -> Any:
 
 
 QWEN2_5_VL: Final = Family(
-    model_type="qwen2_5_vl",
-    specials=SPECIAL_TOKENS,
-    config=_qwen2_5_vl_config,
-    files=lambda: qwen_vl_files("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", 14),
+    "qwen2_5_vl",
+    SPECIAL_TOKENS,
+    _qwen2_5_vl_config,
+    lambda: qwen_vl_files("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", 14),
     build=_build_qwen2_5_vl,
 )
 
@@ -327,10 +310,5 @@ def _qwen3_config() -> dict[str, Any]:
 
 
 QWEN3: Final = Family(
-    model_type="qwen3",
-    specials=SPECIAL_TOKENS,
-    config=_qwen3_config,
-    files=_token_files,
-    build=flat,
-    vision=False,
+    "qwen3", SPECIAL_TOKENS, _qwen3_config, _token_files, build=flat, vision=False
 )

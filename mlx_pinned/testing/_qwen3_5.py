@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from ._configs import vision_model
 from ._family import Family
 from ._qwen import (
     SPECIAL_TOKENS,
     qwen3_vision_config,
     qwen3_vl_files,
+    qwen_media,
     qwen_text_config,
-    qwen_vl_config,
 )
 
 
@@ -42,17 +43,13 @@ def _config() -> dict[str, Any]:
             "partial_rotary_factor": 0.5,
         },
     )
-    return qwen_vl_config(
+    return vision_model(
         "Qwen3_5ForConditionalGeneration",
         "qwen3_5",
         text,
         qwen3_vision_config("qwen3_5", deepstack=[]),
+        **qwen_media(),
     )
 
 
-QWEN3_5: Final = Family(
-    model_type="qwen3_5",
-    specials=SPECIAL_TOKENS,
-    config=_config,
-    files=qwen3_vl_files,
-)
+QWEN3_5: Final = Family("qwen3_5", SPECIAL_TOKENS, _config, qwen3_vl_files)

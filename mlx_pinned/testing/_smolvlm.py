@@ -8,14 +8,14 @@ from typing import Any, Final
 
 from ._configs import (
     decoder,
-    generation_config,
-    image_processor,
+    processor_files,
     siglip_tower,
+    token_files,
     vision_model,
 )
 from ._family import Family
-from ._templates import parts
-from ._tokenizer import ids, tokenizer_config
+from ._templates import generation_prompt, parts
+from ._tokenizer import ids
 
 # The largest split here is 2x2 tiles, so four row/column tokens.
 SPECIAL_TOKENS: Final = (
@@ -50,10 +50,7 @@ _CHAT_TEMPLATE: Final = (
     "{{- ': ' -}}"
     "{%- endif -%}" + parts("message['content'] or []", "<image>") + "{%- endif -%}"
     "{{- '<end_of_utterance>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- 'Assistant:' -}}"
-    "{%- endif -%}"
+    "{%- endfor -%}" + generation_prompt("Assistant:")
 )
 
 # Tiles of 32x32 pixels, 8x8 patches each, shuffled 2x2: 4 image tokens a
@@ -66,6 +63,7 @@ _TILE_TOKENS: Final = 4
 def _config() -> dict[str, Any]:
     text = decoder(
         "llama",
+        head_dim=None,
         rms_norm_eps=1e-5,
         rope_theta=100000.0,
         max_position_embeddings=8192,
@@ -84,40 +82,30 @@ def _config() -> dict[str, Any]:
 
 
 def _files() -> dict[str, Any]:
+    image = {
+        "do_resize": True,
+        "size": {"longest_edge": 2 * _TILE},
+        "max_image_size": {"longest_edge": _TILE},
+        "do_image_splitting": True,
+        "resample": 1,
+        "do_pad": True,
+    }
     return {
-        "generation_config.json": generation_config(
-            SPECIAL_TOKENS,
-            bos="<|im_start|>",
-            eos=["<end_of_utterance>", "<|endoftext|>"],
-            pad="<|endoftext|>",
-        ),
-        "tokenizer_config.json": tokenizer_config(
+        **token_files(
             SPECIAL_TOKENS,
             _CHAT_TEMPLATE,
             bos="<|im_start|>",
             eos="<end_of_utterance>",
             pad="<|endoftext|>",
+            stops=("<|endoftext|>",),
         ),
-        "preprocessor_config.json": image_processor(
+        **processor_files(
             "SmolVLMImageProcessor",
             "SmolVLMProcessor",
-            do_resize=True,
-            size={"longest_edge": 2 * _TILE},
-            max_image_size={"longest_edge": _TILE},
-            do_image_splitting=True,
-            resample=1,
-            do_pad=True,
+            image,
+            image_seq_len=_TILE_TOKENS,
         ),
-        "processor_config.json": {
-            "processor_class": "SmolVLMProcessor",
-            "image_seq_len": _TILE_TOKENS,
-        },
     }
 
 
-SMOLVLM: Final = Family(
-    model_type="smolvlm",
-    specials=SPECIAL_TOKENS,
-    config=_config,
-    files=_files,
-)
+SMOLVLM: Final = Family("smolvlm", SPECIAL_TOKENS, _config, _files)

@@ -46,3 +46,9 @@ def parts(source: str, image: str, *, strings: bool = False, trim: bool = False)
         "{%- endif -%}"
         "{%- endfor -%}"
     )
+
+
+def generation_prompt(text: str) -> str:
+    """Jinja opening the assistant's turn with ``text`` (the inside of a
+    Jinja string literal) when ``add_generation_prompt`` is true."""
+    return "{%- if add_generation_prompt -%}{{- '" + text + "' -}}{%- endif -%}"
