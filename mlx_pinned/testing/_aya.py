@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any, Final
 
 from ._configs import (
+    SIGLIP_PATCH,
+    SIGLIP_SIDE,
     SLIDING_WINDOW,
     decoder,
     processor_files,
@@ -16,7 +18,7 @@ from ._configs import (
     vision_model,
 )
 from ._family import Family
-from ._templates import content, generation_prompt
+from ._templates import content, generation_prompt, template
 from ._tokenizer import ids
 
 SPECIAL_TOKENS: Final = (
@@ -45,24 +47,22 @@ _IDS: Final = ids(SPECIAL_TOKENS)
 # Cohere's turns; an image part as <image>, which the processor expands into
 # <|START_OF_IMG|>, TILE_n and TILE_GLOBAL, each with its patches, and
 # <|END_OF_IMG|>.
-_CHAT_TEMPLATE: Final = (
+_CHAT_TEMPLATE: Final = template(
     "{{- bos_token -}}"
     "{%- set roles = {'user': 'USER', 'assistant': 'CHATBOT', 'system': 'SYSTEM'} -%}"
     "{%- for message in messages -%}"
     "{{- '<|START_OF_TURN_TOKEN|><|' + roles[message['role']] + '_TOKEN|>' -}}"
     "{%- if message['role'] == 'assistant' -%}"
     "{{- '<|START_RESPONSE|>' -}}"
-    "{%- endif -%}" + content("<image>") + "{%- if message['role'] == 'assistant' -%}"
+    "{%- endif -%}",
+    content("<image>"),
+    "{%- if message['role'] == 'assistant' -%}"
     "{{- '<|END_RESPONSE|>' -}}"
     "{%- endif -%}"
     "{{- '<|END_OF_TURN_TOKEN|>' -}}"
-    "{%- endfor -%}"
-    + generation_prompt("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>")
+    "{%- endfor -%}",
+    generation_prompt("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>"),
 )
-
-# Tiles of 32x32 pixels, 8x8 patches each, shuffled 2x2: 4 image tokens a
-# tile; up to 2 tiles and the global view.
-_TILE: Final = 32
 
 
 def _config() -> dict[str, Any]:
@@ -80,7 +80,7 @@ def _config() -> dict[str, Any]:
         "AyaVisionForConditionalGeneration",
         "aya_vision",
         text,
-        siglip_tower(_TILE, 8),
+        siglip_tower(),
         image_token_index=_IDS["<|IMG_PATCH|>"],
         downsample_factor=2,
         max_splits_per_img=2,
@@ -93,8 +93,9 @@ def _config() -> dict[str, Any]:
 
 
 def _files() -> dict[str, Any]:
+    # A tile is one SigLIP input; up to 2 tiles and the global view.
     image = {
-        "size": {"height": _TILE, "width": _TILE},
+        "size": {"height": SIGLIP_SIDE, "width": SIGLIP_SIDE},
         "crop_to_patches": True,
         "min_patches": 1,
         "max_patches": 2,
@@ -114,8 +115,8 @@ def _files() -> dict[str, Any]:
             "GotOcr2ImageProcessor",
             "AyaVisionProcessor",
             image,
-            patch_size=8,
-            img_size=_TILE,
+            patch_size=SIGLIP_PATCH,
+            img_size=SIGLIP_SIDE,
             downsample_factor=2,
         ),
     }

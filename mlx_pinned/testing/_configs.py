@@ -35,6 +35,24 @@ def decoder(
     return config
 
 
+def tied_decoder(
+    model_type: str, specials: tuple[str, ...], *, bos: str, eos: str, **settings: Any
+) -> dict[str, Any]:
+    """:func:`decoder` as Llama's and the Qwen families' configs have it:
+    SiLU, tied embeddings, float32, and the ids of its ``bos`` and ``eos``
+    tokens."""
+    index = ids(specials)
+    return decoder(
+        model_type,
+        hidden_act="silu",
+        tie_word_embeddings=True,
+        bos_token_id=index[bos],
+        eos_token_id=index[eos],
+        dtype="float32",
+        **settings,
+    )
+
+
 # Short enough that tests' prompts and answers pass it, so the sliding-window
 # layers' rotating caches wrap (Gemma 3 and Aya Vision have such layers).
 SLIDING_WINDOW: Final = 16
@@ -60,17 +78,25 @@ def vision_model(
     }
 
 
-def siglip_tower(side: int, patch: int) -> dict[str, Any]:
-    """A 2-layer, 32-wide SigLIP vision tower for ``side``-pixel images
-    (Gemma 3, SmolVLM and Aya Vision use one)."""
+# SigLIP's input in Gemma 3, SmolVLM and Aya Vision: an image (or a tile) of
+# 32x32 pixels in 8x8 patches, reduced 2x2 (pooled or pixel-shuffled) to 4
+# image tokens.
+SIGLIP_SIDE: Final = 32
+SIGLIP_PATCH: Final = 8
+SIGLIP_TOKENS: Final = 4
+
+
+def siglip_tower() -> dict[str, Any]:
+    """The 2-layer, 32-wide SigLIP vision tower of Gemma 3, SmolVLM and Aya
+    Vision."""
     return {
         "model_type": "siglip_vision_model",
         "num_hidden_layers": 2,
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_attention_heads": 2,
-        "patch_size": patch,
-        "image_size": side,
+        "patch_size": SIGLIP_PATCH,
+        "image_size": SIGLIP_SIDE,
         "num_channels": 3,
         "layer_norm_eps": 1e-6,
     }

@@ -1,10 +1,8 @@
-"""The Gemma families: Gemma 3 (a SigLIP tower, pooled, before a Gemma 3
-decoder with sliding-window layers) and PaliGemma (a SigLIP tower before a
-Gemma decoder). Calling thread.
+"""Gemma 3: a SigLIP tower, pooled 2x2, before a Gemma 3 decoder with
+sliding-window layers. Calling thread.
 
-They share a tokenizer with Gemma's special tokens and the image tokens of
-both (Gemma 3's ``<start_of_image>`` and ``<image_soft_token>``,
-PaliGemma's ``<image>``).
+Its tokenizer holds Gemma's special tokens, Gemma 3's image tokens
+(``<start_of_image>``, ``<image_soft_token>``) and ``<image>``.
 """
 
 from __future__ import annotations
@@ -12,6 +10,8 @@ from __future__ import annotations
 from typing import Any, Final
 
 from ._configs import (
+    SIGLIP_SIDE,
+    SIGLIP_TOKENS,
     SLIDING_WINDOW,
     decoder,
     processor_files,
@@ -20,7 +20,7 @@ from ._configs import (
     vision_model,
 )
 from ._family import Family
-from ._templates import content, generation_prompt
+from ._templates import content, generation_prompt, template
 from ._tokenizer import ids
 
 SPECIAL_TOKENS: Final = (
@@ -42,7 +42,7 @@ _IDS: Final = ids(SPECIAL_TOKENS)
 # assistant is "model", an image part is <start_of_image> (the processor
 # expands it into the image's soft tokens between <start_of_image> and
 # <end_of_image>).
-_GEMMA3_TEMPLATE: Final = (
+_CHAT_TEMPLATE: Final = template(
     "{{- bos_token -}}"
     "{%- if messages[0]['role'] == 'system' -%}"
     "{%- if messages[0]['content'] is string -%}"
@@ -58,20 +58,14 @@ _GEMMA3_TEMPLATE: Final = (
     "{%- for message in loop_messages -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
     "{{- '<start_of_turn>' + role + '\\n' -}}"
-    "{%- if loop.first -%}{{- first_user_prefix -}}{%- endif -%}"
-    + content("<start_of_image>", strings=True, trim=True)
-    + "{{- '<end_of_turn>\\n' -}}"
-    "{%- endfor -%}" + generation_prompt("<start_of_turn>model\\n")
+    "{%- if loop.first -%}{{- first_user_prefix -}}{%- endif -%}",
+    content("<start_of_image>", strings=True, trim=True),
+    "{{- '<end_of_turn>\\n' -}}{%- endfor -%}",
+    generation_prompt("<start_of_turn>model\\n"),
 )
 
-# -- Gemma 3 -------------------------------------------------------------------
 
-# A 32x32 image of 8x8 patches, pooled 2x2: 4 soft tokens per image.
-_GEMMA3_SIDE: Final = 32
-_GEMMA3_IMAGE_TOKENS: Final = 4
-
-
-def _gemma3_config() -> dict[str, Any]:
+def _config() -> dict[str, Any]:
     text = decoder(
         "gemma3_text",
         query_pre_attn_scalar=16,
@@ -81,27 +75,28 @@ def _gemma3_config() -> dict[str, Any]:
         # Layer 0 slides, layer 1 attends to everything.
         sliding_window=SLIDING_WINDOW,
         sliding_window_pattern=2,
-        mm_tokens_per_image=_GEMMA3_IMAGE_TOKENS,
+        mm_tokens_per_image=SIGLIP_TOKENS,
         max_position_embeddings=32768,
     )
     return vision_model(
         "Gemma3ForConditionalGeneration",
         "gemma3",
         text,
-        siglip_tower(_GEMMA3_SIDE, 8),
+        # An image is one SigLIP input, pooled 2x2 to its soft tokens.
+        siglip_tower(),
         boi_token_index=_IDS["<start_of_image>"],
         eoi_token_index=_IDS["<end_of_image>"],
         image_token_index=_IDS["<image_soft_token>"],
-        mm_tokens_per_image=_GEMMA3_IMAGE_TOKENS,
+        mm_tokens_per_image=SIGLIP_TOKENS,
         hidden_size=64,
         pad_token_id=_IDS["<pad>"],
         eos_token_id=[_IDS["<eos>"], _IDS["<end_of_turn>"]],
     )
 
 
-def _gemma3_files() -> dict[str, Any]:
+def _files() -> dict[str, Any]:
     image = {
-        "size": {"height": _GEMMA3_SIDE, "width": _GEMMA3_SIDE},
+        "size": {"height": SIGLIP_SIDE, "width": SIGLIP_SIDE},
         "resample": 2,
         "do_resize": True,
         "do_pan_and_scan": False,
@@ -109,7 +104,7 @@ def _gemma3_files() -> dict[str, Any]:
     return {
         **token_files(
             SPECIAL_TOKENS,
-            _GEMMA3_TEMPLATE,
+            _CHAT_TEMPLATE,
             bos="<bos>",
             eos="<eos>",
             pad="<pad>",
@@ -124,9 +119,9 @@ def _gemma3_files() -> dict[str, Any]:
             "Gemma3ImageProcessor",
             "Gemma3Processor",
             image,
-            image_seq_length=_GEMMA3_IMAGE_TOKENS,
+            image_seq_length=SIGLIP_TOKENS,
         ),
     }
 
 
-GEMMA3: Final = Family("gemma3", SPECIAL_TOKENS, _gemma3_config, _gemma3_files)
+GEMMA3: Final = Family("gemma3", SPECIAL_TOKENS, _config, _files)

@@ -1,8 +1,5 @@
-"""The Llama families: Llama (text only) and LLaVA (a CLIP tower before a
-Llama decoder). Calling thread.
-
-They share a tokenizer with Llama 3's special tokens plus LLaVA's
-``<image>``, and a Llama 3 style chat template.
+"""Llama, text only: Llama 3's special tokens plus ``<image>``, and a
+Llama 3 style chat template. Calling thread.
 """
 
 from __future__ import annotations
@@ -10,10 +7,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Final
 
-from ._configs import decoder, token_files
+from ._configs import tied_decoder, token_files
 from ._family import Family, flat
-from ._templates import content, generation_prompt
-from ._tokenizer import ids
+from ._templates import content, generation_prompt, template
 
 SPECIAL_TOKENS: Final = (
     "<|begin_of_text|>",
@@ -24,18 +20,15 @@ SPECIAL_TOKENS: Final = (
     "<image>",
 )
 
-_IDS: Final = ids(SPECIAL_TOKENS)
-
 # Llama 3's layout; content is a string or typed parts, an image part
 # becoming LLaVA's <image> placeholder (the processor expands it).
-CHAT_TEMPLATE: Final = (
+CHAT_TEMPLATE: Final = template(
     "{{- bos_token -}}"
     "{%- for message in messages -%}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' -}}"
-    + content("<image>\\n", strings=True)
-    + "{{- '<|eot_id|>' -}}"
-    "{%- endfor -%}"
-    + generation_prompt("<|start_header_id|>assistant<|end_header_id|>\\n\\n")
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' -}}",
+    content("<image>\\n", strings=True),
+    "{{- '<|eot_id|>' -}}{%- endfor -%}",
+    generation_prompt("<|start_header_id|>assistant<|end_header_id|>\\n\\n"),
 )
 
 
@@ -43,16 +36,14 @@ CHAT_TEMPLATE: Final = (
 def _config() -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
-        **decoder(
+        **tied_decoder(
             "llama",
-            hidden_act="silu",
+            SPECIAL_TOKENS,
+            bos="<|begin_of_text|>",
+            eos="<|eot_id|>",
             rms_norm_eps=1e-5,
             max_position_embeddings=8192,
             rope_theta=500000.0,
-            tie_word_embeddings=True,
-            bos_token_id=_IDS["<|begin_of_text|>"],
-            eos_token_id=_IDS["<|eot_id|>"],
-            dtype="float32",
         ),
     }
 

@@ -9,7 +9,7 @@ from typing import Any, Final
 
 from ._configs import decoder, processor_files, token_files, vision_model
 from ._family import Family
-from ._templates import content
+from ._templates import content, template
 from ._tokenizer import ids
 
 SPECIAL_TOKENS: Final = (
@@ -31,21 +31,23 @@ _IDS: Final = ids(SPECIAL_TOKENS)
 # turns in [INST] ... [/INST], an image part as [IMG] (the processor expands
 # it into rows of [IMG] separated by [IMG_BREAK], ended by [IMG_END]), an
 # assistant turn ended by </s>.
-_CHAT_TEMPLATE: Final = (
+_CHAT_TEMPLATE: Final = template(
     "{{- bos_token -}}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}"
     "{{- '[SYSTEM_PROMPT]' -}}"
     "{%- elif message['role'] == 'user' -%}"
     "{{- '[INST]' -}}"
-    "{%- endif -%}" + content("[IMG]") + "{%- if message['role'] == 'system' -%}"
+    "{%- endif -%}",
+    content("[IMG]"),
+    "{%- if message['role'] == 'system' -%}"
     "{{- '[/SYSTEM_PROMPT]' -}}"
     "{%- elif message['role'] == 'user' -%}"
     "{{- '[/INST]' -}}"
     "{%- else -%}"
     "{{- eos_token -}}"
     "{%- endif -%}"
-    "{%- endfor -%}"
+    "{%- endfor -%}",
 )
 
 # Patches of 8 pixels merged 2x2: a token per 16x16 pixels, an image resized

@@ -10,9 +10,9 @@ import functools
 from typing import Any, Final
 
 from ._configs import (
-    decoder,
     processor_files,
     scaled_rgb,
+    tied_decoder,
     token_files,
     vision_model,
 )
@@ -149,15 +149,13 @@ def qwen3_vision_config(model_type: str, *, deepstack: list[int]) -> dict[str, A
 
 def qwen_text_config(model_type: str, **settings: Any) -> dict[str, Any]:
     """The decoder all the Qwen families here share."""
-    return decoder(
+    return tied_decoder(
         model_type,
-        hidden_act="silu",
+        SPECIAL_TOKENS,
+        bos="<|endoftext|>",
+        eos="<|im_end|>",
         rms_norm_eps=1e-6,
         max_position_embeddings=32768,
-        tie_word_embeddings=True,
-        bos_token_id=_IDS["<|endoftext|>"],
-        eos_token_id=_IDS["<|im_end|>"],
-        dtype="float32",
         **settings,
     )
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any, Final
 
 from ._configs import (
+    SIGLIP_SIDE,
+    SIGLIP_TOKENS,
     decoder,
     processor_files,
     siglip_tower,
@@ -14,7 +16,7 @@ from ._configs import (
     vision_model,
 )
 from ._family import Family
-from ._templates import generation_prompt, parts
+from ._templates import generation_prompt, parts, template
 from ._tokenizer import ids
 
 # The largest split here is 2x2 tiles, so four row/column tokens.
@@ -36,7 +38,7 @@ _IDS: Final = ids(SPECIAL_TOKENS)
 
 # SmolVLM's: "User:" / "Assistant:" turns ended by <end_of_utterance>, an
 # image part as <image> (the processor expands it into tiles).
-_CHAT_TEMPLATE: Final = (
+_CHAT_TEMPLATE: Final = template(
     "<|im_start|>"
     "{%- for message in messages -%}"
     "{{- message['role'] | capitalize -}}"
@@ -48,16 +50,11 @@ _CHAT_TEMPLATE: Final = (
     "{{- ':' -}}"
     "{%- else -%}"
     "{{- ': ' -}}"
-    "{%- endif -%}" + parts("message['content'] or []", "<image>") + "{%- endif -%}"
-    "{{- '<end_of_utterance>\\n' -}}"
-    "{%- endfor -%}" + generation_prompt("Assistant:")
+    "{%- endif -%}",
+    parts("message['content'] or []", "<image>"),
+    "{%- endif -%}{{- '<end_of_utterance>\\n' -}}{%- endfor -%}",
+    generation_prompt("Assistant:"),
 )
-
-# Tiles of 32x32 pixels, 8x8 patches each, shuffled 2x2: 4 image tokens a
-# tile; an image is resized to 64 pixels on its longer side at most, so a
-# 64x64 image is 2x2 tiles and a global view.
-_TILE: Final = 32
-_TILE_TOKENS: Final = 4
 
 
 def _config() -> dict[str, Any]:
@@ -73,7 +70,7 @@ def _config() -> dict[str, Any]:
         "SmolVLMForConditionalGeneration",
         "smolvlm",
         text,
-        siglip_tower(_TILE, 8),
+        siglip_tower(),
         scale_factor=2,
         image_token_id=_IDS["<image>"],
         eos_token_id=[_IDS["<end_of_utterance>"]],
@@ -82,10 +79,12 @@ def _config() -> dict[str, Any]:
 
 
 def _files() -> dict[str, Any]:
+    # A tile is one SigLIP input; an image is resized to two tiles on its
+    # longer side at most, so a 64x64 image is 2x2 tiles and a global view.
     image = {
         "do_resize": True,
-        "size": {"longest_edge": 2 * _TILE},
-        "max_image_size": {"longest_edge": _TILE},
+        "size": {"longest_edge": 2 * SIGLIP_SIDE},
+        "max_image_size": {"longest_edge": SIGLIP_SIDE},
         "do_image_splitting": True,
         "resample": 1,
         "do_pad": True,
@@ -103,7 +102,7 @@ def _files() -> dict[str, Any]:
             "SmolVLMImageProcessor",
             "SmolVLMProcessor",
             image,
-            image_seq_len=_TILE_TOKENS,
+            image_seq_len=SIGLIP_TOKENS,
         ),
     }
 

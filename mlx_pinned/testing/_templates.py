@@ -5,6 +5,11 @@ strings, nothing rendered here.
 from __future__ import annotations
 
 
+def template(*pieces: str) -> str:
+    """A chat template made of ``pieces``, in order."""
+    return "".join(pieces)
+
+
 def content(image: str, *, strings: bool = False, trim: bool = False) -> str:
     """Jinja writing ``message['content']``: a string as it is, or its parts
     as :func:`parts` writes them (``None`` writes nothing)."""
