@@ -14,12 +14,12 @@ def content(image: str, *, strings: bool = False, trim: bool = False) -> str:
     """Jinja writing ``message['content']``: a string as it is, or its parts
     as :func:`parts` writes them (``None`` writes nothing)."""
     pipe = " | trim" if trim else ""
-    return (
-        "{%- if message['content'] is string -%}"
-        "{{- message['content']" + pipe + " -}}"
-        "{%- elif message['content'] is not none -%}"
-        + parts("message['content']", image, strings=strings, trim=trim)
-        + "{%- endif -%}"
+    return template(
+        "{%- if message['content'] is string -%}",
+        "{{- message['content']" + pipe + " -}}",
+        "{%- elif message['content'] is not none -%}",
+        parts("message['content']", image, strings=strings, trim=trim),
+        "{%- endif -%}",
     )
 
 
@@ -28,28 +28,22 @@ def parts(source: str, image: str, *, strings: bool = False, trim: bool = False)
 
     Args:
         source: The list of parts.
-        image: What an image part becomes, as the inside of a Jinja string
-            literal (``\\\\n`` for a newline).
+        image: What an image part becomes: the inside of a Jinja string
+            literal, escapes included.
         strings: Write bare strings among the parts too.
         trim: Trim every text of white space.
     """
     pipe = " | trim" if trim else ""
-    first = (
-        "{%- if part is string -%}{{- part" + pipe + " -}}{%- elif "
-        if strings
-        else "{%- if "
-    )
-    return (
-        "{%- for part in "
-        + source
-        + " -%}"
-        + first
-        + "part.get('type', '') in ('image', 'image_url') -%}"
-        "{{- '" + image + "' -}}"
-        "{%- elif 'text' in part -%}"
-        "{{- part['text']" + pipe + " -}}"
-        "{%- endif -%}"
-        "{%- endfor -%}"
+    bare = "{%- if part is string -%}{{- part" + pipe + " -}}{%- elif "
+    return template(
+        "{%- for part in " + source + " -%}",
+        bare if strings else "{%- if ",
+        "part.get('type', '') in ('image', 'image_url') -%}",
+        "{{- '" + image + "' -}}",
+        "{%- elif 'text' in part -%}",
+        "{{- part['text']" + pipe + " -}}",
+        "{%- endif -%}",
+        "{%- endfor -%}",
     )
 
 
