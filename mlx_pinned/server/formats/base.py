@@ -24,6 +24,7 @@ __all__ = [
     "ToolParserFactory",
     "ToolSpec",
     "UnforcedCallError",
+    "after_call",
     "json_arguments",
     "partial_marker",
 ]
@@ -177,3 +178,12 @@ def json_arguments(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
     if "x-guidance" in schema:
         return schema
     return {**schema, "x-guidance": _JSON_STYLE}
+
+
+def after_call(text: str, lead: bool) -> tuple[str, bool]:
+    """``text`` as content; with ``lead`` (it follows a call) without its
+    leading whitespace. Also whether the text after it still follows one."""
+    if lead:
+        text = text.lstrip()
+        lead = not text
+    return text, lead

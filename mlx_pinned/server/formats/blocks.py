@@ -23,6 +23,7 @@ from .base import (
     Piece,
     ToolSpec,
     UnforcedCallError,
+    after_call,
     partial_marker,
 )
 from .vlm import Decoded
@@ -159,9 +160,7 @@ class BlockToolParser:
         return out
 
     def _content(self, out: list[Piece], text: str) -> None:
-        if self._lead:
-            text = text.lstrip()
-            self._lead = not text
+        text, self._lead = after_call(text, self._lead)
         if text:
             out.append(text)
             self._first = self._first and not text.strip()

@@ -26,6 +26,7 @@ from .base import (
     Piece,
     ToolCallFormat,
     ToolSpec,
+    after_call,
     json_arguments,
     partial_marker,
 )
@@ -124,9 +125,7 @@ class HermesToolParser:
                 return out
 
     def _content(self, out: list[Piece], text: str) -> None:
-        if self._lead:
-            text = text.lstrip()
-            self._lead = not text
+        text, self._lead = after_call(text, self._lead)
         if text:
             out.append(text)
 
