@@ -93,7 +93,20 @@ def preprocess(
     """Chat template and processor: token ids, pixels and their metadata; a
     raw ``params.prompt`` skips both (see :func:`raw_inputs`)."""
     if params.prompt is not None:
-        return raw_inputs(loaded, params.prompt, params.add_special_tokens)
+        prepared = raw_inputs(loaded, params.prompt, params.add_special_tokens)
+        config = loaded.model.config
+        media = {getattr(config, name, None) for name in MEDIA_TOKENS}
+        ids = prepared.inputs["input_ids"][0].tolist()
+        held = [token for token in ids if isinstance(token, int) and token in media]
+        if held:
+            # A placeholder with no image behind it: not every family's
+            # embedding survives one.
+            raise RequestError(
+                f"The prompt holds the model's image placeholder token "
+                f"{min(held)}: a raw prompt takes no images; leave it out.",
+                "invalid_prompt",
+            )
+        return prepared
     api = vlm()
     model, processor = loaded.model, loaded.processor
     inputs = api.prepare_inputs(
@@ -139,7 +152,11 @@ def prompt_tokens(
 ) -> tuple[tuple[int, str], ...]:
     """The tokens a generation of ``params`` (no images) would prefill, each
     with its text (:meth:`.model.LoadedModel.token_text`)."""
-    ids = preprocess(loaded, params, ()).inputs["input_ids"][0].tolist()
+    if params.prompt is not None:
+        prepared = raw_inputs(loaded, params.prompt, params.add_special_tokens)
+    else:
+        prepared = preprocess(loaded, params, ())
+    ids = prepared.inputs["input_ids"][0].tolist()
     return tuple((int(token), loaded.token_text(int(token))[0]) for token in ids)
 
 
