@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from mlx_pinned.server import create_app
+from mlx_pinned.server.http.metrics import route_of
 from mlx_pinned.testing import tiny_lm_path, tiny_vlm_path
 
 from .conftest import Lifespan, Served, assert_error, sse_events
@@ -473,3 +474,8 @@ class TestTokenize:
         assert answer.status_code == status, answer.text
         if param is not None:
             assert answer.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/detokenize"])
+def test_each_route_is_its_own_metrics_label(path: str) -> None:
+    assert route_of(path) == path
