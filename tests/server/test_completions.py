@@ -476,6 +476,32 @@ class TestTokenize:
             assert answer.json()["error"]["param"] == param
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prompt_the_engine_finds_too_long_is_a_400_naming_prompt(
+    lifespan: Lifespan, stream: bool
+) -> None:
+    # Few enough characters to pass the event loop's bound, too many tokens
+    # for the limit: refused at prefill, before the first byte of a stream.
+    app = create_app(tiny_lm_path(), served_model_name="tiny", max_prompt_tokens=4)
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        lifespan(app),
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        prompt = "a b c d e f g h i j"
+        many = await client.post("/tokenize", json={"model": "tiny", "prompt": prompt})
+        assert many.json()["count"] > 4
+        # Unstreamed, with a prompt that is fine: one refused fails them all.
+        prompts = [prompt] if stream else ["ok", prompt]
+        answer = await client.post(
+            "/v1/completions", json=body(prompts, 4, stream=stream)
+        )
+        assert_error(answer, 400, "prompt", "context_length_exceeded")
+        fine = await client.post("/v1/completions", json=body("ok", 4, stream=stream))
+        assert fine.status_code == 200, fine.text
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/detokenize"])
 def test_each_route_is_its_own_metrics_label(path: str) -> None:
     assert route_of(path) == path

@@ -101,12 +101,12 @@ class ChoiceText:
     final: FinalEvent | None = None
 
     def add(self, event: TokenEvent | FinalEvent) -> tuple[str, Logprobs | None]:
-        """Record ``event``; its text and its log-probabilities (None when
-        not asked for), for a chunk."""
+        """Record ``event``; its text and its token's log-probabilities
+        (None when not asked for, and for the final event), for a chunk."""
         self.text.append(event.text)
         if isinstance(event, FinalEvent):
             self.final = event
-            return event.text, self._since(len(self.tokens))
+            return event.text, None
         if not self.logprobs or event.logprobs is None:
             return event.text, None
         start = len(self.tokens)

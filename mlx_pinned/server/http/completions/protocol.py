@@ -1,14 +1,15 @@
 """The body of OpenAI's legacy ``POST /v1/completions``, as pydantic models.
 
-Pure CPU, no MLX, no event loop. :func:`parse_completion_request` turns
-every failure into an :class:`~..errors.APIError` that names the parameter
-(as chat completions does, through :func:`~..validation.parse_request`).
-Every field of OpenAI's reference is declared: honoured, accepted without
-effect (``user``), or refused by name (``suffix``, ``n`` and ``best_of``
-above 1, ``echo`` with ``logprobs``); an unknown field is refused as OpenAI
-refuses it. A validated request turns itself into one shared generation
-request per prompt (:meth:`CompletionRequest.to_generation_params`): a raw
-prompt, no chat template.
+Any thread (pure CPU, no MLX); the routes parse on the event loop.
+:func:`parse_completion_request` turns every failure into an
+:class:`~..errors.APIError` that names the parameter (as chat completions
+does, through :func:`~..validation.parse_request`). Every field of OpenAI's
+reference is declared: honoured, accepted without effect (``user``), or
+refused by name (``suffix``, ``n`` and ``best_of`` above 1, ``echo`` with
+``logprobs``); an unknown field is refused as OpenAI refuses it. A validated
+request turns itself into one shared generation request per prompt
+(:meth:`CompletionRequest.to_generation_params`): a raw prompt, no chat
+template.
 """
 
 from __future__ import annotations

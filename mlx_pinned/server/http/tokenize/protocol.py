@@ -1,12 +1,12 @@
 """The bodies of vLLM's ``/tokenize`` and ``/detokenize``, as pydantic models.
 
-Pure CPU, no MLX, no event loop. ``/tokenize`` takes a raw prompt
-(:class:`TokenizePromptRequest`: as ``/v1/completions`` tokenizes it) or
-chat messages (:class:`TokenizeChatRequest`: as ``/v1/chat/completions``
-renders them, through the chat template; text only); which one is told by
-the body's ``messages`` key, as vLLM tells it. Each turns into the shared
-generation request whose prompt it counts. Unknown fields are refused by
-name.
+Any thread (pure CPU, no MLX); the routes parse on the event loop.
+``/tokenize`` takes a raw prompt (:class:`TokenizePromptRequest`: as
+``/v1/completions`` tokenizes it) or chat messages
+(:class:`TokenizeChatRequest`: as ``/v1/chat/completions`` renders them,
+through the chat template; text only); which one is told by the body's
+``messages`` key, as vLLM tells it. Each turns into the shared generation
+request whose prompt it counts. Unknown fields are refused by name.
 """
 
 from __future__ import annotations
