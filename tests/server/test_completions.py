@@ -5,18 +5,12 @@ refused fields and hostile bodies."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import httpx
-import openai
 import pytest
 
 from mlx_pinned.server import create_app
@@ -24,26 +18,18 @@ from mlx_pinned.server.http.metrics import route_of
 from mlx_pinned.testing import tiny_lm_path, tiny_vlm_path
 
 from .conftest import Lifespan, Served, assert_error, sse_events
+from .kit import Server, running
 
 pytestmark = pytest.mark.timeout(180)
 
 TOL = 1e-5
-READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 # Both kinds of model: a vision model (Qwen3-VL) and a text model (Qwen3).
 MODELS = ("vlm", "lm")
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
 
-@dataclass
-class Server:
-    process: subprocess.Popen[bytes]
-    url: str
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
-
-    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        return httpx.post(f"{self.url}{path}", json=body, timeout=60)
+def post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -54,20 +40,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     command += [str(tiny_vlm_path()), str(tiny_lm_path("qwen3"))]
     command += ["--served-model-name", "vlm", "--served-model-name", "lm"]
     command += ["--port", "0", "--max-num-seqs", "8"]
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            command, stdout=sink, stderr=subprocess.STDOUT, env=dict(os.environ)
-        )
-    try:
-        deadline = time.monotonic() + 120
-        while (match := READY.search(log.read_text(errors="replace"))) is None:
-            assert process.poll() is None, log.read_text(errors="replace")
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-        yield Server(process, match.group(1))
-    finally:
-        process.kill()
-        process.wait()
+    with running(command, log) as served:
+        yield served
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -117,7 +91,7 @@ class TestTheSDK:
     ) -> None:
         # The chat template's rendering, through /tokenize, then the same ids
         # as a raw prompt: the same tokens and log-probabilities.
-        rendered = server.post("/tokenize", {"model": model, "messages": CHAT})
+        rendered = post(server, "/tokenize", {"model": model, "messages": CHAT})
         assert rendered.status_code == 200, rendered.text
         tokens = rendered.json()["tokens"]
         client = server.client()
