@@ -432,6 +432,7 @@ class TestTokenize:
             ),
             ("/tokenize", {"prompt": "word " * 300000}, 400, "prompt"),
             ("/detokenize", {"tokens": [10**7]}, 400, "tokens"),
+            ("/detokenize", {"tokens": [1] * 40000}, 400, "tokens"),
             ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
             ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
         ],

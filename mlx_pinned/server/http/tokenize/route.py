@@ -75,7 +75,7 @@ class TokenizeEndpoint(GenerationEndpoint):
 
 class DetokenizeEndpoint(GenerationEndpoint):
     """The ASGI endpoint of ``POST /detokenize``: ``{"prompt"}``, the text
-    of ``tokens``."""
+    of ``tokens`` (at most the model's context of them)."""
 
     route = "POST /detokenize"
 
@@ -84,7 +84,17 @@ class DetokenizeEndpoint(GenerationEndpoint):
     ) -> None:
         request = parse_request(DetokenizeRequest, body)
         async with self.model(request.model, log) as (_, engine):
-            vocab = engine.vocab_size
+            vocab, context = engine.vocab_size, engine.context_length
+            if context is not None and len(request.tokens) > context:
+                # More than any prompt or answer could hold: refused before
+                # the MLX thread spends time on it.
+                raise APIError(
+                    400,
+                    f"Invalid value for 'tokens': {len(request.tokens)} tokens "
+                    f"are more than this model's context of {context}.",
+                    param="tokens",
+                    code="invalid_value",
+                )
             for token in request.tokens:
                 if token >= vocab:
                     raise APIError(
