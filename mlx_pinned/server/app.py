@@ -46,6 +46,7 @@ from .engine.memory import check_start_up_budget, release, stored_weight_bytes
 from .events import Engine, LoadImages
 from .formats import log_formats
 from .http.chat_completions import ChatCompletionsEndpoint
+from .http.completions import CompletionsEndpoint
 from .http.errors import refusal
 from .http.gate import BatchGate
 from .http.health import Readiness, health, live
@@ -61,6 +62,7 @@ from .http.routes import (
     server_error,
 )
 from .http.slots import ModelSlot
+from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
 from .http.turns import LoopTurns
 from .inputs.images import Fetcher, load_images
 from .inputs.remote import RemoteImageFetcher
@@ -189,6 +191,11 @@ def create_app(
         turns,
         metrics=metrics,
     )
+    # The same wiring for the other APIs' endpoints.
+    wiring = (chat.config, chat.thread, served, residency, chat.load_images, turns)
+    completions = CompletionsEndpoint(*wiring, metrics=metrics)
+    tokenize = TokenizeEndpoint(*wiring, metrics=metrics)
+    detokenize = DetokenizeEndpoint(*wiring, metrics=metrics)
     routes = [
         Route("/health", functools.partial(health, readiness), methods=["GET"]),
         Route("/livez", functools.partial(live, readiness), methods=["GET"]),
@@ -200,6 +207,9 @@ def create_app(
             methods=["GET"],
         ),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
     ]
     # The playground: the chat page at / and its assets, open without the API
     # key (the page sends it).

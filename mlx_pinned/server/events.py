@@ -68,7 +68,8 @@ class GenerationParams:
     Attributes:
         messages: The chat as mlx-vlm's chat messages: ``{"role", "content"}``
             dicts whose content is a string or a list of ``{"type": "text",
-            "text"}`` and ``{"type": "image_url"}`` parts.
+            "text"}`` and ``{"type": "image_url"}`` parts. Unused when
+            ``prompt`` is set.
         max_tokens: Most tokens to generate.
         temperature: Sampling temperature; None uses the checkpoint's default.
         top_p: Nucleus sampling; None uses the checkpoint's default.
@@ -96,6 +97,11 @@ class GenerationParams:
             the chat template.
         template_kwargs: Extra keyword arguments for the chat template
             (``chat_template_kwargs``, e.g. ``enable_thinking``).
+        prompt: A raw prompt instead of ``messages``: text, tokenized without
+            the chat template, or token ids, used as they are (None: the
+            chat template renders ``messages``).
+        add_special_tokens: Whether the tokenizer adds its special tokens
+            (a BOS) to a text ``prompt``.
     """
 
     messages: tuple[dict[str, Any], ...]
@@ -117,6 +123,8 @@ class GenerationParams:
     grammar: Grammar | None = None
     tools: tuple[dict[str, Any], ...] = ()
     template_kwargs: tuple[tuple[str, Any], ...] = ()
+    prompt: str | tuple[int, ...] | None = None
+    add_special_tokens: bool = True
 
     def check_prompt_tokens(self, prompt_tokens: int) -> None:
         """Refuse a prompt over this request's limits; call before prefill.
@@ -304,6 +312,19 @@ class Engine(Protocol):
 
         Event loop only; the generation runs on the MLX thread.
         """
+        ...
+
+    async def tokenize(self, params: GenerationParams) -> tuple[tuple[int, str], ...]:
+        """The prompt's tokens, as a generation of ``params`` would prefill
+        them (its ``prompt``, or its ``messages`` through the chat template;
+        text only): each id with its text as log-probabilities show it.
+        Event loop; the tokenizer runs on the MLX thread, between steps of
+        the batch."""
+        ...
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens`` (each below :attr:`vocab_size`). Event
+        loop; the tokenizer runs on the MLX thread."""
         ...
 
 

@@ -21,7 +21,7 @@ from ..events import EngineCounters, Event, EventStream, GenerationParams
 from .image_cache import install as install_image_cache
 from .loop import BatchLoop
 from .model import LoadedModel, load
-from .prefill import PREFILL_STEP
+from .prefill import PREFILL_STEP, prompt_tokens
 from .prompt_cache import PromptCache
 from .rows import BatchStatistics
 from .state import BatchState
@@ -150,6 +150,20 @@ class BatchEngine:
             prompt_cache_bytes=cache.bytes,
             ranks=self._state.ranks(),
         )
+
+    async def tokenize(self, params: GenerationParams) -> tuple[tuple[int, str], ...]:
+        """The tokens a generation of ``params`` would prefill (no images),
+        each with its text as log-probabilities show it.
+
+        Event loop; the chat template and tokenizer run on the MLX thread
+        (the processor is the model's, as its prefill's is), between steps.
+        """
+        return await self.thread.run(prompt_tokens, self.loaded, params)
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens``; event loop, decoded on the MLX thread."""
+        tokenizer = self.loaded.tokenizer
+        return str(await self.thread.run(tokenizer.decode, list(tokens)))
 
     def stream(
         self, params: GenerationParams, images: Sequence[Image.Image] = ()
