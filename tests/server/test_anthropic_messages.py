@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,9 +36,10 @@ from mlx_pinned.server.http.errors import APIError, timed_out
 from mlx_pinned.server.http.routes import APIKeyMiddleware
 from mlx_pinned.testing import image_data_uri, tiny_vlm_path
 
+from .kit import running
+
 pytestmark = pytest.mark.timeout(120)
 
-READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 MODEL = "tiny"
 # The same weights, whose every ordinary token ends the turn: an answer
 # ends at once by itself (the random weights never pick an end-of-turn
@@ -103,27 +101,6 @@ def ending_model(folder: Path) -> Path:
     return folder
 
 
-@contextmanager
-def running(command: list[str], log: Path) -> Iterator[Server]:
-    """``command`` (a server on port 0) until it says where it listens;
-    killed if still running."""
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            command, stdout=sink, stderr=subprocess.STDOUT, env=dict(os.environ)
-        )
-    try:
-        deadline = time.monotonic() + 90
-        while (match := READY.search(log.read_text(errors="replace"))) is None:
-            assert process.poll() is None, log.read_text(errors="replace")
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-        yield Server(process, match.group(1), log)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("anthropic")
@@ -134,7 +111,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     command += ["--port", "0"]
     # Claude Code asks for 32,000 tokens (it assumes a 1M context).
     command += ["--max-tokens-limit", "32000"]
-    with running(command, folder / "server.log") as served:
+    with running(command, folder / "server.log") as started:
+        served = Server(started.process, started.url, started.log)
         yield served
         for client in served.opened:
             client.close()

@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...events import GenerationParams, Grammar, ImageRef
-from ...formats import TOOL_CALL_FORMATS, ToolCallFormat, ToolSpec, json_arguments
+from ...formats import (
+    TOOL_CALL_FORMATS,
+    ToolCallFormat,
+    ToolSpec,
+    UnforcedCallError,
+    json_arguments,
+)
 from ...limits import check_text_length
 from ..answer import AnswerParser, answer_parser
 from ..errors import APIError
@@ -156,7 +162,7 @@ class MessagesServing:
         return answer_parser(
             capabilities,
             template_kwargs=request.template_kwargs,
-            tools=bool(request.active_tools),
+            tools=[ToolSpec(t.name, t.input_schema) for t in request.active_tools],
             constrained=params.grammar is not None,
             call_id=tool_use_id,
         )
@@ -195,7 +201,11 @@ async def request_grammar(
         specs = [ToolSpec(t.name, t.input_schema) for t in tools]
         named = isinstance(choice, ToolChoiceTool)
         parallel = not named and not choice.disable_parallel_tool_use
-        grammar = Grammar("lark", tool_format.grammar(specs, parallel))
+        try:
+            source = tool_format.grammar(specs, parallel)
+        except UnforcedCallError as exc:  # its message names the format
+            raise _invalid("tool_choice", str(exc)) from None
+        grammar = Grammar("lark", source)
         await check_grammar(grammar, "tools")
         return grammar
     if output is not None and output.format is not None:
