@@ -704,3 +704,12 @@ def test_the_error_table(exc: Exception, status: int, kind: str) -> None:
 
 def test_a_bug_is_no_known_error() -> None:
     assert anthropic_error(KeyError("x"), retry_after=1) is None
+
+
+def test_metrics_count_the_messages_routes(server: Server) -> None:
+    client = server.client()
+    client.messages.count_tokens(model=MODEL, messages=user())
+    client.messages.create(model=MODEL, max_tokens=1, messages=user())
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    for route in ("/v1/messages", "/v1/messages/count_tokens"):
+        assert f'route="{route}",status="200"' in text

@@ -43,6 +43,7 @@ __all__ = ["MetricsMiddleware", "ServerMetrics"]
 _ROUTES = frozenset(
     {"/health", "/livez", "/metrics", "/v1/models", "/v1/chat/completions"}
     | {"/v1/completions", "/tokenize", "/detokenize"}
+    | {"/v1/messages", "/v1/messages/count_tokens"}
 )
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
