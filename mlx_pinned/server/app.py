@@ -52,6 +52,8 @@ from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.models import ServedModel, ServedModels
 from .http.playground import routes as playground_routes
 from .http.residency import Residency
+from .http.responses_api import ResponsesEndpoint
+from .http.responses_api import routes as responses_routes
 from .http.routes import (
     APIKeyMiddleware,
     http_error,
@@ -188,6 +190,15 @@ def create_app(
         turns,
         metrics=metrics,
     )
+    responses = ResponsesEndpoint(
+        config,
+        mlx_thread,
+        served,
+        residency,
+        _image_loader(config, image_fetcher),
+        turns,
+        metrics=metrics,
+    )
     routes = [
         Route("/health", functools.partial(health, readiness), methods=["GET"]),
         Route("/livez", functools.partial(live, readiness), methods=["GET"]),
@@ -199,6 +210,7 @@ def create_app(
             methods=["GET"],
         ),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        *responses_routes(responses),
     ]
     # The playground: the chat page at / and its assets, open without the API
     # key (the page sends it). The one place a switch would turn it off.
@@ -222,7 +234,7 @@ def create_app(
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(config.allowed_origins),
-                allow_methods=["GET", "POST"],
+                allow_methods=["GET", "POST", "DELETE"],
                 allow_headers=["*"],
                 max_age=600,
             ),

@@ -1,0 +1,528 @@
+"""``/v1/responses`` end to end: a real uvicorn server on the tiny model,
+driven by the official ``openai`` SDK, the OpenAI Agents SDK and Codex."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+
+from mlx_pinned.server.cli import DEMO_MODEL_NAME
+from mlx_pinned.server.http.responses_api.store import ResponseStore
+from mlx_pinned.testing import image_data_uri
+
+pytestmark = pytest.mark.timeout(180)
+
+READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
+#: Codex at the version FACTS.md measured; .ci/run installs it here.
+CODEX_VERSION = "0.169.0"
+NPM_CACHE = (
+    Path(os.environ.get("MLX_PINNED_CACHE", Path.home() / ".cache" / "mlx-pinned"))
+    / "npm"
+)
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+    },
+}
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+
+@contextmanager
+def running(log: Path, *extra: str) -> Iterator[Server]:
+    """``serve --demo`` on a free loopback port, until it is killed."""
+    command = [sys.executable, "-m", "mlx_pinned.server", "serve", "--demo"]
+    command += ["--port", "0", "--max-tokens-limit", "4000", *extra]
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while (match := READY.search(log.read_text(errors="replace"))) is None:
+            assert process.poll() is None, log.read_text(errors="replace")
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        yield Server(process, match.group(1), log)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with running(tmp_path_factory.mktemp("responses") / "server.log") as served:
+        yield served
+
+
+def test_create_answers_a_response_object(server: Server) -> None:
+    response = server.client().responses.create(
+        model=DEMO_MODEL_NAME, input="Say hi.", max_output_tokens=8
+    )
+    assert response.id.startswith("resp_")
+    assert response.object == "response"
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.output[0].type == "message"
+    assert response.output_text
+    assert response.usage is not None
+    assert response.usage.output_tokens == 8
+
+
+def test_same_greedy_prompt_same_text_as_chat_completions(server: Server) -> None:
+    client = server.client()
+    response = client.responses.create(
+        model=DEMO_MODEL_NAME,
+        instructions="Be brief.",
+        input="Describe a cat.",
+        temperature=0,
+        max_output_tokens=24,
+    )
+    chat = client.chat.completions.create(
+        model=DEMO_MODEL_NAME,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Describe a cat."},
+        ],
+        temperature=0,
+        max_tokens=24,
+    )
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage is not None and chat.usage is not None
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_an_image_is_read(server: Server) -> None:
+    content: Any = [
+        {"type": "input_text", "text": "What is this?"},
+        {"type": "input_image", "image_url": image_data_uri(64, 64)},
+    ]
+    response = server.client().responses.create(
+        model=DEMO_MODEL_NAME,
+        input=[{"role": "user", "content": content}],
+        max_output_tokens=4,
+    )
+    text_only = server.client().responses.create(
+        model=DEMO_MODEL_NAME,
+        input=[{"role": "user", "content": content[:1]}],
+        max_output_tokens=4,
+    )
+    assert response.usage is not None and text_only.usage is not None
+    assert response.usage.input_tokens > text_only.usage.input_tokens
+
+
+def test_stream_events_rebuild_the_whole_response(server: Server) -> None:
+    client = server.client()
+    kinds: list[str] = []
+    numbers: list[int] = []
+    deltas: list[str] = []
+    with client.responses.stream(
+        model=DEMO_MODEL_NAME, input="Describe a cat.", max_output_tokens=16
+    ) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            numbers.append(event.sequence_number)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+            if event.type == "response.incomplete":
+                # The SDK's get_final_response() waits for response.completed,
+                # which an answer cut by max_output_tokens does not send.
+                final = event.response
+    assert numbers == list(range(len(numbers)))
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert "".join(deltas) == final.output_text
+    assert final.output_text
+    stored = client.responses.retrieve(final.id)
+    assert stored.output_text == final.output_text
+
+
+def test_previous_response_id_continues_with_the_prompt_cache(server: Server) -> None:
+    client = server.client()
+    first = client.responses.create(
+        model=DEMO_MODEL_NAME,
+        instructions="You are terse.",
+        input="Name a colour.",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    second = client.responses.create(
+        model=DEMO_MODEL_NAME,
+        instructions="You are terse.",
+        previous_response_id=first.id,
+        input="And another one?",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert second.previous_response_id == first.id
+    assert first.usage is not None and second.usage is not None
+    # The whole first turn is the second's prefix, served from the cache.
+    assert (
+        second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    )
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    # The same conversation sent whole renders the same prompt.
+    replay = client.responses.create(
+        model=DEMO_MODEL_NAME,
+        instructions="You are terse.",
+        input=[
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And another one?"},
+        ],
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert replay.usage is not None
+    assert replay.usage.input_tokens == second.usage.input_tokens
+    assert replay.output_text == second.output_text
+
+
+def test_retrieve_delete_and_input_items(server: Server) -> None:
+    client = server.client()
+    created = client.responses.create(
+        model=DEMO_MODEL_NAME, input="Hello there.", max_output_tokens=4
+    )
+    assert client.responses.retrieve(created.id).id == created.id
+    items = client.responses.input_items.list(created.id)
+    assert len(items.data) == 1
+    first = items.data[0]
+    assert first.type == "message"
+    assert first.content[0].text == "Hello there."  # type: ignore[union-attr]
+    deleted = httpx.delete(f"{server.url}/v1/responses/{created.id}")
+    assert deleted.json() == {
+        "id": created.id,
+        "object": "response.deleted",
+        "deleted": True,
+    }
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(
+            model=DEMO_MODEL_NAME, previous_response_id=created.id, input="more"
+        )
+
+
+def test_store_false_is_not_kept(server: Server) -> None:
+    client = server.client()
+    created = client.responses.create(
+        model=DEMO_MODEL_NAME, input="Hi.", max_output_tokens=2, store=False
+    )
+    assert created.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.id)
+
+
+def test_the_store_bound_evicts_the_oldest() -> None:
+    store = ResponseStore(max_count=2, max_bytes=10_000)
+    for name in ("a", "b", "c"):
+        assert store.put({"id": name}, [], (), ())
+    assert store.get("a") is None
+    assert store.get("b") is not None and store.get("c") is not None
+    by_bytes = ResponseStore(max_count=100, max_bytes=60)
+    for name in ("a", "b", "c"):
+        assert by_bytes.put({"id": name, "pad": "x" * 10}, [], (), ())
+    assert by_bytes.bytes <= 60
+    assert by_bytes.get("a") is None and by_bytes.get("c") is not None
+    assert not by_bytes.put({"id": "huge", "pad": "x" * 100}, [], (), ())
+
+
+def test_the_store_bound_from_the_command_line(tmp_path: Path) -> None:
+    with running(tmp_path / "server.log", "--responses-store-max", "1") as served:
+        client = served.client()
+        one = client.responses.create(
+            model=DEMO_MODEL_NAME, input="one", max_output_tokens=1
+        )
+        two = client.responses.create(
+            model=DEMO_MODEL_NAME, input="two", max_output_tokens=1
+        )
+        assert client.responses.retrieve(two.id).id == two.id
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(one.id)
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "name": "get_weather"}]
+)
+def test_a_forced_function_call_round_trip(server: Server, choice: Any) -> None:
+    client = server.client()
+    response = client.responses.create(
+        model=DEMO_MODEL_NAME,
+        input="Weather in Paris?",
+        tools=[WEATHER],
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        max_output_tokens=200,
+    )
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) == 1
+    call = calls[0]
+    assert call.name == "get_weather"
+    assert call.call_id.startswith("call_")
+    assert isinstance(json.loads(call.arguments)["city"], str)
+    answer = client.responses.create(
+        model=DEMO_MODEL_NAME,
+        previous_response_id=response.id,
+        input=[
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+        ],
+        tools=[WEATHER],
+        max_output_tokens=8,
+    )
+    assert answer.status in ("completed", "incomplete")
+    assert answer.usage is not None and response.usage is not None
+    assert answer.usage.input_tokens > response.usage.input_tokens
+
+
+def test_a_streamed_function_call(server: Server) -> None:
+    arguments: list[str] = []
+    with server.client().responses.stream(
+        model=DEMO_MODEL_NAME,
+        input="Weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        max_output_tokens=200,
+    ) as stream:
+        for event in stream:
+            if event.type == "response.function_call_arguments.delta":
+                arguments.append(event.delta)
+            if event.type in ("response.completed", "response.incomplete"):
+                final = event.response
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert calls
+    assert "".join(arguments) == "".join(call.arguments for call in calls)
+    json.loads(calls[0].arguments)
+
+
+class Colour(BaseModel):
+    # A choice, not free text: random weights never end a free string.
+    name: Literal["red", "blue"]
+    bright: bool
+
+
+def test_parse_follows_the_schema(server: Server) -> None:
+    parsed = server.client().responses.parse(
+        model=DEMO_MODEL_NAME,
+        input="A colour, as JSON.",
+        text_format=Colour,
+        max_output_tokens=200,
+    )
+    assert isinstance(parsed.output_parsed, Colour)
+
+
+def test_json_object_format(server: Server) -> None:
+    response = server.client().responses.create(
+        model=DEMO_MODEL_NAME,
+        input="JSON please.",
+        text={"format": {"type": "json_object"}},
+        max_output_tokens=20,
+    )
+    # Random weights write a string that never ends: the grammar shows in
+    # how the text begins.
+    assert response.output_text.startswith("{")
+
+
+HOSTILE: list[Any] = [
+    {"model": DEMO_MODEL_NAME, "input": "hi", "surprise": 1},
+    {"model": DEMO_MODEL_NAME, "input": 5},
+    {"model": DEMO_MODEL_NAME, "input": "hi", "max_output_tokens": "10"},
+    {"model": DEMO_MODEL_NAME, "input": "hi", "max_output_tokens": 10**9},
+    {"model": DEMO_MODEL_NAME, "input": "hi", "temperature": 9},
+    {"model": DEMO_MODEL_NAME, "input": []},
+    {"model": DEMO_MODEL_NAME, "input": [{"role": "user", "content": "x"}] * 5000},
+    {"model": DEMO_MODEL_NAME, "input": [{"type": "nonsense"}]},
+    {"model": DEMO_MODEL_NAME, "input": [{"role": "user", "content": [{"a": 1}]}]},
+    {
+        "model": DEMO_MODEL_NAME,
+        "input": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+                ],
+            }
+        ],
+    },
+    {
+        "model": DEMO_MODEL_NAME,
+        "input": [
+            {"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}
+        ],
+    },
+    {"model": DEMO_MODEL_NAME, "input": "hi", "tool_choice": "required"},
+    {"model": DEMO_MODEL_NAME, "input": "hi", "tools": [{"type": "function"}]},
+    {"model": DEMO_MODEL_NAME, "input": "hi", "tools": [WEATHER] * 200},
+    {"model": DEMO_MODEL_NAME, "input": "hi", "text": {"format": {"type": "yaml"}}},
+    {"model": DEMO_MODEL_NAME, "input": "hi", "background": True},
+    {"model": DEMO_MODEL_NAME, "input": "hi", "truncation": "auto"},
+    {"model": DEMO_MODEL_NAME, "input": "hi", "previous_response_id": "resp_nope"},
+    {"model": "no-such-model", "input": "hi"},
+    {"model": DEMO_MODEL_NAME, "input": "hi", "metadata": {"a": {"b": 1}}},
+]
+
+
+@pytest.mark.parametrize("body", HOSTILE)
+def test_hostile_bodies_are_4xx(server: Server, body: Any) -> None:
+    answer = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    assert 400 <= answer.status_code < 500, answer.text
+    assert answer.json()["error"]["message"]
+
+
+def test_deep_nesting_is_a_4xx(server: Server) -> None:
+    nested = "[" * 100_000 + "]" * 100_000
+    body = f'{{"model": "{DEMO_MODEL_NAME}", "input": {nested}}}'
+    answer = httpx.post(
+        f"{server.url}/v1/responses",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert 400 <= answer.status_code < 500
+
+
+def test_an_unknown_field_is_named(server: Server) -> None:
+    answer = httpx.post(
+        f"{server.url}/v1/responses",
+        json={"model": DEMO_MODEL_NAME, "input": "hi", "surprise": 1},
+    )
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "surprise"
+
+
+def test_hosted_tools_are_accepted_and_not_shown(server: Server) -> None:
+    client = server.client()
+    plain = client.responses.create(
+        model=DEMO_MODEL_NAME, input="hi", max_output_tokens=2, temperature=0
+    )
+    hosted = client.responses.create(
+        model=DEMO_MODEL_NAME,
+        input="hi",
+        tools=[
+            {"type": "web_search"},
+            {"type": "namespace", "name": "multi_agent_v1", "tools": []},  # type: ignore[list-item]
+        ],
+        max_output_tokens=2,
+        temperature=0,
+    )
+    assert plain.usage is not None and hosted.usage is not None
+    assert hosted.usage.input_tokens == plain.usage.input_tokens
+    assert hosted.output_text == plain.output_text
+
+
+def test_agents_sdk_runner_with_a_function_tool(server: Server) -> None:
+    import agents
+
+    calls: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return "sunny"
+
+    client = openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", max_retries=0
+    )
+    model = agents.OpenAIResponsesModel(model=DEMO_MODEL_NAME, openai_client=client)
+    agent = agents.Agent(
+        name="weather",
+        instructions="Use the tool.",
+        model=model,
+        tools=[get_weather],
+        model_settings=agents.ModelSettings(
+            tool_choice="get_weather", max_tokens=200, parallel_tool_calls=False
+        ),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    agents.set_tracing_disabled(True)
+    result = agents.Runner.run_sync(agent, "Weather in Paris?", max_turns=3)
+    assert len(calls) == 1
+    assert result.final_output == "sunny"
+
+
+def codex_binary() -> Path:
+    """Codex from npm at :data:`CODEX_VERSION`, installed once into the cache."""
+    prefix = NPM_CACHE / f"codex-{CODEX_VERSION}"
+    binary = prefix / "node_modules" / ".bin" / "codex"
+    if not binary.exists():
+        subprocess.run(
+            [
+                "npm",
+                "install",
+                "--prefix",
+                str(prefix),
+                f"@openai/codex@{CODEX_VERSION}",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
+    return binary
+
+
+@pytest.mark.timeout(600)
+def test_codex_exec_says_hi(server: Server, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    (home / ".codex").mkdir(parents=True)
+    (home / ".codex" / "config.toml").write_text(
+        f'model = "{DEMO_MODEL_NAME}"\n'
+        'model_provider = "local"\n'
+        "[model_providers.local]\n"
+        'name = "local"\n'
+        f'base_url = "{server.url}/v1"\n'
+        'env_key = "LOCAL_KEY"\n'
+        'wire_api = "responses"\n'
+        "request_max_retries = 0\n"
+        "stream_max_retries = 0\n"
+    )
+    before = len(server.log_text())
+    env = {**os.environ, "HOME": str(home), "LOCAL_KEY": "x"}
+    done = subprocess.run(
+        [str(codex_binary()), "exec", "--skip-git-repo-check", "say hi"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = server.log_text()[before:].splitlines()
+    requests = [line for line in lines if "POST /v1/responses" in line]
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert requests, "\n".join(lines)
+    assert all(" 200 " in line for line in requests), "\n".join(requests)
