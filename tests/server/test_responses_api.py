@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from pydantic import BaseModel
 
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
 from mlx_pinned.server.http.responses_api.store import ResponseStore
-from mlx_pinned.testing import image_data_uri
+from mlx_pinned.testing import image_data_uri, tiny_vlm_path
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -61,8 +62,10 @@ class Server:
 @contextmanager
 def running(log: Path, *extra: str) -> Iterator[Server]:
     """``serve --demo`` on a free loopback port, until it is killed."""
-    command = [sys.executable, "-m", "mlx_pinned.server", "serve", "--demo"]
-    command += ["--port", "0", "--max-tokens-limit", "4000", *extra]
+    model = list(extra[:1]) if extra[:1] and not extra[0].startswith("-") else []
+    command = [sys.executable, "-m", "mlx_pinned.server", "serve"]
+    command += model or ["--demo"]
+    command += ["--port", "0", "--max-tokens-limit", "4000", *extra[len(model) :]]
     with log.open("wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     try:
@@ -451,7 +454,7 @@ def test_agents_sdk_runner_with_a_function_tool(server: Server) -> None:
     calls: list[str] = []
 
     @agents.function_tool
-    def get_weather(city: str) -> str:
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
         """The weather in a city."""
         calls.append(city)
         return "sunny"
@@ -496,8 +499,33 @@ def codex_binary() -> Path:
     return binary
 
 
+def quiet_model(folder: Path) -> Path:
+    """The tiny model, made to end its turn at once: with its final norm
+    zeroed every logit is 0, so greedy decoding picks token 0, which is
+    ``<|endoftext|>``, an end-of-turn token. Random weights never end a turn
+    within a client's token budget, and Codex takes a ``response.incomplete``
+    for an error."""
+    import mlx.core as mx
+
+    shutil.copytree(tiny_vlm_path(), folder)
+    weights = mx.load(str(folder / "model.safetensors"))
+    assert isinstance(weights, dict)
+    norm = "language_model.model.norm.weight"
+    weights[norm] = mx.zeros_like(weights[norm])
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    return folder
+
+
 @pytest.mark.timeout(600)
-def test_codex_exec_says_hi(server: Server, tmp_path: Path) -> None:
+def test_codex_exec_says_hi(tmp_path: Path) -> None:
+    model = quiet_model(tmp_path / "quiet")
+    with running(
+        tmp_path / "server.log", str(model), "--served-model-name", DEMO_MODEL_NAME
+    ) as server:
+        run_codex(server, tmp_path)
+
+
+def run_codex(server: Server, tmp_path: Path) -> None:
     home = tmp_path / "home"
     (home / ".codex").mkdir(parents=True)
     (home / ".codex" / "config.toml").write_text(
