@@ -3,6 +3,7 @@ driven by the official ``openai`` SDK, the OpenAI Agents SDK and Codex."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -12,7 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +23,10 @@ import pytest
 from pydantic import BaseModel
 
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
+from mlx_pinned.server.http.errors import APIError
+from mlx_pinned.server.http.responses_api.items import INPUT_ITEMS, chat_messages
+from mlx_pinned.server.http.responses_api.objects import Output
+from mlx_pinned.server.http.responses_api.route import STREAM, ResponsesErrors
 from mlx_pinned.server.http.responses_api.store import ResponseStore
 from mlx_pinned.testing import image_data_uri, tiny_vlm_path
 
@@ -55,8 +60,16 @@ class Server:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
+    clients: list[openai.OpenAI] = field(default_factory=list)
+
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+        """An SDK client, closed with the server (an unclosed one's socket
+        is a ResourceWarning whenever it is collected)."""
+        client = openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key="unused", max_retries=0
+        )
+        self.clients.append(client)
+        return client
 
 
 @contextmanager
@@ -74,7 +87,10 @@ def running(log: Path, *extra: str) -> Iterator[Server]:
             assert process.poll() is None, log.read_text(errors="replace")
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.05)
-        yield Server(process, match.group(1), log)
+        served = Server(process, match.group(1), log)
+        yield served
+        for client in served.clients:
+            client.close()
     finally:
         if process.poll() is None:
             process.kill()
@@ -121,7 +137,8 @@ def test_same_greedy_prompt_same_text_as_chat_completions(server: Server) -> Non
         max_tokens=24,
     )
     assert response.output_text == chat.choices[0].message.content
-    assert response.usage is not None and chat.usage is not None
+    assert response.usage is not None
+    assert chat.usage is not None
     assert response.usage.input_tokens == chat.usage.prompt_tokens
 
 
@@ -140,7 +157,8 @@ def test_an_image_is_read(server: Server) -> None:
         input=[{"role": "user", "content": content[:1]}],
         max_output_tokens=4,
     )
-    assert response.usage is not None and text_only.usage is not None
+    assert response.usage is not None
+    assert text_only.usage is not None
     assert response.usage.input_tokens > text_only.usage.input_tokens
 
 
@@ -194,7 +212,8 @@ def test_previous_response_id_continues_with_the_prompt_cache(server: Server) ->
         temperature=0,
     )
     assert second.previous_response_id == first.id
-    assert first.usage is not None and second.usage is not None
+    assert first.usage is not None
+    assert second.usage is not None
     # The whole first turn is the second's prefix, served from the cache.
     assert (
         second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
@@ -257,12 +276,14 @@ def test_the_store_bound_evicts_the_oldest() -> None:
     for name in ("a", "b", "c"):
         assert store.put({"id": name}, [], (), ())
     assert store.get("a") is None
-    assert store.get("b") is not None and store.get("c") is not None
+    assert store.get("b") is not None
+    assert store.get("c") is not None
     by_bytes = ResponseStore(max_count=100, max_bytes=60)
     for name in ("a", "b", "c"):
         assert by_bytes.put({"id": name, "pad": "x" * 10}, [], (), ())
     assert by_bytes.bytes <= 60
-    assert by_bytes.get("a") is None and by_bytes.get("c") is not None
+    assert by_bytes.get("a") is None
+    assert by_bytes.get("c") is not None
     assert not by_bytes.put({"id": "huge", "pad": "x" * 100}, [], (), ())
 
 
@@ -309,7 +330,8 @@ def test_a_forced_function_call_round_trip(server: Server, choice: Any) -> None:
         max_output_tokens=8,
     )
     assert answer.status in ("completed", "incomplete")
-    assert answer.usage is not None and response.usage is not None
+    assert answer.usage is not None
+    assert response.usage is not None
     assert answer.usage.input_tokens > response.usage.input_tokens
 
 
@@ -443,7 +465,8 @@ def test_hosted_tools_are_accepted_and_not_shown(server: Server) -> None:
         max_output_tokens=2,
         temperature=0,
     )
-    assert plain.usage is not None and hosted.usage is not None
+    assert plain.usage is not None
+    assert hosted.usage is not None
     assert hosted.usage.input_tokens == plain.usage.input_tokens
     assert hosted.output_text == plain.output_text
 
@@ -459,22 +482,28 @@ def test_agents_sdk_runner_with_a_function_tool(server: Server) -> None:
         calls.append(city)
         return "sunny"
 
-    client = openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key="unused", max_retries=0
-    )
-    model = agents.OpenAIResponsesModel(model=DEMO_MODEL_NAME, openai_client=client)
-    agent = agents.Agent(
-        name="weather",
-        instructions="Use the tool.",
-        model=model,
-        tools=[get_weather],
-        model_settings=agents.ModelSettings(
-            tool_choice="get_weather", max_tokens=200, parallel_tool_calls=False
-        ),
-        tool_use_behavior="stop_on_first_tool",
-    )
+    async def run() -> agents.RunResult:
+        client = openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key="unused", max_retries=0
+        )
+        async with client:
+            model = agents.OpenAIResponsesModel(
+                model=DEMO_MODEL_NAME, openai_client=client
+            )
+            agent = agents.Agent(
+                name="weather",
+                instructions="Use the tool.",
+                model=model,
+                tools=[get_weather],
+                model_settings=agents.ModelSettings(
+                    tool_choice="get_weather", max_tokens=200, parallel_tool_calls=False
+                ),
+                tool_use_behavior="stop_on_first_tool",
+            )
+            return await agents.Runner.run(agent, "Weather in Paris?", max_turns=3)
+
     agents.set_tracing_disabled(True)
-    result = agents.Runner.run_sync(agent, "Weather in Paris?", max_turns=3)
+    result = asyncio.run(run())
     assert len(calls) == 1
     assert result.final_output == "sunny"
 
@@ -554,3 +583,113 @@ def run_codex(server: Server, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert requests, "\n".join(lines)
     assert all(" 200 " in line for line in requests), "\n".join(requests)
+
+
+def test_items_become_the_chat_turns_templates_take() -> None:
+    items = INPUT_ITEMS.validate_python(
+        [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+            {
+                "type": "reasoning",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "think"}],
+            },
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [
+                    {"type": "output_text", "text": "calling", "annotations": []}
+                ],
+                "status": "completed",
+                "id": "msg_1",
+            },
+            {
+                "type": "function_call",
+                "call_id": "c1",
+                "name": "f",
+                "arguments": '{"a":1}',
+            },
+            {
+                "type": "function_call",
+                "call_id": "c2",
+                "name": "f",
+                "arguments": "oops",
+            },
+            {"type": "function_call_output", "call_id": "c1", "output": "done"},
+            {"type": "reasoning", "summary": [], "encrypted_content": "opaque"},
+        ]
+    )
+    assert chat_messages(items) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {
+            "role": "assistant",
+            "content": "calling",
+            "reasoning_content": "think",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": {"a": 1}},
+                },
+                {
+                    "id": "c2",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": "oops"},
+                },
+            ],
+        },
+        {"role": "tool", "content": "done", "tool_call_id": "c1"},
+    ]
+
+
+def test_a_failure_in_a_stream_ends_it_with_response_failed() -> None:
+    output = Output()
+    head = {"id": "resp_1", "status": "in_progress", "output": [], "error": None}
+    output.event("response.created", response=head)
+    output.add(["some text"])
+    state = STREAM.set((head, output))
+    try:
+        data = ResponsesErrors().event(
+            APIError(503, "The server is busy.", code="busy")
+        )
+    finally:
+        STREAM.reset(state)
+    kind, body = data.decode().strip().split("\n")
+    assert kind == "event: response.failed"
+    event = json.loads(body.removeprefix("data: "))
+    assert event["sequence_number"] == output.sequence - 1
+    assert event["response"]["status"] == "failed"
+    assert event["response"]["error"] == {
+        "code": "busy",
+        "message": "The server is busy.",
+    }
+    assert event["response"]["output"][0]["content"][0]["text"] == "some text"
+    assert head["status"] == "in_progress"  # the response object itself is unchanged
+
+
+def test_input_items_pages(server: Server) -> None:
+    client = server.client()
+    created = client.responses.create(
+        model=DEMO_MODEL_NAME,
+        input=[
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "two"},
+            {"role": "user", "content": "three"},
+        ],
+        max_output_tokens=1,
+    )
+    url = f"{server.url}/v1/responses/{created.id}/input_items"
+    first = httpx.get(url, params={"limit": 2, "order": "asc"}).json()
+    assert [item["content"][0]["text"] for item in first["data"]] == ["one", "two"]
+    assert first["has_more"] is True
+    rest = httpx.get(
+        url, params={"limit": 2, "order": "asc", "after": first["last_id"]}
+    ).json()
+    assert [item["content"][0]["text"] for item in rest["data"]] == ["three"]
+    assert rest["has_more"] is False
+    newest = httpx.get(url).json()
+    assert newest["data"][0]["content"][0]["text"] == "three"
+    for bad in ({"limit": "0"}, {"limit": "x" * 50}, {"order": "sideways"}):
+        assert httpx.get(url, params=bad).status_code == 400

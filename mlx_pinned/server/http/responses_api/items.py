@@ -13,9 +13,18 @@ import json
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    field_validator,
+)
 
 __all__ = [
+    "INPUT_ITEMS",
     "NAME_PATTERN",
     "FunctionCallItem",
     "FunctionCallOutputItem",
@@ -151,6 +160,9 @@ InputItem = Annotated[
     Discriminator(_item_type),
 ]
 
+#: Validates a list of input items (an answer's output, replayed as input).
+INPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
+
 
 class FunctionTool(RequestModel):
     """A function the model may call (``tools`` entry ``type: function``)."""
@@ -226,8 +238,11 @@ def chat_messages(items: Sequence[InputItem]) -> list[dict[str, Any]]:
     reasoning: list[str] = []
     for item in items:
         if isinstance(item, ReasoningItem):
+            # Its text, or its summary; encrypted content alone says nothing
+            # this server can read.
             parts = item.content or item.summary
-            reasoning.append("".join(part.text for part in parts))
+            if text := "".join(part.text for part in parts):
+                reasoning.append(text)
             continue
         if isinstance(item, FunctionCallOutputItem):
             turn = {"role": "tool", "content": _text(item.output)}

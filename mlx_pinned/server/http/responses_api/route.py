@@ -16,13 +16,11 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from pydantic import TypeAdapter
-
 from ...events import FinalEvent, TokenEvent
 from ..capabilities import Capabilities
 from ..endpoint import GenerationEndpoint
 from ..wire import OpenAIErrors
-from .items import InputItem, chat_messages, image_urls
+from .items import INPUT_ITEMS, chat_messages, image_urls
 from .objects import Output, item_id, response_object, sse, usage
 from .protocol import parse_responses_request
 from .serving import Prepared, ResponsesServing
@@ -34,15 +32,14 @@ if TYPE_CHECKING:
     from ..errors import APIError
     from ..wire import RequestLog, ResponseWriter
 
-__all__ = ["ResponsesEndpoint", "ResponsesErrors"]
+__all__ = ["STREAM", "ResponsesEndpoint", "ResponsesErrors"]
 
 # The stream's response and output, for an error that ends it: set in the
 # request's own task, read there by the endpoint's error path (the base's,
 # which writes the error after the slice's code has returned or raised).
-_STREAM: contextvars.ContextVar[tuple[dict[str, Any], Output] | None] = (
+STREAM: contextvars.ContextVar[tuple[dict[str, Any], Output] | None] = (
     contextvars.ContextVar("responses_stream", default=None)
 )
-_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
 
 
 class ResponsesErrors(OpenAIErrors):
@@ -51,7 +48,7 @@ class ResponsesErrors(OpenAIErrors):
 
     def event(self, error: APIError) -> bytes:
         body = error.body()["error"]
-        state = _STREAM.get()
+        state = STREAM.get()
         if state is None:  # not a stream of this endpoint: a bare error event
             fields = {key: body.get(key) for key in ("code", "message", "param")}
             return sse({"type": "error", "sequence_number": 0, **fields})
@@ -92,7 +89,7 @@ class ResponsesEndpoint(GenerationEndpoint):
     async def handle(
         self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
     ) -> None:
-        _STREAM.set(None)
+        STREAM.set(None)
         request = parse_responses_request(body)
         if request.previous_response_id is not None:
             stored = self.store.get(request.previous_response_id)
@@ -114,7 +111,7 @@ class ResponsesEndpoint(GenerationEndpoint):
                 )
                 output = Output()
                 if request.stream:
-                    _STREAM.set((head, output))
+                    STREAM.set((head, output))
                     final = await self._stream(
                         head, stream, response, log, parser, output
                     )
@@ -225,7 +222,7 @@ class ResponsesEndpoint(GenerationEndpoint):
     def _keep(self, done: dict[str, Any], prepared: Prepared, output: Output) -> None:
         """Store the response and the conversation it ends, its output as the
         chat turns the same items make when sent back as input."""
-        said = chat_messages(_ITEMS.validate_python(output.items, strict=False))
+        said = chat_messages(INPUT_ITEMS.validate_python(output.items, strict=False))
         messages = (*prepared.history, *said)
         urls = tuple(ref.url for ref in prepared.images)
         self.store.put(done, prepared.input_items, messages, urls)
