@@ -410,6 +410,12 @@ HOSTILE: list[Any] = [
             {"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}
         ],
     },
+    {
+        "model": DEMO_MODEL_NAME,
+        "input": [{"role": "user", "content": [{"type": "input_image"}]}],
+    },
+    {"model": DEMO_MODEL_NAME, "input": [{"type": "web_search_call", "id": "ws"}]},
+    {"model": DEMO_MODEL_NAME, "input": "hi", "tool_choice": {"type": "web_search"}},
     {"model": DEMO_MODEL_NAME, "input": "hi", "tool_choice": "required"},
     {"model": DEMO_MODEL_NAME, "input": "hi", "tools": [{"type": "function"}]},
     {"model": DEMO_MODEL_NAME, "input": "hi", "tools": [WEATHER] * 200},

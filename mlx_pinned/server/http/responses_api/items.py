@@ -21,6 +21,7 @@ from pydantic import (
     Tag,
     TypeAdapter,
     field_validator,
+    model_validator,
 )
 
 __all__ = [
@@ -84,12 +85,11 @@ class ImageContent(RequestModel):
             raise ValueError("this server stores no files: send image_url instead")
         return value
 
-    @field_validator("image_url")
-    @classmethod
-    def _url(cls, value: str | None) -> str | None:
-        if value is None:
-            raise ValueError("give image_url")
-        return value
+    @model_validator(mode="after")
+    def _url(self) -> ImageContent:
+        if self.image_url is None and self.file_id is None:
+            raise ValueError("an input_image needs its image_url")
+        return self
 
 
 Content = Annotated[TextContent | ImageContent, Field(discriminator="type")]
@@ -180,6 +180,8 @@ class FunctionTool(RequestModel):
             function["description"] = self.description
         if self.parameters is not None:
             function["parameters"] = self.parameters
+        if self.strict is not None:
+            function["strict"] = self.strict
         return {"type": "function", "function": function}
 
 
