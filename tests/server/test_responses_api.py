@@ -23,12 +23,15 @@ import pytest
 from pydantic import BaseModel
 
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
+from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
 from mlx_pinned.server.http.errors import APIError
 from mlx_pinned.server.http.responses_api.items import INPUT_ITEMS, chat_messages
 from mlx_pinned.server.http.responses_api.objects import Output
 from mlx_pinned.server.http.responses_api.route import STREAM, ResponsesErrors
 from mlx_pinned.server.http.responses_api.store import ResponseStore
 from mlx_pinned.testing import image_data_uri, tiny_vlm_path
+
+from .conftest import MODEL, replace_generation
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -699,3 +702,126 @@ def test_input_items_pages(server: Server) -> None:
     assert newest["data"][0]["content"][0]["text"] == "three"
     for bad in ({"limit": "0"}, {"limit": "x" * 50}, {"order": "sideways"}):
         assert httpx.get(url, params=bad).status_code == 400
+
+
+class Script:
+    """The engine's generation, scripted: ``pieces`` as tokens, then the end
+    (or ``fail`` raised after them); records the params it got."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.fail = False
+        self.params: list[GenerationParams] = []
+
+    def __call__(
+        self, loaded: Any, params: GenerationParams, images: Any
+    ) -> Iterator[TokenEvent | FinalEvent]:
+        self.params.append(params)
+        for piece in self.pieces:
+            yield TokenEvent(piece, None)
+        if self.fail:
+            raise RuntimeError("the scripted generation broke")
+        yield FinalEvent("", "stop", 3, len(self.pieces))
+
+
+@pytest.fixture
+def script(monkeypatch: pytest.MonkeyPatch) -> Script:
+    scripted = Script()
+    replace_generation(monkeypatch, scripted)
+    return scripted
+
+
+def events_of(text: str) -> list[dict[str, Any]]:
+    """The data of each server-sent event; its name must be its type."""
+    events = []
+    for block in text.strip().split("\n\n"):
+        name, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}"
+        events.append(event)
+    return events
+
+
+def without_ids(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {k: v for k, v in item.items() if k not in ("id", "call_id")} for item in output
+    ]
+
+
+THINK_AND_CALL = (
+    "<think>\nLet me think.\n</think>\n\nChecking.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+
+
+@pytest.mark.anyio
+async def test_reasoning_text_and_a_call_streamed_and_whole(
+    serve: Any, script: Script
+) -> None:
+    script.pieces = [
+        THINK_AND_CALL[i : i + 3] for i in range(0, len(THINK_AND_CALL), 3)
+    ]
+    body = {"model": MODEL, "input": "Weather?", "tools": [WEATHER]}
+    async with serve() as served:
+        whole = (await served.client.post("/v1/responses", json=body)).json()
+        streamed = await served.client.post(
+            "/v1/responses", json={**body, "stream": True}
+        )
+    assert [item["type"] for item in whole["output"]] == [
+        "reasoning",
+        "message",
+        "function_call",
+    ]
+    assert whole["output"][0]["content"][0]["text"] == "Let me think."
+    assert whole["output"][1]["content"][0]["text"].strip() == "Checking."
+    assert json.loads(whole["output"][2]["arguments"]) == {"city": "Paris"}
+    events = events_of(streamed.text)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    last = events[-1]
+    assert last["type"] == "response.completed"
+    assert without_ids(last["response"]["output"]) == without_ids(whole["output"])
+    kinds = {e["type"] for e in events}
+    assert {
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+    } <= kinds
+    reasoning = "".join(
+        e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"
+    )
+    assert reasoning == "Let me think."
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert [e["item"] for e in done] == last["response"]["output"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("effort", "thinking"), [("none", False), ("high", True)])
+async def test_reasoning_effort_switches_thinking(
+    serve: Any, script: Script, effort: str, thinking: bool
+) -> None:
+    script.pieces = ["ok"]
+    body = {"model": MODEL, "input": "hi", "reasoning": {"effort": effort}}
+    async with serve() as served:
+        answer = await served.client.post("/v1/responses", json=body)
+    assert answer.status_code == 200
+    assert script.params[0].template_kwargs == (("enable_thinking", thinking),)
+
+
+@pytest.mark.anyio
+async def test_a_failure_after_the_stream_began_is_response_failed(
+    serve: Any, script: Script
+) -> None:
+    script.pieces = ["some", " text"]
+    script.fail = True
+    body = {"model": MODEL, "input": "hi", "stream": True}
+    async with serve() as served:
+        answer = await served.client.post("/v1/responses", json=body)
+    assert answer.status_code == 200
+    events = events_of(answer.text)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.failed"
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed"
+    assert failed["error"]["message"]
+    assert failed["output"][0]["content"][0]["text"] == "some text"
