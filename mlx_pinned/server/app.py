@@ -44,7 +44,9 @@ from .config import ServerConfig
 from .engine import BatchEngine
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
 from .events import Engine, LoadImages
+from .formats import log_formats
 from .http.chat_completions import ChatCompletionsEndpoint
+from .http.completions import CompletionsEndpoint
 from .http.errors import refusal
 from .http.gate import BatchGate
 from .http.health import Readiness, health, live
@@ -62,6 +64,7 @@ from .http.routes import (
     server_error,
 )
 from .http.slots import ModelSlot
+from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
 from .http.turns import LoopTurns
 from .inputs.images import Fetcher, load_images
 from .inputs.remote import RemoteImageFetcher
@@ -190,15 +193,12 @@ def create_app(
         turns,
         metrics=metrics,
     )
-    responses = ResponsesEndpoint(
-        config,
-        mlx_thread,
-        served,
-        residency,
-        _image_loader(config, image_fetcher),
-        turns,
-        metrics=metrics,
-    )
+    # The same wiring for the other APIs' endpoints.
+    wiring = (chat.config, chat.thread, served, residency, chat.load_images, turns)
+    completions = CompletionsEndpoint(*wiring, metrics=metrics)
+    tokenize = TokenizeEndpoint(*wiring, metrics=metrics)
+    detokenize = DetokenizeEndpoint(*wiring, metrics=metrics)
+    responses = ResponsesEndpoint(*wiring, metrics=metrics)
     routes = [
         Route("/health", functools.partial(health, readiness), methods=["GET"]),
         Route("/livez", functools.partial(live, readiness), methods=["GET"]),
@@ -210,11 +210,15 @@ def create_app(
             methods=["GET"],
         ),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         *responses_routes(responses),
     ]
     # The playground: the chat page at / and its assets, open without the API
-    # key (the page sends it). The one place a switch would turn it off.
-    routes += playground_routes()
+    # key (the page sends it).
+    if config.playground:
+        routes += playground_routes()
     middleware = [
         Middleware(MetricsMiddleware, metrics=metrics),
         Middleware(
@@ -263,7 +267,14 @@ def _slot(
     each run as a job of the MLX thread."""
 
     async def load_engine() -> Engine:
-        return await thread.run(load)
+        engine = await thread.run(load)
+        log_formats(
+            own.name,
+            engine.chat_template,
+            tool_call_parser=own.tool_call_parser,
+            reasoning_parser=own.reasoning_parser,
+        )
+        return engine
 
     async def measure() -> int:
         return await thread.run(stored_weight_bytes, own.models[0])

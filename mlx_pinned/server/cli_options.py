@@ -306,6 +306,10 @@ OPTIONS = (
         "collections (default: on; --no-freeze-gc turns it off)",
         default=True,
     ),
+    Option(
+        "playground",
+        "serve the chat page at / (default: on; --no-playground turns it off)",
+    ),
 )
 
 

@@ -135,6 +135,8 @@ class ServerConfig:
             (:func:`gc.freeze`), so later full collections skip the
             libraries and the model, during which nothing on the event loop
             or the MLX thread runs. Process-wide, so off by default.
+        playground: Serve the chat page at ``/`` (and its assets under
+            ``/playground/``); off: those paths are 404.
     """
 
     model: str | tuple[str, ...] = ""
@@ -169,6 +171,7 @@ class ServerConfig:
     responses_store_bytes: int = 256 * 1024 * 1024
     # Process-wide: a library user's app shares the process with other code.
     freeze_gc: bool = False
+    playground: bool = True
     model_settings: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:

@@ -20,19 +20,17 @@ from .limits import check_prompt_tokens
 if TYPE_CHECKING:
     from PIL import Image
 
-    from mlx_pinned.types import AsyncStreamIterator
 
 __all__ = [
-    "HANDOFF",
     "Engine",
     "EngineCounters",
     "Event",
+    "EventSource",
     "EventStream",
     "FinalEvent",
     "FinishReason",
     "GenerationParams",
     "Grammar",
-    "Handoff",
     "ImageRef",
     "LoadImages",
     "TokenEvent",
@@ -70,7 +68,8 @@ class GenerationParams:
     Attributes:
         messages: The chat as mlx-vlm's chat messages: ``{"role", "content"}``
             dicts whose content is a string or a list of ``{"type": "text",
-            "text"}`` and ``{"type": "image_url"}`` parts.
+            "text"}`` and ``{"type": "image_url"}`` parts. Unused when
+            ``prompt`` is set.
         max_tokens: Most tokens to generate.
         temperature: Sampling temperature; None uses the checkpoint's default.
         top_p: Nucleus sampling; None uses the checkpoint's default.
@@ -98,6 +97,11 @@ class GenerationParams:
             the chat template.
         template_kwargs: Extra keyword arguments for the chat template
             (``chat_template_kwargs``, e.g. ``enable_thinking``).
+        prompt: A raw prompt instead of ``messages``: text, tokenized without
+            the chat template, or token ids, used as they are (None: the
+            chat template renders ``messages``).
+        add_special_tokens: Whether the tokenizer adds its special tokens
+            (a BOS) to a text ``prompt``.
     """
 
     messages: tuple[dict[str, Any], ...]
@@ -119,6 +123,8 @@ class GenerationParams:
     grammar: Grammar | None = None
     tools: tuple[dict[str, Any], ...] = ()
     template_kwargs: tuple[tuple[str, Any], ...] = ()
+    prompt: str | tuple[int, ...] | None = None
+    add_special_tokens: bool = True
 
     def check_prompt_tokens(self, prompt_tokens: int) -> None:
         """Refuse a prompt over this request's limits; call before prefill.
@@ -186,45 +192,41 @@ class FinalEvent:
 Event = TokenEvent | FinalEvent
 
 
-class Handoff:
-    """An item that is no event: the generation gives the MLX thread to
-    others without a token. Its first item is one (its prompt is queued, so
-    requests that arrive together are prefilled together), and so is each
-    turn that ran a chunk of its long prompt's prefill. :class:`EventStream`
-    drops them."""
+class EventSource(Protocol):
+    """What an :class:`EventStream` reads (the engine's per-row stream; an
+    ``MLXThread.iterate`` stream of events fits too)."""
 
+    def __anext__(self) -> Awaitable[Event]: ...
 
-HANDOFF = Handoff()
+    def batched(self, n: int) -> AsyncIterator[tuple[Event, ...]]: ...
+
+    def aclose(self) -> Awaitable[None]: ...
 
 
 class EventStream:
     """The events of one generation, on the event loop.
 
-    Wraps the MLX thread's stream of a generation: iterating gives every
-    :class:`TokenEvent`, then one :class:`FinalEvent`; :meth:`aclose` (or
-    cancelling the consumer) closes the generation on the MLX thread.
+    Iterating gives every :class:`TokenEvent`, then one :class:`FinalEvent`
+    (or raises the generation's error); :meth:`aclose` (or cancelling the
+    consumer) takes the generation out of the batch.
     """
 
-    def __init__(self, inner: AsyncStreamIterator[Event | Handoff]) -> None:
+    def __init__(self, inner: EventSource) -> None:
         self._inner = inner
 
     def __aiter__(self) -> EventStream:
         return self
 
     async def __anext__(self) -> Event:
-        while True:
-            item = await self._inner.__anext__()
-            if not isinstance(item, Handoff):
-                return item
+        return await self._inner.__anext__()
 
     def batched(self, n: int) -> AsyncIterator[tuple[Event, ...]]:
-        """The events in tuples of up to ``n``, one wake-up per tuple (see
-        ``AsyncStreamIterator.batched``); :meth:`aclose` still closes the
-        generation."""
-        return _batches(self._inner.batched(n))
+        """The events in tuples of up to ``n``, one wake-up per tuple;
+        :meth:`aclose` still closes the generation."""
+        return self._inner.batched(n)
 
     async def aclose(self) -> None:
-        """Close the generation on the thread and wait until it is closed."""
+        """Take the generation out, and wait until it is out."""
         await self._inner.aclose()
 
     async def __aenter__(self) -> EventStream:
@@ -232,15 +234,6 @@ class EventStream:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
-
-
-async def _batches(
-    inner: AsyncIterator[tuple[Event | Handoff, ...]],
-) -> AsyncIterator[tuple[Event, ...]]:
-    async for batch in inner:
-        events = tuple(e for e in batch if not isinstance(e, Handoff))
-        if events:
-            yield events
 
 
 @dataclass(frozen=True)
@@ -317,8 +310,21 @@ class Engine(Protocol):
     ) -> EventStream:
         """Start a generation on the MLX thread; its events, on the event loop.
 
-        Any thread; the generation runs on the MLX thread.
+        Event loop only; the generation runs on the MLX thread.
         """
+        ...
+
+    async def tokenize(self, params: GenerationParams) -> tuple[tuple[int, str], ...]:
+        """The prompt's tokens, as a generation of ``params`` would prefill
+        them (its ``prompt``, or its ``messages`` through the chat template;
+        text only): each id with its text as log-probabilities show it.
+        Event loop; the tokenizer runs on the MLX thread, between steps of
+        the batch."""
+        ...
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens`` (each below :attr:`vocab_size`). Event
+        loop; the tokenizer runs on the MLX thread."""
         ...
 
 

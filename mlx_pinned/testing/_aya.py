@@ -7,8 +7,19 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from ._family import Family, ids, nested, siglip_tower
-from ._tokenizer import VOCAB_SIZE, tokenizer_config
+from ._configs import (
+    SIGLIP_PATCH,
+    SIGLIP_SIDE,
+    SLIDING_WINDOW,
+    decoder,
+    processor_files,
+    siglip_tower,
+    token_files,
+    vision_model,
+)
+from ._family import Family
+from ._templates import content, generation_prompt, template
+from ._tokenizer import ids
 
 SPECIAL_TOKENS: Final = (
     "<PAD>",
@@ -36,123 +47,79 @@ _IDS: Final = ids(SPECIAL_TOKENS)
 # Cohere's turns; an image part as <image>, which the processor expands into
 # <|START_OF_IMG|>, TILE_n and TILE_GLOBAL, each with its patches, and
 # <|END_OF_IMG|>.
-_CHAT_TEMPLATE: Final = (
+_CHAT_TEMPLATE: Final = template(
     "{{- bos_token -}}"
     "{%- set roles = {'user': 'USER', 'assistant': 'CHATBOT', 'system': 'SYSTEM'} -%}"
     "{%- for message in messages -%}"
     "{{- '<|START_OF_TURN_TOKEN|><|' + roles[message['role']] + '_TOKEN|>' -}}"
     "{%- if message['role'] == 'assistant' -%}"
     "{{- '<|START_RESPONSE|>' -}}"
-    "{%- endif -%}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
-    "{%- elif message['content'] is not none -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if part.get('type', '') in ('image', 'image_url') -%}"
-    "{{- '<image>' -}}"
-    "{%- elif 'text' in part -%}"
-    "{{- part['text'] -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
+    "{%- endif -%}",
+    content("<image>"),
     "{%- if message['role'] == 'assistant' -%}"
     "{{- '<|END_RESPONSE|>' -}}"
     "{%- endif -%}"
     "{{- '<|END_OF_TURN_TOKEN|>' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>' -}}"
-    "{%- endif -%}"
+    "{%- endfor -%}",
+    generation_prompt("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>"),
 )
-
-# Tiles of 32x32 pixels, 8x8 patches each, shuffled 2x2: 4 image tokens a
-# tile; up to 2 tiles and the global view.
-_TILE: Final = 32
-# As Gemma 3's: short enough that tests' prompts and answers pass it.
-SLIDING_WINDOW: Final = 16
 
 
 def _config() -> dict[str, Any]:
-    text = {
-        "model_type": "cohere2",
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "head_dim": 16,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rope_theta": 50000.0,
-        "vocab_size": VOCAB_SIZE,
-        "layer_norm_eps": 1e-5,
-        "logit_scale": 0.0625,
+    text = decoder(
+        "cohere2",
+        rope_theta=50000.0,
+        layer_norm_eps=1e-5,
+        logit_scale=0.0625,
         # Layer 0 slides (with RoPE), layer 1 attends to everything (no RoPE).
-        "sliding_window": SLIDING_WINDOW,
-        "sliding_window_pattern": 2,
-        "max_position_embeddings": 8192,
-    }
-    vision = siglip_tower(_TILE, 8)
-    return {
-        "architectures": ["AyaVisionForConditionalGeneration"],
-        "model_type": "aya_vision",
-        "text_config": text,
-        "vision_config": vision,
-        "image_token_index": _IDS["<|IMG_PATCH|>"],
-        "downsample_factor": 2,
-        "max_splits_per_img": 2,
-        "alignment_intermediate_size": 128,
-        "adapter_layer_norm_eps": 1e-6,
-        "vision_feature_layer": -1,
-        "vision_feature_select_strategy": "full",
-        "eos_token_id": [_IDS["<|END_OF_TURN_TOKEN|>"]],
-        "vocab_size": VOCAB_SIZE,
-        "dtype": "float32",
-    }
+        sliding_window=SLIDING_WINDOW,
+        sliding_window_pattern=2,
+        max_position_embeddings=8192,
+    )
+    return vision_model(
+        "AyaVisionForConditionalGeneration",
+        "aya_vision",
+        text,
+        siglip_tower(),
+        image_token_index=_IDS["<|IMG_PATCH|>"],
+        downsample_factor=2,
+        max_splits_per_img=2,
+        alignment_intermediate_size=128,
+        adapter_layer_norm_eps=1e-6,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        eos_token_id=[_IDS["<|END_OF_TURN_TOKEN|>"]],
+    )
 
 
 def _files() -> dict[str, Any]:
+    # A tile is one SigLIP input; up to 2 tiles and the global view.
+    image = {
+        "size": {"height": SIGLIP_SIDE, "width": SIGLIP_SIDE},
+        "crop_to_patches": True,
+        "min_patches": 1,
+        "max_patches": 2,
+        "do_resize": True,
+        "resample": 3,
+    }
     return {
-        "config.json": _config(),
-        "generation_config.json": {
-            "bos_token_id": _IDS["<BOS_TOKEN>"],
-            "eos_token_id": [_IDS["<|END_OF_TURN_TOKEN|>"], _IDS["<EOS_TOKEN>"]],
-            "pad_token_id": _IDS["<PAD>"],
-        },
-        "tokenizer_config.json": tokenizer_config(
+        **token_files(
             SPECIAL_TOKENS,
             _CHAT_TEMPLATE,
             bos="<BOS_TOKEN>",
             eos="<|END_OF_TURN_TOKEN|>",
             pad="<PAD>",
+            stops=("<EOS_TOKEN>",),
         ),
-        "preprocessor_config.json": {
-            "image_processor_type": "GotOcr2ImageProcessor",
-            "processor_class": "AyaVisionProcessor",
-            "size": {"height": _TILE, "width": _TILE},
-            "crop_to_patches": True,
-            "min_patches": 1,
-            "max_patches": 2,
-            "do_resize": True,
-            "resample": 3,
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
-            "do_convert_rgb": True,
-        },
-        "processor_config.json": {
-            "processor_class": "AyaVisionProcessor",
-            "patch_size": 8,
-            "img_size": _TILE,
-            "downsample_factor": 2,
-        },
+        **processor_files(
+            "GotOcr2ImageProcessor",
+            "AyaVisionProcessor",
+            image,
+            patch_size=SIGLIP_PATCH,
+            img_size=SIGLIP_SIDE,
+            downsample_factor=2,
+        ),
     }
 
 
-AYA_VISION: Final = Family(
-    model_type="aya_vision",
-    module="mlx_vlm.models.aya_vision",
-    specials=SPECIAL_TOKENS,
-    files=_files,
-    build=lambda module: nested(module, _config()),
-)
+AYA_VISION: Final = Family("aya_vision", SPECIAL_TOKENS, _config, _files)

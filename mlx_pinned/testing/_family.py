@@ -19,69 +19,6 @@ from ._weights import parameter_specs, write_weights
 FORMAT: Final = 4
 
 
-@dataclass(frozen=True)
-class Family:
-    """A tiny model of one mlx-vlm family.
-
-    Attributes:
-        model_type: mlx-vlm's name for the family (``config.json``'s).
-        module: The mlx-vlm module of its model class.
-        specials: Its special tokens, in id order.
-        files: Every JSON file but the weights and ``tokenizer.json``.
-        build: Builds the model class from the module (for its shapes).
-        embeddings: Parameters whose rows of special tokens and lone high
-            bytes are zero: tied, their logits are zero, below the best of
-            the other random logits, so greedy decoding never picks a special
-            token (no early end of turn) nor a byte that alone is invalid
-            UTF-8 (some detokenizers refuse it).
-        vision: Whether it takes images.
-        generator: The public function that writes it (in its marker).
-        marked: Whether the marker names the family (the first family's
-            marker predates the others, and stays as it was).
-    """
-
-    model_type: str
-    module: str
-    specials: tuple[str, ...]
-    files: Callable[[], dict[str, Any]]
-    build: Callable[[Any], Any]
-    embeddings: tuple[str, ...] = ("language_model.model.embed_tokens.weight",)
-    vision: bool = True
-    generator: str = "mlx_pinned.testing.make_tiny_vlm"
-    marked: bool = True
-
-    def marker(self, seed: int, sizes: dict[str, int]) -> dict[str, Any]:
-        marker = {
-            "format": FORMAT,
-            "generator": self.generator,
-            "mlx_vlm": _mlx_vlm_version(),
-            "seed": seed,
-            "files": sizes,
-        }
-        if self.marked:
-            marker["model_type"] = self.model_type
-        return marker
-
-    def write(self, folder: pathlib.Path, seed: int) -> None:
-        """Write every file of the model into ``folder`` (not the marker)."""
-        files = {name: to_json(value) for name, value in self.files().items()}
-        files["tokenizer.json"] = tokenizer_json(self.specials)
-        for name, data in files.items():
-            (folder / name).write_bytes(data)
-        hidden = [*range(len(self.specials)), *high_byte_ids(self.specials)]
-        write_weights(
-            folder / "model.safetensors",
-            seed,
-            parameter_specs(self.module, self.build),
-            dict.fromkeys(self.embeddings, hidden),
-        )
-
-
-def ids(specials: tuple[str, ...]) -> dict[str, int]:
-    """Token ids of the special tokens (the trainer gives them the first)."""
-    return {token: index for index, token in enumerate(specials)}
-
-
 def nested(module: Any, config: dict[str, Any]) -> Any:
     """Build a family with a text and a vision config from ``config``."""
     config = dict(config)
@@ -96,20 +33,68 @@ def flat(module: Any, config: dict[str, Any]) -> Any:
     return module.Model(module.ModelConfig.from_dict(dict(config)))
 
 
-def siglip_tower(side: int, patch: int) -> dict[str, Any]:
-    """A 2-layer, 32-wide SigLIP vision tower for ``side``-pixel images
-    (Gemma 3, SmolVLM and Aya Vision use one)."""
-    return {
-        "model_type": "siglip_vision_model",
-        "num_hidden_layers": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_attention_heads": 2,
-        "patch_size": patch,
-        "image_size": side,
-        "num_channels": 3,
-        "layer_norm_eps": 1e-6,
-    }
+@dataclass(frozen=True)
+class Family:
+    """A tiny model of one mlx-vlm family.
+
+    Attributes:
+        model_type: mlx-vlm's name for the family (``config.json``'s), and
+            of its module, ``mlx_vlm.models.<model_type>``.
+        specials: Its special tokens, in id order.
+        config: ``config.json``.
+        files: Every other JSON file but ``tokenizer.json``.
+        build: Builds the model class from the module and the config (for
+            its shapes).
+        embeddings: Parameters whose rows of special tokens and lone high
+            bytes are zero: tied, their logits are zero, below the best of
+            the other random logits, so greedy decoding never picks a special
+            token (no early end of turn) nor a byte that alone is invalid
+            UTF-8 (some detokenizers refuse it).
+        vision: Whether it takes images (:func:`make_tiny_vlm` writes it)
+            or not (:func:`make_tiny_lm`).
+        marked: Whether the marker names the family (the first family's
+            marker predates the others, and stays as it was).
+    """
+
+    model_type: str
+    specials: tuple[str, ...]
+    config: Callable[[], dict[str, Any]]
+    files: Callable[[], dict[str, Any]]
+    build: Callable[[Any, dict[str, Any]], Any] = nested
+    embeddings: tuple[str, ...] = ("language_model.model.embed_tokens.weight",)
+    vision: bool = True
+    marked: bool = True
+
+    def marker(self, seed: int, sizes: dict[str, int]) -> dict[str, Any]:
+        marker = {
+            "format": FORMAT,
+            "generator": "mlx_pinned.testing.make_tiny_"
+            + ("vlm" if self.vision else "lm"),
+            "mlx_vlm": _mlx_vlm_version(),
+            "seed": seed,
+            "files": sizes,
+        }
+        if self.marked:
+            marker["model_type"] = self.model_type
+        return marker
+
+    def write(self, folder: pathlib.Path, seed: int) -> None:
+        """Write every file of the model into ``folder`` (not the marker)."""
+        files = {"config.json": self.config(), **self.files()}
+        data = {name: to_json(value) for name, value in files.items()}
+        data["tokenizer.json"] = tokenizer_json(self.specials)
+        for name, content in data.items():
+            (folder / name).write_bytes(content)
+        hidden = [*range(len(self.specials)), *high_byte_ids(self.specials)]
+        write_weights(
+            folder / "model.safetensors",
+            seed,
+            parameter_specs(
+                f"mlx_vlm.models.{self.model_type}",
+                lambda module: self.build(module, self.config()),
+            ),
+            dict.fromkeys(self.embeddings, hidden),
+        )
 
 
 def _mlx_vlm_version() -> str:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from ._family import Family, ids, nested
-from ._tokenizer import VOCAB_SIZE, tokenizer_config
+from ._configs import decoder, processor_files, token_files, vision_model
+from ._family import Family
+from ._templates import content, template
+from ._tokenizer import ids
 
 SPECIAL_TOKENS: Final = (
     "<unk>",
@@ -29,25 +31,15 @@ _IDS: Final = ids(SPECIAL_TOKENS)
 # turns in [INST] ... [/INST], an image part as [IMG] (the processor expands
 # it into rows of [IMG] separated by [IMG_BREAK], ended by [IMG_END]), an
 # assistant turn ended by </s>.
-_CHAT_TEMPLATE: Final = (
+_CHAT_TEMPLATE: Final = template(
     "{{- bos_token -}}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}"
     "{{- '[SYSTEM_PROMPT]' -}}"
     "{%- elif message['role'] == 'user' -%}"
     "{{- '[INST]' -}}"
-    "{%- endif -%}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
-    "{%- elif message['content'] is not none -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if part.get('type', '') in ('image', 'image_url') -%}"
-    "{{- '[IMG]' -}}"
-    "{%- elif 'text' in part -%}"
-    "{{- part['text'] -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
+    "{%- endif -%}",
+    content("[IMG]"),
     "{%- if message['role'] == 'system' -%}"
     "{{- '[/SYSTEM_PROMPT]' -}}"
     "{%- elif message['role'] == 'user' -%}"
@@ -55,7 +47,7 @@ _CHAT_TEMPLATE: Final = (
     "{%- else -%}"
     "{{- eos_token -}}"
     "{%- endif -%}"
-    "{%- endfor -%}"
+    "{%- endfor -%}",
 )
 
 # Patches of 8 pixels merged 2x2: a token per 16x16 pixels, an image resized
@@ -65,20 +57,13 @@ _LONGEST: Final = 64
 
 
 def _config() -> dict[str, Any]:
-    text = {
-        "model_type": "mistral",
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": VOCAB_SIZE,
-        "rope_theta": 1000000000.0,
-        "max_position_embeddings": 32768,
-        "tie_word_embeddings": False,
-    }
+    text = decoder(
+        "mistral",
+        rms_norm_eps=1e-5,
+        rope_theta=1000000000.0,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    )
     vision = {
         "model_type": "pixtral",
         "num_hidden_layers": 2,
@@ -92,61 +77,41 @@ def _config() -> dict[str, Any]:
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
     }
-    return {
-        "architectures": ["Mistral3ForConditionalGeneration"],
-        "model_type": "mistral3",
-        "text_config": text,
-        "vision_config": vision,
-        "image_token_index": _IDS["[IMG]"],
-        "spatial_merge_size": 2,
-        "vision_feature_layer": -1,
-        "multimodal_projector_bias": False,
-        "eos_token_id": [_IDS["</s>"]],
-        "vocab_size": VOCAB_SIZE,
-        "dtype": "float32",
-    }
+    return vision_model(
+        "Mistral3ForConditionalGeneration",
+        "mistral3",
+        text,
+        vision,
+        image_token_index=_IDS["[IMG]"],
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+        multimodal_projector_bias=False,
+        eos_token_id=[_IDS["</s>"]],
+    )
 
 
 def _files() -> dict[str, Any]:
+    image = {
+        "size": {"longest_edge": _LONGEST},
+        "patch_size": {"height": _PATCH, "width": _PATCH},
+        "do_resize": True,
+        "resample": 3,
+    }
     return {
-        "config.json": _config(),
-        "generation_config.json": {
-            "bos_token_id": _IDS["<s>"],
-            "eos_token_id": _IDS["</s>"],
-            "pad_token_id": _IDS["<unk>"],
-        },
-        "tokenizer_config.json": tokenizer_config(
+        **token_files(
             SPECIAL_TOKENS, _CHAT_TEMPLATE, bos="<s>", eos="</s>", pad="<unk>"
         ),
-        "preprocessor_config.json": {
-            "image_processor_type": "PixtralImageProcessor",
-            "processor_class": "Mistral3Processor",
-            "size": {"longest_edge": _LONGEST},
-            "patch_size": {"height": _PATCH, "width": _PATCH},
-            "do_convert_rgb": True,
-            "do_resize": True,
-            "resample": 3,
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
-        },
-        "processor_config.json": {
-            "processor_class": "Mistral3Processor",
-            "image_token": "[IMG]",
-            "image_break_token": "[IMG_BREAK]",
-            "image_end_token": "[IMG_END]",
-            "patch_size": _PATCH,
-            "spatial_merge_size": 2,
-        },
+        **processor_files(
+            "PixtralImageProcessor",
+            "Mistral3Processor",
+            image,
+            image_token="[IMG]",
+            image_break_token="[IMG_BREAK]",
+            image_end_token="[IMG_END]",
+            patch_size=_PATCH,
+            spatial_merge_size=2,
+        ),
     }
 
 
-MISTRAL3: Final = Family(
-    model_type="mistral3",
-    module="mlx_vlm.models.mistral3",
-    specials=SPECIAL_TOKENS,
-    files=_files,
-    build=lambda module: nested(module, _config()),
-)
+MISTRAL3: Final = Family("mistral3", SPECIAL_TOKENS, _config, _files)

@@ -9,8 +9,15 @@ from __future__ import annotations
 import functools
 from typing import Any, Final
 
-from ._family import Family, flat, ids, nested
-from ._tokenizer import VOCAB_SIZE, tokenizer_config
+from ._configs import (
+    processor_files,
+    scaled_rgb,
+    tied_decoder,
+    token_files,
+    vision_model,
+)
+from ._family import Family, flat
+from ._tokenizer import ids
 
 #: The tokenizer's special tokens, in id order (``<|endoftext|>`` is id 0).
 SPECIAL_TOKENS: Final = (
@@ -110,27 +117,9 @@ _CHAT_TEMPLATE: Final = (
 )
 
 
-def _generation_config() -> dict[str, Any]:
-    return {
-        "bos_token_id": _IDS["<|endoftext|>"],
-        "eos_token_id": [_IDS["<|im_end|>"], _IDS["<|endoftext|>"]],
-        "pad_token_id": _IDS["<|endoftext|>"],
-    }
-
-
-def _tokenizer_config() -> dict[str, Any]:
-    return tokenizer_config(
-        SPECIAL_TOKENS,
-        _CHAT_TEMPLATE,
-        bos=None,
-        eos="<|im_end|>",
-        pad="<|endoftext|>",
-    )
-
-
-def qwen3_vision_config(model_type: str, *, deepstack: list[int]) -> dict[str, Any]:
-    """The 2-layer, 32-wide vision tower of Qwen3-VL and Qwen3.5 (patch 16,
-    merged 2x2); ``deepstack``: the layers whose features feed the decoder."""
+def qwen_tower(model_type: str, patch: int, **settings: Any) -> dict[str, Any]:
+    """The 2-layer, 32-wide vision tower of every Qwen family here (merged
+    2x2), with the family's own ``settings``."""
     return {
         "model_type": model_type,
         "depth": 2,
@@ -139,104 +128,78 @@ def qwen3_vision_config(model_type: str, *, deepstack: list[int]) -> dict[str, A
         "num_heads": 2,
         "out_hidden_size": 64,
         "in_channels": 3,
-        "patch_size": 16,
+        "patch_size": patch,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
-        "num_position_embeddings": 16,
-        "deepstack_visual_indexes": deepstack,
-        "hidden_act": "gelu_pytorch_tanh",
+        **settings,
     }
 
 
-def qwen_text_config(model_type: str) -> dict[str, Any]:
-    """The 2-layer, 64-wide decoder all the Qwen families here share."""
-    return {
-        "model_type": model_type,
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "vocab_size": VOCAB_SIZE,
-        "max_position_embeddings": 32768,
-        "tie_word_embeddings": True,
-        "bos_token_id": _IDS["<|endoftext|>"],
-        "eos_token_id": _IDS["<|im_end|>"],
-        "dtype": "float32",
-    }
+def qwen3_vision_config(model_type: str, *, deepstack: list[int]) -> dict[str, Any]:
+    """The vision tower of Qwen3-VL and Qwen3.5 (patch 16); ``deepstack``:
+    the layers whose features feed the decoder."""
+    return qwen_tower(
+        model_type,
+        16,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=deepstack,
+        hidden_act="gelu_pytorch_tanh",
+    )
 
 
-def media_ids() -> dict[str, int]:
+def qwen_text_config(model_type: str, **settings: Any) -> dict[str, Any]:
+    """The decoder all the Qwen families here share."""
+    return tied_decoder(
+        model_type,
+        SPECIAL_TOKENS,
+        bos="<|endoftext|>",
+        eos="<|im_end|>",
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        **settings,
+    )
+
+
+def qwen_media() -> dict[str, Any]:
+    """Root keys of a Qwen vision family's ``config.json``: its media token
+    ids, and tied embeddings."""
     return {
         "image_token_id": _IDS["<|image_pad|>"],
         "video_token_id": _IDS["<|video_pad|>"],
         "vision_start_token_id": _IDS["<|vision_start|>"],
         "vision_end_token_id": _IDS["<|vision_end|>"],
         "vision_token_id": _IDS["<|vision_pad|>"],
-    }
-
-
-# -- Qwen3-VL ------------------------------------------------------------------
-
-
-def _qwen3_vl_config() -> dict[str, Any]:
-    text = {
-        **qwen_text_config("qwen3_vl_text"),
-        "rope_theta": 5000000.0,
-        "rope_scaling": {
-            "rope_type": "default",
-            "mrope_section": [4, 2, 2],
-            "mrope_interleaved": True,
-        },
-        "attention_bias": False,
-    }
-    return {
-        "architectures": ["Qwen3VLForConditionalGeneration"],
-        "model_type": "qwen3_vl",
-        "text_config": text,
-        "vision_config": qwen3_vision_config("qwen3_vl", deepstack=[0]),
-        **media_ids(),
         "tie_word_embeddings": True,
-        "vocab_size": VOCAB_SIZE,
-        "dtype": "float32",
     }
 
 
-def _pixel_settings(patch: int, min_pixels: int, max_pixels: int) -> dict[str, Any]:
-    return {
+def _token_files() -> dict[str, Any]:
+    return token_files(
+        SPECIAL_TOKENS,
+        _CHAT_TEMPLATE,
+        bos=None,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        stops=("<|endoftext|>",),
+    )
+
+
+def qwen_vl_files(processor: str, video: str, patch: int) -> dict[str, Any]:
+    """Every JSON file of a Qwen vision family but ``config.json``."""
+    # 32*32 .. 128*128 pixels: with patch 16, a 64x64 image stays 64x64, 4x4
+    # patches, and the 2x2 merge makes 4 image tokens.
+    low, high = 32 * 32, 128 * 128
+    pixels = {
         "patch_size": patch,
         "temporal_patch_size": 2,
         "merge_size": 2,
-        "min_pixels": min_pixels,
-        "max_pixels": max_pixels,
-        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
-        "do_convert_rgb": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
+        "min_pixels": low,
+        "max_pixels": high,
+        "size": {"shortest_edge": low, "longest_edge": high},
     }
-
-
-def qwen_vl_files(
-    config: dict[str, Any], processor: str, video: str, patch: int
-) -> dict[str, Any]:
-    # 32*32 .. 128*128 pixels: with patch 16, a 64x64 image stays 64x64, 4x4
-    # patches, and the 2x2 merge makes 4 image tokens.
-    pixels = _pixel_settings(patch, 32 * 32, 128 * 128)
     return {
-        "config.json": config,
-        "generation_config.json": _generation_config(),
-        "tokenizer_config.json": _tokenizer_config(),
-        "preprocessor_config.json": {
-            "image_processor_type": "Qwen2VLImageProcessor",
-            "processor_class": processor,
-            **pixels,
-        },
+        **_token_files(),
+        **processor_files("Qwen2VLImageProcessor", processor, pixels),
         # Without these two the processor asks the hub for them.
         "video_preprocessor_config.json": {
             "video_processor_type": video,
@@ -244,21 +207,42 @@ def qwen_vl_files(
             "fps": 2,
             "min_frames": 2,
             "max_frames": 8,
+            **scaled_rgb(),
             **pixels,
         },
-        "processor_config.json": {"processor_class": processor},
     }
 
 
+def qwen3_vl_files() -> dict[str, Any]:
+    """The processor files of Qwen3-VL, which Qwen3.5 uses too."""
+    return qwen_vl_files("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16)
+
+
+# -- Qwen3-VL ------------------------------------------------------------------
+
+
+def _qwen3_vl_config() -> dict[str, Any]:
+    text = qwen_text_config(
+        "qwen3_vl_text",
+        rope_theta=5000000.0,
+        rope_scaling={
+            "rope_type": "default",
+            "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True,
+        },
+        attention_bias=False,
+    )
+    return vision_model(
+        "Qwen3VLForConditionalGeneration",
+        "qwen3_vl",
+        text,
+        qwen3_vision_config("qwen3_vl", deepstack=[0]),
+        **qwen_media(),
+    )
+
+
 QWEN3_VL: Final = Family(
-    model_type="qwen3_vl",
-    module="mlx_vlm.models.qwen3_vl",
-    specials=SPECIAL_TOKENS,
-    files=lambda: qwen_vl_files(
-        _qwen3_vl_config(), "Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16
-    ),
-    build=lambda module: nested(module, _qwen3_vl_config()),
-    marked=False,
+    "qwen3_vl", SPECIAL_TOKENS, _qwen3_vl_config, qwen3_vl_files, marked=False
 )
 
 
@@ -266,59 +250,49 @@ QWEN3_VL: Final = Family(
 
 
 def _qwen2_5_vl_config() -> dict[str, Any]:
-    text = {
-        **qwen_text_config("qwen2_5_vl"),
-        "rope_theta": 1000000.0,
+    text = qwen_text_config(
+        "qwen2_5_vl",
+        rope_theta=1000000.0,
         # Not interleaved: temporal, height, width sections in a row.
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-    }
-    vision = {
-        "model_type": "qwen2_5_vl",
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "out_hidden_size": 64,
-        "in_channels": 3,
-        "patch_size": 14,
-        "spatial_patch_size": 14,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+    )
+    vision = qwen_tower(
+        "qwen2_5_vl",
+        14,
+        spatial_patch_size=14,
         # Windowed attention in block 0, full attention in block 1.
-        "window_size": 56,
-        "fullatt_block_indexes": [1],
-        "tokens_per_second": 2,
-    }
-    return {
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-        "model_type": "qwen2_5_vl",
-        **{k: v for k, v in text.items() if k != "model_type"},
-        "text_config": text,
-        "vision_config": vision,
-        **media_ids(),
-        "tie_word_embeddings": True,
-        "vocab_size": VOCAB_SIZE,
-        "dtype": "float32",
-    }
+        window_size=56,
+        fullatt_block_indexes=[1],
+        tokens_per_second=2,
+    )
+    # Its ModelConfig reads the text settings from the root keys too.
+    root = {k: v for k, v in text.items() if k != "model_type"}
+    return vision_model(
+        "Qwen2_5_VLForConditionalGeneration",
+        "qwen2_5_vl",
+        text,
+        vision,
+        **root | qwen_media(),
+    )
 
 
-def _build_qwen2_5_vl(module: Any) -> Any:
+def _build_qwen2_5_vl(module: Any, config: dict[str, Any]) -> Any:
     # Its ModelConfig.from_dict makes the text config from the root keys, as
     # a dict; the loader converts both nested configs afterwards.
-    config = module.ModelConfig.from_dict(_qwen2_5_vl_config())
-    config.text_config = module.TextConfig.from_dict(config.text_config)
-    config.vision_config = module.VisionConfig.from_dict(config.vision_config)
-    return module.Model(config)
+    model_config = module.ModelConfig.from_dict(config)
+    model_config.text_config = module.TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = module.VisionConfig.from_dict(
+        model_config.vision_config
+    )
+    return module.Model(model_config)
 
 
 QWEN2_5_VL: Final = Family(
-    model_type="qwen2_5_vl",
-    module="mlx_vlm.models.qwen2_5_vl",
-    specials=SPECIAL_TOKENS,
-    files=lambda: qwen_vl_files(
-        _qwen2_5_vl_config(), "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", 14
-    ),
-    build=lambda module: _build_qwen2_5_vl(module),
+    "qwen2_5_vl",
+    SPECIAL_TOKENS,
+    _qwen2_5_vl_config,
+    lambda: qwen_vl_files("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", 14),
+    build=_build_qwen2_5_vl,
 )
 
 
@@ -329,22 +303,10 @@ QWEN2_5_VL: Final = Family(
 def _qwen3_config() -> dict[str, Any]:
     return {
         "architectures": ["Qwen3ForCausalLM"],
-        **qwen_text_config("qwen3"),
-        "rope_theta": 1000000.0,
-        "attention_bias": False,
+        **qwen_text_config("qwen3", rope_theta=1000000.0, attention_bias=False),
     }
 
 
 QWEN3: Final = Family(
-    model_type="qwen3",
-    module="mlx_vlm.models.qwen3",
-    specials=SPECIAL_TOKENS,
-    files=lambda: {
-        "config.json": _qwen3_config(),
-        "generation_config.json": _generation_config(),
-        "tokenizer_config.json": _tokenizer_config(),
-    },
-    build=lambda module: flat(module, _qwen3_config()),
-    vision=False,
-    generator="mlx_pinned.testing.make_tiny_lm",
+    "qwen3", SPECIAL_TOKENS, _qwen3_config, _token_files, build=flat, vision=False
 )

@@ -11,56 +11,45 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from ._family import Family, nested
+from ._configs import vision_model
+from ._family import Family
 from ._qwen import (
     SPECIAL_TOKENS,
-    media_ids,
     qwen3_vision_config,
+    qwen3_vl_files,
+    qwen_media,
     qwen_text_config,
-    qwen_vl_files,
 )
-from ._tokenizer import VOCAB_SIZE
 
 
 def _config() -> dict[str, Any]:
-    text = {
-        **qwen_text_config("qwen3_5_text"),
+    text = qwen_text_config(
+        "qwen3_5_text",
         # Layer 0 linear (gated delta-net), layer 1 full attention.
-        "full_attention_interval": 2,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "attention_bias": False,
+        full_attention_interval=2,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        attention_bias=False,
         # Half of each 16-wide head rotates: 4 frequency pairs, sectioned
         # 2 temporal, 1 height, 1 width, interleaved.
-        "rope_parameters": {
+        rope_parameters={
             "type": "default",
             "mrope_section": [2, 1, 1],
             "mrope_interleaved": True,
             "rope_theta": 10000000.0,
             "partial_rotary_factor": 0.5,
         },
-    }
-    return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
-        "text_config": text,
-        "vision_config": qwen3_vision_config("qwen3_5", deepstack=[]),
-        **media_ids(),
-        "tie_word_embeddings": True,
-        "vocab_size": VOCAB_SIZE,
-        "dtype": "float32",
-    }
+    )
+    return vision_model(
+        "Qwen3_5ForConditionalGeneration",
+        "qwen3_5",
+        text,
+        qwen3_vision_config("qwen3_5", deepstack=[]),
+        **qwen_media(),
+    )
 
 
-QWEN3_5: Final = Family(
-    model_type="qwen3_5",
-    module="mlx_vlm.models.qwen3_5",
-    specials=SPECIAL_TOKENS,
-    files=lambda: qwen_vl_files(
-        _config(), "Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16
-    ),
-    build=lambda module: nested(module, _config()),
-)
+QWEN3_5: Final = Family("qwen3_5", SPECIAL_TOKENS, _config, qwen3_vl_files)

@@ -6,8 +6,18 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from ._family import Family, ids, nested, siglip_tower
-from ._tokenizer import VOCAB_SIZE, tokenizer_config
+from ._configs import (
+    SIGLIP_SIDE,
+    SIGLIP_TOKENS,
+    decoder,
+    processor_files,
+    siglip_tower,
+    token_files,
+    vision_model,
+)
+from ._family import Family
+from ._templates import generation_prompt, parts, template
+from ._tokenizer import ids
 
 # The largest split here is 2x2 tiles, so four row/column tokens.
 SPECIAL_TOKENS: Final = (
@@ -28,7 +38,7 @@ _IDS: Final = ids(SPECIAL_TOKENS)
 
 # SmolVLM's: "User:" / "Assistant:" turns ended by <end_of_utterance>, an
 # image part as <image> (the processor expands it into tiles).
-_CHAT_TEMPLATE: Final = (
+_CHAT_TEMPLATE: Final = template(
     "<|im_start|>"
     "{%- for message in messages -%}"
     "{{- message['role'] | capitalize -}}"
@@ -40,100 +50,61 @@ _CHAT_TEMPLATE: Final = (
     "{{- ':' -}}"
     "{%- else -%}"
     "{{- ': ' -}}"
-    "{%- endif -%}"
-    "{%- for part in message['content'] or [] -%}"
-    "{%- if part.get('type', '') in ('image', 'image_url') -%}"
-    "{{- '<image>' -}}"
-    "{%- elif 'text' in part -%}"
-    "{{- part['text'] -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{- '<end_of_utterance>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- 'Assistant:' -}}"
-    "{%- endif -%}"
+    "{%- endif -%}",
+    parts("message['content'] or []", "<image>"),
+    "{%- endif -%}{{- '<end_of_utterance>\\n' -}}{%- endfor -%}",
+    generation_prompt("Assistant:"),
 )
-
-# Tiles of 32x32 pixels, 8x8 patches each, shuffled 2x2: 4 image tokens a
-# tile; an image is resized to 64 pixels on its longer side at most, so a
-# 64x64 image is 2x2 tiles and a global view.
-_TILE: Final = 32
-_TILE_TOKENS: Final = 4
 
 
 def _config() -> dict[str, Any]:
-    text = {
-        "model_type": "llama",
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": VOCAB_SIZE,
-        "rope_theta": 100000.0,
-        "max_position_embeddings": 8192,
-        "tie_word_embeddings": False,
-    }
-    vision = siglip_tower(_TILE, 8)
-    return {
-        "architectures": ["SmolVLMForConditionalGeneration"],
-        "model_type": "smolvlm",
-        "text_config": text,
-        "vision_config": vision,
-        "scale_factor": 2,
-        "image_token_id": _IDS["<image>"],
-        "eos_token_id": [_IDS["<end_of_utterance>"]],
-        "pad_token_id": _IDS["<|endoftext|>"],
-        "vocab_size": VOCAB_SIZE,
-        "dtype": "float32",
-    }
+    text = decoder(
+        "llama",
+        head_dim=None,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
+    return vision_model(
+        "SmolVLMForConditionalGeneration",
+        "smolvlm",
+        text,
+        siglip_tower(),
+        scale_factor=2,
+        image_token_id=_IDS["<image>"],
+        eos_token_id=[_IDS["<end_of_utterance>"]],
+        pad_token_id=_IDS["<|endoftext|>"],
+    )
 
 
 def _files() -> dict[str, Any]:
+    # A tile is one SigLIP input; an image is resized to two tiles on its
+    # longer side at most, so a 64x64 image is 2x2 tiles and a global view.
+    image = {
+        "do_resize": True,
+        "size": {"longest_edge": 2 * SIGLIP_SIDE},
+        "max_image_size": {"longest_edge": SIGLIP_SIDE},
+        "do_image_splitting": True,
+        "resample": 1,
+        "do_pad": True,
+    }
     return {
-        "config.json": _config(),
-        "generation_config.json": {
-            "bos_token_id": _IDS["<|im_start|>"],
-            "eos_token_id": [_IDS["<end_of_utterance>"], _IDS["<|endoftext|>"]],
-            "pad_token_id": _IDS["<|endoftext|>"],
-        },
-        "tokenizer_config.json": tokenizer_config(
+        **token_files(
             SPECIAL_TOKENS,
             _CHAT_TEMPLATE,
             bos="<|im_start|>",
             eos="<end_of_utterance>",
             pad="<|endoftext|>",
+            stops=("<|endoftext|>",),
         ),
-        "preprocessor_config.json": {
-            "image_processor_type": "SmolVLMImageProcessor",
-            "processor_class": "SmolVLMProcessor",
-            "do_convert_rgb": True,
-            "do_resize": True,
-            "size": {"longest_edge": 2 * _TILE},
-            "max_image_size": {"longest_edge": _TILE},
-            "do_image_splitting": True,
-            "resample": 1,
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": [0.5, 0.5, 0.5],
-            "image_std": [0.5, 0.5, 0.5],
-            "do_pad": True,
-        },
-        "processor_config.json": {
-            "processor_class": "SmolVLMProcessor",
-            "image_seq_len": _TILE_TOKENS,
-        },
+        **processor_files(
+            "SmolVLMImageProcessor",
+            "SmolVLMProcessor",
+            image,
+            image_seq_len=SIGLIP_TOKENS,
+        ),
     }
 
 
-SMOLVLM: Final = Family(
-    model_type="smolvlm",
-    module="mlx_vlm.models.smolvlm",
-    specials=SPECIAL_TOKENS,
-    files=_files,
-    build=lambda module: nested(module, _config()),
-)
+SMOLVLM: Final = Family("smolvlm", SPECIAL_TOKENS, _config, _files)

@@ -60,6 +60,11 @@ def tokenizer_json(specials: tuple[str, ...]) -> bytes:
     return tokenizer.to_str().encode("utf-8")
 
 
+def ids(specials: tuple[str, ...]) -> dict[str, int]:
+    """Token ids of the special tokens (the trainer gives them the first)."""
+    return {token: index for index, token in enumerate(specials)}
+
+
 def high_byte_ids(specials: tuple[str, ...]) -> list[int]:
     """Token ids of the single bytes 0x80-0xFF in the byte-level vocabulary."""
     # GPT-2's byte-to-character table, which the ByteLevel pre-tokenizer uses.

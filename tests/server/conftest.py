@@ -3,7 +3,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -14,8 +14,9 @@ import pytest
 from starlette.applications import Starlette
 
 from mlx_pinned import MLXThread
-from mlx_pinned.server import create_app
+from mlx_pinned.server import create_app, engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.events import EventStream
 from mlx_pinned.testing import image_data_uri, tiny_vlm_path
 
 MODEL = "tiny"
@@ -82,6 +83,10 @@ class Served:
         if isinstance(body, bytes):
             return await self.client.post("/v1/chat/completions", content=body, **kw)
         return await self.client.post("/v1/chat/completions", json=body, **kw)
+
+
+#: The ``serve`` fixture: an app for the options given, its lifespan running.
+Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 
 @pytest.fixture
@@ -242,11 +247,24 @@ class AtOnce:
 
 def replace_generation(monkeypatch: pytest.MonkeyPatch, fake: Any) -> None:
     """Make the engine run ``fake(loaded, params, images)``, a generator of
-    events, on the MLX thread instead of the model (fault injection)."""
+    events, on the MLX thread instead of the model (fault injection): each
+    request's stream is the fake's ``MLXThread.iterate`` stream."""
 
-    def generate(
-        engine: BatchEngine, params: Any, images: Any, *, announce: bool
-    ) -> Any:
-        return fake(engine.loaded, params, images)
+    def stream(engine: BatchEngine, params: Any, images: Any = ()) -> EventStream:
+        return EventStream(engine.thread.iterate(fake, engine.loaded, params, images))
 
-    monkeypatch.setattr(BatchEngine, "_generate", generate)
+    monkeypatch.setattr(BatchEngine, "stream", stream)
+
+
+# The MLX thread and the loaded tiny model of one test module (the engine's
+# tests share them).
+@pytest.fixture(scope="module")
+def thread() -> Iterator[MLXThread]:
+    with MLXThread(name="test-batching") as mlx_thread:
+        yield mlx_thread
+
+
+@pytest.fixture(scope="module")
+def loaded(thread: MLXThread, tiny_model_path: Path) -> LoadedModel:
+    model: LoadedModel = thread.run_sync(engine.load, tiny_model_path)
+    return model

@@ -33,6 +33,7 @@ from .conftest import (
     until,
     vision_body,
 )
+from .kit import content_of
 
 pytestmark = pytest.mark.anyio
 
@@ -89,14 +90,6 @@ class Chunks:
 
     async def _send(self, message: dict[str, Any]) -> None:
         self.messages.append(message)
-
-
-def content_of(events: list[Any]) -> str:
-    return "".join(
-        e["choices"][0]["delta"].get("content") or ""
-        for e in events
-        if isinstance(e, dict) and e["choices"]
-    )
 
 
 class TestRoutes:

@@ -20,177 +20,42 @@ four to five orders of magnitude larger (a leaked rope delta: 0.1 to 1).
 from __future__ import annotations
 
 import dataclasses
-import io
+import gc
 import math
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 import mlx.core as mx
 import pytest
-from PIL import Image
 
-from mlx_pinned import MLXThread
+from mlx_pinned import MLXThread, MLXThreadClosedError
 from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
-from mlx_pinned.server.engine import state as _batch_state
+from mlx_pinned.server.engine import decode as _decode
 from mlx_pinned.server.engine.sampling import Sampled, collect, draw
-from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
+from mlx_pinned.server.events import FinalEvent, TokenEvent
 from mlx_pinned.server.failures import OverloadedError, PromptTooLongError
 from mlx_pinned.server.http.gate import BatchGate
-from mlx_pinned.testing import make_test_image, tiny_vlm_path
+from mlx_pinned.testing import tiny_vlm_path
 
-from .reference import reference_stream
+from .kit import (
+    PROMPTS,
+    TOL,
+    Collector,
+    Event,
+    Request,
+    deadline,
+    drain,
+    image,
+    max_logprob_difference,
+    request,
+    solo,
+    tokens,
+)
 
 pytestmark = pytest.mark.anyio
-
-TOL = 1e-5
-
-Event = TokenEvent | FinalEvent
-Request = tuple[GenerationParams, list[Image.Image]]
-
-PROMPTS = (
-    "Describe this image in one sentence.",
-    "What is in this picture? Answer in a few words.",
-    "Count the objects in the image and list their colours.",
-    "Hello! How can I help you today?",
-    "The quick brown fox jumps over the lazy dog.",
-    "Is this a photo of a dog, a cat or a bird?",
-    "Summarise the text below in one paragraph, please.",
-    "Green trees, white clouds, yellow sun and a grey road.",
-)
-# Different prompt lengths, image sizes (so image token counts) and none.
-SIZES: tuple[tuple[int, int] | None, ...] = (
-    (64, 64),
-    (32, 32),
-    (96, 64),
-    (128, 128),
-    None,
-    (64, 96),
-    (48, 48),
-    None,
-)
-
-
-@pytest.fixture(scope="module")
-def thread() -> Iterator[MLXThread]:
-    with MLXThread(name="test-batching") as mlx_thread:
-        yield mlx_thread
-
-
-@pytest.fixture(scope="module")
-def loaded(thread: MLXThread, tiny_model_path: Path) -> LoadedModel:
-    model: LoadedModel = thread.run_sync(engine.load, tiny_model_path)
-    return model
-
-
-def image(size: tuple[int, int], seed: int) -> Image.Image:
-    return Image.open(io.BytesIO(make_test_image(*size, seed=seed))).convert("RGB")
-
-
-def request(
-    index: int,
-    max_tokens: int,
-    *,
-    prompts: Sequence[str] = PROMPTS,
-    sizes: Sequence[tuple[int, int] | None] = SIZES,
-    **params: Any,
-) -> Request:
-    """Request ``index``: its own prompt, and its own image size or none."""
-    size = sizes[index % len(sizes)]
-    content: list[dict[str, Any]] = [
-        {"type": "text", "text": prompts[index % len(prompts)]}
-    ]
-    images = []
-    if size is not None:
-        content.append({"type": "image_url"})
-        images.append(image(size, seed=index))
-    params.setdefault("temperature", 0.0)
-    params.setdefault("logprobs", True)
-    messages = ({"role": "user", "content": content},)
-    return GenerationParams(messages, max_tokens=max_tokens, **params), images
-
-
-async def solo(thread: MLXThread, loaded: LoadedModel, req: Request) -> list[Event]:
-    """mlx-vlm's own loop, alone on the model."""
-    stream = thread.iterate(reference_stream, loaded, *req)
-    async with stream:
-        return [event async for event in stream]
-
-
-def tokens(events: Sequence[Event]) -> list[TokenEvent]:
-    assert isinstance(events[-1], FinalEvent)
-    out = [e for e in events[:-1] if isinstance(e, TokenEvent)]
-    assert len(out) == len(events) - 1
-    return out
-
-
-def max_logprob_difference(batched: list[Event], alone: list[Event]) -> float:
-    """Largest difference of the chosen and top log-probabilities; the
-    sequences must have the same tokens, text, length and ending."""
-    ours, theirs = tokens(batched), tokens(alone)
-    assert len(ours) == len(theirs)
-    assert [e.text for e in ours] == [e.text for e in theirs]
-    assert batched[-1] == alone[-1]  # text, finish reason, token counts
-    worst = 0.0
-    for a, b in zip(ours, theirs, strict=True):
-        assert a.logprobs is not None
-        assert b.logprobs is not None
-        assert a.logprobs.token == b.logprobs.token
-        assert [t for t, _, _ in a.logprobs.top] == [t for t, _, _ in b.logprobs.top]
-        pairs = [(a.logprobs.logprob, b.logprobs.logprob)]
-        top = zip(a.logprobs.top, b.logprobs.top, strict=True)
-        pairs += [(x, y) for (_, x, _), (_, y, _) in top]
-        worst = max(worst, *(abs(x - y) for x, y in pairs))
-    return worst
-
-
-class Collector:
-    """Consumes one batched stream inside a gate turn, recording its events."""
-
-    def __init__(
-        self, thread: MLXThread, batch: BatchEngine, gate: BatchGate, req: Request
-    ) -> None:
-        self.thread, self.batch, self.gate, self.req = thread, batch, gate, req
-        self.events: list[Event] = []
-        self.active_at_start = 0  # slots held when it was admitted, its own included
-        self.started = anyio.Event()  # admitted by the gate
-        self.two_tokens = anyio.Event()
-        self.done = anyio.Event()
-
-    async def run(self, leave: anyio.Event | None = None) -> None:
-        """Consume the stream; with ``leave``, stop reading after three events,
-        wait for ``leave``, then go away (the stream is closed)."""
-        try:
-            async with self.gate.turn():
-                self.active_at_start = self.gate.active
-                self.started.set()
-                stream = self.batch.stream(*self.req)
-                async with stream:
-                    async for event in stream:
-                        self.events.append(event)
-                        if len(self.events) >= 2:
-                            self.two_tokens.set()
-                        if leave is not None and len(self.events) == 3:
-                            await leave.wait()
-                            return
-        finally:
-            self.two_tokens.set()
-            self.done.set()
-
-
-async def drain(stream: AsyncIterator[Event]) -> list[Event]:
-    return [event async for event in stream]
-
-
-@asynccontextmanager
-async def deadline(seconds: float = 60) -> AsyncIterator[anyio.abc.TaskGroup]:
-    with anyio.fail_after(seconds):
-        async with anyio.create_task_group() as group:
-            yield group
 
 
 class TestIsolation:
@@ -244,7 +109,7 @@ class TestIsolation:
 
         def hold() -> None:  # until all three are queued: one prefill pass
             deadline = time.monotonic() + 30
-            while thread.statistics().pending < 3 and time.monotonic() < deadline:
+            while batch.statistics().joining < 3 and time.monotonic() < deadline:
                 time.sleep(0.002)
 
         held = thread.submit(hold)
@@ -297,13 +162,13 @@ class TestIsolation:
         # The first token comes from the prefill; no step is built past a
         # row's max_tokens-th token.
         log: list[str] = []
-        read = _batch_state.collect
+        read = _decode.collect
 
         def collect(*args: Any) -> Any:
             log.append("C")
             return read(*args)
 
-        monkeypatch.setattr(_batch_state, "collect", collect)
+        monkeypatch.setattr(_decode, "collect", collect)
 
         def run() -> list[Event]:
             batch = BatchEngine(loaded, thread)
@@ -332,14 +197,14 @@ class TestIsolation:
             a = state.admit(*request(0, 10, logprobs=False))
             b = state.admit(*request(1, 10, logprobs=False))
             calls = 0
-            stop = state._stop
+            stop = state.decoder.stop
 
             def end_of_turn(token: int) -> bool:
                 nonlocal calls
                 calls += 1  # rows in order: first tokens, then each step
                 return calls == 5 or bool(stop(token))
 
-            state._stop = end_of_turn
+            state.decoder.stop = end_of_turn
             for _ in range(4):
                 state.step()
             ended = [item.eos for item in a.pending]
@@ -357,7 +222,7 @@ class TestIsolation:
         # Row 0's second token is its last: the step built ahead leaves it
         # out, so it is no longer in the batch when the step holding that
         # token is read. A failure there must still reach it.
-        read = _batch_state.collect
+        read = _decode.collect
         calls = 0
 
         def collect(*args: Any) -> Any:
@@ -367,7 +232,7 @@ class TestIsolation:
                 raise RuntimeError("injected")
             return read(*args)
 
-        monkeypatch.setattr(_batch_state, "collect", collect)
+        monkeypatch.setattr(_decode, "collect", collect)
 
         def run() -> list[tuple[bool, str]]:
             state = BatchEngine(loaded, thread)._state
@@ -519,6 +384,96 @@ class TestLeaving:
         assert batch.statistics().peak_active == 3
         for i, run in enumerate(runs):
             assert len(tokens(run.events)) == 6 + i
+
+
+def rows(batch: BatchEngine) -> int:
+    stats = batch.statistics()
+    return stats.active + stats.joining
+
+
+class TestLoop:
+    async def test_every_request_of_a_model_shares_its_one_loop(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        # The batch is stepped by the model's loop, one stream on the thread
+        # however many requests read it; it closes once its readers left.
+        reqs = [request(i, 400, logprobs=False) for i in range(4)]
+        batch = BatchEngine(loaded, thread)
+        gate = BatchGate(max_num_seqs=4, max_pending=0)
+        runs = [Collector(thread, batch, gate, req) for req in reqs]
+        leave = anyio.Event()
+        before = thread.statistics()
+        async with deadline() as group:
+            for run in runs:
+                group.start_soon(run.run, leave)
+            for run in runs:
+                await run.two_tokens.wait()
+            during = thread.statistics()
+            stats = batch.statistics()
+            leave.set()
+        await thread.run(lambda: None)
+        after = thread.statistics()
+        assert during.open_streams == before.open_streams + 1
+        assert stats.active == 4
+        assert all(len(run.events) == 3 for run in runs)
+        assert after.open_streams == before.open_streams
+        assert (batch.statistics().active, batch.statistics().joining) == (0, 0)
+
+    async def test_a_dropped_stream_takes_its_row_out(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        batch = BatchEngine(loaded, thread)
+        stream = batch.stream(*request(0, 4000, logprobs=False))
+        await stream.__anext__()
+        assert rows(batch) == 1
+        del stream
+        gc.collect()
+        with anyio.fail_after(20):
+            while rows(batch):  # noqa: ASYNC110 (no event to wait on)
+                await anyio.sleep(0.001)
+            while thread.statistics().open_streams:  # noqa: ASYNC110
+                await anyio.sleep(0.001)
+        # Taken out, not decoded to its max_tokens.
+        assert batch.statistics().decoded_tokens < 4000 - 1
+
+    async def test_a_thread_closed_under_the_loop_fails_its_requests(
+        self, tiny_model_path: Path
+    ) -> None:
+        with MLXThread(name="test-loop-closed") as own:
+            loaded = await own.run(engine.load, tiny_model_path)
+            batch = BatchEngine(loaded, own)
+            streams = [batch.stream(*request(i, 400, logprobs=False)) for i in (0, 1)]
+            for stream in streams:
+                await stream.__anext__()
+            own.shutdown(wait=False, cancel_futures=True)
+            with anyio.fail_after(10):
+                for stream in streams:
+                    with pytest.raises(MLXThreadClosedError):
+                        async for _ in stream:
+                            pass
+                    await stream.aclose()
+            with pytest.raises(MLXThreadClosedError):
+                batch.stream(*request(2, 4))
+
+    def test_a_generation_inline_runs_the_loop_on_its_own_thread(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        # generate_stream steps the batch where it is called: two of them
+        # share its steps, and a closed one leaves at once.
+        def run() -> tuple[int, int, int]:
+            batch = BatchEngine(loaded, thread)
+            first = batch.generate_stream(*request(0, 30, logprobs=False))
+            second = batch.generate_stream(*request(1, 6, logprobs=False))
+            next(first)
+            events = list(second)
+            rest = 0
+            for _ in range(3):
+                next(first)
+                rest += 1
+            first.close()
+            return len(tokens(events)), batch.statistics().active, rest
+
+        assert thread.run_sync(run) == (6, 0, 3)
 
 
 class TestSeeds:

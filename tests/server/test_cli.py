@@ -451,8 +451,15 @@ class TestOneSettingsSource:
         out = capsys.readouterr().out
         shown = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", out))
         options = {option.flag for option in OPTIONS}
-        assert shown == options | self.COMMAND_ONLY | {"--no-freeze-gc"}
+        negated = {"--no-freeze-gc", "--no-playground"}
+        assert shown == options | self.COMMAND_ONLY | negated
         assert "SUPPRESS" not in out
+
+    def test_no_playground_turns_the_page_off(self) -> None:
+        args = cli.build_parser().parse_args(["serve", "m", "--no-playground"])
+        assert cli._config(args).playground is False
+        args = cli.build_parser().parse_args(["serve", "m"])
+        assert cli._config(args).playground is True
 
     def test_the_namespace_holds_the_flags_given_only(self) -> None:
         args = cli.build_parser().parse_args(

@@ -4,16 +4,11 @@ free loopback port, driven by the official ``openai`` package."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,58 +20,9 @@ from mlx_pinned.server.engine.model import EXACT_FAMILIES
 from mlx_pinned.testing import TINY_MODEL_TYPES, image_data_uri, tiny_vlm_path
 
 from .conftest import PROMPT
+from .kit import Server, running, running_server
 
 pytestmark = pytest.mark.timeout(120)
-
-READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
-
-
-@dataclass
-class Server:
-    process: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(
-            base_url=f"{self.url}/v1", api_key="unused", max_retries=0
-        )
-
-
-@contextmanager
-def running_server(log: Path) -> Iterator[Server]:
-    """``serve --demo`` on a free loopback port; killed if still running."""
-    command = [sys.executable, "-m", "mlx_pinned.server", "serve", "--demo"]
-    command += ["--port", "0", "--max-tokens-limit", "4000"]
-    with running(command, log) as served:
-        yield served
-
-
-@contextmanager
-def running(command: list[str], log: Path) -> Iterator[Server]:
-    """``command`` (a server on port 0) until it says where it listens;
-    killed if still running."""
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            command, stdout=sink, stderr=subprocess.STDOUT, env=dict(os.environ)
-        )
-    try:
-        deadline = time.monotonic() + 90
-        while (match := READY.search(log.read_text(errors="replace"))) is None:
-            assert process.poll() is None, log.read_text(errors="replace")
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-        yield Server(process, match.group(1), log)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="module")

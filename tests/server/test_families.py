@@ -36,7 +36,7 @@ from mlx_pinned.testing import (
     tiny_vlm_path,
 )
 
-from .test_batching import (
+from .kit import (
     TOL,
     Collector,
     Request,
@@ -46,7 +46,7 @@ from .test_batching import (
     solo,
     tokens,
 )
-from .test_batching import request as batching_request
+from .kit import request as batching_request
 
 pytestmark = pytest.mark.anyio
 
@@ -97,10 +97,10 @@ def family(request: pytest.FixtureRequest, thread: MLXThread) -> Served:
     return Served(model_type, loaded)
 
 
-async def queued(thread: MLXThread, items: int) -> None:
-    """Return once ``items`` work items wait for the thread."""
+async def queued(batch: BatchEngine, items: int) -> None:
+    """Return once ``items`` requests wait for the batch's loop to admit them."""
     with anyio.fail_after(10):
-        while thread.statistics().pending < items:  # noqa: ASYNC110 (no event to wait on)
+        while batch.statistics().joining < items:  # noqa: ASYNC110 (no event to wait on)
             await anyio.sleep(0.001)
 
 
@@ -191,7 +191,7 @@ class TestEveryFamily:
         async with deadline() as group:
             for run in runs:
                 group.start_soon(run.run)
-            await queued(thread, 2)
+            await queued(batch, 2)
             release.set()
         assert blocked.result() is True
         for run, expected in zip(runs, alone, strict=True):

@@ -5,18 +5,14 @@ shape, and the server keeps serving."""
 from __future__ import annotations
 
 import json
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
 import httpx
 import pytest
-
-from mlx_pinned.server.engine import LoadedModel
-from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
 
 from .conftest import (
     Served,
@@ -27,36 +23,11 @@ from .conftest import (
     until,
     vision_body,
 )
+from .kit import SlowModel
 
 pytestmark = pytest.mark.anyio
 
 Serve = Callable[..., AbstractAsyncContextManager[Served]]
-
-
-class SlowModel:
-    """Stands in for the engine's generation: one token per ``step`` seconds
-    on the MLX thread, until ``max_tokens`` or :attr:`release` is set.
-    Records where each generator started and where it was closed."""
-
-    def __init__(self, step: float) -> None:
-        self.step = step
-        self.release = threading.Event()
-        self.started: list[int] = []
-        self.closed: list[int] = []
-
-    def __call__(
-        self, loaded: LoadedModel, params: GenerationParams, images: Any
-    ) -> Iterator[TokenEvent | FinalEvent]:
-        self.started.append(threading.get_ident())
-        n = 0
-        try:
-            while n < params.max_tokens and not self.release.is_set():
-                time.sleep(self.step)
-                n += 1
-                yield TokenEvent("x")
-            yield FinalEvent("", "length", 1, n)
-        finally:
-            self.closed.append(threading.get_ident())
 
 
 @pytest.fixture

@@ -341,3 +341,89 @@ class TestSettings:
             create_app(tiny_model_path, tool_call_parser="xml")
         with pytest.raises(ValueError, match=r"'xml'.*think, none"):
             create_app(tiny_model_path, reasoning_parser="xml")
+
+
+class TestShownFormats:
+    async def test_v1_models_shows_each_models_formats(self, serve: Serve) -> None:
+        async with serve() as served:
+            card = (await served.client.get(f"/v1/models/{MODEL}")).json()
+            assert card["formats"] == {"tool_calls": "hermes", "reasoning": "think"}
+        async with serve(tool_call_parser="mistral", reasoning_parser="none") as served:
+            listing = (await served.client.get("/v1/models")).json()
+            formats = listing["data"][0]["formats"]
+            assert formats == {"tool_calls": "mistral", "reasoning": None}
+
+    async def test_the_load_logs_the_formats_chosen(
+        self, serve: Serve, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        caplog.set_level("INFO", logger="mlx_pinned.server")
+        async with serve(tool_call_parser="qwen3_coder"):
+            pass
+        [line] = [
+            r.getMessage() for r in caplog.records if "tool calls in" in r.message
+        ]
+        assert MODEL in line
+        assert "qwen3_coder (set)" in line
+        assert "think (detected)" in line
+
+    async def test_a_format_that_cannot_force_the_tools_is_a_400(
+        self, serve: Serve
+    ) -> None:
+        tool = {
+            "type": "function",
+            "function": {
+                "name": "plan",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"steps": {"type": "array"}},
+                    "required": ["steps"],
+                },
+            },
+        }
+        body = {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "tools": [tool],
+            "tool_choice": "required",
+        }
+        async with serve(tool_call_parser="pythonic") as served:
+            error = assert_error(
+                await served.chat(body), 400, "tool_choice", "unsupported_parameter"
+            )
+            assert "pythonic" in error["message"]
+            assert "'steps'" in error["message"]
+            body["tool_choice"] = "auto"
+            body["max_tokens"] = 2
+            assert (await served.chat(body)).status_code == 200
+
+
+class TestEveryFormatServed:
+    @pytest.mark.parametrize("name", list(TOOL_CALL_FORMATS))
+    async def test_a_forced_call_in_each_format_parses_back_valid(
+        self, serve: Serve, name: str
+    ) -> None:
+        # The tiny model is served as if its template wrote this format: the
+        # grammar forces a call in the format's syntax, its parser reads it.
+        async with serve(tool_call_parser=name) as served:
+            client = openai.AsyncOpenAI(
+                base_url="http://test/v1",
+                api_key="unused",
+                http_client=served.client,
+                max_retries=0,
+            )
+            answers = await whole_and_streamed(
+                served,
+                client,
+                max_tokens=200,
+                temperature=0,
+                tools=[WEATHER, CLOCK],
+                tool_choice=NAMED,
+            )
+        for answer in answers:
+            assert answer["finish"] == "tool_calls", answer
+            assert answer["content"] == "", answer
+            [(called, arguments)] = answer["calls"]
+            assert called == "get_weather"
+            parameters = WEATHER["function"]["parameters"]  # type: ignore[index]
+            jsonschema.validate(json.loads(arguments), parameters)
+        assert answers[0] == answers[1]

@@ -33,7 +33,7 @@ from mlx_pinned.server.http.chat_completions.responses import (
 from mlx_pinned.testing import make_test_image
 
 from .conftest import MODEL, Served, sse_events
-from .test_images import png_header
+from .kit import png_header
 
 # The CI profile runs this many examples per test and backend; nightly more.
 EXAMPLES = max(settings().max_examples, 100)

@@ -2,10 +2,8 @@ from __future__ import annotations
 
 import base64
 import io
-import struct
 import threading
 import time
-import zlib
 from typing import Any
 
 import anyio
@@ -25,6 +23,7 @@ from mlx_pinned.server.http.errors import api_error
 from mlx_pinned.server.inputs.images import decode_image, load_images
 
 from .conftest import AtOnce
+from .kit import png_header
 
 LIMITS = ImageLimits()
 PARAM = "messages[1].content[2].image_url"
@@ -42,22 +41,6 @@ def data_uri(data: bytes, mime: str = "image/png") -> str:
 
 def ref(url: str) -> ImageRef:
     return ImageRef(index=2, url=url)
-
-
-def png_header(width: int, height: int) -> bytes:
-    """A 1-bit greyscale PNG that claims width x height, with a tiny IDAT."""
-
-    def chunk(kind: bytes, payload: bytes) -> bytes:
-        crc = zlib.crc32(kind + payload)
-        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", crc)
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", ihdr)
-        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-        + chunk(b"IEND", b"")
-    )
 
 
 RED = Image.new("RGB", (20, 10), (255, 0, 0))

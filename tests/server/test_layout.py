@@ -303,3 +303,40 @@ def test_a_status_below_the_edge_is_caught(planted: str) -> None:
     path = ROOT / "engine" / "admission.py"
     assert not http_statuses(path)
     assert http_statuses(path, path.read_text() + "\n" + planted + "\n")
+
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def imported_test_modules(path: Path, text: str | None = None) -> list[str]:
+    """The test modules (``test_*``) that ``path`` (or ``text``) imports."""
+    tree = ast.parse(path.read_text() if text is None else text, str(path))
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+            names += [f"{node.module or ''}.{a.name}" for a in node.names]
+        found += [n for n in names if any(p.startswith("test_") for p in n.split("."))]
+    return found
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(TESTS.rglob("test_*.py")),
+    ids=lambda p: str(p.relative_to(TESTS)),
+)
+def test_no_test_module_imports_another(path: Path) -> None:
+    found = imported_test_modules(path)
+    assert not found, (
+        f"{path.name} imports test modules {found}: use tests/server/kit.py"
+    )
+
+
+def test_a_test_module_imported_is_caught() -> None:
+    here = Path(__file__)
+    assert imported_test_modules(here, "from .test_batching import TOL\n")
+    assert imported_test_modules(here, "from . import test_app\n")
+    assert not imported_test_modules(here, "from .kit import TOL\n")

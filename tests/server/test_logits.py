@@ -21,26 +21,23 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel, logits
 from mlx_pinned.server.engine.logits import compile_grammar, penalize, prompt_seen
-from mlx_pinned.server.engine.state import SPECULATION_MISSES, BatchState
+from mlx_pinned.server.engine.speculation import SPECULATION_MISSES, Speculation
+from mlx_pinned.server.engine.state import BatchState
 from mlx_pinned.server.events import FinalEvent, Grammar
 from mlx_pinned.server.failures import InvalidGrammarError
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import tiny_vlm_path
 
-from .test_batching import (
+from .kit import (
     TOL,
     Collector,
     Event,
     Request,
     deadline,
-    loaded,
     max_logprob_difference,
     request,
-    thread,
     tokens,
 )
-
-__all__ = ["loaded", "thread"]  # module fixtures, shared with test_batching
 
 pytestmark = pytest.mark.anyio
 
@@ -287,15 +284,15 @@ class TestGrammarSpeculation:
         monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         calls = {"speculative": 0, "rebuild": 0}
-        for name in calls:
-            method = getattr(BatchState, f"_{name}")
+        for name, attribute in (("speculative", "pick"), ("rebuild", "rebuild")):
+            method = getattr(Speculation, attribute)
 
             def counted(*args: Any, _m: Any = method, _n: str = name) -> Any:
                 result = _m(*args)
                 calls[_n] += bool(result) if _n == "speculative" else 1
                 return result
 
-            monkeypatch.setattr(BatchState, f"_{name}", counted)
+            monkeypatch.setattr(Speculation, attribute, counted)
         grammar = Grammar("json_schema", json.dumps(SCHEMA))
         options: list[dict[str, Any]] = [
             {"grammar": grammar},
@@ -354,18 +351,18 @@ class TestGrammarSpeculation:
         def run() -> tuple[list[list[int]], list[list[int]], int]:
             solo = [drive([req], [0])[0] for req in reqs]
             rebuilt = 0
-            method = BatchState._rebuild
+            method = Speculation.rebuild
 
-            def counted(self: BatchState, forward: Any) -> Any:
+            def counted(self: Speculation, *args: Any) -> Any:
                 nonlocal rebuilt
                 rebuilt += 1
-                return method(self, forward)
+                return method(self, *args)
 
-            BatchState._rebuild = counted  # type: ignore[method-assign]
+            Speculation.rebuild = counted  # type: ignore[method-assign]
             try:
                 staggered = drive(reqs, [0, 3, 7, 12])
             finally:
-                BatchState._rebuild = method  # type: ignore[method-assign]
+                Speculation.rebuild = method  # type: ignore[method-assign]
             return solo, staggered, rebuilt
 
         solo, staggered, rebuilt = await thread.run(run)
@@ -379,13 +376,13 @@ class TestGrammarSpeculation:
         # its batch can be built again, so no row may speculate.
         gemma: LoadedModel = await thread.run(engine.load, tiny_vlm_path("gemma3"))
         picked: list[list[int]] = []
-        method = BatchState._speculative
+        method = Speculation.pick
 
-        def spied(self: BatchState, rows: list[Any]) -> list[int]:
-            picked.append(method(self, rows))
+        def spied(self: Speculation, rows: list[Any], caches: Any) -> list[int]:
+            picked.append(method(self, rows, caches))
             return picked[-1]
 
-        monkeypatch.setattr(BatchState, "_speculative", spied)
+        monkeypatch.setattr(Speculation, "pick", spied)
         grammar = Grammar("json_schema", json.dumps(SCHEMA))
         reqs = [request(i, 40, logprobs=False, grammar=grammar) for i in range(3)]
         answers = await together(thread, gemma, reqs)
@@ -416,11 +413,14 @@ class TestGrammarSpeculation:
             # Rows inside a string, their grammar leaving the choice open.
             while any(r.matcher is not None and r.matcher.forced() for r in rows):
                 state.step()
-            before = state._speculative(state.rows)
-            state._rebuilt.extend([True] * (SPECULATION_MISSES + 1))
-            paused = [len(state._speculative(state.rows)) for _ in range(3)]
-            state._paused = 0
-            after = state._speculative(state.rows)
+            speculation = state.decoder.speculation
+            assert speculation is not None  # the CPU backend
+            cache = state.cache or ()
+            before = speculation.pick(state.rows, cache)
+            speculation.window.extend([True] * (SPECULATION_MISSES + 1))
+            paused = [len(speculation.pick(state.rows, cache)) for _ in range(3)]
+            speculation.paused = 0
+            after = speculation.pick(state.rows, cache)
             return before, paused, after
 
         before, paused, after = await thread.run(run)

@@ -26,7 +26,7 @@ from .conftest import (
     until,
     vision_body,
 )
-from .test_faults import SlowModel
+from .kit import SlowModel
 
 pytestmark = pytest.mark.anyio
 

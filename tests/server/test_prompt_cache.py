@@ -25,16 +25,7 @@ from mlx_pinned.server.events import FinalEvent, GenerationParams
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import make_test_image
 
-from .test_batching import (
-    Collector,
-    Event,
-    deadline,
-    loaded,
-    max_logprob_difference,
-    thread,
-)
-
-__all__ = ["loaded", "thread"]  # module fixtures, shared with test_batching
+from .kit import Collector, Event, deadline, max_logprob_difference
 
 pytestmark = pytest.mark.anyio
 

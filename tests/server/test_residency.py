@@ -28,7 +28,7 @@ from mlx_pinned.server.http.slots import ModelSlot, SlotState
 from mlx_pinned.testing import make_tiny_lm, make_tiny_vlm
 
 from .conftest import Lifespan, assert_error, replace_generation, until
-from .test_faults import SlowModel
+from .kit import SlowModel
 
 pytestmark = pytest.mark.anyio
 

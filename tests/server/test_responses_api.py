@@ -6,14 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,10 +29,10 @@ from mlx_pinned.server.http.responses_api.store import ResponseStore
 from mlx_pinned.testing import image_data_uri, tiny_vlm_path
 
 from .conftest import MODEL, replace_generation
+from .kit import Server, running
 
 pytestmark = pytest.mark.timeout(180)
 
-READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 #: Codex at the version FACTS.md measured; .ci/run installs it here.
 CODEX_VERSION = "0.169.0"
 NPM_CACHE = (
@@ -54,60 +51,36 @@ WEATHER = {
 }
 
 
-@dataclass
-class Server:
-    process: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    clients: list[openai.OpenAI] = field(default_factory=list)
-
-    def client(self) -> openai.OpenAI:
-        """An SDK client, closed with the server (an unclosed one's socket
-        is a ResourceWarning whenever it is collected)."""
-        client = openai.OpenAI(
-            base_url=f"{self.url}/v1", api_key="unused", max_retries=0
-        )
-        self.clients.append(client)
-        return client
-
-
 @contextmanager
-def running(log: Path, *extra: str) -> Iterator[Server]:
-    """``serve --demo`` on a free loopback port, until it is killed."""
-    model = list(extra[:1]) if extra[:1] and not extra[0].startswith("-") else []
+def serving(log: Path, *options: str, model: Path | None = None) -> Iterator[Server]:
+    """``serve`` of the demo model (or ``model``, under the demo's name) on a
+    free loopback port, until it is killed."""
     command = [sys.executable, "-m", "mlx_pinned.server", "serve"]
-    command += model or ["--demo"]
-    command += ["--port", "0", "--max-tokens-limit", "4000", *extra[len(model) :]]
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 90
-        while (match := READY.search(log.read_text(errors="replace"))) is None:
-            assert process.poll() is None, log.read_text(errors="replace")
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-        served = Server(process, match.group(1), log)
+    if model is None:
+        command.append("--demo")
+    else:
+        command += [str(model), "--served-model-name", DEMO_MODEL_NAME]
+    command += ["--port", "0", "--max-tokens-limit", "4000", *options]
+    with running(command, log) as served:
         yield served
-        for client in served.clients:
-            client.close()
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with running(tmp_path_factory.mktemp("responses") / "server.log") as served:
+    with serving(tmp_path_factory.mktemp("responses") / "server.log") as served:
         yield served
 
 
-def test_create_answers_a_response_object(server: Server) -> None:
-    response = server.client().responses.create(
+@pytest.fixture
+def client(server: Server) -> Iterator[openai.OpenAI]:
+    """An SDK client of the server, closed after the test (an unclosed one's
+    socket is a ResourceWarning whenever it is collected)."""
+    with server.client() as sdk:
+        yield sdk
+
+
+def test_create_answers_a_response_object(client: openai.OpenAI) -> None:
+    response = client.responses.create(
         model=DEMO_MODEL_NAME, input="Say hi.", max_output_tokens=8
     )
     assert response.id.startswith("resp_")
@@ -121,8 +94,9 @@ def test_create_answers_a_response_object(server: Server) -> None:
     assert response.usage.output_tokens == 8
 
 
-def test_same_greedy_prompt_same_text_as_chat_completions(server: Server) -> None:
-    client = server.client()
+def test_same_greedy_prompt_same_text_as_chat_completions(
+    client: openai.OpenAI,
+) -> None:
     response = client.responses.create(
         model=DEMO_MODEL_NAME,
         instructions="Be brief.",
@@ -145,17 +119,17 @@ def test_same_greedy_prompt_same_text_as_chat_completions(server: Server) -> Non
     assert response.usage.input_tokens == chat.usage.prompt_tokens
 
 
-def test_an_image_is_read(server: Server) -> None:
+def test_an_image_is_read(client: openai.OpenAI) -> None:
     content: Any = [
         {"type": "input_text", "text": "What is this?"},
         {"type": "input_image", "image_url": image_data_uri(64, 64)},
     ]
-    response = server.client().responses.create(
+    response = client.responses.create(
         model=DEMO_MODEL_NAME,
         input=[{"role": "user", "content": content}],
         max_output_tokens=4,
     )
-    text_only = server.client().responses.create(
+    text_only = client.responses.create(
         model=DEMO_MODEL_NAME,
         input=[{"role": "user", "content": content[:1]}],
         max_output_tokens=4,
@@ -165,8 +139,7 @@ def test_an_image_is_read(server: Server) -> None:
     assert response.usage.input_tokens > text_only.usage.input_tokens
 
 
-def test_stream_events_rebuild_the_whole_response(server: Server) -> None:
-    client = server.client()
+def test_stream_events_rebuild_the_whole_response(client: openai.OpenAI) -> None:
     kinds: list[str] = []
     numbers: list[int] = []
     deltas: list[str] = []
@@ -197,8 +170,9 @@ def test_stream_events_rebuild_the_whole_response(server: Server) -> None:
     assert stored.output_text == final.output_text
 
 
-def test_previous_response_id_continues_with_the_prompt_cache(server: Server) -> None:
-    client = server.client()
+def test_previous_response_id_continues_with_the_prompt_cache(
+    client: openai.OpenAI,
+) -> None:
     first = client.responses.create(
         model=DEMO_MODEL_NAME,
         instructions="You are terse.",
@@ -239,8 +213,7 @@ def test_previous_response_id_continues_with_the_prompt_cache(server: Server) ->
     assert replay.output_text == second.output_text
 
 
-def test_retrieve_delete_and_input_items(server: Server) -> None:
-    client = server.client()
+def test_retrieve_delete_and_input_items(server: Server, client: openai.OpenAI) -> None:
     created = client.responses.create(
         model=DEMO_MODEL_NAME, input="Hello there.", max_output_tokens=4
     )
@@ -264,8 +237,25 @@ def test_retrieve_delete_and_input_items(server: Server) -> None:
         )
 
 
-def test_store_false_is_not_kept(server: Server) -> None:
-    client = server.client()
+def test_metrics_count_the_routes_by_their_templates(
+    server: Server, client: openai.OpenAI
+) -> None:
+    created = client.responses.create(
+        model=DEMO_MODEL_NAME, input="Hi.", max_output_tokens=1
+    )
+    client.responses.retrieve(created.id)
+    client.responses.input_items.list(created.id)
+    metrics = httpx.get(f"{server.url}/metrics").text
+    for route in (
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/input_items",
+    ):
+        assert f'route="{route}",status="200"' in metrics
+    assert created.id not in metrics
+
+
+def test_store_false_is_not_kept(client: openai.OpenAI) -> None:
     created = client.responses.create(
         model=DEMO_MODEL_NAME, input="Hi.", max_output_tokens=2, store=False
     )
@@ -291,8 +281,11 @@ def test_the_store_bound_evicts_the_oldest() -> None:
 
 
 def test_the_store_bound_from_the_command_line(tmp_path: Path) -> None:
-    with running(tmp_path / "server.log", "--responses-store-max", "1") as served:
-        client = served.client()
+    store_max = ("--responses-store-max", "1")
+    with (
+        serving(tmp_path / "server.log", *store_max) as served,
+        served.client() as client,
+    ):
         one = client.responses.create(
             model=DEMO_MODEL_NAME, input="one", max_output_tokens=1
         )
@@ -307,8 +300,7 @@ def test_the_store_bound_from_the_command_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "choice", ["required", {"type": "function", "name": "get_weather"}]
 )
-def test_a_forced_function_call_round_trip(server: Server, choice: Any) -> None:
-    client = server.client()
+def test_a_forced_function_call_round_trip(client: openai.OpenAI, choice: Any) -> None:
     response = client.responses.create(
         model=DEMO_MODEL_NAME,
         input="Weather in Paris?",
@@ -338,9 +330,9 @@ def test_a_forced_function_call_round_trip(server: Server, choice: Any) -> None:
     assert answer.usage.input_tokens > response.usage.input_tokens
 
 
-def test_a_streamed_function_call(server: Server) -> None:
+def test_a_streamed_function_call(client: openai.OpenAI) -> None:
     arguments: list[str] = []
-    with server.client().responses.stream(
+    with client.responses.stream(
         model=DEMO_MODEL_NAME,
         input="Weather in Paris?",
         tools=[WEATHER],
@@ -364,8 +356,8 @@ class Colour(BaseModel):
     bright: bool
 
 
-def test_parse_follows_the_schema(server: Server) -> None:
-    parsed = server.client().responses.parse(
+def test_parse_follows_the_schema(client: openai.OpenAI) -> None:
+    parsed = client.responses.parse(
         model=DEMO_MODEL_NAME,
         input="A colour, as JSON.",
         text_format=Colour,
@@ -374,8 +366,8 @@ def test_parse_follows_the_schema(server: Server) -> None:
     assert isinstance(parsed.output_parsed, Colour)
 
 
-def test_json_object_format(server: Server) -> None:
-    response = server.client().responses.create(
+def test_json_object_format(client: openai.OpenAI) -> None:
+    response = client.responses.create(
         model=DEMO_MODEL_NAME,
         input="JSON please.",
         text={"format": {"type": "json_object"}},
@@ -459,8 +451,7 @@ def test_an_unknown_field_is_named(server: Server) -> None:
     assert answer.json()["error"]["param"] == "surprise"
 
 
-def test_hosted_tools_are_accepted_and_not_shown(server: Server) -> None:
-    client = server.client()
+def test_hosted_tools_are_accepted_and_not_shown(client: openai.OpenAI) -> None:
     plain = client.responses.create(
         model=DEMO_MODEL_NAME, input="hi", max_output_tokens=2, temperature=0
     )
@@ -557,9 +548,7 @@ def quiet_model(folder: Path) -> Path:
 @pytest.mark.timeout(600)
 def test_codex_exec_says_hi(tmp_path: Path) -> None:
     model = quiet_model(tmp_path / "quiet")
-    with running(
-        tmp_path / "server.log", str(model), "--served-model-name", DEMO_MODEL_NAME
-    ) as server:
+    with serving(tmp_path / "server.log", model=model) as server:
         run_codex(server, tmp_path)
 
 
@@ -678,8 +667,7 @@ def test_a_failure_in_a_stream_ends_it_with_response_failed() -> None:
     assert head["status"] == "in_progress"  # the response object itself is unchanged
 
 
-def test_input_items_pages(server: Server) -> None:
-    client = server.client()
+def test_input_items_pages(server: Server, client: openai.OpenAI) -> None:
     created = client.responses.create(
         model=DEMO_MODEL_NAME,
         input=[

@@ -23,8 +23,7 @@ from openai.types.chat import ChatCompletionChunk
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
 
 from .conftest import MODEL, Served, sse_events
-from .test_batching import TOL
-from .test_e2e import running_server
+from .kit import TOL, running_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 

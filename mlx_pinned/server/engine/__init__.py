@@ -1,4 +1,5 @@
-"""The engine: everything here runs on the MLX thread (mlx, mlx-vlm).
+"""The engine: everything here runs on the MLX thread (mlx, mlx-vlm), but
+:mod:`.driver`, the loop's event-loop side (docs/engine.md).
 
 It never imports Starlette, pydantic or anything HTTP: it takes
 :class:`~..events.GenerationParams` and decoded images, and answers with

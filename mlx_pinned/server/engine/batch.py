@@ -1,94 +1,30 @@
 """The engine: continuous batching of one model on the MLX thread.
 
-Every request is a sync generator run on the MLX thread with
-``MLXThread.iterate``: one :class:`~..events.TokenEvent` per token, then one
-:class:`~..events.FinalEvent`. What they share is the model's
-:class:`BatchEngine`, touched only on that thread, so it holds no locks. With
-``max_num_seqs`` 1 the batch has one row: there is no other engine. A
-request's generator:
-
-- first turn: preprocesses its request (chat template, processor) and queues
-  it. Through :meth:`BatchEngine.stream` it then yields a marker that the
-  event loop side drops and gives the thread to the next request, so
-  requests that arrive together are queued together;
-  :meth:`BatchEngine.generate_stream` goes straight on;
-- when it has no token: runs one step of the batch. A step collects the
-  decode step in flight (one forward pass for every active sequence, one
-  token each), prefills the queued prompts (up to 8 in one pass: their
-  images through the vision tower together, their tokens left-padded into
-  one cache; each one's first token is sampled from that pass's logits), lets
-  them join, and starts the next decode step, built on this step's tokens
-  before they are read (as mlx-vlm's own loop does), so it computes while the
-  thread hands out tokens;
-- when it has a token: yields it, cheaply; with N sequences about one turn
-  in N runs a step;
-- when it ends or is closed (client gone, ``aclose``, cancel, garbage
-  collection): its ``finally`` takes the sequence out; its KV cache rows are
-  dropped at the next step, or at once if it was the last.
-
-``iterate`` streams take turns round-robin, so a step is one job: other jobs
-and new requests get the thread between steps, and a slow client never holds
-up the others (its tokens wait in its own buffer). The HTTP side's gate
-bounds the active sequences (``max_num_seqs``); the rest wait on the event
-loop, in arrival order, in a bounded room, using no MLX thread time.
-
-Isolation: mlx-vlm's Qwen-VL language models keep request state on the model
-object (``_rope_deltas``, ``_position_ids``). Here each sequence's rope delta
-is captured at its prefill and every decode step passes all rows' deltas
-(``rope_deltas=(B, 1)``) with per-row cache offsets, as mlx-vlm's own batch
-decoding does, so no row reads another's state. Sampling is per row:
-temperature, top_p, top_k, min_p, logit_bias, penalties, a grammar
-(:mod:`.logits`), stop strings, max_tokens, logprobs;
-a seeded row uses mlx-vlm's position-keyed sampler (a key per seed and
-position), so a seed gives the same tokens alone, batched, or through
-``mlx_vlm.stream_generate``.
-
-Why not mlx-vlm's ``BatchGenerator`` (``mlx_vlm/generate/ar.py``, 0.7.10):
-it is one driver loop that owns the batch (here each request's generator
-must be able to advance it), with one sampler and one set of stop tokens for
-the whole batch (the requests here each bring their own temperature, top_p,
-seed and logit_bias), and it mutates the tokenizer's shared stopping
-criteria. Its sound pieces are used: per-row ``rope_deltas`` with per-row
-cache offsets, ``BatchKVCache`` merge / extend / filter, left-padded batched
-prefill, and the position-keyed sampler.
-
-Numbers: padded cache positions are masked and add exact zeros, matmul rows
-are independent, so on the CPU backend every sequence's log-probabilities
-are bit-identical to its run alone, and to ``mlx_vlm.stream_generate`` (the
-tests allow 1e-5 for backends whose reductions may run in another order;
-cross-talk moves them by 0.1-1). Do not run ``mlx_vlm.stream_generate`` on a
-model while its engine has rows: it keeps its rope state on the model.
+A :class:`BatchEngine` is one model's engine: its batch
+(:class:`~.state.BatchState`) and the loop that owns it
+(:class:`~.loop.BatchLoop`), which decides every step of the batch and
+runs on the MLX thread through ``MLXThread.iterate``. A request submits its
+generation (:meth:`BatchEngine.stream`) and reads its row's events.
+docs/engine.md explains the loop, step by step, and why the batch is exact
+(batched equals solo).
 """
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 import logging
-import time
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
-from ..events import (
-    HANDOFF,
-    EngineCounters,
-    Event,
-    EventStream,
-    FinalEvent,
-    FinishReason,
-    GenerationParams,
-    Handoff,
-    TokenEvent,
-    TokenLogprobs,
-)
+from ..events import EngineCounters, Event, EventStream, GenerationParams
 from .image_cache import install as install_image_cache
+from .loop import BatchLoop
 from .model import LoadedModel, load
-from .prefill import PREFILL_STEP
+from .prefill import PREFILL_STEP, prompt_tokens
 from .prompt_cache import PromptCache
 from .rows import BatchStatistics
-from .sampling import Sampled
 from .state import BatchState
-from .text import StopMatcher, TextDecoder
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -103,8 +39,8 @@ logger = logging.getLogger("mlx_pinned.server")
 class BatchEngine:
     """Continuous batching for one loaded model: the server's engine.
 
-    One per model. Its generators and its batch run on the MLX thread only;
-    :meth:`stream` may be called from any thread, :meth:`statistics` read
+    One per model. Its batch and its loop run on the MLX thread only;
+    :meth:`stream` is called on the event loop, :meth:`statistics` read
     from any thread. It is the :class:`~..events.Engine` the HTTP side uses.
 
     Args:
@@ -136,6 +72,7 @@ class BatchEngine:
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.image_cache = install_image_cache(loaded.model, image_cache_bytes)
         self._state = make_state(loaded, self.prompt_cache, prefill_step_size)
+        self._loop = BatchLoop(self._state, thread)
         if self._state.exclusive:
             logger.warning("%s: serving one generation at a time", loaded.serial_reason)
 
@@ -195,8 +132,11 @@ class BatchEngine:
         return self.loaded.weight_bytes
 
     def statistics(self) -> BatchStatistics:
-        """A snapshot of the batch; any thread (it may be a step old)."""
-        return self._state.statistics()
+        """A snapshot of the batch; any thread (it may be a step old).
+        Requests submitted and not yet admitted count as joining."""
+        stats = self._state.statistics()
+        queued = self._loop.queued()
+        return dataclasses.replace(stats, joining=stats.joining + queued)
 
     def counters(self) -> EngineCounters:
         """A snapshot for metrics and ``/health``; any thread."""
@@ -211,13 +151,28 @@ class BatchEngine:
             ranks=self._state.ranks(),
         )
 
+    async def tokenize(self, params: GenerationParams) -> tuple[tuple[int, str], ...]:
+        """The tokens a generation of ``params`` would prefill (no images),
+        each with its text as log-probabilities show it.
+
+        Event loop; the chat template and tokenizer run on the MLX thread
+        (the processor is the model's, as its prefill's is), between steps.
+        """
+        return await self.thread.run(prompt_tokens, self.loaded, params)
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens``; event loop, decoded on the MLX thread."""
+        tokenizer = self.loaded.tokenizer
+        return str(await self.thread.run(tokenizer.decode, list(tokens)))
+
     def stream(
         self, params: GenerationParams, images: Sequence[Image.Image] = ()
     ) -> EventStream:
         """Start a generation on the MLX thread; its events, on the event loop.
 
-        Any thread. The generation's first turn on the MLX thread only queues
-        its prompt and gives the thread to the next request, so requests that
+        Event loop only. The generation is submitted to the model's loop
+        (started here if it is not running), which admits it at its next
+        turn, together with the others submitted by then, so requests that
         arrive together are prefilled together. Bound the streams open at
         once (the server's gate does) and close each one.
 
@@ -228,22 +183,26 @@ class BatchEngine:
         Returns:
             An async iterator of :class:`~..events.TokenEvent`, then one
             :class:`~..events.FinalEvent`, with ``aclose()``; closing it (or
-            cancelling its consumer) takes the sequence out of the batch on
-            the thread.
+            cancelling its consumer) takes the sequence out of the batch at
+            the loop's next turn. It raises what the processor or the model
+            raise for this request; an error in a batched step is raised by
+            every request in that step.
+
+        Raises:
+            MLXThreadClosedError: The thread is closed.
+            MLXThreadBusyError: The thread's queue is full.
         """
-        return EventStream(
-            self.thread.iterate(self._generate, params, images, announce=True)
-        )
+        return self._loop.stream(params, images)
 
     def generate_stream(
         self, params: GenerationParams, images: Sequence[Image.Image] = ()
     ) -> Generator[Event, None, None]:
         """Generate a chat completion token by token, batched with the others.
 
-        A sync generator to run on the MLX thread with ``MLXThread.iterate``,
-        one event per turn. Closing it takes its sequence out of the batch;
-        the other sequences go on. (:meth:`stream` is faster under load: it
-        lets requests that arrive together be prefilled together.)
+        A sync generator for the thread the batch runs on (the MLX thread,
+        e.g. with ``MLXThread.iterate``): while its row has no output it runs
+        the loop's turns inline. Closing it takes its sequence out of the
+        batch at once; the other sequences go on.
 
         Args:
             params: The request's parameters.
@@ -257,122 +216,4 @@ class BatchEngine:
             Whatever the processor or the model raise for this request; an
             error in a batched step is raised by every request in that step.
         """
-        events = self._generate(params, images, announce=False)
-        return cast("Generator[Event, None, None]", events)
-
-    def _generate(
-        self,
-        params: GenerationParams,
-        images: Sequence[Image.Image],
-        *,
-        announce: bool,
-    ) -> Generator[Event | Handoff, None, None]:
-        """The generator; with ``announce``, its first item is ``HANDOFF``:
-        the request is queued for prefill, and the thread goes to others;
-        so is each turn that only ran a chunk of its long prompt."""
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be 1 or more, not {params.max_tokens}")
-        start = time.perf_counter()
-        state = self._state
-        row = state.admit(params, images)
-        text = _Text(self.loaded)
-        matcher = StopMatcher(params.stop)
-        finish: FinishReason = "length"
-        tail = ""
-        completion = 0
-        first_token_at: float | None = None
-        try:
-            if announce:
-                yield HANDOFF
-            while True:
-                if not row.pending:
-                    if row.error is not None:
-                        raise row.error
-                    if row.done:  # max_tokens sampled, and all handed out
-                        tail, stopped = matcher.feed(text.finish())
-                        finish = "stop" if stopped else "length"
-                        break
-                    # A queued row gets its first token from the step that
-                    # prefills it (or, when its prompt's last token is left to
-                    # the decode step, from the one after): a few steps at
-                    # most; a long prompt takes a step per chunk, and gives
-                    # the thread away after each (through ``stream``).
-                    for _ in range(3):
-                        state.step()
-                        if row.pending or row.error is not None:
-                            break
-                        if state.prefilling_now(row) or state.held(row):
-                            if announce:
-                                yield HANDOFF
-                            break
-                    else:  # pragma: no cover
-                        raise RuntimeError("a batched step skipped a sequence")
-                    continue
-                item = row.pending.popleft()
-                if item.eos:
-                    tail, _ = matcher.feed(text.finish())
-                    finish = "stop"
-                    break
-                piece, stopped = matcher.feed(text.add(item.token))
-                completion += 1
-                if first_token_at is None:
-                    first_token_at = time.perf_counter()
-                logprobs = self._logprobs(item) if params.logprobs else None
-                yield TokenEvent(piece, logprobs)
-                if stopped:
-                    finish = "stop"
-                    break
-        finally:
-            state.leave(row)
-        tail += matcher.flush()  # held back as a possible stop string: it was not
-        end = time.perf_counter()
-        first = first_token_at or end
-        yield FinalEvent(
-            text=tail,
-            finish_reason=finish,
-            prompt_tokens=row.prompt_tokens,
-            completion_tokens=completion,
-            prefill_seconds=first - start,
-            decode_seconds=end - first,
-            cached_tokens=row.cached,
-        )
-
-    def _logprobs(self, item: Sampled) -> TokenLogprobs:
-        token_text = self.loaded.token_text
-        text, raw = token_text(item.token)
-        top = []
-        for index, value in item.top:
-            alt_text, alt_raw = token_text(index)
-            top.append((alt_text, value, alt_raw))
-        return TokenLogprobs(text, item.logprob, raw, top)
-
-
-class _Text:
-    """A sequence's text, token by token, as the unbatched path makes it."""
-
-    def __init__(self, loaded: LoadedModel) -> None:
-        self._decoder = TextDecoder(loaded.processor, lambda t: loaded.token_text(t)[1])
-        self._detokenizer: Any = None
-        detokenizer = getattr(loaded.processor, "detokenizer", None)
-        if (
-            detokenizer is not None
-            and getattr(detokenizer, "_byte_decoder", None) is None
-        ):
-            # Not byte-level: the decoder uses mlx-vlm's text, from a
-            # detokenizer of this sequence's own.
-            utils = importlib.import_module("mlx_vlm.tokenizer_utils")
-            self._detokenizer = utils.make_streaming_detokenizer(loaded.processor)
-
-    def add(self, token: int) -> str:
-        fallback = ""
-        if self._detokenizer is not None:
-            self._detokenizer.add_token(token)
-            fallback = str(self._detokenizer.last_segment)
-        return self._decoder.add(token, fallback)
-
-    def finish(self) -> str:
-        fallback = ""
-        if self._detokenizer is not None:
-            self._detokenizer.finalize()
-            fallback = str(self._detokenizer.last_segment)
-        return self._decoder.finish(fallback)
+        return self._loop.generate(params, images)

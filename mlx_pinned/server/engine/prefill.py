@@ -1,15 +1,16 @@
 """Prompts into KV caches for the decode batch: one alone, or several at once.
 
 MLX thread only. :func:`preprocess` turns a request into model inputs (chat
-template, processor). :func:`prefill_together` runs the prompts of several
-requests in one pass: their images through the vision tower together, their
-tokens left-padded into one ``BatchKVCache``; :class:`ChunkedPrefill` runs one
-with mlx-vlm's single-stream operations. Both run every prompt token but the
-last; the last (a text token) runs in the next decode step, which samples the
-first token: the same operation as mlx-vlm's last prefill pass (its
-embedding, at position offset + rope delta). Padded positions are masked and
-add exact zeros, so a prompt's cache is the same alone or together (the
-tests compare the log-probabilities with the unbatched path).
+template, processor; or a raw prompt, tokenized without the template).
+:func:`prefill_together` runs the prompts of several requests in one pass:
+their images through the vision tower together, their tokens left-padded
+into one ``BatchKVCache``; :class:`ChunkedPrefill` runs one with mlx-vlm's
+single-stream operations. Both run every prompt token but the last; the
+last (a text token) runs in the next decode step, which samples the first
+token: the same operation as mlx-vlm's last prefill pass (its embedding, at
+position offset + rope delta). Padded positions are masked and add exact
+zeros, so a prompt's cache is the same alone or together (the tests compare
+the log-probabilities with the unbatched path).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from ..failures import RequestError
 from .model import LoadedModel
 from .prompt import build_prompt
 from .sampling import vlm
@@ -88,7 +90,23 @@ class Prefilled:
 def preprocess(
     loaded: LoadedModel, params: GenerationParams, images: Sequence[Image.Image]
 ) -> Prepared:
-    """Chat template and processor: token ids, pixels and their metadata."""
+    """Chat template and processor: token ids, pixels and their metadata; a
+    raw ``params.prompt`` skips both (see :func:`raw_inputs`)."""
+    if params.prompt is not None:
+        prepared = raw_inputs(loaded, params.prompt, params.add_special_tokens)
+        config = loaded.model.config
+        media = {getattr(config, name, None) for name in MEDIA_TOKENS}
+        ids = prepared.inputs["input_ids"][0].tolist()
+        held = [token for token in ids if isinstance(token, int) and token in media]
+        if held:
+            # A placeholder with no image behind it: not every family's
+            # embedding survives one.
+            raise RequestError(
+                f"The prompt holds the model's image placeholder token "
+                f"{min(held)}: a raw prompt takes no images; leave it out.",
+                "invalid_prompt",
+            )
+        return prepared
     api = vlm()
     model, processor = loaded.model, loaded.processor
     inputs = api.prepare_inputs(
@@ -104,6 +122,42 @@ def preprocess(
     )
     ids = inputs["input_ids"]
     return Prepared(dict(inputs), int(ids.size), int(ids[0, -1].item()))
+
+
+def raw_inputs(
+    loaded: LoadedModel, prompt: str | Sequence[int], add_special_tokens: bool = True
+) -> Prepared:
+    """A raw prompt's model inputs: text through the tokenizer alone (no chat
+    template), token ids as they are; the same ``input_ids`` and
+    ``attention_mask`` the processor makes of a text prompt, so a prompt
+    sent as the ids a chat renders to is prefilled exactly as that chat.
+
+    Raises:
+        RequestError: The prompt has no tokens.
+    """
+    if isinstance(prompt, str):
+        tokenizer = loaded.tokenizer
+        ids = list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+    else:
+        ids = list(prompt)
+    if not ids:
+        raise RequestError("The prompt has no tokens: send some text.", "empty_prompt")
+    tokens = mx.array([ids], dtype=mx.int32)
+    inputs = {"input_ids": tokens, "attention_mask": mx.ones_like(tokens)}
+    return Prepared(inputs, len(ids), ids[-1])
+
+
+def prompt_tokens(
+    loaded: LoadedModel, params: GenerationParams
+) -> tuple[tuple[int, str], ...]:
+    """The tokens a generation of ``params`` (no images) would prefill, each
+    with its text (:meth:`.model.LoadedModel.token_text`)."""
+    if params.prompt is not None:
+        prepared = raw_inputs(loaded, params.prompt, params.add_special_tokens)
+    else:
+        prepared = preprocess(loaded, params, ())
+    ids = prepared.inputs["input_ids"][0].tolist()
+    return tuple((int(token), loaded.token_text(int(token))[0]) for token in ids)
 
 
 def batchable(

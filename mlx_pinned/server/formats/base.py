@@ -21,7 +21,10 @@ __all__ = [
     "ReasoningParser",
     "ToolCallFormat",
     "ToolCallParser",
+    "ToolParserFactory",
     "ToolSpec",
+    "UnforcedCallError",
+    "after_call",
     "json_arguments",
     "partial_marker",
 ]
@@ -79,6 +82,18 @@ class ToolCallParser(Protocol):
         begin a call is markup too, and is dropped."""
 
 
+class ToolParserFactory(Protocol):
+    """Makes a format's parser for one answer to a request with ``tools``
+    (some formats read their arguments' types from the tools' schemas)."""
+
+    def __call__(self, tools: Sequence[ToolSpec] = ()) -> ToolCallParser: ...
+
+
+class UnforcedCallError(ValueError):
+    """A format cannot force a call to these tools (a grammar of its syntax
+    cannot hold their arguments' schemas): the message says which and why."""
+
+
 class ReasoningParser(Protocol):
     """Reasoning and content from one answer's text, fed piece by piece."""
 
@@ -100,15 +115,17 @@ class ToolCallFormat:
     Attributes:
         name: What ``--tool-call-parser`` calls it.
         detect: Whether a chat template writes calls in this format.
-        parser: A parser for one answer.
+        parser: A parser for one answer (given the request's tools).
         grammar: A Lark grammar that forces calls to ``tools``, each one's
             arguments valid for its schema: ``grammar(tools, parallel)``
-            allows one call then the end, or with ``parallel`` one or more.
+            allows one call then the end, or with ``parallel`` one or more;
+            it raises :class:`UnforcedCallError` for tools whose arguments
+            the format's syntax cannot be forced to hold.
     """
 
     name: str
     detect: Callable[[str], bool]
-    parser: Callable[[], ToolCallParser]
+    parser: ToolParserFactory
     grammar: Callable[[Sequence[ToolSpec], bool], str]
 
 
@@ -161,3 +178,12 @@ def json_arguments(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
     if "x-guidance" in schema:
         return schema
     return {**schema, "x-guidance": _JSON_STYLE}
+
+
+def after_call(text: str, lead: bool) -> tuple[str, bool]:
+    """``text`` as content; with ``lead`` (it follows a call) without its
+    leading whitespace. Also whether the text after it still follows one."""
+    if lead:
+        text = text.lstrip()
+        lead = not text
+    return text, lead

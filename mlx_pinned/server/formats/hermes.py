@@ -26,6 +26,7 @@ from .base import (
     Piece,
     ToolCallFormat,
     ToolSpec,
+    after_call,
     json_arguments,
     partial_marker,
 )
@@ -86,9 +87,12 @@ class HermesToolParser:
     newline between calls); a closed ``<tool_call>`` block that is not a
     call (no name and arguments) stays content. The end of the text closes
     a call cut short in its arguments, and drops one cut before them.
+
+    Args:
+        tools: The request's tools (unused: the arguments are JSON as written).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tools: Sequence[ToolSpec] = ()) -> None:
         self._state = _State.TEXT
         self._buffer = ""  # text not yet given out
         self._lead = False  # content right after a call: drop its whitespace
@@ -121,9 +125,7 @@ class HermesToolParser:
                 return out
 
     def _content(self, out: list[Piece], text: str) -> None:
-        if self._lead:
-            text = text.lstrip()
-            self._lead = not text
+        text, self._lead = after_call(text, self._lead)
         if text:
             out.append(text)
 

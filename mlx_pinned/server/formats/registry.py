@@ -10,13 +10,23 @@ Adding a format is one entry in :data:`TOOL_CALL_FORMATS` or
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 from .base import ReasoningFormat, ToolCallFormat
+from .deepseek import DEEPSEEK_V3, DEEPSEEK_V31
+from .gemma4 import GEMMA4
+from .glm47 import GLM47
+from .harmony import HARMONY, HARMONY_REASONING
 from .hermes import HERMES
-from .think import THINK
+from .kimi_k2 import KIMI_K2
+from .llama3 import LLAMA3_JSON
+from .mistral import MISTRAL, MISTRAL_V11
+from .pythonic import PYTHONIC
+from .qwen3_coder import QWEN3_CODER
+from .think import MAGISTRAL, THINK
 
 __all__ = [
     "NONE",
@@ -25,20 +35,45 @@ __all__ = [
     "ModelFormats",
     "check_reasoning_parser",
     "check_tool_call_parser",
+    "log_formats",
     "model_formats",
     "reasoning_format",
     "tool_call_format",
 ]
 
+logger = logging.getLogger("mlx_pinned.server")
+
 #: The setting's value that turns a kind of format off.
 NONE = "none"
 
-#: Tool-call formats by name, in the order detection tries them. The first
-#: is also the format of a model with no chat template (the Qwen-VL family).
-TOOL_CALL_FORMATS: Mapping[str, ToolCallFormat] = {f.name: f for f in (HERMES,)}
+#: Tool-call formats by name, in the order detection tries them: Hermes'
+#: JSON comes last, since other formats write ``<tool_call>`` too (Qwen3-Coder's
+#: XML, GLM's keys and values).
+TOOL_CALL_FORMATS: Mapping[str, ToolCallFormat] = {
+    f.name: f
+    for f in (
+        QWEN3_CODER,
+        GLM47,
+        MISTRAL_V11,
+        MISTRAL,
+        LLAMA3_JSON,
+        PYTHONIC,
+        KIMI_K2,
+        DEEPSEEK_V3,
+        DEEPSEEK_V31,
+        GEMMA4,
+        HARMONY,
+        HERMES,
+    )
+}
+
+#: The tool-call format of a model with no chat template (the Qwen-VL family).
+UNTEMPLATED = HERMES
 
 #: Reasoning formats by name, in the order detection tries them.
-REASONING_FORMATS: Mapping[str, ReasoningFormat] = {f.name: f for f in (THINK,)}
+REASONING_FORMATS: Mapping[str, ReasoningFormat] = {
+    f.name: f for f in (HARMONY_REASONING, MAGISTRAL, THINK)
+}
 
 F = TypeVar("F", ToolCallFormat, ReasoningFormat)
 
@@ -105,6 +140,13 @@ class ModelFormats:
     tool_call: ToolCallFormat | None
     reasoning: ReasoningFormat | None
 
+    def names(self) -> dict[str, str | None]:
+        """Each kind's format by name (None: none), as ``/v1/models`` shows."""
+        return {
+            "tool_calls": None if self.tool_call is None else self.tool_call.name,
+            "reasoning": None if self.reasoning is None else self.reasoning.name,
+        }
+
 
 def model_formats(
     template: str | None,
@@ -121,7 +163,7 @@ def model_formats(
     if tool_call_parser is not None:
         tools = tool_call_format(tool_call_parser)
     elif template is None:
-        tools = next(iter(TOOL_CALL_FORMATS.values()))
+        tools = UNTEMPLATED
     else:
         tools = next(
             (f for f in TOOL_CALL_FORMATS.values() if f.detect(template)), None
@@ -134,3 +176,27 @@ def model_formats(
         )
         reasoning = next(found, None)
     return ModelFormats(tools, reasoning)
+
+
+def log_formats(
+    model: str,
+    template: str | None,
+    *,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+) -> ModelFormats:
+    """:func:`model_formats`, logged in one line naming ``model`` and how
+    each was chosen (a setting, or detected from its chat template)."""
+    formats = model_formats(
+        template, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser
+    )
+    names = formats.names()
+    logger.info(
+        "model %r: tool calls in %s (%s), reasoning in %s (%s)",
+        model,
+        names["tool_calls"] or NONE,
+        "set" if tool_call_parser is not None else "detected",
+        names["reasoning"] or NONE,
+        "set" if reasoning_parser is not None else "detected",
+    )
+    return formats

@@ -1,11 +1,12 @@
-"""The ``<think>...</think>`` reasoning format.
+"""The ``<think>...</think>`` reasoning format, and Magistral's ``[THINK]``.
 
 Any thread, pure Python. A model whose chat template thinks writes
 ``<think>...</think>`` before its answer (Qwen3, Qwen3-VL-Thinking,
 DeepSeek-R1); :class:`ReasoningSplitter` sends the text between to the
 reasoning and the rest to the content, one piece of text at a time, so a
 stream and a whole answer split alike. Whether the answer starts inside
-the reasoning is read from the chat template (:func:`opens`).
+the reasoning is read from the chat template (:func:`opens`). Magistral
+writes the same shape with ``[THINK]`` and ``[/THINK]`` (:data:`MAGISTRAL`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from .base import ReasoningFormat, partial_marker
 
-__all__ = ["THINK", "ReasoningSplitter", "opens"]
+__all__ = ["MAGISTRAL", "THINK", "ReasoningSplitter", "opens"]
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -30,11 +31,18 @@ _GENERATION_PROMPT = re.compile(
 
 
 def detect(template: str) -> bool:
-    """Whether a chat template thinks in ``<think>`` tags."""
-    return THINK_OPEN in template
+    """Whether a chat template thinks in ``<think>`` tags (DeepSeek-R1's
+    first template only strips ``</think>`` from the history)."""
+    return THINK_OPEN in template or THINK_CLOSE in template
 
 
-def opens(template: str, template_kwargs: Mapping[str, Any]) -> bool:
+def opens(
+    template: str,
+    template_kwargs: Mapping[str, Any],
+    *,
+    opening: str = THINK_OPEN,
+    closing: str = THINK_CLOSE,
+) -> bool:
     """Whether the template's generation prompt ends with ``<think>``
     (Qwen3-VL-Thinking, DeepSeek-R1), so the answer starts inside the
     reasoning; else the model may open ``<think>`` as its first text
@@ -47,9 +55,9 @@ def opens(template: str, template_kwargs: Mapping[str, Any]) -> bool:
     """
     found = _GENERATION_PROMPT.search(template)
     tail = template[found.end() :] if found else ""
-    for match in re.finditer(re.escape(THINK_OPEN), tail):
+    for match in re.finditer(re.escape(opening), tail):
         # An empty pair ('<think>\n\n</think>') switches thinking off.
-        if THINK_CLOSE in tail[match.end() : match.end() + 24]:
+        if closing in tail[match.end() : match.end() + 24]:
             continue
         guarded = "enable_thinking" in tail[: match.start()]
         if not guarded or template_kwargs.get("enable_thinking") is True:
@@ -74,9 +82,14 @@ class ReasoningSplitter:
 
     Args:
         opened: Whether the answer starts inside the reasoning (:func:`opens`).
+        opening: The marker that opens the reasoning.
+        closing: The marker that closes it.
     """
 
-    def __init__(self, opened: bool) -> None:
+    def __init__(
+        self, opened: bool, *, opening: str = THINK_OPEN, closing: str = THINK_CLOSE
+    ) -> None:
+        self._opening, self._closing = opening, closing
         self._state = _State.REASONING if opened else _State.START
         self._held = ""
         self._lead = True  # at the start of a section: drop its newlines
@@ -95,10 +108,10 @@ class ReasoningSplitter:
         self._held = ""
         reasoning = ""
         if self._state is _State.START:
-            if text.startswith(THINK_OPEN):
+            if text.startswith(self._opening):
                 self._state, self.thought = _State.REASONING, True
-                text = text[len(THINK_OPEN) :]
-            elif THINK_OPEN.startswith(text) and not final:
+                text = text[len(self._opening) :]
+            elif self._opening.startswith(text) and not final:
                 self._held = text
                 return "", ""
             else:
@@ -107,23 +120,48 @@ class ReasoningSplitter:
             if self._lead:
                 text = text.lstrip("\n")
                 self._lead = not text
-            close = text.find(THINK_CLOSE)
+            close = text.find(self._closing)
             if close < 0:
                 if final:
                     return text, ""
                 # Hold a possible start of </think>, and the newlines before it.
-                keep = len(text) - partial_marker(text, THINK_CLOSE)
+                keep = len(text) - partial_marker(text, self._closing)
                 keep = len(text[:keep].rstrip("\n"))
                 self._held = text[keep:]
                 return text[:keep], ""
             reasoning = text[:close].rstrip("\n")
-            text = text[close + len(THINK_CLOSE) :]
+            text = text[close + len(self._closing) :]
             self._state, self._lead = _State.CONTENT, True
         if self._lead:
             text = text.lstrip("\n")
             self._lead = not text
         return reasoning, text
 
+
+MAGISTRAL_OPEN, MAGISTRAL_CLOSE = "[THINK]", "[/THINK]"
+
+
+def _magistral_detect(template: str) -> bool:
+    return MAGISTRAL_OPEN in template
+
+
+def _magistral_opens(template: str, template_kwargs: Mapping[str, Any]) -> bool:
+    return opens(
+        template, template_kwargs, opening=MAGISTRAL_OPEN, closing=MAGISTRAL_CLOSE
+    )
+
+
+def _magistral_parser(opened: bool) -> ReasoningSplitter:
+    return ReasoningSplitter(opened, opening=MAGISTRAL_OPEN, closing=MAGISTRAL_CLOSE)
+
+
+#: Magistral's ``[THINK]...[/THINK]`` format, an entry of the registry.
+MAGISTRAL = ReasoningFormat(
+    name="magistral",
+    detect=_magistral_detect,
+    opens=_magistral_opens,
+    parser=_magistral_parser,
+)
 
 #: The ``<think>`` format, an entry of the registry.
 THINK = ReasoningFormat(

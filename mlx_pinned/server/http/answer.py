@@ -13,11 +13,17 @@ needs no parser: its text is its content, as generated.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..formats import CallArguments, CallStart, ReasoningParser, ToolCallParser
+from ..formats import (
+    CallArguments,
+    CallStart,
+    ReasoningParser,
+    ToolCallParser,
+    ToolSpec,
+)
 
 if TYPE_CHECKING:
     from .capabilities import Capabilities
@@ -110,7 +116,7 @@ def answer_parser(
     capabilities: Capabilities,
     *,
     template_kwargs: Mapping[str, Any],
-    tools: bool,
+    tools: Sequence[ToolSpec],
     constrained: bool,
     call_id: Callable[[], str],
 ) -> AnswerParser | None:
@@ -119,8 +125,9 @@ def answer_parser(
     The model's reasoning format and its chat template (with the request's
     ``template_kwargs``) say whether and how it thinks; tool calls are parsed
     in its tool-call format when the request gives ``tools`` the model may
-    call. A ``constrained`` answer (it follows a grammar from its first
-    token) has no reasoning. ``call_id`` makes each tool call's id.
+    call (some formats read their arguments' types from them). A
+    ``constrained`` answer (it follows a grammar from its first token) has
+    no reasoning. ``call_id`` makes each tool call's id.
     """
     formats = capabilities.formats
     reasoning = None
@@ -131,7 +138,7 @@ def answer_parser(
         reasoning = formats.reasoning.parser(opened)
     calls = None
     if formats.tool_call is not None and tools:
-        calls = formats.tool_call.parser()
+        calls = formats.tool_call.parser(tools)
     if reasoning is None and calls is None:
         return None
     return AnswerParser(reasoning=reasoning, tools=calls, call_id=call_id)

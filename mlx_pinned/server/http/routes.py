@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from ..formats import model_formats
 from .errors import APIError, internal_error
 from .playground import ASSETS_PREFIX, PAGE
 
@@ -54,11 +55,24 @@ def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
     else:
         loaded = served.engine()
         created = int(getattr(loaded, "loaded_at", None) or time.time())
+    # Its output formats, by its settings and its template (None until loaded).
+    config, engine = request.app.state.config, served.engine()
+    own = config.for_model(config.names.index(served.name))
+    formats = (
+        None
+        if engine is None
+        else model_formats(
+            engine.chat_template,
+            tool_call_parser=own.tool_call_parser,
+            reasoning_parser=own.reasoning_parser,
+        ).names()
+    )
     return {
         "id": served.name,
         "object": "model",
         "created": created,
         "owned_by": "mlx-pinned",
+        "formats": formats,
     }
 
 

@@ -110,10 +110,9 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
         text: list[str] = []
         logprobs: list[TokenLogprob] = []
         final: FinalEvent | None = None
-        # Taken in batches (every token, then the final event, and the
-        # engine's admission marker): one wake-up of the event loop per
-        # batch, not one per token.
-        async for events in stream.batched(max_tokens + 2):
+        # Taken in one batch (every token, then the final event): one
+        # wake-up of the event loop per batch, not one per token.
+        async for events in stream.batched(max_tokens + 1):
             await self.turns.checkpoint()
             for event in events:
                 log.record(event, whole=True)

@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...events import GenerationParams, Grammar, ImageRef
-from ...formats import TOOL_CALL_FORMATS, ToolCallFormat, ToolSpec, json_arguments
+from ...formats import (
+    TOOL_CALL_FORMATS,
+    ToolCallFormat,
+    ToolSpec,
+    UnforcedCallError,
+    json_arguments,
+)
 from ...limits import check_text_length
 from ..answer import AnswerParser, answer_parser
 from ..errors import APIError
@@ -154,7 +160,10 @@ class ChatCompletionsServing:
         return answer_parser(
             capabilities,
             template_kwargs=request.chat_template_kwargs or {},
-            tools=bool(request.active_tools),
+            tools=[
+                ToolSpec(t.function.name, t.function.parameters)
+                for t in request.active_tools
+            ],
             constrained=params.grammar is not None,
             call_id=tool_call_id,
         )
@@ -171,7 +180,8 @@ async def request_grammar(
     model's ``tool_format``.
 
     Raises:
-        APIError: 400 naming the schema that cannot be used.
+        APIError: 400 naming the schema that cannot be used, or the format
+            that cannot force a call to the tools.
     """
     choice = request.tool_choice
     named = isinstance(choice, NamedToolChoice)
@@ -187,7 +197,13 @@ async def request_grammar(
                 )
         specs = [ToolSpec(t.function.name, t.function.parameters) for t in tools]
         parallel = not named and request.parallel_tool_calls is not False
-        grammar = Grammar("lark", tool_format.grammar(specs, parallel))
+        try:
+            source = tool_format.grammar(specs, parallel)
+        except UnforcedCallError as exc:  # its message names the format
+            raise APIError(
+                400, str(exc), param="tool_choice", code="unsupported_parameter"
+            ) from None
+        grammar = Grammar("lark", source)
         await check_grammar(grammar, "tools")
         return grammar
     response_format = request.response_format

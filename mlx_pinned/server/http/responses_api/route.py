@@ -142,7 +142,7 @@ class ResponsesEndpoint(GenerationEndpoint):
         """Every event, taken in batches; the answer's parts into ``output``."""
         text: list[str] = []
         final: FinalEvent | None = None
-        async for events in stream.batched(params.max_tokens + 2):
+        async for events in stream.batched(params.max_tokens + 1):
             await self.turns.checkpoint()
             for event in events:
                 log.record(event, whole=True)

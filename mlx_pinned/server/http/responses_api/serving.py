@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...events import GenerationParams, Grammar, ImageRef
-from ...formats import TOOL_CALL_FORMATS, ToolCallFormat, ToolSpec, json_arguments
+from ...formats import (
+    TOOL_CALL_FORMATS,
+    ToolCallFormat,
+    ToolSpec,
+    UnforcedCallError,
+    json_arguments,
+)
 from ...limits import check_text_length
 from ..answer import AnswerParser, answer_parser
 from ..errors import APIError
@@ -172,7 +178,9 @@ class ResponsesServing:
         return answer_parser(
             capabilities,
             template_kwargs=request.template_kwargs,
-            tools=bool(request.active_tools),
+            tools=[
+                ToolSpec(tool.name, tool.parameters) for tool in request.active_tools
+            ],
             constrained=params.grammar is not None,
             call_id=tool_call_id,
         )
@@ -189,7 +197,8 @@ async def request_grammar(
     ``tool_format``.
 
     Raises:
-        APIError: 400 naming the schema that cannot be used.
+        APIError: 400 naming the schema that cannot be used, or the format
+            that cannot force a call to the tools.
     """
     choice = request.tool_choice
     named = isinstance(choice, NamedFunctionChoice)
@@ -207,7 +216,13 @@ async def request_grammar(
                 )
         specs = [ToolSpec(tool.name, tool.parameters) for tool in chosen]
         parallel = not named and request.parallel_tool_calls is not False
-        grammar = Grammar("lark", tool_format.grammar(specs, parallel))
+        try:
+            source = tool_format.grammar(specs, parallel)
+        except UnforcedCallError as exc:  # its message names the format
+            raise APIError(
+                400, str(exc), param="tool_choice", code="unsupported_parameter"
+            ) from None
+        grammar = Grammar("lark", source)
         await check_grammar(grammar, "tools")
         return grammar
     wanted = request.text.format if request.text is not None else None

@@ -1,0 +1,155 @@
+"""A generation as the loop sees it, and its row's tokens turned into events.
+
+The loop (:mod:`.loop`) hands each row's sampled tokens to its
+:class:`RowAnswer` after every step, on the MLX thread: text per token
+(:mod:`.text`, through :class:`~.quirks.SequenceText`), stop strings,
+log-probabilities, and the final event with its counts and timings. A
+:class:`Request` is made on the event loop and read on both sides; the
+fields both sides touch are guarded by the loop's lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..events import (
+    Event,
+    FinalEvent,
+    FinishReason,
+    GenerationParams,
+    TokenEvent,
+    TokenLogprobs,
+)
+from .model import LoadedModel
+from .quirks import SequenceText
+from .rows import Row
+from .sampling import Sampled
+from .text import StopMatcher
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from .driver import RowOutput
+
+__all__ = ["Item", "Outputs", "Request", "RowAnswer"]
+
+#: What a request reads: an event, or the error that ends its generation.
+Item = Event | BaseException
+
+
+class RowAnswer:
+    """The events of one row, made as its tokens arrive.
+
+    Args:
+        loaded: The model (its tokenizer's text for each token).
+        params: The request's parameters.
+        row: The request's row of the batch.
+        start: When the request was admitted (``time.perf_counter``).
+    """
+
+    def __init__(
+        self, loaded: LoadedModel, params: GenerationParams, row: Row, start: float
+    ) -> None:
+        self.loaded = loaded
+        self.row = row
+        self._logprobs = params.logprobs
+        self._text = SequenceText(loaded)
+        self._stops = StopMatcher(params.stop)
+        self._start = start
+        self._first_token_at: float | None = None
+        self._completion = 0
+
+    def read(self) -> tuple[list[Item], bool]:
+        """The events of the tokens sampled since the last read, and whether
+        the answer ended (its last item is then a :class:`FinalEvent`, or
+        the row's error once every token before it was handed out)."""
+        row = self.row
+        items: list[Item] = []
+        while row.pending:
+            item = row.pending.popleft()
+            if item.eos:
+                tail, _ = self._stops.feed(self._text.finish())
+                items.append(self._final(tail, "stop"))
+                return items, True
+            piece, stopped = self._stops.feed(self._text.add(item.token))
+            self._completion += 1
+            if self._first_token_at is None:
+                self._first_token_at = time.perf_counter()
+            logprobs = self._token_logprobs(item) if self._logprobs else None
+            items.append(TokenEvent(piece, logprobs))
+            if stopped:
+                items.append(self._final("", "stop"))
+                return items, True
+        if row.error is not None:
+            items.append(row.error)
+            return items, True
+        if row.done:  # max_tokens sampled, and all handed out
+            tail, stopped = self._stops.feed(self._text.finish())
+            items.append(self._final(tail, "stop" if stopped else "length"))
+            return items, True
+        return items, False
+
+    def _final(self, tail: str, finish: FinishReason) -> FinalEvent:
+        tail += self._stops.flush()  # held back as a possible stop string
+        end = time.perf_counter()
+        first = self._first_token_at or end
+        return FinalEvent(
+            text=tail,
+            finish_reason=finish,
+            prompt_tokens=self.row.prompt_tokens,
+            completion_tokens=self._completion,
+            prefill_seconds=first - self._start,
+            decode_seconds=end - first,
+            cached_tokens=self.row.cached,
+        )
+
+    def _token_logprobs(self, item: Sampled) -> TokenLogprobs:
+        token_text = self.loaded.token_text
+        text, raw = token_text(item.token)
+        top = []
+        for index, value in item.top:
+            alt_text, alt_raw = token_text(index)
+            top.append((alt_text, value, alt_raw))
+        return TokenLogprobs(text, item.logprob, raw, top)
+
+
+#: What one turn hands out: each request's new items, and whether the loop
+#: holds no row of it any more.
+Outputs = list[tuple["Request", tuple[Item, ...], bool]]
+
+
+class Request:
+    """One generation as the loop sees it.
+
+    Its items reach it through ``output`` (an async request, read on the
+    event loop) or ``items`` (a request run inline on the MLX thread).
+    """
+
+    __slots__ = (
+        "answer",
+        "eager",
+        "ended",
+        "images",
+        "items",
+        "output",
+        "params",
+        "row",
+    )
+
+    def __init__(
+        self,
+        params: GenerationParams,
+        images: Sequence[Image.Image],
+        output: RowOutput | None = None,
+    ) -> None:
+        self.params = params
+        self.images = images
+        self.output = output
+        self.items: deque[Item] = deque()
+        self.row: Row | None = None
+        self.answer: RowAnswer | None = None
+        self.ended = False  # the loop holds no row of it (under the lock)
+        self.eager = True  # its reader takes every event (under the lock)

@@ -1,0 +1,91 @@
+"""mlx-vlm's quirks, worked around in one place (MLX thread only).
+
+- ``BatchKVCache`` builds an attention mask for every one-token decode step,
+  all true once no row is left-padded, and attention with a mask array is
+  the slower kernel: :func:`unmask_if_unpadded` lets those steps skip it.
+- A processor's streaming detokenizer is one object shared by every request
+  of the model: :class:`SequenceText` gives each sequence its own.
+- Only mlx-vlm's plain caches can be cut at any token (the prompt cache
+  reuses them, a speculative step is cut back a token):
+  :func:`plain_caches`, :func:`cut_back_caches`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from typing import Any, cast
+
+from .model import LoadedModel
+from .text import TextDecoder
+
+__all__ = ["SequenceText", "cut_back_caches", "plain_caches", "unmask_if_unpadded"]
+
+
+def plain_caches(layers: Iterable[Any]) -> bool:
+    """Whether every layer's cache (one sequence's) is a plain ``KVCache``."""
+    return all(type(c).__name__ == "KVCache" for c in layers)
+
+
+def cut_back_caches(layers: Iterable[Any]) -> bool:
+    """Whether every layer's batch cache is a ``BatchKVCache`` (``trim``
+    cuts it back; a rotating window's cannot be)."""
+    return all(type(c).__name__ == "BatchKVCache" for c in layers)
+
+
+def unmask_if_unpadded(cache: list[Any] | None) -> None:
+    """Let decode steps skip the attention mask while no row is padded.
+
+    A one-token step's causal mask is all true; ``BatchKVCache`` still
+    builds one every step to hide left padding, and attention with a
+    mask array is the slower kernel (docs/benchmarks.md has the cost).
+    The model asks the first layer's cache for the mask, so only that
+    cache answers None for one-token steps, and only while every row's
+    left padding is 0 (read on joins and leaves, not per step).
+    Masked or not, the numbers are the same (tested).
+    """
+    first = cache[0] if cache else None
+    # A recurrent layer's state (Qwen3.5) has no padding to read.
+    if first is None or getattr(first, "left_padding", None) is None:
+        return
+    first.__dict__.pop("make_mask", None)  # the class's own, masking
+    if not any(cast("list[int]", first.left_padding.tolist())):
+        first.make_mask = _unmasked_steps(first.make_mask)
+
+
+def _unmasked_steps(make_mask: Any) -> Any:
+    def make(n: int, *args: Any, **kwargs: Any) -> Any:
+        return None if n == 1 else make_mask(n, *args, **kwargs)
+
+    return make
+
+
+class SequenceText:
+    """A sequence's text, token by token, as the unbatched path makes it."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self._decoder = TextDecoder(loaded.processor, lambda t: loaded.token_text(t)[1])
+        self._detokenizer: Any = None
+        detokenizer = getattr(loaded.processor, "detokenizer", None)
+        if (
+            detokenizer is not None
+            and getattr(detokenizer, "_byte_decoder", None) is None
+        ):
+            # Not byte-level: the decoder uses mlx-vlm's text, from a
+            # detokenizer of this sequence's own.
+            utils = importlib.import_module("mlx_vlm.tokenizer_utils")
+            self._detokenizer = utils.make_streaming_detokenizer(loaded.processor)
+
+    def add(self, token: int) -> str:
+        fallback = ""
+        if self._detokenizer is not None:
+            self._detokenizer.add_token(token)
+            fallback = str(self._detokenizer.last_segment)
+        return self._decoder.add(token, fallback)
+
+    def finish(self) -> str:
+        fallback = ""
+        if self._detokenizer is not None:
+            self._detokenizer.finalize()
+            fallback = str(self._detokenizer.last_segment)
+        return self._decoder.finish(fallback)

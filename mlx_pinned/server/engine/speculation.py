@@ -1,0 +1,147 @@
+"""Grammar speculation: rows of a grammar drawn without their mask, checked
+after (MLX thread only).
+
+A grammar's mask needs the step's tokens, so the next forward pass starts on
+them unread; a row that reads no log-probabilities may instead be drawn from
+its logits unmasked (:func:`.logits.speculates`) and its token checked by its
+matcher once read. Where the grammar refuses it, the row is drawn again with
+the mask and the pass started on the refused token is built again. The
+decode step (:mod:`.decode`) asks this policy which rows speculate, has it
+check them, and has it rebuild a pass; it plugs in only on the CPU backend,
+where the masks compete with the forward pass for the same cores (elsewhere
+they are computed while the pass runs on the device).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from .logits import fill_masks, mask, speculates
+from .quirks import cut_back_caches
+from .rows import Row
+from .sampling import Draw, Sampled, collect, draw
+
+if TYPE_CHECKING:
+    from .decode import Forward
+
+__all__ = [
+    "SPECULATION_MISSES",
+    "SPECULATION_PAUSE",
+    "SPECULATION_WINDOW",
+    "Speculation",
+]
+
+# Grammar rows stop speculating for a while when more than SPECULATION_MISSES
+# of the batch's last SPECULATION_WINDOW speculative steps were built again.
+SPECULATION_WINDOW = 16
+SPECULATION_MISSES = 4
+SPECULATION_PAUSE = 64
+
+
+class Speculation:
+    """When grammar rows draw unmasked, and how a refusal is put right.
+
+    Attributes:
+        window: Whether each recent speculative step was built again.
+        paused: Steps for which every row is masked.
+    """
+
+    def __init__(self) -> None:
+        self.window: collections.deque[bool] = collections.deque(
+            maxlen=SPECULATION_WINDOW
+        )
+        self.paused = 0
+
+    def pick(self, rows: Sequence[Row], caches: Sequence[Any]) -> list[int]:
+        """The rows of a step built on read tokens to draw without their
+        grammar's mask: those that can (:func:`.logits.speculates`) and
+        whose grammar neither forces the next token nor may end here (the
+        model's own pick would most likely be refused), while every cache
+        can be cut back a token (:meth:`rebuild`).
+
+        A refusal costs the batch a forward pass, a mask a few tens of
+        microseconds a row: when more than :data:`SPECULATION_MISSES` of
+        the last :data:`SPECULATION_WINDOW` speculative steps were built
+        again (rows whose models often pick what their grammar refuses, and
+        refuse at different steps), every row is masked for the next
+        :data:`SPECULATION_PAUSE` steps. It depends on the tokens only, so
+        every rank of a sharded model decides alike.
+        """
+        if not cut_back_caches(caches):
+            return []
+        if sum(self.window) > SPECULATION_MISSES:
+            self.window.clear()
+            self.paused = SPECULATION_PAUSE
+        if self.paused:
+            self.paused -= 1
+            return []
+        return [
+            i
+            for i, row in enumerate(rows)
+            if speculates(row)
+            and not row.done
+            and row.matcher is not None
+            and not row.matcher.forced()
+        ]
+
+    def check(
+        self,
+        rows: list[Row],
+        pending: Draw,
+        sampled: list[Sampled],
+        stop: Callable[[int], Any],
+    ) -> tuple[set[Row], set[Row]]:
+        """Check the tokens of the rows drawn without their grammar's mask.
+
+        An allowed token is consumed by its row's matcher. The rows whose
+        grammar refuses theirs are drawn again, from the same logits with the
+        mask and the same keys, and their items in ``sampled`` replaced. The
+        rows whose matchers consumed their token, and those refused.
+        """
+        consumed: set[Row] = set()
+        refused: list[int] = []
+        for i in pending.speculative:
+            row = rows[i]
+            if row.gone or row.done or row.matcher is None:
+                continue  # not read (see Decoder.read)
+            if row.matcher.try_consume(sampled[i].token):
+                consumed.add(row)
+            else:
+                refused.append(i)
+        if refused:
+            assert pending.logits is not None
+            again = [rows[i] for i in refused]
+            vocab = pending.logits.shape[-1]
+            allowed = fill_masks([row.matcher for row in again], vocab)
+            assert allowed is not None
+            index = mx.array(refused, dtype=mx.int32)
+            logits = mask(pending.logits[index], allowed)
+            bias = None if pending.bias is None else pending.bias[index]
+            redrawn = collect(draw(logits, again, bias), stop)
+            for i, item in zip(refused, redrawn, strict=True):
+                sampled[i] = item
+        return consumed, {rows[i] for i in refused}
+
+    def built(self, wrong: bool) -> None:
+        """Count a speculative step, and whether its next pass was wrong."""
+        self.window.append(wrong)
+
+    def rebuild(
+        self,
+        forward: Forward,
+        caches: Sequence[Any],
+        again: Callable[[], Forward | None],
+    ) -> Forward | None:
+        """The next forward pass again (``again``), on the step's tokens as
+        read: the one started was built on a token its row's grammar
+        refused. Its cache entries are cut off (every cache is a plain one:
+        see :meth:`pick`) and the penalties' counts put back."""
+        for c in caches:
+            c.trim(1)
+        for row, counts in zip(forward.rows, forward.counts, strict=True):
+            row.counts = counts
+        return again()

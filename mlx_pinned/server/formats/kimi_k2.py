@@ -1,0 +1,53 @@
+"""Kimi K2's tool-call format: a section of calls between special tokens.
+
+Any thread, pure Python. Kimi K2 writes its calls as one section,
+``<|tool_calls_section_begin|>`` then per call ``<|tool_call_begin|>
+functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>``,
+then ``<|tool_calls_section_end|>``. Detected by mlx-vlm (``kimi_k2``: the
+template names the section's opening) and decoded by its parser, a section
+at a time; :func:`grammar` forces a section of calls numbered from 0.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from .base import ToolCallFormat, ToolCallParser, ToolSpec, json_arguments
+from .blocks import BlockToolParser, Markers, grammar_of_calls, literal
+from .vlm import vlm_decoder, vlm_detects
+
+__all__ = ["KIMI_K2", "grammar"]
+
+NAME = "kimi_k2"
+OPEN, CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+
+
+def _call(i: int, tool: ToolSpec) -> list[str]:
+    head = literal(f"<|tool_call_begin|>functions.{tool.name}:")
+    schema = json.dumps(json_arguments(tool.parameters))
+    return [
+        f"call_{i}: {head} /[0-9]/ {literal('<|tool_call_argument_begin|>')} "
+        f"args_{i} {literal('<|tool_call_end|>')}",
+        f"args_{i}: %json {schema}",
+    ]
+
+
+def grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
+    """A Lark grammar for a section of one call (or, with ``parallel``, one
+    or more) to ``tools``."""
+    return grammar_of_calls(tools, parallel, _call, before=OPEN, after=CLOSE)
+
+
+_SYNTAX = Markers(OPEN, CLOSE, vlm_decoder(NAME))
+
+
+def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
+    """A parser of one answer's Kimi K2 calls."""
+    return BlockToolParser(_SYNTAX, tools)
+
+
+#: Kimi K2's format, an entry of the registry.
+KIMI_K2 = ToolCallFormat(
+    name=NAME, detect=vlm_detects(NAME), parser=parser, grammar=grammar
+)

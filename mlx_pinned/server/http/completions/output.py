@@ -1,0 +1,190 @@
+"""The answer as legacy completions writes it: choices, logprobs, chunks.
+
+Event loop (pure CPU). A choice collects its text and, when asked, its
+log-probabilities in OpenAI's legacy shape (:class:`ChoiceText`: parallel
+lists ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``); a
+stream writes a ``text_completion`` chunk per batch of a choice's events
+(:class:`ChunkWriter`), so a stream's texts join to exactly the whole
+answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from ...events import FinalEvent, FinishReason, TokenEvent
+
+__all__ = [
+    "ChoiceText",
+    "ChunkWriter",
+    "Completion",
+    "CompletionChoice",
+    "Logprobs",
+    "Usage",
+    "completion_id",
+    "usage",
+]
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Logprobs(_Response):
+    """OpenAI's legacy log-probabilities of a choice, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    text: str
+    index: int
+    logprobs: Logprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Completion(_Response):
+    """A whole answer (and, with ``choices`` of one and no usage, a chunk)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    system_fingerprint: None = None
+    usage: Usage | None = None
+
+
+def usage(finals: list[FinalEvent]) -> Usage:
+    """The usage of every choice's generation, summed."""
+    prompt = sum(final.prompt_tokens for final in finals)
+    completion = sum(final.completion_tokens for final in finals)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+    )
+
+
+@dataclass
+class ChoiceText:
+    """One choice's text and log-probabilities as its events arrive.
+
+    ``offset`` is where the generated text starts in the choice's text (the
+    echoed prompt's length); each token's ``text_offset`` counts the token
+    texts before it, as vLLM's does.
+    """
+
+    logprobs: bool
+    offset: int = 0
+    text: list[str] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+    final: FinalEvent | None = None
+
+    def add(self, event: TokenEvent | FinalEvent) -> tuple[str, Logprobs | None]:
+        """Record ``event``; its text and its token's log-probabilities
+        (None when not asked for, and for the final event), for a chunk."""
+        self.text.append(event.text)
+        if isinstance(event, FinalEvent):
+            self.final = event
+            return event.text, None
+        if not self.logprobs or event.logprobs is None:
+            return event.text, None
+        start = len(self.tokens)
+        lp = event.logprobs
+        self.text_offset.append(self.offset)
+        self.offset += len(lp.token)
+        self.tokens.append(lp.token)
+        self.token_logprobs.append(lp.logprob)
+        top: dict[str, float] = {}
+        for token, logprob, _ in lp.top:
+            top.setdefault(token, logprob)  # two ids of one text: the likelier
+        self.top_logprobs.append(top)
+        return event.text, self._since(start)
+
+    def whole(self) -> Logprobs | None:
+        """Every token's log-probabilities (None when not asked for)."""
+        return self._since(0)
+
+    def _since(self, start: int) -> Logprobs | None:
+        if not self.logprobs:
+            return None
+        return Logprobs(
+            tokens=self.tokens[start:],
+            token_logprobs=self.token_logprobs[start:],
+            top_logprobs=self.top_logprobs[start:],
+            text_offset=self.text_offset[start:],
+        )
+
+
+class ChunkWriter:
+    """The stream chunks of one completion, as server-sent events."""
+
+    def __init__(self, id: str, created: int, model: str, *, include_usage: bool):
+        self.id, self.created, self.model = id, created, model
+        self.include_usage = include_usage
+
+    def chunk(
+        self,
+        index: int,
+        text: str,
+        logprobs: Logprobs | None = None,
+        finish_reason: FinishReason | None = None,
+    ) -> bytes:
+        """A chunk of choice ``index``."""
+        choice = CompletionChoice(
+            text=text, index=index, logprobs=logprobs, finish_reason=finish_reason
+        )
+        return self._sse(self._completion([choice]).model_dump())
+
+    def usage(self, value: Usage) -> bytes:
+        """The last chunk of a stream with ``include_usage``: no choices."""
+        return self._sse(self._completion([], value).model_dump())
+
+    def _completion(
+        self, choices: list[CompletionChoice], value: Usage | None = None
+    ) -> Completion:
+        return Completion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=value,
+        )
+
+    def _sse(self, data: dict[str, Any]) -> bytes:
+        if not self.include_usage:
+            del data["usage"]  # OpenAI sends "usage": null only when asked
+        body = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+        return b"data: " + body.encode() + b"\n\n"
+
+
+# Ids must be unique, not secret: one generator seeded from the OS per
+# process (forks re-seeded), not a system call per request.
+_ids = random.Random(os.urandom(16))
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(16)))
+
+
+def completion_id() -> tuple[str, int]:
+    """A fresh ``cmpl-…`` id and the ``created`` Unix time."""
+    return f"cmpl-{_ids.getrandbits(96):024x}", int(time.time())

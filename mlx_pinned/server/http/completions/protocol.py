@@ -1,0 +1,242 @@
+"""The body of OpenAI's legacy ``POST /v1/completions``, as pydantic models.
+
+Any thread (pure CPU, no MLX); the routes parse on the event loop.
+:func:`parse_completion_request` turns every failure into an
+:class:`~..errors.APIError` that names the parameter (as chat completions
+does, through :func:`~..validation.parse_request`). Every field of OpenAI's
+reference is declared: honoured, accepted without effect (``user``), or
+refused by name (``suffix``, ``n`` and ``best_of`` above 1, ``echo`` with
+``logprobs``); an unknown field is refused as OpenAI refuses it. A validated
+request turns itself into one shared generation request per prompt
+(:meth:`CompletionRequest.to_generation_params`): a raw prompt, no chat
+template.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from ...events import GenerationParams
+from ..validation import parse_request
+
+__all__ = [
+    "MAX_PROMPTS",
+    "OPENAI_DEFAULT_MAX_TOKENS",
+    "CompletionRequest",
+    "parse_completion_request",
+]
+
+#: Prompts one request may send (each is a choice, a row of its own).
+MAX_PROMPTS = 64
+#: ``max_tokens`` of a request that sets none, as OpenAI's reference says.
+OPENAI_DEFAULT_MAX_TOKENS = 16
+
+_TOP_P_FLOOR = 1.1754943508222875e-38  # float32's smallest normal number
+
+TokenId = Annotated[int, Field(ge=0)]
+Prompt = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[
+        list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)
+    ]
+)
+
+
+def _unsupported(field: str, why: str) -> PydanticCustomError:
+    return PydanticCustomError(
+        "unsupported_parameter", f"Unsupported parameter: '{field}': {why}."
+    )
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: only ``include_usage`` has an effect."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    include_usage: bool | None = None
+
+
+class CompletionRequest(BaseModel):
+    """The body of ``POST /v1/completions``."""
+
+    # As every request model: strict types, finite numbers; unknown top-level
+    # fields refused.
+    model_config = ConfigDict(
+        strict=True, extra="forbid", frozen=True, allow_inf_nan=False
+    )
+
+    model: str
+    prompt: Prompt
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    n: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    # No effect on the output by definition: accepted, unused.
+    user: str | None = None
+    # vLLM's extensions, honoured.
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    add_special_tokens: bool = True
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and isinstance(value[0], str | list):
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(
+                    f"at most {MAX_PROMPTS} prompts are allowed, not {len(value)}"
+                )
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(
+        cls, value: dict[str, float] | None
+    ) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            # At most 10 digits: no vocabulary has 10**10 tokens, and int() of
+            # a longer key could pass Python's digit limit.
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:
+                raise ValueError(f"keys must be token ids, not {key[:40]!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be between -100 and 100, not {bias}")
+        if value and len({int(key) for key in value}) < len(value):
+            raise ValueError("a token id is given twice")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise _unsupported(
+                "n",
+                "this server returns one choice per prompt; send the prompt "
+                "several times in 'prompt' (a list) for several choices",
+            )
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise _unsupported(
+                "best_of", "this server generates one completion per prompt"
+            )
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise _unsupported("suffix", "this server has no fill-in-the-middle")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _check_echo(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        # Declared after logprobs, so this sees it.
+        if value and info.data.get("logprobs") is not None:
+            raise _unsupported(
+                "echo",
+                "with 'logprobs' it asks for the prompt's log-probabilities, "
+                "which this server does not compute; send one or the other",
+            )
+        return value
+
+    @property
+    def prompts(self) -> list[str | tuple[int, ...]]:
+        """The prompts, one per choice: texts or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], int):
+            return [tuple(prompt)]
+        return [p if isinstance(p, str) else tuple(p) for p in prompt]
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        """``stop`` as a tuple of strings (empty when unset)."""
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def token_bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` with integer token ids (empty when unset)."""
+        return tuple((int(key), bias) for key, bias in (self.logit_bias or {}).items())
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_generation_params(
+        self,
+        prompt: str | tuple[int, ...],
+        max_tokens: int,
+        *,
+        max_prompt_tokens: int | None = None,
+        context_length: int | None = None,
+    ) -> GenerationParams:
+        """One prompt of this request as the shared generation request, with
+        ``max_tokens`` resolved: the prompt raw, without the chat template."""
+        top_k = self.top_k
+        return GenerationParams(
+            messages=(),
+            prompt=prompt,
+            add_special_tokens=self.add_special_tokens,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            # See chat completions: a smaller top_p is 0 in float32.
+            top_p=None if self.top_p is None else max(self.top_p, _TOP_P_FLOOR),
+            seed=self.seed,
+            stop=self.stop_sequences,
+            logprobs=self.logprobs is not None,
+            top_logprobs=self.logprobs or 0,
+            logit_bias=self.token_bias,
+            max_prompt_tokens=max_prompt_tokens,
+            context_length=context_length,
+            top_k=0 if top_k == -1 else top_k,  # vLLM's -1: no limit
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(
+                1.0 if self.repetition_penalty is None else self.repetition_penalty
+            ),
+        )
+
+
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    """Parse and validate a completions body (any thread, pure CPU).
+
+    Raises:
+        APIError: 400 naming the first invalid parameter.
+    """
+    return parse_request(CompletionRequest, body)

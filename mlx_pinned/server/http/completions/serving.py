@@ -1,0 +1,124 @@
+"""Completions' one validation site: a parsed request checked against the
+served model's :class:`~..capabilities.Capabilities` and this server's
+limits, and turned into one shared generation request per prompt.
+
+Event loop. Checked here, once, before any prompt waits for the model's
+gate: ``max_tokens`` against the server's limit, each text prompt's length
+against the prompt limit (a bound from its characters), each token prompt's
+ids against the vocabulary and its exact length against the limits, and
+``logit_bias`` against the vocabulary. What needs a text prompt's exact
+length in tokens is checked by the engine, on the MLX thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ...limits import check_text_length
+from ..errors import APIError
+from .protocol import OPENAI_DEFAULT_MAX_TOKENS
+
+if TYPE_CHECKING:
+    from ...config import ServerConfig
+    from ...events import Engine, GenerationParams
+    from ..capabilities import Capabilities
+    from .protocol import CompletionRequest
+
+__all__ = ["CompletionsServing", "Prepared"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request checked against its model: a generation per prompt.
+
+    Attributes:
+        params: The shared generation request of each prompt, in order.
+        echoes: The text each choice starts with: its prompt with ``echo``,
+            else empty.
+    """
+
+    params: list[GenerationParams]
+    echoes: list[str]
+
+
+class CompletionsServing:
+    """Checks completions requests against the served model and the
+    server's limits (``config``: ``max_prompt_tokens``,
+    ``max_tokens_limit``)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+
+    async def prepare(
+        self, request: CompletionRequest, capabilities: Capabilities, engine: Engine
+    ) -> Prepared:
+        """Check ``request`` against the model; a generation per prompt
+        (``engine`` decodes token prompts that are echoed).
+
+        Raises:
+            APIError: 400 naming the parameter at fault.
+            PromptTooLongError: A prompt over the prompt limit.
+        """
+        context = capabilities.context_length
+        max_prompt = self.config.max_prompt_tokens or context
+        max_tokens = self.max_tokens(request)
+        vocab = capabilities.vocab_size
+        for token_id, _ in request.token_bias:
+            if token_id >= vocab:
+                raise _out_of_vocabulary("logit_bias", token_id, vocab)
+        params: list[GenerationParams] = []
+        echoes: list[str] = []
+        for prompt in request.prompts:
+            one = request.to_generation_params(
+                prompt,
+                max_tokens,
+                max_prompt_tokens=max_prompt,
+                context_length=context,
+            )
+            if isinstance(prompt, str):
+                if max_prompt is not None:
+                    check_text_length(
+                        len(prompt), capabilities.longest_token_chars, max_prompt
+                    )
+                echo = prompt
+            else:
+                for token_id in prompt:
+                    if token_id >= vocab:
+                        raise _out_of_vocabulary("prompt", token_id, vocab)
+                one.check_prompt_tokens(len(prompt))
+                echo = await engine.detokenize(prompt) if request.echo else ""
+            params.append(one)
+            echoes.append(echo if request.echo else "")
+        return Prepared(params, echoes)
+
+    def max_tokens(self, request: CompletionRequest) -> int:
+        """The request's ``max_tokens``, else OpenAI's default (16, within
+        the server's limit).
+
+        Raises:
+            APIError: 400 over the server's ``max_tokens_limit``.
+        """
+        limit = self.config.max_tokens_limit
+        asked = request.max_tokens
+        if asked is None:
+            return min(OPENAI_DEFAULT_MAX_TOKENS, limit)
+        if asked > limit:
+            raise APIError(
+                400,
+                f"Invalid value for 'max_tokens': {asked} is more than this "
+                f"server's limit of {limit} tokens.",
+                param="max_tokens",
+                code="invalid_value",
+            )
+        return asked
+
+
+def _out_of_vocabulary(param: str, token_id: int, vocab: int) -> APIError:
+    return APIError(
+        400,
+        f"Invalid value for '{param}': token id {token_id} is outside the "
+        f"vocabulary (0 to {vocab - 1}).",
+        param=param,
+        code="invalid_value",
+    )

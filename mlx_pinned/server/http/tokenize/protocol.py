@@ -1,0 +1,163 @@
+"""The bodies of vLLM's ``/tokenize`` and ``/detokenize``, as pydantic models.
+
+Any thread (pure CPU, no MLX); the routes parse on the event loop.
+``/tokenize`` takes a raw prompt (:class:`TokenizePromptRequest`: as
+``/v1/completions`` tokenizes it) or chat messages
+(:class:`TokenizeChatRequest`: as ``/v1/chat/completions`` renders them,
+through the chat template; text only); which one is told by the body's
+``messages`` key, as vLLM tells it. Each turns into the shared generation
+request whose prompt it counts. Unknown fields are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ...events import GenerationParams
+from ..validation import parse_request
+
+__all__ = [
+    "DetokenizeRequest",
+    "TokenizeChatRequest",
+    "TokenizePromptRequest",
+    "parse_tokenize_request",
+]
+
+#: Keyword arguments the server passes to the chat template itself.
+_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "add_generation_prompt",
+        "chat_template",
+        "continue_final_message",
+        "conversation",
+        "documents",
+        "messages",
+        "return_dict",
+        "tokenize",
+        "tools",
+    }
+)
+
+
+class _Model(BaseModel):
+    # As every request model: strict types, unknown fields refused.
+    model_config = ConfigDict(
+        strict=True, extra="forbid", frozen=True, allow_inf_nan=False
+    )
+
+
+class TextPart(BaseModel):
+    """A ``{"type": "text", "text": ...}`` content part."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A chat message of text: what the chat template renders."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def chat_message(self) -> dict[str, Any]:
+        """As mlx-vlm's chat message, the way chat completions makes it."""
+        content = self.content
+        if self.role == "user":
+            if isinstance(content, str):
+                return {"role": "user", "content": content}
+            parts = [{"type": "text", "text": part.text} for part in content]
+            return {"role": "user", "content": parts}
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content}
+
+
+class TokenizePromptRequest(_Model):
+    """``/tokenize`` of a raw prompt."""
+
+    model: str
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    def to_generation_params(self) -> GenerationParams:
+        """The generation request whose prompt this counts."""
+        return GenerationParams(
+            messages=(),
+            prompt=self.prompt,
+            add_special_tokens=self.add_special_tokens,
+            max_tokens=1,
+        )
+
+
+class TokenizeChatRequest(_Model):
+    """``/tokenize`` of chat messages, through the chat template."""
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @field_validator("add_special_tokens")
+    @classmethod
+    def _check_special(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "the chat template adds the model's special tokens; leave it false"
+            )
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(
+        cls, value: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        for key in value or {}:
+            if key in _TEMPLATE_ARGUMENTS:
+                raise ValueError(f"{key!r} is set by the server, not the request")
+        return value
+
+    def to_generation_params(self) -> GenerationParams:
+        """The generation request whose prompt this counts: the one chat
+        completions makes of the same messages."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if not self.add_generation_prompt:
+            kwargs["add_generation_prompt"] = False
+        return GenerationParams(
+            messages=tuple(message.chat_message() for message in self.messages),
+            max_tokens=1,
+            template_kwargs=tuple(kwargs.items()),
+        )
+
+
+class DetokenizeRequest(_Model):
+    """``/detokenize``: token ids in, their text out."""
+
+    model: str
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+def parse_tokenize_request(body: bytes) -> TokenizePromptRequest | TokenizeChatRequest:
+    """Parse a ``/tokenize`` body: chat messages if it has ``messages``,
+    else a prompt (any thread, pure CPU).
+
+    Raises:
+        APIError: 400 naming the first invalid parameter.
+    """
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):  # pydantic's parse names the fault
+        data = None
+    if isinstance(data, dict) and "messages" in data:
+        return parse_request(TokenizeChatRequest, body)
+    return parse_request(TokenizePromptRequest, body)

@@ -1,0 +1,269 @@
+"""The server tests' shared kit: requests, references, comparisons, fakes
+and real servers, in one place (fixtures are in ``conftest.py``).
+
+Test modules import from here, never from each other.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import openai
+from PIL import Image
+
+from mlx_pinned import MLXThread
+from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
+from mlx_pinned.server.http.gate import BatchGate
+from mlx_pinned.testing import make_test_image
+
+from .reference import reference_stream
+
+TOL = 1e-5
+
+Event = TokenEvent | FinalEvent
+Request = tuple[GenerationParams, list[Image.Image]]
+
+PROMPTS = (
+    "Describe this image in one sentence.",
+    "What is in this picture? Answer in a few words.",
+    "Count the objects in the image and list their colours.",
+    "Hello! How can I help you today?",
+    "The quick brown fox jumps over the lazy dog.",
+    "Is this a photo of a dog, a cat or a bird?",
+    "Summarise the text below in one paragraph, please.",
+    "Green trees, white clouds, yellow sun and a grey road.",
+)
+# Different prompt lengths, image sizes (so image token counts) and none.
+SIZES: tuple[tuple[int, int] | None, ...] = (
+    (64, 64),
+    (32, 32),
+    (96, 64),
+    (128, 128),
+    None,
+    (64, 96),
+    (48, 48),
+    None,
+)
+
+
+def image(size: tuple[int, int], seed: int) -> Image.Image:
+    return Image.open(io.BytesIO(make_test_image(*size, seed=seed))).convert("RGB")
+
+
+def request(
+    index: int,
+    max_tokens: int,
+    *,
+    prompts: Sequence[str] = PROMPTS,
+    sizes: Sequence[tuple[int, int] | None] = SIZES,
+    **params: Any,
+) -> Request:
+    """Request ``index``: its own prompt, and its own image size or none."""
+    size = sizes[index % len(sizes)]
+    content: list[dict[str, Any]] = [
+        {"type": "text", "text": prompts[index % len(prompts)]}
+    ]
+    images = []
+    if size is not None:
+        content.append({"type": "image_url"})
+        images.append(image(size, seed=index))
+    params.setdefault("temperature", 0.0)
+    params.setdefault("logprobs", True)
+    messages = ({"role": "user", "content": content},)
+    return GenerationParams(messages, max_tokens=max_tokens, **params), images
+
+
+async def solo(thread: MLXThread, loaded: LoadedModel, req: Request) -> list[Event]:
+    """mlx-vlm's own loop, alone on the model."""
+    stream = thread.iterate(reference_stream, loaded, *req)
+    async with stream:
+        return [event async for event in stream]
+
+
+def tokens(events: Sequence[Event]) -> list[TokenEvent]:
+    assert isinstance(events[-1], FinalEvent)
+    out = [e for e in events[:-1] if isinstance(e, TokenEvent)]
+    assert len(out) == len(events) - 1
+    return out
+
+
+def max_logprob_difference(batched: list[Event], alone: list[Event]) -> float:
+    """Largest difference of the chosen and top log-probabilities; the
+    sequences must have the same tokens, text, length and ending."""
+    ours, theirs = tokens(batched), tokens(alone)
+    assert len(ours) == len(theirs)
+    assert [e.text for e in ours] == [e.text for e in theirs]
+    assert batched[-1] == alone[-1]  # text, finish reason, token counts
+    worst = 0.0
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.logprobs is not None
+        assert b.logprobs is not None
+        assert a.logprobs.token == b.logprobs.token
+        assert [t for t, _, _ in a.logprobs.top] == [t for t, _, _ in b.logprobs.top]
+        pairs = [(a.logprobs.logprob, b.logprobs.logprob)]
+        top = zip(a.logprobs.top, b.logprobs.top, strict=True)
+        pairs += [(x, y) for (_, x, _), (_, y, _) in top]
+        worst = max(worst, *(abs(x - y) for x, y in pairs))
+    return worst
+
+
+class Collector:
+    """Consumes one batched stream inside a gate turn, recording its events."""
+
+    def __init__(
+        self, thread: MLXThread, batch: BatchEngine, gate: BatchGate, req: Request
+    ) -> None:
+        self.thread, self.batch, self.gate, self.req = thread, batch, gate, req
+        self.events: list[Event] = []
+        self.active_at_start = 0  # slots held when it was admitted, its own included
+        self.started = anyio.Event()  # admitted by the gate
+        self.two_tokens = anyio.Event()
+        self.done = anyio.Event()
+
+    async def run(self, leave: anyio.Event | None = None) -> None:
+        """Consume the stream; with ``leave``, stop reading after three events,
+        wait for ``leave``, then go away (the stream is closed)."""
+        try:
+            async with self.gate.turn():
+                self.active_at_start = self.gate.active
+                self.started.set()
+                stream = self.batch.stream(*self.req)
+                async with stream:
+                    async for event in stream:
+                        self.events.append(event)
+                        if len(self.events) >= 2:
+                            self.two_tokens.set()
+                        if leave is not None and len(self.events) == 3:
+                            await leave.wait()
+                            return
+        finally:
+            self.two_tokens.set()
+            self.done.set()
+
+
+async def drain(stream: AsyncIterator[Event]) -> list[Event]:
+    return [event async for event in stream]
+
+
+@asynccontextmanager
+async def deadline(seconds: float = 60) -> AsyncIterator[anyio.abc.TaskGroup]:
+    with anyio.fail_after(seconds):
+        async with anyio.create_task_group() as group:
+            yield group
+
+
+class SlowModel:
+    """Stands in for the engine's generation: one token per ``step`` seconds
+    on the MLX thread, until ``max_tokens`` or :attr:`release` is set.
+    Records where each generator started and where it was closed."""
+
+    def __init__(self, step: float) -> None:
+        self.step = step
+        self.release = threading.Event()
+        self.started: list[int] = []
+        self.closed: list[int] = []
+
+    def __call__(
+        self, loaded: LoadedModel, params: GenerationParams, images: Any
+    ) -> Iterator[TokenEvent | FinalEvent]:
+        self.started.append(threading.get_ident())
+        n = 0
+        try:
+            while n < params.max_tokens and not self.release.is_set():
+                time.sleep(self.step)
+                n += 1
+                yield TokenEvent("x")
+            yield FinalEvent("", "length", 1, n)
+        finally:
+            self.closed.append(threading.get_ident())
+
+
+READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key="unused", max_retries=0
+        )
+
+
+@contextmanager
+def running_server(log: Path) -> Iterator[Server]:
+    """``serve --demo`` on a free loopback port; killed if still running."""
+    command = [sys.executable, "-m", "mlx_pinned.server", "serve", "--demo"]
+    command += ["--port", "0", "--max-tokens-limit", "4000"]
+    with running(command, log) as served:
+        yield served
+
+
+@contextmanager
+def running(command: list[str], log: Path) -> Iterator[Server]:
+    """``command`` (a server on port 0) until it says where it listens;
+    killed if still running."""
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, env=dict(os.environ)
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while (match := READY.search(log.read_text(errors="replace"))) is None:
+            assert process.poll() is None, log.read_text(errors="replace")
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        yield Server(process, match.group(1), log)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A 1-bit greyscale PNG that claims width x height, with a tiny IDAT."""
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        crc = zlib.crc32(kind + payload)
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", crc)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )
+
+
+def content_of(events: list[Any]) -> str:
+    return "".join(
+        e["choices"][0]["delta"].get("content") or ""
+        for e in events
+        if isinstance(e, dict) and e["choices"]
+    )
