@@ -55,6 +55,8 @@ from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.models import ServedModel, ServedModels
 from .http.playground import routes as playground_routes
 from .http.residency import Residency
+from .http.responses_api import ResponsesEndpoint
+from .http.responses_api import routes as responses_routes
 from .http.routes import (
     APIKeyMiddleware,
     http_error,
@@ -199,6 +201,7 @@ def create_app(
     detokenize = DetokenizeEndpoint(*wiring, metrics=metrics)
     messages = MessagesEndpoint(*wiring, metrics=metrics)
     count_tokens = CountTokensEndpoint(*wiring, metrics=metrics)
+    responses = ResponsesEndpoint(*wiring, metrics=metrics)
     routes = [
         Route("/health", functools.partial(health, readiness), methods=["GET"]),
         Route("/livez", functools.partial(live, readiness), methods=["GET"]),
@@ -215,6 +218,7 @@ def create_app(
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        *responses_routes(responses),
     ]
     # The playground: the chat page at / and its assets, open without the API
     # key (the page sends it).
@@ -239,7 +243,7 @@ def create_app(
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(config.allowed_origins),
-                allow_methods=["GET", "POST"],
+                allow_methods=["GET", "POST", "DELETE"],
                 allow_headers=["*"],
                 max_age=600,
             ),

@@ -288,6 +288,17 @@ OPTIONS = (
         "group counts as lost and exits with status 1 (default: %(default)s)",
         seconds,
     ),
+    Option(
+        "responses_store_max",
+        "responses kept in memory for GET /v1/responses/{id} and "
+        "previous_response_id, oldest out first; 0: none (default: %(default)s)",
+        whole,
+    ),
+    Option(
+        "responses_store_bytes",
+        "bytes the kept responses may take, oldest out first (default: %(default)s)",
+        whole,
+    ),
     # On here, off in the library: the command owns its process.
     Option(
         "freeze_gc",

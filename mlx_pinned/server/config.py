@@ -124,6 +124,12 @@ class ServerConfig:
         distributed_timeout: Seconds a rank of the group may take to answer
             (a step, a collective) before the group counts as lost: rank 0's
             ``/health`` turns 503 and every rank exits with status 1.
+        responses_store_max: Responses kept for ``GET /v1/responses/{id}`` and
+            ``previous_response_id`` (in memory, all models together); past
+            it the oldest go first. 0: none is kept.
+        responses_store_bytes: Bytes the kept responses may take (their JSON,
+            input and conversation, images included); past it the oldest go
+            first, and a response larger than this alone is not kept.
         freeze_gc: After the model is loaded, collect garbage once and move
             every object left to the collector's permanent generation
             (:func:`gc.freeze`), so later full collections skip the
@@ -161,6 +167,8 @@ class ServerConfig:
     max_model_bytes: int | None = None
     distributed: str | None = None
     distributed_timeout: float = 30.0
+    responses_store_max: int = 1000
+    responses_store_bytes: int = 256 * 1024 * 1024
     # Process-wide: a library user's app shares the process with other code.
     freeze_gc: bool = False
     playground: bool = True

@@ -69,6 +69,8 @@ def check_config(config: ServerConfig) -> None:
         _at_least(config, name, 1, optional=True)
     for name in ("prompt_cache_bytes", "image_cache_bytes"):
         _at_least(config, name, 0, optional=True)
+    for name in ("responses_store_max", "responses_store_bytes"):
+        _at_least(config, name, 0)
     _check_origins(config)
     if config.api_key == "":
         raise SettingError("api_key", "api_key is empty: give a key, or leave it unset")

@@ -16,6 +16,7 @@ import pytest
 from mlx_pinned.server import cli
 from mlx_pinned.server.cli_options import NOT_ON_THE_COMMAND_LINE, OPTIONS
 from mlx_pinned.server.config import ImageLimits, ServerConfig
+from mlx_pinned.server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
 from mlx_pinned.testing import make_tiny_vlm
 
 
@@ -378,7 +379,7 @@ class TestArguments:
             (
                 ["serve", "m", "--tool-call-parser", "xml"],
                 "--tool-call-parser 'xml' is not a format this server knows: give "
-                "one of hermes, none",
+                f"one of {', '.join([*TOOL_CALL_FORMATS, 'none'])}",
             ),
             # Refused by the config, named by the flag that gave it.
             (["serve", "m", "--max-pending", "0"], "--max-pending must be >= 1"),
@@ -403,7 +404,7 @@ class TestArguments:
             ),
             (
                 ["serve", "m", "--reasoning-parser", "xml"],
-                "give one of think, none",
+                f"give one of {', '.join([*REASONING_FORMATS, 'none'])}",
             ),
         ]
         for argv, text in cases:

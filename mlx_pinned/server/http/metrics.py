@@ -42,7 +42,7 @@ __all__ = ["MetricsMiddleware", "ServerMetrics"]
 
 _ROUTES = frozenset(
     {"/health", "/livez", "/metrics", "/v1/models", "/v1/chat/completions"}
-    | {"/v1/completions", "/tokenize", "/detokenize"}
+    | {"/v1/completions", "/tokenize", "/detokenize", "/v1/responses"}
     | {"/v1/messages", "/v1/messages/count_tokens"}
 )
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
@@ -290,6 +290,10 @@ def route_of(path: str) -> str:
         return path
     if path.startswith("/v1/models/"):
         return "/v1/models/{model_id}"
+    if path.startswith("/v1/responses/"):  # one label, whatever the id
+        if path.endswith("/input_items"):
+            return "/v1/responses/{response_id}/input_items"
+        return "/v1/responses/{response_id}"
     return "other"
 
 

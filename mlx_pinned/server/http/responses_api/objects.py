@@ -1,0 +1,269 @@
+"""The Responses API's objects: ids, the response object, its output items
+as the answer's parts build them, and the stream's events.
+
+Event loop (pure CPU, plain dicts: the SDKs read OpenAI's JSON, and a dict
+per event is cheap). :class:`Output` turns the shared
+:class:`~..answer.AnswerParser`'s parts into output items and, as it goes,
+the events a stream sends, so a stream's events rebuild exactly the whole
+response.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import TYPE_CHECKING, Any
+
+from ...formats import CallStart
+from ..answer import Part, Reasoning
+
+if TYPE_CHECKING:
+    from ...events import FinalEvent
+    from .protocol import ResponsesRequest
+
+__all__ = [
+    "Output",
+    "item_id",
+    "response_object",
+    "sse",
+    "tool_call_id",
+    "usage",
+]
+
+# Ids must be unique, not secret: one generator seeded from the OS per
+# process (forks re-seeded), not a system call per id.
+_ids = random.Random(os.urandom(16))
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(16)))
+
+
+def item_id(prefix: str) -> str:
+    """A fresh id: ``resp_…``, ``msg_…``, ``fc_…``, ``rs_…``."""
+    return f"{prefix}_{_ids.getrandbits(128):032x}"
+
+
+def tool_call_id() -> str:
+    """A fresh ``call_…`` id for a function call."""
+    return item_id("call")
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    """One server-sent event, named as its ``type``."""
+    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+
+def usage(final: FinalEvent) -> dict[str, Any]:
+    return {
+        "input_tokens": final.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": final.cached_tokens},
+        "output_tokens": final.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+    }
+
+
+def response_object(
+    request: ResponsesRequest, response_id: str, created: int, model: str
+) -> dict[str, Any]:
+    """The response object, in progress and with no output yet; the
+    request's settings echoed as OpenAI echoes them."""
+    text = request.text.format if request.text is not None else None
+    text_format: dict[str, Any] = {"type": "text"}
+    if text is not None:
+        text_format = text.model_dump(mode="json", by_alias=True, exclude_none=True)
+    choice = request.tool_choice
+    reasoning = request.reasoning
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": "in_progress",
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "max_tool_calls": None,
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": request.parallel_tool_calls is not False,
+        "previous_response_id": request.previous_response_id,
+        "reasoning": {
+            "effort": reasoning.effort if reasoning else None,
+            "summary": reasoning.summary if reasoning else None,
+        },
+        "service_tier": "default",
+        "store": request.store is not False,
+        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "text": {"format": text_format, "verbosity": "medium"},
+        "tool_choice": (
+            choice.model_dump(mode="json")
+            if choice is not None and not isinstance(choice, str)
+            else choice or "auto"
+        ),
+        "tools": [
+            tool.model_dump(mode="json", exclude_none=True)
+            for tool in request.tools or []
+        ],
+        "top_logprobs": request.top_logprobs or 0,
+        "top_p": 1.0 if request.top_p is None else request.top_p,
+        "truncation": "disabled",
+        "usage": None,
+        "user": request.user,
+        "metadata": request.metadata or {},
+    }
+
+
+class Output:
+    """The output items of one answer, built part by part.
+
+    :meth:`add` returns the stream events the parts make (each numbered
+    from ``sequence``); :meth:`close` ends the open item. ``items`` is the
+    response's ``output``: reasoning, message and function calls in the
+    order the model wrote them.
+    """
+
+    def __init__(self, sequence: int = 0) -> None:
+        self.sequence = sequence
+        self.items: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+        self._calls: dict[int, dict[str, Any]] = {}
+
+    @property
+    def called(self) -> bool:
+        return bool(self._calls)
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """An event of this stream, with the next ``sequence_number``."""
+        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return event
+
+    def add(self, parts: list[Part]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for part in parts:
+            if isinstance(part, Reasoning):
+                events += self._text("reasoning", "reasoning_text", part.text)
+            elif isinstance(part, str):
+                if part:
+                    events += self._text("message", "output_text", part)
+            elif isinstance(part, CallStart):
+                events += self.close()
+                item = {
+                    "id": item_id("fc"),
+                    "type": "function_call",
+                    "status": "in_progress",
+                    "arguments": "",
+                    "call_id": part.id,
+                    "name": part.name,
+                }
+                self._calls[part.index] = item
+                events += self._begin(item)
+            else:
+                item = self._calls[part.index]
+                item["arguments"] += part.text
+                events.append(
+                    self.event(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=self.items.index(item),
+                        delta=part.text,
+                    )
+                )
+        return events
+
+    def add_empty_message(self) -> list[dict[str, Any]]:
+        """An empty message: the output of an answer with no text at all."""
+        return self._text("message", "output_text", "")
+
+    def _begin(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.items.append(item)
+        self._open = item
+        added = self.event(
+            "response.output_item.added",
+            output_index=len(self.items) - 1,
+            item=json.loads(json.dumps(item)),
+        )
+        if item["type"] == "function_call":
+            return [added]
+        kind = "output_text" if item["type"] == "message" else "reasoning_text"
+        part: dict[str, Any] = {"type": kind, "text": ""}
+        if kind == "output_text":
+            part["annotations"] = []
+        item["content"].append(part)
+        return [
+            added,
+            self.event(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=len(self.items) - 1,
+                content_index=0,
+                part=dict(part),
+            ),
+        ]
+
+    def _text(self, kind: str, part_kind: str, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self._open is None or self._open["type"] != kind:
+            events += self.close()
+            item: dict[str, Any] = {"id": item_id("msg" if kind == "message" else "rs")}
+            if kind == "message":
+                item.update(type="message", status="in_progress", content=[])
+                item["role"] = "assistant"
+            else:
+                item.update(type="reasoning", summary=[], content=[])
+            events += self._begin(item)
+        assert self._open is not None
+        self._open["content"][0]["text"] += text
+        fields: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        events.append(
+            self.event(
+                f"response.{part_kind}.delta",
+                item_id=self._open["id"],
+                output_index=len(self.items) - 1,
+                content_index=0,
+                delta=text,
+                **fields,
+            )
+        )
+        return events
+
+    def close(self) -> list[dict[str, Any]]:
+        """The events that end the open item (none if none is open)."""
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = self.items.index(item)
+        events = []
+        if item["type"] == "function_call":
+            item["status"] = "completed"
+            events.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
+        else:
+            part = item["content"][0]
+            kind = part["type"]
+            fields: dict[str, Any] = {"logprobs": []} if kind == "output_text" else {}
+            if item["type"] == "message":
+                item["status"] = "completed"
+            ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            events += [
+                self.event(f"response.{kind}.done", **ids, text=part["text"], **fields),
+                self.event("response.content_part.done", **ids, part=dict(part)),
+            ]
+        events.append(
+            self.event(
+                "response.output_item.done",
+                output_index=index,
+                item=json.loads(json.dumps(item)),
+            )
+        )
+        return events

@@ -1,0 +1,290 @@
+"""The request body of the OpenAI Responses API (``POST /v1/responses``).
+
+Parsed from the raw body with :func:`parse_responses_request`, which turns
+every failure into an :class:`~..errors.APIError` naming the parameter at
+fault, as chat completions does. Every top-level field of OpenAI's reference
+is declared here: honoured, accepted without effect, or refused with a 400
+that names it; an unknown one is a 400 ("Unrecognized request argument
+supplied"). A validated request turns itself into the shared generation
+request (:meth:`ResponsesRequest.to_generation_params`). Nothing here
+touches MLX or the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from ...events import GenerationParams, Grammar
+from ..validation import parse_request
+from .items import (
+    NAME_PATTERN,
+    FunctionTool,
+    HostedTool,
+    InputItem,
+    MessageItem,
+    NamedFunctionChoice,
+    RequestModel,
+)
+
+__all__ = [
+    "JSONObjectFormat",
+    "JSONSchemaFormat",
+    "Reasoning",
+    "ResponsesRequest",
+    "TextFormat",
+    "TextOptions",
+    "parse_responses_request",
+]
+
+_TOP_P_FLOOR = 1.1754943508222875e-38  # float32's smallest normal number
+
+#: ``include`` values accepted; none adds anything this server has.
+_INCLUDE = Literal[
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+    "message.input_image.image_url",
+    "web_search_call.action.sources",
+    "web_search_call.results",
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+]
+
+_REFUSED = {
+    "background": "this server answers in the foreground; leave it out",
+    "conversation": "this server keeps no conversations; use previous_response_id",
+    "prompt": "this server stores no prompt templates; send 'input'",
+    "max_tool_calls": "this server cannot cap built-in tool calls; leave it out",
+}
+
+
+def _unsupported(field: str, why: str) -> PydanticCustomError:
+    return PydanticCustomError(
+        "unsupported_parameter", f"Unsupported parameter: '{field}': {why}."
+    )
+
+
+def _unsupported_value(field: str, value: object, why: str) -> PydanticCustomError:
+    return PydanticCustomError(
+        "unsupported_value",
+        f"Unsupported value: '{field}' does not support {value!r}: {why}.",
+    )
+
+
+class TextFormat(RequestModel):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(RequestModel):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(RequestModel):
+    """``text.format`` of type ``json_schema``: the schema the answer follows."""
+
+    type: Literal["json_schema"]
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    # 'schema' would shadow a BaseModel attribute: the field has another name.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(RequestModel):
+    """``text``: its ``format``; ``verbosity`` at the one value this server has."""
+
+    format: (
+        Annotated[
+            TextFormat | JSONObjectFormat | JSONSchemaFormat,
+            Field(discriminator="type"),
+        ]
+        | None
+    ) = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class Reasoning(RequestModel):
+    """``reasoning``: ``effort`` turns the model's thinking on or off where its
+    chat template has the switch; ``summary`` is accepted, unused."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(RequestModel):
+    """The body of ``POST /v1/responses``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    input: str | Annotated[list[InputItem], Field(min_length=1, max_length=4096)]
+    instructions: str | None = None
+    previous_response_id: str | None = Field(default=None, min_length=1)
+    store: bool | None = None
+    stream: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    tools: Annotated[list[FunctionTool | HostedTool], Field(max_length=128)] | None = (
+        None
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    reasoning: Reasoning | None = None
+    include: Annotated[list[_INCLUDE], Field(max_length=16)] | None = None
+    # No effect on the output by definition: accepted, unused.
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    client_metadata: Annotated[dict[str, Any], Field(max_length=64)] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: str | None = None
+    user: str | None = None
+    stream_options: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    truncation: Literal["auto", "disabled"] | None = None
+    service_tier: (
+        Literal["auto", "default", "flex", "scale", "priority", "fast"] | None
+    ) = None
+    # Refused whenever set (_REFUSED says why).
+    background: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    max_tool_calls: Any = None
+
+    @field_validator(*_REFUSED)
+    @classmethod
+    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and value is not False:
+            assert info.field_name is not None
+            raise _unsupported(info.field_name, _REFUSED[info.field_name])
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _check_service_tier(cls, value: str | None) -> str | None:
+        if value not in (None, "auto", "default"):
+            raise _unsupported_value(
+                "service_tier", value, "this server has one tier, 'default'"
+            )
+        return value
+
+    @field_validator("truncation")
+    @classmethod
+    def _check_truncation(cls, value: str | None) -> str | None:
+        if value == "auto":
+            raise _unsupported_value(
+                "truncation",
+                value,
+                "this server never drops input; a prompt over the context is a 400",
+            )
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(
+        cls, value: list[FunctionTool | HostedTool] | None
+    ) -> list[FunctionTool | HostedTool] | None:
+        names = [tool.name for tool in value or [] if isinstance(tool, FunctionTool)]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"the function name {name!r} is given twice")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(
+        cls, value: str | NamedFunctionChoice | None, info: ValidationInfo
+    ) -> str | NamedFunctionChoice | None:
+        if value is None or value == "none" or "tools" not in info.data:
+            return value
+        tools = info.data["tools"] or []
+        names = [tool.name for tool in tools if isinstance(tool, FunctionTool)]
+        if value == "required" and not names:
+            raise ValueError("tool_choice 'required' needs function tools")
+        if isinstance(value, NamedFunctionChoice) and value.name not in names:
+            raise ValueError(f"the function {value.name!r} is not one of the tools")
+        return value
+
+    @field_validator("text")
+    @classmethod
+    def _check_text(
+        cls, value: TextOptions | None, info: ValidationInfo
+    ) -> TextOptions | None:
+        if value is None:
+            return value
+        if value.verbosity not in (None, "medium"):
+            raise _unsupported_value(
+                "text.verbosity",
+                value.verbosity,
+                "this server cannot steer a model's verbosity",
+            )
+        choice = info.data.get("tool_choice")
+        forced = choice == "required" or isinstance(choice, NamedFunctionChoice)
+        if forced and not isinstance(value.format, (TextFormat, type(None))):
+            raise ValueError(
+                "a JSON text.format cannot be combined with a tool_choice that "
+                "forces a tool call"
+            )
+        return value
+
+    @property
+    def items(self) -> list[InputItem]:
+        """``input`` as items: a string is one user message."""
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    @property
+    def function_tools(self) -> list[FunctionTool]:
+        """The function tools, whatever ``tool_choice`` says."""
+        return [tool for tool in self.tools or [] if isinstance(tool, FunctionTool)]
+
+    @property
+    def active_tools(self) -> list[FunctionTool]:
+        """The tools the model may call: none with ``tool_choice: "none"``."""
+        return [] if self.tool_choice == "none" else self.function_tools
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """``reasoning.effort`` as the chat template's thinking switch."""
+        if self.reasoning is None or self.reasoning.effort is None:
+            return {}
+        return {"enable_thinking": self.reasoning.effort not in ("none", "minimal")}
+
+    def to_generation_params(
+        self,
+        messages: tuple[dict[str, Any], ...],
+        max_tokens: int,
+        *,
+        max_prompt_tokens: int | None = None,
+        context_length: int | None = None,
+        grammar: Grammar | None = None,
+    ) -> GenerationParams:
+        """This request as the shared generation request, over the whole
+        conversation (``messages``: a stored one's turns, then this
+        request's), with ``max_tokens`` resolved and its ``grammar`` checked."""
+        return GenerationParams(
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=None if self.top_p is None else max(self.top_p, _TOP_P_FLOOR),
+            max_prompt_tokens=max_prompt_tokens,
+            context_length=context_length,
+            grammar=grammar,
+            tools=tuple(tool.spec() for tool in self.active_tools),
+            template_kwargs=tuple(self.template_kwargs.items()),
+        )
+
+
+def parse_responses_request(body: bytes) -> ResponsesRequest:
+    """Parse and validate a Responses body (any thread, pure CPU).
+
+    Raises:
+        APIError: 400 naming the first invalid parameter.
+    """
+    return parse_request(ResponsesRequest, body)

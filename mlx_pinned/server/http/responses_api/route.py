@@ -1,0 +1,228 @@
+"""The ASGI endpoint of ``POST /v1/responses``: from the body to the last
+byte of the answer, a whole response or OpenAI's stream of events.
+
+Event loop only. Each event carries its ``sequence_number``; the status
+is sent with the first token, so a failed prefill is still an error status.
+A failure after the stream began ends it with ``response.failed`` (or, for
+the request's deadline, an ``error`` event).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+import functools
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from ...events import FinalEvent, TokenEvent
+from ..capabilities import Capabilities
+from ..endpoint import GenerationEndpoint
+from ..wire import OpenAIErrors
+from .items import INPUT_ITEMS, chat_messages, image_urls
+from .objects import Output, item_id, response_object, sse, usage
+from .protocol import parse_responses_request
+from .serving import Prepared, ResponsesServing
+from .store import ResponseStore
+
+if TYPE_CHECKING:
+    from ...events import EventStream
+    from ..answer import AnswerParser, Part
+    from ..errors import APIError
+    from ..wire import RequestLog, ResponseWriter
+
+__all__ = ["STREAM", "ResponsesEndpoint", "ResponsesErrors"]
+
+# The stream's response and output, for an error that ends it: set in the
+# request's own task, read there by the endpoint's error path (the base's,
+# which writes the error after the slice's code has returned or raised).
+STREAM: contextvars.ContextVar[tuple[dict[str, Any], Output] | None] = (
+    contextvars.ContextVar("responses_stream", default=None)
+)
+
+
+class ResponsesErrors(OpenAIErrors):
+    """OpenAI's error body; in a stream, ``response.failed`` with the
+    stream's next ``sequence_number``, its output so far and the error."""
+
+    def event(self, error: APIError) -> bytes:
+        body = error.body()["error"]
+        state = STREAM.get()
+        if state is None:  # not a stream of this endpoint: a bare error event
+            fields = {key: body.get(key) for key in ("code", "message", "param")}
+            return sse({"type": "error", "sequence_number": 0, **fields})
+        head, output = state
+        failed = copy.deepcopy(head)
+        failed["status"] = "failed"
+        failed["output"] = copy.deepcopy(output.items)
+        failed["error"] = {
+            "code": body.get("code") or "server_error",
+            "message": body["message"],
+        }
+        return sse(output.event("response.failed", response=failed))
+
+
+class ResponsesEndpoint(GenerationEndpoint):
+    """The ASGI endpoint of ``POST /v1/responses``.
+
+    Runs on the event loop (the rest is :class:`~..endpoint.GenerationEndpoint`'s):
+    the request is checked in one place (:class:`.serving.ResponsesServing`),
+    its answer written as OpenAI's response object or events, and kept in
+    :attr:`store` unless the request says ``store: false``.
+    """
+
+    route = "POST /v1/responses"
+    errors = ResponsesErrors()
+
+    @functools.cached_property
+    def store(self) -> ResponseStore:
+        """The stored responses, within the server's bound."""
+        return ResponseStore(
+            self.config.responses_store_max, self.config.responses_store_bytes
+        )
+
+    @functools.cached_property
+    def serving(self) -> ResponsesServing:
+        return ResponsesServing(self.config, self.store)
+
+    async def handle(
+        self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
+    ) -> None:
+        STREAM.set(None)
+        request = parse_responses_request(body)
+        if request.previous_response_id is not None:
+            stored = self.store.get(request.previous_response_id)
+            # Where each image is named: a stored turn's by its response.
+            if stored is not None:
+                images.extend("previous_response_id" for _ in stored.images)
+        images.extend(param for param, _ in image_urls(request.items))
+        log.stream = bool(request.stream)
+        async with self.model(request.model, log) as (served, engine):
+            capabilities = Capabilities.of(engine, served)
+            prepared = await self.serving.prepare(request, capabilities)
+            log.images = len(prepared.images)
+            decoded = await self.load_images(prepared.images)
+            params = prepared.params
+            async with self.generation(served, engine, params, decoded, log) as stream:
+                parser = self.serving.answer_parser(request, capabilities, params)
+                head = response_object(
+                    request, item_id("resp"), int(time.time()), served.name
+                )
+                output = Output()
+                if request.stream:
+                    STREAM.set((head, output))
+                    final = await self._stream(
+                        head, stream, response, log, parser, output
+                    )
+                else:
+                    final = await self._whole(stream, log, parser, output, params)
+                done = self._finish(head, output, final)
+                if request.store is not False:
+                    self._keep(done, prepared, output)
+                if request.stream:
+                    kind = (
+                        "completed" if done["status"] == "completed" else "incomplete"
+                    )
+                    last = sse(output.event(f"response.{kind}", response=done))
+                    if not response.started:
+                        await response.start_stream(self._opening(head, output))
+                    await response.send(last, more=False)
+                else:
+                    await response.json(json.dumps(done).encode())
+
+    async def _whole(
+        self,
+        stream: EventStream,
+        log: RequestLog,
+        parser: AnswerParser | None,
+        output: Output,
+        params: Any,
+    ) -> FinalEvent:
+        """Every event, taken in batches; the answer's parts into ``output``."""
+        text: list[str] = []
+        final: FinalEvent | None = None
+        async for events in stream.batched(params.max_tokens + 1):
+            await self.turns.checkpoint()
+            for event in events:
+                log.record(event, whole=True)
+                text.append(event.text)
+                if isinstance(event, FinalEvent):
+                    final = event
+        assert final is not None, "a generation always ends with a FinalEvent"
+        joined = "".join(text)
+        if parser is None:
+            output.add([joined])
+        else:
+            cut = final.finish_reason == "length"
+            output.add([*parser.feed(joined), *parser.end(cut=cut)])
+        return final
+
+    def _opening(self, head: dict[str, Any], output: Output) -> bytes:
+        """``response.created`` and ``response.in_progress``: numbered 0 and 1."""
+        return sse(output.event("response.created", response=head)) + sse(
+            output.event("response.in_progress", response=head)
+        )
+
+    async def _stream(
+        self,
+        head: dict[str, Any],
+        stream: EventStream,
+        response: ResponseWriter,
+        log: RequestLog,
+        parser: AnswerParser | None,
+        output: Output,
+    ) -> FinalEvent:
+        """The events of each token as it comes; the last one's are left to
+        the caller (the answer's end)."""
+        opening = self._opening(head, output)
+        async for event in stream:
+            await self.turns.checkpoint()
+            log.record(event)
+            if isinstance(event, TokenEvent):
+                parts: list[Part] = parser.feed(event.text) if parser else [event.text]
+                data = b"".join(sse(e) for e in output.add(parts))
+                if not response.started:
+                    await response.start_stream(opening + data)
+                elif data:
+                    await response.send(data)
+                continue
+            cut = event.finish_reason == "length"
+            if parser is None:
+                tail = output.add([event.text])
+            else:
+                tail = output.add([*parser.feed(event.text), *parser.end(cut=cut)])
+            if not output.items:
+                tail += output.add_empty_message()
+            tail += output.close()
+            data = b"".join(sse(e) for e in tail)
+            if not response.started:
+                await response.start_stream(opening + data)
+            else:
+                await response.send(data)
+            return event
+        raise AssertionError("a generation always ends with a FinalEvent")
+
+    def _finish(
+        self, head: dict[str, Any], output: Output, final: FinalEvent
+    ) -> dict[str, Any]:
+        """The response object at the answer's end."""
+        if not output.items:
+            output.add_empty_message()
+        output.close()
+        done = copy.deepcopy(head)
+        cut = final.finish_reason == "length"
+        done["status"] = "incomplete" if cut else "completed"
+        if cut:
+            done["incomplete_details"] = {"reason": "max_output_tokens"}
+        done["output"] = copy.deepcopy(output.items)
+        done["usage"] = usage(final)
+        return done
+
+    def _keep(self, done: dict[str, Any], prepared: Prepared, output: Output) -> None:
+        """Store the response and the conversation it ends, its output as the
+        chat turns the same items make when sent back as input."""
+        said = chat_messages(INPUT_ITEMS.validate_python(output.items, strict=False))
+        messages = (*prepared.history, *said)
+        urls = tuple(ref.url for ref in prepared.images)
+        self.store.put(done, prepared.input_items, messages, urls)

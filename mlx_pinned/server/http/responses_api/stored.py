@@ -1,0 +1,125 @@
+"""The stored responses' routes: ``GET`` and ``DELETE /v1/responses/{id}``
+and ``GET /v1/responses/{id}/input_items``.
+
+Event loop only (Starlette handlers over the endpoint's
+:class:`~.store.ResponseStore`); errors in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..errors import APIError
+from ..routes import error_response
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from .route import ResponsesEndpoint
+    from .store import ResponseStore, StoredResponse
+
+__all__ = ["routes"]
+
+
+def routes(endpoint: ResponsesEndpoint) -> list[Route]:
+    """The Responses API's routes: the endpoint, and its stored responses'."""
+    store = endpoint.store
+    return [
+        Route("/v1/responses", endpoint, methods=["POST"]),
+        Route(
+            "/v1/responses/{response_id}",
+            functools.partial(retrieve, store),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/responses/{response_id}",
+            functools.partial(delete, store),
+            methods=["DELETE"],
+        ),
+        Route(
+            "/v1/responses/{response_id}/input_items",
+            functools.partial(input_items, store),
+            methods=["GET"],
+        ),
+    ]
+
+
+def _found(store: ResponseStore, request: Request) -> StoredResponse:
+    response_id = request.path_params["response_id"]
+    stored = store.get(response_id)
+    if stored is None:
+        raise APIError(
+            404,
+            f"No response found with id '{response_id}': it was not stored "
+            "(store=false), was deleted, or was evicted by the store's bound.",
+            param="response_id",
+            code="not_found",
+        )
+    return stored
+
+
+async def retrieve(store: ResponseStore, request: Request) -> Response:
+    """``GET /v1/responses/{id}``: the stored response object."""
+    try:
+        return JSONResponse(_found(store, request).response)
+    except APIError as error:
+        return error_response(error)
+
+
+async def delete(store: ResponseStore, request: Request) -> Response:
+    """``DELETE /v1/responses/{id}``: OpenAI's deletion object."""
+    try:
+        stored = _found(store, request)
+    except APIError as error:
+        return error_response(error)
+    store.delete(stored.response["id"])
+    body = {"id": stored.response["id"], "object": "response.deleted", "deleted": True}
+    return JSONResponse(body)
+
+
+async def input_items(store: ResponseStore, request: Request) -> Response:
+    """``GET /v1/responses/{id}/input_items``: its input items as a list
+    page (``order``: ``desc`` by default, ``limit`` 1-100, ``after``)."""
+    try:
+        stored = _found(store, request)
+        query = request.query_params
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(
+                400,
+                f"Invalid value for 'order': {order[:40]!r}; use 'asc' or 'desc'.",
+                param="order",
+                code="invalid_value",
+            )
+        limit_text = query.get("limit", "20")
+        digits = limit_text.isascii() and limit_text.isdigit()
+        if not digits or len(limit_text) > 3 or not 1 <= int(limit_text) <= 100:
+            raise APIError(
+                400,
+                f"Invalid value for 'limit': {limit_text[:40]!r}; give 1 to 100.",
+                param="limit",
+                code="invalid_value",
+            )
+    except APIError as error:
+        return error_response(error)
+    items: list[dict[str, Any]] = list(stored.input_items)
+    if order == "desc":
+        items.reverse()
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        items = items[ids.index(after) + 1 :] if after in ids else []
+    page = items[: int(limit_text)]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > len(page),
+        }
+    )
