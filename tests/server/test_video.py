@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from mlx_pinned import MLXThread
-from mlx_pinned.server import engine
+from mlx_pinned.server import create_app, engine
 from mlx_pinned.server.config import ServerConfig, VideoLimits
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.admission import make_row, media_tokens
@@ -33,7 +33,7 @@ from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.server.inputs.videos import decode_video, load_videos
 from mlx_pinned.testing import tiny_vlm_path
 
-from .conftest import MODEL, Serve, assert_error
+from .conftest import MODEL, Lifespan, Serve, assert_error
 from .kit import (
     TOL,
     Collector,
@@ -398,3 +398,35 @@ class TestApp:
                 "messages[0].content[1].video_url",
                 "remote_videos_disabled",
             )
+
+    async def test_remote_videos_go_through_the_fetcher(self, serve: Serve) -> None:
+        fetched: list[str] = []
+
+        async def fetch(url: str) -> bytes:
+            fetched.append(url)
+            return CLIP
+
+        async with serve(image_fetcher=fetch) as served:
+            url = "https://example.com/a.avi"
+            part = {"type": "video_url", "video_url": {"url": url}}
+            response = await served.chat(body(part))
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["prompt_tokens"] > 20
+        assert fetched == [url]
+
+    async def test_a_family_without_video_answers_400_naming_the_part(
+        self, lifespan: Lifespan
+    ) -> None:
+        app = create_app(tiny_vlm_path(model_type="gemma3"), served_model_name=MODEL)
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            lifespan(app),
+            httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+        ):
+            response = await client.post(
+                "/v1/chat/completions", json=body(video_part())
+            )
+        error = assert_error(
+            response, 400, "messages[0].content[1].video_url", "videos_unsupported"
+        )
+        assert "gemma3" in error["message"]
