@@ -288,7 +288,7 @@ def video_bytes(
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory() as folder:
         path = str(Path(folder) / f"video{suffix}")
-        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*codec), fps, size)
+        writer = cv2.VideoWriter(path, cv2.VideoWriter.fourcc(*codec), fps, size)
         for _ in range(frames):
             writer.write(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
         writer.release()

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..config import VideoLimits
 from ..events import Video, VideoRef
+from ..failures import VideoRefusedError
 from .images import Fetcher, decoders
 from .remote import RemoteImageError
 
@@ -248,14 +249,14 @@ def _data_uri_bytes(ref: VideoRef, limits: VideoLimits) -> tuple[bytes, str]:
         ) from None
 
 
-def _too_large(ref: VideoRef, size: int, limits: VideoLimits) -> Exception:
+def _too_large(ref: VideoRef, size: int, limits: VideoLimits) -> VideoRefusedError:
     return ref.error(
         f"the video is {size} bytes; at most {limits.max_bytes} are allowed.",
         "video_too_large",
     )
 
 
-def _undecodable(ref: VideoRef) -> Exception:
+def _undecodable(ref: VideoRef) -> VideoRefusedError:
     return ref.error(
         "the data is not an MP4, WebM, QuickTime, AVI or Matroska video OpenCV "
         "can decode, or it is corrupt.",
