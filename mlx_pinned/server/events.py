@@ -1,7 +1,8 @@
 """What the event loop and the MLX thread hand each other, as plain values.
 
 A shared module: no Starlette, no pydantic, no MLX. The HTTP side turns a
-request into :class:`GenerationParams` and :class:`ImageRef` values; the
+request into :class:`GenerationParams`, :class:`ImageRef` and
+:class:`VideoRef` values (decoded videos travel in the params); the
 engine, on the MLX thread, answers with one :class:`TokenEvent` per token
 and one :class:`FinalEvent`, through an :class:`EventStream`. The HTTP side
 knows the engine only through the :class:`Engine` protocol, so it never

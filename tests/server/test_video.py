@@ -318,6 +318,10 @@ class TestEngine:
         again = await run(cached, video_request(first, 6))
         assert isinstance(again[-1], FinalEvent)
         assert again[-1].cached_tokens > 20  # through the video
+        tower = cached.image_cache
+        assert tower is not None
+        # Each video's frames encoded once; the first one's served again.
+        assert (tower.held.misses, tower.held.hits) == (2, 1)
 
     async def test_a_family_without_video_refuses_it(self, thread: MLXThread) -> None:
         loaded = await thread.run(engine.load, tiny_vlm_path(model_type="gemma3"))
