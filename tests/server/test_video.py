@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import struct
@@ -322,6 +323,36 @@ class TestEngine:
         assert tower is not None
         # Each video's frames encoded once; the first one's served again.
         assert (tower.held.misses, tower.held.hits) == (2, 1)
+
+    async def test_an_image_and_a_video_in_one_prompt_are_keyed_apart(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        params, _ = video_request(decoded(0), 4)
+        content = [{"type": "image_url"}, *params.messages[0]["content"]]
+        both = dataclasses.replace(
+            params, messages=({"role": "user", "content": content},)
+        )
+        picture = request(0, 4)[1]
+        row = await thread.run(
+            make_row, loaded, both, picture, media=media_tokens(loaded)
+        )
+        assert row.key is not None
+        assert len(set(row.key[row.key < 0].tolist())) == 2  # one hash each
+        events = await run(BatchEngine(loaded, thread), (both, picture))
+        assert isinstance(events[-1], FinalEvent)
+
+    async def test_qwen2_5_vl_takes_images_or_videos_not_both(
+        self, thread: MLXThread
+    ) -> None:
+        loaded = await thread.run(engine.load, tiny_vlm_path(model_type="qwen2_5_vl"))
+        params, _ = video_request(decoded(0), 4)
+        content = [{"type": "image_url"}, *params.messages[0]["content"]]
+        both = dataclasses.replace(
+            params, messages=({"role": "user", "content": content},)
+        )
+        with pytest.raises(VideoRefusedError) as caught:
+            await run(BatchEngine(loaded, thread), (both, request(0, 4)[1]))
+        assert caught.value.code == "mixed_media_unsupported"
 
     async def test_a_family_without_video_refuses_it(self, thread: MLXThread) -> None:
         loaded = await thread.run(engine.load, tiny_vlm_path(model_type="gemma3"))
