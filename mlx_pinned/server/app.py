@@ -43,7 +43,7 @@ from mlx_pinned.middleware import MLXThreadMiddleware
 from .config import ServerConfig
 from .engine import BatchEngine
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
-from .events import Engine, LoadImages
+from .events import Engine, LoadImages, LoadVideos
 from .formats import log_formats
 from .http.anthropic_messages import CountTokensEndpoint, MessagesEndpoint
 from .http.chat_completions import ChatCompletionsEndpoint
@@ -69,6 +69,7 @@ from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
 from .http.turns import LoopTurns
 from .inputs.images import Fetcher, load_images
 from .inputs.remote import RemoteImageFetcher
+from .inputs.videos import load_videos
 
 __all__ = ["create_app"]
 
@@ -194,6 +195,7 @@ def create_app(
         turns,
         metrics=metrics,
     )
+    chat.load_videos = _video_loader(config, image_fetcher)
     # The same wiring for the other APIs' endpoints.
     wiring = (chat.config, chat.thread, served, residency, chat.load_images, turns)
     completions = CompletionsEndpoint(*wiring, metrics=metrics)
@@ -302,6 +304,19 @@ def _image_loader(config: ServerConfig, fetch: Fetcher | None) -> LoadImages:
             timeout=config.remote_image_timeout,
         )
     return functools.partial(load_images, limits=config.image_limits, fetch=fetch)
+
+
+def _video_loader(config: ServerConfig, fetch: Fetcher | None) -> LoadVideos:
+    """Decodes a request's videos with the config's limits; remote ones are
+    fetched under the same switch and rules as images, up to the video
+    byte limit."""
+    if fetch is None and config.allow_remote_images:
+        fetch = RemoteImageFetcher(
+            max_bytes=config.max_video_bytes,
+            timeout=config.remote_image_timeout,
+        )
+    limits = config.video_limits
+    return functools.partial(load_videos, limits=limits, fetch=fetch)
 
 
 def _freeze_gc() -> int:

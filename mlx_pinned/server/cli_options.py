@@ -179,12 +179,31 @@ OPTIONS = (
     ),
     Option(
         "allow_remote_images",
-        "fetch http(s) image URLs, from public addresses only (default: off)",
+        "fetch http(s) image and video URLs, from public addresses only (default: off)",
     ),
     Option(
         "remote_image_timeout",
-        "seconds to fetch one remote image (default: %(default)s)",
+        "seconds to fetch one remote image or video (default: %(default)s)",
         seconds,
+    ),
+    Option("max_videos", "videos per request (default: %(default)s)", whole),
+    Option("max_video_bytes", "encoded bytes per video (default: %(default)s)", whole),
+    Option("max_video_seconds", "seconds per video (default: %(default)s)", seconds),
+    Option(
+        "max_video_pixels",
+        "width x height per video frame (default: %(default)s)",
+        whole,
+    ),
+    Option(
+        "video_fps",
+        "frames sampled per second of video, where a request sets no video_fps "
+        "(default: %(default)s)",
+        seconds,
+    ),
+    Option(
+        "max_video_frames",
+        "most frames sampled per video (default: %(default)s)",
+        whole,
     ),
     Option(
         "max_prompt_tokens",

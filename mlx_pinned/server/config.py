@@ -16,7 +16,13 @@ from typing import Any
 
 from .config_checks import PER_MODEL_SETTINGS, SettingError, check_config, check_limits
 
-__all__ = ["PER_MODEL_SETTINGS", "ImageLimits", "ServerConfig", "SettingError"]
+__all__ = [
+    "PER_MODEL_SETTINGS",
+    "ImageLimits",
+    "ServerConfig",
+    "SettingError",
+    "VideoLimits",
+]
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,29 @@ class ImageLimits:
 
     def __post_init__(self) -> None:
         check_limits(self)
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """Limits on the videos of one request (:attr:`ServerConfig.video_limits`).
+
+    Attributes:
+        max_videos: Videos per request, over all messages.
+        max_bytes: Encoded (base64-decoded or fetched) bytes per video.
+        max_seconds: Length per video, read from its header.
+        max_pixels: Width times height per frame, read from its header.
+        fps: Frames sampled per second of video when a request sets no
+            ``video_fps``.
+        max_frames: Most frames sampled per video, and the largest
+            ``video_max_frames`` a request may ask for.
+    """
+
+    max_videos: int = 2
+    max_bytes: int = 16 * 1024 * 1024
+    max_seconds: float = 600.0
+    max_pixels: int = 1920 * 1080
+    fps: float = 2.0
+    max_frames: int = 32
 
 
 @dataclass(frozen=True)
@@ -67,10 +96,20 @@ class ServerConfig:
         allowed_origins: Origins whose browser pages may call the API
             (CORS: preflights answered, ``Access-Control-Allow-Origin``
             sent); ``("*",)`` allows any. Empty: CORS off.
-        allow_remote_images: Fetch ``http(s)://`` image URLs (off: they are a
-            400), from public addresses only, at most
-            ``image_limits.max_bytes`` per image.
-        remote_image_timeout: Seconds for fetching one remote image.
+        allow_remote_images: Fetch ``http(s)://`` image and video URLs (off:
+            they are a 400), from public addresses only, at most
+            ``image_limits.max_bytes`` per image and ``max_video_bytes`` per
+            video.
+        remote_image_timeout: Seconds for fetching one remote image or video.
+        max_videos: Videos per request, over all messages.
+        max_video_bytes: Encoded bytes per video.
+        max_video_seconds: Length per video, from its header; longer is a 400
+            before any frame is decoded.
+        max_video_pixels: Width times height per frame, from its header.
+        video_fps: Frames sampled per second of video where a request sets
+            no ``video_fps``.
+        max_video_frames: Most frames sampled per video (a request's
+            ``video_max_frames`` may ask for fewer, not more).
         max_prompt_tokens: Most prompt tokens, images included; None: the
             model's context length from its config.
         request_timeout: Seconds a request may take after its body is read
@@ -151,6 +190,12 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     allow_remote_images: bool = False
     remote_image_timeout: float = 10.0
+    max_videos: int = 2
+    max_video_bytes: int = 16 * 1024 * 1024
+    max_video_seconds: float = 600.0
+    max_video_pixels: int = 1920 * 1080
+    video_fps: float = 2.0
+    max_video_frames: int = 32
     max_prompt_tokens: int | None = None
     request_timeout: float | None = 600.0
     load_wait: float | None = 120.0
@@ -233,6 +278,18 @@ class ServerConfig:
         if self.prompt_cache_bytes is not None:
             return self.prompt_cache_bytes
         return _memory() // 8 // len(self.models)
+
+    @property
+    def video_limits(self) -> VideoLimits:
+        """The video settings, as the video decoder takes them."""
+        return VideoLimits(
+            max_videos=self.max_videos,
+            max_bytes=self.max_video_bytes,
+            max_seconds=self.max_video_seconds,
+            max_pixels=self.max_video_pixels,
+            fps=self.video_fps,
+            max_frames=self.max_video_frames,
+        )
 
     @property
     def image_cache_budget(self) -> int:

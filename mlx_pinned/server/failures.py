@@ -23,6 +23,7 @@ __all__ = [
     "PromptTooLongError",
     "RequestError",
     "UnavailableError",
+    "VideoRefusedError",
 ]
 
 
@@ -63,6 +64,22 @@ class ImageRefusedError(RequestError):
         index: Which image of the request, in prompt order, from 0; the
             edge names the part of its own request that holds it.
         code: A short machine-readable reason, e.g. ``image_too_large``.
+    """
+
+    def __init__(self, message: str, *, index: int, code: str) -> None:
+        super().__init__(message, code)
+        self.index = index
+
+
+class VideoRefusedError(RequestError):
+    """A video the server cannot use: over a limit, undecodable, or sent to a
+    model that takes none.
+
+    Args:
+        message: What is wrong with it and what to send instead.
+        index: Which video of the request, in prompt order, from 0; the
+            edge names the part of its own request that holds it.
+        code: A short machine-readable reason, e.g. ``video_too_long``.
     """
 
     def __init__(self, message: str, *, index: int, code: str) -> None:

@@ -267,3 +267,35 @@ def content_of(events: list[Any]) -> str:
         for e in events
         if isinstance(e, dict) and e["choices"]
     )
+
+
+def video_bytes(
+    frames: int = 8,
+    size: tuple[int, int] = (64, 64),
+    *,
+    fps: float = 4.0,
+    seed: int = 0,
+    codec: str = "MJPG",
+    suffix: str = ".avi",
+) -> bytes:
+    """A small video of random frames, written by OpenCV (MJPG in AVI, or
+    ``codec="mp4v", suffix=".mp4"``)."""
+    import tempfile
+
+    import cv2
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as folder:
+        path = str(Path(folder) / f"video{suffix}")
+        writer = cv2.VideoWriter(path, cv2.VideoWriter.fourcc(*codec), fps, size)
+        for _ in range(frames):
+            writer.write(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+        writer.release()
+        return Path(path).read_bytes()
+
+
+def video_data_uri(data: bytes, mime: str = "video/x-msvideo") -> str:
+    import base64
+
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"

@@ -35,6 +35,8 @@ OPENAI_FIELDS = {
     "web_search_options",
 }  # fmt: skip
 VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs"}
+# vllm-mlx's video sampling.
+VLLM_EXTENSIONS |= {"video_fps", "video_max_frames"}
 TOOL = {
     "type": "function",
     "function": {

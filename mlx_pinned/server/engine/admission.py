@@ -3,14 +3,15 @@
 :func:`make_row` resolves the request's sampling settings against the
 checkpoint's defaults, runs the chat template and the processor, checks the
 prompt's limits, and prepares what the row's logits need (its grammar's
-matcher, the prompt's tokens for a repetition penalty, its prompt-cache key).
+matcher, the prompt's tokens for a repetition penalty, its prompt-cache key,
+which holds its images' and videos' content hashes).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from ..failures import ImagesUnsupportedError, InvalidGrammarError
 from .logits import GrammarMatcher, new_matcher, prompt_seen
@@ -83,8 +84,31 @@ def make_row(
         row.seen = prompt_seen(ids, loaded.vocab_size)
     if media is not None:
         hashes = [image_hash(image) for image in images]
-        row.key = prompt_key(cast("list[int]", ids[0].tolist()), hashes, media)
+        row.key = prompt_key(
+            cast("list[int]", ids[0].tolist()),
+            hashes,
+            media,
+            *_video_keys(loaded, params, prepared.inputs),
+        )
     return row
+
+
+def _video_keys(
+    loaded: LoadedModel, params: GenerationParams, inputs: dict[str, Any]
+) -> tuple[list[tuple[int, int]], int | None]:
+    """Each video's content hash and its count of video tokens (from its
+    ``video_grid_thw``), and the video token."""
+    grids = inputs.get("video_grid_thw")
+    if not params.videos or grids is None:
+        return [], None
+    config = loaded.model.config
+    merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", 1)
+    rows = cast("list[list[int]]", grids.tolist())
+    counts = [t * h * w // int(merge) ** 2 for t, h, w in rows]
+    token = getattr(config, "video_token_id", None)
+    token = token if token is not None else getattr(config, "video_token_index", None)
+    keys = [(v.digest, n) for v, n in zip(params.videos, counts, strict=True)]
+    return keys, token
 
 
 def _matcher(loaded: LoadedModel, grammar: Grammar | None) -> GrammarMatcher | None:

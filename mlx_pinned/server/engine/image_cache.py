@@ -5,8 +5,10 @@ A chat resends its images with every turn; the prompt cache spares their KV,
 but the model still embeds the whole prompt, images included, to place the
 new tokens. :class:`CachedVisionTower` stands in for the model's vision
 tower: it splits a call's pixels into its images (by their ``grid_thw``
-rows), looks each up by a content hash of its pixels and grid, runs the
-tower on the missing ones only, and puts the outputs back together in order.
+rows), looks each up by a content hash of its pixels and grid (a video's
+frames pass the same way, keyed on their pixels: a different video of one
+shape is a different key), runs the tower on the missing ones only, and
+puts the outputs back together in order.
 Each image is encoded alone by the tower (its attention never crosses
 images), so the output is the same as one call over all of them.
 

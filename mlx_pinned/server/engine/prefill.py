@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from ..failures import RequestError
+from ..failures import RequestError, VideoRefusedError
 from .model import LoadedModel
 from .prompt import build_prompt
 from .sampling import vlm
@@ -52,6 +52,8 @@ _POSITION_ONLY = frozenset(
 # first row's image positions (it assumes one row): their prompts with
 # images are prefilled alone.
 _ONE_ROW_IMAGES = frozenset({"aya_vision"})
+# Families whose mlx-vlm embedding takes images or videos, not both at once.
+_ONE_MEDIA_KIND = frozenset({"qwen2_vl", "qwen2_5_vl"})
 MEDIA_TOKENS = (
     "image_token_index",
     "image_token_id",
@@ -109,9 +111,11 @@ def preprocess(
         return prepared
     api = vlm()
     model, processor = loaded.model, loaded.processor
+    videos = _video_inputs(loaded, params, images)
     inputs = api.prepare_inputs(
         processor,
         images=list(images) or None,
+        **videos,
         prompts=build_prompt(
             loaded, params.messages, params.tools, params.template_kwargs
         ),
@@ -122,6 +126,47 @@ def preprocess(
     )
     ids = inputs["input_ids"]
     return Prepared(dict(inputs), int(ids.size), int(ids[0, -1].item()))
+
+
+def accepts_videos(loaded: LoadedModel) -> bool:
+    """Whether the model takes videos: a video processor and a video token."""
+    config = loaded.model.config
+    token = getattr(config, "video_token_id", None)
+    token = token if token is not None else getattr(config, "video_token_index", None)
+    processor = getattr(loaded.processor, "video_processor", None)
+    return isinstance(token, int) and processor is not None
+
+
+def _video_inputs(
+    loaded: LoadedModel, params: GenerationParams, images: Sequence[Image.Image]
+) -> dict[str, Any]:
+    """The processor's video arguments (none without videos).
+
+    Raises:
+        VideoRefusedError: The model takes no videos, or (Qwen2-VL and
+            Qwen2.5-VL, whose mlx-vlm embedding takes one kind of media per
+            prompt) images and videos together.
+    """
+    if not params.videos:
+        return {}
+    if not accepts_videos(loaded):
+        raise VideoRefusedError(
+            f"this model ({loaded.config.model_type}) takes no videos; send "
+            "images or text.",
+            index=0,
+            code="videos_unsupported",
+        )
+    if images and loaded.config.model_type in _ONE_MEDIA_KIND:
+        raise VideoRefusedError(
+            f"this model ({loaded.config.model_type}) takes images or videos in "
+            "one request, not both; send them in separate requests.",
+            index=0,
+            code="mixed_media_unsupported",
+        )
+    return {
+        "videos": [video.frames for video in params.videos],
+        "video_metadata": [video.metadata() for video in params.videos],
+    }
 
 
 def raw_inputs(

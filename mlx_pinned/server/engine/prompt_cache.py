@@ -1,9 +1,10 @@
 """The prompt cache: the KV of earlier prompts (and answers), reused by a
 request whose prompt starts the same way. MLX thread only.
 
-A key is the prompt's token ids with every image's tokens replaced by a
-content hash of that image, so two different images of one size (the same
-image tokens) never share KV. An entry holds the KV of every layer for its
+A key is the prompt's token ids with every image's and video's tokens
+replaced by a content hash of that image or video (of its sampled frames),
+so two different images or videos of one size (the same media tokens) never
+share KV. An entry holds the KV of every layer for its
 key's tokens; a request reuses the longest common prefix of its key with
 any entry and prefills only the rest. Entries are evicted least recently
 used first, within a byte budget. Only models whose layers all use plain
@@ -39,12 +40,30 @@ def image_hash(image: Image.Image) -> int:
 
 
 def prompt_key(
-    ids: Sequence[int], hashes: Sequence[int], media_tokens: frozenset[int]
+    ids: Sequence[int],
+    hashes: Sequence[int],
+    media_tokens: frozenset[int],
+    videos: Sequence[tuple[int, int]] = (),
+    video_token: int | None = None,
 ) -> Key | None:
     """The cache key of a prompt: ``ids`` with each run of media tokens
     replaced by its image's hash (negative, so never a token id); None when
-    the runs do not match the images one to one (not cached then)."""
+    the runs do not match the images one to one (not cached then).
+
+    ``videos``: each video's hash and its count of ``video_token`` tokens,
+    in prompt order; a video's tokens may come in several runs (Qwen3-VL
+    puts a timestamp before each temporal patch), so they are matched by
+    count, not by run."""
     key: Key = np.asarray(ids, dtype=np.int64).copy()
+    if videos:
+        spots = np.flatnonzero(key == video_token)
+        if len(spots) != sum(count for _, count in videos):
+            return None
+        first = 0
+        for value, count in videos:
+            key[spots[first : first + count]] = -value - 1
+            first += count
+        media_tokens = media_tokens - {video_token}
     media = np.isin(key, np.fromiter(media_tokens, dtype=np.int64))
     starts = np.flatnonzero(media & ~np.concatenate(([False], media[:-1])))
     if len(starts) != len(hashes):

@@ -35,6 +35,7 @@ from ..failures import (
     PromptTooLongError,
     RequestError,
     UnavailableError,
+    VideoRefusedError,
 )
 
 __all__ = [
@@ -121,12 +122,14 @@ def api_error(
         exc: What was raised.
         retry_after: Seconds in the ``Retry-After`` of a 503 whose condition
             names none.
-        images: Where each image of the request is, in prompt order
-            (``messages[1].content[0].image_url``), to name a refused one.
+        images: Where each image and video of the request is, in prompt
+            order per kind (``messages[1].content[0].image_url``,
+            ``messages[1].content[1].video_url``), to name a refused one.
 
     The table: an :class:`APIError` is itself. A
     :class:`~..failures.RequestError` is a 400 with its code (the part at
-    fault: ``messages`` for the prompt, the image's part for an image). An
+    fault: ``messages`` for the prompt, the image's or the video's part for
+    one of those). An
     :class:`~..failures.UnavailableError` is a 503 with ``Retry-After``.
     ``ShuttingDownError`` (a request in the shut-down): 503
     ``shutting_down``. ``MLXThreadBusyError``: 503 ``server_busy``, with
@@ -138,9 +141,12 @@ def api_error(
     """
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, ImageRefusedError):
-        param = images[exc.index] if exc.index < len(images) else "messages"
-        message = f"Invalid image at '{param}': {exc.message}"
+    if isinstance(exc, ImageRefusedError | VideoRefusedError):
+        video = isinstance(exc, VideoRefusedError)
+        kind = [p for p in images if p.endswith(".video_url") == video]
+        param = kind[exc.index] if exc.index < len(kind) else "messages"
+        what = "video" if video else "image"
+        message = f"Invalid {what} at '{param}': {exc.message}"
         return APIError(400, message, param=param, code=exc.code)
     if isinstance(exc, ImagesUnsupportedError | PromptTooLongError):
         return APIError(400, exc.message, param="messages", code=exc.code)

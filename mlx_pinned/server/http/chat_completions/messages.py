@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ...config import ImageLimits
-from ...events import ImageRef
+from ...config import ImageLimits, VideoLimits
+from ...events import ImageRef, VideoRef
 
 __all__ = [
     "NAME_PATTERN",
@@ -42,10 +42,14 @@ __all__ = [
     "ToolCallFunction",
     "ToolMessage",
     "UserMessage",
+    "VideoPart",
+    "VideoURL",
     "chat_messages",
     "image_parts",
     "image_refs",
     "text_chars",
+    "video_parts",
+    "video_refs",
 ]
 
 #: OpenAI's rule for function and schema names.
@@ -94,7 +98,26 @@ class ImagePart(RequestModel):
         return {"url": value} if isinstance(value, str) else value
 
 
-UserPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(RequestModel):
+    """The ``video_url`` object of a video part."""
+
+    url: str = Field(min_length=1)
+
+
+class VideoPart(RequestModel):
+    """A ``{"type": "video_url", "video_url": {"url": ...}}`` content part
+    (vLLM's form); ``video_url`` may also be the URL string itself."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+    @field_validator("video_url", mode="before")
+    @classmethod
+    def _url_string(cls, value: object) -> object:
+        return {"url": value} if isinstance(value, str) else value
+
+
+UserPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 TextContent = str | Annotated[list[TextPart], Field(min_length=1)]
 
 
@@ -107,7 +130,7 @@ class SystemMessage(RequestModel):
 
 
 class UserMessage(RequestModel):
-    """A user message: text, or a list of text and image parts."""
+    """A user message: text, or a list of text, image and video parts."""
 
     role: Literal["user"]
     content: str | Annotated[list[UserPart], Field(min_length=1)]
@@ -220,7 +243,8 @@ def chat_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
     Assistant turns keep their ``tool_calls`` and tool turns their
     ``tool_call_id``, as chat templates that take tools expect them. Image
     parts become ``{"type": "image_url"}`` markers in place, so mlx-vlm
-    puts each image in the turn and position where it was sent.
+    puts each image in the turn and position where it was sent; video parts
+    ``{"type": "video"}`` markers, as Qwen-VL chat templates read them.
     """
     out: list[dict[str, Any]] = []
     for message in messages:
@@ -238,14 +262,15 @@ def chat_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
         elif isinstance(message.content, str):
             out.append({"role": "user", "content": message.content})
         else:
-            parts = [
-                {"type": "text", "text": part.text}
-                if isinstance(part, TextPart)
-                else {"type": "image_url"}
-                for part in message.content
-            ]
+            parts = [_marker(part) for part in message.content]
             out.append({"role": "user", "content": parts})
     return out
+
+
+def _marker(part: TextPart | ImagePart | VideoPart) -> dict[str, Any]:
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text}
+    return {"type": "image_url" if isinstance(part, ImagePart) else "video"}
 
 
 def _tool_call(call: ToolCall) -> dict[str, Any]:
@@ -293,8 +318,44 @@ def image_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
     ]
 
 
+def video_refs(
+    messages: Sequence[Message],
+    limits: VideoLimits,
+    *,
+    fps: float | None = None,
+    max_frames: int | None = None,
+) -> list[VideoRef]:
+    """The video parts of ``messages`` in prompt order, each with the
+    request's sampling; checks the count.
+
+    Raises:
+        VideoRefusedError: More than ``limits.max_videos`` videos.
+    """
+    parts = video_parts(messages)
+    refs = [VideoRef(i, url, fps, max_frames) for i, (_, url) in enumerate(parts)]
+    if len(refs) > limits.max_videos:
+        raise refs[limits.max_videos].error(
+            f"too many videos: {len(refs)} in this request, at most "
+            f"{limits.max_videos} are allowed.",
+            "too_many_videos",
+        )
+    return refs
+
+
+def video_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
+    """Each video part of ``messages`` in prompt order: where it is in the
+    request (``messages[1].content[0].video_url``), and its URL."""
+    return [
+        (f"messages[{i}].content[{j}].video_url", part.video_url.url)
+        for i, message in enumerate(messages)
+        if isinstance(message, UserMessage) and not isinstance(message.content, str)
+        for j, part in enumerate(message.content)
+        if isinstance(part, VideoPart)
+    ]
+
+
 def text_chars(messages: Sequence[Message]) -> int:
-    """Characters of text in ``messages`` (images not counted)."""
+    """Characters of text in ``messages`` (images and videos not counted)."""
     total = 0
     for message in messages:
         content = message.content or ""

@@ -8,7 +8,8 @@ API reference is declared here and either honoured or refused with a 400
 that names it; an unknown top-level field is refused as OpenAI refuses it
 ("Unrecognized request argument supplied"), except the vLLM extensions
 clients commonly send (``top_k``, ``min_p``, ``repetition_penalty``,
-``chat_template_kwargs``), which are honoured. A validated request turns
+``chat_template_kwargs``; vllm-mlx's ``video_fps`` and
+``video_max_frames``), which are honoured. A validated request turns
 itself into the shared generation request
 (:meth:`ChatCompletionRequest.to_generation_params`): the wire schema stops
 here. Nothing here touches MLX or the event loop.
@@ -114,6 +115,9 @@ class ChatCompletionRequest(RequestModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vllm-mlx's video sampling, honoured (the server's settings bound them).
+    video_fps: float | None = Field(default=None, gt=0.0, le=60.0)
+    video_max_frames: int | None = Field(default=None, ge=2)
     # No effect on the output by definition: accepted, unused.
     user: str | None = None
     safety_identifier: str | None = None

@@ -11,6 +11,7 @@ with ``data: [DONE]``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ from ..wire import (
     RequestLog,
     ResponseWriter,
 )
-from .messages import image_parts
+from .messages import image_parts, video_parts
 from .output import (
     Answer,
     content_choice,
@@ -46,9 +47,15 @@ from .responses import (
 from .serving import ChatCompletionsServing
 
 if TYPE_CHECKING:
-    from ...events import EventStream
+    from collections.abc import Sequence
+
+    from ...events import EventStream, LoadVideos, Video, VideoRef
 
 __all__ = ["ChatCompletionsEndpoint"]
+
+
+async def _no_videos(refs: Sequence[VideoRef]) -> list[Video]:
+    raise refs[0].error("this server decodes no videos.", "videos_unsupported")
 
 
 class ChatCompletionsEndpoint(GenerationEndpoint):
@@ -56,11 +63,13 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
 
     Runs on the event loop (the rest is :class:`~..endpoint.GenerationEndpoint`'s):
     the request is checked against its model in one place
-    (:class:`.serving.ChatCompletionsServing`), its images are decoded off
-    the loop (``load_images``), and the answer is written as OpenAI's.
+    (:class:`.serving.ChatCompletionsServing`), its images and videos are
+    decoded off the loop (``load_images``; ``load_videos``, which ``app.py``
+    sets), and the answer is written as OpenAI's.
     """
 
     route = "POST /v1/chat/completions"
+    load_videos: LoadVideos = staticmethod(_no_videos)
 
     @functools.cached_property
     def serving(self) -> ChatCompletionsServing:
@@ -72,6 +81,7 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
     ) -> None:
         request = parse_chat_request(body)
         images.extend(param for param, _ in image_parts(request.messages))
+        images.extend(param for param, _ in video_parts(request.messages))
         log.stream = bool(request.stream)
         async with self.model(request.model, log) as (served, engine):
             capabilities = Capabilities.of(engine, served)
@@ -79,6 +89,9 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
             params = prepared.params
             log.images = len(prepared.images)
             decoded = await self.load_images(prepared.images)
+            if prepared.videos:
+                videos = await self.load_videos(prepared.videos)
+                params = dataclasses.replace(params, videos=tuple(videos))
             async with self.generation(served, engine, params, decoded, log) as stream:
                 parser = self.serving.answer_parser(request, capabilities, params)
                 if request.stream:

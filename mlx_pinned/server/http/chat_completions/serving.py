@@ -7,10 +7,10 @@ Everything about a request that depends on the model or on the server's
 settings is checked here, once, before the request waits for the model's
 gate: its text against the prompt limit, ``max_tokens`` against the
 server's limit, tools against the model's tool-call format, the grammar,
-``logit_bias`` against the vocabulary, its images (how many, and whether
-the model takes any). What needs no model is checked by the pydantic
-models (:mod:`.protocol`); what needs the exact prompt (its length in
-tokens) by the engine, on the MLX thread.
+``logit_bias`` against the vocabulary, its images and videos (how many,
+whether the model takes any, the frames a request asks for). What needs
+no model is checked by the pydantic models (:mod:`.protocol`); what needs
+the exact prompt (its length in tokens) by the engine, on the MLX thread.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...events import GenerationParams, Grammar, ImageRef
+from ...events import GenerationParams, Grammar, ImageRef, VideoRef
 from ...formats import (
     TOOL_CALL_FORMATS,
     ToolCallFormat,
@@ -37,6 +37,7 @@ from .messages import (
     NamedToolChoice,
     image_refs,
     text_chars,
+    video_refs,
 )
 from .responses import tool_call_id
 
@@ -50,16 +51,19 @@ __all__ = ["ChatCompletionsServing", "Prepared", "request_grammar"]
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A request checked against its model, as the engine and the image
-    decoders take it.
+    """A request checked against its model, as the engine and the image and
+    video decoders take it.
 
     Attributes:
-        params: The shared generation request.
+        params: The shared generation request (its ``videos`` are set once
+            they are decoded).
         images: Its images in prompt order, to decode.
+        videos: Its videos in prompt order, to decode.
     """
 
     params: GenerationParams
     images: list[ImageRef]
+    videos: list[VideoRef]
 
 
 class ChatCompletionsServing:
@@ -80,6 +84,7 @@ class ChatCompletionsServing:
             PromptTooLongError: Its text alone is over the prompt limit.
             ImageRefusedError: Too many images.
             ImagesUnsupportedError: Images, and the model takes none.
+            VideoRefusedError: Too many videos, or the model takes none.
         """
         context = capabilities.context_length
         max_prompt = self.config.max_prompt_tokens or context
@@ -122,7 +127,33 @@ class ChatCompletionsServing:
                 "this model takes no images; send text parts only.",
                 "images_unsupported",
             )
-        return Prepared(params, refs)
+        return Prepared(params, refs, self._videos(request, capabilities))
+
+    def _videos(
+        self, request: ChatCompletionRequest, capabilities: Capabilities
+    ) -> list[VideoRef]:
+        limits = self.config.video_limits
+        asked = request.video_max_frames
+        if asked is not None and asked > limits.max_frames:
+            raise APIError(
+                400,
+                f"Invalid value for 'video_max_frames': {asked} is more than this "
+                f"server's limit of {limits.max_frames} frames per video.",
+                param="video_max_frames",
+                code="invalid_value",
+            )
+        refs = video_refs(
+            request.messages,
+            limits,
+            fps=request.video_fps,
+            max_frames=asked,
+        )
+        if refs and not capabilities.accepts_images:
+            raise refs[0].error(
+                "this model takes no videos; send text parts only.",
+                "videos_unsupported",
+            )
+        return refs
 
     def max_tokens(self, request: ChatCompletionRequest) -> int:
         """The request's ``max_completion_tokens`` (or ``max_tokens``), else

@@ -1,0 +1,264 @@
+"""Untrusted videos from chat requests, sampled to RGB frames with OpenCV.
+
+Videos arrive as ``data:`` URIs (MP4, WebM, QuickTime, AVI, Matroska) or,
+where the server allows it, as ``http(s)://`` URLs fetched under the same
+SSRF rules as images (:class:`.remote.RemoteImageFetcher`). Every limit is
+checked as early as it can be: the count (by the HTTP side), the encoded
+size before base64 is decoded, then the container's header (frame size,
+frame rate, frame count, so its length) before any frame is decoded, so a
+small file that claims a huge canvas or an hour of frames is refused
+without decoding one. Frames are then read in order (a lying frame count
+ends at the file's real end) and sampled at the request's ``video_fps``, at
+most ``video_max_frames`` of them, an even number (Qwen-VL's temporal
+patches are two frames).
+
+OpenCV reads from a path only, so the bytes go to a private temporary file
+that is removed once read. Decoding is CPU work that does not touch MLX:
+:func:`load_videos` runs it in a worker thread, off the event loop and off
+the MLX thread, under the image decoders' bound.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import math
+import re
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from ..config import VideoLimits
+from ..events import Video, VideoRef
+from ..failures import VideoRefusedError
+from .images import Fetcher, decoders
+from .remote import RemoteImageError
+
+__all__ = ["FORMATS", "MAX_SOURCE_FPS", "decode_video", "load_videos"]
+
+#: MIME types this server accepts, and the file suffix OpenCV is given.
+FORMATS: dict[str, str] = {
+    "video/mp4": ".mp4",
+    "video/webm": ".webm",
+    "video/quicktime": ".mov",
+    "video/x-msvideo": ".avi",
+    "video/avi": ".avi",
+    "video/x-matroska": ".mkv",
+}
+#: A claimed frame rate above this is no camera's: the file is refused.
+MAX_SOURCE_FPS = 240.0
+_DATA_URI = re.compile(
+    r"\s*data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),", re.ASCII | re.IGNORECASE
+)
+_WHITESPACE = b" \t\n\r\f\v"
+
+
+def decode_video(
+    ref: VideoRef, limits: VideoLimits, data: bytes | None = None
+) -> Video:
+    """Decode and sample one video.
+
+    Runs on the calling thread; pure CPU, never touches MLX.
+
+    Args:
+        ref: The video part; its URL must be a ``data:`` URI unless ``data``
+            is given.
+        limits: The size limits and the default sampling.
+        data: The encoded bytes, when already fetched from a remote URL.
+
+    Raises:
+        VideoRefusedError: Unsupported URL or format, bad base64, over a
+            limit, undecodable.
+    """
+    suffix = ".mp4"
+    if data is None:
+        data, suffix = _data_uri_bytes(ref, limits)
+    if len(data) > limits.max_bytes:
+        raise _too_large(ref, len(data), limits)
+    import cv2
+
+    with tempfile.NamedTemporaryFile(suffix=suffix) as file:
+        file.write(data)
+        file.flush()
+        capture = cv2.VideoCapture(file.name, cv2.CAP_FFMPEG)
+        try:
+            return _sample(ref, limits, capture, data)
+        finally:
+            capture.release()
+
+
+def _sample(ref: VideoRef, limits: VideoLimits, capture: Any, data: bytes) -> Video:
+    import cv2
+
+    if not capture.isOpened():
+        raise _undecodable(ref)
+    total = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
+    fps = float(capture.get(cv2.CAP_PROP_FPS))
+    width = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH))
+    height = int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
+    if total <= 0 or width <= 0 or height <= 0 or not 0 < fps <= MAX_SOURCE_FPS:
+        raise _undecodable(ref)
+    if width * height > limits.max_pixels:
+        raise ref.error(
+            f"the video's frames are {width}x{height} = {width * height} pixels; "
+            f"at most {limits.max_pixels} are allowed.",
+            "video_too_large",
+        )
+    seconds = total / fps
+    if seconds > limits.max_seconds:
+        raise ref.error(
+            f"the video is {seconds:.1f} s long; at most {limits.max_seconds:g} s "
+            "are allowed.",
+            "video_too_long",
+        )
+    wanted = _indices(total, fps, ref, limits)
+    frames: list[np.ndarray[Any, Any]] = []
+    read: list[int] = []
+    position = 0
+    for index in wanted:
+        while position < index:
+            if not capture.grab():
+                break
+            position += 1
+        ok, frame = capture.read() if position == index else (False, None)
+        if not ok or frame is None:
+            break
+        position += 1
+        if frame.shape[:2] != (height, width):
+            raise _undecodable(ref)
+        frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+        read.append(index)
+    if not frames:
+        raise _undecodable(ref)
+    if len(frames) % 2:  # a temporal patch is two frames
+        frames.append(frames[-1])
+        read.append(read[-1])
+    stacked = np.ascontiguousarray(np.stack(frames).transpose(0, 3, 1, 2))
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(repr(stacked.shape).encode())
+    digest.update(stacked.tobytes())
+    return Video(
+        frames=stacked,
+        fps=fps,
+        total_frames=total,
+        indices=tuple(read),
+        digest=int.from_bytes(digest.digest(), "little") & (2**62 - 1),
+    )
+
+
+def _indices(total: int, fps: float, ref: VideoRef, limits: VideoLimits) -> list[int]:
+    """The source frames to keep: ``video_fps`` per second, evenly spread,
+    at most ``video_max_frames`` (and never more than the source has)."""
+    rate = ref.fps if ref.fps is not None else limits.fps
+    cap = min(ref.max_frames or limits.max_frames, limits.max_frames)
+    count = max(1, min(math.floor(total / fps * rate), cap, total))
+    if count > 1 and count % 2:
+        count -= 1
+    return sorted({int(i) for i in np.linspace(0, total - 1, count).round()})
+
+
+async def load_videos(
+    refs: Sequence[VideoRef],
+    limits: VideoLimits,
+    *,
+    fetch: Fetcher | None = None,
+    limiter: anyio.CapacityLimiter | None = None,
+) -> list[Video]:
+    """Decode the videos of a request in a worker thread, in order.
+
+    Runs on the event loop; decoding runs in an anyio worker thread (neither
+    the event loop nor the MLX thread). A cancelled caller is released once
+    the decoding in progress ends, and its result is dropped.
+
+    Args:
+        refs: The video parts, in prompt order.
+        limits: The size limits and the default sampling.
+        fetch: Fetches ``http(s)://`` URLs; when None they are refused.
+        limiter: Bounds the requests decoding at once (default: the image
+            decoders' bound, :func:`.images.decoders`).
+
+    Raises:
+        VideoRefusedError: The first video that cannot be used.
+    """
+    payloads: list[bytes | None] = []
+    for ref in refs:
+        scheme = ref.url.split(":", 1)[0].lower() if ":" in ref.url else ""
+        if scheme in ("http", "https"):
+            if fetch is None:
+                raise ref.error(
+                    "remote video URLs are not enabled on this server; send the "
+                    "video inline as a base64 data: URI, or start the server with "
+                    "--allow-remote-images.",
+                    "remote_videos_disabled",
+                )
+            try:
+                payloads.append(await fetch(ref.url))
+            except RemoteImageError as exc:
+                raise ref.error(exc.message, exc.code) from None
+        else:
+            payloads.append(None)
+
+    def decode_all() -> list[Video]:
+        return [decode_video(r, limits, p) for r, p in zip(refs, payloads, strict=True)]
+
+    if not refs:
+        return []
+    return await anyio.to_thread.run_sync(decode_all, limiter=limiter or decoders())
+
+
+def _data_uri_bytes(ref: VideoRef, limits: VideoLimits) -> tuple[bytes, str]:
+    url = ref.url
+    match = _DATA_URI.match(url)
+    if match is None:
+        if url.lstrip().lower().startswith("file:") or "://" not in url:
+            raise ref.error(
+                "local files are never read; send the video inline as a base64 "
+                "data: URI.",
+                "invalid_video_url",
+            )
+        raise ref.error(
+            "only data: URIs are supported; send the video inline as a base64 "
+            "data: URI.",
+            "invalid_video_url",
+        )
+    mime = match["mime"].strip().lower()
+    if mime not in FORMATS:
+        raise ref.error(
+            f"unsupported video type {mime or '(none)'!r}; send "
+            f"{', '.join(sorted(set(FORMATS)))}.",
+            "invalid_video_format",
+        )
+    if "base64" not in (p.strip().lower() for p in match["params"].split(";")):
+        raise ref.error(
+            "the data: URI must be base64-encoded (data:video/...;base64,...).",
+            "invalid_base64",
+        )
+    payload = url[match.end() :].encode("ascii", "replace").translate(None, _WHITESPACE)
+    if len(payload) // 4 * 3 > limits.max_bytes + 3:
+        raise _too_large(ref, len(payload) // 4 * 3, limits)
+    try:
+        return base64.b64decode(payload, validate=True), FORMATS[mime]
+    except (binascii.Error, ValueError):
+        raise ref.error(
+            "the data: URI is not valid base64.", "invalid_base64"
+        ) from None
+
+
+def _too_large(ref: VideoRef, size: int, limits: VideoLimits) -> VideoRefusedError:
+    return ref.error(
+        f"the video is {size} bytes; at most {limits.max_bytes} are allowed.",
+        "video_too_large",
+    )
+
+
+def _undecodable(ref: VideoRef) -> VideoRefusedError:
+    return ref.error(
+        "the data is not an MP4, WebM, QuickTime, AVI or Matroska video OpenCV "
+        "can decode, or it is corrupt.",
+        "invalid_video",
+    )
