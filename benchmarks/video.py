@@ -66,8 +66,9 @@ async def main_async(args: argparse.Namespace) -> None:
     from mlx_pinned.server.config import ImageLimits, VideoLimits
     from mlx_pinned.server.engine import BatchEngine
     from mlx_pinned.server.engine.model import load
-    from mlx_pinned.server.events import GenerationParams, ImageRef, VideoRef
+    from mlx_pinned.server.events import GenerationParams
     from mlx_pinned.server.inputs.images import decode_image
+    from mlx_pinned.server.media import ImageRef, VideoRef
     from mlx_pinned.testing import make_test_image, tiny_vlm_path
 
     video_uri = (

@@ -43,7 +43,7 @@ from mlx_pinned.middleware import MLXThreadMiddleware
 from .config import ServerConfig
 from .engine import BatchEngine
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
-from .events import Engine, LoadImages, LoadVideos
+from .events import Engine
 from .formats import log_formats
 from .http.anthropic_messages import CountTokensEndpoint, MessagesEndpoint
 from .http.chat_completions import ChatCompletionsEndpoint
@@ -70,6 +70,7 @@ from .http.turns import LoopTurns
 from .inputs.images import Fetcher, load_images
 from .inputs.remote import RemoteImageFetcher
 from .inputs.videos import load_videos
+from .media import LoadImages, LoadVideos
 
 __all__ = ["create_app"]
 

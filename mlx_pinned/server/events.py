@@ -1,8 +1,8 @@
 """What the event loop and the MLX thread hand each other, as plain values.
 
 A shared module: no Starlette, no pydantic, no MLX. The HTTP side turns a
-request into :class:`GenerationParams`, :class:`ImageRef` and
-:class:`VideoRef` values (decoded videos travel in the params); the
+request into :class:`GenerationParams` and the media references of
+:mod:`.media` (decoded videos travel in the params); the
 engine, on the MLX thread, answers with one :class:`TokenEvent` per token
 and one :class:`FinalEvent`, through an :class:`EventStream`. The HTTP side
 knows the engine only through the :class:`Engine` protocol, so it never
@@ -11,16 +11,16 @@ imports MLX; ``app.py`` wires the real one in.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from .failures import ImageRefusedError, VideoRefusedError
 from .limits import check_prompt_tokens
 
 if TYPE_CHECKING:
-    import numpy as np
     from PIL import Image
+
+    from .media import Video
 
 
 __all__ = [
@@ -33,13 +33,8 @@ __all__ = [
     "FinishReason",
     "GenerationParams",
     "Grammar",
-    "ImageRef",
-    "LoadImages",
-    "LoadVideos",
     "TokenEvent",
     "TokenLogprobs",
-    "Video",
-    "VideoRef",
 ]
 
 #: Why a generation ended: an end of turn or a stop string, or ``max_tokens``.
@@ -346,72 +341,3 @@ class Engine(Protocol):
         Event loop; the processor runs on the MLX thread, between steps of
         the batch; nothing is generated."""
         ...
-
-
-@dataclass(frozen=True)
-class ImageRef:
-    """An image of the request: which one, in prompt order, and its URL."""
-
-    index: int
-    url: str
-
-    def error(self, message: str, code: str) -> ImageRefusedError:
-        """An :class:`~.failures.ImageRefusedError` for this image."""
-        return ImageRefusedError(message, index=self.index, code=code)
-
-
-#: Decodes (and, where allowed, fetches) a request's images, in order, off
-#: the event loop; raises :class:`~.failures.ImageRefusedError` for the first
-#: it cannot use.
-LoadImages = Callable[[Sequence[ImageRef]], Awaitable[list["Image.Image"]]]
-
-
-@dataclass(frozen=True)
-class VideoRef:
-    """A video of the request: which one, in prompt order, its URL, and the
-    request's sampling (None: the server's defaults)."""
-
-    index: int
-    url: str
-    fps: float | None = None
-    max_frames: int | None = None
-
-    def error(self, message: str, code: str) -> VideoRefusedError:
-        """A :class:`~.failures.VideoRefusedError` for this video."""
-        return VideoRefusedError(message, index=self.index, code=code)
-
-
-@dataclass(frozen=True, eq=False)
-class Video:
-    """A decoded video: its sampled frames and where they are in the source.
-
-    Attributes:
-        frames: ``(T, 3, H, W)`` uint8 RGB frames, T even.
-        fps: The source's frame rate.
-        total_frames: The source's frame count.
-        indices: Each sampled frame's index in the source.
-        digest: A content hash of the frames (what the caches key on).
-    """
-
-    frames: np.ndarray[Any, Any]
-    fps: float
-    total_frames: int
-    indices: tuple[int, ...]
-    digest: int
-
-    def metadata(self) -> dict[str, Any]:
-        """What mlx-vlm's processors take as this video's ``video_metadata``."""
-        return {
-            "total_num_frames": self.total_frames,
-            "fps": self.fps,
-            "frames_indices": list(self.indices),
-            "height": int(self.frames.shape[2]),
-            "width": int(self.frames.shape[3]),
-            "duration": self.total_frames / self.fps,
-        }
-
-
-#: Decodes (and, where allowed, fetches) a request's videos, in order, off
-#: the event loop; raises :class:`~.failures.VideoRefusedError` for the first
-#: it cannot use.
-LoadVideos = Callable[[Sequence[VideoRef]], Awaitable[list[Video]]]

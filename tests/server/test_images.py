@@ -12,7 +12,6 @@ import pytest
 from PIL import Image
 
 from mlx_pinned.server.config import ImageLimits
-from mlx_pinned.server.events import ImageRef
 from mlx_pinned.server.failures import ImageRefusedError
 from mlx_pinned.server.http.chat_completions.messages import image_parts
 from mlx_pinned.server.http.chat_completions.messages import (
@@ -21,6 +20,7 @@ from mlx_pinned.server.http.chat_completions.messages import (
 from mlx_pinned.server.http.chat_completions.protocol import parse_chat_request
 from mlx_pinned.server.http.errors import api_error
 from mlx_pinned.server.inputs.images import decode_image, load_images
+from mlx_pinned.server.media import ImageRef
 
 from .conftest import AtOnce
 from .kit import png_header

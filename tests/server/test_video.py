@@ -22,7 +22,7 @@ from mlx_pinned.server.config import ServerConfig, VideoLimits
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.admission import make_row, media_tokens
 from mlx_pinned.server.engine.prefill import preprocess
-from mlx_pinned.server.events import FinalEvent, GenerationParams, Video, VideoRef
+from mlx_pinned.server.events import FinalEvent, GenerationParams
 from mlx_pinned.server.failures import VideoRefusedError
 from mlx_pinned.server.http.chat_completions.messages import (
     chat_messages,
@@ -32,6 +32,7 @@ from mlx_pinned.server.http.chat_completions.protocol import parse_chat_request
 from mlx_pinned.server.http.errors import api_error
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.server.inputs.videos import decode_video, load_videos
+from mlx_pinned.server.media import Video, VideoRef
 from mlx_pinned.testing import tiny_vlm_path
 
 from .conftest import MODEL, Lifespan, Serve, assert_error

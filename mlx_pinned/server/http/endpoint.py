@@ -52,7 +52,8 @@ if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
     from ..config import ServerConfig
-    from ..events import Engine, EventStream, GenerationParams, LoadImages
+    from ..events import Engine, EventStream, GenerationParams
+    from ..media import LoadImages
     from .metrics import ServerMetrics
     from .models import ServedModel, ServedModels
     from .residency import Residency

@@ -27,8 +27,8 @@ from anyio.lowlevel import RunVar
 from PIL import Image, ImageOps
 
 from ..config import ImageLimits
-from ..events import ImageRef
 from ..failures import ImageRefusedError
+from ..media import ImageRef
 from .remote import RemoteImageError
 
 __all__ = ["FORMATS", "Fetcher", "decode_image", "decoders", "load_images"]

@@ -34,8 +34,8 @@ import anyio.to_thread
 import numpy as np
 
 from ..config import VideoLimits
-from ..events import Video, VideoRef
 from ..failures import VideoRefusedError
+from ..media import Video, VideoRef
 from .images import Fetcher, decoders
 from .remote import RemoteImageError
 

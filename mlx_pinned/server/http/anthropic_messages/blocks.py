@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...config import ImageLimits
-from ...events import ImageRef
+from ...media import ImageRef
 
 __all__ = [
     "AssistantMessage",

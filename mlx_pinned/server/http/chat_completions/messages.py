@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ...config import ImageLimits, VideoLimits
-from ...events import ImageRef, VideoRef
+from ...media import ImageRef, VideoRef
 
 __all__ = [
     "NAME_PATTERN",

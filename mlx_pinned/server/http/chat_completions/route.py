@@ -49,7 +49,8 @@ from .serving import ChatCompletionsServing
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from ...events import EventStream, LoadVideos, Video, VideoRef
+    from ...events import EventStream
+    from ...media import LoadVideos, Video, VideoRef
 
 __all__ = ["ChatCompletionsEndpoint"]
 

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...events import GenerationParams, Grammar, ImageRef, VideoRef
+from ...events import GenerationParams, Grammar
 from ...formats import (
     TOOL_CALL_FORMATS,
     ToolCallFormat,
@@ -28,6 +28,7 @@ from ...formats import (
     json_arguments,
 )
 from ...limits import check_text_length
+from ...media import ImageRef, VideoRef
 from ..answer import AnswerParser, answer_parser
 from ..errors import APIError
 from ..structured import check_grammar

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ...events import GenerationParams, Grammar, ImageRef
+from ...events import GenerationParams, Grammar
 from ...formats import (
     TOOL_CALL_FORMATS,
     ToolCallFormat,
@@ -26,6 +26,7 @@ from ...formats import (
     json_arguments,
 )
 from ...limits import check_text_length
+from ...media import ImageRef
 from ..answer import AnswerParser, answer_parser
 from ..errors import APIError
 from ..structured import check_grammar

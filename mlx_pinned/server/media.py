@@ -1,0 +1,92 @@
+"""A request's images and videos, as plain values: where each one is, and
+a video once decoded.
+
+A shared module: no Starlette, no pydantic, no MLX. The HTTP side makes an
+:class:`ImageRef` or a :class:`VideoRef` per part of a request, in prompt
+order; the decoders (:mod:`.inputs`, on worker threads) turn them into
+images and :class:`Video` values, or refuse them with the domain errors of
+:mod:`.failures`, naming the part by its index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .failures import ImageRefusedError, VideoRefusedError
+
+if TYPE_CHECKING:
+    import numpy as np
+    from PIL import Image
+
+__all__ = ["ImageRef", "LoadImages", "LoadVideos", "Video", "VideoRef"]
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image of the request: which one, in prompt order, and its URL."""
+
+    index: int
+    url: str
+
+    def error(self, message: str, code: str) -> ImageRefusedError:
+        """An :class:`~.failures.ImageRefusedError` for this image."""
+        return ImageRefusedError(message, index=self.index, code=code)
+
+
+#: Decodes (and, where allowed, fetches) a request's images, in order, off
+#: the event loop; raises :class:`~.failures.ImageRefusedError` for the first
+#: it cannot use.
+LoadImages = Callable[[Sequence[ImageRef]], Awaitable[list["Image.Image"]]]
+
+
+@dataclass(frozen=True)
+class VideoRef:
+    """A video of the request: which one, in prompt order, its URL, and the
+    request's sampling (None: the server's defaults)."""
+
+    index: int
+    url: str
+    fps: float | None = None
+    max_frames: int | None = None
+
+    def error(self, message: str, code: str) -> VideoRefusedError:
+        """A :class:`~.failures.VideoRefusedError` for this video."""
+        return VideoRefusedError(message, index=self.index, code=code)
+
+
+@dataclass(frozen=True, eq=False)
+class Video:
+    """A decoded video: its sampled frames and where they are in the source.
+
+    Attributes:
+        frames: ``(T, 3, H, W)`` uint8 RGB frames, T even.
+        fps: The source's frame rate.
+        total_frames: The source's frame count.
+        indices: Each sampled frame's index in the source.
+        digest: A content hash of the frames (what the caches key on).
+    """
+
+    frames: np.ndarray[Any, Any]
+    fps: float
+    total_frames: int
+    indices: tuple[int, ...]
+    digest: int
+
+    def metadata(self) -> dict[str, Any]:
+        """What mlx-vlm's processors take as this video's ``video_metadata``."""
+        return {
+            "total_num_frames": self.total_frames,
+            "fps": self.fps,
+            "frames_indices": list(self.indices),
+            "height": int(self.frames.shape[2]),
+            "width": int(self.frames.shape[3]),
+            "duration": self.total_frames / self.fps,
+        }
+
+
+#: Decodes (and, where allowed, fetches) a request's videos, in order, off
+#: the event loop; raises :class:`~.failures.VideoRefusedError` for the first
+#: it cannot use.
+LoadVideos = Callable[[Sequence[VideoRef]], Awaitable[list[Video]]]
