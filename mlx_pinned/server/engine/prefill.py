@@ -24,6 +24,7 @@ import mlx.core as mx
 from ..failures import RequestError, VideoRefusedError
 from .model import LoadedModel
 from .prompt import build_prompt
+from .quirks import rope_deltas, row_rope_deltas
 from .sampling import vlm
 
 if TYPE_CHECKING:
@@ -263,12 +264,7 @@ def prefill_together(loaded: LoadedModel, prompts: Sequence[Prepared]) -> Prefil
         **kwargs,
     )
     logits = output.logits[:, -1, :]
-    deltas = _deltas(lm, kwargs, len(prompts))
-    if deltas is not None and not pixels:
-        # Without media, mlx-vlm's rope index counts a row's left padding in
-        # its delta (as its positions do); the batch cache's per-row offsets
-        # leave the padding out, so the delta adds it back.
-        deltas = deltas + mx.array(pads, dtype=deltas.dtype)[:, None]
+    deltas = row_rope_deltas(lm, kwargs, pads, media=bool(pixels))
     mx.eval([c.state for c in cache], deltas, logits)
     return Prefilled(cache, deltas, logits)
 
@@ -334,7 +330,7 @@ class ChunkedPrefill:
             self.embeds, self.ids = embeds[:, n:], ids[:, n:]
             if self.embeds.shape[1] > 1:
                 return None
-        deltas = _deltas(lm, kwargs, 1)
+        deltas = rope_deltas(lm, kwargs, 1)
         logits = None
         if not (
             _text_last(self.loaded, self.prepared) and set(kwargs) <= _POSITION_ONLY
@@ -377,15 +373,3 @@ def _prefill_kwargs(extra: dict[str, Any], embedded: Any) -> dict[str, Any]:
         if k != "inputs_embeds" and val is not None
     }
     return {**extra, **found}
-
-
-def _deltas(lm: Any, kwargs: dict[str, Any], rows: int) -> mx.array | None:
-    """Per-row rope deltas (rows, 1) for models that keep them on the model."""
-    if not hasattr(lm, "_rope_deltas"):
-        return None
-    delta = kwargs.get("rope_deltas")
-    if not isinstance(delta, mx.array):
-        delta = lm._rope_deltas
-    if delta is None:
-        return mx.zeros((rows, 1), dtype=mx.int32)
-    return delta.reshape(-1, 1)[:rows]

@@ -8,6 +8,9 @@
 - Only mlx-vlm's plain caches can be cut at any token (the prompt cache
   reuses them, a speculative step is cut back a token):
   :func:`plain_caches`, :func:`cut_back_caches`.
+- Qwen-VL models keep the rope delta of their last prompt on the model, and
+  without media their rope index counts a row's left padding in it:
+  :func:`row_rope_deltas` gives each row of a batched prefill its own.
 """
 
 from __future__ import annotations
@@ -16,10 +19,19 @@ import importlib
 from collections.abc import Iterable
 from typing import Any, cast
 
+import mlx.core as mx
+
 from .model import LoadedModel
 from .text import TextDecoder
 
-__all__ = ["SequenceText", "cut_back_caches", "plain_caches", "unmask_if_unpadded"]
+__all__ = [
+    "SequenceText",
+    "cut_back_caches",
+    "plain_caches",
+    "rope_deltas",
+    "row_rope_deltas",
+    "unmask_if_unpadded",
+]
 
 
 def plain_caches(layers: Iterable[Any]) -> bool:
@@ -89,3 +101,31 @@ class SequenceText:
             self._detokenizer.finalize()
             fallback = str(self._detokenizer.last_segment)
         return self._decoder.finish(fallback)
+
+
+def row_rope_deltas(
+    lm: Any, kwargs: dict[str, Any], pads: list[int], *, media: bool
+) -> mx.array | None:
+    """Each row's rope delta (rows, 1) after a batched prefill of rows
+    left-padded by ``pads``; None for models that keep none.
+
+    Without media, mlx-vlm's rope index counts a row's left padding in its
+    delta (as its positions do); the batch cache's per-row offsets leave the
+    padding out, so the delta adds it back.
+    """
+    deltas = rope_deltas(lm, kwargs, len(pads))
+    if deltas is not None and not media:
+        deltas = deltas + mx.array(pads, dtype=deltas.dtype)[:, None]
+    return deltas
+
+
+def rope_deltas(lm: Any, kwargs: dict[str, Any], rows: int) -> mx.array | None:
+    """Per-row rope deltas (rows, 1) for models that keep them on the model."""
+    if not hasattr(lm, "_rope_deltas"):
+        return None
+    delta = kwargs.get("rope_deltas")
+    if not isinstance(delta, mx.array):
+        delta = lm._rope_deltas
+    if delta is None:
+        return mx.zeros((rows, 1), dtype=mx.int32)
+    return delta.reshape(-1, 1)[:rows]
