@@ -25,6 +25,7 @@ from mlx_pinned.testing import (
     SPECIAL_TOKENS,
     TINY_LM_TYPES,
     TINY_MODEL_TYPES,
+    TINY_TOOL_LM_TYPES,
     image_data_uri,
     make_test_image,
     make_tiny_lm,
@@ -532,6 +533,58 @@ FRESH_PROCESS = textwrap.dedent(
     print(json.dumps(result.token_ids))
     """
 )
+
+
+# Each tool-format family: mlx-vlm's class it is written with, and tokens
+# its tokenizer keeps whole.
+TOOL_FAMILIES = {
+    "llama3_tools": ("llama", ("<|python_tag|>", "<|eot_id|>", "<|eom_id|>")),
+    "mistral_tools": ("llama", ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[INST]")),
+    "gpt_oss_harmony": ("llama", ("<|channel|>", "<|message|>", "<|call|>")),
+    "qwen3_coder": ("qwen3", ("<|im_start|>", "<|im_end|>")),
+}
+
+
+class TestToolFamilies:
+    def test_lists_the_tool_format_families(self) -> None:
+        assert TINY_TOOL_LM_TYPES == tuple(TOOL_FAMILIES)
+        assert not set(TINY_TOOL_LM_TYPES) & set(TINY_LM_TYPES)
+
+    @pytest.mark.parametrize("family", TINY_TOOL_LM_TYPES)
+    def test_each_generates_offline_with_its_special_tokens(
+        self, family: str, tmp_path: pathlib.Path, hub_calls: HubCalls
+    ) -> None:
+        path = make_tiny_lm(tmp_path / "model", family)
+        result = generate_offline(path, images=0, max_tokens=12)
+        assert hub_calls.calls == []
+        assert result.generation_tokens == 12
+        model_type, specials = TOOL_FAMILIES[family]
+        assert json.loads((path / "config.json").read_text())["model_type"] == (
+            model_type
+        )
+        marker = json.loads((path / "mlx_pinned_tiny_vlm.json").read_text())
+        assert (marker["model_type"], marker["family"]) == (model_type, family)
+        _, processor = mlx_vlm.load(str(path))
+        tokenizer = getattr(processor, "tokenizer", processor)
+        for token in specials:
+            assert len(tokenizer.encode(token, add_special_tokens=False)) == 1
+
+    def test_a_tool_family_replaces_its_plain_family(
+        self, tmp_path: pathlib.Path
+    ) -> None:
+        path = make_tiny_lm(tmp_path / "model", "llama")
+        plain = json.loads((path / "mlx_pinned_tiny_vlm.json").read_text())
+        assert "family" not in plain
+        make_tiny_lm(path, "llama3_tools")
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        assert "<|python_tag|>" in json.dumps(config["added_tokens_decoder"])
+        assert '"parameters": ' in config["chat_template"]
+
+    def test_the_cached_folders_are_named_by_family(
+        self, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("MLX_PINNED_CACHE", str(tmp_path))
+        assert tiny_lm_path("qwen3_coder") == tmp_path / "tiny-lm-qwen3_coder"
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,10 @@ Example::
 
 Vision families are listed in :data:`TINY_MODEL_TYPES`
 (:func:`make_tiny_vlm`), text-only ones in :data:`TINY_LM_TYPES`
-(:func:`make_tiny_lm`). ``import mlx_pinned.testing`` is cheap: MLX,
-mlx-vlm, ``tokenizers`` and Pillow are imported inside the functions that
-need them.
+(:func:`make_tiny_lm`), and text-only ones whose real templates write a
+tool-call format in :data:`TINY_TOOL_LM_TYPES` (:func:`make_tiny_lm` too).
+``import mlx_pinned.testing`` is cheap: MLX, mlx-vlm, ``tokenizers`` and
+Pillow are imported inside the functions that need them.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ from ._qwen import _CHAT_TEMPLATE as _CHAT_TEMPLATE
 from ._qwen import QWEN2_5_VL, QWEN3, QWEN3_VL, SPECIAL_TOKENS
 from ._qwen3_5 import QWEN3_5
 from ._smolvlm import SMOLVLM
+from ._tool_families import TOOL_FAMILIES
 
 __all__ = [
     "SPECIAL_TOKENS",
     "TINY_LM_TYPES",
     "TINY_MODEL_TYPES",
+    "TINY_TOOL_LM_TYPES",
     "image_data_uri",
     "make_test_image",
     "make_tiny_lm",
@@ -65,8 +68,16 @@ _TEXT: Final = {family.model_type: family for family in (QWEN3, LLAMA)}
 
 #: The vision families :func:`make_tiny_vlm` writes (``qwen3_vl`` first).
 TINY_MODEL_TYPES: Final = tuple(_VISION)
+_TOOLS: Final = {family.key: family for family in TOOL_FAMILIES}
+
 #: The text-only families :func:`make_tiny_lm` writes (``qwen3`` first).
 TINY_LM_TYPES: Final = tuple(_TEXT)
+#: The text-only families :func:`make_tiny_lm` writes with a real family's
+#: tool-calling template and special tokens: ``llama3_tools`` (Llama 3.1's
+#: JSON calls), ``mistral_tools`` (Mistral v3's ``[TOOL_CALLS]``),
+#: ``gpt_oss_harmony`` (harmony) and ``qwen3_coder`` (its XML calls). The
+#: first three are Llama decoders, the last a Qwen3 one.
+TINY_TOOL_LM_TYPES: Final = tuple(_TOOLS)
 
 
 def make_tiny_vlm(
@@ -139,7 +150,7 @@ def make_tiny_lm(
 
     Args:
         path: The folder to write. Its parent is created if missing.
-        model_type: One of :data:`TINY_LM_TYPES`.
+        model_type: One of :data:`TINY_LM_TYPES` or :data:`TINY_TOOL_LM_TYPES`.
         seed: Seeds the weights. The same seed gives byte-identical files.
         overwrite: Replace whatever is at ``path``.
 
@@ -149,9 +160,10 @@ def make_tiny_lm(
     Raises:
         FileExistsError: ``path`` holds something that is not a model written
             by this module, and ``overwrite`` is false.
-        ValueError: ``model_type`` is not one of :data:`TINY_LM_TYPES`.
+        ValueError: ``model_type`` is not one of :data:`TINY_LM_TYPES` or
+            :data:`TINY_TOOL_LM_TYPES`.
     """
-    family = _family(_TEXT, model_type, "make_tiny_lm")
+    family = _family(_TEXT | _TOOLS, model_type, "make_tiny_lm")
     return _make(family, path, seed, overwrite)
 
 

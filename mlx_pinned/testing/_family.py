@@ -54,6 +54,9 @@ class Family:
             or not (:func:`make_tiny_lm`).
         marked: Whether the marker names the family (the first family's
             marker predates the others, and stays as it was).
+        name: The name it is asked for by, where several families share a
+            model class (a tool-format family on Llama's): the marker names
+            it too. Empty: the family is asked for by ``model_type``.
     """
 
     model_type: str
@@ -64,6 +67,12 @@ class Family:
     embeddings: tuple[str, ...] = ("language_model.model.embed_tokens.weight",)
     vision: bool = True
     marked: bool = True
+    name: str = ""
+
+    @property
+    def key(self) -> str:
+        """The name :func:`make_tiny_lm` and friends know it by."""
+        return self.name or self.model_type
 
     def marker(self, seed: int, sizes: dict[str, int]) -> dict[str, Any]:
         marker = {
@@ -76,6 +85,8 @@ class Family:
         }
         if self.marked:
             marker["model_type"] = self.model_type
+        if self.name:
+            marker["family"] = self.name
         return marker
 
     def write(self, folder: pathlib.Path, seed: int) -> None:
