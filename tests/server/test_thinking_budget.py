@@ -1,0 +1,155 @@
+"""A thinking budget forces the reasoning's closing marker after N tokens.
+
+Engine level, on the tiny model: a budgeted row writes N tokens of its own,
+then the closing marker's tokens one per step, then goes on freely; a row
+without a budget is what it was, alone or batched with budgeted rows; a
+budgeted row batched with others equals itself alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlx_pinned import MLXThread
+from mlx_pinned.server import engine
+from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.http.gate import BatchGate
+
+from .kit import (
+    TOL,
+    Collector,
+    Event,
+    Request,
+    deadline,
+    max_logprob_difference,
+    request,
+    solo,
+    tokens,
+)
+
+pytestmark = pytest.mark.anyio
+
+OPENED = ("", "</think>")  # a template that opens <think> itself
+
+
+@pytest.fixture(scope="module")
+def thread() -> Iterator[MLXThread]:
+    with MLXThread(name="test-thinking-budget") as mlx_thread:
+        yield mlx_thread
+
+
+@pytest.fixture(scope="module")
+def loaded(thread: MLXThread, tiny_model_path: Path) -> LoadedModel:
+    model: LoadedModel = thread.run_sync(engine.load, tiny_model_path)
+    return model
+
+
+def text_request(index: int, max_tokens: int, **params: Any) -> Request:
+    return request(index, max_tokens, sizes=[None], top_logprobs=2, **params)
+
+
+async def batched(
+    thread: MLXThread, loaded: LoadedModel, reqs: list[Request]
+) -> list[list[Event]]:
+    """The requests' events, batched together on one engine."""
+    batch = BatchEngine(loaded, thread)
+    gate = BatchGate(max_num_seqs=len(reqs), max_pending=len(reqs))
+    runs = [Collector(thread, batch, gate, req) for req in reqs]
+    async with deadline() as group:
+        for run in runs:
+            group.start_soon(run.run)
+    return [run.events for run in runs]
+
+
+def ids(events: list[Event]) -> list[str]:
+    """The answer's tokens (as the log-probabilities name them)."""
+    out = []
+    for event in tokens(events):
+        assert event.logprobs is not None
+        out.append(event.logprobs.token)
+    return out
+
+
+def closing_ids(loaded: LoadedModel) -> list[int]:
+    found: list[int] = loaded.tokenizer.encode("</think>", add_special_tokens=False)
+    assert found
+    return found
+
+
+@pytest.mark.parametrize("budget", [0, 3, 7])
+async def test_budget_gives_n_tokens_then_the_closing_marker(
+    thread: MLXThread, loaded: LoadedModel, budget: int
+) -> None:
+    free, capped = await batched(
+        thread,
+        loaded,
+        [
+            text_request(3, 16),
+            text_request(3, 16, thinking_budget=budget, thinking_markers=OPENED),
+        ],
+    )
+    closing = closing_ids(loaded)
+    free_ids, capped_ids = ids(free), ids(capped)
+    assert "</think>" not in "".join(free_ids)  # the model never closes
+    assert capped_ids[:budget] == free_ids[:budget]
+    assert capped_ids[budget] != free_ids[budget]
+    assert "".join(capped_ids[budget : budget + len(closing)]) == "</think>"
+    forced = tokens(capped)[budget : budget + len(closing)]
+    assert all(e.logprobs is not None and e.logprobs.logprob == 0 for e in forced)
+    # Then the row goes on, sampling freely (a greedy row: its argmax).
+    assert len(capped_ids) == 16
+    after = tokens(capped)[budget + len(closing) :]
+    for event in after:
+        assert event.logprobs is not None
+        assert event.logprobs.token == max(event.logprobs.top, key=lambda t: t[1])[0]
+
+
+async def test_no_budget_is_unchanged_alone_and_beside_budgeted_rows(
+    thread: MLXThread, loaded: LoadedModel
+) -> None:
+    plain = [text_request(i, 14) for i in range(3)]
+    alone = [await solo(thread, loaded, req) for req in plain]
+    marked = text_request(0, 14, thinking_markers=OPENED)  # markers, no budget
+    (only,) = await batched(thread, loaded, [marked])
+    assert max_logprob_difference(only, alone[0]) == 0.0
+    capped = [
+        text_request(i, 14, thinking_budget=2 + i, thinking_markers=OPENED)
+        for i in range(3, 5)
+    ]
+    mixed = await batched(thread, loaded, [*plain, *capped])
+    for events, expected in zip(mixed[:3], alone, strict=True):
+        assert max_logprob_difference(events, expected) <= TOL
+
+
+async def test_budgeted_rows_batched_equal_themselves_alone(
+    thread: MLXThread, loaded: LoadedModel
+) -> None:
+    reqs = [
+        text_request(i, 12 + i, thinking_budget=i, thinking_markers=OPENED)
+        for i in range(4)
+    ]
+    reqs.append(text_request(5, 10))
+    alone = [(await batched(thread, loaded, [req]))[0] for req in reqs]
+    together = await batched(thread, loaded, reqs)
+    for events, expected in zip(together, alone, strict=True):
+        assert max_logprob_difference(events, expected) <= TOL
+
+
+async def test_reasoning_the_model_never_opens_is_never_forced(
+    thread: MLXThread, loaded: LoadedModel
+) -> None:
+    free, capped = await batched(
+        thread,
+        loaded,
+        [
+            text_request(2, 10),
+            text_request(
+                2, 10, thinking_budget=1, thinking_markers=("<think>", "</think>")
+            ),
+        ],
+    )
+    assert ids(capped) == ids(free)
