@@ -3,11 +3,14 @@
 Engine level, on the tiny model: a budgeted row writes N tokens of its own,
 then the closing marker's tokens one per step, then goes on freely; a row
 without a budget is what it was, alone or batched with budgeted rows; a
-budgeted row batched with others equals itself alone.
+budgeted row batched with others equals itself alone. Through the doors:
+each one's field maps to the budget, and the answer's reasoning has exactly
+the budget's tokens.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,8 +20,15 @@ import pytest
 from mlx_pinned import MLXThread
 from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.http.anthropic_messages.protocol import (
+    parse_messages_request,
+)
+from mlx_pinned.server.http.chat_completions.protocol import parse_chat_request
 from mlx_pinned.server.http.gate import BatchGate
+from mlx_pinned.server.http.responses_api.protocol import parse_responses_request
+from mlx_pinned.server.http.thinking import EFFORT_BUDGETS
 
+from .conftest import MODEL, Serve
 from .kit import (
     TOL,
     Collector,
@@ -153,3 +163,72 @@ async def test_reasoning_the_model_never_opens_is_never_forced(
         ],
     )
     assert ids(capped) == ids(free)
+
+
+async def test_a_chat_budget_gives_reasoning_of_n_tokens_then_content(
+    serve: Serve,
+) -> None:
+    budget, max_tokens = 5, 24
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+        # The tiny template opens <think> under enable_thinking.
+        "chat_template_kwargs": {"enable_thinking": True},
+        "thinking_token_budget": budget,
+    }
+    async with serve() as served:
+        answer = await served.chat(body)
+        assert answer.status_code == 200, answer.text
+        closing = len(closing_ids(served.model))
+    choice = answer.json()["choices"][0]
+    pieces = [t["token"] for t in choice["logprobs"]["content"]]
+    assert len(pieces) == max_tokens
+    assert "".join(pieces[budget : budget + closing]) == "</think>"
+    message = choice["message"]
+    assert message["reasoning_content"] == "".join(pieces[:budget]).strip("\n")
+    assert message["content"] == "".join(pieces[budget + closing :]).lstrip("\n")
+    assert message["content"]
+
+
+async def test_an_anthropic_budget_ends_the_thinking_block(serve: Serve) -> None:
+    budget = 1024  # Anthropic's least
+    body = {
+        "model": MODEL,
+        "max_tokens": budget + 24,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "temperature": 0,
+        "thinking": {"type": "enabled", "budget_tokens": budget},
+    }
+    async with serve() as served:
+        answer = await served.client.post("/v1/messages", json=body)
+    assert answer.status_code == 200, answer.text
+    blocks = answer.json()["content"]
+    # The tiny model never closes its thinking itself: the budget closed it.
+    assert [b["type"] for b in blocks] == ["thinking", "text"]
+    assert blocks[0]["thinking"]
+    assert blocks[1]["text"]
+
+
+def test_each_doors_field_maps_to_its_budget() -> None:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat_request(json.dumps(chat).encode()).thinking_budget is None
+    for effort, tokens_ in EFFORT_BUDGETS.items():
+        body = {**chat, "reasoning_effort": effort}
+        assert parse_chat_request(json.dumps(body).encode()).thinking_budget == tokens_
+        answers = {"model": MODEL, "input": "hi", "reasoning": {"effort": effort}}
+        parsed = parse_responses_request(json.dumps(answers).encode())
+        assert parsed.thinking_budget == tokens_
+    both = {**chat, "reasoning_effort": "high", "thinking_token_budget": 7}
+    assert parse_chat_request(json.dumps(both).encode()).thinking_budget == 7
+    assert (EFFORT_BUDGETS["low"], EFFORT_BUDGETS["high"]) == (1024, 16384)
+    anthropic = {
+        "model": MODEL,
+        "max_tokens": 4096,
+        "messages": [{"role": "user", "content": "hi"}],
+        "thinking": {"type": "enabled", "budget_tokens": 2048},
+    }
+    thinking = parse_messages_request(json.dumps(anthropic).encode()).thinking
+    assert getattr(thinking, "budget_tokens", None) == 2048
