@@ -20,6 +20,7 @@ import pytest
 from mlx_pinned import MLXThread
 from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.engine.thinking import ThinkingBudget
 from mlx_pinned.server.http.anthropic_messages.protocol import (
     parse_messages_request,
 )
@@ -232,3 +233,35 @@ def test_each_doors_field_maps_to_its_budget() -> None:
     }
     thinking = parse_messages_request(json.dumps(anthropic).encode()).thinking
     assert getattr(thinking, "budget_tokens", None) == 2048
+
+
+def steps(budget: ThinkingBudget, written: list[int]) -> list[int | None]:
+    """What the budget forces before each of ``written``, fed one by one
+    (a forced token is written as forced)."""
+    forced = []
+    for token in written:
+        wanted = budget.next_forced()
+        forced.append(wanted)
+        budget.observe(token if wanted is None else wanted)
+    return forced
+
+
+def test_the_budget_counts_from_the_opening_marker() -> None:
+    budget = ThinkingBudget(2, opening=[1, 2], closing=[8, 9])
+    # Opens (1, 2), thinks 5 and 6, then 8 and 9 are forced, then free.
+    assert steps(budget, [1, 2, 5, 6, 0, 0, 7, 7]) == [
+        *[None] * 4, 8, 9, None, None,
+    ]  # fmt: skip
+    assert budget.thought == 2
+    assert not budget.open
+
+
+def test_a_reasoning_closed_or_never_opened_is_not_forced() -> None:
+    closed = ThinkingBudget(3, opening=[], closing=[8, 9])
+    assert steps(closed, [5, 8, 9, 5, 5, 5, 5]) == [None] * 7
+    assert not closed.open
+    unopened = ThinkingBudget(0, opening=[1, 2], closing=[8, 9])
+    assert steps(unopened, [1, 5, 1, 2, 5]) == [None] * 5
+    assert not unopened.open
+    at_once = ThinkingBudget(0, opening=[], closing=[8, 9])
+    assert steps(at_once, [5, 5, 5]) == [8, 9, None]

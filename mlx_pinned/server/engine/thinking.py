@@ -5,7 +5,8 @@ written ``budget`` tokens since its reasoning opened (since its first token
 when the chat template opens it) without closing it, each of its next steps
 allows only the next token of the closing marker, so the marker is written
 whole, then the row samples freely again. A row that closes its reasoning
-itself, or never opens it, is never forced. The state advances on each
+itself, or does not open it with its first tokens (where the reasoning
+formats look for it), is never forced. The state advances on each
 token read (:meth:`ThinkingBudget.observe`); the mask of a step needs the
 previous step's token, so a batch with a row still thinking takes the
 grammar rows' step (see ``Decoder._constrained``).
@@ -47,6 +48,7 @@ class ThinkingBudget:
         self.closing = tuple(closing)
         self.thought = 0  # reasoning tokens so far
         self._forced = 0  # closing tokens forced so far
+        self._seen = 0  # tokens read before the reasoning opened
         self._tail: list[int] = []  # the last tokens, to find a marker in
         self._phase = _Phase.THINKING if not self.opening else _Phase.BEFORE
 
@@ -75,7 +77,10 @@ class ThinkingBudget:
             return
         self._tail = [*self._tail, token][-max(len(self.opening), len(self.closing)) :]
         if phase is _Phase.BEFORE:
-            if self._ends(self.opening):
+            self._seen += 1
+            if tuple(self._tail) != self.opening[: self._seen]:
+                self._phase = _Phase.AFTER  # the answer did not open with it
+            elif self._seen == len(self.opening):
                 self._phase, self._tail = _Phase.THINKING, []
             return
         if self._ends(self.closing):
