@@ -104,6 +104,13 @@ class GenerationParams:
             (a BOS) to a text ``prompt``.
         videos: The decoded videos of ``messages``, in prompt order (the
             HTTP side decodes them off the event loop and sets them).
+        thinking_budget: Most reasoning tokens before the closing marker is
+            forced (None: no budget); applied where ``thinking_markers`` is
+            set and the text is not constrained.
+        thinking_markers: The model's reasoning markers as text,
+            ``(opening, closing)``; the opening is empty when the chat
+            template opens the reasoning itself (the HTTP side reads both
+            from the model's reasoning format; the engine tokenizes them).
     """
 
     messages: tuple[dict[str, Any], ...]
@@ -128,6 +135,8 @@ class GenerationParams:
     prompt: str | tuple[int, ...] | None = None
     add_special_tokens: bool = True
     videos: tuple[Video, ...] = ()
+    thinking_budget: int | None = None
+    thinking_markers: tuple[str, str] | None = None
 
     def check_prompt_tokens(self, prompt_tokens: int) -> None:
         """Refuse a prompt over this request's limits; call before prefill.

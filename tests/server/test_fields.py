@@ -35,6 +35,7 @@ OPENAI_FIELDS = {
     "web_search_options",
 }  # fmt: skip
 VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs"}
+VLLM_EXTENSIONS |= {"thinking_token_budget"}
 # vllm-mlx's video sampling.
 VLLM_EXTENSIONS |= {"video_fps", "video_max_frames"}
 TOOL = {
@@ -121,7 +122,6 @@ class TestEveryField:
             ("function_call", "auto"),
             ("moderation", {"model": "omni-moderation-latest"}),
             ("prediction", {"type": "content", "content": "x"}),
-            ("reasoning_effort", "low"),
             ("web_search_options", {}),
         ],
     )

@@ -19,6 +19,7 @@ from .prefill import MEDIA_TOKENS, preprocess
 from .prompt_cache import image_hash, prompt_key
 from .rows import Row
 from .sampling import vlm
+from .thinking import ThinkingBudget
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -78,6 +79,7 @@ def make_row(
             params.repetition_penalty,
         ),
         matcher=_matcher(loaded, params.grammar),
+        thinking=_thinking(loaded, params),
     )
     ids = prepared.inputs["input_ids"]
     if params.repetition_penalty != 1.0:
@@ -120,6 +122,27 @@ def _matcher(loaded: LoadedModel, grammar: Grammar | None) -> GrammarMatcher | N
         return new_matcher(loaded, grammar)
     except ValueError as exc:
         raise InvalidGrammarError(f"{exc}.") from None
+
+
+def _thinking(loaded: LoadedModel, params: GenerationParams) -> ThinkingBudget | None:
+    """The row's thinking budget, its markers tokenized; None without a
+    budget, without markers, or under a grammar (a constrained answer does
+    not reason)."""
+    budget, markers = params.thinking_budget, params.thinking_markers
+    if budget is None or markers is None or params.grammar is not None:
+        return None
+    opening, closing = (_marker_ids(loaded, text) for text in markers)
+    if not closing:
+        return None
+    return ThinkingBudget(max(budget, 0), opening, closing)
+
+
+def _marker_ids(loaded: LoadedModel, text: str) -> list[int]:
+    """A marker's token ids (a single special token where the vocabulary
+    has one)."""
+    if not text:
+        return []
+    return cast("list[int]", loaded.tokenizer.encode(text, add_special_tokens=False))
 
 
 def media_tokens(loaded: LoadedModel) -> frozenset[int]:

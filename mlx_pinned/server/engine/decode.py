@@ -22,6 +22,7 @@ from .prefill import Prefilled
 from .rows import Row
 from .sampling import Draw, Sampled, collect, draw
 from .speculation import Speculation
+from .thinking import force
 
 if TYPE_CHECKING:
     from .state import BatchState
@@ -43,6 +44,8 @@ def record(row: Row, item: Sampled) -> None:
     row.pending.append(item)
     row.token = item.token
     row.sampled += 1
+    if row.thinking is not None:
+        row.thinking.observe(item.token)
     row.done = item.eos or row.sampled >= row.max_tokens
     if row.key is not None:
         row.tokens.append(item.token)
@@ -158,6 +161,7 @@ class Decoder:
             return
         logits = penalize(logits, rows)
         logits = constrain(logits, [row.matcher for row in rows])
+        logits = force(logits, rows)
         bias = bias_rows(rows, logits)
         states = [c.state for c in group.cache]
         firsts = collect(draw(logits, rows, bias, states), self.stop)
@@ -192,11 +196,14 @@ class Decoder:
                 self.batch.leaving.add(row)
 
     def _constrained(self) -> bool:
-        """Whether a row in the batch, or joining it, follows a grammar."""
+        """Whether a row in the batch, or joining it, follows a grammar or
+        may have its thinking's closing marker forced: its next mask needs
+        its last token read."""
         batch = self.batch
         joining = [row for rows, _ in batch.joining for row in rows]
         return any(
-            row.matcher is not None and not (row.gone or row.done)
+            (row.matcher is not None or (row.thinking and row.thinking.open))
+            and not (row.gone or row.done)
             for row in (*batch.rows, *joining)
         )
 
@@ -268,6 +275,9 @@ class Decoder:
             for i, row in enumerate(rows)
         ]
         logits = constrain(forward.logits, matchers)
+        # The rows' budgets are current: a step built before its rows' last
+        # tokens are read has no row still thinking (see _constrained).
+        logits = force(logits, rows)
         bias = self._bias_matrix(rows, logits)
         states = [c.state for c in self.batch.cache or ()]
         ahead = () if read else forward.ahead

@@ -15,6 +15,7 @@ from .logits import GrammarMatcher
 from .prefill import Prepared
 from .prompt_cache import Key
 from .sampling import Sampled
+from .thinking import ThinkingBudget
 
 __all__ = ["BatchStatistics", "Row"]
 
@@ -46,6 +47,8 @@ class Row:
         tokens: Its sampled tokens, kept while ``key`` is (the answer's KV
             is cached under the prompt's key and these when it leaves).
         cached: Prompt tokens it took from the prompt cache.
+        thinking: Its thinking budget, when the request set one and the
+            model's reasoning format has markers.
     """
 
     max_tokens: int
@@ -71,6 +74,7 @@ class Row:
     key: Key | None = None
     tokens: list[int] = field(default_factory=list)
     cached: int = 0
+    thinking: ThinkingBudget | None = None
 
 
 @dataclass(frozen=True)

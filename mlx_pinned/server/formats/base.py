@@ -141,12 +141,27 @@ class ReasoningFormat:
             (``opens(template, kwargs)``): then the answer starts inside it.
         parser: A parser for one answer; its argument says whether the
             answer starts inside the reasoning.
+        markers: ``(opening, closing)``, the text that opens and closes the
+            reasoning as the model writes it (what a thinking budget
+            forces); None: the format has no closing marker to force.
     """
 
     name: str
     detect: Callable[[str], bool]
     opens: Callable[[str, Mapping[str, Any]], bool]
     parser: Callable[[bool], ReasoningParser]
+    markers: tuple[str, str] | None = None
+
+    def budget_markers(
+        self, template: str, template_kwargs: Mapping[str, Any]
+    ) -> tuple[str, str] | None:
+        """The markers a thinking budget counts from and forces, for an
+        answer to this template: the opening is empty when the generation
+        prompt opens the reasoning (the answer starts inside it)."""
+        if self.markers is None:
+            return None
+        opening, closing = self.markers
+        return ("" if self.opens(template, template_kwargs) else opening), closing
 
 
 def partial_marker(text: str, marker: str) -> int:

@@ -205,5 +205,13 @@ HARMONY = ToolCallFormat(
 
 #: Harmony's analysis channel, an entry of the reasoning registry.
 HARMONY_REASONING = ReasoningFormat(
-    name=NAME, detect=detect_reasoning, opens=_opens, parser=HarmonySplitter
+    name=NAME,
+    detect=detect_reasoning,
+    opens=_opens,
+    parser=HarmonySplitter,
+    # The analysis message, closed and followed by the final one's header.
+    markers=(
+        f"{CHANNEL}analysis{MESSAGE}",
+        f"<|end|>{START}assistant{CHANNEL}final{MESSAGE}",
+    ),
 )

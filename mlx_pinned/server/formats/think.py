@@ -161,9 +161,14 @@ MAGISTRAL = ReasoningFormat(
     detect=_magistral_detect,
     opens=_magistral_opens,
     parser=_magistral_parser,
+    markers=(MAGISTRAL_OPEN, MAGISTRAL_CLOSE),
 )
 
 #: The ``<think>`` format, an entry of the registry.
 THINK = ReasoningFormat(
-    name="think", detect=detect, opens=opens, parser=ReasoningSplitter
+    name="think",
+    detect=detect,
+    opens=opens,
+    parser=ReasoningSplitter,
+    markers=(THINK_OPEN, THINK_CLOSE),
 )

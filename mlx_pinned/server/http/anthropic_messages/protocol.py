@@ -118,8 +118,9 @@ ToolChoice = Annotated[
 
 
 class ThinkingEnabled(RequestModel):
-    """Thinking on; ``budget_tokens`` is checked as Anthropic checks it,
-    and the thinking is bounded by ``max_tokens`` only."""
+    """Thinking on; ``budget_tokens`` is checked as Anthropic checks it, and
+    the reasoning's closing marker is forced once the thinking has that
+    many tokens."""
 
     type: Literal["enabled"]
     budget_tokens: int = Field(ge=1024)

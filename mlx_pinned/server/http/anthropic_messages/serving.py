@@ -30,6 +30,7 @@ from ...media import ImageRef
 from ..answer import AnswerParser, answer_parser
 from ..errors import APIError
 from ..structured import check_grammar
+from ..thinking import with_budget
 from .blocks import image_refs, text_chars
 from .output import tool_use_id
 from .protocol import (
@@ -142,6 +143,10 @@ class MessagesServing:
             context_length=context,
             grammar=await request_grammar(request, capabilities.formats.tool_call),
         )
+        budget = (
+            thinking.budget_tokens if isinstance(thinking, ThinkingEnabled) else None
+        )
+        params = with_budget(params, capabilities, request.template_kwargs, budget)
         return _with_turns(Prepared(params, refs))
 
     def prepare_count(

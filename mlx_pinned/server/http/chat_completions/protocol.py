@@ -8,7 +8,7 @@ API reference is declared here and either honoured or refused with a 400
 that names it; an unknown top-level field is refused as OpenAI refuses it
 ("Unrecognized request argument supplied"), except the vLLM extensions
 clients commonly send (``top_k``, ``min_p``, ``repetition_penalty``,
-``chat_template_kwargs``; vllm-mlx's ``video_fps`` and
+``chat_template_kwargs``, ``thinking_token_budget``; vllm-mlx's ``video_fps`` and
 ``video_max_frames``), which are honoured. A validated request turns
 itself into the shared generation request
 (:meth:`ChatCompletionRequest.to_generation_params`): the wire schema stops
@@ -23,6 +23,7 @@ from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from ...events import GenerationParams, Grammar
+from ..thinking import EFFORT_BUDGETS
 from ..validation import parse_request
 from .messages import (
     Message,
@@ -76,11 +77,6 @@ _REFUSED = {
     "moderation": "this server runs no moderation; leave it out",
     "functions": "it is deprecated; use 'tools'",
     "prediction": "this server has no predicted outputs; leave it out",
-    "reasoning_effort": (
-        "this server cannot set a model's reasoning effort; use "
-        'chat_template_kwargs (e.g. {"enable_thinking": false}) where the '
-        "model's chat template has such a switch"
-    ),
     "web_search_options": "this server cannot search the web; leave it out",
 }
 
@@ -132,13 +128,17 @@ class ChatCompletionRequest(RequestModel):
     ) = None
     modalities: list[Literal["text", "audio"]] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
+    # A thinking budget: vLLM's in tokens, or a level (EFFORT_BUDGETS).
+    reasoning_effort: (
+        Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None
+    ) = None
+    thinking_token_budget: int | None = Field(default=None, ge=0)
     # Refused whenever set (_REFUSED says why).
     audio: Any = None
     function_call: Any = None
     functions: Any = None
     moderation: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
     web_search_options: Any = None
 
     @field_validator(*_REFUSED)
@@ -319,6 +319,16 @@ class ChatCompletionRequest(RequestModel):
         if self.tools is None or self.tool_choice == "none":
             return []
         return self.tools
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """Most reasoning tokens: ``thinking_token_budget``, else the
+        ``reasoning_effort`` level's; None: no budget."""
+        if self.thinking_token_budget is not None:
+            return self.thinking_token_budget
+        if self.reasoning_effort is None:
+            return None
+        return EFFORT_BUDGETS[self.reasoning_effort]
 
     def to_generation_params(
         self,

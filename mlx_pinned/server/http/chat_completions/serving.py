@@ -32,6 +32,7 @@ from ...media import ImageRef, VideoRef
 from ..answer import AnswerParser, answer_parser
 from ..errors import APIError
 from ..structured import check_grammar
+from ..thinking import with_budget
 from .messages import (
     JSONObjectFormat,
     JSONSchemaResponseFormat,
@@ -111,6 +112,12 @@ class ChatCompletionsServing:
             max_prompt_tokens=max_prompt,
             context_length=context,
             grammar=await request_grammar(request, tool_format),
+        )
+        params = with_budget(
+            params,
+            capabilities,
+            request.chat_template_kwargs or {},
+            request.thinking_budget,
         )
         vocab = capabilities.vocab_size
         for token_id, _ in params.logit_bias:

@@ -18,6 +18,7 @@ from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from ...events import GenerationParams, Grammar
+from ..thinking import EFFORT_BUDGETS
 from ..validation import parse_request
 from .items import (
     NAME_PATTERN,
@@ -108,7 +109,8 @@ class TextOptions(RequestModel):
 
 class Reasoning(RequestModel):
     """``reasoning``: ``effort`` turns the model's thinking on or off where its
-    chat template has the switch; ``summary`` is accepted, unused."""
+    chat template has the switch, and sets its thinking budget
+    (:data:`~..thinking.EFFORT_BUDGETS`); ``summary`` is accepted, unused."""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -255,6 +257,14 @@ class ResponsesRequest(RequestModel):
         if self.reasoning is None or self.reasoning.effort is None:
             return {}
         return {"enable_thinking": self.reasoning.effort not in ("none", "minimal")}
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """``reasoning.effort``'s thinking budget (:data:`EFFORT_BUDGETS`);
+        None: no budget."""
+        if self.reasoning is None or self.reasoning.effort is None:
+            return None
+        return EFFORT_BUDGETS[self.reasoning.effort]
 
     def to_generation_params(
         self,

@@ -30,6 +30,7 @@ from ...media import ImageRef
 from ..answer import AnswerParser, answer_parser
 from ..errors import APIError
 from ..structured import check_grammar
+from ..thinking import with_budget
 from .items import (
     MessageItem,
     NamedFunctionChoice,
@@ -132,6 +133,9 @@ class ResponsesServing:
             max_prompt_tokens=max_prompt,
             context_length=context,
             grammar=await request_grammar(request, tool_format),
+        )
+        params = with_budget(
+            params, capabilities, request.template_kwargs, request.thinking_budget
         )
         urls += [url for _, url in image_urls(items)]
         refs = [ImageRef(index, url) for index, url in enumerate(urls)]
