@@ -21,7 +21,7 @@ from .conftest import MODEL, Serve, Served
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
 TOL = 1e-5
-MAX_TOKENS = 12
+MAX_TOKENS = 32
 DOORS = ("chat", "responses", "messages", "completions")
 SYSTEM = "You answer briefly."
 
@@ -262,7 +262,10 @@ async def test_sixteen_at_once_over_four_doors_each_equal_alone(serve: Serve) ->
             for index in range(len(plan)):
                 group.start_soon(send, index)
         peak = served.engine.statistics().peak_active
-    assert peak >= 12, peak
+    # Thirteen rows in one step hold requests from all four doors (four
+    # a door); all sixteen is the usual count, short of it when the host
+    # is slow to send them.
+    assert peak >= 13, peak
     most = dict.fromkeys(("chat", "completions"), 0.0)
     for index, (door, _prompt) in enumerate(plan):
         assert_same(together[index], alone[index], door)
