@@ -2,21 +2,26 @@
 the Responses API, Anthropic Messages and the legacy completions (the chat's
 rendering as token ids from ``/tokenize``) gives the same tokens; sixteen
 requests spread over the four doors in one batch each equal their solo answer.
+The vision model (Qwen3-VL) and a text model (Qwen3) alike.
 
 Completions takes token ids, not images (an image placeholder in a prompt is
 refused), so a prompt with an image goes through the other three doors."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 
-from mlx_pinned.testing import image_data_uri
+from mlx_pinned.server import create_app
+from mlx_pinned.testing import image_data_uri, tiny_lm_path
 
-from .conftest import MODEL, Serve, Served
+from .conftest import MODEL, Lifespan, Serve, Served
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
@@ -196,9 +201,28 @@ TEXT = Prompt("Tell me about the sea.")
 IMAGE = Prompt("Describe this image in one sentence.", image_seed=3)
 
 
-@pytest.mark.parametrize("prompt", [TEXT, IMAGE], ids=["text", "image"])
-async def test_every_door_gives_the_same_answer(serve: Serve, prompt: Prompt) -> None:
-    async with serve() as served:
+@asynccontextmanager
+async def text_model(lifespan: Lifespan) -> AsyncIterator[Served]:
+    """The tiny text model (Qwen3), in-process, a batch of one."""
+    app = create_app(tiny_lm_path(), served_model_name=MODEL, max_num_seqs=1)
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        lifespan(app) as state,
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        yield Served(app, client, state)
+
+
+@pytest.mark.parametrize(
+    ("model", "prompt"),
+    [("vlm", TEXT), ("vlm", IMAGE), ("lm", TEXT)],
+    ids=["vlm-text", "vlm-image", "lm-text"],
+)
+async def test_every_door_gives_the_same_answer(
+    serve: Serve, lifespan: Lifespan, model: str, prompt: Prompt
+) -> None:
+    served_model = serve() if model == "vlm" else text_model(lifespan)
+    async with served_model as served:
         answers = {door: await ASK[door](served, prompt) for door in doors_for(prompt)}
     chat = answers["chat"]
     assert chat.completion_tokens == MAX_TOKENS  # something to compare
