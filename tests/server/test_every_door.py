@@ -9,19 +9,25 @@ refused), so a prompt with an image goes through the other three doors."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import anthropic
 import anyio
 import httpx
+import openai
 import pytest
 
 from mlx_pinned.server import create_app
+from mlx_pinned.server.cli import DEMO_MODEL_NAME
 from mlx_pinned.testing import image_data_uri, tiny_lm_path
 
 from .conftest import MODEL, Lifespan, Serve, Served
+from .kit import Server, running_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
@@ -233,6 +239,115 @@ async def test_every_door_gives_the_same_answer(
     if "completions" in answers:
         most = difference(answers["completions"].logprobs, chat.logprobs)
         print(f"{prompt.text!r}: completions against chat, most {most:.2e}")
+
+
+def test_the_sdks_get_the_same_answer_from_a_real_server(
+    tmp_path: Path,
+) -> None:
+    """The official clients, ``openai`` and ``anthropic``, against ``serve
+    --demo`` on a port: the image prompt through the three doors that take
+    images, the text prompt through all four."""
+    with running_server(tmp_path / "server.log") as server:
+        client = server.client()
+        claude = server.anthropic_client()
+        for prompt in (TEXT, IMAGE):
+            answers = sdk_answers(server, client, claude, prompt)
+            chat = answers["chat"]
+            assert chat.completion_tokens == MAX_TOKENS
+            for door, answer in answers.items():
+                assert_same(answer, chat, door)
+            assert set(answers) == set(doors_for(prompt))
+        log = server.log_text()
+    assert " 200" in log
+    assert not re.search(r'" [45]\d\d', log), log
+
+
+def sdk_answers(
+    server: Server,
+    client: openai.OpenAI,
+    claude: anthropic.Anthropic,
+    prompt: Prompt,
+) -> dict[str, Answer]:
+    model = DEMO_MODEL_NAME
+    messages: Any = chat_messages(prompt)
+    chat = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=True,
+    )
+    assert chat.usage is not None
+    assert chat.choices[0].logprobs is not None
+    answers = {
+        "chat": Answer(
+            chat.choices[0].message.content or "",
+            chat.usage.prompt_tokens,
+            chat.usage.completion_tokens,
+            [t.logprob for t in chat.choices[0].logprobs.content or []],
+        )
+    }
+    content: Any = [{"type": "input_text", "text": prompt.text}]
+    blocks: Any = [{"type": "text", "text": prompt.text}]
+    if prompt.image_seed is not None:
+        url = image_data_uri(64, 64, seed=prompt.image_seed)
+        content.append({"type": "input_image", "image_url": url, "detail": "auto"})
+        media, data = url.removeprefix("data:").split(";base64,", 1)
+        source = {"type": "base64", "media_type": media, "data": data}
+        blocks.append({"type": "image", "source": source})
+    response = client.responses.create(
+        model=model,
+        input=[{"role": "user", "content": content}],
+        instructions=prompt.system,
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+        store=False,
+    )
+    assert response.usage is not None
+    answers["responses"] = Answer(
+        response.output_text,
+        response.usage.input_tokens,
+        response.usage.output_tokens,
+        None,
+    )
+    message = claude.messages.create(
+        model=model,
+        system=prompt.system or anthropic.omit,
+        messages=[{"role": "user", "content": blocks}],
+        max_tokens=MAX_TOKENS,
+        # This SDK's create() takes no temperature; the wire field stays.
+        extra_body={"temperature": 0},
+    )
+    answers["messages"] = Answer(
+        "".join(b.text for b in message.content if b.type == "text"),
+        message.usage.input_tokens,
+        message.usage.output_tokens,
+        None,
+    )
+    if prompt.image_seed is None:
+        rendered = httpx.post(
+            f"{server.url}/tokenize",
+            json={"model": model, "messages": messages},
+            timeout=60,
+        )
+        assert rendered.status_code == 200, rendered.text
+        completion = client.completions.create(
+            model=model,
+            prompt=rendered.json()["tokens"],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logprobs=1,
+        )
+        assert completion.usage is not None
+        logprobs = completion.choices[0].logprobs
+        assert logprobs is not None
+        answers["completions"] = Answer(
+            completion.choices[0].text,
+            completion.usage.prompt_tokens,
+            completion.usage.completion_tokens,
+            [float(x) for x in logprobs.token_logprobs or []],
+        )
+    return answers
 
 
 # Four prompts a door, each different: two with an image for the three doors
