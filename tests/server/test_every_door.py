@@ -2,7 +2,8 @@
 the Responses API, Anthropic Messages and the legacy completions (the chat's
 rendering as token ids from ``/tokenize``) gives the same tokens; sixteen
 requests spread over the four doors in one batch each equal their solo answer.
-The vision model (Qwen3-VL) and a text model (Qwen3) alike.
+The vision model (Qwen3-VL) and a text model (Qwen3) alike, in-process; and
+the official ``openai`` and ``anthropic`` clients against a real server.
 
 Completions takes token ids, not images (an image placeholder in a prompt is
 refused), so a prompt with an image goes through the other three doors."""
