@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import anyio
 import anyio.abc
 import openai
@@ -213,6 +214,9 @@ class Server:
         return openai.AsyncOpenAI(
             base_url=f"{self.url}/v1", api_key="unused", max_retries=0
         )
+
+    def anthropic_client(self) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=self.url, api_key="unused", max_retries=0)
 
 
 @contextmanager
