@@ -39,9 +39,8 @@ FORMATS = {
 }
 # The families whose call markers are plain text to their tokenizers. In
 # Mistral's and gpt-oss's the markers are special tokens ([TOOL_CALLS],
-# <|channel|>, ...), and a forced call fails in the engine: llguidance
-# refuses the marker's special token where its grammar spells the marker
-# as text (TestSpecialMarkers pins which families these are).
+# <|channel|>, ...), which the engine writes into a forced call's grammar as
+# the tokens themselves (TestSpecialMarkers pins which families these are).
 FORCEABLE = ("llama3_tools", "qwen3_coder")
 SPECIAL_MARKERS = {"mistral_tools": "[TOOL_CALLS]", "gpt_oss_harmony": "<|channel|>"}
 # Markup of every format here: none may reach a content field.
@@ -302,4 +301,43 @@ class TestForcedCalls:
         for answer in answers:
             assert answer["finish"] == "length", answer
             assert_no_markup(answer)
+        assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("tiny_model_path", list(SPECIAL_MARKERS), indirect=True)
+class TestForcedCallsWithSpecialMarkers:
+    async def test_a_named_call_parses_back_to_valid_arguments(
+        self, served: Served
+    ) -> None:
+        answers = await whole_and_streamed(
+            served,
+            max_tokens=200,
+            temperature=0,
+            tools=[WEATHER, CLOCK],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )
+        for answer in answers:
+            assert answer["finish"] == "tool_calls", answer
+            assert_no_markup(answer)
+            [(name, arguments)] = answer["calls"]
+            assert name == "get_weather"
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+        assert answers[0] == answers[1]
+
+    async def test_one_required_call_parses_back_to_valid_arguments(
+        self, served: Served
+    ) -> None:
+        answers = await whole_and_streamed(
+            served,
+            max_tokens=200,
+            temperature=0,
+            tools=[WEATHER, CLOCK],
+            tool_choice="required",
+            parallel_tool_calls=False,
+        )
+        for answer in answers:
+            assert answer["finish"] == "tool_calls", answer
+            assert_no_markup(answer)
+            [(name, arguments)] = answer["calls"]
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
         assert answers[0] == answers[1]

@@ -25,6 +25,7 @@ asks for it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from collections.abc import Sequence
@@ -32,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 import numpy as np
+
+from .special_tokens import special_literals, special_tokens
 
 if TYPE_CHECKING:
     from ..events import Grammar
@@ -291,6 +294,10 @@ def new_matcher(loaded: LoadedModel, grammar: Grammar) -> GrammarMatcher:
     kept = loaded.grammar_matchers
     template = kept.pop(grammar, None)
     if template is None:
+        if grammar.kind == "lark":
+            grammar = dataclasses.replace(
+                grammar, source=special_literals(grammar.source, special_tokens(loaded))
+            )
         template = GrammarMatcher(llg_tokenizer(loaded), compile_grammar(grammar))
     kept[grammar] = template  # the most recently used last
     while len(kept) > MATCHERS_KEPT:
