@@ -139,7 +139,7 @@ def responses_body(chat: dict[str, Any]) -> dict[str, Any]:
                 }
                 for part in content
             ]
-        items.append({"role": message["role"], "content": content})
+        items.append({"type": "message", "role": message["role"], "content": content})
     return {
         "model": chat["model"],
         "input": items,
@@ -206,21 +206,31 @@ class Api:
 
     path: str
     shape: Callable[[dict[str, Any]], dict[str, Any]]
-    usage_tokens: str
+    usage: tuple[str, str]  # the prompt's and the completion's token counts
     first_text: Callable[[dict[str, Any]], bool]
     headers: dict[str, str] = field(default_factory=dict)
 
-    def tokens(self, answer: dict[str, Any]) -> int:
-        return int((answer.get("usage") or {}).get(self.usage_tokens) or 0)
+    def tokens(self, answer: dict[str, Any], which: int = 1) -> int:
+        return int((answer.get("usage") or {}).get(self.usage[which]) or 0)
 
 
 APIS: dict[str, Api] = {
-    "chat": Api("/v1/chat/completions", dict, "completion_tokens", _chat_text),
-    "responses": Api("/v1/responses", responses_body, "output_tokens", _responses_text),
+    "chat": Api(
+        "/v1/chat/completions",
+        dict,
+        ("prompt_tokens", "completion_tokens"),
+        _chat_text,
+    ),
+    "responses": Api(
+        "/v1/responses",
+        responses_body,
+        ("input_tokens", "output_tokens"),
+        _responses_text,
+    ),
     "messages": Api(
         "/v1/messages",
         messages_body,
-        "output_tokens",
+        ("input_tokens", "output_tokens"),
         _messages_text,
         {"anthropic-version": "2023-06-01"},
     ),
@@ -237,6 +247,9 @@ class Level:
     system: str
     concurrency: int
     api: str = "chat"
+    # The first answer's prompt tokens: the same request is the same prompt
+    # on every system (a peer that drops the image counts fewer).
+    prompt_tokens: int = 0
     sent: int = 0
     ok: int = 0
     errors: dict[str, int] = field(default_factory=dict)
@@ -326,14 +339,15 @@ class Unserved(Exception):
 
 async def first_answer(
     client: Any, api: Api, body: dict[str, Any], timeout: float
-) -> None:
+) -> int:
     """Send ``body`` until it is answered 200: a server may list its model
-    (mlx-pinned does) and answer 503 until the model is loaded."""
+    (mlx-pinned does) and answer 503 until the model is loaded. The answer's
+    prompt tokens."""
     deadline = time.monotonic() + timeout
     while True:
         response = await client.post(api.path, json=body, headers=api.headers)
         if response.status_code == 200:
-            return
+            return api.tokens(response.json(), 0)
         if response.status_code in (404, 405):
             raise Unserved(f"{api.path} answered {response.status_code}")
         if response.status_code != 503 or time.monotonic() > deadline:
@@ -367,7 +381,9 @@ async def bench_system(
             api = APIS[args.api]
             body = api.shape(make_body(served or args.model))
             try:
-                await first_answer(client, api, body, args.startup_timeout)
+                prompt_tokens = await first_answer(
+                    client, api, body, args.startup_timeout
+                )
             except Unserved as exc:
                 print(f"   skipped: {name} does not serve {args.api} ({exc})")
                 return []
@@ -377,7 +393,7 @@ async def bench_system(
             for _ in range(args.warmup):
                 await client.post(api.path, json=body, headers=api.headers)
             for concurrency in args.concurrency:
-                level = Level(name, concurrency, args.api)
+                level = Level(name, concurrency, args.api, prompt_tokens)
                 requests = max(args.requests, 2 * concurrency)
                 for _ in range(args.rounds):
                     await one_round(client, api, body, level, requests)
@@ -399,6 +415,7 @@ def _row(level: Level) -> str:
     errors = ", ".join(f"{n}x{k}" for k, n in sorted(level.errors.items())) or "-"
     return (
         f"{level.system:<19} c{level.concurrency:<3} {level.ok:>4}/{level.sent:<4} "
+        f"prompt {level.prompt_tokens:>4}  "
         f"{level.tok_s:7.0f} tok/s  p50 {level.latency(0.5) * 1e3:7.1f} ms  "
         f"p99 {level.latency(0.99) * 1e3:7.1f} ms  ttft {level.ttft * 1e3:6.1f} ms  "
         f"errors {errors}"
@@ -406,12 +423,16 @@ def _row(level: Level) -> str:
 
 
 def report(levels: list[Level]) -> None:
-    print("\n| system | c | ok | tok/s | p50 ms | p99 ms | TTFT ms | errors |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| system | api | c | prompt tok | ok | tok/s | p50 ms | p99 ms "
+        "| TTFT ms | errors |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for lv in levels:
         errors = ", ".join(f"{n}x{k}" for k, n in sorted(lv.errors.items())) or "0"
         print(
-            f"| {lv.system} | {lv.concurrency} | {lv.ok}/{lv.sent} | {lv.tok_s:.0f} "
+            f"| {lv.system} | {lv.api} | {lv.concurrency} | {lv.prompt_tokens} "
+            f"| {lv.ok}/{lv.sent} | {lv.tok_s:.0f} "
             f"| {lv.latency(0.5) * 1e3:.1f} | {lv.latency(0.99) * 1e3:.1f} "
             f"| {lv.ttft * 1e3:.1f} | {errors} |"
         )
