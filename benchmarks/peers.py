@@ -349,7 +349,10 @@ async def first_answer(
         if response.status_code == 200:
             return api.tokens(response.json(), 0)
         if response.status_code in (404, 405):
-            raise Unserved(f"{api.path} answered {response.status_code}")
+            # A server may answer 404 for an unknown model too: its words say.
+            raise Unserved(
+                f"{api.path} answered {response.status_code}: {response.text[:200]}"
+            )
         if response.status_code != 503 or time.monotonic() > deadline:
             raise RuntimeError(f"answered {response.status_code}: {response.text}")
         await asyncio.sleep(0.2)
