@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import math
 import os
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +106,19 @@ async def wait_for(
                 return response
         await asyncio.sleep(0.2)
     raise TimeoutError(f"the server did not answer {path} within {timeout:.0f} s")
+
+
+async def sse_json(response: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of a server-sent event stream's ``data:`` lines, in
+    order; ``[DONE]`` and what is not a JSON object are passed over (the
+    ``event:`` lines too: OpenAI's and Anthropic's events name their type in
+    the object as well)."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        try:
+            event = json.loads(line[5:])
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            yield event

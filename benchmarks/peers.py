@@ -10,10 +10,21 @@ completion tokens/s (median of the rounds), p50/p99 latency, time to first
 token (one streaming probe per round, sent with the load, not counted in it)
 and errors, then the ratios against vllm-mlx, and writes a PNG.
 
+``--api`` names the door every request of the run goes through: ``chat``
+(``/v1/chat/completions``, the default), ``responses`` (``/v1/responses``:
+``input`` with ``input_text`` and ``input_image`` parts,
+``max_output_tokens``, ``store`` false) or ``messages`` (Anthropic's
+``/v1/messages``: the image as a base64 source, ``max_tokens``, an
+``anthropic-version`` header). The streaming probe times the first text delta
+of that API's own events (``response.output_text.delta``, a
+``content_block_delta`` with a ``text_delta``). A system that answers the
+API's path with 404 or 405 is skipped, with a line saying so.
+
 ::
 
     python benchmarks/peers.py run [--systems ...] [--concurrency 1,8,32]
-        [--rounds 3] [--peers-venv VENV] [--plot peers.png] [--text]
+        [--rounds 3] [--api chat|responses|messages] [--peers-venv VENV]
+        [--plot peers.png] [--text]
     python benchmarks/peers.py inprocess      # batched vs one at a time
     python benchmarks/peers.py plot RESULTS.json --plot peers.png --title ...
 
@@ -75,6 +86,7 @@ from _common import (
     quantile,
     request_body,
     server,
+    sse_json,
     wait_for,
 )
 
@@ -106,6 +118,125 @@ BASELINE = "vllm-mlx-cb"
 PEERS_VENV_ENV = "MLX_PINNED_PEERS_VENV"
 
 
+# -- the APIs ---------------------------------------------------------------------
+
+
+def responses_body(chat: dict[str, Any]) -> dict[str, Any]:
+    """A chat completions body as OpenAI Responses sends it: ``input`` items
+    with ``input_text`` and ``input_image`` parts, ``max_output_tokens``, and
+    nothing stored (as Codex sends it)."""
+    parts = {"text": "input_text", "image_url": "input_image"}
+    items = []
+    for message in chat["messages"]:
+        content = message["content"]
+        if isinstance(content, list):
+            content = [
+                {"type": parts[part["type"]], "text": part["text"]}
+                if part["type"] == "text"
+                else {
+                    "type": parts[part["type"]],
+                    "image_url": part["image_url"]["url"],
+                }
+                for part in content
+            ]
+        items.append({"type": "message", "role": message["role"], "content": content})
+    return {
+        "model": chat["model"],
+        "input": items,
+        "max_output_tokens": chat["max_tokens"],
+        "temperature": chat["temperature"],
+        "store": False,
+    }
+
+
+def messages_body(chat: dict[str, Any]) -> dict[str, Any]:
+    """A chat completions body as Anthropic Messages sends it: text blocks,
+    the image as a base64 source, ``max_tokens``."""
+
+    def block(part: dict[str, Any]) -> dict[str, Any]:
+        if part["type"] == "text":
+            return {"type": "text", "text": part["text"]}
+        header, _, data = part["image_url"]["url"].partition(",")
+        media_type = header.removeprefix("data:").removesuffix(";base64")
+        source = {"type": "base64", "media_type": media_type, "data": data}
+        return {"type": "image", "source": source}
+
+    messages = [
+        {
+            "role": message["role"],
+            "content": [block(part) for part in message["content"]]
+            if isinstance(message["content"], list)
+            else message["content"],
+        }
+        for message in chat["messages"]
+    ]
+    return {
+        "model": chat["model"],
+        "messages": messages,
+        "max_tokens": chat["max_tokens"],
+        "temperature": chat["temperature"],
+    }
+
+
+def _chat_text(event: dict[str, Any]) -> bool:
+    choices = event.get("choices") or [{}]
+    return bool((choices[0].get("delta") or {}).get("content"))
+
+
+def _responses_text(event: dict[str, Any]) -> bool:
+    return event.get("type") == "response.output_text.delta" and bool(
+        event.get("delta")
+    )
+
+
+def _messages_text(event: dict[str, Any]) -> bool:
+    delta = event.get("delta") or {}
+    return (
+        event.get("type") == "content_block_delta"
+        and delta.get("type") == "text_delta"
+        and bool(delta.get("text"))
+    )
+
+
+@dataclass(frozen=True)
+class Api:
+    """One door of the servers: where the request goes, its shape (from the
+    chat completions body), where its answer counts the completion tokens,
+    and which of its stream's events carries the first text."""
+
+    path: str
+    shape: Callable[[dict[str, Any]], dict[str, Any]]
+    usage: tuple[str, str]  # the prompt's and the completion's token counts
+    first_text: Callable[[dict[str, Any]], bool]
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def tokens(self, answer: dict[str, Any], which: int = 1) -> int:
+        return int((answer.get("usage") or {}).get(self.usage[which]) or 0)
+
+
+APIS: dict[str, Api] = {
+    "chat": Api(
+        "/v1/chat/completions",
+        dict,
+        ("prompt_tokens", "completion_tokens"),
+        _chat_text,
+    ),
+    "responses": Api(
+        "/v1/responses",
+        responses_body,
+        ("input_tokens", "output_tokens"),
+        _responses_text,
+    ),
+    "messages": Api(
+        "/v1/messages",
+        messages_body,
+        ("input_tokens", "output_tokens"),
+        _messages_text,
+        {"anthropic-version": "2023-06-01"},
+    ),
+}
+
+
 # -- one load level ---------------------------------------------------------------
 
 
@@ -115,6 +246,10 @@ class Level:
 
     system: str
     concurrency: int
+    api: str = "chat"
+    # The first answer's prompt tokens: the same request is the same prompt
+    # on every system (a peer that drops the image counts fewer).
+    prompt_tokens: int = 0
     sent: int = 0
     ok: int = 0
     errors: dict[str, int] = field(default_factory=dict)
@@ -138,9 +273,10 @@ class Level:
 
 
 async def one_round(
-    client: Any, body: dict[str, Any], level: Level, requests: int
+    client: Any, api: Api, body: dict[str, Any], level: Level, requests: int
 ) -> None:
-    """``requests`` requests from ``level.concurrency`` workers, plus a probe."""
+    """``requests`` requests from ``level.concurrency`` workers, plus a probe
+    (its time to the first text delta of ``api``'s stream)."""
     remaining = requests
     tokens = 0
 
@@ -151,29 +287,25 @@ async def one_round(
             level.sent += 1
             start = time.perf_counter()
             try:
-                response = await client.post("/v1/chat/completions", json=body)
+                response = await client.post(api.path, json=body, headers=api.headers)
             except Exception as exc:
                 level.error(type(exc).__name__)
                 continue
             if response.status_code != 200:
                 level.error(str(response.status_code))
                 continue
-            usage = response.json().get("usage") or {}
             level.latencies.append(time.perf_counter() - start)
             level.ok += 1
-            tokens += int(usage.get("completion_tokens") or 0)
+            tokens += api.tokens(response.json())
 
     async def probe() -> None:
         start = time.perf_counter()
         with contextlib.suppress(Exception):
             async with client.stream(
-                "POST", "/v1/chat/completions", json={**body, "stream": True}
+                "POST", api.path, json={**body, "stream": True}, headers=api.headers
             ) as response:
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    choices = json.loads(line[6:]).get("choices") or [{}]
-                    if (choices[0].get("delta") or {}).get("content"):
+                async for event in sse_json(response):
+                    if api.first_text(event):
                         level.ttfts.append(time.perf_counter() - start)
                         return
 
@@ -201,14 +333,26 @@ async def wait_ready(
     return str(data[0].get("id") or "")
 
 
-async def first_answer(client: Any, body: dict[str, Any], timeout: float) -> None:
+class Unserved(Exception):
+    """The server has no such API (404 or 405 on its path)."""
+
+
+async def first_answer(
+    client: Any, api: Api, body: dict[str, Any], timeout: float
+) -> int:
     """Send ``body`` until it is answered 200: a server may list its model
-    (mlx-pinned does) and answer 503 until the model is loaded."""
+    (mlx-pinned does) and answer 503 until the model is loaded. The answer's
+    prompt tokens."""
     deadline = time.monotonic() + timeout
     while True:
-        response = await client.post("/v1/chat/completions", json=body)
+        response = await client.post(api.path, json=body, headers=api.headers)
         if response.status_code == 200:
-            return
+            return api.tokens(response.json(), 0)
+        if response.status_code in (404, 405):
+            # A server may answer 404 for an unknown model too: its words say.
+            raise Unserved(
+                f"{api.path} answered {response.status_code}: {response.text[:200]}"
+            )
         if response.status_code != 503 or time.monotonic() > deadline:
             raise RuntimeError(f"answered {response.status_code}: {response.text}")
         await asyncio.sleep(0.2)
@@ -237,19 +381,25 @@ async def bench_system(
             except Exception as exc:
                 print(f"   not started: {exc}\n{_tail(log)}", flush=True)
                 return []
-            body = make_body(served or args.model)
+            api = APIS[args.api]
+            body = api.shape(make_body(served or args.model))
             try:
-                await first_answer(client, body, args.startup_timeout)
+                prompt_tokens = await first_answer(
+                    client, api, body, args.startup_timeout
+                )
+            except Unserved as exc:
+                print(f"   skipped: {name} does not serve {args.api} ({exc})")
+                return []
             except Exception as exc:
                 print(f"   never answered: {exc}\n{_tail(log)}", flush=True)
                 return []
             for _ in range(args.warmup):
-                await client.post("/v1/chat/completions", json=body)
+                await client.post(api.path, json=body, headers=api.headers)
             for concurrency in args.concurrency:
-                level = Level(name, concurrency)
+                level = Level(name, concurrency, args.api, prompt_tokens)
                 requests = max(args.requests, 2 * concurrency)
                 for _ in range(args.rounds):
-                    await one_round(client, body, level, requests)
+                    await one_round(client, api, body, level, requests)
                 print("   " + _row(level), flush=True)
                 levels.append(level)
     return levels
@@ -268,6 +418,7 @@ def _row(level: Level) -> str:
     errors = ", ".join(f"{n}x{k}" for k, n in sorted(level.errors.items())) or "-"
     return (
         f"{level.system:<19} c{level.concurrency:<3} {level.ok:>4}/{level.sent:<4} "
+        f"prompt {level.prompt_tokens:>4}  "
         f"{level.tok_s:7.0f} tok/s  p50 {level.latency(0.5) * 1e3:7.1f} ms  "
         f"p99 {level.latency(0.99) * 1e3:7.1f} ms  ttft {level.ttft * 1e3:6.1f} ms  "
         f"errors {errors}"
@@ -275,12 +426,16 @@ def _row(level: Level) -> str:
 
 
 def report(levels: list[Level]) -> None:
-    print("\n| system | c | ok | tok/s | p50 ms | p99 ms | TTFT ms | errors |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| system | api | c | prompt tok | ok | tok/s | p50 ms | p99 ms "
+        "| TTFT ms | errors |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for lv in levels:
         errors = ", ".join(f"{n}x{k}" for k, n in sorted(lv.errors.items())) or "0"
         print(
-            f"| {lv.system} | {lv.concurrency} | {lv.ok}/{lv.sent} | {lv.tok_s:.0f} "
+            f"| {lv.system} | {lv.api} | {lv.concurrency} | {lv.prompt_tokens} "
+            f"| {lv.ok}/{lv.sent} | {lv.tok_s:.0f} "
             f"| {lv.latency(0.5) * 1e3:.1f} | {lv.latency(0.99) * 1e3:.1f} "
             f"| {lv.ttft * 1e3:.1f} | {errors} |"
         )
@@ -418,7 +573,8 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps([asdict(lv) for lv in levels], indent=1))
     if args.plot and levels:
         title = (
-            f"same request ({what}, {args.max_tokens} tokens, non-streaming), "
+            f"same request through {APIS[args.api].path} ({what}, "
+            f"{args.max_tokens} tokens, non-streaming), "
             f"{args.rounds} rounds, {os.cpu_count()} CPUs"
         )
         plot(levels, Path(args.plot), title)
@@ -528,6 +684,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--text",
         action="store_true",
         help="a text-only model and request, against vllm-mlx and mlx-lm",
+    )
+    bench.add_argument(
+        "--api",
+        choices=sorted(APIS),
+        default="chat",
+        help="the door every request goes through (default: chat completions)",
     )
     bench.add_argument(
         "--peers-venv",
