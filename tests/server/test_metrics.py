@@ -44,6 +44,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 CHAT = "/v1/chat/completions"
+CHAT_API = "chat_completions"
 
 
 class TestMetrics:
@@ -96,10 +97,20 @@ class TestMetrics:
             assert requests(CHAT, "400") == 1
             assert requests("other", "404") == 1
             assert requests("/metrics", "200") == 1  # the first scrape
-            assert value(samples, "mlx_pinned_generated_tokens_total", model=MODEL) == 8
+            assert (
+                value(
+                    samples,
+                    "mlx_pinned_generated_tokens_total",
+                    model=MODEL,
+                    api=CHAT_API,
+                )
+                == 8
+            )
             prompt = ok["usage"]["prompt_tokens"]
             assert (
-                value(samples, "mlx_pinned_prompt_tokens_total", model=MODEL)
+                value(
+                    samples, "mlx_pinned_prompt_tokens_total", model=MODEL, api=CHAT_API
+                )
                 == 2 * prompt
             )
             for histogram in (
@@ -107,11 +118,13 @@ class TestMetrics:
                 "mlx_pinned_request_duration_seconds",
                 "mlx_pinned_queue_wait_seconds",
             ):
-                count = value(samples, f"{histogram}_count", model=MODEL)
+                count = value(samples, f"{histogram}_count", model=MODEL, api=CHAT_API)
                 assert count == 2
-                total = value(samples, f"{histogram}_sum", model=MODEL)
+                total = value(samples, f"{histogram}_sum", model=MODEL, api=CHAT_API)
                 assert total > 0 or "queue" in histogram
-                bucket = value(samples, f"{histogram}_bucket", le="+Inf", model=MODEL)
+                bucket = value(
+                    samples, f"{histogram}_bucket", le="+Inf", model=MODEL, api=CHAT_API
+                )
                 assert bucket == 2
             assert value(samples, "mlx_pinned_queue_depth", model=MODEL) == 0
             assert value(samples, "mlx_pinned_active_generations", model=MODEL) == 0
@@ -148,7 +161,10 @@ class TestMetrics:
             assert (await one.chat(vision_body(2))).status_code == 200
             assert (
                 value(
-                    await scrape(one), "mlx_pinned_generated_tokens_total", model=MODEL
+                    await scrape(one),
+                    "mlx_pinned_generated_tokens_total",
+                    model=MODEL,
+                    api=CHAT_API,
                 )
                 == 2
             )
@@ -157,15 +173,47 @@ class TestMetrics:
                     await scrape(other),
                     "mlx_pinned_generated_tokens_total",
                     model=MODEL,
+                    api=CHAT_API,
                 )
                 == 0
             )
         assert (
             REGISTRY.get_sample_value(
-                "mlx_pinned_generated_tokens_total", {"model": MODEL}
+                "mlx_pinned_generated_tokens_total", {"model": MODEL, "api": CHAT_API}
             )
             is None
         )
+
+    async def test_each_api_has_its_own_series(self, serve: Serve) -> None:
+        async with serve() as served:
+            chat = await served.chat(vision_body(3))
+            assert chat.status_code == 200
+            legacy = await served.client.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "Hello", "max_tokens": 5},
+            )
+            assert legacy.status_code == 200
+            messages = await served.client.post(
+                "/v1/messages",
+                json={
+                    "model": MODEL,
+                    "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "Hello"}],
+                },
+            )
+            assert messages.status_code == 200
+            samples = await scrape(served)
+        generated = "mlx_pinned_generated_tokens_total"
+        by_api = {
+            api: value(samples, generated, model=MODEL, api=api)
+            for api in ("chat_completions", "completions", "messages", "responses")
+        }
+        assert by_api == {
+            "chat_completions": 3,
+            "completions": legacy.json()["usage"]["completion_tokens"],
+            "messages": messages.json()["usage"]["output_tokens"],
+            "responses": 0,
+        }
 
     async def test_behind_the_api_key(self, serve: Serve) -> None:
         async with serve(api_key="k") as served:

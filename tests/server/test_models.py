@@ -306,9 +306,10 @@ class TestMetrics:
         def value(metric: str, **labels: str) -> float:
             return samples[f"mlx_pinned_{metric}", tuple(sorted(labels.items()))]
 
-        assert value("generated_tokens_total", model="first") == 3
-        assert value("generated_tokens_total", model="second") == 5
-        assert value("time_to_first_token_seconds_count", model="second") == 1
+        chat = "chat_completions"
+        assert value("generated_tokens_total", model="first", api=chat) == 3
+        assert value("generated_tokens_total", model="second", api=chat) == 5
+        assert value("time_to_first_token_seconds_count", model="second", api=chat) == 1
         for metric in (
             "queue_depth",
             "active_generations",

@@ -45,6 +45,14 @@ _ROUTES = frozenset(
     | {"/v1/completions", "/tokenize", "/detokenize", "/v1/responses"}
     | {"/v1/messages", "/v1/messages/count_tokens"}
 )
+#: The API of each route that generates: the ``api`` label of the per-model
+#: series (the tokenizer routes and count_tokens generate nothing).
+APIS = {
+    "POST /v1/chat/completions": "chat_completions",
+    "POST /v1/completions": "completions",
+    "POST /v1/responses": "responses",
+    "POST /v1/messages": "messages",
+}
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -53,10 +61,11 @@ class ServerMetrics:
     """The metrics of one app, in their own registry.
 
     Metric names (all prefixed ``mlx_pinned_``): ``requests_total{route,
-    status}``; per model (label ``model``): counters ``prompt_tokens_total``
-    and ``generated_tokens_total``, histograms
-    ``time_to_first_token_seconds``, ``request_duration_seconds`` (completed
-    chat requests, end to end) and ``queue_wait_seconds``, gauges
+    status}``; per model and API (labels ``model``, and ``api``: one of
+    :data:`APIS`' values): counters ``prompt_tokens_total`` and
+    ``generated_tokens_total``, histograms ``time_to_first_token_seconds``,
+    ``request_duration_seconds`` (completed generations, end to end) and
+    ``queue_wait_seconds``; per model (label ``model``): gauges
     ``queue_depth`` (requests waiting for the model), ``active_generations``
     and ``batch_usage_ratio`` (``active_generations`` over ``max_num_seqs``:
     1 means new requests wait; the KV cache has no fixed budget, so this is
@@ -89,41 +98,42 @@ class ServerMetrics:
         )
         self.prompt_tokens = Counter(
             "mlx_pinned_prompt_tokens",
-            "Prompt tokens of chat completions, images included.",
-            ["model"],
+            "Prompt tokens of generations, images included, by model and API.",
+            ["model", "api"],
             registry=registry,
         )
         self.generated_tokens = Counter(
             "mlx_pinned_generated_tokens",
             "Tokens generated, for every request (cancelled ones included).",
-            ["model"],
+            ["model", "api"],
             registry=registry,
         )
         self.ttft = Histogram(
             "mlx_pinned_time_to_first_token_seconds",
             "From the request's arrival to its first generated token.",
-            ["model"],
+            ["model", "api"],
             buckets=_TTFT_BUCKETS,
             registry=registry,
         )
         self.latency = Histogram(
             "mlx_pinned_request_duration_seconds",
-            "Chat completions answered with 200, from arrival to the last byte.",
-            ["model"],
+            "Generations answered with 200, from arrival to the last byte.",
+            ["model", "api"],
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
         self.queue_wait = Histogram(
             "mlx_pinned_queue_wait_seconds",
-            "Time a chat completion waited for the model.",
-            ["model"],
+            "Time a generation waited for the model.",
+            ["model", "api"],
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
         # Every model's series from the start, at 0: rate() needs a first sample.
         for name in models.names:
-            for metric in self._per_model():
-                metric.labels(name)
+            for api in APIS.values():
+                for metric in self._per_model():
+                    metric.labels(name, api)
         self._live = _LiveCollector(thread, models)
         registry.register(self._live)
 
@@ -139,17 +149,18 @@ class ServerMetrics:
     def observe(self, log: RequestLog) -> None:
         """Record a finished chat request from its log line; one that named
         no served model (refused before) has nothing per model to record."""
-        if log.model is None:
+        api = APIS.get(log.route)
+        if log.model is None or api is None:
             return
         model = log.model
-        self.prompt_tokens.labels(model).inc(log.prompt_tokens)
-        self.generated_tokens.labels(model).inc(log.completion_tokens)
+        self.prompt_tokens.labels(model, api).inc(log.prompt_tokens)
+        self.generated_tokens.labels(model, api).inc(log.completion_tokens)
         if log.first_token is not None:
-            self.ttft.labels(model).observe(log.first_token - log.start)
+            self.ttft.labels(model, api).observe(log.first_token - log.start)
         if log.queued is not None:
-            self.queue_wait.labels(model).observe(log.queued)
+            self.queue_wait.labels(model, api).observe(log.queued)
         if log.status == 200:
-            self.latency.labels(model).observe(time.perf_counter() - log.start)
+            self.latency.labels(model, api).observe(time.perf_counter() - log.start)
 
     async def endpoint(self, request: Request) -> Response:
         """``GET /metrics``; each engine's numbers are read once its model is
