@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ...config import ImageLimits, VideoLimits
 from ...media import ImageRef, VideoRef
+from ..media_counts import counted_image_refs, counted_video_refs
 
 __all__ = [
     "NAME_PATTERN",
@@ -295,15 +296,7 @@ def image_refs(messages: Sequence[Message], limits: ImageLimits) -> list[ImageRe
     Raises:
         ImageRefusedError: More than ``limits.max_images`` images.
     """
-    parts = image_parts(messages)
-    refs = [ImageRef(index, url) for index, (_, url) in enumerate(parts)]
-    if len(refs) > limits.max_images:
-        raise refs[limits.max_images].error(
-            f"too many images: {len(refs)} in this request, at most "
-            f"{limits.max_images} are allowed.",
-            "too_many_images",
-        )
-    return refs
+    return counted_image_refs((url for _, url in image_parts(messages)), limits)
 
 
 def image_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
@@ -331,15 +324,8 @@ def video_refs(
     Raises:
         VideoRefusedError: More than ``limits.max_videos`` videos.
     """
-    parts = video_parts(messages)
-    refs = [VideoRef(i, url, fps, max_frames) for i, (_, url) in enumerate(parts)]
-    if len(refs) > limits.max_videos:
-        raise refs[limits.max_videos].error(
-            f"too many videos: {len(refs)} in this request, at most "
-            f"{limits.max_videos} are allowed.",
-            "too_many_videos",
-        )
-    return refs
+    urls = (url for _, url in video_parts(messages))
+    return counted_video_refs(urls, limits, fps=fps, max_frames=max_frames)
 
 
 def video_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
