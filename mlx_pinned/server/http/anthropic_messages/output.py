@@ -13,14 +13,13 @@ answer's blocks: text to ``text``, thinking to ``thinking``, a tool call's
 from __future__ import annotations
 
 import json
-import os
-import random
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ...events import FinalEvent
 from ...formats import CallStart
 from ..answer import Part, Reasoning
+from ..ids import random_hex
 
 __all__ = [
     "Blocks",
@@ -33,19 +32,15 @@ __all__ = [
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
-_ids = random.Random(os.urandom(16))
-if hasattr(os, "register_at_fork"):  # not on Windows
-    os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(16)))
-
 
 def message_id() -> str:
     """A fresh ``msg_…`` id (unique, not secret)."""
-    return f"msg_{_ids.getrandbits(96):024x}"
+    return f"msg_{random_hex(96)}"
 
 
 def tool_use_id() -> str:
     """A fresh ``toolu_…`` id for a tool call."""
-    return f"toolu_{_ids.getrandbits(96):024x}"
+    return f"toolu_{random_hex(96)}"
 
 
 def stop_reason(final: FinalEvent, *, called: bool) -> StopReason:

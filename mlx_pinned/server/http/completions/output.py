@@ -11,8 +11,6 @@ answer.
 from __future__ import annotations
 
 import json
-import os
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from ...events import FinalEvent, FinishReason, TokenEvent
+from ..ids import random_hex
 
 __all__ = [
     "ChoiceText",
@@ -178,13 +177,6 @@ class ChunkWriter:
         return b"data: " + body.encode() + b"\n\n"
 
 
-# Ids must be unique, not secret: one generator seeded from the OS per
-# process (forks re-seeded), not a system call per request.
-_ids = random.Random(os.urandom(16))
-if hasattr(os, "register_at_fork"):  # not on Windows
-    os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(16)))
-
-
 def completion_id() -> tuple[str, int]:
     """A fresh ``cmpl-…`` id and the ``created`` Unix time."""
-    return f"cmpl-{_ids.getrandbits(96):024x}", int(time.time())
+    return f"cmpl-{random_hex(96)}", int(time.time())
