@@ -33,8 +33,8 @@ def counted_video_refs(
     urls: Iterable[str],
     limits: VideoLimits,
     *,
-    fps: float | None = None,
-    max_frames: int | None = None,
+    fps: float | None,
+    max_frames: int | None,
 ) -> list[VideoRef]:
     """A :class:`VideoRef` per URL, in order, each with the request's
     sampling.

@@ -57,12 +57,14 @@ class MediaRef(Protocol):
 
 
 R = TypeVar("R", bound=MediaRef)
+L = TypeVar("L")
 T = TypeVar("T")
 
 
 async def load(
     refs: Sequence[R],
-    decode: Callable[[R, bytes | None], T],
+    decode: Callable[[R, L, bytes | None], T],
+    limits: L,
     kind: Kind,
     *,
     fetch: Fetcher | None,
@@ -76,7 +78,9 @@ async def load(
 
     Args:
         refs: The parts, in prompt order.
-        decode: Decodes one part, given its fetched bytes (None: not remote).
+        decode: Decodes one part under ``limits``, given its fetched bytes
+            (None: not remote).
+        limits: The limits ``decode`` is given.
         kind: What the parts are.
         fetch: Fetches ``http(s)://`` URLs; when None they are refused. Its
             :class:`RemoteImageError` becomes the part's refusal.
@@ -105,7 +109,7 @@ async def load(
             payloads.append(None)
 
     def decode_all() -> list[T]:
-        return [decode(r, p) for r, p in zip(refs, payloads, strict=True)]
+        return [decode(r, limits, p) for r, p in zip(refs, payloads, strict=True)]
 
     if not refs:
         return []

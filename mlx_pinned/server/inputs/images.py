@@ -121,13 +121,7 @@ async def load_images(
     Raises:
         ImageRefusedError: The first image that cannot be used.
     """
-    return await load(
-        refs,
-        lambda ref, data: decode_image(ref, limits, data),
-        "image",
-        fetch=fetch,
-        limiter=limiter,
-    )
+    return await load(refs, decode_image, limits, "image", fetch=fetch, limiter=limiter)
 
 
 def _data_uri_bytes(ref: ImageRef, limits: ImageLimits) -> bytes:

@@ -177,13 +177,7 @@ async def load_videos(
     Raises:
         VideoRefusedError: The first video that cannot be used.
     """
-    return await load(
-        refs,
-        lambda ref, data: decode_video(ref, limits, data),
-        "video",
-        fetch=fetch,
-        limiter=limiter,
-    )
+    return await load(refs, decode_video, limits, "video", fetch=fetch, limiter=limiter)
 
 
 def _data_uri_bytes(ref: VideoRef, limits: VideoLimits) -> tuple[bytes, str]:
