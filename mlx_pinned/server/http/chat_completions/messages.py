@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from ...config import ImageLimits, VideoLimits
 from ...media import ImageRef, VideoRef
@@ -70,6 +70,11 @@ class RequestModel(BaseModel):
     )
 
 
+def _url_object(value: object) -> object:
+    """A media part's URL string as the ``{"url": ...}`` object it stands for."""
+    return {"url": value} if isinstance(value, str) else value
+
+
 class TextPart(RequestModel):
     """A ``{"type": "text", "text": ...}`` content part."""
 
@@ -91,12 +96,7 @@ class ImagePart(RequestModel):
     """
 
     type: Literal["image_url"]
-    image_url: ImageURL
-
-    @field_validator("image_url", mode="before")
-    @classmethod
-    def _url_string(cls, value: object) -> object:
-        return {"url": value} if isinstance(value, str) else value
+    image_url: Annotated[ImageURL, BeforeValidator(_url_object)]
 
 
 class VideoURL(RequestModel):
@@ -110,12 +110,7 @@ class VideoPart(RequestModel):
     (vLLM's form); ``video_url`` may also be the URL string itself."""
 
     type: Literal["video_url"]
-    video_url: VideoURL
-
-    @field_validator("video_url", mode="before")
-    @classmethod
-    def _url_string(cls, value: object) -> object:
-        return {"url": value} if isinstance(value, str) else value
+    video_url: Annotated[VideoURL, BeforeValidator(_url_object)]
 
 
 UserPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
@@ -302,13 +297,7 @@ def image_refs(messages: Sequence[Message], limits: ImageLimits) -> list[ImageRe
 def image_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
     """Each image part of ``messages`` in prompt order: where it is in the
     request (``messages[1].content[0].image_url``), and its URL."""
-    return [
-        (f"messages[{i}].content[{j}].image_url", part.image_url.url)
-        for i, message in enumerate(messages)
-        if isinstance(message, UserMessage) and not isinstance(message.content, str)
-        for j, part in enumerate(message.content)
-        if isinstance(part, ImagePart)
-    ]
+    return _media_parts(messages, ImagePart)
 
 
 def video_refs(
@@ -331,13 +320,23 @@ def video_refs(
 def video_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
     """Each video part of ``messages`` in prompt order: where it is in the
     request (``messages[1].content[0].video_url``), and its URL."""
+    return _media_parts(messages, VideoPart)
+
+
+def _media_parts(
+    messages: Sequence[Message], media: type[ImagePart] | type[VideoPart]
+) -> list[tuple[str, str]]:
     return [
-        (f"messages[{i}].content[{j}].video_url", part.video_url.url)
+        (f"messages[{i}].content[{j}].{part.type}", _media_url(part))
         for i, message in enumerate(messages)
         if isinstance(message, UserMessage) and not isinstance(message.content, str)
         for j, part in enumerate(message.content)
-        if isinstance(part, VideoPart)
+        if isinstance(part, media)
     ]
+
+
+def _media_url(part: ImagePart | VideoPart) -> str:
+    return part.image_url.url if isinstance(part, ImagePart) else part.video_url.url
 
 
 def text_chars(messages: Sequence[Message]) -> int:
