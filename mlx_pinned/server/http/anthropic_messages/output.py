@@ -20,6 +20,7 @@ from ...events import FinalEvent
 from ...formats import CallStart
 from ..answer import Part, Reasoning
 from ..ids import random_hex
+from ..sse import sse_event
 
 __all__ = [
     "Blocks",
@@ -108,8 +109,7 @@ class Blocks:
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:
-    body = json.dumps({"type": kind, **data}, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {kind}\ndata: {body}\n\n".encode()
+    return sse_event({"type": kind, **data}, event=kind)
 
 
 class EventWriter:

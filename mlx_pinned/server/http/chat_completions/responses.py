@@ -18,6 +18,7 @@ from pydantic import (
 )
 
 from ..ids import random_hex
+from ..sse import sse_event
 
 __all__ = [
     "ChatCompletion",
@@ -201,8 +202,7 @@ class ChatCompletionChunk(_Response):
         data = self.model_dump(exclude=None if include_usage else {"usage"})
         for choice in data["choices"]:  # a delta carries only the keys it sets
             choice["delta"] = _set_only(choice["delta"])
-        body = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-        return b"data: " + body.encode() + b"\n\n"
+        return sse_event(data)
 
 
 class ChunkEncoder:

@@ -10,7 +10,6 @@ answer.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ...events import FinalEvent, FinishReason, TokenEvent
 from ..ids import random_hex
+from ..sse import sse_event
 
 __all__ = [
     "ChoiceText",
@@ -173,8 +173,7 @@ class ChunkWriter:
     def _sse(self, data: dict[str, Any]) -> bytes:
         if not self.include_usage:
             del data["usage"]  # OpenAI sends "usage": null only when asked
-        body = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-        return b"data: " + body.encode() + b"\n\n"
+        return sse_event(data)
 
 
 def completion_id() -> tuple[str, int]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ...formats import CallStart
 from ..answer import Part, Reasoning
 from ..ids import random_hex
+from ..sse import sse_event
 
 if TYPE_CHECKING:
     from ...events import FinalEvent
@@ -43,8 +44,7 @@ def tool_call_id() -> str:
 
 def sse(event: dict[str, Any]) -> bytes:
     """One server-sent event, named as its ``type``."""
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+    return sse_event(event, event=event["type"])
 
 
 def usage(final: FinalEvent) -> dict[str, Any]:
