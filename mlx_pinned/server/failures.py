@@ -18,6 +18,7 @@ __all__ = [
     "ImageRefusedError",
     "ImagesUnsupportedError",
     "InvalidGrammarError",
+    "MediaRefusedError",
     "ModelNotLoadedError",
     "OverloadedError",
     "PromptTooLongError",
@@ -56,13 +57,13 @@ class PromptTooLongError(RequestError):
         self.limit = limit
 
 
-class ImageRefusedError(RequestError):
-    """An image the server cannot use.
+class MediaRefusedError(RequestError):
+    """An image or a video the server cannot use, named by its index.
 
     Args:
         message: What is wrong with it and what to send instead.
-        index: Which image of the request, in prompt order, from 0; the
-            edge names the part of its own request that holds it.
+        index: Which image (or video) of the request, in prompt order, from
+            0; the edge names the part of its own request that holds it.
         code: A short machine-readable reason, e.g. ``image_too_large``.
     """
 
@@ -71,20 +72,13 @@ class ImageRefusedError(RequestError):
         self.index = index
 
 
-class VideoRefusedError(RequestError):
+class ImageRefusedError(MediaRefusedError):
+    """An image the server cannot use; ``index`` counts images only."""
+
+
+class VideoRefusedError(MediaRefusedError):
     """A video the server cannot use: over a limit, undecodable, or sent to a
-    model that takes none.
-
-    Args:
-        message: What is wrong with it and what to send instead.
-        index: Which video of the request, in prompt order, from 0; the
-            edge names the part of its own request that holds it.
-        code: A short machine-readable reason, e.g. ``video_too_long``.
-    """
-
-    def __init__(self, message: str, *, index: int, code: str) -> None:
-        super().__init__(message, code)
-        self.index = index
+    model that takes none; ``index`` counts videos only."""
 
 
 class ImagesUnsupportedError(RequestError):

@@ -14,22 +14,15 @@ a worker thread: off the event loop and off the MLX thread.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
-import os
-import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import anyio
-import anyio.to_thread
-from anyio.lowlevel import RunVar
 from PIL import Image, ImageOps
 
 from ..config import ImageLimits
-from ..failures import ImageRefusedError
 from ..media import ImageRef
-from .remote import RemoteImageError
+from ._load import Fetcher, data_uri_bytes, decoders, load, too_large
 
 __all__ = ["FORMATS", "Fetcher", "decode_image", "decoders", "load_images"]
 
@@ -43,20 +36,9 @@ FORMATS: dict[str, str] = {
 }
 
 _PIL_FORMATS = sorted(set(FORMATS.values()))
-# The scheme is case-insensitive (RFC 3986): "DATA:" is a data URI too.
-_DATA_URI = re.compile(
-    r"\s*data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),", re.ASCII | re.IGNORECASE
-)
 #: Longest side over shortest: Qwen-VL's processors refuse more than 200:1,
 #: with a ValueError in the middle of the request.
 MAX_ASPECT_RATIO = 200
-# What rb"\s" matches; bytes.translate drops it about 6x faster than re.sub
-# on a 10 MB payload, and holds the GIL that much less.
-_WHITESPACE = b" \t\n\r\f\v"
-
-#: Fetches a remote image URL and returns its bytes; raises
-#: :class:`RemoteImageError` for a URL it refuses or cannot fetch.
-Fetcher = Callable[[str], Awaitable[bytes]]
 
 
 def decode_image(
@@ -79,7 +61,7 @@ def decode_image(
     if data is None:
         data = _data_uri_bytes(ref, limits)
     if len(data) > limits.max_bytes:
-        raise _too_large(ref, len(data), limits)
+        raise too_large(ref, "image", len(data), limits.max_bytes)
     try:
         # Reads the header only. Pillow's own bomb check fires (past about 89
         # megapixels) before ours; it is refused the same way.
@@ -139,94 +121,18 @@ async def load_images(
     Raises:
         ImageRefusedError: The first image that cannot be used.
     """
-    payloads: list[bytes | None] = []
-    for ref in refs:
-        scheme = ref.url.split(":", 1)[0].lower() if ":" in ref.url else ""
-        if scheme in ("http", "https"):
-            if fetch is None:
-                raise ref.error(
-                    "remote image URLs are not enabled on this server; send the "
-                    "image inline as a base64 data: URI, or start the server with "
-                    "--allow-remote-images.",
-                    "remote_images_disabled",
-                )
-            try:
-                payloads.append(await fetch(ref.url))
-            except RemoteImageError as exc:
-                raise ref.error(exc.message, exc.code) from None
-        else:
-            payloads.append(None)
-
-    def decode_all() -> list[Image.Image]:
-        return [decode_image(r, limits, p) for r, p in zip(refs, payloads, strict=True)]
-
-    if not refs:
-        return []
-    return await anyio.to_thread.run_sync(decode_all, limiter=limiter or decoders())
-
-
-_DECODERS: RunVar[anyio.CapacityLimiter] = RunVar("mlx_pinned_image_decoders")
-
-
-def decoders() -> anyio.CapacityLimiter:
-    """The event loop's bound on image decodes at once: one per core.
-
-    anyio's shared limiter allows 40 worker threads: 32 requests arriving
-    together would have 32 threads decoding, each wanting the GIL the event
-    loop needs (docs/benchmarks.md measures ``GET /health`` both ways).
-    """
-    try:
-        return _DECODERS.get()
-    except LookupError:
-        limiter = anyio.CapacityLimiter(os.cpu_count() or 1)
-        _DECODERS.set(limiter)
-        return limiter
+    return await load(refs, decode_image, limits, "image", fetch=fetch, limiter=limiter)
 
 
 def _data_uri_bytes(ref: ImageRef, limits: ImageLimits) -> bytes:
-    url = ref.url
-    match = _DATA_URI.match(url)
-    if match is None:
-        if url.lstrip().lower().startswith("file:") or "://" not in url:
-            raise ref.error(
-                "local files are never read; send the image inline as a base64 "
-                "data: URI.",
-                "invalid_image_url",
-            )
-        raise ref.error(
-            "only data: URIs are supported; send the image inline as a base64 "
-            "data: URI.",
-            "invalid_image_url",
-        )
-    mime = match["mime"].strip().lower()
-    if mime not in FORMATS:
-        raise ref.error(
-            f"unsupported image type {mime or '(none)'!r}; send image/png, "
-            "image/jpeg, image/webp or image/gif.",
-            "invalid_image_format",
-        )
-    if "base64" not in (p.strip().lower() for p in match["params"].split(";")):
-        raise ref.error(
-            "the data: URI must be base64-encoded (data:image/...;base64,...).",
-            "invalid_base64",
-        )
-    payload = url[match.end() :].encode("ascii", "replace").translate(None, _WHITESPACE)
-    # Base64 grows data by 4/3: refuse before decoding anything.
-    if len(payload) // 4 * 3 > limits.max_bytes + 3:
-        raise _too_large(ref, len(payload) // 4 * 3, limits)
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise ref.error(
-            "the data: URI is not valid base64.", "invalid_base64"
-        ) from None
-
-
-def _too_large(ref: ImageRef, size: int, limits: ImageLimits) -> ImageRefusedError:
-    return ref.error(
-        f"the image is {size} bytes; at most {limits.max_bytes} are allowed.",
-        "image_too_large",
+    data, _ = data_uri_bytes(
+        ref,
+        "image",
+        FORMATS,
+        "image/png, image/jpeg, image/webp or image/gif",
+        limits.max_bytes,
     )
+    return data
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

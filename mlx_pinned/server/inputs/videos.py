@@ -20,11 +20,8 @@ the MLX thread, under the image decoders' bound.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import math
-import re
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -36,8 +33,7 @@ import numpy as np
 from ..config import VideoLimits
 from ..failures import VideoRefusedError
 from ..media import Video, VideoRef
-from .images import Fetcher, decoders
-from .remote import RemoteImageError
+from ._load import Fetcher, data_uri_bytes, load, too_large
 
 __all__ = ["FORMATS", "MAX_SOURCE_FPS", "decode_video", "load_videos"]
 
@@ -52,10 +48,6 @@ FORMATS: dict[str, str] = {
 }
 #: A claimed frame rate above this is no camera's: the file is refused.
 MAX_SOURCE_FPS = 240.0
-_DATA_URI = re.compile(
-    r"\s*data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),", re.ASCII | re.IGNORECASE
-)
-_WHITESPACE = b" \t\n\r\f\v"
 
 
 def decode_video(
@@ -79,7 +71,7 @@ def decode_video(
     if data is None:
         data, suffix = _data_uri_bytes(ref, limits)
     if len(data) > limits.max_bytes:
-        raise _too_large(ref, len(data), limits)
+        raise too_large(ref, "video", len(data), limits.max_bytes)
     import cv2
 
     with tempfile.NamedTemporaryFile(suffix=suffix) as file:
@@ -185,75 +177,13 @@ async def load_videos(
     Raises:
         VideoRefusedError: The first video that cannot be used.
     """
-    payloads: list[bytes | None] = []
-    for ref in refs:
-        scheme = ref.url.split(":", 1)[0].lower() if ":" in ref.url else ""
-        if scheme in ("http", "https"):
-            if fetch is None:
-                raise ref.error(
-                    "remote video URLs are not enabled on this server; send the "
-                    "video inline as a base64 data: URI, or start the server with "
-                    "--allow-remote-images.",
-                    "remote_videos_disabled",
-                )
-            try:
-                payloads.append(await fetch(ref.url))
-            except RemoteImageError as exc:
-                raise ref.error(exc.message, exc.code) from None
-        else:
-            payloads.append(None)
-
-    def decode_all() -> list[Video]:
-        return [decode_video(r, limits, p) for r, p in zip(refs, payloads, strict=True)]
-
-    if not refs:
-        return []
-    return await anyio.to_thread.run_sync(decode_all, limiter=limiter or decoders())
+    return await load(refs, decode_video, limits, "video", fetch=fetch, limiter=limiter)
 
 
 def _data_uri_bytes(ref: VideoRef, limits: VideoLimits) -> tuple[bytes, str]:
-    url = ref.url
-    match = _DATA_URI.match(url)
-    if match is None:
-        if url.lstrip().lower().startswith("file:") or "://" not in url:
-            raise ref.error(
-                "local files are never read; send the video inline as a base64 "
-                "data: URI.",
-                "invalid_video_url",
-            )
-        raise ref.error(
-            "only data: URIs are supported; send the video inline as a base64 "
-            "data: URI.",
-            "invalid_video_url",
-        )
-    mime = match["mime"].strip().lower()
-    if mime not in FORMATS:
-        raise ref.error(
-            f"unsupported video type {mime or '(none)'!r}; send "
-            f"{', '.join(sorted(set(FORMATS)))}.",
-            "invalid_video_format",
-        )
-    if "base64" not in (p.strip().lower() for p in match["params"].split(";")):
-        raise ref.error(
-            "the data: URI must be base64-encoded (data:video/...;base64,...).",
-            "invalid_base64",
-        )
-    payload = url[match.end() :].encode("ascii", "replace").translate(None, _WHITESPACE)
-    if len(payload) // 4 * 3 > limits.max_bytes + 3:
-        raise _too_large(ref, len(payload) // 4 * 3, limits)
-    try:
-        return base64.b64decode(payload, validate=True), FORMATS[mime]
-    except (binascii.Error, ValueError):
-        raise ref.error(
-            "the data: URI is not valid base64.", "invalid_base64"
-        ) from None
-
-
-def _too_large(ref: VideoRef, size: int, limits: VideoLimits) -> VideoRefusedError:
-    return ref.error(
-        f"the video is {size} bytes; at most {limits.max_bytes} are allowed.",
-        "video_too_large",
-    )
+    send = ", ".join(sorted(set(FORMATS)))
+    data, mime = data_uri_bytes(ref, "video", FORMATS, send, limits.max_bytes)
+    return data, FORMATS[mime]
 
 
 def _undecodable(ref: VideoRef) -> VideoRefusedError:

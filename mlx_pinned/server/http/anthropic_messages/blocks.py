@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...config import ImageLimits
 from ...media import ImageRef
+from ..media_counts import counted_image_refs
 
 __all__ = [
     "AssistantMessage",
@@ -275,14 +276,7 @@ def image_refs(messages: Sequence[Message], limits: ImageLimits) -> list[ImageRe
     Raises:
         ImageRefusedError: More than ``limits.max_images`` images.
     """
-    refs = [ImageRef(i, url) for i, (_, url) in enumerate(image_parts(messages))]
-    if len(refs) > limits.max_images:
-        raise refs[limits.max_images].error(
-            f"too many images: {len(refs)} in this request, at most "
-            f"{limits.max_images} are allowed.",
-            "too_many_images",
-        )
-    return refs
+    return counted_image_refs((url for _, url in image_parts(messages)), limits)
 
 
 def text_chars(system: System | None, messages: Sequence[Message]) -> int:

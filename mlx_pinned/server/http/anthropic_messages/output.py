@@ -13,14 +13,14 @@ answer's blocks: text to ``text``, thinking to ``thinking``, a tool call's
 from __future__ import annotations
 
 import json
-import os
-import random
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ...events import FinalEvent
 from ...formats import CallStart
 from ..answer import Part, Reasoning
+from ..ids import random_hex
+from ..sse import sse_event
 
 __all__ = [
     "Blocks",
@@ -33,19 +33,15 @@ __all__ = [
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
-_ids = random.Random(os.urandom(16))
-if hasattr(os, "register_at_fork"):  # not on Windows
-    os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(16)))
-
 
 def message_id() -> str:
     """A fresh ``msg_…`` id (unique, not secret)."""
-    return f"msg_{_ids.getrandbits(96):024x}"
+    return f"msg_{random_hex(96)}"
 
 
 def tool_use_id() -> str:
     """A fresh ``toolu_…`` id for a tool call."""
-    return f"toolu_{_ids.getrandbits(96):024x}"
+    return f"toolu_{random_hex(96)}"
 
 
 def stop_reason(final: FinalEvent, *, called: bool) -> StopReason:
@@ -113,8 +109,7 @@ class Blocks:
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:
-    body = json.dumps({"type": kind, **data}, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {kind}\ndata: {body}\n\n".encode()
+    return sse_event({"type": kind, **data}, event=kind)
 
 
 class EventWriter:

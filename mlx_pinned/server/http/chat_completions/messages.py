@@ -14,10 +14,11 @@ import json
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from ...config import ImageLimits, VideoLimits
 from ...media import ImageRef, VideoRef
+from ..media_counts import counted_image_refs, counted_video_refs
 
 __all__ = [
     "NAME_PATTERN",
@@ -69,6 +70,11 @@ class RequestModel(BaseModel):
     )
 
 
+def _url_object(value: object) -> object:
+    """A media part's URL string as the ``{"url": ...}`` object it stands for."""
+    return {"url": value} if isinstance(value, str) else value
+
+
 class TextPart(RequestModel):
     """A ``{"type": "text", "text": ...}`` content part."""
 
@@ -90,12 +96,7 @@ class ImagePart(RequestModel):
     """
 
     type: Literal["image_url"]
-    image_url: ImageURL
-
-    @field_validator("image_url", mode="before")
-    @classmethod
-    def _url_string(cls, value: object) -> object:
-        return {"url": value} if isinstance(value, str) else value
+    image_url: Annotated[ImageURL, BeforeValidator(_url_object)]
 
 
 class VideoURL(RequestModel):
@@ -109,12 +110,7 @@ class VideoPart(RequestModel):
     (vLLM's form); ``video_url`` may also be the URL string itself."""
 
     type: Literal["video_url"]
-    video_url: VideoURL
-
-    @field_validator("video_url", mode="before")
-    @classmethod
-    def _url_string(cls, value: object) -> object:
-        return {"url": value} if isinstance(value, str) else value
+    video_url: Annotated[VideoURL, BeforeValidator(_url_object)]
 
 
 UserPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
@@ -295,27 +291,13 @@ def image_refs(messages: Sequence[Message], limits: ImageLimits) -> list[ImageRe
     Raises:
         ImageRefusedError: More than ``limits.max_images`` images.
     """
-    parts = image_parts(messages)
-    refs = [ImageRef(index, url) for index, (_, url) in enumerate(parts)]
-    if len(refs) > limits.max_images:
-        raise refs[limits.max_images].error(
-            f"too many images: {len(refs)} in this request, at most "
-            f"{limits.max_images} are allowed.",
-            "too_many_images",
-        )
-    return refs
+    return counted_image_refs((url for _, url in image_parts(messages)), limits)
 
 
 def image_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
     """Each image part of ``messages`` in prompt order: where it is in the
     request (``messages[1].content[0].image_url``), and its URL."""
-    return [
-        (f"messages[{i}].content[{j}].image_url", part.image_url.url)
-        for i, message in enumerate(messages)
-        if isinstance(message, UserMessage) and not isinstance(message.content, str)
-        for j, part in enumerate(message.content)
-        if isinstance(part, ImagePart)
-    ]
+    return _media_parts(messages, ImagePart)
 
 
 def video_refs(
@@ -331,27 +313,30 @@ def video_refs(
     Raises:
         VideoRefusedError: More than ``limits.max_videos`` videos.
     """
-    parts = video_parts(messages)
-    refs = [VideoRef(i, url, fps, max_frames) for i, (_, url) in enumerate(parts)]
-    if len(refs) > limits.max_videos:
-        raise refs[limits.max_videos].error(
-            f"too many videos: {len(refs)} in this request, at most "
-            f"{limits.max_videos} are allowed.",
-            "too_many_videos",
-        )
-    return refs
+    urls = (url for _, url in video_parts(messages))
+    return counted_video_refs(urls, limits, fps=fps, max_frames=max_frames)
 
 
 def video_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
     """Each video part of ``messages`` in prompt order: where it is in the
     request (``messages[1].content[0].video_url``), and its URL."""
+    return _media_parts(messages, VideoPart)
+
+
+def _media_parts(
+    messages: Sequence[Message], media: type[ImagePart] | type[VideoPart]
+) -> list[tuple[str, str]]:
     return [
-        (f"messages[{i}].content[{j}].video_url", part.video_url.url)
+        (f"messages[{i}].content[{j}].{part.type}", _media_url(part))
         for i, message in enumerate(messages)
         if isinstance(message, UserMessage) and not isinstance(message.content, str)
         for j, part in enumerate(message.content)
-        if isinstance(part, VideoPart)
+        if isinstance(part, media)
     ]
+
+
+def _media_url(part: ImagePart | VideoPart) -> str:
+    return part.image_url.url if isinstance(part, ImagePart) else part.video_url.url
 
 
 def text_chars(messages: Sequence[Message]) -> int:

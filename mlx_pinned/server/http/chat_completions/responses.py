@@ -7,8 +7,6 @@ Event loop (pure CPU): built once per answer, or once per chunk through
 from __future__ import annotations
 
 import json
-import os
-import random
 import time
 from typing import Any, Literal
 
@@ -18,6 +16,9 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     model_serializer,
 )
+
+from ..ids import random_hex
+from ..sse import sse_event
 
 __all__ = [
     "ChatCompletion",
@@ -201,8 +202,7 @@ class ChatCompletionChunk(_Response):
         data = self.model_dump(exclude=None if include_usage else {"usage"})
         for choice in data["choices"]:  # a delta carries only the keys it sets
             choice["delta"] = _set_only(choice["delta"])
-        body = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-        return b"data: " + body.encode() + b"\n\n"
+        return sse_event(data)
 
 
 class ChunkEncoder:
@@ -243,22 +243,14 @@ class ChunkEncoder:
         ).to_sse(include_usage=self._include_usage)
 
 
-# Completion ids must be unique, not secret: drawn from a generator seeded once
-# from the OS (per process, forks re-seeded), not a system call per request,
-# which on the event loop also gives up the GIL.
-_ids = random.Random(os.urandom(16))
-if hasattr(os, "register_at_fork"):  # not on Windows
-    os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(16)))
-
-
 def completion_id() -> tuple[str, int]:
     """A fresh ``chatcmpl-…`` id and the ``created`` Unix time."""
-    return f"chatcmpl-{_ids.getrandbits(96):024x}", int(time.time())
+    return f"chatcmpl-{random_hex(96)}", int(time.time())
 
 
 def tool_call_id() -> str:
     """A fresh ``call_…`` id for a tool call."""
-    return f"call_{_ids.getrandbits(96):024x}"
+    return f"call_{random_hex(96)}"
 
 
 def _set_only(data: dict[str, Any]) -> dict[str, Any]:

@@ -10,9 +10,6 @@ answer.
 
 from __future__ import annotations
 
-import json
-import os
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,6 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from ...events import FinalEvent, FinishReason, TokenEvent
+from ..ids import random_hex
+from ..sse import sse_event
 
 __all__ = [
     "ChoiceText",
@@ -174,17 +173,9 @@ class ChunkWriter:
     def _sse(self, data: dict[str, Any]) -> bytes:
         if not self.include_usage:
             del data["usage"]  # OpenAI sends "usage": null only when asked
-        body = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-        return b"data: " + body.encode() + b"\n\n"
-
-
-# Ids must be unique, not secret: one generator seeded from the OS per
-# process (forks re-seeded), not a system call per request.
-_ids = random.Random(os.urandom(16))
-if hasattr(os, "register_at_fork"):  # not on Windows
-    os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(16)))
+        return sse_event(data)
 
 
 def completion_id() -> tuple[str, int]:
     """A fresh ``cmpl-…`` id and the ``created`` Unix time."""
-    return f"cmpl-{_ids.getrandbits(96):024x}", int(time.time())
+    return f"cmpl-{random_hex(96)}", int(time.time())

@@ -11,12 +11,12 @@ response.
 from __future__ import annotations
 
 import json
-import os
-import random
 from typing import TYPE_CHECKING, Any
 
 from ...formats import CallStart
 from ..answer import Part, Reasoning
+from ..ids import random_hex
+from ..sse import sse_event
 
 if TYPE_CHECKING:
     from ...events import FinalEvent
@@ -31,16 +31,10 @@ __all__ = [
     "usage",
 ]
 
-# Ids must be unique, not secret: one generator seeded from the OS per
-# process (forks re-seeded), not a system call per id.
-_ids = random.Random(os.urandom(16))
-if hasattr(os, "register_at_fork"):  # not on Windows
-    os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(16)))
-
 
 def item_id(prefix: str) -> str:
     """A fresh id: ``resp_…``, ``msg_…``, ``fc_…``, ``rs_…``."""
-    return f"{prefix}_{_ids.getrandbits(128):032x}"
+    return f"{prefix}_{random_hex(128)}"
 
 
 def tool_call_id() -> str:
@@ -50,8 +44,7 @@ def tool_call_id() -> str:
 
 def sse(event: dict[str, Any]) -> bytes:
     """One server-sent event, named as its ``type``."""
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+    return sse_event(event, event=event["type"])
 
 
 def usage(final: FinalEvent) -> dict[str, Any]:
