@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ...events import GenerationParams
+from ..protocol_common import RequestBody, check_template_kwargs
 from ..validation import parse_request
 
 __all__ = [
@@ -25,28 +26,6 @@ __all__ = [
     "TokenizePromptRequest",
     "parse_tokenize_request",
 ]
-
-#: Keyword arguments the server passes to the chat template itself.
-_TEMPLATE_ARGUMENTS = frozenset(
-    {
-        "add_generation_prompt",
-        "chat_template",
-        "continue_final_message",
-        "conversation",
-        "documents",
-        "messages",
-        "return_dict",
-        "tokenize",
-        "tools",
-    }
-)
-
-
-class _Model(BaseModel):
-    # As every request model: strict types, unknown fields refused.
-    model_config = ConfigDict(
-        strict=True, extra="forbid", frozen=True, allow_inf_nan=False
-    )
 
 
 class TextPart(BaseModel):
@@ -80,7 +59,7 @@ class ChatMessage(BaseModel):
         return {"role": role, "content": content}
 
 
-class TokenizePromptRequest(_Model):
+class TokenizePromptRequest(RequestBody):
     """``/tokenize`` of a raw prompt."""
 
     model: str
@@ -98,7 +77,7 @@ class TokenizePromptRequest(_Model):
         )
 
 
-class TokenizeChatRequest(_Model):
+class TokenizeChatRequest(RequestBody):
     """``/tokenize`` of chat messages, through the chat template."""
 
     model: str
@@ -122,10 +101,7 @@ class TokenizeChatRequest(_Model):
     def _check_template_kwargs(
         cls, value: dict[str, Any] | None
     ) -> dict[str, Any] | None:
-        for key in value or {}:
-            if key in _TEMPLATE_ARGUMENTS:
-                raise ValueError(f"{key!r} is set by the server, not the request")
-        return value
+        return check_template_kwargs(value)
 
     def to_generation_params(self) -> GenerationParams:
         """The generation request whose prompt this counts: the one chat
@@ -140,7 +116,7 @@ class TokenizeChatRequest(_Model):
         )
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(RequestBody):
     """``/detokenize``: token ids in, their text out."""
 
     model: str
