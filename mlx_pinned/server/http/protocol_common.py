@@ -12,19 +12,22 @@ here names an API's slice.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo
 from pydantic_core import PydanticCustomError
 
 __all__ = [
     "TEMPLATE_ARGUMENTS",
     "OpenAISampling",
     "RequestBody",
+    "Stop",
     "StreamOptions",
+    "TemplateKwargs",
     "check_service_tier",
     "check_stop",
     "check_template_kwargs",
+    "check_unique_names",
     "floor_top_p",
     "openai_sampling",
     "refuse",
@@ -127,6 +130,19 @@ def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None
     return value
 
 
+#: OpenAI's ``stop``, checked by :func:`check_stop`.
+Stop = Annotated[str | list[str], AfterValidator(check_stop)]
+#: ``chat_template_kwargs``, checked by :func:`check_template_kwargs`.
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(check_template_kwargs)]
+
+
+def check_unique_names(names: list[str], what: str) -> None:
+    """Refuse a tool list that gives a name twice (``what``: "function")."""
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"the {what} name {name!r} is given twice")
+
+
 def token_id(key: str) -> int:
     """A ``logit_bias`` key's token id: "000...05" is 5, past int()'s limit."""
     return int(key.lstrip("0") or "0")
@@ -143,26 +159,16 @@ class OpenAISampling(Protocol):
     """The sampling fields OpenAI's chat and legacy completions share, with
     vLLM's extensions."""
 
-    @property
-    def temperature(self) -> float | None: ...
-    @property
-    def top_p(self) -> float | None: ...
-    @property
-    def seed(self) -> int | None: ...
-    @property
-    def stop(self) -> str | list[str] | None: ...
-    @property
-    def logit_bias(self) -> dict[str, float] | None: ...
-    @property
-    def presence_penalty(self) -> float | None: ...
-    @property
-    def frequency_penalty(self) -> float | None: ...
-    @property
-    def top_k(self) -> int | None: ...
-    @property
-    def min_p(self) -> float | None: ...
-    @property
-    def repetition_penalty(self) -> float | None: ...
+    temperature: float | None
+    top_p: float | None
+    seed: int | None
+    stop: str | list[str] | None
+    logit_bias: dict[str, float] | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
 
 
 def openai_sampling(request: OpenAISampling) -> dict[str, Any]:

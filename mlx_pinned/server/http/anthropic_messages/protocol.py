@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from ...events import GenerationParams, Grammar
-from ..protocol_common import refuse, unsupported_value
+from ..protocol_common import RequestBody, refuse, unsupported_value
 from ..validation import parse_request
 from .blocks import (
     CacheControl,
@@ -196,10 +196,8 @@ _REFUSED = {
 }
 
 
-class CountTokensRequest(RequestModel):
+class CountTokensRequest(RequestBody):
     """The body of ``POST /v1/messages/count_tokens``: the prompt's fields."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     messages: list[Message] = Field(min_length=1)

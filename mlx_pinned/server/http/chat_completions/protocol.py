@@ -19,13 +19,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from ...events import GenerationParams, Grammar
 from ..protocol_common import (
+    RequestBody,
+    Stop,
+    TemplateKwargs,
     check_service_tier,
-    check_stop,
-    check_template_kwargs,
+    check_unique_names,
     openai_sampling,
     refuse,
     stop_tuple,
@@ -37,7 +39,6 @@ from ..validation import parse_request
 from .messages import (
     Message,
     NamedToolChoice,
-    RequestModel,
     ResponseFormat,
     StreamOptions,
     TextFormat,
@@ -59,10 +60,8 @@ _REFUSED = {
 }
 
 
-class ChatCompletionRequest(RequestModel):
+class ChatCompletionRequest(RequestBody):
     """The body of ``POST /v1/chat/completions``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -71,7 +70,7 @@ class ChatCompletionRequest(RequestModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     logit_bias: dict[str, float] | None = None
@@ -88,7 +87,7 @@ class ChatCompletionRequest(RequestModel):
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     # vllm-mlx's video sampling, honoured (the server's settings bound them).
     video_fps: float | None = Field(default=None, gt=0.0, le=60.0)
     video_max_frames: int | None = Field(default=None, ge=2)
@@ -157,18 +156,6 @@ class ChatCompletionRequest(RequestModel):
             )
         return value
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _check_template_kwargs(
-        cls, value: dict[str, Any] | None
-    ) -> dict[str, Any] | None:
-        return check_template_kwargs(value)
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        return check_stop(value)
-
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(
@@ -211,10 +198,7 @@ class ChatCompletionRequest(RequestModel):
     @field_validator("tools")
     @classmethod
     def _check_tools(cls, value: list[Tool] | None) -> list[Tool] | None:
-        names = [tool.function.name for tool in value or []]
-        for name in names:
-            if names.count(name) > 1:
-                raise ValueError(f"the function name {name!r} is given twice")
+        check_unique_names([tool.function.name for tool in value or []], "function")
         return value
 
     @field_validator("tool_choice")

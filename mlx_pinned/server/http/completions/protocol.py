@@ -21,8 +21,8 @@ from pydantic import Field, ValidationInfo, field_validator
 from ...events import GenerationParams
 from ..protocol_common import (
     RequestBody,
+    Stop,
     StreamOptions,
-    check_stop,
     openai_sampling,
     stop_tuple,
     unsupported,
@@ -61,7 +61,7 @@ class CompletionRequest(RequestBody):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(default=None, ge=0, le=5)
@@ -89,11 +89,6 @@ class CompletionRequest(RequestBody):
                     f"at most {MAX_PROMPTS} prompts are allowed, not {len(value)}"
                 )
         return value
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        return check_stop(value)
 
     @field_validator("logit_bias")
     @classmethod

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from ...events import GenerationParams, Grammar
 from ..protocol_common import (
+    RequestBody,
     check_service_tier,
+    check_unique_names,
     floor_top_p,
     unsupported,
     unsupported_value,
@@ -107,10 +109,8 @@ class Reasoning(RequestModel):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class ResponsesRequest(RequestModel):
+class ResponsesRequest(RequestBody):
     """The body of ``POST /v1/responses``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     input: str | Annotated[list[InputItem], Field(min_length=1, max_length=4096)]
@@ -178,9 +178,7 @@ class ResponsesRequest(RequestModel):
         cls, value: list[FunctionTool | HostedTool] | None
     ) -> list[FunctionTool | HostedTool] | None:
         names = [tool.name for tool in value or [] if isinstance(tool, FunctionTool)]
-        for name in names:
-            if names.count(name) > 1:
-                raise ValueError(f"the function name {name!r} is given twice")
+        check_unique_names(names, "function")
         return value
 
     @field_validator("tool_choice")

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ...events import GenerationParams
-from ..protocol_common import RequestBody, check_template_kwargs
+from ..protocol_common import RequestBody, TemplateKwargs
 from ..validation import parse_request
 
 __all__ = [
@@ -84,7 +84,7 @@ class TokenizeChatRequest(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     return_token_strs: bool = False
 
     @field_validator("add_special_tokens")
@@ -95,13 +95,6 @@ class TokenizeChatRequest(RequestBody):
                 "the chat template adds the model's special tokens; leave it false"
             )
         return value
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _check_template_kwargs(
-        cls, value: dict[str, Any] | None
-    ) -> dict[str, Any] | None:
-        return check_template_kwargs(value)
 
     def to_generation_params(self) -> GenerationParams:
         """The generation request whose prompt this counts: the one chat
