@@ -14,7 +14,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Protocol
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 __all__ = [
@@ -30,7 +36,7 @@ __all__ = [
     "check_unique_names",
     "floor_top_p",
     "openai_sampling",
-    "refuse",
+    "refusing",
     "stop_tuple",
     "token_id",
     "unsupported",
@@ -87,13 +93,20 @@ def unsupported_value(field: str, value: object, why: str) -> PydanticCustomErro
     )
 
 
-def refuse(refused: Mapping[str, str], value: Any, info: ValidationInfo) -> Any:
-    """A field validator's body for fields refused whenever set: ``refused``
-    maps each field to why."""
-    if value is not None:
-        assert info.field_name is not None
-        raise unsupported(info.field_name, refused[info.field_name])
-    return value
+def refusing(refused: Mapping[str, str], *, accept_false: bool = False) -> Any:
+    """The field validator of the fields refused whenever set (``refused``
+    maps each to why); with ``accept_false``, ``false`` is accepted as unset.
+
+    Assign it in the class body: ``_refuse = refusing(_REFUSED)``.
+    """
+
+    def _refuse(cls: type[Any], value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not (accept_false and value is False):
+            assert info.field_name is not None
+            raise unsupported(info.field_name, refused[info.field_name])
+        return value
+
+    return field_validator(*refused)(classmethod(_refuse))
 
 
 def check_service_tier(value: str | None) -> str | None:

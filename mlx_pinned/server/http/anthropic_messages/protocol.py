@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from ...events import GenerationParams, Grammar
-from ..protocol_common import RequestBody, refuse, unsupported_value
+from ..protocol_common import RequestBody, refusing, unsupported_value
 from ..validation import parse_request
 from .blocks import (
     CacheControl,
@@ -214,10 +214,7 @@ class CountTokensRequest(RequestBody):
     mcp_servers: Any = None
     inference_geo: Any = None
 
-    @field_validator(*_REFUSED)
-    @classmethod
-    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse(_REFUSED, value, info)
+    _refuse = refusing(_REFUSED)
 
     @field_validator("tools")
     @classmethod

@@ -29,7 +29,7 @@ from ..protocol_common import (
     check_service_tier,
     check_unique_names,
     openai_sampling,
-    refuse,
+    refusing,
     stop_tuple,
     token_id,
     unsupported_value,
@@ -118,10 +118,7 @@ class ChatCompletionRequest(RequestBody):
     prediction: Any = None
     web_search_options: Any = None
 
-    @field_validator(*_REFUSED)
-    @classmethod
-    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse(_REFUSED, value, info)
+    _refuse = refusing(_REFUSED)
 
     @field_validator("store")
     @classmethod

@@ -22,7 +22,7 @@ from ..protocol_common import (
     check_service_tier,
     check_unique_names,
     floor_top_p,
-    unsupported,
+    refusing,
     unsupported_value,
 )
 from ..thinking import EFFORT_BUDGETS
@@ -148,13 +148,7 @@ class ResponsesRequest(RequestBody):
     prompt: Any = None
     max_tool_calls: Any = None
 
-    @field_validator(*_REFUSED)
-    @classmethod
-    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and value is not False:
-            assert info.field_name is not None
-            raise unsupported(info.field_name, _REFUSED[info.field_name])
-        return value
+    _refuse = refusing(_REFUSED, accept_false=True)
 
     @field_validator("service_tier")
     @classmethod
