@@ -65,6 +65,8 @@ class RequestBody(BaseModel):
     """The base of a top-level body: strict types, finite numbers, unknown
     fields refused."""
 
+    # strict: "10" is not an int, as in OpenAI's API; allow_inf_nan=False:
+    # NaN is "not a finite number", not a range error.
     model_config = ConfigDict(
         strict=True, extra="forbid", frozen=True, allow_inf_nan=False
     )
