@@ -12,12 +12,13 @@ validated request turns itself into the shared generation request
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, ValidationInfo, field_validator
 
 from ...events import GenerationParams, Grammar
+from ..protocol_common import RequestBody, refusing, unsupported_value
 from ..validation import parse_request
 from .blocks import (
     CacheControl,
@@ -38,19 +39,6 @@ __all__ = [
 
 #: The name rule of Anthropic's custom tools.
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"
-
-
-def _unsupported(field: str, why: str) -> PydanticCustomError:
-    return PydanticCustomError(
-        "unsupported_parameter", f"Unsupported parameter: '{field}': {why}."
-    )
-
-
-def _unsupported_value(field: str, value: object, why: str) -> PydanticCustomError:
-    return PydanticCustomError(
-        "unsupported_value",
-        f"Unsupported value: '{field}' does not support {value!r}: {why}.",
-    )
 
 
 class Tool(RequestModel):
@@ -74,7 +62,7 @@ class Tool(RequestModel):
     @classmethod
     def _check_type(cls, value: object) -> object:
         if value is not None and value != "custom":
-            raise _unsupported_value(
+            raise unsupported_value(
                 "type",
                 value,
                 "this server runs no server or built-in tools; declare a custom "
@@ -155,7 +143,7 @@ class ContextEdit(RequestModel):
     @classmethod
     def _check_type(cls, value: str) -> str:
         if not value.startswith("clear_thinking_"):
-            raise _unsupported_value(
+            raise unsupported_value(
                 "type",
                 value,
                 "this server edits no context; send the turns you want the "
@@ -185,7 +173,7 @@ class OutputConfig(RequestModel):
     @classmethod
     def _check_effort(cls, value: str | None) -> str | None:
         if value not in (None, "high"):
-            raise _unsupported_value(
+            raise unsupported_value(
                 "effort",
                 value,
                 "this server cannot steer a model's effort; leave it out or "
@@ -208,10 +196,8 @@ _REFUSED = {
 }
 
 
-class CountTokensRequest(RequestModel):
+class CountTokensRequest(RequestBody):
     """The body of ``POST /v1/messages/count_tokens``: the prompt's fields."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -228,13 +214,7 @@ class CountTokensRequest(RequestModel):
     mcp_servers: Any = None
     inference_geo: Any = None
 
-    @field_validator(*_REFUSED)
-    @classmethod
-    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None:
-            assert info.field_name is not None
-            raise _unsupported(info.field_name, _REFUSED[info.field_name])
-        return value
+    _refuse = refusing(_REFUSED)
 
     @field_validator("tools")
     @classmethod
@@ -349,18 +329,12 @@ class MessagesRequest(CountTokensRequest):
             context_length=context_length,
             grammar=grammar,
         )
-        return GenerationParams(
-            messages=prompt.messages,
-            max_tokens=max_tokens,
+        return replace(
+            prompt,
             temperature=self.temperature,
             top_p=self.top_p,
             stop=tuple(self.stop_sequences or ()),
-            max_prompt_tokens=max_prompt_tokens,
-            context_length=context_length,
             top_k=self.top_k,
-            grammar=grammar,
-            tools=prompt.tools,
-            template_kwargs=prompt.template_kwargs,
         )
 
 

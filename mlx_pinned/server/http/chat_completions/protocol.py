@@ -19,16 +19,26 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, ValidationInfo, field_validator
 
 from ...events import GenerationParams, Grammar
+from ..protocol_common import (
+    RequestBody,
+    Stop,
+    TemplateKwargs,
+    check_service_tier,
+    check_unique_names,
+    openai_sampling,
+    refusing,
+    stop_tuple,
+    token_id,
+    unsupported_value,
+)
 from ..thinking import EFFORT_BUDGETS
 from ..validation import parse_request
 from .messages import (
     Message,
     NamedToolChoice,
-    RequestModel,
     ResponseFormat,
     StreamOptions,
     TextFormat,
@@ -37,37 +47,6 @@ from .messages import (
 )
 
 __all__ = ["ChatCompletionRequest", "parse_chat_request"]
-
-_TOP_P_FLOOR = 1.1754943508222875e-38  # float32's smallest normal number
-
-#: Keyword arguments the server passes to the chat template itself.
-_TEMPLATE_ARGUMENTS = frozenset(
-    {
-        "add_generation_prompt",
-        "chat_template",
-        "continue_final_message",
-        "conversation",
-        "documents",
-        "messages",
-        "return_dict",
-        "tokenize",
-        "tools",
-    }
-)
-
-
-def _unsupported(field: str, why: str) -> PydanticCustomError:
-    return PydanticCustomError(
-        "unsupported_parameter", f"Unsupported parameter: '{field}': {why}."
-    )
-
-
-def _unsupported_value(field: str, value: object, why: str) -> PydanticCustomError:
-    return PydanticCustomError(
-        "unsupported_value",
-        f"Unsupported value: '{field}' does not support {value!r}: {why}.",
-    )
-
 
 # Fields of OpenAI's reference this server refuses whenever they are set, and
 # what to do instead.
@@ -81,10 +60,8 @@ _REFUSED = {
 }
 
 
-class ChatCompletionRequest(RequestModel):
+class ChatCompletionRequest(RequestBody):
     """The body of ``POST /v1/chat/completions``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -93,7 +70,7 @@ class ChatCompletionRequest(RequestModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     logit_bias: dict[str, float] | None = None
@@ -110,7 +87,7 @@ class ChatCompletionRequest(RequestModel):
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     # vllm-mlx's video sampling, honoured (the server's settings bound them).
     video_fps: float | None = Field(default=None, gt=0.0, le=60.0)
     video_max_frames: int | None = Field(default=None, ge=2)
@@ -141,35 +118,25 @@ class ChatCompletionRequest(RequestModel):
     prediction: Any = None
     web_search_options: Any = None
 
-    @field_validator(*_REFUSED)
-    @classmethod
-    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None:
-            assert info.field_name is not None
-            raise _unsupported(info.field_name, _REFUSED[info.field_name])
-        return value
+    _refuse = refusing(_REFUSED)
 
     @field_validator("store")
     @classmethod
     def _check_store(cls, value: bool | None) -> bool | None:
         if value:
-            raise _unsupported_value("store", True, "this server stores no completions")
+            raise unsupported_value("store", True, "this server stores no completions")
         return value
 
     @field_validator("service_tier")
     @classmethod
     def _check_service_tier(cls, value: str | None) -> str | None:
-        if value not in (None, "auto", "default"):
-            raise _unsupported_value(
-                "service_tier", value, "this server has one tier, 'default'"
-            )
-        return value
+        return check_service_tier(value)
 
     @field_validator("modalities")
     @classmethod
     def _check_modalities(cls, value: list[str] | None) -> list[str] | None:
         if value is not None and "audio" in value:
-            raise _unsupported_value(
+            raise unsupported_value(
                 "modalities", "audio", "this server generates text only"
             )
         return value
@@ -178,32 +145,12 @@ class ChatCompletionRequest(RequestModel):
     @classmethod
     def _check_verbosity(cls, value: str | None) -> str | None:
         if value not in (None, "medium"):
-            raise _unsupported_value(
+            raise unsupported_value(
                 "verbosity",
                 value,
                 "this server cannot steer a model's verbosity; ask for it in "
                 "the messages",
             )
-        return value
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _check_template_kwargs(
-        cls, value: dict[str, Any] | None
-    ) -> dict[str, Any] | None:
-        for key in value or {}:
-            if key in _TEMPLATE_ARGUMENTS:
-                raise ValueError(f"{key!r} is set by the server, not the request")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must not be empty")
         return value
 
     @field_validator("logit_bias")
@@ -221,7 +168,7 @@ class ChatCompletionRequest(RequestModel):
                 raise ValueError(f"token id {key[:40]!r}... is not in any vocabulary")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be between -100 and 100, not {bias}")
-            token = _token_id(key)
+            token = token_id(key)
             if token in seen:
                 raise ValueError(
                     f"token id {token} is given twice ({seen[token]!r} and {key!r})"
@@ -248,10 +195,7 @@ class ChatCompletionRequest(RequestModel):
     @field_validator("tools")
     @classmethod
     def _check_tools(cls, value: list[Tool] | None) -> list[Tool] | None:
-        names = [tool.function.name for tool in value or []]
-        for name in names:
-            if names.count(name) > 1:
-                raise ValueError(f"the function name {name!r} is given twice")
+        check_unique_names([tool.function.name for tool in value or []], "function")
         return value
 
     @field_validator("tool_choice")
@@ -292,9 +236,7 @@ class ChatCompletionRequest(RequestModel):
     @property
     def stop_sequences(self) -> tuple[str, ...]:
         """``stop`` as a tuple of strings (empty when unset)."""
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return stop_tuple(self.stop)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -306,7 +248,7 @@ class ChatCompletionRequest(RequestModel):
     @property
     def token_bias(self) -> dict[int, float]:
         """``logit_bias`` with integer token ids (empty when unset)."""
-        return {_token_id(k): v for k, v in (self.logit_bias or {}).items()}
+        return {token_id(k): v for k, v in (self.logit_bias or {}).items()}
 
     @property
     def include_usage(self) -> bool:
@@ -345,40 +287,20 @@ class ChatCompletionRequest(RequestModel):
         Tools go to the chat template unless ``tool_choice`` is ``none`` (the
         model is not told of tools it may not call).
         """
-        top_k = self.top_k
         return GenerationParams(
             messages=tuple(chat_messages(self.messages)),
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            # At least float32's smallest normal number: a smaller top_p is 0 in
-            # float32, which keeps no token at all; this one keeps the most
-            # likely token, as 1e-30 does.
-            top_p=None if self.top_p is None else max(self.top_p, _TOP_P_FLOOR),
-            seed=self.seed,
-            stop=self.stop_sequences,
             logprobs=bool(self.logprobs),
             top_logprobs=self.top_logprobs or 0,
-            logit_bias=tuple(self.token_bias.items()),
             max_prompt_tokens=max_prompt_tokens,
             context_length=context_length,
-            top_k=0 if top_k == -1 else top_k,  # vLLM's -1: no limit
-            min_p=self.min_p or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=(
-                1.0 if self.repetition_penalty is None else self.repetition_penalty
-            ),
             grammar=grammar,
             tools=tuple(
                 tool.model_dump(exclude_none=True) for tool in self.active_tools
             ),
             template_kwargs=tuple((self.chat_template_kwargs or {}).items()),
+            **openai_sampling(self),
         )
-
-
-def _token_id(key: str) -> int:
-    """A ``logit_bias`` key's token id: "000...05" is 5, past int()'s limit."""
-    return int(key.lstrip("0") or "0")
 
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:

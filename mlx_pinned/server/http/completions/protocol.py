@@ -16,10 +16,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, ValidationInfo, field_validator
 
 from ...events import GenerationParams
+from ..protocol_common import (
+    RequestBody,
+    Stop,
+    StreamOptions,
+    openai_sampling,
+    stop_tuple,
+    unsupported,
+)
 from ..validation import parse_request
 
 __all__ = [
@@ -34,8 +41,6 @@ MAX_PROMPTS = 64
 #: ``max_tokens`` of a request that sets none, as OpenAI's reference says.
 OPENAI_DEFAULT_MAX_TOKENS = 16
 
-_TOP_P_FLOOR = 1.1754943508222875e-38  # float32's smallest normal number
-
 TokenId = Annotated[int, Field(ge=0)]
 Prompt = (
     Annotated[str, Field(min_length=1)]
@@ -47,28 +52,8 @@ Prompt = (
 )
 
 
-def _unsupported(field: str, why: str) -> PydanticCustomError:
-    return PydanticCustomError(
-        "unsupported_parameter", f"Unsupported parameter: '{field}': {why}."
-    )
-
-
-class StreamOptions(BaseModel):
-    """``stream_options``: only ``include_usage`` has an effect."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
-
-    include_usage: bool | None = None
-
-
-class CompletionRequest(BaseModel):
+class CompletionRequest(RequestBody):
     """The body of ``POST /v1/completions``."""
-
-    # As every request model: strict types, finite numbers; unknown top-level
-    # fields refused.
-    model_config = ConfigDict(
-        strict=True, extra="forbid", frozen=True, allow_inf_nan=False
-    )
 
     model: str
     prompt: Prompt
@@ -76,7 +61,7 @@ class CompletionRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(default=None, ge=0, le=5)
@@ -105,16 +90,6 @@ class CompletionRequest(BaseModel):
                 )
         return value
 
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(
@@ -135,7 +110,7 @@ class CompletionRequest(BaseModel):
     @classmethod
     def _check_n(cls, value: int | None) -> int | None:
         if value is not None and value != 1:
-            raise _unsupported(
+            raise unsupported(
                 "n",
                 "this server returns one choice per prompt; send the prompt "
                 "several times in 'prompt' (a list) for several choices",
@@ -146,7 +121,7 @@ class CompletionRequest(BaseModel):
     @classmethod
     def _check_best_of(cls, value: int | None) -> int | None:
         if value is not None and value != 1:
-            raise _unsupported(
+            raise unsupported(
                 "best_of", "this server generates one completion per prompt"
             )
         return value
@@ -155,7 +130,7 @@ class CompletionRequest(BaseModel):
     @classmethod
     def _check_suffix(cls, value: str | None) -> str | None:
         if value:
-            raise _unsupported("suffix", "this server has no fill-in-the-middle")
+            raise unsupported("suffix", "this server has no fill-in-the-middle")
         return value
 
     @field_validator("echo")
@@ -163,7 +138,7 @@ class CompletionRequest(BaseModel):
     def _check_echo(cls, value: bool | None, info: ValidationInfo) -> bool | None:
         # Declared after logprobs, so this sees it.
         if value and info.data.get("logprobs") is not None:
-            raise _unsupported(
+            raise unsupported(
                 "echo",
                 "with 'logprobs' it asks for the prompt's log-probabilities, "
                 "which this server does not compute; send one or the other",
@@ -183,9 +158,7 @@ class CompletionRequest(BaseModel):
     @property
     def stop_sequences(self) -> tuple[str, ...]:
         """``stop`` as a tuple of strings (empty when unset)."""
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return stop_tuple(self.stop)
 
     @property
     def token_bias(self) -> tuple[tuple[int, float], ...]:
@@ -207,29 +180,16 @@ class CompletionRequest(BaseModel):
     ) -> GenerationParams:
         """One prompt of this request as the shared generation request, with
         ``max_tokens`` resolved: the prompt raw, without the chat template."""
-        top_k = self.top_k
         return GenerationParams(
             messages=(),
             prompt=prompt,
             add_special_tokens=self.add_special_tokens,
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            # See chat completions: a smaller top_p is 0 in float32.
-            top_p=None if self.top_p is None else max(self.top_p, _TOP_P_FLOOR),
-            seed=self.seed,
-            stop=self.stop_sequences,
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
-            logit_bias=self.token_bias,
             max_prompt_tokens=max_prompt_tokens,
             context_length=context_length,
-            top_k=0 if top_k == -1 else top_k,  # vLLM's -1: no limit
-            min_p=self.min_p or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=(
-                1.0 if self.repetition_penalty is None else self.repetition_penalty
-            ),
+            **openai_sampling(self),
         )
 
 

@@ -14,10 +14,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, ValidationInfo, field_validator
 
 from ...events import GenerationParams, Grammar
+from ..protocol_common import (
+    RequestBody,
+    check_service_tier,
+    check_unique_names,
+    floor_top_p,
+    refusing,
+    unsupported_value,
+)
 from ..thinking import EFFORT_BUDGETS
 from ..validation import parse_request
 from .items import (
@@ -40,8 +47,6 @@ __all__ = [
     "parse_responses_request",
 ]
 
-_TOP_P_FLOOR = 1.1754943508222875e-38  # float32's smallest normal number
-
 #: ``include`` values accepted; none adds anything this server has.
 _INCLUDE = Literal[
     "reasoning.encrypted_content",
@@ -60,19 +65,6 @@ _REFUSED = {
     "prompt": "this server stores no prompt templates; send 'input'",
     "max_tool_calls": "this server cannot cap built-in tool calls; leave it out",
 }
-
-
-def _unsupported(field: str, why: str) -> PydanticCustomError:
-    return PydanticCustomError(
-        "unsupported_parameter", f"Unsupported parameter: '{field}': {why}."
-    )
-
-
-def _unsupported_value(field: str, value: object, why: str) -> PydanticCustomError:
-    return PydanticCustomError(
-        "unsupported_value",
-        f"Unsupported value: '{field}' does not support {value!r}: {why}.",
-    )
 
 
 class TextFormat(RequestModel):
@@ -117,10 +109,8 @@ class Reasoning(RequestModel):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class ResponsesRequest(RequestModel):
+class ResponsesRequest(RequestBody):
     """The body of ``POST /v1/responses``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     input: str | Annotated[list[InputItem], Field(min_length=1, max_length=4096)]
@@ -158,28 +148,18 @@ class ResponsesRequest(RequestModel):
     prompt: Any = None
     max_tool_calls: Any = None
 
-    @field_validator(*_REFUSED)
-    @classmethod
-    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and value is not False:
-            assert info.field_name is not None
-            raise _unsupported(info.field_name, _REFUSED[info.field_name])
-        return value
+    _refuse = refusing(_REFUSED, accept_false=True)
 
     @field_validator("service_tier")
     @classmethod
     def _check_service_tier(cls, value: str | None) -> str | None:
-        if value not in (None, "auto", "default"):
-            raise _unsupported_value(
-                "service_tier", value, "this server has one tier, 'default'"
-            )
-        return value
+        return check_service_tier(value)
 
     @field_validator("truncation")
     @classmethod
     def _check_truncation(cls, value: str | None) -> str | None:
         if value == "auto":
-            raise _unsupported_value(
+            raise unsupported_value(
                 "truncation",
                 value,
                 "this server never drops input; a prompt over the context is a 400",
@@ -192,9 +172,7 @@ class ResponsesRequest(RequestModel):
         cls, value: list[FunctionTool | HostedTool] | None
     ) -> list[FunctionTool | HostedTool] | None:
         names = [tool.name for tool in value or [] if isinstance(tool, FunctionTool)]
-        for name in names:
-            if names.count(name) > 1:
-                raise ValueError(f"the function name {name!r} is given twice")
+        check_unique_names(names, "function")
         return value
 
     @field_validator("tool_choice")
@@ -220,7 +198,7 @@ class ResponsesRequest(RequestModel):
         if value is None:
             return value
         if value.verbosity not in (None, "medium"):
-            raise _unsupported_value(
+            raise unsupported_value(
                 "text.verbosity",
                 value.verbosity,
                 "this server cannot steer a model's verbosity",
@@ -282,7 +260,7 @@ class ResponsesRequest(RequestModel):
             messages=messages,
             max_tokens=max_tokens,
             temperature=self.temperature,
-            top_p=None if self.top_p is None else max(self.top_p, _TOP_P_FLOOR),
+            top_p=floor_top_p(self.top_p),
             max_prompt_tokens=max_prompt_tokens,
             context_length=context_length,
             grammar=grammar,

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ...events import GenerationParams
+from ..protocol_common import RequestBody, TemplateKwargs
 from ..validation import parse_request
 
 __all__ = [
@@ -25,28 +26,6 @@ __all__ = [
     "TokenizePromptRequest",
     "parse_tokenize_request",
 ]
-
-#: Keyword arguments the server passes to the chat template itself.
-_TEMPLATE_ARGUMENTS = frozenset(
-    {
-        "add_generation_prompt",
-        "chat_template",
-        "continue_final_message",
-        "conversation",
-        "documents",
-        "messages",
-        "return_dict",
-        "tokenize",
-        "tools",
-    }
-)
-
-
-class _Model(BaseModel):
-    # As every request model: strict types, unknown fields refused.
-    model_config = ConfigDict(
-        strict=True, extra="forbid", frozen=True, allow_inf_nan=False
-    )
 
 
 class TextPart(BaseModel):
@@ -80,7 +59,7 @@ class ChatMessage(BaseModel):
         return {"role": role, "content": content}
 
 
-class TokenizePromptRequest(_Model):
+class TokenizePromptRequest(RequestBody):
     """``/tokenize`` of a raw prompt."""
 
     model: str
@@ -98,14 +77,14 @@ class TokenizePromptRequest(_Model):
         )
 
 
-class TokenizeChatRequest(_Model):
+class TokenizeChatRequest(RequestBody):
     """``/tokenize`` of chat messages, through the chat template."""
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     return_token_strs: bool = False
 
     @field_validator("add_special_tokens")
@@ -115,16 +94,6 @@ class TokenizeChatRequest(_Model):
             raise ValueError(
                 "the chat template adds the model's special tokens; leave it false"
             )
-        return value
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _check_template_kwargs(
-        cls, value: dict[str, Any] | None
-    ) -> dict[str, Any] | None:
-        for key in value or {}:
-            if key in _TEMPLATE_ARGUMENTS:
-                raise ValueError(f"{key!r} is set by the server, not the request")
         return value
 
     def to_generation_params(self) -> GenerationParams:
@@ -140,7 +109,7 @@ class TokenizeChatRequest(_Model):
         )
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(RequestBody):
     """``/detokenize``: token ids in, their text out."""
 
     model: str

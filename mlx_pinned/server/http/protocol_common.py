@@ -1,0 +1,208 @@
+"""What the API slices' request models share: refusals, checks, sampling.
+
+Any thread (pure CPU, no MLX); the routes parse on the event loop. Each
+slice's ``protocol`` declares its own fields and names and calls these for
+the parts that are the same in every API that has them: the errors that
+refuse a parameter or a value by name, the checks of ``stop`` and
+``chat_template_kwargs``, and the sampling fields of OpenAI's chat and
+legacy completions as the shared generation request's arguments. Nothing
+here names an API's slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Protocol
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "TEMPLATE_ARGUMENTS",
+    "OpenAISampling",
+    "RequestBody",
+    "Stop",
+    "StreamOptions",
+    "TemplateKwargs",
+    "check_service_tier",
+    "check_stop",
+    "check_template_kwargs",
+    "check_unique_names",
+    "floor_top_p",
+    "openai_sampling",
+    "refusing",
+    "stop_tuple",
+    "token_id",
+    "unsupported",
+    "unsupported_value",
+]
+
+_TOP_P_FLOOR = 1.1754943508222875e-38  # float32's smallest normal number
+
+#: Keyword arguments the server passes to the chat template itself.
+TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "add_generation_prompt",
+        "chat_template",
+        "continue_final_message",
+        "conversation",
+        "documents",
+        "messages",
+        "return_dict",
+        "tokenize",
+        "tools",
+    }
+)
+
+
+class RequestBody(BaseModel):
+    """The base of a top-level body: strict types, finite numbers, unknown
+    fields refused."""
+
+    # strict: "10" is not an int, as in OpenAI's API; allow_inf_nan=False:
+    # NaN is "not a finite number", not a range error.
+    model_config = ConfigDict(
+        strict=True, extra="forbid", frozen=True, allow_inf_nan=False
+    )
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: only ``include_usage`` has an effect."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    include_usage: bool | None = None
+
+
+def unsupported(field: str, why: str) -> PydanticCustomError:
+    """The error that refuses ``field`` whatever its value."""
+    return PydanticCustomError(
+        "unsupported_parameter", f"Unsupported parameter: '{field}': {why}."
+    )
+
+
+def unsupported_value(field: str, value: object, why: str) -> PydanticCustomError:
+    """The error that refuses one ``value`` of ``field``."""
+    return PydanticCustomError(
+        "unsupported_value",
+        f"Unsupported value: '{field}' does not support {value!r}: {why}.",
+    )
+
+
+def refusing(refused: Mapping[str, str], *, accept_false: bool = False) -> Any:
+    """The field validator of the fields refused whenever set (``refused``
+    maps each to why); with ``accept_false``, ``false`` is accepted as unset.
+
+    Assign it in the class body: ``_refuse = refusing(_REFUSED)``.
+    """
+
+    def _refuse(cls: type[Any], value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not (accept_false and value is False):
+            assert info.field_name is not None
+            raise unsupported(info.field_name, refused[info.field_name])
+        return value
+
+    return field_validator(*refused)(classmethod(_refuse))
+
+
+def check_service_tier(value: str | None) -> str | None:
+    """OpenAI's ``service_tier``: only the tiers that mean this server's one."""
+    if value not in (None, "auto", "default"):
+        raise unsupported_value(
+            "service_tier", value, "this server has one tier, 'default'"
+        )
+    return value
+
+
+def check_stop(value: str | list[str] | None) -> str | list[str] | None:
+    """OpenAI's ``stop``: at most 4 sequences, none empty."""
+    stops = [value] if isinstance(value, str) else value or []
+    if len(stops) > 4:
+        raise ValueError("at most 4 stop sequences are allowed")
+    if any(not s for s in stops):
+        raise ValueError("stop sequences must not be empty")
+    return value
+
+
+def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
+    """OpenAI's ``stop`` as a tuple of strings (empty when unset)."""
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``chat_template_kwargs``: none of the keywords the server sets."""
+    for key in value or {}:
+        if key in TEMPLATE_ARGUMENTS:
+            raise ValueError(f"{key!r} is set by the server, not the request")
+    return value
+
+
+#: OpenAI's ``stop``, checked by :func:`check_stop`.
+Stop = Annotated[str | list[str], AfterValidator(check_stop)]
+#: ``chat_template_kwargs``, checked by :func:`check_template_kwargs`.
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(check_template_kwargs)]
+
+
+def check_unique_names(names: list[str], what: str) -> None:
+    """Refuse a tool list that gives a name twice (``what``: "function")."""
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"the {what} name {name!r} is given twice")
+
+
+def token_id(key: str) -> int:
+    """A ``logit_bias`` key's token id: "000...05" is 5, past int()'s limit."""
+    return int(key.lstrip("0") or "0")
+
+
+def floor_top_p(top_p: float | None) -> float | None:
+    """``top_p`` at least float32's smallest normal number: a smaller one is
+    0 in float32, which keeps no token at all; this one keeps the most likely
+    token, as 1e-30 does."""
+    return None if top_p is None else max(top_p, _TOP_P_FLOOR)
+
+
+class OpenAISampling(Protocol):
+    """The sampling fields OpenAI's chat and legacy completions share, with
+    vLLM's extensions."""
+
+    temperature: float | None
+    top_p: float | None
+    seed: int | None
+    stop: str | list[str] | None
+    logit_bias: dict[str, float] | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
+
+
+def openai_sampling(request: OpenAISampling) -> dict[str, Any]:
+    """``request``'s sampling as keyword arguments of the shared generation
+    request (:class:`~...events.GenerationParams`)."""
+    top_k = request.top_k
+    return {
+        "temperature": request.temperature,
+        "top_p": floor_top_p(request.top_p),
+        "seed": request.seed,
+        "stop": stop_tuple(request.stop),
+        "logit_bias": tuple(
+            (token_id(key), bias) for key, bias in (request.logit_bias or {}).items()
+        ),
+        "top_k": 0 if top_k == -1 else top_k,  # vLLM's -1: no limit
+        "min_p": request.min_p or 0.0,
+        "presence_penalty": request.presence_penalty or 0.0,
+        "frequency_penalty": request.frequency_penalty or 0.0,
+        "repetition_penalty": (
+            1.0 if request.repetition_penalty is None else request.repetition_penalty
+        ),
+    }
