@@ -67,18 +67,22 @@ class MessagesEndpoint(_AnthropicEndpoint):
             decoded = await self.decode_images(prepared.images, log)
             async with self.generation(served, engine, params, decoded, log) as stream:
                 parser = self.serving.answer_parser(request, capabilities, params)
-                send = self._send_stream if request.stream else self._send_whole
-                await send(request, served.name, stream, response, log, parser)
+                if request.stream:
+                    await self._send_stream(
+                        request, served.name, stream, response, log, parser
+                    )
+                else:
+                    whole = self._whole(request, served.name, stream, log, parser)
+                    await response.json(await whole)
 
-    async def _send_whole(
+    async def _whole(
         self,
         request: MessagesRequest,
         name: str,
         stream: EventStream,
-        response: ResponseWriter,
         log: RequestLog,
         parser: AnswerParser | None,
-    ) -> None:
+    ) -> bytes:
         """The whole answer as one message, once the generation ended."""
         events, final = await self.whole(stream, log, request.max_tokens + 2)
         blocks = Blocks(shown=request.thinking_shown)
@@ -98,7 +102,7 @@ class MessagesEndpoint(_AnthropicEndpoint):
                 "cache_read_input_tokens": final.cached_tokens,
             },
         }
-        await response.json(json.dumps(message, ensure_ascii=False).encode())
+        return json.dumps(message, ensure_ascii=False).encode()
 
     async def _send_stream(
         self,

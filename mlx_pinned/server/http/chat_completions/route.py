@@ -98,26 +98,20 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
                         request, served.name, stream, response, log, parser
                     )
                 else:
-                    await self._send_whole(
-                        request,
-                        served.name,
-                        stream,
-                        response,
-                        log,
-                        params.max_tokens,
-                        parser,
+                    whole = self._whole(
+                        request, served.name, stream, log, params.max_tokens, parser
                     )
+                    await response.json(await whole)
 
-    async def _send_whole(
+    async def _whole(
         self,
         request: ChatCompletionRequest,
         name: str,
         stream: EventStream,
-        response: ResponseWriter,
         log: RequestLog,
         max_tokens: int,
         parser: AnswerParser | None,
-    ) -> None:
+    ) -> bytes:
         """The whole answer as one JSON body, once the generation ended."""
         events, final = await self.whole(stream, log, max_tokens + 1)
         text = "".join(event.text for event in events)
@@ -148,7 +142,7 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
             choices=[choice],
             usage=usage(final),
         )
-        await response.json(completion.model_dump_json().encode())
+        return completion.model_dump_json().encode()
 
     async def _send_stream(
         self,
