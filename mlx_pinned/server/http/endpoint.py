@@ -28,12 +28,13 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, ClassVar
 
 import anyio
 
+from ..events import FinalEvent, TokenEvent
 from .errors import APIError, api_error, internal_error, thread_unavailable, timed_out
 from .wire import (
     OPENAI_ERRORS,
@@ -52,14 +53,15 @@ if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
     from ..config import ServerConfig
-    from ..events import Engine, EventStream, GenerationParams
-    from ..media import LoadImages
+    from ..events import Engine, Event, EventStream, GenerationParams
+    from ..media import ImageRef, LoadImages
+    from .answer import AnswerParser, Part
     from .metrics import ServerMetrics
     from .models import ServedModel, ServedModels
     from .residency import Residency
     from .turns import LoopTurns
 
-__all__ = ["GenerationEndpoint"]
+__all__ = ["GenerationEndpoint", "last_parts", "send_last", "token_parts"]
 
 logger = logging.getLogger("mlx_pinned.server")
 
@@ -170,6 +172,13 @@ class GenerationEndpoint(ABC):
         async with self.residency.use(served) as engine:
             yield served, engine
 
+    async def decode_images(
+        self, refs: Sequence[ImageRef], log: RequestLog
+    ) -> list[Image.Image]:
+        """The request's images, decoded off the loop (counted in ``log``)."""
+        log.images = len(refs)
+        return await self.load_images(refs)
+
     @asynccontextmanager
     async def generation(
         self,
@@ -193,6 +202,72 @@ class GenerationEndpoint(ABC):
                 # runs before the next generation starts.
                 with anyio.CancelScope(shield=True):
                     await stream.aclose()
+
+    async def whole(
+        self, stream: EventStream, log: RequestLog, most: int
+    ) -> tuple[list[Event], FinalEvent]:
+        """Every event of the generation and its final one, once it ended.
+
+        Taken in batches of up to ``most`` events (a whole answer's tokens,
+        then the final event): one wake-up of the event loop per batch, not
+        one per token.
+        """
+        taken: list[Event] = []
+        final: FinalEvent | None = None
+        async for events in stream.batched(most):
+            await self.turns.checkpoint()
+            for event in events:
+                log.record(event, whole=True)
+                taken.append(event)
+                if isinstance(event, FinalEvent):
+                    final = event
+        assert final is not None, "a generation always ends with a FinalEvent"
+        return taken, final
+
+    async def stream_tokens(
+        self,
+        stream: EventStream,
+        response: ResponseWriter,
+        log: RequestLog,
+        head: bytes,
+        encode: Callable[[TokenEvent], bytes],
+    ) -> FinalEvent:
+        """Send each token's ``encode``-d data as it comes, ``head`` first
+        with the first token (the status goes with it, so a failed prefill
+        is still an error status); the final event, unsent, for the caller
+        to end the answer with."""
+        async for event in stream:
+            await self.turns.checkpoint()
+            log.record(event)
+            if isinstance(event, FinalEvent):
+                return event
+            data = encode(event)
+            if not response.started:
+                await response.start_stream(head + data)
+            elif data:
+                await response.send(data)
+        raise AssertionError("a generation always ends with a FinalEvent")
+
+
+def token_parts(parser: AnswerParser | None, text: str) -> list[Part]:
+    """The parts of a token's ``text``: as parsed, else the text itself."""
+    return parser.feed(text) if parser is not None else [text]
+
+
+def last_parts(parser: AnswerParser | None, text: str, final: FinalEvent) -> list[Part]:
+    """The parts of the answer's last ``text`` and its end (``final``): as
+    parsed (a call cut by ``max_tokens`` ended as cut), else the text."""
+    if parser is None:
+        return [text]
+    return [*parser.feed(text), *parser.end(cut=final.finish_reason == "length")]
+
+
+async def send_last(response: ResponseWriter, head: bytes, tail: bytes) -> None:
+    """End a stream with ``tail``; ``head`` first if no token opened it (the
+    answer had none)."""
+    if not response.started:
+        await response.start_stream(head)
+    await response.send(tail, more=False)
 
 
 def _client(scope: Scope) -> str:

@@ -18,10 +18,9 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from ...events import FinalEvent
-from ..answer import AnswerParser, Part
+from ..answer import AnswerParser
 from ..capabilities import Capabilities
-from ..endpoint import GenerationEndpoint
+from ..endpoint import GenerationEndpoint, last_parts, send_last, token_parts
 from ..errors import APIError
 from ..wire import ErrorShape, RequestLog, ResponseWriter
 from .blocks import image_parts
@@ -65,39 +64,29 @@ class MessagesEndpoint(_AnthropicEndpoint):
             capabilities = Capabilities.of(engine, served)
             prepared = await self.serving.prepare(request, capabilities)
             params = prepared.params
-            log.images = len(prepared.images)
-            decoded = await self.load_images(prepared.images)
+            decoded = await self.decode_images(prepared.images, log)
             async with self.generation(served, engine, params, decoded, log) as stream:
                 parser = self.serving.answer_parser(request, capabilities, params)
-                send = self._send_stream if request.stream else self._send_whole
-                await send(request, served.name, stream, response, log, parser)
+                if request.stream:
+                    await self._send_stream(
+                        request, served.name, stream, response, log, parser
+                    )
+                else:
+                    whole = self._whole(request, served.name, stream, log, parser)
+                    await response.json(await whole)
 
-    async def _send_whole(
+    async def _whole(
         self,
         request: MessagesRequest,
         name: str,
         stream: EventStream,
-        response: ResponseWriter,
         log: RequestLog,
         parser: AnswerParser | None,
-    ) -> None:
+    ) -> bytes:
         """The whole answer as one message, once the generation ended."""
-        text: list[str] = []
-        final: FinalEvent | None = None
-        async for events in stream.batched(request.max_tokens + 2):
-            await self.turns.checkpoint()
-            for event in events:
-                log.record(event, whole=True)
-                text.append(event.text)
-                if isinstance(event, FinalEvent):
-                    final = event
-        assert final is not None, "a generation always ends with a FinalEvent"
+        events, final = await self.whole(stream, log, request.max_tokens + 2)
         blocks = Blocks(shown=request.thinking_shown)
-        if parser is None:
-            blocks.add(["".join(text)])
-        else:
-            blocks.add(parser.feed("".join(text)))
-            blocks.add(parser.end(cut=final.finish_reason == "length"))
+        blocks.add(last_parts(parser, "".join(event.text for event in events), final))
         called = parser is not None and parser.called
         message = {
             "id": message_id(),
@@ -113,7 +102,7 @@ class MessagesEndpoint(_AnthropicEndpoint):
                 "cache_read_input_tokens": final.cached_tokens,
             },
         }
-        await response.json(json.dumps(message, ensure_ascii=False).encode())
+        return json.dumps(message, ensure_ascii=False).encode()
 
     async def _send_stream(
         self,
@@ -128,29 +117,17 @@ class MessagesEndpoint(_AnthropicEndpoint):
         failed prefill is still an error status."""
         writer = EventWriter(shown=request.thinking_shown)
         head = writer.start(message_id(), name)
-        async for event in stream:
-            await self.turns.checkpoint()
-            log.record(event)
-            if not isinstance(event, FinalEvent):
-                parts: list[Part] = parser.feed(event.text) if parser else [event.text]
-                data = writer.parts(parts)
-                if not response.started:
-                    await response.start_stream(head + data)
-                elif data:
-                    await response.send(data)
-                continue
-            cut = event.finish_reason == "length"
-            parts = [event.text]
-            if parser is not None:
-                parts = [*parser.feed(event.text), *parser.end(cut=cut)]
-            called = parser is not None and parser.called
-            tail = writer.parts(parts) + writer.end(
-                stop_reason(event, called=called), event
-            )
-            if not response.started:
-                await response.start_stream(head)
-            await response.send(tail, more=False)
-        await response.end()
+        final = await self.stream_tokens(
+            stream,
+            response,
+            log,
+            head,
+            lambda event: writer.parts(token_parts(parser, event.text)),
+        )
+        data = writer.parts(last_parts(parser, final.text, final))
+        called = parser is not None and parser.called
+        tail = data + writer.end(stop_reason(final, called=called), final)
+        await send_last(response, head, tail)
 
 
 class CountTokensEndpoint(_AnthropicEndpoint):
@@ -168,8 +145,7 @@ class CountTokensEndpoint(_AnthropicEndpoint):
         async with self.model(request.model, log) as (served, engine):
             capabilities = Capabilities.of(engine, served)
             prepared = self.serving.prepare_count(request, capabilities)
-            log.images = len(prepared.images)
-            decoded = await self.load_images(prepared.images)
+            decoded = await self.decode_images(prepared.images, log)
             tokens = await engine.count_tokens(prepared.params, decoded)
         log.prompt_tokens = tokens
         await response.json(json.dumps({"input_tokens": tokens}).encode())

@@ -13,22 +13,23 @@ models (:mod:`.protocol`); what needs the exact prompt by the engine.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...events import GenerationParams, Grammar
-from ...formats import (
-    TOOL_CALL_FORMATS,
-    ToolCallFormat,
-    ToolSpec,
-    UnforcedCallError,
-    json_arguments,
-)
-from ...limits import check_text_length
+from ...formats import ToolCallFormat, ToolSpec, json_arguments
 from ...media import ImageRef
 from ..answer import AnswerParser, answer_parser
 from ..errors import APIError
+from ..serving_common import (
+    check_images,
+    check_max_tokens,
+    check_prompt_text,
+    forced_call_grammar,
+    no_tool_call_format,
+)
 from ..structured import check_grammar
 from ..thinking import with_budget
 from .blocks import image_refs, text_chars
@@ -91,19 +92,14 @@ class MessagesServing:
                 'template); send thinking {"type": "disabled"} or leave it out.',
             )
         if request.active_tools and capabilities.formats.tool_call is None:
-            raise APIError(
-                400,
-                "This model has no tool-call format (none in its chat template, "
-                "or tool_call_parser 'none'): send the request without tools, or "
-                f"serve it with --tool-call-parser {'|'.join(TOOL_CALL_FORMATS)}.",
-                param="tools",
-            )
+            raise no_tool_call_format(code=None)
         refs = image_refs(request.messages, self.config.image_limits)
-        if refs and not capabilities.accepts_images:
-            raise refs[0].error(
-                "this model takes no images; send text blocks only.",
-                "images_unsupported",
-            )
+        check_images(
+            refs,
+            capabilities,
+            "this model takes no images; send text blocks only.",
+            "images_unsupported",
+        )
         return refs
 
     async def prepare(
@@ -117,19 +113,12 @@ class MessagesServing:
             ImageRefusedError: Too many images.
         """
         context = capabilities.context_length
-        max_prompt = self.config.max_prompt_tokens or context
-        if max_prompt is not None:
-            check_text_length(
-                text_chars(request.system, request.messages),
-                capabilities.longest_token_chars,
-                max_prompt,
-            )
-        if request.max_tokens > self.config.max_tokens_limit:
-            raise _invalid(
-                "max_tokens",
-                f"{request.max_tokens} is more than this server's limit of "
-                f"{self.config.max_tokens_limit} tokens.",
-            )
+        max_prompt = check_prompt_text(
+            self.config, capabilities, text_chars(request.system, request.messages)
+        )
+        check_max_tokens(
+            "max_tokens", request.max_tokens, self.config.max_tokens_limit, code=None
+        )
         thinking = request.thinking
         if isinstance(thinking, ThinkingEnabled):
             if thinking.budget_tokens >= request.max_tokens:
@@ -207,13 +196,9 @@ async def request_grammar(
         specs = [ToolSpec(t.name, t.input_schema) for t in tools]
         named = isinstance(choice, ToolChoiceTool)
         parallel = not named and not choice.disable_parallel_tool_use
-        try:
-            source = tool_format.grammar(specs, parallel)
-        except UnforcedCallError as exc:  # its message names the format
-            raise _invalid("tool_choice", str(exc)) from None
-        grammar = Grammar("lark", source)
-        await check_grammar(grammar, "tools")
-        return grammar
+        return await forced_call_grammar(
+            tool_format, specs, parallel, functools.partial(_invalid, "tool_choice")
+        )
     if output is not None and output.format is not None:
         grammar = Grammar("json_schema", json.dumps(output.format.json_schema))
         await check_grammar(grammar, "output_config.format.schema")

@@ -15,10 +15,10 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
-from ...events import FinalEvent, TokenEvent
+from ...events import TokenEvent
 from ..answer import AnswerParser
 from ..capabilities import Capabilities
-from ..endpoint import GenerationEndpoint
+from ..endpoint import GenerationEndpoint, last_parts, send_last
 from ..wire import (
     RequestLog,
     ResponseWriter,
@@ -41,7 +41,6 @@ from .responses import (
     ChunkEncoder,
     Delta,
     ResponseMessage,
-    TokenLogprob,
     completion_id,
 )
 from .serving import ChatCompletionsServing
@@ -88,8 +87,7 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
             capabilities = Capabilities.of(engine, served)
             prepared = await self.serving.prepare(request, capabilities)
             params = prepared.params
-            log.images = len(prepared.images)
-            decoded = await self.load_images(prepared.images)
+            decoded = await self.decode_images(prepared.images, log)
             if prepared.videos:
                 videos = await self.load_videos(prepared.videos)
                 params = dataclasses.replace(params, videos=tuple(videos))
@@ -100,50 +98,35 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
                         request, served.name, stream, response, log, parser
                     )
                 else:
-                    await self._send_whole(
-                        request,
-                        served.name,
-                        stream,
-                        response,
-                        log,
-                        params.max_tokens,
-                        parser,
+                    whole = self._whole(
+                        request, served.name, stream, log, params.max_tokens, parser
                     )
+                    await response.json(await whole)
 
-    async def _send_whole(
+    async def _whole(
         self,
         request: ChatCompletionRequest,
         name: str,
         stream: EventStream,
-        response: ResponseWriter,
         log: RequestLog,
         max_tokens: int,
         parser: AnswerParser | None,
-    ) -> None:
+    ) -> bytes:
         """The whole answer as one JSON body, once the generation ended."""
-        text: list[str] = []
-        logprobs: list[TokenLogprob] = []
-        final: FinalEvent | None = None
-        # Taken in one batch (every token, then the final event): one
-        # wake-up of the event loop per batch, not one per token.
-        async for events in stream.batched(max_tokens + 1):
-            await self.turns.checkpoint()
-            for event in events:
-                log.record(event, whole=True)
-                text.append(event.text)
-                if isinstance(event, TokenEvent) and event.logprobs is not None:
-                    logprobs.append(token_logprob(event.logprobs))
-                if isinstance(event, FinalEvent):
-                    final = event
-        assert final is not None, "a generation always ends with a FinalEvent"
+        events, final = await self.whole(stream, log, max_tokens + 1)
+        text = "".join(event.text for event in events)
+        logprobs = [
+            token_logprob(event.logprobs)
+            for event in events
+            if isinstance(event, TokenEvent) and event.logprobs is not None
+        ]
         chunk_id, created = completion_id()
         if parser is None:
-            message = ResponseMessage(content="".join(text))
+            message = ResponseMessage(content=text)
             reason = finish_reason(final.finish_reason, calls=False)
         else:
             answer = Answer()
-            answer.add(parser.feed("".join(text)))
-            answer.add(parser.end(cut=final.finish_reason == "length"))
+            answer.add(last_parts(parser, text, final))
             answer.thought = parser.thought
             message = answer.message()
             reason = finish_reason(final.finish_reason, parser.called)
@@ -159,7 +142,7 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
             choices=[choice],
             usage=usage(final),
         )
-        await response.json(completion.model_dump_json().encode())
+        return completion.model_dump_json().encode()
 
     async def _send_stream(
         self,
@@ -180,35 +163,24 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
         # a write to the socket): the role chunk with the first token, and
         # the last chunks (finish, usage, [DONE]) with the end.
         role = chunks.chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
-        async for event in stream:
-            await self.turns.checkpoint()
-            log.record(event)
-            if isinstance(event, TokenEvent):
-                if parser is not None:
-                    data = parsed_chunks(chunks, parser.feed(event.text), event)
-                elif event.logprobs is not None:
-                    data = chunks.chunk([content_choice(event)])
-                else:
-                    data = chunks.content(event.text) if event.text else b""
-                if not response.started:
-                    await response.start_stream(role + data)
-                elif data:
-                    await response.send(data)
-                continue
-            if parser is None:
-                tail = [chunks.content(event.text)] if event.text else []
-                reason = finish_reason(event.finish_reason, calls=False)
-            else:
-                cut = event.finish_reason == "length"
-                parts = [*parser.feed(event.text), *parser.end(cut=cut)]
-                tail = [parsed_chunks(chunks, parts)]
-                reason = finish_reason(event.finish_reason, parser.called)
-            done = ChunkChoice(delta=Delta(), finish_reason=reason)
-            tail.append(chunks.chunk([done]))
-            if request.include_usage:
-                tail.append(chunks.chunk([], usage(event)))
-            tail.append(b"data: [DONE]\n\n")
-            if not response.started:
-                await response.start_stream(role)
-            await response.send(b"".join(tail), more=False)
-        await response.end()
+
+        def encode(event: TokenEvent) -> bytes:
+            if parser is not None:
+                return parsed_chunks(chunks, parser.feed(event.text), event)
+            if event.logprobs is not None:
+                return chunks.chunk([content_choice(event)])
+            return chunks.content(event.text) if event.text else b""
+
+        final = await self.stream_tokens(stream, response, log, role, encode)
+        if parser is None:
+            tail = [chunks.content(final.text)] if final.text else []
+            reason = finish_reason(final.finish_reason, calls=False)
+        else:
+            tail = [parsed_chunks(chunks, last_parts(parser, final.text, final))]
+            reason = finish_reason(final.finish_reason, parser.called)
+        done = ChunkChoice(delta=Delta(), finish_reason=reason)
+        tail.append(chunks.chunk([done]))
+        if request.include_usage:
+            tail.append(chunks.chunk([], usage(final)))
+        tail.append(b"data: [DONE]\n\n")
+        await send_last(response, role, b"".join(tail))

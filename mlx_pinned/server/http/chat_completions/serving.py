@@ -20,17 +20,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...events import GenerationParams, Grammar
-from ...formats import (
-    TOOL_CALL_FORMATS,
-    ToolCallFormat,
-    ToolSpec,
-    UnforcedCallError,
-    json_arguments,
-)
-from ...limits import check_text_length
+from ...formats import ToolCallFormat, ToolSpec, json_arguments
 from ...media import ImageRef, VideoRef
 from ..answer import AnswerParser, answer_parser
 from ..errors import APIError
+from ..serving_common import (
+    check_images,
+    check_logit_bias,
+    check_max_tokens,
+    check_prompt_text,
+    forced_call_grammar,
+    no_tool_call_format,
+    unforced_call,
+)
 from ..structured import check_grammar
 from ..thinking import with_budget
 from .messages import (
@@ -89,24 +91,13 @@ class ChatCompletionsServing:
             VideoRefusedError: Too many videos, or the model takes none.
         """
         context = capabilities.context_length
-        max_prompt = self.config.max_prompt_tokens or context
-        if max_prompt is not None:
-            check_text_length(
-                text_chars(request.messages),
-                capabilities.longest_token_chars,
-                max_prompt,
-            )
+        max_prompt = check_prompt_text(
+            self.config, capabilities, text_chars(request.messages)
+        )
         max_tokens = self.max_tokens(request)
         tool_format = capabilities.formats.tool_call
         if request.active_tools and tool_format is None:
-            raise APIError(
-                400,
-                "This model has no tool-call format (none in its chat template, "
-                "or tool_call_parser 'none'): send the request without tools, or "
-                f"serve it with --tool-call-parser {'|'.join(TOOL_CALL_FORMATS)}.",
-                param="tools",
-                code="unsupported_parameter",
-            )
+            raise no_tool_call_format()
         params = request.to_generation_params(
             max_tokens,
             max_prompt_tokens=max_prompt,
@@ -119,22 +110,16 @@ class ChatCompletionsServing:
             request.chat_template_kwargs or {},
             request.thinking_budget,
         )
-        vocab = capabilities.vocab_size
-        for token_id, _ in params.logit_bias:
-            if token_id >= vocab:
-                raise APIError(
-                    400,
-                    f"Invalid value for 'logit_bias': token id {token_id} is "
-                    f"outside the vocabulary (0 to {vocab - 1}).",
-                    param="logit_bias",
-                    code="invalid_value",
-                )
+        check_logit_bias(
+            (token_id for token_id, _ in params.logit_bias), capabilities.vocab_size
+        )
         refs = image_refs(request.messages, self.config.image_limits)
-        if refs and not capabilities.accepts_images:
-            raise refs[0].error(
-                "this model takes no images; send text parts only.",
-                "images_unsupported",
-            )
+        check_images(
+            refs,
+            capabilities,
+            "this model takes no images; send text parts only.",
+            "images_unsupported",
+        )
         return Prepared(params, refs, self._videos(request, capabilities))
 
     def _videos(
@@ -156,11 +141,12 @@ class ChatCompletionsServing:
             fps=request.video_fps,
             max_frames=asked,
         )
-        if refs and not capabilities.accepts_images:
-            raise refs[0].error(
-                "this model takes no videos; send text parts only.",
-                "videos_unsupported",
-            )
+        check_images(
+            refs,
+            capabilities,
+            "this model takes no videos; send text parts only.",
+            "videos_unsupported",
+        )
         return refs
 
     def max_tokens(self, request: ChatCompletionRequest) -> int:
@@ -173,20 +159,12 @@ class ChatCompletionsServing:
         asked = request.requested_max_tokens
         if asked is None:
             return self.config.default_max_tokens
-        if asked > self.config.max_tokens_limit:
-            name = (
-                "max_completion_tokens"
-                if request.max_completion_tokens is not None
-                else "max_tokens"
-            )
-            raise APIError(
-                400,
-                f"Invalid value for '{name}': {asked} is more than this server's "
-                f"limit of {self.config.max_tokens_limit} tokens.",
-                param=name,
-                code="invalid_value",
-            )
-        return asked
+        name = (
+            "max_completion_tokens"
+            if request.max_completion_tokens is not None
+            else "max_tokens"
+        )
+        return check_max_tokens(name, asked, self.config.max_tokens_limit)
 
     def answer_parser(
         self,
@@ -236,15 +214,7 @@ async def request_grammar(
                 )
         specs = [ToolSpec(t.function.name, t.function.parameters) for t in tools]
         parallel = not named and request.parallel_tool_calls is not False
-        try:
-            source = tool_format.grammar(specs, parallel)
-        except UnforcedCallError as exc:  # its message names the format
-            raise APIError(
-                400, str(exc), param="tool_choice", code="unsupported_parameter"
-            ) from None
-        grammar = Grammar("lark", source)
-        await check_grammar(grammar, "tools")
-        return grammar
+        return await forced_call_grammar(tool_format, specs, parallel, unforced_call)
     response_format = request.response_format
     if isinstance(response_format, JSONObjectFormat):
         return Grammar("json_object")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...limits import check_text_length
-from ..errors import APIError
+from ..serving_common import check_logit_bias, check_max_tokens, out_of_vocabulary
 from .protocol import OPENAI_DEFAULT_MAX_TOKENS
 
 if TYPE_CHECKING:
@@ -64,9 +64,7 @@ class CompletionsServing:
         max_prompt = self.config.max_prompt_tokens or context
         max_tokens = self.max_tokens(request)
         vocab = capabilities.vocab_size
-        for token_id, _ in request.token_bias:
-            if token_id >= vocab:
-                raise _out_of_vocabulary("logit_bias", token_id, vocab)
+        check_logit_bias((token_id for token_id, _ in request.token_bias), vocab)
         params: list[GenerationParams] = []
         echoes: list[str] = []
         for prompt in request.prompts:
@@ -85,7 +83,7 @@ class CompletionsServing:
             else:
                 for token_id in prompt:
                     if token_id >= vocab:
-                        raise _out_of_vocabulary("prompt", token_id, vocab)
+                        raise out_of_vocabulary("prompt", token_id, vocab)
                 one.check_prompt_tokens(len(prompt))
                 echo = await engine.detokenize(prompt) if request.echo else ""
             params.append(one)
@@ -103,22 +101,4 @@ class CompletionsServing:
         asked = request.max_tokens
         if asked is None:
             return min(OPENAI_DEFAULT_MAX_TOKENS, limit)
-        if asked > limit:
-            raise APIError(
-                400,
-                f"Invalid value for 'max_tokens': {asked} is more than this "
-                f"server's limit of {limit} tokens.",
-                param="max_tokens",
-                code="invalid_value",
-            )
-        return asked
-
-
-def _out_of_vocabulary(param: str, token_id: int, vocab: int) -> APIError:
-    return APIError(
-        400,
-        f"Invalid value for '{param}': token id {token_id} is outside the "
-        f"vocabulary (0 to {vocab - 1}).",
-        param=param,
-        code="invalid_value",
-    )
+        return check_max_tokens("max_tokens", asked, limit)

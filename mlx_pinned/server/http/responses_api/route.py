@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...events import FinalEvent, TokenEvent
 from ..capabilities import Capabilities
-from ..endpoint import GenerationEndpoint
+from ..endpoint import GenerationEndpoint, last_parts, token_parts
 from ..wire import OpenAIErrors
 from .items import INPUT_ITEMS, chat_messages, image_urls
 from .objects import Output, item_id, response_object, sse, usage
@@ -28,7 +28,7 @@ from .store import ResponseStore
 
 if TYPE_CHECKING:
     from ...events import EventStream
-    from ..answer import AnswerParser, Part
+    from ..answer import AnswerParser
     from ..errors import APIError
     from ..wire import RequestLog, ResponseWriter
 
@@ -101,8 +101,7 @@ class ResponsesEndpoint(GenerationEndpoint):
         async with self.model(request.model, log) as (served, engine):
             capabilities = Capabilities.of(engine, served)
             prepared = await self.serving.prepare(request, capabilities)
-            log.images = len(prepared.images)
-            decoded = await self.load_images(prepared.images)
+            decoded = await self.decode_images(prepared.images, log)
             params = prepared.params
             async with self.generation(served, engine, params, decoded, log) as stream:
                 parser = self.serving.answer_parser(request, capabilities, params)
@@ -140,22 +139,8 @@ class ResponsesEndpoint(GenerationEndpoint):
         params: Any,
     ) -> FinalEvent:
         """Every event, taken in batches; the answer's parts into ``output``."""
-        text: list[str] = []
-        final: FinalEvent | None = None
-        async for events in stream.batched(params.max_tokens + 1):
-            await self.turns.checkpoint()
-            for event in events:
-                log.record(event, whole=True)
-                text.append(event.text)
-                if isinstance(event, FinalEvent):
-                    final = event
-        assert final is not None, "a generation always ends with a FinalEvent"
-        joined = "".join(text)
-        if parser is None:
-            output.add([joined])
-        else:
-            cut = final.finish_reason == "length"
-            output.add([*parser.feed(joined), *parser.end(cut=cut)])
+        events, final = await self.whole(stream, log, params.max_tokens + 1)
+        output.add(last_parts(parser, "".join(event.text for event in events), final))
         return final
 
     def _opening(self, head: dict[str, Any], output: Output) -> bytes:
@@ -176,32 +161,21 @@ class ResponsesEndpoint(GenerationEndpoint):
         """The events of each token as it comes; the last one's are left to
         the caller (the answer's end)."""
         opening = self._opening(head, output)
-        async for event in stream:
-            await self.turns.checkpoint()
-            log.record(event)
-            if isinstance(event, TokenEvent):
-                parts: list[Part] = parser.feed(event.text) if parser else [event.text]
-                data = b"".join(sse(e) for e in output.add(parts))
-                if not response.started:
-                    await response.start_stream(opening + data)
-                elif data:
-                    await response.send(data)
-                continue
-            cut = event.finish_reason == "length"
-            if parser is None:
-                tail = output.add([event.text])
-            else:
-                tail = output.add([*parser.feed(event.text), *parser.end(cut=cut)])
-            if not output.items:
-                tail += output.add_empty_message()
-            tail += output.close()
-            data = b"".join(sse(e) for e in tail)
-            if not response.started:
-                await response.start_stream(opening + data)
-            else:
-                await response.send(data)
-            return event
-        raise AssertionError("a generation always ends with a FinalEvent")
+
+        def encode(event: TokenEvent) -> bytes:
+            return b"".join(sse(e) for e in output.add(token_parts(parser, event.text)))
+
+        final = await self.stream_tokens(stream, response, log, opening, encode)
+        tail = output.add(last_parts(parser, final.text, final))
+        if not output.items:
+            tail += output.add_empty_message()
+        tail += output.close()
+        data = b"".join(sse(e) for e in tail)
+        if not response.started:
+            await response.start_stream(opening + data)
+        else:
+            await response.send(data)
+        return final
 
     def _finish(
         self, head: dict[str, Any], output: Output, final: FinalEvent

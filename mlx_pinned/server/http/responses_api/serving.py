@@ -18,17 +18,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...events import GenerationParams, Grammar
-from ...formats import (
-    TOOL_CALL_FORMATS,
-    ToolCallFormat,
-    ToolSpec,
-    UnforcedCallError,
-    json_arguments,
-)
-from ...limits import check_text_length
+from ...formats import ToolCallFormat, ToolSpec, json_arguments
 from ...media import ImageRef
 from ..answer import AnswerParser, answer_parser
 from ..errors import APIError
+from ..serving_common import (
+    check_images,
+    check_max_tokens,
+    check_prompt_text,
+    forced_call_grammar,
+    no_tool_call_format,
+    unforced_call,
+)
 from ..structured import check_grammar
 from ..thinking import with_budget
 from .items import (
@@ -111,22 +112,10 @@ class ResponsesServing:
         )
         messages = (*system, *history)
         context = capabilities.context_length
-        max_prompt = self.config.max_prompt_tokens or context
-        if max_prompt is not None:
-            check_text_length(
-                text_chars(messages), capabilities.longest_token_chars, max_prompt
-            )
+        max_prompt = check_prompt_text(self.config, capabilities, text_chars(messages))
         tool_format = capabilities.formats.tool_call
         if request.active_tools and tool_format is None:
-            raise APIError(
-                400,
-                "This model has no tool-call format (none in its chat template, "
-                "or tool_call_parser 'none'): send the request without function "
-                f"tools, or serve it with --tool-call-parser "
-                f"{'|'.join(TOOL_CALL_FORMATS)}.",
-                param="tools",
-                code="unsupported_parameter",
-            )
+            raise no_tool_call_format("function tools")
         params = request.to_generation_params(
             messages,
             self.max_tokens(request),
@@ -146,11 +135,12 @@ class ResponsesServing:
                 f"{limits.max_images} are allowed.",
                 "too_many_images",
             )
-        if refs and not capabilities.accepts_images:
-            raise refs[0].error(
-                "this model takes no images; send text parts only.",
-                "images_unsupported",
-            )
+        check_images(
+            refs,
+            capabilities,
+            "this model takes no images; send text parts only.",
+            "images_unsupported",
+        )
         return Prepared(params, refs, history, _input_items(items))
 
     def max_tokens(self, request: ResponsesRequest) -> int:
@@ -162,15 +152,9 @@ class ResponsesServing:
         asked = request.max_output_tokens
         if asked is None:
             return self.config.default_max_tokens
-        if asked > self.config.max_tokens_limit:
-            raise APIError(
-                400,
-                f"Invalid value for 'max_output_tokens': {asked} is more than "
-                f"this server's limit of {self.config.max_tokens_limit} tokens.",
-                param="max_output_tokens",
-                code="invalid_value",
-            )
-        return asked
+        return check_max_tokens(
+            "max_output_tokens", asked, self.config.max_tokens_limit
+        )
 
     def answer_parser(
         self,
@@ -221,15 +205,7 @@ async def request_grammar(
                 )
         specs = [ToolSpec(tool.name, tool.parameters) for tool in chosen]
         parallel = not named and request.parallel_tool_calls is not False
-        try:
-            source = tool_format.grammar(specs, parallel)
-        except UnforcedCallError as exc:  # its message names the format
-            raise APIError(
-                400, str(exc), param="tool_choice", code="unsupported_parameter"
-            ) from None
-        grammar = Grammar("lark", source)
-        await check_grammar(grammar, "tools")
-        return grammar
+        return await forced_call_grammar(tool_format, specs, parallel, unforced_call)
     wanted = request.text.format if request.text is not None else None
     if isinstance(wanted, JSONObjectFormat):
         return Grammar("json_object")
