@@ -219,8 +219,9 @@ OPTIONS = (
     Option(
         "load_wait",
         "seconds a request waits for its model to load before 503 "
-        "model_not_loaded; 0: as long as the load takes (default: %(default)s)",
-        seconds_or_none,
+        "model_not_loaded; 0: the 503 at once, for replicas behind a balancer "
+        "that retries elsewhere (default: %(default)s)",
+        seconds,
     ),
     Option(
         "unready_seconds",

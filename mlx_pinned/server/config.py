@@ -117,8 +117,9 @@ class ServerConfig:
             event) and the generation is closed. None: no limit.
         load_wait: Seconds a request waits for its model's load (at start-up,
             or on first use) before a 503 ``model_not_loaded``; the
-            readiness probe answers 503 meanwhile. None: as long as the load
-            takes.
+            readiness probe answers 503 meanwhile. 0: the 503 at once (behind
+            a balancer that sends it to another replica); None: as long as
+            the load takes.
         unready_seconds: The first phase of a stop: seconds the server
             keeps serving after SIGTERM with ``/health`` answering 503,
             before it closes its listener, so that balancers that probe

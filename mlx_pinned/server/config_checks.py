@@ -88,8 +88,9 @@ def check_config(config: ServerConfig) -> None:
                 check(getattr(config, name))
             except ValueError as exc:
                 raise SettingError(name, str(exc)) from None
-    for name in ("request_timeout", "remote_image_timeout", "load_wait"):
+    for name in ("request_timeout", "remote_image_timeout"):
         _seconds(config, name, positive=True, optional=True)
+    _seconds(config, "load_wait", optional=True)
     for name in ("unready_seconds", "in_flight_timeout"):
         _seconds(config, name, finite=True)
     _seconds(config, "distributed_timeout", positive=True, finite=True)

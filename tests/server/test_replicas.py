@@ -113,6 +113,11 @@ class Nginx:
         self.process.wait(timeout=10)
 
 
+# Behind a balancer: a request to a replica that loads gets its 503 at once,
+# and nginx sends it to the other (docs/deployment.md).
+BALANCED = ("--load-wait", "0")
+
+
 @pytest.fixture
 def nginx_for(tmp_path: Path) -> Iterator[type[Nginx]]:
     started: list[Nginx] = []
@@ -144,8 +149,8 @@ def ask(client: openai.OpenAI, seed: int) -> str:
 @pytest.fixture
 def two(tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
     """Replicas A (``--unready-seconds 1``) and B, started together."""
-    a = Replica(tmp_path / "a.log", "--unready-seconds", "1")
-    b = Replica(tmp_path / "b.log")
+    a = Replica(tmp_path / "a.log", "--unready-seconds", "1", *BALANCED)
+    b = Replica(tmp_path / "b.log", *BALANCED)
     try:
         a.wait_listening()
         b.wait_listening()
@@ -196,7 +201,8 @@ def test_replicas_behind_nginx(
         assert "draining: /health answers 503" in a.log_text()
 
         # A restarted on its port: loading, it answers 503, nginx skips it.
-        with replica(tmp_path / "a2.log", "--port", str(a.port), gated=True) as again:
+        options = ("--port", str(a.port), *BALANCED)
+        with replica(tmp_path / "a2.log", *options, gated=True) as again:
             seen = len(nginx.lines())
             deadline = time.monotonic() + 30
             while not any(
