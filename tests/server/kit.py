@@ -303,3 +303,34 @@ def video_data_uri(data: bytes, mime: str = "video/x-msvideo") -> str:
     import base64
 
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+#: Two function tools the tool-call tests offer: arguments the grammar can
+#: bound (a short city, a day count, an enum).
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}

@@ -23,7 +23,7 @@ from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import TINY_TOOL_LM_TYPES, tiny_lm_path
 
 from .conftest import MODEL, Served, sse_events
-from .kit import TOL, Collector, deadline, max_logprob_difference, solo
+from .kit import CLOCK, TOL, WEATHER, Collector, deadline, max_logprob_difference, solo
 from .kit import request as batching_request
 
 pytestmark = pytest.mark.anyio
@@ -58,34 +58,6 @@ MARKUP = (
     "<parameter=",
 )
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city over the next days.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 8},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
 SCHEMAS = {
     "get_weather": WEATHER["function"]["parameters"],  # type: ignore[index]
     "get_time": CLOCK["function"]["parameters"],  # type: ignore[index]
@@ -249,8 +221,10 @@ class TestThroughTheOpenAIDoor:
         assert answers[0] == answers[1]
 
 
-@pytest.mark.parametrize("tiny_model_path", FORCEABLE, indirect=True)
-class TestForcedCalls:
+@pytest.mark.parametrize(
+    "tiny_model_path", [*FORCEABLE, *SPECIAL_MARKERS], indirect=True
+)
+class TestNamedCalls:
     async def test_a_named_call_parses_back_to_valid_arguments(
         self, served: Served
     ) -> None:
@@ -269,6 +243,9 @@ class TestForcedCalls:
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
         assert answers[0] == answers[1]
 
+
+@pytest.mark.parametrize("tiny_model_path", FORCEABLE, indirect=True)
+class TestForcedCalls:
     async def test_a_required_call_parses_back_to_valid_arguments(
         self, served: Served
     ) -> None:
@@ -306,24 +283,6 @@ class TestForcedCalls:
 
 @pytest.mark.parametrize("tiny_model_path", list(SPECIAL_MARKERS), indirect=True)
 class TestForcedCallsWithSpecialMarkers:
-    async def test_a_named_call_parses_back_to_valid_arguments(
-        self, served: Served
-    ) -> None:
-        answers = await whole_and_streamed(
-            served,
-            max_tokens=200,
-            temperature=0,
-            tools=[WEATHER, CLOCK],
-            tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        )
-        for answer in answers:
-            assert answer["finish"] == "tool_calls", answer
-            assert_no_markup(answer)
-            [(name, arguments)] = answer["calls"]
-            assert name == "get_weather"
-            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
-        assert answers[0] == answers[1]
-
     async def test_one_required_call_parses_back_to_valid_arguments(
         self, served: Served
     ) -> None:

@@ -30,6 +30,7 @@ from mlx_pinned.server.http.structured import grammar_error
 from mlx_pinned.testing import _CHAT_TEMPLATE
 
 from .conftest import MODEL, Served, assert_error, sse_events
+from .kit import CLOCK, WEATHER
 
 pytestmark = pytest.mark.anyio
 
@@ -47,33 +48,6 @@ QWEN3_THINKING = (
 )
 PLAIN = "{% for m in messages %}{{ m.content }}{% endfor %}"
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 8},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 

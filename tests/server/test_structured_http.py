@@ -23,7 +23,7 @@ from openai.types.chat import ChatCompletionChunk
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
 
 from .conftest import MODEL, Served, sse_events
-from .kit import TOL, running_server
+from .kit import CLOCK, TOL, WEATHER, running_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -38,33 +38,6 @@ CITY = {
     },
     "required": ["name", "people", "rainy"],
     "additionalProperties": False,
-}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 8},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
 }
 SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
 MESSAGES = [{"role": "user", "content": "Describe this image in one sentence."}]
