@@ -217,6 +217,13 @@ OPTIONS = (
         seconds_or_none,
     ),
     Option(
+        "stream_write_interval",
+        "seconds a streamed answer waits at least between two writes, but its "
+        "first and last: tokens that come faster go out together; 0: a write "
+        "per token (default: %(default)s)",
+        seconds,
+    ),
+    Option(
         "load_wait",
         "seconds a request waits for its model to load before 503 "
         "model_not_loaded; 0: the 503 at once, for replicas behind a balancer "
@@ -260,6 +267,13 @@ OPTIONS = (
         "prefill_step_size",
         "prompt tokens prefilled in one pass, at most (default: %(default)s)",
         whole,
+    ),
+    Option(
+        "prefill_step_seconds",
+        "seconds a pass of a long prompt's prefill takes, about, while other "
+        "streams decode (they wait for it); 0: passes of --prefill-step-size "
+        "tokens (default: %(default)s)",
+        seconds_or_none,
     ),
     Option(
         "tool_call_parser",

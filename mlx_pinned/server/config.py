@@ -115,6 +115,10 @@ class ServerConfig:
         request_timeout: Seconds a request may take after its body is read
             (images, queue wait and generation); past it, 504 (or an error
             event) and the generation is closed. None: no limit.
+        stream_write_interval: Seconds a streamed answer waits at least
+            between two writes (but the first and the last): tokens that come
+            faster go out together, fewer writes for the server and the
+            client to make; 0: a write each time a token is in.
         load_wait: Seconds a request waits for its model's load (at start-up,
             or on first use) before a 503 ``model_not_loaded``; the
             readiness probe answers 503 meanwhile. 0: the 503 at once (behind
@@ -132,6 +136,12 @@ class ServerConfig:
             MLX thread stops.
         retry_after: Seconds sent in ``Retry-After`` with every 503 that
             asks the client to come back (a full waiting room, a busy thread).
+        prefill_step_size: Prompt tokens prefilled in one pass, at most.
+        prefill_step_seconds: Seconds a pass of a long prompt's prefill
+            takes, about, while other rows decode and wait for it: its
+            tokens are sized from the model's measured cost per token
+            (``engine/pacing.py``). None: passes of ``prefill_step_size``.
+            A tensor-parallel group cuts by tokens (every rank alike).
         tool_call_parser: The format each model writes tool calls in, by
             name (``mlx_pinned.server.formats``), or ``"none"``: a request
             with tools is then a 400. None: the format its chat template
@@ -199,6 +209,7 @@ class ServerConfig:
     max_video_frames: int = 32
     max_prompt_tokens: int | None = None
     request_timeout: float | None = 600.0
+    stream_write_interval: float = 0.02
     load_wait: float | None = 120.0
     unready_seconds: float = 0.0
     in_flight_timeout: float = 30.0
@@ -206,6 +217,7 @@ class ServerConfig:
     prompt_cache_bytes: int | None = None
     image_cache_bytes: int | None = None
     prefill_step_size: int = 2048
+    prefill_step_seconds: float | None = 0.25
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     load_on_first_use: bool = False

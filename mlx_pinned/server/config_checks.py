@@ -29,6 +29,7 @@ PER_MODEL_SETTINGS = frozenset(
         "prompt_cache_bytes",
         "image_cache_bytes",
         "prefill_step_size",
+        "prefill_step_seconds",
         "tool_call_parser",
         "reasoning_parser",
     }
@@ -88,10 +89,10 @@ def check_config(config: ServerConfig) -> None:
                 check(getattr(config, name))
             except ValueError as exc:
                 raise SettingError(name, str(exc)) from None
-    for name in ("request_timeout", "remote_image_timeout"):
+    for name in ("request_timeout", "remote_image_timeout", "prefill_step_seconds"):
         _seconds(config, name, positive=True, optional=True)
     _seconds(config, "load_wait", optional=True)
-    for name in ("unready_seconds", "in_flight_timeout"):
+    for name in ("unready_seconds", "in_flight_timeout", "stream_write_interval"):
         _seconds(config, name, finite=True)
     _seconds(config, "distributed_timeout", positive=True, finite=True)
     _check_residency(config)

@@ -11,7 +11,7 @@ imports MLX; ``app.py`` wires the real one in.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -208,8 +208,9 @@ Event = TokenEvent | FinalEvent
 
 
 class EventSource(Protocol):
-    """What an :class:`EventStream` reads (the engine's per-row stream; an
-    ``MLXThread.iterate`` stream of events fits too)."""
+    """What an :class:`EventStream` reads (the engine's per-row stream, which
+    also has ``flowing``; an ``MLXThread.iterate`` stream of events fits
+    too)."""
 
     def __anext__(self) -> Awaitable[Event]: ...
 
@@ -239,6 +240,22 @@ class EventStream:
         """The events in tuples of up to ``n``, one wake-up per tuple;
         :meth:`aclose` still closes the generation."""
         return self._inner.batched(n)
+
+    def flowing(self, interval: float) -> AsyncGenerator[tuple[Event, ...], None]:
+        """The events as they come: at each wake-up every one that is in,
+        and at most one wake-up each ``interval`` seconds but the first and
+        the one that ends the answer (a streamed answer's writes: fewer,
+        larger ones when tokens come faster than that). A source that cannot
+        (an ``MLXThread.iterate`` stream) gives one event a wake-up."""
+        flowing = getattr(self._inner, "flowing", None)
+        if flowing is None:
+            return self._each()
+        events: AsyncGenerator[tuple[Event, ...], None] = flowing(interval)
+        return events
+
+    async def _each(self) -> AsyncGenerator[tuple[Event, ...], None]:
+        async for event in self:
+            yield (event,)
 
     async def aclose(self) -> None:
         """Take the generation out, and wait until it is out."""

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -271,7 +272,8 @@ class TestCompletion:
             wake(self)
 
         monkeypatch.setattr(_waiters.LoopWaiter, "wake", counting)
-        async with serve(max_num_seqs=max_num_seqs) as served:
+        config = {"max_num_seqs": max_num_seqs, "stream_write_interval": 0}
+        async with serve(**config) as served:
             await served.chat(vision_body(2))  # warm: the batch engine is made
             wakes.clear()
             response = await served.chat(vision_body(24))
@@ -279,7 +281,9 @@ class TestCompletion:
             whole = len(wakes)
             wakes.clear()
             streamed = await served.chat(vision_body(24, stream=True))
-            assert len(sse_events(streamed.text)) == 24 + 3  # role, finish, DONE
+            # The role, the tokens (joined where they came together), the
+            # finish and [DONE].
+            assert 4 <= len(sse_events(streamed.text)) <= 24 + 3
         assert whole <= 2, wakes
         assert len(wakes) >= 12  # a stream is sent as the tokens come
 
@@ -356,13 +360,15 @@ class TestStreaming:
 
     @pytest.mark.parametrize("max_num_seqs", [1, 4])
     async def test_stream_writes(self, serve: Serve, max_num_seqs: int) -> None:
-        # One body message (a socket write) per token; the role chunk rides
-        # with the first token, and finish, usage and [DONE] end the response
-        # in one message.
-        async with serve(max_num_seqs=max_num_seqs) as served:
+        # With no interval, a body message (a socket write) per wake-up, its
+        # tokens' text as one chunk; the role chunk rides with the first
+        # token, and finish, usage and [DONE] end the response in one message.
+        config = {"max_num_seqs": max_num_seqs, "stream_write_interval": 0}
+        async with serve(**config) as served:
             body = vision_body(6, stream=True, stream_options={"include_usage": True})
             with anyio.fail_after(20):
                 status, sent = await drive(served.app, body)
+            plain = (await served.chat(vision_body(6))).json()
         assert status == 200
         assert 2 <= len(sent) <= 7  # 6 tokens and the tail; empty texts skip
         first = sse_events(sent[0].decode())
@@ -373,6 +379,31 @@ class TestStreaming:
         assert last[-2]["usage"]["completion_tokens"] == 6
         assert last[-3]["choices"][0]["finish_reason"] == "length"
         assert all(len(sse_events(m.decode())) == 1 for m in sent[1:-1])
+        chunks = [c for m in sent for c in sse_events(m.decode())]
+        assert content_of(chunks) == plain["choices"][0]["message"]["content"]
+
+    async def test_stream_write_interval(self, serve: Serve) -> None:
+        # Tokens that come within the interval go out together: the first
+        # write at once, the rest with the end, which does not wait the
+        # interval out.
+        async with serve(stream_write_interval=30.0) as served:
+            body = vision_body(12, stream=True, stream_options={"include_usage": True})
+            start = time.perf_counter()
+            with anyio.fail_after(20):
+                status, sent = await drive(served.app, body)
+            elapsed = time.perf_counter() - start
+            plain = (await served.chat(vision_body(12))).json()
+        assert status == 200
+        assert elapsed < 20
+        # The role chunk and the first token; the other tokens, one chunk of
+        # their joined text; finish, usage and [DONE].
+        assert len(sent) == 3
+        first, rest, last = (sse_events(m.decode()) for m in sent)
+        assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert len(rest) == 1
+        assert last[-2]["usage"]["completion_tokens"] == 12
+        whole = plain["choices"][0]["message"]["content"]
+        assert content_of([*first, *rest, *last]) == whole
 
     async def test_stream_logprobs_match_non_streamed(self, serve: Serve) -> None:
         async with serve() as served:

@@ -17,7 +17,14 @@ import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Generator,
+    Sequence,
+)
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -38,6 +45,8 @@ logger = logging.getLogger("mlx_pinned.server")
 
 # Turns the loop may run ahead of a driver no eager reader waits on.
 LAZY_TURNS = 1024
+# As many events as there are: what a flowing reader takes at a wake-up.
+_ALL = 1 << 30
 
 _tasks: set[asyncio.Task[None]] = set()  # asyncio keeps only weak references
 
@@ -70,6 +79,7 @@ class RowOutput:
         self._want = 1
         self._ready: anyio.Event | None = None
         self._gone: anyio.Event | None = None
+        self._end: anyio.Event | None = None
         self.gone = False  # the loop holds no row of it
 
     def put(self, items: tuple[Item, ...], *, gone: bool) -> None:
@@ -81,17 +91,29 @@ class RowOutput:
             self.gone = self._ended = True
             if self._gone is not None:
                 self._gone.set()
+        if self._ended and self._end is not None:
+            self._end.set()
         ready = self._ready
         if ready is not None and (self._ended or len(self._items) >= self._want):
             self._ready = None
             ready.set()
 
-    async def take(self, n: int) -> tuple[Event, ...]:
-        """Up to ``n`` events, once ``n`` are in or the answer ended; ``()``
-        after the end. An error is raised once the events before it are
-        taken."""
-        while len(self._items) < n and not self._ended:
-            self._want = n
+    async def wait_end(self, seconds: float) -> None:
+        """Until the answer's last item is in, ``seconds`` at most."""
+        if self._ended:
+            return
+        self._end = end = anyio.Event()
+        with anyio.move_on_after(seconds):
+            await end.wait()
+        self._end = None
+
+    async def take(self, n: int, least: int | None = None) -> tuple[Event, ...]:
+        """Up to ``n`` events, once ``least`` (``n`` by default) are in or
+        the answer ended; ``()`` after the end. An error is raised once the
+        events before it are taken."""
+        least = n if least is None else least
+        while len(self._items) < least and not self._ended:
+            self._want = least
             self._ready = ready = anyio.Event()
             await ready.wait()
         taken: list[Event] = []
@@ -150,9 +172,33 @@ class RowStream:
         while events := await self._take(n):
             yield events
 
-    async def _take(self, n: int) -> tuple[Event, ...]:
+    def flowing(self, interval: float) -> AsyncGenerator[tuple[Event, ...], None]:
+        """The events as they come, every one that is in at each wake-up,
+        and at most one wake-up each ``interval`` seconds (but the first,
+        and the one that ends the answer)."""
+        if interval < 0:
+            raise ValueError(f"interval must be 0 or more, not {interval}")
+        if not self._eager:
+            self._eager = True
+            self._loop.reading(self._request, eager=True)
+        return self._flow(interval)
+
+    async def _flow(self, interval: float) -> AsyncGenerator[tuple[Event, ...], None]:
+        due = None
+        while True:
+            if due is not None:
+                wait = due - anyio.current_time()
+                if wait > 0:
+                    await self._output.wait_end(wait)
+            events = await self._take(_ALL, least=1)
+            if not events:
+                return
+            yield events
+            due = anyio.current_time() + interval
+
+    async def _take(self, n: int, least: int | None = None) -> tuple[Event, ...]:
         try:
-            return await self._output.take(n)
+            return await self._output.take(n, least)
         except BaseException:
             self._loop.close(self._request, stop=True)  # cancelled, or its error
             raise
