@@ -143,6 +143,7 @@ def create_app(
             mlx_thread,
             prompt_cache_bytes=own.prompt_cache_budget,
             prefill_step_size=own.prefill_step_size,
+            prefill_step_seconds=own.prefill_step_seconds,
             image_cache_bytes=own.image_cache_budget,
         )
         for own in each

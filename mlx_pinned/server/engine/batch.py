@@ -12,6 +12,7 @@ docs/engine.md explains the loop, step by step, and why the batch is exact
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
@@ -49,6 +50,9 @@ class BatchEngine:
         prompt_cache_bytes: Bytes of prompt KV kept for later requests that
             start the same way (:mod:`.prompt_cache`); 0: none.
         prefill_step_size: Prompt tokens prefilled in one pass, at most.
+        prefill_step_seconds: Seconds a pass of a long prompt's prefill
+            should take while other rows decode (:mod:`.pacing`); None: a
+            pass is ``prefill_step_size`` tokens.
         image_cache_bytes: Bytes of vision-tower outputs kept for images
             sent again (:mod:`.image_cache`; families of the Qwen-VL kind);
             0: none.
@@ -64,13 +68,18 @@ class BatchEngine:
         *,
         prompt_cache_bytes: int = 0,
         prefill_step_size: int = PREFILL_STEP,
+        prefill_step_seconds: float | None = None,
         image_cache_bytes: int = 0,
-        make_state: Callable[[LoadedModel, PromptCache, int], BatchState] = BatchState,
+        make_state: Callable[[LoadedModel, PromptCache, int], BatchState] | None = None,
     ) -> None:
         self.loaded = loaded
         self.thread = thread
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.image_cache = install_image_cache(loaded.model, image_cache_bytes)
+        if make_state is None:
+            make_state = functools.partial(
+                BatchState, prefill_seconds=prefill_step_seconds
+            )
         self._state = make_state(loaded, self.prompt_cache, prefill_step_size)
         self._loop = BatchLoop(self._state, thread)
         if self._state.exclusive:
@@ -84,6 +93,7 @@ class BatchEngine:
         *,
         prompt_cache_bytes: int = 0,
         prefill_step_size: int = PREFILL_STEP,
+        prefill_step_seconds: float | None = None,
         image_cache_bytes: int = 0,
     ) -> BatchEngine:
         """Load a model and make its engine; runs on ``thread`` (a start-up
@@ -93,6 +103,7 @@ class BatchEngine:
             thread,
             prompt_cache_bytes=prompt_cache_bytes,
             prefill_step_size=prefill_step_size,
+            prefill_step_seconds=prefill_step_seconds,
             image_cache_bytes=image_cache_bytes,
         )
 

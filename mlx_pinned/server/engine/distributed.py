@@ -149,10 +149,13 @@ class Leader(Rank):
         *,
         prompt_cache_bytes: int = 0,
         prefill_step_size: int = PREFILL_STEP,
+        prefill_step_seconds: float | None = None,
         image_cache_bytes: int = 0,
     ) -> BatchEngine:
         """Load rank 0's part of the model and make its engine, once every
         follower has loaded its own; MLX thread (as ``BatchEngine.load``).
+        ``prefill_step_seconds`` is not used: every rank must cut a prompt
+        into the same chunks, so they are ``prefill_step_size`` tokens.
 
         Raises:
             DistributedError: A follower holds a different model.

@@ -313,11 +313,17 @@ class ChunkedPrefill:
                 layer.keys, layer.values, layer.offset = keys, values, reused
             self.embeds, self.ids = self.embeds[:, reused:], self.ids[:, reused:]
 
-    def advance(self) -> Prefilled | None:
-        """Run the next chunk; the prompt in a batch cache once it is done."""
+    @property
+    def left(self) -> int:
+        """Prompt tokens not yet run."""
+        return int(self.embeds.shape[1])
+
+    def advance(self, tokens: int | None = None) -> Prefilled | None:
+        """Run the next chunk, of ``tokens`` tokens at most (``step`` by
+        default); the prompt in a batch cache once it is done."""
         embeds, ids, lm, kwargs = self.embeds, self.ids, self.lm, self.kwargs
         if embeds.shape[1] > 1:
-            n = min(self.step, embeds.shape[1] - 1)
+            n = min(tokens or self.step, embeds.shape[1] - 1)
             lm(
                 inputs=ids[:, :n],
                 inputs_embeds=embeds[:, :n],

@@ -30,6 +30,7 @@ from ..events import GenerationParams
 from .admission import make_row, media_tokens
 from .decode import Decoder
 from .model import LoadedModel
+from .pacing import PrefillPacer
 from .prefill import (
     PREFILL_STEP,
     ChunkedPrefill,
@@ -65,12 +66,15 @@ class BatchState:
         prompt_cache: PromptCache | None = None,
         prefill_step: int = PREFILL_STEP,
         exclusive: bool | None = None,
+        prefill_seconds: float | None = None,
     ) -> None:
         self.loaded = loaded
         # One row at a time, each prefilled alone with mlx-vlm's own caches:
         # for families the batch is not proven exact on (None: by family).
         self.exclusive = not loaded.batches_exactly if exclusive is None else exclusive
         self.prefill_step = prefill_step
+        # A long prompt's chunks are sized by time while rows decode.
+        self.pacer = PrefillPacer(prefill_seconds, prefill_step)
         self.prompt_cache = prompt_cache or PromptCache(0)
         # Only plain KV caches can be cut at any token and reused.
         layers = vlm().make_prompt_cache(loaded.model.language_model)
@@ -185,16 +189,22 @@ class BatchState:
 
     def _advance_prefill(self) -> list[Row]:
         """Run one chunk of the oldest long prompt being prefilled, so the
-        decode step after it is not held up by the whole prompt; the row, if
-        this chunk ended its prefill."""
+        decode step after it is not held up by the whole prompt (a chunk of
+        about the pacer's time while rows decode: :mod:`.pacing`); the row,
+        if this chunk ended its prefill."""
         self.prefilling = [(r, job) for r, job in self.prefilling if not r.gone]
         if not self.prefilling:
             return []
         row, job = self.prefilling[0]
         self.passes += 1
+        decoding = any(not (r.gone or r.done) for r in self.rows)
+        tokens = self.pacer.tokens(decoding=decoding)
         try:
-            group = job.advance()
+            left = job.left
+            start = time.perf_counter()
+            group = job.advance(tokens)
             if group is None:
+                self.pacer.observe(left - job.left, time.perf_counter() - start)
                 return []
             self.decoder.first_tokens([row], group)
         except Exception as exc:

@@ -1,0 +1,53 @@
+"""How many tokens of a long prompt to prefill in one chunk: by time.
+
+MLX thread only. A long prompt is prefilled a chunk per step of the batch
+(:class:`~.prefill.ChunkedPrefill`), so the rows that decode meanwhile wait
+one chunk at a time. A chunk of a fixed number of tokens is a pause of
+whatever those tokens cost on this model and this hardware, and a chunk
+late in the prompt costs more than an early one (its attention reads every
+token before it). :class:`PrefillPacer` sizes each chunk to take about
+``budget`` seconds instead, from the cost per token of the chunks before it
+(of this prompt, and of this model's prompts before), so a running stream
+pauses for about ``budget`` at most whatever the model. While no row
+decodes, a chunk is as long as the token cap allows: nobody waits on it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PrefillPacer"]
+
+# The fewest tokens a paced chunk has: below it, a pass costs more for its
+# own overhead than its tokens save.
+MIN_CHUNK = 64
+
+
+class PrefillPacer:
+    """The token count of the next chunk of a long prompt's prefill.
+
+    Args:
+        budget: Seconds a chunk should take while rows decode; None: every
+            chunk is ``cap`` tokens.
+        cap: The most tokens a chunk has (``--prefill-step-size``).
+    """
+
+    def __init__(self, budget: float | None, cap: int) -> None:
+        self.budget = budget
+        self.cap = cap
+        # Seconds per token of the last chunk, None before the first: that
+        # one is MIN_CHUNK tokens while rows decode, to learn the model.
+        self.per_token: float | None = None
+
+    def tokens(self, *, decoding: bool) -> int:
+        """The next chunk's size; ``decoding``: whether rows wait on it."""
+        if self.budget is None or not decoding:
+            return self.cap
+        if self.per_token is None:
+            return min(self.cap, MIN_CHUNK)
+        return max(MIN_CHUNK, min(self.cap, int(self.budget / self.per_token)))
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A chunk of ``tokens`` took ``seconds``: the next is sized by it
+        (the cost per token only grows along a prompt, so the last chunk's
+        is the best guess of the next one's)."""
+        if tokens > 0 and seconds > 0:
+            self.per_token = seconds / tokens

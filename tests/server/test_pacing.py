@@ -1,0 +1,103 @@
+"""A long prompt's prefill cut by time while other rows decode
+(``engine/pacing.py``): smaller chunks then, the same answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_pinned import MLXThread
+from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.engine.pacing import MIN_CHUNK, PrefillPacer
+from mlx_pinned.server.http.gate import BatchGate
+
+from .kit import (
+    PROMPTS,
+    TOL,
+    Collector,
+    deadline,
+    max_logprob_difference,
+    request,
+    solo,
+)
+
+pytestmark = pytest.mark.anyio
+
+# About 650 prompt tokens with the tiny tokenizer: three chunks of 256.
+LONG = " ".join(PROMPTS * 4)
+STEP = 256
+
+
+class TestPacer:
+    def test_no_budget_or_nobody_decoding_gives_the_cap(self) -> None:
+        assert PrefillPacer(None, 512).tokens(decoding=True) == 512
+        paced = PrefillPacer(0.1, 512)
+        paced.observe(100, 1.0)
+        assert paced.tokens(decoding=False) == 512
+
+    def test_the_first_chunk_learns_the_cost(self) -> None:
+        assert PrefillPacer(0.1, 4096).tokens(decoding=True) == MIN_CHUNK
+        assert PrefillPacer(0.1, 16).tokens(decoding=True) == 16
+
+    def test_chunks_take_the_budget_at_the_last_cost(self) -> None:
+        pacer = PrefillPacer(0.05, 4096)
+        pacer.observe(100, 0.01)  # 0.1 ms a token
+        assert pacer.tokens(decoding=True) == 500
+        pacer.observe(500, 0.1)  # dearer further in: 0.2 ms a token
+        assert pacer.tokens(decoding=True) == 250
+        pacer.observe(250, 10.0)  # far over: never under the floor
+        assert pacer.tokens(decoding=True) == MIN_CHUNK
+        pacer.observe(100, 1e-6)  # far under: never over the cap
+        assert pacer.tokens(decoding=True) == 4096
+
+
+async def passes_with(
+    thread: MLXThread, loaded: LoadedModel, seconds: float | None
+) -> tuple[int, list[list]]:  # type: ignore[type-arg]
+    """A stream decodes; a long prompt arrives. The long prompt's prefill
+    passes, and both answers' events."""
+    running = request(0, 48, top_logprobs=2)
+    long = request(1, 6, prompts=(LONG,), sizes=(None,), top_logprobs=2)
+    batch = BatchEngine(
+        loaded, thread, prefill_step_size=STEP, prefill_step_seconds=seconds
+    )
+    gate = BatchGate(max_num_seqs=2, max_pending=0)
+    runs = [Collector(thread, batch, gate, req) for req in (running, long)]
+    async with deadline() as group:
+        group.start_soon(runs[0].run)
+        await runs[0].two_tokens.wait()
+        group.start_soon(runs[1].run)
+    stats = batch.statistics()
+    assert (stats.peak_active, stats.prefills) == (2, 2)
+    return stats.prefill_passes - 1, [run.events for run in runs]
+
+
+async def test_a_long_prompt_is_cut_by_time_while_a_stream_decodes(
+    thread: MLXThread, loaded: LoadedModel
+) -> None:
+    running = request(0, 48, top_logprobs=2)
+    long = request(1, 6, prompts=(LONG,), sizes=(None,), top_logprobs=2)
+    alone = [await solo(thread, loaded, req) for req in (running, long)]
+    by_tokens, plain = await passes_with(thread, loaded, None)
+    # A budget no chunk can meet: every chunk is the floor's size.
+    by_time, paced = await passes_with(thread, loaded, 1e-6)
+    assert by_tokens == 3
+    assert by_time >= 2 * by_tokens
+    for events in (plain, paced):
+        for got, expected in zip(events, alone, strict=True):
+            assert max_logprob_difference(got, expected) <= TOL
+
+
+async def test_a_long_prompt_alone_is_cut_by_tokens(
+    thread: MLXThread, loaded: LoadedModel
+) -> None:
+    # Nobody waits on its chunks: the budget does not cut them.
+    long = request(1, 4, prompts=(LONG,), sizes=(None,), top_logprobs=2)
+    batch = BatchEngine(
+        loaded, thread, prefill_step_size=STEP, prefill_step_seconds=1e-6
+    )
+    gate = BatchGate(max_num_seqs=1, max_pending=0)
+    run = Collector(thread, batch, gate, long)
+    async with deadline() as group:
+        group.start_soon(run.run)
+    assert batch.statistics().prefill_passes == 3
+    assert max_logprob_difference(run.events, await solo(thread, loaded, long)) <= TOL
