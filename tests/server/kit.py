@@ -30,6 +30,7 @@ from PIL import Image
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
+from mlx_pinned.server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import make_test_image
 
@@ -334,3 +335,23 @@ CLOCK: dict[str, Any] = {
         },
     },
 }
+
+
+# --- Output formats (tool-call and reasoning markup) -------------------------
+
+#: The markup of every format the registry knows: a tool-call format's
+#: markers and a reasoning format's opening and closing.
+FORMAT_MARKUP: tuple[str, ...] = tuple(
+    sorted(
+        {marker for f in TOOL_CALL_FORMATS.values() for marker in f.markers}
+        | {marker for f in REASONING_FORMATS.values() for marker in f.markers or ()}
+    )
+)
+
+
+def assert_no_markup(*texts: str | None, context: Any = None) -> None:
+    """No text of an answer's content or reasoning holds any format's
+    markup (:data:`FORMAT_MARKUP`); ``context`` is shown if one does."""
+    for text in texts:
+        found = [marker for marker in FORMAT_MARKUP if marker in (text or "")]
+        assert not found, (found, text, context)

@@ -23,7 +23,16 @@ from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import TINY_TOOL_LM_TYPES, tiny_lm_path
 
 from .conftest import MODEL, Served, sse_events
-from .kit import CLOCK, TOL, WEATHER, Collector, deadline, max_logprob_difference, solo
+from .kit import (
+    CLOCK,
+    TOL,
+    WEATHER,
+    Collector,
+    assert_no_markup,
+    deadline,
+    max_logprob_difference,
+    solo,
+)
 from .kit import request as batching_request
 
 pytestmark = pytest.mark.anyio
@@ -43,21 +52,6 @@ FORMATS = {
 # the tokens themselves (TestSpecialMarkers pins which families these are).
 FORCEABLE = ("llama3_tools", "qwen3_coder")
 SPECIAL_MARKERS = {"mistral_tools": "[TOOL_CALLS]", "gpt_oss_harmony": "<|channel|>"}
-# Markup of every format here: none may reach a content field.
-MARKUP = (
-    "<|python_tag|>",
-    '"parameters"',
-    "[TOOL_CALLS]",
-    "<|channel|>",
-    "<|message|>",
-    "<|constrain|>",
-    "<|call|>",
-    "to=functions",
-    "<tool_call>",
-    "<function=",
-    "<parameter=",
-)
-
 SCHEMAS = {
     "get_weather": WEATHER["function"]["parameters"],  # type: ignore[index]
     "get_time": CLOCK["function"]["parameters"],  # type: ignore[index]
@@ -193,13 +187,15 @@ async def whole_and_streamed(served: Served, **fields: Any) -> list[dict[str, An
         "calls": [tuple(calls[i]) for i in sorted(calls)],
         "finish": finish,
     }
+    # Every answer of these tests: no format's markup in its content.
+    for answer in (whole, stream):
+        no_markup(answer)
     return [whole, stream]
 
 
-def assert_no_markup(answer: dict[str, Any]) -> None:
-    for field in ("content", "reasoning"):
-        found = [marker for marker in MARKUP if marker in answer[field]]
-        assert not found, (field, answer)
+def no_markup(answer: dict[str, Any]) -> None:
+    """No format's markup in the answer's content or reasoning."""
+    assert_no_markup(answer["content"], answer["reasoning"], context=answer)
 
 
 class TestThroughTheOpenAIDoor:
@@ -216,7 +212,7 @@ class TestThroughTheOpenAIDoor:
             served, max_tokens=16, temperature=0, tools=[WEATHER, CLOCK]
         )
         for answer in answers:
-            assert_no_markup(answer)
+            no_markup(answer)
             assert answer["finish"] == "length", answer
         assert answers[0] == answers[1]
 
@@ -238,6 +234,7 @@ class TestNamedCalls:
         for answer in answers:
             assert answer["finish"] == "tool_calls", answer
             assert (answer["content"], answer["reasoning"]) == ("", ""), answer
+            no_markup(answer)
             [(name, arguments)] = answer["calls"]
             assert name == "get_weather"
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
@@ -258,7 +255,7 @@ class TestForcedCalls:
         )
         for answer in answers:
             assert answer["finish"] == "tool_calls", answer
-            assert_no_markup(answer)
+            no_markup(answer)
             assert answer["calls"], answer
             for name, arguments in answer["calls"]:
                 jsonschema.validate(json.loads(arguments), SCHEMAS[name])
@@ -277,7 +274,7 @@ class TestForcedCalls:
         )
         for answer in answers:
             assert answer["finish"] == "length", answer
-            assert_no_markup(answer)
+            no_markup(answer)
         assert answers[0] == answers[1]
 
 
@@ -286,6 +283,8 @@ class TestForcedCallsWithSpecialMarkers:
     async def test_one_required_call_parses_back_to_valid_arguments(
         self, served: Served
     ) -> None:
+        # Parallel calls (one to MAX_FORCED_CALLS) on every family:
+        # test_format_doors.py, at every door.
         answers = await whole_and_streamed(
             served,
             max_tokens=200,
@@ -296,7 +295,6 @@ class TestForcedCallsWithSpecialMarkers:
         )
         for answer in answers:
             assert answer["finish"] == "tool_calls", answer
-            assert_no_markup(answer)
             [(name, arguments)] = answer["calls"]
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
         assert answers[0] == answers[1]

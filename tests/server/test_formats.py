@@ -30,7 +30,7 @@ from mlx_pinned.server.http.structured import grammar_error
 from mlx_pinned.testing import _CHAT_TEMPLATE
 
 from .conftest import MODEL, Served, assert_error, sse_events
-from .kit import CLOCK, WEATHER
+from .kit import CLOCK, WEATHER, assert_no_markup
 
 pytestmark = pytest.mark.anyio
 
@@ -189,6 +189,8 @@ async def whole_and_streamed(
         "calls": [tuple(calls[i]) for i in sorted(calls)],
         "finish": finish,
     }
+    # Every answer of these tests: no format's markup in its content.
+    assert_no_markup(whole["content"], stream["content"], context=fields)
     return [whole, stream]
 
 

@@ -69,5 +69,9 @@ def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
 
 #: Gemma 4's format, an entry of the registry.
 GEMMA4 = ToolCallFormat(
-    name=NAME, detect=vlm_detects(NAME), parser=parser, grammar=grammar
+    name=NAME,
+    detect=vlm_detects(NAME),
+    parser=parser,
+    grammar=grammar,
+    markers=(OPEN, CLOSE, QUOTE),
 )

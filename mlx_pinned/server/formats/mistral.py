@@ -110,10 +110,18 @@ def list_grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
 
 #: Mistral's v11 format (``NAME[ARGS]{...}``), an entry of the registry.
 MISTRAL_V11 = ToolCallFormat(
-    name="mistral_v11", detect=detect_v11, parser=parser, grammar=v11_grammar
+    name="mistral_v11",
+    detect=detect_v11,
+    parser=parser,
+    grammar=v11_grammar,
+    markers=(OPEN, ARGS),
 )
 
 #: Mistral's earlier format (a JSON list), an entry of the registry.
 MISTRAL = ToolCallFormat(
-    name="mistral", detect=vlm_detects("mistral"), parser=parser, grammar=list_grammar
+    name="mistral",
+    detect=vlm_detects("mistral"),
+    parser=parser,
+    grammar=list_grammar,
+    markers=(OPEN,),
 )

@@ -75,5 +75,9 @@ def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
 
 #: The pythonic format, an entry of the registry.
 PYTHONIC = ToolCallFormat(
-    name=NAME, detect=vlm_detects(NAME), parser=parser, grammar=grammar
+    name=NAME,
+    detect=vlm_detects(NAME),
+    parser=parser,
+    grammar=grammar,
+    markers=(OPEN, CLOSE),
 )
