@@ -264,7 +264,7 @@ FORCED_TEXT = {
     "glm47": "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris"
     "</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>",
     "mistral_v11": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
-    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": '
+    "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": '
     '{"city": "Paris", "days": 3}}]',
     "llama3_json": '{"name": "get_weather", "parameters": '
     '{"city": "Paris", "days": 3}}',

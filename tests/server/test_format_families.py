@@ -18,7 +18,10 @@ from openai.types.chat import ChatCompletionChunk
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.engine.prompt import build_prompt
 from mlx_pinned.server.formats import model_formats
+from mlx_pinned.server.http.chat_completions.messages import chat_messages
+from mlx_pinned.server.http.chat_completions.protocol import ChatCompletionRequest
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import TINY_TOOL_LM_TYPES, tiny_lm_path
 
@@ -298,3 +301,45 @@ class TestForcedCallsWithSpecialMarkers:
             [(name, arguments)] = answer["calls"]
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
         assert answers[0] == answers[1]
+
+
+class TestRoundTrip:
+    async def test_a_forced_call_sent_back_renders_as_the_model_wrote_it(
+        self, served: Served, tiny_model_path: Path
+    ) -> None:
+        # The call in the model's own syntax (its tokens' text), parsed,
+        # then sent back as the assistant's tool_calls with its result: the
+        # family's template renders the turn as the text the model wrote.
+        tools = [WEATHER, CLOCK]
+        response = await served.chat(
+            {
+                "model": MODEL,
+                "messages": MESSAGES,
+                "max_tokens": 200,
+                "temperature": 0,
+                "tools": tools,
+                "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                "logprobs": True,
+            }
+        )
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        written = "".join(entry["token"] for entry in choice["logprobs"]["content"])
+        [call] = choice["message"]["tool_calls"]
+        history = [
+            *MESSAGES,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "12:00"},
+        ]
+        request = ChatCompletionRequest.model_validate(
+            {"model": MODEL, "messages": history}
+        )
+        turns = chat_messages(request.messages)
+        loaded = served.model
+        asked = await served.thread.run(build_prompt, loaded, turns[:1], tools)
+        sent_back = await served.thread.run(build_prompt, loaded, turns, tools)
+        if tiny_model_path.name.endswith("mistral_tools"):
+            # Mistral v3's template writes each call's id (the server's),
+            # which the model's call does not hold.
+            sent_back = sent_back.replace(f', "id": "{call["id"]}"', "")
+        assert sent_back.startswith(asked + written), (written, sent_back)

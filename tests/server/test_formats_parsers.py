@@ -154,7 +154,7 @@ TEMPLATES = {
         "tool.function.name + '[ARGS]' + tool.function.arguments|tojson }}"
     ),
     "mistral": (
-        "{{- '[TOOL_CALLS][' }}{%- for tool_call in message.tool_calls %}"
+        "{{- '[TOOL_CALLS] [' }}{%- for tool_call in message.tool_calls %}"
         '{{- {"name": tool_call.function.name, "arguments": '
         "tool_call.function.arguments}|tojson }}{% endfor %}{{- ']' }}"
     ),
@@ -388,7 +388,7 @@ class TestForcedCalls:
 
     def test_a_mistral_list_ends_at_the_bound(self, tokenizer: Any) -> None:
         source = TOOL_CALL_FORMATS["mistral"].grammar([FORCED], True)
-        call = FORCED_TEXT["mistral"].removeprefix("[TOOL_CALLS][").removesuffix("]")
+        call = FORCED_TEXT["mistral"].removeprefix("[TOOL_CALLS] [").removesuffix("]")
         for count, accepted in (
             (MAX_FORCED_CALLS, True),
             (MAX_FORCED_CALLS + 1, False),
@@ -396,6 +396,6 @@ class TestForcedCalls:
             matcher = llguidance.LLMatcher(
                 tokenizer, llguidance.grammar_from("lark", source), log_level=0
             )
-            text = "[TOOL_CALLS][" + ", ".join([call] * count) + "]"
+            text = "[TOOL_CALLS] [" + ", ".join([call] * count) + "]"
             took = matcher.consume_tokens(tokenizer.tokenize_str(text))
             assert (took and matcher.is_accepting()) is accepted, count

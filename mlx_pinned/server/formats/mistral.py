@@ -102,9 +102,11 @@ def _list_call(i: int, tool: ToolSpec) -> list[str]:
 
 
 def list_grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """Calls as earlier models write them: one ``[TOOL_CALLS]`` and a list."""
+    """Calls as earlier models write them: one ``[TOOL_CALLS]`` and a list,
+    a space apart as their template writes it (``[TOOL_CALLS] [``), so the
+    call sent back renders as the model wrote it."""
     return grammar_of_calls(
-        tools, parallel, _list_call, before=f"{OPEN}[", between=", ", after="]"
+        tools, parallel, _list_call, before=f"{OPEN} [", between=", ", after="]"
     )
 
 
