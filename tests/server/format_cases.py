@@ -283,3 +283,70 @@ FORCED_TEXT = {
     "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
     '"days": 3}}\n</tool_call>',
 }
+
+
+# A tool taking lists, objects, null and any value: what the formats that
+# write their own literals (pythonic, Gemma 4) force, and texts their
+# grammars accept (True) or refuse (False: over maxItems, a missing key).
+PLAN = ToolSpec(
+    "plan",
+    {
+        "type": "object",
+        "properties": {
+            "steps": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 6},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+            "opts": {
+                "type": "object",
+                "properties": {
+                    "deep": {"type": "boolean"},
+                    "n": {"type": "integer"},
+                    "z": {"type": "null"},
+                },
+                "required": ["deep", "n", "z"],
+            },
+            "any": {},
+            "free": {"type": "object"},
+            "pick": {"anyOf": [{"type": "integer"}, {"enum": ["a", "b"]}]},
+        },
+        "required": ["steps", "opts", "any", "free", "pick"],
+    },
+)
+PLAN_ARGUMENTS = {
+    "steps": ["a", "bc"],
+    "opts": {"deep": True, "n": 3, "z": None},
+    "any": [1, {"k": "v"}],
+    "free": {"x": [True, None]},
+    "pick": "b",
+}
+PLAN_TEXT = {
+    "pythonic": [
+        (
+            '<|tool_call_start|>[plan(steps=["a", "bc"], opts={"deep": True, '
+            '"n": 3, "z": None}, any=[1, {"k": "v"}], free={"x": [True, None]}, '
+            'pick="b")]<|tool_call_end|>',
+            True,
+        ),
+        (
+            '<|tool_call_start|>[plan(steps=["a", "b", "c", "d"], opts={"deep": '
+            'True, "n": 3, "z": None}, any=1, free={}, pick=2)]<|tool_call_end|>',
+            False,
+        ),
+    ],
+    "gemma4": [
+        (
+            '<|tool_call>call:plan{steps:[<|"|>a<|"|>,<|"|>bc<|"|>],opts:{deep:true,'
+            'n:3,z:null},any:[1,{k:<|"|>v<|"|>}],free:{x:[true,null]},'
+            'pick:<|"|>b<|"|>}<tool_call|>',
+            True,
+        ),
+        (
+            '<|tool_call>call:plan{steps:[<|"|>a<|"|>],opts:{deep:true,n:3},'
+            "any:1,free:{},pick:2}<tool_call|>",
+            False,
+        ),
+    ],
+}

@@ -351,7 +351,7 @@ class TestShownFormats:
                 "name": "plan",
                 "parameters": {
                     "type": "object",
-                    "properties": {"steps": {"type": "array"}},
+                    "properties": {"steps": {"type": "string", "pattern": "^a+$"}},
                     "required": ["steps"],
                 },
             },
@@ -402,4 +402,51 @@ class TestEveryFormatServed:
             assert called == "get_weather"
             parameters = WEATHER["function"]["parameters"]  # type: ignore[index]
             jsonschema.validate(json.loads(arguments), parameters)
+        assert answers[0] == answers[1]
+
+    @pytest.mark.parametrize("name", ["pythonic", "gemma4"])
+    async def test_lists_and_objects_are_forced_in_the_formats_literals(
+        self, serve: Serve, name: str
+    ) -> None:
+        parameters = {
+            "type": "object",
+            "properties": {
+                "tags": {
+                    "type": "array",
+                    "items": {"enum": ["red", "blue"]},
+                    "maxItems": 2,
+                },
+                "opts": {
+                    "type": "object",
+                    "properties": {"deep": {"type": "boolean"}, "n": {"type": "null"}},
+                    "required": ["deep", "n"],
+                },
+            },
+            "required": ["tags", "opts"],
+        }
+        tool = {
+            "type": "function",
+            "function": {"name": "plan", "parameters": parameters},
+        }
+        async with serve(tool_call_parser=name) as served:
+            client = openai.AsyncOpenAI(
+                base_url="http://test/v1",
+                api_key="unused",
+                http_client=served.client,
+                max_retries=0,
+            )
+            answers = await whole_and_streamed(
+                served,
+                client,
+                max_tokens=200,
+                temperature=0,
+                tools=[tool],
+                tool_choice="required",
+            )
+        for answer in answers:
+            assert answer["finish"] == "tool_calls", answer
+            assert answer["calls"], answer
+            for called, arguments in answer["calls"]:
+                assert called == "plan"
+                jsonschema.validate(json.loads(arguments), parameters)
         assert answers[0] == answers[1]

@@ -38,8 +38,10 @@ from .format_cases import (
     DS_SEP,
     FORCED,
     FORCED_TEXT,
+    PLAN,
+    PLAN_ARGUMENTS,
+    PLAN_TEXT,
     TOOLS,
-    WEATHER,
     Case,
 )
 
@@ -357,12 +359,34 @@ class TestForcedCalls:
         assert not (accepted and matcher.is_accepting())
 
     @pytest.mark.parametrize("name", ["pythonic", "gemma4"])
-    def test_a_format_that_cannot_force_an_object_says_so(self, name: str) -> None:
-        parameters = {**(WEATHER.parameters or {}), "required": ["city", "options"]}
-        with pytest.raises(UnforcedCallError, match=f"{name}.*options"):
-            TOOL_CALL_FORMATS[name].grammar(
-                [ToolSpec("get_weather", parameters)], False
+    def test_objects_and_lists_are_forced_in_the_formats_own_literals(
+        self, name: str, tokenizer: Any
+    ) -> None:
+        fmt = TOOL_CALL_FORMATS[name]
+        source = fmt.grammar([PLAN], False)
+        for text, accepted in PLAN_TEXT[name]:
+            matcher = llguidance.LLMatcher(
+                tokenizer, llguidance.grammar_from("lark", source), log_level=0
             )
+            took = matcher.consume_tokens(tokenizer.tokenize_str(text))
+            assert (took and matcher.is_accepting()) is accepted, text
+            if not accepted:
+                continue
+            parser = fmt.parser([PLAN])
+            pieces = parser.feed(text) + parser.end()
+            arguments = "".join(p.text for p in pieces if isinstance(p, CallArguments))
+            assert json.loads(arguments) == PLAN_ARGUMENTS
+            jsonschema.validate(PLAN_ARGUMENTS, PLAN.parameters or {})
+
+    @pytest.mark.parametrize("name", ["pythonic", "gemma4"])
+    def test_a_string_pattern_cannot_be_forced_and_says_so(self, name: str) -> None:
+        parameters = {
+            "type": "object",
+            "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+            "required": ["code"],
+        }
+        with pytest.raises(UnforcedCallError, match=f"{name}.*'code'.*pattern"):
+            TOOL_CALL_FORMATS[name].grammar([ToolSpec("get_code", parameters)], False)
 
     BOUNDS = ((MAX_FORCED_CALLS, True), (MAX_FORCED_CALLS + 1, False))
 
