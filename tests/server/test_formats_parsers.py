@@ -275,6 +275,24 @@ class TestReasoning:
         assert split(fmt, plain, size, False) == ("", plain)
 
     @pytest.mark.parametrize("size", [1, 3, 7, 1000])
+    def test_gemma4_thinks_in_its_thought_channel(self, size: int) -> None:
+        template = (
+            "{%- if enable_thinking %}<|think|>{% endif %}{%- macro strip(t) -%}"
+            "{{- t.split('<channel|>')[-1] if '<|channel>' in t else t -}}"
+            "{%- endmacro -%}{%- if add_generation_prompt %}<|turn>model\n"
+            "{%- endif %}"
+        )
+        fmt = model_formats(template).reasoning
+        assert fmt is REASONING_FORMATS["gemma4"]
+        assert not fmt.opens(template, {"enable_thinking": True})
+        text = "<|channel>thought\nIs <channel> 4? Yes.<channel|>It is 4 ✓"
+        assert split(fmt, text, size, False) == ("Is <channel> 4? Yes.", "It is 4 ✓")
+        plain = "No thought <|channel>thought here."
+        assert split(fmt, plain, size, False) == ("", plain)
+        harmony = "<|channel|>analysis<|message|>x"
+        assert model_formats(harmony).reasoning is REASONING_FORMATS["harmony"]
+
+    @pytest.mark.parametrize("size", [1, 3, 7, 1000])
     def test_harmony_channels_split_reasoning_content_and_calls(
         self, size: int
     ) -> None:
