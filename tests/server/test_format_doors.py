@@ -99,12 +99,14 @@ def chat_choice(choice: str) -> dict[str, Any]:
     return {"tool_choice": forced or "required", "parallel_tool_calls": parallel}
 
 
-def chat(client: openai.OpenAI, choice: str) -> tuple[Answer, Answer]:
+def chat(
+    client: openai.OpenAI, choice: str, limit: int = MAX_TOKENS
+) -> tuple[Answer, Answer]:
     fields: dict[str, Any] = {
         "model": MODEL,
         "messages": [{"role": "user", "content": PROMPT}],
         "tools": [WEATHER, CLOCK],
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": limit,
         "temperature": 0,
         **chat_choice(choice),
     }
@@ -134,7 +136,9 @@ def chat(client: openai.OpenAI, choice: str) -> tuple[Answer, Answer]:
     return whole, streamed
 
 
-def responses(client: openai.OpenAI, choice: str) -> tuple[Answer, Answer, Answer]:
+def responses(
+    client: openai.OpenAI, choice: str, limit: int = MAX_TOKENS
+) -> tuple[Answer, Answer, Answer]:
     parallel, named = CHOICES[choice]
     fields: dict[str, Any] = {
         "model": MODEL,
@@ -142,7 +146,7 @@ def responses(client: openai.OpenAI, choice: str) -> tuple[Answer, Answer, Answe
         "tools": [{"type": "function", **f} for f in FUNCTIONS],
         "tool_choice": {"type": "function", "name": named} if named else "required",
         "parallel_tool_calls": parallel,
-        "max_output_tokens": MAX_TOKENS,
+        "max_output_tokens": limit,
         "temperature": 0,
     }
     whole = response_answer(client.responses.create(**fields))
@@ -150,6 +154,7 @@ def responses(client: openai.OpenAI, choice: str) -> tuple[Answer, Answer, Answe
     arguments: dict[int, str] = {}
     done: dict[int, str] = {}
     texts: list[str] = []
+    last: Any = None
     with client.responses.stream(**fields) as stream:
         for event in stream:
             if event.type == "response.output_item.added":
@@ -165,7 +170,10 @@ def responses(client: openai.OpenAI, choice: str) -> tuple[Answer, Answer, Answe
                 "response.reasoning_text.delta",
             ):
                 texts.append(event.delta)
-        final = response_answer(stream.get_final_response())
+            elif event.type in ("response.completed", "response.incomplete"):
+                # The SDK's get_final_response knows response.completed only.
+                last = event.response
+    final = response_answer(last)
     assert done == arguments
     streamed = Answer([(names[i], arguments[i]) for i in sorted(names)])
     streamed.texts, streamed.finish = ["".join(texts)], final.finish
@@ -187,7 +195,9 @@ def response_answer(response: Any) -> Answer:
     return Answer(calls, ["".join(texts)], response.status)
 
 
-def messages(claude: anthropic.Anthropic, choice: str) -> tuple[Answer, Answer]:
+def messages(
+    claude: anthropic.Anthropic, choice: str, limit: int = MAX_TOKENS
+) -> tuple[Answer, Answer]:
     parallel, named = CHOICES[choice]
     forced: dict[str, Any] = (
         {"type": "tool", "name": named} if named else {"type": "any"}
@@ -196,7 +206,7 @@ def messages(claude: anthropic.Anthropic, choice: str) -> tuple[Answer, Answer]:
         forced["disable_parallel_tool_use"] = True
     fields: dict[str, Any] = {
         "model": MODEL,
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": limit,
         "messages": [{"role": "user", "content": PROMPT}],
         "tools": [
             {"name": f["name"], "input_schema": f["parameters"]} for f in FUNCTIONS
@@ -267,6 +277,26 @@ class TestForcedCallsAtEveryDoor:
         assert whole.finish == "tool_use", whole
         assert_valid(whole, parallel=parallel, named=named)
         assert streamed == whole
+
+
+@pytest.mark.parametrize("limit", [3, 12])
+def test_a_forced_call_cut_by_the_token_limit_leaves_no_markup_at_any_door(
+    client: openai.OpenAI, claude: anthropic.Anthropic, limit: int
+) -> None:
+    # Cut in the call's opening markup, or in its head: no call, no text.
+    chat_whole, chat_streamed = chat(client, "required", limit)
+    whole, streamed, final = responses(client, "required", limit)
+    message, message_streamed = messages(claude, "required", limit)
+    assert (chat_whole.finish, whole.finish, message.finish) == (
+        "length",
+        "incomplete",
+        "max_tokens",
+    )
+    assert chat_streamed == chat_whole
+    assert streamed == whole == final
+    assert message_streamed == message
+    for answer in (chat_whole, whole, message):
+        assert_no_markup(*answer.texts, context=answer)
 
 
 def test_every_door_forces_the_same_named_call(
