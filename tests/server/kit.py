@@ -15,9 +15,9 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import anthropic
 import anyio
 import anyio.abc
 import openai
+from openai.types.chat import ChatCompletionChunk
 from PIL import Image
 
 from mlx_pinned import MLXThread
@@ -355,3 +356,33 @@ def assert_no_markup(*texts: str | None, context: Any = None) -> None:
     for text in texts:
         found = [marker for marker in FORMAT_MARKUP if marker in (text or "")]
         assert not found, (found, text, context)
+
+
+@dataclass
+class JoinedChat:
+    """A streamed chat answer, its deltas joined: content, reasoning,
+    calls (name, arguments) in order, and the finish reason."""
+
+    content: str = ""
+    reasoning: str = ""
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    finish: str | None = None
+
+
+def join_chat_chunks(chunks: Iterable[ChatCompletionChunk]) -> JoinedChat:
+    """The deltas of a streamed chat answer's chunks, joined."""
+    joined = JoinedChat()
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            joined.content += delta.content or ""
+            joined.reasoning += getattr(delta, "reasoning_content", None) or ""
+            for call in delta.tool_calls or []:
+                entry = calls.setdefault(call.index, ["", ""])
+                if call.function and call.function.name:
+                    entry[0] = call.function.name
+                entry[1] += (call.function and call.function.arguments) or ""
+            joined.finish = choice.finish_reason or joined.finish
+    joined.calls = [(calls[i][0], calls[i][1]) for i in sorted(calls)]
+    return joined

@@ -25,7 +25,7 @@ from mlx_pinned.testing import TINY_TOOL_LM_TYPES, tiny_lm_path
 
 from .conftest import Serve, Served, replace_generation, sse_events
 from .format_cases import CASES, Case
-from .kit import CLOCK, WEATHER, Server, assert_no_markup, running
+from .kit import CLOCK, WEATHER, Server, assert_no_markup, join_chat_chunks, running
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -119,20 +119,8 @@ def chat(
         [reply.message.content or ""],
         reply.finish_reason,
     )
-    calls: dict[int, list[str]] = {}
-    content, finish = "", None
-    for chunk in client.chat.completions.create(**fields, stream=True):
-        for delta_choice in chunk.choices:
-            delta = delta_choice.delta
-            content += delta.content or ""
-            for call in delta.tool_calls or []:
-                entry = calls.setdefault(call.index, ["", ""])
-                if call.function and call.function.name:
-                    entry[0] = call.function.name
-                entry[1] += (call.function and call.function.arguments) or ""
-            finish = delta_choice.finish_reason or finish
-    streamed = Answer([(n, a) for n, a in (calls[i] for i in sorted(calls))])
-    streamed.texts, streamed.finish = [content], finish
+    joined = join_chat_chunks(client.chat.completions.create(**fields, stream=True))
+    streamed = Answer(list(joined.calls), [joined.content], joined.finish)
     return whole, streamed
 
 

@@ -33,6 +33,7 @@ from .kit import (
     Collector,
     assert_no_markup,
     deadline,
+    join_chat_chunks,
     max_logprob_difference,
     solo,
 )
@@ -171,24 +172,14 @@ async def whole_and_streamed(served: Served, **fields: Any) -> list[dict[str, An
     streamed = await served.chat({**body, "stream": True})
     events = sse_events(streamed.text)
     assert events[-1] == "[DONE]", events[-3:]
-    content, reasoning, finish = "", "", None
-    calls: dict[int, list[str]] = {}
-    for event in events[:-1]:
-        for chunk_choice in ChatCompletionChunk.model_validate(event).choices:
-            delta = chunk_choice.delta
-            content += delta.content or ""
-            reasoning += getattr(delta, "reasoning_content", None) or ""
-            for call in delta.tool_calls or []:
-                entry = calls.setdefault(call.index, ["", ""])
-                if call.function and call.function.name:
-                    entry[0] = call.function.name
-                entry[1] += (call.function and call.function.arguments) or ""
-            finish = chunk_choice.finish_reason or finish
+    joined = join_chat_chunks(
+        ChatCompletionChunk.model_validate(e) for e in events[:-1]
+    )
     stream = {
-        "content": content,
-        "reasoning": reasoning,
-        "calls": [tuple(calls[i]) for i in sorted(calls)],
-        "finish": finish,
+        "content": joined.content,
+        "reasoning": joined.reasoning,
+        "calls": joined.calls,
+        "finish": joined.finish,
     }
     # Every answer of these tests: no format's markup in its content.
     for answer in (whole, stream):

@@ -30,7 +30,7 @@ from mlx_pinned.server.http.structured import grammar_error
 from mlx_pinned.testing import _CHAT_TEMPLATE
 
 from .conftest import MODEL, Served, assert_error, sse_events
-from .kit import CLOCK, WEATHER, assert_no_markup
+from .kit import CLOCK, WEATHER, assert_no_markup, join_chat_chunks
 
 pytestmark = pytest.mark.anyio
 
@@ -141,15 +141,20 @@ class TestRegistry:
         assert not [piece for piece in pieces if isinstance(piece, str)]
 
 
+def sdk_of(served: Served) -> openai.AsyncOpenAI:
+    """The openai SDK's client of the app."""
+    return openai.AsyncOpenAI(
+        base_url="http://test/v1",
+        api_key="unused",
+        http_client=served.client,
+        max_retries=0,
+    )
+
+
 @pytest.fixture
 async def sdk(serve: Serve) -> AsyncIterator[tuple[Served, openai.AsyncOpenAI]]:
     async with serve() as served:
-        client = openai.AsyncOpenAI(
-            base_url="http://test/v1",
-            api_key="unused",
-            http_client=served.client,
-            max_retries=0,
-        )
+        client = sdk_of(served)
         yield served, client
 
 
@@ -172,22 +177,13 @@ async def whole_and_streamed(
     response = await served.chat({**body, "stream": True})
     events = sse_events(response.text)
     assert events[-1] == "[DONE]", events[-3:]
-    content, finish = "", None
-    calls: dict[int, list[str]] = {}
-    for event in events[:-1]:
-        for chunk_choice in ChatCompletionChunk.model_validate(event).choices:
-            delta = chunk_choice.delta
-            content += delta.content or ""
-            for call in delta.tool_calls or []:
-                entry = calls.setdefault(call.index, ["", ""])
-                if call.function and call.function.name:
-                    entry[0] = call.function.name
-                entry[1] += (call.function and call.function.arguments) or ""
-            finish = chunk_choice.finish_reason or finish
+    joined = join_chat_chunks(
+        ChatCompletionChunk.model_validate(e) for e in events[:-1]
+    )
     stream = {
-        "content": content,
-        "calls": [tuple(calls[i]) for i in sorted(calls)],
-        "finish": finish,
+        "content": joined.content,
+        "calls": joined.calls,
+        "finish": joined.finish,
     }
     # Every answer of these tests: no format's markup in its content.
     assert_no_markup(whole["content"], stream["content"], context=fields)
@@ -381,12 +377,7 @@ class TestEveryFormatServed:
         # The tiny model is served as if its template wrote this format: the
         # grammar forces a call in the format's syntax, its parser reads it.
         async with serve(tool_call_parser=name) as served:
-            client = openai.AsyncOpenAI(
-                base_url="http://test/v1",
-                api_key="unused",
-                http_client=served.client,
-                max_retries=0,
-            )
+            client = sdk_of(served)
             answers = await whole_and_streamed(
                 served,
                 client,
@@ -429,12 +420,7 @@ class TestEveryFormatServed:
             "function": {"name": "plan", "parameters": parameters},
         }
         async with serve(tool_call_parser=name) as served:
-            client = openai.AsyncOpenAI(
-                base_url="http://test/v1",
-                api_key="unused",
-                http_client=served.client,
-                max_retries=0,
-            )
+            client = sdk_of(served)
             answers = await whole_and_streamed(
                 served,
                 client,
