@@ -15,9 +15,9 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +25,13 @@ import anthropic
 import anyio
 import anyio.abc
 import openai
+from openai.types.chat import ChatCompletionChunk
 from PIL import Image
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
+from mlx_pinned.server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import make_test_image
 
@@ -334,3 +336,53 @@ CLOCK: dict[str, Any] = {
         },
     },
 }
+
+
+# --- Output formats (tool-call and reasoning markup) -------------------------
+
+#: The markup of every format the registry knows: a tool-call format's
+#: markers and a reasoning format's opening and closing.
+FORMAT_MARKUP: tuple[str, ...] = tuple(
+    sorted(
+        {marker for f in TOOL_CALL_FORMATS.values() for marker in f.markers}
+        | {marker for f in REASONING_FORMATS.values() for marker in f.markers or ()}
+    )
+)
+
+
+def assert_no_markup(*texts: str | None, context: Any = None) -> None:
+    """No text of an answer's content or reasoning holds any format's
+    markup (:data:`FORMAT_MARKUP`); ``context`` is shown if one does."""
+    for text in texts:
+        found = [marker for marker in FORMAT_MARKUP if marker in (text or "")]
+        assert not found, (found, text, context)
+
+
+@dataclass
+class JoinedChat:
+    """A streamed chat answer, its deltas joined: content, reasoning,
+    calls (name, arguments) in order, and the finish reason."""
+
+    content: str = ""
+    reasoning: str = ""
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    finish: str | None = None
+
+
+def join_chat_chunks(chunks: Iterable[ChatCompletionChunk]) -> JoinedChat:
+    """The deltas of a streamed chat answer's chunks, joined."""
+    joined = JoinedChat()
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            joined.content += delta.content or ""
+            joined.reasoning += getattr(delta, "reasoning_content", None) or ""
+            for call in delta.tool_calls or []:
+                entry = calls.setdefault(call.index, ["", ""])
+                if call.function and call.function.name:
+                    entry[0] = call.function.name
+                entry[1] += (call.function and call.function.arguments) or ""
+            joined.finish = choice.finish_reason or joined.finish
+    joined.calls = [(calls[i][0], calls[i][1]) for i in sorted(calls)]
+    return joined

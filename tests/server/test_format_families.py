@@ -18,12 +18,25 @@ from openai.types.chat import ChatCompletionChunk
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.engine.prompt import build_prompt
 from mlx_pinned.server.formats import model_formats
+from mlx_pinned.server.http.chat_completions.messages import chat_messages
+from mlx_pinned.server.http.chat_completions.protocol import ChatCompletionRequest
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import TINY_TOOL_LM_TYPES, tiny_lm_path
 
 from .conftest import MODEL, Served, sse_events
-from .kit import CLOCK, TOL, WEATHER, Collector, deadline, max_logprob_difference, solo
+from .kit import (
+    CLOCK,
+    TOL,
+    WEATHER,
+    Collector,
+    assert_no_markup,
+    deadline,
+    join_chat_chunks,
+    max_logprob_difference,
+    solo,
+)
 from .kit import request as batching_request
 
 pytestmark = pytest.mark.anyio
@@ -43,21 +56,6 @@ FORMATS = {
 # the tokens themselves (TestSpecialMarkers pins which families these are).
 FORCEABLE = ("llama3_tools", "qwen3_coder")
 SPECIAL_MARKERS = {"mistral_tools": "[TOOL_CALLS]", "gpt_oss_harmony": "<|channel|>"}
-# Markup of every format here: none may reach a content field.
-MARKUP = (
-    "<|python_tag|>",
-    '"parameters"',
-    "[TOOL_CALLS]",
-    "<|channel|>",
-    "<|message|>",
-    "<|constrain|>",
-    "<|call|>",
-    "to=functions",
-    "<tool_call>",
-    "<function=",
-    "<parameter=",
-)
-
 SCHEMAS = {
     "get_weather": WEATHER["function"]["parameters"],  # type: ignore[index]
     "get_time": CLOCK["function"]["parameters"],  # type: ignore[index]
@@ -174,32 +172,24 @@ async def whole_and_streamed(served: Served, **fields: Any) -> list[dict[str, An
     streamed = await served.chat({**body, "stream": True})
     events = sse_events(streamed.text)
     assert events[-1] == "[DONE]", events[-3:]
-    content, reasoning, finish = "", "", None
-    calls: dict[int, list[str]] = {}
-    for event in events[:-1]:
-        for chunk_choice in ChatCompletionChunk.model_validate(event).choices:
-            delta = chunk_choice.delta
-            content += delta.content or ""
-            reasoning += getattr(delta, "reasoning_content", None) or ""
-            for call in delta.tool_calls or []:
-                entry = calls.setdefault(call.index, ["", ""])
-                if call.function and call.function.name:
-                    entry[0] = call.function.name
-                entry[1] += (call.function and call.function.arguments) or ""
-            finish = chunk_choice.finish_reason or finish
+    joined = join_chat_chunks(
+        ChatCompletionChunk.model_validate(e) for e in events[:-1]
+    )
     stream = {
-        "content": content,
-        "reasoning": reasoning,
-        "calls": [tuple(calls[i]) for i in sorted(calls)],
-        "finish": finish,
+        "content": joined.content,
+        "reasoning": joined.reasoning,
+        "calls": joined.calls,
+        "finish": joined.finish,
     }
+    # Every answer of these tests: no format's markup in its content.
+    for answer in (whole, stream):
+        no_markup(answer)
     return [whole, stream]
 
 
-def assert_no_markup(answer: dict[str, Any]) -> None:
-    for field in ("content", "reasoning"):
-        found = [marker for marker in MARKUP if marker in answer[field]]
-        assert not found, (field, answer)
+def no_markup(answer: dict[str, Any]) -> None:
+    """No format's markup in the answer's content or reasoning."""
+    assert_no_markup(answer["content"], answer["reasoning"], context=answer)
 
 
 class TestThroughTheOpenAIDoor:
@@ -216,7 +206,7 @@ class TestThroughTheOpenAIDoor:
             served, max_tokens=16, temperature=0, tools=[WEATHER, CLOCK]
         )
         for answer in answers:
-            assert_no_markup(answer)
+            no_markup(answer)
             assert answer["finish"] == "length", answer
         assert answers[0] == answers[1]
 
@@ -238,6 +228,7 @@ class TestNamedCalls:
         for answer in answers:
             assert answer["finish"] == "tool_calls", answer
             assert (answer["content"], answer["reasoning"]) == ("", ""), answer
+            no_markup(answer)
             [(name, arguments)] = answer["calls"]
             assert name == "get_weather"
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
@@ -258,7 +249,7 @@ class TestForcedCalls:
         )
         for answer in answers:
             assert answer["finish"] == "tool_calls", answer
-            assert_no_markup(answer)
+            no_markup(answer)
             assert answer["calls"], answer
             for name, arguments in answer["calls"]:
                 jsonschema.validate(json.loads(arguments), SCHEMAS[name])
@@ -277,7 +268,7 @@ class TestForcedCalls:
         )
         for answer in answers:
             assert answer["finish"] == "length", answer
-            assert_no_markup(answer)
+            no_markup(answer)
         assert answers[0] == answers[1]
 
 
@@ -286,6 +277,8 @@ class TestForcedCallsWithSpecialMarkers:
     async def test_one_required_call_parses_back_to_valid_arguments(
         self, served: Served
     ) -> None:
+        # Parallel calls (one to MAX_FORCED_CALLS) on every family:
+        # test_format_doors.py, at every door.
         answers = await whole_and_streamed(
             served,
             max_tokens=200,
@@ -296,7 +289,48 @@ class TestForcedCallsWithSpecialMarkers:
         )
         for answer in answers:
             assert answer["finish"] == "tool_calls", answer
-            assert_no_markup(answer)
             [(name, arguments)] = answer["calls"]
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
         assert answers[0] == answers[1]
+
+
+class TestRoundTrip:
+    async def test_a_forced_call_sent_back_renders_as_the_model_wrote_it(
+        self, served: Served, tiny_model_path: Path
+    ) -> None:
+        # The call in the model's own syntax (its tokens' text), parsed,
+        # then sent back as the assistant's tool_calls with its result: the
+        # family's template renders the turn as the text the model wrote.
+        tools = [WEATHER, CLOCK]
+        response = await served.chat(
+            {
+                "model": MODEL,
+                "messages": MESSAGES,
+                "max_tokens": 200,
+                "temperature": 0,
+                "tools": tools,
+                "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                "logprobs": True,
+            }
+        )
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        written = "".join(entry["token"] for entry in choice["logprobs"]["content"])
+        [call] = choice["message"]["tool_calls"]
+        history = [
+            *MESSAGES,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "12:00"},
+        ]
+        request = ChatCompletionRequest.model_validate(
+            {"model": MODEL, "messages": history}
+        )
+        turns = chat_messages(request.messages)
+        loaded = served.model
+        asked = await served.thread.run(build_prompt, loaded, turns[:1], tools)
+        sent_back = await served.thread.run(build_prompt, loaded, turns, tools)
+        if tiny_model_path.name.endswith("mistral_tools"):
+            # Mistral v3's template writes each call's id (the server's),
+            # which the model's call does not hold.
+            sent_back = sent_back.replace(f', "id": "{call["id"]}"', "")
+        assert sent_back.startswith(asked + written), (written, sent_back)

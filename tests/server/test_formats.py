@@ -30,7 +30,7 @@ from mlx_pinned.server.http.structured import grammar_error
 from mlx_pinned.testing import _CHAT_TEMPLATE
 
 from .conftest import MODEL, Served, assert_error, sse_events
-from .kit import CLOCK, WEATHER
+from .kit import CLOCK, WEATHER, assert_no_markup, join_chat_chunks
 
 pytestmark = pytest.mark.anyio
 
@@ -141,15 +141,20 @@ class TestRegistry:
         assert not [piece for piece in pieces if isinstance(piece, str)]
 
 
+def sdk_of(served: Served) -> openai.AsyncOpenAI:
+    """The openai SDK's client of the app."""
+    return openai.AsyncOpenAI(
+        base_url="http://test/v1",
+        api_key="unused",
+        http_client=served.client,
+        max_retries=0,
+    )
+
+
 @pytest.fixture
 async def sdk(serve: Serve) -> AsyncIterator[tuple[Served, openai.AsyncOpenAI]]:
     async with serve() as served:
-        client = openai.AsyncOpenAI(
-            base_url="http://test/v1",
-            api_key="unused",
-            http_client=served.client,
-            max_retries=0,
-        )
+        client = sdk_of(served)
         yield served, client
 
 
@@ -172,23 +177,16 @@ async def whole_and_streamed(
     response = await served.chat({**body, "stream": True})
     events = sse_events(response.text)
     assert events[-1] == "[DONE]", events[-3:]
-    content, finish = "", None
-    calls: dict[int, list[str]] = {}
-    for event in events[:-1]:
-        for chunk_choice in ChatCompletionChunk.model_validate(event).choices:
-            delta = chunk_choice.delta
-            content += delta.content or ""
-            for call in delta.tool_calls or []:
-                entry = calls.setdefault(call.index, ["", ""])
-                if call.function and call.function.name:
-                    entry[0] = call.function.name
-                entry[1] += (call.function and call.function.arguments) or ""
-            finish = chunk_choice.finish_reason or finish
+    joined = join_chat_chunks(
+        ChatCompletionChunk.model_validate(e) for e in events[:-1]
+    )
     stream = {
-        "content": content,
-        "calls": [tuple(calls[i]) for i in sorted(calls)],
-        "finish": finish,
+        "content": joined.content,
+        "calls": joined.calls,
+        "finish": joined.finish,
     }
+    # Every answer of these tests: no format's markup in its content.
+    assert_no_markup(whole["content"], stream["content"], context=fields)
     return [whole, stream]
 
 
@@ -349,7 +347,7 @@ class TestShownFormats:
                 "name": "plan",
                 "parameters": {
                     "type": "object",
-                    "properties": {"steps": {"type": "array"}},
+                    "properties": {"steps": {"type": "string", "pattern": "^a+$"}},
                     "required": ["steps"],
                 },
             },
@@ -379,12 +377,7 @@ class TestEveryFormatServed:
         # The tiny model is served as if its template wrote this format: the
         # grammar forces a call in the format's syntax, its parser reads it.
         async with serve(tool_call_parser=name) as served:
-            client = openai.AsyncOpenAI(
-                base_url="http://test/v1",
-                api_key="unused",
-                http_client=served.client,
-                max_retries=0,
-            )
+            client = sdk_of(served)
             answers = await whole_and_streamed(
                 served,
                 client,
@@ -400,4 +393,46 @@ class TestEveryFormatServed:
             assert called == "get_weather"
             parameters = WEATHER["function"]["parameters"]  # type: ignore[index]
             jsonschema.validate(json.loads(arguments), parameters)
+        assert answers[0] == answers[1]
+
+    @pytest.mark.parametrize("name", ["pythonic", "gemma4"])
+    async def test_lists_and_objects_are_forced_in_the_formats_literals(
+        self, serve: Serve, name: str
+    ) -> None:
+        parameters = {
+            "type": "object",
+            "properties": {
+                "tags": {
+                    "type": "array",
+                    "items": {"enum": ["red", "blue"]},
+                    "maxItems": 2,
+                },
+                "opts": {
+                    "type": "object",
+                    "properties": {"deep": {"type": "boolean"}, "n": {"type": "null"}},
+                    "required": ["deep", "n"],
+                },
+            },
+            "required": ["tags", "opts"],
+        }
+        tool = {
+            "type": "function",
+            "function": {"name": "plan", "parameters": parameters},
+        }
+        async with serve(tool_call_parser=name) as served:
+            client = sdk_of(served)
+            answers = await whole_and_streamed(
+                served,
+                client,
+                max_tokens=200,
+                temperature=0,
+                tools=[tool],
+                tool_choice="required",
+            )
+        for answer in answers:
+            assert answer["finish"] == "tool_calls", answer
+            assert answer["calls"], answer
+            for called, arguments in answer["calls"]:
+                assert called == "plan"
+                jsonschema.validate(json.loads(arguments), parameters)
         assert answers[0] == answers[1]

@@ -7,7 +7,7 @@ detected as its format."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,252 +27,24 @@ from mlx_pinned.server.formats import (
     UnforcedCallError,
     model_formats,
 )
+from mlx_pinned.server.formats.blocks import MAX_FORCED_CALLS
 
-WEATHER = ToolSpec(
-    "get_weather",
-    {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string"},
-            "days": {"type": "integer"},
-            "options": {"type": "object"},
-        },
-        "required": ["city"],
-    },
+from .format_cases import (
+    BAR,
+    CASES,
+    CLOCK,
+    DS_CALL,
+    DS_OPEN,
+    DS_SEP,
+    FORCED,
+    FORCED_TEXT,
+    PLAN,
+    PLAN_ARGUMENTS,
+    PLAN_TEXT,
+    TOOLS,
+    Case,
 )
-CLOCK = ToolSpec(
-    "get_time",
-    {
-        "type": "object",
-        "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
-        "required": ["zone"],
-    },
-)
-TOOLS = [WEATHER, CLOCK]
-# What forced calls are checked against: types every format can force.
-FORCED = ToolSpec(
-    "get_weather",
-    {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 12},
-            "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        },
-        "required": ["city", "days"],
-    },
-)
-OPTIONS = {"units": {"temp": "C"}, "hours": [1, 2]}
-BAR, MARK = "\uff5c", "\u2581"
 
-
-def deepseek(*words: str) -> str:
-    return f"<{BAR}{MARK.join(words)}{BAR}>"
-
-
-DS_OPEN, DS_CLOSE = deepseek("tool", "calls", "begin"), deepseek("tool", "calls", "end")
-DS_CALL, DS_END = deepseek("tool", "call", "begin"), deepseek("tool", "call", "end")
-DS_SEP = deepseek("tool", "sep")
-
-
-@dataclass(frozen=True)
-class Case:
-    """An answer in one format, and what it must parse to."""
-
-    format: str
-    text: str
-    content: str
-    calls: list[tuple[str, dict[str, Any]]]
-    markup: tuple[str, ...]  # what must never reach the content
-    tools: list[ToolSpec] = field(default_factory=lambda: TOOLS)
-
-
-CASES = [
-    Case(
-        "qwen3_coder",
-        "Let me check — 天気.\n<tool_call>\n<function=get_weather>\n"
-        "<parameter=city>\nSão Paulo <tool_call> <function=x>\n</parameter>\n"
-        "<parameter=days>\n3\n</parameter>\n<parameter=options>\n"
-        f"{json.dumps(OPTIONS)}\n</parameter>\n</function>\n</tool_call>\n"
-        "<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n"
-        "</function>\n</tool_call>\nDone ✓",
-        "Let me check — 天気.Done ✓",
-        [
-            (
-                "get_weather",
-                {
-                    "city": "São Paulo <tool_call> <function=x>",
-                    "days": 3,
-                    "options": OPTIONS,
-                },
-            ),
-            ("get_time", {"zone": "UTC"}),
-        ],
-        ("<tool_call>", "</tool_call>", "<function=", "<parameter="),
-    ),
-    Case(
-        "mistral",
-        'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": '
-        '{"city": "Zürich [TOOL_CALLS] x[ARGS]{}", "days": 3, "options": '
-        f'{json.dumps(OPTIONS)}}}}}, {{"name": "get_time", "arguments": '
-        '{"zone": "UTC"}}] Anything else?',
-        "Checking.Anything else?",
-        [
-            (
-                "get_weather",
-                {
-                    "city": "Zürich [TOOL_CALLS] x[ARGS]{}",
-                    "days": 3,
-                    "options": OPTIONS,
-                },
-            ),
-            ("get_time", {"zone": "UTC"}),
-        ],
-        ("[TOOL_CALLS]", "[ARGS]"),
-    ),
-    Case(
-        "mistral_v11",
-        'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich [ARGS] é", '
-        f'"days": 3, "options": {json.dumps(OPTIONS)}}}'
-        '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}',
-        "Sure.",
-        [
-            ("get_weather", {"city": "Zürich [ARGS] é", "days": 3, "options": OPTIONS}),
-            ("get_time", {"zone": "UTC"}),
-        ],
-        ("[TOOL_CALLS]", "[ARGS]"),
-    ),
-    Case(
-        "llama3_json",
-        '{"name": "get_weather", "parameters": {"city": "München; {\\"name\\": 1}", '
-        f'"days": 3, "options": {json.dumps(OPTIONS)}}}}}; '
-        '{"name": "get_time", "parameters": {"zone": "UTC"}} Done ✓',
-        "Done ✓",
-        [
-            (
-                "get_weather",
-                {"city": 'München; {"name": 1}', "days": 3, "options": OPTIONS},
-            ),
-            ("get_time", {"zone": "UTC"}),
-        ],
-        ('"parameters"', "<|python_tag|>"),
-    ),
-    Case(
-        "llama3_json",
-        'I will look it up. <|python_tag|>{"name": "get_time", "parameters": '
-        '{"zone": "CET"}}',
-        "I will look it up.",
-        [("get_time", {"zone": "CET"})],
-        ('"parameters"', "<|python_tag|>"),
-    ),
-    Case(
-        "pythonic",
-        'Checking.<|tool_call_start|>[get_weather(city="Paris <|tool_call_start|>)",'
-        ' days=3, options={"units": {"temp": "C"}, "hours": [1, 2]}), '
-        'get_time(zone="UTC")]<|tool_call_end|>Done ✓',
-        "Checking.Done ✓",
-        [
-            (
-                "get_weather",
-                {"city": "Paris <|tool_call_start|>)", "days": 3, "options": OPTIONS},
-            ),
-            ("get_time", {"zone": "UTC"}),
-        ],
-        ("<|tool_call_start|>", "<|tool_call_end|>", "get_weather("),
-    ),
-    Case(
-        "glm47",
-        "Let me see.<tool_call>get_weather<arg_key>city</arg_key>"
-        "<arg_value>Köln <arg_key></arg_value><arg_key>days</arg_key>"
-        f"<arg_value>3</arg_value><arg_key>options</arg_key><arg_value>"
-        f"{json.dumps(OPTIONS)}</arg_value></tool_call><tool_call>get_time"
-        "<arg_key>zone</arg_key><arg_value>UTC</arg_value></tool_call>",
-        "Let me see.",
-        [
-            ("get_weather", {"city": "Köln <arg_key>", "days": 3, "options": OPTIONS}),
-            ("get_time", {"zone": "UTC"}),
-        ],
-        ("<tool_call>", "<arg_key>", "<arg_value>"),
-    ),
-    Case(  # GLM-4.5 and 4.6 put newlines between the parts
-        "glm47",
-        "<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>CET</arg_value>\n"
-        "</tool_call>\nOK.",
-        "OK.",
-        [("get_time", {"zone": "CET"})],
-        ("<tool_call>", "<arg_key>", "<arg_value>"),
-    ),
-    Case(
-        "kimi_k2",
-        "Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
-        '<|tool_call_argument_begin|>{"city": "東京 <|tool_calls_section_begin|>", '
-        f'"days": 3, "options": {json.dumps(OPTIONS)}}}<|tool_call_end|>'
-        "<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>"
-        '{"zone": "UTC"}<|tool_call_end|><|tool_calls_section_end|>',
-        "Sure.",
-        [
-            (
-                "get_weather",
-                {
-                    "city": "東京 <|tool_calls_section_begin|>",
-                    "days": 3,
-                    "options": OPTIONS,
-                },
-            ),
-            ("get_time", {"zone": "UTC"}),
-        ],
-        ("<|tool_call", "functions."),
-    ),
-    Case(
-        "deepseek_v3",
-        f"Checking.{DS_OPEN}{DS_CALL}function{DS_SEP}get_weather\n```json\n"
-        f'{{"city": "Paris ```", "days": 3, "options": {json.dumps(OPTIONS)}}}\n'
-        f"```{DS_END}{DS_CALL}function{DS_SEP}get_time\n```json\n"
-        f'{{"zone": "UTC"}}\n```{DS_END}{DS_CLOSE}',
-        "Checking.",
-        [
-            ("get_weather", {"city": "Paris ```", "days": 3, "options": OPTIONS}),
-            ("get_time", {"zone": "UTC"}),
-        ],
-        (BAR, "```"),
-    ),
-    Case(
-        "deepseek_v31",
-        f'{DS_OPEN}{DS_CALL}get_weather{DS_SEP}{{"city": "Paris {DS_SEP}", '
-        f'"options": {json.dumps(OPTIONS)}}}{DS_END}{DS_CLOSE} Voilà.',
-        "Voilà.",
-        [("get_weather", {"city": f"Paris {DS_SEP}", "options": OPTIONS})],
-        (BAR,),
-    ),
-    Case(
-        "gemma4",
-        'Checking.<|tool_call>call:get_weather{city:<|"|>Paris, {France}: '
-        '<|tool_call><|"|>,'
-        'days:3,options:{units:{temp:<|"|>C<|"|>},hours:[1,2]}}<tool_call|>'
-        '<|tool_call>call:get_time{zone:<|"|>UTC<|"|>}<tool_call|>Done ✓',
-        "Checking.Done ✓",
-        [
-            (
-                "get_weather",
-                {
-                    "city": "Paris, {France}: <|tool_call>",
-                    "days": 3,
-                    "options": OPTIONS,
-                },
-            ),
-            ("get_time", {"zone": "UTC"}),
-        ],
-        ("<|tool_call>", "<tool_call|>", '<|"|>', "call:"),
-    ),
-    Case(
-        "hermes",
-        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
-        f'{{"city": "Rome </tool_call", "options": {json.dumps(OPTIONS)}}}}}\n'
-        "</tool_call>",
-        "Let me check.",
-        [("get_weather", {"city": "Rome </tool_call", "options": OPTIONS})],
-        ("<tool_call>",),
-    ),
-]
 IDS = [f"{case.format}-{i}" for i, case in enumerate(CASES)]
 
 
@@ -384,7 +156,7 @@ TEMPLATES = {
         "tool.function.name + '[ARGS]' + tool.function.arguments|tojson }}"
     ),
     "mistral": (
-        "{{- '[TOOL_CALLS][' }}{%- for tool_call in message.tool_calls %}"
+        "{{- '[TOOL_CALLS] [' }}{%- for tool_call in message.tool_calls %}"
         '{{- {"name": tool_call.function.name, "arguments": '
         "tool_call.function.arguments}|tojson }}{% endfor %}{{- ']' }}"
     ),
@@ -503,6 +275,24 @@ class TestReasoning:
         assert split(fmt, plain, size, False) == ("", plain)
 
     @pytest.mark.parametrize("size", [1, 3, 7, 1000])
+    def test_gemma4_thinks_in_its_thought_channel(self, size: int) -> None:
+        template = (
+            "{%- if enable_thinking %}<|think|>{% endif %}{%- macro strip(t) -%}"
+            "{{- t.split('<channel|>')[-1] if '<|channel>' in t else t -}}"
+            "{%- endmacro -%}{%- if add_generation_prompt %}<|turn>model\n"
+            "{%- endif %}"
+        )
+        fmt = model_formats(template).reasoning
+        assert fmt is REASONING_FORMATS["gemma4"]
+        assert not fmt.opens(template, {"enable_thinking": True})
+        text = "<|channel>thought\nIs <channel> 4? Yes.<channel|>It is 4 ✓"
+        assert split(fmt, text, size, False) == ("Is <channel> 4? Yes.", "It is 4 ✓")
+        plain = "No thought <|channel>thought here."
+        assert split(fmt, plain, size, False) == ("", plain)
+        harmony = "<|channel|>analysis<|message|>x"
+        assert model_formats(harmony).reasoning is REASONING_FORMATS["harmony"]
+
+    @pytest.mark.parametrize("size", [1, 3, 7, 1000])
     def test_harmony_channels_split_reasoning_content_and_calls(
         self, size: int
     ) -> None:
@@ -542,34 +332,6 @@ class TestReasoning:
         parsed = parse("harmony", content, [4])
         assert parsed.calls == [("get_time", '{"zone": "UTC"}')]
         assert parsed.content == ""
-
-
-# A call to FORCED as each format's grammar writes it.
-FORCED_TEXT = {
-    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
-    "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
-    "glm47": "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris"
-    "</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>",
-    "mistral_v11": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
-    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": '
-    '{"city": "Paris", "days": 3}}]',
-    "llama3_json": '{"name": "get_weather", "parameters": '
-    '{"city": "Paris", "days": 3}}',
-    "pythonic": '<|tool_call_start|>[get_weather(city="Paris", days=3)]'
-    "<|tool_call_end|>",
-    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
-    '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|>'
-    "<|tool_calls_section_end|>",
-    "deepseek_v3": f"{DS_OPEN}{DS_CALL}function{DS_SEP}get_weather\n```json\n"
-    f'{{"city": "Paris", "days": 3}}\n```{DS_END}{DS_CLOSE}',
-    "deepseek_v31": f'{DS_OPEN}{DS_CALL}get_weather{DS_SEP}{{"city": "Paris", '
-    f'"days": 3}}{DS_END}{DS_CLOSE}',
-    "gemma4": '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>',
-    "harmony": "<|channel|>commentary to=functions.get_weather <|constrain|>json"
-    '<|message|>{"city": "Paris", "days": 3}',
-    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
-    '"days": 3}}\n</tool_call>',
-}
 
 
 @pytest.fixture(scope="module")
@@ -615,9 +377,67 @@ class TestForcedCalls:
         assert not (accepted and matcher.is_accepting())
 
     @pytest.mark.parametrize("name", ["pythonic", "gemma4"])
-    def test_a_format_that_cannot_force_an_object_says_so(self, name: str) -> None:
-        parameters = {**(WEATHER.parameters or {}), "required": ["city", "options"]}
-        with pytest.raises(UnforcedCallError, match=f"{name}.*options"):
-            TOOL_CALL_FORMATS[name].grammar(
-                [ToolSpec("get_weather", parameters)], False
+    def test_objects_and_lists_are_forced_in_the_formats_own_literals(
+        self, name: str, tokenizer: Any
+    ) -> None:
+        fmt = TOOL_CALL_FORMATS[name]
+        source = fmt.grammar([PLAN], False)
+        for text, accepted in PLAN_TEXT[name]:
+            matcher = llguidance.LLMatcher(
+                tokenizer, llguidance.grammar_from("lark", source), log_level=0
             )
+            took = matcher.consume_tokens(tokenizer.tokenize_str(text))
+            assert (took and matcher.is_accepting()) is accepted, text
+            if not accepted:
+                continue
+            parser = fmt.parser([PLAN])
+            pieces = parser.feed(text) + parser.end()
+            arguments = "".join(p.text for p in pieces if isinstance(p, CallArguments))
+            assert json.loads(arguments) == PLAN_ARGUMENTS
+            jsonschema.validate(PLAN_ARGUMENTS, PLAN.parameters or {})
+
+    @pytest.mark.parametrize("name", ["pythonic", "gemma4"])
+    def test_a_string_pattern_cannot_be_forced_and_says_so(self, name: str) -> None:
+        parameters = {
+            "type": "object",
+            "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+            "required": ["code"],
+        }
+        with pytest.raises(UnforcedCallError, match=f"{name}.*'code'.*pattern"):
+            TOOL_CALL_FORMATS[name].grammar([ToolSpec("get_code", parameters)], False)
+
+    BOUNDS = ((MAX_FORCED_CALLS, True), (MAX_FORCED_CALLS + 1, False))
+
+    @pytest.mark.parametrize(
+        ("name", "between"), [("hermes", "\n"), ("llama3_json", "; ")]
+    )
+    def test_parallel_calls_end_at_the_bound(
+        self, name: str, between: str, tokenizer: Any
+    ) -> None:
+        # A list that may go on forever never ends for a model that prefers
+        # the separator: the grammar ends it after MAX_FORCED_CALLS calls.
+        source = TOOL_CALL_FORMATS[name].grammar([FORCED], True)
+        for count, accepted in (
+            (MAX_FORCED_CALLS, True),
+            (MAX_FORCED_CALLS + 1, False),
+        ):
+            matcher = llguidance.LLMatcher(
+                tokenizer, llguidance.grammar_from("lark", source), log_level=0
+            )
+            text = between.join([FORCED_TEXT[name]] * count)
+            took = matcher.consume_tokens(tokenizer.tokenize_str(text))
+            assert (took and matcher.is_accepting()) is accepted, count
+
+    def test_a_mistral_list_ends_at_the_bound(self, tokenizer: Any) -> None:
+        source = TOOL_CALL_FORMATS["mistral"].grammar([FORCED], True)
+        call = FORCED_TEXT["mistral"].removeprefix("[TOOL_CALLS] [").removesuffix("]")
+        for count, accepted in (
+            (MAX_FORCED_CALLS, True),
+            (MAX_FORCED_CALLS + 1, False),
+        ):
+            matcher = llguidance.LLMatcher(
+                tokenizer, llguidance.grammar_from("lark", source), log_level=0
+            )
+            text = "[TOOL_CALLS] [" + ", ".join([call] * count) + "]"
+            took = matcher.consume_tokens(tokenizer.tokenize_str(text))
+            assert (took and matcher.is_accepting()) is accepted, count

@@ -118,15 +118,19 @@ class ToolCallFormat:
         parser: A parser for one answer (given the request's tools).
         grammar: A Lark grammar that forces calls to ``tools``, each one's
             arguments valid for its schema: ``grammar(tools, parallel)``
-            allows one call then the end, or with ``parallel`` one or more;
+            allows one call then the end, or with ``parallel`` one or more
+            (at most :data:`.blocks.MAX_FORCED_CALLS`);
             it raises :class:`UnforcedCallError` for tools whose arguments
             the format's syntax cannot be forced to hold.
+        markers: The markup its calls are written in (openings, closings,
+            separators): text a parsed call leaves in no content field.
     """
 
     name: str
     detect: Callable[[str], bool]
     parser: ToolParserFactory
     grammar: Callable[[Sequence[ToolSpec], bool], str]
+    markers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from .base import (
 from .vlm import Decoded
 
 __all__ = [
+    "MAX_FORCED_CALLS",
     "BlockToolParser",
     "CallSyntax",
     "Decoder",
@@ -228,6 +229,13 @@ def literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+#: The most calls a forced answer with parallel calls may hold. A list that
+#: may go on forever never ends for a model that prefers the separator to
+#: the list's end (a random one always does, a small one in a loop may):
+#: it repeats calls until ``max_tokens`` and no call comes back.
+MAX_FORCED_CALLS = 8
+
+
 def grammar_of_calls(
     tools: Sequence[ToolSpec],
     parallel: bool,
@@ -237,8 +245,9 @@ def grammar_of_calls(
     between: str = "",
     after: str = "",
 ) -> str:
-    """A Lark grammar of one call (or with ``parallel``, one or more,
-    ``between`` apart) to one of ``tools``, inside ``before`` and ``after``.
+    """A Lark grammar of one call (or with ``parallel``, one to
+    :data:`MAX_FORCED_CALLS`, ``between`` apart) to one of ``tools``,
+    inside ``before`` and ``after``.
     ``call(i, tool)`` gives the rules of the tool's call, the first one
     named ``call_{i}``."""
     rules: list[str] = []
@@ -246,10 +255,11 @@ def grammar_of_calls(
         rules += call(i, tool)
     calls = " | ".join(f"call_{i}" for i in range(len(tools)))
     sep = f"{literal(between)} " if between else ""
-    body = f"call ({sep}call)*" if parallel else "call"
+    more = f" ({sep}call){{0,{MAX_FORCED_CALLS - 1}}}" if parallel else ""
     head = f"{literal(before)} " if before else ""
     tail = f" {literal(after)}" if after else ""
-    return "\n".join([f"start: {head}{body}{tail}", f"call: {calls}", *rules]) + "\n"
+    start = f"start: {head}call{more}{tail}"
+    return "\n".join([start, f"call: {calls}", *rules]) + "\n"
 
 
 def property_items(parameters: Any) -> list[tuple[str, dict[str, Any], bool]]:

@@ -102,10 +102,18 @@ def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
 
 #: DeepSeek V3's format, an entry of the registry.
 DEEPSEEK_V3 = ToolCallFormat(
-    name="deepseek_v3", detect=detect_v3, parser=parser, grammar=v3_grammar
+    name="deepseek_v3",
+    detect=detect_v3,
+    parser=parser,
+    grammar=v3_grammar,
+    markers=(OPEN, CLOSE, CALL_OPEN, CALL_CLOSE, SEP),
 )
 
 #: DeepSeek V3.1's format, an entry of the registry.
 DEEPSEEK_V31 = ToolCallFormat(
-    name="deepseek_v31", detect=detect_v31, parser=parser, grammar=v31_grammar
+    name="deepseek_v31",
+    detect=detect_v31,
+    parser=parser,
+    grammar=v31_grammar,
+    markers=(OPEN, CLOSE, CALL_OPEN, CALL_CLOSE, SEP),
 )

@@ -4,18 +4,18 @@ Any thread, pure Python. Gemma 4 writes each call as its own block, its
 arguments in Gemma's own object syntax: keys bare, strings between
 ``<|"|>`` quotes, numbers and booleans bare, objects in braces. Detected
 by mlx-vlm (``gemma4``: the template names ``<|tool_call>``) and decoded by
-its parser; :func:`grammar` forces strings, numbers, booleans and enums (a
-tool taking objects or lists is refused: they are not JSON here).
+its parser; :func:`grammar` forces each value in that syntax (:mod:`.literals`),
+objects and lists included; a string with a ``pattern`` or ``format`` is
+refused.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from typing import Any
 
-from .base import ToolCallFormat, ToolCallParser, ToolSpec, UnforcedCallError
+from .base import ToolCallFormat, ToolCallParser, ToolSpec
 from .blocks import BlockToolParser, Markers, grammar_of_calls, literal, property_items
+from .literals import LiteralSyntax, value_rules
 from .vlm import vlm_decoder, vlm_detects
 
 __all__ = ["GEMMA4", "grammar"]
@@ -25,28 +25,25 @@ OPEN, CLOSE = "<|tool_call>", "<tool_call|>"
 QUOTE = '<|"|>'
 
 
-def _value(tool: str, key: str, schema: dict[str, Any]) -> str:
-    values = schema.get("enum")
-    kind = schema.get("type")
-    if values and all(isinstance(v, str) for v in values):
-        return " | ".join(literal(QUOTE + v + QUOTE) for v in values)
-    if kind == "string" and not {"pattern", "format"} & set(schema):
-        low, high = schema.get("minLength", 0), schema.get("maxLength", "")
-        return f"{literal(QUOTE)} /[^<\\n]{{{low},{high}}}/ {literal(QUOTE)}"
-    if kind in ("integer", "number", "boolean"):
-        return f"%json {json.dumps(schema)}"
-    raise UnforcedCallError(
-        f"The {NAME} tool-call format cannot force {tool}'s argument {key!r} "
-        f"(type {kind or 'any'}): it forces only strings, numbers, booleans "
-        "and enums; use tool_choice 'auto'."
-    )
+#: Gemma 4's values: bare keys, strings between ``<|"|>`` quotes.
+SYNTAX = LiteralSyntax(
+    format=NAME,
+    quote=QUOTE,
+    unquoted="^<\\n",
+    true="true",
+    false="false",
+    null="null",
+    separator=",",
+    key_format="{key}:",
+    any_key='/[A-Za-z_][A-Za-z0-9_]*/ ":"',
+)
 
 
 def _call(i: int, tool: ToolSpec) -> list[str]:
     rules, arguments = [], []
     for k, (key, schema, required) in enumerate(property_items(tool.parameters)):
         if required:
-            rules.append(f"value_{i}_{k}: {_value(tool.name, key, schema)}")
+            rules += value_rules(SYNTAX, tool.name, key, schema, f"value_{i}_{k}")
             arguments.append(f"{literal(key + ':')} value_{i}_{k}")
     inner = ' "," '.join(arguments)
     head, tail = literal(f"{OPEN}call:{tool.name}{{"), literal("}" + CLOSE)
@@ -69,5 +66,9 @@ def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
 
 #: Gemma 4's format, an entry of the registry.
 GEMMA4 = ToolCallFormat(
-    name=NAME, detect=vlm_detects(NAME), parser=parser, grammar=grammar
+    name=NAME,
+    detect=vlm_detects(NAME),
+    parser=parser,
+    grammar=grammar,
+    markers=(OPEN, CLOSE, QUOTE),
 )

@@ -58,5 +58,9 @@ def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
 
 #: GLM's format, an entry of the registry.
 GLM47 = ToolCallFormat(
-    name=NAME, detect=vlm_detects(NAME), parser=parser, grammar=grammar
+    name=NAME,
+    detect=vlm_detects(NAME),
+    parser=parser,
+    grammar=grammar,
+    markers=(OPEN, CLOSE, "<arg_key>", "<arg_value>"),
 )

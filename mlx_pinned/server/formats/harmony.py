@@ -200,7 +200,11 @@ def _opens(template: str, template_kwargs: Mapping[str, Any]) -> bool:
 
 #: Harmony's tool calls, an entry of the registry.
 HARMONY = ToolCallFormat(
-    name=NAME, detect=vlm_detects(NAME), parser=parser, grammar=grammar
+    name=NAME,
+    detect=vlm_detects(NAME),
+    parser=parser,
+    grammar=grammar,
+    markers=(CHANNEL, MESSAGE, START, CALL, "<|constrain|>", "to=functions."),
 )
 
 #: Harmony's analysis channel, an entry of the reasoning registry.

@@ -30,6 +30,7 @@ from .base import (
     json_arguments,
     partial_marker,
 )
+from .blocks import grammar_of_calls, literal
 
 __all__ = ["HERMES", "HermesToolParser", "grammar"]
 
@@ -50,21 +51,18 @@ def detect(template: str) -> bool:
     return TOOL_CALL_OPEN in template
 
 
+def _call(i: int, tool: ToolSpec) -> list[str]:
+    head = literal(f'{TOOL_CALL_OPEN}\n{{"name": "{tool.name}", "arguments": ')
+    tail = literal("}\n" + TOOL_CALL_CLOSE)
+    schema = json.dumps(json_arguments(tool.parameters))
+    return [f"call_{i}: {head} args_{i} {tail}", f"args_{i}: %json {schema}"]
+
+
 def grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
     """A Lark grammar for one call (or, with ``parallel``, one or more, a
     newline apart) to one of ``tools``, its arguments constrained by the
     tool's ``parameters`` schema."""
-    rules = []
-    for i, tool in enumerate(tools):
-        head = f'{TOOL_CALL_OPEN}\n{{"name": "{tool.name}", "arguments": '
-        rules.append(
-            f"call_{i}: {json.dumps(head)} args_{i} "
-            f"{json.dumps('}' + chr(10) + TOOL_CALL_CLOSE)}"
-        )
-        rules.append(f"args_{i}: %json {json.dumps(json_arguments(tool.parameters))}")
-    calls = " | ".join(f"call_{i}" for i in range(len(tools)))
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return "\n".join([start, f"call: {calls}", *rules]) + "\n"
+    return grammar_of_calls(tools, parallel, _call, between="\n")
 
 
 class _State(enum.Enum):
@@ -198,5 +196,9 @@ class HermesToolParser:
 
 #: Hermes' format, an entry of the registry.
 HERMES = ToolCallFormat(
-    name="hermes", detect=detect, parser=HermesToolParser, grammar=grammar
+    name="hermes",
+    detect=detect,
+    parser=HermesToolParser,
+    grammar=grammar,
+    markers=(TOOL_CALL_OPEN, TOOL_CALL_CLOSE),
 )

@@ -49,5 +49,15 @@ def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
 
 #: Kimi K2's format, an entry of the registry.
 KIMI_K2 = ToolCallFormat(
-    name=NAME, detect=vlm_detects(NAME), parser=parser, grammar=grammar
+    name=NAME,
+    detect=vlm_detects(NAME),
+    parser=parser,
+    grammar=grammar,
+    markers=(
+        OPEN,
+        CLOSE,
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+    ),
 )

@@ -103,5 +103,9 @@ def grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
 
 #: Llama 3's JSON format, an entry of the registry.
 LLAMA3_JSON = ToolCallFormat(
-    name="llama3_json", detect=detect, parser=parser, grammar=grammar
+    name="llama3_json",
+    detect=detect,
+    parser=parser,
+    grammar=grammar,
+    markers=(PYTHON_TAG, '"parameters": '),
 )

@@ -102,18 +102,28 @@ def _list_call(i: int, tool: ToolSpec) -> list[str]:
 
 
 def list_grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """Calls as earlier models write them: one ``[TOOL_CALLS]`` and a list."""
+    """Calls as earlier models write them: one ``[TOOL_CALLS]`` and a list,
+    a space apart as their template writes it (``[TOOL_CALLS] [``), so the
+    call sent back renders as the model wrote it."""
     return grammar_of_calls(
-        tools, parallel, _list_call, before=f"{OPEN}[", between=", ", after="]"
+        tools, parallel, _list_call, before=f"{OPEN} [", between=", ", after="]"
     )
 
 
 #: Mistral's v11 format (``NAME[ARGS]{...}``), an entry of the registry.
 MISTRAL_V11 = ToolCallFormat(
-    name="mistral_v11", detect=detect_v11, parser=parser, grammar=v11_grammar
+    name="mistral_v11",
+    detect=detect_v11,
+    parser=parser,
+    grammar=v11_grammar,
+    markers=(OPEN, ARGS),
 )
 
 #: Mistral's earlier format (a JSON list), an entry of the registry.
 MISTRAL = ToolCallFormat(
-    name="mistral", detect=vlm_detects("mistral"), parser=parser, grammar=list_grammar
+    name="mistral",
+    detect=vlm_detects("mistral"),
+    parser=parser,
+    grammar=list_grammar,
+    markers=(OPEN,),
 )

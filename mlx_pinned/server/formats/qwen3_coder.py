@@ -61,5 +61,9 @@ def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
 
 #: Qwen3-Coder's format, an entry of the registry.
 QWEN3_CODER = ToolCallFormat(
-    name=NAME, detect=vlm_detects(NAME), parser=parser, grammar=grammar
+    name=NAME,
+    detect=vlm_detects(NAME),
+    parser=parser,
+    grammar=grammar,
+    markers=(OPEN, CLOSE, "<function=", "<parameter="),
 )

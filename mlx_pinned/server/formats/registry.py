@@ -26,7 +26,7 @@ from .llama3 import LLAMA3_JSON
 from .mistral import MISTRAL, MISTRAL_V11
 from .pythonic import PYTHONIC
 from .qwen3_coder import QWEN3_CODER
-from .think import MAGISTRAL, THINK
+from .think import GEMMA4_THINKING, MAGISTRAL, THINK
 
 __all__ = [
     "NONE",
@@ -72,7 +72,7 @@ UNTEMPLATED = HERMES
 
 #: Reasoning formats by name, in the order detection tries them.
 REASONING_FORMATS: Mapping[str, ReasoningFormat] = {
-    f.name: f for f in (HARMONY_REASONING, MAGISTRAL, THINK)
+    f.name: f for f in (HARMONY_REASONING, MAGISTRAL, GEMMA4_THINKING, THINK)
 }
 
 F = TypeVar("F", ToolCallFormat, ReasoningFormat)

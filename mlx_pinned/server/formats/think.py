@@ -6,7 +6,8 @@ DeepSeek-R1); :class:`ReasoningSplitter` sends the text between to the
 reasoning and the rest to the content, one piece of text at a time, so a
 stream and a whole answer split alike. Whether the answer starts inside
 the reasoning is read from the chat template (:func:`opens`). Magistral
-writes the same shape with ``[THINK]`` and ``[/THINK]`` (:data:`MAGISTRAL`).
+writes the same shape with ``[THINK]`` and ``[/THINK]`` (:data:`MAGISTRAL`),
+Gemma 4 with ``<|channel>thought`` and ``<channel|>`` (:data:`GEMMA4_THINKING`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ from typing import Any
 
 from .base import ReasoningFormat, partial_marker
 
-__all__ = ["MAGISTRAL", "THINK", "ReasoningSplitter", "opens"]
+__all__ = [
+    "GEMMA4_THINKING",
+    "MAGISTRAL",
+    "THINK",
+    "ReasoningSplitter",
+    "opens",
+    "tagged",
+]
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -138,30 +146,40 @@ class ReasoningSplitter:
         return reasoning, text
 
 
-MAGISTRAL_OPEN, MAGISTRAL_CLOSE = "[THINK]", "[/THINK]"
+def tagged(
+    name: str, opening: str, closing: str, *, named: str | None = None
+) -> ReasoningFormat:
+    """A format that thinks between ``opening`` and ``closing``, as
+    ``<think>`` does, detected by a template that names ``named`` (by
+    default ``opening``)."""
 
+    def detect(template: str) -> bool:
+        return (named or opening) in template
 
-def _magistral_detect(template: str) -> bool:
-    return MAGISTRAL_OPEN in template
+    def opens_here(template: str, template_kwargs: Mapping[str, Any]) -> bool:
+        return opens(template, template_kwargs, opening=opening, closing=closing)
 
+    def parser(opened: bool) -> ReasoningSplitter:
+        return ReasoningSplitter(opened, opening=opening, closing=closing)
 
-def _magistral_opens(template: str, template_kwargs: Mapping[str, Any]) -> bool:
-    return opens(
-        template, template_kwargs, opening=MAGISTRAL_OPEN, closing=MAGISTRAL_CLOSE
+    return ReasoningFormat(
+        name=name,
+        detect=detect,
+        opens=opens_here,
+        parser=parser,
+        markers=(opening, closing),
     )
 
 
-def _magistral_parser(opened: bool) -> ReasoningSplitter:
-    return ReasoningSplitter(opened, opening=MAGISTRAL_OPEN, closing=MAGISTRAL_CLOSE)
-
-
 #: Magistral's ``[THINK]...[/THINK]`` format, an entry of the registry.
-MAGISTRAL = ReasoningFormat(
-    name="magistral",
-    detect=_magistral_detect,
-    opens=_magistral_opens,
-    parser=_magistral_parser,
-    markers=(MAGISTRAL_OPEN, MAGISTRAL_CLOSE),
+MAGISTRAL = tagged("magistral", "[THINK]", "[/THINK]")
+
+#: Gemma 4's thought channel, ``<|channel>thought ... <channel|>`` before
+#: the answer (the markers mlx-vlm's server splits Gemma 4's thinking by);
+#: a template that names ``<|channel>`` (to strip it from the history)
+#: thinks in it. An entry of the registry.
+GEMMA4_THINKING = tagged(
+    "gemma4", "<|channel>thought", "<channel|>", named="<|channel>"
 )
 
 #: The ``<think>`` format, an entry of the registry.
