@@ -54,17 +54,24 @@ GAP_BOUND = {8: 0.1, 4: 1.0}
 BUDGET = 64 * 1024 * 1024
 
 
-def widen(source: Path, target: Path, head: int = HEAD) -> Path:
-    """A copy of a tiny model whose attention heads have ``head`` values."""
+def widen(source: Path, target: Path, head: int = HEAD, layers: int = 2) -> Path:
+    """A copy of a tiny model whose attention heads have ``head`` values,
+    with ``layers`` layers (past the second, copies of it)."""
     shutil.copytree(source, target)
     config = json.loads((target / "config.json").read_text())
     text = config.get("text_config", config)
     text["head_dim"] = head
+    text["num_hidden_layers"] = layers
     rope = text.get("rope_scaling") or {}
     if "mrope_section" in rope:  # halves of the head: temporal, height, width
         rope["mrope_section"] = [head // 4, head // 8, head // 8]
     (target / "config.json").write_text(json.dumps(config))
     weights = safetensors.numpy.load_file(str(target / "model.safetensors"))
+    second = "language_model.model.layers.1."
+    for name in [name for name in weights if name.startswith(second)]:
+        for layer in range(2, layers):
+            copy = name.replace(".layers.1.", f".layers.{layer}.")
+            weights[copy] = weights[name].copy()
     rng = np.random.default_rng(1)
     hidden, heads = text["hidden_size"], text["num_attention_heads"]
     kv_heads = text["num_key_value_heads"]
@@ -94,6 +101,8 @@ def wide_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "text": widen(tiny_lm_path(), root / "text"),
         "vision": widen(tiny_vlm_path(), root / "vision"),
+        # Deeper than two layers: mlx-vlm leaves the last one unquantized.
+        "deep": widen(tiny_lm_path(), root / "deep", layers=3),
     }
 
 
@@ -111,7 +120,7 @@ def text_request(index: int, max_tokens: int, **params: Any) -> Request:
 def one(kind: str, index: int, max_tokens: int, **params: Any) -> Request:
     """Request ``index``: a text one, or on the vision model one with its
     own image size (some with none)."""
-    make = text_request if kind == "text" else request
+    make = request if kind == "vision" else text_request
     return make(index, max_tokens, **params)
 
 
@@ -229,7 +238,7 @@ class TestDistanceFromTheFloatCache:
 
 
 class TestExactUnderTheSameBits:
-    @pytest.mark.parametrize("kind", ["text", "vision"])
+    @pytest.mark.parametrize("kind", ["text", "vision", "deep"])
     @pytest.mark.parametrize("bits", [8, 4])
     async def test_batched_with_joins_and_leaves_equals_alone(
         self, thread: MLXThread, wide: dict[str, LoadedModel], kind: str, bits: int
@@ -256,14 +265,15 @@ class TestExactUnderTheSameBits:
         assert worst <= TOL
         assert batch.statistics().peak_active >= 3
 
+    @pytest.mark.parametrize("kind", ["vision", "deep"])
     @pytest.mark.parametrize("bits", [8, 4])
     async def test_prompt_cache_on_equals_off(
-        self, thread: MLXThread, wide: dict[str, LoadedModel], bits: int
+        self, thread: MLXThread, wide: dict[str, LoadedModel], kind: str, bits: int
     ) -> None:
         quant = KVQuant(bits)
-        on = engine_of(wide["vision"], thread, quant, prompt_cache_bytes=BUDGET)
-        off = engine_of(wide["vision"], thread, quant)
-        (params, images) = request(0, 8, top_logprobs=2)
+        on = engine_of(wide[kind], thread, quant, prompt_cache_bytes=BUDGET)
+        off = engine_of(wide[kind], thread, quant)
+        (params, images) = one(kind, 0, 8, top_logprobs=2)
         messages = list(params.messages)
         for turn in range(3):
             asked = GenerationParams(
@@ -285,15 +295,16 @@ class TestExactUnderTheSameBits:
             ]
         assert on.prompt_cache.statistics().hits >= 2
 
+    @pytest.mark.parametrize("kind", ["text", "vision", "deep"])
     @pytest.mark.parametrize("bits", [8, 4])
     async def test_a_prompt_in_chunks_equals_it_at_once(
-        self, thread: MLXThread, wide: dict[str, LoadedModel], bits: int
+        self, thread: MLXThread, wide: dict[str, LoadedModel], kind: str, bits: int
     ) -> None:
         quant = KVQuant(bits)
         long = "A long question about trees, clouds and roads. " * 6
-        req = text_request(0, 10, prompts=(long,), top_logprobs=2)
-        chunked = engine_of(wide["text"], thread, quant, prefill_step_size=16)
-        whole = engine_of(wide["text"], thread, quant)
+        req = one(kind, 0, 10, prompts=(long,), top_logprobs=2)
+        chunked = engine_of(wide[kind], thread, quant, prefill_step_size=16)
+        whole = engine_of(wide[kind], thread, quant)
         got, expected = await run(chunked, req), await run(whole, req)
         assert final(got).prompt_tokens > 3 * 16  # four chunks or more
         assert max_logprob_difference(got, expected) <= TOL
@@ -315,6 +326,16 @@ class TestBytes:
         assert per_token[None] == 2 * 2 * HEAD * 2 * 4
         assert per_token[8] <= per_token[None] / 2
         assert per_token[4] <= per_token[8] * 0.6
+
+    async def test_a_deeper_model_keeps_its_last_layer_in_floats(
+        self, thread: MLXThread, wide: dict[str, LoadedModel]
+    ) -> None:
+        batch = engine_of(wide["deep"], thread, KVQuant(8))
+        await run(batch, text_request(0, 4))
+        values = 2 * HEAD * 2  # a layer's, per token: 2 heads, keys and values
+        # Two layers of a byte a value plus a float32 scale and bias per 64
+        # values, and the last one in float32 (mlx-vlm's rule).
+        assert batch.counters().kv_bytes_per_token == 2 * values * 1.125 + values * 4
 
     async def test_the_prompt_cache_holds_the_quantized_bytes(
         self, thread: MLXThread, wide: dict[str, LoadedModel]
