@@ -28,8 +28,9 @@ from mlx_pinned.server import cli, engine
 from mlx_pinned.server.config import ServerConfig, SettingError
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.kv_quant import KVQuant
+from mlx_pinned.server.engine.speculation import Speculation
 from mlx_pinned.server.engine.state import BatchState
-from mlx_pinned.server.events import FinalEvent, GenerationParams
+from mlx_pinned.server.events import FinalEvent, GenerationParams, Grammar
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import tiny_lm_path, tiny_vlm_path
 
@@ -309,6 +310,61 @@ class TestExactUnderTheSameBits:
         assert final(got).prompt_tokens > 3 * 16  # four chunks or more
         assert max_logprob_difference(got, expected) <= TOL
         assert chunked.statistics().prefill_passes > whole.statistics().prefill_passes
+
+
+class TestGrammarSpeculation:
+    async def test_steps_cut_back_answer_as_alone(
+        self, thread: MLXThread, wide: dict[str, LoadedModel]
+    ) -> None:
+        # Grammar rows drawn unmasked (no logprobs) are checked after; a
+        # refused one has the step's quantized cache entries cut back
+        # (trim) and the step built again, with rows joining meanwhile.
+        schema = {"type": "object", "properties": {"name": {"type": "string"}}}
+        grammar = Grammar("json_schema", json.dumps(schema))
+        reqs = [text_request(i, 24, logprobs=False, grammar=grammar) for i in range(3)]
+        loaded, quant = wide["text"], KVQuant(8)
+
+        def drive(reqs: list[Request], joins: list[int]) -> list[list[int]]:
+            """Each row's tokens; row ``i`` admitted before step ``joins[i]``."""
+            state = BatchState(loaded, kv_quant=quant)
+            rows: list[Any] = []
+            out: list[list[int]] = []
+            steps = 0
+            while len(rows) < len(reqs) or not all(r.done for r in rows):
+                while len(rows) < len(reqs) and steps >= joins[len(rows)]:
+                    rows.append(state.admit(*reqs[len(rows)]))
+                    out.append([])
+                state.step()
+                steps += 1
+                for row, got in zip(rows, out, strict=True):
+                    got += [item.token for item in row.pending]
+                    row.pending.clear()
+            return out
+
+        masked = [text_request(i, 24, logprobs=True, grammar=grammar) for i in range(3)]
+
+        def run() -> tuple[list[list[int]], list[list[int]], int]:
+            solo = [drive([req], [0])[0] for req in reqs]
+            # Reading logprobs, a row is always masked: never cut back.
+            assert [drive([req], [0])[0] for req in masked] == solo
+            rebuilt = 0
+            method = Speculation.rebuild
+
+            def counted(self: Speculation, *args: Any) -> Any:
+                nonlocal rebuilt
+                rebuilt += 1
+                return method(self, *args)
+
+            Speculation.rebuild = counted  # type: ignore[method-assign]
+            try:
+                staggered = drive(reqs, [0, 3, 7])
+            finally:
+                Speculation.rebuild = method  # type: ignore[method-assign]
+            return solo, staggered, rebuilt
+
+        solo, staggered, rebuilt = await thread.run(run)
+        assert staggered == solo
+        assert rebuilt > 0
 
 
 class TestBytes:
