@@ -26,6 +26,7 @@ import safetensors.numpy
 from mlx_pinned import MLXThread
 from mlx_pinned.server import cli, engine
 from mlx_pinned.server.config import ServerConfig, SettingError
+from mlx_pinned.server.config_file import read_config_file
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.kv_quant import KVQuant
 from mlx_pinned.server.engine.speculation import Speculation
@@ -194,6 +195,16 @@ class TestSettings:
     def test_a_model_may_set_its_own(self) -> None:
         config = ServerConfig(model=("a", "b"), model_settings=({"kv_bits": 8}, {}))
         assert (config.for_model(0).kv_bits, config.for_model(1).kv_bits) == (8, None)
+
+    def test_a_config_files_model_sets_its_own(self, tmp_path: Path) -> None:
+        file = tmp_path / "models.toml"
+        file.write_text(
+            "kv_group_size = 32\n[[models]]\npath = 'a/b'\nkv_bits = 4\n"
+            "[[models]]\npath = 'c/d'\n"
+        )
+        read = read_config_file(file)
+        assert read.settings == {"kv_group_size": 32}
+        assert read.model_settings == ({"kv_bits": 4}, {})
 
     def test_the_command_line_names_the_flag(
         self, capsys: pytest.CaptureFixture[str]
