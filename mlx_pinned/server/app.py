@@ -42,6 +42,7 @@ from mlx_pinned.middleware import MLXThreadMiddleware
 
 from .config import ServerConfig
 from .engine import BatchEngine
+from .engine.kv_quant import KVQuant
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
 from .events import Engine
 from .formats import log_formats
@@ -145,6 +146,7 @@ def create_app(
             prefill_step_size=own.prefill_step_size,
             prefill_step_seconds=own.prefill_step_seconds,
             image_cache_bytes=own.image_cache_budget,
+            **_kv_quant(own),
         )
         for own in each
     ]
@@ -328,3 +330,11 @@ def _freeze_gc() -> int:
     frozen = gc.get_freeze_count()
     logger.info("froze %d objects out of later garbage collections", frozen)
     return frozen
+
+
+def _kv_quant(own: ServerConfig) -> dict[str, Any]:
+    """The engine's ``kv_quant`` argument where ``kv_bits`` is set (none
+    otherwise, so an engine factory without it still serves)."""
+    if own.kv_bits is None:
+        return {}
+    return {"kv_quant": KVQuant(own.kv_bits, own.kv_group_size)}

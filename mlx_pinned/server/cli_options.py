@@ -344,6 +344,18 @@ OPTIONS = (
         "playground",
         "serve the chat page at / (default: on; --no-playground turns it off)",
     ),
+    # The quantized KV cache.
+    Option(
+        "kv_bits",
+        "quantize the KV cache to 4 or 8 bits per value (default: off)",
+        whole,
+    ),
+    Option(
+        "kv_group_size",
+        "values sharing one scale under --kv-bits: 32, 64 or 128 (default: "
+        "%(default)s)",
+        whole,
+    ),
 )
 
 

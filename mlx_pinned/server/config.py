@@ -187,6 +187,12 @@ class ServerConfig:
             or the MLX thread runs. Process-wide, so off by default.
         playground: Serve the chat page at ``/`` (and its assets under
             ``/playground/``); off: those paths are 404.
+        kv_bits: Quantize the KV cache to 4 or 8 bits per value (mlx-vlm's
+            quantized caches, as ``mx.quantize`` packs them); None: keep it
+            in the model's float type. A model whose cache cannot be
+            quantized (sliding-window or recurrent layers) fails its load.
+        kv_group_size: Values of a head that share one scale and bias
+            under ``kv_bits``: 32, 64 or 128, dividing the model's head size.
     """
 
     model: str | tuple[str, ...] = ""
@@ -230,6 +236,9 @@ class ServerConfig:
     # Process-wide: a library user's app shares the process with other code.
     freeze_gc: bool = False
     playground: bool = True
+    # The quantized KV cache.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
     model_settings: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:

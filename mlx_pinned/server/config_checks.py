@@ -32,6 +32,8 @@ PER_MODEL_SETTINGS = frozenset(
         "prefill_step_seconds",
         "tool_call_parser",
         "reasoning_parser",
+        "kv_bits",
+        "kv_group_size",
     }
 )
 
@@ -97,6 +99,7 @@ def check_config(config: ServerConfig) -> None:
     _seconds(config, "distributed_timeout", positive=True, finite=True)
     _check_residency(config)
     _check_distributed(config)
+    _check_kv_quant(config)
     if config.default_max_tokens > config.max_tokens_limit:
         _set(config, "default_max_tokens", config.max_tokens_limit)
     for index in range(len(config.model_settings)):
@@ -173,6 +176,23 @@ def _check_distributed(config: ServerConfig) -> None:
         raise SettingError(
             "distributed",
             "distributed loads the model at start-up: no load_on_first_use",
+        )
+
+
+def _check_kv_quant(config: ServerConfig) -> None:
+    bits, group = config.kv_bits, config.kv_group_size
+    if bits is not None and (isinstance(bits, bool) or bits not in (4, 8)):
+        raise SettingError(
+            "kv_bits",
+            f"kv_bits must be 4 or 8 (or unset: no quantization), not {bits!r}",
+        )
+    if isinstance(group, bool) or group not in (32, 64, 128):
+        raise SettingError(
+            "kv_group_size", f"kv_group_size must be 32, 64 or 128, not {group!r}"
+        )
+    if bits is not None and config.distributed is not None:
+        raise SettingError(
+            "kv_bits", "kv_bits is not offered with distributed: unset one of them"
         )
 
 

@@ -281,6 +281,8 @@ class EngineCounters:
         prompt_cache_bytes: Bytes of KV the prompt cache holds.
         ranks: Under tensor parallelism, the rows each rank holds, rank 0
             first (the others as of their last message); empty otherwise.
+        kv_bytes_per_token: Bytes of KV cache one token takes (every layer;
+            quantized under ``kv_bits``); 0 before the first generation.
     """
 
     rows: int
@@ -290,6 +292,7 @@ class EngineCounters:
     prompt_cache_reused_tokens: int
     prompt_cache_bytes: int
     ranks: tuple[int, ...] = ()
+    kv_bytes_per_token: int = 0
 
 
 class Engine(Protocol):

@@ -105,7 +105,8 @@ class TestRoutes:
     async def test_health_tells_each_models_rows_and_kv(self, serve: Serve) -> None:
         async with serve() as served:
             idle = (await served.client.get("/health")).json()["models"]
-            assert idle == {MODEL: {"loaded": True, "rows": 0, "kv_bytes": 0}}
+            nothing = {"rows": 0, "kv_bytes": 0, "kv_bytes_per_token": 0}
+            assert idle == {MODEL: {"loaded": True, **nothing}}
             seen: list[dict[str, int]] = []
             async with anyio.create_task_group() as group:
                 group.start_soon(served.chat, vision_body(300))

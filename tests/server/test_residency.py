@@ -190,7 +190,13 @@ class TestFirstUse:
         async with serve() as served:
             assert served.slot("a").state is SlotState.UNLOADED
             assert await served.health() == {
-                name: {"loaded": False, "rows": 0, "kv_bytes": 0} for name in "ab"
+                name: {
+                    "loaded": False,
+                    "rows": 0,
+                    "kv_bytes": 0,
+                    "kv_bytes_per_token": 0,
+                }
+                for name in "ab"
             }
             listed = (await served.client.get("/v1/models")).json()["data"]
             assert [card["id"] for card in listed] == ["a", "b"]

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..events import EngineCounters, Event, EventStream, GenerationParams
 from .image_cache import install as install_image_cache
+from .kv_quant import KVQuant
 from .loop import BatchLoop
 from .model import LoadedModel, load
 from .prefill import PREFILL_STEP, preprocess, prompt_tokens
@@ -58,7 +59,9 @@ class BatchEngine:
             0: none.
         make_state: Makes the batch from the model, the prompt cache and
             the prefill step size (the tensor-parallel leader's records
-            what it does for the other ranks: :mod:`.distributed`).
+            what it does for the other ranks: :mod:`.distributed`); a
+            quantized KV cache is ``BatchState`` made with ``kv_quant``
+            (:meth:`load` makes it so).
     """
 
     def __init__(
@@ -95,9 +98,11 @@ class BatchEngine:
         prefill_step_size: int = PREFILL_STEP,
         prefill_step_seconds: float | None = None,
         image_cache_bytes: int = 0,
+        kv_quant: KVQuant | None = None,
     ) -> BatchEngine:
         """Load a model and make its engine; runs on ``thread`` (a start-up
-        job of the middleware). See :class:`BatchEngine` for the options."""
+        job of the middleware). See :class:`BatchEngine` for the options;
+        ``kv_quant``: quantize its KV cache so (:mod:`.kv_quant`)."""
         return cls(
             load(model_path),
             thread,
@@ -105,6 +110,9 @@ class BatchEngine:
             prefill_step_size=prefill_step_size,
             prefill_step_seconds=prefill_step_seconds,
             image_cache_bytes=image_cache_bytes,
+            make_state=functools.partial(
+                BatchState, kv_quant=kv_quant, prefill_seconds=prefill_step_seconds
+            ),
         )
 
     @property
@@ -155,6 +163,7 @@ class BatchEngine:
         return EngineCounters(
             rows=batch.active + batch.joining,
             kv_bytes=self._state.kv_bytes(),
+            kv_bytes_per_token=self._state.kv_bytes_per_token(),
             prompt_cache_hits=cache.hits,
             prompt_cache_misses=cache.misses,
             prompt_cache_reused_tokens=cache.reused_tokens,

@@ -10,7 +10,8 @@ last (a text token) runs in the next decode step, which samples the first
 token: the same operation as mlx-vlm's last prefill pass (its embedding, at
 position offset + rope delta). Padded positions are masked and add exact
 zeros, so a prompt's cache is the same alone or together (the tests compare
-the log-probabilities with the unbatched path).
+the log-probabilities with the unbatched path). With ``kv_bits`` set both
+write quantized caches (:mod:`.kv_quant`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from ..failures import RequestError, VideoRefusedError
+from .kv_quant import KVQuant, batch_layer, kv_length, single_caches, to_batch
 from .model import LoadedModel
 from .prompt import build_prompt
 from .quirks import rope_deltas, row_rope_deltas
@@ -229,10 +231,13 @@ def _text_last(loaded: LoadedModel, prepared: Prepared) -> bool:
     return prepared.prompt_tokens > 1 and prepared.last not in media
 
 
-def prefill_together(loaded: LoadedModel, prompts: Sequence[Prepared]) -> Prefilled:
+def prefill_together(
+    loaded: LoadedModel, prompts: Sequence[Prepared], quant: KVQuant | None = None
+) -> Prefilled:
     """Prefill :func:`batchable` prompts in one pass; ``logits`` holds each
     one's next-token logits (left padding puts every last token in the last
-    column), so the first token is sampled without another forward pass."""
+    column), so the first token is sampled without another forward pass.
+    ``quant``: the KV cache is quantized so."""
     model, lm = loaded.model, loaded.model.language_model
     lengths = [p.prompt_tokens for p in prompts]
     width = max(lengths)
@@ -253,7 +258,7 @@ def prefill_together(loaded: LoadedModel, prompts: Sequence[Prepared]) -> Prefil
         ids, mx.concatenate(pixels) if pixels else None, mask=mask, **extra
     )
     kwargs = _prefill_kwargs(extra, embedded)
-    cache = batch_caches(lm, pads)
+    cache = batch_caches(lm, pads, quant)
     assert cache is not None, "batchable() keeps this model's prompts apart"
     output = lm(
         inputs=ids,
@@ -280,7 +285,8 @@ class ChunkedPrefill:
     (from the prompt cache); only the tokens after them are run. The model
     sees the whole prompt's positions and media, cut at the cache's offset,
     as in any chunked prefill. Made (images through the vision tower
-    included) at once; MLX thread only.
+    included) at once; MLX thread only. ``quant``: the KV cache is
+    quantized so (a quantized ``prefix`` is taken as it is).
     """
 
     def __init__(
@@ -289,8 +295,8 @@ class ChunkedPrefill:
         prepared: Prepared,
         prefix: Sequence[tuple[mx.array, mx.array]] = (),
         step: int = PREFILL_STEP,
+        quant: KVQuant | None = None,
     ) -> None:
-        api = vlm()
         model = loaded.model
         self.loaded, self.prepared, self.step = loaded, prepared, step
         self.lm = model.language_model
@@ -306,9 +312,9 @@ class ChunkedPrefill:
         )
         self.kwargs = _prefill_kwargs(extra, embedded)
         self.embeds, self.ids = embedded.inputs_embeds, ids
-        self.cache = api.make_prompt_cache(self.lm)
+        self.cache = single_caches(self.lm, quant)
         if prefix:
-            reused = int(prefix[0][0].shape[2])
+            reused = kv_length(prefix[0][0])
             for layer, (keys, values) in zip(self.cache, prefix, strict=True):
                 layer.keys, layer.values, layer.offset = keys, values, reused
             self.embeds, self.ids = self.embeds[:, reused:], self.ids[:, reused:]
@@ -349,24 +355,27 @@ class ChunkedPrefill:
                 **kwargs,
             )
             logits = output.logits[:, -1, :]
-        batch_cache = [type(c).merge([c]) for c in self.cache]
+        batch_cache = [to_batch(c) for c in self.cache]
         return Prefilled(batch_cache, deltas, logits)
 
 
-def batch_caches(lm: Any, pads: list[int]) -> list[Any] | None:
+def batch_caches(
+    lm: Any, pads: list[int], quant: KVQuant | None = None
+) -> list[Any] | None:
     """An empty batch cache per layer, with ``pads`` left padding per row: of
     the kind mlx-vlm's own cache of that layer is, so a sliding-window layer
     (Gemma 3) keeps its window in the batch as it does alone. None when a
     layer keeps another kind of state (a recurrent layer's, Qwen3.5's): such
     a model's prompts are prefilled alone with its own caches, which then
-    join the batch."""
+    join the batch. ``quant``: plain KV layers are quantized so."""
     api = vlm()
     caches: list[Any] = []
-    for layer in api.make_prompt_cache(lm):
+    layers = api.make_prompt_cache(lm)
+    for index, layer in enumerate(layers):
         if isinstance(layer, api.RotatingKVCache) and not layer.keep:
             caches.append(api.BatchRotatingKVCache(layer.max_size, pads))
         elif type(layer).__name__ == "KVCache":
-            caches.append(api.BatchKVCache(pads))
+            caches.append(batch_layer(index, len(layers), pads, quant))
         else:
             return None
     return caches

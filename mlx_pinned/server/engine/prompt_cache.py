@@ -9,7 +9,10 @@ key's tokens; a request reuses the longest common prefix of its key with
 any entry and prefills only the rest. Entries are evicted least recently
 used first, within a byte budget. Only models whose layers all use plain
 KV caches take part (a rotating or recurrent cache cannot be cut at any
-token).
+token). Under ``kv_bits`` an entry holds the quantized KV as the batch held
+it (per layer a tuple of packed values, scales and biases): a prefix reused
+is then the very KV a prefill would have written, and takes the quantized
+bytes of the budget, not the float ones.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ if TYPE_CHECKING:
 __all__ = ["CacheStatistics", "Key", "PromptCache", "image_hash", "prompt_key"]
 
 Key = np.ndarray[Any, np.dtype[np.int64]]
+#: One layer's keys or values, (1, H, T, D): an array, or under ``kv_bits``
+#: the tuple ``mx.quantize`` makes (packed values, scales, biases).
+Part = Any
 
 
 def image_hash(image: Image.Image) -> int:
@@ -98,7 +104,7 @@ class CacheStatistics:
 @dataclass(eq=False)
 class _Entry:
     key: Key
-    layers: list[tuple[mx.array, mx.array]]  # (1, H, T, D) keys and values
+    layers: list[tuple[Part, Part]]  # (1, H, T, D) keys and values
     nbytes: int
 
 
@@ -131,9 +137,7 @@ class PromptCache:
             self.budget,
         )
 
-    def lookup(
-        self, key: Key, limit: int
-    ) -> tuple[list[tuple[mx.array, mx.array]], int]:
+    def lookup(self, key: Key, limit: int) -> tuple[list[tuple[Part, Part]], int]:
         """The longest reusable prefix of ``key``, at most ``limit`` tokens:
         per layer ``(keys, values)`` cut to it, and its length (0: none)."""
         best: _Entry | None = None
@@ -152,20 +156,17 @@ class PromptCache:
         self._entries.move_to_end(id(best))
         self.hits += 1
         self.reused_tokens += length
-        return [(k[:, :, :length], v[:, :, :length]) for k, v in best.layers], length
+        return [(_cut(k, length), _cut(v, length)) for k, v in best.layers], length
 
-    def store(self, key: Key, layers: Sequence[tuple[mx.array, mx.array]]) -> None:
+    def store(self, key: Key, layers: Sequence[tuple[Part, Part]]) -> None:
         """Hold ``layers`` (per layer keys and values of ``key``'s tokens);
         entries whose keys are a prefix of ``key`` are dropped (this one
         serves every lookup they would)."""
         if not self.enabled or not len(key):
             return
-        cut = [
-            (mx.contiguous(k[:, :, : len(key)]), mx.contiguous(v[:, :, : len(key)]))
-            for k, v in layers
-        ]
+        cut = [(_cut(k, len(key), True), _cut(v, len(key), True)) for k, v in layers]
         mx.eval(cut)
-        nbytes = sum(k.nbytes + v.nbytes for k, v in cut)
+        nbytes = sum(_nbytes(k) + _nbytes(v) for k, v in cut)
         if nbytes > self.budget:
             return
         for entry_id, entry in list(self._entries.items()):
@@ -182,3 +183,17 @@ class PromptCache:
     def _drop(self, entry_id: int) -> None:
         entry = self._entries.pop(entry_id)
         self._bytes -= entry.nbytes
+
+
+def _cut(part: Part, tokens: int, contiguous: bool = False) -> Part:
+    """``part``'s first ``tokens`` tokens (each quantized piece alike)."""
+    if isinstance(part, tuple):
+        return tuple(_cut(piece, tokens, contiguous) for piece in part)
+    cut = part[:, :, :tokens]
+    return mx.contiguous(cut) if contiguous else cut
+
+
+def _nbytes(part: Part) -> int:
+    if isinstance(part, tuple):
+        return sum(int(piece.nbytes) for piece in part)
+    return int(part.nbytes)

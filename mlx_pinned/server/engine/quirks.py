@@ -40,9 +40,13 @@ def plain_caches(layers: Iterable[Any]) -> bool:
 
 
 def cut_back_caches(layers: Iterable[Any]) -> bool:
-    """Whether every layer's batch cache is a ``BatchKVCache`` (``trim``
-    cuts it back; a rotating window's cannot be)."""
-    return all(type(c).__name__ == "BatchKVCache" for c in layers)
+    """Whether every layer's batch cache is a ``BatchKVCache`` or its
+    quantized twin (``trim`` cuts either back; a rotating window's cannot
+    be)."""
+    return all(type(c).__name__ in _CUT_BACK for c in layers)
+
+
+_CUT_BACK = frozenset({"BatchKVCache", "BatchQuantizedKVCache"})
 
 
 def unmask_if_unpadded(cache: list[Any] | None) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 from ..events import GenerationParams
 from .admission import make_row, media_tokens
 from .decode import Decoder
+from .kv_quant import KVQuant, bytes_per_token, check_quantizable, held_bytes
 from .model import LoadedModel
 from .pacing import PrefillPacer
 from .prefill import (
@@ -57,7 +58,9 @@ class BatchState:
     Rows enter through :meth:`admit`, are prefilled and join the batch in
     the next :meth:`step`, and leave through :meth:`leave` or when they are
     done; rows that left are dropped from the cache at the next step, or at
-    once when none remain.
+    once when none remain. ``kv_quant``: the KV cache is quantized so
+    (:mod:`.kv_quant`; a model whose cache cannot be is refused here,
+    with a :class:`~..config_checks.SettingError`).
     """
 
     def __init__(
@@ -66,8 +69,13 @@ class BatchState:
         prompt_cache: PromptCache | None = None,
         prefill_step: int = PREFILL_STEP,
         exclusive: bool | None = None,
+        kv_quant: KVQuant | None = None,
         prefill_seconds: float | None = None,
     ) -> None:
+        if kv_quant is not None:
+            check_quantizable(loaded, kv_quant)
+        self.kv_quant = kv_quant
+        self._token_bytes = 0
         self.loaded = loaded
         # One row at a time, each prefilled alone with mlx-vlm's own caches:
         # for families the batch is not proven exact on (None: by family).
@@ -121,7 +129,13 @@ class BatchState:
         """Bytes of KV held by the batch and the rows about to join it."""
         caches = [*(self.cache or ()), *(c for _, g in self.joining for c in g.cache)]
         caches += [c for _, job in self.prefilling for c in job.cache]
-        return sum(int(getattr(c, "nbytes", 0)) for c in caches)
+        return sum(held_bytes(c) for c in caches)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV a token takes in this model's batch cache (every layer;
+        quantized under ``kv_quant``), as measured when rows last joined the
+        batch; 0 before the first did."""
+        return self._token_bytes
 
     # -- entering ------------------------------------------------------------
 
@@ -166,7 +180,9 @@ class BatchState:
             rows = together[i : i + PREFILL_BATCH]
             self.passes += 1
             try:
-                group = prefill_together(self.loaded, [_prepared(r) for r in rows])
+                group = prefill_together(
+                    self.loaded, [_prepared(r) for r in rows], self.kv_quant
+                )
                 self.decoder.first_tokens(rows, group)
             except Exception:  # find the culprit: each alone (none sampled yet)
                 alone += rows
@@ -175,7 +191,11 @@ class BatchState:
         for row in alone:
             try:
                 job = ChunkedPrefill(
-                    self.loaded, _prepared(row), prefixes.get(row, ()), step
+                    self.loaded,
+                    _prepared(row),
+                    prefixes.get(row, ()),
+                    step,
+                    self.kv_quant,
                 )
             except Exception as exc:
                 row.error, row.done = exc, True
@@ -235,7 +255,7 @@ class BatchState:
                 self._store(row.key, group.cache, i)
         self.joining.append((rows, group))
 
-    def _reuse(self, row: Row) -> list[tuple[mx.array, mx.array]]:
+    def _reuse(self, row: Row) -> list[tuple[Any, Any]]:
         """The cached KV of the longest prefix of ``row``'s prompt; at least
         its last token is left to run, for its first token's logits."""
         assert row.key is not None
@@ -322,6 +342,7 @@ class BatchState:
             self.rows.extend(rows[i] for i in keep)
         if joining:
             unmask_if_unpadded(self.cache)
+            self._token_bytes = bytes_per_token(self.cache or []) or self._token_bytes
 
     # -- stepping ------------------------------------------------------------
 

@@ -90,7 +90,8 @@ class Readiness:
 async def health(readiness: Readiness, request: Request) -> Response:
     """``GET /health``, readiness: 200 while :class:`Readiness` says ready,
     with whether each model is loaded (one loaded on first use may not be),
-    its rows and the bytes of KV they hold; else the 503 of the refusal."""
+    its rows, the bytes of KV they hold and the bytes of KV a token takes;
+    else the 503 of the refusal."""
     refusal = readiness.refusal()
     if refusal is not None:
         return error_response(refusal)
@@ -103,6 +104,7 @@ async def health(readiness: Readiness, request: Request) -> Response:
             "loaded": counters is not None,
             "rows": counters.rows if counters else 0,
             "kv_bytes": counters.kv_bytes if counters else 0,
+            "kv_bytes_per_token": counters.kv_bytes_per_token if counters else 0,
         }
         if counters is not None and counters.ranks:  # tensor parallel
             entry["ranks"] = list(counters.ranks)

@@ -261,6 +261,11 @@ def _engine_metrics(loaded: list[tuple[str, EngineCounters]]) -> Iterator[Metric
     """The engines' numbers, a family per metric, a sample per model."""
     gauges = (
         ("kv_cache_bytes", "Bytes of KV held by the rows.", "kv_bytes"),
+        (
+            "kv_cache_bytes_per_token",
+            "Bytes of KV one token takes (quantized under --kv-bits).",
+            "kv_bytes_per_token",
+        ),
         ("batch_rows", "Generations in the batch or joining it.", "rows"),
         (
             "prompt_cache_bytes",
