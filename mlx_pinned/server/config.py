@@ -177,6 +177,14 @@ class ServerConfig:
             or the MLX thread runs. Process-wide, so off by default.
         playground: Serve the chat page at ``/`` (and its assets under
             ``/playground/``); off: those paths are 404.
+        prompt_lookup_tokens: Speculative decoding by prompt lookup: each
+            row drafts the tokens that followed the latest earlier
+            occurrence of its last n tokens (n from this down to 1) in its
+            prompt and answer, and the batch verifies every row's drafts
+            in one forward pass; 0: off. Needs a model whose KV cache can
+            be cut back (docs/engine.md).
+        num_draft_tokens: Draft tokens per row and step, at most (mlx-lm's
+            name).
     """
 
     model: str | tuple[str, ...] = ""
@@ -218,6 +226,9 @@ class ServerConfig:
     # Process-wide: a library user's app shares the process with other code.
     freeze_gc: bool = False
     playground: bool = True
+    # Speculative decoding (engine/drafting.py).
+    prompt_lookup_tokens: int = 0
+    num_draft_tokens: int = 3
     model_settings: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:

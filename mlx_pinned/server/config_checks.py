@@ -31,6 +31,8 @@ PER_MODEL_SETTINGS = frozenset(
         "prefill_step_size",
         "tool_call_parser",
         "reasoning_parser",
+        "prompt_lookup_tokens",
+        "num_draft_tokens",
     }
 )
 
@@ -96,6 +98,7 @@ def check_config(config: ServerConfig) -> None:
     _seconds(config, "distributed_timeout", positive=True, finite=True)
     _check_residency(config)
     _check_distributed(config)
+    _check_drafting(config)
     if config.default_max_tokens > config.max_tokens_limit:
         _set(config, "default_max_tokens", config.max_tokens_limit)
     for index in range(len(config.model_settings)):
@@ -172,6 +175,17 @@ def _check_distributed(config: ServerConfig) -> None:
         raise SettingError(
             "distributed",
             "distributed loads the model at start-up: no load_on_first_use",
+        )
+
+
+def _check_drafting(config: ServerConfig) -> None:
+    """Speculative decoding: a draft count, one process."""
+    _at_least(config, "prompt_lookup_tokens", 0)
+    _at_least(config, "num_draft_tokens", 1)
+    if config.prompt_lookup_tokens > 0 and config.distributed is not None:
+        raise SettingError(
+            "prompt_lookup_tokens",
+            "prompt_lookup_tokens needs one process: not with distributed",
         )
 
 

@@ -264,6 +264,11 @@ class EngineCounters:
         prompt_cache_bytes: Bytes of KV the prompt cache holds.
         ranks: Under tensor parallelism, the rows each rank holds, rank 0
             first (the others as of their last message); empty otherwise.
+        decode_steps: Decode steps run (speculative ones included).
+        decoded_tokens: Tokens those steps gave.
+        speculative_steps: Decode steps that verified drafts.
+        draft_tokens: Draft tokens verified.
+        accepted_tokens: Draft tokens kept.
     """
 
     rows: int
@@ -273,6 +278,12 @@ class EngineCounters:
     prompt_cache_reused_tokens: int
     prompt_cache_bytes: int
     ranks: tuple[int, ...] = ()
+    # Speculative decoding (engine/drafting.py), and the steps it shortens.
+    decode_steps: int = 0
+    decoded_tokens: int = 0
+    speculative_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class Engine(Protocol):

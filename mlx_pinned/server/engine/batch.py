@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..events import EngineCounters, Event, EventStream, GenerationParams
+from .drafting import DraftSettings
+from .drafting import install as install_drafting
 from .image_cache import install as install_image_cache
 from .loop import BatchLoop
 from .model import LoadedModel, load
@@ -85,16 +87,31 @@ class BatchEngine:
         prompt_cache_bytes: int = 0,
         prefill_step_size: int = PREFILL_STEP,
         image_cache_bytes: int = 0,
+        drafts: DraftSettings | None = None,
     ) -> BatchEngine:
         """Load a model and make its engine; runs on ``thread`` (a start-up
-        job of the middleware). See :class:`BatchEngine` for the options."""
-        return cls(
+        job of the middleware). See :class:`BatchEngine` for the options;
+        ``drafts``: speculative decoding's settings (:meth:`speculate`)."""
+        engine = cls(
             load(model_path),
             thread,
             prompt_cache_bytes=prompt_cache_bytes,
             prefill_step_size=prefill_step_size,
             image_cache_bytes=image_cache_bytes,
         )
+        if drafts is not None:
+            engine.speculate(drafts)
+        return engine
+
+    def speculate(self, drafts: DraftSettings) -> None:
+        """Turn speculative decoding on (:mod:`.drafting`); MLX thread, before
+        the first request.
+
+        Raises:
+            ValueError: The model's KV cache cannot be cut back (a rotating
+                window, a recurrent state).
+        """
+        install_drafting(self._state, drafts)
 
     @property
     def context_length(self) -> int | None:
@@ -149,6 +166,11 @@ class BatchEngine:
             prompt_cache_reused_tokens=cache.reused_tokens,
             prompt_cache_bytes=cache.bytes,
             ranks=self._state.ranks(),
+            decode_steps=batch.steps,
+            decoded_tokens=batch.decoded_tokens,
+            speculative_steps=batch.speculative_steps,
+            draft_tokens=batch.draft_tokens,
+            accepted_tokens=batch.accepted_tokens,
         )
 
     async def tokenize(self, params: GenerationParams) -> tuple[tuple[int, str], ...]:
