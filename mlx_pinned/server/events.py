@@ -267,6 +267,7 @@ class EngineCounters:
         decode_steps: Decode steps run (speculative ones included).
         decoded_tokens: Tokens those steps gave.
         speculative_steps: Decode steps that verified drafts.
+        speculative_rows: Their rows, summed over those steps.
         draft_tokens: Draft tokens verified.
         accepted_tokens: Draft tokens kept.
     """
@@ -282,6 +283,7 @@ class EngineCounters:
     decode_steps: int = 0
     decoded_tokens: int = 0
     speculative_steps: int = 0
+    speculative_rows: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
 

@@ -169,6 +169,7 @@ class BatchEngine:
             decode_steps=batch.steps,
             decoded_tokens=batch.decoded_tokens,
             speculative_steps=batch.speculative_steps,
+            speculative_rows=batch.speculative_rows,
             draft_tokens=batch.draft_tokens,
             accepted_tokens=batch.accepted_tokens,
         )

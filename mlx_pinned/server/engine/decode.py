@@ -138,6 +138,7 @@ class Decoder:
             return {}
         return {
             "speculative_steps": drafting.steps,
+            "speculative_rows": drafting.rows,
             "draft_tokens": drafting.drafted,
             "accepted_tokens": drafting.accepted,
         }

@@ -176,6 +176,7 @@ class Drafting:
 
     Attributes:
         steps: Speculative steps run.
+        rows: Rows those steps verified drafts for, summed over the steps.
         drafted: Draft tokens verified.
         accepted: Draft tokens kept.
         emitted: Tokens the speculative steps gave (kept drafts, and the
@@ -184,7 +185,7 @@ class Drafting:
 
     def __init__(self, settings: DraftSettings) -> None:
         self.settings = settings
-        self.steps = self.drafted = self.accepted = self.emitted = 0
+        self.steps = self.rows = self.drafted = self.accepted = self.emitted = 0
 
     def start(self, rows: Sequence[Row]) -> None:
         """Give rows about to get their first token their prompt's ids."""
@@ -295,6 +296,7 @@ class Drafting:
             decoder.decoded += accepted + 1
         _cut_back(cache, width, kept)
         self.steps += 1
+        self.rows += len(rows)
         decoder.steps += 1
         decoder.peak_active = max(decoder.peak_active, len(rows))
         decoder.step_seconds += time.perf_counter() - start

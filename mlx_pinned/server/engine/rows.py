@@ -97,6 +97,8 @@ class BatchStatistics:
         step_seconds: Time spent in decode steps.
         speculative_steps: Decode steps that verified drafts
             (:mod:`.drafting`).
+        speculative_rows: Rows of those steps, summed over the steps: each
+            gave one token and the drafts it kept.
         draft_tokens: Draft tokens those steps verified.
         accepted_tokens: Draft tokens they kept.
     """
@@ -112,5 +114,6 @@ class BatchStatistics:
     step_seconds: float
     # speculative decoding (.drafting)
     speculative_steps: int = 0
+    speculative_rows: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0

@@ -80,12 +80,14 @@ class ServerMetrics:
     for the decode steps, counters ``decode_steps_total``,
     ``decode_tokens_total``, ``speculative_steps_total``,
     ``draft_tokens_total`` and ``draft_accepted_tokens_total``, and gauges
-    ``decode_tokens_per_step`` and ``draft_acceptance_ratio`` (since the
-    load; 0 before any step or draft). Per model, whether loaded or not:
-    gauges ``model_loaded`` (1 or 0) and ``model_weight_bytes``, counters
-    ``model_loads_total``, ``model_unloads_total`` and
-    ``model_load_failures_total`` (models loaded on first use come and go;
-    one loaded at start-up counts one load).
+    ``draft_acceptance_ratio`` (kept over verified drafts) and
+    ``speculative_tokens_per_step`` (tokens a row got from a speculative
+    step: 1 plus its kept drafts), both since the load, 0 before any. Per
+    model, whether loaded or not: gauges ``model_loaded`` (1 or 0) and
+    ``model_weight_bytes``, counters ``model_loads_total``,
+    ``model_unloads_total`` and ``model_load_failures_total`` (models
+    loaded on first use come and go; one loaded at start-up counts one
+    load).
 
     Args:
         thread: The app's MLX thread.
@@ -311,14 +313,18 @@ def _decode_metrics(loaded: list[tuple[str, EngineCounters]]) -> Iterator[Metric
         for model, counters in loaded:
             counter.add_metric([model], getattr(counters, field))
         yield counter
-    per_step = _per_model("decode_tokens_per_step", "Tokens per decode step.")
+    per_step = _per_model(
+        "speculative_tokens_per_step",
+        "Tokens a row got from a speculative step, on average.",
+    )
     ratio = _per_model(
         "draft_acceptance_ratio", "Share of the draft tokens verified that were kept."
     )
     for model, counters in loaded:
-        steps, drafts = counters.decode_steps, counters.draft_tokens
-        per_step.add_metric([model], counters.decoded_tokens / steps if steps else 0)
-        ratio.add_metric([model], counters.accepted_tokens / drafts if drafts else 0)
+        rows, drafts = counters.speculative_rows, counters.draft_tokens
+        kept = counters.accepted_tokens
+        per_step.add_metric([model], (rows + kept) / rows if rows else 0)
+        ratio.add_metric([model], kept / drafts if drafts else 0)
     yield per_step
     yield ratio
 
