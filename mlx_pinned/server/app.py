@@ -41,7 +41,7 @@ from mlx_pinned import MLXThread
 from mlx_pinned.middleware import MLXThreadMiddleware
 
 from .config import ServerConfig
-from .engine import BatchEngine
+from .engine import BatchEngine, DraftSettings
 from .engine.kv_quant import KVQuant
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
 from .events import Engine
@@ -147,6 +147,7 @@ def create_app(
             prefill_step_seconds=own.prefill_step_seconds,
             image_cache_bytes=own.image_cache_budget,
             **_kv_quant(own),
+            **_drafting(own),
         )
         for own in each
     ]
@@ -269,6 +270,15 @@ def create_app(
     app.state.readiness = readiness
     app.state.loop_turns = turns
     return app
+
+
+def _drafting(config: ServerConfig) -> dict[str, Any]:
+    """The engine's speculative decoding keyword, only where it is on (an
+    ``engine_factory`` that predates it still works with it off)."""
+    if config.prompt_lookup_tokens < 1:
+        return {}
+    settings = DraftSettings(config.prompt_lookup_tokens, config.num_draft_tokens)
+    return {"drafts": settings}
 
 
 def _slot(

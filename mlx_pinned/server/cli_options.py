@@ -356,6 +356,20 @@ OPTIONS = (
         "%(default)s)",
         whole,
     ),
+    # Speculative decoding (engine/drafting.py).
+    Option(
+        "prompt_lookup_tokens",
+        "speculative decoding by prompt lookup: draft the tokens that followed "
+        "the latest earlier match of a row's last N tokens (N down to 1) in its "
+        "prompt and answer, verified in the batch's forward pass; 0: off "
+        "(default: %(default)s)",
+        whole,
+    ),
+    Option(
+        "num_draft_tokens",
+        "draft tokens per row and step, at most (default: %(default)s)",
+        whole,
+    ),
 )
 
 

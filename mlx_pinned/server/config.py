@@ -193,6 +193,14 @@ class ServerConfig:
             quantized (sliding-window or recurrent layers) fails its load.
         kv_group_size: Values of a head that share one scale and bias
             under ``kv_bits``: 32, 64 or 128, dividing the model's head size.
+        prompt_lookup_tokens: Speculative decoding by prompt lookup: each
+            row drafts the tokens that followed the latest earlier
+            occurrence of its last n tokens (n from this down to 1) in its
+            prompt and answer, and the batch verifies every row's drafts
+            in one forward pass; 0: off. Needs a model whose KV cache can
+            be cut back (docs/engine.md).
+        num_draft_tokens: Draft tokens per row and step, at most (mlx-lm's
+            name).
     """
 
     model: str | tuple[str, ...] = ""
@@ -239,6 +247,9 @@ class ServerConfig:
     # The quantized KV cache.
     kv_bits: int | None = None
     kv_group_size: int = 64
+    # Speculative decoding (engine/drafting.py).
+    prompt_lookup_tokens: int = 0
+    num_draft_tokens: int = 3
     model_settings: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:

@@ -34,6 +34,8 @@ PER_MODEL_SETTINGS = frozenset(
         "reasoning_parser",
         "kv_bits",
         "kv_group_size",
+        "prompt_lookup_tokens",
+        "num_draft_tokens",
     }
 )
 
@@ -100,6 +102,7 @@ def check_config(config: ServerConfig) -> None:
     _check_residency(config)
     _check_distributed(config)
     _check_kv_quant(config)
+    _check_drafting(config)
     if config.default_max_tokens > config.max_tokens_limit:
         _set(config, "default_max_tokens", config.max_tokens_limit)
     for index in range(len(config.model_settings)):
@@ -193,6 +196,17 @@ def _check_kv_quant(config: ServerConfig) -> None:
     if bits is not None and config.distributed is not None:
         raise SettingError(
             "kv_bits", "kv_bits is not offered with distributed: unset one of them"
+        )
+
+
+def _check_drafting(config: ServerConfig) -> None:
+    """Speculative decoding: a draft count, one process."""
+    _at_least(config, "prompt_lookup_tokens", 0)
+    _at_least(config, "num_draft_tokens", 1)
+    if config.prompt_lookup_tokens > 0 and config.distributed is not None:
+        raise SettingError(
+            "prompt_lookup_tokens",
+            "prompt_lookup_tokens needs one process: not with distributed",
         )
 
 

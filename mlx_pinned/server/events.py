@@ -283,6 +283,12 @@ class EngineCounters:
             first (the others as of their last message); empty otherwise.
         kv_bytes_per_token: Bytes of KV cache one token takes (every layer;
             quantized under ``kv_bits``); 0 before the first generation.
+        decode_steps: Decode steps run (speculative ones included).
+        decoded_tokens: Tokens those steps gave.
+        speculative_steps: Decode steps that verified drafts.
+        speculative_rows: Their rows, summed over those steps.
+        draft_tokens: Draft tokens verified.
+        accepted_tokens: Draft tokens kept.
     """
 
     rows: int
@@ -293,6 +299,13 @@ class EngineCounters:
     prompt_cache_bytes: int
     ranks: tuple[int, ...] = ()
     kv_bytes_per_token: int = 0
+    # Speculative decoding (engine/drafting.py), and the steps it shortens.
+    decode_steps: int = 0
+    decoded_tokens: int = 0
+    speculative_steps: int = 0
+    speculative_rows: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class Engine(Protocol):

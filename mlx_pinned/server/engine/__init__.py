@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from .batch import BatchEngine as BatchEngine
 from .batch import BatchStatistics as BatchStatistics
+from .drafting import DraftSettings as DraftSettings
 from .model import LoadedModel as LoadedModel
 from .model import load as load
 
-__all__ = ["BatchEngine", "BatchStatistics", "LoadedModel", "load"]
+__all__ = ["BatchEngine", "BatchStatistics", "DraftSettings", "LoadedModel", "load"]

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..events import EngineCounters, Event, EventStream, GenerationParams
+from .drafting import DraftSettings
+from .drafting import install as install_drafting
 from .image_cache import install as install_image_cache
 from .kv_quant import KVQuant
 from .loop import BatchLoop
@@ -99,11 +101,13 @@ class BatchEngine:
         prefill_step_seconds: float | None = None,
         image_cache_bytes: int = 0,
         kv_quant: KVQuant | None = None,
+        drafts: DraftSettings | None = None,
     ) -> BatchEngine:
         """Load a model and make its engine; runs on ``thread`` (a start-up
         job of the middleware). See :class:`BatchEngine` for the options;
-        ``kv_quant``: quantize its KV cache so (:mod:`.kv_quant`)."""
-        return cls(
+        ``kv_quant``: quantize its KV cache so (:mod:`.kv_quant`);
+        ``drafts``: speculative decoding's settings (:meth:`speculate`)."""
+        engine = cls(
             load(model_path),
             thread,
             prompt_cache_bytes=prompt_cache_bytes,
@@ -114,6 +118,19 @@ class BatchEngine:
                 BatchState, kv_quant=kv_quant, prefill_seconds=prefill_step_seconds
             ),
         )
+        if drafts is not None:
+            engine.speculate(drafts)
+        return engine
+
+    def speculate(self, drafts: DraftSettings) -> None:
+        """Turn speculative decoding on (:mod:`.drafting`); MLX thread, before
+        the first request.
+
+        Raises:
+            ValueError: The model's KV cache cannot be cut back (a rotating
+                window, a recurrent state).
+        """
+        install_drafting(self._state, drafts)
 
     @property
     def context_length(self) -> int | None:
@@ -169,6 +186,12 @@ class BatchEngine:
             prompt_cache_reused_tokens=cache.reused_tokens,
             prompt_cache_bytes=cache.bytes,
             ranks=self._state.ranks(),
+            decode_steps=batch.steps,
+            decoded_tokens=batch.decoded_tokens,
+            speculative_steps=batch.speculative_steps,
+            speculative_rows=batch.speculative_rows,
+            draft_tokens=batch.draft_tokens,
+            accepted_tokens=batch.accepted_tokens,
         )
 
     async def tokenize(self, params: GenerationParams) -> tuple[tuple[int, str], ...]:

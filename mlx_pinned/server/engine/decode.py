@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import mlx.core as mx
 
+from .drafting import Drafting
 from .logits import advance, bias_rows, constrain, penalize
 from .prefill import Prefilled
 from .rows import Row
@@ -49,6 +50,8 @@ def record(row: Row, item: Sampled) -> None:
     row.done = item.eos or row.sampled >= row.max_tokens
     if row.key is not None:
         row.tokens.append(item.token)
+    if row.history is not None:  # speculative decoding (.drafting)
+        row.history.append(item.token)
 
 
 class Decoder:
@@ -70,6 +73,8 @@ class Decoder:
         self.bias_stale = True
         self.peak_active = self.steps = self.decoded = 0
         self.step_seconds = 0.0
+        # Speculative decoding, when installed (.drafting.install).
+        self.drafting: Drafting | None = None
 
     def step(self) -> None:
         """One decode step for every row: one forward pass over the batch.
@@ -88,6 +93,8 @@ class Decoder:
         error (their requests raise it; those whose last token it held too)
         and the batch is emptied; the caller gets the error too.
         """
+        if self.drafting is not None and self.drafting.step(self):
+            return  # a speculative step ran instead (.drafting)
         batch = self.batch
         start = time.perf_counter()
         rows: list[Row] = []
@@ -123,6 +130,19 @@ class Decoder:
         self.steps += 1
         self.step_seconds += time.perf_counter() - start
 
+    def drafted(self) -> dict[str, int]:
+        """The speculative steps' counts, as :class:`.rows.BatchStatistics`
+        names them (none while speculation is off)."""
+        drafting = self.drafting
+        if drafting is None:
+            return {}
+        return {
+            "speculative_steps": drafting.steps,
+            "speculative_rows": drafting.rows,
+            "draft_tokens": drafting.drafted,
+            "accepted_tokens": drafting.accepted,
+        }
+
     def _constrained_step(
         self, inflight: tuple[list[Row], Draw], last: set[Row], start: float
     ) -> None:
@@ -156,6 +176,8 @@ class Decoder:
     def first_tokens(self, rows: list[Row], group: Prefilled) -> None:
         """Sample the rows' first tokens from their prefill's logits, if it
         kept them (else the decode step samples them)."""
+        if self.drafting is not None:
+            self.drafting.start(rows)
         logits = group.logits
         if logits is None:
             return

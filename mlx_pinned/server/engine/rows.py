@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from .drafting import History
 from .logits import GrammarMatcher
 from .prefill import Prepared
 from .prompt_cache import Key
@@ -49,6 +50,8 @@ class Row:
         cached: Prompt tokens it took from the prompt cache.
         thinking: Its thinking budget, when the request set one and the
             model's reasoning format has markers.
+        history: Its prompt's and answer's token ids, while the batch
+            drafts by prompt lookup (:mod:`.drafting`).
     """
 
     max_tokens: int
@@ -75,6 +78,7 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     cached: int = 0
     thinking: ThinkingBudget | None = None
+    history: History | None = None  # speculative decoding (.drafting)
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,12 @@ class BatchStatistics:
         prefill_passes: Prefill passes run: prompts queued together share one.
         prefill_seconds: Time spent in prefills.
         step_seconds: Time spent in decode steps.
+        speculative_steps: Decode steps that verified drafts
+            (:mod:`.drafting`).
+        speculative_rows: Rows of those steps, summed over the steps: each
+            gave one token and the drafts it kept.
+        draft_tokens: Draft tokens those steps verified.
+        accepted_tokens: Draft tokens they kept.
     """
 
     active: int
@@ -102,3 +112,8 @@ class BatchStatistics:
     prefill_passes: int
     prefill_seconds: float
     step_seconds: float
+    # speculative decoding (.drafting)
+    speculative_steps: int = 0
+    speculative_rows: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0

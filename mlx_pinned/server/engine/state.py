@@ -114,6 +114,7 @@ class BatchState:
             prefill_passes=self.passes,
             prefill_seconds=self.prefill_seconds,
             step_seconds=self.decoder.step_seconds,
+            **self.decoder.drafted(),
         )
 
     def idle(self) -> bool:

@@ -76,11 +76,18 @@ class ServerMetrics:
     of it is the busy fraction over any window). Per model, once it is
     loaded: gauges ``kv_cache_bytes`` (the rows' KV), ``batch_rows`` and
     ``prompt_cache_bytes``, counters ``prompt_cache_hits_total``,
-    ``prompt_cache_misses_total`` and ``prompt_cache_reused_tokens_total``.
-    Per model, whether loaded or not: gauges ``model_loaded`` (1 or 0) and
+    ``prompt_cache_misses_total`` and ``prompt_cache_reused_tokens_total``;
+    for the decode steps, counters ``decode_steps_total``,
+    ``decode_tokens_total``, ``speculative_steps_total``,
+    ``draft_tokens_total`` and ``draft_accepted_tokens_total``, and gauges
+    ``draft_acceptance_ratio`` (kept over verified drafts) and
+    ``speculative_tokens_per_step`` (tokens a row got from a speculative
+    step: 1 plus its kept drafts), both since the load, 0 before any. Per
+    model, whether loaded or not: gauges ``model_loaded`` (1 or 0) and
     ``model_weight_bytes``, counters ``model_loads_total``,
-    ``model_unloads_total`` and ``model_load_failures_total`` (models loaded
-    on first use come and go; one loaded at start-up counts one load).
+    ``model_unloads_total`` and ``model_load_failures_total`` (models
+    loaded on first use come and go; one loaded at start-up counts one
+    load).
 
     Args:
         thread: The app's MLX thread.
@@ -290,6 +297,41 @@ def _engine_metrics(loaded: list[tuple[str, EngineCounters]]) -> Iterator[Metric
         for model, counters in loaded:
             counter.add_metric([model], getattr(counters, f"prompt_cache_{name}"))
         yield counter
+    yield from _decode_metrics(loaded)
+
+
+def _decode_metrics(loaded: list[tuple[str, EngineCounters]]) -> Iterator[Metric]:
+    """The decode steps' counts, speculative decoding's among them."""
+    counted = (
+        ("decode_steps", "Decode steps run.", "decode_steps"),
+        ("decode_tokens", "Tokens the decode steps gave.", "decoded_tokens"),
+        (
+            "speculative_steps",
+            "Decode steps that verified draft tokens.",
+            "speculative_steps",
+        ),
+        ("draft_tokens", "Draft tokens verified.", "draft_tokens"),
+        ("draft_accepted_tokens", "Draft tokens kept.", "accepted_tokens"),
+    )
+    for name, text, field in counted:
+        counter = CounterMetricFamily(f"mlx_pinned_{name}", text, labels=["model"])
+        for model, counters in loaded:
+            counter.add_metric([model], getattr(counters, field))
+        yield counter
+    per_step = _per_model(
+        "speculative_tokens_per_step",
+        "Tokens a row got from a speculative step, on average.",
+    )
+    ratio = _per_model(
+        "draft_acceptance_ratio", "Share of the draft tokens verified that were kept."
+    )
+    for model, counters in loaded:
+        rows, drafts = counters.speculative_rows, counters.draft_tokens
+        kept = counters.accepted_tokens
+        per_step.add_metric([model], (rows + kept) / rows if rows else 0)
+        ratio.add_metric([model], kept / drafts if drafts else 0)
+    yield per_step
+    yield ratio
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -1,0 +1,118 @@
+"""Speculative decoding by prompt lookup against none, in one run.
+
+In process, on the tiny demo model (its random weights repeat themselves,
+so prompt lookup finds drafts): the same greedy requests through two
+engines of one loaded model, speculation off (A) and on (B), alternated
+ABAB (the order flips every round), at one stream and at ``--concurrency``
+streams. Prints each round's tokens/s and the median of the on/off ratios,
+and, with speculation on, the drafts' acceptance rate and tokens per step.
+Greedy output is the same token for token (tests/server/test_speculative.py),
+so both engines generate the same tokens. Measure on a quiet machine;
+``--quick`` is a smoke run (under a minute).
+
+::
+
+    python benchmarks/speculative.py [--quick] [--rounds 5] [--tokens 256]
+        [--concurrency 8] [--ngram 3] [--draft-tokens 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import anyio
+
+
+def requests(count: int, tokens: int) -> list[Any]:
+    from mlx_pinned.server.events import GenerationParams
+
+    prompts = [f"Tell story number {i}, then tell it again." for i in range(count)]
+    return [
+        GenerationParams(
+            ({"role": "user", "content": prompt},), max_tokens=tokens, temperature=0.0
+        )
+        for prompt in prompts
+    ]
+
+
+async def rate(engine: Any, count: int, tokens: int) -> float:
+    """Generated tokens per second of ``count`` streams at once."""
+    made = 0
+
+    async def one(params: Any) -> None:
+        nonlocal made
+        async with engine.stream(params, []) as stream:
+            async for event in stream:
+                if getattr(event, "completion_tokens", None) is not None:
+                    made += event.completion_tokens
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as group:
+        for params in requests(count, tokens):
+            group.start_soon(one, params)
+    return made / (time.perf_counter() - start)
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    from mlx_pinned import MLXThread
+    from mlx_pinned.server.engine import BatchEngine, DraftSettings
+    from mlx_pinned.server.engine.model import load
+    from mlx_pinned.testing import tiny_vlm_path
+
+    async with MLXThread(name="speculative") as thread:
+        loaded = await thread.run(load, tiny_vlm_path())
+
+        def make() -> tuple[Any, Any]:
+            on = BatchEngine(loaded, thread)
+            on.speculate(DraftSettings(args.ngram, args.draft_tokens))
+            return BatchEngine(loaded, thread), on
+
+        off, on = await thread.run(make)
+        for engine in (off, on):  # warm-up: kernels, both shapes
+            await rate(engine, 2, 16)
+        columns = ("streams", 7), ("round", 5), ("off tok/s", 10), ("on tok/s", 10)
+        print(*(f"{name:>{width}}" for name, width in columns), f"{'ratio':>6}")
+        for streams in (1, args.concurrency):
+            ratios = []
+            before = on.statistics()
+            for round_ in range(args.rounds):
+                pair = (off, on) if round_ % 2 == 0 else (on, off)
+                got = {id(e): await rate(e, streams, args.tokens) for e in pair}
+                a, b = got[id(off)], got[id(on)]
+                ratios.append(b / a)
+                print(f"{streams:>7} {round_:>5} {a:>10.0f} {b:>10.0f} {b / a:>6.2f}")
+            after = on.statistics()
+            drafted = after.draft_tokens - before.draft_tokens
+            kept = after.accepted_tokens - before.accepted_tokens
+            rows = after.speculative_rows - before.speculative_rows
+            steps = after.steps - before.steps
+            share = (after.speculative_steps - before.speculative_steps) / max(steps, 1)
+            print(
+                f"c{streams}: median on/off {statistics.median(ratios):.2f}x; "
+                f"acceptance {kept / max(drafted, 1):.2f}, "
+                f"{(rows + kept) / max(rows, 1):.2f} tokens per row and "
+                f"speculative step, {share:.0%} of the steps speculative"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--ngram", type=int, default=3)
+    parser.add_argument("--draft-tokens", type=int, default=4)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.tokens = 2, 64
+    anyio.run(main_async, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""Speculative decoding inside the batch: drafts verified together in one
+forward pass (MLX thread only).
+
+Not the grammar "speculation" of :mod:`.speculation` (a grammar row drawn
+without its mask). Here each row of the batch proposes up to K draft tokens
+by prompt lookup (the tokens that followed the latest earlier occurrence of
+its last n tokens, in its prompt and its answer so far; no model), and one
+forward pass over ``(B, 1 + K)`` tokens (each row's last token and its
+drafts) gives the target's token at every position. A row keeps its drafts
+up to the first one the target disagrees with, and the target's token
+there: every token it keeps is the token the target would have given it one
+step at a time, drawn with the same key (mlx-vlm's position-keyed sampler),
+so greedy and seeded rows give the same tokens as speculation off, and
+their log-probabilities come from the target's logits at each position.
+Accepting a draft exactly when the target's own draw equals it is rejection
+sampling against a one-hot draft: kept with probability p(draft), else a
+token drawn from the target without it, renormalized.
+
+The batch cache keeps one write position for every row: it is cut back by
+the fewest drafts any row dropped, and each row that dropped more has the
+rest rolled to its left padding (as mlx-vlm's ``BatchKVCache.finalize`` does
+for a right-padded prefill), so each row's offset is its own again.
+
+A step speculates only when every row of the batch can: a plain, trimmable
+KV cache (checked at install), no grammar, no thinking budget, no penalties
+and no logit bias (their logits depend on the tokens before them in the
+step). Otherwise, and when no row has a draft, the ordinary pipelined step
+runs. A speculative step is not pipelined: its drafts need its rows' last
+tokens read.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import numpy as np
+
+from .quirks import cut_back_caches, plain_caches, unmask_if_unpadded
+from .sampling import Sampled, collect, draw, vlm
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from .decode import Decoder
+    from .model import LoadedModel
+    from .rows import Row
+    from .state import BatchState
+
+__all__ = ["DraftSettings", "Drafting", "History", "install", "lookup"]
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """How rows draft.
+
+    Attributes:
+        ngram: Longest n-gram of a row's tokens looked up (n from this down
+            to 1); 0: no prompt lookup.
+        tokens: Draft tokens per row and step, at most (K).
+    """
+
+    ngram: int = 0
+    tokens: int = 4
+
+
+class History:
+    """A row's prompt and answer token ids, growable (MLX thread only)."""
+
+    def __init__(self, prompt: np.ndarray) -> None:
+        self._ids = np.empty(max(64, 2 * len(prompt)), dtype=np.int64)
+        self._ids[: len(prompt)] = prompt
+        self.size = len(prompt)
+
+    def append(self, token: int) -> None:
+        if self.size == len(self._ids):
+            self._ids = np.concatenate([self._ids, np.empty_like(self._ids)])
+        self._ids[self.size] = token
+        self.size += 1
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids[: self.size]
+
+
+def lookup(ids: np.ndarray, ngram: int, count: int) -> list[int]:
+    """Up to ``count`` tokens that may follow ``ids``: after the latest
+    earlier occurrence of its last n tokens (longest n first, from
+    ``ngram`` down to 1), continued as a repeat of that period where the
+    occurrence runs into the end. Empty when no n-gram recurs."""
+    size = len(ids)
+    if count < 1:
+        return []
+    for n in range(min(ngram, size - 1), 0, -1):
+        tail = ids[size - n :]
+        # Windows starting at 0 .. size-n-1: each has a token after it.
+        windows = np.lib.stride_tricks.sliding_window_view(ids[: size - 1], n)
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if not len(hits):
+            continue
+        start = int(hits[-1]) + n  # the token that followed it
+        period = size - start
+        return [int(ids[start + (j % period)]) for j in range(count)]
+    return []
+
+
+class _At:
+    """A row seen at a later position of a speculative step: what
+    :func:`.sampling.draw` reads of it, at its ``sampled + ahead``."""
+
+    __slots__ = ("ahead", "row")
+
+    def __init__(self, row: Row, ahead: int) -> None:
+        self.row, self.ahead = row, ahead
+
+    @property
+    def sampling(self) -> tuple[float, float, int]:
+        return self.row.sampling
+
+    @property
+    def seed(self) -> int:
+        return self.row.seed
+
+    @property
+    def sampled(self) -> int:
+        return self.row.sampled + self.ahead
+
+    @property
+    def top_logprobs(self) -> int:
+        return self.row.top_logprobs
+
+    @property
+    def logprobs(self) -> bool:
+        return self.row.logprobs
+
+    @property
+    def min_p(self) -> float:
+        return self.row.min_p
+
+
+def can_draft(row: Row) -> bool:
+    """Whether a row's logits at every position of a speculative step are
+    the ones a one-token step would give it (no mask, forcing, penalty or
+    bias reads the tokens before them)."""
+    return (
+        row.matcher is None
+        and row.thinking is None
+        and not row.bias
+        and row.counts is None
+        and row.penalties == (0.0, 0.0, 1.0)
+    )
+
+
+def install(state: BatchState, settings: DraftSettings) -> None:
+    """Make ``state``'s decoder speculate with ``settings``.
+
+    Raises:
+        ValueError: The model's KV cache cannot be cut back (a rotating
+            window, a recurrent state), or it is served one at a time.
+    """
+    loaded: LoadedModel = state.loaded
+    layers = vlm().make_prompt_cache(loaded.model.language_model)
+    if not plain_caches(layers):
+        kinds = sorted({type(c).__name__ for c in layers})
+        raise ValueError(
+            "speculative decoding needs a KV cache that can be cut back; "
+            f"this model's is {', '.join(kinds)}: turn --prompt-lookup-tokens off"
+        )
+    state.decoder.drafting = Drafting(settings)
+
+
+class Drafting:
+    """The speculative steps of one batch, and their counts.
+
+    Attributes:
+        steps: Speculative steps run.
+        rows: Rows those steps verified drafts for, summed over the steps.
+        drafted: Draft tokens verified.
+        accepted: Draft tokens kept.
+        emitted: Tokens the speculative steps gave (kept drafts, and the
+            target's own token of each row and step).
+    """
+
+    def __init__(self, settings: DraftSettings) -> None:
+        self.settings = settings
+        self.steps = self.rows = self.drafted = self.accepted = self.emitted = 0
+
+    def start(self, rows: Sequence[Row]) -> None:
+        """Give rows about to get their first token their prompt's ids."""
+        for row in rows:
+            if row.history is None and row.prepared is not None:
+                ids = row.prepared.inputs.get("input_ids")
+                if ids is not None:
+                    row.history = History(np.asarray(ids).reshape(-1))
+
+    def step(self, decoder: Decoder) -> bool:
+        """Run the batch's next step speculatively, if it can; whether it
+        ran (else the caller runs its ordinary step). A step in flight is
+        read first, as a step of its own."""
+        batch = decoder.batch
+        joining = [row for rows, _ in batch.joining for row in rows]
+        waiting = [*batch.waiting, *(row for row, _ in batch.prefilling)]
+        live = [
+            row
+            for row in (*batch.rows, *joining, *waiting)
+            if not (row.gone or row.done or row in batch.leaving)
+        ]
+        if not live or not all(can_draft(row) for row in live):
+            return False
+        if not batch.rows and not batch.joining:
+            return False  # from idle: the ordinary step hands out first tokens
+        if decoder.inflight is not None:
+            self._drain(decoder)
+            return True
+        drafts = {row: self._drafts(row) for row in live if row not in waiting}
+        if not any(drafts.values()):
+            return False
+        self._verify(decoder, drafts)
+        return True
+
+    def _drafts(self, row: Row) -> list[int]:
+        if row.history is None:
+            return []
+        count = min(self.settings.tokens, row.max_tokens - row.sampled - 1)
+        return lookup(row.history.ids, self.settings.ngram, count)
+
+    def _drain(self, decoder: Decoder) -> None:
+        """Read the step in flight without starting another after it."""
+        batch = decoder.batch
+        start = time.perf_counter()
+        assert decoder.inflight is not None
+        rows, pending = decoder.inflight
+        decoder.inflight = None
+        try:
+            batch.prefill_waiting()
+            last = {row for row in rows if row.sampled + 1 >= row.max_tokens}
+            batch.leaving |= last
+            sampled = collect(pending, decoder.stop)
+        except BaseException as exc:
+            batch.fail(exc, rows)
+            raise
+        decoder._read(rows, sampled, last)
+        decoder.steps += 1
+        decoder.step_seconds += time.perf_counter() - start
+
+    def _verify(self, decoder: Decoder, drafts: dict[Row, list[int]]) -> None:
+        """One forward pass over every row's last token and its drafts; each
+        row keeps what the target agrees with (see the module's docstring)."""
+        from .decode import record  # decode imports this module
+
+        batch = decoder.batch
+        start = time.perf_counter()
+        rows: list[Row] = []
+        try:
+            batch.prefill_waiting()
+            batch.compact()
+            batch.join()
+            rows = list(batch.rows)
+            if not rows:
+                return
+            each = [drafts.get(row, []) for row in rows]
+            width = max(len(d) for d in each)
+            inputs = [
+                [row.token, *d, *[d[-1] if d else row.token] * (width - len(d))]
+                for row, d in zip(rows, each, strict=True)
+            ]
+            kwargs: dict[str, Any] = {}
+            if batch.deltas is not None:
+                kwargs["rope_deltas"] = batch.deltas
+            cache = batch.cache or []
+            output = batch.lm(mx.array(inputs, dtype=mx.uint32), cache=cache, **kwargs)
+            logits = output.logits
+            flat = logits.reshape(-1, logits.shape[-1])
+            at = [_At(row, j) for row in rows for j in range(width + 1)]
+            pending = draw(flat, at, None, [c.state for c in cache])
+            sampled = collect(pending, decoder.stop)
+        except BaseException as exc:
+            batch.fail(exc, rows)
+            raise
+        kept = []
+        for i, (row, d) in enumerate(zip(rows, each, strict=True)):
+            items = sampled[i * (width + 1) : (i + 1) * (width + 1)]
+            accepted = _accepted(items, d)
+            for item in items[: accepted + 1]:
+                record(row, item)
+                if row.done:
+                    break
+            if row.done:
+                batch.leaving.add(row)
+            kept.append(accepted)
+            self.drafted += len(d)
+            self.accepted += accepted
+            self.emitted += accepted + 1
+            decoder.decoded += accepted + 1
+        _cut_back(cache, width, kept)
+        self.steps += 1
+        self.rows += len(rows)
+        decoder.steps += 1
+        decoder.peak_active = max(decoder.peak_active, len(rows))
+        decoder.step_seconds += time.perf_counter() - start
+
+
+def _accepted(items: Sequence[Sampled], drafts: Sequence[int]) -> int:
+    """Drafts kept: up to the first the target's token differs from, or
+    the target ends the turn."""
+    kept = 0
+    while kept < len(drafts) and items[kept].token == drafts[kept]:
+        if items[kept].eos:
+            break
+        kept += 1
+    return kept
+
+
+def _cut_back(cache: Sequence[Any], width: int, kept: Sequence[int]) -> None:
+    """Drop the KV of each row's positions past its kept drafts: ``width``
+    drafts were written per row, row ``i`` keeps ``kept[i]`` (and the
+    position of its last token before them)."""
+    most = max(kept)
+    if width > most:
+        for c in cache:
+            c.trim(width - most)
+    if most == min(kept):
+        return
+    assert cut_back_caches(cache)
+    # The rest rolled to the row's left, where its left padding hides it.
+    shift = mx.array([most - k for k in kept], dtype=mx.int32)
+    for c in cache:
+        keys, values, offset, padding = c.state
+        length = keys.shape[2]
+        index = (mx.arange(length, dtype=mx.int32)[None, :] - shift[:, None]) % length
+        c.state = (
+            _roll(keys, index),
+            _roll(values, index),
+            offset - shift,
+            padding + shift,
+        )
+    unmask_if_unpadded(list(cache))
+
+
+def _roll(array: mx.array, index: mx.array) -> mx.array:
+    """``array`` (B, H, L, D) with each row's positions taken at ``index``
+    (B, L)."""
+    batch, heads, length, dim = array.shape
+    full = mx.broadcast_to(index[:, None, :, None], (batch, heads, length, dim))
+    return mx.take_along_axis(array, full, axis=2)

@@ -1,0 +1,344 @@
+"""Speculative decoding inside the batch (engine/drafting.py): prompt lookup.
+
+Every test compares the engine with speculation on against the same engine
+with it off, on the real tiny models. Greedy and seeded rows must give the
+same tokens, token for token, with log-probabilities within ``TOL``; the
+tests also check that drafts were verified and kept, so a run that never
+speculated cannot pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mlx_pinned import MLXThread
+from mlx_pinned.server.config import ServerConfig
+from mlx_pinned.server.config_checks import SettingError
+from mlx_pinned.server.engine import BatchEngine, DraftSettings, LoadedModel, load
+from mlx_pinned.server.engine.drafting import lookup
+from mlx_pinned.server.events import FinalEvent, TokenEvent
+from mlx_pinned.testing import tiny_lm_path, tiny_vlm_path
+
+from .conftest import Serve, vision_body
+from .kit import TOL, Event, Request, max_logprob_difference, request
+
+LOOKUP = DraftSettings(ngram=3, tokens=4)
+
+# A prompt that repeats itself, and random weights that repeat themselves:
+# prompt lookup finds drafts in both.
+ECHO = ("one two three one two three one two three one two three",)
+
+
+@pytest.fixture(scope="module")
+def thread() -> Iterator[MLXThread]:
+    with MLXThread(name="test-speculative") as mlx_thread:
+        yield mlx_thread
+
+
+@pytest.fixture(scope="module")
+def text_model(thread: MLXThread) -> LoadedModel:
+    loaded: LoadedModel = thread.run_sync(load, tiny_lm_path())
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def vision_model(thread: MLXThread) -> LoadedModel:
+    loaded: LoadedModel = thread.run_sync(load, tiny_vlm_path())
+    return loaded
+
+
+def engines(
+    thread: MLXThread, loaded: LoadedModel, drafts: DraftSettings = LOOKUP
+) -> tuple[BatchEngine, BatchEngine]:
+    """Two engines of one model: speculation off, and on."""
+
+    def make() -> tuple[BatchEngine, BatchEngine]:
+        on = BatchEngine(loaded, thread)
+        on.speculate(drafts)
+        return BatchEngine(loaded, thread), on
+
+    return thread.run_sync(make)
+
+
+def interleaved(
+    thread: MLXThread,
+    engine: BatchEngine,
+    requests: Sequence[Request],
+    starts: Sequence[int] = (),
+) -> list[list[Event]]:
+    """Run ``requests`` batched on ``engine``, on the MLX thread: request
+    ``i`` enters after ``starts[i]`` rounds (one event of every running
+    request a round), so rows join mid-decode."""
+
+    def run() -> list[list[Event]]:
+        events: list[list[Event]] = [[] for _ in requests]
+        streams: dict[int, Iterator[Any]] = {}
+        done: set[int] = set()
+        round_ = 0
+        while len(done) < len(requests):
+            for i, (params, images) in enumerate(requests):
+                if i in done or (starts and starts[i] > round_):
+                    continue
+                if i not in streams:
+                    streams[i] = engine.generate_stream(params, images)
+                event = next(streams[i])
+                events[i].append(event)
+                if isinstance(event, FinalEvent):
+                    done.add(i)
+            round_ += 1
+        return events
+
+    return thread.run_sync(run)
+
+
+def assert_same(ours: list[list[Event]], theirs: list[list[Event]]) -> None:
+    for mine, off in zip(ours, theirs, strict=True):
+        assert max_logprob_difference(mine, off) <= TOL
+
+
+def kept_drafts(engine: BatchEngine) -> int:
+    stats = engine.statistics()
+    assert stats.speculative_steps > 0
+    assert stats.draft_tokens >= stats.accepted_tokens
+    return stats.accepted_tokens
+
+
+def echo(index: int, max_tokens: int, **params: Any) -> Request:
+    params.setdefault("top_logprobs", 3)
+    return request(index, max_tokens, prompts=ECHO, sizes=(None,), **params)
+
+
+class TestPromptLookup:
+    def test_drafts_continue_the_latest_match(self) -> None:
+        ids = np.array([5, 1, 2, 3, 9, 1, 2, 3, 7, 1, 2])
+        assert lookup(ids, 3, 2) == [3, 7]  # "1 2" last seen before "3 7"
+
+    def test_a_repeat_runs_past_the_end_as_its_period(self) -> None:
+        assert lookup(np.array([4, 1, 2, 1, 2]), 2, 5) == [1, 2, 1, 2, 1]
+
+    def test_the_longest_ngram_wins(self) -> None:
+        ids = np.array([1, 2, 8, 0, 2, 9, 1, 2])
+        assert lookup(ids, 2, 1) == [8]  # "1 2", not the later "2"
+        assert lookup(ids, 1, 1) == [9]
+
+    def test_nothing_recurs_nothing_drafted(self) -> None:
+        assert lookup(np.array([1, 2, 3]), 3, 4) == []
+        assert lookup(np.array([1, 1]), 3, 0) == []
+
+
+class TestGreedyIsUnchanged:
+    def test_solo_on_the_text_model(
+        self, thread: MLXThread, text_model: LoadedModel
+    ) -> None:
+        off, on = engines(thread, text_model)
+        req = [echo(0, 48)]
+        assert_same(interleaved(thread, on, req), interleaved(thread, off, req))
+        assert kept_drafts(on) > 0
+
+    def test_batched_with_rows_joining_mid_decode(
+        self, thread: MLXThread, text_model: LoadedModel
+    ) -> None:
+        off, on = engines(thread, text_model)
+        text = {"sizes": (None,), "top_logprobs": 2}
+        reqs = [echo(0, 40), request(3, 32, **text), echo(5, 24)]
+        reqs.append(request(4, 36, **text))
+        starts = (0, 3, 7, 12)
+        alone = [interleaved(thread, off, [req])[0] for req in reqs]
+        batched = interleaved(thread, on, reqs, starts)
+        assert_same(batched, alone)
+        assert kept_drafts(on) > 0
+        assert on.statistics().peak_active >= 3
+
+    def test_a_vision_model_with_images_batched(
+        self, thread: MLXThread, vision_model: LoadedModel
+    ) -> None:
+        off, on = engines(thread, vision_model)
+        reqs = [request(i, 32, top_logprobs=2) for i in range(4)]
+        alone = [interleaved(thread, off, [req])[0] for req in reqs]
+        assert_same(interleaved(thread, on, reqs, (0, 0, 4, 9)), alone)
+        assert kept_drafts(on) > 0
+
+
+class TestLimits:
+    @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 6, 11])
+    def test_max_tokens_is_exact(
+        self, thread: MLXThread, text_model: LoadedModel, max_tokens: int
+    ) -> None:
+        off, on = engines(thread, text_model)
+        reqs = [echo(i, max_tokens + i) for i in range(3)]
+        batched = interleaved(thread, on, reqs)
+        assert_same(batched, interleaved(thread, off, reqs))
+        for i, events in enumerate(batched):
+            final = events[-1]
+            assert isinstance(final, FinalEvent)
+            assert final.completion_tokens == max_tokens + i
+            assert final.finish_reason == "length"
+
+    def test_a_stop_string_inside_a_kept_run(
+        self, thread: MLXThread, text_model: LoadedModel
+    ) -> None:
+        off, on = engines(thread, text_model)
+        (plain,) = interleaved(thread, off, [echo(0, 40)])
+        pieces = [e.text for e in plain if isinstance(e, TokenEvent)]
+        # A stop string first seen well into the answer (speculating by then).
+        text, early = "".join(pieces), len("".join(pieces[:8]))
+        stop = next(
+            stop
+            for stop in (a + b for a, b in itertools.pairwise(pieces[8:]))
+            if text.find(stop) >= early
+        )
+        reqs = [echo(0, 40, stop=(stop,)), echo(1, 40)]
+        batched = interleaved(thread, on, reqs)
+        assert_same(batched, interleaved(thread, off, reqs))
+        final = batched[0][-1]
+        assert isinstance(final, FinalEvent)
+        assert final.finish_reason == "stop"
+        assert final.stop_sequence == stop
+        assert kept_drafts(on) > 0
+
+    def test_rows_that_cannot_draft_turn_speculation_off(
+        self, thread: MLXThread, text_model: LoadedModel
+    ) -> None:
+        off, on = engines(thread, text_model)
+        reqs = [echo(0, 24), echo(1, 24, presence_penalty=0.5)]
+        reqs.append(echo(2, 24, logit_bias=((7, 2.0),)))
+        assert_same(interleaved(thread, on, reqs), interleaved(thread, off, reqs))
+        assert on.statistics().speculative_steps == 0
+
+
+class TestSampled:
+    def test_seeded_rows_draw_the_same_tokens(
+        self, thread: MLXThread, text_model: LoadedModel
+    ) -> None:
+        # Each kept token is the target's own draw with its position's key.
+        off, on = engines(thread, text_model)
+        kinds: list[dict[str, Any]] = [
+            {"temperature": 0.4},
+            {"temperature": 0.7, "top_p": 0.9},
+            {"temperature": 0.5, "top_k": 5},
+            {"temperature": 0.6, "min_p": 0.1},
+        ]
+        reqs = [echo(i, 32, seed=100 + i, **kind) for i, kind in enumerate(kinds)]
+        alone = [interleaved(thread, off, [req])[0] for req in reqs]
+        assert_same(interleaved(thread, on, reqs, (0, 2, 4, 6)), alone)
+        assert kept_drafts(on) > 0
+
+    def test_kept_tokens_follow_the_target_distribution(
+        self, thread: MLXThread, text_model: LoadedModel
+    ) -> None:
+        """Two-sample chi-square of (position, token) over the positions the
+        speculative steps give (the first token is the prefill's),
+        speculation on against off, each over its own seeds (so the
+        same-key identity above plays no part)."""
+        off, on = engines(thread, text_model)
+        draws, length = 96, 6
+
+        def sample(engine: BatchEngine, seeds: range) -> Counter[tuple[int, ...]]:
+            reqs = [echo(0, length, temperature=0.5, seed=s) for s in seeds]
+            found: Counter[tuple[int, ...]] = Counter()
+            for start in range(0, len(reqs), 8):
+                for events in interleaved(thread, engine, reqs[start : start + 8]):
+                    drawn = tokens_of(events)
+                    found.update((i, *drawn[i]) for i in range(1, length))
+            return found
+
+        ours = sample(on, range(draws))
+        theirs = sample(off, range(draws, 2 * draws))
+        assert kept_drafts(on) > draws // 8
+        assert len(theirs) > 1  # the position is not greedy in disguise
+        statistic, bins = two_sample_chi_square(ours, theirs)
+        assert statistic < critical(bins - 1)
+
+
+def tokens_of(events: list[Event]) -> list[tuple[int, ...]]:
+    """A generation's tokens, each as its bytes (byte-level BPE: one token's
+    bytes are its own)."""
+    out = []
+    for event in events:
+        if isinstance(event, TokenEvent):
+            assert event.logprobs is not None
+            out.append(tuple(event.logprobs.bytes))
+    return out
+
+
+def two_sample_chi_square(
+    ours: Counter[tuple[int, ...]], theirs: Counter[tuple[int, ...]]
+) -> tuple[float, int]:
+    """Pearson's statistic of two equal-sized samples having one
+    distribution, tokens seen fewer than 10 times in both pooled; and the
+    number of bins."""
+    common = [t for t in ours.keys() | theirs.keys() if ours[t] + theirs[t] >= 10]
+    rare = [t for t in ours.keys() | theirs.keys() if t not in common]
+    bins = [(ours[t], theirs[t]) for t in common]
+    if rare:
+        bins.append((sum(ours[t] for t in rare), sum(theirs[t] for t in rare)))
+    statistic = math.fsum((a - b) ** 2 / (a + b) for a, b in bins if a + b)
+    return statistic, len(bins)
+
+
+def critical(bins: int) -> float:
+    """The chi-square value a true distribution exceeds with probability
+    1e-3 (Wilson-Hilferty), for ``bins`` bins."""
+    df = max(1, bins)
+    z = 3.09
+    return float(df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3)
+
+
+class TestSettings:
+    def test_the_flags_are_checked(self) -> None:
+        with pytest.raises(SettingError, match="num_draft_tokens"):
+            ServerConfig(model="m", prompt_lookup_tokens=2, num_draft_tokens=0)
+        with pytest.raises(SettingError, match="prompt_lookup_tokens"):
+            ServerConfig(model="m", prompt_lookup_tokens=-1)
+        with pytest.raises(SettingError, match="distributed"):
+            ServerConfig(model="m", prompt_lookup_tokens=2, distributed="tensor")
+
+    def test_a_cache_that_cannot_be_cut_back_is_refused(
+        self, thread: MLXThread
+    ) -> None:
+        loaded = thread.run_sync(load, tiny_vlm_path("qwen3_5"))
+        engine = thread.run_sync(BatchEngine, loaded, thread)
+        with pytest.raises(ValueError, match="cut back"):
+            thread.run_sync(engine.speculate, LOOKUP)
+
+    def test_the_counts_reach_the_engine_counters(
+        self, thread: MLXThread, text_model: LoadedModel
+    ) -> None:
+        _, on = engines(thread, text_model)
+        interleaved(thread, on, [echo(0, 32)])
+        counters = on.counters()
+        assert counters.speculative_steps > 0
+        assert counters.decoded_tokens == 31  # the first token is the prefill's
+        assert counters.decode_steps < counters.decoded_tokens
+        assert 0 < counters.accepted_tokens <= counters.draft_tokens
+
+
+@pytest.mark.anyio
+async def test_the_server_flag_speculates_and_the_metrics_show_it(
+    serve: Serve,
+) -> None:
+    async with serve(prompt_lookup_tokens=3, num_draft_tokens=4) as served:
+        plain = await served.chat(vision_body(48, logprobs=True))
+        assert plain.status_code == 200, plain.text
+        response = await served.client.get("/metrics")
+        assert response.status_code == 200
+        samples = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(response.text)
+            for sample in family.samples
+        }
+    usage = plain.json()["usage"]
+    assert usage["completion_tokens"] == 48
+    assert samples["mlx_pinned_speculative_steps_total"] > 0
+    assert samples["mlx_pinned_draft_accepted_tokens_total"] > 0
+    assert 0 < samples["mlx_pinned_draft_acceptance_ratio"] <= 1
+    assert samples["mlx_pinned_speculative_tokens_per_step"] > 1
+    assert samples["mlx_pinned_decode_tokens_total"] == 47
