@@ -42,7 +42,8 @@ from queue import SimpleQueue
 from types import FrameType
 from typing import Any
 
-from .cli_options import API_KEY_ENV, AS_THE_FIELD, OPTIONS, add_options, whole
+from .cli_options import API_KEY_ENV, AS_THE_FIELD, OPTIONS, add_options
+from .cli_values import whole
 from .config import ImageLimits, ServerConfig, SettingError
 from .config_file import ConfigFile, read_config_file
 

@@ -32,7 +32,7 @@ from .text import StopMatcher
 if TYPE_CHECKING:
     from PIL import Image
 
-    from .driver import RowOutput
+    from .outputs import RowOutput
 
 __all__ = ["Item", "Outputs", "Request", "RowAnswer"]
 
