@@ -4,13 +4,19 @@ In process, on the tiny model: a stream generates ``--tokens`` tokens; once
 it has some, a prompt of about ``--prompt-tokens`` tokens arrives. The
 stream's tokens are timed as its consumer receives them; the longest gap
 between two of them, and the long prompt's time to first token, are printed
-for each ``--prefill-step-size`` given (the largest, one chunk for the whole
-prompt, is how the engine prefilled a long prompt before chunked prefill).
+for each configuration given: ``TOKENS`` (``--prefill-step-size``, chunks of
+that many tokens) or ``TOKENS:SECONDS`` (``--prefill-step-seconds`` too:
+chunks sized by time while the stream decodes, at most ``TOKENS``). The
+first configuration is the baseline the ratios are taken against (by default
+16384: the whole prompt in one chunk, as the engine prefilled a long prompt
+before chunked prefill): the longest gap over the baseline's time to first
+token (the issue's goal: 0.25x at most), and the time to first token over
+the baseline's (1.2x at most). Rounds alternate the configurations.
 Expensive: a quiet machine, never CI.
 
 ::
 
-    python benchmarks/prefill_gap.py [--steps 16384,2048,512] [--prompt-tokens 8000]
+    python benchmarks/prefill_gap.py [--configs 16384,2048,2048:0.25]
 """
 
 from __future__ import annotations
@@ -22,16 +28,30 @@ import sys
 import time
 
 import anyio
-from _common import positive_ints
+
+
+def config(text: str) -> tuple[int, float | None]:
+    """``TOKENS`` or ``TOKENS:SECONDS``."""
+    tokens, _, seconds = text.partition(":")
+    return int(tokens), float(seconds) if seconds else None
 
 
 async def one(
-    steps: int, args: argparse.Namespace, loaded: object, thread: object
+    setting: tuple[int, float | None],
+    args: argparse.Namespace,
+    loaded: object,
+    thread: object,
 ) -> tuple[float, float]:
     from mlx_pinned.server.engine import BatchEngine
     from mlx_pinned.server.events import GenerationParams
 
-    engine = BatchEngine(loaded, thread, prefill_step_size=steps)  # type: ignore[arg-type]
+    steps, seconds = setting
+    engine = BatchEngine(
+        loaded,  # type: ignore[arg-type]
+        thread,  # type: ignore[arg-type]
+        prefill_step_size=steps,
+        prefill_step_seconds=seconds,
+    )
     running = GenerationParams(
         ({"role": "user", "content": "Count to a thousand."},),
         max_tokens=args.tokens,
@@ -74,20 +94,38 @@ async def main_async(args: argparse.Namespace) -> None:
 
     async with MLXThread(name="prefill-gap") as thread:
         loaded = await thread.run(load, tiny_vlm_path())
-        await one(max(args.steps), args, loaded, thread)  # warm-up
-        print(f"{'prefill step':>13} {'longest gap (ms)':>17} {'long TTFT (ms)':>15}")
-        for steps in args.steps:
-            results = [
-                await one(steps, args, loaded, thread) for _ in range(args.rounds)
-            ]
-            gap = statistics.median(r[0] for r in results)
-            ttft = statistics.median(r[1] for r in results)
-            print(f"{steps:>13} {gap * 1e3:>17.1f} {ttft * 1e3:>15.1f}", flush=True)
+        await one(args.configs[0], args, loaded, thread)  # warm-up
+        results: dict[tuple[int, float | None], list[tuple[float, float]]] = {
+            c: [] for c in args.configs
+        }
+        for r in range(args.rounds):
+            order = args.configs if r % 2 == 0 else args.configs[::-1]
+            for setting in order:
+                results[setting].append(await one(setting, args, loaded, thread))
+            print(f"round {r + 1} done", flush=True)
+        base = statistics.median(t for _, t in results[args.configs[0]])
+        print(
+            f"{'config':>12} {'longest gap (ms)':>17} {'long TTFT (ms)':>15} "
+            f"{'gap/base TTFT':>14} {'TTFT/base':>10}"
+        )
+        for (steps, seconds), runs in results.items():
+            gap = statistics.median(g for g, _ in runs)
+            ttft = statistics.median(t for _, t in runs)
+            name = f"{steps}" + (f":{seconds:g}" if seconds else "")
+            print(
+                f"{name:>12} {gap * 1e3:>17.1f} {ttft * 1e3:>15.1f} "
+                f"{gap / base:>14.2f} {ttft / base:>10.2f}",
+                flush=True,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=positive_ints, default=[16384, 2048, 512])
+    parser.add_argument(
+        "--configs",
+        type=lambda text: [config(part) for part in text.split(",") if part],
+        default=[(16384, None), (2048, None), (2048, 0.25)],
+    )
     parser.add_argument("--prompt-tokens", type=int, default=8000)
     parser.add_argument("--tokens", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3)

@@ -386,3 +386,24 @@ def join_chat_chunks(chunks: Iterable[ChatCompletionChunk]) -> JoinedChat:
             joined.finish = choice.finish_reason or joined.finish
     joined.calls = [(calls[i][0], calls[i][1]) for i in sorted(calls)]
     return joined
+
+
+def drive_rows(
+    state: Any, reqs: Sequence[Request], joins: Sequence[int]
+) -> list[list[int]]:
+    """Step ``state`` (a ``BatchState``) on the calling thread until every
+    request is done, request ``i`` admitted before step ``joins[i]``; each
+    one's tokens."""
+    rows: list[Any] = []
+    out: list[list[int]] = []
+    steps = 0
+    while len(rows) < len(reqs) or not all(r.done for r in rows):
+        while len(rows) < len(reqs) and steps >= joins[len(rows)]:
+            rows.append(state.admit(*reqs[len(rows)]))
+            out.append([])
+        state.step()
+        steps += 1
+        for row, got in zip(rows, out, strict=True):
+            got += [item.token for item in row.pending]
+            row.pending.clear()
+    return out

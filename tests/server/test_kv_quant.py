@@ -41,6 +41,7 @@ from .kit import (
     Event,
     Request,
     deadline,
+    drive_rows,
     max_logprob_difference,
     request,
     tokens,
@@ -336,21 +337,7 @@ class TestGrammarSpeculation:
         loaded, quant = wide["text"], KVQuant(8)
 
         def drive(reqs: list[Request], joins: list[int]) -> list[list[int]]:
-            """Each row's tokens; row ``i`` admitted before step ``joins[i]``."""
-            state = BatchState(loaded, kv_quant=quant)
-            rows: list[Any] = []
-            out: list[list[int]] = []
-            steps = 0
-            while len(rows) < len(reqs) or not all(r.done for r in rows):
-                while len(rows) < len(reqs) and steps >= joins[len(rows)]:
-                    rows.append(state.admit(*reqs[len(rows)]))
-                    out.append([])
-                state.step()
-                steps += 1
-                for row, got in zip(rows, out, strict=True):
-                    got += [item.token for item in row.pending]
-                    row.pending.clear()
-            return out
+            return drive_rows(BatchState(loaded, kv_quant=quant), reqs, joins)
 
         masked = [text_request(i, 24, logprobs=True, grammar=grammar) for i in range(3)]
 

@@ -34,6 +34,7 @@ from .kit import (
     Event,
     Request,
     deadline,
+    drive_rows,
     max_logprob_difference,
     request,
     tokens,
@@ -332,21 +333,7 @@ class TestGrammarSpeculation:
         ]
 
         def drive(reqs: list[Request], joins: list[int]) -> list[list[int]]:
-            """Each row's tokens; row ``i`` admitted before step ``joins[i]``."""
-            state = BatchState(loaded)
-            rows: list[Any] = []
-            out: list[list[int]] = []
-            steps = 0
-            while len(rows) < len(reqs) or not all(r.done for r in rows):
-                while len(rows) < len(reqs) and steps >= joins[len(rows)]:
-                    rows.append(state.admit(*reqs[len(rows)]))
-                    out.append([])
-                state.step()
-                steps += 1
-                for row, got in zip(rows, out, strict=True):
-                    got += [item.token for item in row.pending]
-                    row.pending.clear()
-            return out
+            return drive_rows(BatchState(loaded), reqs, joins)
 
         def run() -> tuple[list[list[int]], list[list[int]], int]:
             solo = [drive([req], [0])[0] for req in reqs]
