@@ -153,6 +153,7 @@ async def drive(
     hold: anyio.Event | None = None,
     started: anyio.Event | None = None,
     stall_start: bool = False,
+    path: str = "/v1/chat/completions",
 ) -> tuple[int, list[bytes]]:
     """Call the ASGI app directly, as a server would; the client leaves after
     ``disconnect_after`` body chunks, or when ``leave`` is set; after the
@@ -199,8 +200,8 @@ async def drive(
         "http_version": "1.1",
         "method": "POST",
         "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
+        "path": path,
+        "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
         "headers": [(b"content-type", b"application/json")],

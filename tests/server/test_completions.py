@@ -17,7 +17,7 @@ from mlx_pinned.server import create_app
 from mlx_pinned.server.http.metrics import route_of
 from mlx_pinned.testing import tiny_lm_path, tiny_vlm_path
 
-from .conftest import Lifespan, Served, assert_error, sse_events
+from .conftest import Lifespan, Served, assert_error, drive, sse_events
 from .kit import Server, running
 
 pytestmark = pytest.mark.timeout(180)
@@ -134,6 +134,21 @@ async def served(
         httpx.AsyncClient(transport=transport, base_url="http://test") as client,
     ):
         yield Served(app, client, state)
+
+
+@pytest.mark.anyio
+async def test_a_stream_is_sent_as_it_comes(lifespan: Lifespan) -> None:
+    # Not the whole answer at the end: a write as tokens come (no interval).
+    app = create_app(tiny_lm_path(), served_model_name="tiny", stream_write_interval=0)
+    asked = body("Once upon a time", 64, stream=True, temperature=0)
+    async with lifespan(app):
+        with anyio.fail_after(60):
+            status, sent = await drive(app, asked, path="/v1/completions")
+    assert status == 200
+    assert len(sent) >= 3  # the first token, more tokens, the end
+    events = [e for m in sent for e in sse_events(m.decode())]
+    assert events[-1] == "[DONE]"
+    assert sum(len(e["choices"]) for e in events[:-1]) >= 3
 
 
 def body(prompt: Any, max_tokens: int = 8, **fields: Any) -> dict[str, Any]:

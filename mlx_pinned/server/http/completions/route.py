@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import aclosing
 from typing import TYPE_CHECKING, TypeAlias
 
 import anyio
@@ -121,6 +122,7 @@ class CompletionsEndpoint(GenerationEndpoint):
                 prepared.params,
                 log,
                 stream if request.stream else whole,
+                streamed=bool(request.stream),
             )
             finals = [c.final for c in choices if c.final is not None]
             total = usage(finals)
@@ -176,10 +178,13 @@ class CompletionsEndpoint(GenerationEndpoint):
         params: list[GenerationParams],
         log: RequestLog,
         consume: _Consume,
+        *,
+        streamed: bool,
     ) -> None:
         """Generate every prompt, each in its own task and row; ``consume``
-        reads their events as they come. The first error of any prompt (or
-        of ``consume``) ends them all and is raised as it is."""
+        reads their events as they come (``streamed``: as they flow, else
+        each answer whole). The first error of any prompt (or of
+        ``consume``) ends them all and is raised as it is."""
         send, receive = anyio.create_memory_object_stream[_Item](math.inf)
         failed: list[Exception] = []
         async with anyio.create_task_group() as group:
@@ -193,6 +198,7 @@ class CompletionsEndpoint(GenerationEndpoint):
                         one,
                         log,
                         send.clone(),
+                        streamed,
                     )
             try:
                 with receive:
@@ -211,12 +217,19 @@ class CompletionsEndpoint(GenerationEndpoint):
         params: GenerationParams,
         log: RequestLog,
         send: MemoryObjectSendStream[_Item],
+        streamed: bool,
     ) -> None:
         with send:
             try:
                 async with self.generation(served, engine, params, (), log) as events:
-                    async for batch in events.batched(params.max_tokens + 2):
-                        await send.send((index, batch))
+                    if not streamed:  # each answer whole
+                        async for batch in events.batched(params.max_tokens + 2):
+                            await send.send((index, batch))
+                        return
+                    interval = self.config.stream_write_interval
+                    async with aclosing(events.flowing(interval)) as flowing:
+                        async for batch in flowing:
+                            await send.send((index, batch))
             except Exception as exc:  # the answer raises it
                 await send.send((index, exc))
 
