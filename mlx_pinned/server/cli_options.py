@@ -189,9 +189,9 @@ OPTIONS = (
     ),
     Option(
         "stream_write_interval",
-        "seconds a streamed answer waits at least between two writes, but its "
-        "first and last: tokens that come faster go out together; 0: a write "
-        "per token (default: %(default)s)",
+        "seconds a streamed answer waits at least between two writes (its first "
+        "token goes out at once): tokens that come faster go out together; 0: a "
+        "write per wake-up (default: %(default)s)",
         seconds,
     ),
     Option(

@@ -116,9 +116,9 @@ class ServerConfig:
             (images, queue wait and generation); past it, 504 (or an error
             event) and the generation is closed. None: no limit.
         stream_write_interval: Seconds a streamed answer waits at least
-            between two writes (but the first and the last): tokens that come
-            faster go out together, fewer writes for the server and the
-            client to make; 0: a write each time a token is in.
+            between two writes (the first token goes out at once): tokens
+            that come faster go out together, fewer writes for the server
+            and the client to make; 0: a write each time a token is in.
         load_wait: Seconds a request waits for its model's load (at start-up,
             or on first use) before a 503 ``model_not_loaded``; the
             readiness probe answers 503 meanwhile. 0: the 503 at once (behind

@@ -243,8 +243,8 @@ class EventStream:
 
     def flowing(self, interval: float) -> AsyncGenerator[tuple[Event, ...], None]:
         """The events as they come: at each wake-up every one that is in,
-        and at most one wake-up each ``interval`` seconds but the first and
-        the one that ends the answer (a streamed answer's writes: fewer,
+        and at most one wake-up each ``interval`` seconds but the first
+        (a streamed answer's writes: fewer,
         larger ones when tokens come faster than that). A source that cannot
         (an ``MLXThread.iterate`` stream) gives one event a wake-up."""
         flowing = getattr(self._inner, "flowing", None)
