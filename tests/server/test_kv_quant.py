@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -430,3 +432,14 @@ class TestBytes:
             assert float(sample.split()[-1]) == health["kv_bytes_per_token"]
             seen[bits] = health["kv_bytes_per_token"]
         assert 0 < seen[8] <= seen[None] / 2
+
+
+def test_a_model_the_flag_cannot_take_fails_start_up_with_its_reason() -> None:
+    # The server exits 3, the status of a failed load, its log line naming
+    # the reason (uvicorn still logs the failed start-up's traceback).
+    command = [sys.executable, "-m", "mlx_pinned.server", "serve"]
+    command += [str(tiny_vlm_path("gemma3")), "--kv-bits", "8", "--port", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 3, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if "failed:" in x]
+    assert "--kv-bits" in line

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from ..config_checks import SettingError
 from ..failures import ModelNotLoadedError
 from .errors import APIError, api_error
 from .slots import ModelSlot, SlotChange, SlotState, due
@@ -252,7 +253,10 @@ class Residency:
             change.error = error
         except Exception as exc:
             slot.failures += 1
-            logger.error("loading model %r failed", slot.name, exc_info=exc)
+            # A setting the model cannot take (--kv-bits on a sliding
+            # window) is the user's to fix: its message, no traceback.
+            trace = None if isinstance(exc, SettingError) else exc
+            logger.error("loading model %r failed: %s", slot.name, exc, exc_info=trace)
             change.error = _load_failed(slot.name, exc, self.retry_after)
             change.cause = exc
         except BaseException:  # cancelled: the server is shutting down
