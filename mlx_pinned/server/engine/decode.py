@@ -97,7 +97,6 @@ class Decoder:
             return  # a speculative step ran instead (.drafting)
         batch = self.batch
         start = time.perf_counter()
-        rows: list[Row] = []
         try:
             if self.inflight is None:
                 idle = not batch.rows and not batch.joining
@@ -109,19 +108,38 @@ class Decoder:
                     self.step_seconds += time.perf_counter() - start
                     return
                 self._launch()
-            inflight, self.inflight = self.inflight, None
-            if inflight is None:
-                return
-            rows, pending = inflight
+        except BaseException as exc:
+            batch.fail(exc)
+            raise
+        inflight, self.inflight = self.inflight, None
+        if inflight is not None:
+            self._finish(inflight, start, launch=True)
+
+    def drain(self) -> None:
+        """Read the step in flight and start none after it: a speculative
+        step (:mod:`.drafting`) follows, which needs its tokens read."""
+        inflight, self.inflight = self.inflight, None
+        assert inflight is not None, "no step in flight"
+        self._finish(inflight, time.perf_counter(), launch=False)
+
+    def _finish(
+        self, inflight: tuple[list[Row], Draw], start: float, *, launch: bool
+    ) -> None:
+        """Read the step ``inflight``; with ``launch``, the next step is
+        built on its tokens and started first (see :meth:`step`)."""
+        batch = self.batch
+        rows, pending = inflight
+        try:
             # Prompts queued meanwhile: prefilled now, so they join the next
             # step (their prefill computes after this step, on one stream).
             batch.prefill_waiting()
             last = {row for row in rows if row.sampled + 1 >= row.max_tokens}
             batch.leaving |= last
-            if self._constrained():
-                self._constrained_step(inflight, last, start)
-                return
-            self._launch(inflight)
+            if launch:
+                if self._constrained():
+                    self._constrained_step(inflight, last, start)
+                    return
+                self._launch(inflight)
             sampled = collect(pending, self.stop)
         except BaseException as exc:
             batch.fail(exc, rows)

@@ -212,7 +212,7 @@ class Drafting:
         if not batch.rows and not batch.joining:
             return False  # from idle: the ordinary step hands out first tokens
         if decoder.inflight is not None:
-            self._drain(decoder)
+            decoder.drain()
             return True
         drafts = {row: self._drafts(row) for row in live if row not in waiting}
         if not any(drafts.values()):
@@ -225,25 +225,6 @@ class Drafting:
             return []
         count = min(self.settings.tokens, row.max_tokens - row.sampled - 1)
         return lookup(row.history.ids, self.settings.ngram, count)
-
-    def _drain(self, decoder: Decoder) -> None:
-        """Read the step in flight without starting another after it."""
-        batch = decoder.batch
-        start = time.perf_counter()
-        assert decoder.inflight is not None
-        rows, pending = decoder.inflight
-        decoder.inflight = None
-        try:
-            batch.prefill_waiting()
-            last = {row for row in rows if row.sampled + 1 >= row.max_tokens}
-            batch.leaving |= last
-            sampled = collect(pending, decoder.stop)
-        except BaseException as exc:
-            batch.fail(exc, rows)
-            raise
-        decoder._read(rows, sampled, last)
-        decoder.steps += 1
-        decoder.step_seconds += time.perf_counter() - start
 
     def _verify(self, decoder: Decoder, drafts: dict[Row, list[int]]) -> None:
         """One forward pass over every row's last token and its drafts; each
