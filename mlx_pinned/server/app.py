@@ -167,7 +167,14 @@ def create_app(
             for index, own in enumerate(each)
         ]
     )
-    at_start_up = [own.models[0] for own in each if not own.load_on_first_use]
+    # A model's draft model (speculative decoding) is loaded with it.
+    at_start_up = [
+        path
+        for own in each
+        if not own.load_on_first_use
+        for path in (own.models[0], own.draft_model)
+        if path is not None
+    ]
     prepare = settle = None
     if config.max_model_bytes is not None and at_start_up:
         # Before any load: a start-up past the budget fails at once.
@@ -275,9 +282,11 @@ def create_app(
 def _drafting(config: ServerConfig) -> dict[str, Any]:
     """The engine's speculative decoding keyword, only where it is on (an
     ``engine_factory`` that predates it still works with it off)."""
-    if config.prompt_lookup_tokens < 1:
+    if config.prompt_lookup_tokens < 1 and config.draft_model is None:
         return {}
-    settings = DraftSettings(config.prompt_lookup_tokens, config.num_draft_tokens)
+    settings = DraftSettings(
+        config.prompt_lookup_tokens, config.num_draft_tokens, config.draft_model
+    )
     return {"drafts": settings}
 
 
@@ -298,7 +307,8 @@ def _slot(
         return engine
 
     async def measure() -> int:
-        return await thread.run(stored_weight_bytes, own.models[0])
+        paths = [own.models[0], *([own.draft_model] if own.draft_model else [])]
+        return sum([await thread.run(stored_weight_bytes, path) for path in paths])
 
     return ModelSlot(
         own.name,

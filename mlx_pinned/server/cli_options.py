@@ -341,6 +341,13 @@ OPTIONS = (
         "draft tokens per row and step, at most (default: %(default)s)",
         whole,
     ),
+    Option(
+        "draft_model",
+        "speculative decoding with a draft model: a small model with the served "
+        "model's tokenizer (a folder or a hub id) drafts each row's next tokens, "
+        "verified in the batch's forward pass (default: off)",
+        str,
+    ),
 )
 
 

@@ -201,6 +201,10 @@ class ServerConfig:
             be cut back (docs/engine.md).
         num_draft_tokens: Draft tokens per row and step, at most (mlx-lm's
             name).
+        draft_model: Speculative decoding with a draft model: a small
+            model with the served model's tokenizer (a folder or a hub id)
+            drafts each row's next tokens greedily, verified as prompt
+            lookup's are; None: off. Not with ``prompt_lookup_tokens``.
     """
 
     model: str | tuple[str, ...] = ""
@@ -250,6 +254,7 @@ class ServerConfig:
     # Speculative decoding (engine/drafting.py).
     prompt_lookup_tokens: int = 0
     num_draft_tokens: int = 3
+    draft_model: str | None = None
     model_settings: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ PER_MODEL_SETTINGS = frozenset(
         "kv_group_size",
         "prompt_lookup_tokens",
         "num_draft_tokens",
+        "draft_model",
     }
 )
 
@@ -200,14 +201,25 @@ def _check_kv_quant(config: ServerConfig) -> None:
 
 
 def _check_drafting(config: ServerConfig) -> None:
-    """Speculative decoding: a draft count, one process."""
+    """Speculative decoding: a draft count, one source of drafts, one
+    process."""
     _at_least(config, "prompt_lookup_tokens", 0)
     _at_least(config, "num_draft_tokens", 1)
-    if config.prompt_lookup_tokens > 0 and config.distributed is not None:
+    draft = config.draft_model
+    if draft is not None and (not isinstance(draft, str) or not draft.strip()):
         raise SettingError(
-            "prompt_lookup_tokens",
-            "prompt_lookup_tokens needs one process: not with distributed",
+            "draft_model",
+            f"draft_model must be a model's folder or hub id, not {draft!r}",
         )
+    if draft is not None and config.prompt_lookup_tokens > 0:
+        raise SettingError(
+            "draft_model",
+            "draft_model and prompt_lookup_tokens are two sources of drafts: "
+            "set one of them",
+        )
+    for name in ("prompt_lookup_tokens", "draft_model"):
+        if getattr(config, name) and config.distributed is not None:
+            raise SettingError(name, f"{name} needs one process: not with distributed")
 
 
 def _check_model_settings(config: ServerConfig) -> None:

@@ -407,3 +407,34 @@ def drive_rows(
             got += [item.token for item in row.pending]
             row.pending.clear()
     return out
+
+
+def interleaved(
+    thread: MLXThread,
+    engine: BatchEngine,
+    requests: Sequence[Request],
+    starts: Sequence[int] = (),
+) -> list[list[Event]]:
+    """Run ``requests`` batched on ``engine``, on the MLX thread: request
+    ``i`` enters after ``starts[i]`` rounds (one event of every running
+    request a round), so rows join mid-decode."""
+
+    def run() -> list[list[Event]]:
+        events: list[list[Event]] = [[] for _ in requests]
+        streams: dict[int, Iterator[Any]] = {}
+        done: set[int] = set()
+        round_ = 0
+        while len(done) < len(requests):
+            for i, (params, images) in enumerate(requests):
+                if i in done or (starts and starts[i] > round_):
+                    continue
+                if i not in streams:
+                    streams[i] = engine.generate_stream(params, images)
+                event = next(streams[i])
+                events[i].append(event)
+                if isinstance(event, FinalEvent):
+                    done.add(i)
+            round_ += 1
+        return events
+
+    return thread.run_sync(run)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -23,12 +23,12 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server.config import ServerConfig
 from mlx_pinned.server.config_checks import SettingError
 from mlx_pinned.server.engine import BatchEngine, DraftSettings, LoadedModel, load
-from mlx_pinned.server.engine.drafting import lookup
+from mlx_pinned.server.engine.prompt_lookup import lookup
 from mlx_pinned.server.events import FinalEvent, TokenEvent
 from mlx_pinned.testing import tiny_lm_path, tiny_vlm_path
 
 from .conftest import Serve, vision_body
-from .kit import TOL, Event, Request, max_logprob_difference, request
+from .kit import TOL, Event, Request, interleaved, max_logprob_difference, request
 
 LOOKUP = DraftSettings(ngram=3, tokens=4)
 
@@ -66,37 +66,6 @@ def engines(
         return BatchEngine(loaded, thread), on
 
     return thread.run_sync(make)
-
-
-def interleaved(
-    thread: MLXThread,
-    engine: BatchEngine,
-    requests: Sequence[Request],
-    starts: Sequence[int] = (),
-) -> list[list[Event]]:
-    """Run ``requests`` batched on ``engine``, on the MLX thread: request
-    ``i`` enters after ``starts[i]`` rounds (one event of every running
-    request a round), so rows join mid-decode."""
-
-    def run() -> list[list[Event]]:
-        events: list[list[Event]] = [[] for _ in requests]
-        streams: dict[int, Iterator[Any]] = {}
-        done: set[int] = set()
-        round_ = 0
-        while len(done) < len(requests):
-            for i, (params, images) in enumerate(requests):
-                if i in done or (starts and starts[i] > round_):
-                    continue
-                if i not in streams:
-                    streams[i] = engine.generate_stream(params, images)
-                event = next(streams[i])
-                events[i].append(event)
-                if isinstance(event, FinalEvent):
-                    done.add(i)
-            round_ += 1
-        return events
-
-    return thread.run_sync(run)
 
 
 def assert_same(ours: list[list[Event]], theirs: list[list[Event]]) -> None:

@@ -164,8 +164,8 @@ class BatchEngine:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the model's parameters."""
-        return self.loaded.weight_bytes
+        """Bytes of the model's parameters, and its draft model's."""
+        return self.loaded.weight_bytes + self._state.decoder.draft_weight_bytes()
 
     def statistics(self) -> BatchStatistics:
         """A snapshot of the batch; any thread (it may be a step old).

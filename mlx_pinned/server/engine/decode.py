@@ -148,6 +148,10 @@ class Decoder:
         self.steps += 1
         self.step_seconds += time.perf_counter() - start
 
+    def draft_weight_bytes(self) -> int:
+        """Bytes of the draft model's parameters; 0 without one."""
+        return 0 if self.drafting is None else self.drafting.source.weight_bytes
+
     def drafted(self) -> dict[str, int]:
         """The speculative steps' counts, as :class:`.rows.BatchStatistics`
         names them (none while speculation is off)."""

@@ -2,10 +2,12 @@
 forward pass (MLX thread only).
 
 Not the grammar "speculation" of :mod:`.speculation` (a grammar row drawn
-without its mask). Here each row of the batch proposes up to K draft tokens
-by prompt lookup (the tokens that followed the latest earlier occurrence of
-its last n tokens, in its prompt and its answer so far; no model), and one
-forward pass over ``(B, 1 + K)`` tokens (each row's last token and its
+without its mask). Here each row of the batch gets up to K draft tokens from
+a :class:`DraftSource`: prompt lookup (the tokens that followed the latest
+earlier occurrence of its last n tokens, in its prompt and its answer so
+far; no model, :class:`PromptLookup`) or a small draft model of the same
+tokenizer (:class:`~.draft_model.DraftModel`); and one forward pass over
+``(B, 1 + K)`` tokens (each row's last token and its
 drafts) gives the target's token at every position. A row keeps its drafts
 up to the first one the target disagrees with, and the target's token
 there: every token it keeps is the token the target would have given it one
@@ -33,11 +35,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 import numpy as np
 
+from ..config_checks import SettingError
+from .prompt_lookup import History, PromptLookup
 from .quirks import cut_back_caches, plain_caches, unmask_if_unpadded
 from .sampling import Sampled, collect, draw, vlm
 
@@ -49,61 +54,48 @@ if TYPE_CHECKING:
     from .rows import Row
     from .state import BatchState
 
-__all__ = ["DraftSettings", "Drafting", "History", "install", "lookup"]
+__all__ = ["DraftSettings", "DraftSource", "Drafting", "cut_back", "install"]
 
 
 @dataclass(frozen=True)
 class DraftSettings:
-    """How rows draft.
+    """How rows draft: by prompt lookup (``ngram``) or with a draft model
+    (``model``), not both.
 
     Attributes:
         ngram: Longest n-gram of a row's tokens looked up (n from this down
             to 1); 0: no prompt lookup.
         tokens: Draft tokens per row and step, at most (K).
+        model: A draft model's folder or hub id (a small model with the
+            served model's tokenizer); None: no draft model.
     """
 
     ngram: int = 0
     tokens: int = 4
+    model: str | Path | None = None
 
 
-class History:
-    """A row's prompt and answer token ids, growable (MLX thread only)."""
+class DraftSource(Protocol):
+    """Where a batch's drafts come from (MLX thread only).
 
-    def __init__(self, prompt: np.ndarray) -> None:
-        self._ids = np.empty(max(64, 2 * len(prompt)), dtype=np.int64)
-        self._ids[: len(prompt)] = prompt
-        self.size = len(prompt)
+    Attributes:
+        weight_bytes: Bytes of the parameters it holds (a draft model's).
+    """
 
-    def append(self, token: int) -> None:
-        if self.size == len(self._ids):
-            self._ids = np.concatenate([self._ids, np.empty_like(self._ids)])
-        self._ids[self.size] = token
-        self.size += 1
+    weight_bytes: int
 
-    @property
-    def ids(self) -> np.ndarray:
-        return self._ids[: self.size]
+    def propose(self, rows: Sequence[Row], counts: Sequence[int]) -> list[list[int]]:
+        """Up to ``counts[i]`` draft tokens for each row of the batch (in
+        the batch's order), for the step about to verify them."""
+        ...
 
+    def settle(self, rows: Sequence[Row], kept: Sequence[int]) -> None:
+        """After that step: row ``i`` kept ``kept[i]`` of its drafts."""
+        ...
 
-def lookup(ids: np.ndarray, ngram: int, count: int) -> list[int]:
-    """Up to ``count`` tokens that may follow ``ids``: after the latest
-    earlier occurrence of its last n tokens (longest n first, from
-    ``ngram`` down to 1), continued as a repeat of that period where the
-    occurrence runs into the end. Empty when no n-gram recurs."""
-    size = len(ids)
-    if count < 1:
-        return []
-    for n in range(min(ngram, size - 1), 0, -1):
-        tail = ids[size - n :]
-        # Windows starting at 0 .. size-n-1: each has a token after it.
-        windows = np.lib.stride_tricks.sliding_window_view(ids[: size - 1], n)
-        hits = np.flatnonzero((windows == tail).all(axis=1))
-        if not len(hits):
-            continue
-        start = int(hits[-1]) + n  # the token that followed it
-        period = size - start
-        return [int(ids[start + (j % period)]) for j in range(count)]
-    return []
+    def reset(self) -> None:
+        """Forget every row: the step failed."""
+        ...
 
 
 class _At:
@@ -154,27 +146,39 @@ def can_draft(row: Row) -> bool:
 
 
 def install(state: BatchState, settings: DraftSettings) -> None:
-    """Make ``state``'s decoder speculate with ``settings``.
+    """Make ``state``'s decoder speculate with ``settings``; a draft model
+    is loaded here (MLX thread).
 
     Raises:
-        ValueError: The model's KV cache cannot be cut back (a rotating
-            window, a recurrent state), or it is served one at a time.
+        SettingError: The model's KV cache cannot be cut back (a rotating
+            window, a recurrent state); the draft model's cannot either, or
+            its tokenizer is not the served model's.
     """
     loaded: LoadedModel = state.loaded
     layers = vlm().make_prompt_cache(loaded.model.language_model)
+    flag = "--prompt-lookup-tokens" if settings.model is None else "--draft-model"
     if not plain_caches(layers):
         kinds = sorted({type(c).__name__ for c in layers})
-        raise ValueError(
+        raise SettingError(
+            "prompt_lookup_tokens" if settings.model is None else "draft_model",
             "speculative decoding needs a KV cache that can be cut back; "
-            f"this model's is {', '.join(kinds)}: turn --prompt-lookup-tokens off"
+            f"this model's is {', '.join(kinds)}: serve it without {flag}",
         )
-    state.decoder.drafting = Drafting(settings)
+    source: DraftSource
+    if settings.model is None:
+        source = PromptLookup(settings.ngram)
+    else:
+        from .draft_model import DraftModel  # it imports this module
+
+        source = DraftModel.load(settings.model, loaded)
+    state.decoder.drafting = Drafting(settings, source)
 
 
 class Drafting:
     """The speculative steps of one batch, and their counts.
 
     Attributes:
+        source: Where the rows' drafts come from.
         steps: Speculative steps run.
         rows: Rows those steps verified drafts for, summed over the steps.
         drafted: Draft tokens verified.
@@ -183,8 +187,9 @@ class Drafting:
             target's own token of each row and step).
     """
 
-    def __init__(self, settings: DraftSettings) -> None:
+    def __init__(self, settings: DraftSettings, source: DraftSource) -> None:
         self.settings = settings
+        self.source = source
         self.steps = self.rows = self.drafted = self.accepted = self.emitted = 0
 
     def start(self, rows: Sequence[Row]) -> None:
@@ -214,34 +219,42 @@ class Drafting:
         if decoder.inflight is not None:
             decoder.drain()
             return True
-        drafts = {row: self._drafts(row) for row in live if row not in waiting}
-        if not any(drafts.values()):
+        start = time.perf_counter()
+        rows: list[Row] = []
+        try:
+            # As the ordinary step would: queued prompts in, finished rows out.
+            batch.prefill_waiting()
+            batch.compact()
+            batch.join()
+            rows = list(batch.rows)
+            tokens = self.settings.tokens
+            counts = [min(tokens, row.max_tokens - row.sampled - 1) for row in rows]
+            each = self.source.propose(rows, counts) if rows else []
+        except BaseException as exc:
+            self.source.reset()
+            batch.fail(exc, rows)
+            raise
+        if not any(each):
+            # Nothing to verify: the ordinary step runs, and it is pipelined.
+            self.source.settle(rows, [0] * len(rows))
+            decoder.step_seconds += time.perf_counter() - start
             return False
-        self._verify(decoder, drafts)
+        self._verify(decoder, rows, each, start)
         return True
 
-    def _drafts(self, row: Row) -> list[int]:
-        if row.history is None:
-            return []
-        count = min(self.settings.tokens, row.max_tokens - row.sampled - 1)
-        return lookup(row.history.ids, self.settings.ngram, count)
-
-    def _verify(self, decoder: Decoder, drafts: dict[Row, list[int]]) -> None:
+    def _verify(
+        self,
+        decoder: Decoder,
+        rows: list[Row],
+        each: list[list[int]],
+        start: float,
+    ) -> None:
         """One forward pass over every row's last token and its drafts; each
         row keeps what the target agrees with (see the module's docstring)."""
         from .decode import record  # decode imports this module
 
         batch = decoder.batch
-        start = time.perf_counter()
-        rows: list[Row] = []
         try:
-            batch.prefill_waiting()
-            batch.compact()
-            batch.join()
-            rows = list(batch.rows)
-            if not rows:
-                return
-            each = [drafts.get(row, []) for row in rows]
             width = max(len(d) for d in each)
             inputs = [
                 [row.token, *d, *[d[-1] if d else row.token] * (width - len(d))]
@@ -258,6 +271,7 @@ class Drafting:
             pending = draw(flat, at, None, [c.state for c in cache])
             sampled = collect(pending, decoder.stop)
         except BaseException as exc:
+            self.source.reset()
             batch.fail(exc, rows)
             raise
         kept = []
@@ -275,7 +289,8 @@ class Drafting:
             self.accepted += accepted
             self.emitted += accepted + 1
             decoder.decoded += accepted + 1
-        _cut_back(cache, width, kept)
+        cut_back(cache, width, kept)
+        self.source.settle(rows, kept)
         self.steps += 1
         self.rows += len(rows)
         decoder.steps += 1
@@ -294,7 +309,7 @@ def _accepted(items: Sequence[Sampled], drafts: Sequence[int]) -> int:
     return kept
 
 
-def _cut_back(cache: Sequence[Any], width: int, kept: Sequence[int]) -> None:
+def cut_back(cache: Sequence[Any], width: int, kept: Sequence[int]) -> None:
     """Drop the KV of each row's positions past its kept drafts: ``width``
     drafts were written per row, row ``i`` keeps ``kept[i]`` (and the
     position of its last token before them)."""

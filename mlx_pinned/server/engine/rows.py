@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .drafting import History
 from .logits import GrammarMatcher
 from .prefill import Prepared
 from .prompt_cache import Key
+from .prompt_lookup import History
 from .sampling import Sampled
 from .thinking import ThinkingBudget
 

@@ -1,0 +1,235 @@
+"""A draft model: a small model of the served model's tokenizer that drafts
+the batch's next tokens for its speculative steps (MLX thread only).
+
+It drafts greedily, K forward passes of its own over the batch's rows
+together, from a batch KV cache of its own that holds each row's prompt and
+answer so far. What it proposes decides only how many tokens a step gives:
+the served model verifies every draft and keeps only its own tokens
+(:mod:`.drafting`), so a draft model changes no answer, whatever it drafts.
+A row's images reach it as the placeholder tokens that hold their place in
+the prompt; it sees no pixels.
+
+Its cache follows the batch: a row new to it is prefilled (its prompt's ids
+and the answer so far), a row gone from the batch is dropped. A row's cache
+holds its history but its last one or two tokens (its pending tokens): one
+as a rule, two after a step that kept all K drafts, since the last draft was
+never fed to the draft model (mlx-lm's ``speculative_generate_step`` feeds
+it the same way, with the next token). The first pass of a step feeds each
+row's pending tokens; a row with one has a placeholder written after it,
+rolled away again to its left padding. A row whose history moved on without
+it (steps that did not speculate) is prefilled anew.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import mlx.core as mx
+import numpy as np
+
+from ..config_checks import SettingError
+from .drafting import cut_back
+from .model import LoadedModel, load
+from .prefill import PREFILL_STEP, batch_caches
+from .quirks import plain_caches, unmask_if_unpadded
+from .sampling import vlm
+
+if TYPE_CHECKING:
+    from .rows import Row
+
+__all__ = ["DraftModel"]
+
+
+class DraftModel:
+    """Drafts from a small model, batched (MLX thread only); a
+    :class:`~.drafting.DraftSource`.
+
+    Attributes:
+        loaded: The draft model.
+        rows: The rows in its cache, in its cache's order (a subset of the
+            batch's, in any order).
+    """
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.weight_bytes = loaded.weight_bytes
+        self.lm: Any = loaded.model.language_model
+        self.rows: list[Row] = []
+        self.cache: list[Any] | None = None
+        # History tokens each row's cache holds; its pending tokens follow.
+        self._held: dict[Row, int] = {}
+        self._passes = 0  # the draft passes of the step being verified
+
+    @classmethod
+    def load(cls, path: str | Path, target: LoadedModel) -> DraftModel:
+        """Load a draft model for ``target`` (MLX thread).
+
+        Raises:
+            SettingError: Its tokenizer is not ``target``'s, or its KV cache
+                cannot be cut back.
+        """
+        loaded = load(path)
+        theirs = target.tokenizer.get_vocab()
+        if loaded.tokenizer.get_vocab() != theirs:
+            raise SettingError(
+                "draft_model",
+                f"draft_model (--draft-model): {path} has another tokenizer "
+                f"than the served model {target.path}; a draft model must "
+                "share its tokenizer (the same tokens, the same ids)",
+            )
+        layers = vlm().make_prompt_cache(loaded.model.language_model)
+        if not plain_caches(layers):
+            kinds = ", ".join(sorted({type(c).__name__ for c in layers}))
+            raise SettingError(
+                "draft_model",
+                f"draft_model (--draft-model): {path} keeps {kinds} layers, "
+                "which cannot be cut back: pick a draft model with plain "
+                "attention layers",
+            )
+        return cls(loaded)
+
+    def propose(self, rows: Sequence[Row], counts: Sequence[int]) -> list[list[int]]:
+        most = max(counts, default=0)
+        if most < 1:
+            return [[] for _ in rows]
+        try:
+            self._follow(rows)
+            drafts = self._draft(most) if self.rows else []
+        except BaseException:
+            self.reset()
+            raise
+        mine = dict(zip(self.rows, drafts, strict=True))
+        return [
+            mine.get(row, [])[:count] for row, count in zip(rows, counts, strict=True)
+        ]
+
+    def settle(self, rows: Sequence[Row], kept: Sequence[int]) -> None:
+        """Cut each row's cache back to the drafts the served model kept:
+        ``passes - 1`` drafts were fed, row ``i`` keeps ``kept[i]`` of them
+        at most."""
+        fed, self._passes = self._passes - 1, 0
+        if fed < 0 or not self.rows:
+            return
+        kept_by = dict(zip(rows, kept, strict=True))
+        keep = [min(kept_by.get(row, 0), fed) for row in self.rows]
+        cut_back(self.cache or [], fed, keep)
+        for row, count in zip(self.rows, keep, strict=True):
+            self._held[row] += count
+
+    def reset(self) -> None:
+        self.rows, self.cache, self._held, self._passes = [], None, {}, 0
+
+    def _pending(self, row: Row) -> int:
+        assert row.history is not None
+        return row.history.size - self._held[row]
+
+    def _follow(self, rows: Sequence[Row]) -> None:
+        """Drop the rows that left the batch, or whose cache fell behind;
+        prefill the rows new to it."""
+        present = set(rows)
+        keep = [
+            i
+            for i, row in enumerate(self.rows)
+            if row in present and 1 <= self._pending(row) <= 2
+        ]
+        if len(keep) < len(self.rows):
+            self.rows = [self.rows[i] for i in keep]
+            self._held = {row: self._held[row] for row in self.rows}
+            if not keep:
+                self.cache = None
+            else:
+                index = mx.array(keep, dtype=mx.int32)
+                for c in self.cache or ():
+                    c.filter(index)
+        new = [
+            row
+            for row in rows
+            if row not in self._held
+            and row.history is not None
+            and row.history.size > 1
+        ]
+        # A long history is prefilled alone: the others are not padded to it.
+        short = [row for row in new if _size(row) <= PREFILL_STEP]
+        if short:
+            self._prefill(short)
+        for row in new:
+            if row not in short:
+                self._prefill([row])
+        unmask_if_unpadded(self.cache)
+
+    def _prefill(self, rows: list[Row]) -> None:
+        """Each row's history but its last token, left-padded into one batch
+        cache (in chunks of a prefill step), joined to the draft's."""
+        histories = [row.history.ids[:-1] for row in rows if row.history is not None]
+        width = max(len(ids) for ids in histories)
+        pads = [width - len(ids) for ids in histories]
+        ids = mx.array(
+            np.stack(
+                [np.pad(h, (pad, 0)) for h, pad in zip(histories, pads, strict=True)]
+            ),
+            dtype=mx.uint32,
+        )
+        cache = batch_caches(self.lm, pads)
+        assert cache is not None, "load() takes plain KV caches only"
+        for start in range(0, width, PREFILL_STEP):
+            self.lm(
+                ids[:, start : start + PREFILL_STEP],
+                cache=cache,
+                **self._kwargs(len(rows)),
+            )
+            mx.eval([c.state for c in cache])
+        if self.cache is None:
+            self.cache = cache
+        else:
+            for mine, theirs in zip(self.cache, cache, strict=True):
+                mine.extend(theirs)
+        self.rows.extend(rows)
+        for row, history in zip(rows, histories, strict=True):
+            self._held[row] = len(history)
+
+    def _draft(self, passes: int) -> list[list[int]]:
+        """``passes`` greedy tokens for each of its rows: the first pass
+        feeds the rows' pending tokens, each next one the token before."""
+        rows, cache = self.rows, self.cache or []
+        kwargs = self._kwargs(len(rows))
+        pending = []
+        for row in rows:
+            assert row.history is not None
+            pending.append(row.history.ids[self._held[row] :].tolist())
+        width = max(len(p) for p in pending)
+        # A row with fewer pending tokens has its last one written again
+        # after them: rolled away below.
+        inputs = [[*p, *[p[-1]] * (width - len(p))] for p in pending]
+        logits = self.lm(
+            mx.array(inputs, dtype=mx.uint32), cache=cache, **kwargs
+        ).logits
+        if width > 1:
+            last = mx.array([len(p) - 1 for p in pending], dtype=mx.int32)
+            logits = mx.take_along_axis(logits, last[:, None, None], axis=1)
+            cut_back(cache, width - 1, [len(p) - 1 for p in pending])
+        for row, p in zip(rows, pending, strict=True):
+            self._held[row] += len(p)
+        token = mx.argmax(logits[:, -1, :], axis=-1).astype(mx.uint32)
+        tokens = [token]
+        for _ in range(passes - 1):
+            logits = self.lm(token[:, None], cache=cache, **kwargs).logits
+            token = mx.argmax(logits[:, -1, :], axis=-1).astype(mx.uint32)
+            tokens.append(token)
+        drafts = mx.stack(tokens, axis=1)
+        mx.eval(drafts, [c.state for c in cache])
+        self._passes = passes
+        return cast("list[list[int]]", drafts.tolist())
+
+    def _kwargs(self, rows: int) -> dict[str, Any]:
+        """A Qwen-VL language model's rope deltas, given (zero: text only),
+        so it reads none it kept from another call."""
+        if hasattr(self.lm, "_rope_deltas"):
+            return {"rope_deltas": mx.zeros((rows, 1), dtype=mx.int32)}
+        return {}
+
+
+def _size(row: Row) -> int:
+    assert row.history is not None
+    return row.history.size

@@ -1,0 +1,80 @@
+"""Prompt lookup: drafts from a row's own tokens, no model (MLX thread only).
+
+A row's drafts are the tokens that followed the latest earlier occurrence of
+its last n tokens (n from N down to 1, the longest match wins), in its
+prompt and its answer so far; a match that runs into the end continues as a
+repeat of its period. :mod:`.drafting` verifies them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .rows import Row
+
+__all__ = ["History", "PromptLookup", "lookup"]
+
+
+class History:
+    """A row's prompt and answer token ids, growable (MLX thread only)."""
+
+    def __init__(self, prompt: np.ndarray) -> None:
+        self._ids = np.empty(max(64, 2 * len(prompt)), dtype=np.int64)
+        self._ids[: len(prompt)] = prompt
+        self.size = len(prompt)
+
+    def append(self, token: int) -> None:
+        if self.size == len(self._ids):
+            self._ids = np.concatenate([self._ids, np.empty_like(self._ids)])
+        self._ids[self.size] = token
+        self.size += 1
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids[: self.size]
+
+
+def lookup(ids: np.ndarray, ngram: int, count: int) -> list[int]:
+    """Up to ``count`` tokens that may follow ``ids``: after the latest
+    earlier occurrence of its last n tokens (longest n first, from
+    ``ngram`` down to 1), continued as a repeat of that period where the
+    occurrence runs into the end. Empty when no n-gram recurs."""
+    size = len(ids)
+    if count < 1:
+        return []
+    for n in range(min(ngram, size - 1), 0, -1):
+        tail = ids[size - n :]
+        # Windows starting at 0 .. size-n-1: each has a token after it.
+        windows = np.lib.stride_tricks.sliding_window_view(ids[: size - 1], n)
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if not len(hits):
+            continue
+        start = int(hits[-1]) + n  # the token that followed it
+        period = size - start
+        return [int(ids[start + (j % period)]) for j in range(count)]
+    return []
+
+
+class PromptLookup:
+    """Drafts by prompt lookup (:func:`lookup`): no model, nothing kept."""
+
+    weight_bytes = 0
+
+    def __init__(self, ngram: int) -> None:
+        self.ngram = ngram
+
+    def propose(self, rows: Sequence[Row], counts: Sequence[int]) -> list[list[int]]:
+        return [
+            [] if row.history is None else lookup(row.history.ids, self.ngram, count)
+            for row, count in zip(rows, counts, strict=True)
+        ]
+
+    def settle(self, rows: Sequence[Row], kept: Sequence[int]) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
