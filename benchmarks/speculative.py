@@ -1,19 +1,29 @@
-"""Speculative decoding by prompt lookup against none, in one run.
+"""Speculative decoding against none, in one run: prompt lookup, or a draft
+model.
 
-In process, on the tiny demo model (its random weights repeat themselves,
-so prompt lookup finds drafts): the same greedy requests through two
-engines of one loaded model, speculation off (A) and on (B), alternated
-ABAB (the order flips every round), at one stream and at ``--concurrency``
-streams. Prints each round's tokens/s and the median of the on/off ratios,
-and, with speculation on, the drafts' acceptance rate and tokens per step.
-Greedy output is the same token for token (tests/server/test_speculative.py),
-so both engines generate the same tokens. Measure on a quiet machine;
-``--quick`` is a smoke run (under a minute).
+In process: the same greedy requests through two engines of one loaded
+model, speculation off (A) and on (B), alternated ABAB (the order flips
+every round), at one stream and at ``--concurrency`` streams. Prints each
+round's tokens/s and the median of the on/off ratios, and, with
+speculation on, the drafts' acceptance rate and tokens per step. Greedy
+output is the same token for token (tests/server/test_speculative.py,
+tests/server/test_draft_model.py), so both engines generate the same
+tokens. Measure on a quiet machine; ``--quick`` is a smoke run (under a
+minute).
+
+- Prompt lookup (the default): on the tiny demo model, whose random weights
+  repeat themselves, so prompt lookup finds drafts.
+- ``--draft-model PATH --model PATH``: a draft model for a served model
+  (on a Mac: real ones).
+- ``--synthetic-draft DAMPING``: a wider, deeper random served model and a
+  one-layer draft that agrees with it on most tokens, written offline by
+  ``_draft_pair.py`` (``DAMPING`` sets how often: 0.1 is about 0.75).
 
 ::
 
     python benchmarks/speculative.py [--quick] [--rounds 5] [--tokens 256]
         [--concurrency 8] [--ngram 3] [--draft-tokens 4]
+        [--draft-model PATH --model PATH | --synthetic-draft DAMPING]
 """
 
 from __future__ import annotations
@@ -21,10 +31,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
+from _draft_pair import write_pair
 
 
 def requests(count: int, tokens: int) -> list[Any]:
@@ -63,12 +76,21 @@ async def main_async(args: argparse.Namespace) -> None:
     from mlx_pinned.server.engine.model import load
     from mlx_pinned.testing import tiny_vlm_path
 
+    model = args.model or tiny_vlm_path()
+    settings = DraftSettings(args.ngram, args.draft_tokens)
+    if args.synthetic_draft is not None:
+        folder = Path(tempfile.mkdtemp(prefix="draft-pair-"))
+        model, draft = write_pair(folder, damping=args.synthetic_draft)
+        args.draft_model = draft
+    if args.draft_model is not None:
+        settings = DraftSettings(tokens=args.draft_tokens, model=args.draft_model)
+    print(f"served {model}; drafts: {settings}", flush=True)
     async with MLXThread(name="speculative") as thread:
-        loaded = await thread.run(load, tiny_vlm_path())
+        loaded = await thread.run(load, model)
 
         def make() -> tuple[Any, Any]:
             on = BatchEngine(loaded, thread)
-            on.speculate(DraftSettings(args.ngram, args.draft_tokens))
+            on.speculate(settings)
             return BatchEngine(loaded, thread), on
 
         off, on = await thread.run(make)
@@ -107,7 +129,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--model", type=Path, help="the served model's folder")
+    parser.add_argument(
+        "--draft-model", type=Path, help="a draft model instead of prompt lookup"
+    )
+    parser.add_argument(
+        "--synthetic-draft",
+        type=float,
+        metavar="DAMPING",
+        help="a random served model and a one-layer draft that agrees with it",
+    )
     args = parser.parse_args(argv)
+    if args.synthetic_draft is not None and (args.model or args.draft_model):
+        parser.error("--synthetic-draft writes both models: no --model, --draft-model")
     if args.quick:
         args.rounds, args.tokens = 2, 64
     anyio.run(main_async, args)
