@@ -1,7 +1,7 @@
 """Decode-bound throughput against the ceiling of a bare loop, in one run.
 
 On the tiny text model, ``--rows`` identical greedy requests of ``--tokens``
-tokens each, three ways, alternating round by round (ABCABC...):
+tokens each, several ways, alternating round by round (ABCABC...):
 
 - ``bare``: the ceiling. One process, the model's language model over a
   batch of the prompt ``--rows`` times: batched forward and argmax,
@@ -9,19 +9,28 @@ tokens each, three ways, alternating round by round (ABCABC...):
   is read), each step's tokens read as Python ints, nothing else.
 - ``engine``: the server's engine in process (``BatchEngine.stream``, one
   stream per request read on the event loop), no HTTP.
-- ``server``: ``mlx-pinned serve`` in its own process, the requests
-  streamed over HTTP (``stream: true``) by an httpx client in this one;
-  ``--compare ARGS`` adds servers with other options to the same rounds.
+- ``server/CLIENT``: ``mlx-pinned serve`` in its own process, over HTTP,
+  with each of ``--clients``: ``httpx`` streams (``stream: true``) and
+  parses every event, as an SDK does; ``lean`` streams through aiohttp and
+  reads the events' bytes as they come, parsing only the last (the usage),
+  as a proxy does; ``whole`` asks for whole answers (``stream: false``)
+  through aiohttp. ``--compare ARGS`` adds servers with other options to
+  the same rounds (``server2/CLIENT``, ...).
 
 Each way's tokens/s counts the tokens every request received over the wall
 time from the first request sent to the last token read (prompts are short:
 prefill is a few ms of it). The table gives each way's median over the
-rounds and its ratio to ``bare``'s median of the same run. Expensive: a
-quiet machine, never CI.
+rounds and its ratio to ``bare``'s median of the same run, and the CPU each
+way used per token: this process's (the bare loop and the engine, or the
+client), and the server process's (all its threads, from ``/proc``). On a
+machine whose cores the model's compute already fills, the client's CPU
+comes out of the server's: the ``lean`` and ``whole`` clients show the
+server with less of it. Expensive: a quiet machine, never CI.
 
 ::
 
     python benchmarks/decode_ceiling.py [--rows 32] [--tokens 256] [--rounds 5]
+        [--clients httpx,lean,whole]
 """
 
 from __future__ import annotations
@@ -29,20 +38,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
+import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from _common import free_port, server, sse_json, wait_for
 
 PROMPT = "Count to a thousand."
+CLIENTS = ("httpx", "lean", "whole")
 
 
-def bare(loaded: Any, rows: int, tokens: int) -> tuple[int, float]:
-    """The bare loop: (tokens made, seconds)."""
+def bare(loaded: Any, rows: int, tokens: int) -> int:
+    """The bare loop: the tokens it made."""
     import mlx.core as mx
 
     from mlx_pinned.server.engine.sampling import vlm
@@ -53,7 +67,6 @@ def bare(loaded: Any, rows: int, tokens: int) -> tuple[int, float]:
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True
     )
     ids = list(getattr(ids, "input_ids", ids))
-    start = time.perf_counter()
     cache = vlm().make_prompt_cache(lm)
     prompt = mx.array([ids] * rows, dtype=mx.uint32)
     logits = lm(prompt, cache=cache).logits[:, -1, :]
@@ -65,10 +78,10 @@ def bare(loaded: Any, rows: int, tokens: int) -> tuple[int, float]:
         mx.async_eval(nxt)
         made += len(y.tolist())
         y = nxt
-    return made, time.perf_counter() - start
+    return made
 
 
-async def engine_round(engine: Any, rows: int, tokens: int) -> tuple[int, float]:
+async def engine_round(engine: Any, rows: int, tokens: int) -> int:
     from mlx_pinned.server.events import FinalEvent, GenerationParams
 
     params = GenerationParams(
@@ -82,20 +95,26 @@ async def engine_round(engine: Any, rows: int, tokens: int) -> tuple[int, float]
                 [e.completion_tokens async for e in stream if isinstance(e, FinalEvent)]
             )
 
-    start = time.perf_counter()
     await asyncio.gather(*(one() for _ in range(rows)))
-    return sum(counts), time.perf_counter() - start
+    return sum(counts)
 
 
-async def server_round(client: Any, rows: int, tokens: int) -> tuple[int, float]:
-    body = {
+def chat_body(tokens: int, *, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "model": "tiny",
         "messages": [{"role": "user", "content": PROMPT}],
         "max_tokens": tokens,
         "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": stream,
     }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def httpx_round(client: Any, rows: int, tokens: int) -> int:
+    """Streamed, every event parsed (an SDK's way); the tokens received."""
+    body = chat_body(tokens, stream=True)
     counts: list[int] = []
 
     async def one() -> None:
@@ -109,12 +128,50 @@ async def server_round(client: Any, rows: int, tokens: int) -> tuple[int, float]
                 ]
             )
 
-    start = time.perf_counter()
     await asyncio.gather(*(one() for _ in range(rows)))
-    return sum(counts), time.perf_counter() - start
+    return sum(counts)
+
+
+async def lean_round(
+    session: Any, url: str, rows: int, tokens: int, *, stream: bool
+) -> int:
+    """Through aiohttp: streamed, only the last event (the usage) parsed;
+    or whole answers. The tokens received."""
+    body = chat_body(tokens, stream=stream)
+    counts: list[int] = []
+
+    async def one() -> None:
+        async with session.post(url, json=body) as r:
+            r.raise_for_status()
+            if not stream:
+                counts.append((await r.json())["usage"]["completion_tokens"])
+                return
+            tail = b""
+            async for data in r.content.iter_any():
+                tail = (tail + data)[-4096:]
+            counts.append(usage_of(tail))
+
+    await asyncio.gather(*(one() for _ in range(rows)))
+    return sum(counts)
+
+
+def usage_of(tail: bytes) -> int:
+    """The completion tokens of the last event with a usage in a stream's
+    last bytes."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage":{' in line.replace(b" ", b""):
+            return int(json.loads(line[6:])["usage"]["completion_tokens"])
+    raise ValueError("no usage at the end of the stream")
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds of process ``pid``, all its threads (``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def main_async(args: argparse.Namespace) -> None:
+    import aiohttp
     import httpx
 
     from mlx_pinned import MLXThread
@@ -132,45 +189,60 @@ async def main_async(args: argparse.Namespace) -> None:
     servers = {"server": [*command, *args.server_args.split()]}
     for i, extra in enumerate(args.compare):
         servers[f"server{i + 2}"] = [*command, *extra.split()]
-    ways = ["bare", "engine", *servers]
-    results: dict[str, list[float]] = {way: [] for way in ways}
-    made: dict[str, list[int]] = {way: [] for way in ways}
     folder = Path(tempfile.mkdtemp())
     limits = httpx.Limits(max_connections=args.rows + 4)
+    # Each way: what runs a round (the tokens it got), and the server's pid.
+    ways: dict[str, tuple[Callable[[int], Awaitable[int]], int | None]] = {}
     async with contextlib.AsyncExitStack() as stack:
         thread = await stack.enter_async_context(MLXThread(name="ceiling"))
         loaded = await thread.run(load, model)
         engine = BatchEngine(loaded, thread)
-        clients: dict[str, Any] = {}
-        for way, argv in servers.items():
+        ways["bare"] = (functools.partial(thread.run, bare, loaded, args.rows), None)
+        ways["engine"] = (functools.partial(engine_round, engine, args.rows), None)
+        session = await stack.enter_async_context(
+            aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=args.rows + 4),
+                timeout=aiohttp.ClientTimeout(total=600),
+            )
+        )
+        for name, argv in servers.items():
             port = free_port()
             argv = [*argv, "--port", str(port)]
-            process = stack.enter_context(server(argv, folder / f"{way}.log"))
+            process = stack.enter_context(server(argv, folder / f"{name}.log"))
+            base = f"http://127.0.0.1:{port}"
             client = await stack.enter_async_context(
-                httpx.AsyncClient(
-                    base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits
-                )
+                httpx.AsyncClient(base_url=base, timeout=600, limits=limits)
             )
             await wait_for(client, process, "/health", 120)
-            clients[way] = client
-            print(f"{way}: {' '.join(argv[1:])}", flush=True)
-        # Warm-up: kernels compiled, caches made, once each way.
-        await thread.run(bare, loaded, args.rows, 8)
-        await engine_round(engine, args.rows, 8)
-        for client in clients.values():
-            await server_round(client, args.rows, 8)
+            print(f"{name}: {' '.join(argv[1:])}", flush=True)
+            url = base + "/v1/chat/completions"
+            rounds = {
+                "httpx": functools.partial(httpx_round, client, args.rows),
+                "lean": functools.partial(
+                    lean_round, session, url, args.rows, stream=True
+                ),
+                "whole": functools.partial(
+                    lean_round, session, url, args.rows, stream=False
+                ),
+            }
+            for kind in args.clients:
+                ways[f"{name}/{kind}"] = (rounds[kind], process.pid)
+        results: dict[str, list[float]] = {way: [] for way in ways}
+        made: dict[str, list[int]] = {way: [] for way in ways}
+        cpu: dict[str, list[tuple[float, float]]] = {way: [] for way in ways}
+        for run, _ in ways.values():  # warm-up: kernels compiled, caches made
+            await run(8)
         for r in range(args.rounds):
-            for way in ways:
-                if way == "bare":
-                    n, seconds = await thread.run(bare, loaded, args.rows, args.tokens)
-                elif way == "engine":
-                    n, seconds = await engine_round(engine, args.rows, args.tokens)
-                else:
-                    n, seconds = await server_round(
-                        clients[way], args.rows, args.tokens
-                    )
+            for way, (run, pid) in ways.items():
+                served = process_cpu(pid) if pid else 0.0
+                mine, start = time.process_time(), time.perf_counter()
+                n = await run(args.tokens)
+                seconds = time.perf_counter() - start
+                mine = time.process_time() - mine
+                served = process_cpu(pid) - served if pid else 0.0
                 results[way].append(n / seconds)
                 made[way].append(n)
+                cpu[way].append((mine / n * 1e6, served / n * 1e6))
             print(
                 f"round {r + 1}: "
                 + "  ".join(f"{w} {v[-1]:,.0f}" for w, v in results.items()),
@@ -178,12 +250,17 @@ async def main_async(args: argparse.Namespace) -> None:
             )
     ceiling = statistics.median(results["bare"])
     print(f"\n{args.rows} rows x {args.tokens} tokens, {args.rounds} rounds")
-    print(f"{'way':>8} {'tokens/s (median)':>18} {'x bare':>7} {'tokens':>7}")
+    print(
+        f"{'way':>14} {'tokens/s (median)':>18} {'x bare':>7} {'tokens':>7} "
+        f"{'CPU us/token: here':>19} {'server':>7}"
+    )
     for way, values in results.items():
         median = statistics.median(values)
+        here = statistics.median(c[0] for c in cpu[way])
+        there = statistics.median(c[1] for c in cpu[way])
         print(
-            f"{way:>8} {median:>18,.0f} {median / ceiling:>7.2f} "
-            f"{statistics.median(made[way]):>7.0f}"
+            f"{way:>14} {median:>18,.0f} {median / ceiling:>7.2f} "
+            f"{statistics.median(made[way]):>7.0f} {here:>19.0f} {there:>7.0f}"
         )
 
 
@@ -193,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", help="model folder (default: the tiny qwen3)")
+    parser.add_argument(
+        "--clients",
+        type=lambda text: text.split(","),
+        default=list(CLIENTS),
+        help="the clients each server is measured with (default: %(default)s)",
+    )
     parser.add_argument(
         "--server-args", default="", help="more options of the server's command"
     )
@@ -207,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.rows < 1 or args.tokens < 1:
         parser.error("--rows, --tokens and --rounds must be 1 or more")
+    if not set(args.clients) <= set(CLIENTS):
+        parser.error(f"--clients: some of {', '.join(CLIENTS)}")
     asyncio.run(main_async(args))
     return 0
 
