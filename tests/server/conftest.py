@@ -17,7 +17,7 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server import create_app, engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.events import EventStream
-from mlx_pinned.testing import image_data_uri, tiny_vlm_path
+from mlx_pinned.testing import image_data_uri, tiny_lm_path, tiny_vlm_path
 
 MODEL = "tiny"
 PROMPT = "Describe this image in one sentence."
@@ -268,4 +268,11 @@ def thread() -> Iterator[MLXThread]:
 @pytest.fixture(scope="module")
 def loaded(thread: MLXThread, tiny_model_path: Path) -> LoadedModel:
     model: LoadedModel = thread.run_sync(engine.load, tiny_model_path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def loaded_lm(thread: MLXThread) -> LoadedModel:
+    """The tiny text model (Qwen3), loaded on the module's thread."""
+    model: LoadedModel = thread.run_sync(engine.load, tiny_lm_path())
     return model

@@ -13,7 +13,7 @@ even where the served model's verification hides it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +35,6 @@ from .conftest import Serve, vision_body
 from .kit import TOL, Event, Request, interleaved, max_logprob_difference, request
 
 TEXT = {"sizes": (None,), "top_logprobs": 2}
-
-
-@pytest.fixture(scope="module")
-def thread() -> Iterator[MLXThread]:
-    with MLXThread(name="test-draft-model") as mlx_thread:
-        yield mlx_thread
-
-
-@pytest.fixture(scope="module")
-def text_model(thread: MLXThread) -> LoadedModel:
-    loaded: LoadedModel = thread.run_sync(load, tiny_lm_path())
-    return loaded
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +74,9 @@ def mixed(count: int, max_tokens: int = 28) -> list[Request]:
 
 class TestGreedyIsUnchanged:
     def test_the_model_as_its_own_draft_keeps_every_draft(
-        self, thread: MLXThread, text_model: LoadedModel
+        self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
-        off, on = engines(thread, text_model, tiny_lm_path())
+        off, on = engines(thread, loaded_lm, tiny_lm_path())
         reqs = mixed(3)
         batched = interleaved(thread, on, reqs, (0, 2, 5))
         assert_same(batched, [interleaved(thread, off, [r])[0] for r in reqs])
@@ -103,12 +91,12 @@ class TestGreedyIsUnchanged:
     def test_refused_drafts_change_nothing(
         self,
         thread: MLXThread,
-        text_model: LoadedModel,
+        loaded_lm: LoadedModel,
         other_seed: Path,
         draft: str,
     ) -> None:
         path = other_seed if draft == "other_seed" else tiny_vlm_path()
-        off, on = engines(thread, text_model, path)
+        off, on = engines(thread, loaded_lm, path)
         reqs = mixed(4)
         batched = interleaved(thread, on, reqs, (0, 0, 3, 8))
         assert_same(batched, [interleaved(thread, off, [r])[0] for r in reqs])
@@ -126,11 +114,11 @@ class TestGreedyIsUnchanged:
         counts(on)
 
     def test_rows_that_cannot_draft_pause_it_and_it_catches_up(
-        self, thread: MLXThread, text_model: LoadedModel
+        self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
         # A penalized row turns speculation off while it runs; the others'
         # draft caches fall behind and are prefilled again after it left.
-        off, on = engines(thread, text_model, tiny_lm_path())
+        off, on = engines(thread, loaded_lm, tiny_lm_path())
         reqs = [request(0, 60, **TEXT), request(1, 8, presence_penalty=0.5, **TEXT)]
         batched = interleaved(thread, on, reqs, (0, 3))
         assert_same(batched, [interleaved(thread, off, [r])[0] for r in reqs])
@@ -142,12 +130,12 @@ class TestGreedyIsUnchanged:
 
 class TestTheDraftCache:
     def test_proposals_are_the_draft_models_own_continuations(
-        self, thread: MLXThread, text_model: LoadedModel
+        self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
         """Each proposal equals the draft model's greedy continuation of the
         row's history run alone: rows joining, leaving, keeping some drafts
         (one pending token) and all of them (two)."""
-        _, on = engines(thread, text_model, tiny_vlm_path())
+        _, on = engines(thread, loaded_lm, tiny_vlm_path())
         seen: list[tuple[list[int], list[int]]] = []
         source = thread.run_sync(lambda: on._state.decoder.drafting.source)  # type: ignore[union-attr]
         assert isinstance(source, DraftModel)
@@ -172,11 +160,45 @@ class TestTheDraftCache:
 
         assert [d for _, d in seen] == thread.run_sync(alone)
 
+    def test_ids_the_served_model_lacks_are_never_drafted(
+        self, thread: MLXThread, loaded_lm: LoadedModel
+    ) -> None:
+        reqs = mixed(3)
+
+        def proposals(limit: int | None) -> tuple[list[int], BatchEngine]:
+            off, on = engines(thread, loaded_lm, tiny_lm_path())
+            source = thread.run_sync(lambda: on._state.decoder.drafting.source)  # type: ignore[union-attr]
+            assert isinstance(source, DraftModel)
+            if limit is not None:
+                source.vocab_size = limit
+            proposed: list[int] = []
+            propose = source.propose
+
+            def recording(
+                rows: Sequence[Row], counts: Sequence[int]
+            ) -> list[list[int]]:
+                drafts = propose(rows, counts)
+                proposed.extend(token for d in drafts for token in d)
+                return drafts
+
+            source.propose = recording  # type: ignore[method-assign]
+            ours = interleaved(thread, on, reqs)
+            assert_same(ours, interleaved(thread, off, reqs))
+            return proposed, on
+
+        everything, _ = proposals(None)
+        # As if the served model's vocabulary ended below its largest draft.
+        limit = max(everything)
+        kept, engine = proposals(limit)
+        assert kept
+        assert max(kept) < limit
+        counts(engine)
+
     @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 6])
     def test_max_tokens_is_exact(
-        self, thread: MLXThread, text_model: LoadedModel, max_tokens: int
+        self, thread: MLXThread, loaded_lm: LoadedModel, max_tokens: int
     ) -> None:
-        off, on = engines(thread, text_model, tiny_lm_path())
+        off, on = engines(thread, loaded_lm, tiny_lm_path())
         reqs = [request(i, max_tokens + i, **TEXT) for i in range(3)]
         batched = interleaved(thread, on, reqs)
         assert_same(batched, interleaved(thread, off, reqs))
@@ -203,9 +225,9 @@ def greedy(lm: Any, history: list[int], count: int) -> list[int]:
 
 class TestSampled:
     def test_seeded_rows_draw_the_same_tokens(
-        self, thread: MLXThread, text_model: LoadedModel
+        self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
-        off, on = engines(thread, text_model, tiny_lm_path())
+        off, on = engines(thread, loaded_lm, tiny_lm_path())
         kinds: list[dict[str, Any]] = [
             {"temperature": 0.4},
             {"temperature": 0.7, "top_p": 0.9},
@@ -229,26 +251,26 @@ class TestSettings:
             ServerConfig(model="m", draft_model=" ")
 
     def test_another_tokenizer_is_refused(
-        self, thread: MLXThread, text_model: LoadedModel
+        self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
-        engine = thread.run_sync(BatchEngine, text_model, thread)
+        engine = thread.run_sync(BatchEngine, loaded_lm, thread)
         settings = DraftSettings(model=str(tiny_lm_path("llama")))
         with pytest.raises(SettingError, match="tokenizer") as caught:
             thread.run_sync(engine.speculate, settings)
         assert caught.value.setting == "draft_model"
 
     def test_a_draft_whose_cache_cannot_be_cut_back_is_refused(
-        self, thread: MLXThread, text_model: LoadedModel
+        self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
-        engine = thread.run_sync(BatchEngine, text_model, thread)
+        engine = thread.run_sync(BatchEngine, loaded_lm, thread)
         settings = DraftSettings(model=str(tiny_vlm_path("qwen3_5")))
         with pytest.raises(SettingError, match="cut back"):
             thread.run_sync(engine.speculate, settings)
 
     def test_the_engine_counts_the_draft_models_weights(
-        self, thread: MLXThread, text_model: LoadedModel
+        self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
-        off, on = engines(thread, text_model, tiny_vlm_path())
+        off, on = engines(thread, loaded_lm, tiny_vlm_path())
         draft = thread.run_sync(load, tiny_vlm_path())
         assert on.weight_bytes == off.weight_bytes + draft.weight_bytes
 

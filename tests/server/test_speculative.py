@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -25,7 +24,7 @@ from mlx_pinned.server.config_checks import SettingError
 from mlx_pinned.server.engine import BatchEngine, DraftSettings, LoadedModel, load
 from mlx_pinned.server.engine.prompt_lookup import lookup
 from mlx_pinned.server.events import FinalEvent, TokenEvent
-from mlx_pinned.testing import tiny_lm_path, tiny_vlm_path
+from mlx_pinned.testing import tiny_vlm_path
 
 from .conftest import Serve, vision_body
 from .kit import TOL, Event, Request, interleaved, max_logprob_difference, request
@@ -35,24 +34,6 @@ LOOKUP = DraftSettings(ngram=3, tokens=4)
 # A prompt that repeats itself, and random weights that repeat themselves:
 # prompt lookup finds drafts in both.
 ECHO = ("one two three one two three one two three one two three",)
-
-
-@pytest.fixture(scope="module")
-def thread() -> Iterator[MLXThread]:
-    with MLXThread(name="test-speculative") as mlx_thread:
-        yield mlx_thread
-
-
-@pytest.fixture(scope="module")
-def text_model(thread: MLXThread) -> LoadedModel:
-    loaded: LoadedModel = thread.run_sync(load, tiny_lm_path())
-    return loaded
-
-
-@pytest.fixture(scope="module")
-def vision_model(thread: MLXThread) -> LoadedModel:
-    loaded: LoadedModel = thread.run_sync(load, tiny_vlm_path())
-    return loaded
 
 
 def engines(
@@ -105,17 +86,17 @@ class TestPromptLookup:
 
 class TestGreedyIsUnchanged:
     def test_solo_on_the_text_model(
-        self, thread: MLXThread, text_model: LoadedModel
+        self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
-        off, on = engines(thread, text_model)
+        off, on = engines(thread, loaded_lm)
         req = [echo(0, 48)]
         assert_same(interleaved(thread, on, req), interleaved(thread, off, req))
         assert kept_drafts(on) > 0
 
     def test_batched_with_rows_joining_mid_decode(
-        self, thread: MLXThread, text_model: LoadedModel
+        self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
-        off, on = engines(thread, text_model)
+        off, on = engines(thread, loaded_lm)
         text = {"sizes": (None,), "top_logprobs": 2}
         reqs = [echo(0, 40), request(3, 32, **text), echo(5, 24)]
         reqs.append(request(4, 36, **text))
@@ -127,9 +108,9 @@ class TestGreedyIsUnchanged:
         assert on.statistics().peak_active >= 3
 
     def test_a_vision_model_with_images_batched(
-        self, thread: MLXThread, vision_model: LoadedModel
+        self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
-        off, on = engines(thread, vision_model)
+        off, on = engines(thread, loaded)
         reqs = [request(i, 32, top_logprobs=2) for i in range(4)]
         alone = [interleaved(thread, off, [req])[0] for req in reqs]
         assert_same(interleaved(thread, on, reqs, (0, 0, 4, 9)), alone)
@@ -139,9 +120,9 @@ class TestGreedyIsUnchanged:
 class TestLimits:
     @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 6, 11])
     def test_max_tokens_is_exact(
-        self, thread: MLXThread, text_model: LoadedModel, max_tokens: int
+        self, thread: MLXThread, loaded_lm: LoadedModel, max_tokens: int
     ) -> None:
-        off, on = engines(thread, text_model)
+        off, on = engines(thread, loaded_lm)
         reqs = [echo(i, max_tokens + i) for i in range(3)]
         batched = interleaved(thread, on, reqs)
         assert_same(batched, interleaved(thread, off, reqs))
@@ -152,9 +133,9 @@ class TestLimits:
             assert final.finish_reason == "length"
 
     def test_a_stop_string_inside_a_kept_run(
-        self, thread: MLXThread, text_model: LoadedModel
+        self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
-        off, on = engines(thread, text_model)
+        off, on = engines(thread, loaded_lm)
         (plain,) = interleaved(thread, off, [echo(0, 40)])
         pieces = [e.text for e in plain if isinstance(e, TokenEvent)]
         # A stop string first seen well into the answer (speculating by then).
@@ -174,9 +155,9 @@ class TestLimits:
         assert kept_drafts(on) > 0
 
     def test_rows_that_cannot_draft_turn_speculation_off(
-        self, thread: MLXThread, text_model: LoadedModel
+        self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
-        off, on = engines(thread, text_model)
+        off, on = engines(thread, loaded_lm)
         reqs = [echo(0, 24), echo(1, 24, presence_penalty=0.5)]
         reqs.append(echo(2, 24, logit_bias=((7, 2.0),)))
         assert_same(interleaved(thread, on, reqs), interleaved(thread, off, reqs))
@@ -185,10 +166,10 @@ class TestLimits:
 
 class TestSampled:
     def test_seeded_rows_draw_the_same_tokens(
-        self, thread: MLXThread, text_model: LoadedModel
+        self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
         # Each kept token is the target's own draw with its position's key.
-        off, on = engines(thread, text_model)
+        off, on = engines(thread, loaded_lm)
         kinds: list[dict[str, Any]] = [
             {"temperature": 0.4},
             {"temperature": 0.7, "top_p": 0.9},
@@ -201,13 +182,13 @@ class TestSampled:
         assert kept_drafts(on) > 0
 
     def test_kept_tokens_follow_the_target_distribution(
-        self, thread: MLXThread, text_model: LoadedModel
+        self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
         """Two-sample chi-square of (position, token) over the positions the
         speculative steps give (the first token is the prefill's),
         speculation on against off, each over its own seeds (so the
         same-key identity above plays no part)."""
-        off, on = engines(thread, text_model)
+        off, on = engines(thread, loaded_lm)
         draws, length = 96, 6
 
         def sample(engine: BatchEngine, seeds: range) -> Counter[tuple[int, ...]]:
@@ -279,9 +260,9 @@ class TestSettings:
             thread.run_sync(engine.speculate, LOOKUP)
 
     def test_the_counts_reach_the_engine_counters(
-        self, thread: MLXThread, text_model: LoadedModel
+        self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
-        _, on = engines(thread, text_model)
+        _, on = engines(thread, loaded_lm)
         interleaved(thread, on, [echo(0, 32)])
         counters = on.counters()
         assert counters.speculative_steps > 0

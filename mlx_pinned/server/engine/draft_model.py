@@ -52,8 +52,11 @@ class DraftModel:
             batch's, in any order).
     """
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, vocab_size: int) -> None:
         self.loaded = loaded
+        # Ids past the served model's output (padding rows of a larger
+        # draft's embedding) are never drafted.
+        self.vocab_size = vocab_size
         self.weight_bytes = loaded.weight_bytes
         self.lm: Any = loaded.model.language_model
         self.rows: list[Row] = []
@@ -88,7 +91,7 @@ class DraftModel:
                 "which cannot be cut back: pick a draft model with plain "
                 "attention layers",
             )
-        return cls(loaded)
+        return cls(loaded, target.vocab_size)
 
     def propose(self, rows: Sequence[Row], counts: Sequence[int]) -> list[list[int]]:
         most = max(counts, default=0)
@@ -102,7 +105,8 @@ class DraftModel:
             raise
         mine = dict(zip(self.rows, drafts, strict=True))
         return [
-            mine.get(row, [])[:count] for row, count in zip(rows, counts, strict=True)
+            self._valid(mine.get(row, [])[:count])
+            for row, count in zip(rows, counts, strict=True)
         ]
 
     def settle(self, rows: Sequence[Row], kept: Sequence[int]) -> None:
@@ -117,6 +121,13 @@ class DraftModel:
         cut_back(self.cache or [], fed, keep)
         for row, count in zip(self.rows, keep, strict=True):
             self._held[row] += count
+
+    def _valid(self, drafts: list[int]) -> list[int]:
+        """``drafts`` up to the first id the served model has no row for."""
+        for i, token in enumerate(drafts):
+            if token >= self.vocab_size:
+                return drafts[:i]
+        return drafts
 
     def reset(self) -> None:
         self.rows, self.cache, self._held, self._passes = [], None, {}, 0
