@@ -11,11 +11,11 @@ the prompt; it sees no pixels.
 
 Its cache follows the batch: a row new to it is prefilled (its prompt's ids
 and the answer so far), a row gone from the batch is dropped. A row's cache
-holds its history but its last one or two tokens (its pending tokens): one
+holds its history but its last one or two tokens (its unfed tokens): one
 as a rule, two after a step that kept all K drafts, since the last draft was
 never fed to the draft model (mlx-lm's ``speculative_generate_step`` feeds
 it the same way, with the next token). The first pass of a step feeds each
-row's pending tokens; a row with one has a placeholder written after it,
+row's unfed tokens; a row with one has a placeholder written after it,
 rolled away again to its left padding. A row whose history moved on without
 it (steps that did not speculate) is prefilled anew.
 """
@@ -61,7 +61,7 @@ class DraftModel:
         self.lm: Any = loaded.model.language_model
         self.rows: list[Row] = []
         self.cache: list[Any] | None = None
-        # History tokens each row's cache holds; its pending tokens follow.
+        # History tokens each row's cache holds; its unfed tokens follow.
         self._held: dict[Row, int] = {}
         self._passes = 0  # the draft passes of the step being verified
 
@@ -132,7 +132,7 @@ class DraftModel:
     def reset(self) -> None:
         self.rows, self.cache, self._held, self._passes = [], None, {}, 0
 
-    def _pending(self, row: Row) -> int:
+    def _unfed(self, row: Row) -> int:
         assert row.history is not None
         return row.history.size - self._held[row]
 
@@ -143,7 +143,7 @@ class DraftModel:
         keep = [
             i
             for i, row in enumerate(self.rows)
-            if row in present and 1 <= self._pending(row) <= 2
+            if row in present and 1 <= self._unfed(row) <= 2
         ]
         if len(keep) < len(self.rows):
             self.rows = [self.rows[i] for i in keep]
@@ -202,25 +202,25 @@ class DraftModel:
 
     def _draft(self, passes: int) -> list[list[int]]:
         """``passes`` greedy tokens for each of its rows: the first pass
-        feeds the rows' pending tokens, each next one the token before."""
+        feeds the rows' unfed tokens, each next one the token before."""
         rows, cache = self.rows, self.cache or []
         kwargs = self._kwargs(len(rows))
-        pending = []
+        unfed = []
         for row in rows:
             assert row.history is not None
-            pending.append(row.history.ids[self._held[row] :].tolist())
-        width = max(len(p) for p in pending)
-        # A row with fewer pending tokens has its last one written again
+            unfed.append(row.history.ids[self._held[row] :].tolist())
+        width = max(len(p) for p in unfed)
+        # A row with fewer unfed tokens has its last one written again
         # after them: rolled away below.
-        inputs = [[*p, *[p[-1]] * (width - len(p))] for p in pending]
+        inputs = [[*p, *[p[-1]] * (width - len(p))] for p in unfed]
         logits = self.lm(
             mx.array(inputs, dtype=mx.uint32), cache=cache, **kwargs
         ).logits
         if width > 1:
-            last = mx.array([len(p) - 1 for p in pending], dtype=mx.int32)
+            last = mx.array([len(p) - 1 for p in unfed], dtype=mx.int32)
             logits = mx.take_along_axis(logits, last[:, None, None], axis=1)
-            cut_back(cache, width - 1, [len(p) - 1 for p in pending])
-        for row, p in zip(rows, pending, strict=True):
+            cut_back(cache, width - 1, [len(p) - 1 for p in unfed])
+        for row, p in zip(rows, unfed, strict=True):
             self._held[row] += len(p)
         token = mx.argmax(logits[:, -1, :], axis=-1).astype(mx.uint32)
         tokens = [token]
