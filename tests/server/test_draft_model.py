@@ -249,6 +249,8 @@ class TestSettings:
             ServerConfig(model="m", draft_model="d", distributed="tensor")
         with pytest.raises(SettingError, match="folder or hub id"):
             ServerConfig(model="m", draft_model=" ")
+        with pytest.raises(ValueError, match="not both"):
+            DraftSettings(ngram=3, model="d")
 
     def test_another_tokenizer_is_refused(
         self, thread: MLXThread, loaded_lm: LoadedModel

@@ -74,6 +74,10 @@ class DraftSettings:
     tokens: int = 4
     model: str | Path | None = None
 
+    def __post_init__(self) -> None:
+        if self.ngram and self.model is not None:
+            raise ValueError("draft by prompt lookup or with a model, not both")
+
 
 class DraftSource(Protocol):
     """Where a batch's drafts come from (MLX thread only).
@@ -156,11 +160,12 @@ def install(state: BatchState, settings: DraftSettings) -> None:
     """
     loaded: LoadedModel = state.loaded
     layers = vlm().make_prompt_cache(loaded.model.language_model)
-    flag = "--prompt-lookup-tokens" if settings.model is None else "--draft-model"
+    setting = "prompt_lookup_tokens" if settings.model is None else "draft_model"
     if not plain_caches(layers):
         kinds = sorted({type(c).__name__ for c in layers})
+        flag = "--" + setting.replace("_", "-")
         raise SettingError(
-            "prompt_lookup_tokens" if settings.model is None else "draft_model",
+            setting,
             "speculative decoding needs a KV cache that can be cut back; "
             f"this model's is {', '.join(kinds)}: serve it without {flag}",
         )
