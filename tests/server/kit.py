@@ -27,6 +27,7 @@ import anyio.abc
 import openai
 from openai.types.chat import ChatCompletionChunk
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
@@ -438,3 +439,23 @@ def interleaved(
         return events
 
     return thread.run_sync(run)
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+async def scrape(served: Any, **kw: object) -> Samples:
+    """``GET /metrics`` of a served app, parsed as Prometheus does: each
+    sample's value by its name and labels."""
+    response = await served.client.get("/metrics", **kw)  # type: ignore[arg-type]
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain")
+    samples: Samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)

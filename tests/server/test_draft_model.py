@@ -19,7 +19,6 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server.config import ServerConfig
@@ -31,8 +30,17 @@ from mlx_pinned.server.engine.sampling import vlm
 from mlx_pinned.server.events import FinalEvent
 from mlx_pinned.testing import make_tiny_lm, tiny_lm_path, tiny_vlm_path
 
-from .conftest import Serve, vision_body
-from .kit import TOL, Event, Request, interleaved, max_logprob_difference, request
+from .conftest import MODEL, Serve, vision_body
+from .kit import (
+    TOL,
+    Event,
+    Request,
+    interleaved,
+    max_logprob_difference,
+    request,
+    scrape,
+    value,
+)
 
 TEXT = {"sizes": (None,), "top_logprobs": 2}
 
@@ -283,16 +291,14 @@ async def test_the_server_flag_drafts_and_the_metrics_show_it(serve: Serve) -> N
     async with serve(draft_model=str(tiny_vlm_path()), num_draft_tokens=3) as served:
         answer = await served.chat(vision_body(24, logprobs=True))
         assert answer.status_code == 200, answer.text
-        response = await served.client.get("/metrics")
-        assert response.status_code == 200
-        samples = {
-            sample.name: sample.value
-            for family in text_string_to_metric_families(response.text)
-            for sample in family.samples
-        }
+        samples = await scrape(served)
     async with serve() as served:
         plain = await served.chat(vision_body(24, logprobs=True))
+        without = await scrape(served)
     assert answer.json()["choices"] == plain.json()["choices"]
-    assert samples["mlx_pinned_speculative_steps_total"] > 0
-    assert samples["mlx_pinned_draft_tokens_total"] > 0
-    assert samples["mlx_pinned_decode_tokens_total"] == 23
+    # The draft model's weights count with the model's: here, its own again.
+    weights = value(samples, "mlx_pinned_model_weight_bytes", model=MODEL)
+    assert weights == 2 * value(without, "mlx_pinned_model_weight_bytes", model=MODEL)
+    assert value(samples, "mlx_pinned_speculative_steps_total", model=MODEL) > 0
+    assert value(samples, "mlx_pinned_draft_tokens_total", model=MODEL) > 0
+    assert value(samples, "mlx_pinned_decode_tokens_total", model=MODEL) == 23

@@ -8,7 +8,6 @@ from contextlib import AbstractAsyncContextManager
 import anyio
 import pytest
 from prometheus_client import REGISTRY
-from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_pinned.server.http.metrics import route_of
 
@@ -20,29 +19,11 @@ from .conftest import (
     until,
     vision_body,
 )
-from .kit import SlowModel
+from .kit import SlowModel, scrape, value
 
 pytestmark = pytest.mark.anyio
 
 Serve = Callable[..., AbstractAsyncContextManager[Served]]
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-async def scrape(served: Served, **kw: object) -> Samples:
-    response = await served.client.get("/metrics", **kw)  # type: ignore[arg-type]
-    assert response.status_code == 200, response.text
-    assert response.headers["content-type"].startswith("text/plain")
-    samples: Samples = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
-    return samples
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
 CHAT = "/v1/chat/completions"
 CHAT_API = "chat_completions"
 
