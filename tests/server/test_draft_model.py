@@ -90,10 +90,10 @@ class TestGreedyIsUnchanged:
         assert_same(batched, [interleaved(thread, off, [r])[0] for r in reqs])
         drafted, kept = counts(on)
         assert kept == drafted > 0
-        # Every step after the first keeps all four drafts and the model's
-        # own token: five tokens a row and step.
+        # A step keeps all four drafts and the model's own token: five tokens
+        # a row and step, but where max_tokens leaves fewer.
         stats = on.statistics()
-        assert stats.speculative_rows * 5 > stats.decoded_tokens
+        assert stats.decoded_tokens > 4 * stats.speculative_rows
 
     @pytest.mark.parametrize("draft", ["other_seed", "vision"])
     def test_refused_drafts_change_nothing(
