@@ -33,8 +33,7 @@ from ..config_checks import SettingError
 from .drafting import cut_back
 from .model import LoadedModel, load
 from .prefill import PREFILL_STEP, batch_caches
-from .quirks import plain_caches, unmask_if_unpadded
-from .sampling import vlm
+from .quirks import uncuttable_kinds, unmask_if_unpadded
 
 if TYPE_CHECKING:
     from .rows import Row
@@ -82,14 +81,13 @@ class DraftModel:
                 f"than the served model {target.path}; a draft model must "
                 "share its tokenizer (the same tokens, the same ids)",
             )
-        layers = vlm().make_prompt_cache(loaded.model.language_model)
-        if not plain_caches(layers):
-            kinds = ", ".join(sorted({type(c).__name__ for c in layers}))
+        kinds = uncuttable_kinds(loaded.model.language_model)
+        if kinds:
             raise SettingError(
                 "draft_model",
-                f"draft_model (--draft-model): {path} keeps {kinds} layers, "
-                "which cannot be cut back: pick a draft model with plain "
-                "attention layers",
+                f"draft_model (--draft-model): {path} keeps {', '.join(kinds)} "
+                "layers, which cannot be cut back: pick a draft model with "
+                "plain attention layers",
             )
         return cls(loaded, target.vocab_size)
 
@@ -145,7 +143,8 @@ class DraftModel:
             for i, row in enumerate(self.rows)
             if row in present and 1 <= self._unfed(row) <= 2
         ]
-        if len(keep) < len(self.rows):
+        dropped = len(keep) < len(self.rows)
+        if dropped:
             self.rows = [self.rows[i] for i in keep]
             self._held = {row: self._held[row] for row in self.rows}
             if not keep:
@@ -168,7 +167,8 @@ class DraftModel:
         for row in new:
             if row not in short:
                 self._prefill([row])
-        unmask_if_unpadded(self.cache)
+        if dropped or new:  # the rows' padding changed (cut_back sees to its own)
+            unmask_if_unpadded(self.cache)
 
     def _prefill(self, rows: list[Row]) -> None:
         """Each row's history but its last token, left-padded into one batch
@@ -184,12 +184,9 @@ class DraftModel:
         )
         cache = batch_caches(self.lm, pads)
         assert cache is not None, "load() takes plain KV caches only"
+        kwargs = self._kwargs(len(rows))
         for start in range(0, width, PREFILL_STEP):
-            self.lm(
-                ids[:, start : start + PREFILL_STEP],
-                cache=cache,
-                **self._kwargs(len(rows)),
-            )
+            self.lm(ids[:, start : start + PREFILL_STEP], cache=cache, **kwargs)
             mx.eval([c.state for c in cache])
         if self.cache is None:
             self.cache = cache

@@ -43,8 +43,8 @@ import numpy as np
 
 from ..config_checks import SettingError
 from .prompt_lookup import History, PromptLookup
-from .quirks import cut_back_caches, plain_caches, unmask_if_unpadded
-from .sampling import Sampled, collect, draw, vlm
+from .quirks import cut_back_caches, uncuttable_kinds, unmask_if_unpadded
+from .sampling import Sampled, collect, draw
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -159,10 +159,9 @@ def install(state: BatchState, settings: DraftSettings) -> None:
             its tokenizer is not the served model's.
     """
     loaded: LoadedModel = state.loaded
-    layers = vlm().make_prompt_cache(loaded.model.language_model)
     setting = "prompt_lookup_tokens" if settings.model is None else "draft_model"
-    if not plain_caches(layers):
-        kinds = sorted({type(c).__name__ for c in layers})
+    kinds = uncuttable_kinds(loaded.model.language_model)
+    if kinds:
         flag = "--" + setting.replace("_", "-")
         raise SettingError(
             setting,

@@ -30,6 +30,7 @@ __all__ = [
     "plain_caches",
     "rope_deltas",
     "row_rope_deltas",
+    "uncuttable_kinds",
     "unmask_if_unpadded",
 ]
 
@@ -37,6 +38,16 @@ __all__ = [
 def plain_caches(layers: Iterable[Any]) -> bool:
     """Whether every layer's cache (one sequence's) is a plain ``KVCache``."""
     return all(type(c).__name__ == "KVCache" for c in layers)
+
+
+def uncuttable_kinds(lm: Any) -> list[str]:
+    """The kinds of a language model's layer caches, sorted, when one is not
+    a plain ``KVCache`` (a rotating window, a recurrent state: its KV
+    cannot be cut at any token); empty when all are plain."""
+    layers = _cache_module().make_prompt_cache(lm)
+    if plain_caches(layers):
+        return []
+    return sorted({type(c).__name__ for c in layers})
 
 
 def cut_back_caches(layers: Iterable[Any]) -> bool:
@@ -133,3 +144,7 @@ def rope_deltas(lm: Any, kwargs: dict[str, Any], rows: int) -> mx.array | None:
     if delta is None:
         return mx.zeros((rows, 1), dtype=mx.int32)
     return delta.reshape(-1, 1)[:rows]
+
+
+def _cache_module() -> Any:
+    return importlib.import_module("mlx_vlm.models.cache")
