@@ -24,11 +24,13 @@ from ._exceptions import StreamAffinityError as StreamAffinityError
 from ._exclusive import Exclusive as Exclusive
 from ._executor import MLXThread as MLXThread
 from ._lifespan import mlx_lifespan as mlx_lifespan
+from ._streams import CHECKPOINT as CHECKPOINT
 from ._worker import cancel_requested as cancel_requested
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CHECKPOINT",
     "BlockingCallWarning",
     "Exclusive",
     "MLXPinnedError",

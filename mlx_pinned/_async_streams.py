@@ -48,6 +48,19 @@ class AsyncStreamIterator(AsyncClosing, Generic[T]):
         item = await self._next(self._stream.take)
         return item  # type: ignore[return-value]
 
+    def read_ahead(self, n: int) -> None:
+        """Let the thread read up to ``n`` items ahead of the consumer (2 by
+        default), so a consumer that is busy for a while does not hold the
+        generator up; each item still wakes a waiting consumer. Call it
+        before the first item is taken.
+
+        Raises:
+            ValueError: ``n`` is less than 1.
+        """
+        if n < 1:
+            raise ValueError(f"n must be at least 1, not {n}")
+        self._stream.read_ahead(n)
+
     def batched(self, n: int) -> AsyncBatchIterator[T]:
         """The items in tuples of ``n`` (the last may be shorter), as
         :func:`itertools.batched` groups them.

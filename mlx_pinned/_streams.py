@@ -36,6 +36,21 @@ T = TypeVar("T")
 READ_AHEAD = 2
 
 
+class Checkpoint:
+    """The type of :data:`CHECKPOINT`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "mlx_pinned.CHECKPOINT"
+
+
+#: Yielded by a generator that runs with ``MLXThread.iterate``: the turn
+#: ends and other work gets the thread, but no item is produced (the
+#: consumer is not woken, and nothing counts against the read-ahead).
+CHECKPOINT = Checkpoint()
+
+
 class _End:
     """Outcome of a stream that finished, or whose consumer closed it."""
 
@@ -156,7 +171,7 @@ class Stream(Generic[T]):
                     self.models = models
                     _warn_if_sharing_a_model(self, owner)
             item = next(self.gen)
-            if owner.eval_results:
+            if owner.eval_results and item is not CHECKPOINT:
                 evaluate(item)
         except StopIteration:
             item, outcome = _END, _END
@@ -171,6 +186,9 @@ class Stream(Generic[T]):
             close = self.close_requested
             if close:  # the consumer left while we produced: drop the item
                 waiter = None
+            elif item is CHECKPOINT:  # no item: the next turn, at the back
+                owner.queue.put(self)
+                return
             else:
                 buffer = self.buffer
                 buffer.append(item)
@@ -271,6 +289,19 @@ class Stream(Generic[T]):
         if isinstance(outcome, BaseException):
             raise outcome
         raise StopIteration
+
+    def read_ahead(self, size: int) -> None:
+        """Read up to ``size`` items ahead of the consumer; each still wakes
+        it (see :meth:`AsyncStreamIterator.read_ahead`)."""
+        requeue = False
+        try:
+            with self.lock:
+                self.limit = size
+                if not self.scheduled and self.outcome is None:
+                    self.scheduled = requeue = len(self.buffer) < self.limit
+        finally:
+            if requeue:
+                self.owner.requeue(self)
 
     def batch_mode(self, size: int) -> None:
         """Read up to ``size`` items ahead; wake the consumer when ``size``

@@ -1,7 +1,8 @@
 """The types mlx-pinned's functions return: for annotations, never built by hand.
 
 ``@on_mlx_thread`` makes an :class:`MLXFunction` (or one of its kin),
-``MLXThread.iterate`` an :class:`AsyncStreamIterator`, ``statistics()`` an
+``MLXThread.iterate`` an :class:`AsyncStreamIterator`, ``CHECKPOINT`` is a
+:class:`Checkpoint`, ``statistics()`` an
 :class:`MLXThreadStatistics`, ``mlx_lifespan()`` an :class:`MLXLifespan`.
 Import them from here to annotate your own code; the concepts themselves are
 in :mod:`mlx_pinned`. Nothing here runs code: the objects' docstrings say
@@ -18,12 +19,14 @@ from ._decorators import MLXGeneratorMethod as MLXGeneratorMethod
 from ._decorators import MLXMethod as MLXMethod
 from ._lifespan import MLXLifespan as MLXLifespan
 from ._statistics import MLXThreadStatistics as MLXThreadStatistics
+from ._streams import Checkpoint as Checkpoint
 from ._sync_streams import SyncBatchIterator as SyncBatchIterator
 from ._sync_streams import SyncStreamIterator as SyncStreamIterator
 
 __all__ = [
     "AsyncBatchIterator",
     "AsyncStreamIterator",
+    "Checkpoint",
     "MLXFunction",
     "MLXGeneratorFunction",
     "MLXGeneratorMethod",

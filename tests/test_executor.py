@@ -17,6 +17,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_pinned import (
+    CHECKPOINT,
     BlockingCallWarning,
     MLXThread,
     MLXThreadBrokenError,
@@ -26,6 +27,7 @@ from mlx_pinned import (
     SharedModelWarning,
     StreamAffinityError,
     _async_streams,
+    _waiters,
     cancel_requested,
     current_default_mlx_thread,
 )
@@ -828,6 +830,124 @@ class TestStreams:
 
         with pytest.raises(RuntimeError, match="cannot be consumed on that thread"):
             thread.run_sync(inner)
+
+
+class TestCheckpoint:
+    @pytest.mark.anyio
+    async def test_a_checkpoint_is_no_item_but_gives_the_thread_away(
+        self, thread: MLXThread
+    ) -> None:
+        log: list[str] = []
+        queued = threading.Event()
+
+        def quiet() -> Iterator[Any]:
+            for i in range(4):
+                if i == 1:
+                    queued.wait(WAIT)  # until the other job is in the queue
+                log.append(f"turn {i}")
+                yield i if i in (0, 3) else CHECKPOINT
+
+        stream = thread.iterate(quiet)
+        assert await stream.__anext__() == 0
+        other = thread.submit(log.append, "other")
+        queued.set()
+        assert [i async for i in stream] == [3]
+        other.result(WAIT)
+        # The checkpoint of turn 1 let the other job run before turn 2.
+        assert log == ["turn 0", "turn 1", "other", "turn 2", "turn 3"]
+
+    @pytest.mark.anyio
+    async def test_checkpoints_do_not_wake_the_consumer(
+        self, thread: MLXThread, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        wakes: list[None] = []
+        wake = _waiters.LoopWaiter.wake
+
+        def counting(self: _waiters.LoopWaiter) -> None:
+            wakes.append(None)
+            wake(self)
+
+        monkeypatch.setattr(_waiters.LoopWaiter, "wake", counting)
+
+        def mostly_quiet() -> Iterator[Any]:
+            for _ in range(200):
+                yield CHECKPOINT
+            yield "end"
+
+        assert [i async for i in thread.iterate(mostly_quiet)] == ["end"]
+        assert len(wakes) <= 2  # the item, and the end
+
+    def test_a_sync_consumer_skips_them_too(self, thread: MLXThread) -> None:
+        def gen() -> Iterator[Any]:
+            yield CHECKPOINT
+            yield 1
+            yield CHECKPOINT
+
+        assert list(thread.iterate_sync(gen)) == [1]
+
+    @pytest.mark.anyio
+    async def test_closing_between_checkpoints_closes_the_generator(
+        self, thread: MLXThread
+    ) -> None:
+        log: list[str] = []
+
+        def endless() -> Iterator[Any]:
+            try:
+                yield 0
+                while True:
+                    yield CHECKPOINT
+            finally:
+                log.append("closed")
+
+        stream = thread.iterate(endless)
+        assert await stream.__anext__() == 0
+        with anyio.fail_after(WAIT):
+            await stream.aclose()
+        assert log == ["closed"]
+        assert thread.statistics().open_streams == 0
+
+
+class TestReadAhead:
+    @pytest.mark.anyio
+    async def test_the_thread_reads_up_to_n_items_ahead(
+        self, thread: MLXThread
+    ) -> None:
+        log: list[str] = []
+        stream = thread.iterate(numbers, 10_000, log)
+        stream.read_ahead(16)
+        assert await stream.__anext__() == 0
+        for _ in range(40):  # the consumer stalls; the thread serves others
+            assert await thread.run(ident) == thread.ident
+        produced = [entry for entry in log if entry.startswith("gen:")]
+        # Past the default of 2, and parked at the new limit.
+        assert 16 <= len(produced) <= 18
+        rest = [await stream.__anext__() for _ in range(20)]
+        assert rest == list(range(1, 21))
+        await stream.aclose()
+        assert log[-1] == f"gen:closed on {thread.ident}"
+
+    @pytest.mark.anyio
+    async def test_each_item_still_wakes_the_consumer(self, thread: MLXThread) -> None:
+        release = threading.Event()
+
+        def held() -> Iterator[int]:
+            yield 1
+            release.wait(WAIT)
+            yield 2
+
+        stream = thread.iterate(held)
+        stream.read_ahead(8)
+        with anyio.fail_after(WAIT):
+            assert await stream.__anext__() == 1  # not held for 8 items
+        release.set()
+        assert [i async for i in stream] == [2]
+
+    def test_n_below_one_is_refused(self, thread: MLXThread) -> None:
+        stream = thread.iterate(range, 3)
+        with pytest.raises(ValueError, match="at least 1"):
+            stream.read_ahead(0)
+        stream.read_ahead(1)
+        del stream
 
 
 class TestBatched:
