@@ -82,10 +82,12 @@ def bare(loaded: Any, rows: int, tokens: int) -> int:
 
 
 async def engine_round(engine: Any, rows: int, tokens: int) -> int:
-    from mlx_pinned.server.events import FinalEvent, GenerationParams
+    from mlx_pinned.server.events import FinalEvent, GenerationParams, SamplingParams
 
     params = GenerationParams(
-        ({"role": "user", "content": PROMPT},), max_tokens=tokens, temperature=0.0
+        ({"role": "user", "content": PROMPT},),
+        max_tokens=tokens,
+        sampling=SamplingParams(temperature=0.0),
     )
     counts: list[int] = []
 

@@ -591,7 +591,7 @@ def inprocess(args: argparse.Namespace) -> int:
 
     from mlx_pinned import MLXThread
     from mlx_pinned.server.engine import BatchEngine
-    from mlx_pinned.server.events import FinalEvent, GenerationParams
+    from mlx_pinned.server.events import FinalEvent, GenerationParams, SamplingParams
     from mlx_pinned.server.http.gate import BatchGate
     from mlx_pinned.testing import make_test_image, tiny_vlm_path
 
@@ -600,7 +600,7 @@ def inprocess(args: argparse.Namespace) -> int:
     params = GenerationParams(
         ({"role": "user", "content": content},),
         max_tokens=args.max_tokens,
-        temperature=0.0,
+        sampling=SamplingParams(temperature=0.0),
     )
 
     async def level(engine: Any, mode: str, concurrency: int) -> Level:

@@ -43,7 +43,7 @@ async def one(
     thread: object,
 ) -> tuple[float, float]:
     from mlx_pinned.server.engine import BatchEngine
-    from mlx_pinned.server.events import GenerationParams
+    from mlx_pinned.server.events import GenerationParams, SamplingParams
 
     steps, seconds = setting
     engine = BatchEngine(
@@ -55,11 +55,13 @@ async def one(
     running = GenerationParams(
         ({"role": "user", "content": "Count to a thousand."},),
         max_tokens=args.tokens,
-        temperature=0.0,
+        sampling=SamplingParams(temperature=0.0),
     )
     words = "the quick brown fox jumps over the lazy dog " * (args.prompt_tokens // 9)
     long = GenerationParams(
-        ({"role": "user", "content": words},), max_tokens=2, temperature=0.0
+        ({"role": "user", "content": words},),
+        max_tokens=2,
+        sampling=SamplingParams(temperature=0.0),
     )
     times: list[float] = []
     arrived = anyio.Event()

@@ -41,12 +41,14 @@ from _draft_pair import write_pair
 
 
 def requests(count: int, tokens: int) -> list[Any]:
-    from mlx_pinned.server.events import GenerationParams
+    from mlx_pinned.server.events import GenerationParams, SamplingParams
 
     prompts = [f"Tell story number {i}, then tell it again." for i in range(count)]
     return [
         GenerationParams(
-            ({"role": "user", "content": prompt},), max_tokens=tokens, temperature=0.0
+            ({"role": "user", "content": prompt},),
+            max_tokens=tokens,
+            sampling=SamplingParams(temperature=0.0),
         )
         for prompt in prompts
     ]

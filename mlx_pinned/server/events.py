@@ -33,6 +33,7 @@ __all__ = [
     "FinishReason",
     "GenerationParams",
     "Grammar",
+    "SamplingParams",
     "TokenEvent",
     "TokenLogprobs",
 ]
@@ -62,6 +63,55 @@ class Grammar:
 
 
 @dataclass(frozen=True)
+class SamplingParams:
+    """How one generation picks its tokens; built once from a request's
+    fields and carried unchanged to the sampler.
+
+    Attributes:
+        temperature: Sampling temperature (0: greedy; None: the
+            checkpoint's default).
+        top_p: Nucleus sampling (None: the checkpoint's default).
+        top_k: Sample from the ``top_k`` most likely tokens (0: no limit;
+            None: the checkpoint's default).
+        min_p: Drop tokens less likely than ``min_p`` times the most likely
+            one (0: off).
+        seed: Keys the draw at every position; same seed, same request, same
+            output (None: one is drawn).
+        presence_penalty: Subtracted from the logit of every token generated
+            so far (OpenAI's definition, -2 to 2).
+        frequency_penalty: Subtracted from a token's logit once per time it
+            was generated so far (OpenAI's definition, -2 to 2).
+        repetition_penalty: Divides the positive logits (and multiplies the
+            negative ones) of every token of the prompt and of the answer so
+            far (vLLM's and Hugging Face's definition; 1: off).
+        logit_bias: ``(token id, bias)`` pairs added to the logits.
+        logprobs: Whether each token's log-probability is returned.
+        top_logprobs: How many alternatives to return per token.
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty reads the tokens so far."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass(frozen=True)
 class GenerationParams:
     """What one generation needs from a request; plain values, built anywhere.
 
@@ -71,27 +121,11 @@ class GenerationParams:
             "text"}``, ``{"type": "image_url"}`` and ``{"type": "video"}``
             parts. Unused when ``prompt`` is set.
         max_tokens: Most tokens to generate.
-        temperature: Sampling temperature; None uses the checkpoint's default.
-        top_p: Nucleus sampling; None uses the checkpoint's default.
-        seed: Seed for sampling; same seed, same request, same output.
+        sampling: How its tokens are picked.
         stop: Stop strings; generation ends before them.
-        logprobs: Whether to return each token's log-probability.
-        top_logprobs: How many alternatives to return per token.
-        logit_bias: ``(token id, bias)`` pairs added to the logits.
         max_prompt_tokens: Refuse a longer prompt (None: no limit of its own).
         context_length: Refuse a prompt that, with ``max_tokens``, is longer
             (None: the model has no known context length).
-        top_k: Sample from the ``top_k`` most likely tokens (0: no limit;
-            None: the checkpoint's default).
-        min_p: Drop tokens less likely than ``min_p`` times the most likely
-            one (0: off).
-        presence_penalty: Subtracted from the logit of every token generated
-            so far (OpenAI's definition, -2 to 2).
-        frequency_penalty: Subtracted from a token's logit once per time it
-            was generated so far (OpenAI's definition, -2 to 2).
-        repetition_penalty: Divides the positive logits (and multiplies the
-            negative ones) of every token of the prompt and of the answer so
-            far (vLLM's and Hugging Face's definition; 1: off).
         grammar: The constraint the text must follow (None: free text).
         tools: Tool definitions (OpenAI's ``tools`` entries, as dicts) for
             the chat template.
@@ -115,20 +149,10 @@ class GenerationParams:
 
     messages: tuple[dict[str, Any], ...]
     max_tokens: int
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
-    logprobs: bool = False
-    top_logprobs: int = 0
-    logit_bias: tuple[tuple[int, float], ...] = ()
     max_prompt_tokens: int | None = None
     context_length: int | None = None
-    top_k: int | None = None
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
     grammar: Grammar | None = None
     tools: tuple[dict[str, Any], ...] = ()
     template_kwargs: tuple[tuple[str, Any], ...] = ()
@@ -209,12 +233,12 @@ Event = TokenEvent | FinalEvent
 
 class EventSource(Protocol):
     """What an :class:`EventStream` reads (the engine's per-row stream, which
-    also has ``flowing``; an ``MLXThread.iterate`` stream of events fits
-    too)."""
+    also has ``flowing`` and takes ``batched(None)``; an ``MLXThread.iterate``
+    stream of events fits too)."""
 
     def __anext__(self) -> Awaitable[Event]: ...
 
-    def batched(self, n: int) -> AsyncIterator[tuple[Event, ...]]: ...
+    def batched(self, n: int | None) -> AsyncIterator[tuple[Event, ...]]: ...
 
     def aclose(self) -> Awaitable[None]: ...
 
@@ -236,10 +260,20 @@ class EventStream:
     async def __anext__(self) -> Event:
         return await self._inner.__anext__()
 
-    def batched(self, n: int) -> AsyncIterator[tuple[Event, ...]]:
-        """The events in tuples of up to ``n``, one wake-up per tuple;
-        :meth:`aclose` still closes the generation."""
+    def batched(self, n: int | None) -> AsyncIterator[tuple[Event, ...]]:
+        """The events in tuples of up to ``n``, one wake-up per tuple; None:
+        every event in one tuple, once the generation ended (an answer sent
+        whole: one wake-up). A source that cannot (an ``MLXThread.iterate``
+        stream) gathers them one at a time. :meth:`aclose` still closes the
+        generation."""
+        if n is None and not hasattr(self._inner, "flowing"):
+            return self._whole()
         return self._inner.batched(n)
+
+    async def _whole(self) -> AsyncGenerator[tuple[Event, ...], None]:
+        events = tuple([event async for event in self])
+        if events:
+            yield events
 
     def flowing(self, interval: float) -> AsyncGenerator[tuple[Event, ...], None]:
         """The events as they come: at each wake-up every one that is in,

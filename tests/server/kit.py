@@ -17,7 +17,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +31,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
-from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
+from mlx_pinned.server.events import (
+    FinalEvent,
+    GenerationParams,
+    SamplingParams,
+    TokenEvent,
+)
 from mlx_pinned.server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import make_test_image
 
+from .inline import generate_inline
 from .reference import reference_stream
 
 TOL = 1e-5
@@ -90,7 +96,17 @@ def request(
     params.setdefault("temperature", 0.0)
     params.setdefault("logprobs", True)
     messages = ({"role": "user", "content": content},)
-    return GenerationParams(messages, max_tokens=max_tokens, **params), images
+    return generation(messages, max_tokens=max_tokens, **params), images
+
+
+_SAMPLING = frozenset(f.name for f in fields(SamplingParams))
+
+
+def generation(*args: Any, **params: Any) -> GenerationParams:
+    """A :class:`GenerationParams` from flat keywords: the sampling ones
+    (``temperature``, ``seed``, ``logprobs``...) go into its ``sampling``."""
+    sampling = {k: params.pop(k) for k in list(params) if k in _SAMPLING}
+    return GenerationParams(*args, sampling=SamplingParams(**sampling), **params)
 
 
 async def solo(thread: MLXThread, loaded: LoadedModel, req: Request) -> list[Event]:
@@ -430,7 +446,7 @@ def interleaved(
                 if i in done or (starts and starts[i] > round_):
                     continue
                 if i not in streams:
-                    streams[i] = engine.generate_stream(params, images)
+                    streams[i] = generate_inline(engine, params, images)
                 event = next(streams[i])
                 events[i].append(event)
                 if isinstance(event, FinalEvent):

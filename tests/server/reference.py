@@ -39,8 +39,9 @@ def reference_stream(
     on the thread the model was loaded on, alone on the model."""
     utils = importlib.import_module("mlx_vlm.utils")
     stream_generate = importlib.import_module("mlx_vlm.generate").stream_generate
-    if params.seed is not None:
-        mx.random.seed(params.seed % 2**64)
+    sampling = params.sampling
+    if sampling.seed is not None:
+        mx.random.seed(sampling.seed % 2**64)
     prompt = build_prompt(loaded, params.messages)
     model, processor = loaded.model, loaded.processor
     inputs = dict(
@@ -59,10 +60,10 @@ def reference_stream(
     params.check_prompt_tokens(int(inputs["input_ids"].shape[-1]))
     kwargs: dict[str, Any] = {"max_tokens": params.max_tokens}
     for name in ("temperature", "top_p", "seed"):
-        if getattr(params, name) is not None:
-            kwargs[name] = getattr(params, name)
-    if params.logit_bias:
-        kwargs["logit_bias"] = dict(params.logit_bias)
+        if getattr(sampling, name) is not None:
+            kwargs[name] = getattr(sampling, name)
+    if sampling.logit_bias:
+        kwargs["logit_bias"] = dict(sampling.logit_bias)
     inner = stream_generate(model, processor, prompt, **inputs, **kwargs)
     matcher = StopMatcher(params.stop)
     decoder = TextDecoder(processor, lambda t: loaded.token_text(t)[1])
@@ -79,7 +80,7 @@ def reference_stream(
             text, stopped = matcher.feed(decoder.add(result.token, result.text))
             completion += 1
             logprobs = None
-            if params.logprobs:
+            if sampling.logprobs:
                 logprobs = _logprobs(loaded, result.token, result.logprobs, params)
             yield TokenEvent(text, logprobs)
             if stopped:
@@ -95,7 +96,7 @@ def _logprobs(
     loaded: LoadedModel, token: int, logprobs: mx.array, params: GenerationParams
 ) -> TokenLogprobs:
     chosen = logprobs[token]
-    k = min(params.top_logprobs, logprobs.shape[-1])
+    k = min(params.sampling.top_logprobs, logprobs.shape[-1])
     pairs: list[tuple[int, float]] = []
     if k:
         indices = mx.argpartition(-logprobs, kth=k - 1)[:k]

@@ -22,8 +22,11 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine
 from mlx_pinned.server.engine.model import load
 from mlx_pinned.server.engine.shard import shard
-from mlx_pinned.server.events import GenerationParams, TokenEvent
+from mlx_pinned.server.events import GenerationParams, SamplingParams, TokenEvent
 from mlx_pinned.testing import make_test_image, tiny_lm_path, tiny_vlm_path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from inline import generate_inline
 
 
 def request(text: str, image: bool) -> GenerationParams:
@@ -33,9 +36,7 @@ def request(text: str, image: bool) -> GenerationParams:
     return GenerationParams(
         ({"role": "user", "content": content},),
         max_tokens=16,
-        temperature=0.0,
-        logprobs=True,
-        top_logprobs=2,
+        sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
     )
 
 
@@ -43,8 +44,8 @@ def generate(engine: BatchEngine, image: bool) -> list[list[Any]]:
     """Two requests decoded together; each token's text and logprob."""
     picture = Image.open(io.BytesIO(make_test_image(64, 48, seed=3))).convert("RGB")
     streams = [
-        engine.generate_stream(request("describe it", image), [picture] * image),
-        engine.generate_stream(request("and now a longer question", False), []),
+        generate_inline(engine, request("describe it", image), [picture] * image),
+        generate_inline(engine, request("and now a longer question", False), []),
     ]
     found: list[list[Any]] = [[], []]
     open_streams = set(range(2))

@@ -35,7 +35,7 @@ from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine import decode as _decode
 from mlx_pinned.server.engine.sampling import Sampled, collect, draw
-from mlx_pinned.server.events import FinalEvent, TokenEvent
+from mlx_pinned.server.events import FinalEvent, SamplingParams, TokenEvent
 from mlx_pinned.server.failures import OverloadedError, PromptTooLongError
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import tiny_vlm_path
@@ -48,6 +48,7 @@ from .kit import (
     Request,
     deadline,
     drain,
+    generate_inline,
     image,
     max_logprob_difference,
     request,
@@ -139,11 +140,11 @@ class TestIsolation:
                 assert first_layer.make_mask(3) is not None  # prefill keeps it
                 return skipped
 
-            first = batch.generate_stream(*request(0, 40, logprobs=False))
+            first = generate_inline(batch, *request(0, 40, logprobs=False))
             next(first)
             next(first)
             seen.append(unmasked())  # one row, no padding
-            second = batch.generate_stream(*request(1, 40, logprobs=False))
+            second = generate_inline(batch, *request(1, 40, logprobs=False))
             next(second)  # joined, left-padded to the first's length
             seen.append(unmasked())
             second.close()  # leaves; a later step drops it, and the padding
@@ -180,7 +181,7 @@ class TestIsolation:
                 return lm(*args, **kwargs)
 
             state.lm = forward
-            return list(batch.generate_stream(*request(0, 5, logprobs=False)))
+            return list(generate_inline(batch, *request(0, 5, logprobs=False)))
 
         events = thread.run_sync(run)
         assert sum(isinstance(e, TokenEvent) for e in events) == 5
@@ -318,7 +319,7 @@ class TestIsolation:
             group.start_soon(run.run)
             await run.two_tokens.wait()
             with pytest.raises(Exception):  # noqa: B017, PT011 - mlx-vlm's own error
-                await drain(thread.iterate(batch.generate_stream, *bad))
+                await drain(batch.stream(*bad))
         assert max_logprob_difference(run.events, alone) <= TOL
         assert batch.statistics().prefills == 1
 
@@ -458,12 +459,12 @@ class TestLoop:
     def test_a_generation_inline_runs_the_loop_on_its_own_thread(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
-        # generate_stream steps the batch where it is called: two of them
+        # generate_inline steps the batch where it is called: two of them
         # share its steps, and a closed one leaves at once.
         def run() -> tuple[int, int, int]:
             batch = BatchEngine(loaded, thread)
-            first = batch.generate_stream(*request(0, 30, logprobs=False))
-            second = batch.generate_stream(*request(1, 6, logprobs=False))
+            first = generate_inline(batch, *request(0, 30, logprobs=False))
+            second = generate_inline(batch, *request(1, 6, logprobs=False))
             next(first)
             events = list(second)
             rest = 0
@@ -615,20 +616,21 @@ async def test_the_engines_stream_matches_solo(
 class Greedy:
     """A row as sampling sees it: greedy, no alternatives."""
 
-    logprobs: bool
-    sampling: tuple[float, float, int] = (0.0, 1.0, 0)
-    seed: int = 0
+    sampling: SamplingParams
     sampled: int = 0
-    top_logprobs: int = 0
+
+
+def greedy(*, logprobs: bool) -> Greedy:
+    return Greedy(SamplingParams(0.0, 1.0, 0, seed=0, logprobs=logprobs))
 
 
 def test_a_step_reads_logprobs_only_for_rows_that_asked(thread: MLXThread) -> None:
     def run() -> tuple[list[Sampled], list[Sampled], bool]:
         logits = mx.array([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]])
-        rows = [Greedy(logprobs=False), Greedy(logprobs=False)]
+        rows = [greedy(logprobs=False), greedy(logprobs=False)]
         pending = draw(logits, rows, None)
         lean = collect(pending, lambda token: False)
-        rows[1] = Greedy(logprobs=True)
+        rows[1] = greedy(logprobs=True)
         full = collect(draw(logits, rows, None), lambda token: False)
         return lean, full, pending.chosen is None
 

@@ -22,6 +22,8 @@ from mlx_pinned.server.http.chat_completions.messages import chat_messages
 from mlx_pinned.server.http.chat_completions.protocol import parse_chat_request
 from mlx_pinned.testing import make_test_image
 
+from .kit import generate_inline, generation
+
 PROMPT = "Describe this image in one sentence."
 
 
@@ -65,8 +67,8 @@ def run(
     params.setdefault("max_tokens", 12)
     params.setdefault("temperature", 0.0)
     images = [image] if image is not None else []
-    generation = engine_of(loaded).generate_stream(GenerationParams(**params), images)
-    events = list(generation)
+    stream = generate_inline(engine_of(loaded), generation(**params), images)
+    events = list(stream)
     final = events[-1]
     assert isinstance(final, FinalEvent)
     tokens = [e for e in events[:-1] if isinstance(e, TokenEvent)]
@@ -281,8 +283,8 @@ class TestGenerate:
 
         one = ({"role": "user", "content": "a"}, {"role": "assistant", "content": "b"})
         two = (turn("a"), {"role": "assistant", "content": "b"}, turn("c"))
-        params = GenerationParams(two, max_tokens=2, temperature=0.0)
-        events = list(engine_of(loaded).generate_stream(params, [image, image]))
+        params = generation(two, max_tokens=2, temperature=0.0)
+        events = list(generate_inline(engine_of(loaded), params, [image, image]))
         final = events[-1]
         assert isinstance(final, FinalEvent)
         assert final.completion_tokens == 2
@@ -294,8 +296,8 @@ class TestGenerate:
         self, loaded: LoadedModel, image: Image.Image
     ) -> None:
         batch = engine_of(loaded)
-        gen = batch.generate_stream(
-            GenerationParams(vision_messages(), max_tokens=50), [image]
+        gen = generate_inline(
+            batch, GenerationParams(vision_messages(), max_tokens=50), [image]
         )
         next(gen)
         stats = batch.statistics()

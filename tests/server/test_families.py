@@ -41,6 +41,7 @@ from .kit import (
     Collector,
     Request,
     deadline,
+    generate_inline,
     image,
     max_logprob_difference,
     solo,
@@ -235,7 +236,7 @@ class TestTextModels:
     ) -> None:
         params, _ = request(text_family, 0, 4)
         batch = BatchEngine(text_family.loaded, thread)
-        events = batch.generate_stream(params, [image((64, 64), 0)])
+        events = generate_inline(batch, params, [image((64, 64), 0)])
         with pytest.raises(ImagesUnsupportedError) as caught:
             thread.run_sync(next, events)
         assert caught.value.code == "images_unsupported"

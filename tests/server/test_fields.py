@@ -218,18 +218,20 @@ class TestParams:
             repetition_penalty=1.2,
             top_k=5,
             min_p=0.1,
-        )
+        ).sampling
         assert (got.presence_penalty, got.frequency_penalty) == (0.5, -1.0)
         assert (got.repetition_penalty, got.top_k, got.min_p) == (1.2, 5, 0.1)
 
     def test_defaults_are_off(self) -> None:
         got = params()
-        assert (got.presence_penalty, got.frequency_penalty) == (0.0, 0.0)
-        assert (got.repetition_penalty, got.top_k, got.min_p) == (1.0, None, 0.0)
+        sampling = got.sampling
+        assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.0, 0.0)
+        assert (sampling.repetition_penalty, sampling.min_p) == (1.0, 0.0)
+        assert sampling.top_k is None
         assert (got.grammar, got.tools, got.template_kwargs) == (None, (), ())
 
     def test_top_k_minus_one_is_no_limit(self) -> None:
-        assert params(top_k=-1).top_k == 0
+        assert params(top_k=-1).sampling.top_k == 0
 
     def test_template_kwargs_reach_the_template(self) -> None:
         got = params(chat_template_kwargs={"enable_thinking": False})

@@ -33,7 +33,12 @@ from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.kv_quant import KVQuant
 from mlx_pinned.server.engine.speculation import Speculation
 from mlx_pinned.server.engine.state import BatchState
-from mlx_pinned.server.events import FinalEvent, GenerationParams, Grammar
+from mlx_pinned.server.events import (
+    FinalEvent,
+    GenerationParams,
+    Grammar,
+    SamplingParams,
+)
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import tiny_lm_path, tiny_vlm_path
 
@@ -294,9 +299,7 @@ class TestExactUnderTheSameBits:
             asked = GenerationParams(
                 tuple(messages),
                 max_tokens=8,
-                temperature=0.0,
-                logprobs=True,
-                top_logprobs=2,
+                sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
             )
             cached = await run(on, (asked, images))
             fresh = await run(off, (asked, images))

@@ -8,7 +8,6 @@ rows; the grammar's output always parses and validates.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from typing import Any
@@ -23,7 +22,7 @@ from mlx_pinned.server.engine import BatchEngine, LoadedModel, logits
 from mlx_pinned.server.engine.logits import compile_grammar, penalize, prompt_seen
 from mlx_pinned.server.engine.speculation import SPECULATION_MISSES, Speculation
 from mlx_pinned.server.engine.state import BatchState
-from mlx_pinned.server.events import FinalEvent, Grammar
+from mlx_pinned.server.events import FinalEvent, Grammar, SamplingParams
 from mlx_pinned.server.failures import InvalidGrammarError
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import tiny_vlm_path
@@ -54,11 +53,21 @@ SCHEMA: dict[str, Any] = {
 }
 
 
-@dataclasses.dataclass
 class Row:
-    penalties: tuple[float, float, float]
-    counts: mx.array | None = None
-    seen: mx.array | None = None
+    """What the penalties read of a row: ``(presence, frequency,
+    repetition)``, its counts and its prompt's tokens."""
+
+    def __init__(
+        self, penalties: tuple[float, float, float], seen: mx.array | None = None
+    ) -> None:
+        presence, frequency, repetition = penalties
+        self.sampling = SamplingParams(
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+        )
+        self.counts: mx.array | None = None
+        self.seen = seen
 
 
 class TestPenaltyDefinitions:

@@ -21,7 +21,7 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.prefill import preprocess
 from mlx_pinned.server.engine.prompt_cache import PromptCache, prompt_key
-from mlx_pinned.server.events import FinalEvent, GenerationParams
+from mlx_pinned.server.events import FinalEvent, GenerationParams, SamplingParams
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import make_test_image
 
@@ -50,9 +50,7 @@ def params(messages: list[dict[str, Any]], max_tokens: int = 8) -> GenerationPar
     return GenerationParams(
         tuple(messages),
         max_tokens=max_tokens,
-        temperature=0.0,
-        logprobs=True,
-        top_logprobs=2,
+        sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
     )
 
 

@@ -10,7 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlx_pinned.server.http.chat_completions.messages import ImagePart, UserMessage
-from mlx_pinned.server.http.chat_completions.protocol import parse_chat_request
+from mlx_pinned.server.http.chat_completions.protocol import (
+    ChatCompletionRequest,
+    parse_chat_request,
+)
 from mlx_pinned.server.http.chat_completions.responses import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -165,6 +168,11 @@ INVALID = [
 ]  # fmt: skip
 
 
+def bias(request: ChatCompletionRequest) -> tuple[tuple[int, float], ...]:
+    """The request's ``logit_bias`` as the sampler gets it."""
+    return request.to_generation_params(16).sampling.logit_bias
+
+
 class TestInvalidRequests:
     @pytest.mark.parametrize(
         ("raw", "param", "code"), INVALID, ids=[f"{p}-{c}" for _, p, c in INVALID]
@@ -199,10 +207,10 @@ class TestInvalidRequests:
 
     def test_logit_bias_keys_may_have_leading_zeros(self) -> None:
         request = parse_chat_request(body(logit_bias={"0005": 2, "7": -1}))
-        assert request.token_bias == {5: 2, 7: -1}
+        assert bias(request) == ((5, 2), (7, -1))
         # Past Python's 4300-digit int() limit, zeros only: still token 5.
         request = parse_chat_request(body(logit_bias={"0" * 5000 + "5": 1}))
-        assert request.token_bias == {5: 1}
+        assert bias(request) == ((5, 1),)
 
     def test_custom_messages_have_no_pydantic_prefix(self) -> None:
         with pytest.raises(APIError) as info:

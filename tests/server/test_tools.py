@@ -72,7 +72,7 @@ class Script:
         self.params.append(params)
         for piece in self.pieces:
             logprobs = None
-            if params.logprobs:
+            if params.sampling.logprobs:
                 logprobs = TokenLogprobs(piece, -0.5, list(piece.encode()), [])
             yield TokenEvent(piece, logprobs)
         yield FinalEvent("", self.finish, 3, len(self.pieces))

@@ -22,7 +22,7 @@ from mlx_pinned.server.config import ServerConfig, VideoLimits
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.admission import make_row, media_tokens
 from mlx_pinned.server.engine.prefill import preprocess
-from mlx_pinned.server.events import FinalEvent, GenerationParams
+from mlx_pinned.server.events import FinalEvent, GenerationParams, SamplingParams
 from mlx_pinned.server.failures import VideoRefusedError
 from mlx_pinned.server.http.chat_completions.messages import (
     chat_messages,
@@ -234,9 +234,7 @@ def video_request(
     params = GenerationParams(
         ({"role": "user", "content": content},),
         max_tokens=max_tokens,
-        temperature=0.0,
-        logprobs=True,
-        top_logprobs=3,
+        sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3),
         videos=(video,),
     )
     return params, []

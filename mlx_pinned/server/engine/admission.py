@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 from ..failures import ImagesUnsupportedError, InvalidGrammarError
@@ -24,7 +25,7 @@ from .thinking import ThinkingBudget
 if TYPE_CHECKING:
     from PIL import Image
 
-    from ..events import GenerationParams, Grammar
+    from ..events import GenerationParams, Grammar, SamplingParams
     from .model import LoadedModel
 
 __all__ = ["make_row", "media_tokens"]
@@ -50,39 +51,21 @@ def make_row(
         # The HTTP side refuses it first and names the part; this guards other
         # callers, as a text model's prompt would silently drop the image.
         raise ImagesUnsupportedError()
-    api = vlm()
-    temperature, top_p, top_k = api.resolve_sampling_defaults(
-        getattr(loaded.model, "config", None),
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-    )
-    temperature = float(api.clamp_temperature(temperature))
-    seed = params.seed if params.seed is not None else random.getrandbits(32)
+    sampling = resolve_sampling(loaded, params.sampling)
     prepared = preprocess(loaded, params, images)
     # Refused before anything is prefilled.
     params.check_prompt_tokens(prepared.prompt_tokens)
     row = Row(
         max_tokens=params.max_tokens,
-        sampling=(temperature, float(top_p), int(top_k or 0)),
-        seed=seed,
-        top_logprobs=params.top_logprobs if params.logprobs else 0,
-        logprobs=params.logprobs,
-        bias=params.logit_bias,
+        sampling=sampling,
         prompt_tokens=prepared.prompt_tokens,
         token=prepared.last,
         prepared=prepared,
-        min_p=params.min_p,
-        penalties=(
-            params.presence_penalty,
-            params.frequency_penalty,
-            params.repetition_penalty,
-        ),
         matcher=_matcher(loaded, params.grammar),
         thinking=_thinking(loaded, params),
     )
     ids = prepared.inputs["input_ids"]
-    if params.repetition_penalty != 1.0:
+    if sampling.repetition_penalty != 1.0:
         row.seen = prompt_seen(ids, loaded.vocab_size)
     if media is not None:
         hashes = [image_hash(image) for image in images]
@@ -93,6 +76,27 @@ def make_row(
             *_video_keys(loaded, params, prepared.inputs),
         )
     return row
+
+
+def resolve_sampling(loaded: LoadedModel, sampling: SamplingParams) -> SamplingParams:
+    """``sampling`` with the checkpoint's defaults filled in (as mlx-vlm
+    fills them) and a seed drawn where the request set none."""
+    api = vlm()
+    temperature, top_p, top_k = api.resolve_sampling_defaults(
+        getattr(loaded.model, "config", None),
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+    )
+    seed = sampling.seed
+    return replace(
+        sampling,
+        temperature=float(api.clamp_temperature(temperature)),
+        top_p=float(top_p),
+        top_k=int(top_k or 0),
+        seed=random.getrandbits(32) if seed is None else seed,
+        top_logprobs=sampling.top_logprobs if sampling.logprobs else 0,
+    )
 
 
 def _video_keys(

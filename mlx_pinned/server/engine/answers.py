@@ -4,14 +4,13 @@ The loop (:mod:`.loop`) hands each row's sampled tokens to its
 :class:`RowAnswer` after every step, on the MLX thread: text per token
 (:mod:`.text`, through :class:`~.quirks.SequenceText`), stop strings,
 log-probabilities, and the final event with its counts and timings. A
-:class:`Request` is made on the event loop and read on both sides; the
-fields both sides touch are guarded by the loop's lock.
+:class:`Request` is made on the event loop; the loop writes it on the MLX
+thread, and the event loop reads only whether it ended.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -55,7 +54,7 @@ class RowAnswer:
     ) -> None:
         self.loaded = loaded
         self.row = row
-        self._logprobs = params.logprobs
+        self._logprobs = params.sampling.logprobs
         self._text = SequenceText(loaded)
         self._stops = StopMatcher(params.stop)
         self._start = start
@@ -125,19 +124,19 @@ Outputs = list[tuple["Request", tuple[Item, ...], bool]]
 class Request:
     """One generation as the loop sees it.
 
-    Its items reach it through ``output`` (an async request, read on the
-    event loop) or ``items`` (a request run inline on the MLX thread).
+    Its items reach it through ``output``, on the event loop (None for a
+    caller that runs the loop's turns itself and reads their outputs).
     """
 
     __slots__ = (
         "answer",
-        "eager",
         "ended",
+        "held",
         "images",
-        "items",
         "output",
         "params",
         "row",
+        "whole",
     )
 
     def __init__(
@@ -149,8 +148,10 @@ class Request:
         self.params = params
         self.images = images
         self.output = output
-        self.items: deque[Item] = deque()
         self.row: Row | None = None
         self.answer: RowAnswer | None = None
-        self.ended = False  # the loop holds no row of it (under the lock)
-        self.eager = True  # its reader takes every event (under the lock)
+        self.ended = False  # the loop holds no row of it (set by the loop)
+        # Its reader takes the answer whole: its items wait in ``held``
+        # until it ended (MLX thread).
+        self.whole = False
+        self.held: list[Item] = []

@@ -3,7 +3,8 @@
 A :class:`BatchEngine` is one model's engine: its batch
 (:class:`~.state.BatchState`) and the loop that owns it
 (:class:`~.loop.BatchLoop`), which decides every step of the batch and
-runs on the MLX thread through ``MLXThread.iterate``. A request submits its
+runs on the MLX thread through ``MLXThread.iterate``, followed on the event
+loop by its driver (:class:`~.driver.LoopDriver`). A request submits its
 generation (:meth:`BatchEngine.stream`) and reads its row's events.
 docs/engine.md explains the loop, step by step, and why the batch is exact
 (batched equals solo).
@@ -14,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..events import EngineCounters, Event, EventStream, GenerationParams
+from ..events import EngineCounters, EventStream, GenerationParams
 from .drafting import DraftSettings
 from .drafting import install as install_drafting
+from .driver import LoopDriver
 from .image_cache import install as install_image_cache
 from .kv_quant import KVQuant
 from .loop import BatchLoop
@@ -86,7 +88,8 @@ class BatchEngine:
                 BatchState, prefill_seconds=prefill_step_seconds
             )
         self._state = make_state(loaded, self.prompt_cache, prefill_step_size)
-        self._loop = BatchLoop(self._state, thread)
+        self.loop = BatchLoop(self._state)
+        self._driver = LoopDriver(self.loop, thread)
         if self._state.exclusive:
             logger.warning("%s: serving one generation at a time", loaded.serial_reason)
 
@@ -171,7 +174,7 @@ class BatchEngine:
         """A snapshot of the batch; any thread (it may be a step old).
         Requests submitted and not yet admitted count as joining."""
         stats = self._state.statistics()
-        queued = self._loop.queued()
+        queued = self.loop.queued()
         return dataclasses.replace(stats, joining=stats.joining + queued)
 
     def counters(self) -> EngineCounters:
@@ -244,31 +247,7 @@ class BatchEngine:
             MLXThreadClosedError: The thread is closed.
             MLXThreadBusyError: The thread's queue is full.
         """
-        return self._loop.stream(params, images)
-
-    def generate_stream(
-        self, params: GenerationParams, images: Sequence[Image.Image] = ()
-    ) -> Generator[Event, None, None]:
-        """Generate a chat completion token by token, batched with the others.
-
-        A sync generator for the thread the batch runs on (the MLX thread,
-        e.g. with ``MLXThread.iterate``): while its row has no output it runs
-        the loop's turns inline. Closing it takes its sequence out of the
-        batch at once; the other sequences go on.
-
-        Args:
-            params: The request's parameters.
-            images: The decoded images, in prompt order.
-
-        Yields:
-            A :class:`~..events.TokenEvent` per generated token, then one
-            :class:`~..events.FinalEvent`.
-
-        Raises:
-            Whatever the processor or the model raise for this request; an
-            error in a batched step is raised by every request in that step.
-        """
-        return self._loop.generate(params, images)
+        return self._driver.stream(params, images)
 
 
 def _count_tokens(

@@ -282,9 +282,11 @@ class LeaderState(BatchState):
         self._leader = leader
 
     def admit(self, params: GenerationParams, images: Sequence[Image.Image]) -> Row:
-        if params.seed is None:
+        if params.sampling.seed is None:
             # Every rank samples the row alike: the seed is drawn here.
-            params = dataclasses.replace(params, seed=random.getrandbits(32))
+            seed = random.getrandbits(32)
+            sampling = dataclasses.replace(params.sampling, seed=seed)
+            params = dataclasses.replace(params, sampling=sampling)
         row = super().admit(params, images)
         self._leader.admitted(row, params, images)
         return row

@@ -102,40 +102,6 @@ class DraftSource(Protocol):
         ...
 
 
-class _At:
-    """A row seen at a later position of a speculative step: what
-    :func:`.sampling.draw` reads of it, at its ``sampled + ahead``."""
-
-    __slots__ = ("ahead", "row")
-
-    def __init__(self, row: Row, ahead: int) -> None:
-        self.row, self.ahead = row, ahead
-
-    @property
-    def sampling(self) -> tuple[float, float, int]:
-        return self.row.sampling
-
-    @property
-    def seed(self) -> int:
-        return self.row.seed
-
-    @property
-    def sampled(self) -> int:
-        return self.row.sampled + self.ahead
-
-    @property
-    def top_logprobs(self) -> int:
-        return self.row.top_logprobs
-
-    @property
-    def logprobs(self) -> bool:
-        return self.row.logprobs
-
-    @property
-    def min_p(self) -> float:
-        return self.row.min_p
-
-
 def can_draft(row: Row) -> bool:
     """Whether a row's logits at every position of a speculative step are
     the ones a one-token step would give it (no mask, forcing, penalty or
@@ -143,9 +109,9 @@ def can_draft(row: Row) -> bool:
     return (
         row.matcher is None
         and row.thinking is None
-        and not row.bias
+        and not row.sampling.logit_bias
         and row.counts is None
-        and row.penalties == (0.0, 0.0, 1.0)
+        and not row.sampling.penalized
     )
 
 
@@ -271,8 +237,10 @@ class Drafting:
             output = batch.lm(mx.array(inputs, dtype=mx.uint32), cache=cache, **kwargs)
             logits = output.logits
             flat = logits.reshape(-1, logits.shape[-1])
-            at = [_At(row, j) for row in rows for j in range(width + 1)]
-            pending = draw(flat, at, None, [c.state for c in cache])
+            # Row i's position j is drawn as its token at sampled + j.
+            at = [row for row in rows for _ in range(width + 1)]
+            ahead = [j for _ in rows for j in range(width + 1)]
+            pending = draw(flat, at, None, [c.state for c in cache], ahead)
             sampled = collect(pending, decoder.stop)
         except BaseException as exc:
             self.source.reset()

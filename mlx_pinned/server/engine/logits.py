@@ -34,10 +34,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import mlx.core as mx
 import numpy as np
 
+from .sampling import free_draw
 from .special_tokens import special_literals, special_tokens
 
 if TYPE_CHECKING:
-    from ..events import Grammar
+    from ..events import Grammar, SamplingParams
     from .model import LoadedModel
 
 __all__ = [
@@ -64,22 +65,16 @@ MATCHERS_KEPT = 64
 class Biased(Protocol):
     """What the logit bias reads and writes of a row."""
 
-    bias: tuple[tuple[int, float], ...]  # (token id, bias) pairs
+    sampling: SamplingParams  # its logit_bias: (token id, bias) pairs
     bias_row: mx.array | None  # (V,) made on first use
 
 
 class Penalized(Protocol):
     """What the penalties read and write of a row."""
 
-    penalties: tuple[float, float, float]  # presence, frequency, repetition
+    sampling: SamplingParams  # its penalties
     counts: mx.array | None  # (V,) times each token was generated so far
     seen: mx.array | None  # (V,) tokens of the prompt
-
-
-def has_penalties(row: Penalized) -> bool:
-    """Whether ``row`` asked for any penalty."""
-    presence, frequency, repetition = row.penalties
-    return bool(presence or frequency or repetition != 1.0)
 
 
 def prompt_seen(ids: mx.array, vocab: int) -> mx.array:
@@ -107,7 +102,7 @@ def penalize(
     first (lazily: the token may not be computed yet). Rows without
     penalties are left as they are, exactly.
     """
-    if not any(has_penalties(row) for row in rows):
+    if not any(row.sampling.penalized for row in rows):
         return logits
     vocab = logits.shape[-1]
     zeros = mx.zeros((vocab,), dtype=mx.float32)
@@ -122,15 +117,15 @@ def penalize(
     seen = mx.stack([no if row.seen is None else row.seen for row in rows])
     seen = seen | (counts > 0)
     presence, frequency, repetition = (
-        mx.array([row.penalties[k] for row in rows], dtype=logits.dtype)[:, None]
-        for k in range(3)
+        mx.array([getattr(row.sampling, name) for row in rows], logits.dtype)[:, None]
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
     )
     penalized = mx.where(logits > 0, logits / repetition, logits * repetition)
     logits_out = mx.where(seen, penalized, logits)
     logits_out = logits_out - frequency * counts.astype(logits.dtype)
     logits_out = logits_out - presence * (counts > 0).astype(logits.dtype)
     # Rows without penalties keep their logits bit for bit.
-    keep = mx.array([not has_penalties(row) for row in rows])[:, None]
+    keep = mx.array([not row.sampling.penalized for row in rows])[:, None]
     return mx.where(keep, logits, logits_out)
 
 
@@ -211,10 +206,7 @@ class Speculating(Protocol):
     """What deciding whether a row's grammar can speculate reads of it."""
 
     matcher: GrammarMatcher | None
-    sampling: tuple[float, float, int]  # temperature, top_p, top_k
-    min_p: float
-    logprobs: bool
-    top_logprobs: int
+    sampling: SamplingParams  # resolved (.admission)
 
 
 def speculates(row: Speculating) -> bool:
@@ -229,18 +221,16 @@ def speculates(row: Speculating) -> bool:
     when it is not, the row is drawn again with the mask. Most tokens of a
     constrained answer (inside a string, say) are allowed, and checking one
     costs a few microseconds against a mask's tens per row. Not for rows
-    whose nucleus, top-k or min-p set depends on the mask, nor for rows that
-    read log-probabilities: those are the masked distribution's.
+    whose candidate set depends on the mask (:func:`.sampling.free_draw`),
+    nor for rows that read log-probabilities: those are the masked
+    distribution's.
     """
-    temperature, top_p, top_k = row.sampling
-    free_draw = temperature <= 0 or (
-        not 0 < top_p < 1 and top_k <= 0 and row.min_p <= 0
-    )
+    sampling = row.sampling
     return (
         row.matcher is not None
-        and free_draw
-        and not row.logprobs
-        and not row.top_logprobs
+        and free_draw(sampling)
+        and not sampling.logprobs
+        and not sampling.top_logprobs
     )
 
 
@@ -349,14 +339,15 @@ def compile_grammar(grammar: Grammar) -> str:
 def bias_rows(rows: Sequence[Biased], logits: mx.array) -> mx.array | None:
     """The rows' logit biases (B, V); None when no row has one. Each row's
     (V,) bias is made once and kept on it."""
-    if not any(row.bias for row in rows):
+    if not any(row.sampling.logit_bias for row in rows):
         return None
     vocab = logits.shape[-1]
     zero = mx.zeros((vocab,), logits.dtype)
     for row in rows:
-        if row.bias and row.bias_row is None:
-            ids = mx.array([t for t, _ in row.bias], dtype=mx.int32)
-            values = mx.array([b for _, b in row.bias], dtype=logits.dtype)
+        bias = row.sampling.logit_bias
+        if bias and row.bias_row is None:
+            ids = mx.array([t for t, _ in bias], dtype=mx.int32)
+            values = mx.array([b for _, b in bias], dtype=logits.dtype)
             row.bias_row = mx.zeros((vocab,), logits.dtype).at[ids].add(values)
     return mx.stack(
         [row.bias_row if row.bias_row is not None else zero for row in rows]

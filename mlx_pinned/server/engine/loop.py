@@ -1,127 +1,111 @@
 """The loop that owns one model's batch: it decides every step.
 
 :meth:`BatchLoop.turn` is the one place where a step of the batch is decided:
-rows leave, requests are admitted, prompts are prefilled, the batch decodes,
-and each row's output is handed to its request. It runs on the MLX thread
-only, one turn per item of :meth:`BatchLoop.run`, a generator the server runs
-with ``MLXThread.iterate``, so other jobs and other models get the thread
-between steps. Requests never step the batch: they submit their admission
-(:meth:`BatchLoop.stream`, on the event loop) and wait for their row's
-output, which the loop's driver (:mod:`.driver`) routes to each one.
-:meth:`BatchLoop.generate` is the same for a caller on the MLX thread: it
-runs turns inline until its row has output.
+rows leave, requests are admitted, the batch steps, and each row's output is
+handed to its request. It runs on the MLX thread only, one turn per item of
+:meth:`BatchLoop.run`, a generator the server runs with ``MLXThread.iterate``,
+so other jobs and other models get the thread between steps. Each item is
+that turn's outputs; the driver (:mod:`.driver`, on the event loop) routes
+them to the requests. A turn that has nothing due (no streamed event, no
+answer ended) yields ``CHECKPOINT`` instead: the thread is given away, and
+the event loop is not woken. Requests never step the batch: they put a command in
+the loop's inbox (:meth:`BatchLoop.submit`, :meth:`BatchLoop.leave`, any
+thread), which the next turn takes.
 
-The loop runs while it has work and ends when idle: a request that finds it
-ended starts it again (docs/engine.md says why).
+The loop runs while it has work and ends when idle with an empty inbox; the
+driver starts it again when a command came meanwhile (docs/engine.md says
+why).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import time
-from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Generator
+from typing import Literal
 
-from ..events import Event, FinalEvent, GenerationParams
-from .answers import Item, Request, RowAnswer
-from .driver import LoopDriver
+from mlx_pinned import CHECKPOINT
+from mlx_pinned.types import Checkpoint
+
+from .answers import Outputs, Request, RowAnswer
 from .state import BatchState
-
-if TYPE_CHECKING:
-    from PIL import Image
-
-    from mlx_pinned import MLXThread
 
 __all__ = ["BatchLoop"]
 
 logger = logging.getLogger("mlx_pinned.server")
 
+#: What a request asks of the loop through its inbox.
+Command = Literal["admit", "leave", "whole"]
 
-class BatchLoop(LoopDriver):
-    """The scheduler of one model's batch.
+
+class BatchLoop:
+    """The scheduler of one model's batch (MLX thread), and its inbox (any
+    thread).
 
     Args:
         state: The batch (:class:`~.state.BatchState`).
-        thread: The MLX thread the loop runs on.
     """
 
-    def __init__(self, state: BatchState, thread: MLXThread) -> None:
-        super().__init__(thread)
+    def __init__(self, state: BatchState) -> None:
         self.state = state
+        # Commands from any thread, in order.
+        self._inbox: queue.SimpleQueue[tuple[Request, Command]] = queue.SimpleQueue()
+        self._submitted = 0  # by the submitting side (the event loop)
+        self._taken = 0  # admissions taken by a turn (MLX thread)
         self._requests: list[Request] = []  # admitted (MLX thread only)
 
-    def generate(
-        self, params: GenerationParams, images: Sequence[Image.Image]
-    ) -> Generator[Event, None, None]:
-        """A generation on the calling thread, which must be where the batch
-        runs (the MLX thread, or any one thread for a model no loop runs):
-        turns run inline while its row has no output. Closing the generator
-        takes the row out at once."""
-        request = Request(params, images)
-        self._admit(request, time.perf_counter())
-        try:
-            while True:
-                while not request.items:
-                    self.turn()
-                item = request.items.popleft()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if isinstance(item, FinalEvent):
-                    return
-        finally:
-            self._leave(request)
+    # -- the inbox (any thread) -------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        """Queue ``request``'s admission for the next turn (one submitting
+        thread: the event loop, or the MLX thread for a caller run inline)."""
+        self._submitted += 1
+        self._inbox.put((request, "admit"))
+
+    def leave(self, request: Request) -> None:
+        """Take ``request``'s row out at the next turn; any thread. One that
+        already left is ignored."""
+        self._inbox.put((request, "leave"))
+
+    def whole(self, request: Request) -> None:
+        """Hand ``request``'s events out in one output, when its answer
+        ended (its reader takes the answer whole); any thread."""
+        self._inbox.put((request, "whole"))
+
+    def queued(self) -> int:
+        """Requests submitted and not yet admitted; any thread."""
+        return max(self._submitted - self._taken, 0)
+
+    def waiting(self) -> bool:
+        """Whether a command waits for a turn; any thread."""
+        return not self._inbox.empty()
 
     # -- the loop (MLX thread) -------------------------------------------------
 
-    def run(self, epoch: int) -> Generator[None, None, None]:
-        """The loop: one :meth:`turn` per item, until nothing is left to do.
-
-        Its items carry nothing: what a turn hands out waits in the outbox,
-        and the item wakes the driver only when a reader is due it (see
-        :meth:`_drive`); the last turn's outputs stay there for the driver.
-        """
-        finished = False
+    def run(self) -> Generator[tuple[Outputs, bool] | Checkpoint, None, None]:
+        """The loop: one :meth:`turn` per item, until nothing is left to do
+        (no row, nothing queued). Each item is the turn's outputs and
+        whether it is the last (the driver hands those out once the loop's
+        stream ended, so a request that left finds the loop stopped). Closed
+        under it (the thread shuts down, the driver went away), it fails
+        every row."""
+        idle = False
         try:
             while True:
-                with self._lock:
-                    stopping = self._stopping
-                if not stopping:  # else the stream closes: the rows leave then
-                    self.turn()
-                with self._lock:
-                    if self._idle():
-                        finished = True
-                        if self._epoch == epoch:
-                            self._running = False
-                        return
-                    if self._wake > 1 and self._ended():
-                        self._wake_at(1)  # an answer ended: wake the driver
-                yield None
+                outputs = self.turn()
+                idle = not self._requests and self.state.idle() and not self.waiting()
+                if idle and not outputs:
+                    return
+                # Nothing due: the thread is given away, the driver not woken.
+                yield (outputs, idle) if outputs else CHECKPOINT
+                if idle:
+                    return
         finally:
-            if not finished:  # closed by the driver, or the thread shuts down
-                self._closed(epoch)
+            if not idle:
+                self._abandon(RuntimeError("the batch's loop was closed"))
 
-    def _closed(self, epoch: int) -> None:
-        """The loop's stream was closed under it: by its driver once its last
-        reader left (take the rows out; the driver starts the loop again if
-        work came meanwhile), or by the thread's shutdown (fail every row)."""
-        with self._lock:
-            current = self._epoch == epoch
-            stopping, self._stopping = self._stopping, False
-            leaves, self._leaves = (self._leaves, []) if stopping else ([], [])
-        if current and stopping:
-            for request in leaves:
-                self._leave(request)
-            with self._lock:
-                if self._idle():
-                    self._running = False
-            return
-        if current:
-            with self._lock:
-                self._running = False
-            self._abandon(RuntimeError("the batch's loop was closed"))
-
-    def turn(self) -> None:
+    def turn(self) -> Outputs:
         """One step of the batch, and everything decided around it.
 
         1. Leave: the rows of closed requests are taken out (first, so a
@@ -129,22 +113,17 @@ class BatchLoop(LoopDriver):
         2. Admit: each submitted request is preprocessed (chat template,
            processor) and queued for prefill; one that fails gets its error,
            and nothing else does.
-        3. Step: prompts queued since the last step are prefilled (together
-           where they can be, a long one a chunk per step) and join; one
-           decode step runs for every row (:meth:`.decode.Decoder.step`). A
-           failing step fails every row in it.
+        3. Step: the batch's scheduler and one step strategy
+           (:meth:`.state.BatchState.step`). A failing step fails every row
+           in it.
         4. Hand out: each row's new tokens become its request's events; a
            row that ended (end of turn, stop string, ``max_tokens``, error)
            leaves the batch.
+
+        Returns each request's new items, and whether the loop holds no row
+        of it any more.
         """
-        with self._lock:
-            leaves, self._leaves = self._leaves, []
-            admissions, self._admissions = self._admissions, []
-        for request in leaves:
-            self._leave(request)
-        now = time.perf_counter()
-        for request in admissions:
-            self._admit(request, now)
+        outputs = self.take_commands()
         if not self.state.idle():
             try:
                 self.state.step()
@@ -154,20 +133,42 @@ class BatchLoop(LoopDriver):
                 logger.debug("a batch step failed", exc_info=True)
                 self.state.fail(exc)
         for request in list(self._requests):
-            self._hand_out(request)
+            self._hand_out(request, outputs)
+        return outputs
 
-    def _ended(self) -> bool:
-        """Whether an answer in the outbox ended (under the lock)."""
-        return any(gone for _, _, gone in self._outbox)
+    def take_commands(self) -> Outputs:
+        """Steps 1 and 2 of :meth:`turn`: the inbox's leaves, then its
+        admissions (but of requests that left already)."""
+        admissions: list[Request] = []
+        leaves: list[Request] = []
+        while True:
+            try:
+                request, command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if command == "leave":
+                leaves.append(request)
+            elif command == "admit":
+                self._taken += 1
+                admissions.append(request)
+            else:
+                request.whole = True
+        outputs: Outputs = []
+        for request in leaves:
+            if request in self._requests:
+                self._requests.remove(request)
+                assert request.row is not None
+                self.state.leave(request.row)
+            if not request.ended:
+                request.ended = True
+                outputs.append((request, (), True))
+        now = time.perf_counter()
+        for request in admissions:
+            if not request.ended:
+                self._admit(request, now, outputs)
+        return outputs
 
-    def _idle(self) -> bool:
-        """Whether nothing is left to do (under the lock)."""
-        return (
-            not (self._admissions or self._leaves or self._requests)
-            and self.state.idle()
-        )
-
-    def _admit(self, request: Request, start: float) -> None:
+    def _admit(self, request: Request, start: float, outputs: Outputs) -> None:
         params = request.params
         try:
             if params.max_tokens < 1:
@@ -176,21 +177,14 @@ class BatchLoop(LoopDriver):
                 )
             row = self.state.admit(params, request.images)
         except Exception as exc:
-            self._deliver(request, (exc,), gone=True)
+            request.ended = True
+            outputs.append((request, (exc,), True))
             return
         request.row = row
         request.answer = RowAnswer(self.state.loaded, params, row, start)
         self._requests.append(request)
 
-    def _leave(self, request: Request) -> None:
-        if request not in self._requests:
-            return
-        self._requests.remove(request)
-        assert request.row is not None
-        self.state.leave(request.row)
-        self._deliver(request, (), gone=True)
-
-    def _hand_out(self, request: Request) -> None:
+    def _hand_out(self, request: Request, outputs: Outputs) -> None:
         answer = request.answer
         assert answer is not None
         try:
@@ -200,22 +194,21 @@ class BatchLoop(LoopDriver):
         if ended:
             self._requests.remove(request)
             self.state.leave(answer.row)
-        if items or ended:
-            self._deliver(request, tuple(items), gone=ended)
-
-    def _deliver(
-        self, request: Request, items: tuple[Item, ...], *, gone: bool
-    ) -> None:
-        if request.output is None:
-            request.items.extend(items)
-            request.ended = request.ended or gone
-            return
-        with self._lock:
-            request.ended = request.ended or gone
-            self._outbox.append((request, items, gone))
+            request.ended = True
+        if request.whole and not ended:
+            request.held.extend(items)
+        elif items or ended or request.held:
+            outputs.append((request, (*request.held, *items), ended))
+            request.held = []
 
     def _abandon(self, error: BaseException) -> None:
-        """The loop stops with rows in it: fail them all. The driver fails
-        the async requests; one run inline reads its error at its next turn."""
+        """The loop stops with rows in it: fail them, and drop what waits in
+        the inbox (the driver fails those requests)."""
         self.state.fail(error)
-        self._requests = [r for r in self._requests if r.output is None]
+        self._requests = []
+        while True:
+            try:
+                _, command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._taken += command == "admit"

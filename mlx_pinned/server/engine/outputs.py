@@ -4,7 +4,7 @@
 Event loop only; no MLX. A :class:`RowOutput` holds one request's items on
 their way from the driver to its reader; a :class:`RowStream` is what the
 request's :class:`~..events.EventStream` reads: an event at a time, in
-batches for an answer sent whole, or as they flow for a streamed one.
+batches, whole for an answer sent whole, or as they flow for a streamed one.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RowOutput", "RowStream"]
 
-# As many events as there are: what a flowing reader takes at a wake-up.
+# As many events as there are: what a flowing or whole reader takes.
 _ALL = 1 << 30
 
 
@@ -98,26 +98,24 @@ class RowStream:
         self._request = request
         self._output = request.output
         self._finalizer = weakref.finalize(self, loop.close, request)
-        self._eager = True  # until it asks for its events in batches
 
     def __aiter__(self) -> RowStream:
         return self
 
     async def __anext__(self) -> Event:
-        if not self._eager:
-            self._eager = True
-            self._loop.reading(self._request, eager=True)
         events = await self._take(1)
         if not events:
             raise StopAsyncIteration
         return events[0]
 
-    def batched(self, n: int) -> AsyncIterator[tuple[Event, ...]]:
-        """The events in tuples of up to ``n``, one wake-up per tuple."""
+    def batched(self, n: int | None) -> AsyncIterator[tuple[Event, ...]]:
+        """The events in tuples of up to ``n``, one wake-up per tuple; None:
+        every event in one tuple, once the answer ended."""
+        if n is None:
+            self._loop.whole(self._request)
+            return self._batches(_ALL)
         if n < 1:
             raise ValueError(f"n must be at least 1, not {n}")
-        self._eager = n == 1
-        self._loop.reading(self._request, eager=self._eager)
         return self._batches(n)
 
     async def _batches(self, n: int) -> AsyncIterator[tuple[Event, ...]]:
@@ -130,9 +128,6 @@ class RowStream:
         an answer's first token goes out as soon as it is in)."""
         if interval < 0:
             raise ValueError(f"interval must be 0 or more, not {interval}")
-        if not self._eager:
-            self._eager = True
-            self._loop.reading(self._request, eager=True)
         return self._flow(interval)
 
     async def _flow(self, interval: float) -> AsyncGenerator[tuple[Event, ...], None]:
@@ -153,11 +148,11 @@ class RowStream:
         try:
             return await self._output.take(n, least)
         except BaseException:
-            self._loop.close(self._request, stop=True)  # cancelled, or its error
+            self._loop.close(self._request)  # cancelled, or its error
             raise
 
     async def aclose(self) -> None:
         """Take the row out, and wait until the loop did."""
         self._finalizer.detach()
-        if self._loop.close(self._request, stop=True):
+        if self._loop.close(self._request):
             await self._output.wait_gone()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..events import SamplingParams
 from .logits import GrammarMatcher
 from .prefill import Prepared
 from .prompt_cache import Key
@@ -27,12 +28,8 @@ class Row:
 
     Attributes:
         max_tokens: Most tokens to sample.
-        sampling: ``(temperature, top_p, top_k)``; temperature 0 is greedy.
-        min_p: Drop tokens less likely than this times the most likely one.
-        seed: Keys the sampling of every position (mlx-vlm's position seed).
-        top_logprobs: Alternatives to return per token (0: none).
-        logprobs: Whether its tokens' log-probabilities are read.
-        bias: ``(token id, bias)`` pairs added to the logits.
+        sampling: Its request's sampling, resolved: the checkpoint's defaults
+            filled in (temperature 0 is greedy) and its seed drawn.
         prompt_tokens: Tokens in the prompt, image tokens included.
         token: The last sampled token: the next step's input, not yet cached.
         sampled: Tokens sampled so far; also the next sampling position.
@@ -40,7 +37,6 @@ class Row:
         done: No more tokens will be sampled (end of turn or ``max_tokens``).
         gone: Its request left; tokens still in flight for it are dropped.
         error: Why the batch failed under it, if it did.
-        penalties: ``(presence, frequency, repetition)``.
         counts: (V,) times each token was generated, while it is penalized.
         seen: (V,) the prompt's tokens, while a repetition penalty reads them.
         matcher: Its grammar's matcher, when its text is constrained.
@@ -55,11 +51,7 @@ class Row:
     """
 
     max_tokens: int
-    sampling: tuple[float, float, int]
-    seed: int
-    top_logprobs: int
-    bias: tuple[tuple[int, float], ...]
-    logprobs: bool = True
+    sampling: SamplingParams
     prompt_tokens: int = 0
     token: int = 0
     sampled: int = 0
@@ -69,8 +61,6 @@ class Row:
     error: BaseException | None = None
     prepared: Prepared | None = None  # its inputs, until its prefill
     bias_row: mx.array | None = None
-    min_p: float = 0.0
-    penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)
     counts: mx.array | None = None
     seen: mx.array | None = None
     matcher: GrammarMatcher | None = None

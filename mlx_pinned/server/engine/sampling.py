@@ -23,6 +23,8 @@ import mlx.core as mx
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from ..events import SamplingParams
+
 
 class Sampled(NamedTuple):
     """One sampled token of one row, as plain Python values."""
@@ -37,17 +39,20 @@ class Sampling(Protocol):
     """What sampling needs to know of a row."""
 
     @property
-    def sampling(self) -> tuple[float, float, int]: ...  # temperature, top_p, top_k
-    @property
-    def seed(self) -> int: ...
+    def sampling(self) -> SamplingParams: ...  # resolved (.admission)
     @property
     def sampled(self) -> int: ...  # the position of the token to sample
-    @property
-    def top_logprobs(self) -> int: ...
-    @property
-    def logprobs(self) -> bool: ...  # whether its token's logprob is read
-    @property
-    def min_p(self) -> float: ...  # read for sampled rows only
+
+
+def free_draw(sampling: SamplingParams) -> bool:
+    """Whether a row's draw picks the greatest of its log-probabilities,
+    or of them plus noise from its key, over the whole vocabulary: greedy,
+    or temperature alone (the Gumbel-max draw of ``mx.random.categorical``),
+    with no nucleus, top-k or min-p set that depends on the other tokens."""
+    temperature, top_p = cast("float", sampling.temperature), sampling.top_p
+    return temperature <= 0 or (
+        not 0 < cast("float", top_p) < 1 and not sampling.top_k and sampling.min_p <= 0
+    )
 
 
 @dataclass
@@ -90,8 +95,11 @@ def draw(
     tokens = mx.argmax(logprobs, axis=-1)
     groups: dict[tuple[float, float, int, float], list[int]] = {}
     for i, row in enumerate(rows):
-        if row.sampling[0] > 0:
-            groups.setdefault((*row.sampling, row.min_p), []).append(i)
+        sampling = row.sampling
+        temperature = cast("float", sampling.temperature)
+        if temperature > 0:
+            key = (temperature, cast("float", sampling.top_p), sampling.top_k or 0)
+            groups.setdefault((*key, sampling.min_p), []).append(i)
     for (temperature, top_p, top_k, min_p), members in groups.items():
         index = mx.array(members, dtype=mx.int32)
         group = logprobs[index]
@@ -104,7 +112,9 @@ def draw(
             [
                 mx.random.key(
                     position_seed(
-                        rows[i].seed, 0, rows[i].sampled + (ahead[i] if ahead else 0)
+                        cast("int", rows[i].sampling.seed),
+                        0,
+                        rows[i].sampled + (ahead[i] if ahead else 0),
                     )
                 )
                 for i in members
@@ -114,21 +124,22 @@ def draw(
         tokens[index] = drawn.astype(tokens.dtype)
     targets: list[Any] = [tokens]
     chosen = None
-    if any(row.logprobs for row in rows):
+    if any(row.sampling.logprobs for row in rows):
         chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
         targets.append(chosen)
-    wanted = [i for i, row in enumerate(rows) if row.top_logprobs]
+    wanted = [i for i, row in enumerate(rows) if row.sampling.top_logprobs]
     top_ids = top_values = None
     keep = 0
     if wanted:
-        keep = min(max(rows[i].top_logprobs for i in wanted), logprobs.shape[-1])
+        keep = max(rows[i].sampling.top_logprobs for i in wanted)
+        keep = min(keep, logprobs.shape[-1])
         scores = logprobs[mx.array(wanted, dtype=mx.int32)]
         top_ids = mx.argpartition(-scores, kth=keep - 1, axis=-1)[:, :keep]
         top_values = mx.take_along_axis(scores, top_ids, axis=-1)
         targets += [top_ids, top_values]
     targets.extend(also)
     mx.async_eval(targets)  # type: ignore[no-untyped-call]
-    sizes = [rows[i].top_logprobs for i in wanted]
+    sizes = [rows[i].sampling.top_logprobs for i in wanted]
     return Draw(tokens, chosen, wanted, top_ids, top_values, keep, sizes, *kept)
 
 

@@ -204,17 +204,13 @@ class GenerationEndpoint(ABC):
                     await stream.aclose()
 
     async def whole(
-        self, stream: EventStream, log: RequestLog, most: int
+        self, stream: EventStream, log: RequestLog
     ) -> tuple[list[Event], FinalEvent]:
-        """Every event of the generation and its final one, once it ended.
-
-        Taken in batches of up to ``most`` events (a whole answer's tokens,
-        then the final event): one wake-up of the event loop per batch, not
-        one per token.
-        """
+        """Every event of the generation and its final one, once it ended:
+        one wake-up of the event loop for the answer, not one per token."""
         taken: list[Event] = []
         final: FinalEvent | None = None
-        async for events in stream.batched(most):
+        async for events in stream.batched(None):
             await self.turns.checkpoint()
             for event in events:
                 log.record(event, whole=True)

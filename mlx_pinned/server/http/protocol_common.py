@@ -12,20 +12,23 @@ here names an API's slice.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Field,
     ValidationInfo,
     field_validator,
 )
 from pydantic_core import PydanticCustomError
 
+from ..events import SamplingParams
+
 __all__ = [
     "TEMPLATE_ARGUMENTS",
-    "OpenAISampling",
+    "OpenAISamplingFields",
     "RequestBody",
     "Stop",
     "StreamOptions",
@@ -35,7 +38,6 @@ __all__ = [
     "check_template_kwargs",
     "check_unique_names",
     "floor_top_p",
-    "openai_sampling",
     "refusing",
     "stop_tuple",
     "token_id",
@@ -170,39 +172,64 @@ def floor_top_p(top_p: float | None) -> float | None:
     return None if top_p is None else max(top_p, _TOP_P_FLOOR)
 
 
-class OpenAISampling(Protocol):
+class OpenAISamplingFields(RequestBody):
     """The sampling fields OpenAI's chat and legacy completions share, with
-    vLLM's extensions."""
+    vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``)."""
 
-    temperature: float | None
-    top_p: float | None
-    seed: int | None
-    stop: str | list[str] | None
-    logit_bias: dict[str, float] | None
-    presence_penalty: float | None
-    frequency_penalty: float | None
-    top_k: int | None
-    min_p: float | None
-    repetition_penalty: float | None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: Stop | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(
+        cls, value: dict[str, float] | None
+    ) -> dict[str, float] | None:
+        seen: dict[int, str] = {}
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids, not {key[:40]!r}")
+            # No vocabulary has 10**10 tokens; and int() of a longer key
+            # could pass Python's digit limit (4300): a ValueError, a 500.
+            if len(key.lstrip("0")) > 10:
+                raise ValueError(f"token id {key[:40]!r}... is not in any vocabulary")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be between -100 and 100, not {bias}")
+            token = token_id(key)
+            if token in seen:
+                raise ValueError(
+                    f"token id {token} is given twice ({seen[token]!r} and {key!r})"
+                )
+            seen[token] = key
+        return value
 
-def openai_sampling(request: OpenAISampling) -> dict[str, Any]:
-    """``request``'s sampling as keyword arguments of the shared generation
-    request (:class:`~...events.GenerationParams`)."""
-    top_k = request.top_k
-    return {
-        "temperature": request.temperature,
-        "top_p": floor_top_p(request.top_p),
-        "seed": request.seed,
-        "stop": stop_tuple(request.stop),
-        "logit_bias": tuple(
-            (token_id(key), bias) for key, bias in (request.logit_bias or {}).items()
-        ),
-        "top_k": 0 if top_k == -1 else top_k,  # vLLM's -1: no limit
-        "min_p": request.min_p or 0.0,
-        "presence_penalty": request.presence_penalty or 0.0,
-        "frequency_penalty": request.frequency_penalty or 0.0,
-        "repetition_penalty": (
-            1.0 if request.repetition_penalty is None else request.repetition_penalty
-        ),
-    }
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        """``stop`` as a tuple of strings (empty when unset)."""
+        return stop_tuple(self.stop)
+
+    def sampling_params(self, *, logprobs: bool, top_logprobs: int) -> SamplingParams:
+        """These fields as the one sampling value of a generation."""
+        top_k, repetition = self.top_k, self.repetition_penalty
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=floor_top_p(self.top_p),
+            top_k=0 if top_k == -1 else top_k,  # vLLM's -1: no limit
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if repetition is None else repetition,
+            logit_bias=tuple(
+                (token_id(key), bias) for key, bias in (self.logit_bias or {}).items()
+            ),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs if logprobs else 0,
+        )

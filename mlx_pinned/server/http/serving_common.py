@@ -9,10 +9,10 @@ API uses, so an API's errors stay its own; none imports a slice.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from ..events import Grammar
+from ..events import GenerationParams, Grammar
 from ..formats import TOOL_CALL_FORMATS, UnforcedCallError
 from ..limits import check_text_length
 from .errors import APIError
@@ -81,13 +81,13 @@ def out_of_vocabulary(param: str, token_id: int, vocab: int) -> APIError:
     )
 
 
-def check_logit_bias(token_ids: Iterable[int], vocab: int) -> None:
+def check_logit_bias(params: GenerationParams, vocab: int) -> None:
     """Refuse a ``logit_bias`` token id outside the vocabulary.
 
     Raises:
         APIError: 400 naming ``logit_bias``.
     """
-    for token_id in token_ids:
+    for token_id, _ in params.sampling.logit_bias:
         if token_id >= vocab:
             raise out_of_vocabulary("logit_bias", token_id, vocab)
 

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from ...events import GenerationParams, Grammar
-from ..protocol_common import RequestBody, refusing, unsupported_value
+from ...events import GenerationParams, Grammar, SamplingParams
+from ..protocol_common import RequestBody, floor_top_p, refusing, unsupported_value
 from ..validation import parse_request
 from .blocks import (
     CacheControl,
@@ -329,13 +329,12 @@ class MessagesRequest(CountTokensRequest):
             context_length=context_length,
             grammar=grammar,
         )
-        return replace(
-            prompt,
+        sampling = SamplingParams(
             temperature=self.temperature,
-            top_p=self.top_p,
-            stop=tuple(self.stop_sequences or ()),
+            top_p=floor_top_p(self.top_p),
             top_k=self.top_k,
         )
+        return replace(prompt, sampling=sampling, stop=tuple(self.stop_sequences or ()))
 
 
 def parse_messages_request(body: bytes) -> MessagesRequest:

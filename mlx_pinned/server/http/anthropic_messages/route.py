@@ -84,7 +84,7 @@ class MessagesEndpoint(_AnthropicEndpoint):
         parser: AnswerParser | None,
     ) -> bytes:
         """The whole answer as one message, once the generation ended."""
-        events, final = await self.whole(stream, log, request.max_tokens + 2)
+        events, final = await self.whole(stream, log)
         blocks = Blocks(shown=request.thinking_shown)
         blocks.add(last_parts(parser, "".join(event.text for event in events), final))
         called = parser is not None and parser.called

@@ -7,8 +7,9 @@ turns every failure (bad JSON, wrong type, out of range) into an
 API reference is declared here and either honoured or refused with a 400
 that names it; an unknown top-level field is refused as OpenAI refuses it
 ("Unrecognized request argument supplied"), except the vLLM extensions
-clients commonly send (``top_k``, ``min_p``, ``repetition_penalty``,
-``chat_template_kwargs``, ``thinking_token_budget``; vllm-mlx's ``video_fps`` and
+clients commonly send (the sampling ones of
+:class:`~..protocol_common.OpenAISamplingFields`, ``chat_template_kwargs``,
+``thinking_token_budget``; vllm-mlx's ``video_fps`` and
 ``video_max_frames``), which are honoured. A validated request turns
 itself into the shared generation request
 (:meth:`ChatCompletionRequest.to_generation_params`): the wire schema stops
@@ -23,15 +24,11 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from ...events import GenerationParams, Grammar
 from ..protocol_common import (
-    RequestBody,
-    Stop,
+    OpenAISamplingFields,
     TemplateKwargs,
     check_service_tier,
     check_unique_names,
-    openai_sampling,
     refusing,
-    stop_tuple,
-    token_id,
     unsupported_value,
 )
 from ..thinking import EFFORT_BUDGETS
@@ -60,33 +57,23 @@ _REFUSED = {
 }
 
 
-class ChatCompletionRequest(RequestBody):
+class ChatCompletionRequest(OpenAISamplingFields):
     """The body of ``POST /v1/chat/completions``."""
 
     model: str
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: Stop | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    logit_bias: dict[str, float] | None = None
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
-    # vLLM's extensions, honoured.
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    # vLLM's extensions, honoured (its sampling ones are shared).
     chat_template_kwargs: TemplateKwargs | None = None
     # vllm-mlx's video sampling, honoured (the server's settings bound them).
     video_fps: float | None = Field(default=None, gt=0.0, le=60.0)
@@ -153,29 +140,6 @@ class ChatCompletionRequest(RequestBody):
             )
         return value
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _check_logit_bias(
-        cls, value: dict[str, float] | None
-    ) -> dict[str, float] | None:
-        seen: dict[int, str] = {}
-        for key, bias in (value or {}).items():
-            if not (key.isascii() and key.isdigit()):
-                raise ValueError(f"keys must be token ids, not {key[:40]!r}")
-            # No vocabulary has 10**10 tokens; and int() of a longer key
-            # could pass Python's digit limit (4300): a ValueError, a 500.
-            if len(key.lstrip("0")) > 10:
-                raise ValueError(f"token id {key[:40]!r}... is not in any vocabulary")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"biases must be between -100 and 100, not {bias}")
-            token = token_id(key)
-            if token in seen:
-                raise ValueError(
-                    f"token id {token} is given twice ({seen[token]!r} and {key!r})"
-                )
-            seen[token] = key
-        return value
-
     @field_validator("n")
     @classmethod
     def _check_n(cls, value: int | None) -> int | None:
@@ -234,21 +198,11 @@ class ChatCompletionRequest(RequestBody):
         return value
 
     @property
-    def stop_sequences(self) -> tuple[str, ...]:
-        """``stop`` as a tuple of strings (empty when unset)."""
-        return stop_tuple(self.stop)
-
-    @property
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens``, else the older ``max_tokens``, else None."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
-
-    @property
-    def token_bias(self) -> dict[int, float]:
-        """``logit_bias`` with integer token ids (empty when unset)."""
-        return {token_id(k): v for k, v in (self.logit_bias or {}).items()}
 
     @property
     def include_usage(self) -> bool:
@@ -290,8 +244,10 @@ class ChatCompletionRequest(RequestBody):
         return GenerationParams(
             messages=tuple(chat_messages(self.messages)),
             max_tokens=max_tokens,
-            logprobs=bool(self.logprobs),
-            top_logprobs=self.top_logprobs or 0,
+            sampling=self.sampling_params(
+                logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs or 0
+            ),
+            stop=self.stop_sequences,
             max_prompt_tokens=max_prompt_tokens,
             context_length=context_length,
             grammar=grammar,
@@ -299,7 +255,6 @@ class ChatCompletionRequest(RequestBody):
                 tool.model_dump(exclude_none=True) for tool in self.active_tools
             ),
             template_kwargs=tuple((self.chat_template_kwargs or {}).items()),
-            **openai_sampling(self),
         )
 
 

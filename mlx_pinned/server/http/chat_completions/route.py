@@ -113,7 +113,7 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
         parser: AnswerParser | None,
     ) -> bytes:
         """The whole answer as one JSON body, once the generation ended."""
-        events, final = await self.whole(stream, log, max_tokens + 1)
+        events, final = await self.whole(stream, log)
         text = "".join(event.text for event in events)
         logprobs = [
             token_logprob(event.logprobs)

@@ -110,9 +110,7 @@ class ChatCompletionsServing:
             request.chat_template_kwargs or {},
             request.thinking_budget,
         )
-        check_logit_bias(
-            (token_id for token_id, _ in params.logit_bias), capabilities.vocab_size
-        )
+        check_logit_bias(params, capabilities.vocab_size)
         refs = image_refs(request.messages, self.config.image_limits)
         check_images(
             refs,

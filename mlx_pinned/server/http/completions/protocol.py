@@ -19,14 +19,7 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationInfo, field_validator
 
 from ...events import GenerationParams
-from ..protocol_common import (
-    RequestBody,
-    Stop,
-    StreamOptions,
-    openai_sampling,
-    stop_tuple,
-    unsupported,
-)
+from ..protocol_common import OpenAISamplingFields, StreamOptions, unsupported
 from ..validation import parse_request
 
 __all__ = [
@@ -52,32 +45,22 @@ Prompt = (
 )
 
 
-class CompletionRequest(RequestBody):
+class CompletionRequest(OpenAISamplingFields):
     """The body of ``POST /v1/completions``."""
 
     model: str
     prompt: Prompt
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: Stop | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
     n: int | None = None
     best_of: int | None = None
     suffix: str | None = None
     # No effect on the output by definition: accepted, unused.
     user: str | None = None
-    # vLLM's extensions, honoured.
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    # vLLM's extension, honoured (its sampling ones are shared).
     add_special_tokens: bool = True
 
     @field_validator("prompt")
@@ -88,22 +71,6 @@ class CompletionRequest(RequestBody):
                 raise ValueError(
                     f"at most {MAX_PROMPTS} prompts are allowed, not {len(value)}"
                 )
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _check_logit_bias(
-        cls, value: dict[str, float] | None
-    ) -> dict[str, float] | None:
-        for key, bias in (value or {}).items():
-            # At most 10 digits: no vocabulary has 10**10 tokens, and int() of
-            # a longer key could pass Python's digit limit.
-            if not (key.isascii() and key.isdigit()) or len(key) > 10:
-                raise ValueError(f"keys must be token ids, not {key[:40]!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"biases must be between -100 and 100, not {bias}")
-        if value and len({int(key) for key in value}) < len(value):
-            raise ValueError("a token id is given twice")
         return value
 
     @field_validator("n")
@@ -156,16 +123,6 @@ class CompletionRequest(RequestBody):
         return [p if isinstance(p, str) else tuple(p) for p in prompt]
 
     @property
-    def stop_sequences(self) -> tuple[str, ...]:
-        """``stop`` as a tuple of strings (empty when unset)."""
-        return stop_tuple(self.stop)
-
-    @property
-    def token_bias(self) -> tuple[tuple[int, float], ...]:
-        """``logit_bias`` with integer token ids (empty when unset)."""
-        return tuple((int(key), bias) for key, bias in (self.logit_bias or {}).items())
-
-    @property
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -185,11 +142,12 @@ class CompletionRequest(RequestBody):
             prompt=prompt,
             add_special_tokens=self.add_special_tokens,
             max_tokens=max_tokens,
-            logprobs=self.logprobs is not None,
-            top_logprobs=self.logprobs or 0,
+            sampling=self.sampling_params(
+                logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0
+            ),
+            stop=self.stop_sequences,
             max_prompt_tokens=max_prompt_tokens,
             context_length=context_length,
-            **openai_sampling(self),
         )
 
 

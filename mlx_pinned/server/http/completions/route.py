@@ -223,7 +223,7 @@ class CompletionsEndpoint(GenerationEndpoint):
             try:
                 async with self.generation(served, engine, params, (), log) as events:
                     if not streamed:  # each answer whole
-                        async for batch in events.batched(params.max_tokens + 2):
+                        async for batch in events.batched(None):
                             await send.send((index, batch))
                         return
                     interval = self.config.stream_write_interval

@@ -64,7 +64,6 @@ class CompletionsServing:
         max_prompt = self.config.max_prompt_tokens or context
         max_tokens = self.max_tokens(request)
         vocab = capabilities.vocab_size
-        check_logit_bias((token_id for token_id, _ in request.token_bias), vocab)
         params: list[GenerationParams] = []
         echoes: list[str] = []
         for prompt in request.prompts:
@@ -74,6 +73,7 @@ class CompletionsServing:
                 max_prompt_tokens=max_prompt,
                 context_length=context,
             )
+            check_logit_bias(one, vocab)
             if isinstance(prompt, str):
                 if max_prompt is not None:
                     check_text_length(

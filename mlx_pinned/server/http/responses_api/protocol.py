@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from ...events import GenerationParams, Grammar
+from ...events import GenerationParams, Grammar, SamplingParams
 from ..protocol_common import (
     RequestBody,
     check_service_tier,
@@ -259,8 +259,9 @@ class ResponsesRequest(RequestBody):
         return GenerationParams(
             messages=messages,
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=floor_top_p(self.top_p),
+            sampling=SamplingParams(
+                temperature=self.temperature, top_p=floor_top_p(self.top_p)
+            ),
             max_prompt_tokens=max_prompt_tokens,
             context_length=context_length,
             grammar=grammar,

@@ -139,7 +139,7 @@ class ResponsesEndpoint(GenerationEndpoint):
         params: Any,
     ) -> FinalEvent:
         """Every event, taken in batches; the answer's parts into ``output``."""
-        events, final = await self.whole(stream, log, params.max_tokens + 1)
+        events, final = await self.whole(stream, log)
         output.add(last_parts(parser, "".join(event.text for event in events), final))
         return final
 
