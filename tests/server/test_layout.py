@@ -340,3 +340,66 @@ def test_a_test_module_imported_is_caught() -> None:
     assert imported_test_modules(here, "from .test_batching import TOL\n")
     assert imported_test_modules(here, "from . import test_app\n")
     assert not imported_test_modules(here, "from .kit import TOL\n")
+
+
+ENGINE = "mlx_pinned.server.engine"
+
+
+def runtime_imports(path: Path, text: str | None = None) -> set[str]:
+    """The engine modules ``path`` (or ``text``) imports when it runs:
+    those under ``if TYPE_CHECKING:`` only name types, and are left out."""
+    source = path.read_text() if text is None else text
+    tree = ast.parse(source, str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            node.body = [ast.Pass()]
+    found = set()
+    for target, _ in imports(path, ast.unparse(tree)):
+        parts = target.split(".")
+        if target.startswith(ENGINE + ".") and len(parts) >= 4:
+            found.add(".".join(parts[:4]))
+    return found - {module_name(path)}
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """A cycle of ``graph`` (module -> what it imports), or [] if none."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        if node in path:
+            return [*path[path.index(node) :], node]
+        if node in done:
+            return []
+        for target in sorted(graph.get(node, ())):
+            cycle = visit(target, [*path, node])
+            if cycle:
+                return cycle
+        done.add(node)
+        return []
+
+    for node in sorted(graph):
+        cycle = visit(node, [])
+        if cycle:
+            return cycle
+    return []
+
+
+ENGINE_SOURCES = sorted((ROOT / "engine").glob("*.py"))
+
+
+def test_no_runtime_import_cycle_in_the_engine() -> None:
+    graph = {module_name(p): runtime_imports(p) for p in ENGINE_SOURCES}
+    assert len(graph) > 20
+    assert import_cycle(graph) == []
+
+
+def test_a_runtime_import_cycle_is_caught() -> None:
+    graph = {module_name(p): runtime_imports(p) for p in ENGINE_SOURCES}
+    decode = ROOT / "engine" / "decode.py"
+    graph[module_name(decode)] = runtime_imports(
+        decode, decode.read_text() + "\nfrom .state import BatchState\n"
+    )
+    assert import_cycle(graph)[0] == f"{ENGINE}.decode"
+    # Naming a type only is no cycle.
+    planted = "\nif TYPE_CHECKING:\n    from .state import BatchState\n"
+    assert f"{ENGINE}.state" not in runtime_imports(decode, planted)

@@ -168,7 +168,7 @@ class BatchEngine:
     @property
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters, and its draft model's."""
-        return self.loaded.weight_bytes + self._state.decoder.draft_weight_bytes()
+        return self.loaded.weight_bytes + self._state.draft_weight_bytes()
 
     def statistics(self) -> BatchStatistics:
         """A snapshot of the batch; any thread (it may be a step old).

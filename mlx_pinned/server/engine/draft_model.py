@@ -30,10 +30,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..config_checks import SettingError
-from .drafting import cut_back
 from .model import LoadedModel, load
 from .prefill import PREFILL_STEP, batch_caches
-from .quirks import uncuttable_kinds, unmask_if_unpadded
+from .quirks import cut_back, uncuttable_kinds, unmask_if_unpadded
 
 if TYPE_CHECKING:
     from .rows import Row

@@ -33,7 +33,6 @@ tokens read.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -42,19 +41,21 @@ import mlx.core as mx
 import numpy as np
 
 from ..config_checks import SettingError
+from .decode import Stepped
+from .draft_model import DraftModel
 from .prompt_lookup import History, PromptLookup
-from .quirks import cut_back_caches, uncuttable_kinds, unmask_if_unpadded
+from .quirks import cut_back, uncuttable_kinds
+from .rows import read
 from .sampling import Sampled, collect, draw
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .decode import Decoder
     from .model import LoadedModel
     from .rows import Row
     from .state import BatchState
 
-__all__ = ["DraftSettings", "DraftSource", "Drafting", "cut_back", "install"]
+__all__ = ["DraftSettings", "DraftSource", "Drafting", "install"]
 
 
 @dataclass(frozen=True)
@@ -138,43 +139,32 @@ def install(state: BatchState, settings: DraftSettings) -> None:
     if settings.model is None:
         source = PromptLookup(settings.ngram)
     else:
-        from .draft_model import DraftModel  # it imports this module
-
         source = DraftModel.load(settings.model, loaded)
     state.decoder.drafting = Drafting(settings, source)
 
 
 class Drafting:
-    """The speculative steps of one batch, and their counts.
+    """The speculative step of one batch: its drafts verified in one pass.
 
     Attributes:
+        settings: How many tokens a row drafts, and from where.
         source: Where the rows' drafts come from.
-        steps: Speculative steps run.
-        rows: Rows those steps verified drafts for, summed over the steps.
-        drafted: Draft tokens verified.
-        accepted: Draft tokens kept.
-        emitted: Tokens the speculative steps gave (kept drafts, and the
-            target's own token of each row and step).
     """
 
     def __init__(self, settings: DraftSettings, source: DraftSource) -> None:
         self.settings = settings
         self.source = source
-        self.steps = self.rows = self.drafted = self.accepted = self.emitted = 0
 
-    def start(self, rows: Sequence[Row]) -> None:
-        """Give rows about to get their first token their prompt's ids."""
-        for row in rows:
-            if row.history is None and row.prepared is not None:
-                ids = row.prepared.inputs.get("input_ids")
-                if ids is not None:
-                    row.history = History(np.asarray(ids).reshape(-1))
+    def start(self, row: Row) -> None:
+        """Give an admitted row its prompt's ids, the start of its history."""
+        assert row.prepared is not None
+        ids = row.prepared.inputs.get("input_ids")
+        if ids is not None:
+            row.history = History(np.asarray(ids).reshape(-1))
 
-    def step(self, decoder: Decoder) -> bool:
-        """Run the batch's next step speculatively, if it can; whether it
-        ran (else the caller runs its ordinary step). A step in flight is
-        read first, as a step of its own."""
-        batch = decoder.batch
+    def applies(self, batch: BatchState) -> bool:
+        """Whether the batch's next step may speculate: it has rows, and
+        every row in it, joining it or queued for it can draft."""
         joining = [row for rows, _ in batch.joining for row in rows]
         waiting = [*batch.waiting, *(row for row, _ in batch.prefilling)]
         live = [
@@ -182,49 +172,20 @@ class Drafting:
             for row in (*batch.rows, *joining, *waiting)
             if not (row.gone or row.done or row in batch.leaving)
         ]
-        if not live or not all(can_draft(row) for row in live):
-            return False
-        if not batch.rows and not batch.joining:
-            return False  # from idle: the ordinary step hands out first tokens
-        if decoder.inflight is not None:
-            decoder.drain()
-            return True
-        start = time.perf_counter()
-        rows: list[Row] = []
+        return bool(batch.rows) and all(can_draft(row) for row in live)
+
+    def verify(self, batch: BatchState, stop: Any) -> Stepped | None:
+        """One forward pass over every row's last token and its drafts; each
+        row keeps what the target agrees with (see the module's docstring).
+        None when no row has drafts (the ordinary step runs instead)."""
+        rows = list(batch.rows)
         try:
-            # As the ordinary step would: queued prompts in, finished rows out.
-            batch.prefill_waiting()
-            batch.compact()
-            batch.join()
-            rows = list(batch.rows)
             tokens = self.settings.tokens
             counts = [min(tokens, row.max_tokens - row.sampled - 1) for row in rows]
-            each = self.source.propose(rows, counts) if rows else []
-        except BaseException as exc:
-            self.source.reset()
-            batch.fail(exc, rows)
-            raise
-        if not any(each):
-            # Nothing to verify: the ordinary step runs, and it is pipelined.
-            self.source.settle(rows, [0] * len(rows))
-            decoder.step_seconds += time.perf_counter() - start
-            return False
-        self._verify(decoder, rows, each, start)
-        return True
-
-    def _verify(
-        self,
-        decoder: Decoder,
-        rows: list[Row],
-        each: list[list[int]],
-        start: float,
-    ) -> None:
-        """One forward pass over every row's last token and its drafts; each
-        row keeps what the target agrees with (see the module's docstring)."""
-        from .decode import record  # decode imports this module
-
-        batch = decoder.batch
-        try:
+            each = self.source.propose(rows, counts)
+            if not any(each):
+                self.source.settle(rows, [0] * len(rows))
+                return None
             width = max(len(d) for d in each)
             inputs = [
                 [row.token, *d, *[d[-1] if d else row.token] * (width - len(d))]
@@ -240,34 +201,25 @@ class Drafting:
             # Row i's position j is drawn as its token at sampled + j.
             at = [row for row in rows for _ in range(width + 1)]
             ahead = [j for _ in rows for j in range(width + 1)]
-            pending = draw(flat, at, None, [c.state for c in cache], ahead)
-            sampled = collect(pending, decoder.stop)
-        except BaseException as exc:
+            sampled = collect(
+                draw(flat, at, None, [c.state for c in cache], ahead), stop
+            )
+        except BaseException:
             self.source.reset()
-            batch.fail(exc, rows)
             raise
-        kept = []
-        for i, (row, d) in enumerate(zip(rows, each, strict=True)):
-            items = sampled[i * (width + 1) : (i + 1) * (width + 1)]
-            accepted = _accepted(items, d)
-            for item in items[: accepted + 1]:
-                record(row, item)
-                if row.done:
-                    break
-            if row.done:
-                batch.leaving.add(row)
-            kept.append(accepted)
-            self.drafted += len(d)
-            self.accepted += accepted
-            self.emitted += accepted + 1
-            decoder.decoded += accepted + 1
+        items = [
+            sampled[i * (width + 1) : (i + 1) * (width + 1)] for i in range(len(rows))
+        ]
+        kept = [
+            _accepted(row_items, d) for row_items, d in zip(items, each, strict=True)
+        ]
+        read_rows, got = read(
+            rows, [row_items[: k + 1] for row_items, k in zip(items, kept, strict=True)]
+        )
         cut_back(cache, width, kept)
         self.source.settle(rows, kept)
-        self.steps += 1
-        self.rows += len(rows)
-        decoder.steps += 1
-        decoder.peak_active = max(decoder.peak_active, len(rows))
-        decoder.step_seconds += time.perf_counter() - start
+        drafted = sum(len(d) for d in each)
+        return Stepped(read_rows, got, len(rows), drafted, sum(kept), speculative=True)
 
 
 def _accepted(items: Sequence[Sampled], drafts: Sequence[int]) -> int:
@@ -279,37 +231,3 @@ def _accepted(items: Sequence[Sampled], drafts: Sequence[int]) -> int:
             break
         kept += 1
     return kept
-
-
-def cut_back(cache: Sequence[Any], width: int, kept: Sequence[int]) -> None:
-    """Drop the KV of each row's positions past its kept drafts: ``width``
-    drafts were written per row, row ``i`` keeps ``kept[i]`` (and the
-    position of its last token before them)."""
-    most = max(kept)
-    if width > most:
-        for c in cache:
-            c.trim(width - most)
-    if most == min(kept):
-        return
-    assert cut_back_caches(cache)
-    # The rest rolled to the row's left, where its left padding hides it.
-    shift = mx.array([most - k for k in kept], dtype=mx.int32)
-    for c in cache:
-        keys, values, offset, padding = c.state
-        length = keys.shape[2]
-        index = (mx.arange(length, dtype=mx.int32)[None, :] - shift[:, None]) % length
-        c.state = (
-            _roll(keys, index),
-            _roll(values, index),
-            offset - shift,
-            padding + shift,
-        )
-    unmask_if_unpadded(list(cache))
-
-
-def _roll(array: mx.array, index: mx.array) -> mx.array:
-    """``array`` (B, H, L, D) with each row's positions taken at ``index``
-    (B, L)."""
-    batch, heads, length, dim = array.shape
-    full = mx.broadcast_to(index[:, None, :, None], (batch, heads, length, dim))
-    return mx.take_along_axis(array, full, axis=2)

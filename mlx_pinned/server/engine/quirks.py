@@ -7,7 +7,8 @@
   of the model: :class:`SequenceText` gives each sequence its own.
 - Only mlx-vlm's plain caches can be cut at any token (the prompt cache
   reuses them, a speculative step is cut back a token):
-  :func:`plain_caches`, :func:`cut_back_caches`.
+  :func:`plain_caches`, :func:`cut_back_caches`; and a speculative step
+  cut back to the drafts its rows kept (:func:`cut_back`).
 - Qwen-VL models keep the rope delta of their last prompt on the model, and
   without media their rope index counts a row's left padding in it:
   :func:`row_rope_deltas` gives each row of a batched prefill its own.
@@ -16,7 +17,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
@@ -26,6 +27,7 @@ from .text import TextDecoder
 
 __all__ = [
     "SequenceText",
+    "cut_back",
     "cut_back_caches",
     "plain_caches",
     "rope_deltas",
@@ -148,3 +150,37 @@ def rope_deltas(lm: Any, kwargs: dict[str, Any], rows: int) -> mx.array | None:
 
 def _cache_module() -> Any:
     return importlib.import_module("mlx_vlm.models.cache")
+
+
+def cut_back(cache: Sequence[Any], width: int, kept: Sequence[int]) -> None:
+    """Drop the KV of each row's positions past its kept drafts: ``width``
+    drafts were written per row, row ``i`` keeps ``kept[i]`` (and the
+    position of its last token before them)."""
+    most = max(kept)
+    if width > most:
+        for c in cache:
+            c.trim(width - most)
+    if most == min(kept):
+        return
+    assert cut_back_caches(cache)
+    # The rest rolled to the row's left, where its left padding hides it.
+    shift = mx.array([most - k for k in kept], dtype=mx.int32)
+    for c in cache:
+        keys, values, offset, padding = c.state
+        length = keys.shape[2]
+        index = (mx.arange(length, dtype=mx.int32)[None, :] - shift[:, None]) % length
+        c.state = (
+            _roll(keys, index),
+            _roll(values, index),
+            offset - shift,
+            padding + shift,
+        )
+    unmask_if_unpadded(list(cache))
+
+
+def _roll(array: mx.array, index: mx.array) -> mx.array:
+    """``array`` (B, H, L, D) with each row's positions taken at ``index``
+    (B, L)."""
+    batch, heads, length, dim = array.shape
+    full = mx.broadcast_to(index[:, None, :, None], (batch, heads, length, dim))
+    return mx.take_along_axis(array, full, axis=2)

@@ -7,19 +7,20 @@ Rows are made, read and changed on the MLX thread only; a
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from ..events import SamplingParams
-from .logits import GrammarMatcher
+from .logits import GrammarMatcher, advance
 from .prefill import Prepared
 from .prompt_cache import Key
 from .prompt_lookup import History
 from .sampling import Sampled
 from .thinking import ThinkingBudget
 
-__all__ = ["BatchStatistics", "Row"]
+__all__ = ["BatchStatistics", "Row", "read"]
 
 
 @dataclass(eq=False)
@@ -69,6 +70,48 @@ class Row:
     cached: int = 0
     thinking: ThinkingBudget | None = None
     history: History | None = None  # speculative decoding (.drafting)
+
+    def record(self, item: Sampled) -> None:
+        """Give it a sampled token: its request reads it from ``pending``."""
+        self.pending.append(item)
+        self.token = item.token
+        self.sampled += 1
+        if self.thinking is not None:
+            self.thinking.observe(item.token)
+        self.done = item.eos or self.sampled >= self.max_tokens
+        if self.key is not None:
+            self.tokens.append(item.token)
+        if self.history is not None:  # speculative decoding (.drafting)
+            self.history.append(item.token)
+
+
+def read(
+    rows: Sequence[Row],
+    items: Sequence[Sequence[Sampled]],
+    consumed: Collection[Row] = (),
+) -> tuple[list[Row], int]:
+    """Give each row its tokens of a step (``items[i]``, in order, up to the
+    one that ends it) and advance its grammar past them (but for the rows
+    whose grammar ``consumed`` them already); the rows read, and how many
+    tokens they got.
+
+    A row that left while the step ran, or whose token in the step before
+    ended it (end of turn), gets none: its tokens were computed ahead, for
+    nothing.
+    """
+    read: list[Row] = []
+    tokens = 0
+    for row, sampled in zip(rows, items, strict=True):
+        if row.gone or row.done:
+            continue
+        for item in sampled:
+            row.record(item)
+            tokens += 1
+            if row.done:
+                break
+        read.append(row)
+    advance([row for row in read if row not in consumed])
+    return read, tokens
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..events import GenerationParams
 from .admission import make_row, media_tokens
-from .decode import Decoder
+from .decode import Decoder, Stepped, first_tokens
 from .kv_quant import KVQuant, bytes_per_token, check_quantizable, held_bytes
 from .model import LoadedModel
 from .pacing import PrefillPacer
@@ -97,9 +97,14 @@ class BatchState:
         self.leaving: set[Row] = set()
         self.cache: list[Any] | None = None
         self.deltas: mx.array | None = None
-        self.decoder = Decoder(self)
+        self.decoder = Decoder(loaded.tokenizer.stopping_criteria)
         self.prefills = self.passes = 0
-        self.prefill_seconds = 0.0
+        self.prefill_seconds = self.step_seconds = 0.0
+        self.steps = self.decoded = self.peak_active = 0
+        # Speculative steps (.drafting): their rows summed, drafts verified
+        # and drafts kept.
+        self.speculative_steps = self.speculative_rows = 0
+        self.draft_tokens = self.accepted_tokens = 0
 
     def statistics(self) -> BatchStatistics:
         return BatchStatistics(
@@ -107,15 +112,23 @@ class BatchState:
             joining=len(self.waiting)
             + len(self.prefilling)
             + sum(not r.gone for rows, _ in self.joining for r in rows),
-            peak_active=self.decoder.peak_active,
-            steps=self.decoder.steps,
-            decoded_tokens=self.decoder.decoded,
+            peak_active=self.peak_active,
+            steps=self.steps,
+            decoded_tokens=self.decoded,
             prefills=self.prefills,
             prefill_passes=self.passes,
             prefill_seconds=self.prefill_seconds,
-            step_seconds=self.decoder.step_seconds,
-            **self.decoder.drafted(),
+            step_seconds=self.step_seconds,
+            speculative_steps=self.speculative_steps,
+            speculative_rows=self.speculative_rows,
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
         )
+
+    def draft_weight_bytes(self) -> int:
+        """Bytes of the draft model's parameters; 0 without one."""
+        drafting = self.decoder.drafting
+        return 0 if drafting is None else drafting.source.weight_bytes
 
     def idle(self) -> bool:
         """Whether no row is in the batch, joining it, queued or prefilled."""
@@ -151,10 +164,12 @@ class BatchState:
         row = make_row(
             self.loaded, params, images, media=self._media if keyed else None
         )
+        if self.decoder.drafting is not None:
+            self.decoder.drafting.start(row)
         self.waiting.append(row)
         return row
 
-    def prefill_waiting(self) -> bool:
+    def prefill(self) -> bool:
         """Prefill the queued prompts: up to :data:`PREFILL_BATCH` together,
         the others alone. A failing prompt fails its own request only.
         Whether any of them got its first token (or its error) here."""
@@ -184,7 +199,7 @@ class BatchState:
                 group = prefill_together(
                     self.loaded, [_prepared(r) for r in rows], self.kv_quant
                 )
-                self.decoder.first_tokens(rows, group)
+                first_tokens(rows, group, self.decoder.stop)
             except Exception:  # find the culprit: each alone (none sampled yet)
                 alone += rows
             else:
@@ -227,7 +242,7 @@ class BatchState:
             if group is None:
                 self.pacer.observe(left - job.left, time.perf_counter() - start)
                 return []
-            self.decoder.first_tokens([row], group)
+            first_tokens([row], group, self.decoder.stop)
         except Exception as exc:
             row.error, row.done = exc, True
         else:
@@ -348,9 +363,78 @@ class BatchState:
     # -- stepping ------------------------------------------------------------
 
     def step(self) -> None:
-        """One step of the batch: prefill what is queued, one decode step
-        (:meth:`.decode.Decoder.step`, which says what it does and raises)."""
-        self.decoder.step()
+        """One step of the batch: scheduled here, run by one strategy.
+
+        The scheduler prefills the queued prompts (together where they can
+        be, a long one a chunk per step: :meth:`prefill`), takes out the rows
+        that left and those whose token in flight is their last (the next
+        step is built without them), and lets the prefilled ones join. Then
+        exactly one strategy steps the batch: the speculative one where
+        every row can draft (:mod:`.drafting`; a step in flight is read
+        first, as a step of its own), else the pipelined one, plain or
+        constrained (:mod:`.decode`; a step is started first when none is in
+        flight). From idle, the prompts' first tokens are handed out at
+        once and the decoding starts at the next step (on the CPU backend
+        starting a step computes most of it); only from idle, so that
+        prompts that keep arriving do not hold the decoding back. If a step
+        fails, every row is failed with the error (their requests raise it;
+        those whose last token it held too) and the batch is emptied; the
+        caller gets the error too.
+        """
+        decoder = self.decoder
+        start = time.perf_counter()
+        reading = decoder.reading()  # the rows of the steps it reads
+        idle = not self.rows and not self.joining and decoder.inflight is None
+        try:
+            stepped = None if self.prefill() and idle else self._strategy(reading)
+        except BaseException as exc:
+            self.fail(exc, reading)
+            raise
+        if stepped is not None:
+            self._apply(stepped)
+        self.step_seconds += time.perf_counter() - start
+
+    def _strategy(self, reading: list[Row]) -> Stepped | None:
+        """The scheduler's leaves and joins, then one strategy's step; the
+        rows of a step started here are added to ``reading``."""
+        decoder = self.decoder
+        self._settle()
+        drafting = decoder.drafting
+        if drafting is not None and drafting.applies(self):
+            if decoder.inflight is not None:
+                return decoder.drain()
+            stepped = drafting.verify(self, decoder.stop)
+            if stepped is not None:
+                return stepped
+        if decoder.inflight is None:
+            width = decoder.launch(self)
+            if not width:
+                return None
+            reading += decoder.reading()
+            self.peak_active = max(self.peak_active, width)
+            self._settle()
+        return decoder.pipelined(self)
+
+    def _settle(self) -> None:
+        """Rows whose token in flight is their last leave, the rows that left
+        are dropped from the cache, and those prefilled join."""
+        last = (r for r in self.decoder.reading() if r.sampled + 1 >= r.max_tokens)
+        self.leaving.update(last)
+        self.compact()
+        self.join()
+
+    def _apply(self, stepped: Stepped) -> None:
+        """Count what a strategy did; its rows that ended leave the batch."""
+        present = set(self.rows)
+        self.leaving.update(r for r in stepped.read if r.done and r in present)
+        self.steps += 1
+        self.decoded += stepped.tokens
+        self.peak_active = max(self.peak_active, stepped.width)
+        if stepped.speculative:
+            self.speculative_steps += 1
+            self.speculative_rows += stepped.width
+            self.draft_tokens += stepped.drafted
+            self.accepted_tokens += stepped.accepted
 
     def fail(self, exc: BaseException, reading: Sequence[Row] = ()) -> None:
         """Fail every row with ``exc``: those in the batch, joining, waiting,
