@@ -19,6 +19,8 @@ __all__ = [
     "ImagesUnsupportedError",
     "InvalidGrammarError",
     "MediaRefusedError",
+    "ModelLoadFailedError",
+    "ModelMemoryBudgetError",
     "ModelNotLoadedError",
     "OverloadedError",
     "PromptTooLongError",
@@ -104,7 +106,8 @@ class UnavailableError(Exception):
     Args:
         message: One sentence: what is happening and when to come back.
         code: A short machine-readable reason, e.g. ``server_busy``.
-        retry_after: Seconds to wait before sending it again, if known.
+        retry_after: Seconds to wait before sending it again; None when
+            waiting will not help (the server's settings must change).
     """
 
     def __init__(self, message: str, code: str, *, retry_after: int | None) -> None:
@@ -148,3 +151,53 @@ class ModelNotLoadedError(UnavailableError):
             retry_after=retry_after,
         )
         self.name = name
+
+
+class ModelLoadFailedError(UnavailableError):
+    """The model's load failed (the server's log has why); the next request
+    for it tries again.
+
+    Args:
+        name: The served name of the model.
+        retry_after: Seconds to wait before sending it again.
+    """
+
+    def __init__(self, name: str, *, retry_after: int) -> None:
+        super().__init__(
+            f"The model {name!r} could not be loaded (the server's log has the "
+            "reason); a later request tries again.",
+            "model_load_failed",
+            retry_after=retry_after,
+        )
+
+
+class ModelMemoryBudgetError(UnavailableError):
+    """The model's weights do not fit in ``max_model_bytes``: for now (the
+    models in use hold the rest), or ever (those loaded at start-up do).
+
+    Args:
+        name: The served name of the model.
+        need: Bytes of its weights.
+        budget: The server's ``max_model_bytes``.
+        pinned: Bytes of the models loaded at start-up (never unloaded).
+        retry_after: Seconds to wait, when it fits once others are idle.
+    """
+
+    def __init__(
+        self, name: str, need: int, budget: int, pinned: int, *, retry_after: int
+    ) -> None:
+        head = f"The model {name!r} needs {need} bytes of weights and"
+        if pinned + need > budget:
+            super().__init__(
+                f"{head} never fits in this server's max_model_bytes of {budget}: "
+                f"the models loaded at start-up hold {pinned}.",
+                "model_memory_budget",
+                retry_after=None,
+            )
+        else:
+            super().__init__(
+                f"{head} does not fit in this server's max_model_bytes of {budget} "
+                "while the other models are in use; retry shortly.",
+                "model_memory_budget",
+                retry_after=retry_after,
+            )

@@ -1,8 +1,9 @@
-"""The small routes and the app's error handlers: ``/v1/models``, unknown
-URLs, unexpected errors, and the API key check.
+"""The small routes and the error edge: ``/v1/models``, the API key check,
+and :class:`ErrorEdge`, which answers every refusal outside an endpoint
+(the middleware's, the exception handlers', the API key's, the probes') in
+the shape of the route it happens on.
 
-Event loop only. Every answer is in OpenAI's error shape, from
-:mod:`..errors`.
+Event loop only.
 """
 
 from __future__ import annotations
@@ -10,29 +11,31 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from ..formats import model_formats
-from .errors import APIError, internal_error
+from .errors import OPENAI_ERRORS, APIError, ErrorShape, internal_error
 from .playground import ASSETS_PREFIX, PAGE
 
 if TYPE_CHECKING:
     from starlette.requests import Request
+    from starlette.routing import BaseRoute
     from starlette.types import ASGIApp, Receive, Scope, Send
 
     from .models import ServedModel, ServedModels
 
 __all__ = [
     "APIKeyMiddleware",
+    "ErrorEdge",
     "error_response",
-    "http_error",
     "model",
     "model_card",
     "models",
-    "server_error",
 ]
 
 logger = logging.getLogger("mlx_pinned.server")
@@ -41,9 +44,68 @@ logger = logging.getLogger("mlx_pinned.server")
 PROBES = frozenset({"/health", "/livez"})
 
 
-def error_response(error: APIError) -> JSONResponse:
-    """``error`` as a JSON response with its status and headers."""
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+def error_response(error: APIError, shape: ErrorShape = OPENAI_ERRORS) -> Response:
+    """``error`` as a JSON response in ``shape``, with its status and headers."""
+    return Response(
+        shape.body(error), error.status, error.headers, media_type="application/json"
+    )
+
+
+class ErrorEdge:
+    """Which API answers a refusal on a path: the one its route declares
+    (an endpoint's ``errors``, e.g. Anthropic's for ``/v1/messages``), and
+    OpenAI's on the routes of no API (the probes, ``/v1/models``, unknown
+    URLs).
+
+    Args:
+        routes: The app's routes.
+        retry_after: Seconds a busy MLX thread's refusal says to wait.
+    """
+
+    def __init__(self, routes: Sequence[BaseRoute], *, retry_after: int) -> None:
+        self.retry_after = retry_after
+        self._shapes = [
+            (route.path_regex, shape)
+            for route in routes
+            if isinstance(route, Route)
+            and (shape := getattr(route.endpoint, "errors", None)) is not None
+        ]
+
+    def shape(self, path: str) -> ErrorShape:
+        """The error shape of the route at ``path``."""
+        found = (shape for regex, shape in self._shapes if regex.match(path))
+        return next(found, OPENAI_ERRORS)
+
+    def response(self, path: str, exc: BaseException) -> Response:
+        """The answer to ``exc`` on ``path``, by that API's table and in its
+        shape; a bug is a 500 that names nothing."""
+        shape = self.shape(path)
+        error = shape.answer(exc, retry_after=self.retry_after) or internal_error()
+        return error_response(error, shape)
+
+    def refusal(self, exc: BaseException) -> ASGIApp:
+        """The middleware's answer to one of the MLX thread's errors."""
+
+        async def answer(scope: Scope, receive: Receive, send: Send) -> None:
+            await self.response(scope["path"], exc)(scope, receive, send)
+
+        return answer
+
+    async def http_error(self, request: Request, exc: Exception) -> Response:
+        """Starlette's 404 and 405; a 405 keeps ``Allow``."""
+        assert isinstance(exc, HTTPException)
+        message = {404: "Unknown URL: see /v1/models and /v1/chat/completions."}.get(
+            exc.status_code, str(exc.detail)
+        )
+        if exc.status_code == 405:
+            message = f"Method {request.method} is not allowed for {request.url.path}."
+        error = APIError(exc.status_code, message, headers=dict(exc.headers or {}))
+        return self.response(request.url.path, error)
+
+    async def server_error(self, request: Request, exc: Exception) -> Response:
+        """An unexpected error: a 500 that names nothing; the log has it all."""
+        logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        return self.response(request.url.path, internal_error())
 
 
 def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
@@ -91,24 +153,6 @@ async def model(served: ServedModels, request: Request) -> Response:
     return JSONResponse(model_card(found, request))
 
 
-async def http_error(request: Request, exc: Exception) -> Response:
-    """Starlette's 404 and 405 in OpenAI's shape; a 405 keeps ``Allow``."""
-    assert isinstance(exc, HTTPException)
-    message = {404: "Unknown URL: see /v1/models and /v1/chat/completions."}.get(
-        exc.status_code, str(exc.detail)
-    )
-    if exc.status_code == 405:
-        message = f"Method {request.method} is not allowed for {request.url.path}."
-    error = APIError(exc.status_code, message, headers=dict(exc.headers or {}))
-    return error_response(error)
-
-
-async def server_error(request: Request, exc: Exception) -> Response:
-    """An unexpected error: a 500 that names nothing; the log has it all."""
-    logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return error_response(internal_error())
-
-
 class APIKeyMiddleware:
     """``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``)
     on every HTTP route except the probes
@@ -116,12 +160,14 @@ class APIKeyMiddleware:
     and except the playground's page and assets, which hold no data: the
     page asks for the key and sends it on its API calls.
 
-    The key is compared in constant time.
+    The key is compared in constant time; a wrong or missing one is a 401
+    in the shape of the route asked for (``errors``).
     """
 
-    def __init__(self, app: ASGIApp, *, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, *, api_key: str, errors: ErrorEdge) -> None:
         self.app = app
         self._expected = api_key.encode()
+        self._errors = errors
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or _is_open(scope["path"]):
@@ -148,7 +194,7 @@ class APIKeyMiddleware:
             "or 'x-api-key: <key>'.",
             code="invalid_api_key",
         )
-        await error_response(error)(scope, receive, send)
+        await self._errors.response(scope["path"], error)(scope, receive, send)
 
 
 def _is_open(path: str) -> bool:

@@ -57,7 +57,10 @@ def error_type(status: int) -> str:
 
 class AnthropicErrors:
     """Anthropic's shape: ``{"type": "error", "error": {...}}``, and an
-    ``event: error`` of it."""
+    ``event: error`` of it; the table is :func:`anthropic_error`."""
+
+    def answer(self, exc: BaseException, *, retry_after: int) -> APIError | None:
+        return anthropic_error(exc, retry_after=retry_after)
 
     def body(self, error: APIError) -> bytes:
         inner = {"type": error_type(error.status), "message": error.message}
