@@ -42,8 +42,7 @@ from queue import SimpleQueue
 from types import FrameType
 from typing import Any, NoReturn
 
-from .cli_options import API_KEY_ENV, AS_THE_FIELD, OPTIONS, add_options
-from .cli_values import whole
+from .cli_options import API_KEY_ENV, AS_THE_FIELD, OPTIONS, add_options, whole
 from .config import ImageLimits, ServerConfig, SettingError
 from .config_file import ConfigFile, read_config_file
 
