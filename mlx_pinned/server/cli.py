@@ -139,14 +139,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _config(args, file)
     except SettingError as exc:
         _refuse(parser, _refused(exc, args, file))
-    setting = "MODEL" if file is None else f"--config {args.config}: path"
-    for model in () if args.demo else config.models:
-        if _looks_local(model) and not Path(model).is_dir():
-            _refuse(
-                parser,
-                f"{setting}: no model folder at {model!r} (a path; a Hugging Face "
-                "hub id looks like 'org/name')",
-            )
+    named = ("MODEL", "--draft-model") if file is None else ("path", "draft_model")
+    at = "" if file is None else f"--config {args.config}: "
+    for index in () if args.demo else range(len(config.models)):
+        own = config.for_model(index)
+        paths = (own.models[0], own.draft_model)
+        for setting, path in zip(named, paths, strict=True):
+            if path is not None and _looks_local(path) and not Path(path).is_dir():
+                _refuse(
+                    parser,
+                    f"{at}{setting}: no model folder at {path!r} (a path; a Hugging "
+                    "Face hub id looks like 'org/name')",
+                )
     with log_from_a_thread(args.log_level.upper()):
         return serve(args, config)
 

@@ -356,6 +356,17 @@ class TestRefusedAtStart:
             "Hugging Face hub id looks like 'org/name')"
         ]
 
+    def test_a_missing_draft_model_path(
+        self, tiny_model_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        with pytest.raises(SystemExit) as info:
+            cli.main(["serve", str(tiny_model_path), "--draft-model", "/nowhere/x"])
+        assert info.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [
+            "mlx-pinned: error: --draft-model: no model folder at '/nowhere/x' (a "
+            "path; a Hugging Face hub id looks like 'org/name')"
+        ]
+
 
 class TestArguments:
     @pytest.mark.parametrize(
