@@ -45,10 +45,12 @@ from .engine import BatchEngine, DraftSettings
 from .engine.kv_quant import KVQuant
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
 from .events import Engine
+from .failures import UnavailableError
 from .formats import log_formats
 from .http.anthropic_messages import CountTokensEndpoint, MessagesEndpoint
 from .http.chat_completions import ChatCompletionsEndpoint
 from .http.completions import CompletionsEndpoint
+from .http.errors import APIError
 from .http.gate import BatchGate
 from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
@@ -263,7 +265,9 @@ def create_app(
         routes=routes,
         middleware=middleware,
         exception_handlers={
-            HTTPException: errors.http_error,
+            **dict.fromkeys(
+                (HTTPException, APIError, UnavailableError), errors.refused
+            ),
             Exception: errors.server_error,
         },
         lifespan=residency.running,

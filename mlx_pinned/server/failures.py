@@ -155,12 +155,7 @@ class ModelNotLoadedError(UnavailableError):
 
 class ModelLoadFailedError(UnavailableError):
     """The model's load failed (the server's log has why); the next request
-    for it tries again.
-
-    Args:
-        name: The served name of the model.
-        retry_after: Seconds to wait before sending it again.
-    """
+    for it tries again. Its arguments are :class:`ModelNotLoadedError`'s."""
 
     def __init__(self, name: str, *, retry_after: int) -> None:
         super().__init__(
@@ -172,32 +167,23 @@ class ModelLoadFailedError(UnavailableError):
 
 
 class ModelMemoryBudgetError(UnavailableError):
-    """The model's weights do not fit in ``max_model_bytes``: for now (the
-    models in use hold the rest), or ever (those loaded at start-up do).
-
-    Args:
-        name: The served name of the model.
-        need: Bytes of its weights.
-        budget: The server's ``max_model_bytes``.
-        pinned: Bytes of the models loaded at start-up (never unloaded).
-        retry_after: Seconds to wait, when it fits once others are idle.
-    """
+    """The model's ``need`` bytes of weights do not fit in the ``budget``
+    (``max_model_bytes``): for now (the models in use hold the rest), or
+    ever (those loaded at start-up hold ``pinned``: no ``Retry-After``)."""
 
     def __init__(
         self, name: str, need: int, budget: int, pinned: int, *, retry_after: int
     ) -> None:
-        head = f"The model {name!r} needs {need} bytes of weights and"
-        if pinned + need > budget:
-            super().__init__(
-                f"{head} never fits in this server's max_model_bytes of {budget}: "
-                f"the models loaded at start-up hold {pinned}.",
-                "model_memory_budget",
-                retry_after=None,
-            )
-        else:
-            super().__init__(
-                f"{head} does not fit in this server's max_model_bytes of {budget} "
-                "while the other models are in use; retry shortly.",
-                "model_memory_budget",
-                retry_after=retry_after,
-            )
+        never = pinned + need > budget
+        why = (
+            f"never fits in this server's max_model_bytes of {budget}: the models "
+            f"loaded at start-up hold {pinned}."
+            if never
+            else f"does not fit in this server's max_model_bytes of {budget} while "
+            "the other models are in use; retry shortly."
+        )
+        super().__init__(
+            f"The model {name!r} needs {need} bytes of weights and {why}",
+            "model_memory_budget",
+            retry_after=None if never else retry_after,
+        )

@@ -101,19 +101,11 @@ def api_error(
         prompt: The request's part that holds the prompt (``messages``;
             ``prompt`` for the completions API).
 
-    The table: an :class:`APIError` is itself. A
-    :class:`~..failures.RequestError` is a 400 with its code (the part at
-    fault: ``prompt`` for the prompt, the image's or the video's part for
-    one of those). An
-    :class:`~..failures.UnavailableError` is a 503, with ``Retry-After``
-    when it says when to come back.
-    ``ShuttingDownError`` (a request in the shut-down): 503
-    ``shutting_down``. ``MLXThreadBusyError``: 503 ``server_busy``, with
-    ``Retry-After``. ``MLXThreadClosedError`` and ``MLXThreadBrokenError``:
-    503 ``mlx_thread_unavailable``. ``StreamAffinityError``: 500
-    ``stream_affinity_error`` whose message names no job or thread (log the
-    error for those). ``MLXThreadDeadlockError`` (the app waited on the MLX
-    thread for its own work): 500 ``internal_error``, the generic message.
+    The table: a :class:`~..failures.RequestError` is a 400 naming the part
+    at fault; an :class:`~..failures.UnavailableError` and the MLX thread's
+    busy, closed or broken errors are 503s; its bugs (a stream used on the
+    wrong thread, a deadlock) are 500s whose message names no job or thread
+    (log the error for those).
     """
     if isinstance(exc, APIError):
         return exc
@@ -156,7 +148,9 @@ class ErrorShape(Protocol):
     how it writes an answer, as a response body and as the event that ends
     a stream already begun."""
 
-    def answer(self, exc: BaseException, *, retry_after: int) -> APIError | None:
+    def answer(
+        self, exc: BaseException, *, retry_after: int, images: Sequence[str] = ()
+    ) -> APIError | None:
         """The answer to ``exc``; None for a bug (see :func:`api_error`)."""
         ...
 
@@ -174,8 +168,10 @@ class OpenAIErrors:
     and a ``data:`` event of it; the table is :func:`api_error`. Also the
     shape of the routes of no API (the probes, unknown URLs)."""
 
-    def answer(self, exc: BaseException, *, retry_after: int) -> APIError | None:
-        return api_error(exc, retry_after=retry_after)
+    def answer(
+        self, exc: BaseException, *, retry_after: int, images: Sequence[str] = ()
+    ) -> APIError | None:
+        return api_error(exc, retry_after=retry_after, images=images)
 
     def body(self, error: APIError) -> bytes:
         status = error.status

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
     from .models import ServedModels
-    from .routes import ErrorEdge
 
 __all__ = ["Readiness", "health", "live"]
 
@@ -97,11 +96,10 @@ async def health(readiness: Readiness, request: Request) -> Response:
     """``GET /health``, readiness: 200 while :class:`Readiness` says ready,
     with whether each model is loaded (one loaded on first use may not be),
     its rows, the bytes of KV they hold and the bytes of KV a token takes;
-    else the 503 of the refusal."""
+    else the refusal (a 503, answered by the app's error edge)."""
     refusal = readiness.refusal()
     if refusal is not None:
-        edge: ErrorEdge = request.app.state.errors
-        return edge.response(request.url.path, refusal)
+        raise refusal
     stats = readiness.thread.statistics()
     models = {}
     for item in readiness.served:
@@ -130,6 +128,5 @@ async def live(readiness: Readiness, request: Request) -> Response:
     """``GET /livez``, liveness: 200 while the process can serve, loading and
     draining included; 503 once its MLX thread stopped (restart it)."""
     if not readiness.alive():
-        edge: ErrorEdge = request.app.state.errors
-        return edge.response(request.url.path, thread_unavailable())
+        raise thread_unavailable()
     return JSONResponse({"status": "alive"})

@@ -43,19 +43,10 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from mlx_pinned import (
-    MLXThreadBrokenError,
-    MLXThreadBusyError,
-    MLXThreadClosedError,
-    ShuttingDownError,
-)
+from mlx_pinned import MLXPinnedError
 
 from ..config_checks import SettingError
-from ..failures import (
-    ModelLoadFailedError,
-    ModelMemoryBudgetError,
-    ModelNotLoadedError,
-)
+from ..failures import ModelLoadFailedError, ModelMemoryBudgetError, ModelNotLoadedError
 from .slots import ModelSlot, SlotChange, SlotState, due
 
 if TYPE_CHECKING:
@@ -68,14 +59,6 @@ if TYPE_CHECKING:
 __all__ = ["Residency", "StartUpRefusal"]
 
 logger = logging.getLogger("mlx_pinned.server")
-
-#: The MLX thread's refusals of a load, answered as they are.
-_THREAD_REFUSALS = (
-    MLXThreadBusyError,
-    MLXThreadClosedError,
-    MLXThreadBrokenError,
-    ShuttingDownError,
-)
 
 #: Frees the engine in the list it is given (emptying the list) on the MLX
 #: thread; whoever calls it keeps no other reference.
@@ -197,10 +180,9 @@ class Residency:
         Raises:
             ModelNotLoadedError: Its load did not end within ``load_wait``,
                 or no lifespan runs to load it.
-            ModelLoadFailedError: Its load failed (the next request tries
-                again).
+            ModelLoadFailedError: Its load failed (the next one may not).
             ModelMemoryBudgetError: It does not fit in the budget.
-            MLXPinnedError: The MLX thread refused its load (busy, gone).
+            MLXPinnedError: The MLX thread's own error in its load.
         """
         slot = served.slot
         slot.holders += 1
@@ -279,12 +261,9 @@ class Residency:
             # window) is the user's to fix: its message, no traceback.
             trace = None if isinstance(exc, SettingError) else exc
             logger.error("loading model %r failed: %s", slot.name, exc, exc_info=trace)
-            # The MLX thread busy or gone is answered as such; the rest alike.
-            change.error = (
-                exc
-                if isinstance(exc, _THREAD_REFUSALS)
-                else ModelLoadFailedError(slot.name, retry_after=self.retry_after)
-            )
+            # The MLX thread's own errors (busy, gone) are answered as such.
+            failed = ModelLoadFailedError(slot.name, retry_after=self.retry_after)
+            change.error = exc if isinstance(exc, MLXPinnedError) else failed
             change.cause = exc
         except BaseException:  # cancelled: the server is shutting down
             change.error = ModelNotLoadedError(slot.name, retry_after=self.retry_after)
@@ -382,15 +361,10 @@ class Residency:
 
 
 class StartUpRefusal:
-    """Pure ASGI: a start-up that a setting refused (a
-    :class:`~..config_checks.SettingError`, e.g. ``--kv-bits`` on a model
-    that cannot take it) fails without Starlette's traceback: the log's one
-    line names the setting. Event loop only.
-
-    Args:
-        app: The app inside (its router runs the lifespan).
-        residency: The registry whose start-up it is.
-    """
+    """Pure ASGI, around the app whose lifespan ``residency`` is: a start-up
+    a setting refused (a :class:`~..config_checks.SettingError`, e.g.
+    ``--kv-bits`` on a model that cannot take it) fails without Starlette's
+    traceback, as the log's one line names the setting. Event loop only."""
 
     def __init__(self, app: ASGIApp, *, residency: Residency) -> None:
         self.app = app

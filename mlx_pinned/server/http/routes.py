@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 __all__ = [
     "APIKeyMiddleware",
     "ErrorEdge",
-    "error_response",
     "model",
     "model_card",
     "models",
@@ -44,23 +43,11 @@ logger = logging.getLogger("mlx_pinned.server")
 PROBES = frozenset({"/health", "/livez"})
 
 
-def error_response(error: APIError, shape: ErrorShape = OPENAI_ERRORS) -> Response:
-    """``error`` as a JSON response in ``shape``, with its status and headers."""
-    return Response(
-        shape.body(error), error.status, error.headers, media_type="application/json"
-    )
-
-
 class ErrorEdge:
-    """Which API answers a refusal on a path: the one its route declares
-    (an endpoint's ``errors``, e.g. Anthropic's for ``/v1/messages``), and
-    OpenAI's on the routes of no API (the probes, ``/v1/models``, unknown
-    URLs).
-
-    Args:
-        routes: The app's routes.
-        retry_after: Seconds a busy MLX thread's refusal says to wait.
-    """
+    """Which API answers a refusal on a path: the one its route in
+    ``routes`` declares (an endpoint's ``errors``: Anthropic's for
+    ``/v1/messages``), else OpenAI's (the probes, ``/v1/models``, unknown
+    URLs). A busy MLX thread's refusal says to wait ``retry_after`` s."""
 
     def __init__(self, routes: Sequence[BaseRoute], *, retry_after: int) -> None:
         self.retry_after = retry_after
@@ -81,7 +68,10 @@ class ErrorEdge:
         shape; a bug is a 500 that names nothing."""
         shape = self.shape(path)
         error = shape.answer(exc, retry_after=self.retry_after) or internal_error()
-        return error_response(error, shape)
+        body = shape.body(error)
+        return Response(
+            body, error.status, error.headers, media_type="application/json"
+        )
 
     def refusal(self, exc: BaseException) -> ASGIApp:
         """The middleware's answer to one of the MLX thread's errors."""
@@ -91,16 +81,16 @@ class ErrorEdge:
 
         return answer
 
-    async def http_error(self, request: Request, exc: Exception) -> Response:
-        """Starlette's 404 and 405; a 405 keeps ``Allow``."""
-        assert isinstance(exc, HTTPException)
-        message = {404: "Unknown URL: see /v1/models and /v1/chat/completions."}.get(
-            exc.status_code, str(exc.detail)
-        )
-        if exc.status_code == 405:
-            message = f"Method {request.method} is not allowed for {request.url.path}."
-        error = APIError(exc.status_code, message, headers=dict(exc.headers or {}))
-        return self.response(request.url.path, error)
+    async def refused(self, request: Request, exc: Exception) -> Response:
+        """The handler of a refusal a route raised (an :class:`APIError`, a
+        failure), and of Starlette's 404 and 405 (a 405 keeps ``Allow``)."""
+        if isinstance(exc, HTTPException):
+            message = {
+                404: "Unknown URL: see /v1/models and /v1/chat/completions.",
+                405: f"Method {request.method} is not allowed for {request.url.path}.",
+            }.get(exc.status_code, str(exc.detail))
+            exc = APIError(exc.status_code, message, headers=dict(exc.headers or {}))
+        return self.response(request.url.path, exc)
 
     async def server_error(self, request: Request, exc: Exception) -> Response:
         """An unexpected error: a 500 that names nothing; the log has it all."""
@@ -146,10 +136,7 @@ async def models(served: ServedModels, request: Request) -> Response:
 
 async def model(served: ServedModels, request: Request) -> Response:
     """``GET /v1/models/{model_id}``; 404 naming the served ones for any other."""
-    try:
-        found = served.get(request.path_params["model_id"])
-    except APIError as error:
-        return error_response(error)
+    found = served.get(request.path_params["model_id"])
     return JSONResponse(model_card(found, request))
 
 
@@ -174,18 +161,12 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"")
-        scheme, _, key = given.strip().partition(b" ")
-        # The scheme is case-insensitive, and spaces may follow it (RFC 9110).
-        key = key.strip()
-        if scheme.lower() == b"bearer" and hmac.compare_digest(key, self._expected):
-            await self.app(scope, receive, send)
-            return
+        scheme, _, key = headers.get(b"authorization", b"").strip().partition(b" ")
+        # The scheme is case-insensitive, and spaces may follow it (RFC 9110);
         # Anthropic's clients (Claude Code) send the key as x-api-key.
-        anthropic_key = headers.get(b"x-api-key")
-        if anthropic_key is not None and hmac.compare_digest(
-            anthropic_key.strip(), self._expected
-        ):
+        given = [key.strip()] if scheme.lower() == b"bearer" else []
+        given += [headers[b"x-api-key"].strip()] if b"x-api-key" in headers else []
+        if any(hmac.compare_digest(sent, self._expected) for sent in given):
             await self.app(scope, receive, send)
             return
         error = APIError(
