@@ -45,26 +45,21 @@ from .engine import BatchEngine, DraftSettings
 from .engine.kv_quant import KVQuant
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
 from .events import Engine
+from .failures import UnavailableError
 from .formats import log_formats
 from .http.anthropic_messages import CountTokensEndpoint, MessagesEndpoint
 from .http.chat_completions import ChatCompletionsEndpoint
 from .http.completions import CompletionsEndpoint
-from .http.errors import refusal
+from .http.errors import APIError
 from .http.gate import BatchGate
 from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.models import ServedModel, ServedModels
 from .http.playground import routes as playground_routes
-from .http.residency import Residency
+from .http.residency import Residency, StartUpRefusal
 from .http.responses_api import ResponsesEndpoint
 from .http.responses_api import routes as responses_routes
-from .http.routes import (
-    APIKeyMiddleware,
-    http_error,
-    model,
-    models,
-    server_error,
-)
+from .http.routes import APIKeyMiddleware, ErrorEdge, model, models
 from .http.slots import ModelSlot
 from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
 from .http.turns import LoopTurns
@@ -196,7 +191,7 @@ def create_app(
         settle=settle,
     )
     metrics = ServerMetrics(mlx_thread, served)
-    readiness = Readiness(mlx_thread, served)
+    readiness = Readiness(mlx_thread, served, retry_after=config.retry_after)
     turns = LoopTurns()
     chat = ChatCompletionsEndpoint(
         config,
@@ -238,18 +233,22 @@ def create_app(
     # key (the page sends it).
     if config.playground:
         routes += playground_routes()
+    # Every refusal outside an endpoint, in the shape of its route's API.
+    errors = ErrorEdge(routes, retry_after=config.retry_after)
     middleware = [
         Middleware(MetricsMiddleware, metrics=metrics),
         Middleware(
             MLXThreadMiddleware,
             thread=mlx_thread,
             drain_timeout=config.in_flight_timeout,
-            # The thread's errors answered in OpenAI's shape, as every route.
-            refusal=functools.partial(refusal, retry_after=config.retry_after),
+            refusal=errors.refusal,
         ),
+        Middleware(StartUpRefusal, residency=residency),
     ]
     if config.api_key is not None:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key))
+        middleware.append(
+            Middleware(APIKeyMiddleware, api_key=config.api_key, errors=errors)
+        )
     if config.allowed_origins:
         # Outermost: a preflight carries no API key and needs no model.
         middleware.insert(
@@ -265,7 +264,12 @@ def create_app(
     app = Starlette(
         routes=routes,
         middleware=middleware,
-        exception_handlers={HTTPException: http_error, Exception: server_error},
+        exception_handlers={
+            **dict.fromkeys(
+                (HTTPException, APIError, UnavailableError), errors.refused
+            ),
+            Exception: errors.server_error,
+        },
         lifespan=residency.running,
     )
     app.state.config = config
@@ -275,6 +279,7 @@ def create_app(
     app.state.gate = next(iter(served)).gate  # the first (or only) model's
     app.state.metrics = metrics
     app.state.readiness = readiness
+    app.state.errors = errors
     app.state.loop_turns = turns
     return app
 

@@ -40,10 +40,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from queue import SimpleQueue
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
-from .cli_options import API_KEY_ENV, AS_THE_FIELD, OPTIONS, add_options
-from .cli_values import whole
+from .cli_options import API_KEY_ENV, AS_THE_FIELD, OPTIONS, add_options, whole
 from .config import ImageLimits, ServerConfig, SettingError
 from .config_file import ConfigFile, read_config_file
 
@@ -133,19 +132,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             file = read_config_file(args.config)
         except (OSError, ValueError) as exc:
-            parser.error(f"--config: {exc}")
+            _refuse(parser, f"--config: {exc}")
     elif args.demo == bool(args.model):
         parser.error("serve needs a MODEL, or --demo (not both)")
     try:
         config = _config(args, file)
     except SettingError as exc:
-        parser.error(_refused(exc, args, file))
-    for model in () if args.demo else config.models:
-        if _looks_local(model) and not Path(model).is_dir():
-            parser.error(
-                f"no model folder at {model!r} (a path; a Hugging Face hub id "
-                "looks like 'org/name')"
-            )
+        _refuse(parser, _refused(exc, args, file))
+    named = ("MODEL", "--draft-model") if file is None else ("path", "draft_model")
+    at = "" if file is None else f"--config {args.config}: "
+    for index in () if args.demo else range(len(config.models)):
+        own = config.for_model(index)
+        paths = (own.models[0], own.draft_model)
+        for setting, path in zip(named, paths, strict=True):
+            if path is not None and _looks_local(path) and not Path(path).is_dir():
+                _refuse(
+                    parser,
+                    f"{at}{setting}: no model folder at {path!r} (a path; a Hugging "
+                    "Face hub id looks like 'org/name')",
+                )
     with log_from_a_thread(args.log_level.upper()):
         return serve(args, config)
 
@@ -344,6 +349,12 @@ def _config(args: argparse.Namespace, file: ConfigFile | None = None) -> ServerC
     except SettingError as exc:
         raise SettingError(prefix + exc.setting, str(exc)) from None
     return ServerConfig(model=tuple(models), image_limits=image_limits, **values)
+
+
+def _refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """Exit 2 with one line: the setting was understood, its value refused
+    (no usage text: the line names the setting)."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
 def _refused(

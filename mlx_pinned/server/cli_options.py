@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .cli_values import origins, seconds, seconds_or_none, whole
 from .config import ImageLimits, ServerConfig
 from .formats import REASONING_FORMATS, TOOL_CALL_FORMATS
 
@@ -28,7 +27,41 @@ __all__ = [
     "OPTIONS",
     "Option",
     "add_options",
+    "origins",
+    "seconds",
+    "seconds_or_none",
+    "whole",
 ]
+
+
+def whole(text: str) -> int:
+    """A whole number."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"must be a whole number, not {text!r}") from None
+
+
+def seconds(text: str) -> float:
+    """A number of seconds."""
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"must be a number of seconds, not {text!r}") from None
+
+
+def seconds_or_none(text: str) -> float | None:
+    """A number of seconds; 0 means no limit (None)."""
+    return seconds(text) or None
+
+
+def origins(text: str) -> tuple[str, ...]:
+    """Comma-separated origins (``https://app.example``), or ``*`` for any."""
+    found = tuple(item.strip().rstrip("/") for item in text.split(",") if item.strip())
+    if not found:
+        raise ValueError("give at least one origin, e.g. https://app.example")
+    return found
+
 
 #: The environment variable that gives ``--api-key``'s default.
 API_KEY_ENV = "MLX_PINNED_API_KEY"

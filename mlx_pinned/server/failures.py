@@ -19,6 +19,8 @@ __all__ = [
     "ImagesUnsupportedError",
     "InvalidGrammarError",
     "MediaRefusedError",
+    "ModelLoadFailedError",
+    "ModelMemoryBudgetError",
     "ModelNotLoadedError",
     "OverloadedError",
     "PromptTooLongError",
@@ -104,7 +106,8 @@ class UnavailableError(Exception):
     Args:
         message: One sentence: what is happening and when to come back.
         code: A short machine-readable reason, e.g. ``server_busy``.
-        retry_after: Seconds to wait before sending it again, if known.
+        retry_after: Seconds to wait before sending it again; None when
+            waiting will not help (the server's settings must change).
     """
 
     def __init__(self, message: str, code: str, *, retry_after: int | None) -> None:
@@ -148,3 +151,39 @@ class ModelNotLoadedError(UnavailableError):
             retry_after=retry_after,
         )
         self.name = name
+
+
+class ModelLoadFailedError(UnavailableError):
+    """The model's load failed (the server's log has why); the next request
+    for it tries again. Its arguments are :class:`ModelNotLoadedError`'s."""
+
+    def __init__(self, name: str, *, retry_after: int) -> None:
+        super().__init__(
+            f"The model {name!r} could not be loaded (the server's log has the "
+            "reason); a later request tries again.",
+            "model_load_failed",
+            retry_after=retry_after,
+        )
+
+
+class ModelMemoryBudgetError(UnavailableError):
+    """The model's ``need`` bytes of weights do not fit in the ``budget``
+    (``max_model_bytes``): for now (the models in use hold the rest), or
+    ever (those loaded at start-up hold ``pinned``: no ``Retry-After``)."""
+
+    def __init__(
+        self, name: str, need: int, budget: int, pinned: int, *, retry_after: int
+    ) -> None:
+        never = pinned + need > budget
+        why = (
+            f"never fits in this server's max_model_bytes of {budget}: the models "
+            f"loaded at start-up hold {pinned}."
+            if never
+            else f"does not fit in this server's max_model_bytes of {budget} while "
+            "the other models are in use; retry shortly."
+        )
+        super().__init__(
+            f"The model {name!r} needs {need} bytes of weights and {why}",
+            "model_memory_budget",
+            retry_after=None if never else retry_after,
+        )

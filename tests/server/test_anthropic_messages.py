@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 from starlette.responses import PlainTextResponse
+from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from mlx_pinned import MLXThreadBusyError
@@ -28,12 +29,13 @@ from mlx_pinned.server.failures import (
     OverloadedError,
     PromptTooLongError,
 )
+from mlx_pinned.server.http.anthropic_messages import MessagesEndpoint
 from mlx_pinned.server.http.anthropic_messages.errors import (
     ANTHROPIC_ERRORS,
     anthropic_error,
 )
 from mlx_pinned.server.http.errors import APIError, timed_out
-from mlx_pinned.server.http.routes import APIKeyMiddleware
+from mlx_pinned.server.http.routes import APIKeyMiddleware, ErrorEdge
 from mlx_pinned.testing import image_data_uri, tiny_vlm_path
 
 from .kit import running
@@ -635,12 +637,16 @@ def test_x_api_key_passes_the_api_key_check() -> None:
         await PlainTextResponse("ok")(scope, receive, send)
 
     # No lifespan (no "with"): only the middleware is under test.
-    client = TestClient(APIKeyMiddleware(app, api_key="secret"))
+    routes = [Route("/v1/messages", MessagesEndpoint, methods=["POST"])]
+    edge = ErrorEdge(routes, retry_after=1)
+    client = TestClient(APIKeyMiddleware(app, api_key="secret", errors=edge))
     assert client.post("/v1/messages", headers={"x-api-key": "secret"}).text == "ok"
     bearer = {"authorization": "Bearer secret"}
     assert client.post("/v1/messages", headers=bearer).text == "ok"
     wrong = client.post("/v1/messages", headers={"x-api-key": "other"})
     assert wrong.status_code == 401
+    assert wrong.json()["type"] == "error"
+    assert wrong.json()["error"]["type"] == "authentication_error"
     assert "x-api-key" in wrong.json()["error"]["message"]
 
 

@@ -317,6 +317,57 @@ def test_log_lines_are_written_by_their_own_thread() -> None:
     assert on_main == "False"  # never written by the thread that logged
 
 
+class TestRefusedAtStart:
+    """A setting refused at start is one line that names it, no traceback,
+    and a non-zero exit: 2 before the load, 3 when the load refuses it."""
+
+    @staticmethod
+    def serve(*argv: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "mlx_pinned.server", "serve", *argv]
+        return subprocess.run(
+            [*command, "--port", "0"], capture_output=True, text=True, timeout=120
+        )
+
+    def test_kv_bits_on_heads_no_group_divides(self, tiny_model_path: Path) -> None:
+        done = self.serve(str(tiny_model_path), "--kv-bits", "8")
+        assert done.returncode == cli.STARTUP_FAILURE
+        log = done.stdout + done.stderr
+        assert "Traceback" not in log
+        (line,) = [line for line in log.splitlines() if "--kv-group-size" in line]
+        assert "heads of 16 values" in line
+        assert "serve it without --kv-bits" in line
+
+    def test_a_config_key_of_the_wrong_type(self, tmp_path: Path) -> None:
+        path = tmp_path / "bad.toml"
+        path.write_text("max_num_seqs = 'eight'\n[[models]]\npath = 'org/m'\n")
+        done = self.serve("--config", str(path))
+        assert done.returncode == 2
+        assert done.stderr.splitlines() == [
+            f"mlx-pinned: error: --config: {path}: max_num_seqs must be a whole "
+            "number, not 'eight'"
+        ]
+
+    def test_a_missing_model_path(self, tmp_path: Path) -> None:
+        missing = str(tmp_path / "nowhere")
+        done = self.serve(missing)
+        assert done.returncode == 2
+        assert done.stderr.splitlines() == [
+            f"mlx-pinned: error: MODEL: no model folder at {missing!r} (a path; a "
+            "Hugging Face hub id looks like 'org/name')"
+        ]
+
+    def test_a_missing_draft_model_path(
+        self, tiny_model_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        with pytest.raises(SystemExit) as info:
+            cli.main(["serve", str(tiny_model_path), "--draft-model", "/nowhere/x"])
+        assert info.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [
+            "mlx-pinned: error: --draft-model: no model folder at '/nowhere/x' (a "
+            "path; a Hugging Face hub id looks like 'org/name')"
+        ]
+
+
 class TestArguments:
     @pytest.mark.parametrize(
         "argv",

@@ -166,7 +166,13 @@ class TestCommandLine:
     ) -> None:
         eager = "idle_unload_timeout = 5\n[[models]]\npath = 'org/m'\n"
         none = "[[models]]\npath = 'org/m'\nmax_num_seqs = 0\n"
+        missing = "[[models]]\npath = '/nowhere/m'\n"
         for path, text in (
+            (
+                str(write(tmp_path, missing, "d.toml")),
+                f"--config {tmp_path / 'd.toml'}: path: no model folder at "
+                "'/nowhere/m'",
+            ),
             (str(tmp_path / "missing.toml"), "missing.toml"),
             (str(write(tmp_path, "[[models]]\nname = 'x'", "a.toml")), "needs a path"),
             (

@@ -53,6 +53,12 @@ class TestTable:
         assert answer is not None
         assert answer.message == f"Invalid image at '{IMAGES[0]}': not a PNG."
 
+    def test_the_prompt_is_named_as_the_api_names_it(self) -> None:
+        failure = PromptTooLongError("long.", 9, 8)
+        answer = api_error(failure, retry_after=1, prompt="prompt")
+        assert answer is not None
+        assert answer.param == "prompt"
+
     def test_a_refused_image_the_edge_cannot_place_names_the_messages(self) -> None:
         failure = ImageRefusedError("not a PNG.", index=5, code="invalid_image")
         answer = api_error(failure, retry_after=1, images=IMAGES)
@@ -63,11 +69,12 @@ class TestTable:
         own = api_error(OverloadedError(3, retry_after=7), retry_after=1)
         assert own is not None
         assert own.headers == {"Retry-After": "7"}
-        default = api_error(
-            UnavailableError("later.", "x", retry_after=None), retry_after=4
+        # Waiting will not help (a model larger than the budget): no header.
+        never = api_error(
+            UnavailableError("never.", "x", retry_after=None), retry_after=4
         )
-        assert default is not None
-        assert (default.status, default.headers) == (503, {"Retry-After": "4"})
+        assert never is not None
+        assert (never.status, never.headers) == (503, {})
 
     def test_the_threads_errors_go_through_the_same_table(self) -> None:
         answer = api_error(MLXThreadBusyError("full"), retry_after=2)

@@ -228,6 +228,9 @@ class TestSettings:
         with pytest.raises(SettingError, match="--kv-group-size") as info:
             engine_of(loaded, thread, KVQuant(8))
         assert "heads of 16 values" in str(info.value)
+        assert "no group size (32, 64 or 128) divides it: serve it without " in str(
+            info.value
+        )
         assert str(loaded.path) in str(info.value)
 
     def test_a_sliding_window_model_is_refused_at_load(self, thread: MLXThread) -> None:

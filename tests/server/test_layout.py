@@ -22,7 +22,7 @@ ROOT = Path(mlx_pinned.server.__file__).parent
 SHARED = {"config", "config_checks", "events", "failures", "formats", "limits", "media"}
 # The command line: the CLI, its options (the settings' projection) and its
 # config file.
-CLI = {"cli", "cli_options", "cli_values", "config_file"}
+CLI = {"cli", "cli_options", "config_file"}
 # What each part of the server may import from the server itself.
 ALLOWED = {
     "shared": {"shared"},

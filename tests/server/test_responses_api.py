@@ -24,7 +24,7 @@ from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
 from mlx_pinned.server.http.errors import APIError
 from mlx_pinned.server.http.responses_api.items import INPUT_ITEMS, chat_messages
 from mlx_pinned.server.http.responses_api.objects import Output
-from mlx_pinned.server.http.responses_api.route import STREAM, ResponsesErrors
+from mlx_pinned.server.http.responses_api.route import StreamErrors
 from mlx_pinned.server.http.responses_api.store import ResponseStore
 from mlx_pinned.testing import image_data_uri, tiny_vlm_path
 
@@ -647,13 +647,9 @@ def test_a_failure_in_a_stream_ends_it_with_response_failed() -> None:
     head = {"id": "resp_1", "status": "in_progress", "output": [], "error": None}
     output.event("response.created", response=head)
     output.add(["some text"])
-    state = STREAM.set((head, output))
-    try:
-        data = ResponsesErrors().event(
-            APIError(503, "The server is busy.", code="busy")
-        )
-    finally:
-        STREAM.reset(state)
+    data = StreamErrors(head, output).event(
+        APIError(503, "The server is busy.", code="busy")
+    )
     kind, body = data.decode().strip().split("\n")
     assert kind == "event: response.failed"
     event = json.loads(body.removeprefix("data: "))

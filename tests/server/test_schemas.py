@@ -25,7 +25,7 @@ from mlx_pinned.server.http.chat_completions.responses import (
     Usage,
     completion_id,
 )
-from mlx_pinned.server.http.errors import APIError, error_body
+from mlx_pinned.server.http.errors import OPENAI_ERRORS, APIError
 
 
 def body(**fields: Any) -> bytes:
@@ -186,7 +186,9 @@ class TestInvalidRequests:
         assert error.status == 400
         assert error.param == param
         assert error.code == code
-        assert error.type == "invalid_request_error"
+        assert json.loads(OPENAI_ERRORS.body(error))["error"]["type"] == (
+            "invalid_request_error"
+        )
         if param is not None:
             assert f"'{param}'" in error.message
         assert error.message.endswith(".")
@@ -220,8 +222,9 @@ class TestInvalidRequests:
 
 
 class TestErrors:
-    def test_error_body_shape(self) -> None:
-        assert error_body("m", param="p", code="c") == {
+    def test_openai_shape(self) -> None:
+        error = APIError(400, "m", param="p", code="c")
+        assert json.loads(OPENAI_ERRORS.body(error)) == {
             "error": {
                 "message": "m",
                 "type": "invalid_request_error",
@@ -242,7 +245,7 @@ class TestErrors:
     )
     def test_type_from_status(self, status: int, kind: str) -> None:
         error = APIError(status, "x", headers={"Retry-After": "1"})
-        assert error.body()["error"]["type"] == kind
+        assert json.loads(OPENAI_ERRORS.body(error))["error"]["type"] == kind
         assert error.headers == {"Retry-After": "1"}
 
 

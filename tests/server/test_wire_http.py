@@ -150,7 +150,7 @@ class TestCORS:
             assert "access-control-allow-origin" not in response.headers
 
     def test_the_flag_takes_comma_separated_origins(self) -> None:
-        from mlx_pinned.server.cli_values import origins
+        from mlx_pinned.server.cli_options import origins
 
         assert origins(" https://a.example/, http://b:3000 ") == (
             "https://a.example",

@@ -83,12 +83,16 @@ def check_quantizable(loaded: LoadedModel, quant: KVQuant) -> None:
         )
     head = _head_size(lm)
     if head is not None and head % quant.group_size:
+        fits = " or ".join(str(size) for size in KV_GROUP_SIZES if head % size == 0)
+        fix = (
+            f"give --kv-group-size {fits}, or serve it without --kv-bits"
+            if fits
+            else "no group size (32, 64 or 128) divides it: serve it without --kv-bits"
+        )
         raise SettingError(
             "kv_group_size",
             f"kv_group_size (--kv-group-size): the model {name} has heads of "
-            f"{head} values, not a multiple of {quant.group_size}: give a group "
-            f"size that divides {head} (32, 64 or 128), or serve it without "
-            "--kv-bits",
+            f"{head} values, not a multiple of {quant.group_size}: {fix}",
         )
 
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse, Response
 
-from .errors import APIError, model_not_loaded, shutting_down, thread_unavailable
-from .routes import error_response
+from ..failures import ModelNotLoadedError
+from .errors import APIError, shutting_down, thread_unavailable
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -42,11 +42,15 @@ class Readiness:
     Args:
         thread: The app's MLX thread.
         served: The served models.
+        retry_after: Seconds a probe is told to wait while a model loads.
     """
 
-    def __init__(self, thread: MLXThread, served: ServedModels) -> None:
+    def __init__(
+        self, thread: MLXThread, served: ServedModels, *, retry_after: int = 1
+    ) -> None:
         self.thread = thread
         self.served = served
+        self.retry_after = retry_after
         self._draining = False
         self._down: APIError | None = None
 
@@ -68,17 +72,18 @@ class Readiness:
         if self._down is None:
             self._down = APIError(503, reason, code=code)
 
-    def refusal(self) -> APIError | None:
-        """Why the server is not ready, as the 503 ``/health`` answers; None
-        when it is."""
+    def refusal(self) -> Exception | None:
+        """Why the server is not ready (what ``/health`` answers, a 503);
+        None when it is."""
         if self.thread.closed:
             return thread_unavailable()
         if self._down is not None:
             return self._down
         if self._draining:
             return shutting_down()
-        if not self.served.loaded():
-            return model_not_loaded()
+        for item in self.served:
+            if item.slot.pinned and item.slot.engine is None:
+                return ModelNotLoadedError(item.name, retry_after=self.retry_after)
         return None
 
     def alive(self) -> bool:
@@ -91,10 +96,10 @@ async def health(readiness: Readiness, request: Request) -> Response:
     """``GET /health``, readiness: 200 while :class:`Readiness` says ready,
     with whether each model is loaded (one loaded on first use may not be),
     its rows, the bytes of KV they hold and the bytes of KV a token takes;
-    else the 503 of the refusal."""
+    else the refusal (a 503, answered by the app's error edge)."""
     refusal = readiness.refusal()
     if refusal is not None:
-        return error_response(refusal)
+        raise refusal
     stats = readiness.thread.statistics()
     models = {}
     for item in readiness.served:
@@ -123,5 +128,5 @@ async def live(readiness: Readiness, request: Request) -> Response:
     """``GET /livez``, liveness: 200 while the process can serve, loading and
     draining included; 503 once its MLX thread stopped (restart it)."""
     if not readiness.alive():
-        return error_response(thread_unavailable())
+        raise thread_unavailable()
     return JSONResponse({"status": "alive"})

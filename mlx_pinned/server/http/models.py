@@ -92,8 +92,3 @@ class ServedModels:
             return self._by_name[name]
         except KeyError:
             raise model_not_found(name, self.names) from None
-
-    def loaded(self) -> bool:
-        """Whether every model loaded at start-up is loaded (those loaded on
-        first use are not waited for)."""
-        return all(model.slot.engine is not None for model in self if model.slot.pinned)

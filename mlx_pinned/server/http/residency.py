@@ -43,18 +43,20 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from mlx_pinned import MLXPinnedError
+
 from ..config_checks import SettingError
-from ..failures import ModelNotLoadedError
-from .errors import APIError, api_error
+from ..failures import ModelLoadFailedError, ModelMemoryBudgetError, ModelNotLoadedError
 from .slots import ModelSlot, SlotChange, SlotState, due
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
     from ..events import Engine
     from .models import ServedModel, ServedModels
 
-__all__ = ["Residency"]
+__all__ = ["Residency", "StartUpRefusal"]
 
 logger = logging.getLogger("mlx_pinned.server")
 
@@ -76,7 +78,7 @@ class Residency:
         release: Frees an unloaded engine on the MLX thread.
         budget: Bytes of weights loaded at once, over all models (None: no
             limit).
-        retry_after: Seconds in the ``Retry-After`` of its 503s.
+        retry_after: Seconds a request it refuses is told to wait.
         load_wait: Seconds a request waits for its model's load before a 503
             ``model_not_loaded`` (None: as long as the load takes).
         prepare: Runs before the start-up loads (the budget's check); what
@@ -103,6 +105,8 @@ class Residency:
         self._prepare = prepare
         self._settle = settle
         self._slots = [model.slot for model in models]
+        #: What failed the start-up, if it failed.
+        self.failure: Exception | None = None
         self._tasks: TaskGroup | None = None
         self._lock: anyio.Lock | None = None
         self._wake: anyio.Event | None = None
@@ -119,14 +123,14 @@ class Residency:
                 start-up fails with it.
         """
         self._lock = anyio.Lock()
-        failure: Exception | None = None
+        self.failure = None
         async with anyio.create_task_group() as tasks:
             self._tasks = tasks
             try:
                 try:
                     await self._start_up()
                 except Exception as exc:  # raised below: not as a group
-                    failure = exc
+                    self.failure = exc
                 else:
                     if any(slot.idle_timeout is not None for slot in self._slots):
                         tasks.start_soon(self._watch_idle)
@@ -134,8 +138,8 @@ class Residency:
             finally:
                 self._tasks = None
                 tasks.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
+        if self.failure is not None:
+            raise self.failure
 
     async def _start_up(self) -> None:
         if self._prepare is not None:
@@ -176,9 +180,9 @@ class Residency:
         Raises:
             ModelNotLoadedError: Its load did not end within ``load_wait``,
                 or no lifespan runs to load it.
-            APIError: 503 ``model_load_failed`` (its load failed: the next
-                request tries again), 503 ``model_memory_budget`` with
-                ``Retry-After`` (it does not fit in the budget now).
+            ModelLoadFailedError: Its load failed (the next one may not).
+            ModelMemoryBudgetError: It does not fit in the budget.
+            MLXPinnedError: The MLX thread's own error in its load.
         """
         slot = served.slot
         slot.holders += 1
@@ -249,7 +253,7 @@ class Residency:
                     need = await slot.measure()
                 await self._make_room(slot, need or 0)
                 engine = await slot.load()
-        except APIError as error:  # the budget's refusal, already logged
+        except ModelMemoryBudgetError as error:  # already logged
             change.error = error
         except Exception as exc:
             slot.failures += 1
@@ -257,7 +261,9 @@ class Residency:
             # window) is the user's to fix: its message, no traceback.
             trace = None if isinstance(exc, SettingError) else exc
             logger.error("loading model %r failed: %s", slot.name, exc, exc_info=trace)
-            change.error = _load_failed(slot.name, exc, self.retry_after)
+            # The MLX thread's own errors (busy, gone) are answered as such.
+            failed = ModelLoadFailedError(slot.name, retry_after=self.retry_after)
+            change.error = exc if isinstance(exc, MLXPinnedError) else failed
             change.cause = exc
         except BaseException:  # cancelled: the server is shutting down
             change.error = ModelNotLoadedError(slot.name, retry_after=self.retry_after)
@@ -290,17 +296,19 @@ class Residency:
             key=lambda other: other.idle_since or -math.inf,
         )
         freeable = sum(other.weight_bytes or 0 for other in idle)
+        refused = ModelMemoryBudgetError(
+            slot.name, need, budget, pinned, retry_after=self.retry_after
+        )
         if self.weight_bytes() - freeable + need > budget:
-            error = _over_budget(slot.name, need, budget, pinned, self.retry_after)
-            logger.warning("%s", error.message)
-            raise error
+            logger.warning("%s", refused.message)
+            raise refused
         for other in idle:
             if self.weight_bytes() + need <= budget:
                 return
             if other.idle:  # not taken by a request during the last unload
                 await self._unload(other, f"to make room for {slot.name!r}")
         if self.weight_bytes() + need > budget:
-            raise _over_budget(slot.name, need, budget, pinned, self.retry_after)
+            raise refused
 
     # -- unloading -----------------------------------------------------------
 
@@ -352,38 +360,21 @@ class Residency:
             self._wake.set()
 
 
-def _load_failed(name: str, exc: BaseException, retry_after: int) -> APIError:
-    """The answer to every request that waited for a load that failed."""
-    known = api_error(exc, retry_after=retry_after)
-    if known is not None and known.status != 500:  # the MLX thread busy or gone
-        return known
-    return APIError(
-        503,
-        f"The model {name!r} could not be loaded (the server's log has the "
-        "reason); a later request tries again.",
-        code="model_load_failed",
-        headers={"Retry-After": str(retry_after)},
-    )
+class StartUpRefusal:
+    """Pure ASGI, around the app whose lifespan ``residency`` is: a start-up
+    a setting refused (a :class:`~..config_checks.SettingError`, e.g.
+    ``--kv-bits`` on a model that cannot take it) fails without Starlette's
+    traceback, as the log's one line names the setting. Event loop only."""
 
+    def __init__(self, app: ASGIApp, *, residency: Residency) -> None:
+        self.app = app
+        self.residency = residency
 
-def _over_budget(
-    name: str, need: int, budget: int, pinned: int, retry_after: int
-) -> APIError:
-    """The 503 of a model that does not fit: for now (models in use hold
-    the rest), or ever (the models loaded at start-up do)."""
-    if pinned + need > budget:
-        return APIError(
-            503,
-            f"The model {name!r} needs {need} bytes of weights and never fits in "
-            f"this server's max_model_bytes of {budget}: the models loaded at "
-            f"start-up hold {pinned}.",
-            code="model_memory_budget",
-        )
-    return APIError(
-        503,
-        f"The model {name!r} needs {need} bytes of weights and does not fit in "
-        f"this server's max_model_bytes of {budget} while the other models are "
-        "in use; retry shortly.",
-        code="model_memory_budget",
-        headers={"Retry-After": str(retry_after)},
-    )
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def told(message: Message) -> None:
+            refused = isinstance(self.residency.failure, SettingError)
+            if refused and message["type"] == "lifespan.startup.failed":
+                message = {**message, "message": ""}
+            await send(message)
+
+        await self.app(scope, receive, told if scope["type"] == "lifespan" else send)

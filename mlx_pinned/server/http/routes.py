@@ -1,8 +1,9 @@
-"""The small routes and the app's error handlers: ``/v1/models``, unknown
-URLs, unexpected errors, and the API key check.
+"""The small routes and the error edge: ``/v1/models``, the API key check,
+and :class:`ErrorEdge`, which answers every refusal outside an endpoint
+(the middleware's, the exception handlers', the API key's, the probes') in
+the shape of the route it happens on.
 
-Event loop only. Every answer is in OpenAI's error shape, from
-:mod:`..errors`.
+Event loop only.
 """
 
 from __future__ import annotations
@@ -10,29 +11,30 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from ..formats import model_formats
-from .errors import APIError, internal_error
+from .errors import OPENAI_ERRORS, APIError, ErrorShape, internal_error
 from .playground import ASSETS_PREFIX, PAGE
 
 if TYPE_CHECKING:
     from starlette.requests import Request
+    from starlette.routing import BaseRoute
     from starlette.types import ASGIApp, Receive, Scope, Send
 
     from .models import ServedModel, ServedModels
 
 __all__ = [
     "APIKeyMiddleware",
-    "error_response",
-    "http_error",
+    "ErrorEdge",
     "model",
     "model_card",
     "models",
-    "server_error",
 ]
 
 logger = logging.getLogger("mlx_pinned.server")
@@ -41,9 +43,59 @@ logger = logging.getLogger("mlx_pinned.server")
 PROBES = frozenset({"/health", "/livez"})
 
 
-def error_response(error: APIError) -> JSONResponse:
-    """``error`` as a JSON response with its status and headers."""
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+class ErrorEdge:
+    """Which API answers a refusal on a path: the one its route in
+    ``routes`` declares (an endpoint's ``errors``: Anthropic's for
+    ``/v1/messages``), else OpenAI's (the probes, ``/v1/models``, unknown
+    URLs). A busy MLX thread's refusal says to wait ``retry_after`` s."""
+
+    def __init__(self, routes: Sequence[BaseRoute], *, retry_after: int) -> None:
+        self.retry_after = retry_after
+        self._shapes = [
+            (route.path_regex, shape)
+            for route in routes
+            if isinstance(route, Route)
+            and (shape := getattr(route.endpoint, "errors", None)) is not None
+        ]
+
+    def shape(self, path: str) -> ErrorShape:
+        """The error shape of the route at ``path``."""
+        found = (shape for regex, shape in self._shapes if regex.match(path))
+        return next(found, OPENAI_ERRORS)
+
+    def response(self, path: str, exc: BaseException) -> Response:
+        """The answer to ``exc`` on ``path``, by that API's table and in its
+        shape; a bug is a 500 that names nothing."""
+        shape = self.shape(path)
+        error = shape.answer(exc, retry_after=self.retry_after) or internal_error()
+        body = shape.body(error)
+        return Response(
+            body, error.status, error.headers, media_type="application/json"
+        )
+
+    def refusal(self, exc: BaseException) -> ASGIApp:
+        """The middleware's answer to one of the MLX thread's errors."""
+
+        async def answer(scope: Scope, receive: Receive, send: Send) -> None:
+            await self.response(scope["path"], exc)(scope, receive, send)
+
+        return answer
+
+    async def refused(self, request: Request, exc: Exception) -> Response:
+        """The handler of a refusal a route raised (an :class:`APIError`, a
+        failure), and of Starlette's 404 and 405 (a 405 keeps ``Allow``)."""
+        if isinstance(exc, HTTPException):
+            message = {
+                404: "Unknown URL: see /v1/models and /v1/chat/completions.",
+                405: f"Method {request.method} is not allowed for {request.url.path}.",
+            }.get(exc.status_code, str(exc.detail))
+            exc = APIError(exc.status_code, message, headers=dict(exc.headers or {}))
+        return self.response(request.url.path, exc)
+
+    async def server_error(self, request: Request, exc: Exception) -> Response:
+        """An unexpected error: a 500 that names nothing; the log has it all."""
+        logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        return self.response(request.url.path, internal_error())
 
 
 def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
@@ -84,29 +136,8 @@ async def models(served: ServedModels, request: Request) -> Response:
 
 async def model(served: ServedModels, request: Request) -> Response:
     """``GET /v1/models/{model_id}``; 404 naming the served ones for any other."""
-    try:
-        found = served.get(request.path_params["model_id"])
-    except APIError as error:
-        return error_response(error)
+    found = served.get(request.path_params["model_id"])
     return JSONResponse(model_card(found, request))
-
-
-async def http_error(request: Request, exc: Exception) -> Response:
-    """Starlette's 404 and 405 in OpenAI's shape; a 405 keeps ``Allow``."""
-    assert isinstance(exc, HTTPException)
-    message = {404: "Unknown URL: see /v1/models and /v1/chat/completions."}.get(
-        exc.status_code, str(exc.detail)
-    )
-    if exc.status_code == 405:
-        message = f"Method {request.method} is not allowed for {request.url.path}."
-    error = APIError(exc.status_code, message, headers=dict(exc.headers or {}))
-    return error_response(error)
-
-
-async def server_error(request: Request, exc: Exception) -> Response:
-    """An unexpected error: a 500 that names nothing; the log has it all."""
-    logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return error_response(internal_error())
 
 
 class APIKeyMiddleware:
@@ -116,30 +147,26 @@ class APIKeyMiddleware:
     and except the playground's page and assets, which hold no data: the
     page asks for the key and sends it on its API calls.
 
-    The key is compared in constant time.
+    The key is compared in constant time; a wrong or missing one is a 401
+    in the shape of the route asked for (``errors``).
     """
 
-    def __init__(self, app: ASGIApp, *, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, *, api_key: str, errors: ErrorEdge) -> None:
         self.app = app
         self._expected = api_key.encode()
+        self._errors = errors
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or _is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"")
-        scheme, _, key = given.strip().partition(b" ")
-        # The scheme is case-insensitive, and spaces may follow it (RFC 9110).
-        key = key.strip()
-        if scheme.lower() == b"bearer" and hmac.compare_digest(key, self._expected):
-            await self.app(scope, receive, send)
-            return
+        scheme, _, key = headers.get(b"authorization", b"").strip().partition(b" ")
+        # The scheme is case-insensitive, and spaces may follow it (RFC 9110);
         # Anthropic's clients (Claude Code) send the key as x-api-key.
-        anthropic_key = headers.get(b"x-api-key")
-        if anthropic_key is not None and hmac.compare_digest(
-            anthropic_key.strip(), self._expected
-        ):
+        given = [key.strip()] if scheme.lower() == b"bearer" else []
+        given += [headers[b"x-api-key"].strip()] if b"x-api-key" in headers else []
+        if any(hmac.compare_digest(sent, self._expected) for sent in given):
             await self.app(scope, receive, send)
             return
         error = APIError(
@@ -148,7 +175,7 @@ class APIKeyMiddleware:
             "or 'x-api-key: <key>'.",
             code="invalid_api_key",
         )
-        await error_response(error)(scope, receive, send)
+        await self._errors.response(scope["path"], error)(scope, receive, send)
 
 
 def _is_open(path: str) -> bool:

@@ -14,11 +14,8 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from ..failures import ModelNotLoadedError
-
 if TYPE_CHECKING:
     from ..events import Engine
-    from .errors import APIError
 
 __all__ = ["ModelSlot", "SlotChange", "SlotState", "due"]
 
@@ -39,7 +36,7 @@ class SlotChange:
 
     def __init__(self) -> None:
         self.done = anyio.Event()
-        self.error: APIError | ModelNotLoadedError | None = None
+        self.error: Exception | None = None
         self.cause: BaseException | None = None
 
 

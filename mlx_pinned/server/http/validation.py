@@ -1,7 +1,7 @@
-"""Request bodies parsed with pydantic, its errors as OpenAI's 400s.
+"""Request bodies parsed with pydantic, its errors as 400 :class:`APIError`.
 
-Event loop (pure CPU). Every OpenAI-shaped API parses its body with
-:func:`parse_request`, so a bad body is answered alike on every route.
+Event loop (pure CPU). Every API parses its body with :func:`parse_request`,
+so a bad body is answered alike on every route, in the route's own shape.
 """
 
 from __future__ import annotations

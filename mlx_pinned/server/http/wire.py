@@ -8,19 +8,18 @@ shapes: it reads only the plain events of :mod:`..events`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import anyio
 import sniffio
 
 from ..events import FinalEvent, TokenEvent
-from .errors import APIError
+from .errors import OPENAI_ERRORS, APIError, ErrorShape
 
 if TYPE_CHECKING:
     from starlette.types import Message, Receive, Scope, Send
@@ -31,7 +30,6 @@ __all__ = [
     "OPENAI_ERRORS",
     "Disconnected",
     "ErrorShape",
-    "OpenAIErrors",
     "RequestLog",
     "ResponseWriter",
     "cancel_on_disconnect",
@@ -116,43 +114,18 @@ class Disconnected(Exception):
     """The client left before its request body was read."""
 
 
-class ErrorShape(Protocol):
-    """How an API writes an :class:`~.errors.APIError`: as a response body,
-    and as the event that ends a stream already begun."""
-
-    def body(self, error: APIError) -> bytes:
-        """The JSON body of the error response."""
-        ...
-
-    def event(self, error: APIError) -> bytes:
-        """The server-sent event that ends a stream with the error."""
-        ...
-
-
-class OpenAIErrors:
-    """OpenAI's shape: ``{"error": {...}}``, and a ``data:`` event of it."""
-
-    def body(self, error: APIError) -> bytes:
-        return json.dumps(error.body()).encode()
-
-    def event(self, error: APIError) -> bytes:
-        return b"data: " + self.body(error) + b"\n\n"
-
-
-OPENAI_ERRORS = OpenAIErrors()
-
-
 class ResponseWriter:
     """The response side of one request: a status is sent once, first.
 
     Args:
         send: The ASGI send.
-        errors: How the request's API writes an error.
+        errors: How the request's API writes an error (a slice may set its
+            own for a stream it began: an error event that ends it).
     """
 
     def __init__(self, send: Send, errors: ErrorShape = OPENAI_ERRORS) -> None:
         self._send = send
-        self._errors = errors
+        self.errors = errors
         self.status = 0
         self.started = False
         self.ended = False
@@ -196,9 +169,9 @@ class ResponseWriter:
                 headers = [
                     (k.lower().encode(), v.encode()) for k, v in error.headers.items()
                 ]
-                await self.json(self._errors.body(error), error.status, headers)
+                await self.json(self.errors.body(error), error.status, headers)
             elif not self.ended:
-                await self.send(self._errors.event(error), more=False)
+                await self.send(self.errors.event(error), more=False)
         except OSError:  # the client is gone; nothing left to tell it
             pass
 

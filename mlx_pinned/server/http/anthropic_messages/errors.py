@@ -2,25 +2,12 @@
 
 Event loop (pure CPU). The body is ``{"type": "error", "error": {"type",
 "message"}}``; a stream already begun ends with the same object as an
-``event: error``. The table (:func:`anthropic_error`) starts from the
-shared one (:func:`..errors.api_error`: the same condition, the same
-message) and gives each answer Anthropic's status and type:
-
-=========================================  ======  =====================
-condition                                  status  type
-=========================================  ======  =====================
-a bad body, field, image or prompt         400     invalid_request_error
-a missing or wrong API key                 401     authentication_error
-an unknown model                           404     not_found_error
-a body over the size limit                 413     request_too_large
-a full waiting room, a busy MLX thread     529     overloaded_error
-model loading, shutting down, thread gone  503     api_error
-past the request's deadline                504     timeout_error
-a bug (the log has it)                     500     api_error
-=========================================  ======  =====================
-
-529 is Anthropic's status for "overloaded, retry": its SDKs and Claude Code
-retry it, with ``Retry-After``.
+``event: error``. The table starts from the shared one
+(:func:`..errors.api_error`: the same condition, the same message) and
+gives each answer Anthropic's status and type (docs/anthropic.md lists
+them): 529 ``overloaded_error`` for a full waiting room or a busy MLX
+thread, Anthropic's "overloaded, retry", which its SDKs and Claude Code
+retry, with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -36,7 +23,6 @@ from ..errors import APIError, api_error
 __all__ = ["ANTHROPIC_ERRORS", "AnthropicErrors", "anthropic_error", "error_type"]
 
 _TYPES = {
-    400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
@@ -50,14 +36,22 @@ _TYPES = {
 def error_type(status: int) -> str:
     """Anthropic's ``error.type`` for a status (``api_error`` for the rest
     of the 5xx, ``invalid_request_error`` for the rest of the 4xx)."""
-    if status in _TYPES:
-        return _TYPES[status]
-    return "api_error" if status >= 500 else "invalid_request_error"
+    return _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
 
 class AnthropicErrors:
     """Anthropic's shape: ``{"type": "error", "error": {...}}``, and an
     ``event: error`` of it."""
+
+    def answer(
+        self, exc: BaseException, *, retry_after: int, images: Sequence[str] = ()
+    ) -> APIError | None:
+        """The answer for a known failure in this API's statuses; None for a
+        bug (the base logs it and answers a 500)."""
+        error = api_error(exc, retry_after=retry_after, images=images)
+        if error is not None and isinstance(exc, OverloadedError | MLXThreadBusyError):
+            return APIError(529, error.message, code=error.code, headers=error.headers)
+        return error
 
     def body(self, error: APIError) -> bytes:
         inner = {"type": error_type(error.status), "message": error.message}
@@ -68,16 +62,5 @@ class AnthropicErrors:
 
 
 ANTHROPIC_ERRORS = AnthropicErrors()
-
-
-def anthropic_error(
-    exc: BaseException, *, retry_after: int, images: Sequence[str] = ()
-) -> APIError | None:
-    """The answer for a known failure in this API's statuses; None for a
-    bug (the base logs it and answers a 500)."""
-    error = api_error(exc, retry_after=retry_after, images=images)
-    if error is None:
-        return None
-    if isinstance(exc, OverloadedError | MLXThreadBusyError):
-        return APIError(529, error.message, code=error.code, headers=error.headers)
-    return error
+#: This API's table, for its endpoints.
+anthropic_error = ANTHROPIC_ERRORS.answer

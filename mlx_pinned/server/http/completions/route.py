@@ -27,7 +27,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ...events import Event, FinalEvent
 from ..capabilities import Capabilities
 from ..endpoint import GenerationEndpoint
-from ..errors import APIError
+from ..errors import APIError, api_error
 from .output import (
     ChoiceText,
     ChunkWriter,
@@ -67,11 +67,8 @@ class CompletionsEndpoint(GenerationEndpoint):
         return CompletionsServing(self.config)
 
     def error_for(self, exc: BaseException, images: Sequence[str]) -> APIError | None:
-        error = super().error_for(exc, images)
-        if error is not None and error.param == "messages":
-            # The shared table names the chat's prompt; this API's is 'prompt'.
-            error.param = "prompt"
-        return error
+        retry_after = self.config.retry_after
+        return api_error(exc, retry_after=retry_after, images=images, prompt="prompt")
 
     async def handle(
         self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]

@@ -9,7 +9,6 @@ the request's deadline, an ``error`` event).
 
 from __future__ import annotations
 
-import contextvars
 import copy
 import functools
 import json
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ...events import FinalEvent, TokenEvent
 from ..capabilities import Capabilities
 from ..endpoint import GenerationEndpoint, last_parts, token_parts
-from ..wire import OpenAIErrors
+from ..errors import OpenAIErrors
 from .items import INPUT_ITEMS, chat_messages, image_urls
 from .objects import Output, item_id, response_object, sse, usage
 from .protocol import parse_responses_request
@@ -32,35 +31,40 @@ if TYPE_CHECKING:
     from ..errors import APIError
     from ..wire import RequestLog, ResponseWriter
 
-__all__ = ["STREAM", "ResponsesEndpoint", "ResponsesErrors"]
-
-# The stream's response and output, for an error that ends it: set in the
-# request's own task, read there by the endpoint's error path (the base's,
-# which writes the error after the slice's code has returned or raised).
-STREAM: contextvars.ContextVar[tuple[dict[str, Any], Output] | None] = (
-    contextvars.ContextVar("responses_stream", default=None)
-)
+__all__ = ["ResponsesEndpoint", "ResponsesErrors", "StreamErrors"]
 
 
 class ResponsesErrors(OpenAIErrors):
-    """OpenAI's error body; in a stream, ``response.failed`` with the
-    stream's next ``sequence_number``, its output so far and the error."""
+    """OpenAI's error body; in a stream, an ``error`` event (one that has
+    not begun its response object)."""
 
     def event(self, error: APIError) -> bytes:
-        body = error.body()["error"]
-        state = STREAM.get()
-        if state is None:  # not a stream of this endpoint: a bare error event
-            fields = {key: body.get(key) for key in ("code", "message", "param")}
-            return sse({"type": "error", "sequence_number": 0, **fields})
-        head, output = state
-        failed = copy.deepcopy(head)
+        fields = {"code": error.code, "message": error.message, "param": error.param}
+        return sse({"type": "error", "sequence_number": 0, **fields})
+
+
+class StreamErrors(ResponsesErrors):
+    """The errors of a stream under way: ``response.failed`` with the
+    stream's next ``sequence_number``, its output so far and the error.
+
+    Args:
+        head: The stream's response object.
+        output: The stream's output so far.
+    """
+
+    def __init__(self, head: dict[str, Any], output: Output) -> None:
+        self.head = head
+        self.output = output
+
+    def event(self, error: APIError) -> bytes:
+        failed = copy.deepcopy(self.head)
         failed["status"] = "failed"
-        failed["output"] = copy.deepcopy(output.items)
+        failed["output"] = copy.deepcopy(self.output.items)
         failed["error"] = {
-            "code": body.get("code") or "server_error",
-            "message": body["message"],
+            "code": error.code or "server_error",
+            "message": error.message,
         }
-        return sse(output.event("response.failed", response=failed))
+        return sse(self.output.event("response.failed", response=failed))
 
 
 class ResponsesEndpoint(GenerationEndpoint):
@@ -89,7 +93,6 @@ class ResponsesEndpoint(GenerationEndpoint):
     async def handle(
         self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
     ) -> None:
-        STREAM.set(None)
         request = parse_responses_request(body)
         if request.previous_response_id is not None:
             stored = self.store.get(request.previous_response_id)
@@ -110,7 +113,7 @@ class ResponsesEndpoint(GenerationEndpoint):
                 )
                 output = Output()
                 if request.stream:
-                    STREAM.set((head, output))
+                    response.errors = StreamErrors(head, output)
                     final = await self._stream(
                         head, stream, response, log, parser, output
                     )

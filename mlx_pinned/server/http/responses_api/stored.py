@@ -2,7 +2,8 @@
 and ``GET /v1/responses/{id}/input_items``.
 
 Event loop only (Starlette handlers over the endpoint's
-:class:`~.store.ResponseStore`); errors in OpenAI's shape.
+:class:`~.store.ResponseStore`); a refusal is raised, and the app's error
+edge answers it in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import APIError
-from ..routes import error_response
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -64,18 +64,12 @@ def _found(store: ResponseStore, request: Request) -> StoredResponse:
 
 async def retrieve(store: ResponseStore, request: Request) -> Response:
     """``GET /v1/responses/{id}``: the stored response object."""
-    try:
-        return JSONResponse(_found(store, request).response)
-    except APIError as error:
-        return error_response(error)
+    return JSONResponse(_found(store, request).response)
 
 
 async def delete(store: ResponseStore, request: Request) -> Response:
     """``DELETE /v1/responses/{id}``: OpenAI's deletion object."""
-    try:
-        stored = _found(store, request)
-    except APIError as error:
-        return error_response(error)
+    stored = _found(store, request)
     store.delete(stored.response["id"])
     body = {"id": stored.response["id"], "object": "response.deleted", "deleted": True}
     return JSONResponse(body)
@@ -84,28 +78,25 @@ async def delete(store: ResponseStore, request: Request) -> Response:
 async def input_items(store: ResponseStore, request: Request) -> Response:
     """``GET /v1/responses/{id}/input_items``: its input items as a list
     page (``order``: ``desc`` by default, ``limit`` 1-100, ``after``)."""
-    try:
-        stored = _found(store, request)
-        query = request.query_params
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise APIError(
-                400,
-                f"Invalid value for 'order': {order[:40]!r}; use 'asc' or 'desc'.",
-                param="order",
-                code="invalid_value",
-            )
-        limit_text = query.get("limit", "20")
-        digits = limit_text.isascii() and limit_text.isdigit()
-        if not digits or len(limit_text) > 3 or not 1 <= int(limit_text) <= 100:
-            raise APIError(
-                400,
-                f"Invalid value for 'limit': {limit_text[:40]!r}; give 1 to 100.",
-                param="limit",
-                code="invalid_value",
-            )
-    except APIError as error:
-        return error_response(error)
+    stored = _found(store, request)
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(
+            400,
+            f"Invalid value for 'order': {order[:40]!r}; use 'asc' or 'desc'.",
+            param="order",
+            code="invalid_value",
+        )
+    limit_text = query.get("limit", "20")
+    digits = limit_text.isascii() and limit_text.isdigit()
+    if not digits or len(limit_text) > 3 or not 1 <= int(limit_text) <= 100:
+        raise APIError(
+            400,
+            f"Invalid value for 'limit': {limit_text[:40]!r}; give 1 to 100.",
+            param="limit",
+            code="invalid_value",
+        )
     items: list[dict[str, Any]] = list(stored.input_items)
     if order == "desc":
         items.reverse()
