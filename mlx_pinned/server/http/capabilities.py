@@ -2,8 +2,9 @@
 
 Event loop, pure Python. :meth:`Capabilities.of` reads it from the engine the
 model registry holds (:mod:`.residency`) and the model's format settings, in
-this one place; each API's serving module checks a request against it once,
-before the request waits for the model's gate. The engine itself checks
+this one place, once per load (it is kept on the model's slot); each API's
+serving module checks a request against it once, before the request waits
+for the model's gate. The engine itself checks
 only what needs the exact prompt (its length in tokens, on the MLX thread).
 """
 
@@ -46,7 +47,18 @@ class Capabilities:
 
     @classmethod
     def of(cls, engine: Engine, served: ServedModel) -> Capabilities:
-        """The capabilities of ``served``, loaded as ``engine``."""
+        """The capabilities of ``served``, loaded as ``engine``: read once per
+        load (its formats detected from its template), then kept on its slot
+        until it is unloaded."""
+        slot = served.slot
+        if slot.engine is not engine:  # not its slot's engine: read, not kept
+            return cls._read(engine, served)
+        if slot.capabilities is None:  # the residency clears it at unload
+            slot.capabilities = cls._read(engine, served)
+        return slot.capabilities
+
+    @classmethod
+    def _read(cls, engine: Engine, served: ServedModel) -> Capabilities:
         template = engine.chat_template
         return cls(
             context_length=engine.context_length,

@@ -18,6 +18,7 @@ from ..failures import ModelNotLoadedError
 
 if TYPE_CHECKING:
     from ..events import Engine
+    from .capabilities import Capabilities
     from .errors import APIError
 
 __all__ = ["ModelSlot", "SlotChange", "SlotState", "due"]
@@ -57,6 +58,9 @@ class ModelSlot:
         idle_timeout: Seconds idle before it is unloaded (None: never).
         state: See :class:`SlotState`.
         engine: Its engine while LOADED.
+        capabilities: What its engine can take, read on first use after
+            each load (:meth:`~.capabilities.Capabilities.of`); None once
+            it is unloaded.
         holders: Requests holding it now (:meth:`Residency.use`).
         weight_bytes: Its weights' bytes, measured at its last load; None
             before the first.
@@ -75,6 +79,7 @@ class ModelSlot:
     idle_timeout: float | None = None
     state: SlotState = SlotState.UNLOADED
     engine: Engine | None = None
+    capabilities: Capabilities | None = None
     holders: int = 0
     weight_bytes: int | None = None
     idle_since: float | None = None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...limits import check_text_length
-from ..serving_common import check_logit_bias, check_max_tokens, out_of_vocabulary
+from ..serving_common import check_logit_bias, max_tokens, out_of_vocabulary
 from .protocol import OPENAI_DEFAULT_MAX_TOKENS
 
 if TYPE_CHECKING:
@@ -62,7 +62,9 @@ class CompletionsServing:
         """
         context = capabilities.context_length
         max_prompt = self.config.max_prompt_tokens or context
-        max_tokens = self.max_tokens(request)
+        # OpenAI's default (16), within the server's limit.
+        least = min(OPENAI_DEFAULT_MAX_TOKENS, self.config.max_tokens_limit)
+        most = max_tokens(self.config, "max_tokens", request.max_tokens, default=least)
         vocab = capabilities.vocab_size
         check_logit_bias((token_id for token_id, _ in request.token_bias), vocab)
         params: list[GenerationParams] = []
@@ -70,7 +72,7 @@ class CompletionsServing:
         for prompt in request.prompts:
             one = request.to_generation_params(
                 prompt,
-                max_tokens,
+                most,
                 max_prompt_tokens=max_prompt,
                 context_length=context,
             )
@@ -89,16 +91,3 @@ class CompletionsServing:
             params.append(one)
             echoes.append(echo if request.echo else "")
         return Prepared(params, echoes)
-
-    def max_tokens(self, request: CompletionRequest) -> int:
-        """The request's ``max_tokens``, else OpenAI's default (16, within
-        the server's limit).
-
-        Raises:
-            APIError: 400 over the server's ``max_tokens_limit``.
-        """
-        limit = self.config.max_tokens_limit
-        asked = request.max_tokens
-        if asked is None:
-            return min(OPENAI_DEFAULT_MAX_TOKENS, limit)
-        return check_max_tokens("max_tokens", asked, limit)

@@ -17,20 +17,18 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ...events import FinalEvent, TokenEvent
-from ..capabilities import Capabilities
-from ..endpoint import GenerationEndpoint, last_parts, token_parts
+from ..endpoint import GenerationEndpoint, Reply, last_parts, token_parts
 from ..wire import OpenAIErrors
 from .items import INPUT_ITEMS, chat_messages, image_urls
-from .objects import Output, item_id, response_object, sse, usage
-from .protocol import parse_responses_request
-from .serving import Prepared, ResponsesServing
+from .objects import Output, item_id, response_object, sse, tool_call_id, usage
+from .protocol import ResponsesRequest, parse_responses_request
+from .serving import Continued, ResponsesServing
 from .store import ResponseStore
 
 if TYPE_CHECKING:
-    from ...events import EventStream
-    from ..answer import AnswerParser
+    from ..capabilities import Capabilities
     from ..errors import APIError
-    from ..wire import RequestLog, ResponseWriter
+    from ..serving_common import Prepared
 
 __all__ = ["STREAM", "ResponsesEndpoint", "ResponsesErrors"]
 
@@ -63,7 +61,7 @@ class ResponsesErrors(OpenAIErrors):
         return sse(output.event("response.failed", response=failed))
 
 
-class ResponsesEndpoint(GenerationEndpoint):
+class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
     """The ASGI endpoint of ``POST /v1/responses``.
 
     Runs on the event loop (the rest is :class:`~..endpoint.GenerationEndpoint`'s):
@@ -74,6 +72,7 @@ class ResponsesEndpoint(GenerationEndpoint):
 
     route = "POST /v1/responses"
     errors = ResponsesErrors()
+    call_id = staticmethod(tool_call_id)
 
     @functools.cached_property
     def store(self) -> ResponseStore:
@@ -86,9 +85,7 @@ class ResponsesEndpoint(GenerationEndpoint):
     def serving(self) -> ResponsesServing:
         return ResponsesServing(self.config, self.store)
 
-    async def handle(
-        self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
-    ) -> None:
+    def parse(self, body: bytes, images: list[str]) -> ResponsesRequest:
         STREAM.set(None)
         request = parse_responses_request(body)
         if request.previous_response_id is not None:
@@ -97,76 +94,39 @@ class ResponsesEndpoint(GenerationEndpoint):
             if stored is not None:
                 images.extend("previous_response_id" for _ in stored.images)
         images.extend(param for param, _ in image_urls(request.items))
-        log.stream = bool(request.stream)
-        async with self.model(request.model, log) as (served, engine):
-            capabilities = Capabilities.of(engine, served)
-            prepared = await self.serving.prepare(request, capabilities)
-            decoded = await self.decode_images(prepared.images, log)
-            params = prepared.params
-            async with self.generation(served, engine, params, decoded, log) as stream:
-                parser = self.serving.answer_parser(request, capabilities, params)
-                head = response_object(
-                    request, item_id("resp"), int(time.time()), served.name
-                )
-                output = Output()
-                if request.stream:
-                    STREAM.set((head, output))
-                    final = await self._stream(
-                        head, stream, response, log, parser, output
-                    )
-                else:
-                    final = await self._whole(stream, log, parser, output, params)
-                done = self._finish(head, output, final)
-                if request.store is not False:
-                    self._keep(done, prepared, output)
-                if request.stream:
-                    kind = (
-                        "completed" if done["status"] == "completed" else "incomplete"
-                    )
-                    last = sse(output.event(f"response.{kind}", response=done))
-                    if not response.started:
-                        await response.start_stream(self._opening(head, output))
-                    await response.send(last, more=False)
-                else:
-                    await response.json(json.dumps(done).encode())
+        return request
 
-    async def _whole(
-        self,
-        stream: EventStream,
-        log: RequestLog,
-        parser: AnswerParser | None,
-        output: Output,
-        params: Any,
-    ) -> FinalEvent:
-        """Every event, taken in batches; the answer's parts into ``output``."""
-        events, final = await self.whole(stream, log, params.max_tokens + 1)
-        output.add(last_parts(parser, "".join(event.text for event in events), final))
-        return final
+    async def prepare(
+        self, request: ResponsesRequest, capabilities: Capabilities
+    ) -> Continued:
+        return await self.serving.prepare(request, capabilities)
 
-    def _opening(self, head: dict[str, Any], output: Output) -> bytes:
-        """``response.created`` and ``response.in_progress``: numbered 0 and 1."""
-        return sse(output.event("response.created", response=head)) + sse(
-            output.event("response.in_progress", response=head)
-        )
+    async def send_whole(self, reply: Reply[ResponsesRequest]) -> None:
+        """The response object, once the generation ended (stored first)."""
+        head, output = self._head(reply), Output()
+        max_tokens = reply.prepared.params.max_tokens
+        events, final = await self.whole(reply.events, reply.log, max_tokens + 1)
+        text = "".join(event.text for event in events)
+        output.add(last_parts(reply.parser, text, final))
+        done = self._finish(reply, head, output, final)
+        await reply.response.json(json.dumps(done).encode())
 
-    async def _stream(
-        self,
-        head: dict[str, Any],
-        stream: EventStream,
-        response: ResponseWriter,
-        log: RequestLog,
-        parser: AnswerParser | None,
-        output: Output,
-    ) -> FinalEvent:
-        """The events of each token as it comes; the last one's are left to
-        the caller (the answer's end)."""
+    async def send_stream(self, reply: Reply[ResponsesRequest]) -> None:
+        """The events of each token as it comes, numbered; the last is
+        ``response.completed`` (or ``response.incomplete``), sent once the
+        response is stored."""
+        head, output, response = self._head(reply), Output(), reply.response
+        STREAM.set((head, output))
         opening = self._opening(head, output)
 
         def encode(event: TokenEvent) -> bytes:
-            return b"".join(sse(e) for e in output.add(token_parts(parser, event.text)))
+            parts = token_parts(reply.parser, event.text)
+            return b"".join(sse(e) for e in output.add(parts))
 
-        final = await self.stream_tokens(stream, response, log, opening, encode)
-        tail = output.add(last_parts(parser, final.text, final))
+        final = await self.stream_tokens(
+            reply.events, response, reply.log, opening, encode
+        )
+        tail = output.add(last_parts(reply.parser, final.text, final))
         if not output.items:
             tail += output.add_empty_message()
         tail += output.close()
@@ -175,12 +135,32 @@ class ResponsesEndpoint(GenerationEndpoint):
             await response.start_stream(opening + data)
         else:
             await response.send(data)
-        return final
+        done = self._finish(reply, head, output, final)
+        kind = "completed" if done["status"] == "completed" else "incomplete"
+        last = sse(output.event(f"response.{kind}", response=done))
+        await response.send(last, more=False)
+
+    def _head(self, reply: Reply[ResponsesRequest]) -> dict[str, Any]:
+        """The response object as it begins (``in_progress``)."""
+        return response_object(
+            reply.request, item_id("resp"), int(time.time()), reply.model
+        )
+
+    def _opening(self, head: dict[str, Any], output: Output) -> bytes:
+        """``response.created`` and ``response.in_progress``: numbered 0 and 1."""
+        return sse(output.event("response.created", response=head)) + sse(
+            output.event("response.in_progress", response=head)
+        )
 
     def _finish(
-        self, head: dict[str, Any], output: Output, final: FinalEvent
+        self,
+        reply: Reply[ResponsesRequest],
+        head: dict[str, Any],
+        output: Output,
+        final: FinalEvent,
     ) -> dict[str, Any]:
-        """The response object at the answer's end."""
+        """The response object at the answer's end, stored unless the
+        request says ``store: false``."""
         if not output.items:
             output.add_empty_message()
         output.close()
@@ -191,11 +171,14 @@ class ResponsesEndpoint(GenerationEndpoint):
             done["incomplete_details"] = {"reason": "max_output_tokens"}
         done["output"] = copy.deepcopy(output.items)
         done["usage"] = usage(final)
+        if reply.request.store is not False:
+            self._keep(done, reply.prepared, output)
         return done
 
     def _keep(self, done: dict[str, Any], prepared: Prepared, output: Output) -> None:
         """Store the response and the conversation it ends, its output as the
         chat turns the same items make when sent back as input."""
+        assert isinstance(prepared, Continued), "this endpoint's prepare made it"
         said = chat_messages(INPUT_ITEMS.validate_python(output.items, strict=False))
         messages = (*prepared.history, *said)
         urls = tuple(ref.url for ref in prepared.images)
