@@ -276,6 +276,23 @@ class TestGrammarInTheBatch:
         assert GRAMMARS.compiles == before
         assert grammar in await thread.run(dict, loaded.grammar_matchers)
 
+    async def test_a_grammar_spelling_a_special_token_is_kept_as_asked(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        # Rewritten to name the token (<[2]>) before it is compiled, and
+        # found again by the grammar the request sent.
+        grammar = Grammar("lark", 'start: "ok" "<|im_end|>"')
+
+        def twice() -> list[Grammar]:
+            loaded.grammar_matchers.clear()
+            logits.new_matcher(loaded, grammar)
+            before = GRAMMARS.compiles
+            logits.new_matcher(loaded, grammar)
+            assert GRAMMARS.compiles == before
+            return list(loaded.grammar_matchers)
+
+        assert await thread.run(twice) == [grammar]
+
 
 class TestGrammarSpeculation:
     """A row that reads no log-probabilities is drawn without its grammar's

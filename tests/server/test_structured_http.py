@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -172,14 +173,15 @@ class TestStructuredOutputs:
             return compile_one(grammar)
 
         monkeypatch.setattr(grammars, "_compile", counted)
-        # A schema no other test sends, so neither side has it cached.
-        schema = {**CITY, "properties": {**CITY["properties"], "forced": {}}}
+        # A schema no other run sends, so neither side has it cached.
+        schema = {**CITY, "title": uuid.uuid4().hex}
         fields: dict[str, Any] = {"response_format": schema_format(schema)}
         if forced:
             tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
             fields = {"tools": [tool], "tool_choice": "required"}
         running, _ = served
-        response = await running.chat({"messages": MESSAGES, "max_tokens": 4, **fields})
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **fields}
+        response = await running.chat(body)
         assert response.status_code == 200, response.text
         # The schema (a forced call's, and its call's Lark grammar) once
         # each: the HTTP check's compile is the one the engine's matcher uses.

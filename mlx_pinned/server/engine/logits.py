@@ -286,10 +286,8 @@ def _executor() -> Any:
 
 def new_matcher(loaded: LoadedModel, grammar: Grammar) -> GrammarMatcher:
     """A fresh matcher for ``grammar``: a copy of one the model keeps per
-    grammar (the last :data:`MATCHERS_KEPT` used), made from the grammar
-    the HTTP side compiled (:data:`~..grammars.GRAMMARS`), not compiled
-    again; a Lark grammar that spells one of the model's special tokens is
-    compiled as written with the token (:func:`.special_tokens.special_literals`).
+    grammar (the last :data:`MATCHERS_KEPT` used), made from the grammar the
+    HTTP side compiled (:data:`~..grammars.GRAMMARS`), not compiled again.
 
     Raises:
         ValueError: The grammar is invalid or unsupported.

@@ -51,16 +51,10 @@ class Capabilities:
         load (its formats detected from its template), then kept on its slot
         until it is unloaded."""
         slot = served.slot
-        if slot.engine is not engine:  # not its slot's engine: read, not kept
-            return cls._read(engine, served)
-        if slot.capabilities is None:  # the residency clears it at unload
-            slot.capabilities = cls._read(engine, served)
-        return slot.capabilities
-
-    @classmethod
-    def _read(cls, engine: Engine, served: ServedModel) -> Capabilities:
+        if slot.engine is engine and slot.capabilities is not None:
+            return slot.capabilities
         template = engine.chat_template
-        return cls(
+        capabilities = cls(
             context_length=engine.context_length,
             vocab_size=engine.vocab_size,
             longest_token_chars=engine.longest_token_chars,
@@ -72,3 +66,6 @@ class Capabilities:
                 reasoning_parser=served.reasoning_parser,
             ),
         )
+        if slot.engine is engine:  # kept until the residency unloads it
+            slot.capabilities = capabilities
+        return capabilities

@@ -42,6 +42,7 @@ from ..events import FinalEvent, TokenEvent
 from .answer import answer_parser
 from .capabilities import Capabilities
 from .errors import APIError, api_error, internal_error, thread_unavailable, timed_out
+from .serving_common import check_media
 from .wire import (
     OPENAI_ERRORS,
     Disconnected,
@@ -276,20 +277,28 @@ class ModelEndpoint(ABC):
 
 
 class GenerationRequest(Protocol):
-    """What the skeleton reads of every API's parsed request."""
+    """What the skeleton reads of every API's parsed request: the model it
+    names, and whether its answer is streamed."""
 
-    @property
-    def model(self) -> str:
-        """The served model it names."""
-        ...
-
-    @property
-    def stream(self) -> bool | None:
-        """Whether its answer is streamed."""
-        ...
+    model: str
+    stream: bool | None
 
 
 RequestT = TypeVar("RequestT", bound=GenerationRequest)
+RequestT_contra = TypeVar(
+    "RequestT_contra", bound=GenerationRequest, contravariant=True
+)
+
+
+class Serving(Protocol[RequestT_contra]):
+    """A slice's validation site (its ``serving`` module)."""
+
+    async def prepare(
+        self, request: RequestT_contra, capabilities: Capabilities
+    ) -> Prepared:
+        """``request`` checked against the model's ``capabilities`` and the
+        server's limits: its generation, its images and its videos."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,11 +332,11 @@ class GenerationEndpoint(ModelEndpoint, Generic[RequestT]):
     """The endpoint of an API's generation route: one skeleton for every API.
 
     Runs on the event loop: :meth:`handle` parses the body (the slice's
-    :meth:`parse`), checks it against the model it names (:meth:`prepare`,
-    before any wait for the gate), decodes its images and videos off the
-    loop (``load_images``; ``load_videos``, which ``app.py`` sets where
-    videos are taken), generates, and writes the answer with the slice's
-    :meth:`send_whole` or :meth:`send_stream`.
+    :meth:`parse`), checks it against the model it names (its
+    :attr:`serving`, before any wait for the gate), decodes its images and
+    videos off the loop (``load_images``; ``load_videos``, which ``app.py``
+    sets where videos are taken), generates, and writes the answer with the
+    slice's :meth:`send_whole` or :meth:`send_stream`.
 
     Attributes:
         call_id: Makes a tool call's id, in the API's own form.
@@ -341,10 +350,10 @@ class GenerationEndpoint(ModelEndpoint, Generic[RequestT]):
         """The request in ``body``; where each of its images is named, in
         prompt order, added to ``images``."""
 
+    @property
     @abstractmethod
-    async def prepare(self, request: RequestT, capabilities: Capabilities) -> Prepared:
-        """``request`` checked against the model's ``capabilities`` and the
-        server's limits: its generation, its images and its videos."""
+    def serving(self) -> Serving[RequestT]:
+        """The slice's one place a request is checked against its model."""
 
     @abstractmethod
     async def send_whole(self, reply: Reply[RequestT]) -> None:
@@ -362,20 +371,15 @@ class GenerationEndpoint(ModelEndpoint, Generic[RequestT]):
         log.stream = bool(request.stream)
         async with self.model(request.model, log) as (served, engine):
             capabilities = Capabilities.of(engine, served)
-            prepared = await self.prepare(request, capabilities)
+            prepared = await self.serving.prepare(request, capabilities)
+            check_media(capabilities, prepared.images, prepared.videos)
             decoded = await self.decode_images(prepared.images, log)
             params = prepared.params
             if prepared.videos:
                 videos = await self.load_videos(prepared.videos)
                 params = dataclasses.replace(params, videos=tuple(videos))
             async with self.generation(served, engine, params, decoded, log) as events:
-                parser = answer_parser(
-                    capabilities,
-                    template_kwargs=prepared.template_kwargs,
-                    tools=prepared.tools,
-                    constrained=params.grammar is not None,
-                    call_id=self.call_id,
-                )
+                parser = answer_parser(capabilities, prepared, self.call_id)
                 reply = Reply(
                     request, prepared, served.name, events, parser, response, log
                 )

@@ -34,8 +34,8 @@ __all__ = [
     "ForcedCall",
     "Prepared",
     "check_grammar",
-    "check_images",
     "check_logit_bias",
+    "check_media",
     "check_prompt_text",
     "max_tokens",
     "no_tool_call_format",
@@ -147,21 +147,24 @@ def no_tool_call_format(
     )
 
 
-def check_images(
-    refs: Sequence[ImageRef] | Sequence[VideoRef],
+def check_media(
     capabilities: Capabilities,
-    message: str,
-    code: str,
+    images: Sequence[ImageRef],
+    videos: Sequence[VideoRef] = (),
 ) -> None:
     """Refuse images (or videos) for a model that takes none, naming the
-    first with ``message`` and ``code``.
+    first.
 
     Raises:
         ImageRefusedError: The first image's error.
         VideoRefusedError: The first video's error.
     """
-    if refs and not capabilities.accepts_images:
-        raise refs[0].error(message, code)
+    if capabilities.accepts_images:
+        return
+    for kind, refs in (("images", images), ("videos", videos)):
+        if refs:
+            message = f"this model takes no {kind}; send text only."
+            raise refs[0].error(message, f"{kind}_unsupported")
 
 
 def unforced_call(message: str) -> APIError:

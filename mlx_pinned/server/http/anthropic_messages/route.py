@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from ..capabilities import Capabilities
 from ..endpoint import (
@@ -34,9 +34,6 @@ from .errors import ANTHROPIC_ERRORS, anthropic_error
 from .output import Blocks, EventWriter, message_id, stop_reason, tool_use_id
 from .protocol import MessagesRequest, parse_count_request, parse_messages_request
 from .serving import MessagesServing
-
-if TYPE_CHECKING:
-    from ..serving_common import Prepared
 
 __all__ = ["CountTokensEndpoint", "MessagesEndpoint"]
 
@@ -65,11 +62,6 @@ class MessagesEndpoint(_AnthropicEndpoint, GenerationEndpoint[MessagesRequest]):
         request = parse_messages_request(body)
         images.extend(param for param, _ in image_parts(request.messages))
         return request
-
-    async def prepare(
-        self, request: MessagesRequest, capabilities: Capabilities
-    ) -> Prepared:
-        return await self.serving.prepare(request, capabilities)
 
     async def send_whole(self, reply: Reply[MessagesRequest]) -> None:
         """The whole answer as one message, once the generation ended."""

@@ -24,7 +24,7 @@ from ..errors import APIError
 from ..serving_common import (
     ForcedCall,
     Prepared,
-    check_images,
+    check_media,
     check_prompt_text,
     max_tokens,
     no_tool_call_format,
@@ -71,7 +71,8 @@ class MessagesServing:
     def _check(
         self, request: CountTokensRequest, capabilities: Capabilities
     ) -> list[ImageRef]:
-        """What a count and a generation share: thinking, tools, images."""
+        """What a count and a generation share: thinking, tools; the
+        images."""
         if (
             isinstance(request.thinking, ThinkingEnabled)
             and capabilities.formats.reasoning is None
@@ -83,14 +84,7 @@ class MessagesServing:
             )
         if request.active_tools and capabilities.formats.tool_call is None:
             raise no_tool_call_format(code=None)
-        refs = image_refs(request.messages, self.config.image_limits)
-        check_images(
-            refs,
-            capabilities,
-            "this model takes no images; send text blocks only.",
-            "images_unsupported",
-        )
-        return refs
+        return image_refs(request.messages, self.config.image_limits)
 
     async def prepare(
         self, request: MessagesRequest, capabilities: Capabilities
@@ -139,6 +133,7 @@ class MessagesServing:
         """Check a count's request against the model; its prompt, with no
         limits (a count reports the length, it refuses none)."""
         refs = self._check(request, capabilities)
+        check_media(capabilities, refs)
         return _with_turns(Prepared(request.prompt_params(1), refs))
 
 

@@ -12,7 +12,6 @@ with ``data: [DONE]``.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 from ...events import TokenEvent
 from ..endpoint import GenerationEndpoint, Reply, last_parts, send_last
@@ -39,10 +38,6 @@ from .responses import (
 )
 from .serving import ChatCompletionsServing
 
-if TYPE_CHECKING:
-    from ..capabilities import Capabilities
-    from ..serving_common import Prepared
-
 __all__ = ["ChatCompletionsEndpoint"]
 
 
@@ -68,11 +63,6 @@ class ChatCompletionsEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         images.extend(param for param, _ in image_parts(request.messages))
         images.extend(param for param, _ in video_parts(request.messages))
         return request
-
-    async def prepare(
-        self, request: ChatCompletionRequest, capabilities: Capabilities
-    ) -> Prepared:
-        return await self.serving.prepare(request, capabilities)
 
     async def send_whole(self, reply: Reply[ChatCompletionRequest]) -> None:
         """The whole answer as one JSON body, once the generation ended."""

@@ -8,10 +8,10 @@ depends on the model or on the server's settings is checked here, once,
 before the request waits for the model's gate: its text against the prompt
 limit, ``max_tokens`` against the server's limit, tools against the model's
 tool-call format, the grammar, ``logit_bias`` against the vocabulary, its
-images and videos (how many, whether the model takes any, the frames a
-request asks for). What needs no model is checked by the pydantic models
-(:mod:`.protocol`); what needs the exact prompt (its length in tokens) by
-the engine, on the MLX thread.
+images and videos (how many, the frames a request asks for; whether the
+model takes any, the endpoint checks). What needs no model is checked by
+the pydantic models (:mod:`.protocol`); what needs the exact prompt (its
+length in tokens) by the engine, on the MLX thread.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from ..errors import APIError
 from ..serving_common import (
     ForcedCall,
     Prepared,
-    check_images,
     check_logit_bias,
     check_prompt_text,
     max_tokens,
@@ -68,8 +67,7 @@ class ChatCompletionsServing:
             APIError: 400 naming the parameter at fault.
             PromptTooLongError: Its text alone is over the prompt limit.
             ImageRefusedError: Too many images.
-            ImagesUnsupportedError: Images, and the model takes none.
-            VideoRefusedError: Too many videos, or the model takes none.
+            VideoRefusedError: Too many videos.
         """
         max_prompt = check_prompt_text(
             self.config, capabilities, text_chars(request.messages)
@@ -98,12 +96,6 @@ class ChatCompletionsServing:
             (token_id for token_id, _ in params.logit_bias), capabilities.vocab_size
         )
         refs = image_refs(request.messages, self.config.image_limits)
-        check_images(
-            refs,
-            capabilities,
-            "this model takes no images; send text parts only.",
-            "images_unsupported",
-        )
         tools = [
             ToolSpec(t.function.name, t.function.parameters)
             for t in request.active_tools
@@ -129,12 +121,6 @@ class ChatCompletionsServing:
             limits,
             fps=request.video_fps,
             max_frames=asked,
-        )
-        check_images(
-            refs,
-            capabilities,
-            "this model takes no videos; send text parts only.",
-            "videos_unsupported",
         )
         return refs
 

@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ...events import FinalEvent, TokenEvent
-from ..endpoint import GenerationEndpoint, Reply, last_parts, token_parts
+from ..endpoint import GenerationEndpoint, Reply, last_parts, send_last, token_parts
 from ..wire import OpenAIErrors
 from .items import INPUT_ITEMS, chat_messages, image_urls
 from .objects import Output, item_id, response_object, sse, tool_call_id, usage
@@ -26,7 +26,6 @@ from .serving import Continued, ResponsesServing
 from .store import ResponseStore
 
 if TYPE_CHECKING:
-    from ..capabilities import Capabilities
     from ..errors import APIError
     from ..serving_common import Prepared
 
@@ -96,28 +95,25 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
         images.extend(param for param, _ in image_urls(request.items))
         return request
 
-    async def prepare(
-        self, request: ResponsesRequest, capabilities: Capabilities
-    ) -> Continued:
-        return await self.serving.prepare(request, capabilities)
-
     async def send_whole(self, reply: Reply[ResponsesRequest]) -> None:
         """The response object, once the generation ended (stored first)."""
         head, output = self._head(reply), Output()
         max_tokens = reply.prepared.params.max_tokens
         events, final = await self.whole(reply.events, reply.log, max_tokens + 1)
         text = "".join(event.text for event in events)
-        output.add(last_parts(reply.parser, text, final))
-        done = self._finish(reply, head, output, final)
+        done, _ = self._finish(reply, head, output, final, text)
         await reply.response.json(json.dumps(done).encode())
 
     async def send_stream(self, reply: Reply[ResponsesRequest]) -> None:
-        """The events of each token as it comes, numbered; the last is
+        """The events of each token as it comes, numbered from
+        ``response.created`` and ``response.in_progress``; the last is
         ``response.completed`` (or ``response.incomplete``), sent once the
         response is stored."""
         head, output, response = self._head(reply), Output(), reply.response
         STREAM.set((head, output))
-        opening = self._opening(head, output)
+        opening = sse(output.event("response.created", response=head)) + sse(
+            output.event("response.in_progress", response=head)
+        )
 
         def encode(event: TokenEvent) -> bytes:
             parts = token_parts(reply.parser, event.text)
@@ -126,30 +122,15 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
         final = await self.stream_tokens(
             reply.events, response, reply.log, opening, encode
         )
-        tail = output.add(last_parts(reply.parser, final.text, final))
-        if not output.items:
-            tail += output.add_empty_message()
-        tail += output.close()
-        data = b"".join(sse(e) for e in tail)
-        if not response.started:
-            await response.start_stream(opening + data)
-        else:
-            await response.send(data)
-        done = self._finish(reply, head, output, final)
+        done, data = self._finish(reply, head, output, final, final.text)
         kind = "completed" if done["status"] == "completed" else "incomplete"
         last = sse(output.event(f"response.{kind}", response=done))
-        await response.send(last, more=False)
+        await send_last(response, opening, data + last)
 
     def _head(self, reply: Reply[ResponsesRequest]) -> dict[str, Any]:
         """The response object as it begins (``in_progress``)."""
         return response_object(
             reply.request, item_id("resp"), int(time.time()), reply.model
-        )
-
-    def _opening(self, head: dict[str, Any], output: Output) -> bytes:
-        """``response.created`` and ``response.in_progress``: numbered 0 and 1."""
-        return sse(output.event("response.created", response=head)) + sse(
-            output.event("response.in_progress", response=head)
         )
 
     def _finish(
@@ -158,12 +139,15 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
         head: dict[str, Any],
         output: Output,
         final: FinalEvent,
-    ) -> dict[str, Any]:
-        """The response object at the answer's end, stored unless the
-        request says ``store: false``."""
+        text: str,
+    ) -> tuple[dict[str, Any], bytes]:
+        """The answer's last ``text`` into ``output``, and the response object
+        at the answer's end, stored unless the request says ``store: false``;
+        with the events of that end of the output."""
+        events = output.add(last_parts(reply.parser, text, final))
         if not output.items:
-            output.add_empty_message()
-        output.close()
+            events += output.add_empty_message()
+        events += output.close()
         done = copy.deepcopy(head)
         cut = final.finish_reason == "length"
         done["status"] = "incomplete" if cut else "completed"
@@ -173,7 +157,7 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
         done["usage"] = usage(final)
         if reply.request.store is not False:
             self._keep(done, reply.prepared, output)
-        return done
+        return done, b"".join(sse(event) for event in events)
 
     def _keep(self, done: dict[str, Any], prepared: Prepared, output: Output) -> None:
         """Store the response and the conversation it ends, its output as the

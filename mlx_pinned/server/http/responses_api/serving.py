@@ -9,7 +9,8 @@ Here, once, before the request waits for the model's gate: the stored
 response it continues (``previous_response_id``), its text against the
 prompt limit, ``max_output_tokens`` against the server's limit, tools
 against the model's tool-call format, the grammar (``text.format`` or a
-forced call), its images (how many, and whether the model takes any).
+forced call), its images (how many; whether the model takes any, the
+endpoint checks).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from ..errors import APIError
 from ..serving_common import (
     ForcedCall,
     Prepared,
-    check_images,
     check_prompt_text,
     max_tokens,
     no_tool_call_format,
@@ -85,7 +85,6 @@ class ResponsesServing:
                 ``previous_response_id`` not stored.
             PromptTooLongError: Its text alone is over the prompt limit.
             ImageRefusedError: Too many images.
-            ImagesUnsupportedError: Images, and the model takes none.
         """
         before: tuple[dict[str, Any], ...] = ()
         urls: list[str] = []
@@ -135,12 +134,6 @@ class ResponsesServing:
                 f"{limits.max_images} are allowed.",
                 "too_many_images",
             )
-        check_images(
-            refs,
-            capabilities,
-            "this model takes no images; send text parts only.",
-            "images_unsupported",
-        )
         tools = [ToolSpec(tool.name, tool.parameters) for tool in request.active_tools]
         return Continued(
             params=params,
