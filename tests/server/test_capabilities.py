@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from mlx_pinned.server.formats import ModelFormats
+from mlx_pinned.server.formats import ModelFormats, model_formats
 from mlx_pinned.server.http import capabilities
 from mlx_pinned.server.http.capabilities import Capabilities
 from mlx_pinned.server.http.gate import BatchGate
@@ -41,11 +41,10 @@ class Loaded:
 def detections(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
     """The templates the formats are detected from, one entry a detection."""
     seen: list[str | None] = []
-    detect = capabilities.model_formats
 
     def counted(template: str | None, **settings: Any) -> ModelFormats:
         seen.append(template)
-        return detect(template, **settings)
+        return model_formats(template, **settings)
 
     monkeypatch.setattr(capabilities, "model_formats", counted)
     return seen
@@ -61,7 +60,7 @@ def served_model(engine: Any) -> ServedModel:
 
 class TestCapabilities:
     def test_they_are_read_once_per_load(self, detections: list[str | None]) -> None:
-        engine = Loaded()
+        engine: Any = Loaded()
         served = served_model(engine)
         first = Capabilities.of(engine, served)
         assert Capabilities.of(engine, served) is first
@@ -73,7 +72,7 @@ class TestCapabilities:
         self, detections: list[str | None]
     ) -> None:
         served = served_model(Loaded())
-        other = Loaded(vocab_size=2000, chat_template=None)
+        other: Any = Loaded(vocab_size=2000, chat_template=None)
         assert Capabilities.of(other, served).vocab_size == 2000
         assert served.slot.capabilities is None
         assert detections == [None]
