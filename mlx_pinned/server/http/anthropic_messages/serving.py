@@ -71,8 +71,8 @@ class MessagesServing:
     def _check(
         self, request: CountTokensRequest, capabilities: Capabilities
     ) -> list[ImageRef]:
-        """What a count and a generation share: thinking, tools; the
-        images."""
+        """What a count and a generation share: thinking and tools checked,
+        and the images, for the endpoint to check and decode."""
         if (
             isinstance(request.thinking, ThinkingEnabled)
             and capabilities.formats.reasoning is None

@@ -100,12 +100,10 @@ class ChatCompletionsServing:
             ToolSpec(t.function.name, t.function.parameters)
             for t in request.active_tools
         ]
-        videos = self._videos(request, capabilities)
+        videos = self._videos(request)
         return Prepared(params, refs, videos, tools, kwargs)
 
-    def _videos(
-        self, request: ChatCompletionRequest, capabilities: Capabilities
-    ) -> list[VideoRef]:
+    def _videos(self, request: ChatCompletionRequest) -> list[VideoRef]:
         limits = self.config.video_limits
         asked = request.video_max_frames
         if asked is not None and asked > limits.max_frames:
@@ -116,13 +114,8 @@ class ChatCompletionsServing:
                 param="video_max_frames",
                 code="invalid_value",
             )
-        refs = video_refs(
-            request.messages,
-            limits,
-            fps=request.video_fps,
-            max_frames=asked,
-        )
-        return refs
+        fps = request.video_fps
+        return video_refs(request.messages, limits, fps=fps, max_frames=asked)
 
 
 def _forced_call(request: ChatCompletionRequest) -> ForcedCall | None:
