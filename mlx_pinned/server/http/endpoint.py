@@ -34,7 +34,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic
 
 import anyio
 
@@ -42,7 +42,7 @@ from ..events import FinalEvent, TokenEvent
 from .answer import answer_parser
 from .capabilities import Capabilities
 from .errors import APIError, api_error, internal_error, thread_unavailable, timed_out
-from .serving_common import check_media
+from .serving_common import RequestT, Serving, check_media
 from .wire import (
     OPENAI_ERRORS,
     Disconnected,
@@ -274,31 +274,6 @@ class ModelEndpoint(ABC):
                     final = events[-1]
         assert final is not None, "a generation always ends with a FinalEvent"
         return final
-
-
-class GenerationRequest(Protocol):
-    """What the skeleton reads of every API's parsed request: the model it
-    names, and whether its answer is streamed."""
-
-    model: str
-    stream: bool | None
-
-
-RequestT = TypeVar("RequestT", bound=GenerationRequest)
-RequestT_contra = TypeVar(
-    "RequestT_contra", bound=GenerationRequest, contravariant=True
-)
-
-
-class Serving(Protocol[RequestT_contra]):
-    """A slice's validation site (its ``serving`` module)."""
-
-    async def prepare(
-        self, request: RequestT_contra, capabilities: Capabilities
-    ) -> Prepared:
-        """``request`` checked against the model's ``capabilities`` and the
-        server's limits: its generation, its images and its videos."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)

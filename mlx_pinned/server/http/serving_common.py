@@ -1,7 +1,8 @@
-"""What every API's serving module shares: the checks it runs against the
-served model's :class:`~.capabilities.Capabilities` and this server's
-limits, the grammar of its answer, and what it hands the endpoint
-(:class:`Prepared`), whatever the API's shapes.
+"""What every API's serving module shares: what it is (:class:`Serving`),
+the checks it runs against the served model's
+:class:`~.capabilities.Capabilities` and this server's limits, the grammar
+of its answer, and what it hands the endpoint (:class:`Prepared`),
+whatever the API's shapes.
 
 Event loop; a grammar is compiled in a worker thread, once for the HTTP
 check and the engine (:data:`~..grammars.GRAMMARS`). Each check takes the
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 
@@ -32,7 +33,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ForcedCall",
+    "GenerationRequest",
     "Prepared",
+    "RequestT",
+    "Serving",
     "check_grammar",
     "check_logit_bias",
     "check_media",
@@ -64,6 +68,31 @@ class Prepared:
     videos: Sequence[VideoRef] = ()
     tools: Sequence[ToolSpec] = ()
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+class GenerationRequest(Protocol):
+    """What the skeleton reads of every API's parsed request: the model it
+    names, and whether its answer is streamed."""
+
+    model: str
+    stream: bool | None
+
+
+RequestT = TypeVar("RequestT", bound=GenerationRequest)
+RequestT_contra = TypeVar(
+    "RequestT_contra", bound=GenerationRequest, contravariant=True
+)
+
+
+class Serving(Protocol[RequestT_contra]):
+    """A slice's validation site (its ``serving`` module)."""
+
+    async def prepare(
+        self, request: RequestT_contra, capabilities: Capabilities
+    ) -> Prepared:
+        """``request`` checked against the model's ``capabilities`` and the
+        server's limits: its generation, its images and its videos."""
+        ...
 
 
 def check_prompt_text(
