@@ -1,9 +1,9 @@
 """The server's layout: each package imports only in the allowed direction.
 
 cli (and its options and config file) -> app -> {http, inputs, engine} ->
-shared (config and its checks, events, failures, formats, limits, media). The
-engine (the MLX thread) never imports HTTP libraries; the HTTP side (the
-event loop) never imports MLX; the input decoders neither. Inside the HTTP
+shared (config and its checks, events, failures, formats, grammars, limits,
+media). The engine (the MLX thread) never imports HTTP libraries; the HTTP
+side (the event loop) never imports MLX; the input decoders neither. Inside the HTTP
 side, each API's slice imports only the shared pieces. Every import counts,
 those under ``TYPE_CHECKING`` and inside functions too.
 """
@@ -19,7 +19,16 @@ import pytest
 import mlx_pinned.server
 
 ROOT = Path(mlx_pinned.server.__file__).parent
-SHARED = {"config", "config_checks", "events", "failures", "formats", "limits", "media"}
+SHARED = {
+    "config",
+    "config_checks",
+    "events",
+    "failures",
+    "formats",
+    "grammars",
+    "limits",
+    "media",
+}
 # The command line: the CLI, its options (the settings' projection) and its
 # config file.
 CLI = {"cli", "cli_options", "config_file"}

@@ -19,11 +19,12 @@ import pytest
 from mlx_pinned import MLXThread
 from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel, logits
-from mlx_pinned.server.engine.logits import compile_grammar, penalize, prompt_seen
+from mlx_pinned.server.engine.logits import penalize, prompt_seen
 from mlx_pinned.server.engine.speculation import SPECULATION_MISSES, Speculation
 from mlx_pinned.server.engine.state import BatchState
 from mlx_pinned.server.events import FinalEvent, Grammar, SamplingParams
 from mlx_pinned.server.failures import InvalidGrammarError
+from mlx_pinned.server.grammars import GRAMMARS
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import tiny_vlm_path
 
@@ -273,12 +274,33 @@ class TestGrammarInTheBatch:
             for kind in ("integer", "boolean")
         ]
 
-    def test_a_grammar_is_compiled_once(self) -> None:
-        grammar = Grammar("json_schema", json.dumps({"type": "integer"}))
-        compile_grammar.cache_clear()
-        compile_grammar(grammar)
-        compile_grammar(Grammar("json_schema", json.dumps({"type": "integer"})))
-        assert compile_grammar.cache_info().hits == 1
+    async def test_a_matcher_takes_the_grammar_the_http_side_compiled(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        grammar = Grammar("json_schema", json.dumps({"type": "integer", "maximum": 7}))
+        GRAMMARS.compile(grammar)  # the HTTP side's check, on a worker thread
+        before = GRAMMARS.compiles
+        await thread.run(loaded.grammar_matchers.clear)
+        await thread.run(logits.new_matcher, loaded, grammar)
+        assert GRAMMARS.compiles == before
+        assert grammar in await thread.run(dict, loaded.grammar_matchers)
+
+    async def test_a_grammar_spelling_a_special_token_is_kept_as_asked(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        # Rewritten to name the token (<[2]>) before it is compiled, and
+        # found again by the grammar the request sent.
+        grammar = Grammar("lark", 'start: "ok" "<|im_end|>"')
+
+        def twice() -> list[Grammar]:
+            loaded.grammar_matchers.clear()
+            logits.new_matcher(loaded, grammar)
+            before = GRAMMARS.compiles
+            logits.new_matcher(loaded, grammar)
+            assert GRAMMARS.compiles == before
+            return list(loaded.grammar_matchers)
+
+        assert await thread.run(twice) == [grammar]
 
 
 class TestGrammarSpeculation:

@@ -308,6 +308,8 @@ class TestIdleUnload:
             slot = served.slot("a")
             first = logprobs(await served.chat("a"))
             assert slot.engine is not None
+            read = slot.capabilities  # read once for this load
+            assert read is not None
             model = weakref.ref(slot.engine.loaded)  # type: ignore[attr-defined]
             weights = slot.weight_bytes
             assert weights is not None
@@ -316,6 +318,7 @@ class TestIdleUnload:
             with anyio.fail_after(WAIT):
                 await until(lambda: slot.unloads == 1)
             assert slot.state is SlotState.UNLOADED
+            assert slot.capabilities is None
             assert model() is None  # nothing kept the model alive
             assert before - mx.get_active_memory() >= weights
             assert mx.get_cache_memory() == 0  # given back, not kept cached
@@ -327,6 +330,8 @@ class TestIdleUnload:
             again = logprobs(await served.chat("a"))
             assert again == first
             assert slot.loads == 2
+            assert slot.capabilities is not None
+            assert slot.capabilities is not read  # read again for the new load
 
     async def test_a_model_in_use_or_waited_for_is_not_unloaded(
         self, serve: Serve, monkeypatch: pytest.MonkeyPatch

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -20,7 +21,9 @@ import pydantic
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
+from mlx_pinned.server import grammars
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
+from mlx_pinned.server.events import Grammar
 
 from .conftest import MODEL, Served, sse_events
 from .kit import CLOCK, TOL, WEATHER, running_server
@@ -154,6 +157,38 @@ class TestStructuredOutputs:
         choice = reply.choices[0]
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content or ""), CITY)
+
+    @pytest.mark.parametrize("forced", [False, True])
+    async def test_a_grammar_is_compiled_once_for_the_check_and_the_engine(
+        self,
+        served: tuple[Served, openai.AsyncOpenAI],
+        monkeypatch: pytest.MonkeyPatch,
+        forced: bool,
+    ) -> None:
+        compiled: list[Grammar] = []
+        compile_one = grammars._compile
+
+        def counted(grammar: Grammar) -> tuple[str, str]:
+            compiled.append(grammar)
+            return compile_one(grammar)
+
+        monkeypatch.setattr(grammars, "_compile", counted)
+        # A schema no other run sends, so neither side has it cached.
+        schema = {**CITY, "title": uuid.uuid4().hex}
+        fields: dict[str, Any] = {"response_format": schema_format(schema)}
+        if forced:
+            tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+            fields = {"tools": [tool], "tool_choice": "required"}
+        running, _ = served
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **fields}
+        response = await running.chat(body)
+        assert response.status_code == 200, response.text
+        # The schema (a forced call's, and its call's Lark grammar) once
+        # each: the HTTP check's compile is the one the engine's matcher uses.
+        assert [g.kind for g in compiled] == (
+            ["json_schema", "lark"] if forced else ["json_schema"]
+        )
+        assert len(set(compiled)) == len(compiled)
 
     async def test_json_object_is_an_object(
         self, served: tuple[Served, openai.AsyncOpenAI]

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import mlx.core as mx
 import numpy as np
 
+from ..grammars import GRAMMARS
 from .sampling import free_draw
 from .special_tokens import special_literals, special_tokens
 
@@ -47,7 +48,6 @@ __all__ = [
     "Penalized",
     "advance",
     "bias_rows",
-    "compile_grammar",
     "constrain",
     "fill_masks",
     "mask",
@@ -137,7 +137,7 @@ class GrammarMatcher:
 
     Args:
         tokenizer: The model's llguidance tokenizer (:func:`llg_tokenizer`).
-        grammar: The compiled grammar (:func:`compile_grammar`).
+        grammar: The compiled grammar (:meth:`~..grammars.GrammarCache.compile`).
     """
 
     def __init__(self, tokenizer: Any, grammar: str) -> None:
@@ -276,7 +276,8 @@ def _executor() -> Any:
 
 def new_matcher(loaded: LoadedModel, grammar: Grammar) -> GrammarMatcher:
     """A fresh matcher for ``grammar``: a copy of one the model keeps per
-    grammar (the last :data:`MATCHERS_KEPT` used).
+    grammar (the last :data:`MATCHERS_KEPT` used), made from the grammar the
+    HTTP side compiled (:data:`~..grammars.GRAMMARS`), not compiled again.
 
     Raises:
         ValueError: The grammar is invalid or unsupported.
@@ -284,11 +285,11 @@ def new_matcher(loaded: LoadedModel, grammar: Grammar) -> GrammarMatcher:
     kept = loaded.grammar_matchers
     template = kept.pop(grammar, None)
     if template is None:
+        spelled = grammar
         if grammar.kind == "lark":
-            grammar = dataclasses.replace(
-                grammar, source=special_literals(grammar.source, special_tokens(loaded))
-            )
-        template = GrammarMatcher(llg_tokenizer(loaded), compile_grammar(grammar))
+            source = special_literals(grammar.source, special_tokens(loaded))
+            spelled = dataclasses.replace(grammar, source=source)
+        template = GrammarMatcher(llg_tokenizer(loaded), GRAMMARS.compile(spelled))
     kept[grammar] = template  # the most recently used last
     while len(kept) > MATCHERS_KEPT:
         del kept[next(iter(kept))]
@@ -307,33 +308,6 @@ def llg_tokenizer(loaded: LoadedModel) -> Any:
         )
         loaded.grammar_tokenizer = cached
     return cached
-
-
-@functools.lru_cache(maxsize=256)
-def compile_grammar(grammar: Grammar) -> str:
-    """llguidance's grammar for ``grammar``, compiled once per grammar.
-
-    JSON is compact (no whitespace between tokens is allowed), so a
-    constrained row cannot spend its tokens on blank space.
-
-    Raises:
-        ValueError: The grammar is invalid or unsupported.
-    """
-    llguidance = importlib.import_module("llguidance")
-    compiler = llguidance.JsonCompiler(separators=(",", ":"), whitespace_pattern="")
-    try:
-        if grammar.kind == "json_schema":
-            compiled = compiler.compile(grammar.source)
-        elif grammar.kind == "json_object":
-            compiled = compiler.compile('{"type": "object"}')
-        else:
-            compiled = llguidance.LarkCompiler().compile(grammar.source)
-    except Exception as exc:  # llguidance raises its own ValueError/RuntimeError
-        raise ValueError(f"invalid {grammar.kind} grammar: {exc}") from None
-    error = llguidance.LLMatcher.validate_grammar(compiled)
-    if error:
-        raise ValueError(f"invalid {grammar.kind} grammar: {error}")
-    return str(compiled)
 
 
 def bias_rows(rows: Sequence[Biased], logits: mx.array) -> mx.array | None:

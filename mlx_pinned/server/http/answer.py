@@ -13,20 +13,20 @@ needs no parser: its text is its content, as generated.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..formats import (
     CallArguments,
     CallStart,
     ReasoningParser,
     ToolCallParser,
-    ToolSpec,
 )
 
 if TYPE_CHECKING:
     from .capabilities import Capabilities
+    from .serving_common import Prepared
 
 __all__ = ["AnswerParser", "Part", "Reasoning", "answer_parser"]
 
@@ -113,32 +113,28 @@ class AnswerParser:
 
 
 def answer_parser(
-    capabilities: Capabilities,
-    *,
-    template_kwargs: Mapping[str, Any],
-    tools: Sequence[ToolSpec],
-    constrained: bool,
-    call_id: Callable[[], str],
+    capabilities: Capabilities, prepared: Prepared, call_id: Callable[[], str]
 ) -> AnswerParser | None:
-    """The parser an answer needs; None when its text is its content.
+    """The parser the answer of a ``prepared`` request needs; None when its
+    text is its content.
 
     The model's reasoning format and its chat template (with the request's
-    ``template_kwargs``) say whether and how it thinks; tool calls are parsed
-    in its tool-call format when the request gives ``tools`` the model may
-    call (some formats read their arguments' types from them). A
-    ``constrained`` answer (it follows a grammar from its first token) has
-    no reasoning. ``call_id`` makes each tool call's id.
+    template keywords) say whether and how it thinks; tool calls are parsed
+    in its tool-call format when the request gives tools the model may call
+    (some formats read their arguments' types from them). An answer under
+    a grammar (it follows it from its first token) has no reasoning.
+    ``call_id`` makes each tool call's id.
     """
     formats = capabilities.formats
     reasoning = None
-    if formats.reasoning is not None and not constrained:
+    if formats.reasoning is not None and prepared.params.grammar is None:
         opened = formats.reasoning.opens(
-            capabilities.chat_template or "", template_kwargs
+            capabilities.chat_template or "", prepared.template_kwargs
         )
         reasoning = formats.reasoning.parser(opened)
     calls = None
-    if formats.tool_call is not None and tools:
-        calls = formats.tool_call.parser(tools)
+    if formats.tool_call is not None and prepared.tools:
+        calls = formats.tool_call.parser(prepared.tools)
     if reasoning is None and calls is None:
         return None
     return AnswerParser(reasoning=reasoning, tools=calls, call_id=call_id)

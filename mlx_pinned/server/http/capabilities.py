@@ -2,8 +2,9 @@
 
 Event loop, pure Python. :meth:`Capabilities.of` reads it from the engine the
 model registry holds (:mod:`.residency`) and the model's format settings, in
-this one place; each API's serving module checks a request against it once,
-before the request waits for the model's gate. The engine itself checks
+this one place, once per load (it is kept on the model's slot); each API's
+serving module checks a request against it once, before the request waits
+for the model's gate. The engine itself checks
 only what needs the exact prompt (its length in tokens, on the MLX thread).
 """
 
@@ -46,9 +47,14 @@ class Capabilities:
 
     @classmethod
     def of(cls, engine: Engine, served: ServedModel) -> Capabilities:
-        """The capabilities of ``served``, loaded as ``engine``."""
+        """The capabilities of ``served``, loaded as ``engine``: read once per
+        load (its formats detected from its template), then kept on its slot
+        until it is unloaded."""
+        slot = served.slot
+        if slot.engine is engine and slot.capabilities is not None:
+            return slot.capabilities
         template = engine.chat_template
-        return cls(
+        capabilities = cls(
             context_length=engine.context_length,
             vocab_size=engine.vocab_size,
             longest_token_chars=engine.longest_token_chars,
@@ -60,3 +66,6 @@ class Capabilities:
                 reasoning_parser=served.reasoning_parser,
             ),
         )
+        if slot.engine is engine:  # kept until the residency unloads it
+            slot.capabilities = capabilities
+        return capabilities

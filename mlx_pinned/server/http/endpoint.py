@@ -1,15 +1,17 @@
 """What every API's generation route shares, whatever its shapes.
 
-Event loop only. :class:`GenerationEndpoint` is a plain ASGI endpoint
-rather than a Starlette request handler, so that one ``try``/``finally``
-owns the request from its first byte to its last: the model's turn and the
-stream on the MLX thread are always given back, whether the request ends,
-fails, or the client goes away. A slice (an API) subclasses it, parses its
-own body in :meth:`GenerationEndpoint.handle`, and writes its own answer;
-the base reads the body, keeps the deadline, watches the client, holds the
-model, takes the gate's turn and closes the stream, and answers every error
-through the slice's table (:meth:`GenerationEndpoint.error_for`) in the
-slice's shape (:attr:`GenerationEndpoint.errors`).
+Event loop only. :class:`ModelEndpoint` is a plain ASGI endpoint rather
+than a Starlette request handler, so that one ``try``/``finally`` owns the
+request from its first byte to its last: the model's turn and the stream on
+the MLX thread are always given back, whether the request ends, fails, or
+the client goes away. It reads the body, keeps the deadline, watches the
+client, holds the model, takes the gate's turn and closes the stream, and
+answers every error through the slice's table
+(:meth:`ModelEndpoint.error_for`) in the slice's shape
+(:attr:`ModelEndpoint.errors`). :class:`GenerationEndpoint` is the one
+skeleton of a generation (parse, prepare, decode the media, generate, write
+the answer whole or streamed); a slice (an API) supplies its protocol, its
+preparation and its writers.
 
 A status code is chosen only before the first byte of the response: prefill
 runs before the response starts, so a bad request or a failed prefill is a
@@ -24,18 +26,23 @@ closed on the MLX thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Generic
 
 import anyio
 
 from ..events import FinalEvent, TokenEvent
+from .answer import answer_parser
+from .capabilities import Capabilities
 from .errors import APIError, api_error, internal_error, thread_unavailable, timed_out
+from .serving_common import RequestT, Serving, check_media
 from .wire import (
     OPENAI_ERRORS,
     Disconnected,
@@ -54,20 +61,28 @@ if TYPE_CHECKING:
 
     from ..config import ServerConfig
     from ..events import Engine, Event, EventStream, GenerationParams
-    from ..media import ImageRef, LoadImages
+    from ..media import ImageRef, LoadImages, LoadVideos, Video, VideoRef
     from .answer import AnswerParser, Part
     from .metrics import ServerMetrics
     from .models import ServedModel, ServedModels
     from .residency import Residency
+    from .serving_common import Prepared
     from .turns import LoopTurns
 
-__all__ = ["GenerationEndpoint", "last_parts", "send_last", "token_parts"]
+__all__ = [
+    "GenerationEndpoint",
+    "ModelEndpoint",
+    "Reply",
+    "last_parts",
+    "send_last",
+    "token_parts",
+]
 
 logger = logging.getLogger("mlx_pinned.server")
 
 
-class GenerationEndpoint(ABC):
-    """The ASGI endpoint of one API's generation route.
+class ModelEndpoint(ABC):
+    """The ASGI endpoint of one API's route that uses a model.
 
     Runs on the event loop; the generation runs on ``thread``, through the
     engine of the model the request names (held through ``residency``,
@@ -107,8 +122,8 @@ class GenerationEndpoint(ABC):
     async def handle(
         self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
     ) -> None:
-        """Parse ``body``, generate through :meth:`model` and
-        :meth:`generation`, and write the answer; raise for any error (the
+        """Parse ``body``, use the model through :meth:`model` (and
+        :meth:`generation`), and write the answer; raise for any error (the
         base answers it). Add to ``images`` where each image of the request
         is, in prompt order, once parsed, so a refused one can be named."""
 
@@ -255,6 +270,94 @@ class GenerationEndpoint(ABC):
                     final = events[-1]
         assert final is not None, "a generation always ends with a FinalEvent"
         return final
+
+
+@dataclass(frozen=True, slots=True)
+class Reply(Generic[RequestT]):
+    """One request's generation, as its API's writer takes it.
+
+    Attributes:
+        request: The parsed request.
+        prepared: It, checked against its model.
+        model: The served name, for the answer.
+        events: The generation's events.
+        parser: The answer's parser (None: its text is its content).
+        response: Where the answer goes.
+        log: The request's log line.
+    """
+
+    request: RequestT
+    prepared: Prepared
+    model: str
+    events: EventStream
+    parser: AnswerParser | None
+    response: ResponseWriter
+    log: RequestLog
+
+
+async def _no_videos(refs: Sequence[VideoRef]) -> list[Video]:
+    raise refs[0].error("this server decodes no videos.", "videos_unsupported")
+
+
+class GenerationEndpoint(ModelEndpoint, Generic[RequestT]):
+    """The endpoint of an API's generation route: one skeleton for every API.
+
+    Runs on the event loop: :meth:`handle` parses the body (the slice's
+    :meth:`parse`), checks it against the model it names (its
+    :attr:`serving`, before any wait for the gate), decodes its images and
+    videos off the loop (``load_images``; ``load_videos``, which ``app.py``
+    sets where videos are taken), generates, and writes the answer with the
+    slice's :meth:`send_whole` or :meth:`send_stream`.
+
+    Attributes:
+        call_id: Makes a tool call's id, in the API's own form.
+    """
+
+    call_id: Callable[[], str]
+    load_videos: LoadVideos = staticmethod(_no_videos)
+
+    @abstractmethod
+    def parse(self, body: bytes, images: list[str]) -> RequestT:
+        """The request in ``body``; where each of its images is named, in
+        prompt order, added to ``images``."""
+
+    @property
+    @abstractmethod
+    def serving(self) -> Serving[RequestT]:
+        """The slice's one place a request is checked against its model."""
+
+    @abstractmethod
+    async def send_whole(self, reply: Reply[RequestT]) -> None:
+        """Write the whole answer, once the generation ended."""
+
+    @abstractmethod
+    async def send_stream(self, reply: Reply[RequestT]) -> None:
+        """Write the answer as it is generated (the status with its first
+        token, so a failed prefill is still an error status)."""
+
+    async def handle(
+        self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
+    ) -> None:
+        request = self.parse(body, images)
+        log.stream = bool(request.stream)
+        async with self.model(request.model, log) as (served, engine):
+            capabilities = Capabilities.of(engine, served)
+            prepared = await self.serving.prepare(request, capabilities)
+            check_media(capabilities, prepared.images, prepared.videos)
+            decoded = await self.decode_images(prepared.images, log)
+            params = prepared.params
+            if prepared.videos:
+                videos = await self.load_videos(prepared.videos)
+                params = dataclasses.replace(params, videos=tuple(videos))
+            async with self.generation(served, engine, params, decoded, log) as events:
+                parser = answer_parser(capabilities, prepared, self.call_id)
+                reply = Reply(
+                    request, prepared, served.name, events, parser, response, log
+                )
+                if request.stream:
+                    await self.send_stream(reply)
+                else:
+                    await self.send_whole(reply)
 
 
 def joined(tokens: Sequence[TokenEvent]) -> list[TokenEvent]:

@@ -321,7 +321,7 @@ class Residency:
         slot.idle_since = None
         change = slot._change = SlotChange()
         holder: list[Any] = [slot.engine]
-        slot.engine = None
+        slot.engine = slot.capabilities = None
         logger.info("unloading model %r (%s)", slot.name, why)
         try:
             await self.release(holder, slot.name)

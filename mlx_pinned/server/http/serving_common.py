@@ -1,22 +1,29 @@
-"""The checks every API's serving module runs against the served model's
-:class:`~.capabilities.Capabilities` and this server's limits, whatever the
-API's shapes.
+"""What every API's serving module shares: what it is (:class:`Serving`),
+the checks it runs against the served model's
+:class:`~.capabilities.Capabilities` and this server's limits, the grammar
+of its answer, and what it hands the endpoint (:class:`Prepared`),
+whatever the API's shapes.
 
-Event loop; a forced call's grammar is checked in a worker thread
-(:mod:`.structured`). Each check takes the parameter names and wording its
-API uses, so an API's errors stay its own; none imports a slice.
+Event loop; a grammar is compiled in a worker thread, once for the HTTP
+check and the engine (:data:`~..grammars.GRAMMARS`). Each check takes the
+parameter names and wording its API uses, so an API's errors stay its own;
+none imports a slice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import anyio
 
 from ..events import GenerationParams, Grammar
-from ..formats import TOOL_CALL_FORMATS, UnforcedCallError
+from ..formats import TOOL_CALL_FORMATS, UnforcedCallError, json_arguments
+from ..grammars import GRAMMARS, GrammarCompileError
 from ..limits import check_text_length
 from .errors import APIError
-from .structured import check_grammar
 
 if TYPE_CHECKING:
     from ..config import ServerConfig
@@ -25,15 +32,67 @@ if TYPE_CHECKING:
     from .capabilities import Capabilities
 
 __all__ = [
-    "check_images",
+    "ForcedCall",
+    "GenerationRequest",
+    "Prepared",
+    "RequestT",
+    "Serving",
+    "check_grammar",
     "check_logit_bias",
-    "check_max_tokens",
+    "check_media",
     "check_prompt_text",
-    "forced_call_grammar",
+    "max_tokens",
     "no_tool_call_format",
     "out_of_vocabulary",
+    "request_grammar",
     "unforced_call",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request checked against its model, as the endpoint takes it.
+
+    Attributes:
+        params: The shared generation request (its ``videos`` are set once
+            they are decoded).
+        images: Its images in prompt order, to decode.
+        videos: Its videos in prompt order, to decode.
+        tools: The tools the model may call, for the answer's parser.
+        template_kwargs: The chat template's keywords (whether the model
+            thinks is read with them).
+    """
+
+    params: GenerationParams
+    images: Sequence[ImageRef]
+    videos: Sequence[VideoRef] = ()
+    tools: Sequence[ToolSpec] = ()
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+class GenerationRequest(Protocol):
+    """What the skeleton reads of every API's parsed request: the model it
+    names, and whether its answer is streamed."""
+
+    model: str
+    stream: bool | None
+
+
+RequestT = TypeVar("RequestT", bound=GenerationRequest)
+RequestT_contra = TypeVar(
+    "RequestT_contra", bound=GenerationRequest, contravariant=True
+)
+
+
+class Serving(Protocol[RequestT_contra]):
+    """A slice's validation site (its ``serving`` module)."""
+
+    async def prepare(
+        self, request: RequestT_contra, capabilities: Capabilities
+    ) -> Prepared:
+        """``request`` checked against the model's ``capabilities`` and the
+        server's limits: its generation, its images and its videos."""
+        ...
 
 
 def check_prompt_text(
@@ -51,14 +110,24 @@ def check_prompt_text(
     return max_prompt
 
 
-def check_max_tokens(
-    param: str, asked: int, limit: int, *, code: str | None = "invalid_value"
+def max_tokens(
+    config: ServerConfig,
+    param: str,
+    asked: int | None,
+    *,
+    default: int | None = None,
+    code: str | None = "invalid_value",
 ) -> int:
-    """``asked`` (the request's ``param``), within the server's ``limit``.
+    """The tokens to generate: ``asked`` (the request's ``param``) within
+    the server's ``max_tokens_limit``; when it asks none, ``default`` (else
+    the server's ``default_max_tokens``).
 
     Raises:
         APIError: 400 naming ``param``, over the limit.
     """
+    if asked is None:
+        return config.default_max_tokens if default is None else default
+    limit = config.max_tokens_limit
     if asked > limit:
         raise APIError(
             400,
@@ -107,21 +176,24 @@ def no_tool_call_format(
     )
 
 
-def check_images(
-    refs: Sequence[ImageRef] | Sequence[VideoRef],
+def check_media(
     capabilities: Capabilities,
-    message: str,
-    code: str,
+    images: Sequence[ImageRef],
+    videos: Sequence[VideoRef] = (),
 ) -> None:
     """Refuse images (or videos) for a model that takes none, naming the
-    first with ``message`` and ``code``.
+    first.
 
     Raises:
         ImageRefusedError: The first image's error.
         VideoRefusedError: The first video's error.
     """
-    if refs and not capabilities.accepts_images:
-        raise refs[0].error(message, code)
+    if capabilities.accepts_images:
+        return
+    for kind, refs in (("images", images), ("videos", videos)):
+        if refs:
+            message = f"this model takes no {kind}; send text only."
+            raise refs[0].error(message, f"{kind}_unsupported")
 
 
 def unforced_call(message: str) -> APIError:
@@ -129,23 +201,81 @@ def unforced_call(message: str) -> APIError:
     return APIError(400, message, param="tool_choice", code="unsupported_parameter")
 
 
-async def forced_call_grammar(
-    tool_format: ToolCallFormat,
-    specs: list[ToolSpec],
-    parallel: bool,
-    unforced: Callable[[str], APIError],
-) -> Grammar:
-    """The grammar of a forced call of ``specs`` (one, or one or more when
-    ``parallel``) in ``tool_format``, checked.
+@dataclass(frozen=True, slots=True)
+class ForcedCall:
+    """A call the request forces (OpenAI's ``tool_choice`` ``required`` or
+    a named function, Anthropic's ``any`` or ``tool``).
+
+    Attributes:
+        tools: Each tool the call may be of, with the parameter that names
+            its schema (``tools[0].function.parameters``).
+        parallel: One or more calls; else exactly one.
+    """
+
+    tools: Sequence[tuple[str, ToolSpec]]
+    parallel: bool
+
+
+async def request_grammar(
+    tool_format: ToolCallFormat | None,
+    call: ForcedCall | None,
+    answer: tuple[str, Grammar] | None,
+    unforced: Callable[[str], APIError] = unforced_call,
+) -> Grammar | None:
+    """The grammar the request's answer must follow, checked; None if free.
+
+    The forced ``call`` in the model's ``tool_format``, when it has one;
+    else the ``answer``'s format (the parameter that asks for it, and its
+    grammar).
 
     Raises:
-        APIError: ``unforced(message)`` when the format cannot force the
-            call; a 400 naming ``tools`` when the grammar does not compile.
+        APIError: 400 naming the schema that cannot be used, or
+            ``unforced(message)`` when the format cannot force the call.
+    """
+    if tool_format is not None and call is not None:
+        for param, spec in call.tools:
+            if spec.parameters is not None:
+                schema = json.dumps(json_arguments(spec.parameters))
+                await check_grammar(Grammar("json_schema", schema), param)
+        specs = [spec for _, spec in call.tools]
+        try:
+            source = tool_format.grammar(specs, call.parallel)
+        except UnforcedCallError as exc:  # its message names the format
+            raise unforced(str(exc)) from None
+        grammar = Grammar("lark", source)
+        await check_grammar(grammar, "tools")
+        return grammar
+    if answer is None:
+        return None
+    param, grammar = answer
+    await check_grammar(grammar, param)
+    return grammar
+
+
+async def check_grammar(grammar: Grammar, param: str) -> None:
+    """Compile ``grammar`` off the event loop (once: the engine takes it
+    from the same cache), and refuse one llguidance cannot use.
+
+    A grammar compiled before is answered on the event loop, without a hop
+    to a worker thread. Cancelling the caller abandons the compile (it runs
+    to its end in its worker thread, and is cached).
+
+    Raises:
+        APIError: 400 ``invalid_json_schema`` naming ``param``.
     """
     try:
-        source = tool_format.grammar(specs, parallel)
-    except UnforcedCallError as exc:  # its message names the format
-        raise unforced(str(exc)) from None
-    grammar = Grammar("lark", source)
-    await check_grammar(grammar, "tools")
-    return grammar
+        if grammar in GRAMMARS:
+            GRAMMARS.compile(grammar)
+        else:
+            await anyio.to_thread.run_sync(
+                GRAMMARS.compile, grammar, abandon_on_cancel=True
+            )
+    except GrammarCompileError as exc:
+        first = exc.reason.strip().splitlines()[0]
+        raise APIError(
+            400,
+            f"Invalid value for '{param}': the schema cannot be used for "
+            f"constrained decoding: {first}",
+            param=param,
+            code="invalid_json_schema",
+        ) from None

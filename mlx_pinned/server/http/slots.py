@@ -16,6 +16,7 @@ import anyio
 
 if TYPE_CHECKING:
     from ..events import Engine
+    from .capabilities import Capabilities
 
 __all__ = ["ModelSlot", "SlotChange", "SlotState", "due"]
 
@@ -54,6 +55,9 @@ class ModelSlot:
         idle_timeout: Seconds idle before it is unloaded (None: never).
         state: See :class:`SlotState`.
         engine: Its engine while LOADED.
+        capabilities: What its engine can take, read on first use after
+            each load (:meth:`~.capabilities.Capabilities.of`); None once
+            it is unloaded.
         holders: Requests holding it now (:meth:`Residency.use`).
         weight_bytes: Its weights' bytes, measured at its last load; None
             before the first.
@@ -72,6 +76,7 @@ class ModelSlot:
     idle_timeout: float | None = None
     state: SlotState = SlotState.UNLOADED
     engine: Engine | None = None
+    capabilities: Capabilities | None = None
     holders: int = 0
     weight_bytes: int | None = None
     idle_since: float | None = None

@@ -16,26 +16,29 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-from ..answer import AnswerParser
 from ..capabilities import Capabilities
-from ..endpoint import GenerationEndpoint, last_parts, send_last, token_parts
+from ..endpoint import (
+    GenerationEndpoint,
+    ModelEndpoint,
+    Reply,
+    last_parts,
+    send_last,
+    token_parts,
+)
 from ..errors import APIError
 from ..wire import ErrorShape, RequestLog, ResponseWriter
 from .blocks import image_parts
 from .errors import ANTHROPIC_ERRORS, anthropic_error
-from .output import Blocks, EventWriter, message_id, stop_reason
+from .output import Blocks, EventWriter, message_id, stop_reason, tool_use_id
 from .protocol import MessagesRequest, parse_count_request, parse_messages_request
 from .serving import MessagesServing
-
-if TYPE_CHECKING:
-    from ...events import EventStream
 
 __all__ = ["CountTokensEndpoint", "MessagesEndpoint"]
 
 
-class _AnthropicEndpoint(GenerationEndpoint):
+class _AnthropicEndpoint(ModelEndpoint):
     """What both routes share: Anthropic's errors, and the one serving."""
 
     errors: ClassVar[ErrorShape] = ANTHROPIC_ERRORS
@@ -49,42 +52,21 @@ class _AnthropicEndpoint(GenerationEndpoint):
         return anthropic_error(exc, retry_after=self.config.retry_after, images=images)
 
 
-class MessagesEndpoint(_AnthropicEndpoint):
+class MessagesEndpoint(_AnthropicEndpoint, GenerationEndpoint[MessagesRequest]):
     """The ASGI endpoint of ``POST /v1/messages``."""
 
     route = "POST /v1/messages"
+    call_id = staticmethod(tool_use_id)
 
-    async def handle(
-        self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
-    ) -> None:
+    def parse(self, body: bytes, images: list[str]) -> MessagesRequest:
         request = parse_messages_request(body)
         images.extend(param for param, _ in image_parts(request.messages))
-        log.stream = bool(request.stream)
-        async with self.model(request.model, log) as (served, engine):
-            capabilities = Capabilities.of(engine, served)
-            prepared = await self.serving.prepare(request, capabilities)
-            params = prepared.params
-            decoded = await self.decode_images(prepared.images, log)
-            async with self.generation(served, engine, params, decoded, log) as stream:
-                parser = self.serving.answer_parser(request, capabilities, params)
-                if request.stream:
-                    await self._send_stream(
-                        request, served.name, stream, response, log, parser
-                    )
-                else:
-                    whole = self._whole(request, served.name, stream, log, parser)
-                    await response.json(await whole)
+        return request
 
-    async def _whole(
-        self,
-        request: MessagesRequest,
-        name: str,
-        stream: EventStream,
-        log: RequestLog,
-        parser: AnswerParser | None,
-    ) -> bytes:
+    async def send_whole(self, reply: Reply[MessagesRequest]) -> None:
         """The whole answer as one message, once the generation ended."""
-        events, final = await self.whole(stream, log)
+        request, parser = reply.request, reply.parser
+        events, final = await self.whole(reply.events, reply.log)
         blocks = Blocks(shown=request.thinking_shown)
         blocks.add(last_parts(parser, "".join(event.text for event in events), final))
         called = parser is not None and parser.called
@@ -92,7 +74,7 @@ class MessagesEndpoint(_AnthropicEndpoint):
             "id": message_id(),
             "type": "message",
             "role": "assistant",
-            "model": name,
+            "model": reply.model,
             "content": blocks.content(),
             "stop_reason": stop_reason(final, called=called),
             "stop_sequence": final.stop_sequence,
@@ -102,32 +84,24 @@ class MessagesEndpoint(_AnthropicEndpoint):
                 "cache_read_input_tokens": final.cached_tokens,
             },
         }
-        return json.dumps(message, ensure_ascii=False).encode()
+        await reply.response.json(json.dumps(message, ensure_ascii=False).encode())
 
-    async def _send_stream(
-        self,
-        request: MessagesRequest,
-        name: str,
-        stream: EventStream,
-        response: ResponseWriter,
-        log: RequestLog,
-        parser: AnswerParser | None,
-    ) -> None:
-        """Anthropic's events; the status is sent with the first token, so a
-        failed prefill is still an error status."""
-        writer = EventWriter(shown=request.thinking_shown)
-        head = writer.start(message_id(), name)
+    async def send_stream(self, reply: Reply[MessagesRequest]) -> None:
+        """Anthropic's events."""
+        parser = reply.parser
+        writer = EventWriter(shown=reply.request.thinking_shown)
+        head = writer.start(message_id(), reply.model)
         final = await self.stream_tokens(
-            stream,
-            response,
-            log,
+            reply.events,
+            reply.response,
+            reply.log,
             head,
             lambda event: writer.parts(token_parts(parser, event.text)),
         )
         data = writer.parts(last_parts(parser, final.text, final))
         called = parser is not None and parser.called
         tail = data + writer.end(stop_reason(final, called=called), final)
-        await send_last(response, head, tail)
+        await send_last(reply.response, head, tail)
 
 
 class CountTokensEndpoint(_AnthropicEndpoint):

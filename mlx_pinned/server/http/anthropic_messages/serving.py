@@ -2,7 +2,8 @@
 the served model's :class:`~..capabilities.Capabilities` and this server's
 limits, and turned into the shared generation request.
 
-Event loop; a grammar is checked in a worker thread (:mod:`..structured`).
+Event loop; a grammar is compiled in a worker thread
+(:func:`~..serving_common.check_grammar`).
 Checked here, once, before the request waits for the model's gate: its text
 against the prompt limit, ``max_tokens`` against the server's limit,
 ``thinking`` against the model's reasoning format, tools against its
@@ -15,25 +16,22 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...events import GenerationParams, Grammar
-from ...formats import ToolCallFormat, ToolSpec, json_arguments
-from ...media import ImageRef
-from ..answer import AnswerParser, answer_parser
+from ...events import Grammar
+from ...formats import ToolSpec
 from ..errors import APIError
 from ..serving_common import (
-    check_images,
-    check_max_tokens,
+    ForcedCall,
+    Prepared,
+    check_media,
     check_prompt_text,
-    forced_call_grammar,
+    max_tokens,
     no_tool_call_format,
+    request_grammar,
 )
-from ..structured import check_grammar
 from ..thinking import with_budget
 from .blocks import image_refs, text_chars
-from .output import tool_use_id
 from .protocol import (
     CountTokensRequest,
     MessagesRequest,
@@ -44,18 +42,10 @@ from .protocol import (
 
 if TYPE_CHECKING:
     from ...config import ServerConfig
+    from ...media import ImageRef
     from ..capabilities import Capabilities
 
-__all__ = ["MessagesServing", "Prepared", "request_grammar"]
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A request checked against its model: the shared generation request
-    and its images in prompt order, to decode."""
-
-    params: GenerationParams
-    images: list[ImageRef]
+__all__ = ["MessagesServing"]
 
 
 def _invalid(param: str, message: str) -> APIError:
@@ -81,7 +71,8 @@ class MessagesServing:
     def _check(
         self, request: CountTokensRequest, capabilities: Capabilities
     ) -> list[ImageRef]:
-        """What a count and a generation share: thinking, tools, images."""
+        """What a count and a generation share: thinking and tools checked,
+        and the images, for the endpoint to check and decode."""
         if (
             isinstance(request.thinking, ThinkingEnabled)
             and capabilities.formats.reasoning is None
@@ -93,14 +84,7 @@ class MessagesServing:
             )
         if request.active_tools and capabilities.formats.tool_call is None:
             raise no_tool_call_format(code=None)
-        refs = image_refs(request.messages, self.config.image_limits)
-        check_images(
-            refs,
-            capabilities,
-            "this model takes no images; send text blocks only.",
-            "images_unsupported",
-        )
-        return refs
+        return image_refs(request.messages, self.config.image_limits)
 
     async def prepare(
         self, request: MessagesRequest, capabilities: Capabilities
@@ -112,13 +96,10 @@ class MessagesServing:
             PromptTooLongError: Its text alone is over the prompt limit.
             ImageRefusedError: Too many images.
         """
-        context = capabilities.context_length
         max_prompt = check_prompt_text(
             self.config, capabilities, text_chars(request.system, request.messages)
         )
-        check_max_tokens(
-            "max_tokens", request.max_tokens, self.config.max_tokens_limit, code=None
-        )
+        most = max_tokens(self.config, "max_tokens", request.max_tokens, code=None)
         thinking = request.thinking
         if isinstance(thinking, ThinkingEnabled):
             if thinking.budget_tokens >= request.max_tokens:
@@ -126,17 +107,25 @@ class MessagesServing:
                     "thinking.budget_tokens", "it must be less than max_tokens."
                 )
         refs = self._check(request, capabilities)
+        grammar = await request_grammar(
+            capabilities.formats.tool_call,
+            _forced_call(request),
+            _answer_format(request),
+            functools.partial(_invalid, "tool_choice"),
+        )
         params = request.to_generation_params(
-            request.max_tokens,
+            most,
             max_prompt_tokens=max_prompt,
-            context_length=context,
-            grammar=await request_grammar(request, capabilities.formats.tool_call),
+            context_length=capabilities.context_length,
+            grammar=grammar,
         )
         budget = (
             thinking.budget_tokens if isinstance(thinking, ThinkingEnabled) else None
         )
-        params = with_budget(params, capabilities, request.template_kwargs, budget)
-        return _with_turns(Prepared(params, refs))
+        kwargs = request.template_kwargs
+        params = with_budget(params, capabilities, kwargs, budget)
+        tools = [ToolSpec(t.name, t.input_schema) for t in request.active_tools]
+        return _with_turns(Prepared(params, refs, (), tools, kwargs))
 
     def prepare_count(
         self, request: CountTokensRequest, capabilities: Capabilities
@@ -144,63 +133,42 @@ class MessagesServing:
         """Check a count's request against the model; its prompt, with no
         limits (a count reports the length, it refuses none)."""
         refs = self._check(request, capabilities)
+        check_media(capabilities, refs)
         return _with_turns(Prepared(request.prompt_params(1), refs))
 
-    def answer_parser(
-        self,
-        request: MessagesRequest,
-        capabilities: Capabilities,
-        params: GenerationParams,
-    ) -> AnswerParser | None:
-        """The parser of the request's answer; None when its text is its
-        content (no reasoning to split, no tools the model may call)."""
-        return answer_parser(
-            capabilities,
-            template_kwargs=request.template_kwargs,
-            tools=[ToolSpec(t.name, t.input_schema) for t in request.active_tools],
-            constrained=params.grammar is not None,
-            call_id=tool_use_id,
-        )
 
-
-async def request_grammar(
-    request: MessagesRequest, tool_format: ToolCallFormat | None
-) -> Grammar | None:
-    """The grammar the answer must follow, checked; None if free.
-
-    ``tool_choice`` ``any`` (a call of any tool; one or more unless
-    ``disable_parallel_tool_use``) or ``tool`` (exactly one call of it), in
-    the model's ``tool_format``; else ``output_config.format``'s schema.
+def _forced_call(request: MessagesRequest) -> ForcedCall | None:
+    """``tool_choice`` ``any`` (a call of any tool; one or more unless
+    ``disable_parallel_tool_use``) or ``tool`` (exactly one call of it);
+    None when no call is forced.
 
     Raises:
-        APIError: 400 naming the schema that cannot be used.
+        APIError: 400 for a forced call with ``output_config.format``.
     """
     choice = request.tool_choice
-    tools = request.active_tools
+    if not isinstance(choice, ToolChoiceAny | ToolChoiceTool):
+        return None
     output = request.output_config
-    forced = isinstance(choice, ToolChoiceAny | ToolChoiceTool)
-    if forced and output is not None and output.format is not None:
+    if output is not None and output.format is not None:
         raise _invalid(
             "output_config.format",
             "it cannot be combined with a tool_choice that forces a tool call.",
         )
-    if tool_format is not None and isinstance(choice, ToolChoiceAny | ToolChoiceTool):
-        if isinstance(choice, ToolChoiceTool):
-            tools = [t for t in tools if t.name == choice.name]
-        for i, tool in enumerate(request.tools or []):
-            if tool in tools:
-                schema = json.dumps(json_arguments(tool.input_schema))
-                await check_grammar(
-                    Grammar("json_schema", schema), f"tools[{i}].input_schema"
-                )
-        specs = [ToolSpec(t.name, t.input_schema) for t in tools]
-        named = isinstance(choice, ToolChoiceTool)
-        parallel = not named and not choice.disable_parallel_tool_use
-        return await forced_call_grammar(
-            tool_format, specs, parallel, functools.partial(_invalid, "tool_choice")
-        )
-    if output is not None and output.format is not None:
-        grammar = Grammar("json_schema", json.dumps(output.format.json_schema))
-        await check_grammar(grammar, "output_config.format.schema")
-        return grammar
-    return None
+    named = isinstance(choice, ToolChoiceTool)
+    active = request.active_tools
+    tools = [
+        (f"tools[{i}].input_schema", ToolSpec(tool.name, tool.input_schema))
+        for i, tool in enumerate(request.tools or [])
+        if tool in active
+        and (not isinstance(choice, ToolChoiceTool) or tool.name == choice.name)
+    ]
+    return ForcedCall(tools, not named and not choice.disable_parallel_tool_use)
+
+
+def _answer_format(request: MessagesRequest) -> tuple[str, Grammar] | None:
+    """``output_config.format``'s schema; None for text."""
+    output = request.output_config
+    if output is None or output.format is None:
+        return None
+    schema = json.dumps(output.format.json_schema)
+    return "output_config.format.schema", Grammar("json_schema", schema)

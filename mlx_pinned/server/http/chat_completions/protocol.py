@@ -235,7 +235,7 @@ class ChatCompletionRequest(OpenAISamplingFields):
         grammar: Grammar | None = None,
     ) -> GenerationParams:
         """This request as the shared generation request, with ``max_tokens``
-        resolved and its ``grammar`` (:func:`.serving.request_grammar`)
+        resolved and its ``grammar`` (:func:`..serving_common.request_grammar`)
         checked.
 
         Tools go to the chat template unless ``tool_choice`` is ``none`` (the

@@ -11,18 +11,10 @@ with ``data: [DONE]``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import TYPE_CHECKING
 
 from ...events import TokenEvent
-from ..answer import AnswerParser
-from ..capabilities import Capabilities
-from ..endpoint import GenerationEndpoint, last_parts, send_last
-from ..wire import (
-    RequestLog,
-    ResponseWriter,
-)
+from ..endpoint import GenerationEndpoint, Reply, last_parts, send_last
 from .messages import image_parts, video_parts
 from .output import (
     Answer,
@@ -42,78 +34,40 @@ from .responses import (
     Delta,
     ResponseMessage,
     completion_id,
+    tool_call_id,
 )
 from .serving import ChatCompletionsServing
-
-if TYPE_CHECKING:
-    from collections.abc import Sequence
-
-    from ...events import EventStream
-    from ...media import LoadVideos, Video, VideoRef
 
 __all__ = ["ChatCompletionsEndpoint"]
 
 
-async def _no_videos(refs: Sequence[VideoRef]) -> list[Video]:
-    raise refs[0].error("this server decodes no videos.", "videos_unsupported")
-
-
-class ChatCompletionsEndpoint(GenerationEndpoint):
+class ChatCompletionsEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     """The ASGI endpoint of ``POST /v1/chat/completions``.
 
     Runs on the event loop (the rest is :class:`~..endpoint.GenerationEndpoint`'s):
     the request is checked against its model in one place
-    (:class:`.serving.ChatCompletionsServing`), its images and videos are
-    decoded off the loop (``load_images``; ``load_videos``, which ``app.py``
-    sets), and the answer is written as OpenAI's.
+    (:class:`.serving.ChatCompletionsServing`), and the answer is written as
+    OpenAI's.
     """
 
     route = "POST /v1/chat/completions"
-    load_videos: LoadVideos = staticmethod(_no_videos)
+    call_id = staticmethod(tool_call_id)
 
     @functools.cached_property
     def serving(self) -> ChatCompletionsServing:
         """The one place a request is checked against its model."""
         return ChatCompletionsServing(self.config)
 
-    async def handle(
-        self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
-    ) -> None:
+    def parse(self, body: bytes, images: list[str]) -> ChatCompletionRequest:
         request = parse_chat_request(body)
         images.extend(param for param, _ in image_parts(request.messages))
         images.extend(param for param, _ in video_parts(request.messages))
-        log.stream = bool(request.stream)
-        async with self.model(request.model, log) as (served, engine):
-            capabilities = Capabilities.of(engine, served)
-            prepared = await self.serving.prepare(request, capabilities)
-            params = prepared.params
-            decoded = await self.decode_images(prepared.images, log)
-            if prepared.videos:
-                videos = await self.load_videos(prepared.videos)
-                params = dataclasses.replace(params, videos=tuple(videos))
-            async with self.generation(served, engine, params, decoded, log) as stream:
-                parser = self.serving.answer_parser(request, capabilities, params)
-                if request.stream:
-                    await self._send_stream(
-                        request, served.name, stream, response, log, parser
-                    )
-                else:
-                    whole = self._whole(
-                        request, served.name, stream, log, params.max_tokens, parser
-                    )
-                    await response.json(await whole)
+        return request
 
-    async def _whole(
-        self,
-        request: ChatCompletionRequest,
-        name: str,
-        stream: EventStream,
-        log: RequestLog,
-        max_tokens: int,
-        parser: AnswerParser | None,
-    ) -> bytes:
+    async def send_whole(self, reply: Reply[ChatCompletionRequest]) -> None:
         """The whole answer as one JSON body, once the generation ended."""
-        events, final = await self.whole(stream, log)
+        request, parser = reply.request, reply.parser
+        events, final = await self.whole(reply.events, reply.log)
         text = "".join(event.text for event in events)
         logprobs = [
             token_logprob(event.logprobs)
@@ -138,26 +92,18 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
         completion = ChatCompletion(
             id=chunk_id,
             created=created,
-            model=name,
+            model=reply.model,
             choices=[choice],
             usage=usage(final),
         )
-        return completion.model_dump_json().encode()
+        await reply.response.json(completion.model_dump_json().encode())
 
-    async def _send_stream(
-        self,
-        request: ChatCompletionRequest,
-        name: str,
-        stream: EventStream,
-        response: ResponseWriter,
-        log: RequestLog,
-        parser: AnswerParser | None,
-    ) -> None:
-        """Server-sent events, a chunk per token; the status is sent with the
-        first token, so a failed prefill is still an error status."""
+    async def send_stream(self, reply: Reply[ChatCompletionRequest]) -> None:
+        """Server-sent events, a chunk per token."""
+        request, parser = reply.request, reply.parser
         chunk_id, created = completion_id()
         chunks = ChunkEncoder(
-            chunk_id, created, name, include_usage=request.include_usage
+            chunk_id, created, reply.model, include_usage=request.include_usage
         )
         # Events that are ready together go out in one body message (each is
         # a write to the socket): the role chunk with the first token, and
@@ -171,7 +117,9 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
                 return chunks.chunk([content_choice(event)])
             return chunks.content(event.text) if event.text else b""
 
-        final = await self.stream_tokens(stream, response, log, role, encode)
+        final = await self.stream_tokens(
+            reply.events, reply.response, reply.log, role, encode
+        )
         if parser is None:
             tail = [chunks.content(final.text)] if final.text else []
             reason = finish_reason(final.finish_reason, calls=False)
@@ -183,4 +131,4 @@ class ChatCompletionsEndpoint(GenerationEndpoint):
         if request.include_usage:
             tail.append(chunks.chunk([], usage(final)))
         tail.append(b"data: [DONE]\n\n")
-        await send_last(response, role, b"".join(tail))
+        await send_last(reply.response, role, b"".join(tail))

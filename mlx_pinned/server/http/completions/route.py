@@ -26,7 +26,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ...events import Event, FinalEvent
 from ..capabilities import Capabilities
-from ..endpoint import GenerationEndpoint
+from ..endpoint import ModelEndpoint
 from ..errors import APIError, api_error
 from .output import (
     ChoiceText,
@@ -52,10 +52,10 @@ _Item: TypeAlias = tuple[int, tuple[Event, ...] | Exception]
 _Consume: TypeAlias = Callable[[MemoryObjectReceiveStream[_Item]], Awaitable[None]]
 
 
-class CompletionsEndpoint(GenerationEndpoint):
+class CompletionsEndpoint(ModelEndpoint):
     """The ASGI endpoint of ``POST /v1/completions``.
 
-    Runs on the event loop (the rest is :class:`~..endpoint.GenerationEndpoint`'s).
+    Runs on the event loop (the rest is :class:`~..endpoint.ModelEndpoint`'s).
     A failure of the prompt (too long, no tokens) names ``prompt``.
     """
 

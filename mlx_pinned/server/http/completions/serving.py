@@ -15,8 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...limits import check_text_length
-from ..serving_common import check_logit_bias, check_max_tokens, out_of_vocabulary
+from ..serving_common import (
+    check_logit_bias,
+    check_prompt_text,
+    max_tokens,
+    out_of_vocabulary,
+)
 from .protocol import OPENAI_DEFAULT_MAX_TOKENS
 
 if TYPE_CHECKING:
@@ -25,11 +29,11 @@ if TYPE_CHECKING:
     from ..capabilities import Capabilities
     from .protocol import CompletionRequest
 
-__all__ = ["CompletionsServing", "Prepared"]
+__all__ = ["CompletionsServing", "Prompts"]
 
 
 @dataclass(frozen=True, slots=True)
-class Prepared:
+class Prompts:
     """A request checked against its model: a generation per prompt.
 
     Attributes:
@@ -52,7 +56,7 @@ class CompletionsServing:
 
     async def prepare(
         self, request: CompletionRequest, capabilities: Capabilities, engine: Engine
-    ) -> Prepared:
+    ) -> Prompts:
         """Check ``request`` against the model; a generation per prompt
         (``engine`` decodes token prompts that are echoed).
 
@@ -60,25 +64,23 @@ class CompletionsServing:
             APIError: 400 naming the parameter at fault.
             PromptTooLongError: A prompt over the prompt limit.
         """
-        context = capabilities.context_length
-        max_prompt = self.config.max_prompt_tokens or context
-        max_tokens = self.max_tokens(request)
+        max_prompt = self.config.max_prompt_tokens or capabilities.context_length
+        # OpenAI's default (16), within the server's limit.
+        least = min(OPENAI_DEFAULT_MAX_TOKENS, self.config.max_tokens_limit)
+        most = max_tokens(self.config, "max_tokens", request.max_tokens, default=least)
         vocab = capabilities.vocab_size
         params: list[GenerationParams] = []
         echoes: list[str] = []
         for prompt in request.prompts:
             one = request.to_generation_params(
                 prompt,
-                max_tokens,
+                most,
                 max_prompt_tokens=max_prompt,
-                context_length=context,
+                context_length=capabilities.context_length,
             )
             check_logit_bias(one, vocab)
             if isinstance(prompt, str):
-                if max_prompt is not None:
-                    check_text_length(
-                        len(prompt), capabilities.longest_token_chars, max_prompt
-                    )
+                check_prompt_text(self.config, capabilities, len(prompt))
                 echo = prompt
             else:
                 for token_id in prompt:
@@ -88,17 +90,4 @@ class CompletionsServing:
                 echo = await engine.detokenize(prompt) if request.echo else ""
             params.append(one)
             echoes.append(echo if request.echo else "")
-        return Prepared(params, echoes)
-
-    def max_tokens(self, request: CompletionRequest) -> int:
-        """The request's ``max_tokens``, else OpenAI's default (16, within
-        the server's limit).
-
-        Raises:
-            APIError: 400 over the server's ``max_tokens_limit``.
-        """
-        limit = self.config.max_tokens_limit
-        asked = request.max_tokens
-        if asked is None:
-            return min(OPENAI_DEFAULT_MAX_TOKENS, limit)
-        return check_max_tokens("max_tokens", asked, limit)
+        return Prompts(params, echoes)

@@ -16,20 +16,17 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ...events import FinalEvent, TokenEvent
-from ..capabilities import Capabilities
-from ..endpoint import GenerationEndpoint, last_parts, token_parts
+from ..endpoint import GenerationEndpoint, Reply, last_parts, send_last, token_parts
 from ..errors import OpenAIErrors
 from .items import INPUT_ITEMS, chat_messages, image_urls
-from .objects import Output, item_id, response_object, sse, usage
-from .protocol import parse_responses_request
-from .serving import Prepared, ResponsesServing
+from .objects import Output, item_id, response_object, sse, tool_call_id, usage
+from .protocol import ResponsesRequest, parse_responses_request
+from .serving import Continued, ResponsesServing
 from .store import ResponseStore
 
 if TYPE_CHECKING:
-    from ...events import EventStream
-    from ..answer import AnswerParser
     from ..errors import APIError
-    from ..wire import RequestLog, ResponseWriter
+    from ..serving_common import Prepared
 
 __all__ = ["ResponsesEndpoint", "ResponsesErrors", "StreamErrors"]
 
@@ -67,7 +64,7 @@ class StreamErrors(ResponsesErrors):
         return sse(self.output.event("response.failed", response=failed))
 
 
-class ResponsesEndpoint(GenerationEndpoint):
+class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
     """The ASGI endpoint of ``POST /v1/responses``.
 
     Runs on the event loop (the rest is :class:`~..endpoint.GenerationEndpoint`'s):
@@ -78,6 +75,7 @@ class ResponsesEndpoint(GenerationEndpoint):
 
     route = "POST /v1/responses"
     errors = ResponsesErrors()
+    call_id = staticmethod(tool_call_id)
 
     @functools.cached_property
     def store(self) -> ResponseStore:
@@ -90,9 +88,7 @@ class ResponsesEndpoint(GenerationEndpoint):
     def serving(self) -> ResponsesServing:
         return ResponsesServing(self.config, self.store)
 
-    async def handle(
-        self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
-    ) -> None:
+    def parse(self, body: bytes, images: list[str]) -> ResponsesRequest:
         request = parse_responses_request(body)
         if request.previous_response_id is not None:
             stored = self.store.get(request.previous_response_id)
@@ -100,93 +96,60 @@ class ResponsesEndpoint(GenerationEndpoint):
             if stored is not None:
                 images.extend("previous_response_id" for _ in stored.images)
         images.extend(param for param, _ in image_urls(request.items))
-        log.stream = bool(request.stream)
-        async with self.model(request.model, log) as (served, engine):
-            capabilities = Capabilities.of(engine, served)
-            prepared = await self.serving.prepare(request, capabilities)
-            decoded = await self.decode_images(prepared.images, log)
-            params = prepared.params
-            async with self.generation(served, engine, params, decoded, log) as stream:
-                parser = self.serving.answer_parser(request, capabilities, params)
-                head = response_object(
-                    request, item_id("resp"), int(time.time()), served.name
-                )
-                output = Output()
-                if request.stream:
-                    response.errors = StreamErrors(head, output)
-                    final = await self._stream(
-                        head, stream, response, log, parser, output
-                    )
-                else:
-                    final = await self._whole(stream, log, parser, output, params)
-                done = self._finish(head, output, final)
-                if request.store is not False:
-                    self._keep(done, prepared, output)
-                if request.stream:
-                    kind = (
-                        "completed" if done["status"] == "completed" else "incomplete"
-                    )
-                    last = sse(output.event(f"response.{kind}", response=done))
-                    if not response.started:
-                        await response.start_stream(self._opening(head, output))
-                    await response.send(last, more=False)
-                else:
-                    await response.json(json.dumps(done).encode())
+        return request
 
-    async def _whole(
-        self,
-        stream: EventStream,
-        log: RequestLog,
-        parser: AnswerParser | None,
-        output: Output,
-        params: Any,
-    ) -> FinalEvent:
-        """Every event, taken in batches; the answer's parts into ``output``."""
-        events, final = await self.whole(stream, log)
-        output.add(last_parts(parser, "".join(event.text for event in events), final))
-        return final
+    async def send_whole(self, reply: Reply[ResponsesRequest]) -> None:
+        """The response object, once the generation ended (stored first)."""
+        head, output = self._head(reply), Output()
+        events, final = await self.whole(reply.events, reply.log)
+        text = "".join(event.text for event in events)
+        done, _ = self._finish(reply, head, output, final, text)
+        await reply.response.json(json.dumps(done).encode())
 
-    def _opening(self, head: dict[str, Any], output: Output) -> bytes:
-        """``response.created`` and ``response.in_progress``: numbered 0 and 1."""
-        return sse(output.event("response.created", response=head)) + sse(
+    async def send_stream(self, reply: Reply[ResponsesRequest]) -> None:
+        """The events of each token as it comes, numbered from
+        ``response.created`` and ``response.in_progress``; the last is
+        ``response.completed`` (or ``response.incomplete``), sent once the
+        response is stored."""
+        head, output, response = self._head(reply), Output(), reply.response
+        response.errors = StreamErrors(head, output)
+        opening = sse(output.event("response.created", response=head)) + sse(
             output.event("response.in_progress", response=head)
         )
 
-    async def _stream(
-        self,
-        head: dict[str, Any],
-        stream: EventStream,
-        response: ResponseWriter,
-        log: RequestLog,
-        parser: AnswerParser | None,
-        output: Output,
-    ) -> FinalEvent:
-        """The events of each token as it comes; the last one's are left to
-        the caller (the answer's end)."""
-        opening = self._opening(head, output)
-
         def encode(event: TokenEvent) -> bytes:
-            return b"".join(sse(e) for e in output.add(token_parts(parser, event.text)))
+            parts = token_parts(reply.parser, event.text)
+            return b"".join(sse(e) for e in output.add(parts))
 
-        final = await self.stream_tokens(stream, response, log, opening, encode)
-        tail = output.add(last_parts(parser, final.text, final))
-        if not output.items:
-            tail += output.add_empty_message()
-        tail += output.close()
-        data = b"".join(sse(e) for e in tail)
-        if not response.started:
-            await response.start_stream(opening + data)
-        else:
-            await response.send(data)
-        return final
+        final = await self.stream_tokens(
+            reply.events, response, reply.log, opening, encode
+        )
+        done, data = self._finish(reply, head, output, final, final.text)
+        kind = "completed" if done["status"] == "completed" else "incomplete"
+        last = sse(output.event(f"response.{kind}", response=done))
+        await send_last(response, opening, data + last)
+
+    def _head(self, reply: Reply[ResponsesRequest]) -> dict[str, Any]:
+        """The response object as it begins (``in_progress``)."""
+        return response_object(
+            reply.request, item_id("resp"), int(time.time()), reply.model
+        )
 
     def _finish(
-        self, head: dict[str, Any], output: Output, final: FinalEvent
-    ) -> dict[str, Any]:
-        """The response object at the answer's end."""
+        self,
+        reply: Reply[ResponsesRequest],
+        head: dict[str, Any],
+        output: Output,
+        final: FinalEvent,
+        text: str,
+    ) -> tuple[dict[str, Any], bytes]:
+        """The answer's last ``text`` into ``output``, and the response object
+        at the answer's end, stored unless the request says ``store: false``;
+        with the events of that end of the output."""
+        events = output.add(last_parts(reply.parser, text, final))
         if not output.items:
-            output.add_empty_message()
-        output.close()
+            events += output.add_empty_message()
+        events += output.close()
         done = copy.deepcopy(head)
         cut = final.finish_reason == "length"
         done["status"] = "incomplete" if cut else "completed"
@@ -194,11 +157,14 @@ class ResponsesEndpoint(GenerationEndpoint):
             done["incomplete_details"] = {"reason": "max_output_tokens"}
         done["output"] = copy.deepcopy(output.items)
         done["usage"] = usage(final)
-        return done
+        if reply.request.store is not False:
+            self._keep(done, reply.prepared, output)
+        return done, b"".join(sse(event) for event in events)
 
     def _keep(self, done: dict[str, Any], prepared: Prepared, output: Output) -> None:
         """Store the response and the conversation it ends, its output as the
         chat turns the same items make when sent back as input."""
+        assert isinstance(prepared, Continued), "this endpoint's prepare made it"
         said = chat_messages(INPUT_ITEMS.validate_python(output.items, strict=False))
         messages = (*prepared.history, *said)
         urls = tuple(ref.url for ref in prepared.images)

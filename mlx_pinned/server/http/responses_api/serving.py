@@ -3,12 +3,14 @@ the served model's :class:`~..capabilities.Capabilities`, this server's
 limits and the stored responses, and turned into the shared generation
 request.
 
-Event loop; a grammar is checked in a worker thread (:mod:`..structured`).
+Event loop; a grammar is compiled in a worker thread
+(:func:`~..serving_common.check_grammar`).
 Here, once, before the request waits for the model's gate: the stored
 response it continues (``previous_response_id``), its text against the
 prompt limit, ``max_output_tokens`` against the server's limit, tools
 against the model's tool-call format, the grammar (``text.format`` or a
-forced call), its images (how many, and whether the model takes any).
+forced call), its images (how many; whether the model takes any, the
+endpoint checks).
 """
 
 from __future__ import annotations
@@ -17,20 +19,18 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ...events import GenerationParams, Grammar
-from ...formats import ToolCallFormat, ToolSpec, json_arguments
+from ...events import Grammar
+from ...formats import ToolSpec
 from ...media import ImageRef
-from ..answer import AnswerParser, answer_parser
 from ..errors import APIError
 from ..serving_common import (
-    check_images,
-    check_max_tokens,
+    ForcedCall,
+    Prepared,
     check_prompt_text,
-    forced_call_grammar,
+    max_tokens,
     no_tool_call_format,
-    unforced_call,
+    request_grammar,
 )
-from ..structured import check_grammar
 from ..thinking import with_budget
 from .items import (
     MessageItem,
@@ -39,7 +39,7 @@ from .items import (
     image_urls,
     text_chars,
 )
-from .objects import item_id, tool_call_id
+from .objects import item_id
 from .protocol import JSONObjectFormat, JSONSchemaFormat
 
 if TYPE_CHECKING:
@@ -48,23 +48,21 @@ if TYPE_CHECKING:
     from .protocol import ResponsesRequest
     from .store import ResponseStore
 
-__all__ = ["Prepared", "ResponsesServing", "request_grammar"]
+__all__ = ["Continued", "ResponsesServing"]
 
 
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A request checked against its model and the store.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Continued(Prepared):
+    """A request checked against its model and the store, with what is
+    stored with its answer (its ``images`` are every image of the
+    conversation).
 
     Attributes:
-        params: The shared generation request.
-        images: Every image of the conversation in prompt order, to decode.
         history: The conversation without instructions (a stored response's
-            turns, then this request's input), to store with the answer.
-        input_items: This request's input items, with ids, to store.
+            turns, then this request's input).
+        input_items: This request's input items, with ids.
     """
 
-    params: GenerationParams
-    images: list[ImageRef]
     history: tuple[dict[str, Any], ...]
     input_items: list[dict[str, Any]]
 
@@ -79,7 +77,7 @@ class ResponsesServing:
 
     async def prepare(
         self, request: ResponsesRequest, capabilities: Capabilities
-    ) -> Prepared:
+    ) -> Continued:
         """Check ``request``; its generation request.
 
         Raises:
@@ -87,7 +85,6 @@ class ResponsesServing:
                 ``previous_response_id`` not stored.
             PromptTooLongError: Its text alone is over the prompt limit.
             ImageRefusedError: Too many images.
-            ImagesUnsupportedError: Images, and the model takes none.
         """
         before: tuple[dict[str, Any], ...] = ()
         urls: list[str] = []
@@ -111,21 +108,23 @@ class ResponsesServing:
             else ({"role": "system", "content": request.instructions},)
         )
         messages = (*system, *history)
-        context = capabilities.context_length
         max_prompt = check_prompt_text(self.config, capabilities, text_chars(messages))
         tool_format = capabilities.formats.tool_call
         if request.active_tools and tool_format is None:
             raise no_tool_call_format("function tools")
+        most = max_tokens(self.config, "max_output_tokens", request.max_output_tokens)
+        grammar = await request_grammar(
+            tool_format, _forced_call(request), _answer_format(request)
+        )
         params = request.to_generation_params(
             messages,
-            self.max_tokens(request),
+            most,
             max_prompt_tokens=max_prompt,
-            context_length=context,
-            grammar=await request_grammar(request, tool_format),
+            context_length=capabilities.context_length,
+            grammar=grammar,
         )
-        params = with_budget(
-            params, capabilities, request.template_kwargs, request.thinking_budget
-        )
+        kwargs = request.template_kwargs
+        params = with_budget(params, capabilities, kwargs, request.thinking_budget)
         urls += [url for _, url in image_urls(items)]
         refs = [ImageRef(index, url) for index, url in enumerate(urls)]
         limits = self.config.image_limits
@@ -135,84 +134,44 @@ class ResponsesServing:
                 f"{limits.max_images} are allowed.",
                 "too_many_images",
             )
-        check_images(
-            refs,
-            capabilities,
-            "this model takes no images; send text parts only.",
-            "images_unsupported",
-        )
-        return Prepared(params, refs, history, _input_items(items))
-
-    def max_tokens(self, request: ResponsesRequest) -> int:
-        """``max_output_tokens``, else the server's default.
-
-        Raises:
-            APIError: 400 over the server's ``max_tokens_limit``.
-        """
-        asked = request.max_output_tokens
-        if asked is None:
-            return self.config.default_max_tokens
-        return check_max_tokens(
-            "max_output_tokens", asked, self.config.max_tokens_limit
-        )
-
-    def answer_parser(
-        self,
-        request: ResponsesRequest,
-        capabilities: Capabilities,
-        params: GenerationParams,
-    ) -> AnswerParser | None:
-        """The parser of the request's answer; None when its text is its
-        content."""
-        return answer_parser(
-            capabilities,
-            template_kwargs=request.template_kwargs,
-            tools=[
-                ToolSpec(tool.name, tool.parameters) for tool in request.active_tools
-            ],
-            constrained=params.grammar is not None,
-            call_id=tool_call_id,
+        tools = [ToolSpec(tool.name, tool.parameters) for tool in request.active_tools]
+        return Continued(
+            params=params,
+            images=refs,
+            tools=tools,
+            template_kwargs=kwargs,
+            history=history,
+            input_items=_input_items(items),
         )
 
 
-async def request_grammar(
-    request: ResponsesRequest, tool_format: ToolCallFormat | None
-) -> Grammar | None:
-    """The grammar the answer must follow, checked; None if free.
-
-    ``text.format`` ``json_object`` or ``json_schema``; ``tool_choice``
-    ``required`` (one call, or with ``parallel_tool_calls`` not false, one or
-    more) or a named function (exactly one call to it), in the model's
-    ``tool_format``.
-
-    Raises:
-        APIError: 400 naming the schema that cannot be used, or the format
-            that cannot force a call to the tools.
-    """
+def _forced_call(request: ResponsesRequest) -> ForcedCall | None:
+    """``tool_choice`` ``required`` (one call, or with
+    ``parallel_tool_calls`` not false, one or more) or a named function
+    (exactly one call to it); None when no call is forced."""
     choice = request.tool_choice
     named = isinstance(choice, NamedFunctionChoice)
     functions = request.function_tools
-    if tool_format is not None and functions and (choice == "required" or named):
-        chosen = functions
-        if isinstance(choice, NamedFunctionChoice):
-            chosen = [tool for tool in functions if tool.name == choice.name]
-        for tool in chosen:
-            if tool.parameters is not None:
-                schema = json.dumps(json_arguments(tool.parameters))
-                index = (request.tools or []).index(tool)
-                await check_grammar(
-                    Grammar("json_schema", schema), f"tools[{index}].parameters"
-                )
-        specs = [ToolSpec(tool.name, tool.parameters) for tool in chosen]
-        parallel = not named and request.parallel_tool_calls is not False
-        return await forced_call_grammar(tool_format, specs, parallel, unforced_call)
+    if not functions or not (choice == "required" or named):
+        return None
+    tools = [
+        (
+            f"tools[{(request.tools or []).index(tool)}].parameters",
+            ToolSpec(tool.name, tool.parameters),
+        )
+        for tool in functions
+        if not isinstance(choice, NamedFunctionChoice) or tool.name == choice.name
+    ]
+    return ForcedCall(tools, not named and request.parallel_tool_calls is not False)
+
+
+def _answer_format(request: ResponsesRequest) -> tuple[str, Grammar] | None:
+    """``text.format`` ``json_object`` or ``json_schema``; None for text."""
     wanted = request.text.format if request.text is not None else None
     if isinstance(wanted, JSONObjectFormat):
-        return Grammar("json_object")
+        return "text.format", Grammar("json_object")
     if isinstance(wanted, JSONSchemaFormat):
-        grammar = Grammar("json_schema", json.dumps(wanted.json_schema))
-        await check_grammar(grammar, "text.format")
-        return grammar
+        return "text.format", Grammar("json_schema", json.dumps(wanted.json_schema))
     return None
 
 

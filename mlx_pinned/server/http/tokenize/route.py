@@ -1,6 +1,6 @@
 """``POST /tokenize`` and ``POST /detokenize``, in vLLM's shapes.
 
-Event loop. Each is a :class:`~..endpoint.GenerationEndpoint` that
+Event loop. Each is a :class:`~..endpoint.ModelEndpoint` that
 generates nothing: the base reads the body, keeps the deadline, holds the
 model named by ``model`` (404 otherwise) and answers every error in
 OpenAI's shape, as the generation routes do; the tokenizer runs on the MLX
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from ...failures import PromptTooLongError
 from ...limits import check_text_length
 from ..capabilities import Capabilities
-from ..endpoint import GenerationEndpoint
+from ..endpoint import ModelEndpoint
 from ..errors import APIError
 from ..validation import parse_request
 from .protocol import DetokenizeRequest, TokenizeChatRequest, parse_tokenize_request
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["DetokenizeEndpoint", "TokenizeEndpoint"]
 
 
-class TokenizeEndpoint(GenerationEndpoint):
+class TokenizeEndpoint(ModelEndpoint):
     """The ASGI endpoint of ``POST /tokenize``: ``{"count", "max_model_len",
     "tokens"}``, and ``token_strs`` (each token's text, as log-probabilities
     show it) when ``return_token_strs`` is true."""
@@ -73,7 +73,7 @@ class TokenizeEndpoint(GenerationEndpoint):
             await response.json(json.dumps(answer, ensure_ascii=False).encode())
 
 
-class DetokenizeEndpoint(GenerationEndpoint):
+class DetokenizeEndpoint(ModelEndpoint):
     """The ASGI endpoint of ``POST /detokenize``: ``{"prompt"}``, the text
     of ``tokens`` (at most the model's context of them)."""
 

@@ -1,0 +1,102 @@
+"""Grammars compiled by llguidance: one compiler and one cache for both sides.
+
+Any thread, pure CPU (a large schema may take milliseconds); it imports
+llguidance and nothing of MLX or HTTP. The HTTP side compiles a request's
+grammar in a worker thread before the request waits for the model, so a
+grammar llguidance refuses is a 400 that names its parameter; the engine
+takes the same compiled grammar from the same cache (:data:`GRAMMARS`) on
+the MLX thread when it makes the row's matcher. A grammar is compiled once,
+not once a side.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import llguidance
+
+from .events import Grammar
+
+__all__ = ["GRAMMARS", "GrammarCache", "GrammarCompileError"]
+
+
+class GrammarCompileError(ValueError):
+    """A grammar llguidance refuses.
+
+    Attributes:
+        reason: llguidance's message.
+    """
+
+    def __init__(self, grammar: Grammar, reason: str) -> None:
+        super().__init__(f"invalid {grammar.kind} grammar: {reason}")
+        self.reason = reason
+
+
+class GrammarCache:
+    """Compiled grammars by grammar, the last ``kept`` used; a refusal is
+    remembered as well, so a bad schema sent again is not compiled again.
+
+    Any thread: the lock guards the table, never a compile (two threads
+    that miss the same grammar at once both compile it; both get the same
+    text).
+
+    Attributes:
+        compiles: Grammars compiled so far (hits not counted).
+    """
+
+    def __init__(self, kept: int = 256) -> None:
+        self.kept = kept
+        self.compiles = 0
+        self._lock = threading.Lock()
+        # grammar -> (llguidance's grammar, why it is refused): one is empty.
+        self._done: OrderedDict[Grammar, tuple[str, str]] = OrderedDict()
+
+    def __contains__(self, grammar: object) -> bool:
+        with self._lock:
+            return grammar in self._done
+
+    def compile(self, grammar: Grammar) -> str:
+        """llguidance's grammar for ``grammar``, compiled on first use.
+
+        JSON is compact (no whitespace between tokens is allowed), so a
+        constrained row cannot spend its tokens on blank space.
+
+        Raises:
+            GrammarCompileError: llguidance refuses the grammar.
+        """
+        with self._lock:
+            done = self._done.get(grammar)
+            if done is not None:
+                self._done.move_to_end(grammar)
+        if done is None:
+            done = _compile(grammar)
+            with self._lock:
+                self.compiles += 1
+                self._done[grammar] = done
+                while len(self._done) > self.kept:
+                    self._done.popitem(last=False)
+        compiled, reason = done
+        if reason:
+            raise GrammarCompileError(grammar, reason)
+        return compiled
+
+
+#: The process's one cache: the HTTP check fills it, the engine reads it.
+GRAMMARS = GrammarCache()
+
+
+def _compile(grammar: Grammar) -> tuple[str, str]:
+    """llguidance's grammar and an empty reason, or an empty grammar and why
+    llguidance refuses it."""
+    compiler = llguidance.JsonCompiler(separators=(",", ":"), whitespace_pattern="")
+    try:
+        if grammar.kind == "json_schema":
+            compiled = compiler.compile(grammar.source)
+        elif grammar.kind == "json_object":
+            compiled = compiler.compile('{"type": "object"}')
+        else:
+            compiled = llguidance.LarkCompiler().compile(grammar.source)
+    except Exception as exc:  # llguidance raises its own ValueError/RuntimeError
+        return "", str(exc) or type(exc).__name__
+    return str(compiled), llguidance.LLMatcher.validate_grammar(compiled)
