@@ -11,13 +11,14 @@ from typing import Any, TypeVar
 import anyio
 import httpx
 import pytest
-from starlette.applications import Starlette
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server import create_app, engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.events import EventStream
 from mlx_pinned.testing import image_data_uri, tiny_lm_path, tiny_vlm_path
+
+from .kit import Serve, Served
 
 MODEL = "tiny"
 PROMPT = "Describe this image in one sentence."
@@ -54,45 +55,8 @@ def vision_body(
     return body
 
 
-class Served:
-    """An app with its lifespan running and an httpx client on it."""
-
-    def __init__(
-        self, app: Starlette, client: httpx.AsyncClient, state: dict[str, Any]
-    ) -> None:
-        self.app = app
-        self.client = client
-        self.state = state
-
-    @property
-    def engine(self) -> BatchEngine:
-        engine = next(iter(self.app.state.models)).engine()
-        assert isinstance(engine, BatchEngine)
-        return engine
-
-    @property
-    def model(self) -> LoadedModel:
-        return self.engine.loaded
-
-    @property
-    def thread(self) -> MLXThread:
-        thread: MLXThread = self.app.state.mlx_thread
-        return thread
-
-    async def chat(self, body: dict[str, Any] | bytes, **kw: Any) -> httpx.Response:
-        if isinstance(body, bytes):
-            return await self.client.post("/v1/chat/completions", content=body, **kw)
-        return await self.client.post("/v1/chat/completions", json=body, **kw)
-
-
-#: The ``serve`` fixture: an app for the options given, its lifespan running.
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
-
-
 @pytest.fixture
-def serve(
-    tiny_model_path: Path, lifespan: Lifespan
-) -> Callable[..., AbstractAsyncContextManager[Served]]:
+def serve(tiny_model_path: Path, lifespan: Lifespan) -> Serve:
     @asynccontextmanager
     async def serve(**options: Any) -> AsyncIterator[Served]:
         options.setdefault("served_model_name", MODEL)

@@ -15,8 +15,8 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,10 +24,12 @@ from typing import Any
 import anthropic
 import anyio
 import anyio.abc
+import httpx
 import openai
 from openai.types.chat import ChatCompletionChunk
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
@@ -196,6 +198,48 @@ class SlowModel:
             yield FinalEvent("", "length", 1, n)
         finally:
             self.closed.append(threading.get_ident())
+
+
+class Served:
+    """An app with its lifespan running and an httpx client on it."""
+
+    def __init__(
+        self, app: Starlette, client: httpx.AsyncClient, state: dict[str, Any]
+    ) -> None:
+        self.app = app
+        self.client = client
+        self.state = state
+
+    @property
+    def engine(self) -> BatchEngine:
+        engine = next(iter(self.app.state.models)).engine()
+        assert isinstance(engine, BatchEngine)
+        return engine
+
+    @property
+    def model(self) -> LoadedModel:
+        return self.engine.loaded
+
+    @property
+    def thread(self) -> MLXThread:
+        thread: MLXThread = self.app.state.mlx_thread
+        return thread
+
+    async def chat(self, body: dict[str, Any] | bytes, **kw: Any) -> httpx.Response:
+        if isinstance(body, bytes):
+            return await self.client.post("/v1/chat/completions", content=body, **kw)
+        return await self.client.post("/v1/chat/completions", json=body, **kw)
+
+
+#: The ``serve`` fixture: an app for the options given, its lifespan running.
+Serve = Callable[..., AbstractAsyncContextManager[Served]]
+
+
+def logprobs(response: httpx.Response) -> list[float]:
+    """The chosen tokens' log-probabilities of a chat answer (status 200)."""
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    return [entry["logprob"] for entry in content]
 
 
 READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")

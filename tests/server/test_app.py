@@ -9,8 +9,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -26,7 +25,6 @@ from mlx_pinned.testing import image_data_uri
 from .conftest import (
     MODEL,
     AtOnce,
-    Served,
     assert_error,
     drive,
     replace_generation,
@@ -34,11 +32,9 @@ from .conftest import (
     until,
     vision_body,
 )
-from .kit import content_of
+from .kit import Serve, Served, content_of, logprobs
 
 pytestmark = pytest.mark.anyio
-
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 
 def post_scope(served: Served, path: str) -> dict[str, Any]:
@@ -652,12 +648,8 @@ class TestSerialisation:
     async def test_logprobs_alone_equal_logprobs_among_16(self, serve: Serve) -> None:
         greedy = vision_body(40, logprobs=True, top_logprobs=2)
 
-        async def logprobs(served: Served) -> list[float]:
-            body = (await served.chat(greedy)).json()
-            return [i["logprob"] for i in body["choices"][0]["logprobs"]["content"]]
-
         async with serve() as served:
-            alone = await logprobs(served)
+            alone = logprobs(await served.chat(greedy))
             crowd: list[float] = []
 
             async def other(i: int) -> None:
@@ -673,7 +665,7 @@ class TestSerialisation:
                 assert response.status_code == 200
 
             async def target() -> None:
-                crowd.extend(await logprobs(served))
+                crowd.extend(logprobs(await served.chat(greedy)))
 
             async with anyio.create_task_group() as group:
                 group.start_soon(target)

@@ -17,8 +17,8 @@ from mlx_pinned.server import create_app
 from mlx_pinned.server.http.metrics import route_of
 from mlx_pinned.testing import tiny_lm_path, tiny_vlm_path
 
-from .conftest import Lifespan, Served, assert_error, drive, sse_events
-from .kit import Server, running
+from .conftest import Lifespan, assert_error, drive, sse_events
+from .kit import Served, Server, running
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -30,11 +30,12 @@ from mlx_pinned.server.engine.sampling import vlm
 from mlx_pinned.server.events import FinalEvent
 from mlx_pinned.testing import make_tiny_lm, tiny_lm_path, tiny_vlm_path
 
-from .conftest import MODEL, Serve, vision_body
+from .conftest import MODEL, vision_body
 from .kit import (
     TOL,
     Event,
     Request,
+    Serve,
     interleaved,
     max_logprob_difference,
     request,

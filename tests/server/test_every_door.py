@@ -27,8 +27,8 @@ from mlx_pinned.server import create_app
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
 from mlx_pinned.testing import image_data_uri, tiny_lm_path
 
-from .conftest import MODEL, Lifespan, Serve, Served
-from .kit import Server, running_server
+from .conftest import MODEL, Lifespan
+from .kit import Serve, Served, Server, running_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 

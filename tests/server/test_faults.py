@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
@@ -15,7 +13,6 @@ import httpx
 import pytest
 
 from .conftest import (
-    Served,
     assert_error,
     drive,
     replace_generation,
@@ -23,11 +20,9 @@ from .conftest import (
     until,
     vision_body,
 )
-from .kit import SlowModel
+from .kit import Serve, Served, SlowModel
 
 pytestmark = pytest.mark.anyio
-
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ by name; unknown fields are refused as OpenAI refuses them."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import pytest
@@ -18,9 +16,8 @@ from mlx_pinned.server.http.chat_completions.protocol import (
 )
 from mlx_pinned.server.http.errors import APIError
 
-from .conftest import Served, vision_body
-
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
+from .conftest import vision_body
+from .kit import Serve
 
 # OpenAI's chat-completions request fields (API reference, 2025).
 OPENAI_FIELDS = {

@@ -23,9 +23,18 @@ from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
 from mlx_pinned.server.formats.blocks import MAX_FORCED_CALLS
 from mlx_pinned.testing import TINY_TOOL_LM_TYPES, tiny_lm_path
 
-from .conftest import Serve, Served, replace_generation, sse_events
+from .conftest import replace_generation, sse_events
 from .format_cases import CASES, Case
-from .kit import CLOCK, WEATHER, Server, assert_no_markup, join_chat_chunks, running
+from .kit import (
+    CLOCK,
+    WEATHER,
+    Serve,
+    Served,
+    Server,
+    assert_no_markup,
+    join_chat_chunks,
+    running,
+)
 
 pytestmark = pytest.mark.timeout(180)
 

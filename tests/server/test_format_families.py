@@ -7,8 +7,7 @@ markup in any content."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +24,14 @@ from mlx_pinned.server.http.chat_completions.protocol import ChatCompletionReque
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import TINY_TOOL_LM_TYPES, tiny_lm_path
 
-from .conftest import MODEL, Served, sse_events
+from .conftest import MODEL, sse_events
 from .kit import (
     CLOCK,
     TOL,
     WEATHER,
     Collector,
+    Serve,
+    Served,
     assert_no_markup,
     deadline,
     join_chat_chunks,
@@ -41,7 +42,6 @@ from .kit import request as batching_request
 
 pytestmark = pytest.mark.anyio
 
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 # Each family's tool-call and reasoning formats, as the registry names them.
 FORMATS = {

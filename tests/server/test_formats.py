@@ -5,8 +5,7 @@ exactly as asked, on the tiny random-weight model through the HTTP app."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +28,11 @@ from mlx_pinned.server.formats import (
 from mlx_pinned.server.http.structured import grammar_error
 from mlx_pinned.testing import _CHAT_TEMPLATE
 
-from .conftest import MODEL, Served, assert_error, sse_events
-from .kit import CLOCK, WEATHER, assert_no_markup, join_chat_chunks
+from .conftest import MODEL, assert_error, sse_events
+from .kit import CLOCK, WEATHER, Serve, Served, assert_no_markup, join_chat_chunks
 
 pytestmark = pytest.mark.anyio
 
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 QWEN3_HYBRID = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"

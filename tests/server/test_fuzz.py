@@ -15,8 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import math
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -32,8 +31,8 @@ from mlx_pinned.server.http.chat_completions.responses import (
 )
 from mlx_pinned.testing import make_test_image
 
-from .conftest import MODEL, Served, sse_events
-from .kit import png_header
+from .conftest import MODEL, sse_events
+from .kit import Serve, Served, png_header
 
 # The CI profile runs this many examples per test and backend; nightly more.
 EXAMPLES = max(settings().max_examples, 100)
@@ -41,7 +40,6 @@ EXAMPLES = max(settings().max_examples, 100)
 # A valid example takes up to ~50 ms: give big profiles the time they need.
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(max(120, EXAMPLES * 0.3))]
 
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 FUZZ = settings(
     max_examples=EXAMPLES,
     suppress_health_check=[

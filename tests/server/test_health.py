@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import anyio
@@ -12,12 +10,11 @@ import pytest
 
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
 
-from .conftest import MODEL, Served, assert_error, vision_body
+from .conftest import MODEL, assert_error, vision_body
+from .kit import Serve
 from .replicas import replica
 
 pytestmark = pytest.mark.anyio
-
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 
 class TestReadiness:

@@ -26,7 +26,7 @@ from .conftest import (
     until,
     vision_body,
 )
-from .kit import SlowModel
+from .kit import SlowModel, logprobs
 
 pytestmark = pytest.mark.anyio
 
@@ -97,12 +97,6 @@ def body(
         prompt=f"Describe picture {index}.",
         **fields,
     )
-
-
-def logprobs(response: httpx.Response) -> list[float]:
-    assert response.status_code == 200, response.text
-    content = response.json()["choices"][0]["logprobs"]["content"]
-    return [entry["logprob"] for entry in content]
 
 
 def worst(one: list[float], other: list[float]) -> float:

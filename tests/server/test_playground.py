@@ -16,7 +16,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractAsyncContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,9 +35,9 @@ from starlette.applications import Starlette
 from mlx_pinned.server.http.playground import CSP, DIRECTORY, routes
 from mlx_pinned.testing import image_data_uri
 
-from .conftest import Served, assert_error
+from .conftest import assert_error
+from .kit import Serve
 
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 T = TypeVar("T")
 
 # Debian's paths (.ci/run installs them); elsewhere, name them in the environment.

@@ -28,7 +28,7 @@ from mlx_pinned.server.http.slots import ModelSlot, SlotState
 from mlx_pinned.testing import make_tiny_lm, make_tiny_vlm
 
 from .conftest import Lifespan, assert_error, replace_generation, until
-from .kit import SlowModel
+from .kit import SlowModel, logprobs
 
 pytestmark = pytest.mark.anyio
 
@@ -114,12 +114,6 @@ def serve(
             yield Lazy(app, client, state)
 
     return serve
-
-
-def logprobs(response: httpx.Response) -> list[float]:
-    assert response.status_code == 200, response.text
-    content = response.json()["choices"][0]["logprobs"]["content"]
-    return [entry["logprob"] for entry in content]
 
 
 class CountedLoads:

@@ -25,11 +25,12 @@ from mlx_pinned.server.engine.prompt_lookup import lookup
 from mlx_pinned.server.events import FinalEvent, TokenEvent
 from mlx_pinned.testing import tiny_vlm_path
 
-from .conftest import MODEL, Serve, vision_body
+from .conftest import MODEL, vision_body
 from .kit import (
     TOL,
     Event,
     Request,
+    Serve,
     interleaved,
     max_logprob_difference,
     request,

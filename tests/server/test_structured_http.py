@@ -8,8 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,11 @@ from openai.types.chat import ChatCompletionChunk
 
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
 
-from .conftest import MODEL, Served, sse_events
-from .kit import CLOCK, TOL, WEATHER, running_server
+from .conftest import MODEL, sse_events
+from .kit import CLOCK, TOL, WEATHER, Serve, Served, running_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 CITY = {
     "type": "object",

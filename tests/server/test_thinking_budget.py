@@ -29,12 +29,13 @@ from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.server.http.responses_api.protocol import parse_responses_request
 from mlx_pinned.server.http.thinking import EFFORT_BUDGETS
 
-from .conftest import MODEL, Serve
+from .conftest import MODEL
 from .kit import (
     TOL,
     Collector,
     Event,
     Request,
+    Serve,
     deadline,
     max_logprob_difference,
     request,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import openai
@@ -24,11 +23,11 @@ from mlx_pinned.server.events import (
 )
 from mlx_pinned.server.formats.blocks import MAX_FORCED_CALLS
 
-from .conftest import MODEL, Served, assert_error, replace_generation, sse_events
+from .conftest import MODEL, assert_error, replace_generation, sse_events
+from .kit import Serve, Served
 
 pytestmark = pytest.mark.anyio
 
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 WEATHER = {
     "type": "function",

@@ -35,11 +35,12 @@ from mlx_pinned.server.inputs.videos import decode_video, load_videos
 from mlx_pinned.server.media import Video, VideoRef
 from mlx_pinned.testing import tiny_vlm_path
 
-from .conftest import MODEL, Lifespan, Serve, assert_error
+from .conftest import MODEL, Lifespan, assert_error
 from .kit import (
     TOL,
     Collector,
     Event,
+    Serve,
     deadline,
     max_logprob_difference,
     request,

@@ -8,8 +8,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import AbstractAsyncContextManager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,8 @@ import uvicorn
 from mlx_pinned.server import ServerConfig, create_app
 from mlx_pinned.server.cli_options import OPTIONS
 
-from .conftest import MODEL, Served
-
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
+from .conftest import MODEL
+from .kit import Serve
 
 pytestmark = pytest.mark.timeout(60)
 
