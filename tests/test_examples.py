@@ -26,7 +26,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from mlx_pinned import MLXThreadBusyError
 from mlx_pinned.testing import image_data_uri, make_tiny_vlm
@@ -405,33 +404,13 @@ class TestOpenAIServer:
         assert "gpt-4o" in error["message"]
 
 
-@contextlib.contextmanager
-def uvicorn_in_thread(app: Any) -> Iterator[str]:
-    """``app`` under uvicorn on a free loopback port, in a thread."""
-    config = uvicorn.Config(app, port=0, log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="uvicorn")
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert thread.is_alive(), "uvicorn did not start"
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
 def block(started: threading.Event, release: threading.Event) -> None:
     started.set()
     release.wait(30)
 
 
 def test_the_openai_server_answers_503_with_retry_after_when_its_thread_is_full(
-    model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch, uvicorn_thread: Any
 ) -> None:
     # A fresh copy of the example, with its own MLX thread to fill.
     spec = importlib.util.spec_from_file_location(
@@ -446,8 +425,8 @@ def test_the_openai_server_answers_503_with_retry_after_when_its_thread_is_full(
     started, release = threading.Event(), threading.Event()
     app = example.create_app(str(model_dir), "tiny")
     with (
-        uvicorn_in_thread(app) as url,
-        openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as client,
+        uvicorn_thread(app) as url,
+        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
     ):
         blocker = thread.submit(block, started, release)
         try:

@@ -16,7 +16,6 @@ import json
 import math
 import shutil
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +35,7 @@ from mlx_pinned.testing import (
     tiny_vlm_path,
 )
 
+from .kit import PROMPTS as KIT_PROMPTS
 from .kit import (
     TOL,
     Collector,
@@ -51,14 +51,7 @@ from .kit import request as batching_request
 pytestmark = pytest.mark.anyio
 
 FAMILIES = [*TINY_MODEL_TYPES, *TINY_LM_TYPES]
-PROMPTS = (
-    "Describe this image in one sentence.",
-    "What is in this picture? Answer in a few words.",
-    "Count the objects in the image and list their colours.",
-    "Hello! How can I help you today?",
-    "The quick brown fox jumps over the lazy dog.",
-    "Is this a photo of a dog, a cat or a bird?",
-)
+PROMPTS = KIT_PROMPTS[:6]  # as many as the largest batch here has rows
 # Image sizes per request (None: text only); a text model gets none.
 SIZES: tuple[tuple[int, int] | None, ...] = (
     (64, 64),
@@ -78,12 +71,6 @@ class Served:
     @property
     def vision(self) -> bool:
         return self.model_type in TINY_MODEL_TYPES
-
-
-@pytest.fixture(scope="module")
-def thread() -> Iterator[MLXThread]:
-    with MLXThread(name="test-families") as mlx_thread:
-        yield mlx_thread
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -11,14 +11,11 @@ the budget's tokens.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mlx_pinned import MLXThread
-from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.thinking import ThinkingBudget
 from mlx_pinned.server.http.anthropic_messages.protocol import (
@@ -46,18 +43,6 @@ from .kit import (
 pytestmark = pytest.mark.anyio
 
 OPENED = ("", "</think>")  # a template that opens <think> itself
-
-
-@pytest.fixture(scope="module")
-def thread() -> Iterator[MLXThread]:
-    with MLXThread(name="test-thinking-budget") as mlx_thread:
-        yield mlx_thread
-
-
-@pytest.fixture(scope="module")
-def loaded(thread: MLXThread, tiny_model_path: Path) -> LoadedModel:
-    model: LoadedModel = thread.run_sync(engine.load, tiny_model_path)
-    return model
 
 
 def text_request(index: int, max_tokens: int, **params: Any) -> Request:
