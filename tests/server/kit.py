@@ -7,6 +7,7 @@ Test modules import from here, never from each other.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import struct
@@ -230,6 +231,15 @@ class Served:
             return await self.client.post("/v1/chat/completions", content=body, **kw)
         return await self.client.post("/v1/chat/completions", json=body, **kw)
 
+    def sdk(self) -> openai.AsyncOpenAI:
+        """The openai SDK's client of the app, through :attr:`client`."""
+        return openai.AsyncOpenAI(
+            base_url="http://test/v1",
+            api_key="unused",
+            http_client=self.client,
+            max_retries=0,
+        )
+
 
 #: The ``serve`` fixture: an app for the options given, its lifespan running.
 Serve = Callable[..., AbstractAsyncContextManager[Served]]
@@ -310,6 +320,16 @@ def png_header(width: int, height: int) -> bytes:
         + chunk(b"IDAT", zlib.compress(b"\0" * 64))
         + chunk(b"IEND", b"")
     )
+
+
+def chat_bytes(**fields: Any) -> bytes:
+    """A chat request's raw body: model ``m``, one user message, ``fields``."""
+    base: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    base.update(fields)
+    return json.dumps(base).encode()
 
 
 def content_of(events: list[Any]) -> str:

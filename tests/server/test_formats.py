@@ -139,20 +139,10 @@ class TestRegistry:
         assert not [piece for piece in pieces if isinstance(piece, str)]
 
 
-def sdk_of(served: Served) -> openai.AsyncOpenAI:
-    """The openai SDK's client of the app."""
-    return openai.AsyncOpenAI(
-        base_url="http://test/v1",
-        api_key="unused",
-        http_client=served.client,
-        max_retries=0,
-    )
-
-
 @pytest.fixture
 async def sdk(serve: Serve) -> AsyncIterator[tuple[Served, openai.AsyncOpenAI]]:
     async with serve() as served:
-        client = sdk_of(served)
+        client = served.sdk()
         yield served, client
 
 
@@ -375,7 +365,7 @@ class TestEveryFormatServed:
         # The tiny model is served as if its template wrote this format: the
         # grammar forces a call in the format's syntax, its parser reads it.
         async with serve(tool_call_parser=name) as served:
-            client = sdk_of(served)
+            client = served.sdk()
             answers = await whole_and_streamed(
                 served,
                 client,
@@ -418,7 +408,7 @@ class TestEveryFormatServed:
             "function": {"name": "plan", "parameters": parameters},
         }
         async with serve(tool_call_parser=name) as served:
-            client = sdk_of(served)
+            client = served.sdk()
             answers = await whole_and_streamed(
                 served,
                 client,

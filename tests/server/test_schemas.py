@@ -24,14 +24,7 @@ from mlx_pinned.server.http.chat_completions.responses import (
 )
 from mlx_pinned.server.http.errors import APIError, error_body
 
-
-def body(**fields: Any) -> bytes:
-    base: dict[str, Any] = {
-        "model": "m",
-        "messages": [{"role": "user", "content": "hi"}],
-    }
-    base.update(fields)
-    return json.dumps(base).encode()
+from .kit import chat_bytes as body
 
 
 def user(*parts: Any) -> list[dict[str, Any]]:

@@ -44,13 +44,7 @@ MESSAGES = [{"role": "user", "content": "Describe this image in one sentence."}]
 @pytest.fixture
 async def served(serve: Serve) -> AsyncIterator[tuple[Served, openai.AsyncOpenAI]]:
     async with serve(max_num_seqs=16) as running:
-        sdk = openai.AsyncOpenAI(
-            base_url="http://test/v1",
-            api_key="unused",
-            http_client=running.client,
-            max_retries=0,
-        )
-        yield running, sdk
+        yield running, running.sdk()
 
 
 def schema_format(schema: dict[str, Any]) -> dict[str, Any]:

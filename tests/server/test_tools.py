@@ -99,13 +99,7 @@ def template(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
 @pytest.fixture
 async def client(serve: Serve) -> AsyncIterator[tuple[Served, openai.AsyncOpenAI]]:
     async with serve() as served:
-        sdk = openai.AsyncOpenAI(
-            base_url="http://test/v1",
-            api_key="unused",
-            http_client=served.client,
-            max_retries=0,
-        )
-        yield served, sdk
+        yield served, served.sdk()
 
 
 def pieces(text: str, size: int = 3) -> list[str]:
