@@ -4,7 +4,7 @@ import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,12 +18,10 @@ from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.events import EventStream
 from mlx_pinned.testing import image_data_uri, tiny_lm_path, tiny_vlm_path
 
-from .kit import Serve, Served
+from .kit import Lifespan, Serve, Served, in_process, post_scope
 
 MODEL = "tiny"
 PROMPT = "Describe this image in one sentence."
-
-Lifespan = Callable[[Any], AbstractAsyncContextManager[dict[str, Any]]]
 
 
 @pytest.fixture(scope="session")
@@ -66,12 +64,8 @@ def serve(tiny_model_path: Path, lifespan: Lifespan) -> Serve:
         # end-to-end tests, through the CLI's default.
         options.setdefault("max_num_seqs", 1)
         app = create_app(tiny_model_path, **options)
-        transport = httpx.ASGITransport(app=app)
-        async with (
-            lifespan(app) as state,
-            httpx.AsyncClient(transport=transport, base_url="http://test") as client,
-        ):
-            yield Served(app, client, state)
+        async with in_process(app, lifespan, Served) as served:
+            yield served
 
     return serve
 
@@ -158,21 +152,7 @@ async def drive(
             if not message.get("more_body", False):
                 leave.set()
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("test", 80),
-    }
-    await app(scope, receive, send)
+    await app(post_scope(path), receive, send)
     return status, sent
 
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequenc
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anthropic
 import anyio
@@ -164,6 +164,19 @@ class Collector:
             self.done.set()
 
 
+async def all_at_once(
+    thread: MLXThread, batch: BatchEngine, reqs: Sequence[Request], seconds: float = 60
+) -> list[Collector]:
+    """Run ``reqs`` on ``batch`` together, a slot each and no waiting room;
+    each one's :class:`Collector` once all are done."""
+    gate = BatchGate(max_num_seqs=len(reqs), max_pending=0)
+    runs = [Collector(thread, batch, gate, req) for req in reqs]
+    async with deadline(seconds) as group:
+        for run in runs:
+            group.start_soon(run.run)
+    return runs
+
+
 async def drain(stream: AsyncIterator[Event]) -> list[Event]:
     return [event async for event in stream]
 
@@ -243,6 +256,26 @@ class Served:
 
 #: The ``serve`` fixture: an app for the options given, its lifespan running.
 Serve = Callable[..., AbstractAsyncContextManager[Served]]
+#: The ``lifespan`` fixture (``tests/conftest.py``'s ``run_lifespan``).
+Lifespan = Callable[[Any], AbstractAsyncContextManager[dict[str, Any]]]
+
+S = TypeVar("S")
+
+
+@asynccontextmanager
+async def in_process(
+    app: Any,
+    lifespan: Lifespan,
+    kind: Callable[[Any, httpx.AsyncClient, dict[str, Any]], S],
+) -> AsyncIterator[S]:
+    """``app`` with its lifespan running and an httpx client on it, as
+    ``kind(app, client, state)`` (a :class:`Served`, or a test's own)."""
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        lifespan(app) as state,
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        yield kind(app, client, state)
 
 
 def logprobs(response: httpx.Response) -> list[float]:
@@ -250,6 +283,29 @@ def logprobs(response: httpx.Response) -> list[float]:
     assert response.status_code == 200, response.text
     content = response.json()["choices"][0]["logprobs"]["content"]
     return [entry["logprob"] for entry in content]
+
+
+def post_scope(path: str, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ASGI scope of a JSON ``POST path``, as a server sends it; with
+    ``state``, a copy of the app's lifespan state (as uvicorn gives each
+    request)."""
+    scope: dict[str, Any] = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+    if state is not None:
+        scope["state"] = dict(state)
+    return scope
 
 
 READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")

@@ -32,28 +32,9 @@ from .conftest import (
     until,
     vision_body,
 )
-from .kit import Serve, Served, content_of, logprobs
+from .kit import Serve, Served, content_of, logprobs, post_scope
 
 pytestmark = pytest.mark.anyio
-
-
-def post_scope(served: Served, path: str) -> dict[str, Any]:
-    """The ASGI scope of a JSON ``POST path`` to the served app."""
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("test", 80),
-        "state": dict(served.state),
-    }
 
 
 class Chunks:
@@ -71,7 +52,7 @@ class Chunks:
         return len(self._parts)
 
     async def post(self, served: Served, path: str) -> httpx.Response:
-        await served.app(post_scope(served, path), self._receive, self._send)
+        await served.app(post_scope(path, served.state), self._receive, self._send)
         start, *bodies = self.messages
         return httpx.Response(
             start["status"],
@@ -787,7 +768,7 @@ class TestDisconnect:
             for _ in range(2):
                 received: list[bool] = []
                 sent.clear()
-                scope = post_scope(served, "/v1/chat/completions")
+                scope = post_scope("/v1/chat/completions", served.state)
                 with anyio.fail_after(10):
                     await served.app(scope, receive, send)
                     assert sent[0]["status"] == 200

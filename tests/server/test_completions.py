@@ -17,8 +17,8 @@ from mlx_pinned.server import create_app
 from mlx_pinned.server.http.metrics import route_of
 from mlx_pinned.testing import tiny_lm_path, tiny_vlm_path
 
-from .conftest import Lifespan, assert_error, drive, sse_events
-from .kit import Served, Server, running
+from .conftest import assert_error, drive, sse_events
+from .kit import Lifespan, Served, Server, in_process, running
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -128,12 +128,8 @@ async def served(
     """A vision model and a text model, in-process, eight rows a batch."""
     path = tiny_vlm_path() if request.param == "qwen3_vl" else tiny_lm_path()
     app = create_app(path, served_model_name="tiny", max_num_seqs=8)
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        lifespan(app) as state,
-        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
-    ):
-        yield Served(app, client, state)
+    async with in_process(app, lifespan, Served) as served:
+        yield served
 
 
 @pytest.mark.anyio

@@ -40,6 +40,7 @@ from .kit import (
     TOL,
     Collector,
     Request,
+    all_at_once,
     deadline,
     image,
     max_logprob_difference,
@@ -126,11 +127,7 @@ class TestEveryFamily:
         reqs = [request(family, i, 6 + i, top_logprobs=2) for i in range(6)]
         alone = [await solo(thread, family.loaded, req) for req in reqs]
         batch = BatchEngine(family.loaded, thread)
-        gate = BatchGate(max_num_seqs=6, max_pending=0)
-        runs = [Collector(thread, batch, gate, req) for req in reqs]
-        async with deadline() as group:
-            for run in runs:
-                group.start_soon(run.run)
+        runs = await all_at_once(thread, batch, reqs)
         for run, expected in zip(runs, alone, strict=True):
             assert max_logprob_difference(run.events, expected) <= TOL
         assert batch.statistics().prefills == 6
@@ -195,11 +192,7 @@ class TestEveryFamily:
         ]
         alone = [await solo(thread, family.loaded, req) for req in reqs]
         batch = BatchEngine(family.loaded, thread)
-        gate = BatchGate(max_num_seqs=3, max_pending=0)
-        runs = [Collector(thread, batch, gate, req) for req in reqs]
-        async with deadline() as group:
-            for run in runs:
-                group.start_soon(run.run)
+        runs = await all_at_once(thread, batch, reqs)
         for run, expected in zip(runs, alone, strict=True):
             assert max_logprob_difference(run.events, expected) <= TOL
 
@@ -239,11 +232,7 @@ class TestOneAtATime:
         alone = [await solo(thread, family.loaded, req) for req in reqs]
         batch = BatchEngine(family.loaded, thread)
         batch._state.exclusive = True
-        gate = BatchGate(max_num_seqs=4, max_pending=0)
-        runs = [Collector(thread, batch, gate, req) for req in reqs]
-        async with deadline() as group:
-            for run in runs:
-                group.start_soon(run.run)
+        runs = await all_at_once(thread, batch, reqs)
         for run, expected in zip(runs, alone, strict=True):
             assert max_logprob_difference(run.events, expected) <= TOL
         stats = batch.statistics()
@@ -309,11 +298,7 @@ class TestAVariantThatCannotBeBatched:
         alone = [await solo(thread, ministral3, req) for req in reqs]
         batch = BatchEngine(ministral3, thread)
         batch._state.exclusive = False
-        gate = BatchGate(max_num_seqs=3, max_pending=0)
-        runs = [Collector(thread, batch, gate, req) for req in reqs]
-        async with deadline() as group:
-            for run in runs:
-                group.start_soon(run.run)
+        runs = await all_at_once(thread, batch, reqs)
         pairs = zip(runs, alone, strict=True)
         assert max(moved(run.events, expected) for run, expected in pairs) > 1e-2
 
@@ -331,11 +316,7 @@ class TestAVariantThatCannotBeBatched:
         batch = BatchEngine(ministral3, thread)
         assert batch._state.exclusive
         assert "Ministral 3 decoder" in caplog.text
-        gate = BatchGate(max_num_seqs=3, max_pending=0)
-        runs = [Collector(thread, batch, gate, req) for req in reqs]
-        async with deadline() as group:
-            for run in runs:
-                group.start_soon(run.run)
+        runs = await all_at_once(thread, batch, reqs)
         for run, expected in zip(runs, alone, strict=True):
             assert max_logprob_difference(run.events, expected) <= TOL
         assert batch.statistics().peak_active == 1

@@ -32,6 +32,7 @@ from .kit import (
     Collector,
     Serve,
     Served,
+    all_at_once,
     assert_no_markup,
     deadline,
     join_chat_chunks,
@@ -136,11 +137,7 @@ class TestBatching:
         ]
         alone = [await solo(thread, loaded, req) for req in reqs]
         batch = BatchEngine(loaded, thread)
-        gate = BatchGate(max_num_seqs=4, max_pending=0)
-        runs = [Collector(thread, batch, gate, req) for req in reqs]
-        async with deadline() as group:
-            for run in runs:
-                group.start_soon(run.run)
+        runs = await all_at_once(thread, batch, reqs)
         for run, expected in zip(runs, alone, strict=True):
             assert max_logprob_difference(run.events, expected) <= TOL
         assert batch.statistics().prefills == 4

@@ -25,15 +25,13 @@ from mlx_pinned.server.engine.speculation import SPECULATION_MISSES, Speculation
 from mlx_pinned.server.engine.state import BatchState
 from mlx_pinned.server.events import FinalEvent, Grammar
 from mlx_pinned.server.failures import InvalidGrammarError
-from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import tiny_vlm_path
 
 from .kit import (
     TOL,
-    Collector,
     Event,
     Request,
-    deadline,
+    all_at_once,
     drive_rows,
     max_logprob_difference,
     request,
@@ -127,11 +125,7 @@ async def together(
     thread: MLXThread, loaded: LoadedModel, reqs: list[Request]
 ) -> list[list[Event]]:
     batch = BatchEngine(loaded, thread)
-    gate = BatchGate(max_num_seqs=len(reqs), max_pending=0)
-    runs = [Collector(thread, batch, gate, req) for req in reqs]
-    async with deadline() as group:
-        for run in runs:
-            group.start_soon(run.run)
+    runs = await all_at_once(thread, batch, reqs)
     assert batch.statistics().peak_active > 1
     return [run.events for run in runs]
 

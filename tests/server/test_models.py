@@ -18,15 +18,8 @@ from mlx_pinned.server import ServerConfig, create_app
 from mlx_pinned.server.engine import BatchEngine
 from mlx_pinned.testing import make_tiny_vlm
 
-from .conftest import (
-    Lifespan,
-    assert_error,
-    replace_generation,
-    sse_events,
-    until,
-    vision_body,
-)
-from .kit import SlowModel, logprobs
+from .conftest import assert_error, replace_generation, sse_events, until, vision_body
+from .kit import Lifespan, SlowModel, in_process, logprobs
 
 pytestmark = pytest.mark.anyio
 
@@ -74,12 +67,8 @@ def serve_models(
     ) -> AsyncIterator[TwoServed]:
         options.setdefault("max_num_seqs", 1)
         app = create_app(paths, served_model_name=names, **options)
-        transport = httpx.ASGITransport(app=app)
-        async with (
-            lifespan(app) as state,
-            httpx.AsyncClient(transport=transport, base_url="http://test") as client,
-        ):
-            yield TwoServed(app, client, state)
+        async with in_process(app, lifespan, TwoServed) as served:
+            yield served
 
     return serve
 

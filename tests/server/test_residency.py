@@ -27,8 +27,8 @@ from mlx_pinned.server.engine import BatchEngine, memory
 from mlx_pinned.server.http.slots import ModelSlot, SlotState
 from mlx_pinned.testing import make_tiny_lm, make_tiny_vlm
 
-from .conftest import Lifespan, assert_error, replace_generation, until
-from .kit import SlowModel, logprobs
+from .conftest import assert_error, replace_generation, until
+from .kit import Lifespan, SlowModel, in_process, logprobs
 
 pytestmark = pytest.mark.anyio
 
@@ -106,12 +106,8 @@ def serve(
         app = create_app(
             [where[name] for name in names], served_model_name=names, **options
         )
-        transport = httpx.ASGITransport(app=app)
-        async with (
-            lifespan(app) as state,
-            httpx.AsyncClient(transport=transport, base_url="http://test") as client,
-        ):
-            yield Lazy(app, client, state)
+        async with in_process(app, lifespan, Lazy) as served:
+            yield served
 
     return serve
 
