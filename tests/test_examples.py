@@ -68,6 +68,7 @@ def run_script(
     )
 
 
+@pytest.mark.slow
 class TestPlainThreads:
     def test_every_worker_gets_its_tokens_and_the_process_exits_zero(
         self, tmp_path: pathlib.Path
@@ -90,6 +91,7 @@ class TestPlainThreads:
         assert (tmp_path / "tiny-vlm" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 class TestTrioClient:
     def test_tasks_finish_and_the_early_stop_closes_the_stream(
         self, model_dir: pathlib.Path, tmp_path: pathlib.Path
@@ -185,6 +187,7 @@ def describe(
         return [json.loads(line) for line in response.iter_lines() if line]
 
 
+@pytest.mark.slow
 class TestStarletteServer:
     def test_streams_tokens_and_exits_zero_on_sigterm(self, server: Server) -> None:
         lines = describe(server.url, max_tokens=12)
@@ -273,6 +276,7 @@ def image_message(url: str) -> list[dict[str, Any]]:
 
 
 class TestOpenAIServer:
+    @pytest.mark.slow
     def test_lists_its_model_and_answers_with_usage(
         self, client: openai.OpenAI
     ) -> None:
@@ -357,6 +361,7 @@ class TestOpenAIServer:
         assert text_of(client, temperature=1.0, seed=3) == first
         assert text_of(client, temperature=1.0, seed=4) != first
 
+    @pytest.mark.slow
     @pytest.mark.parametrize(
         ("fields", "param", "code"),
         [
@@ -501,6 +506,7 @@ def test_every_docs_page_is_linked_from_the_readme_and_the_index() -> None:
             assert BLOCK.search((DOCS / name).read_text()), f"{name}: no example"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("page", "source"), doc_blocks())
 def test_docs_python_block_runs(page: str, source: str, tmp_path: pathlib.Path) -> None:
     done = run_script(["-c", source], tmp_path, cwd=tmp_path)
@@ -518,6 +524,7 @@ def readme_program() -> str:
     return match.group(1)
 
 
+@pytest.mark.slow
 def test_the_readme_program_runs_and_its_generations_match_alone_and_together(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -531,6 +538,7 @@ def test_the_readme_program_runs_and_its_generations_match_alone_and_together(
     assert "There is no Stream" not in done.stderr
 
 
+@pytest.mark.slow
 def test_the_readme_program_needs_its_exclusive_key(tmp_path: pathlib.Path) -> None:
     keyed = '@on_mlx_thread(exclusive="vlm")'
     program = readme_program()

@@ -24,6 +24,14 @@ MODEL = "tiny"
 PROMPT = "Describe this image in one sentence."
 
 
+# The server's async tests run on trio too in the full suite; the inner loop
+# (-m "not slow") takes asyncio only, the core's own tests still take both.
+@pytest.fixture(params=["asyncio", pytest.param("trio", marks=pytest.mark.slow)])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    backend: str = request.param
+    return backend
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
     return tiny_vlm_path()

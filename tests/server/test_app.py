@@ -79,6 +79,7 @@ class TestRoutes:
             served.thread.shutdown()
             assert_error(await served.client.get("/health"), 503)
 
+    @pytest.mark.slow
     async def test_health_tells_each_models_rows_and_kv(self, serve: Serve) -> None:
         async with serve() as served:
             idle = (await served.client.get("/health")).json()["models"]
@@ -360,6 +361,7 @@ class TestStreaming:
         chunks = [c for m in sent for c in sse_events(m.decode())]
         assert content_of(chunks) == plain["choices"][0]["message"]["content"]
 
+    @pytest.mark.slow
     async def test_stream_write_interval(self, serve: Serve) -> None:
         # Tokens that come within the interval go out together: the first
         # write at once, the rest once the interval is over.
@@ -626,6 +628,7 @@ class TestPlacement:
 
 
 class TestSerialisation:
+    @pytest.mark.slow
     async def test_logprobs_alone_equal_logprobs_among_16(self, serve: Serve) -> None:
         greedy = vision_body(40, logprobs=True, top_logprobs=2)
 
@@ -774,6 +777,7 @@ class TestDisconnect:
                     assert sent[0]["status"] == 200
                     await until(lambda: not watchers())
 
+    @pytest.mark.slow
     async def test_disconnect_while_waiting_never_starts(self, serve: Serve) -> None:
         async with serve() as served:
             gate = served.app.state.gate

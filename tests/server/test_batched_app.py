@@ -27,6 +27,7 @@ def body(index: int, max_tokens: int) -> dict[str, Any]:
 
 
 class TestBatchedApp:
+    @pytest.mark.slow
     async def test_eight_concurrent_requests_match_their_solo_runs(
         self, serve: Serve
     ) -> None:

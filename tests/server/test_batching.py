@@ -60,6 +60,7 @@ pytestmark = pytest.mark.anyio
 
 
 class TestIsolation:
+    @pytest.mark.slow
     async def test_batch_of_8_matches_each_solo_run(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:

@@ -44,6 +44,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield served
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 class TestTheSDK:
     def test_completions_create(self, server: Server, model: str) -> None:
@@ -169,6 +170,7 @@ PROMPTS = (
 
 @pytest.mark.anyio
 class TestCompletions:
+    @pytest.mark.slow
     async def test_prompts_batched_equal_each_alone(self, served: Served) -> None:
         async def logprobs(answer: httpx.Response) -> list[list[float]]:
             assert answer.status_code == 200, answer.text
@@ -355,6 +357,7 @@ class TestCompletions:
         error = assert_error(answer, 400, None, "invalid_prompt")
         assert "placeholder" in error["message"]
 
+    @pytest.mark.slow
     @pytest.mark.parametrize(
         "raw",
         [

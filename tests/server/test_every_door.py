@@ -238,6 +238,7 @@ async def test_every_door_gives_the_same_answer(
         print(f"{prompt.text!r}: completions against chat, most {most:.2e}")
 
 
+@pytest.mark.slow
 def test_the_sdks_get_the_same_answer_from_a_real_server(
     tmp_path: Path,
 ) -> None:
@@ -379,6 +380,7 @@ def spread() -> list[tuple[str, Prompt]]:
     return plan
 
 
+@pytest.mark.slow
 async def test_sixteen_at_once_over_four_doors_each_equal_alone(serve: Serve) -> None:
     plan = spread()
     assert len(plan) == 16

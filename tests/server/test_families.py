@@ -100,6 +100,7 @@ def request(family: Served, index: int, max_tokens: int, **params: Any) -> Reque
 
 
 class TestEveryFamily:
+    @pytest.mark.slow
     async def test_rows_joining_and_leaving_match_each_solo_run(
         self, thread: MLXThread, family: Served
     ) -> None:
@@ -121,6 +122,7 @@ class TestEveryFamily:
             assert max_logprob_difference(run.events, expected) <= TOL
         assert batch.statistics().peak_active >= 3
 
+    @pytest.mark.slow
     async def test_prompts_arriving_together_match_each_solo_run(
         self, thread: MLXThread, family: Served
     ) -> None:
@@ -132,6 +134,7 @@ class TestEveryFamily:
             assert max_logprob_difference(run.events, expected) <= TOL
         assert batch.statistics().prefills == 6
 
+    @pytest.mark.slow
     async def test_a_long_row_and_a_chunked_prompt_joining_it_match_solo(
         self, thread: MLXThread, family: Served
     ) -> None:
@@ -157,6 +160,7 @@ class TestEveryFamily:
         assert (stats.peak_active, stats.prefills) == (2, 2)
         assert stats.prefill_passes >= 3  # row 0's, and two chunks or more
 
+    @pytest.mark.slow
     async def test_a_text_prompt_then_an_image_prompt_together_match_solo(
         self, thread: MLXThread, family: Served
     ) -> None:
@@ -183,6 +187,7 @@ class TestEveryFamily:
         stats = batch.statistics()
         assert (stats.prefills, stats.peak_active) == (2, 2)
 
+    @pytest.mark.slow
     async def test_seeded_sampling_matches_solo(
         self, thread: MLXThread, family: Served
     ) -> None:
@@ -223,6 +228,7 @@ class TestTextModels:
 
 
 class TestOneAtATime:
+    @pytest.mark.slow
     async def test_rows_run_one_after_another_each_as_alone(
         self, thread: MLXThread, family: Served
     ) -> None:

@@ -80,6 +80,7 @@ class TestTimeout:
             await settled(served)
             assert slow.closed == [served.thread.ident]
 
+    @pytest.mark.slow
     async def test_many_clients_queue_wait_counts(
         self, serve: Serve, slow: SlowModel
     ) -> None:
@@ -114,6 +115,7 @@ class TestTimeout:
             slow.release.set()
             assert (await served.chat(vision_body(2))).status_code == 200
 
+    @pytest.mark.slow
     async def test_batched_generations_are_closed(self, serve: Serve) -> None:
         # The CLI's default engine, the real model: three generations batched
         # together are cut at the deadline, closed and taken out of the batch.

@@ -245,6 +245,7 @@ def message_answer(message: Any) -> Answer:
     return Answer(calls, ["".join(texts)], message.stop_reason)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("choice", list(CHOICES))
 class TestForcedCallsAtEveryDoor:
     def test_chat_completions_deltas_join_to_the_whole_calls(
@@ -276,6 +277,7 @@ class TestForcedCallsAtEveryDoor:
         assert streamed == whole
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit", [3, 12])
 def test_a_forced_call_cut_by_the_token_limit_leaves_no_markup_at_any_door(
     client: openai.OpenAI, claude: anthropic.Anthropic, limit: int
@@ -296,6 +298,7 @@ def test_a_forced_call_cut_by_the_token_limit_leaves_no_markup_at_any_door(
         assert_no_markup(*answer.texts, context=answer)
 
 
+@pytest.mark.slow
 def test_every_door_forces_the_same_named_call(
     client: openai.OpenAI, claude: anthropic.Anthropic
 ) -> None:

@@ -104,6 +104,7 @@ class TestSpecialMarkers:
         assert set(FORCEABLE) | set(SPECIAL_MARKERS) == set(TINY_TOOL_LM_TYPES)
 
 
+@pytest.mark.slow
 class TestBatching:
     async def test_rows_joining_and_leaving_match_each_solo_run(
         self, thread: MLXThread, loaded: LoadedModel
@@ -196,6 +197,7 @@ class TestThroughTheOpenAIDoor:
         card = (await served.client.get(f"/v1/models/{MODEL}")).json()
         assert card["formats"] == FORMATS[tiny_model_path.name.removeprefix("tiny-lm-")]
 
+    @pytest.mark.slow
     async def test_a_free_answer_with_tools_offered_streams_as_whole(
         self, served: Served
     ) -> None:
@@ -208,6 +210,7 @@ class TestThroughTheOpenAIDoor:
         assert answers[0] == answers[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "tiny_model_path", [*FORCEABLE, *SPECIAL_MARKERS], indirect=True
 )
@@ -232,6 +235,7 @@ class TestNamedCalls:
         assert answers[0] == answers[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tiny_model_path", FORCEABLE, indirect=True)
 class TestForcedCalls:
     async def test_a_required_call_parses_back_to_valid_arguments(
@@ -269,6 +273,7 @@ class TestForcedCalls:
         assert answers[0] == answers[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tiny_model_path", list(SPECIAL_MARKERS), indirect=True)
 class TestForcedCallsWithSpecialMarkers:
     async def test_one_required_call_parses_back_to_valid_arguments(
@@ -291,6 +296,7 @@ class TestForcedCallsWithSpecialMarkers:
         assert answers[0] == answers[1]
 
 
+@pytest.mark.slow
 class TestRoundTrip:
     async def test_a_forced_call_sent_back_renders_as_the_model_wrote_it(
         self, served: Served, tiny_model_path: Path

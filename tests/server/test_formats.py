@@ -178,6 +178,7 @@ async def whole_and_streamed(
     return [whole, stream]
 
 
+@pytest.mark.slow
 class TestForcedCalls:
     async def test_a_named_function_is_called_exactly_once(
         self, sdk: tuple[Served, openai.AsyncOpenAI]
@@ -357,6 +358,7 @@ class TestShownFormats:
             assert (await served.chat(body)).status_code == 200
 
 
+@pytest.mark.slow
 class TestEveryFormatServed:
     @pytest.mark.parametrize("name", list(TOOL_CALL_FORMATS))
     async def test_a_forced_call_in_each_format_parses_back_valid(

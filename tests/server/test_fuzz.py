@@ -240,6 +240,7 @@ def check(response: httpx.Response, streamed: bool | None = None) -> None:
 
 # Both engines: one generation at a time, and continuous batching (the CLI's
 # default), which prefills, samples and detokenizes on its own path.
+@pytest.mark.slow
 @pytest.mark.parametrize("fuzzed", [1, 32], indirect=True, ids=["serial", "batched"])
 @given(body=logprobs(valid_bodies))
 @FUZZ
@@ -249,6 +250,7 @@ async def test_valid_bodies(fuzzed: Served, body: dict[str, Any]) -> None:
     check(await post(fuzzed, raw), streamed=body.get("stream") is True)
 
 
+@pytest.mark.slow
 @given(body=hostile())
 @FUZZ
 async def test_hostile_bodies(fuzzed: Served, body: dict[str, Any]) -> None:

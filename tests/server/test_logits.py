@@ -160,6 +160,7 @@ class TestPenaltiesInTheBatch:
 
 
 class TestGrammarInTheBatch:
+    @pytest.mark.slow
     async def test_schema_rows_validate_and_free_rows_do_not_notice(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
@@ -272,6 +273,7 @@ class TestGrammarSpeculation:
     token, it is drawn again masked and the next step built again. Its
     answer must be the masked row's, token for token."""
 
+    @pytest.mark.slow
     async def test_a_row_drawn_without_its_mask_answers_as_a_masked_one(
         self,
         thread: MLXThread,

@@ -207,6 +207,7 @@ class TestRouting:
 
 
 class TestConcurrency:
+    @pytest.mark.slow
     async def test_both_batches_run_at_once_and_match_their_solo_runs(
         self, serve_models: ServeModels, tiny_model_path: Path, other_model_path: Path
     ) -> None:

@@ -347,6 +347,7 @@ def prompt_tokens(stats: str) -> int:
     return int(found.group(1))
 
 
+@pytest.mark.slow
 def test_a_conversation_in_the_browser(
     server: Server, browser: WebDriver, tmp_path: Path
 ) -> None:
@@ -460,6 +461,7 @@ def test_drop_and_paste_attach_with_previews(
     assert_no_console_errors(browser)
 
 
+@pytest.mark.slow
 def test_reasoning_folds_and_tool_calls_show(
     server: Server, browser: WebDriver
 ) -> None:
@@ -543,6 +545,7 @@ def test_the_console_check_catches_a_broken_page(
     assert "SyntaxError" in str(e.value)
 
 
+@pytest.mark.slow
 def test_the_page_asks_for_the_key_and_sends_it(
     keyed_server: Server, browser: WebDriver
 ) -> None:

@@ -133,6 +133,7 @@ class TestPromptCacheUnit:
 
 
 class TestSameAnswersWithTheCache:
+    @pytest.mark.slow
     async def test_turns_of_an_image_conversation(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
@@ -175,6 +176,7 @@ class TestSameAnswersWithTheCache:
         # Only the text before the image could be shared.
         assert 0 < final(other).cached_tokens <= ids.index(IMAGE_TOKEN)
 
+    @pytest.mark.slow
     async def test_concurrent_requests_sharing_a_prefix(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:

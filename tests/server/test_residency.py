@@ -290,6 +290,7 @@ class TestFirstUse:
         assert loads.calls == 1
 
 
+@pytest.mark.slow
 class TestIdleUnload:
     async def test_an_idle_model_is_unloaded_and_its_memory_given_back(
         self, serve: Serve
@@ -370,6 +371,7 @@ class TestIdleUnload:
 
 
 class TestBudget:
+    @pytest.mark.slow
     async def test_a_load_past_the_budget_unloads_the_least_recently_used(
         self, serve: Serve
     ) -> None:
@@ -393,6 +395,7 @@ class TestBudget:
             assert [health[name]["loaded"] for name in "abc"] == [True, False, True]
             assert served.app.state.residency.weight_bytes() <= budget
 
+    @pytest.mark.slow
     async def test_no_room_next_to_a_model_in_use_is_a_503(
         self, serve: Serve, monkeypatch: pytest.MonkeyPatch
     ) -> None:

@@ -239,6 +239,7 @@ class TestResponses:
         assert first != second
         assert created > 1_700_000_000
 
+    @pytest.mark.slow
     def test_completion_ids_differ_across_a_fork(self) -> None:
         # In a fresh process with no threads, so the fork is safe.
         script = """if True:

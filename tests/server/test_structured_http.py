@@ -164,6 +164,7 @@ class TestStructuredOutputs:
         else:
             assert text.startswith("{")
 
+    @pytest.mark.slow
     async def test_a_required_call_validates_and_streams_the_same(
         self, served: tuple[Served, openai.AsyncOpenAI]
     ) -> None:
@@ -234,6 +235,7 @@ class TestStructuredOutputs:
 
     # asyncio only: the SDK's async stream leaves its httpx generators to the
     # garbage collector, which trio reports as a ResourceWarning (an error).
+    @pytest.mark.slow
     @pytest.mark.parametrize("anyio_backend", ["asyncio"])
     async def test_sixteen_mixed_requests_in_one_batch(
         self, served: tuple[Served, openai.AsyncOpenAI]
@@ -320,6 +322,7 @@ class Scene(pydantic.BaseModel):
     count: int = pydantic.Field(ge=0, le=9)
 
 
+@pytest.mark.slow
 class TestThroughUvicorn:
     """The SDK against ``serve --demo`` in a subprocess (real uvicorn)."""
 
@@ -357,6 +360,7 @@ class TestThroughUvicorn:
         assert streamed == whole
 
 
+@pytest.mark.slow
 class TestPenalties:
     async def test_penalties_change_the_repetitive_answer(
         self, served: tuple[Served, openai.AsyncOpenAI]

@@ -77,6 +77,7 @@ def closing_ids(loaded: LoadedModel) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [0, 3, 7])
 async def test_budget_gives_n_tokens_then_the_closing_marker(
     thread: MLXThread, loaded: LoadedModel, budget: int
@@ -105,6 +106,7 @@ async def test_budget_gives_n_tokens_then_the_closing_marker(
         assert event.logprobs.token == max(event.logprobs.top, key=lambda t: t[1])[0]
 
 
+@pytest.mark.slow
 async def test_no_budget_is_unchanged_alone_and_beside_budgeted_rows(
     thread: MLXThread, loaded: LoadedModel
 ) -> None:
@@ -180,6 +182,7 @@ async def test_a_chat_budget_gives_reasoning_of_n_tokens_then_content(
     assert message["content"]
 
 
+@pytest.mark.slow
 async def test_an_anthropic_budget_ends_the_thinking_block(serve: Serve) -> None:
     budget = 1024  # Anthropic's least
     body = {

@@ -253,6 +253,7 @@ class TestToolCalls:
         assert (more in grammar.source) is parallel
         assert len(whole.choices[0].message.tool_calls or []) == 2
 
+    @pytest.mark.slow
     async def test_a_named_function_is_the_only_one_allowed(
         self, client: tuple[Served, openai.AsyncOpenAI], script: Script
     ) -> None:

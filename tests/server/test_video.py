@@ -250,6 +250,7 @@ async def run(
 
 
 class TestEngine:
+    @pytest.mark.slow
     @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
     async def test_a_video_batched_with_others_matches_it_alone(
         self, thread: MLXThread, family: str
