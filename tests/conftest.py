@@ -1,12 +1,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import anyio
 import pytest
+import uvicorn
 from hypothesis import HealthCheck, settings
 
 # "ci" is deterministic so a red run can be replayed; "dev" and "nightly" explore.
@@ -92,3 +95,32 @@ async def run_lifespan(app: Any) -> AsyncIterator[dict[str, Any]]:
 def lifespan() -> Any:
     """The :func:`run_lifespan` helper, for tests in any folder."""
     return run_lifespan
+
+
+@contextmanager
+def run_uvicorn(app: Any) -> Iterator[str]:
+    """``app`` under uvicorn on a free loopback port, in a thread; yields
+    its base URL (``http://127.0.0.1:PORT``)."""
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn")
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive(), "uvicorn did not start"
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def uvicorn_thread() -> Any:
+    """The :func:`run_uvicorn` helper, for tests in any folder."""
+    return run_uvicorn

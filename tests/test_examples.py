@@ -26,7 +26,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from mlx_pinned import MLXThreadBusyError
 from mlx_pinned.testing import image_data_uri, make_tiny_vlm
@@ -69,6 +68,7 @@ def run_script(
     )
 
 
+@pytest.mark.slow
 class TestPlainThreads:
     def test_every_worker_gets_its_tokens_and_the_process_exits_zero(
         self, tmp_path: pathlib.Path
@@ -91,6 +91,7 @@ class TestPlainThreads:
         assert (tmp_path / "tiny-vlm" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 class TestTrioClient:
     def test_tasks_finish_and_the_early_stop_closes_the_stream(
         self, model_dir: pathlib.Path, tmp_path: pathlib.Path
@@ -186,6 +187,7 @@ def describe(
         return [json.loads(line) for line in response.iter_lines() if line]
 
 
+@pytest.mark.slow
 class TestStarletteServer:
     def test_streams_tokens_and_exits_zero_on_sigterm(self, server: Server) -> None:
         lines = describe(server.url, max_tokens=12)
@@ -274,6 +276,7 @@ def image_message(url: str) -> list[dict[str, Any]]:
 
 
 class TestOpenAIServer:
+    @pytest.mark.slow
     def test_lists_its_model_and_answers_with_usage(
         self, client: openai.OpenAI
     ) -> None:
@@ -358,6 +361,7 @@ class TestOpenAIServer:
         assert text_of(client, temperature=1.0, seed=3) == first
         assert text_of(client, temperature=1.0, seed=4) != first
 
+    @pytest.mark.slow
     @pytest.mark.parametrize(
         ("fields", "param", "code"),
         [
@@ -405,33 +409,13 @@ class TestOpenAIServer:
         assert "gpt-4o" in error["message"]
 
 
-@contextlib.contextmanager
-def uvicorn_in_thread(app: Any) -> Iterator[str]:
-    """``app`` under uvicorn on a free loopback port, in a thread."""
-    config = uvicorn.Config(app, port=0, log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="uvicorn")
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert thread.is_alive(), "uvicorn did not start"
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
 def block(started: threading.Event, release: threading.Event) -> None:
     started.set()
     release.wait(30)
 
 
 def test_the_openai_server_answers_503_with_retry_after_when_its_thread_is_full(
-    model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch, uvicorn_thread: Any
 ) -> None:
     # A fresh copy of the example, with its own MLX thread to fill.
     spec = importlib.util.spec_from_file_location(
@@ -446,8 +430,8 @@ def test_the_openai_server_answers_503_with_retry_after_when_its_thread_is_full(
     started, release = threading.Event(), threading.Event()
     app = example.create_app(str(model_dir), "tiny")
     with (
-        uvicorn_in_thread(app) as url,
-        openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as client,
+        uvicorn_thread(app) as url,
+        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
     ):
         blocker = thread.submit(block, started, release)
         try:
@@ -522,6 +506,7 @@ def test_every_docs_page_is_linked_from_the_readme_and_the_index() -> None:
             assert BLOCK.search((DOCS / name).read_text()), f"{name}: no example"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("page", "source"), doc_blocks())
 def test_docs_python_block_runs(page: str, source: str, tmp_path: pathlib.Path) -> None:
     done = run_script(["-c", source], tmp_path, cwd=tmp_path)
@@ -539,6 +524,7 @@ def readme_program() -> str:
     return match.group(1)
 
 
+@pytest.mark.slow
 def test_the_readme_program_runs_and_its_generations_match_alone_and_together(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -552,6 +538,7 @@ def test_the_readme_program_runs_and_its_generations_match_alone_and_together(
     assert "There is no Stream" not in done.stderr
 
 
+@pytest.mark.slow
 def test_the_readme_program_needs_its_exclusive_key(tmp_path: pathlib.Path) -> None:
     keyed = '@on_mlx_thread(exclusive="vlm")'
     program = readme_program()

@@ -255,6 +255,7 @@ class TestResultsAndErrors:
             # Before, it said to evaluate the model where it was built.
             assert "mx.eval" not in message
 
+    @pytest.mark.slow
     def test_an_affinity_error_names_the_mlx_thread_that_owns_the_array(
         self, thread: MLXThread
     ) -> None:
@@ -698,6 +699,7 @@ class TestStreams:
         assert await anyio.to_thread.run_sync(closed.wait, WAIT)
         assert log == [f"closed on {thread.ident}"]
 
+    @pytest.mark.slow
     @pytest.mark.anyio
     async def test_dropped_iterator_closes_the_generator(
         self, thread: MLXThread
@@ -1358,6 +1360,7 @@ def _run_script(source: str) -> tuple[int, str]:
 
 
 class TestProcessExit:
+    @pytest.mark.slow
     def test_process_that_never_shuts_down_exits_zero_every_time(self) -> None:
         # Without the exit hook the worker blocks interpreter exit (non-daemon),
         # or, as a daemon, dies without mx.clear_streams() and aborts (134).

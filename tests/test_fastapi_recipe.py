@@ -60,11 +60,13 @@ def test_the_page_shows_the_app_and_its_tests_and_nothing_untested() -> None:
     assert not re.search(r"^```python$", PAGE.read_text(), re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_the_recipe_tests_pass(tmp_path: pathlib.Path) -> None:
     output = run_recipe(tmp_path, recipe())
     assert re.search(r"^5 passed", output, re.MULTILINE), output
 
 
+@pytest.mark.slow
 def test_without_the_exclusive_key_the_concurrency_test_fails(
     tmp_path: pathlib.Path,
 ) -> None:

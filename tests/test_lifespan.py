@@ -131,6 +131,7 @@ class TestEntered:
             async with lifespan(None):
                 pass  # pragma: no cover
 
+    @pytest.mark.slow
     async def test_a_cancelled_entry_does_not_wait_for_the_job(self) -> None:
         release = threading.Event()
         run = mlx_lifespan(startup={"model": lambda: release.wait(30)})

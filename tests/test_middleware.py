@@ -239,6 +239,7 @@ class TestStarlette:
         assert results["slow"].json() == {"value": 7}  # finished, thread alive
         assert_refused(results["late"], 503, "The server is shutting down.")
 
+    @pytest.mark.slow
     async def test_drain_timeout_bounds_shutdown(
         self, caplog: pytest.LogCaptureFixture
     ) -> None:
@@ -368,6 +369,7 @@ class TestRefusal:
 class TestStartupJobs:
     """A start-up job may be an @on_mlx_thread function; never a coroutine."""
 
+    @pytest.mark.slow
     async def test_a_decorated_loader_stores_its_result(self) -> None:
         thread = MLXThread()
         decorated = on_mlx_thread(thread=thread)(load_model)
@@ -393,6 +395,7 @@ class TestStartupJobs:
         assert state["model"]["loaded_on"] == thread.ident
         assert response.json()["total"] == 18
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("kind", ["async def", "lambda calling a decorated"])
     async def test_a_job_returning_a_coroutine_fails_the_start_up(
         self, kind: str
@@ -553,6 +556,7 @@ class TestLifespanEdges:
         assert middleware.thread is not None
         assert middleware.thread.closed
 
+    @pytest.mark.slow
     async def test_a_cancelled_start_up_does_not_wait_for_the_job(self) -> None:
         release = threading.Event()
         middleware = MLXThreadMiddleware(

@@ -199,6 +199,7 @@ class TestMakeTinyVlm:
         assert len(tokens) == 64
         assert special.isdisjoint(tokens)
 
+    @pytest.mark.slow
     def test_greedy_text_is_valid_utf8(self, loaded: tuple[Any, Any]) -> None:
         # Lone bytes 0x80-0xFF have zero embeddings: never picked, so the
         # text never holds U+FFFD (and strict detokenizers never fail).
@@ -413,6 +414,7 @@ class TestFamilies:
         assert set(TINY_MODEL_TYPES) == set(IMAGE_TOKENS)
         assert TINY_LM_TYPES[:2] == ("qwen3", "llama")
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("model_type", TINY_MODEL_TYPES)
     def test_each_vision_family_generates_offline_with_an_image(
         self, model_type: str, tmp_path: pathlib.Path, hub_calls: HubCalls
@@ -461,6 +463,7 @@ class TestFamilies:
         ids = inputs["input_ids"].tolist()[0]
         assert ids.count(image_token) == IMAGE_TOKENS[model_type]
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("model_type", TINY_LM_TYPES)
     def test_each_text_family_generates_offline(
         self, model_type: str, tmp_path: pathlib.Path, hub_calls: HubCalls
@@ -550,6 +553,7 @@ class TestToolFamilies:
         assert TINY_TOOL_LM_TYPES == tuple(TOOL_FAMILIES)
         assert not set(TINY_TOOL_LM_TYPES) & set(TINY_LM_TYPES)
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("family", TINY_TOOL_LM_TYPES)
     def test_each_generates_offline_with_its_special_tokens(
         self, family: str, tmp_path: pathlib.Path, hub_calls: HubCalls
@@ -613,6 +617,7 @@ def fresh_process(
 
 
 class TestInAFreshProcess:
+    @pytest.mark.slow
     def test_exits_cleanly_after_building_on_worker_threads(
         self,
         fresh_process: tuple[subprocess.CompletedProcess[str], pathlib.Path],

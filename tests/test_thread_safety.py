@@ -1129,6 +1129,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         return []
 
 
+@pytest.mark.slow
 class TestExecutorMachine:
     # About 50 ms an example here (2 cores); "nightly" runs 20 times as many.
     @pytest.mark.timeout(110 if _PROFILE == "ci" else 3600)
@@ -1220,6 +1221,7 @@ class TestFIFO:
         assert rec.starts("me") == list(range(len(ops)))
         assert all(event[-1] == t.ident for event in rec.events())
 
+    @pytest.mark.slow
     @settings(max_examples=examples(25))
     @given(
         plans=st.lists(st.lists(OPS, min_size=1, max_size=12), min_size=2, max_size=4)
@@ -1340,6 +1342,7 @@ def inline_chains(draw: st.DrawFn) -> list[str]:
     return chain
 
 
+@pytest.mark.slow
 class TestInline:
     """A call from the thread to itself runs inline instead of deadlocking."""
 
@@ -1419,6 +1422,7 @@ class TestStreams:
         assert items[: len(first_round)] == first_round
         assert all(event[-1] == t.ident for event in rec.events())
 
+    @pytest.mark.slow
     @pytest.mark.timeout(60)
     @settings(max_examples=examples(15))
     @given(
@@ -1580,6 +1584,7 @@ SHUTDOWN_OPS = st.sampled_from(["int", "lazy", "raise", "stream"])
 class TestShutdown:
     """Every accepted job ends exactly once at shutdown; nothing hangs."""
 
+    @pytest.mark.slow
     @settings(max_examples=examples(30))
     @given(
         ops=st.lists(SHUTDOWN_OPS, max_size=16),
@@ -1635,6 +1640,7 @@ class TestShutdown:
         ended = stats.completed + stats.failed + stats.cancelled
         assert ended == len(ops) + held, stats
 
+    @pytest.mark.slow
     @pytest.mark.timeout(60)
     def test_cancel_futures_racing_the_worker_loses_nothing(self) -> None:
         """shutdown(cancel_futures=True) while the worker is taking jobs.

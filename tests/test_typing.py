@@ -20,6 +20,7 @@ def mypy(path: pathlib.Path) -> tuple[str, int]:
     return out + err, status
 
 
+@pytest.mark.slow
 def test_the_decorator_keeps_every_signature() -> None:
     report, status = mypy(ROOT / "tests" / "typing_checks.py")
     assert status == 0, report

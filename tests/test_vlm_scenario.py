@@ -75,6 +75,7 @@ else:
 """
 
 
+@pytest.mark.slow
 class TestBaseline:
     def test_lazy_load_then_worker_thread_fails(self, model_path: Path) -> None:
         # What servers did: load on the event loop's thread, generate in
@@ -98,6 +99,7 @@ class TestBaseline:
 
 
 class TestPinned:
+    @pytest.mark.slow
     @pytest.mark.parametrize("lazy", [False, True])
     def test_many_async_streams_and_plain_threads(
         self, model_path: Path, lazy: bool

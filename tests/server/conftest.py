@@ -4,14 +4,13 @@ import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
 import httpx
 import pytest
-from starlette.applications import Starlette
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server import create_app, engine
@@ -19,10 +18,18 @@ from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.events import EventStream
 from mlx_pinned.testing import image_data_uri, tiny_lm_path, tiny_vlm_path
 
+from .kit import Lifespan, Serve, Served, in_process, post_scope
+
 MODEL = "tiny"
 PROMPT = "Describe this image in one sentence."
 
-Lifespan = Callable[[Any], AbstractAsyncContextManager[dict[str, Any]]]
+
+# The server's async tests run on trio too in the full suite; the inner loop
+# (-m "not slow") takes asyncio only, the core's own tests still take both.
+@pytest.fixture(params=["asyncio", pytest.param("trio", marks=pytest.mark.slow)])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    backend: str = request.param
+    return backend
 
 
 @pytest.fixture(scope="session")
@@ -54,45 +61,8 @@ def vision_body(
     return body
 
 
-class Served:
-    """An app with its lifespan running and an httpx client on it."""
-
-    def __init__(
-        self, app: Starlette, client: httpx.AsyncClient, state: dict[str, Any]
-    ) -> None:
-        self.app = app
-        self.client = client
-        self.state = state
-
-    @property
-    def engine(self) -> BatchEngine:
-        engine = next(iter(self.app.state.models)).engine()
-        assert isinstance(engine, BatchEngine)
-        return engine
-
-    @property
-    def model(self) -> LoadedModel:
-        return self.engine.loaded
-
-    @property
-    def thread(self) -> MLXThread:
-        thread: MLXThread = self.app.state.mlx_thread
-        return thread
-
-    async def chat(self, body: dict[str, Any] | bytes, **kw: Any) -> httpx.Response:
-        if isinstance(body, bytes):
-            return await self.client.post("/v1/chat/completions", content=body, **kw)
-        return await self.client.post("/v1/chat/completions", json=body, **kw)
-
-
-#: The ``serve`` fixture: an app for the options given, its lifespan running.
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
-
-
 @pytest.fixture
-def serve(
-    tiny_model_path: Path, lifespan: Lifespan
-) -> Callable[..., AbstractAsyncContextManager[Served]]:
+def serve(tiny_model_path: Path, lifespan: Lifespan) -> Serve:
     @asynccontextmanager
     async def serve(**options: Any) -> AsyncIterator[Served]:
         options.setdefault("served_model_name", MODEL)
@@ -102,12 +72,8 @@ def serve(
         # end-to-end tests, through the CLI's default.
         options.setdefault("max_num_seqs", 1)
         app = create_app(tiny_model_path, **options)
-        transport = httpx.ASGITransport(app=app)
-        async with (
-            lifespan(app) as state,
-            httpx.AsyncClient(transport=transport, base_url="http://test") as client,
-        ):
-            yield Served(app, client, state)
+        async with in_process(app, lifespan, Served) as served:
+            yield served
 
     return serve
 
@@ -194,21 +160,7 @@ async def drive(
             if not message.get("more_body", False):
                 leave.set()
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("test", 80),
-    }
-    await app(scope, receive, send)
+    await app(post_scope(path), receive, send)
     return status, sent
 
 

@@ -7,6 +7,7 @@ Test modules import from here, never from each other.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import struct
@@ -15,19 +16,21 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anthropic
 import anyio
 import anyio.abc
+import httpx
 import openai
 from openai.types.chat import ChatCompletionChunk
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
@@ -177,6 +180,19 @@ class Collector:
             self.done.set()
 
 
+async def all_at_once(
+    thread: MLXThread, batch: BatchEngine, reqs: Sequence[Request], seconds: float = 60
+) -> list[Collector]:
+    """Run ``reqs`` on ``batch`` together, a slot each and no waiting room;
+    each one's :class:`Collector` once all are done."""
+    gate = BatchGate(max_num_seqs=len(reqs), max_pending=0)
+    runs = [Collector(thread, batch, gate, req) for req in reqs]
+    async with deadline(seconds) as group:
+        for run in runs:
+            group.start_soon(run.run)
+    return runs
+
+
 async def drain(stream: AsyncIterator[Event]) -> list[Event]:
     return [event async for event in stream]
 
@@ -212,6 +228,100 @@ class SlowModel:
             yield FinalEvent("", "length", 1, n)
         finally:
             self.closed.append(threading.get_ident())
+
+
+class Served:
+    """An app with its lifespan running and an httpx client on it."""
+
+    def __init__(
+        self, app: Starlette, client: httpx.AsyncClient, state: dict[str, Any]
+    ) -> None:
+        self.app = app
+        self.client = client
+        self.state = state
+
+    @property
+    def engine(self) -> BatchEngine:
+        engine = next(iter(self.app.state.models)).engine()
+        assert isinstance(engine, BatchEngine)
+        return engine
+
+    @property
+    def model(self) -> LoadedModel:
+        return self.engine.loaded
+
+    @property
+    def thread(self) -> MLXThread:
+        thread: MLXThread = self.app.state.mlx_thread
+        return thread
+
+    async def chat(self, body: dict[str, Any] | bytes, **kw: Any) -> httpx.Response:
+        if isinstance(body, bytes):
+            return await self.client.post("/v1/chat/completions", content=body, **kw)
+        return await self.client.post("/v1/chat/completions", json=body, **kw)
+
+    def sdk(self) -> openai.AsyncOpenAI:
+        """The openai SDK's client of the app, through :attr:`client`."""
+        return openai.AsyncOpenAI(
+            base_url="http://test/v1",
+            api_key="unused",
+            http_client=self.client,
+            max_retries=0,
+        )
+
+
+#: The ``serve`` fixture: an app for the options given, its lifespan running.
+Serve = Callable[..., AbstractAsyncContextManager[Served]]
+#: The ``lifespan`` fixture (``tests/conftest.py``'s ``run_lifespan``).
+Lifespan = Callable[[Any], AbstractAsyncContextManager[dict[str, Any]]]
+
+S = TypeVar("S")
+
+
+@asynccontextmanager
+async def in_process(
+    app: Any,
+    lifespan: Lifespan,
+    kind: Callable[[Any, httpx.AsyncClient, dict[str, Any]], S],
+) -> AsyncIterator[S]:
+    """``app`` with its lifespan running and an httpx client on it, as
+    ``kind(app, client, state)`` (a :class:`Served`, or a test's own)."""
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        lifespan(app) as state,
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        yield kind(app, client, state)
+
+
+def logprobs(response: httpx.Response) -> list[float]:
+    """The chosen tokens' log-probabilities of a chat answer (status 200)."""
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    return [entry["logprob"] for entry in content]
+
+
+def post_scope(path: str, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ASGI scope of a JSON ``POST path``, as a server sends it; with
+    ``state``, a copy of the app's lifespan state (as uvicorn gives each
+    request)."""
+    scope: dict[str, Any] = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+    if state is not None:
+        scope["state"] = dict(state)
+    return scope
 
 
 READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
@@ -282,6 +392,16 @@ def png_header(width: int, height: int) -> bytes:
         + chunk(b"IDAT", zlib.compress(b"\0" * 64))
         + chunk(b"IEND", b"")
     )
+
+
+def chat_bytes(**fields: Any) -> bytes:
+    """A chat request's raw body: model ``m``, one user message, ``fields``."""
+    base: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    base.update(fields)
+    return json.dumps(base).encode()
 
 
 def content_of(events: list[Any]) -> str:

@@ -131,6 +131,7 @@ def texts(message: Any) -> str:
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 
 
+@pytest.mark.slow
 class TestSDK:
     def test_create(self, server: Server) -> None:
         message = server.client().messages.create(
@@ -587,6 +588,7 @@ def test_an_unknown_model_is_anthropics_404(server: Server) -> None:
     assert caught.value.body["error"]["type"] == "not_found_error"
 
 
+@pytest.mark.slow
 def test_claude_code_runs_against_the_server(server: Server, tmp_path: Path) -> None:
     assert CLAUDE.exists(), f"install Claude Code as .ci/run does: {CLAUDE}"
     before = server.log_text().count("\n")

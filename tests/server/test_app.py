@@ -9,8 +9,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -26,7 +25,6 @@ from mlx_pinned.testing import image_data_uri
 from .conftest import (
     MODEL,
     AtOnce,
-    Served,
     assert_error,
     drive,
     replace_generation,
@@ -34,30 +32,9 @@ from .conftest import (
     until,
     vision_body,
 )
-from .kit import content_of
+from .kit import Serve, Served, content_of, logprobs, post_scope
 
 pytestmark = pytest.mark.anyio
-
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
-
-
-def post_scope(served: Served, path: str) -> dict[str, Any]:
-    """The ASGI scope of a JSON ``POST path`` to the served app."""
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("test", 80),
-        "state": dict(served.state),
-    }
 
 
 class Chunks:
@@ -75,7 +52,7 @@ class Chunks:
         return len(self._parts)
 
     async def post(self, served: Served, path: str) -> httpx.Response:
-        await served.app(post_scope(served, path), self._receive, self._send)
+        await served.app(post_scope(path, served.state), self._receive, self._send)
         start, *bodies = self.messages
         return httpx.Response(
             start["status"],
@@ -102,6 +79,7 @@ class TestRoutes:
             served.thread.shutdown()
             assert_error(await served.client.get("/health"), 503)
 
+    @pytest.mark.slow
     async def test_health_tells_each_models_rows_and_kv(self, serve: Serve) -> None:
         async with serve() as served:
             idle = (await served.client.get("/health")).json()["models"]
@@ -383,6 +361,7 @@ class TestStreaming:
         chunks = [c for m in sent for c in sse_events(m.decode())]
         assert content_of(chunks) == plain["choices"][0]["message"]["content"]
 
+    @pytest.mark.slow
     async def test_stream_write_interval(self, serve: Serve) -> None:
         # Tokens that come within the interval go out together: the first
         # write at once, the rest once the interval is over.
@@ -649,15 +628,12 @@ class TestPlacement:
 
 
 class TestSerialisation:
+    @pytest.mark.slow
     async def test_logprobs_alone_equal_logprobs_among_16(self, serve: Serve) -> None:
         greedy = vision_body(40, logprobs=True, top_logprobs=2)
 
-        async def logprobs(served: Served) -> list[float]:
-            body = (await served.chat(greedy)).json()
-            return [i["logprob"] for i in body["choices"][0]["logprobs"]["content"]]
-
         async with serve() as served:
-            alone = await logprobs(served)
+            alone = logprobs(await served.chat(greedy))
             crowd: list[float] = []
 
             async def other(i: int) -> None:
@@ -673,7 +649,7 @@ class TestSerialisation:
                 assert response.status_code == 200
 
             async def target() -> None:
-                crowd.extend(await logprobs(served))
+                crowd.extend(logprobs(await served.chat(greedy)))
 
             async with anyio.create_task_group() as group:
                 group.start_soon(target)
@@ -795,12 +771,13 @@ class TestDisconnect:
             for _ in range(2):
                 received: list[bool] = []
                 sent.clear()
-                scope = post_scope(served, "/v1/chat/completions")
+                scope = post_scope("/v1/chat/completions", served.state)
                 with anyio.fail_after(10):
                     await served.app(scope, receive, send)
                     assert sent[0]["status"] == 200
                     await until(lambda: not watchers())
 
+    @pytest.mark.slow
     async def test_disconnect_while_waiting_never_starts(self, serve: Serve) -> None:
         async with serve() as served:
             gate = served.app.state.gate

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
 import pytest
 
-from .conftest import Served, drive, vision_body
+from .conftest import drive, vision_body
+from .kit import Serve, logprobs
 
 pytestmark = pytest.mark.anyio
 
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 TOLERANCE = 1e-5  # float32 rounding; cross-talk moves logprobs by 0.1 to 1
-
-
-def logprobs(response: Any) -> list[float]:
-    assert response.status_code == 200, response.text
-    content = response.json()["choices"][0]["logprobs"]["content"]
-    return [entry["logprob"] for entry in content]
 
 
 def body(index: int, max_tokens: int) -> dict[str, Any]:
@@ -35,6 +27,7 @@ def body(index: int, max_tokens: int) -> dict[str, Any]:
 
 
 class TestBatchedApp:
+    @pytest.mark.slow
     async def test_eight_concurrent_requests_match_their_solo_runs(
         self, serve: Serve
     ) -> None:

@@ -46,6 +46,7 @@ from .kit import (
     Collector,
     Event,
     Request,
+    all_at_once,
     deadline,
     drain,
     generate_inline,
@@ -60,6 +61,7 @@ pytestmark = pytest.mark.anyio
 
 
 class TestIsolation:
+    @pytest.mark.slow
     async def test_batch_of_8_matches_each_solo_run(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
@@ -256,11 +258,7 @@ class TestIsolation:
         reqs = [request(i, 5 + i, top_logprobs=2) for i in range(8)]
         alone = [await solo(thread, loaded, req) for req in reqs]
         batch = BatchEngine(loaded, thread)
-        gate = BatchGate(max_num_seqs=8, max_pending=0)
-        runs = [Collector(thread, batch, gate, req) for req in reqs]
-        async with deadline() as group:
-            for run in runs:
-                group.start_soon(run.run)
+        runs = await all_at_once(thread, batch, reqs)
         for run, expected in zip(runs, alone, strict=True):
             assert max_logprob_difference(run.events, expected) <= TOL
         stats = batch.statistics()
@@ -293,11 +291,7 @@ class TestIsolation:
         assert len(alone[1]) == 1  # the end of turn came first: no token
 
         batch = BatchEngine(loaded, thread)
-        gate = BatchGate(max_num_seqs=4, max_pending=0)
-        runs = [Collector(thread, batch, gate, req) for req in reqs]
-        async with deadline() as group:
-            for run in runs:
-                group.start_soon(run.run)
+        runs = await all_at_once(thread, batch, reqs)
         for run, expected in zip(runs, alone, strict=True):
             assert run.events == expected or (
                 max_logprob_difference(run.events, expected) <= TOL

@@ -279,6 +279,7 @@ class TestServe:
         assert "without an API key" in caplog.text
 
 
+@pytest.mark.slow
 def test_log_lines_are_written_by_their_own_thread() -> None:
     # In a fresh interpreter (pytest has set logging up in this one): the
     # caller only queues the record; a listener thread writes it, and what is

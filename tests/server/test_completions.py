@@ -17,8 +17,8 @@ from mlx_pinned.server import create_app
 from mlx_pinned.server.http.metrics import route_of
 from mlx_pinned.testing import tiny_lm_path, tiny_vlm_path
 
-from .conftest import Lifespan, Served, assert_error, drive, sse_events
-from .kit import Server, running
+from .conftest import assert_error, drive, sse_events
+from .kit import Lifespan, Served, Server, in_process, running
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -44,6 +44,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield served
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 class TestTheSDK:
     def test_completions_create(self, server: Server, model: str) -> None:
@@ -128,12 +129,8 @@ async def served(
     """A vision model and a text model, in-process, eight rows a batch."""
     path = tiny_vlm_path() if request.param == "qwen3_vl" else tiny_lm_path()
     app = create_app(path, served_model_name="tiny", max_num_seqs=8)
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        lifespan(app) as state,
-        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
-    ):
-        yield Served(app, client, state)
+    async with in_process(app, lifespan, Served) as served:
+        yield served
 
 
 @pytest.mark.anyio
@@ -173,6 +170,7 @@ PROMPTS = (
 
 @pytest.mark.anyio
 class TestCompletions:
+    @pytest.mark.slow
     async def test_prompts_batched_equal_each_alone(self, served: Served) -> None:
         async def logprobs(answer: httpx.Response) -> list[list[float]]:
             assert answer.status_code == 200, answer.text
@@ -359,6 +357,7 @@ class TestCompletions:
         error = assert_error(answer, 400, None, "invalid_prompt")
         assert "placeholder" in error["message"]
 
+    @pytest.mark.slow
     @pytest.mark.parametrize(
         "raw",
         [

@@ -20,7 +20,8 @@ from mlx_pinned.server.config_file import read_config_file
 from mlx_pinned.server.engine.memory import stored_weight_bytes
 from mlx_pinned.testing import make_tiny_vlm
 
-from .conftest import Lifespan, assert_error
+from .conftest import assert_error
+from .kit import Lifespan
 
 EXAMPLE = """
     max_model_bytes = 8_000_000_000

@@ -207,6 +207,7 @@ def ranks(group: Group, expected: list[int]) -> Callable[[], bool]:
 
 
 class TestServing:
+    @pytest.mark.slow
     def test_concurrent_requests_answer_as_one_process(
         self, group: Group, one_process: list[list[tuple[str, float]]]
     ) -> None:
@@ -233,6 +234,7 @@ class TestServing:
         group.wait_for(ranks(group, [0, 0]), "both ranks idle", 30)
         assert "diverged" not in group.log(1)
 
+    @pytest.mark.slow
     def test_schema_rows_drawn_unmasked_agree_across_ranks(self, group: Group) -> None:
         # Greedy schema rows that read no log-probabilities draw without
         # their mask; where a rank's grammar refuses a token, every rank
@@ -279,6 +281,7 @@ class TestServing:
         group.wait_for(ranks(group, [0, 0]), "both ranks idle", 30)
         assert "diverged" not in group.log(1)
 
+    @pytest.mark.slow
     def test_a_disconnect_frees_the_row_on_both_ranks(self, group: Group) -> None:
         stream = group.client().chat.completions.create(
             model=DEMO_MODEL_NAME,
@@ -294,6 +297,7 @@ class TestServing:
         stream.close()
         group.wait_for(ranks(group, [0, 0]), "the row gone from both ranks", 30)
 
+    @pytest.mark.slow
     def test_a_killed_follower_is_a_503_then_exit_status_1(self, group: Group) -> None:
         # Last: the group ends here.
         group.ranks[1].kill()
@@ -304,6 +308,7 @@ class TestServing:
         assert "the tensor-parallel group is lost" in group.log(0)
 
 
+@pytest.mark.slow
 def test_a_stalled_follower_stops_the_group(tmp_path: Path) -> None:
     with running_group(tmp_path) as group:
         group.ranks[1].send_signal(signal.SIGSTOP)
@@ -320,6 +325,7 @@ def test_a_stalled_follower_stops_the_group(tmp_path: Path) -> None:
         assert "the tensor-parallel group is lost" in group.log(1)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_and_every_rank_exits_0(tmp_path: Path) -> None:
     with running_group(tmp_path) as group:
         stream = group.client().chat.completions.create(

@@ -30,11 +30,12 @@ from mlx_pinned.server.engine.sampling import vlm
 from mlx_pinned.server.events import FinalEvent
 from mlx_pinned.testing import make_tiny_lm, tiny_lm_path, tiny_vlm_path
 
-from .conftest import MODEL, Serve, vision_body
+from .conftest import MODEL, vision_body
 from .kit import (
     TOL,
     Event,
     Request,
+    Serve,
     interleaved,
     max_logprob_difference,
     request,
@@ -95,6 +96,7 @@ class TestGreedyIsUnchanged:
         stats = on.statistics()
         assert stats.decoded_tokens > 4 * stats.speculative_rows
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("draft", ["other_seed", "vision"])
     def test_refused_drafts_change_nothing(
         self,
@@ -111,6 +113,7 @@ class TestGreedyIsUnchanged:
         drafted, kept = counts(on)
         assert kept < drafted
 
+    @pytest.mark.slow
     def test_a_vision_model_with_images_and_a_text_draft(
         self, thread: MLXThread
     ) -> None:
@@ -137,6 +140,7 @@ class TestGreedyIsUnchanged:
 
 
 class TestTheDraftCache:
+    @pytest.mark.slow
     def test_proposals_are_the_draft_models_own_continuations(
         self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:

@@ -46,6 +46,7 @@ def vision_messages(image_size: tuple[int, int] = (64, 64), seed: int = 0) -> An
     ]
 
 
+@pytest.mark.slow
 def test_bug_report_request_sync(server: Server) -> None:
     completion = server.client().chat.completions.create(
         model=DEMO_MODEL_NAME, messages=vision_messages(), max_tokens=80
@@ -94,6 +95,7 @@ def test_errors_reach_the_sdk_as_openai_errors(server: Server) -> None:
     assert refused.value.param == "messages[0].content[1].image_url"
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_32_concurrent_mixed_requests(server: Server) -> None:
@@ -125,6 +127,7 @@ async def test_32_concurrent_mixed_requests(server: Server) -> None:
     assert counts == [12] * 32
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_greedy_logprobs_alone_equal_among_16(server: Server) -> None:
@@ -171,6 +174,7 @@ def health(server: Server) -> dict[str, Any]:
     return body
 
 
+@pytest.mark.slow
 def test_an_idle_connection_outlives_the_clients_pool(server: Server) -> None:
     # httpx (and so the openai package) keeps an idle connection 5 s; the
     # server keeps it longer, so a request is never sent on a connection the
@@ -264,6 +268,7 @@ def drains_then_exits_0(server: Server, signum: signal.Signals) -> None:
     assert re.search(r"froze \d+ objects", log)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_and_exits_cleanly(server: Server) -> None:
     # Runs last in this module: it stops the shared server.
     drains_then_exits_0(server, signal.SIGTERM)
@@ -317,6 +322,7 @@ def logprob_values(completion: Any) -> list[float]:
     return [token.logprob for token in content]
 
 
+@pytest.mark.slow
 class TestEveryVisionFamily:
     """The distinctive checks, over HTTP, for each vision family of
     ``TINY_MODEL_TYPES``, each a model of one server."""

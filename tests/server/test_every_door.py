@@ -27,8 +27,8 @@ from mlx_pinned.server import create_app
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
 from mlx_pinned.testing import image_data_uri, tiny_lm_path
 
-from .conftest import MODEL, Lifespan, Serve, Served
-from .kit import Server, running_server
+from .conftest import MODEL
+from .kit import Lifespan, Serve, Served, Server, in_process, running_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
@@ -212,12 +212,8 @@ IMAGE = Prompt("Describe this image in one sentence.", image_seed=3)
 async def text_model(lifespan: Lifespan) -> AsyncIterator[Served]:
     """The tiny text model (Qwen3), in-process, a batch of one."""
     app = create_app(tiny_lm_path(), served_model_name=MODEL, max_num_seqs=1)
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        lifespan(app) as state,
-        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
-    ):
-        yield Served(app, client, state)
+    async with in_process(app, lifespan, Served) as served:
+        yield served
 
 
 @pytest.mark.parametrize(
@@ -242,6 +238,7 @@ async def test_every_door_gives_the_same_answer(
         print(f"{prompt.text!r}: completions against chat, most {most:.2e}")
 
 
+@pytest.mark.slow
 def test_the_sdks_get_the_same_answer_from_a_real_server(
     tmp_path: Path,
 ) -> None:
@@ -383,6 +380,7 @@ def spread() -> list[tuple[str, Prompt]]:
     return plan
 
 
+@pytest.mark.slow
 async def test_sixteen_at_once_over_four_doors_each_equal_alone(serve: Serve) -> None:
     plan = spread()
     assert len(plan) == 16

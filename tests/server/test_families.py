@@ -16,7 +16,6 @@ import json
 import math
 import shutil
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +35,12 @@ from mlx_pinned.testing import (
     tiny_vlm_path,
 )
 
+from .kit import PROMPTS as KIT_PROMPTS
 from .kit import (
     TOL,
     Collector,
     Request,
+    all_at_once,
     deadline,
     generate_inline,
     image,
@@ -52,14 +53,7 @@ from .kit import request as batching_request
 pytestmark = pytest.mark.anyio
 
 FAMILIES = [*TINY_MODEL_TYPES, *TINY_LM_TYPES]
-PROMPTS = (
-    "Describe this image in one sentence.",
-    "What is in this picture? Answer in a few words.",
-    "Count the objects in the image and list their colours.",
-    "Hello! How can I help you today?",
-    "The quick brown fox jumps over the lazy dog.",
-    "Is this a photo of a dog, a cat or a bird?",
-)
+PROMPTS = KIT_PROMPTS[:6]  # as many as the largest batch here has rows
 # Image sizes per request (None: text only); a text model gets none.
 SIZES: tuple[tuple[int, int] | None, ...] = (
     (64, 64),
@@ -79,12 +73,6 @@ class Served:
     @property
     def vision(self) -> bool:
         return self.model_type in TINY_MODEL_TYPES
-
-
-@pytest.fixture(scope="module")
-def thread() -> Iterator[MLXThread]:
-    with MLXThread(name="test-families") as mlx_thread:
-        yield mlx_thread
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -113,6 +101,7 @@ def request(family: Served, index: int, max_tokens: int, **params: Any) -> Reque
 
 
 class TestEveryFamily:
+    @pytest.mark.slow
     async def test_rows_joining_and_leaving_match_each_solo_run(
         self, thread: MLXThread, family: Served
     ) -> None:
@@ -134,21 +123,19 @@ class TestEveryFamily:
             assert max_logprob_difference(run.events, expected) <= TOL
         assert batch.statistics().peak_active >= 3
 
+    @pytest.mark.slow
     async def test_prompts_arriving_together_match_each_solo_run(
         self, thread: MLXThread, family: Served
     ) -> None:
         reqs = [request(family, i, 6 + i, top_logprobs=2) for i in range(6)]
         alone = [await solo(thread, family.loaded, req) for req in reqs]
         batch = BatchEngine(family.loaded, thread)
-        gate = BatchGate(max_num_seqs=6, max_pending=0)
-        runs = [Collector(thread, batch, gate, req) for req in reqs]
-        async with deadline() as group:
-            for run in runs:
-                group.start_soon(run.run)
+        runs = await all_at_once(thread, batch, reqs)
         for run, expected in zip(runs, alone, strict=True):
             assert max_logprob_difference(run.events, expected) <= TOL
         assert batch.statistics().prefills == 6
 
+    @pytest.mark.slow
     async def test_a_long_row_and_a_chunked_prompt_joining_it_match_solo(
         self, thread: MLXThread, family: Served
     ) -> None:
@@ -174,6 +161,7 @@ class TestEveryFamily:
         assert (stats.peak_active, stats.prefills) == (2, 2)
         assert stats.prefill_passes >= 3  # row 0's, and two chunks or more
 
+    @pytest.mark.slow
     async def test_a_text_prompt_then_an_image_prompt_together_match_solo(
         self, thread: MLXThread, family: Served
     ) -> None:
@@ -200,6 +188,7 @@ class TestEveryFamily:
         stats = batch.statistics()
         assert (stats.prefills, stats.peak_active) == (2, 2)
 
+    @pytest.mark.slow
     async def test_seeded_sampling_matches_solo(
         self, thread: MLXThread, family: Served
     ) -> None:
@@ -209,11 +198,7 @@ class TestEveryFamily:
         ]
         alone = [await solo(thread, family.loaded, req) for req in reqs]
         batch = BatchEngine(family.loaded, thread)
-        gate = BatchGate(max_num_seqs=3, max_pending=0)
-        runs = [Collector(thread, batch, gate, req) for req in reqs]
-        async with deadline() as group:
-            for run in runs:
-                group.start_soon(run.run)
+        runs = await all_at_once(thread, batch, reqs)
         for run, expected in zip(runs, alone, strict=True):
             assert max_logprob_difference(run.events, expected) <= TOL
 
@@ -244,6 +229,7 @@ class TestTextModels:
 
 
 class TestOneAtATime:
+    @pytest.mark.slow
     async def test_rows_run_one_after_another_each_as_alone(
         self, thread: MLXThread, family: Served
     ) -> None:
@@ -253,11 +239,7 @@ class TestOneAtATime:
         alone = [await solo(thread, family.loaded, req) for req in reqs]
         batch = BatchEngine(family.loaded, thread)
         batch._state.exclusive = True
-        gate = BatchGate(max_num_seqs=4, max_pending=0)
-        runs = [Collector(thread, batch, gate, req) for req in reqs]
-        async with deadline() as group:
-            for run in runs:
-                group.start_soon(run.run)
+        runs = await all_at_once(thread, batch, reqs)
         for run, expected in zip(runs, alone, strict=True):
             assert max_logprob_difference(run.events, expected) <= TOL
         stats = batch.statistics()
@@ -323,11 +305,7 @@ class TestAVariantThatCannotBeBatched:
         alone = [await solo(thread, ministral3, req) for req in reqs]
         batch = BatchEngine(ministral3, thread)
         batch._state.exclusive = False
-        gate = BatchGate(max_num_seqs=3, max_pending=0)
-        runs = [Collector(thread, batch, gate, req) for req in reqs]
-        async with deadline() as group:
-            for run in runs:
-                group.start_soon(run.run)
+        runs = await all_at_once(thread, batch, reqs)
         pairs = zip(runs, alone, strict=True)
         assert max(moved(run.events, expected) for run, expected in pairs) > 1e-2
 
@@ -345,11 +323,7 @@ class TestAVariantThatCannotBeBatched:
         batch = BatchEngine(ministral3, thread)
         assert batch._state.exclusive
         assert "Ministral 3 decoder" in caplog.text
-        gate = BatchGate(max_num_seqs=3, max_pending=0)
-        runs = [Collector(thread, batch, gate, req) for req in reqs]
-        async with deadline() as group:
-            for run in runs:
-                group.start_soon(run.run)
+        runs = await all_at_once(thread, batch, reqs)
         for run, expected in zip(runs, alone, strict=True):
             assert max_logprob_difference(run.events, expected) <= TOL
         assert batch.statistics().peak_active == 1

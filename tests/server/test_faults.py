@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
@@ -15,7 +13,6 @@ import httpx
 import pytest
 
 from .conftest import (
-    Served,
     assert_error,
     drive,
     replace_generation,
@@ -23,11 +20,9 @@ from .conftest import (
     until,
     vision_body,
 )
-from .kit import SlowModel
+from .kit import Serve, Served, SlowModel
 
 pytestmark = pytest.mark.anyio
-
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 
 @pytest.fixture
@@ -85,6 +80,7 @@ class TestTimeout:
             await settled(served)
             assert slow.closed == [served.thread.ident]
 
+    @pytest.mark.slow
     async def test_many_clients_queue_wait_counts(
         self, serve: Serve, slow: SlowModel
     ) -> None:
@@ -119,6 +115,7 @@ class TestTimeout:
             slow.release.set()
             assert (await served.chat(vision_body(2))).status_code == 200
 
+    @pytest.mark.slow
     async def test_batched_generations_are_closed(self, serve: Serve) -> None:
         # The CLI's default engine, the real model: three generations batched
         # together are cut at the deadline, closed and taken out of the batch.

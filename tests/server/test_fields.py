@@ -3,9 +3,6 @@ by name; unknown fields are refused as OpenAI refuses them."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import pytest
@@ -18,9 +15,9 @@ from mlx_pinned.server.http.chat_completions.protocol import (
 )
 from mlx_pinned.server.http.errors import APIError
 
-from .conftest import Served, vision_body
-
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
+from .conftest import vision_body
+from .kit import Serve
+from .kit import chat_bytes as body
 
 # OpenAI's chat-completions request fields (API reference, 2025).
 OPENAI_FIELDS = {
@@ -69,15 +66,6 @@ WITHOUT_EFFECT: dict[str, Any] = {
     "audio": None,
     "functions": None,
 }
-
-
-def body(**fields: Any) -> bytes:
-    base: dict[str, Any] = {
-        "model": "m",
-        "messages": [{"role": "user", "content": "hi"}],
-    }
-    base.update(fields)
-    return json.dumps(base).encode()
 
 
 def refused(**fields: Any) -> APIError:

@@ -23,9 +23,18 @@ from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
 from mlx_pinned.server.formats.blocks import MAX_FORCED_CALLS
 from mlx_pinned.testing import TINY_TOOL_LM_TYPES, tiny_lm_path
 
-from .conftest import Serve, Served, replace_generation, sse_events
+from .conftest import replace_generation, sse_events
 from .format_cases import CASES, Case
-from .kit import CLOCK, WEATHER, Server, assert_no_markup, join_chat_chunks, running
+from .kit import (
+    CLOCK,
+    WEATHER,
+    Serve,
+    Served,
+    Server,
+    assert_no_markup,
+    join_chat_chunks,
+    running,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -236,6 +245,7 @@ def message_answer(message: Any) -> Answer:
     return Answer(calls, ["".join(texts)], message.stop_reason)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("choice", list(CHOICES))
 class TestForcedCallsAtEveryDoor:
     def test_chat_completions_deltas_join_to_the_whole_calls(
@@ -267,6 +277,7 @@ class TestForcedCallsAtEveryDoor:
         assert streamed == whole
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit", [3, 12])
 def test_a_forced_call_cut_by_the_token_limit_leaves_no_markup_at_any_door(
     client: openai.OpenAI, claude: anthropic.Anthropic, limit: int
@@ -287,6 +298,7 @@ def test_a_forced_call_cut_by_the_token_limit_leaves_no_markup_at_any_door(
         assert_no_markup(*answer.texts, context=answer)
 
 
+@pytest.mark.slow
 def test_every_door_forces_the_same_named_call(
     client: openai.OpenAI, claude: anthropic.Anthropic
 ) -> None:

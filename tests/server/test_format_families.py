@@ -7,8 +7,7 @@ markup in any content."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +24,15 @@ from mlx_pinned.server.http.chat_completions.protocol import ChatCompletionReque
 from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import TINY_TOOL_LM_TYPES, tiny_lm_path
 
-from .conftest import MODEL, Served, sse_events
+from .conftest import MODEL, sse_events
 from .kit import (
     CLOCK,
     TOL,
     WEATHER,
     Collector,
+    Serve,
+    Served,
+    all_at_once,
     assert_no_markup,
     deadline,
     join_chat_chunks,
@@ -41,7 +43,6 @@ from .kit import request as batching_request
 
 pytestmark = pytest.mark.anyio
 
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 # Each family's tool-call and reasoning formats, as the registry names them.
 FORMATS = {
@@ -103,6 +104,7 @@ class TestSpecialMarkers:
         assert set(FORCEABLE) | set(SPECIAL_MARKERS) == set(TINY_TOOL_LM_TYPES)
 
 
+@pytest.mark.slow
 class TestBatching:
     async def test_rows_joining_and_leaving_match_each_solo_run(
         self, thread: MLXThread, loaded: LoadedModel
@@ -136,11 +138,7 @@ class TestBatching:
         ]
         alone = [await solo(thread, loaded, req) for req in reqs]
         batch = BatchEngine(loaded, thread)
-        gate = BatchGate(max_num_seqs=4, max_pending=0)
-        runs = [Collector(thread, batch, gate, req) for req in reqs]
-        async with deadline() as group:
-            for run in runs:
-                group.start_soon(run.run)
+        runs = await all_at_once(thread, batch, reqs)
         for run, expected in zip(runs, alone, strict=True):
             assert max_logprob_difference(run.events, expected) <= TOL
         assert batch.statistics().prefills == 4
@@ -199,6 +197,7 @@ class TestThroughTheOpenAIDoor:
         card = (await served.client.get(f"/v1/models/{MODEL}")).json()
         assert card["formats"] == FORMATS[tiny_model_path.name.removeprefix("tiny-lm-")]
 
+    @pytest.mark.slow
     async def test_a_free_answer_with_tools_offered_streams_as_whole(
         self, served: Served
     ) -> None:
@@ -211,6 +210,7 @@ class TestThroughTheOpenAIDoor:
         assert answers[0] == answers[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "tiny_model_path", [*FORCEABLE, *SPECIAL_MARKERS], indirect=True
 )
@@ -235,6 +235,7 @@ class TestNamedCalls:
         assert answers[0] == answers[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tiny_model_path", FORCEABLE, indirect=True)
 class TestForcedCalls:
     async def test_a_required_call_parses_back_to_valid_arguments(
@@ -272,6 +273,7 @@ class TestForcedCalls:
         assert answers[0] == answers[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tiny_model_path", list(SPECIAL_MARKERS), indirect=True)
 class TestForcedCallsWithSpecialMarkers:
     async def test_one_required_call_parses_back_to_valid_arguments(
@@ -294,6 +296,7 @@ class TestForcedCallsWithSpecialMarkers:
         assert answers[0] == answers[1]
 
 
+@pytest.mark.slow
 class TestRoundTrip:
     async def test_a_forced_call_sent_back_renders_as_the_model_wrote_it(
         self, served: Served, tiny_model_path: Path

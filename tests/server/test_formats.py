@@ -5,8 +5,7 @@ exactly as asked, on the tiny random-weight model through the HTTP app."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +29,11 @@ from mlx_pinned.server.formats import (
 from mlx_pinned.server.grammars import GrammarCache
 from mlx_pinned.testing import _CHAT_TEMPLATE
 
-from .conftest import MODEL, Served, assert_error, sse_events
-from .kit import CLOCK, WEATHER, assert_no_markup, join_chat_chunks
+from .conftest import MODEL, assert_error, sse_events
+from .kit import CLOCK, WEATHER, Serve, Served, assert_no_markup, join_chat_chunks
 
 pytestmark = pytest.mark.anyio
 
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 QWEN3_HYBRID = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
@@ -142,20 +140,10 @@ class TestRegistry:
         assert not [piece for piece in pieces if isinstance(piece, str)]
 
 
-def sdk_of(served: Served) -> openai.AsyncOpenAI:
-    """The openai SDK's client of the app."""
-    return openai.AsyncOpenAI(
-        base_url="http://test/v1",
-        api_key="unused",
-        http_client=served.client,
-        max_retries=0,
-    )
-
-
 @pytest.fixture
 async def sdk(serve: Serve) -> AsyncIterator[tuple[Served, openai.AsyncOpenAI]]:
     async with serve() as served:
-        client = sdk_of(served)
+        client = served.sdk()
         yield served, client
 
 
@@ -191,6 +179,7 @@ async def whole_and_streamed(
     return [whole, stream]
 
 
+@pytest.mark.slow
 class TestForcedCalls:
     async def test_a_named_function_is_called_exactly_once(
         self, sdk: tuple[Served, openai.AsyncOpenAI]
@@ -370,6 +359,7 @@ class TestShownFormats:
             assert (await served.chat(body)).status_code == 200
 
 
+@pytest.mark.slow
 class TestEveryFormatServed:
     @pytest.mark.parametrize("name", list(TOOL_CALL_FORMATS))
     async def test_a_forced_call_in_each_format_parses_back_valid(
@@ -378,7 +368,7 @@ class TestEveryFormatServed:
         # The tiny model is served as if its template wrote this format: the
         # grammar forces a call in the format's syntax, its parser reads it.
         async with serve(tool_call_parser=name) as served:
-            client = sdk_of(served)
+            client = served.sdk()
             answers = await whole_and_streamed(
                 served,
                 client,
@@ -421,7 +411,7 @@ class TestEveryFormatServed:
             "function": {"name": "plan", "parameters": parameters},
         }
         async with serve(tool_call_parser=name) as served:
-            client = sdk_of(served)
+            client = served.sdk()
             answers = await whole_and_streamed(
                 served,
                 client,

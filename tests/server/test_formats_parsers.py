@@ -92,6 +92,7 @@ class TestParsers:
         whole = parse(case.format, case.text, [len(case.text)])
         assert parse(case.format, case.text, [size]) == whole
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("case", CASES, ids=IDS)
     @settings(max_examples=20, deadline=None)
     @given(sizes=st.lists(st.integers(1, 24), min_size=1, max_size=12))
@@ -101,6 +102,7 @@ class TestParsers:
         whole = parse(case.format, case.text, [len(case.text)])
         assert parse(case.format, case.text, sizes) == whole
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("case", CASES, ids=IDS)
     def test_an_answer_cut_anywhere_leaves_no_markup(self, case: Case) -> None:
         for end in range(len(case.text)):

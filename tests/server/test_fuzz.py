@@ -15,8 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import math
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -32,8 +31,8 @@ from mlx_pinned.server.http.chat_completions.responses import (
 )
 from mlx_pinned.testing import make_test_image
 
-from .conftest import MODEL, Served, sse_events
-from .kit import png_header
+from .conftest import MODEL, sse_events
+from .kit import Serve, Served, png_header
 
 # The CI profile runs this many examples per test and backend; nightly more.
 EXAMPLES = max(settings().max_examples, 100)
@@ -41,7 +40,6 @@ EXAMPLES = max(settings().max_examples, 100)
 # A valid example takes up to ~50 ms: give big profiles the time they need.
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(max(120, EXAMPLES * 0.3))]
 
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 FUZZ = settings(
     max_examples=EXAMPLES,
     suppress_health_check=[
@@ -242,6 +240,7 @@ def check(response: httpx.Response, streamed: bool | None = None) -> None:
 
 # Both engines: one generation at a time, and continuous batching (the CLI's
 # default), which prefills, samples and detokenizes on its own path.
+@pytest.mark.slow
 @pytest.mark.parametrize("fuzzed", [1, 32], indirect=True, ids=["serial", "batched"])
 @given(body=logprobs(valid_bodies))
 @FUZZ
@@ -251,6 +250,7 @@ async def test_valid_bodies(fuzzed: Served, body: dict[str, Any]) -> None:
     check(await post(fuzzed, raw), streamed=body.get("stream") is True)
 
 
+@pytest.mark.slow
 @given(body=hostile())
 @FUZZ
 async def test_hostile_bodies(fuzzed: Served, body: dict[str, Any]) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import anyio
@@ -12,12 +10,11 @@ import pytest
 
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
 
-from .conftest import MODEL, Served, assert_error, vision_body
+from .conftest import MODEL, assert_error, vision_body
+from .kit import Serve
 from .replicas import replica
 
 pytestmark = pytest.mark.anyio
-
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 
 class TestReadiness:
@@ -26,6 +23,7 @@ class TestReadiness:
             assert served.app.state.readiness.refusal() is None
             assert (await served.client.get("/health")).status_code == 200
 
+    @pytest.mark.slow
     async def test_not_ready_before_the_models_are_loaded(self, tmp_path: Path) -> None:
         # A real server (the CLI under uvicorn) whose load is held back.
         with replica(tmp_path / "loading.log", gated=True) as loading:
@@ -40,6 +38,7 @@ class TestReadiness:
                 assert ready.status_code == 200
                 assert ready.json()["models"][DEMO_MODEL_NAME]["loaded"] is True
 
+    @pytest.mark.slow
     async def test_draining_is_not_ready_and_still_serves(self, serve: Serve) -> None:
         async with serve() as served:
             served.app.state.readiness.drain()
@@ -89,6 +88,7 @@ class TestLiveness:
             assert 'mlx_pinned_requests_total{route="/livez",status="200"} 1.0' in text
 
 
+@pytest.mark.slow
 async def test_batch_usage_ratio_is_rows_in_use_over_max_num_seqs(
     serve: Serve,
 ) -> None:

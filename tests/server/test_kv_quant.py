@@ -241,6 +241,7 @@ class TestSettings:
         assert "gemma3" in str(info.value)
 
 
+@pytest.mark.slow
 class TestDistanceFromTheFloatCache:
     @pytest.mark.parametrize("kind", ["text", "vision"])
     @pytest.mark.parametrize("bits", [8, 4])
@@ -260,6 +261,7 @@ class TestDistanceFromTheFloatCache:
         print(f"kv_bits {bits}, {kind}: gap {max(gaps):.4f} over {compared} tokens")
 
 
+@pytest.mark.slow
 class TestExactUnderTheSameBits:
     @pytest.mark.parametrize("kind", ["text", "vision", "deep"])
     @pytest.mark.parametrize("bits", [8, 4])
@@ -440,6 +442,7 @@ class TestBytes:
         assert 0 < seen[8] <= seen[None] / 2
 
 
+@pytest.mark.slow
 def test_a_model_the_flag_cannot_take_fails_start_up_with_its_reason() -> None:
     # The server exits 3, the status of a failed load, its log line naming
     # the reason (uvicorn still logs the failed start-up's traceback).

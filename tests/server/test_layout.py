@@ -412,3 +412,51 @@ def test_a_runtime_import_cycle_is_caught() -> None:
     # Naming a type only is no cycle.
     planted = "\nif TYPE_CHECKING:\n    from .state import BatchState\n"
     assert f"{ENGINE}.state" not in runtime_imports(decode, planted)
+
+
+def _slow(node: ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return any(ast.unparse(d) == "pytest.mark.slow" for d in node.decorator_list)
+
+
+def quick_tests(path: Path, text: str | None = None) -> list[str]:
+    """The tests of a test module (``test_*`` functions, ``Test*`` classes'
+    ``test_*`` methods) that no ``slow`` marker takes out of the inner loop."""
+    tree = ast.parse(path.read_text() if text is None else text, str(path))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and "pytest.mark.slow" in ast.unparse(node):
+            return []  # the whole module (pytestmark)
+    found = []
+    tests = (ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in tree.body:
+        if isinstance(node, tests) and node.name.startswith("test_"):
+            found += [] if _slow(node) else [node.name]
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            if not _slow(node):
+                found += [
+                    f"{node.name}.{method.name}"
+                    for method in node.body
+                    if isinstance(method, tests)
+                    and method.name.startswith("test_")
+                    and not _slow(method)
+                ]
+    return found
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(TESTS.rglob("test_*.py")),
+    ids=lambda p: str(p.relative_to(TESTS)),
+)
+def test_every_test_module_runs_in_the_inner_loop(path: Path) -> None:
+    # `pytest -m "not slow"` (the README's inner loop) runs each module once.
+    assert quick_tests(path), f"{path.name}: every test is marked slow"
+
+
+def test_a_module_all_slow_is_caught() -> None:
+    here = Path(__file__)
+    slow = "import pytest\n\n@pytest.mark.slow\ndef test_a() -> None: ...\n"
+    assert not quick_tests(here, slow)
+    assert not quick_tests(here, "import pytest\npytestmark = pytest.mark.slow\n")
+    both = "class TestA:\n    @pytest.mark.slow\n    def test_a(self): ...\n"
+    assert not quick_tests(here, "import pytest\n" + both)
+    assert quick_tests(here, "import pytest\n" + both + "    def test_b(self): ...\n")

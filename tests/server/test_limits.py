@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import pytest
@@ -19,9 +17,8 @@ from mlx_pinned.server.limits import (
     longest_token_chars,
 )
 
-from .conftest import Served, assert_error, vision_body
-
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
+from .conftest import assert_error, vision_body
+from .kit import Serve
 
 
 class TestChecks:

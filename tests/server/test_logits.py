@@ -25,15 +25,13 @@ from mlx_pinned.server.engine.state import BatchState
 from mlx_pinned.server.events import FinalEvent, Grammar, SamplingParams
 from mlx_pinned.server.failures import InvalidGrammarError
 from mlx_pinned.server.grammars import GRAMMARS
-from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import tiny_vlm_path
 
 from .kit import (
     TOL,
-    Collector,
     Event,
     Request,
-    deadline,
+    all_at_once,
     drive_rows,
     max_logprob_difference,
     request,
@@ -137,11 +135,7 @@ async def together(
     thread: MLXThread, loaded: LoadedModel, reqs: list[Request]
 ) -> list[list[Event]]:
     batch = BatchEngine(loaded, thread)
-    gate = BatchGate(max_num_seqs=len(reqs), max_pending=0)
-    runs = [Collector(thread, batch, gate, req) for req in reqs]
-    async with deadline() as group:
-        for run in runs:
-            group.start_soon(run.run)
+    runs = await all_at_once(thread, batch, reqs)
     assert batch.statistics().peak_active > 1
     return [run.events for run in runs]
 
@@ -176,6 +170,7 @@ class TestPenaltiesInTheBatch:
 
 
 class TestGrammarInTheBatch:
+    @pytest.mark.slow
     async def test_schema_rows_validate_and_free_rows_do_not_notice(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
@@ -309,6 +304,7 @@ class TestGrammarSpeculation:
     token, it is drawn again masked and the next step built again. Its
     answer must be the masked row's, token for token."""
 
+    @pytest.mark.slow
     async def test_a_row_drawn_without_its_mask_answers_as_a_masked_one(
         self,
         thread: MLXThread,

@@ -11,8 +11,8 @@ import pytest
 
 from mlx_pinned.server.http.turns import LoopTurns
 
-from .conftest import Serve, sse_events, vision_body
-from .kit import content_of
+from .conftest import sse_events, vision_body
+from .kit import Serve, content_of
 
 pytestmark = pytest.mark.anyio
 

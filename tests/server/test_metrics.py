@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
-
 import anyio
 import pytest
 from prometheus_client import REGISTRY
 
 from mlx_pinned.server.http.metrics import route_of
 
-from .conftest import (
-    MODEL,
-    Served,
-    assert_error,
-    replace_generation,
-    until,
-    vision_body,
-)
-from .kit import SlowModel, scrape, value
+from .conftest import MODEL, assert_error, replace_generation, until, vision_body
+from .kit import Serve, SlowModel, scrape, value
 
 pytestmark = pytest.mark.anyio
 
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 CHAT = "/v1/chat/completions"
 CHAT_API = "chat_completions"
 

@@ -18,15 +18,8 @@ from mlx_pinned.server import ServerConfig, create_app
 from mlx_pinned.server.engine import BatchEngine
 from mlx_pinned.testing import make_tiny_vlm
 
-from .conftest import (
-    Lifespan,
-    assert_error,
-    replace_generation,
-    sse_events,
-    until,
-    vision_body,
-)
-from .kit import SlowModel
+from .conftest import assert_error, replace_generation, sse_events, until, vision_body
+from .kit import Lifespan, SlowModel, in_process, logprobs
 
 pytestmark = pytest.mark.anyio
 
@@ -74,12 +67,8 @@ def serve_models(
     ) -> AsyncIterator[TwoServed]:
         options.setdefault("max_num_seqs", 1)
         app = create_app(paths, served_model_name=names, **options)
-        transport = httpx.ASGITransport(app=app)
-        async with (
-            lifespan(app) as state,
-            httpx.AsyncClient(transport=transport, base_url="http://test") as client,
-        ):
-            yield TwoServed(app, client, state)
+        async with in_process(app, lifespan, TwoServed) as served:
+            yield served
 
     return serve
 
@@ -97,12 +86,6 @@ def body(
         prompt=f"Describe picture {index}.",
         **fields,
     )
-
-
-def logprobs(response: httpx.Response) -> list[float]:
-    assert response.status_code == 200, response.text
-    content = response.json()["choices"][0]["logprobs"]["content"]
-    return [entry["logprob"] for entry in content]
 
 
 def worst(one: list[float], other: list[float]) -> float:
@@ -224,6 +207,7 @@ class TestRouting:
 
 
 class TestConcurrency:
+    @pytest.mark.slow
     async def test_both_batches_run_at_once_and_match_their_solo_runs(
         self, serve_models: ServeModels, tiny_model_path: Path, other_model_path: Path
     ) -> None:

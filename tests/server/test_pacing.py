@@ -71,6 +71,7 @@ async def passes_with(
     return stats.prefill_passes - 1, [run.events for run in runs]
 
 
+@pytest.mark.slow
 async def test_a_long_prompt_is_cut_by_time_while_a_stream_decodes(
     thread: MLXThread, loaded: LoadedModel
 ) -> None:

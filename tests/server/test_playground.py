@@ -11,13 +11,11 @@ from __future__ import annotations
 import base64
 import os
 import re
-import subprocess
 import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractAsyncContextManager, contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,16 +33,15 @@ from starlette.applications import Starlette
 from mlx_pinned.server.http.playground import CSP, DIRECTORY, routes
 from mlx_pinned.testing import image_data_uri
 
-from .conftest import Served, assert_error
+from .conftest import assert_error
+from .kit import Serve, Server, running
 
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 T = TypeVar("T")
 
 # Debian's paths (.ci/run installs them); elsewhere, name them in the environment.
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("CHROMEDRIVER", "/usr/bin/chromedriver")
 LONG = 30000  # max_tokens of an answer the test stops
-READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 
 # The server the browser talks to: two tiny models of different families
 # (create_app, as `mlx-pinned serve` builds it, under uvicorn). Beside them,
@@ -236,21 +233,14 @@ class TestRoutes:
 # ---- the page, in a browser -------------------------------------------------
 
 
-@dataclass
-class Server:
-    url: str
-    log: Path
-
-    def health(self) -> dict[str, Any]:
-        answer: dict[str, Any] = httpx.get(self.url + "/health", timeout=5).json()
-        return answer
-
-    def rows(self, model: str) -> int:
-        return int(self.health()["models"][model]["rows"])
+def rows(server: Server, model: str) -> int:
+    """The rows ``model`` holds, as the server's health says."""
+    health = httpx.get(server.url + "/health", timeout=5).json()
+    return int(health["models"][model]["rows"])
 
 
 @contextmanager
-def running(folder: Path, api_key: str = "") -> Iterator[Server]:
+def serving(folder: Path, api_key: str = "") -> Iterator[Server]:
     """The test server on a free loopback port; killed at the end."""
     broken = folder / "broken"
     broken.mkdir()
@@ -261,31 +251,19 @@ def running(folder: Path, api_key: str = "") -> Iterator[Server]:
     (broken / "app.js").write_text(script[: len(script) // 2])
     log = folder / "server.log"
     command = [sys.executable, "-c", SERVER, str(broken), str(LONG), api_key]
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            command, stdout=sink, stderr=subprocess.STDOUT, env=dict(os.environ)
-        )
-    try:
-        deadline = time.monotonic() + 90
-        while (match := READY.search(log.read_text(errors="replace"))) is None:
-            assert process.poll() is None, log.read_text(errors="replace")
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-        yield Server(match.group(1), log)
-    finally:
-        process.kill()
-        process.wait()
+    with running(command, log) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with running(tmp_path_factory.mktemp("playground")) as started:
+    with serving(tmp_path_factory.mktemp("playground")) as started:
         yield started
 
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with running(tmp_path_factory.mktemp("keyed"), api_key="s3cret") as started:
+    with serving(tmp_path_factory.mktemp("keyed"), api_key="s3cret") as started:
         yield started
 
 
@@ -369,6 +347,7 @@ def prompt_tokens(stats: str) -> int:
     return int(found.group(1))
 
 
+@pytest.mark.slow
 def test_a_conversation_in_the_browser(
     server: Server, browser: WebDriver, tmp_path: Path
 ) -> None:
@@ -409,10 +388,10 @@ def test_a_conversation_in_the_browser(
     until(grown, "the answer to grow")
     assert not long.find_element(By.CLASS_NAME, "stats").text  # still streaming
     assert lengths == sorted(lengths)
-    assert server.rows("tiny-a") == 1
+    assert rows(server, "tiny-a") == 1
     browser.find_element(By.ID, "stop").click()
     assert "stopped" in finished(long)
-    until(lambda: server.rows("tiny-a") == 0, "the row to be freed", timeout=10)
+    until(lambda: rows(server, "tiny-a") == 0, "the row to be freed", timeout=10)
     stopped_at = len(text_of(long))
     assert stopped_at >= lengths[-1]
     time.sleep(0.3)
@@ -428,7 +407,7 @@ def test_a_conversation_in_the_browser(
     assert other.find_element(By.CLASS_NAME, "who").text == "tiny-b"
     assert text_of(other)
     assert prompt_tokens(stats) > prompt_tokens(finished(first))
-    assert server.rows("tiny-b") == 0
+    assert rows(server, "tiny-b") == 0
 
     browser.execute_script("document.querySelector('.settings').open = false")
     shot = Path(os.environ.get("PLAYGROUND_SCREENSHOT", tmp_path / "page.png"))
@@ -482,6 +461,7 @@ def test_drop_and_paste_attach_with_previews(
     assert_no_console_errors(browser)
 
 
+@pytest.mark.slow
 def test_reasoning_folds_and_tool_calls_show(
     server: Server, browser: WebDriver
 ) -> None:
@@ -565,6 +545,7 @@ def test_the_console_check_catches_a_broken_page(
     assert "SyntaxError" in str(e.value)
 
 
+@pytest.mark.slow
 def test_the_page_asks_for_the_key_and_sends_it(
     keyed_server: Server, browser: WebDriver
 ) -> None:

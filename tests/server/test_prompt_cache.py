@@ -22,10 +22,9 @@ from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.prefill import preprocess
 from mlx_pinned.server.engine.prompt_cache import PromptCache, prompt_key
 from mlx_pinned.server.events import FinalEvent, GenerationParams, SamplingParams
-from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.testing import make_test_image
 
-from .kit import Collector, Event, deadline, max_logprob_difference
+from .kit import Event, all_at_once, deadline, max_logprob_difference
 
 pytestmark = pytest.mark.anyio
 
@@ -132,6 +131,7 @@ class TestPromptCacheUnit:
 
 
 class TestSameAnswersWithTheCache:
+    @pytest.mark.slow
     async def test_turns_of_an_image_conversation(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
@@ -174,6 +174,7 @@ class TestSameAnswersWithTheCache:
         # Only the text before the image could be shared.
         assert 0 < final(other).cached_tokens <= ids.index(IMAGE_TOKEN)
 
+    @pytest.mark.slow
     async def test_concurrent_requests_sharing_a_prefix(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
@@ -190,11 +191,7 @@ class TestSameAnswersWithTheCache:
             for i in range(6)
         ]
         expected = [await run(off, *req) for req in reqs]
-        gate = BatchGate(max_num_seqs=6, max_pending=0)
-        runs = [Collector(thread, on, gate, req) for req in reqs]
-        async with deadline() as group:
-            for each in runs:
-                group.start_soon(each.run)
+        runs = await all_at_once(thread, on, reqs)
         for each, theirs in zip(runs, expected, strict=True):
             assert max_logprob_difference(each.events, theirs) <= TOL
             assert final(each.events).cached_tokens > 0
@@ -285,11 +282,7 @@ class TestImageCache:
                 (params(both), [one, two]),
                 (params([user("Hi?", image=True)]), [two]),
             ]
-            gate = BatchGate(max_num_seqs=2, max_pending=0)
-            runs = [Collector(thread, cached, gate, req) for req in reqs]
-            async with deadline() as group:
-                for each in runs:
-                    group.start_soon(each.run)
+            runs = await all_at_once(thread, cached, reqs)
             held = cached.image_cache.held
             assert (held.misses, held.hits) == (2, 1 + 2 + 3)
         finally:

@@ -14,7 +14,6 @@ import ipaddress
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AbstractAsyncContextManager
 
 import anyio
 import httpx
@@ -28,7 +27,8 @@ from mlx_pinned.server.inputs.remote import (
 )
 from mlx_pinned.testing import make_test_image
 
-from .conftest import Served, assert_error, vision_body
+from .conftest import assert_error, vision_body
+from .kit import Serve
 
 pytestmark = pytest.mark.anyio
 
@@ -367,9 +367,6 @@ class TestFetching:
         message = await refused(fetch, "http://public.test/slow", "image_fetch_failed")
         assert time.perf_counter() - start < 2
         assert "0.3 s" in message
-
-
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 
 def with_image(url: str) -> dict[str, object]:

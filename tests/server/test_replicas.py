@@ -160,6 +160,18 @@ def two(tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
         b.kill()
 
 
+def test_the_docs_config_retries_a_503_on_the_other_replica() -> None:
+    # What the nginx test below relies on, checked without nginx: the
+    # addresses it swaps for its own ports, and a 503 (a replica that
+    # loads) sent on to the next replica, POSTs included.
+    block = docs_config()
+    for address in ("127.0.0.1:8001 ", "127.0.0.1:8002 ", "listen 127.0.0.1:8080;"):
+        assert block.count(address) == 1, address
+    (retry,) = re.findall(r"proxy_next_upstream ([^;]*);", block)
+    assert {"http_503", "non_idempotent"} <= set(retry.split())
+
+
+@pytest.mark.slow
 def test_replicas_behind_nginx(
     tmp_path: Path, two: tuple[Replica, Replica], nginx_for: type[Nginx]
 ) -> None:

@@ -27,8 +27,8 @@ from mlx_pinned.server.engine import BatchEngine, memory
 from mlx_pinned.server.http.slots import ModelSlot, SlotState
 from mlx_pinned.testing import make_tiny_lm, make_tiny_vlm
 
-from .conftest import Lifespan, assert_error, replace_generation, until
-from .kit import SlowModel
+from .conftest import assert_error, replace_generation, until
+from .kit import Lifespan, SlowModel, in_process, logprobs
 
 pytestmark = pytest.mark.anyio
 
@@ -106,20 +106,10 @@ def serve(
         app = create_app(
             [where[name] for name in names], served_model_name=names, **options
         )
-        transport = httpx.ASGITransport(app=app)
-        async with (
-            lifespan(app) as state,
-            httpx.AsyncClient(transport=transport, base_url="http://test") as client,
-        ):
-            yield Lazy(app, client, state)
+        async with in_process(app, lifespan, Lazy) as served:
+            yield served
 
     return serve
-
-
-def logprobs(response: httpx.Response) -> list[float]:
-    assert response.status_code == 200, response.text
-    content = response.json()["choices"][0]["logprobs"]["content"]
-    return [entry["logprob"] for entry in content]
 
 
 class CountedLoads:
@@ -300,6 +290,7 @@ class TestFirstUse:
         assert loads.calls == 1
 
 
+@pytest.mark.slow
 class TestIdleUnload:
     async def test_an_idle_model_is_unloaded_and_its_memory_given_back(
         self, serve: Serve
@@ -385,6 +376,7 @@ class TestIdleUnload:
 
 
 class TestBudget:
+    @pytest.mark.slow
     async def test_a_load_past_the_budget_unloads_the_least_recently_used(
         self, serve: Serve
     ) -> None:
@@ -408,6 +400,7 @@ class TestBudget:
             assert [health[name]["loaded"] for name in "abc"] == [True, False, True]
             assert served.app.state.residency.weight_bytes() <= budget
 
+    @pytest.mark.slow
     async def test_no_room_next_to_a_model_in_use_is_a_503(
         self, serve: Serve, monkeypatch: pytest.MonkeyPatch
     ) -> None:

@@ -79,6 +79,7 @@ def client(server: Server) -> Iterator[openai.OpenAI]:
         yield sdk
 
 
+@pytest.mark.slow
 def test_create_answers_a_response_object(client: openai.OpenAI) -> None:
     response = client.responses.create(
         model=DEMO_MODEL_NAME, input="Say hi.", max_output_tokens=8
@@ -280,6 +281,7 @@ def test_the_store_bound_evicts_the_oldest() -> None:
     assert not by_bytes.put({"id": "huge", "pad": "x" * 100}, [], (), ())
 
 
+@pytest.mark.slow
 def test_the_store_bound_from_the_command_line(tmp_path: Path) -> None:
     store_max = ("--responses-store-max", "1")
     with (
@@ -297,6 +299,7 @@ def test_the_store_bound_from_the_command_line(tmp_path: Path) -> None:
             client.responses.retrieve(one.id)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "choice", ["required", {"type": "function", "name": "get_weather"}]
 )
@@ -330,6 +333,7 @@ def test_a_forced_function_call_round_trip(client: openai.OpenAI, choice: Any) -
     assert answer.usage.input_tokens > response.usage.input_tokens
 
 
+@pytest.mark.slow
 def test_a_streamed_function_call(client: openai.OpenAI) -> None:
     arguments: list[str] = []
     with client.responses.stream(
@@ -423,6 +427,7 @@ HOSTILE: list[Any] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body", HOSTILE)
 def test_hostile_bodies_are_4xx(server: Server, body: Any) -> None:
     answer = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
@@ -471,6 +476,7 @@ def test_hosted_tools_are_accepted_and_not_shown(client: openai.OpenAI) -> None:
     assert hosted.output_text == plain.output_text
 
 
+@pytest.mark.slow
 def test_agents_sdk_runner_with_a_function_tool(server: Server) -> None:
     import agents
 
@@ -545,6 +551,7 @@ def quiet_model(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_codex_exec_says_hi(tmp_path: Path) -> None:
     model = quiet_model(tmp_path / "quiet")

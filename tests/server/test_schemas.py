@@ -27,14 +27,7 @@ from mlx_pinned.server.http.chat_completions.responses import (
 )
 from mlx_pinned.server.http.errors import OPENAI_ERRORS, APIError
 
-
-def body(**fields: Any) -> bytes:
-    base: dict[str, Any] = {
-        "model": "m",
-        "messages": [{"role": "user", "content": "hi"}],
-    }
-    base.update(fields)
-    return json.dumps(base).encode()
+from .kit import chat_bytes as body
 
 
 def user(*parts: Any) -> list[dict[str, Any]]:
@@ -257,6 +250,7 @@ class TestResponses:
         assert first != second
         assert created > 1_700_000_000
 
+    @pytest.mark.slow
     def test_completion_ids_differ_across_a_fork(self) -> None:
         # In a fresh process with no threads, so the fork is safe.
         script = """if True:

@@ -45,6 +45,7 @@ def error_code(response: httpx.Response) -> str:
     return code
 
 
+@pytest.mark.slow
 def test_sigterm_turns_readiness_off_then_closes_the_listener(tmp_path: Path) -> None:
     drain = 1.5
     with replica(tmp_path / "a.log", "--unready-seconds", str(drain)) as a:
@@ -92,6 +93,7 @@ def test_sigterm_turns_readiness_off_then_closes_the_listener(tmp_path: Path) ->
         assert " ERROR " not in log
 
 
+@pytest.mark.slow
 def test_alive_while_loading_and_a_sigterm_then_skips_the_window(
     tmp_path: Path,
 ) -> None:
@@ -123,6 +125,7 @@ def test_alive_while_loading_and_a_sigterm_then_skips_the_window(
         assert "Uvicorn running on" not in log  # it never said it was ready
 
 
+@pytest.mark.slow
 def test_a_request_sent_while_the_model_loads_waits_for_it(tmp_path: Path) -> None:
     with replica(tmp_path / "c.log", gated=True) as c:
         answers: list[httpx.Response] = []
@@ -144,6 +147,7 @@ def test_a_request_sent_while_the_model_loads_waits_for_it(tmp_path: Path) -> No
         assert answers[0].json()["usage"]["completion_tokens"] == 8
 
 
+@pytest.mark.slow
 def test_a_failed_load_exits_3(tmp_path: Path) -> None:
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -75,6 +75,7 @@ def consecutive_free_ports(count: int) -> int:
     raise AssertionError("no free ports")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sharded_models_generate_as_whole_ones(tmp_path: Path) -> None:
     launch = Path(sys.executable).parent / "mlx.launch"

@@ -25,11 +25,12 @@ from mlx_pinned.server.engine.prompt_lookup import lookup
 from mlx_pinned.server.events import FinalEvent, TokenEvent
 from mlx_pinned.testing import tiny_vlm_path
 
-from .conftest import MODEL, Serve, vision_body
+from .conftest import MODEL, vision_body
 from .kit import (
     TOL,
     Event,
     Request,
+    Serve,
     interleaved,
     max_logprob_difference,
     request,
@@ -101,6 +102,7 @@ class TestGreedyIsUnchanged:
         assert_same(interleaved(thread, on, req), interleaved(thread, off, req))
         assert kept_drafts(on) > 0
 
+    @pytest.mark.slow
     def test_batched_with_rows_joining_mid_decode(
         self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
@@ -115,6 +117,7 @@ class TestGreedyIsUnchanged:
         assert kept_drafts(on) > 0
         assert on.statistics().peak_active >= 3
 
+    @pytest.mark.slow
     def test_a_vision_model_with_images_batched(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
@@ -126,6 +129,7 @@ class TestGreedyIsUnchanged:
 
 
 class TestLimits:
+    @pytest.mark.slow
     @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 6, 11])
     def test_max_tokens_is_exact(
         self, thread: MLXThread, loaded_lm: LoadedModel, max_tokens: int
@@ -172,6 +176,7 @@ class TestLimits:
         assert on.statistics().speculative_steps == 0
 
 
+@pytest.mark.slow
 class TestSampled:
     def test_seeded_rows_draw_the_same_tokens(
         self, thread: MLXThread, loaded_lm: LoadedModel

@@ -9,8 +9,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +24,11 @@ from mlx_pinned.server import grammars
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
 from mlx_pinned.server.events import Grammar
 
-from .conftest import MODEL, Served, sse_events
-from .kit import CLOCK, TOL, WEATHER, running_server
+from .conftest import MODEL, sse_events
+from .kit import CLOCK, TOL, WEATHER, Serve, Served, running_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 CITY = {
     "type": "object",
@@ -49,13 +47,7 @@ MESSAGES = [{"role": "user", "content": "Describe this image in one sentence."}]
 @pytest.fixture
 async def served(serve: Serve) -> AsyncIterator[tuple[Served, openai.AsyncOpenAI]]:
     async with serve(max_num_seqs=16) as running:
-        sdk = openai.AsyncOpenAI(
-            base_url="http://test/v1",
-            api_key="unused",
-            http_client=running.client,
-            max_retries=0,
-        )
-        yield running, sdk
+        yield running, running.sdk()
 
 
 def schema_format(schema: dict[str, Any]) -> dict[str, Any]:
@@ -207,6 +199,7 @@ class TestStructuredOutputs:
         else:
             assert text.startswith("{")
 
+    @pytest.mark.slow
     async def test_a_required_call_validates_and_streams_the_same(
         self, served: tuple[Served, openai.AsyncOpenAI]
     ) -> None:
@@ -277,6 +270,7 @@ class TestStructuredOutputs:
 
     # asyncio only: the SDK's async stream leaves its httpx generators to the
     # garbage collector, which trio reports as a ResourceWarning (an error).
+    @pytest.mark.slow
     @pytest.mark.parametrize("anyio_backend", ["asyncio"])
     async def test_sixteen_mixed_requests_in_one_batch(
         self, served: tuple[Served, openai.AsyncOpenAI]
@@ -363,6 +357,7 @@ class Scene(pydantic.BaseModel):
     count: int = pydantic.Field(ge=0, le=9)
 
 
+@pytest.mark.slow
 class TestThroughUvicorn:
     """The SDK against ``serve --demo`` in a subprocess (real uvicorn)."""
 
@@ -400,6 +395,7 @@ class TestThroughUvicorn:
         assert streamed == whole
 
 
+@pytest.mark.slow
 class TestPenalties:
     async def test_penalties_change_the_repetitive_answer(
         self, served: tuple[Served, openai.AsyncOpenAI]

@@ -11,14 +11,11 @@ the budget's tokens.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mlx_pinned import MLXThread
-from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.thinking import ThinkingBudget
 from mlx_pinned.server.http.anthropic_messages.protocol import (
@@ -29,12 +26,13 @@ from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.server.http.responses_api.protocol import parse_responses_request
 from mlx_pinned.server.http.thinking import EFFORT_BUDGETS
 
-from .conftest import MODEL, Serve
+from .conftest import MODEL
 from .kit import (
     TOL,
     Collector,
     Event,
     Request,
+    Serve,
     deadline,
     max_logprob_difference,
     request,
@@ -45,18 +43,6 @@ from .kit import (
 pytestmark = pytest.mark.anyio
 
 OPENED = ("", "</think>")  # a template that opens <think> itself
-
-
-@pytest.fixture(scope="module")
-def thread() -> Iterator[MLXThread]:
-    with MLXThread(name="test-thinking-budget") as mlx_thread:
-        yield mlx_thread
-
-
-@pytest.fixture(scope="module")
-def loaded(thread: MLXThread, tiny_model_path: Path) -> LoadedModel:
-    model: LoadedModel = thread.run_sync(engine.load, tiny_model_path)
-    return model
 
 
 def text_request(index: int, max_tokens: int, **params: Any) -> Request:
@@ -91,6 +77,7 @@ def closing_ids(loaded: LoadedModel) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [0, 3, 7])
 async def test_budget_gives_n_tokens_then_the_closing_marker(
     thread: MLXThread, loaded: LoadedModel, budget: int
@@ -119,6 +106,7 @@ async def test_budget_gives_n_tokens_then_the_closing_marker(
         assert event.logprobs.token == max(event.logprobs.top, key=lambda t: t[1])[0]
 
 
+@pytest.mark.slow
 async def test_no_budget_is_unchanged_alone_and_beside_budgeted_rows(
     thread: MLXThread, loaded: LoadedModel
 ) -> None:
@@ -194,6 +182,7 @@ async def test_a_chat_budget_gives_reasoning_of_n_tokens_then_content(
     assert message["content"]
 
 
+@pytest.mark.slow
 async def test_an_anthropic_budget_ends_the_thinking_block(serve: Serve) -> None:
     budget = 1024  # Anthropic's least
     body = {

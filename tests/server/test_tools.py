@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import openai
@@ -24,11 +23,11 @@ from mlx_pinned.server.events import (
 )
 from mlx_pinned.server.formats.blocks import MAX_FORCED_CALLS
 
-from .conftest import MODEL, Served, assert_error, replace_generation, sse_events
+from .conftest import MODEL, assert_error, replace_generation, sse_events
+from .kit import Serve, Served
 
 pytestmark = pytest.mark.anyio
 
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 WEATHER = {
     "type": "function",
@@ -100,13 +99,7 @@ def template(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
 @pytest.fixture
 async def client(serve: Serve) -> AsyncIterator[tuple[Served, openai.AsyncOpenAI]]:
     async with serve() as served:
-        sdk = openai.AsyncOpenAI(
-            base_url="http://test/v1",
-            api_key="unused",
-            http_client=served.client,
-            max_retries=0,
-        )
-        yield served, sdk
+        yield served, served.sdk()
 
 
 def pieces(text: str, size: int = 3) -> list[str]:
@@ -260,6 +253,7 @@ class TestToolCalls:
         assert (more in grammar.source) is parallel
         assert len(whole.choices[0].message.tool_calls or []) == 2
 
+    @pytest.mark.slow
     async def test_a_named_function_is_the_only_one_allowed(
         self, client: tuple[Served, openai.AsyncOpenAI], script: Script
     ) -> None:

@@ -30,17 +30,17 @@ from mlx_pinned.server.http.chat_completions.messages import (
 )
 from mlx_pinned.server.http.chat_completions.protocol import parse_chat_request
 from mlx_pinned.server.http.errors import api_error
-from mlx_pinned.server.http.gate import BatchGate
 from mlx_pinned.server.inputs.videos import decode_video, load_videos
 from mlx_pinned.server.media import Video, VideoRef
 from mlx_pinned.testing import tiny_vlm_path
 
-from .conftest import MODEL, Lifespan, Serve, assert_error
+from .conftest import MODEL, assert_error
 from .kit import (
     TOL,
-    Collector,
     Event,
-    deadline,
+    Lifespan,
+    Serve,
+    all_at_once,
     max_logprob_difference,
     request,
     video_bytes,
@@ -248,6 +248,7 @@ async def run(
 
 
 class TestEngine:
+    @pytest.mark.slow
     @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
     async def test_a_video_batched_with_others_matches_it_alone(
         self, thread: MLXThread, family: str
@@ -261,11 +262,7 @@ class TestEngine:
         reqs += [request(i, 8 + i, top_logprobs=3) for i in range(7)]
         alone = [await run(BatchEngine(loaded, thread), req) for req in reqs]
         batch = BatchEngine(loaded, thread)
-        gate = BatchGate(max_num_seqs=len(reqs), max_pending=0)
-        runs = [Collector(thread, batch, gate, req) for req in reqs]
-        async with deadline(120) as group:
-            for run_ in runs:
-                group.start_soon(run_.run)
+        runs = await all_at_once(thread, batch, reqs, seconds=120)
         for run_, expected in zip(runs, alone, strict=True):
             assert max_logprob_difference(run_.events, expected) <= TOL
         video_final = alone[0][-1]

@@ -4,61 +4,34 @@ that sends its whole body before it reads still gets its 413; CORS."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import AbstractAsyncContextManager, contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 
 from mlx_pinned.server import ServerConfig, create_app
 from mlx_pinned.server.cli_options import OPTIONS
 
-from .conftest import MODEL, Served
-
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
+from .conftest import MODEL
+from .kit import Serve
 
 pytestmark = pytest.mark.timeout(60)
 
 LIMIT = 4 * 1024 * 1024
 
 
-@contextmanager
-def uvicorn_server(app: Any) -> Iterator[str]:
-    """``app`` under uvicorn on a free loopback port, in a thread."""
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="uvicorn")
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive(), "uvicorn did not start"
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
 @pytest.fixture(scope="module")
-def url(tiny_model_path: Path) -> Iterator[str]:
+def url(tiny_model_path: Path, uvicorn_thread: Any) -> Iterator[str]:
     app = create_app(
         tiny_model_path,
         served_model_name=MODEL,
         max_body_bytes=LIMIT,
         max_num_seqs=1,
     )
-    with uvicorn_server(app) as running:
+    with uvicorn_thread(app) as running:
         yield running
 
 
