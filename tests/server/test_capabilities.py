@@ -4,8 +4,6 @@ needs them, and kept on its slot until it is loaded again."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +17,10 @@ from mlx_pinned.server.http.models import ServedModel
 from mlx_pinned.server.http.slots import ModelSlot
 from mlx_pinned.testing import _CHAT_TEMPLATE
 
-from .conftest import MODEL, Served
+from .conftest import MODEL
+from .kit import Serve
 
 pytestmark = pytest.mark.anyio
-
-Serve = Callable[..., AbstractAsyncContextManager[Served]]
 
 
 @dataclass

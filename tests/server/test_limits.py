@@ -87,10 +87,12 @@ class TestServer:
             prompt = (await served.chat(vision_body(2))).json()["usage"][
                 "prompt_tokens"
             ]
-            context = prompt + 10
-            monkeypatch.setattr(
-                LoadedModel, "context_length", property(lambda self: context)
-            )
+        context = prompt + 10
+        # Read once per load (with the model's other capabilities).
+        monkeypatch.setattr(
+            LoadedModel, "context_length", property(lambda self: context)
+        )
+        async with serve() as served:
             error = assert_error(await served.chat(vision_body(11)), 400, "messages")
             assert f"maximum context length is {context} tokens" in error["message"]
             assert f"{prompt} prompt tokens" in error["message"]
