@@ -16,6 +16,8 @@ Vision families are listed in :data:`TINY_MODEL_TYPES`
 (:func:`make_tiny_vlm`), text-only ones in :data:`TINY_LM_TYPES`
 (:func:`make_tiny_lm`), and text-only ones whose real templates write a
 tool-call format in :data:`TINY_TOOL_LM_TYPES` (:func:`make_tiny_lm` too).
+Embedding models (mlx-vlm's embedding loader, ``mlx_vlm.embedding_loader``)
+are listed in :data:`TINY_EMBEDDING_TYPES` (:func:`make_tiny_embedding`).
 ``import mlx_pinned.testing`` is cheap: MLX, mlx-vlm, ``tokenizers`` and
 Pillow are imported inside the functions that need them.
 """
@@ -27,6 +29,7 @@ import pathlib
 from typing import Final
 
 from ._aya import AYA_VISION
+from ._bert import BERT
 from ._family import Family
 from ._gemma import GEMMA3
 from ._images import image_data_uri, make_test_image
@@ -41,13 +44,16 @@ from ._tool_families import TOOL_FAMILIES
 
 __all__ = [
     "SPECIAL_TOKENS",
+    "TINY_EMBEDDING_TYPES",
     "TINY_LM_TYPES",
     "TINY_MODEL_TYPES",
     "TINY_TOOL_LM_TYPES",
     "image_data_uri",
     "make_test_image",
+    "make_tiny_embedding",
     "make_tiny_lm",
     "make_tiny_vlm",
+    "tiny_embedding_path",
     "tiny_lm_path",
     "tiny_vlm_path",
 ]
@@ -78,6 +84,9 @@ TINY_LM_TYPES: Final = tuple(_TEXT)
 #: ``gpt_oss_harmony`` (harmony) and ``qwen3_coder`` (its XML calls). The
 #: first three are Llama decoders, the last a Qwen3 one.
 TINY_TOOL_LM_TYPES: Final = tuple(_TOOLS)
+_EMBEDDING: Final = {family.model_type: family for family in (BERT,)}
+#: The embedding families :func:`make_tiny_embedding` writes (``bert``).
+TINY_EMBEDDING_TYPES: Final = tuple(_EMBEDDING)
 
 
 def make_tiny_vlm(
@@ -167,6 +176,41 @@ def make_tiny_lm(
     return _make(family, path, seed, overwrite)
 
 
+def make_tiny_embedding(
+    path: str | os.PathLike[str],
+    model_type: str = "bert",
+    *,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """Write a tiny random-weight embedding model that mlx-vlm's embedding
+    loader (``mlx_vlm.embedding_loader.load_embedding_model``) loads offline.
+
+    ``bert``: mlx-vlm's own BERT class, 2 layers, 64 wide, 128 positions (its
+    longest input), mean-pooled and normalised as the loader's model does,
+    with the byte-level tokenizer wrapping every text in ``[CLS] ... [SEP]``.
+    Its config lists ``matryoshka_dimensions`` (16, 32, 64), so a server may
+    cut its vectors short. Written, cached and replaced as
+    :func:`make_tiny_vlm` does, on the calling thread.
+
+    Args:
+        path: The folder to write. Its parent is created if missing.
+        model_type: One of :data:`TINY_EMBEDDING_TYPES`.
+        seed: Seeds the weights. The same seed gives byte-identical files.
+        overwrite: Replace whatever is at ``path``.
+
+    Returns:
+        ``path`` as a :class:`pathlib.Path`, holding the model.
+
+    Raises:
+        FileExistsError: ``path`` holds something that is not a model written
+            by this module, and ``overwrite`` is false.
+        ValueError: ``model_type`` is not one of :data:`TINY_EMBEDDING_TYPES`.
+    """
+    family = _family(_EMBEDDING, model_type, "make_tiny_embedding")
+    return _make(family, path, seed, overwrite)
+
+
 def tiny_vlm_path(model_type: str = "qwen3_vl") -> pathlib.Path:
     """Return the shared tiny vision model of a family (seed 0), writing it
     on first use.
@@ -195,6 +239,20 @@ def tiny_lm_path(model_type: str = "qwen3") -> pathlib.Path:
         The model folder.
     """
     return make_tiny_lm(_cache() / f"tiny-lm-{model_type}", model_type, seed=0)
+
+
+def tiny_embedding_path(model_type: str = "bert") -> pathlib.Path:
+    """Return the shared tiny embedding model of a family (seed 0), writing
+    it on first use: ``tiny-embedding-<model_type>`` in the folder
+    :func:`tiny_vlm_path` uses. Calling thread; safe from any thread or
+    process at once.
+
+    Returns:
+        The model folder.
+    """
+    return make_tiny_embedding(
+        _cache() / f"tiny-embedding-{model_type}", model_type, seed=0
+    )
 
 
 def _cache() -> pathlib.Path:

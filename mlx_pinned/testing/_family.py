@@ -57,6 +57,10 @@ class Family:
         name: The name it is asked for by, where several families share a
             model class (a tool-format family on Llama's): the marker names
             it too. Empty: the family is asked for by ``model_type``.
+        tokenizer: Writes ``tokenizer.json`` from the special tokens (the
+            shared byte-level BPE, or a family's own dress of it).
+        generator: The function that writes it, for the marker (empty:
+            ``make_tiny_vlm`` or ``make_tiny_lm``, by ``vision``).
     """
 
     model_type: str
@@ -68,6 +72,8 @@ class Family:
     vision: bool = True
     marked: bool = True
     name: str = ""
+    tokenizer: Callable[[tuple[str, ...]], bytes] = tokenizer_json
+    generator: str = ""
 
     @property
     def key(self) -> str:
@@ -77,8 +83,8 @@ class Family:
     def marker(self, seed: int, sizes: dict[str, int]) -> dict[str, Any]:
         marker = {
             "format": FORMAT,
-            "generator": "mlx_pinned.testing.make_tiny_"
-            + ("vlm" if self.vision else "lm"),
+            "generator": "mlx_pinned.testing."
+            + (self.generator or "make_tiny_" + ("vlm" if self.vision else "lm")),
             "mlx_vlm": _mlx_vlm_version(),
             "seed": seed,
             "files": sizes,
@@ -93,7 +99,7 @@ class Family:
         """Write every file of the model into ``folder`` (not the marker)."""
         files = {"config.json": self.config(), **self.files()}
         data = {name: to_json(value) for name, value in files.items()}
-        data["tokenizer.json"] = tokenizer_json(self.specials)
+        data["tokenizer.json"] = self.tokenizer(self.specials)
         for name, content in data.items():
             (folder / name).write_bytes(content)
         hidden = [*range(len(self.specials)), *high_byte_ids(self.specials)]
