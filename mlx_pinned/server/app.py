@@ -29,7 +29,7 @@ import gc
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -42,14 +42,16 @@ from mlx_pinned.middleware import MLXThreadMiddleware
 
 from .config import ServerConfig
 from .engine import BatchEngine, DraftSettings
+from .engine.embedding import EmbeddingEngine
 from .engine.kv_quant import KVQuant
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
-from .events import Engine
+from .events import Resident
 from .failures import UnavailableError
 from .formats import log_formats
 from .http.anthropic_messages import CountTokensEndpoint, MessagesEndpoint
 from .http.chat_completions import ChatCompletionsEndpoint
 from .http.completions import CompletionsEndpoint
+from .http.embeddings import EmbeddingsEndpoint
 from .http.errors import APIError
 from .http.gate import BatchGate
 from .http.health import Readiness, health, live
@@ -132,20 +134,7 @@ def create_app(
     mlx_thread = thread or MLXThread(name="mlx-pinned", max_pending=config.thread_bound)
     # Each model's own settings: the server's, with its model_settings on top.
     each = [config.for_model(index) for index in range(len(config.models))]
-    loads = [
-        functools.partial(
-            engine_factory or BatchEngine.load,
-            own.models[0],
-            mlx_thread,
-            prompt_cache_bytes=own.prompt_cache_budget,
-            prefill_step_size=own.prefill_step_size,
-            prefill_step_seconds=own.prefill_step_seconds,
-            image_cache_bytes=own.image_cache_budget,
-            **_kv_quant(own),
-            **_drafting(own),
-        )
-        for own in each
-    ]
+    loads = [_load(own, mlx_thread, engine_factory) for own in each]
     served = ServedModels(
         [
             ServedModel(
@@ -158,6 +147,7 @@ def create_app(
                 _slot(own, mlx_thread, loads[index]),
                 tool_call_parser=own.tool_call_parser,
                 reasoning_parser=own.reasoning_parser,
+                kind=own.model_kind,
             )
             for index, own in enumerate(each)
         ]
@@ -211,6 +201,7 @@ def create_app(
     messages = MessagesEndpoint(*wiring, metrics=metrics)
     count_tokens = CountTokensEndpoint(*wiring, metrics=metrics)
     responses = ResponsesEndpoint(*wiring, metrics=metrics)
+    embeddings = EmbeddingsEndpoint(*wiring, metrics=metrics)
     routes = [
         Route("/health", functools.partial(health, readiness), methods=["GET"]),
         Route("/livez", functools.partial(live, readiness), methods=["GET"]),
@@ -227,6 +218,7 @@ def create_app(
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         *responses_routes(responses),
     ]
     # The playground: the chat page at / and its assets, open without the API
@@ -295,20 +287,43 @@ def _drafting(config: ServerConfig) -> dict[str, Any]:
     return {"drafts": settings}
 
 
+def _load(
+    own: ServerConfig,
+    thread: MLXThread,
+    engine_factory: Callable[..., BatchEngine] | None,
+) -> Callable[[], Resident]:
+    """Loads a model (``own``: its settings) and makes the engine of its
+    kind, on the MLX thread."""
+    if own.model_kind == "embedding":
+        return functools.partial(EmbeddingEngine.load, own.models[0], thread)
+    return functools.partial(
+        engine_factory or BatchEngine.load,
+        own.models[0],
+        thread,
+        prompt_cache_bytes=own.prompt_cache_budget,
+        prefill_step_size=own.prefill_step_size,
+        prefill_step_seconds=own.prefill_step_seconds,
+        image_cache_bytes=own.image_cache_budget,
+        **_kv_quant(own),
+        **_drafting(own),
+    )
+
+
 def _slot(
-    own: ServerConfig, thread: MLXThread, load: Callable[[], BatchEngine]
+    own: ServerConfig, thread: MLXThread, load: Callable[[], Resident]
 ) -> ModelSlot:
     """The slot of a model (``own``: its settings): its load and its measure
     each run as a job of the MLX thread."""
 
-    async def load_engine() -> Engine:
+    async def load_engine() -> Resident:
         engine = await thread.run(load)
-        log_formats(
-            own.name,
-            engine.chat_template,
-            tool_call_parser=own.tool_call_parser,
-            reasoning_parser=own.reasoning_parser,
-        )
+        if own.model_kind == "chat":  # its output formats, from its template
+            log_formats(
+                own.name,
+                cast("BatchEngine", engine).chat_template,
+                tool_call_parser=own.tool_call_parser,
+                reasoning_parser=own.reasoning_parser,
+            )
         return engine
 
     async def measure() -> int:

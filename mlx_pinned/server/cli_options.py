@@ -296,6 +296,13 @@ OPTIONS = (
         str,
     ),
     Option(
+        "model_kind",
+        "what the models are served as: 'chat' (the chat and completion routes) "
+        "or 'embedding' (/v1/embeddings, through mlx-vlm's embedding loader); a "
+        "config file sets it per model (default: %(default)s)",
+        str,
+    ),
+    Option(
         "load_on_first_use",
         "load each model when its first request arrives, not at start-up "
         "(default: off)",

@@ -12,17 +12,30 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from .config_checks import PER_MODEL_SETTINGS, SettingError, check_config, check_limits
+from .config_checks import (
+    MODEL_KINDS,
+    PER_MODEL_SETTINGS,
+    SettingError,
+    check_config,
+    check_limits,
+)
 
 __all__ = [
+    "MODEL_KINDS",
     "PER_MODEL_SETTINGS",
     "ImageLimits",
+    "ModelKind",
     "ServerConfig",
     "SettingError",
     "VideoLimits",
 ]
+
+
+#: What a model is served as: ``chat`` (the generation routes) or
+#: ``embedding`` (``/v1/embeddings``); one of :data:`MODEL_KINDS`.
+ModelKind = Literal["chat", "embedding"]
 
 
 @dataclass(frozen=True)
@@ -149,6 +162,11 @@ class ServerConfig:
         reasoning_parser: The format each model writes its reasoning in, by
             name, or ``"none"``: the reasoning stays in the content. None:
             the format its chat template shows, if any.
+        model_kind: What each model is served as (:data:`ModelKind`):
+            ``chat`` (mlx-vlm's generation, the chat and completion
+            routes) or ``embedding`` (mlx-vlm's embedding loader,
+            ``/v1/embeddings``). A model of one kind named on another's
+            route is a 400.
         load_on_first_use: Load each model when its first request arrives
             (that request, and any that come meanwhile, wait for the one
             load) instead of at start-up.
@@ -238,6 +256,7 @@ class ServerConfig:
     prefill_step_seconds: float | None = 0.25
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    model_kind: ModelKind = "chat"
     load_on_first_use: bool = False
     idle_unload_timeout: float | None = None
     max_model_bytes: int | None = None

@@ -16,12 +16,19 @@ from .formats import check_reasoning_parser, check_tool_call_parser
 if TYPE_CHECKING:
     from .config import ImageLimits, ServerConfig
 
-__all__ = ["PER_MODEL_SETTINGS", "SettingError", "check_config", "check_limits"]
+__all__ = [
+    "MODEL_KINDS",
+    "PER_MODEL_SETTINGS",
+    "SettingError",
+    "check_config",
+    "check_limits",
+]
 
 #: The settings a model may set for itself (:attr:`ServerConfig.model_settings`,
 #: a config file's ``[[models]]`` entries); the others are the server's.
 PER_MODEL_SETTINGS = frozenset(
     {
+        "model_kind",
         "load_on_first_use",
         "idle_unload_timeout",
         "max_num_seqs",
@@ -100,6 +107,7 @@ def check_config(config: ServerConfig) -> None:
     for name in ("unready_seconds", "in_flight_timeout", "stream_write_interval"):
         _seconds(config, name, finite=True)
     _seconds(config, "distributed_timeout", positive=True, finite=True)
+    _check_kind(config)
     _check_residency(config)
     _check_distributed(config)
     _check_kv_quant(config)
@@ -143,6 +151,23 @@ def _check_origins(config: ServerConfig) -> None:
                 "allowed_origins",
                 f"allowed_origins gives {origin!r}: an origin is scheme://host[:port]",
             )
+
+
+#: The kinds of model a server serves, each through its own routes.
+MODEL_KINDS = ("chat", "embedding")
+
+
+def _check_kind(config: ServerConfig) -> None:
+    if config.model_kind not in MODEL_KINDS:
+        raise SettingError(
+            "model_kind",
+            f"model_kind must be one of {', '.join(MODEL_KINDS)}, not "
+            f"{config.model_kind!r}",
+        )
+    if config.model_kind != "chat" and config.distributed is not None:
+        raise SettingError(
+            "model_kind", "distributed serves a chat model: model_kind 'chat'"
+        )
 
 
 def _check_residency(config: ServerConfig) -> None:

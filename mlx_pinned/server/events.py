@@ -33,6 +33,7 @@ __all__ = [
     "FinishReason",
     "GenerationParams",
     "Grammar",
+    "Resident",
     "SamplingParams",
     "TokenEvent",
     "TokenLogprobs",
@@ -342,9 +343,29 @@ class EngineCounters:
     accepted_tokens: int = 0
 
 
-class Engine(Protocol):
-    """A loaded model as the HTTP side sees it (``app.py`` wires the real
-    one, :class:`mlx_pinned.server.engine.BatchEngine`)."""
+class Resident(Protocol):
+    """A loaded model of any kind, as the model registry sees it: when it
+    was loaded, what it holds, what it is doing. A kind's engine (the chat
+    :class:`Engine`, :class:`~.vectors.EmbeddingEngine`) is one."""
+
+    @property
+    def loaded_at(self) -> float:
+        """When the load ended (Unix time)."""
+        ...
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters (what the memory budget counts)."""
+        ...
+
+    def counters(self) -> EngineCounters:
+        """A snapshot for metrics; any thread (it may be a step old)."""
+        ...
+
+
+class Engine(Resident, Protocol):
+    """A loaded chat model as the HTTP side sees it (``app.py`` wires the
+    real one, :class:`mlx_pinned.server.engine.BatchEngine`)."""
 
     @property
     def context_length(self) -> int | None:
@@ -362,16 +383,6 @@ class Engine(Protocol):
         ...
 
     @property
-    def loaded_at(self) -> float:
-        """When the load ended (Unix time)."""
-        ...
-
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of the model's parameters (what the memory budget counts)."""
-        ...
-
-    @property
     def chat_template(self) -> str | None:
         """The model's chat template (its tool-call format and whether it
         thinks are read from it), or None when it has none."""
@@ -381,10 +392,6 @@ class Engine(Protocol):
     def accepts_images(self) -> bool:
         """Whether the model takes images; image parts sent to one that does
         not are a 400 that names the part."""
-        ...
-
-    def counters(self) -> EngineCounters:
-        """A snapshot for metrics; any thread (it may be a step old)."""
         ...
 
     def stream(

@@ -2,7 +2,7 @@
 
 cli (and its options and config file) -> app -> {http, inputs, engine} ->
 shared (config and its checks, events, failures, formats, grammars, limits,
-media). The engine (the MLX thread) never imports HTTP libraries; the HTTP
+media, vectors). The engine (the MLX thread) never imports HTTP libraries; the HTTP
 side (the event loop) never imports MLX; the input decoders neither. Inside the HTTP
 side, each API's slice imports only the shared pieces. Every import counts,
 those under ``TYPE_CHECKING`` and inside functions too.
@@ -28,6 +28,7 @@ SHARED = {
     "grammars",
     "limits",
     "media",
+    "vectors",
 }
 # The command line: the CLI, its options (the settings' projection) and its
 # config file.

@@ -34,7 +34,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Generic
+from typing import TYPE_CHECKING, ClassVar, Generic, cast
 
 import anyio
 
@@ -59,8 +59,8 @@ if TYPE_CHECKING:
 
     from mlx_pinned import MLXThread
 
-    from ..config import ServerConfig
-    from ..events import Engine, Event, EventStream, GenerationParams
+    from ..config import ModelKind, ServerConfig
+    from ..events import Engine, Event, EventStream, GenerationParams, Resident
     from ..media import ImageRef, LoadImages, LoadVideos, Video, VideoRef
     from .answer import AnswerParser, Part
     from .metrics import ServerMetrics
@@ -94,10 +94,12 @@ class ModelEndpoint(ABC):
     Attributes:
         route: The method and path, for the log line.
         errors: How this API writes an error (OpenAI's, unless overridden).
+        kind: The kind of model it serves (a model of another kind is a 400).
     """
 
     route: ClassVar[str]
     errors: ClassVar[ErrorShape] = OPENAI_ERRORS
+    kind: ClassVar[ModelKind] = "chat"
 
     def __init__(
         self,
@@ -177,15 +179,25 @@ class ModelEndpoint(ABC):
             await response.error(error)
 
     @asynccontextmanager
+    async def resident(
+        self, name: str, log: RequestLog
+    ) -> AsyncIterator[tuple[ServedModel, Resident]]:
+        """The model served as ``name``, of this endpoint's kind, and its
+        engine, held for the block: it is not unloaded under it (and is
+        loaded first, if needed)."""
+        served = self.models.get(name)
+        log.model = served.name
+        served.check_kind(self.kind, self.route.partition(" ")[2])
+        async with self.residency.use(served) as engine:
+            yield served, engine
+
+    @asynccontextmanager
     async def model(
         self, name: str, log: RequestLog
     ) -> AsyncIterator[tuple[ServedModel, Engine]]:
-        """The model served as ``name`` and its engine, held for the block:
-        it is not unloaded under it (and is loaded first, if needed)."""
-        served = self.models.get(name)
-        log.model = served.name
-        async with self.residency.use(served) as engine:
-            yield served, engine
+        """:meth:`resident` of a chat model (the chat kind's engine)."""
+        async with self.resident(name, log) as (served, engine):
+            yield served, cast("Engine", engine)
 
     async def decode_images(
         self, refs: Sequence[ImageRef], log: RequestLog

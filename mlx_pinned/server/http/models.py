@@ -1,4 +1,5 @@
-"""The served models as the HTTP side sees them: a name, a gate, a slot.
+"""The served models as the HTTP side sees them: a name, a kind, a gate, a
+slot.
 
 Event loop only. A server serves one model or several, all on the one MLX
 thread. Each model's :attr:`ServedModel.slot` holds its engine while it is
@@ -6,6 +7,8 @@ loaded: a model loaded at start-up is loaded by the app's lifespan and
 stays; one loaded on first use comes and goes (:mod:`.residency`, the one
 place that loads and unloads). Requests are routed by their ``model``; each
 model has its own gate, so its batch and its waiting room are its own.
+Each has a kind (chat, embedding): a kind is served by its own routes, and
+a model named on another kind's route is a 400 that says where to send it.
 """
 
 from __future__ import annotations
@@ -17,11 +20,18 @@ from typing import TYPE_CHECKING
 from .errors import APIError
 
 if TYPE_CHECKING:
-    from ..events import Engine
+    from ..config import ModelKind
+    from ..events import Resident
     from .gate import BatchGate
     from .slots import ModelSlot
 
-__all__ = ["ServedModel", "ServedModels", "model_not_found"]
+__all__ = ["KINDS", "ServedModel", "ServedModels", "model_not_found"]
+
+#: Each kind of model in words, and the route it is sent to.
+KINDS: dict[str, tuple[str, str]] = {
+    "chat": ("a chat model", "/v1/chat/completions"),
+    "embedding": ("an embedding model", "/v1/embeddings"),
+}
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,7 @@ class ServedModel:
             (None: detected from its chat template).
         reasoning_parser: The reasoning format its answers are read in
             (None: detected from its chat template).
+        kind: What it is served as, by which routes.
     """
 
     name: str
@@ -44,10 +55,26 @@ class ServedModel:
     slot: ModelSlot
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    kind: ModelKind = "chat"
 
-    def engine(self) -> Engine | None:
-        """Its engine; None while it is not loaded."""
+    def engine(self) -> Resident | None:
+        """Its engine (of its kind); None while it is not loaded."""
         return self.slot.engine
+
+    def check_kind(self, kind: ModelKind, route: str) -> None:
+        """Refuse it on a route of another kind.
+
+        Raises:
+            APIError: 400 naming ``model`` and the route it belongs on.
+        """
+        if kind != self.kind:
+            what, where = KINDS[self.kind]
+            raise APIError(
+                400,
+                f"The model {self.name!r} is {what}: send it to {where}, not {route}.",
+                param="model",
+                code="wrong_model_kind",
+            )
 
 
 def model_not_found(name: str, served: Sequence[str]) -> APIError:

@@ -33,6 +33,8 @@ __all__ = [
     "Stop",
     "StreamOptions",
     "TemplateKwargs",
+    "TextsOrTokens",
+    "TokenId",
     "check_service_tier",
     "check_stop",
     "check_template_kwargs",
@@ -44,6 +46,19 @@ __all__ = [
     "unsupported",
     "unsupported_value",
 ]
+
+#: A token id as a request sends it (below the vocabulary: the serving's check).
+TokenId = Annotated[int, Field(ge=0)]
+#: OpenAI's ``prompt`` (completions) and ``input`` (embeddings): a text, texts,
+#: token ids, or lists of token ids; none of them empty.
+TextsOrTokens = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[
+        list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)
+    ]
+)
 
 _TOP_P_FLOOR = 1.1754943508222875e-38  # float32's smallest normal number
 

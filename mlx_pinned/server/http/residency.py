@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-    from ..events import Engine
+    from ..events import Resident
     from .models import ServedModel, ServedModels
 
 __all__ = ["Residency", "StartUpRefusal"]
@@ -170,7 +170,7 @@ class Residency:
             await self._settle()
 
     @asynccontextmanager
-    async def use(self, served: ServedModel) -> AsyncIterator[Engine]:
+    async def use(self, served: ServedModel) -> AsyncIterator[Resident]:
         """Hold ``served`` for the block and give its engine, loading it
         first if it is loaded on first use and not loaded (waiting for the
         load under way, if one is, at most ``load_wait`` seconds). Close the
@@ -189,7 +189,7 @@ class Residency:
         slot.idle_since = None
         try:
             wait = math.inf if self.load_wait is None else self.load_wait
-            engine: Engine | None = None
+            engine: Resident | None = None
             with anyio.move_on_after(wait):
                 engine = await self._loaded(slot)
             if engine is None:
@@ -219,7 +219,7 @@ class Residency:
 
     # -- loading -------------------------------------------------------------
 
-    async def _loaded(self, slot: ModelSlot) -> Engine:
+    async def _loaded(self, slot: ModelSlot) -> Resident:
         """The slot's engine once loaded; the caller holds the slot, so it
         cannot be unloaded again before the caller lets go."""
         while True:
@@ -245,7 +245,7 @@ class Residency:
 
     async def _load(self, slot: ModelSlot, change: SlotChange) -> None:
         assert self._lock is not None
-        engine: Engine | None = None
+        engine: Resident | None = None
         try:
             async with self._lock:
                 need = slot.weight_bytes

@@ -12,7 +12,7 @@ import hmac
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from starlette.routing import BaseRoute
     from starlette.types import ASGIApp, Receive, Scope, Send
 
+    from ..events import Engine
     from .models import ServedModel, ServedModels
 
 __all__ = [
@@ -101,31 +102,36 @@ class ErrorEdge:
 def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
     """The ``/v1/models`` entry of a served model; ``created``: when it was
     loaded (now, while it loads), or for one loaded on first use, when the
-    server was made (its loads come and go)."""
+    server was made (its loads come and go); ``kind``: what it is served as
+    (``chat``, ``embedding``); a chat model's ``formats``: its tool-call and
+    reasoning formats."""
     if not served.slot.pinned:
         created = int(served.slot.created)
     else:
         loaded = served.engine()
         created = int(getattr(loaded, "loaded_at", None) or time.time())
-    # Its output formats, by its settings and its template (None until loaded).
-    config, engine = request.app.state.config, served.engine()
-    own = config.for_model(config.names.index(served.name))
-    formats = (
-        None
-        if engine is None
-        else model_formats(
-            engine.chat_template,
-            tool_call_parser=own.tool_call_parser,
-            reasoning_parser=own.reasoning_parser,
-        ).names()
-    )
-    return {
+    card: dict[str, Any] = {
         "id": served.name,
         "object": "model",
         "created": created,
         "owned_by": "mlx-pinned",
-        "formats": formats,
+        "kind": served.kind,
     }
+    if served.kind == "chat":
+        # Its output formats, by its settings and its template (None until
+        # loaded).
+        config, engine = request.app.state.config, cast("Engine", served.engine())
+        own = config.for_model(config.names.index(served.name))
+        card["formats"] = (
+            None
+            if engine is None
+            else model_formats(
+                engine.chat_template,
+                tool_call_parser=own.tool_call_parser,
+                reasoning_parser=own.reasoning_parser,
+            ).names()
+        )
+    return card
 
 
 async def models(served: ServedModels, request: Request) -> Response:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 if TYPE_CHECKING:
-    from ..events import Engine
+    from ..events import Resident
     from .capabilities import Capabilities
 
 __all__ = ["ModelSlot", "SlotChange", "SlotState", "due"]
@@ -54,7 +54,7 @@ class ModelSlot:
             loaded on first use.
         idle_timeout: Seconds idle before it is unloaded (None: never).
         state: See :class:`SlotState`.
-        engine: Its engine while LOADED.
+        engine: Its engine (of its kind) while LOADED.
         capabilities: What its engine can take, read on first use after
             each load (:meth:`~.capabilities.Capabilities.of`); None once
             it is unloaded.
@@ -70,12 +70,12 @@ class ModelSlot:
     """
 
     name: str
-    load: Callable[[], Awaitable[Engine]]
+    load: Callable[[], Awaitable[Resident]]
     measure: Callable[[], Awaitable[int]]
     pinned: bool = False
     idle_timeout: float | None = None
     state: SlotState = SlotState.UNLOADED
-    engine: Engine | None = None
+    engine: Resident | None = None
     capabilities: Capabilities | None = None
     holders: int = 0
     weight_bytes: int | None = None

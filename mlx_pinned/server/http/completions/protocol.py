@@ -14,12 +14,17 @@ template.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import Field, ValidationInfo, field_validator
 
 from ...events import GenerationParams
-from ..protocol_common import OpenAISamplingFields, StreamOptions, unsupported
+from ..protocol_common import (
+    OpenAISamplingFields,
+    StreamOptions,
+    TextsOrTokens,
+    unsupported,
+)
 from ..validation import parse_request
 
 __all__ = [
@@ -34,22 +39,12 @@ MAX_PROMPTS = 64
 #: ``max_tokens`` of a request that sets none, as OpenAI's reference says.
 OPENAI_DEFAULT_MAX_TOKENS = 16
 
-TokenId = Annotated[int, Field(ge=0)]
-Prompt = (
-    Annotated[str, Field(min_length=1)]
-    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
-    | Annotated[list[TokenId], Field(min_length=1)]
-    | Annotated[
-        list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)
-    ]
-)
-
 
 class CompletionRequest(OpenAISamplingFields):
     """The body of ``POST /v1/completions``."""
 
     model: str
-    prompt: Prompt
+    prompt: TextsOrTokens
     max_tokens: int | None = Field(default=None, ge=1)
     stream: bool | None = None
     stream_options: StreamOptions | None = None

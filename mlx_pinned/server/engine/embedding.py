@@ -1,0 +1,360 @@
+"""An embedding model's engine: mlx-vlm's embedding loader, its inputs
+padded into forward passes that every waiting request shares.
+
+:func:`load_embedder` and every pass run on the MLX thread;
+:meth:`EmbeddingEngine.embed` is called on the event loop. A request's
+inputs join one queue, in arrival order. Each of its turns
+(``MLXThread.run`` of :meth:`EmbeddingEngine._pass`) embeds the inputs at
+the head of the queue, whichever request they are from, as many as fit in
+one pass (``batch_tokens`` padded tokens, ``batch_size`` inputs); a request
+takes turns until its own inputs are done. So requests that arrive together
+share passes, and one large request never holds the MLX thread for more
+than a pass at a time: a chat model's steps run between its passes.
+
+Exact: the inputs of a pass are padded on the right and masked, so an
+input's vector is its vector alone (batched equals solo within float
+rounding, tests/server/test_embeddings.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import mlx.core as mx
+import numpy as np
+
+from ..events import EngineCounters
+from ..failures import PromptTooLongError
+from ..vectors import EmbeddingParams, Embeddings
+
+if TYPE_CHECKING:
+    from mlx_pinned import MLXThread
+
+__all__ = ["EmbeddingEngine", "LoadedEmbedder", "load_embedder"]
+
+logger = logging.getLogger("mlx_pinned.server")
+
+#: Padded tokens of one pass, at most (inputs times the longest of them).
+BATCH_TOKENS = 8192
+#: Inputs of one pass, at most.
+BATCH_SIZE = 64
+
+
+@dataclass(eq=False)
+class LoadedEmbedder:
+    """An embedding model loaded and evaluated on the MLX thread.
+
+    Attributes:
+        model: mlx-vlm's model (its ``text_embeds`` are pooled and
+            normalised as its checkpoint says).
+        tokenizer: Its tokenizer.
+        path: What it was loaded from.
+        vocab_size: Valid token ids are below it.
+        max_input_tokens: Tokens of its longest input.
+        width: Values in each vector.
+        matryoshka_dimensions: The widths it may be cut to (empty: any);
+            None: none.
+        pad_id: The token the padding is made of (masked out).
+        weight_bytes: Bytes of its parameters.
+        loaded_at: When its load ended (Unix time).
+    """
+
+    model: Any
+    tokenizer: Any
+    path: str
+    vocab_size: int
+    max_input_tokens: int
+    width: int
+    matryoshka_dimensions: tuple[int, ...] | None
+    pad_id: int
+    weight_bytes: int
+    loaded_at: float = field(default_factory=time.time)
+
+    def tokenize(self, inputs: Sequence[str | tuple[int, ...]]) -> list[list[int]]:
+        """Each input's tokens: a text through the tokenizer (its special
+        tokens added), ids as they are. MLX thread (the tokenizer is the
+        model's).
+
+        Raises:
+            PromptTooLongError: An input of no tokens, or of more than
+                :attr:`max_input_tokens`; the message names its index.
+        """
+        texts = [
+            (index, text) for index, text in enumerate(inputs) if isinstance(text, str)
+        ]
+        tokens: list[list[int]] = [
+            [] if isinstance(item, str) else list(item) for item in inputs
+        ]
+        if texts:
+            encoded = self.tokenizer([text for _, text in texts])["input_ids"]
+            for (index, _), ids in zip(texts, encoded, strict=True):
+                tokens[index] = list(ids)
+        for index, ids in enumerate(tokens):
+            if not ids:
+                raise PromptTooLongError(
+                    f"Invalid value for 'input': input {index} has no tokens; "
+                    "send at least one.",
+                    0,
+                    self.max_input_tokens,
+                )
+            if len(ids) > self.max_input_tokens:
+                raise PromptTooLongError(
+                    f"Invalid value for 'input': input {index} has {len(ids)} "
+                    f"tokens, more than this model's {self.max_input_tokens}.",
+                    len(ids),
+                    self.max_input_tokens,
+                )
+        return tokens
+
+    def forward(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
+        """The vectors of ``batch``, padded on the right and masked; float32,
+        one row per input. MLX thread."""
+        longest = max(len(ids) for ids in batch)
+        ids = np.full((len(batch), longest), self.pad_id, dtype=np.int32)
+        mask = np.zeros((len(batch), longest), dtype=np.int32)
+        for row, tokens in enumerate(batch):
+            ids[row, : len(tokens)] = tokens
+            mask[row, : len(tokens)] = 1
+        out = self.model(mx.array(ids), attention_mask=mx.array(mask))
+        vectors = out.text_embeds.astype(mx.float32)
+        mx.eval(vectors)
+        return np.array(vectors, copy=True)
+
+
+def load_embedder(model_path: str | Path) -> LoadedEmbedder:
+    """Load an embedding model with mlx-vlm's embedding loader, its pooling
+    as its checkpoint's ``1_Pooling/config.json`` says (as mlx-vlm's server
+    does), and evaluate it whole. MLX thread.
+
+    Raises:
+        ValueError: mlx-vlm has no embedding model of its family.
+        FileNotFoundError: No weights.
+    """
+    from mlx.utils import tree_flatten
+    from mlx_vlm.embedding_loader import load_embedding_model
+    from mlx_vlm.models.pooling import read_pooling_config
+    from mlx_vlm.utils import get_model_path, load_config, load_processor
+
+    folder = Path(get_model_path(str(model_path)))
+    model = load_embedding_model(folder)
+    model.pooling_config = read_pooling_config(folder)  # type: ignore[no-untyped-call]
+    processor = load_processor(folder, add_detokenizer=False)
+    tokenizer: Any = getattr(processor, "tokenizer", processor)
+    config = load_config(folder)
+    text = config.get("text_config") or config
+    flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    # The width: one pass of one token (what the model says, not its config).
+    probe = model(mx.array([[0]]), attention_mask=mx.array([[1]])).text_embeds
+    mx.eval(probe)
+    if probe.ndim != 2:
+        raise ValueError(
+            f"{model_path} gives a vector per token (a late-interaction model); "
+            "/v1/embeddings serves models that give one vector per input"
+        )
+    limits = [
+        value
+        for value in (
+            text.get("max_position_embeddings"),
+            getattr(tokenizer, "model_max_length", None),
+        )
+        if isinstance(value, int) and 0 < value < 10**7
+    ]
+    pad = getattr(tokenizer, "pad_token_id", None)
+    loaded = LoadedEmbedder(
+        model=model,
+        tokenizer=tokenizer,
+        path=str(model_path),
+        vocab_size=int(text.get("vocab_size") or len(tokenizer)),
+        max_input_tokens=min(limits, default=8192),
+        width=int(probe.shape[-1]),
+        matryoshka_dimensions=_matryoshka(config),
+        pad_id=int(pad) if pad is not None else 0,
+        weight_bytes=sum(value.nbytes for _, value in flat),
+    )
+    logger.info(
+        "loaded embedding model %s: %d values a vector, inputs up to %d tokens",
+        model_path,
+        loaded.width,
+        loaded.max_input_tokens,
+    )
+    return loaded
+
+
+def _matryoshka(config: dict[str, Any]) -> tuple[int, ...] | None:
+    """The widths a checkpoint says it was trained to be cut to (vLLM reads
+    the same keys): ``matryoshka_dimensions``, or any with ``is_matryoshka``."""
+    dims = config.get("matryoshka_dimensions")
+    if isinstance(dims, list) and all(isinstance(d, int) for d in dims):
+        return tuple(sorted(dims))
+    return () if config.get("is_matryoshka") else None
+
+
+@dataclass(eq=False)
+class _Job:
+    """One request's inputs: their tokens, and their vectors as passes
+    embed them. Written on the MLX thread; read by its request once its
+    own turn has run (the thread's FIFO orders the two)."""
+
+    tokens: list[list[int]]
+    dimensions: int | None
+    vectors: list[bytes | None] = field(default_factory=list)
+    left: int = 0
+    error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.vectors = [None] * len(self.tokens)
+        self.left = len(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.left == 0 or self.error is not None
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    job: _Job
+    index: int
+
+
+class EmbeddingEngine:
+    """One embedding model's engine: the :class:`~..vectors.EmbeddingEngine`
+    the HTTP side uses.
+
+    Args:
+        loaded: The model, from :func:`load_embedder`.
+        thread: The MLX thread it was loaded on.
+        batch_tokens: Padded tokens of one pass, at most.
+        batch_size: Inputs of one pass, at most.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedEmbedder,
+        thread: MLXThread,
+        *,
+        batch_tokens: int = BATCH_TOKENS,
+        batch_size: int = BATCH_SIZE,
+    ) -> None:
+        self.loaded = loaded
+        self.thread = thread
+        self.batch_tokens = batch_tokens
+        self.batch_size = batch_size
+        # The event loop appends and takes back; the MLX thread pops.
+        self._lock = threading.Lock()
+        self._waiting: deque[_Item] = deque()
+        self.passes = 0
+        self.embedded = 0
+
+    @classmethod
+    def load(cls, model_path: str | Path, thread: MLXThread) -> EmbeddingEngine:
+        """Load a model and make its engine; runs on ``thread``."""
+        return cls(load_embedder(model_path), thread)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.vocab_size
+
+    @property
+    def max_input_tokens(self) -> int:
+        return self.loaded.max_input_tokens
+
+    @property
+    def width(self) -> int:
+        return self.loaded.width
+
+    @property
+    def matryoshka_dimensions(self) -> tuple[int, ...] | None:
+        return self.loaded.matryoshka_dimensions
+
+    @property
+    def loaded_at(self) -> float:
+        return self.loaded.loaded_at
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.loaded.weight_bytes
+
+    def counters(self) -> EngineCounters:
+        """Inputs waiting as its rows; it holds no KV. Any thread."""
+        return EngineCounters(
+            rows=len(self._waiting),
+            kv_bytes=0,
+            prompt_cache_hits=0,
+            prompt_cache_misses=0,
+            prompt_cache_reused_tokens=0,
+            prompt_cache_bytes=0,
+            decode_steps=self.passes,
+        )
+
+    async def embed(self, params: EmbeddingParams) -> Embeddings:
+        """See :meth:`~..vectors.EmbeddingEngine.embed`."""
+        tokens = await self.thread.run(self.loaded.tokenize, params.inputs)
+        job = _Job(tokens, params.dimensions)
+        with self._lock:
+            self._waiting.extend(_Item(job, index) for index in range(len(tokens)))
+        try:
+            while not job.done:
+                await self.thread.run(self._pass)
+        finally:
+            if not job.done:  # cancelled: its inputs leave the queue
+                with self._lock:
+                    self._waiting = deque(i for i in self._waiting if i.job is not job)
+        if job.error is not None:
+            raise job.error
+        vectors = cast("list[bytes]", job.vectors)
+        return Embeddings(tuple(vectors), sum(len(ids) for ids in tokens))
+
+    def _take(self) -> list[_Item]:
+        """The inputs at the head of the queue that fit in one pass."""
+        taken: list[_Item] = []
+        longest = 0
+        with self._lock:
+            while self._waiting and len(taken) < self.batch_size:
+                item = self._waiting[0]
+                if item.job.error is not None:
+                    self._waiting.popleft()
+                    continue
+                size = len(item.job.tokens[item.index])
+                padded = max(longest, size) * (len(taken) + 1)
+                if taken and padded > self.batch_tokens:
+                    break
+                taken.append(self._waiting.popleft())
+                longest = max(longest, size)
+        return taken
+
+    def _pass(self) -> None:
+        """One forward pass over the inputs at the head of the queue. MLX
+        thread. An error fails every request with an input in the pass."""
+        taken = self._take()
+        if not taken:
+            return
+        try:
+            vectors = self.loaded.forward([i.job.tokens[i.index] for i in taken])
+        except Exception as exc:
+            for item in taken:
+                item.job.error = exc
+            return
+        self.passes += 1
+        self.embedded += len(taken)
+        for item, vector in zip(taken, vectors, strict=True):
+            job = item.job
+            job.vectors[item.index] = _encoded(vector, job.dimensions)
+            job.left -= 1
+
+
+def _encoded(vector: np.ndarray, dimensions: int | None) -> bytes:
+    """``vector`` cut to ``dimensions`` and normalised again (the model's
+    vectors are unit length), as little-endian float32 bytes."""
+    if dimensions is not None and dimensions < vector.shape[-1]:
+        vector = vector[:dimensions]
+        norm = float(np.linalg.norm(vector))
+        vector = vector / max(norm, 1e-12) if math.isfinite(norm) else vector
+    return np.ascontiguousarray(vector, dtype="<f4").tobytes()

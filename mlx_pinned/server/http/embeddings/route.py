@@ -1,0 +1,92 @@
+"""``POST /v1/embeddings``, in OpenAI's shape.
+
+Event loop. A :class:`~..endpoint.ModelEndpoint` of the embedding kind: the
+base reads the body, keeps the deadline, watches the client, holds the
+model named by ``model`` (404 for one not served, 400 for a chat model) and
+answers every error in OpenAI's shape, as the generation routes do. The
+request takes a turn of its model's gate (so its waiting room is bounded as
+a chat model's is), then the engine embeds its inputs on the MLX thread, in
+passes it shares with the other requests waiting then.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from array import array
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, ClassVar, cast
+
+from ..endpoint import ModelEndpoint
+from ..errors import APIError, api_error
+from .protocol import parse_embedding_request
+from .serving import EmbeddingsServing
+
+if TYPE_CHECKING:
+    from ...config import ModelKind
+    from ...vectors import EmbeddingEngine, Embeddings
+    from ..models import ServedModel
+    from ..wire import RequestLog, ResponseWriter
+
+__all__ = ["EmbeddingsEndpoint", "embeddings_body"]
+
+
+class EmbeddingsEndpoint(ModelEndpoint):
+    """The ASGI endpoint of ``POST /v1/embeddings``: ``{"object": "list",
+    "data": [{"object": "embedding", "index", "embedding"}], "model",
+    "usage": {"prompt_tokens", "total_tokens"}}``."""
+
+    route = "POST /v1/embeddings"
+    kind: ClassVar[ModelKind] = "embedding"
+    serving = EmbeddingsServing()
+
+    @asynccontextmanager
+    async def embedder(
+        self, name: str, log: RequestLog
+    ) -> AsyncIterator[tuple[ServedModel, EmbeddingEngine]]:
+        """:meth:`resident` of an embedding model (its kind's engine)."""
+        async with self.resident(name, log) as (served, engine):
+            yield served, cast("EmbeddingEngine", engine)
+
+    def error_for(self, exc: BaseException, images: Sequence[str]) -> APIError | None:
+        return api_error(exc, retry_after=self.config.retry_after, prompt="input")
+
+    async def handle(
+        self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
+    ) -> None:
+        request = parse_embedding_request(body)
+        async with self.embedder(request.model, log) as (served, engine):
+            params = self.serving.prepare(request, engine)
+            async with served.gate.turn():
+                embedded = await engine.embed(params)
+            log.prompt_tokens = embedded.prompt_tokens
+            answer = embeddings_body(embedded, served.name, request.encoding_format)
+            await response.json(answer)
+
+
+def embeddings_body(embedded: Embeddings, model: str, encoding: str) -> bytes:
+    """The answer's JSON: each vector as floats, or as base64 of its
+    little-endian float32 bytes."""
+    data = [
+        {"object": "embedding", "index": index, "embedding": _encoded(raw, encoding)}
+        for index, raw in enumerate(embedded.vectors)
+    ]
+    tokens = embedded.prompt_tokens
+    answer = {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return json.dumps(answer, separators=(",", ":")).encode()
+
+
+def _encoded(raw: bytes, encoding: str) -> str | list[float]:
+    if encoding == "base64":
+        return base64.b64encode(raw).decode("ascii")
+    values = array("f", raw)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()

@@ -1,0 +1,74 @@
+"""Embeddings' one validation site: a parsed request checked against the
+served embedding model, and turned into the shared embedding request.
+
+Event loop. Checked here, before the request waits for the model's gate:
+``dimensions`` against what the model was trained for (a model not trained
+Matryoshka-style takes none: its cut vectors would be poor), and each token
+input's ids against the vocabulary. A text's length in tokens is checked by
+the engine, which tokenizes it on the MLX thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import APIError
+from ..serving_common import out_of_vocabulary
+
+if TYPE_CHECKING:
+    from ...vectors import EmbeddingEngine, EmbeddingParams
+    from .protocol import EmbeddingRequest
+
+__all__ = ["EmbeddingsServing"]
+
+
+class EmbeddingsServing:
+    """Checks embeddings requests against the served model."""
+
+    def prepare(
+        self, request: EmbeddingRequest, engine: EmbeddingEngine
+    ) -> EmbeddingParams:
+        """Check ``request`` against the model; its embedding request.
+
+        Raises:
+            APIError: 400 naming ``dimensions`` (the model takes none, or
+                not that many) or ``input`` (a token id outside the
+                vocabulary).
+        """
+        params = request.to_embedding_params()
+        if params.dimensions is not None:
+            check_dimensions(params.dimensions, engine)
+        vocab = engine.vocab_size
+        for item in params.inputs:
+            if not isinstance(item, str):
+                outside = next((token for token in item if token >= vocab), None)
+                if outside is not None:
+                    raise out_of_vocabulary("input", outside, vocab)
+        return params
+
+
+def check_dimensions(dimensions: int, engine: EmbeddingEngine) -> None:
+    """Refuse a width the model was not trained to be cut to.
+
+    Raises:
+        APIError: 400 naming ``dimensions``.
+    """
+    trained = engine.matryoshka_dimensions
+    if trained is None:
+        why = (
+            "this model was not trained Matryoshka-style, so its vectors "
+            f"cannot be cut short; leave it out for its {engine.width} values"
+        )
+    elif dimensions > engine.width:
+        why = f"this model's vectors have {engine.width} values"
+    elif trained and dimensions not in trained:
+        listed = ", ".join(str(width) for width in trained)
+        why = f"this model was trained for {listed}"
+    else:
+        return
+    raise APIError(
+        400,
+        f"Invalid value for 'dimensions': {dimensions}; {why}.",
+        param="dimensions",
+        code="invalid_value",
+    )
