@@ -7,15 +7,17 @@
                            [--max-pending N] [--max-num-seqs N] [--api-key KEY]
                            [--request-timeout S] [--max-prompt-tokens N]
                            [--allow-remote-images] [--max-images N] ...
-    mlx-pinned serve --demo        # the tiny offline model of mlx_pinned.testing
+    mlx-pinned serve --demo        # the tiny offline models of mlx_pinned.testing
     mlx.launch ... -- -m mlx_pinned.server serve MODEL --distributed tensor
 
 ``MODEL`` is a local model folder or a Hugging Face hub id; several are
 served together, each under its own name (``--served-model-name`` given once
 per MODEL, in the same order, or not at all). ``--demo`` writes the tiny
-random-weight model to the cache folder (``$MLX_PINNED_CACHE``, else
-``~/.cache/mlx-pinned``) and serves it as ``mlx-pinned-demo``: it works
-offline, and answers with random text. Every limit: docs/security.md.
+random-weight models to the cache folder (``$MLX_PINNED_CACHE``, else
+``~/.cache/mlx-pinned``) and serves them: a vision chat model as
+``mlx-pinned-demo`` and an embedding model as ``mlx-pinned-demo-embedding``.
+They work offline, and answer with random text and random vectors. Every
+limit: docs/security.md.
 With ``--distributed tensor`` every rank of an ``mx.distributed`` group runs
 the same command: rank 0 serves, the others bind no port and follow it
 (docs/distributed.md).
@@ -49,6 +51,7 @@ from .config_file import ConfigFile, read_config_file
 __all__ = ["main"]
 
 DEMO_MODEL_NAME = "mlx-pinned-demo"
+DEMO_EMBEDDING_NAME = "mlx-pinned-demo-embedding"
 KEEP_ALIVE_SECONDS = 75  # an idle connection is kept this long
 STARTUP_FAILURE = 3  # the exit status of a failed model load, as uvicorn's
 
@@ -79,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--demo",
         action="store_true",
-        help="serve the tiny random-weight test model (offline; random text)",
+        help="serve the tiny random-weight test models, a chat model and an "
+        "embedding model (offline; random text, random vectors)",
     )
     serve.add_argument(
         "--config",
@@ -188,13 +192,9 @@ def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     from .http.uvicorn_server import Server
 
     if args.demo:
-        from mlx_pinned.testing import tiny_vlm_path
-
-        logger.info("writing the demo model (offline)")
+        logger.info("writing the demo models (offline)")
         try:
-            config = dataclasses.replace(
-                config, model=str(tiny_vlm_path()), served_model_name=config.names
-            )
+            config = _demo(config)
         except OSError as exc:
             logger.error(
                 "could not write the demo model: %s; set MLX_PINNED_CACHE to a "
@@ -318,6 +318,28 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:  # uvloop took 70000 as 70000 - 65536
         raise argparse.ArgumentTypeError(f"must be 0 to 65535, not {value}")
     return int(value)
+
+
+def _demo(config: ServerConfig) -> ServerConfig:
+    """``config`` serving the demo's models, written first if they are not
+    in the cache: the tiny vision chat model as its name, and the tiny
+    embedding model as :data:`DEMO_EMBEDDING_NAME` (not under
+    ``--distributed``, which serves one chat model).
+
+    Raises:
+        OSError: A model could not be written.
+    """
+    from mlx_pinned.testing import tiny_embedding_path, tiny_vlm_path
+
+    chat = str(tiny_vlm_path())
+    if config.distributed is not None:
+        return dataclasses.replace(config, model=chat, served_model_name=config.names)
+    return dataclasses.replace(
+        config,
+        model=(chat, str(tiny_embedding_path())),
+        served_model_name=(config.name, DEMO_EMBEDDING_NAME),
+        model_settings=({"model_kind": "chat"}, {"model_kind": "embedding"}),
+    )
 
 
 def _config(args: argparse.Namespace, file: ConfigFile | None = None) -> ServerConfig:

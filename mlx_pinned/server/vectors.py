@@ -83,7 +83,8 @@ class EmbeddingEngine(Resident, Protocol):
         passes. Cancelling it drops the inputs not yet embedded.
 
         Raises:
-            PromptTooLongError: An input over :attr:`max_input_tokens`, or of
-                no tokens; the message names it by its index.
+            PromptTooLongError: An input over :attr:`max_input_tokens`; the
+                message names it by its index.
+            RequestError: An input of no tokens.
         """
         ...

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from mlx_pinned.server.cli import DEMO_MODEL_NAME
+from mlx_pinned.server.cli import DEMO_EMBEDDING_NAME, DEMO_MODEL_NAME
 from mlx_pinned.server.engine.model import EXACT_FAMILIES
 from mlx_pinned.testing import TINY_MODEL_TYPES, image_data_uri, tiny_vlm_path
 
@@ -59,6 +59,24 @@ def test_bug_report_request_sync(server: Server) -> None:
     assert choice.message.content
     assert completion.usage is not None
     assert completion.usage.completion_tokens == 80
+
+
+@pytest.mark.slow
+def test_the_demo_embeds_through_the_sdk_beside_its_chat_model(
+    server: Server,
+) -> None:
+    client = server.client()
+    answer = client.embeddings.create(
+        model=DEMO_EMBEDDING_NAME, input=["a red square", "a blue sky"]
+    )
+    floats = client.embeddings.create(
+        model=DEMO_EMBEDDING_NAME, input="a red square", encoding_format="float"
+    )
+    kinds = {model.id: getattr(model, "kind", None) for model in client.models.list()}
+    assert [len(item.embedding) for item in answer.data] == [64, 64]
+    assert floats.data[0].embedding == answer.data[0].embedding
+    assert answer.usage.prompt_tokens > 0
+    assert kinds == {DEMO_MODEL_NAME: "chat", DEMO_EMBEDDING_NAME: "embedding"}
 
 
 def test_streaming_sync_with_usage(server: Server) -> None:

@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..events import EngineCounters
-from ..failures import PromptTooLongError
+from ..failures import PromptTooLongError, RequestError
 from ..vectors import EmbeddingParams, Embeddings
 
 if TYPE_CHECKING:
@@ -84,8 +84,10 @@ class LoadedEmbedder:
         model's).
 
         Raises:
-            PromptTooLongError: An input of no tokens, or of more than
+            PromptTooLongError: An input of more than
                 :attr:`max_input_tokens`; the message names its index.
+            RequestError: An input of no tokens (a text its tokenizer
+                makes nothing of).
         """
         texts = [
             (index, text) for index, text in enumerate(inputs) if isinstance(text, str)
@@ -99,11 +101,10 @@ class LoadedEmbedder:
                 tokens[index] = list(ids)
         for index, ids in enumerate(tokens):
             if not ids:
-                raise PromptTooLongError(
+                raise RequestError(
                     f"Invalid value for 'input': input {index} has no tokens; "
-                    "send at least one.",
-                    0,
-                    self.max_input_tokens,
+                    "send text that has some.",
+                    "invalid_value",
                 )
             if len(ids) > self.max_input_tokens:
                 raise PromptTooLongError(

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, ClassVar, cast
 
+from ...failures import RequestError
 from ..endpoint import ModelEndpoint
 from ..errors import APIError, api_error
 from .protocol import parse_embedding_request
@@ -51,6 +52,8 @@ class EmbeddingsEndpoint(ModelEndpoint):
             yield served, cast("EmbeddingEngine", engine)
 
     def error_for(self, exc: BaseException, images: Sequence[str]) -> APIError | None:
+        if type(exc) is RequestError:  # the engine's refusal of an input
+            return APIError(400, exc.message, param="input", code=exc.code)
         return api_error(exc, retry_after=self.config.retry_after, prompt="input")
 
     async def handle(
