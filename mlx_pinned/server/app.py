@@ -54,12 +54,12 @@ from .http.errors import APIError
 from .http.gate import BatchGate
 from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
-from .http.models import ServedModel, ServedModels
 from .http.playground import routes as playground_routes
 from .http.residency import Residency, StartUpRefusal
 from .http.responses_api import ResponsesEndpoint
 from .http.responses_api import routes as responses_routes
 from .http.routes import APIKeyMiddleware, ErrorEdge, model, models
+from .http.served_models import ServedModel, ServedModels
 from .http.slots import ModelSlot
 from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
 from .http.turns import LoopTurns

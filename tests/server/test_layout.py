@@ -195,8 +195,11 @@ def test_slices_import_only_shared_pieces(path: Path) -> None:
     ("where", "line"),
     [
         ("http/wire.py", "from .chat_completions.protocol import parse_chat_request"),
-        ("http/answer.py", "from .chat_completions import ChatCompletionsEndpoint"),
-        ("http/answer.py", "from . import chat_completions"),
+        (
+            "http/answer_parser.py",
+            "from .chat_completions import ChatCompletionsEndpoint",
+        ),
+        ("http/answer_parser.py", "from . import chat_completions"),
         # A second slice (as issue 23's completions) beside chat completions.
         ("http/chat_completions/route.py", "from ..completions import protocol"),
     ],

@@ -31,7 +31,7 @@ from .text import StopMatcher
 if TYPE_CHECKING:
     from PIL import Image
 
-    from .outputs import RowOutput
+    from .driver import RowOutput
 
 __all__ = ["Item", "Outputs", "Request", "RowAnswer"]
 

@@ -17,7 +17,7 @@ from ..formats import ModelFormats, model_formats
 
 if TYPE_CHECKING:
     from ..events import Engine
-    from .models import ServedModel
+    from .served_models import ServedModel
 
 __all__ = ["Capabilities"]
 

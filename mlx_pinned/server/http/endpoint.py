@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, ClassVar, Generic
 import anyio
 
 from ..events import FinalEvent, TokenEvent
-from .answer import answer_parser
+from .answer_parser import answer_parser
 from .capabilities import Capabilities
 from .errors import APIError, api_error, internal_error, thread_unavailable, timed_out
 from .serving_common import RequestT, Serving, check_media
@@ -62,10 +62,10 @@ if TYPE_CHECKING:
     from ..config import ServerConfig
     from ..events import Engine, Event, EventStream, GenerationParams
     from ..media import ImageRef, LoadImages, LoadVideos, Video, VideoRef
-    from .answer import AnswerParser, Part
+    from .answer_parser import AnswerParser, Part
     from .metrics import ServerMetrics
-    from .models import ServedModel, ServedModels
     from .residency import Residency
+    from .served_models import ServedModel, ServedModels
     from .serving_common import Prepared
     from .turns import LoopTurns
 

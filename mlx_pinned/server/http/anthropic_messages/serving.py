@@ -29,9 +29,9 @@ from ..serving_common import (
     max_tokens,
     no_tool_call_format,
     request_grammar,
+    with_budget,
 )
-from ..thinking import with_budget
-from .blocks import image_refs, text_chars
+from .content import image_refs, text_chars
 from .protocol import (
     CountTokensRequest,
     MessagesRequest,

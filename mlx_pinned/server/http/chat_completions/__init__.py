@@ -2,7 +2,7 @@
 
 Event loop only, as all of :mod:`..http`. A slice per API, each in three
 steps: the protocol (:mod:`.protocol`, with :mod:`.messages` and
-:mod:`.responses`: OpenAI's pydantic models, which turn themselves into the
+:mod:`.bodies`: OpenAI's pydantic models, which turn themselves into the
 shared :class:`~...events.GenerationParams`); the serving
 (:mod:`.serving`: the one place a request is checked against the model's
 :class:`~..capabilities.Capabilities`); the route (:mod:`.route`: the ASGI

@@ -41,7 +41,7 @@ from .serving import CompletionsServing
 
 if TYPE_CHECKING:
     from ...events import Engine, GenerationParams
-    from ..models import ServedModel
+    from ..served_models import ServedModel
     from ..wire import RequestLog, ResponseWriter
 
 __all__ = ["CompletionsEndpoint"]

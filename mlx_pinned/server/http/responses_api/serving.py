@@ -30,8 +30,8 @@ from ..serving_common import (
     max_tokens,
     no_tool_call_format,
     request_grammar,
+    with_budget,
 )
-from ..thinking import with_budget
 from .items import (
     MessageItem,
     NamedFunctionChoice,
