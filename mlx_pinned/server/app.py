@@ -51,7 +51,6 @@ from .http.anthropic_messages import CountTokensEndpoint, MessagesEndpoint
 from .http.chat_completions import ChatCompletionsEndpoint
 from .http.completions import CompletionsEndpoint
 from .http.errors import APIError
-from .http.gate import BatchGate
 from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.playground import routes as playground_routes
@@ -59,7 +58,7 @@ from .http.residency import Residency, StartUpRefusal
 from .http.responses_api import ResponsesEndpoint
 from .http.responses_api import routes as responses_routes
 from .http.routes import APIKeyMiddleware, ErrorEdge, model, models
-from .http.served_models import ServedModel, ServedModels
+from .http.served_models import BatchGate, ServedModel, ServedModels
 from .http.slots import ModelSlot
 from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
 from .http.turns import LoopTurns

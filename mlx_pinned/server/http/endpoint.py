@@ -40,9 +40,9 @@ import anyio
 
 from ..events import FinalEvent, TokenEvent
 from .answer_parser import answer_parser
-from .capabilities import Capabilities
 from .errors import APIError, api_error, internal_error, thread_unavailable, timed_out
 from .serving_common import RequestT, Serving, check_media
+from .slots import Capabilities
 from .wire import (
     OPENAI_ERRORS,
     Disconnected,

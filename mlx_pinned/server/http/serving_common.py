@@ -1,6 +1,6 @@
 """What every API's serving module shares: what it is (:class:`Serving`),
 the checks it runs against the served model's
-:class:`~.capabilities.Capabilities` and this server's limits, the grammar
+:class:`~.slots.Capabilities` and this server's limits, the grammar
 of its answer, and what it hands the endpoint (:class:`Prepared`),
 whatever the API's shapes.
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ..config import ServerConfig
     from ..formats import ToolCallFormat, ToolSpec
     from ..media import ImageRef, VideoRef
-    from .capabilities import Capabilities
+    from .slots import Capabilities
 
 __all__ = [
     "ForcedCall",

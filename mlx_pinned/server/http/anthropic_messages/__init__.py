@@ -6,7 +6,7 @@ slice: the protocol (:mod:`.protocol`, with :mod:`.content`: Anthropic's
 pydantic models, which turn themselves into the shared
 :class:`~...events.GenerationParams`); the serving (:mod:`.serving`: the one
 place a request is checked against the model's
-:class:`~..capabilities.Capabilities`); the route (:mod:`.route`, writing
+:class:`~..slots.Capabilities`); the route (:mod:`.route`, writing
 Anthropic's answer and events with :mod:`.output`, and its errors in
 Anthropic's shape with :mod:`.errors`).
 """

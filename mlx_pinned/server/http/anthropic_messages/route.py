@@ -18,7 +18,6 @@ import json
 from collections.abc import Sequence
 from typing import ClassVar
 
-from ..capabilities import Capabilities
 from ..endpoint import (
     GenerationEndpoint,
     ModelEndpoint,
@@ -28,6 +27,7 @@ from ..endpoint import (
     token_parts,
 )
 from ..errors import APIError
+from ..slots import Capabilities
 from ..wire import ErrorShape, RequestLog, ResponseWriter
 from .content import image_parts
 from .output import (

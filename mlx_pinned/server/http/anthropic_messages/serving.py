@@ -1,5 +1,5 @@
 """Anthropic Messages' one validation site: a parsed request checked against
-the served model's :class:`~..capabilities.Capabilities` and this server's
+the served model's :class:`~..slots.Capabilities` and this server's
 limits, and turned into the shared generation request.
 
 Event loop; a grammar is compiled in a worker thread
@@ -43,7 +43,7 @@ from .protocol import (
 if TYPE_CHECKING:
     from ...config import ServerConfig
     from ...media import ImageRef
-    from ..capabilities import Capabilities
+    from ..slots import Capabilities
 
 __all__ = ["MessagesServing"]
 

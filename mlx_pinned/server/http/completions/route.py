@@ -25,9 +25,9 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ...events import Event, FinalEvent
-from ..capabilities import Capabilities
 from ..endpoint import ModelEndpoint
 from ..errors import APIError, api_error
+from ..slots import Capabilities
 from .output import (
     ChoiceText,
     ChunkWriter,
