@@ -289,7 +289,10 @@ def _drafting(config: ServerConfig) -> dict[str, Any]:
     if config.prompt_lookup_tokens < 1 and config.draft_model is None:
         return {}
     settings = DraftSettings(
-        config.prompt_lookup_tokens, config.num_draft_tokens, config.draft_model
+        config.prompt_lookup_tokens,
+        config.num_draft_tokens,
+        config.draft_model,
+        config.draft_max_batch,
     )
     return {"drafts": settings}
 
