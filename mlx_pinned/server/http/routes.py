@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send
 
     from ..events import Engine
-    from .models import ServedModel, ServedModels
+    from .served_models import ServedModel, ServedModels
 
 __all__ = [
     "APIKeyMiddleware",

@@ -28,7 +28,7 @@ from .serving import EmbeddingsServing
 if TYPE_CHECKING:
     from ...config import ModelKind
     from ...vectors import EmbeddingEngine, Embeddings
-    from ..models import ServedModel
+    from ..served_models import ServedModel
     from ..wire import RequestLog, ResponseWriter
 
 __all__ = ["EmbeddingsEndpoint", "embeddings_body"]

@@ -6,26 +6,32 @@ thread. Each model's :attr:`ServedModel.slot` holds its engine while it is
 loaded: a model loaded at start-up is loaded by the app's lifespan and
 stays; one loaded on first use comes and goes (:mod:`.residency`, the one
 place that loads and unloads). Requests are routed by their ``model``; each
-model has its own gate, so its batch and its waiting room are its own.
-Each has a kind (chat, embedding): a kind is served by its own routes, and
-a model named on another kind's route is a 400 that says where to send it.
+model has its own gate (:class:`BatchGate`: at most ``max_num_seqs``
+generations at once, the rest wait their turn), so its batch and its
+waiting room are its own. Each has a kind (chat, embedding): a kind is
+served by its own routes, and a model named on another kind's route is a
+400 that says where to send it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import anyio
+from anyio.lowlevel import RunVar
+
+from ..failures import OverloadedError
 from .errors import APIError
 
 if TYPE_CHECKING:
     from ..config import ModelKind
     from ..events import Resident
-    from .gate import BatchGate
     from .slots import ModelSlot
 
-__all__ = ["KINDS", "ServedModel", "ServedModels", "model_not_found"]
+__all__ = ["KINDS", "BatchGate", "ServedModel", "ServedModels", "model_not_found"]
 
 #: Each kind of model in words, and the route it is sent to.
 KINDS: dict[str, tuple[str, str]] = {
@@ -119,3 +125,74 @@ class ServedModels:
             return self._by_name[name]
         except KeyError:
             raise model_not_found(name, self.names) from None
+
+
+class BatchGate:
+    """At most ``max_num_seqs`` generations at once; the rest wait their turn.
+
+    Event-loop side (asyncio or trio, through anyio). Waiting requests are
+    admitted in arrival order as slots free up; at most ``max_pending`` may
+    wait, past that :meth:`turn` refuses at once. A slot is given back
+    when the ``turn()`` block exits, so close the stream inside it.
+
+    Args:
+        max_num_seqs: Generations active at once (the decode batch bound).
+        max_pending: Requests that may wait for a slot.
+        retry_after: Seconds a refused request is told to wait.
+    """
+
+    def __init__(
+        self, max_num_seqs: int, max_pending: int, *, retry_after: int = 1
+    ) -> None:
+        if max_num_seqs < 1 or max_pending < 0:
+            raise ValueError(
+                "max_num_seqs must be >= 1 and max_pending >= 0, not "
+                f"{max_num_seqs} and {max_pending}"
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_pending = max_pending
+        self.retry_after = retry_after
+        self.waiting = 0  # requests waiting for a slot
+        self.active = 0  # requests holding a slot
+        # One semaphore per event loop: a gate used again under another loop
+        # (or backend) must not wait on the first one's.
+        self._slots: RunVar[anyio.Semaphore] = RunVar("mlx_pinned_batch_gate")
+
+    @property
+    def busy(self) -> bool:
+        """Whether any generation holds a slot."""
+        return self.active > 0
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """Hold a slot for the block; refused at once when the waiting room is
+        full.
+
+        Cancelling the caller while it waits gives up its place: its
+        generation never starts.
+
+        Raises:
+            OverloadedError: ``max_pending`` requests wait already.
+        """
+        try:
+            slots = self._slots.get()
+        except LookupError:  # the first turn on this event loop
+            slots = anyio.Semaphore(self.max_num_seqs)
+            self._slots.set(slots)
+        # Who waits, as the semaphore counts it: a slot being handed to a
+        # waiter leaves the room at once, before that waiter runs again (the
+        # gate's own count lags until then).
+        queued = slots.statistics().tasks_waiting
+        if slots.value == 0 and queued >= self.max_pending:
+            raise OverloadedError(queued, retry_after=self.retry_after)
+        self.waiting += 1
+        try:
+            await slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+            slots.release()
