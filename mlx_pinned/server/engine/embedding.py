@@ -1,28 +1,17 @@
-"""An embedding model's engine: mlx-vlm's embedding loader, its inputs
-padded into forward passes that every waiting request shares.
+"""An embedding model's engine: mlx-vlm's embedding loader, its inputs run
+in forward passes that every waiting request shares (:mod:`.passes`).
 
 :func:`load_embedder` and every pass run on the MLX thread;
-:meth:`EmbeddingEngine.embed` is called on the event loop. A request's
-inputs join one queue, in arrival order. Each of its turns
-(``MLXThread.run`` of :meth:`EmbeddingEngine._pass`) embeds the inputs at
-the head of the queue, whichever request they are from, as many as fit in
-one pass (``batch_tokens`` padded tokens, ``batch_size`` inputs); a request
-takes turns until its own inputs are done. So requests that arrive together
-share passes, and one large request never holds the MLX thread for more
-than a pass at a time: a chat model's steps run between its passes.
-
-Exact: the inputs of a pass are padded on the right and masked, so an
-input's vector is its vector alone (batched equals solo within float
-rounding, tests/server/test_embeddings.py).
+:meth:`EmbeddingEngine.embed` is called on the event loop. Each vector is
+its input's own: batched equals solo within float rounding
+(tests/server/test_embeddings.py).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +23,7 @@ import numpy as np
 from ..events import EngineCounters
 from ..failures import PromptTooLongError, RequestError
 from ..vectors import EmbeddingParams, Embeddings
+from .passes import Encoded, PassQueue, padded
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
@@ -41,11 +31,6 @@ if TYPE_CHECKING:
 __all__ = ["EmbeddingEngine", "LoadedEmbedder", "load_embedder"]
 
 logger = logging.getLogger("mlx_pinned.server")
-
-#: Padded tokens of one pass, at most (inputs times the longest of them).
-BATCH_TOKENS = 8192
-#: Inputs of one pass, at most.
-BATCH_SIZE = 64
 
 
 @dataclass(eq=False)
@@ -78,7 +63,7 @@ class LoadedEmbedder:
     weight_bytes: int
     loaded_at: float = field(default_factory=time.time)
 
-    def tokenize(self, inputs: Sequence[str | tuple[int, ...]]) -> list[list[int]]:
+    def tokenize(self, inputs: Sequence[str | tuple[int, ...]]) -> list[Encoded]:
         """Each input's tokens: a text through the tokenizer (its special
         tokens added), ids as they are. MLX thread (the tokenizer is the
         model's).
@@ -113,17 +98,12 @@ class LoadedEmbedder:
                     len(ids),
                     self.max_input_tokens,
                 )
-        return tokens
+        return [Encoded(ids) for ids in tokens]
 
-    def forward(self, batch: Sequence[Sequence[int]]) -> np.ndarray:
+    def forward(self, batch: Sequence[Encoded]) -> np.ndarray:
         """The vectors of ``batch``, padded on the right and masked; float32,
         one row per input. MLX thread."""
-        longest = max(len(ids) for ids in batch)
-        ids = np.full((len(batch), longest), self.pad_id, dtype=np.int32)
-        mask = np.zeros((len(batch), longest), dtype=np.int32)
-        for row, tokens in enumerate(batch):
-            ids[row, : len(tokens)] = tokens
-            mask[row, : len(tokens)] = 1
+        ids, mask, _ = padded(batch, self.pad_id)
         out = self.model(mx.array(ids), attention_mask=mx.array(mask))
         vectors = out.text_embeds.astype(mx.float32)
         mx.eval(vectors)
@@ -198,33 +178,6 @@ def _matryoshka(config: dict[str, Any]) -> tuple[int, ...] | None:
     return () if config.get("is_matryoshka") else None
 
 
-@dataclass(eq=False)
-class _Job:
-    """One request's inputs: their tokens, and their vectors as passes
-    embed them. Written on the MLX thread; read by its request once its
-    own turn has run (the thread's FIFO orders the two)."""
-
-    tokens: list[list[int]]
-    dimensions: int | None
-    vectors: list[bytes | None] = field(default_factory=list)
-    left: int = 0
-    error: BaseException | None = None
-
-    def __post_init__(self) -> None:
-        self.vectors = [None] * len(self.tokens)
-        self.left = len(self.tokens)
-
-    @property
-    def done(self) -> bool:
-        return self.left == 0 or self.error is not None
-
-
-@dataclass(frozen=True, slots=True)
-class _Item:
-    job: _Job
-    index: int
-
-
 class EmbeddingEngine:
     """One embedding model's engine: the :class:`~..vectors.EmbeddingEngine`
     the HTTP side uses.
@@ -232,27 +185,16 @@ class EmbeddingEngine:
     Args:
         loaded: The model, from :func:`load_embedder`.
         thread: The MLX thread it was loaded on.
-        batch_tokens: Padded tokens of one pass, at most.
-        batch_size: Inputs of one pass, at most.
+        **passes: The passes' bounds (``batch_tokens``, ``batch_size``:
+            :class:`~.passes.PassQueue`).
     """
 
     def __init__(
-        self,
-        loaded: LoadedEmbedder,
-        thread: MLXThread,
-        *,
-        batch_tokens: int = BATCH_TOKENS,
-        batch_size: int = BATCH_SIZE,
+        self, loaded: LoadedEmbedder, thread: MLXThread, **passes: int
     ) -> None:
         self.loaded = loaded
         self.thread = thread
-        self.batch_tokens = batch_tokens
-        self.batch_size = batch_size
-        # The event loop appends and takes back; the MLX thread pops.
-        self._lock = threading.Lock()
-        self._waiting: deque[_Item] = deque()
-        self.passes = 0
-        self.embedded = 0
+        self.queue = PassQueue(thread, loaded.forward, **passes)
 
     @classmethod
     def load(cls, model_path: str | Path, thread: MLXThread) -> EmbeddingEngine:
@@ -285,75 +227,34 @@ class EmbeddingEngine:
 
     def counters(self) -> EngineCounters:
         """Inputs waiting as its rows; it holds no KV. Any thread."""
-        return EngineCounters(
-            rows=len(self._waiting),
-            kv_bytes=0,
-            prompt_cache_hits=0,
-            prompt_cache_misses=0,
-            prompt_cache_reused_tokens=0,
-            prompt_cache_bytes=0,
-            decode_steps=self.passes,
-        )
+        return queue_counters(self.queue)
 
     async def embed(self, params: EmbeddingParams) -> Embeddings:
         """See :meth:`~..vectors.EmbeddingEngine.embed`."""
-        tokens = await self.thread.run(self.loaded.tokenize, params.inputs)
-        job = _Job(tokens, params.dimensions)
-        with self._lock:
-            self._waiting.extend(_Item(job, index) for index in range(len(tokens)))
-        try:
-            while not job.done:
-                await self.thread.run(self._pass)
-        finally:
-            if not job.done:  # cancelled: its inputs leave the queue
-                with self._lock:
-                    self._waiting = deque(i for i in self._waiting if i.job is not job)
-        if job.error is not None:
-            raise job.error
-        vectors = cast("list[bytes]", job.vectors)
-        return Embeddings(tuple(vectors), sum(len(ids) for ids in tokens))
+        inputs = await self.thread.run(self.loaded.tokenize, params.inputs)
+        rows = await self.queue.run(inputs)
+        vectors = tuple(_encoded(row, params.dimensions) for row in rows)
+        return Embeddings(vectors, sum(len(item.ids) for item in inputs))
 
-    def _take(self) -> list[_Item]:
-        """The inputs at the head of the queue that fit in one pass."""
-        taken: list[_Item] = []
-        longest = 0
-        with self._lock:
-            while self._waiting and len(taken) < self.batch_size:
-                item = self._waiting[0]
-                if item.job.error is not None:
-                    self._waiting.popleft()
-                    continue
-                size = len(item.job.tokens[item.index])
-                padded = max(longest, size) * (len(taken) + 1)
-                if taken and padded > self.batch_tokens:
-                    break
-                taken.append(self._waiting.popleft())
-                longest = max(longest, size)
-        return taken
 
-    def _pass(self) -> None:
-        """One forward pass over the inputs at the head of the queue. MLX
-        thread. An error fails every request with an input in the pass."""
-        taken = self._take()
-        if not taken:
-            return
-        try:
-            vectors = self.loaded.forward([i.job.tokens[i.index] for i in taken])
-        except Exception as exc:
-            for item in taken:
-                item.job.error = exc
-            return
-        self.passes += 1
-        self.embedded += len(taken)
-        for item, vector in zip(taken, vectors, strict=True):
-            job = item.job
-            job.vectors[item.index] = _encoded(vector, job.dimensions)
-            job.left -= 1
+def queue_counters(queue: PassQueue) -> EngineCounters:
+    """An encoder model's counters: its inputs waiting as rows, its passes
+    as steps; it holds no KV. Any thread."""
+    return EngineCounters(
+        rows=queue.waiting,
+        kv_bytes=0,
+        prompt_cache_hits=0,
+        prompt_cache_misses=0,
+        prompt_cache_reused_tokens=0,
+        prompt_cache_bytes=0,
+        decode_steps=queue.passes,
+    )
 
 
 def _encoded(vector: np.ndarray, dimensions: int | None) -> bytes:
     """``vector`` cut to ``dimensions`` and normalised again (the model's
-    vectors are unit length), as little-endian float32 bytes."""
+    vectors are unit length), as little-endian float32 bytes. Event loop
+    (a copy of a few kilobytes)."""
     if dimensions is not None and dimensions < vector.shape[-1]:
         vector = vector[:dimensions]
         norm = float(np.linalg.norm(vector))
