@@ -45,6 +45,7 @@ from .engine import BatchEngine, DraftSettings
 from .engine.embedding import EmbeddingEngine
 from .engine.kv_quant import KVQuant
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
+from .engine.rerank import RerankEngine
 from .events import Resident
 from .failures import UnavailableError
 from .formats import log_formats
@@ -56,6 +57,7 @@ from .http.errors import APIError
 from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.playground import routes as playground_routes
+from .http.rerank import RERANK_PATHS, RerankEndpoint
 from .http.residency import Residency, StartUpRefusal
 from .http.responses_api import ResponsesEndpoint
 from .http.responses_api import routes as responses_routes
@@ -201,6 +203,7 @@ def create_app(
     count_tokens = CountTokensEndpoint(*wiring, metrics=metrics)
     responses = ResponsesEndpoint(*wiring, metrics=metrics)
     embeddings = EmbeddingsEndpoint(*wiring, metrics=metrics)
+    rerank = RerankEndpoint(*wiring, metrics=metrics)
     routes = [
         Route("/health", functools.partial(health, readiness), methods=["GET"]),
         Route("/livez", functools.partial(live, readiness), methods=["GET"]),
@@ -218,6 +221,8 @@ def create_app(
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        # vLLM's paths for the one rerank door (Cohere's and Jina's shape).
+        *(Route(path, rerank, methods=["POST"]) for path in RERANK_PATHS),
         *responses_routes(responses),
     ]
     # The playground: the chat page at / and its assets, open without the API
@@ -298,6 +303,8 @@ def _load(
     kind, on the MLX thread."""
     if own.model_kind == "embedding":
         return functools.partial(EmbeddingEngine.load, own.models[0], thread)
+    if own.model_kind == "rerank":
+        return functools.partial(RerankEngine.load, own.models[0], thread)
     return functools.partial(
         engine_factory or BatchEngine.load,
         own.models[0],

@@ -15,8 +15,9 @@ served together, each under its own name (``--served-model-name`` given once
 per MODEL, in the same order, or not at all). ``--demo`` writes the tiny
 random-weight models to the cache folder (``$MLX_PINNED_CACHE``, else
 ``~/.cache/mlx-pinned``) and serves them: a vision chat model as
-``mlx-pinned-demo`` and an embedding model as ``mlx-pinned-demo-embedding``.
-They work offline, and answer with random text and random vectors. Every
+``mlx-pinned-demo``, an embedding model as ``mlx-pinned-demo-embedding`` and
+a reranker as ``mlx-pinned-demo-rerank``. They work offline, and answer
+with random text, random vectors and random scores. Every
 limit: docs/security.md.
 With ``--distributed tensor`` every rank of an ``mx.distributed`` group runs
 the same command: rank 0 serves, the others bind no port and follow it
@@ -52,6 +53,7 @@ __all__ = ["main"]
 
 DEMO_MODEL_NAME = "mlx-pinned-demo"
 DEMO_EMBEDDING_NAME = "mlx-pinned-demo-embedding"
+DEMO_RERANK_NAME = "mlx-pinned-demo-rerank"
 KEEP_ALIVE_SECONDS = 75  # an idle connection is kept this long
 STARTUP_FAILURE = 3  # the exit status of a failed model load, as uvicorn's
 
@@ -82,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--demo",
         action="store_true",
-        help="serve the tiny random-weight test models, a chat model and an "
-        "embedding model (offline; random text, random vectors)",
+        help="serve the tiny random-weight test models, a chat model, an "
+        "embedding model and a reranker (offline; random answers)",
     )
     serve.add_argument(
         "--config",
@@ -322,23 +324,30 @@ def _port(text: str) -> int:
 
 def _demo(config: ServerConfig) -> ServerConfig:
     """``config`` serving the demo's models, written first if they are not
-    in the cache: the tiny vision chat model as its name, and the tiny
-    embedding model as :data:`DEMO_EMBEDDING_NAME` (not under
-    ``--distributed``, which serves one chat model).
+    in the cache: the tiny vision chat model as its name, the tiny embedding
+    model as :data:`DEMO_EMBEDDING_NAME` and the tiny reranker as
+    :data:`DEMO_RERANK_NAME` (those two not under ``--distributed``, which
+    serves one chat model).
 
     Raises:
         OSError: A model could not be written.
     """
-    from mlx_pinned.testing import tiny_embedding_path, tiny_vlm_path
+    from mlx_pinned.testing import (
+        tiny_embedding_path,
+        tiny_reranker_path,
+        tiny_vlm_path,
+    )
 
     chat = str(tiny_vlm_path())
     if config.distributed is not None:
         return dataclasses.replace(config, model=chat, served_model_name=config.names)
     return dataclasses.replace(
         config,
-        model=(chat, str(tiny_embedding_path())),
-        served_model_name=(config.name, DEMO_EMBEDDING_NAME),
-        model_settings=({"model_kind": "chat"}, {"model_kind": "embedding"}),
+        model=(chat, str(tiny_embedding_path()), str(tiny_reranker_path())),
+        served_model_name=(config.name, DEMO_EMBEDDING_NAME, DEMO_RERANK_NAME),
+        model_settings=tuple(
+            {"model_kind": kind} for kind in ("chat", "embedding", "rerank")
+        ),
     )
 
 

@@ -297,9 +297,10 @@ OPTIONS = (
     ),
     Option(
         "model_kind",
-        "what the models are served as: 'chat' (the chat and completion routes) "
-        "or 'embedding' (/v1/embeddings, through mlx-vlm's embedding loader); a "
-        "config file sets it per model (default: %(default)s)",
+        "what the models are served as: 'chat' (the chat and completion routes), "
+        "'embedding' (/v1/embeddings, through mlx-vlm's embedding loader) or "
+        "'rerank' (/v1/rerank, a cross-encoder through mlx-vlm's reranker "
+        "loader); a config file sets it per model (default: %(default)s)",
         str,
     ),
     Option(

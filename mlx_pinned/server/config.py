@@ -33,9 +33,10 @@ __all__ = [
 ]
 
 
-#: What a model is served as: ``chat`` (the generation routes) or
-#: ``embedding`` (``/v1/embeddings``); one of :data:`MODEL_KINDS`.
-ModelKind = Literal["chat", "embedding"]
+#: What a model is served as: ``chat`` (the generation routes),
+#: ``embedding`` (``/v1/embeddings``) or ``rerank`` (``/v1/rerank``); one of
+#: :data:`MODEL_KINDS`.
+ModelKind = Literal["chat", "embedding", "rerank"]
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,9 @@ class ServerConfig:
             the format its chat template shows, if any.
         model_kind: What each model is served as (:data:`ModelKind`):
             ``chat`` (mlx-vlm's generation, the chat and completion
-            routes) or ``embedding`` (mlx-vlm's embedding loader,
-            ``/v1/embeddings``). A model of one kind named on another's
+            routes), ``embedding`` (mlx-vlm's embedding loader,
+            ``/v1/embeddings``) or ``rerank`` (mlx-vlm's reranker loader,
+            ``/v1/rerank``). A model of one kind named on another's
             route is a 400.
         load_on_first_use: Load each model when its first request arrives
             (that request, and any that come meanwhile, wait for the one

@@ -155,7 +155,7 @@ def _check_origins(config: ServerConfig) -> None:
 
 
 #: The kinds of model a server serves, each through its own routes.
-MODEL_KINDS = ("chat", "embedding")
+MODEL_KINDS = ("chat", "embedding", "rerank")
 
 
 def _check_kind(config: ServerConfig) -> None:

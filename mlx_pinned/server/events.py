@@ -346,7 +346,7 @@ class EngineCounters:
 class Resident(Protocol):
     """A loaded model of any kind, as the model registry sees it: when it
     was loaded, what it holds, what it is doing. A kind's engine (the chat
-    :class:`Engine`, :class:`~.vectors.EmbeddingEngine`) is one."""
+    :class:`Engine`, :class:`~.encoders.EmbeddingEngine`) is one."""
 
     @property
     def loaded_at(self) -> float:

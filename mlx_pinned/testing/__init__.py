@@ -17,7 +17,9 @@ Vision families are listed in :data:`TINY_MODEL_TYPES`
 (:func:`make_tiny_lm`), and text-only ones whose real templates write a
 tool-call format in :data:`TINY_TOOL_LM_TYPES` (:func:`make_tiny_lm` too).
 Embedding models (mlx-vlm's embedding loader, ``mlx_vlm.embedding_loader``)
-are listed in :data:`TINY_EMBEDDING_TYPES` (:func:`make_tiny_embedding`).
+are listed in :data:`TINY_EMBEDDING_TYPES` (:func:`make_tiny_embedding`),
+rerankers (``mlx_vlm.reranker_loader``) in :data:`TINY_RERANKER_TYPES`
+(:func:`make_tiny_reranker`).
 ``import mlx_pinned.testing`` is cheap: MLX, mlx-vlm, ``tokenizers`` and
 Pillow are imported inside the functions that need them.
 """
@@ -29,7 +31,7 @@ import pathlib
 from typing import Final
 
 from ._aya import AYA_VISION
-from ._bert import BERT
+from ._bert import BERT, BERT_RERANKER
 from ._family import Family
 from ._gemma import GEMMA3
 from ._images import image_data_uri, make_test_image
@@ -47,14 +49,17 @@ __all__ = [
     "TINY_EMBEDDING_TYPES",
     "TINY_LM_TYPES",
     "TINY_MODEL_TYPES",
+    "TINY_RERANKER_TYPES",
     "TINY_TOOL_LM_TYPES",
     "image_data_uri",
     "make_test_image",
     "make_tiny_embedding",
     "make_tiny_lm",
+    "make_tiny_reranker",
     "make_tiny_vlm",
     "tiny_embedding_path",
     "tiny_lm_path",
+    "tiny_reranker_path",
     "tiny_vlm_path",
 ]
 
@@ -87,6 +92,9 @@ TINY_TOOL_LM_TYPES: Final = tuple(_TOOLS)
 _EMBEDDING: Final = {family.model_type: family for family in (BERT,)}
 #: The embedding families :func:`make_tiny_embedding` writes (``bert``).
 TINY_EMBEDDING_TYPES: Final = tuple(_EMBEDDING)
+_RERANKER: Final = {family.model_type: family for family in (BERT_RERANKER,)}
+#: The reranker families :func:`make_tiny_reranker` writes (``bert``).
+TINY_RERANKER_TYPES: Final = tuple(_RERANKER)
 
 
 def make_tiny_vlm(
@@ -211,6 +219,41 @@ def make_tiny_embedding(
     return _make(family, path, seed, overwrite)
 
 
+def make_tiny_reranker(
+    path: str | os.PathLike[str],
+    model_type: str = "bert",
+    *,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """Write a tiny random-weight reranker (a cross-encoder) that mlx-vlm's
+    reranker loader (``mlx_vlm.reranker_loader.load_reranker``) loads
+    offline.
+
+    ``bert``: mlx-vlm's own BERT sequence classifier with one label (the
+    encoder of :func:`make_tiny_embedding`, its first token pooled, then one
+    logit), the same tokenizer, which writes a pair as ``[CLS] query [SEP]
+    document [SEP]`` with segment ids 0 and 1. Written, cached and replaced
+    as :func:`make_tiny_vlm` does, on the calling thread.
+
+    Args:
+        path: The folder to write. Its parent is created if missing.
+        model_type: One of :data:`TINY_RERANKER_TYPES`.
+        seed: Seeds the weights. The same seed gives byte-identical files.
+        overwrite: Replace whatever is at ``path``.
+
+    Returns:
+        ``path`` as a :class:`pathlib.Path`, holding the model.
+
+    Raises:
+        FileExistsError: ``path`` holds something that is not a model written
+            by this module, and ``overwrite`` is false.
+        ValueError: ``model_type`` is not one of :data:`TINY_RERANKER_TYPES`.
+    """
+    family = _family(_RERANKER, model_type, "make_tiny_reranker")
+    return _make(family, path, seed, overwrite)
+
+
 def tiny_vlm_path(model_type: str = "qwen3_vl") -> pathlib.Path:
     """Return the shared tiny vision model of a family (seed 0), writing it
     on first use.
@@ -252,6 +295,20 @@ def tiny_embedding_path(model_type: str = "bert") -> pathlib.Path:
     """
     return make_tiny_embedding(
         _cache() / f"tiny-embedding-{model_type}", model_type, seed=0
+    )
+
+
+def tiny_reranker_path(model_type: str = "bert") -> pathlib.Path:
+    """Return the shared tiny reranker of a family (seed 0), writing it on
+    first use: ``tiny-reranker-<model_type>`` in the folder
+    :func:`tiny_vlm_path` uses. Calling thread; safe from any thread or
+    process at once.
+
+    Returns:
+        The model folder.
+    """
+    return make_tiny_reranker(
+        _cache() / f"tiny-reranker-{model_type}", model_type, seed=0
     )
 
 

@@ -1,6 +1,8 @@
-"""BERT, as an embedding model: a bidirectional encoder that mlx-vlm's
-embedding loader (``mlx_vlm.embedding_loader``) loads, mean-pooled and
-normalised. Calling thread.
+"""BERT, as an embedding model (a bidirectional encoder that mlx-vlm's
+embedding loader, ``mlx_vlm.embedding_loader``, loads, mean-pooled and
+normalised) and as a reranker (the same encoder with a one-logit
+classifier over its pooled first token, a cross-encoder that mlx-vlm's
+``mlx_vlm.reranker_loader`` loads). Calling thread.
 """
 
 from __future__ import annotations
@@ -46,12 +48,25 @@ def _config() -> dict[str, Any]:
     }
 
 
+@functools.cache
+def _reranker_config() -> dict[str, Any]:
+    config = {**_config(), "architectures": ["BertForSequenceClassification"]}
+    del config["matryoshka_dimensions"]
+    return {**config, "num_labels": 1, "id2label": {"0": "LABEL_0"}}
+
+
+def _build_reranker(module: Any, config: dict[str, Any]) -> Any:
+    return module.SequenceClassificationModel(module.ModelConfig.from_dict(config))
+
+
 def _files() -> dict[str, Any]:
     files = token_files(
         SPECIAL_TOKENS, "", bos="[CLS]", eos="[SEP]", pad="[PAD]", unk_token="[UNK]"
     )
     files["tokenizer_config.json"].pop("chat_template")
     files["tokenizer_config.json"]["model_max_length"] = MAX_POSITIONS
+    names = ["input_ids", "token_type_ids", "attention_mask"]  # BERT's
+    files["tokenizer_config.json"]["model_input_names"] = names
     return files
 
 
@@ -92,4 +107,17 @@ BERT: Final = Family(
     vision=False,
     tokenizer=_tokenizer,
     generator="make_tiny_embedding",
+)
+
+BERT_RERANKER: Final = Family(
+    "bert",
+    SPECIAL_TOKENS,
+    _reranker_config,
+    _files,
+    build=_build_reranker,
+    embeddings=(),
+    vision=False,
+    name="bert_reranker",
+    tokenizer=_tokenizer,
+    generator="make_tiny_reranker",
 )

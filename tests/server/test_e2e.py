@@ -15,7 +15,11 @@ import httpx
 import openai
 import pytest
 
-from mlx_pinned.server.cli import DEMO_EMBEDDING_NAME, DEMO_MODEL_NAME
+from mlx_pinned.server.cli import (
+    DEMO_EMBEDDING_NAME,
+    DEMO_MODEL_NAME,
+    DEMO_RERANK_NAME,
+)
 from mlx_pinned.server.engine.model import EXACT_FAMILIES
 from mlx_pinned.testing import TINY_MODEL_TYPES, image_data_uri, tiny_vlm_path
 
@@ -76,7 +80,32 @@ def test_the_demo_embeds_through_the_sdk_beside_its_chat_model(
     assert [len(item.embedding) for item in answer.data] == [64, 64]
     assert floats.data[0].embedding == answer.data[0].embedding
     assert answer.usage.prompt_tokens > 0
-    assert kinds == {DEMO_MODEL_NAME: "chat", DEMO_EMBEDDING_NAME: "embedding"}
+    assert kinds == {
+        DEMO_MODEL_NAME: "chat",
+        DEMO_EMBEDDING_NAME: "embedding",
+        DEMO_RERANK_NAME: "rerank",
+    }
+
+
+@pytest.mark.slow
+def test_the_demo_reranks_beside_its_chat_model(server: Server) -> None:
+    answer = httpx.post(
+        f"{server.url}/rerank",
+        json={
+            "model": DEMO_RERANK_NAME,
+            "query": "a cat",
+            "documents": ["a cat on a table", "a blue sky"],
+            "return_documents": True,
+        },
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    results = answer.json()["results"]
+    assert sorted(r["index"] for r in results) == [0, 1]
+    assert {r["document"]["text"] for r in results} == {
+        "a cat on a table",
+        "a blue sky",
+    }
 
 
 def test_streaming_sync_with_usage(server: Server) -> None:

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from mlx_pinned.server import create_app
+from mlx_pinned.server.encoders import EmbeddingParams
 from mlx_pinned.server.engine.embedding import EmbeddingEngine
-from mlx_pinned.server.vectors import EmbeddingParams
 from mlx_pinned.testing import make_tiny_embedding, tiny_embedding_path
 
 from .conftest import assert_error, until

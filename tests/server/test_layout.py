@@ -1,11 +1,12 @@
 """The server's layout: each package imports only in the allowed direction.
 
 cli (and its options and config file) -> app -> {http, inputs, engine} ->
-shared (config and its checks, events, failures, formats, grammars, limits,
-media, vectors). The engine (the MLX thread) never imports HTTP libraries; the HTTP
-side (the event loop) never imports MLX; the input decoders neither. Inside the HTTP
-side, each API's slice imports only the shared pieces. Every import counts,
-those under ``TYPE_CHECKING`` and inside functions too.
+shared (config and its checks, events, encoders, failures, formats,
+grammars, limits, media). The engine (the MLX thread) never imports HTTP
+libraries; the HTTP side (the event loop) never imports MLX; the input
+decoders neither. Inside the HTTP side, each API's slice imports only the
+shared pieces. Every import counts, those under ``TYPE_CHECKING`` and inside
+functions too.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ SHARED = {
     "formats",
     "grammars",
     "limits",
+    "encoders",
     "media",
-    "vectors",
 }
 # The command line: the CLI, its options (the settings' projection) and its
 # config file.

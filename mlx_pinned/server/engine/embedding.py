@@ -20,15 +20,21 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 import numpy as np
 
+from ..encoders import EmbeddingParams, Embeddings
 from ..events import EngineCounters
 from ..failures import PromptTooLongError, RequestError
-from ..vectors import EmbeddingParams, Embeddings
 from .passes import Encoded, PassQueue, padded
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
-__all__ = ["EmbeddingEngine", "LoadedEmbedder", "load_embedder"]
+__all__ = [
+    "EmbeddingEngine",
+    "LoadedEmbedder",
+    "input_limit",
+    "load_embedder",
+    "queue_counters",
+]
 
 logger = logging.getLogger("mlx_pinned.server")
 
@@ -140,21 +146,13 @@ def load_embedder(model_path: str | Path) -> LoadedEmbedder:
             f"{model_path} gives a vector per token (a late-interaction model); "
             "/v1/embeddings serves models that give one vector per input"
         )
-    limits = [
-        value
-        for value in (
-            text.get("max_position_embeddings"),
-            getattr(tokenizer, "model_max_length", None),
-        )
-        if isinstance(value, int) and 0 < value < 10**7
-    ]
     pad = getattr(tokenizer, "pad_token_id", None)
     loaded = LoadedEmbedder(
         model=model,
         tokenizer=tokenizer,
         path=str(model_path),
         vocab_size=int(text.get("vocab_size") or len(tokenizer)),
-        max_input_tokens=min(limits, default=8192),
+        max_input_tokens=input_limit(config, tokenizer),
         width=int(probe.shape[-1]),
         matryoshka_dimensions=_matryoshka(config),
         pad_id=int(pad) if pad is not None else 0,
@@ -169,6 +167,22 @@ def load_embedder(model_path: str | Path) -> LoadedEmbedder:
     return loaded
 
 
+def input_limit(config: dict[str, Any], tokenizer: Any) -> int:
+    """Tokens of an encoder's longest input: its position embeddings, or its
+    tokenizer's ``model_max_length``, the smaller (8192 where neither says;
+    a tokenizer's "no limit" is a huge number, ignored)."""
+    text = config.get("text_config") or config
+    limits = [
+        value
+        for value in (
+            text.get("max_position_embeddings"),
+            getattr(tokenizer, "model_max_length", None),
+        )
+        if isinstance(value, int) and 0 < value < 10**7
+    ]
+    return min(limits, default=8192)
+
+
 def _matryoshka(config: dict[str, Any]) -> tuple[int, ...] | None:
     """The widths a checkpoint says it was trained to be cut to (vLLM reads
     the same keys): ``matryoshka_dimensions``, or any with ``is_matryoshka``."""
@@ -179,7 +193,7 @@ def _matryoshka(config: dict[str, Any]) -> tuple[int, ...] | None:
 
 
 class EmbeddingEngine:
-    """One embedding model's engine: the :class:`~..vectors.EmbeddingEngine`
+    """One embedding model's engine: the :class:`~..encoders.EmbeddingEngine`
     the HTTP side uses.
 
     Args:
@@ -230,7 +244,7 @@ class EmbeddingEngine:
         return queue_counters(self.queue)
 
     async def embed(self, params: EmbeddingParams) -> Embeddings:
-        """See :meth:`~..vectors.EmbeddingEngine.embed`."""
+        """See :meth:`~..encoders.EmbeddingEngine.embed`."""
         inputs = await self.thread.run(self.loaded.tokenize, params.inputs)
         rows = await self.queue.run(inputs)
         vectors = tuple(_encoded(row, params.dimensions) for row in rows)

@@ -37,6 +37,7 @@ __all__ = ["KINDS", "BatchGate", "ServedModel", "ServedModels", "model_not_found
 KINDS: dict[str, tuple[str, str]] = {
     "chat": ("a chat model", "/v1/chat/completions"),
     "embedding": ("an embedding model", "/v1/embeddings"),
+    "rerank": ("a rerank model", "/v1/rerank"),
 }
 
 

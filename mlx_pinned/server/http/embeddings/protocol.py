@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from ...vectors import EmbeddingParams
+from ...encoders import EmbeddingParams
 from ..protocol_common import RequestBody, TextsOrTokens
 from ..validation import parse_request
 

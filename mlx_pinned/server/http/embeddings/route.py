@@ -27,7 +27,7 @@ from .serving import EmbeddingsServing
 
 if TYPE_CHECKING:
     from ...config import ModelKind
-    from ...vectors import EmbeddingEngine, Embeddings
+    from ...encoders import EmbeddingEngine, Embeddings
     from ..served_models import ServedModel
     from ..wire import RequestLog, ResponseWriter
 

@@ -16,7 +16,7 @@ from ..errors import APIError
 from ..serving_common import out_of_vocabulary
 
 if TYPE_CHECKING:
-    from ...vectors import EmbeddingEngine, EmbeddingParams
+    from ...encoders import EmbeddingEngine, EmbeddingParams
     from .protocol import EmbeddingRequest
 
 __all__ = ["EmbeddingsServing"]

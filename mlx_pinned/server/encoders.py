@@ -1,12 +1,14 @@
-"""What the event loop and the MLX thread hand each other for an embedding
-model, as plain values.
+"""What the event loop and the MLX thread hand each other for the encoder
+kinds of model (embedding, rerank), as plain values.
 
 A shared module: no Starlette, no pydantic, no MLX. The HTTP side turns a
-request into :class:`EmbeddingParams`; the engine (on the MLX thread, in
-passes shared by every request waiting then) answers with
-:class:`Embeddings`. The HTTP side knows the engine only through the
-:class:`EmbeddingEngine` protocol; ``app.py`` wires the real one in
-(:class:`mlx_pinned.server.engine.embedding.EmbeddingEngine`).
+request into :class:`EmbeddingParams` (or :class:`RerankParams`); the
+engine (on the MLX thread, in passes shared by every request waiting then)
+answers with :class:`Embeddings` (or :class:`Scores`). The HTTP side knows
+each engine only through its protocol, :class:`EmbeddingEngine` and
+:class:`RerankEngine`; ``app.py`` wires the real ones in
+(:mod:`mlx_pinned.server.engine.embedding`,
+:mod:`mlx_pinned.server.engine.rerank`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from typing import Protocol
 
 from .events import Resident
 
-__all__ = ["EmbeddingEngine", "EmbeddingParams", "Embeddings"]
+__all__ = [
+    "EmbeddingEngine",
+    "EmbeddingParams",
+    "Embeddings",
+    "RerankEngine",
+    "RerankParams",
+    "Scores",
+]
 
 
 @dataclass(frozen=True)
@@ -86,5 +95,57 @@ class EmbeddingEngine(Resident, Protocol):
             PromptTooLongError: An input over :attr:`max_input_tokens`; the
                 message names it by its index.
             RequestError: An input of no tokens.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class RerankParams:
+    """What one rerank request needs: a query and the documents to score
+    against it.
+
+    Attributes:
+        query: The query (tokenized with the model's tokenizer).
+        documents: Each document, in order; each is scored as the pair
+            (query, document), cut at the end where the pair is longer than
+            the model's positions.
+    """
+
+    query: str
+    documents: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One rerank request's scores.
+
+    Attributes:
+        scores: Each document's relevance to the query, in document order,
+            from 0 to 1 (the sigmoid of the model's logit).
+        prompt_tokens: Tokens of all the pairs (padding excluded).
+    """
+
+    scores: tuple[float, ...]
+    prompt_tokens: int
+
+
+class RerankEngine(Resident, Protocol):
+    """A loaded rerank model (a cross-encoder) as the HTTP side sees it."""
+
+    @property
+    def max_input_tokens(self) -> int:
+        """Tokens of the longest pair it scores (special tokens included)."""
+        ...
+
+    async def score(self, params: RerankParams) -> Scores:
+        """Score each document of ``params`` against its query.
+
+        Event loop; the tokenizer and the model run on the MLX thread, the
+        pairs of every request waiting then padded into shared forward
+        passes. Cancelling it drops the pairs not yet scored.
+
+        Raises:
+            PromptTooLongError: The query alone leaves no room for a
+                document.
         """
         ...

@@ -1,0 +1,193 @@
+"""A rerank model's engine: a cross-encoder loaded with mlx-vlm's reranker
+loader, each (query, document) pair scored in forward passes that every
+waiting request shares (:mod:`.passes`).
+
+:func:`load_reranker` and every pass run on the MLX thread;
+:meth:`RerankEngine.score` is called on the event loop. The families are
+those mlx-vlm loads as sequence classifiers with one label (BERT,
+ModernBERT and XLM-R cross-encoders); its generative rerankers (Qwen3's,
+which read a "yes" logit off a chat prompt) are refused at load. A score is
+the pair's own: batched equals solo within float rounding
+(tests/server/test_rerank.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import mlx.core as mx
+import numpy as np
+
+from ..encoders import RerankParams, Scores
+from ..events import EngineCounters
+from ..failures import PromptTooLongError
+from .embedding import input_limit, queue_counters
+from .passes import Encoded, PassQueue, padded
+
+if TYPE_CHECKING:
+    from mlx_pinned import MLXThread
+
+__all__ = ["LoadedReranker", "RerankEngine", "load_reranker"]
+
+logger = logging.getLogger("mlx_pinned.server")
+
+
+@dataclass(eq=False)
+class LoadedReranker:
+    """A cross-encoder loaded and evaluated on the MLX thread.
+
+    Attributes:
+        model: mlx-vlm's sequence classifier (one logit per pair).
+        tokenizer: Its tokenizer (it writes a pair with its separators and
+            segment ids).
+        path: What it was loaded from.
+        max_input_tokens: Tokens of its longest pair.
+        pad_id: The token the padding is made of (masked out).
+        weight_bytes: Bytes of its parameters.
+        loaded_at: When its load ended (Unix time).
+    """
+
+    model: Any
+    tokenizer: Any
+    path: str
+    max_input_tokens: int
+    pad_id: int
+    weight_bytes: int
+    loaded_at: float = field(default_factory=time.time)
+
+    def tokenize(self, params: RerankParams) -> list[Encoded]:
+        """Each pair's tokens and segments, the document cut at its end to
+        fit :attr:`max_input_tokens`. MLX thread.
+
+        Raises:
+            PromptTooLongError: The query alone leaves no room for a
+                document.
+        """
+        query = len(self.tokenizer(params.query)["input_ids"])
+        # The pair adds a separator; leave room for one document token too.
+        if query + 2 > self.max_input_tokens:
+            raise PromptTooLongError(
+                f"Invalid value for 'query': it has {query} tokens, which leaves "
+                f"no room for a document in this model's {self.max_input_tokens}.",
+                query,
+                self.max_input_tokens,
+            )
+        encoded = self.tokenizer(
+            [params.query] * len(params.documents),
+            list(params.documents),
+            truncation="only_second",
+            max_length=self.max_input_tokens,
+            return_token_type_ids=True,
+        )
+        return [
+            Encoded(list(ids), list(types))
+            for ids, types in zip(
+                encoded["input_ids"], encoded["token_type_ids"], strict=True
+            )
+        ]
+
+    def forward(self, batch: Sequence[Encoded]) -> np.ndarray:
+        """The scores of ``batch`` (the sigmoid of each pair's logit),
+        padded on the right and masked; float32, one row per pair. MLX
+        thread."""
+        ids, mask, types = padded(batch, self.pad_id)
+        out = self.model(
+            mx.array(ids), attention_mask=mx.array(mask), token_type_ids=mx.array(types)
+        )
+        scores = mx.sigmoid(out.logits.astype(mx.float32)).reshape(len(batch), 1)
+        mx.eval(scores)
+        return np.array(scores, copy=True)
+
+
+def load_reranker(model_path: str | Path) -> LoadedReranker:
+    """Load a cross-encoder with mlx-vlm's reranker loader and evaluate it
+    whole. MLX thread.
+
+    Raises:
+        ValueError: Not a sequence classifier of one label (a generative
+            reranker, or a family mlx-vlm does not rerank with).
+    """
+    from mlx.utils import tree_flatten
+    from mlx_vlm.reranker import RerankerKind, reranker_kind
+    from mlx_vlm.reranker_loader import load_sequence_classification_model
+    from mlx_vlm.utils import get_model_path, load_config, load_processor
+
+    folder = Path(get_model_path(str(model_path)))
+    config = load_config(folder)
+    if reranker_kind(config) is not RerankerKind.SEQUENCE_CLASSIFIER:
+        raise ValueError(
+            f"{model_path} is a generative reranker ({config.get('model_type')}); "
+            "this server reranks with cross-encoders (BERT, ModernBERT, XLM-R "
+            "sequence classifiers)"
+        )
+    model = load_sequence_classification_model(folder, config=config)
+    processor = load_processor(folder, add_detokenizer=False)
+    tokenizer: Any = getattr(processor, "tokenizer", processor)
+    flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    pad = getattr(tokenizer, "pad_token_id", None)
+    loaded = LoadedReranker(
+        model=model,
+        tokenizer=tokenizer,
+        path=str(model_path),
+        max_input_tokens=input_limit(config, tokenizer),
+        pad_id=int(pad) if pad is not None else 0,
+        weight_bytes=sum(value.nbytes for _, value in flat),
+    )
+    logger.info(
+        "loaded rerank model %s: pairs up to %d tokens",
+        model_path,
+        loaded.max_input_tokens,
+    )
+    return loaded
+
+
+class RerankEngine:
+    """One rerank model's engine: the :class:`~..encoders.RerankEngine` the
+    HTTP side uses.
+
+    Args:
+        loaded: The model, from :func:`load_reranker`.
+        thread: The MLX thread it was loaded on.
+        **passes: The passes' bounds (``batch_tokens``, ``batch_size``:
+            :class:`~.passes.PassQueue`).
+    """
+
+    def __init__(
+        self, loaded: LoadedReranker, thread: MLXThread, **passes: int
+    ) -> None:
+        self.loaded = loaded
+        self.thread = thread
+        self.queue = PassQueue(thread, loaded.forward, **passes)
+
+    @classmethod
+    def load(cls, model_path: str | Path, thread: MLXThread) -> RerankEngine:
+        """Load a model and make its engine; runs on ``thread``."""
+        return cls(load_reranker(model_path), thread)
+
+    @property
+    def max_input_tokens(self) -> int:
+        return self.loaded.max_input_tokens
+
+    @property
+    def loaded_at(self) -> float:
+        return self.loaded.loaded_at
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.loaded.weight_bytes
+
+    def counters(self) -> EngineCounters:
+        """Pairs waiting as its rows; it holds no KV. Any thread."""
+        return queue_counters(self.queue)
+
+    async def score(self, params: RerankParams) -> Scores:
+        """See :meth:`~..encoders.RerankEngine.score`."""
+        pairs = await self.thread.run(self.loaded.tokenize, params)
+        rows = await self.queue.run(pairs)
+        scores = tuple(float(row[0]) for row in rows)
+        return Scores(scores, sum(len(pair.ids) for pair in pairs))
