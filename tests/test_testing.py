@@ -23,14 +23,20 @@ from PIL import Image
 import mlx_pinned.testing
 from mlx_pinned.testing import (
     SPECIAL_TOKENS,
+    TINY_EMBEDDING_TYPES,
     TINY_LM_TYPES,
     TINY_MODEL_TYPES,
+    TINY_RERANKER_TYPES,
     TINY_TOOL_LM_TYPES,
     image_data_uri,
     make_test_image,
+    make_tiny_embedding,
     make_tiny_lm,
+    make_tiny_reranker,
     make_tiny_vlm,
+    tiny_embedding_path,
     tiny_lm_path,
+    tiny_reranker_path,
     tiny_vlm_path,
 )
 
@@ -503,6 +509,82 @@ class TestFamilies:
         assert tiny_lm_path("llama") == tmp_path / "tiny-lm-llama"
         other = TINY_MODEL_TYPES[1]
         assert tiny_vlm_path(other) == tmp_path / f"tiny-vlm-{other}"
+
+
+class TestEncoderFamilies:
+    """The embedding model and the reranker, as mlx-vlm's own loaders load
+    them."""
+
+    def test_lists_the_encoder_families(self) -> None:
+        assert TINY_EMBEDDING_TYPES == TINY_RERANKER_TYPES == ("bert",)
+
+    def test_the_embedding_model_gives_unit_vectors_offline(
+        self, tmp_path: pathlib.Path, hub_calls: HubCalls
+    ) -> None:
+        import mlx.core as mx
+        from mlx_vlm.embedding_loader import load_embedding_model
+        from mlx_vlm.utils import load_processor
+
+        path = make_tiny_embedding(tmp_path / "embedding")
+        model = load_embedding_model(path)
+        tokenizer = load_processor(path, add_detokenizer=False)
+        ids = tokenizer(["a cat", "The quick brown fox"], padding=True)
+        out = model(
+            mx.array(ids["input_ids"]), attention_mask=mx.array(ids["attention_mask"])
+        )
+        norms = mx.linalg.norm(out.text_embeds, axis=-1).tolist()
+        assert hub_calls.calls == []
+        assert out.text_embeds.shape == (2, 64)
+        assert norms == pytest.approx([1.0, 1.0], abs=1e-5)
+        assert ids["input_ids"][0][0] == 1  # [CLS]
+        config = json.loads((path / "config.json").read_text())
+        assert config["matryoshka_dimensions"] == [16, 32, 64]
+
+    def test_the_reranker_scores_a_pair_with_one_logit_offline(
+        self, tmp_path: pathlib.Path, hub_calls: HubCalls
+    ) -> None:
+        import mlx.core as mx
+        from mlx_vlm.reranker_loader import load_reranker
+
+        model, tokenizer = load_reranker(make_tiny_reranker(tmp_path / "reranker"))
+        pair = tokenizer("a cat", "a cat on a table", return_tensors="np")
+        out = model(
+            mx.array(pair["input_ids"]),
+            attention_mask=mx.array(pair["attention_mask"]),
+            token_type_ids=mx.array(pair["token_type_ids"]),
+        )
+        assert hub_calls.calls == []
+        assert out.logits.shape == (1, 1)
+        assert set(pair["token_type_ids"][0].tolist()) == {0, 1}
+
+    def test_same_seed_is_byte_identical(self, tmp_path: pathlib.Path) -> None:
+        for make in (make_tiny_embedding, make_tiny_reranker):
+            first = make(tmp_path / f"{make.__name__}-a")
+            second = make(tmp_path / f"{make.__name__}-b")
+            for name in ("model.safetensors", "tokenizer.json", "config.json"):
+                assert (first / name).read_bytes() == (second / name).read_bytes()
+
+    def test_the_two_kinds_replace_each_other(self, tmp_path: pathlib.Path) -> None:
+        path = make_tiny_embedding(tmp_path / "model")
+        make_tiny_reranker(path)
+        config = json.loads((path / "config.json").read_text())
+        assert config["architectures"] == ["BertForSequenceClassification"]
+        marker = json.loads((path / "mlx_pinned_tiny_vlm.json").read_text())
+        assert marker["generator"] == "mlx_pinned.testing.make_tiny_reranker"
+
+    def test_unknown_families_are_refused(self, tmp_path: pathlib.Path) -> None:
+        with pytest.raises(ValueError, match="bert"):
+            make_tiny_embedding(tmp_path, "qwen3")
+        with pytest.raises(ValueError, match="bert"):
+            make_tiny_reranker(tmp_path, "qwen3")
+        assert not any(tmp_path.iterdir())
+
+    def test_the_cached_folders_are_named_by_kind(
+        self, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("MLX_PINNED_CACHE", str(tmp_path))
+        assert tiny_embedding_path() == tmp_path / "tiny-embedding-bert"
+        assert tiny_reranker_path() == tmp_path / "tiny-reranker-bert"
 
 
 FRESH_PROCESS = textwrap.dedent(

@@ -109,6 +109,7 @@ class Family:
             parameter_specs(
                 f"mlx_vlm.models.{self.model_type}",
                 lambda module: self.build(module, self.config()),
+                kind=self.build.__name__,
             ),
             dict.fromkeys(self.embeddings, hidden),
         )

@@ -13,22 +13,25 @@ from typing import Any, cast
 Specs = tuple[tuple[str, tuple[int, ...]], ...]
 
 _SPECS_LOCK = threading.Lock()
-_specs: dict[str, Specs] = {}
+_specs: dict[tuple[str, str], Specs] = {}
 
 
-def parameter_specs(module: str, build: Callable[[Any], Any]) -> Specs:
+def parameter_specs(
+    module: str, build: Callable[[Any], Any], *, kind: str = ""
+) -> Specs:
     """Return the sorted (name, shape) of every parameter of ``build(module)``.
 
-    The model is built once per process and module, on a private thread:
-    building it makes lazy MLX arrays, which bind a stream to the building
-    thread, and a process whose worker threads still hold MLX streams can
-    abort at exit. The private thread clears its streams before it ends.
+    The model is built once per process, module and ``kind`` (the build's
+    name: BERT's sequence classifier beside its encoder), on a private
+    thread: building it makes lazy MLX arrays, which bind a stream to the
+    building thread, and a process whose worker threads still hold MLX
+    streams can abort at exit. The private thread clears its streams before it ends.
     """
     # Import mlx-vlm here, on the caller's thread: mlx-vlm < 0.5 makes its
     # plain generation_stream at import, for the importing thread.
     imported = importlib.import_module(module)
     with _SPECS_LOCK:
-        if module not in _specs:
+        if (module, kind) not in _specs:
             found: list[Specs] = []
             errors: list[BaseException] = []
 
@@ -47,8 +50,8 @@ def parameter_specs(module: str, build: Callable[[Any], Any]) -> Specs:
             worker.join()
             if errors:
                 raise errors[0]
-            _specs[module] = found[0]
-        return _specs[module]
+            _specs[module, kind] = found[0]
+        return _specs[module, kind]
 
 
 def _build_specs(module: Any, build: Callable[[Any], Any]) -> Specs:
