@@ -301,10 +301,10 @@ def _load(
 ) -> Callable[[], Resident]:
     """Loads a model (``own``: its settings) and makes the engine of its
     kind, on the MLX thread."""
-    if own.model_kind == "embedding":
-        return functools.partial(EmbeddingEngine.load, own.models[0], thread)
-    if own.model_kind == "rerank":
-        return functools.partial(RerankEngine.load, own.models[0], thread)
+    if own.model_kind != "chat":  # an encoder: its passes paced as prefill is
+        kind = EmbeddingEngine if own.model_kind == "embedding" else RerankEngine
+        seconds = own.prefill_step_seconds
+        return functools.partial(kind.load, own.models[0], thread, seconds=seconds)
     return functools.partial(
         engine_factory or BatchEngine.load,
         own.models[0],

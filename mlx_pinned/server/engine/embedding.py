@@ -38,6 +38,9 @@ __all__ = [
 
 logger = logging.getLogger("mlx_pinned.server")
 
+#: Inputs tokenized in one job of the MLX thread, at most.
+TOKENIZE_AT_ONCE = 256
+
 
 @dataclass(eq=False)
 class LoadedEmbedder:
@@ -69,10 +72,12 @@ class LoadedEmbedder:
     weight_bytes: int
     loaded_at: float = field(default_factory=time.time)
 
-    def tokenize(self, inputs: Sequence[str | tuple[int, ...]]) -> list[Encoded]:
+    def tokenize(
+        self, inputs: Sequence[str | tuple[int, ...]], first: int = 0
+    ) -> list[Encoded]:
         """Each input's tokens: a text through the tokenizer (its special
-        tokens added), ids as they are. MLX thread (the tokenizer is the
-        model's).
+        tokens added), ids as they are; ``first``: the index of the first
+        in its request. MLX thread (the tokenizer is the model's).
 
         Raises:
             PromptTooLongError: An input of more than
@@ -90,7 +95,7 @@ class LoadedEmbedder:
             encoded = self.tokenizer([text for _, text in texts])["input_ids"]
             for (index, _), ids in zip(texts, encoded, strict=True):
                 tokens[index] = list(ids)
-        for index, ids in enumerate(tokens):
+        for index, ids in enumerate(tokens, first):
             if not ids:
                 raise RequestError(
                     f"Invalid value for 'input': input {index} has no tokens; "
@@ -199,21 +204,25 @@ class EmbeddingEngine:
     Args:
         loaded: The model, from :func:`load_embedder`.
         thread: The MLX thread it was loaded on.
-        **passes: The passes' bounds (``batch_tokens``, ``batch_size``:
-            :class:`~.passes.PassQueue`).
+        **passes: The passes' bounds (``batch_tokens``, ``batch_size``,
+            ``seconds``: :class:`~.passes.PassQueue`).
     """
 
     def __init__(
-        self, loaded: LoadedEmbedder, thread: MLXThread, **passes: int
+        self, loaded: LoadedEmbedder, thread: MLXThread, **passes: Any
     ) -> None:
         self.loaded = loaded
         self.thread = thread
         self.queue = PassQueue(thread, loaded.forward, **passes)
 
     @classmethod
-    def load(cls, model_path: str | Path, thread: MLXThread) -> EmbeddingEngine:
-        """Load a model and make its engine; runs on ``thread``."""
-        return cls(load_embedder(model_path), thread)
+    def load(
+        cls, model_path: str | Path, thread: MLXThread, *, seconds: float | None = None
+    ) -> EmbeddingEngine:
+        """Load a model and make its engine; runs on ``thread``. ``seconds``:
+        about how long a pass may take (:class:`~.passes.PassQueue`)."""
+        loaded = load_embedder(model_path)
+        return cls(loaded, thread, seconds=seconds)
 
     @property
     def vocab_size(self) -> int:
@@ -245,7 +254,11 @@ class EmbeddingEngine:
 
     async def embed(self, params: EmbeddingParams) -> Embeddings:
         """See :meth:`~..encoders.EmbeddingEngine.embed`."""
-        inputs = await self.thread.run(self.loaded.tokenize, params.inputs)
+        inputs = []
+        # A job per few hundred texts: the thread's other work runs between.
+        for first in range(0, len(params.inputs), TOKENIZE_AT_ONCE):
+            chunk = params.inputs[first : first + TOKENIZE_AT_ONCE]
+            inputs += await self.thread.run(self.loaded.tokenize, chunk, first)
         rows = await self.queue.run(inputs)
         vectors = tuple(_encoded(row, params.dimensions) for row in rows)
         return Embeddings(vectors, sum(len(item.ids) for item in inputs))

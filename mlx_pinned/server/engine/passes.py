@@ -5,10 +5,13 @@
 MLX thread. A request's inputs join one queue, in arrival order. Each of
 its turns (``MLXThread.run`` of :meth:`PassQueue._pass`) runs the inputs at
 the head of the queue, whichever request they are from, as many as fit in
-one pass (``batch_tokens`` padded tokens, ``batch_size`` inputs); a request
+one pass (``batch_tokens`` padded tokens, ``batch_size`` inputs, and about
+``seconds`` of work: a pass is sized from the cost per token of the ones
+before, as a long prompt's prefill chunks are, :mod:`.pacing`); a request
 takes turns until its own inputs are done. So requests that arrive together
 share passes, and one large request never holds the MLX thread for more
-than a pass at a time: a chat model's steps run between its passes.
+than a pass at a time: a chat model's steps run between its passes, at most
+about ``seconds`` apart.
 
 Exact: the inputs of a pass are padded on the right and masked
 (:func:`padded`), so an input's row is its row alone (batched equals solo
@@ -18,12 +21,15 @@ within float rounding, tests/server/test_embeddings.py).
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+from .pacing import PrefillPacer
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
@@ -99,6 +105,8 @@ class PassQueue:
         forward: Computes a batch's rows (MLX thread).
         batch_tokens: Padded tokens of one pass, at most.
         batch_size: Inputs of one pass, at most.
+        seconds: About how long a pass may take (the model's
+            ``prefill_step_seconds``); None: passes of ``batch_tokens``.
     """
 
     def __init__(
@@ -108,11 +116,14 @@ class PassQueue:
         *,
         batch_tokens: int = BATCH_TOKENS,
         batch_size: int = BATCH_SIZE,
+        seconds: float | None = None,
     ) -> None:
         self.thread = thread
         self.forward = forward
         self.batch_tokens = batch_tokens
         self.batch_size = batch_size
+        # Other models' streams may wait on any pass: always paced.
+        self.pacer = PrefillPacer(seconds, batch_tokens)
         # The event loop appends and takes back; the MLX thread pops.
         self._lock = threading.Lock()
         self._waiting: deque[_Item] = deque()
@@ -152,6 +163,7 @@ class PassQueue:
         """The inputs at the head of the queue that fit in one pass."""
         taken: list[_Item] = []
         longest = 0
+        budget = self.pacer.tokens(decoding=True)
         with self._lock:
             while self._waiting and len(taken) < self.batch_size:
                 item = self._waiting[0]
@@ -159,7 +171,7 @@ class PassQueue:
                     self._waiting.popleft()
                     continue
                 size = len(item.job.inputs[item.index].ids)
-                if taken and max(longest, size) * (len(taken) + 1) > self.batch_tokens:
+                if taken and max(longest, size) * (len(taken) + 1) > budget:
                     break
                 taken.append(self._waiting.popleft())
                 longest = max(longest, size)
@@ -171,12 +183,16 @@ class PassQueue:
         taken = self._take()
         if not taken:
             return
+        batch = [item.job.inputs[item.index] for item in taken]
+        start = time.perf_counter()
         try:
-            rows = self.forward([item.job.inputs[item.index] for item in taken])
+            rows = self.forward(batch)
         except Exception as exc:
             for item in taken:
                 item.job.error = exc
             return
+        padded_tokens = len(batch) * max(len(item.ids) for item in batch)
+        self.pacer.observe(padded_tokens, time.perf_counter() - start)
         self.passes += 1
         self.done += len(taken)
         for item, row in zip(taken, rows, strict=True):

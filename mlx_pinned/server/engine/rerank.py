@@ -153,21 +153,25 @@ class RerankEngine:
     Args:
         loaded: The model, from :func:`load_reranker`.
         thread: The MLX thread it was loaded on.
-        **passes: The passes' bounds (``batch_tokens``, ``batch_size``:
-            :class:`~.passes.PassQueue`).
+        **passes: The passes' bounds (``batch_tokens``, ``batch_size``,
+            ``seconds``: :class:`~.passes.PassQueue`).
     """
 
     def __init__(
-        self, loaded: LoadedReranker, thread: MLXThread, **passes: int
+        self, loaded: LoadedReranker, thread: MLXThread, **passes: Any
     ) -> None:
         self.loaded = loaded
         self.thread = thread
         self.queue = PassQueue(thread, loaded.forward, **passes)
 
     @classmethod
-    def load(cls, model_path: str | Path, thread: MLXThread) -> RerankEngine:
-        """Load a model and make its engine; runs on ``thread``."""
-        return cls(load_reranker(model_path), thread)
+    def load(
+        cls, model_path: str | Path, thread: MLXThread, *, seconds: float | None = None
+    ) -> RerankEngine:
+        """Load a model and make its engine; runs on ``thread``. ``seconds``:
+        about how long a pass may take (:class:`~.passes.PassQueue`)."""
+        loaded = load_reranker(model_path)
+        return cls(loaded, thread, seconds=seconds)
 
     @property
     def max_input_tokens(self) -> int:

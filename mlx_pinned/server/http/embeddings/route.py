@@ -6,18 +6,22 @@ model named by ``model`` (404 for one not served, 400 for a chat model) and
 answers every error in OpenAI's shape, as the generation routes do. The
 request takes a turn of its model's gate (so its waiting room is bounded as
 a chat model's is), then the engine embeds its inputs on the MLX thread, in
-passes it shares with the other requests waiting then.
+passes it shares with the other requests waiting then; a large answer is
+written in a worker thread, so the streams on the loop never wait on it.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import sys
 from array import array
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, ClassVar, cast
+
+import anyio
 
 from ...failures import RequestError
 from ..endpoint import ModelEndpoint
@@ -31,7 +35,11 @@ if TYPE_CHECKING:
     from ..served_models import ServedModel
     from ..wire import RequestLog, ResponseWriter
 
-__all__ = ["EmbeddingsEndpoint", "embeddings_body"]
+__all__ = ["INLINE_VALUES", "EmbeddingsEndpoint", "embeddings_body"]
+
+#: Values an answer may hold and still be written on the event loop; a
+#: larger one is written in a worker thread.
+INLINE_VALUES = 16384
 
 
 class EmbeddingsEndpoint(ModelEndpoint):
@@ -65,7 +73,16 @@ class EmbeddingsEndpoint(ModelEndpoint):
             async with served.gate.turn():
                 embedded = await engine.embed(params)
             log.prompt_tokens = embedded.prompt_tokens
-            answer = embeddings_body(embedded, served.name, request.encoding_format)
+            write = functools.partial(
+                embeddings_body, embedded, served.name, request.encoding_format
+            )
+            # Written off the loop past a few vectors: a 2048 x 1024 answer's
+            # floats take a second to write, and every stream waits on the loop.
+            values = sum(len(raw) for raw in embedded.vectors) // 4
+            if values > INLINE_VALUES:
+                answer = await anyio.to_thread.run_sync(write)
+            else:
+                answer = write()
             await response.json(answer)
 
 
