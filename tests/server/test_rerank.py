@@ -225,3 +225,16 @@ async def test_a_generative_reranker_fails_its_load_with_the_reason(
         answer = await rerank(served, documents=["cat"])
     assert_error(answer, 503, None, "model_load_failed")
     assert "generative reranker" in caplog.text
+
+
+@pytest.mark.slow
+async def test_many_documents_are_scored_each_as_alone(
+    serve_rerank: ServeRerank,
+) -> None:
+    documents = [DOCUMENTS[i % len(DOCUMENTS)] for i in range(600)]
+    async with serve_rerank() as served:
+        many = scores_by_index(await rerank(served, documents=documents))
+        alone = scores_by_index(await rerank(served, documents=list(DOCUMENTS)))
+    assert sorted(many) == list(range(600))
+    for index, score in many.items():
+        assert abs(score - alone[index % len(DOCUMENTS)]) <= TOL

@@ -26,7 +26,7 @@ import numpy as np
 from ..encoders import RerankParams, Scores
 from ..events import EngineCounters
 from ..failures import PromptTooLongError
-from .embedding import input_limit, queue_counters
+from .embedding import TOKENIZE_AT_ONCE, input_limit, queue_counters
 from .passes import Encoded, PassQueue, padded
 
 if TYPE_CHECKING:
@@ -191,7 +191,12 @@ class RerankEngine:
 
     async def score(self, params: RerankParams) -> Scores:
         """See :meth:`~..encoders.RerankEngine.score`."""
-        pairs = await self.thread.run(self.loaded.tokenize, params)
+        pairs = []
+        # A job per few hundred pairs: the thread's other work runs between.
+        for first in range(0, len(params.documents), TOKENIZE_AT_ONCE):
+            chunk = params.documents[first : first + TOKENIZE_AT_ONCE]
+            part = RerankParams(params.query, chunk)
+            pairs += await self.thread.run(self.loaded.tokenize, part)
         rows = await self.queue.run(pairs)
         scores = tuple(float(row[0]) for row in rows)
         return Scores(scores, sum(len(pair.ids) for pair in pairs))
