@@ -319,6 +319,9 @@ async def test_each_kind_is_sent_to_its_own_routes(
         embedded = await embed(served, input="cat")
         listing = (await served.client.get("/v1/models")).json()["data"]
         health = (await served.client.get("/health")).json()
+        metrics = await served.client.get("/metrics")
+    assert metrics.status_code == 200
+    assert f'mlx_pinned_model_loaded{{model="{MODEL}"}} 1.0' in metrics.text
     error = assert_error(chat_here, 400, "model", "wrong_model_kind")
     assert "/v1/chat/completions" in error["message"]
     error = assert_error(emb_there, 400, "model", "wrong_model_kind")

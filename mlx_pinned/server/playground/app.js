@@ -99,7 +99,9 @@
       setStatus("Listing the models failed: " + (await errorOf(response)).message, true);
       return;
     }
-    const listed = (await response.json()).data || [];
+    // The chat models only: an embedding model or a reranker has no chat.
+    const cards = (await response.json()).data || [];
+    const listed = cards.filter((card) => (card.kind || "chat") === "chat");
     const previous = ui.model.value || sessionStorage.getItem("mlx-pinned-model");
     ui.model.replaceChildren(
       ...listed.map((card) => {
