@@ -23,23 +23,21 @@ import numpy as np
 from ..encoders import EmbeddingParams, Embeddings
 from ..events import EngineCounters
 from ..failures import PromptTooLongError, RequestError
-from .passes import Encoded, PassQueue, padded
+from .passes import (
+    TOKENIZE_AT_ONCE,
+    Encoded,
+    PassQueue,
+    input_limit,
+    padded,
+    queue_counters,
+)
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
-__all__ = [
-    "EmbeddingEngine",
-    "LoadedEmbedder",
-    "input_limit",
-    "load_embedder",
-    "queue_counters",
-]
+__all__ = ["EmbeddingEngine", "LoadedEmbedder", "load_embedder"]
 
 logger = logging.getLogger("mlx_pinned.server")
-
-#: Inputs tokenized in one job of the MLX thread, at most.
-TOKENIZE_AT_ONCE = 256
 
 
 @dataclass(eq=False)
@@ -172,22 +170,6 @@ def load_embedder(model_path: str | Path) -> LoadedEmbedder:
     return loaded
 
 
-def input_limit(config: dict[str, Any], tokenizer: Any) -> int:
-    """Tokens of an encoder's longest input: its position embeddings, or its
-    tokenizer's ``model_max_length``, the smaller (8192 where neither says;
-    a tokenizer's "no limit" is a huge number, ignored)."""
-    text = config.get("text_config") or config
-    limits = [
-        value
-        for value in (
-            text.get("max_position_embeddings"),
-            getattr(tokenizer, "model_max_length", None),
-        )
-        if isinstance(value, int) and 0 < value < 10**7
-    ]
-    return min(limits, default=8192)
-
-
 def _matryoshka(config: dict[str, Any]) -> tuple[int, ...] | None:
     """The widths a checkpoint says it was trained to be cut to (vLLM reads
     the same keys): ``matryoshka_dimensions``, or any with ``is_matryoshka``."""
@@ -262,20 +244,6 @@ class EmbeddingEngine:
         rows = await self.queue.run(inputs)
         vectors = tuple(_encoded(row, params.dimensions) for row in rows)
         return Embeddings(vectors, sum(len(item.ids) for item in inputs))
-
-
-def queue_counters(queue: PassQueue) -> EngineCounters:
-    """An encoder model's counters: its inputs waiting as rows, its passes
-    as steps; it holds no KV. Any thread."""
-    return EngineCounters(
-        rows=queue.waiting,
-        kv_bytes=0,
-        prompt_cache_hits=0,
-        prompt_cache_misses=0,
-        prompt_cache_reused_tokens=0,
-        prompt_cache_bytes=0,
-        decode_steps=queue.passes,
-    )
 
 
 def _encoded(vector: np.ndarray, dimensions: int | None) -> bytes:

@@ -25,21 +25,34 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from ..events import EngineCounters
 from .pacing import PrefillPacer
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
-__all__ = ["BATCH_SIZE", "BATCH_TOKENS", "Encoded", "PassQueue", "padded"]
+__all__ = [
+    "BATCH_SIZE",
+    "BATCH_TOKENS",
+    "TOKENIZE_AT_ONCE",
+    "Encoded",
+    "PassQueue",
+    "input_limit",
+    "padded",
+    "queue_counters",
+]
 
 #: Padded tokens of one pass, at most (inputs times the longest of them).
 BATCH_TOKENS = 8192
 #: Inputs of one pass, at most.
 BATCH_SIZE = 64
+#: Inputs tokenized in one job of the MLX thread, at most (the thread's
+#: other work runs between the jobs).
+TOKENIZE_AT_ONCE = 256
 
 
 class Encoded(NamedTuple):
@@ -198,3 +211,33 @@ class PassQueue:
         for item, row in zip(taken, rows, strict=True):
             item.job.rows[item.index] = row
             item.job.left -= 1
+
+
+def input_limit(config: dict[str, Any], tokenizer: Any) -> int:
+    """Tokens of an encoder's longest input: its position embeddings, or its
+    tokenizer's ``model_max_length``, the smaller (8192 where neither says;
+    a tokenizer's "no limit" is a huge number, ignored)."""
+    text = config.get("text_config") or config
+    limits = [
+        value
+        for value in (
+            text.get("max_position_embeddings"),
+            getattr(tokenizer, "model_max_length", None),
+        )
+        if isinstance(value, int) and 0 < value < 10**7
+    ]
+    return min(limits, default=8192)
+
+
+def queue_counters(queue: PassQueue) -> EngineCounters:
+    """An encoder model's counters: its inputs waiting as rows, its passes
+    as steps; it holds no KV. Any thread."""
+    return EngineCounters(
+        rows=queue.waiting,
+        kv_bytes=0,
+        prompt_cache_hits=0,
+        prompt_cache_misses=0,
+        prompt_cache_reused_tokens=0,
+        prompt_cache_bytes=0,
+        decode_steps=queue.passes,
+    )

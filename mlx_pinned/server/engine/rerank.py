@@ -26,8 +26,14 @@ import numpy as np
 from ..encoders import RerankParams, Scores
 from ..events import EngineCounters
 from ..failures import PromptTooLongError
-from .embedding import TOKENIZE_AT_ONCE, input_limit, queue_counters
-from .passes import Encoded, PassQueue, padded
+from .passes import (
+    TOKENIZE_AT_ONCE,
+    Encoded,
+    PassQueue,
+    input_limit,
+    padded,
+    queue_counters,
+)
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
