@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .config_checks import (
+    CHAT_SETTINGS,
     MODEL_KINDS,
     PER_MODEL_SETTINGS,
     SettingError,
@@ -23,6 +24,7 @@ from .config_checks import (
 )
 
 __all__ = [
+    "CHAT_SETTINGS",
     "MODEL_KINDS",
     "PER_MODEL_SETTINGS",
     "ImageLimits",
@@ -37,6 +39,16 @@ __all__ = [
 #: ``embedding`` (``/v1/embeddings``) or ``rerank`` (``/v1/rerank``); one of
 #: :data:`MODEL_KINDS`.
 ModelKind = Literal["chat", "embedding", "rerank"]
+
+
+# What a chat setting is for a model of another kind: off.
+_CHAT_OFF: dict[str, Any] = {
+    "kv_bits": None,
+    "prompt_lookup_tokens": 0,
+    "draft_model": None,
+    "tool_call_parser": None,
+    "reasoning_parser": None,
+}
 
 
 @dataclass(frozen=True)
@@ -291,14 +303,26 @@ class ServerConfig:
         the server's, with its own :attr:`model_settings` on top, as a config
         of that one model. The default cache budgets stay shared out among
         all the models; a server-wide ``idle_unload_timeout`` applies to it
-        only if it is loaded on first use.
+        only if it is loaded on first use; the server's chat settings
+        (:data:`CHAT_SETTINGS`: the KV cache, drafts, output formats) do not
+        apply to a model of another kind.
 
         Raises:
-            SettingError: Its own settings are out of range (the message
-                names the model and the field; :attr:`~SettingError.setting`
-                is ``model_settings``).
+            SettingError: Its own settings are out of range, or chat
+                settings of a model of another kind (the message names the
+                model and the field; :attr:`~SettingError.setting` is
+                ``model_settings``).
         """
         own = dict(self.model_settings[index]) if self.model_settings else {}
+        if own.get("model_kind", self.model_kind) != "chat":
+            given = sorted(set(own) & CHAT_SETTINGS)
+            if given:
+                raise SettingError(
+                    "model_settings",
+                    f"model {self.names[index]!r}: {given[0]} is a chat model's "
+                    f"setting; this model is served as {own.get('model_kind')!r}",
+                )
+            own.update((name, _CHAT_OFF[name]) for name in CHAT_SETTINGS)
         own.setdefault("prompt_cache_bytes", self.prompt_cache_budget)
         own.setdefault("image_cache_bytes", self.image_cache_budget)
         if not own.get("load_on_first_use", self.load_on_first_use):

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .config import ImageLimits, ServerConfig
 
 __all__ = [
+    "CHAT_SETTINGS",
     "MODEL_KINDS",
     "PER_MODEL_SETTINGS",
     "SettingError",
@@ -153,6 +154,18 @@ def _check_origins(config: ServerConfig) -> None:
                 f"allowed_origins gives {origin!r}: an origin is scheme://host[:port]",
             )
 
+
+#: The settings only a chat model has: an encoder (embedding, rerank) model
+#: that sets one is refused; the server's do not apply to it.
+CHAT_SETTINGS = frozenset(
+    {
+        "kv_bits",
+        "prompt_lookup_tokens",
+        "draft_model",
+        "tool_call_parser",
+        "reasoning_parser",
+    }
+)
 
 #: The kinds of model a server serves, each through its own routes.
 MODEL_KINDS = ("chat", "embedding", "rerank")

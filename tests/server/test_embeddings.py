@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from conftest import run_uvicorn
 
-from mlx_pinned.server import create_app
+from mlx_pinned.server import ServerConfig, create_app
+from mlx_pinned.server.config import SettingError
 from mlx_pinned.server.encoders import EmbeddingParams
 from mlx_pinned.server.engine.embedding import EmbeddingEngine
 from mlx_pinned.testing import make_tiny_embedding, tiny_embedding_path
@@ -507,3 +508,32 @@ async def test_a_large_request_never_stalls_a_chat_stream_for_long(
     # (a collection, another process) may stretch one gap, never most.
     assert np.percentile(gaps, 95) < 4 * budget, np.percentile(gaps, 95)
     assert gaps.max() < took / 5, (gaps.max(), took)
+
+
+def test_an_unknown_kind_is_refused_by_name() -> None:
+    with pytest.raises(SettingError, match="model_kind must be one of chat"):
+        ServerConfig(model="m", model_kind="vision")
+
+
+def test_a_chat_setting_of_an_embedding_model_is_refused() -> None:
+    with pytest.raises(SettingError, match="'emb': kv_bits is a chat model's"):
+        ServerConfig(
+            model=("chat", "e"),
+            served_model_name=("chat", "emb"),
+            model_settings=({}, {"model_kind": "embedding", "kv_bits": 8}),
+        )
+
+
+def test_the_servers_chat_settings_skip_an_embedding_model() -> None:
+    config = ServerConfig(
+        model=("chat", "e"),
+        model_settings=({}, {"model_kind": "embedding"}),
+        kv_bits=8,
+        prompt_lookup_tokens=2,
+        tool_call_parser="hermes",
+    )
+    chat, embedding = config.for_model(0), config.for_model(1)
+    assert (chat.kv_bits, chat.prompt_lookup_tokens) == (8, 2)
+    assert chat.tool_call_parser == "hermes"
+    assert (embedding.kv_bits, embedding.prompt_lookup_tokens) == (None, 0)
+    assert embedding.tool_call_parser is None
