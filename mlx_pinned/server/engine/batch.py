@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
+
 from ..events import EngineCounters, EventStream, GenerationParams
 from .drafting import DraftSettings
 from .drafting import install as install_drafting
@@ -195,6 +197,15 @@ class BatchEngine:
             speculative_rows=batch.speculative_rows,
             draft_tokens=batch.draft_tokens,
             accepted_tokens=batch.accepted_tokens,
+            image_cache_bytes=0
+            if self.image_cache is None
+            else self.image_cache.held.bytes,
+            # The allocator's counters: read from any thread, no stream.
+            mlx_memory=(
+                mx.get_active_memory(),
+                mx.get_cache_memory(),
+                mx.get_peak_memory(),
+            ),
         )
 
     async def tokenize(self, params: GenerationParams) -> tuple[tuple[int, str], ...]:
