@@ -23,11 +23,12 @@ docs/security.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.models import ServedModel, ServedModels
 from .http.playground import routes as playground_routes
 from .http.residency import Residency, StartUpRefusal
-from .http.responses_api import ResponsesEndpoint
+from .http.responses_api import ResponsesEndpoint, ResponseStore, open_store
 from .http.responses_api import routes as responses_routes
 from .http.routes import APIKeyMiddleware, ErrorEdge, model, models
 from .http.slots import ModelSlot
@@ -211,6 +212,8 @@ def create_app(
     messages = MessagesEndpoint(*wiring, metrics=metrics)
     count_tokens = CountTokensEndpoint(*wiring, metrics=metrics)
     responses = ResponsesEndpoint(*wiring, metrics=metrics)
+    # Opened now: a state_dir that cannot hold it fails here, at start.
+    responses.store = store = open_store(config)
     routes = [
         Route("/health", functools.partial(health, readiness), methods=["GET"]),
         Route("/livez", functools.partial(live, readiness), methods=["GET"]),
@@ -270,7 +273,7 @@ def create_app(
             ),
             Exception: errors.server_error,
         },
-        lifespan=residency.running,
+        lifespan=functools.partial(_lifespan, residency, store),
     )
     app.state.config = config
     app.state.mlx_thread = mlx_thread
@@ -282,6 +285,18 @@ def create_app(
     app.state.errors = errors
     app.state.loop_turns = turns
     return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(
+    residency: Residency, store: ResponseStore, app: Starlette
+) -> AsyncIterator[None]:
+    """The models' lifespan (the registry's), then the store closed."""
+    try:
+        async with residency.running(app):
+            yield
+    finally:
+        await store.aclose()
 
 
 def _drafting(config: ServerConfig) -> dict[str, Any]:

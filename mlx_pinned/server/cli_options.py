@@ -328,7 +328,7 @@ OPTIONS = (
     ),
     Option(
         "responses_store_max",
-        "responses kept in memory for GET /v1/responses/{id} and "
+        "responses kept for GET /v1/responses/{id} and "
         "previous_response_id, oldest out first; 0: none (default: %(default)s)",
         whole,
     ),
@@ -336,6 +336,12 @@ OPTIONS = (
         "responses_store_bytes",
         "bytes the kept responses may take, oldest out first (default: %(default)s)",
         whole,
+    ),
+    Option(
+        "state_dir",
+        "a folder for what a restart keeps: the stored responses, in a SQLite "
+        "database there, made if missing (default: none, memory only)",
+        str,
     ),
     # On here, off in the library: the command owns its process.
     Option(
