@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import tempfile
 import time
@@ -67,13 +68,13 @@ async def measure(
     for concurrency in (1, args.concurrency):
         base = concurrency * args.ops
         puts = [
-            (lambda index=index: store.put(*turn(base + index, args.turn_bytes)))
+            functools.partial(store.put, *turn(base + index, args.turn_bytes))
             for index in range(args.ops)
         ]
         walls, loop_us = await timed(puts, concurrency)
         rows.append(row(f"{name} put, c{concurrency}", walls, loop_us))
         gets = [
-            (lambda index=index: store.get(f"resp_{base + index}"))
+            functools.partial(store.get, f"resp_{base + index}")
             for index in range(args.ops)
         ]
         walls, loop_us = await timed(gets, concurrency)
