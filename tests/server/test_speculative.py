@@ -9,6 +9,7 @@ speculated cannot pass.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import Counter
@@ -165,6 +166,26 @@ class TestLimits:
         assert final.finish_reason == "stop"
         assert final.stop_sequence == stop
         assert kept_drafts(on) > 0
+
+    def test_a_batch_past_its_draft_bound_decodes_without_drafts(
+        self, thread: MLXThread, loaded_lm: LoadedModel
+    ) -> None:
+        off = BatchEngine(loaded_lm, thread)
+        bounded = BatchEngine(loaded_lm, thread)
+        thread.run_sync(bounded.speculate, dataclasses.replace(LOOKUP, max_batch=2))
+        three = [echo(i, 24) for i in range(3)]
+        assert_same(
+            interleaved(thread, bounded, three), interleaved(thread, off, three)
+        )
+        stats = bounded.statistics()
+        # No speculative step had all three rows (the last one alone may).
+        assert stats.speculative_rows <= 2 * stats.speculative_steps
+        assert stats.speculative_steps < stats.steps / 2
+        # Alone, the same engine speculates.
+        assert_same(
+            interleaved(thread, bounded, three[:1]), interleaved(thread, off, three[:1])
+        )
+        assert kept_drafts(bounded) > 0
 
     def test_rows_that_cannot_draft_turn_speculation_off(
         self, thread: MLXThread, loaded_lm: LoadedModel

@@ -20,7 +20,7 @@ from .prefill import MEDIA_TOKENS, preprocess
 from .prompt_cache import image_hash, prompt_key
 from .rows import Row
 from .sampling import vlm
-from .thinking import ThinkingBudget
+from .thinking_budget import ThinkingBudget
 
 if TYPE_CHECKING:
     from PIL import Image

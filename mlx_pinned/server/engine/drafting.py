@@ -69,11 +69,16 @@ class DraftSettings:
         tokens: Draft tokens per row and step, at most (K).
         model: A draft model's folder or hub id (a small model with the
             served model's tokenizer); None: no draft model.
+        max_batch: Speculate only while the batch holds at most this many
+            rows (0: at any size): a verify pass computes every row's
+            drafts, and past a few rows that compute costs the batch more
+            than the drafts give (docs/engine.md has the figures).
     """
 
     ngram: int = 0
     tokens: int = 4
     model: str | Path | None = None
+    max_batch: int = 0
 
     def __post_init__(self) -> None:
         if self.ngram and self.model is not None:
@@ -163,7 +168,8 @@ class Drafting:
             row.history = History(np.asarray(ids).reshape(-1))
 
     def applies(self, batch: BatchState) -> bool:
-        """Whether the batch's next step may speculate: it has rows, and
+        """Whether the batch's next step may speculate: it has rows, no more
+        than :attr:`DraftSettings.max_batch` with those joining it, and
         every row in it, joining it or queued for it can draft."""
         joining = [row for rows, _ in batch.joining for row in rows]
         waiting = [*batch.waiting, *(row for row, _ in batch.prefilling)]
@@ -172,7 +178,10 @@ class Drafting:
             for row in (*batch.rows, *joining, *waiting)
             if not (row.gone or row.done or row in batch.leaving)
         ]
-        return bool(batch.rows) and all(can_draft(row) for row in live)
+        most = self.settings.max_batch
+        if not batch.rows or (most and len(live) > most):
+            return False
+        return all(can_draft(row) for row in live)
 
     def verify(self, batch: BatchState, stop: Any) -> Stepped | None:
         """One forward pass over every row's last token and its drafts; each

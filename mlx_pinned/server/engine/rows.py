@@ -18,7 +18,7 @@ from .prefill import Prepared
 from .prompt_cache import Key
 from .prompt_lookup import History
 from .sampling import Sampled
-from .thinking import ThinkingBudget
+from .thinking_budget import ThinkingBudget
 
 __all__ = ["BatchStatistics", "Row", "read"]
 

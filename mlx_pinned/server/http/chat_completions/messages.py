@@ -18,7 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from ...config import ImageLimits, VideoLimits
 from ...media import ImageRef, VideoRef
-from ..media_counts import counted_image_refs, counted_video_refs
+from ..protocol_common import counted_image_refs, counted_video_refs
 
 __all__ = [
     "NAME_PATTERN",

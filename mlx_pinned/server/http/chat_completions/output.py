@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from ...events import FinalEvent, FinishReason, TokenEvent, TokenLogprobs
 from ...formats import CallStart
-from ..answer import Part, Reasoning
-from .responses import (
+from ..answer_parser import Part, Reasoning
+from .bodies import (
     ChoiceLogprobs,
     ChunkChoice,
     ChunkEncoder,

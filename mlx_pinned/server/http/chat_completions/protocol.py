@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI chat-completions API (responses: :mod:`.responses`).
+"""Request bodies of the OpenAI chat-completions API (responses: :mod:`.bodies`).
 
 Requests are parsed from the raw body with :func:`parse_chat_request`, which
 turns every failure (bad JSON, wrong type, out of range) into an
@@ -24,6 +24,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from ...events import GenerationParams, Grammar
 from ..protocol_common import (
+    EFFORT_BUDGETS,
     OpenAISamplingFields,
     TemplateKwargs,
     check_service_tier,
@@ -31,7 +32,6 @@ from ..protocol_common import (
     refusing,
     unsupported_value,
 )
-from ..thinking import EFFORT_BUDGETS
 from ..validation import parse_request
 from .messages import (
     Message,

@@ -15,17 +15,7 @@ import functools
 
 from ...events import TokenEvent
 from ..endpoint import GenerationEndpoint, Reply, last_parts, send_last
-from .messages import image_parts, video_parts
-from .output import (
-    Answer,
-    content_choice,
-    finish_reason,
-    parsed_chunks,
-    token_logprob,
-    usage,
-)
-from .protocol import ChatCompletionRequest, parse_chat_request
-from .responses import (
+from .bodies import (
     ChatCompletion,
     Choice,
     ChoiceLogprobs,
@@ -36,6 +26,16 @@ from .responses import (
     completion_id,
     tool_call_id,
 )
+from .messages import image_parts, video_parts
+from .output import (
+    Answer,
+    content_choice,
+    finish_reason,
+    parsed_chunks,
+    token_logprob,
+    usage,
+)
+from .protocol import ChatCompletionRequest, parse_chat_request
 from .serving import ChatCompletionsServing
 
 __all__ = ["ChatCompletionsEndpoint"]

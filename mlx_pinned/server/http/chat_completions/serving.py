@@ -1,5 +1,5 @@
 """Chat completions' one validation site: a parsed request checked against
-the served model's :class:`~..capabilities.Capabilities` and this server's
+the served model's :class:`~..slots.Capabilities` and this server's
 limits, and turned into the shared generation request.
 
 Event loop; a grammar is compiled in a worker thread
@@ -31,8 +31,8 @@ from ..serving_common import (
     max_tokens,
     no_tool_call_format,
     request_grammar,
+    with_budget,
 )
-from ..thinking import with_budget
 from .messages import (
     JSONObjectFormat,
     JSONSchemaResponseFormat,
@@ -44,7 +44,7 @@ from .messages import (
 
 if TYPE_CHECKING:
     from ...config import ServerConfig
-    from ..capabilities import Capabilities
+    from ..slots import Capabilities
     from .protocol import ChatCompletionRequest
 
 __all__ = ["ChatCompletionsServing"]

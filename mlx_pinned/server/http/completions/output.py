@@ -17,8 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from ...events import FinalEvent, FinishReason, TokenEvent
-from ..ids import random_hex
-from ..sse import sse_event
+from ..wire import random_hex, sse_event
 
 __all__ = [
     "ChoiceText",

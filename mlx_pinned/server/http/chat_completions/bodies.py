@@ -17,8 +17,7 @@ from pydantic import (
     model_serializer,
 )
 
-from ..ids import random_hex
-from ..sse import sse_event
+from ..wire import random_hex, sse_event
 
 __all__ = [
     "ChatCompletion",

@@ -1,0 +1,171 @@
+"""The served models as the HTTP side sees them: a name, a gate, a slot.
+
+Event loop only. A server serves one model or several, all on the one MLX
+thread. Each model's :attr:`ServedModel.slot` holds its engine while it is
+loaded: a model loaded at start-up is loaded by the app's lifespan and
+stays; one loaded on first use comes and goes (:mod:`.residency`, the one
+place that loads and unloads). Requests are routed by their ``model``; each
+model has its own gate (:class:`BatchGate`: at most ``max_num_seqs``
+generations at once, the rest wait their turn), so its batch and its
+waiting room are its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+from anyio.lowlevel import RunVar
+
+from ..failures import OverloadedError
+from .errors import APIError
+
+if TYPE_CHECKING:
+    from ..events import Engine
+    from .slots import ModelSlot
+
+__all__ = ["BatchGate", "ServedModel", "ServedModels", "model_not_found"]
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model of the server.
+
+    Attributes:
+        name: What clients send as ``model``.
+        gate: Its own gate: at most ``max_num_seqs`` of its generations at
+            once, at most ``max_pending`` waiting.
+        slot: Where it is loaded (at start-up, or on first use) and unloaded.
+        tool_call_parser: The tool-call format its answers are read in
+            (None: detected from its chat template).
+        reasoning_parser: The reasoning format its answers are read in
+            (None: detected from its chat template).
+    """
+
+    name: str
+    gate: BatchGate
+    slot: ModelSlot
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def engine(self) -> Engine | None:
+        """Its engine; None while it is not loaded."""
+        return self.slot.engine
+
+
+def model_not_found(name: str, served: Sequence[str]) -> APIError:
+    """The 404 for a model this server does not serve; names those it does."""
+    listed = ", ".join(repr(item) for item in served)
+    return APIError(
+        404,
+        f"The model {name!r} does not exist: this server serves {listed}.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+class ServedModels:
+    """The server's models by name, in the order they were given."""
+
+    def __init__(self, models: Sequence[ServedModel]) -> None:
+        if not models:
+            raise ValueError("serve at least one model")
+        self._by_name = {model.name: model for model in models}
+        if len(self._by_name) != len(models):
+            raise ValueError("each served model needs its own name")
+
+    def __iter__(self) -> Iterator[ServedModel]:
+        return iter(self._by_name.values())
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    @property
+    def names(self) -> list[str]:
+        """Every served name, in order."""
+        return list(self._by_name)
+
+    def get(self, name: str) -> ServedModel:
+        """The model served as ``name``.
+
+        Raises:
+            APIError: 404 ``model_not_found``, naming the served models.
+        """
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise model_not_found(name, self.names) from None
+
+
+class BatchGate:
+    """At most ``max_num_seqs`` generations at once; the rest wait their turn.
+
+    Event-loop side (asyncio or trio, through anyio). Waiting requests are
+    admitted in arrival order as slots free up; at most ``max_pending`` may
+    wait, past that :meth:`turn` refuses at once. A slot is given back
+    when the ``turn()`` block exits, so close the stream inside it.
+
+    Args:
+        max_num_seqs: Generations active at once (the decode batch bound).
+        max_pending: Requests that may wait for a slot.
+        retry_after: Seconds a refused request is told to wait.
+    """
+
+    def __init__(
+        self, max_num_seqs: int, max_pending: int, *, retry_after: int = 1
+    ) -> None:
+        if max_num_seqs < 1 or max_pending < 0:
+            raise ValueError(
+                "max_num_seqs must be >= 1 and max_pending >= 0, not "
+                f"{max_num_seqs} and {max_pending}"
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_pending = max_pending
+        self.retry_after = retry_after
+        self.waiting = 0  # requests waiting for a slot
+        self.active = 0  # requests holding a slot
+        # One semaphore per event loop: a gate used again under another loop
+        # (or backend) must not wait on the first one's.
+        self._slots: RunVar[anyio.Semaphore] = RunVar("mlx_pinned_batch_gate")
+
+    @property
+    def busy(self) -> bool:
+        """Whether any generation holds a slot."""
+        return self.active > 0
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """Hold a slot for the block; refused at once when the waiting room is
+        full.
+
+        Cancelling the caller while it waits gives up its place: its
+        generation never starts.
+
+        Raises:
+            OverloadedError: ``max_pending`` requests wait already.
+        """
+        try:
+            slots = self._slots.get()
+        except LookupError:  # the first turn on this event loop
+            slots = anyio.Semaphore(self.max_num_seqs)
+            self._slots.set(slots)
+        # Who waits, as the semaphore counts it: a slot being handed to a
+        # waiter leaves the room at once, before that waiter runs again (the
+        # gate's own count lags until then).
+        queued = slots.statistics().tasks_waiting
+        if slots.value == 0 and queued >= self.max_pending:
+            raise OverloadedError(queued, retry_after=self.retry_after)
+        self.waiting += 1
+        try:
+            await slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+            slots.release()
