@@ -143,6 +143,7 @@ def create_app(
             image_cache_bytes=own.image_cache_budget,
             **_kv_quant(own),
             **_drafting(own),
+            **_prompt_disk(own),
         )
         for own in each
     ]
@@ -372,6 +373,17 @@ def _freeze_gc() -> int:
     frozen = gc.get_freeze_count()
     logger.info("froze %d objects out of later garbage collections", frozen)
     return frozen
+
+
+def _prompt_disk(own: ServerConfig) -> dict[str, Any]:
+    """The engine's disk tier keywords where ``state_dir`` is set (none
+    otherwise, so an engine factory without them still serves)."""
+    if own.state_dir is None or own.prompt_cache_disk_bytes < 1:
+        return {}
+    return {
+        "prompt_cache_dir": Path(own.state_dir) / "prompt_cache",
+        "prompt_cache_disk_bytes": own.prompt_cache_disk_bytes,
+    }
 
 
 def _kv_quant(own: ServerConfig) -> dict[str, Any]:

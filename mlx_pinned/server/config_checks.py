@@ -84,6 +84,7 @@ def check_config(config: ServerConfig) -> None:
         _at_least(config, name, 0, optional=True)
     for name in ("responses_store_max", "responses_store_bytes"):
         _at_least(config, name, 0)
+    _at_least(config, "prompt_cache_disk_bytes", 0)
     _check_origins(config)
     _check_state_dir(config)
     if config.api_key == "":
