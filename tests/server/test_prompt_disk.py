@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +169,29 @@ class TestTheFiles:
         assert list(tmp_path.iterdir()) == []
         assert cache.lookup(key(1, 2, 3, 4), 3)[1] == 3, "memory still serves"
         tier.close()
+
+    @pytest.mark.slow
+    def test_what_was_handed_over_is_written_before_the_process_exits(
+        self, tmp_path: Path
+    ) -> None:
+        script = textwrap.dedent(
+            f"""
+            import mlx.core as mx, numpy as np
+            from pathlib import Path
+            from mlx_pinned.server.engine.prompt_disk import DiskTier
+
+            tier = DiskTier(Path({str(tmp_path)!r}), 10**9, {FINGERPRINT!r})
+            kv = [(mx.ones((1, 2, 4000, 64)), mx.ones((1, 2, 4000, 64)))] * 4
+            mx.eval(kv)
+            tier.save(np.arange(4000), kv)
+            """
+        )
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+        tier = DiskTier(tmp_path, 10**9, FINGERPRINT)
+        name, length = tier.best(np.arange(4000), 4000)
+        assert length == 4000
+        assert name is not None
+        assert tier.load(name) is not None
 
     def test_the_fingerprint_tells_models_and_quantization_apart(
         self, tiny_model_path: Path, tmp_path: Path

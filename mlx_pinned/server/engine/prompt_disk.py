@@ -4,7 +4,8 @@ a prefix instead of prefilling it.
 
 Lookups and loads run on the MLX thread; writes on a thread of the tier's
 own (an entry's arrays are evaluated before they are handed over, and only
-their bytes are read there). Safe to share and to lose: a file is written
+their bytes are read there); what was handed over is written before the
+process exits. Safe to share and to lose: a file is written
 to a temporary name and renamed, so a reader never sees half of one; each
 is checked when it is loaded against its format, its model (a fingerprint
 of the model's files and the KV's quantization) and a checksum of its
@@ -14,6 +15,7 @@ that fails (a full disk) turns the tier off: the cache goes on in memory.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -156,6 +158,9 @@ class DiskTier:
                 target=self._write_all, name="mlx-pinned-prompt-disk", daemon=True
             )
             self._writer.start()
+            # A stop writes what was handed over (atexit runs before daemon
+            # threads are stopped, after the server's own shutdown).
+            atexit.register(self.close)
         self._writes.put((_name(key), key.copy(), list(layers)))
 
     def flush(self) -> None:
@@ -168,6 +173,7 @@ class DiskTier:
             self._writes.put(None)
             self._writer.join()
             self._writer = None
+            atexit.unregister(self.close)
 
     # On the writer thread.
 
