@@ -5,6 +5,7 @@ folder that cannot hold it at start."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import sqlite3
 import subprocess
@@ -175,6 +176,23 @@ class TestSQLite:
             (total,) = db.execute("SELECT sum(size) FROM responses").fetchone()
         db.close()
         assert total == again.bytes
+
+    @pytest.mark.anyio
+    async def test_a_full_disk_keeps_what_was_stored_and_refuses_the_rest(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        store = SQLiteStore.open(tmp_path, 100, 10**9)
+        assert await store.put(*turn("a"))
+        connection = store._connection
+        assert connection is not None
+        (pages,) = connection.execute("PRAGMA page_count").fetchone()
+        connection.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full
+        with caplog.at_level(logging.WARNING, "mlx_pinned.server"):
+            assert not await store.put(*turn("b", pad=100_000))
+        assert "response b not stored" in caplog.text
+        assert await kept(store, "ab") == "a"
+        assert len(store) == 1
+        await store.aclose()
 
     @pytest.mark.slow
     def test_a_kill_mid_write_loses_no_acknowledged_response(
