@@ -34,7 +34,15 @@ if TYPE_CHECKING:
 
     from .prompt_disk import DiskTier
 
-__all__ = ["CacheStatistics", "Key", "PromptCache", "image_hash", "prompt_key"]
+__all__ = [
+    "CacheStatistics",
+    "Key",
+    "PromptCache",
+    "common_prefix",
+    "image_hash",
+    "is_prefix",
+    "prompt_key",
+]
 
 Key = np.ndarray[Any, np.dtype[np.int64]]
 #: One layer's keys or values, (1, H, T, D): an array, or under ``kv_bits``
@@ -159,11 +167,7 @@ class PromptCache:
         best: _Entry | None = None
         length = 0
         for entry in self._entries.values():
-            n = min(len(entry.key), len(key), limit)
-            if n <= length:
-                continue
-            differs = np.flatnonzero(entry.key[:n] != key[:n])
-            common = int(differs[0]) if len(differs) else n
+            common = common_prefix(entry.key, key, limit, length)
             if common > length:
                 best, length = entry, common
         if self.disk is not None:
@@ -202,9 +206,7 @@ class PromptCache:
         if nbytes > self.budget:  # one from disk: served, not held
             return _Entry(key, cut, nbytes)
         for entry_id, entry in list(self._entries.items()):
-            if len(entry.key) <= len(key) and np.array_equal(
-                entry.key, key[: len(entry.key)]
-            ):
+            if is_prefix(entry.key, key):
                 self._drop(entry_id)
         entry = _Entry(key.copy(), cut, nbytes)
         self._entries[id(entry)] = entry
@@ -216,6 +218,21 @@ class PromptCache:
     def _drop(self, entry_id: int) -> None:
         entry = self._entries.pop(entry_id)
         self._bytes -= entry.nbytes
+
+
+def common_prefix(stored: Key, key: Key, limit: int, beat: int = 0) -> int:
+    """How many tokens ``stored`` and ``key`` share from the start, at most
+    ``limit``; 0 where that cannot be more than ``beat`` (not compared)."""
+    n = min(len(stored), len(key), limit)
+    if n <= beat:
+        return 0
+    differs = np.flatnonzero(stored[:n] != key[:n])
+    return int(differs[0]) if len(differs) else n
+
+
+def is_prefix(short: Key, key: Key) -> bool:
+    """Whether ``short`` is a prefix of ``key`` (or ``key`` itself)."""
+    return len(short) <= len(key) and np.array_equal(short, key[: len(short)])
 
 
 def _cut(part: Part, tokens: int, contiguous: bool = False) -> Part:

@@ -32,6 +32,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .prompt_cache import common_prefix, is_prefix
+
 __all__ = ["FORMAT", "DiskTier", "model_fingerprint"]
 
 logger = logging.getLogger("mlx_pinned.server")
@@ -113,13 +115,8 @@ class DiskTier:
         length = 0
         with self._lock:
             files = list(self._files.items())
-        probe = np.asarray(key)
         for name, file in files:
-            n = min(len(file.key), len(probe), limit)
-            if n <= length:
-                continue
-            differs = np.flatnonzero(file.key[:n] != probe[:n])
-            common = int(differs[0]) if len(differs) else n
+            common = common_prefix(file.key, key, limit, length)
             if common > length:
                 found, length = name, common
         return found, length
@@ -230,9 +227,7 @@ class DiskTier:
             prefixes = [
                 other
                 for other, file in self._files.items()
-                if other != name
-                and len(file.key) <= len(key)
-                and np.array_equal(file.key, key[: len(file.key)])
+                if other != name and is_prefix(file.key, key)
             ]
             while self._bytes > self.budget:
                 prefixes.append(next(iter(self._files)))

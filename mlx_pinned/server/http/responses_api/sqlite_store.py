@@ -92,7 +92,7 @@ class SQLiteStore(ResponseStore):
             raise _refused(folder, f"cannot write there ({_reason(exc)})") from None
         try:
             ledger = _prepare(connection, Ledger(max_count, max_bytes))
-        except _Foreign as exc:
+        except _BadFile as exc:
             connection.close()
             raise _refused(folder, f"{FILE_NAME} {exc}") from None
         except sqlite3.Error as exc:
@@ -216,8 +216,8 @@ class SQLiteStore(ResponseStore):
             self._connection = None
 
 
-class _Foreign(Exception):
-    """The file is not this store's, or of another format."""
+class _BadFile(Exception):
+    """The file is corrupt, another program's, or of another format."""
 
 
 @contextlib.contextmanager
@@ -234,8 +234,8 @@ def _transaction(connection: sqlite3.Connection) -> Iterator[sqlite3.Cursor]:
 
 
 def _prepare(connection: sqlite3.Connection, ledger: Ledger) -> Ledger:
-    """Check, make or migrate nothing, read back: the database as this
-    store reads it, with ``ledger`` filled and trimmed to its bound."""
+    """Check the database (made, if new; nothing is migrated) and read it
+    back: ``ledger`` filled, and trimmed to its bound."""
     # Held by this process until it closes the file: a second server on the
     # same folder fails here, not later with each other's rows.
     connection.execute("PRAGMA locking_mode = EXCLUSIVE")
@@ -246,7 +246,7 @@ def _prepare(connection: sqlite3.Connection, ledger: Ledger) -> Ledger:
     connection.execute("PRAGMA synchronous = NORMAL")
     (check,) = connection.execute("PRAGMA quick_check").fetchone()
     if check != "ok":
-        raise _Foreign(f"is corrupt ({check}): move it away to start empty")
+        raise _BadFile(f"is corrupt ({check}): move it away to start empty")
     with _transaction(connection) as cursor:
         (owner,) = cursor.execute("PRAGMA application_id").fetchone()
         (version,) = cursor.execute("PRAGMA user_version").fetchone()
@@ -258,11 +258,11 @@ def _prepare(connection: sqlite3.Connection, ledger: Ledger) -> Ledger:
             cursor.execute(f"PRAGMA application_id = {APPLICATION_ID}")
             cursor.execute(f"PRAGMA user_version = {FORMAT}")
         elif owner != APPLICATION_ID:
-            raise _Foreign(
+            raise _BadFile(
                 "is not a Responses store: move it away, or give another folder"
             )
         elif version != FORMAT:
-            raise _Foreign(
+            raise _BadFile(
                 f"is of format {version}, this server reads {FORMAT}: move it "
                 "away, or give another folder"
             )
