@@ -63,11 +63,11 @@ class SQLiteStore(ResponseStore):
     def __init__(
         self, connection: sqlite3.Connection, ledger: Ledger, path: Path
     ) -> None:
-        super().__init__(ledger.max_count, ledger.max_bytes)
+        # Only the query thread changes the ledger (one at a time); the loop
+        # reads it.
+        super().__init__(ledger)
         self.path = path
         self._connection: sqlite3.Connection | None = connection
-        # Only the query thread changes it (one at a time); the loop reads it.
-        self._ledger = ledger
         self._limiter = anyio.CapacityLimiter(1)
 
     @classmethod
@@ -99,17 +99,6 @@ class SQLiteStore(ResponseStore):
             connection.close()
             raise _refused(folder, _unusable(exc)) from None
         return cls(connection, ledger, path)
-
-    @property
-    def bytes(self) -> int:
-        return self._ledger.bytes
-
-    def __len__(self) -> int:
-        return len(self._ledger.entries)
-
-    def image_count(self, response_id: str) -> int | None:
-        entry = self._ledger.entries.get(response_id)
-        return None if entry is None else entry.image_count
 
     async def get(self, response_id: str) -> StoredResponse | None:
         if response_id not in self._ledger.entries:

@@ -143,28 +143,31 @@ class ResponseStore(ABC):
     durable once it returns.
 
     Args:
-        max_count: Most responses kept (0: none).
-        max_bytes: Most bytes kept, counted as their JSON's length; a response
-            larger than this alone is not kept.
+        ledger: What is kept, by id, within the bound (its ``max_count``:
+            most responses kept, 0 none; its ``max_bytes``: most bytes kept,
+            counted as their JSON's length, a response larger than this
+            alone is not kept).
     """
 
-    def __init__(self, max_count: int, max_bytes: int) -> None:
-        self.max_count = max_count
-        self.max_bytes = max_bytes
+    def __init__(self, ledger: Ledger) -> None:
+        self.max_count = ledger.max_count
+        self.max_bytes = ledger.max_bytes
+        self._ledger = ledger
 
     @property
-    @abstractmethod
     def bytes(self) -> int:
         """Bytes kept, as counted against ``max_bytes``."""
+        return self._ledger.bytes
 
-    @abstractmethod
-    def __len__(self) -> int: ...
+    def __len__(self) -> int:
+        return len(self._ledger.entries)
 
-    @abstractmethod
     def image_count(self, response_id: str) -> int | None:
         """How many images a stored response's conversation has (None: not
         stored), without waiting: where each image of a turn that continues
         it is named."""
+        entry = self._ledger.entries.get(response_id)
+        return None if entry is None else entry.image_count
 
     @abstractmethod
     async def get(self, response_id: str) -> StoredResponse | None:
@@ -194,20 +197,8 @@ class MemoryStore(ResponseStore):
     """The store in this process's memory: a restart forgets it."""
 
     def __init__(self, max_count: int, max_bytes: int) -> None:
-        super().__init__(max_count, max_bytes)
-        self._ledger = Ledger(max_count, max_bytes)
+        super().__init__(Ledger(max_count, max_bytes))
         self._kept: dict[str, StoredResponse] = {}
-
-    @property
-    def bytes(self) -> int:
-        return self._ledger.bytes
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
-    def image_count(self, response_id: str) -> int | None:
-        entry = self._ledger.entries.get(response_id)
-        return None if entry is None else entry.image_count
 
     async def get(self, response_id: str) -> StoredResponse | None:
         return self._kept.get(response_id)
