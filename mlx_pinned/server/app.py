@@ -23,11 +23,12 @@ docs/security.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -59,7 +60,7 @@ from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.playground import routes as playground_routes
 from .http.rerank import RERANK_PATHS, RerankEndpoint
 from .http.residency import Residency, StartUpRefusal
-from .http.responses_api import ResponsesEndpoint
+from .http.responses_api import ResponsesEndpoint, ResponseStore, open_store
 from .http.responses_api import routes as responses_routes
 from .http.routes import APIKeyMiddleware, ErrorEdge, model, models
 from .http.served_models import BatchGate, ServedModel, ServedModels
@@ -204,6 +205,8 @@ def create_app(
     responses = ResponsesEndpoint(*wiring, metrics=metrics)
     embeddings = EmbeddingsEndpoint(*wiring, metrics=metrics)
     rerank = RerankEndpoint(*wiring, metrics=metrics)
+    # Opened now: a state_dir that cannot hold it fails here, at start.
+    responses.store = store = open_store(config)
     routes = [
         Route("/health", functools.partial(health, readiness), methods=["GET"]),
         Route("/livez", functools.partial(live, readiness), methods=["GET"]),
@@ -266,7 +269,7 @@ def create_app(
             ),
             Exception: errors.server_error,
         },
-        lifespan=residency.running,
+        lifespan=functools.partial(_lifespan, residency, store),
     )
     app.state.config = config
     app.state.mlx_thread = mlx_thread
@@ -278,6 +281,18 @@ def create_app(
     app.state.errors = errors
     app.state.loop_turns = turns
     return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(
+    residency: Residency, store: ResponseStore, app: Starlette
+) -> AsyncIterator[None]:
+    """The models' lifespan (the registry's), then the store closed."""
+    try:
+        async with residency.running(app):
+            yield
+    finally:
+        await store.aclose()
 
 
 def _drafting(config: ServerConfig) -> dict[str, Any]:
@@ -315,6 +330,7 @@ def _load(
         image_cache_bytes=own.image_cache_budget,
         **_kv_quant(own),
         **_drafting(own),
+        **_prompt_disk(own),
     )
 
 
@@ -379,6 +395,17 @@ def _freeze_gc() -> int:
     frozen = gc.get_freeze_count()
     logger.info("froze %d objects out of later garbage collections", frozen)
     return frozen
+
+
+def _prompt_disk(own: ServerConfig) -> dict[str, Any]:
+    """The engine's disk tier keywords where ``state_dir`` is set (none
+    otherwise, so an engine factory without them still serves)."""
+    if own.state_dir is None or own.prompt_cache_disk_bytes < 1:
+        return {}
+    return {
+        "prompt_cache_dir": Path(own.state_dir) / "prompt_cache",
+        "prompt_cache_disk_bytes": own.prompt_cache_disk_bytes,
+    }
 
 
 def _kv_quant(own: ServerConfig) -> dict[str, Any]:

@@ -146,6 +146,9 @@ class GenerationParams:
             ``(opening, closing)``; the opening is empty when the chat
             template opens the reasoning itself (the HTTP side reads both
             from the model's reasoning format; the engine tokenizes them).
+        prediction: The answer's expected text (OpenAI's predicted
+            outputs): its tokens are the row's speculative drafts; the
+            answer is the same with it or without (empty: none).
     """
 
     messages: tuple[dict[str, Any], ...]
@@ -162,6 +165,7 @@ class GenerationParams:
     videos: tuple[Video, ...] = ()
     thinking_budget: int | None = None
     thinking_markers: tuple[str, str] | None = None
+    prediction: str = ""
 
     def check_prompt_tokens(self, prompt_tokens: int) -> None:
         """Refuse a prompt over this request's limits; call before prefill.
@@ -217,6 +221,10 @@ class FinalEvent:
             answer is the same either way, so events compare equal.
         stop_sequence: The stop string that ended the generation (None: it
             ended otherwise).
+        accepted_prediction_tokens: Tokens of the request's prediction the
+            answer kept (drafts verified and kept).
+        rejected_prediction_tokens: Tokens of its prediction verified and
+            not kept.
     """
 
     text: str
@@ -227,6 +235,8 @@ class FinalEvent:
     decode_seconds: float = field(default=0.0, compare=False)
     cached_tokens: int = field(default=0, compare=False)
     stop_sequence: str | None = None
+    accepted_prediction_tokens: int = field(default=0, compare=False)
+    rejected_prediction_tokens: int = field(default=0, compare=False)
 
 
 Event = TokenEvent | FinalEvent
@@ -324,6 +334,11 @@ class EngineCounters:
         speculative_rows: Their rows, summed over those steps.
         draft_tokens: Draft tokens verified.
         accepted_tokens: Draft tokens kept.
+        image_cache_bytes: Bytes of vision-tower outputs the image cache
+            holds.
+        mlx_memory: MLX's memory, the whole process's (every model's):
+            ``(active, cached, peak)`` bytes, as ``mx.get_active_memory``,
+            ``mx.get_cache_memory`` and ``mx.get_peak_memory`` give them.
     """
 
     rows: int
@@ -341,6 +356,8 @@ class EngineCounters:
     speculative_rows: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    image_cache_bytes: int = 0
+    mlx_memory: tuple[int, int, int] = (0, 0, 0)
 
 
 class Resident(Protocol):

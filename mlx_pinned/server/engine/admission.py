@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
+
 from ..failures import ImagesUnsupportedError, InvalidGrammarError
 from .logits import GrammarMatcher, new_matcher, prompt_seen
 from .prefill import MEDIA_TOKENS, preprocess
@@ -64,6 +66,9 @@ def make_row(
         matcher=_matcher(loaded, params.grammar),
         thinking=_thinking(loaded, params),
     )
+    if params.prediction:
+        encode = loaded.tokenizer.encode
+        row.prediction = np.asarray(encode(params.prediction, add_special_tokens=False))
     ids = prepared.inputs["input_ids"]
     if sampling.repetition_penalty != 1.0:
         row.seen = prompt_seen(ids, loaded.vocab_size)

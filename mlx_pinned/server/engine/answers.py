@@ -114,6 +114,8 @@ class RowAnswer:
             decode_seconds=end - first,
             cached_tokens=self.row.cached,
             stop_sequence=self._stops.hit,
+            accepted_prediction_tokens=self.row.predicted[1],
+            rejected_prediction_tokens=self.row.predicted[0] - self.row.predicted[1],
         )
 
     def _token_logprobs(self, item: Sampled) -> TokenLogprobs:

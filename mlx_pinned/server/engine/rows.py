@@ -11,6 +11,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from ..events import SamplingParams
 from .logits import GrammarMatcher, advance
@@ -49,6 +50,9 @@ class Row:
             model's reasoning format has markers.
         history: Its prompt's and answer's token ids, while the batch
             drafts by prompt lookup (:mod:`.drafting`).
+        prediction: Its request's predicted answer, as token ids: its
+            drafts (:mod:`.drafting`).
+        predicted: Tokens of its prediction verified, and those kept.
     """
 
     max_tokens: int
@@ -70,6 +74,8 @@ class Row:
     cached: int = 0
     thinking: ThinkingBudget | None = None
     history: History | None = None  # speculative decoding (.drafting)
+    prediction: np.ndarray | None = None
+    predicted: tuple[int, int] = (0, 0)
 
     def record(self, item: Sampled) -> None:
         """Give it a sampled token: its request reads it from ``pending``."""

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
     SerializerFunctionWrapHandler,
     model_serializer,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "ChoiceLogprobs",
     "ChunkChoice",
     "ChunkEncoder",
+    "CompletionTokensDetails",
     "Delta",
     "DeltaFunction",
     "DeltaToolCall",
@@ -79,6 +81,14 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_Response):
+    """``usage.completion_tokens_details``, for a request that sent a
+    ``prediction``: its tokens the answer kept, and those it did not."""
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
 class Usage(_Response):
     """Token counts of one completion."""
 
@@ -86,6 +96,9 @@ class Usage(_Response):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        default=None, exclude_if=lambda details: details is None
+    )
 
 
 class FunctionCall(_Response):

@@ -82,6 +82,19 @@ class TextPart(RequestModel):
     text: str
 
 
+class Prediction(RequestModel):
+    """``prediction``: the answer's expected text (OpenAI's predicted
+    outputs), a string or text parts."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        content = self.content
+        return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
 class ImageURL(RequestModel):
     """The ``image_url`` object of an image part; ``detail`` is accepted, unused."""
 

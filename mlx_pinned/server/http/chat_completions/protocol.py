@@ -36,6 +36,7 @@ from ..validation import parse_request
 from .messages import (
     Message,
     NamedToolChoice,
+    Prediction,
     ResponseFormat,
     StreamOptions,
     TextFormat,
@@ -52,7 +53,6 @@ _REFUSED = {
     "function_call": "it is deprecated; use 'tool_choice'",
     "moderation": "this server runs no moderation; leave it out",
     "functions": "it is deprecated; use 'tools'",
-    "prediction": "this server has no predicted outputs; leave it out",
     "web_search_options": "this server cannot search the web; leave it out",
 }
 
@@ -73,6 +73,8 @@ class ChatCompletionRequest(OpenAISamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # Predicted outputs: the answer's drafts (the answer is the same).
+    prediction: Prediction | None = None
     # vLLM's extensions, honoured (its sampling ones are shared).
     chat_template_kwargs: TemplateKwargs | None = None
     # vllm-mlx's video sampling, honoured (the server's settings bound them).
@@ -102,7 +104,6 @@ class ChatCompletionRequest(OpenAISamplingFields):
     function_call: Any = None
     functions: Any = None
     moderation: Any = None
-    prediction: Any = None
     web_search_options: Any = None
 
     _refuse = refusing(_REFUSED)
@@ -255,6 +256,7 @@ class ChatCompletionRequest(OpenAISamplingFields):
                 tool.model_dump(exclude_none=True) for tool in self.active_tools
             ),
             template_kwargs=tuple((self.chat_template_kwargs or {}).items()),
+            prediction="" if self.prediction is None else self.prediction.text,
         )
 
 

@@ -94,7 +94,7 @@ class ChatCompletionsEndpoint(GenerationEndpoint[ChatCompletionRequest]):
             created=created,
             model=reply.model,
             choices=[choice],
-            usage=usage(final),
+            usage=usage(final, predicted=reply.request.prediction is not None),
         )
         await reply.response.json(completion.model_dump_json().encode())
 
@@ -129,6 +129,7 @@ class ChatCompletionsEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         done = ChunkChoice(delta=Delta(), finish_reason=reason)
         tail.append(chunks.chunk([done]))
         if request.include_usage:
-            tail.append(chunks.chunk([], usage(final)))
+            predicted = reply.request.prediction is not None
+            tail.append(chunks.chunk([], usage(final, predicted=predicted)))
         tail.append(b"data: [DONE]\n\n")
         await send_last(reply.response, role, b"".join(tail))

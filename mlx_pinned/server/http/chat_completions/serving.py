@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from ...events import Grammar
+from ...events import GenerationParams, Grammar
 from ...formats import ToolSpec
 from ...media import VideoRef
 from ..errors import APIError
@@ -93,6 +93,8 @@ class ChatCompletionsServing:
         kwargs = request.chat_template_kwargs or {}
         params = with_budget(params, capabilities, kwargs, request.thinking_budget)
         check_logit_bias(params, capabilities.vocab_size)
+        if params.prediction:
+            check_prediction(params)
         refs = image_refs(request.messages, self.config.image_limits)
         tools = [
             ToolSpec(t.function.name, t.function.parameters)
@@ -146,3 +148,28 @@ def _answer_format(request: ChatCompletionRequest) -> tuple[str, Grammar] | None
         wanted = response_format.json_schema.json_schema
         return "response_format", Grammar("json_schema", json.dumps(wanted or {}))
     return None
+
+
+def check_prediction(params: GenerationParams) -> None:
+    """Refuse a ``prediction`` beside what reads each token before the
+    next: its drafts are verified in one pass, which such rows cannot be.
+
+    Raises:
+        APIError: 400 naming ``prediction``.
+    """
+    sampling = params.sampling
+    beside = [
+        ("a grammar (response_format or a forced tool call)", params.grammar),
+        ("logit_bias", sampling.logit_bias),
+        ("penalties", sampling.penalized),
+        ("a thinking budget", params.thinking_budget is not None),
+    ]
+    for what, there in beside:
+        if there:
+            raise APIError(
+                400,
+                f"Invalid value for 'prediction': a predicted output cannot be "
+                f"used with {what}; send one or the other.",
+                param="prediction",
+                code="unsupported_value",
+            )
