@@ -15,7 +15,11 @@ tokens each, several ways, alternating round by round (ABCABC...):
   reads the events' bytes as they come, parsing only the last (the usage),
   as a proxy does; ``whole`` asks for whole answers (``stream: false``)
   through aiohttp. ``--compare ARGS`` adds servers with other options to
-  the same rounds (``server2/CLIENT``, ...).
+  the same rounds (``server2/CLIENT``, ...); ``--compare-tree DIR`` adds
+  the same server as ``server`` run from another checkout of mlx-pinned
+  (its ``PYTHONPATH`` is ``DIR``, e.g. a ``git worktree`` of an older
+  commit), named after the folder (``DIR_NAME/CLIENT``): a change measured
+  against the code before it in the same rounds.
 
 Each way's tokens/s counts the tokens every request received over the wall
 time from the first request sent to the last token read (prompts are short:
@@ -30,7 +34,7 @@ server with less of it. Expensive: a quiet machine, never CI.
 ::
 
     python benchmarks/decode_ceiling.py [--rows 32] [--tokens 256] [--rounds 5]
-        [--clients httpx,lean,whole]
+        [--clients httpx,lean,whole] [--compare ARGS] [--compare-tree DIR]
 """
 
 from __future__ import annotations
@@ -191,6 +195,12 @@ async def main_async(args: argparse.Namespace) -> None:
     servers = {"server": [*command, *args.server_args.split()]}
     for i, extra in enumerate(args.compare):
         servers[f"server{i + 2}"] = [*command, *extra.split()]
+    for tree in args.compare_tree:
+        name = tree.name
+        while name in servers:
+            name += "'"
+        env = ["env", f"PYTHONPATH={tree}"]
+        servers[name] = [*env, *command, *args.server_args.split()]
     folder = Path(tempfile.mkdtemp())
     limits = httpx.Limits(max_connections=args.rows + 4)
     # Each way: what runs a round (the tokens it got), and the server's pid.
@@ -216,7 +226,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 httpx.AsyncClient(base_url=base, timeout=600, limits=limits)
             )
             await wait_for(client, process, "/health", 120)
-            print(f"{name}: {' '.join(argv[1:])}", flush=True)
+            print(f"{name}: {' '.join(argv)}", flush=True)
             url = base + "/v1/chat/completions"
             rounds = {
                 "httpx": functools.partial(httpx_round, client, args.rows),
@@ -288,6 +298,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ARGS",
         help="another server, with these options (as one string), in the same "
         "rounds: server2, server3, ...",
+    )
+    parser.add_argument(
+        "--compare-tree",
+        action="append",
+        type=lambda folder: Path(folder).resolve(),
+        default=[],
+        metavar="DIR",
+        help="the same server run from another checkout (PYTHONPATH=DIR), in "
+        "the same rounds, named after the folder",
     )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.rows < 1 or args.tokens < 1:
