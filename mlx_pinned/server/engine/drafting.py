@@ -194,6 +194,9 @@ class Drafting:
         """Whether the batch's next step may speculate: it has rows, no more
         than :attr:`DraftSettings.max_batch` with those joining it, and
         every row in it, joining it or queued for it can draft."""
+        most = self.settings.max_batch
+        if not batch.rows or (most and len(batch.rows) > most):
+            return False  # at once: a large batch pays nothing more per step
         joining = [row for rows, _ in batch.joining for row in rows]
         waiting = [*batch.waiting, *(row for row, _ in batch.prefilling)]
         live = [
@@ -201,8 +204,7 @@ class Drafting:
             for row in (*batch.rows, *joining, *waiting)
             if not (row.gone or row.done or row in batch.leaving)
         ]
-        most = self.settings.max_batch
-        if not batch.rows or (most and len(live) > most):
+        if most and len(live) > most:
             return False
         if self.source is None and all(row.prediction is None for row in live):
             return False  # nothing would draft
