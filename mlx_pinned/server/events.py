@@ -87,6 +87,18 @@ class SamplingParams:
         logit_bias: ``(token id, bias)`` pairs added to the logits.
         logprobs: Whether each token's log-probability is returned.
         top_logprobs: How many alternatives to return per token.
+        min_tokens: No end of turn nor stop token before this many tokens
+            (vLLM's: their logits are -inf until then, and stop strings
+            are not looked for).
+        ignore_eos: The model's ends of turn do not end the generation
+            (vLLM's: it runs to ``max_tokens``, a stop string or a stop
+            token).
+        stop_token_ids: Token ids that end the generation, as an end of
+            turn does (vLLM's).
+        allowed_token_ids: Only these tokens may be sampled (vLLM's; empty:
+            every token).
+        eos_token_ids: The model's end-of-turn tokens; filled in at
+            admission, never by a request.
     """
 
     temperature: float | None = None
@@ -100,6 +112,24 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+
+    def ends(self, token: int) -> bool:
+        """Whether ``token`` ends the generation (resolved: see
+        ``eos_token_ids``)."""
+        if token in self.stop_token_ids:
+            return True
+        return not self.ignore_eos and token in self.eos_token_ids
+
+    @property
+    def held_token_ids(self) -> tuple[int, ...]:
+        """The tokens kept off until ``min_tokens``: every end of turn and
+        stop token, as vLLM keeps them off (under ``ignore_eos`` too)."""
+        return (*self.eos_token_ids, *self.stop_token_ids)
 
     @property
     def penalized(self) -> bool:
@@ -123,6 +153,10 @@ class GenerationParams:
         max_tokens: Most tokens to generate.
         sampling: How its tokens are picked.
         stop: Stop strings; generation ends before them.
+        include_stop_str_in_output: The text ends with the stop string, or
+            the stop token's text, that ended it (vLLM's).
+        skip_special_tokens: Special tokens are left out of the text
+            (vLLM's; False: their text is in it, as mlx-vlm gives it).
         max_prompt_tokens: Refuse a longer prompt (None: no limit of its own).
         context_length: Refuse a prompt that, with ``max_tokens``, is longer
             (None: the model has no known context length).
@@ -151,6 +185,8 @@ class GenerationParams:
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = False
     max_prompt_tokens: int | None = None
     context_length: int | None = None
     grammar: Grammar | None = None

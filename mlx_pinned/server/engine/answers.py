@@ -26,6 +26,7 @@ from .model import LoadedModel
 from .quirks import SequenceText
 from .rows import Row
 from .sampling import Sampled
+from .special_tokens import special_tokens
 from .text import StopMatcher
 
 if TYPE_CHECKING:
@@ -55,8 +56,15 @@ class RowAnswer:
         self.loaded = loaded
         self.row = row
         self._logprobs = params.sampling.logprobs
+        self._min_tokens = params.sampling.min_tokens
+        self._include_stop = params.include_stop_str_in_output
+        self._skipped = (
+            frozenset(special_tokens(loaded).values())
+            if params.skip_special_tokens
+            else frozenset()
+        )
         self._text = SequenceText(loaded)
-        self._stops = StopMatcher(params.stop)
+        self._stops = StopMatcher(params.stop, include=self._include_stop)
         self._start = start
         self._first_token_at: float | None = None
         self._completion = 0
@@ -69,12 +77,18 @@ class RowAnswer:
         items: list[Item] = []
         while row.pending:
             item = row.pending.popleft()
-            if item.eos:
-                tail, _ = self._stops.feed(self._text.finish())
+            if item.eos:  # an end of turn or a stop token: not counted
+                tail = self._add(item.token) if self._include_stop else ""
+                tail, _ = self._stops.feed(tail + self._text.finish())
                 items.append(self._final(tail, "stop"))
                 return items, True
-            piece, stopped = self._stops.feed(self._text.add(item.token))
+            text = self._add(item.token)
             self._completion += 1
+            # vLLM looks for stop strings only past min_tokens.
+            if self._completion > self._min_tokens:
+                piece, stopped = self._stops.feed(text)
+            else:
+                piece, stopped = text, False
             if self._first_token_at is None:
                 self._first_token_at = time.perf_counter()
             logprobs = self._token_logprobs(item) if self._logprobs else None
@@ -90,6 +104,11 @@ class RowAnswer:
             items.append(self._final(tail, "stop" if stopped else "length"))
             return items, True
         return items, False
+
+    def _add(self, token: int) -> str:
+        """The text ``token`` completes; none for a special token left out
+        (``skip_special_tokens``)."""
+        return "" if token in self._skipped else self._text.add(token)
 
     def _final(self, tail: str, finish: FinishReason) -> FinalEvent:
         tail += self._stops.flush()  # held back as a possible stop string

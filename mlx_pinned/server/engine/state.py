@@ -97,7 +97,7 @@ class BatchState:
         self.leaving: set[Row] = set()
         self.cache: list[Any] | None = None
         self.deltas: mx.array | None = None
-        self.decoder = Decoder(loaded.tokenizer.stopping_criteria)
+        self.decoder = Decoder()
         self.prefills = self.passes = 0
         self.prefill_seconds = self.step_seconds = 0.0
         self.steps = self.decoded = self.peak_active = 0
@@ -199,7 +199,7 @@ class BatchState:
                 group = prefill_together(
                     self.loaded, [_prepared(r) for r in rows], self.kv_quant
                 )
-                first_tokens(rows, group, self.decoder.stop)
+                first_tokens(rows, group)
             except Exception:  # find the culprit: each alone (none sampled yet)
                 alone += rows
             else:
@@ -242,7 +242,7 @@ class BatchState:
             if group is None:
                 self.pacer.observe(left - job.left, time.perf_counter() - start)
                 return []
-            first_tokens([row], group, self.decoder.stop)
+            first_tokens([row], group)
         except Exception as exc:
             row.error, row.done = exc, True
         else:
@@ -403,7 +403,7 @@ class BatchState:
         if drafting is not None and drafting.applies(self):
             if decoder.inflight is not None:
                 return decoder.drain()
-            stepped = drafting.verify(self, decoder.stop)
+            stepped = drafting.verify(self)
             if stepped is not None:
                 return stepped
         if decoder.inflight is None:

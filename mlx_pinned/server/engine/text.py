@@ -13,11 +13,13 @@ class StopMatcher:
     """Cuts generated text at the first stop string.
 
     Text that could be the start of a stop string is held back until it is
-    known not to be one, so a stop string never reaches the client.
+    known not to be one, so a stop string never reaches the client; with
+    ``include`` (vLLM's ``include_stop_str_in_output``) the text ends with it.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], *, include: bool = False) -> None:
         self.stops = tuple(stops)
+        self._include = include
         self._pending = ""
         self.hit: str | None = None  # the stop string that ended the text
 
@@ -31,7 +33,8 @@ class StopMatcher:
             self._pending = ""
             first = min(hits)
             self.hit = next(s for s in self.stops if pending.find(s) == first)
-            return pending[:first], True
+            end = first + len(self.hit) if self._include else first
+            return pending[:end], True
         hold = 0
         for k in range(min(len(pending), max(map(len, self.stops)) - 1), 0, -1):
             if any(s.startswith(pending[-k:]) for s in self.stops):

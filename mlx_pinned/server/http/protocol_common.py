@@ -172,9 +172,17 @@ def floor_top_p(top_p: float | None) -> float | None:
     return None if top_p is None else max(top_p, _TOP_P_FLOOR)
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=4096)]
+
+
 class OpenAISamplingFields(RequestBody):
     """The sampling fields OpenAI's chat and legacy completions share, with
-    vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``)."""
+    vLLM's extensions: its sampling ones (``top_k``, ``min_p``,
+    ``repetition_penalty``, ``allowed_token_ids``), its stopping ones
+    (``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+    ``include_stop_str_in_output``) and its text ones
+    (``skip_special_tokens``, ``spaces_between_special_tokens``), each with
+    vLLM's meaning and default."""
 
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -186,6 +194,16 @@ class OpenAISamplingFields(RequestBody):
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
+    allowed_token_ids: Annotated[TokenIds, Field(min_length=1)] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: bool = False
+    # None: the special tokens' text is kept, as mlx-vlm gives it (the
+    # server's format parsers read markers that are special tokens).
+    skip_special_tokens: bool | None = None
+    # Hugging Face's fast tokenizers (every one mlx-vlm loads) ignore it.
+    spaces_between_special_tokens: bool = True
 
     @field_validator("logit_bias")
     @classmethod
@@ -232,4 +250,17 @@ class OpenAISamplingFields(RequestBody):
             ),
             logprobs=logprobs,
             top_logprobs=top_logprobs if logprobs else 0,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
         )
+
+    def text_fields(self) -> dict[str, Any]:
+        """The fields that shape the answer's text, as the shared generation
+        request's arguments."""
+        return {
+            "stop": self.stop_sequences,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": bool(self.skip_special_tokens),
+        }

@@ -247,7 +247,7 @@ class ChatCompletionRequest(OpenAISamplingFields):
             sampling=self.sampling_params(
                 logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs or 0
             ),
-            stop=self.stop_sequences,
+            **self.text_fields(),
             max_prompt_tokens=max_prompt_tokens,
             context_length=context_length,
             grammar=grammar,

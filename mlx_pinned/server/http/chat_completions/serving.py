@@ -26,8 +26,8 @@ from ..errors import APIError
 from ..serving_common import (
     ForcedCall,
     Prepared,
-    check_logit_bias,
     check_prompt_text,
+    check_token_fields,
     max_tokens,
     no_tool_call_format,
     request_grammar,
@@ -92,7 +92,7 @@ class ChatCompletionsServing:
         )
         kwargs = request.chat_template_kwargs or {}
         params = with_budget(params, capabilities, kwargs, request.thinking_budget)
-        check_logit_bias(params, capabilities.vocab_size)
+        check_token_fields(params, capabilities.vocab_size)
         refs = image_refs(request.messages, self.config.image_limits)
         tools = [
             ToolSpec(t.function.name, t.function.parameters)

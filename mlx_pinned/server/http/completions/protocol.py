@@ -145,7 +145,7 @@ class CompletionRequest(OpenAISamplingFields):
             sampling=self.sampling_params(
                 logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0
             ),
-            stop=self.stop_sequences,
+            **self.text_fields(),
             max_prompt_tokens=max_prompt_tokens,
             context_length=context_length,
         )

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..serving_common import (
-    check_logit_bias,
     check_prompt_text,
+    check_token_fields,
     max_tokens,
     out_of_vocabulary,
 )
@@ -78,7 +78,7 @@ class CompletionsServing:
                 max_prompt_tokens=max_prompt,
                 context_length=capabilities.context_length,
             )
-            check_logit_bias(one, vocab)
+            check_token_fields(one, vocab)
             if isinstance(prompt, str):
                 check_prompt_text(self.config, capabilities, len(prompt))
                 echo = prompt
