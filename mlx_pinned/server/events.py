@@ -52,13 +52,14 @@ class Grammar:
 
     Attributes:
         kind: ``json_schema`` (``source`` is a JSON schema, as text),
-            ``json_object`` (any JSON object; ``source`` is ignored) or
-            ``lark`` (``source`` is an llguidance Lark grammar, which may
-            embed JSON schemas with ``%json {...}``).
+            ``json_object`` (any JSON object; ``source`` is ignored),
+            ``regex`` (``source`` is a regular expression the whole text
+            matches) or ``lark`` (``source`` is an llguidance Lark grammar,
+            which may embed JSON schemas with ``%json {...}``).
         source: The grammar's text.
     """
 
-    kind: Literal["json_schema", "json_object", "lark"]
+    kind: Literal["json_schema", "json_object", "regex", "lark"]
     source: str = ""
 
 

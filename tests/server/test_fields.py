@@ -38,6 +38,11 @@ VLLM_EXTENSIONS |= {
     "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
     "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids",
 }  # fmt: skip
+# vLLM's constrained answers (structured_outputs.py).
+VLLM_EXTENSIONS |= {
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar",
+}  # fmt: skip
 # vllm-mlx's video sampling.
 VLLM_EXTENSIONS |= {"video_fps", "video_max_frames"}
 TOOL = {

@@ -10,6 +10,8 @@ if the field were ignored.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 import pytest
@@ -278,3 +280,92 @@ class TestDoors:
             )
             assert response.status_code == 400, response.text
             assert response.json()["error"]["param"] == param
+
+
+BOOLEAN = {
+    "type": "object",
+    "properties": {"a": {"type": "boolean"}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.anyio
+class TestStructuredOutputs:
+    @pytest.mark.parametrize(
+        "fields",
+        [
+            {"guided_choice": ["yes", "no"]},
+            {"structured_outputs": {"choice": ["yes", "no"]}},
+        ],
+    )
+    async def test_a_choice_is_one_of_them(
+        self, serve: Serve, fields: dict[str, Any]
+    ) -> None:
+        reply = await chat(serve, max_tokens=30, **fields)
+        assert reply["choices"][0]["message"]["content"] in ("yes", "no")
+        assert reply["choices"][0]["finish_reason"] == "stop"
+
+    @pytest.mark.parametrize(
+        "fields",
+        [
+            {"guided_json": BOOLEAN},
+            {"structured_outputs": {"json": json.dumps(BOOLEAN)}},
+        ],
+    )
+    async def test_a_json_schema_holds_on_both_doors(
+        self, serve: Serve, fields: dict[str, Any]
+    ) -> None:
+        reply = await chat(serve, max_tokens=30, **fields)
+        assert isinstance(
+            json.loads(reply["choices"][0]["message"]["content"])["a"], bool
+        )
+        reply = await complete(serve, max_tokens=30, **fields)
+        assert isinstance(json.loads(reply["choices"][0]["text"])["a"], bool)
+
+    async def test_a_regex_is_matched_whole(self, serve: Serve) -> None:
+        for fields in (
+            {"guided_regex": "[ab]{3}-[0-9]"},
+            {"structured_outputs": {"regex": "[ab]{3}-[0-9]"}},
+        ):
+            text = (await complete(serve, max_tokens=30, **fields))["choices"][0]
+            assert re.fullmatch("[ab]{3}-[0-9]", text["text"]), text
+
+    async def test_a_lark_grammar_is_followed(self, serve: Serve) -> None:
+        grammar = 'start: "x" ("y" | "z") "!"'
+        reply = await chat(serve, max_tokens=30, guided_grammar=grammar)
+        assert reply["choices"][0]["message"]["content"] in ("xy!", "xz!")
+
+    @pytest.mark.parametrize(
+        ("fields", "param"),
+        [
+            (
+                {"guided_regex": "a", "structured_outputs": {"regex": "b"}},
+                "guided_regex",
+            ),
+            (
+                {"guided_choice": ["a"], "response_format": {"type": "json_object"}},
+                "guided_choice",
+            ),
+            ({"structured_outputs": {}}, "structured_outputs"),
+            (
+                {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+                "structured_outputs",
+            ),
+            ({"guided_grammar": "start: ::= x"}, "guided_grammar"),
+            ({"guided_json": {"type": "nope"}}, "guided_json"),
+            ({"structured_outputs": {"structural_tag": {}}}, "structured_outputs"),
+        ],
+    )
+    async def test_bad_or_conflicting_constraints_are_a_400(
+        self, serve: Serve, fields: dict[str, Any], param: str
+    ) -> None:
+        async with serve() as served:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Hi"}],
+                **fields,
+            }
+            response = await served.chat(body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"].startswith(param), response.text

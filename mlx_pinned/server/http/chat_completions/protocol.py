@@ -31,6 +31,7 @@ from ..protocol_common import (
     refusing,
     unsupported_value,
 )
+from ..structured_outputs import StructuredOutputFields
 from ..thinking import EFFORT_BUDGETS
 from ..validation import parse_request
 from .messages import (
@@ -57,7 +58,7 @@ _REFUSED = {
 }
 
 
-class ChatCompletionRequest(OpenAISamplingFields):
+class ChatCompletionRequest(OpenAISamplingFields, StructuredOutputFields):
     """The body of ``POST /v1/chat/completions``."""
 
     model: str

@@ -18,8 +18,9 @@ from typing import Annotated, Any
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from ...events import GenerationParams
+from ...events import GenerationParams, Grammar
 from ..protocol_common import OpenAISamplingFields, StreamOptions, unsupported
+from ..structured_outputs import StructuredOutputFields
 from ..validation import parse_request
 
 __all__ = [
@@ -45,7 +46,7 @@ Prompt = (
 )
 
 
-class CompletionRequest(OpenAISamplingFields):
+class CompletionRequest(OpenAISamplingFields, StructuredOutputFields):
     """The body of ``POST /v1/completions``."""
 
     model: str
@@ -134,9 +135,11 @@ class CompletionRequest(OpenAISamplingFields):
         *,
         max_prompt_tokens: int | None = None,
         context_length: int | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationParams:
         """One prompt of this request as the shared generation request, with
-        ``max_tokens`` resolved: the prompt raw, without the chat template."""
+        ``max_tokens`` resolved and its ``grammar`` checked: the prompt raw,
+        without the chat template."""
         return GenerationParams(
             messages=(),
             prompt=prompt,
@@ -148,6 +151,7 @@ class CompletionRequest(OpenAISamplingFields):
             **self.text_fields(),
             max_prompt_tokens=max_prompt_tokens,
             context_length=context_length,
+            grammar=grammar,
         )
 
 

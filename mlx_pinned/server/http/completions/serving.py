@@ -20,6 +20,7 @@ from ..serving_common import (
     check_token_fields,
     max_tokens,
     out_of_vocabulary,
+    request_grammar,
 )
 from .protocol import OPENAI_DEFAULT_MAX_TOKENS
 
@@ -69,6 +70,7 @@ class CompletionsServing:
         least = min(OPENAI_DEFAULT_MAX_TOKENS, self.config.max_tokens_limit)
         most = max_tokens(self.config, "max_tokens", request.max_tokens, default=least)
         vocab = capabilities.vocab_size
+        grammar = await request_grammar(None, None, request.structured_grammar())
         params: list[GenerationParams] = []
         echoes: list[str] = []
         for prompt in request.prompts:
@@ -77,6 +79,7 @@ class CompletionsServing:
                 most,
                 max_prompt_tokens=max_prompt,
                 context_length=capabilities.context_length,
+                grammar=grammar,
             )
             check_token_fields(one, vocab)
             if isinstance(prompt, str):
