@@ -38,6 +38,14 @@ VLLM_EXTENSIONS |= {
     "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
     "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids",
 }  # fmt: skip
+# vLLM's assistant prefill.
+VLLM_EXTENSIONS |= {"add_generation_prompt", "continue_final_message"}
+VLLM_EXTENSIONS |= {"add_special_tokens"}
+# vLLM's fields this server refuses by name (protocol_common.VLLM_REFUSED).
+VLLM_EXTENSIONS |= {
+    "truncate_prompt_tokens", "bad_words", "priority",
+    "return_tokens_as_token_ids", "prompt_logprobs",
+}  # fmt: skip
 # vLLM's constrained answers (structured_outputs.py).
 VLLM_EXTENSIONS |= {
     "structured_outputs", "guided_json", "guided_regex", "guided_choice",

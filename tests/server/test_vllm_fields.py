@@ -369,3 +369,93 @@ class TestStructuredOutputs:
             response = await served.chat(body)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"].startswith(param), response.text
+
+
+PREFILL = [
+    {"role": "user", "content": "Hello there"},
+    {"role": "assistant", "content": "Sure, the"},
+]
+
+
+@pytest.mark.anyio
+class TestAssistantPrefill:
+    async def test_continue_final_message_continues_the_assistants_text(
+        self, serve: Serve, loaded: LoadedModel
+    ) -> None:
+        from mlx_vlm.prompt_utils import apply_chat_template
+
+        rendered = apply_chat_template(
+            loaded.processor,
+            loaded.config,
+            PREFILL,
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
+        assert str(rendered).endswith("Sure, the")
+        fields = {"logprobs": True, "messages": PREFILL}
+        reply = await chat(
+            serve, add_generation_prompt=False, continue_final_message=True, **fields
+        )
+        raw = await complete(
+            serve, prompt=str(rendered), add_special_tokens=False, logprobs=1
+        )
+        assert reply["choices"][0]["message"]["content"] == raw["choices"][0]["text"]
+        ours = [t["logprob"] for t in reply["choices"][0]["logprobs"]["content"]]
+        theirs = raw["choices"][0]["logprobs"]["token_logprobs"]
+        assert ours == pytest.approx(theirs, abs=TOL)
+        # Without it, the assistant's turn is closed and a new one opened.
+        plain = await chat(serve, **fields)
+        assert (
+            plain["choices"][0]["message"]["content"]
+            != reply["choices"][0]["message"]["content"]
+        )
+
+    @pytest.mark.parametrize(
+        ("fields", "param"),
+        [
+            ({"continue_final_message": True}, "continue_final_message"),
+            (
+                {
+                    "continue_final_message": True,
+                    "add_generation_prompt": False,
+                    "messages": [{"role": "user", "content": "Hi"}],
+                },
+                "continue_final_message",
+            ),
+            ({"add_special_tokens": True}, "add_special_tokens"),
+        ],
+    )
+    async def test_a_prefill_that_cannot_be_is_a_400(
+        self, serve: Serve, fields: dict[str, Any], param: str
+    ) -> None:
+        async with serve() as served:
+            body = {"model": MODEL, "messages": PREFILL, **fields}
+            response = await served.chat(body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("truncate_prompt_tokens", 8),
+        ("bad_words", ["x"]),
+        ("priority", 1),
+        ("return_tokens_as_token_ids", True),
+        ("prompt_logprobs", 1),
+    ],
+)
+async def test_vllm_fields_still_refused_name_themselves_on_both_doors(
+    serve: Serve, name: str, value: Any
+) -> None:
+    async with serve() as served:
+        chat_body = {"model": MODEL, "messages": PREFILL[:1], name: value}
+        response = await served.chat(chat_body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == (name, "unsupported_parameter")
+        completion = {"model": MODEL, "prompt": "Hi", name: value}
+        response = await served.client.post("/v1/completions", json=completion)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == name

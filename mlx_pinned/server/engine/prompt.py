@@ -38,6 +38,7 @@ def build_prompt(
         if part["type"] == "image_url"
     )
     extra: dict[str, Any] = dict(template_kwargs)
+    opened = bool(extra.pop("add_generation_prompt", True))
     if tools:
         extra["tools"] = list(tools)
     if any(
@@ -47,9 +48,14 @@ def build_prompt(
         for part in m["content"]
     ):
         marked = [_marked(m) for m in messages]
-        return str(get_chat_template(loaded.processor, marked, True, **extra))
+        return str(get_chat_template(loaded.processor, marked, opened, **extra))
     prompt = apply_chat_template(
-        loaded.processor, loaded.config, list(messages), num_images=num_images, **extra
+        loaded.processor,
+        loaded.config,
+        list(messages),
+        add_generation_prompt=opened,
+        num_images=num_images,
+        **extra,
     )
     return str(prompt)
 

@@ -28,6 +28,7 @@ from ..events import SamplingParams
 
 __all__ = [
     "TEMPLATE_ARGUMENTS",
+    "VLLM_REFUSED",
     "OpenAISamplingFields",
     "RequestBody",
     "Stop",
@@ -61,6 +62,18 @@ TEMPLATE_ARGUMENTS = frozenset(
         "tools",
     }
 )
+
+
+#: vLLM's fields both doors declare and refuse whenever set, and why.
+VLLM_REFUSED = {
+    "truncate_prompt_tokens": "this server does not cut prompts; send a shorter one",
+    "bad_words": "this server has no banned words; use 'logit_bias'",
+    "priority": "this server admits requests in arrival order; leave it out",
+    "return_tokens_as_token_ids": (
+        "this server shows tokens as text; read 'bytes' for the exact token"
+    ),
+    "prompt_logprobs": "this server does not compute a prompt's log-probabilities",
+}
 
 
 class RequestBody(BaseModel):
@@ -204,6 +217,14 @@ class OpenAISamplingFields(RequestBody):
     skip_special_tokens: bool | None = None
     # Hugging Face's fast tokenizers (every one mlx-vlm loads) ignore it.
     spaces_between_special_tokens: bool = True
+    # Refused whenever set (VLLM_REFUSED says why).
+    truncate_prompt_tokens: Any = None
+    bad_words: Any = None
+    priority: Any = None
+    return_tokens_as_token_ids: Any = None
+    prompt_logprobs: Any = None
+
+    _refuse_vllm = refusing(VLLM_REFUSED)
 
     @field_validator("logit_bias")
     @classmethod
