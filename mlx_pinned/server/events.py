@@ -33,6 +33,7 @@ __all__ = [
     "FinishReason",
     "GenerationParams",
     "Grammar",
+    "PromptLogprob",
     "SamplingParams",
     "TokenEvent",
     "TokenLogprobs",
@@ -100,6 +101,10 @@ class SamplingParams:
             every token).
         eos_token_ids: The model's end-of-turn tokens; filled in at
             admission, never by a request.
+        prompt_logprobs: The prompt's log-probabilities are computed in its
+            prefill, with this many alternatives per token (vLLM's
+            ``prompt_logprobs``; None: not computed). A prompt that asks
+            for them is prefilled whole, never from the prompt cache.
     """
 
     temperature: float | None = None
@@ -118,6 +123,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: int | None = None
 
     def ends(self, token: int) -> bool:
         """Whether ``token`` ends the generation (resolved: see
@@ -224,6 +230,30 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprob:
+    """A prompt token's log-probability given the tokens before it.
+
+    Attributes:
+        token_id: The token.
+        token: Its text, as log-probabilities show it.
+        bytes: Its UTF-8 bytes.
+        logprob: Its log-probability (raw: the model's distribution); None
+            for the prompt's first token, which nothing comes before.
+        rank: Its rank in that distribution (1: the most likely); None
+            with ``logprob``.
+        top: The most likely tokens there, likeliest first: id, text,
+            log-probability.
+    """
+
+    token_id: int
+    token: str
+    bytes: list[int]
+    logprob: float | None
+    rank: int | None
+    top: tuple[tuple[int, str, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     """One generated token.
 
@@ -253,6 +283,9 @@ class FinalEvent:
             answer is the same either way, so events compare equal.
         stop_sequence: The stop string that ended the generation (None: it
             ended otherwise).
+        prompt_logprobs: The prompt's tokens with their log-probabilities
+            (the first's None: nothing comes before it), when asked for
+            (``SamplingParams.prompt_logprobs``); empty otherwise.
     """
 
     text: str
@@ -263,6 +296,7 @@ class FinalEvent:
     decode_seconds: float = field(default=0.0, compare=False)
     cached_tokens: int = field(default=0, compare=False)
     stop_sequence: str | None = None
+    prompt_logprobs: tuple[PromptLogprob, ...] = field(default=(), compare=False)
 
 
 Event = TokenEvent | FinalEvent

@@ -44,8 +44,10 @@ VLLM_EXTENSIONS |= {"add_special_tokens"}
 # vLLM's fields this server refuses by name (protocol_common.VLLM_REFUSED).
 VLLM_EXTENSIONS |= {
     "truncate_prompt_tokens", "bad_words", "priority",
-    "return_tokens_as_token_ids", "prompt_logprobs",
+    "return_tokens_as_token_ids",
 }  # fmt: skip
+# vLLM's prompt log-probabilities (prefill.py).
+VLLM_EXTENSIONS |= {"prompt_logprobs"}
 # vLLM's constrained answers (structured_outputs.py).
 VLLM_EXTENSIONS |= {
     "structured_outputs", "guided_json", "guided_regex", "guided_choice",

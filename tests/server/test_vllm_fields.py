@@ -443,7 +443,6 @@ class TestAssistantPrefill:
         ("bad_words", ["x"]),
         ("priority", 1),
         ("return_tokens_as_token_ids", True),
-        ("prompt_logprobs", 1),
     ],
 )
 async def test_vllm_fields_still_refused_name_themselves_on_both_doors(

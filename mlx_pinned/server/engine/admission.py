@@ -53,10 +53,11 @@ def make_row(
         raise ImagesUnsupportedError()
     sampling = resolve_sampling(loaded, params.sampling)
     prepared = preprocess(loaded, params, images)
+    prepared.scored = sampling.prompt_logprobs
     # Refused before anything is prefilled.
     params.check_prompt_tokens(prepared.prompt_tokens)
     row = Row(
-        max_tokens=params.max_tokens,
+        max_tokens=max(params.max_tokens, 1),  # 0: one sampled, none handed out
         sampling=sampling,
         prompt_tokens=prepared.prompt_tokens,
         token=prepared.last,

@@ -19,6 +19,7 @@ from ..events import (
     FinalEvent,
     FinishReason,
     GenerationParams,
+    PromptLogprob,
     TokenEvent,
     TokenLogprobs,
 )
@@ -56,6 +57,7 @@ class RowAnswer:
         self.loaded = loaded
         self.row = row
         self._logprobs = params.sampling.logprobs
+        self._max_tokens = params.max_tokens
         self._min_tokens = params.sampling.min_tokens
         self._include_stop = params.include_stop_str_in_output
         self._skipped = (
@@ -76,6 +78,10 @@ class RowAnswer:
         row = self.row
         items: list[Item] = []
         while row.pending:
+            if self._completion >= self._max_tokens:  # max_tokens 0: none
+                row.pending.clear()
+                items.append(self._final(self._stops.feed("")[0], "length"))
+                return items, True
             item = row.pending.popleft()
             if item.eos:  # an end of turn or a stop token: not counted
                 tail = self._add(item.token) if self._include_stop else ""
@@ -123,7 +129,23 @@ class RowAnswer:
             decode_seconds=end - first,
             cached_tokens=self.row.cached,
             stop_sequence=self._stops.hit,
+            prompt_logprobs=self._prompt_logprobs(),
         )
+
+    def _prompt_logprobs(self) -> tuple[PromptLogprob, ...]:
+        scores = self.row.scores
+        if scores is None:
+            return ()
+        token_text = self.loaded.token_text
+        first, *rest = scores.tokens
+        out = [PromptLogprob(first, *token_text(first), None, None, ())]
+        for token, logprob, rank, top in zip(
+            rest, scores.logprobs, scores.ranks, scores.top, strict=True
+        ):
+            text, raw = token_text(token)
+            alternatives = tuple((i, token_text(i)[0], value) for i, value in top)
+            out.append(PromptLogprob(token, text, raw, logprob, rank, alternatives))
+        return tuple(out)
 
     def _token_logprobs(self, item: Sampled) -> TokenLogprobs:
         token_text = self.loaded.token_text

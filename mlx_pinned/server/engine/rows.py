@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from ..events import SamplingParams
 from .logits import GrammarMatcher, advance
-from .prefill import Prepared
+from .prefill import Prepared, PromptScores
 from .prompt_cache import Key
 from .prompt_lookup import History
 from .sampling import Sampled
@@ -49,6 +49,8 @@ class Row:
             model's reasoning format has markers.
         history: Its prompt's and answer's token ids, while the batch
             drafts by prompt lookup (:mod:`.drafting`).
+        scores: Its prompt's log-probabilities, once prefilled, when its
+            request asked for them.
     """
 
     max_tokens: int
@@ -70,6 +72,7 @@ class Row:
     cached: int = 0
     thinking: ThinkingBudget | None = None
     history: History | None = None  # speculative decoding (.drafting)
+    scores: PromptScores | None = None
 
     def record(self, item: Sampled) -> None:
         """Give it a sampled token: its request reads it from ``pending``."""

@@ -182,7 +182,12 @@ class BatchState:
         if not waiting and not self.prefilling:
             return False
         start = time.perf_counter()
-        prefixes = {row: self._reuse(row) for row in waiting if row.key is not None}
+        # A scored prompt is prefilled whole: a cached prefix has no scores.
+        prefixes = {
+            row: self._reuse(row)
+            for row in waiting
+            if row.key is not None and row.sampling.prompt_logprobs is None
+        }
         step = self.prefill_step
         together = [
             r
@@ -267,6 +272,8 @@ class BatchState:
     def _joined(self, rows: list[Row], group: Prefilled) -> None:
         for i, row in enumerate(rows):
             row.prepared = None
+            if group.scores:
+                row.scores = group.scores[i]
             if row.key is not None:
                 self._store(row.key, group.cache, i)
         self.joining.append((rows, group))

@@ -72,7 +72,6 @@ VLLM_REFUSED = {
     "return_tokens_as_token_ids": (
         "this server shows tokens as text; read 'bytes' for the exact token"
     ),
-    "prompt_logprobs": "this server does not compute a prompt's log-probabilities",
 }
 
 
@@ -217,12 +216,13 @@ class OpenAISamplingFields(RequestBody):
     skip_special_tokens: bool | None = None
     # Hugging Face's fast tokenizers (every one mlx-vlm loads) ignore it.
     spaces_between_special_tokens: bool = True
+    # The prompt's log-probabilities with this many alternatives per token.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # Refused whenever set (VLLM_REFUSED says why).
     truncate_prompt_tokens: Any = None
     bad_words: Any = None
     priority: Any = None
     return_tokens_as_token_ids: Any = None
-    prompt_logprobs: Any = None
 
     _refuse_vllm = refusing(VLLM_REFUSED)
 
@@ -254,8 +254,12 @@ class OpenAISamplingFields(RequestBody):
         """``stop`` as a tuple of strings (empty when unset)."""
         return stop_tuple(self.stop)
 
-    def sampling_params(self, *, logprobs: bool, top_logprobs: int) -> SamplingParams:
-        """These fields as the one sampling value of a generation."""
+    def sampling_params(
+        self, *, logprobs: bool, top_logprobs: int, scored: int | None = None
+    ) -> SamplingParams:
+        """These fields as the one sampling value of a generation; ``scored``:
+        the prompt's log-probabilities' alternatives, when not
+        ``prompt_logprobs``'s."""
         top_k, repetition = self.top_k, self.repetition_penalty
         return SamplingParams(
             temperature=self.temperature,
@@ -275,6 +279,7 @@ class OpenAISamplingFields(RequestBody):
             ignore_eos=self.ignore_eos,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
+            prompt_logprobs=self.prompt_logprobs if scored is None else scored,
         )
 
     def text_fields(self) -> dict[str, Any]:

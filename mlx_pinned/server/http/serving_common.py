@@ -40,6 +40,7 @@ __all__ = [
     "check_grammar",
     "check_media",
     "check_prompt_text",
+    "check_scored_stream",
     "check_token_fields",
     "max_tokens",
     "no_tool_call_format",
@@ -175,6 +176,24 @@ def check_token_fields(params: GenerationParams, vocab: int) -> None:
             f"the {params.max_tokens} tokens this request may generate.",
             param="min_tokens",
             code="invalid_value",
+        )
+
+
+def check_scored_stream(params: GenerationParams, stream: bool | None) -> None:
+    """Refuse a stream of an answer with its prompt's log-probabilities:
+    they come with the answer's end, which a stream has sent by then.
+
+    Raises:
+        APIError: 400 naming ``stream``.
+    """
+    if stream and params.sampling.prompt_logprobs is not None:
+        raise APIError(
+            400,
+            "Unsupported value: 'stream' does not support True with the prompt's "
+            "log-probabilities ('prompt_logprobs', or 'echo' with 'logprobs'); "
+            "send the request unstreamed.",
+            param="stream",
+            code="unsupported_value",
         )
 
 

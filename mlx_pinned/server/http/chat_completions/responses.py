@@ -18,6 +18,7 @@ from pydantic import (
 )
 
 from ..ids import random_hex
+from ..prompt_logprobs import VLLMPromptLogprobs
 from ..sse import sse_event
 
 __all__ = [
@@ -145,6 +146,15 @@ class ChatCompletion(_Response):
     choices: list[Choice]
     usage: Usage
     system_fingerprint: None = None
+    # vLLM's, only when asked for (left out otherwise).
+    prompt_logprobs: VLLMPromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _leave_out_unasked(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and data.get("prompt_logprobs") is None:
+            data.pop("prompt_logprobs", None)
+        return data
 
 
 class DeltaFunction(_Response):

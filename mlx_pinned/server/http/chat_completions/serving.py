@@ -27,6 +27,7 @@ from ..serving_common import (
     ForcedCall,
     Prepared,
     check_prompt_text,
+    check_scored_stream,
     check_token_fields,
     max_tokens,
     no_tool_call_format,
@@ -95,6 +96,7 @@ class ChatCompletionsServing:
         kwargs = request.chat_template_kwargs or {}
         params = with_budget(params, capabilities, kwargs, request.thinking_budget)
         check_token_fields(params, capabilities.vocab_size)
+        check_scored_stream(params, request.stream)
         refs = image_refs(request.messages, self.config.image_limits)
         tools = [
             ToolSpec(t.function.name, t.function.parameters)
