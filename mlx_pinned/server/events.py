@@ -182,6 +182,8 @@ class GenerationParams:
         thinking_budget: Most reasoning tokens before the closing marker is
             forced (None: no budget); applied where ``thinking_markers`` is
             set and the text is not constrained.
+        priority: Its place at the model's gate: the lowest waiting is
+            admitted first, in arrival order within one (vLLM's).
         thinking_markers: The model's reasoning markers as text,
             ``(opening, closing)``; the opening is empty when the chat
             template opens the reasoning itself (the HTTP side reads both
@@ -204,6 +206,7 @@ class GenerationParams:
     videos: tuple[Video, ...] = ()
     thinking_budget: int | None = None
     thinking_markers: tuple[str, str] | None = None
+    priority: int = 0
 
     def check_prompt_tokens(self, prompt_tokens: int) -> None:
         """Refuse a prompt over this request's limits; call before prefill.

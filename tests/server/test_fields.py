@@ -43,9 +43,10 @@ VLLM_EXTENSIONS |= {"add_generation_prompt", "continue_final_message"}
 VLLM_EXTENSIONS |= {"add_special_tokens"}
 # vLLM's fields this server refuses by name (protocol_common.VLLM_REFUSED).
 VLLM_EXTENSIONS |= {
-    "truncate_prompt_tokens", "bad_words", "priority",
-    "return_tokens_as_token_ids",
+    "truncate_prompt_tokens", "bad_words", "return_tokens_as_token_ids",
 }  # fmt: skip
+# vLLM's admission order (http/gate.py).
+VLLM_EXTENSIONS |= {"priority"}
 # vLLM's prompt log-probabilities (prefill.py).
 VLLM_EXTENSIONS |= {"prompt_logprobs"}
 # vLLM's constrained answers (structured_outputs.py).

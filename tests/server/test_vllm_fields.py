@@ -14,6 +14,8 @@ import json
 import re
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import pytest
 
 from mlx_pinned import MLXThread
@@ -21,6 +23,7 @@ from mlx_pinned.server.engine import BatchEngine, DraftSettings, LoadedModel
 from mlx_pinned.server.engine.admission import end_of_turn_ids
 from mlx_pinned.server.engine.special_tokens import special_tokens
 from mlx_pinned.server.events import FinalEvent
+from mlx_pinned.server.http.gate import BatchGate
 
 from .conftest import MODEL
 from .kit import (
@@ -441,7 +444,6 @@ class TestAssistantPrefill:
     [
         ("truncate_prompt_tokens", 8),
         ("bad_words", ["x"]),
-        ("priority", 1),
         ("return_tokens_as_token_ids", True),
     ],
 )
@@ -458,3 +460,76 @@ async def test_vllm_fields_still_refused_name_themselves_on_both_doors(
         response = await served.client.post("/v1/completions", json=completion)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == name
+
+
+@pytest.mark.anyio
+class TestPriority:
+    async def test_the_lowest_priority_waiting_goes_first_fifo_within(self) -> None:
+        gate = BatchGate(max_num_seqs=1, max_pending=8)
+        order: list[str] = []
+        release = anyio.Event()
+
+        async def holder() -> None:
+            async with gate.turn():
+                await release.wait()
+
+        async def waiter(name: str, priority: int) -> None:
+            async with gate.turn(priority):
+                order.append(name)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(holder)
+            await wait_for(lambda: gate.active == 1)
+            for name, priority in [("b", 5), ("c", 1), ("d", 1), ("e", -2), ("f", 5)]:
+                group.start_soon(waiter, name, priority)
+                await wait_for(lambda waiting=gate.waiting: gate.waiting == waiting + 1)
+            release.set()
+        assert order == ["e", "c", "d", "b", "f"]
+
+    @pytest.mark.parametrize("cancelled_while", ["waiting", "handed"])
+    async def test_a_waiter_cancelled_gives_its_place_up(
+        self, cancelled_while: str
+    ) -> None:
+        gate = BatchGate(max_num_seqs=1, max_pending=8)
+        order: list[str] = []
+        release = anyio.Event()
+        scopes: dict[str, anyio.CancelScope] = {}
+
+        async def holder() -> None:
+            async with gate.turn():
+                await release.wait()
+                if cancelled_while == "handed":  # then handed the slot at once
+                    scopes["x"].cancel()
+
+        async def waiter(name: str, priority: int) -> None:
+            with anyio.CancelScope() as scopes[name]:
+                async with gate.turn(priority):
+                    order.append(name)
+
+        # A slot lost on the way would leave y waiting: a failure, not a hang.
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as group:
+                group.start_soon(holder)
+                await wait_for(lambda: gate.active == 1)
+                group.start_soon(waiter, "x", 0)
+                await wait_for(lambda: gate.waiting == 1)
+                group.start_soon(waiter, "y", 5)
+                await wait_for(lambda: gate.waiting == 2)
+                if cancelled_while == "waiting":
+                    scopes["x"].cancel()
+                    await wait_for(lambda: gate.waiting == 1)
+                release.set()
+        assert order == ["y"]
+        assert (gate.active, gate.waiting) == (0, 0)
+
+    async def test_priority_is_accepted_on_both_doors(self, serve: Serve) -> None:
+        reply = await chat(serve, priority=-3, max_tokens=2)
+        assert reply["usage"]["completion_tokens"] == 2
+        reply = await complete(serve, priority=7, max_tokens=2)
+        assert reply["usage"]["completion_tokens"] == 2
+
+
+async def wait_for(condition: Any) -> None:
+    with anyio.fail_after(5):
+        while not condition():
+            await anyio.lowlevel.checkpoint()

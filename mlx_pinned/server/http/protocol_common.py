@@ -68,7 +68,6 @@ TEMPLATE_ARGUMENTS = frozenset(
 VLLM_REFUSED = {
     "truncate_prompt_tokens": "this server does not cut prompts; send a shorter one",
     "bad_words": "this server has no banned words; use 'logit_bias'",
-    "priority": "this server admits requests in arrival order; leave it out",
     "return_tokens_as_token_ids": (
         "this server shows tokens as text; read 'bytes' for the exact token"
     ),
@@ -216,12 +215,13 @@ class OpenAISamplingFields(RequestBody):
     skip_special_tokens: bool | None = None
     # Hugging Face's fast tokenizers (every one mlx-vlm loads) ignore it.
     spaces_between_special_tokens: bool = True
+    # Admission order at the model's gate: lower first.
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     # The prompt's log-probabilities with this many alternatives per token.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # Refused whenever set (VLLM_REFUSED says why).
     truncate_prompt_tokens: Any = None
     bad_words: Any = None
-    priority: Any = None
     return_tokens_as_token_ids: Any = None
 
     _refuse_vllm = refusing(VLLM_REFUSED)
@@ -282,10 +282,11 @@ class OpenAISamplingFields(RequestBody):
             prompt_logprobs=self.prompt_logprobs if scored is None else scored,
         )
 
-    def text_fields(self) -> dict[str, Any]:
-        """The fields that shape the answer's text, as the shared generation
-        request's arguments."""
+    def generation_fields(self) -> dict[str, Any]:
+        """The fields that shape the answer's text, and its priority, as the
+        shared generation request's arguments."""
         return {
+            "priority": self.priority,
             "stop": self.stop_sequences,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": bool(self.skip_special_tokens),

@@ -278,7 +278,7 @@ class ChatCompletionRequest(OpenAISamplingFields, StructuredOutputFields):
             sampling=self.sampling_params(
                 logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs or 0
             ),
-            **self.text_fields(),
+            **self.generation_fields(),
             max_prompt_tokens=max_prompt_tokens,
             context_length=context_length,
             grammar=grammar,

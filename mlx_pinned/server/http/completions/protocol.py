@@ -149,7 +149,7 @@ class CompletionRequest(OpenAISamplingFields, StructuredOutputFields):
                 top_logprobs=self.logprobs or 0,
                 scored=self.scored,
             ),
-            **self.text_fields(),
+            **self.generation_fields(),
             max_prompt_tokens=max_prompt_tokens,
             context_length=context_length,
             grammar=grammar,
