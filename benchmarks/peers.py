@@ -592,7 +592,7 @@ def inprocess(args: argparse.Namespace) -> int:
     from mlx_pinned import MLXThread
     from mlx_pinned.server.engine import BatchEngine
     from mlx_pinned.server.events import FinalEvent, GenerationParams, SamplingParams
-    from mlx_pinned.server.http.gate import BatchGate
+    from mlx_pinned.server.http.served_models import BatchGate
     from mlx_pinned.testing import make_test_image, tiny_vlm_path
 
     image = Image.open(io.BytesIO(make_test_image())).convert("RGB")

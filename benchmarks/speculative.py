@@ -22,7 +22,7 @@ minute).
 ::
 
     python benchmarks/speculative.py [--quick] [--rounds 5] [--tokens 256]
-        [--concurrency 8] [--ngram 3] [--draft-tokens 4]
+        [--concurrency 8] [--ngram 3] [--draft-tokens 4] [--max-batch N]
         [--draft-model PATH --model PATH | --synthetic-draft DAMPING]
 """
 
@@ -79,13 +79,15 @@ async def main_async(args: argparse.Namespace) -> None:
     from mlx_pinned.testing import tiny_vlm_path
 
     model = args.model or tiny_vlm_path()
-    settings = DraftSettings(args.ngram, args.draft_tokens)
+    settings = DraftSettings(args.ngram, args.draft_tokens, max_batch=args.max_batch)
     if args.synthetic_draft is not None:
         folder = Path(tempfile.mkdtemp(prefix="draft-pair-"))
         model, draft = write_pair(folder, damping=args.synthetic_draft)
         args.draft_model = draft
     if args.draft_model is not None:
-        settings = DraftSettings(tokens=args.draft_tokens, model=args.draft_model)
+        settings = DraftSettings(
+            tokens=args.draft_tokens, model=args.draft_model, max_batch=args.max_batch
+        )
     print(f"served {model}; drafts: {settings}", flush=True)
     async with MLXThread(name="speculative") as thread:
         loaded = await thread.run(load, model)
@@ -131,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=0,
+        help="speculate only while the batch holds at most N rows, as the "
+        "server's --draft-max-batch (default 0: at any size)",
+    )
     parser.add_argument("--model", type=Path, help="the served model's folder")
     parser.add_argument(
         "--draft-model", type=Path, help="a draft model instead of prompt lookup"

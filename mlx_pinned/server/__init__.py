@@ -1,11 +1,13 @@
-"""The reference OpenAI-compatible vision server (layer 4).
+"""The reference OpenAI-compatible vision server, built on the MLX thread,
+the decorator and the middleware.
 
 ``create_app(model)`` returns a Starlette app that serves ``model`` on one MLX
 thread; ``mlx-pinned serve MODEL`` (or ``python -m mlx_pinned.server``) runs
 it under uvicorn. The package is grouped by the thread its code runs on:
 :mod:`.engine` (the MLX thread), :mod:`.http` (the event loop),
 :mod:`.inputs` (worker threads), and plain shared modules (:mod:`.config`,
-:mod:`.errors`, :mod:`.events`, :mod:`.limits`).
+:mod:`.events`, :mod:`.failures`, :mod:`.formats`, :mod:`.grammars`,
+:mod:`.limits`, :mod:`.media`).
 """
 
 from __future__ import annotations

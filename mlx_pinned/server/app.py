@@ -51,15 +51,14 @@ from .http.anthropic_messages import CountTokensEndpoint, MessagesEndpoint
 from .http.chat_completions import ChatCompletionsEndpoint
 from .http.completions import CompletionsEndpoint
 from .http.errors import APIError
-from .http.gate import BatchGate
 from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
-from .http.models import ServedModel, ServedModels
 from .http.playground import routes as playground_routes
 from .http.residency import Residency, StartUpRefusal
 from .http.responses_api import ResponsesEndpoint
 from .http.responses_api import routes as responses_routes
 from .http.routes import APIKeyMiddleware, ErrorEdge, model, models
+from .http.served_models import BatchGate, ServedModel, ServedModels
 from .http.slots import ModelSlot
 from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
 from .http.turns import LoopTurns
@@ -290,7 +289,10 @@ def _drafting(config: ServerConfig) -> dict[str, Any]:
     if config.prompt_lookup_tokens < 1 and config.draft_model is None:
         return {}
     settings = DraftSettings(
-        config.prompt_lookup_tokens, config.num_draft_tokens, config.draft_model
+        config.prompt_lookup_tokens,
+        config.num_draft_tokens,
+        config.draft_model,
+        config.draft_max_batch,
     )
     return {"drafts": settings}
 

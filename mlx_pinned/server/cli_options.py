@@ -381,6 +381,12 @@ OPTIONS = (
         "verified in the batch's forward pass (default: off)",
         str,
     ),
+    Option(
+        "draft_max_batch",
+        "speculative steps only while the batch has at most N rows; 0: at any "
+        "size (default: %(default)s)",
+        whole,
+    ),
 )
 
 

@@ -205,6 +205,10 @@ class ServerConfig:
             model with the served model's tokenizer (a folder or a hub id)
             drafts each row's next tokens greedily, verified as prompt
             lookup's are; None: off. Not with ``prompt_lookup_tokens``.
+        draft_max_batch: Speculative steps run only while the batch holds
+            at most this many rows (a verify pass computes every row's
+            drafts; a larger batch is bound by that compute, and drafts
+            cost it more than they give); 0: at any size.
     """
 
     model: str | tuple[str, ...] = ""
@@ -255,6 +259,7 @@ class ServerConfig:
     prompt_lookup_tokens: int = 0
     num_draft_tokens: int = 3
     draft_model: str | None = None
+    draft_max_batch: int = 2
     model_settings: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:

@@ -37,6 +37,7 @@ PER_MODEL_SETTINGS = frozenset(
         "prompt_lookup_tokens",
         "num_draft_tokens",
         "draft_model",
+        "draft_max_batch",
     }
 )
 
@@ -205,6 +206,7 @@ def _check_drafting(config: ServerConfig) -> None:
     process."""
     _at_least(config, "prompt_lookup_tokens", 0)
     _at_least(config, "num_draft_tokens", 1)
+    _at_least(config, "draft_max_batch", 0)
     draft = config.draft_model
     if draft is not None and (not isinstance(draft, str) or not draft.strip()):
         raise SettingError(

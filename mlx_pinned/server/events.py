@@ -188,6 +188,9 @@ class GenerationParams:
             ``(opening, closing)``; the opening is empty when the chat
             template opens the reasoning itself (the HTTP side reads both
             from the model's reasoning format; the engine tokenizes them).
+        prediction: The answer's expected text (OpenAI's predicted
+            outputs): its tokens are the row's speculative drafts; the
+            answer is the same with it or without (empty: none).
     """
 
     messages: tuple[dict[str, Any], ...]
@@ -207,6 +210,7 @@ class GenerationParams:
     thinking_budget: int | None = None
     thinking_markers: tuple[str, str] | None = None
     priority: int = 0
+    prediction: str = ""
 
     def check_prompt_tokens(self, prompt_tokens: int) -> None:
         """Refuse a prompt over this request's limits; call before prefill.
@@ -289,6 +293,10 @@ class FinalEvent:
         prompt_logprobs: The prompt's tokens with their log-probabilities
             (the first's None: nothing comes before it), when asked for
             (``SamplingParams.prompt_logprobs``); empty otherwise.
+        accepted_prediction_tokens: Tokens of the request's prediction the
+            answer kept (drafts verified and kept).
+        rejected_prediction_tokens: Tokens of its prediction verified and
+            not kept.
     """
 
     text: str
@@ -300,6 +308,8 @@ class FinalEvent:
     cached_tokens: int = field(default=0, compare=False)
     stop_sequence: str | None = None
     prompt_logprobs: tuple[PromptLogprob, ...] = field(default=(), compare=False)
+    accepted_prediction_tokens: int = field(default=0, compare=False)
+    rejected_prediction_tokens: int = field(default=0, compare=False)
 
 
 Event = TokenEvent | FinalEvent

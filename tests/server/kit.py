@@ -41,7 +41,7 @@ from mlx_pinned.server.events import (
     TokenEvent,
 )
 from mlx_pinned.server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
-from mlx_pinned.server.http.gate import BatchGate
+from mlx_pinned.server.http.served_models import BatchGate
 from mlx_pinned.testing import make_test_image
 
 from .inline import generate_inline

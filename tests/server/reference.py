@@ -18,8 +18,8 @@ import mlx.core as mx
 from PIL import Image
 
 from mlx_pinned.server.engine import LoadedModel
-from mlx_pinned.server.engine.prompt import build_prompt
-from mlx_pinned.server.engine.text import StopMatcher, TextDecoder
+from mlx_pinned.server.engine.answers import StopMatcher, TextDecoder
+from mlx_pinned.server.engine.prefill import build_prompt
 from mlx_pinned.server.events import (
     Event,
     FinalEvent,

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from mlx_pinned.server.formats import CallArguments, CallStart
 from mlx_pinned.server.formats.hermes import HERMES, HermesToolParser
 from mlx_pinned.server.formats.think import THINK, ReasoningSplitter
-from mlx_pinned.server.http.answer import AnswerParser, Reasoning
+from mlx_pinned.server.http.answer_parser import AnswerParser, Reasoning
+from mlx_pinned.server.http.chat_completions.bodies import tool_call_id
 from mlx_pinned.server.http.chat_completions.output import Answer, delta
-from mlx_pinned.server.http.chat_completions.responses import tool_call_id
 
 CALL = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -30,7 +30,7 @@ from mlx_pinned.server.failures import (
     PromptTooLongError,
 )
 from mlx_pinned.server.http.anthropic_messages import MessagesEndpoint
-from mlx_pinned.server.http.anthropic_messages.errors import (
+from mlx_pinned.server.http.anthropic_messages.output import (
     ANTHROPIC_ERRORS,
     anthropic_error,
 )

@@ -37,7 +37,7 @@ from mlx_pinned.server.engine import decode as _decode
 from mlx_pinned.server.engine.sampling import Sampled, collect, draw
 from mlx_pinned.server.events import FinalEvent, SamplingParams, TokenEvent
 from mlx_pinned.server.failures import OverloadedError, PromptTooLongError
-from mlx_pinned.server.http.gate import BatchGate
+from mlx_pinned.server.http.served_models import BatchGate
 from mlx_pinned.testing import tiny_vlm_path
 
 from .kit import (

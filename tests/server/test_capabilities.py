@@ -10,11 +10,9 @@ from typing import Any
 import pytest
 
 from mlx_pinned.server.formats import ModelFormats, model_formats
-from mlx_pinned.server.http import capabilities
-from mlx_pinned.server.http.capabilities import Capabilities
-from mlx_pinned.server.http.gate import BatchGate
-from mlx_pinned.server.http.models import ServedModel
-from mlx_pinned.server.http.slots import ModelSlot
+from mlx_pinned.server.http import slots as capabilities
+from mlx_pinned.server.http.served_models import BatchGate, ServedModel
+from mlx_pinned.server.http.slots import Capabilities, ModelSlot
 from mlx_pinned.testing import _CHAT_TEMPLATE
 
 from .conftest import MODEL

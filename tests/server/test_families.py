@@ -27,7 +27,7 @@ from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.events import Event
 from mlx_pinned.server.failures import ImagesUnsupportedError
-from mlx_pinned.server.http.gate import BatchGate
+from mlx_pinned.server.http.served_models import BatchGate
 from mlx_pinned.testing import (
     TINY_LM_TYPES,
     TINY_MODEL_TYPES,

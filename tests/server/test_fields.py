@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import openai
 import pytest
 
 from mlx_pinned.server.events import Grammar
@@ -45,7 +46,7 @@ VLLM_EXTENSIONS |= {"add_special_tokens"}
 VLLM_EXTENSIONS |= {
     "truncate_prompt_tokens", "bad_words", "return_tokens_as_token_ids",
 }  # fmt: skip
-# vLLM's admission order (http/gate.py).
+# vLLM's admission order (http/served_models.py).
 VLLM_EXTENSIONS |= {"priority"}
 # vLLM's prompt log-probabilities (prefill.py).
 VLLM_EXTENSIONS |= {"prompt_logprobs"}
@@ -130,7 +131,6 @@ class TestEveryField:
             ("functions", [{"name": "f"}]),
             ("function_call", "auto"),
             ("moderation", {"model": "omni-moderation-latest"}),
-            ("prediction", {"type": "content", "content": "x"}),
             ("web_search_options", {}),
         ],
     )
@@ -255,6 +255,53 @@ class TestParams:
         request = parse_chat_request(body())
         grammar = Grammar("json_object")
         assert request.to_generation_params(4, grammar=grammar).grammar == grammar
+
+
+class TestPrediction:
+    def test_text_or_text_parts(self) -> None:
+        assert (
+            params(prediction={"type": "content", "content": "a b"}).prediction == "a b"
+        )
+        parts = [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]
+        got = params(prediction={"type": "content", "content": parts})
+        assert got.prediction == "a b"
+        assert params().prediction == ""
+
+    def test_another_type_is_refused(self) -> None:
+        error = refused(prediction={"type": "audio", "content": "x"})
+        assert error.param == "prediction.type"
+
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+    async def test_the_answer_is_the_same_and_its_tokens_counted(
+        self, serve: Serve
+    ) -> None:
+        async with serve() as served:
+            sdk = served.sdk()
+            asked: dict[str, Any] = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "Say it twice."}],
+                "max_tokens": 32,
+                "temperature": 0,
+            }
+            plain = await sdk.chat.completions.create(**asked)
+            text = plain.choices[0].message.content
+            assert text
+            assert plain.usage is not None
+            assert plain.usage.completion_tokens_details is None  # none sent
+            guess = {"type": "content", "content": text}
+            again = await sdk.chat.completions.create(**asked, prediction=guess)
+            assert again.choices[0].message.content == text
+            usage = again.usage
+            assert usage is not None
+            assert usage.completion_tokens_details is not None
+            assert usage.completion_tokens_details.accepted_prediction_tokens > 5
+            # Beside a grammar, refused by name.
+            with pytest.raises(openai.BadRequestError) as caught:
+                await sdk.chat.completions.create(
+                    **asked, prediction=guess, response_format={"type": "json_object"}
+                )
+            assert caught.value.body["param"] == "prediction"  # type: ignore[index]
 
 
 class TestToolMessages:

@@ -17,11 +17,11 @@ from openai.types.chat import ChatCompletionChunk
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
-from mlx_pinned.server.engine.prompt import build_prompt
+from mlx_pinned.server.engine.prefill import build_prompt
 from mlx_pinned.server.formats import model_formats
 from mlx_pinned.server.http.chat_completions.messages import chat_messages
 from mlx_pinned.server.http.chat_completions.protocol import ChatCompletionRequest
-from mlx_pinned.server.http.gate import BatchGate
+from mlx_pinned.server.http.served_models import BatchGate
 from mlx_pinned.testing import TINY_TOOL_LM_TYPES, tiny_lm_path
 
 from .conftest import MODEL, sse_events

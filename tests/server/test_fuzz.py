@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from mlx_pinned.server import ImageLimits
-from mlx_pinned.server.http.chat_completions.responses import (
+from mlx_pinned.server.http.chat_completions.bodies import (
     ChatCompletion,
     ChatCompletionChunk,
 )

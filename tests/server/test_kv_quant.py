@@ -39,7 +39,7 @@ from mlx_pinned.server.events import (
     Grammar,
     SamplingParams,
 )
-from mlx_pinned.server.http.gate import BatchGate
+from mlx_pinned.server.http.served_models import BatchGate
 from mlx_pinned.testing import tiny_lm_path, tiny_vlm_path
 
 from .kit import (

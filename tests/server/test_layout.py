@@ -11,7 +11,10 @@ those under ``TYPE_CHECKING`` and inside functions too.
 from __future__ import annotations
 
 import ast
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,8 +198,11 @@ def test_slices_import_only_shared_pieces(path: Path) -> None:
     ("where", "line"),
     [
         ("http/wire.py", "from .chat_completions.protocol import parse_chat_request"),
-        ("http/answer.py", "from .chat_completions import ChatCompletionsEndpoint"),
-        ("http/answer.py", "from . import chat_completions"),
+        (
+            "http/answer_parser.py",
+            "from .chat_completions import ChatCompletionsEndpoint",
+        ),
+        ("http/answer_parser.py", "from . import chat_completions"),
         # A second slice (as issue 23's completions) beside chat completions.
         ("http/chat_completions/route.py", "from ..completions import protocol"),
     ],
@@ -460,3 +466,20 @@ def test_a_module_all_slow_is_caught() -> None:
     both = "class TestA:\n    @pytest.mark.slow\n    def test_a(self): ...\n"
     assert not quick_tests(here, "import pytest\n" + both)
     assert quick_tests(here, "import pytest\n" + both + "    def test_b(self): ...\n")
+
+
+@pytest.mark.slow
+def test_a_chat_request_with_an_image_runs_code_in_at_most_51_files() -> None:
+    # docs/server.md counts them so (a fresh process, every thread).
+    script = ROOT.parents[1] / "benchmarks" / "request_files.py"
+    ran = subprocess.run(
+        [sys.executable, str(script), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    files = json.loads(ran.stdout.splitlines()[-1])
+    assert "mlx_pinned/server/engine/loop.py" in files  # it counted the engine
+    assert "mlx_pinned/server/inputs/images.py" in files  # and a worker thread
+    assert len(files) <= 51, files

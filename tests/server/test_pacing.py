@@ -8,7 +8,7 @@ import pytest
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.pacing import MIN_CHUNK, PrefillPacer
-from mlx_pinned.server.http.gate import BatchGate
+from mlx_pinned.server.http.served_models import BatchGate
 
 from .kit import (
     PROMPTS,

@@ -9,12 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlx_pinned.server.http.chat_completions.messages import ImagePart, UserMessage
-from mlx_pinned.server.http.chat_completions.protocol import (
-    ChatCompletionRequest,
-    parse_chat_request,
-)
-from mlx_pinned.server.http.chat_completions.responses import (
+from mlx_pinned.server.http.chat_completions.bodies import (
     ChatCompletion,
     ChatCompletionChunk,
     Choice,
@@ -24,6 +19,11 @@ from mlx_pinned.server.http.chat_completions.responses import (
     ResponseMessage,
     Usage,
     completion_id,
+)
+from mlx_pinned.server.http.chat_completions.messages import ImagePart, UserMessage
+from mlx_pinned.server.http.chat_completions.protocol import (
+    ChatCompletionRequest,
+    parse_chat_request,
 )
 from mlx_pinned.server.http.errors import OPENAI_ERRORS, APIError
 
@@ -255,7 +255,7 @@ class TestResponses:
         # In a fresh process with no threads, so the fork is safe.
         script = """if True:
             import os
-            from mlx_pinned.server.http.chat_completions.responses import completion_id
+            from mlx_pinned.server.http.chat_completions.bodies import completion_id
             read, write = os.pipe()
             child = os.fork()
             if child == 0:

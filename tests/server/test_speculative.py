@@ -9,6 +9,7 @@ speculated cannot pass.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import Counter
@@ -21,7 +22,7 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server.config import ServerConfig
 from mlx_pinned.server.config_checks import SettingError
 from mlx_pinned.server.engine import BatchEngine, DraftSettings, LoadedModel, load
-from mlx_pinned.server.engine.prompt_lookup import lookup
+from mlx_pinned.server.engine.prompt_lookup import follow, lookup
 from mlx_pinned.server.events import FinalEvent, TokenEvent
 from mlx_pinned.testing import tiny_vlm_path
 
@@ -166,6 +167,26 @@ class TestLimits:
         assert final.stop_sequence == stop
         assert kept_drafts(on) > 0
 
+    def test_a_batch_past_its_draft_bound_decodes_without_drafts(
+        self, thread: MLXThread, loaded_lm: LoadedModel
+    ) -> None:
+        off = BatchEngine(loaded_lm, thread)
+        bounded = BatchEngine(loaded_lm, thread)
+        thread.run_sync(bounded.speculate, dataclasses.replace(LOOKUP, max_batch=2))
+        three = [echo(i, 24) for i in range(3)]
+        assert_same(
+            interleaved(thread, bounded, three), interleaved(thread, off, three)
+        )
+        stats = bounded.statistics()
+        # No speculative step had all three rows (the last one alone may).
+        assert stats.speculative_rows <= 2 * stats.speculative_steps
+        assert stats.speculative_steps < stats.steps / 2
+        # Alone, the same engine speculates.
+        assert_same(
+            interleaved(thread, bounded, three[:1]), interleaved(thread, off, three[:1])
+        )
+        assert kept_drafts(bounded) > 0
+
     def test_rows_that_cannot_draft_turn_speculation_off(
         self, thread: MLXThread, loaded_lm: LoadedModel
     ) -> None:
@@ -174,6 +195,60 @@ class TestLimits:
         reqs.append(echo(2, 24, logit_bias=((7, 2.0),)))
         assert_same(interleaved(thread, on, reqs), interleaved(thread, off, reqs))
         assert on.statistics().speculative_steps == 0
+
+
+def text_of(events: list[Event]) -> str:
+    return "".join(e.text for e in events if isinstance(e, TokenEvent)) + (
+        events[-1].text if isinstance(events[-1], FinalEvent) else ""
+    )
+
+
+def edited(text: str) -> str:
+    """``text`` with a few of its characters changed mid-way (an edit)."""
+    middle = len(text) // 2
+    return text[:middle] + "zq" + text[middle + 2 :]
+
+
+class TestPredictions:
+    def test_follow_keeps_an_edit_in_place(self) -> None:
+        prediction = np.array([5, 6, 7, 8, 5, 6, 9, 10])
+        # [5, 6] is at 0 and at 4: the match nearest the answer's length.
+        assert follow(prediction, np.array([1, 2, 3, 4, 5, 6]), 8, 2) == [9, 10]
+        assert follow(prediction, np.array([5, 6]), 8, 2) == [7, 8]
+        assert follow(prediction, np.array([], dtype=np.int64), 8, 3) == [5, 6, 7]
+        assert follow(prediction, np.array([42]), 8, 3) == []
+
+    def test_an_edited_prediction_gives_the_same_answer(
+        self, thread: MLXThread, loaded_lm: LoadedModel
+    ) -> None:
+        # No prompt lookup: a prediction drafts on its own.
+        plain, predicted = (
+            BatchEngine(loaded_lm, thread),
+            BatchEngine(loaded_lm, thread),
+        )
+        alone = interleaved(thread, plain, [echo(0, 48)])
+        guess = edited(text_of(alone[0]))
+        with_it = interleaved(thread, predicted, [echo(0, 48, prediction=guess)])
+        assert_same(with_it, alone)
+        final = with_it[0][-1]
+        assert isinstance(final, FinalEvent)
+        assert final.accepted_prediction_tokens > 10
+        assert final.rejected_prediction_tokens > 0  # the edit was refused
+        assert kept_drafts(predicted) == final.accepted_prediction_tokens
+
+    def test_a_row_with_a_prediction_beside_one_without(
+        self, thread: MLXThread, loaded_lm: LoadedModel
+    ) -> None:
+        plain, predicted = (
+            BatchEngine(loaded_lm, thread),
+            BatchEngine(loaded_lm, thread),
+        )
+        reqs = [echo(0, 40), echo(1, 40)]
+        alone = [interleaved(thread, plain, [req])[0] for req in reqs]
+        guess = text_of(alone[0])
+        both = [echo(0, 40, prediction=guess), echo(1, 40)]
+        assert_same(interleaved(thread, predicted, both), alone)
+        assert kept_drafts(predicted) > 10
 
 
 @pytest.mark.slow

@@ -17,14 +17,14 @@ import pytest
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
-from mlx_pinned.server.engine.thinking import ThinkingBudget
+from mlx_pinned.server.engine.thinking_budget import ThinkingBudget
 from mlx_pinned.server.http.anthropic_messages.protocol import (
     parse_messages_request,
 )
 from mlx_pinned.server.http.chat_completions.protocol import parse_chat_request
-from mlx_pinned.server.http.gate import BatchGate
+from mlx_pinned.server.http.protocol_common import EFFORT_BUDGETS
 from mlx_pinned.server.http.responses_api.protocol import parse_responses_request
-from mlx_pinned.server.http.thinking import EFFORT_BUDGETS
+from mlx_pinned.server.http.served_models import BatchGate
 
 from .conftest import MODEL
 from .kit import (

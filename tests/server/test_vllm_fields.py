@@ -23,7 +23,7 @@ from mlx_pinned.server.engine import BatchEngine, DraftSettings, LoadedModel
 from mlx_pinned.server.engine.admission import end_of_turn_ids
 from mlx_pinned.server.engine.special_tokens import special_tokens
 from mlx_pinned.server.events import FinalEvent
-from mlx_pinned.server.http.gate import BatchGate
+from mlx_pinned.server.http.served_models import BatchGate
 
 from .conftest import MODEL
 from .kit import (

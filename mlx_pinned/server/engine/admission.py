@@ -14,13 +14,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
+
 from ..failures import ImagesUnsupportedError, InvalidGrammarError
 from .logits import GrammarMatcher, new_matcher, prompt_seen
 from .prefill import MEDIA_TOKENS, preprocess
 from .prompt_cache import image_hash, prompt_key
 from .rows import Row
 from .sampling import vlm
-from .thinking import ThinkingBudget
+from .thinking_budget import ThinkingBudget
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -65,6 +67,9 @@ def make_row(
         matcher=_matcher(loaded, params.grammar),
         thinking=_thinking(loaded, params),
     )
+    if params.prediction:
+        encode = loaded.tokenizer.encode
+        row.prediction = np.asarray(encode(params.prediction, add_special_tokens=False))
     ids = prepared.inputs["input_ids"]
     if sampling.repetition_penalty != 1.0:
         row.seen = prompt_seen(ids, loaded.vocab_size)

@@ -2,7 +2,9 @@
 
 The loop (:mod:`.loop`) hands each row's sampled tokens to its
 :class:`RowAnswer` after every step, on the MLX thread: text per token
-(:mod:`.text`, through :class:`~.quirks.SequenceText`), stop strings,
+(:class:`SequenceText`: a processor's streaming detokenizer is one object
+shared by every request of the model, so each sequence gets its own over a
+:class:`TextDecoder`), stop strings (:class:`StopMatcher`),
 log-probabilities, and the final event with its counts and timings. A
 :class:`Request` is made on the event loop; the loop writes it on the MLX
 thread, and the event loop reads only whether it ended.
@@ -10,9 +12,11 @@ thread, and the event loop reads only whether it ended.
 
 from __future__ import annotations
 
+import codecs
+import importlib
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..events import (
     Event,
@@ -24,18 +28,24 @@ from ..events import (
     TokenLogprobs,
 )
 from .model import LoadedModel
-from .quirks import SequenceText
 from .rows import Row
 from .sampling import Sampled
 from .special_tokens import special_tokens
-from .text import StopMatcher
 
 if TYPE_CHECKING:
     from PIL import Image
 
-    from .outputs import RowOutput
+    from .driver import RowOutput
 
-__all__ = ["Item", "Outputs", "Request", "RowAnswer"]
+__all__ = [
+    "Item",
+    "Outputs",
+    "Request",
+    "RowAnswer",
+    "SequenceText",
+    "StopMatcher",
+    "TextDecoder",
+]
 
 #: What a request reads: an event, or the error that ends its generation.
 Item = Event | BaseException
@@ -130,6 +140,8 @@ class RowAnswer:
             cached_tokens=self.row.cached,
             stop_sequence=self._stops.hit,
             prompt_logprobs=self._prompt_logprobs(),
+            accepted_prediction_tokens=self.row.predicted[1],
+            rejected_prediction_tokens=self.row.predicted[0] - self.row.predicted[1],
         )
 
     def _prompt_logprobs(self) -> tuple[PromptLogprob, ...]:
@@ -196,3 +208,106 @@ class Request:
         # until it ended (MLX thread).
         self.whole = False
         self.held: list[Item] = []
+
+
+class StopMatcher:
+    """Cuts generated text at the first stop string.
+
+    Text that could be the start of a stop string is held back until it is
+    known not to be one, so a stop string never reaches the client; with
+    ``include`` (vLLM's ``include_stop_str_in_output``) the text ends with it.
+    """
+
+    def __init__(self, stops: Sequence[str], *, include: bool = False) -> None:
+        self.stops = tuple(stops)
+        self._include = include
+        self._pending = ""
+        self.hit: str | None = None  # the stop string that ended the text
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add text; returns the text safe to release and whether a stop hit."""
+        if not self.stops:
+            return text, False
+        pending = self._pending + text
+        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._pending = ""
+            first = min(hits)
+            self.hit = next(s for s in self.stops if pending.find(s) == first)
+            end = first + len(self.hit) if self._include else first
+            return pending[:end], True
+        hold = 0
+        for k in range(min(len(pending), max(map(len, self.stops)) - 1), 0, -1):
+            if any(s.startswith(pending[-k:]) for s in self.stops):
+                hold = k
+                break
+        self._pending = pending[len(pending) - hold :]
+        return pending[: len(pending) - hold], False
+
+    def flush(self) -> str:
+        """The text held back, released at the end of the generation."""
+        text, self._pending = self._pending, ""
+        return text
+
+
+class TextDecoder:
+    """Text per token: byte-level BPE tokens through an incremental UTF-8
+    decoder, so text streams token by token instead of word by word; other
+    tokenizers through mlx-vlm's own streaming detokenizer."""
+
+    def __init__(self, processor: Any, token_bytes: Callable[[int], list[int]]) -> None:
+        detokenizer = getattr(processor, "detokenizer", None)
+        self._token_bytes = token_bytes
+        self._bytes = getattr(detokenizer, "_byte_decoder", None) is not None
+        self._trim = bool(getattr(detokenizer, "trim_space", False))
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._started = False
+
+    def add(self, token: int, fallback: str) -> str:
+        """The text this token completes; ``fallback``: mlx-vlm's text for it."""
+        if not self._bytes:
+            return fallback
+        return self._emit(self._decoder.decode(bytes(self._token_bytes(token))))
+
+    def finish(self, fallback: str) -> str:
+        """Whatever is left at the end of the generation."""
+        if not self._bytes:
+            return fallback
+        return self._emit(self._decoder.decode(b"", final=True))
+
+    def _emit(self, text: str) -> str:
+        if self._trim and not self._started and text.startswith(" "):
+            text = text[1:]
+        self._started = self._started or bool(text)
+        return text
+
+
+class SequenceText:
+    """A sequence's text, token by token, as the unbatched path makes it."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self._decoder = TextDecoder(loaded.processor, lambda t: loaded.token_text(t)[1])
+        self._detokenizer: Any = None
+        detokenizer = getattr(loaded.processor, "detokenizer", None)
+        if (
+            detokenizer is not None
+            and getattr(detokenizer, "_byte_decoder", None) is None
+        ):
+            # Not byte-level: the decoder uses mlx-vlm's text, from a
+            # detokenizer of this sequence's own.
+            utils = importlib.import_module("mlx_vlm.tokenizer_utils")
+            self._detokenizer = utils.make_streaming_detokenizer(loaded.processor)
+
+    def add(self, token: int) -> str:
+        fallback = ""
+        if self._detokenizer is not None:
+            self._detokenizer.add_token(token)
+            fallback = str(self._detokenizer.last_segment)
+        return self._decoder.add(token, fallback)
+
+    def finish(self) -> str:
+        fallback = ""
+        if self._detokenizer is not None:
+            self._detokenizer.finalize()
+            fallback = str(self._detokenizer.last_segment)
+        return self._decoder.finish(fallback)

@@ -25,7 +25,7 @@ from .prefill import Prefilled
 from .rows import Row, read
 from .sampling import Draw, collect, draw
 from .speculation import Speculation
-from .thinking import force
+from .thinking_budget import force
 
 if TYPE_CHECKING:
     from .drafting import Drafting

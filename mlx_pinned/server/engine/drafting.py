@@ -6,7 +6,9 @@ without its mask). Here each row of the batch gets up to K draft tokens from
 a :class:`DraftSource`: prompt lookup (the tokens that followed the latest
 earlier occurrence of its last n tokens, in its prompt and its answer so
 far; no model, :class:`PromptLookup`) or a small draft model of the same
-tokenizer (:class:`~.draft_model.DraftModel`); and one forward pass over
+tokenizer (:class:`~.draft_model.DraftModel`), and a row whose request
+predicted its answer (OpenAI's predicted outputs) drafts from that
+prediction (:func:`~.prompt_lookup.follow`); and one forward pass over
 ``(B, 1 + K)`` tokens (each row's last token and its
 drafts) gives the target's token at every position. A row keeps its drafts
 up to the first one the target disagrees with, and the target's token
@@ -41,9 +43,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..config_checks import SettingError
+from ..failures import RequestError
 from .decode import Stepped
 from .draft_model import DraftModel
-from .prompt_lookup import History, PromptLookup
+from .prompt_lookup import History, PromptLookup, follow
 from .quirks import cut_back, uncuttable_kinds
 from .rows import read
 from .sampling import Sampled, collect, draw
@@ -69,11 +72,16 @@ class DraftSettings:
         tokens: Draft tokens per row and step, at most (K).
         model: A draft model's folder or hub id (a small model with the
             served model's tokenizer); None: no draft model.
+        max_batch: Speculate only while the batch holds at most this many
+            rows (0: at any size): a verify pass computes every row's
+            drafts, and past a few rows that compute costs the batch more
+            than the drafts give (docs/engine.md has the figures).
     """
 
     ngram: int = 0
     tokens: int = 4
     model: str | Path | None = None
+    max_batch: int = 0
 
     def __post_init__(self) -> None:
         if self.ngram and self.model is not None:
@@ -135,12 +143,21 @@ def install(state: BatchState, settings: DraftSettings) -> None:
             "speculative decoding needs a KV cache that can be cut back; "
             f"this model's is {', '.join(kinds)}: serve it without {flag}",
         )
-    source: DraftSource
-    if settings.model is None:
-        source = PromptLookup(settings.ngram)
-    else:
+    source: DraftSource | None = None  # neither: the requests' predictions
+    if settings.model is not None:
         source = DraftModel.load(settings.model, loaded)
+    elif settings.ngram:
+        source = PromptLookup(settings.ngram)
     state.decoder.drafting = Drafting(settings, source)
+
+
+# A predicted row's drafts: its n-grams matched in the prediction, and the
+# tokens it drafts per step (an edit keeps long runs of its prediction);
+# the most rows a batch drafting only predictions speculates with
+# (docs/engine.md has the figures).
+PREDICTION_NGRAM = 8
+PREDICTION_TOKENS = 8
+PREDICTION_MAX_BATCH = 4
 
 
 class Drafting:
@@ -148,22 +165,34 @@ class Drafting:
 
     Attributes:
         settings: How many tokens a row drafts, and from where.
-        source: Where the rows' drafts come from.
+        source: Where the rows' drafts come from; None: only from the
+            predictions that requests send.
     """
 
-    def __init__(self, settings: DraftSettings, source: DraftSource) -> None:
+    def __init__(self, settings: DraftSettings, source: DraftSource | None) -> None:
         self.settings = settings
         self.source = source
 
     def start(self, row: Row) -> None:
-        """Give an admitted row its prompt's ids, the start of its history."""
+        """Give an admitted row its prompt's ids, the start of its history.
+
+        Raises:
+            RequestError: A prediction, where a draft model drafts.
+        """
+        if row.prediction is not None and isinstance(self.source, DraftModel):
+            raise RequestError(
+                "This model drafts with a draft model, which takes no "
+                "prediction: send the request without 'prediction'.",
+                "prediction_unsupported",
+            )
         assert row.prepared is not None
         ids = row.prepared.inputs.get("input_ids")
         if ids is not None:
             row.history = History(np.asarray(ids).reshape(-1))
 
     def applies(self, batch: BatchState) -> bool:
-        """Whether the batch's next step may speculate: it has rows, and
+        """Whether the batch's next step may speculate: it has rows, no more
+        than :attr:`DraftSettings.max_batch` with those joining it, and
         every row in it, joining it or queued for it can draft."""
         joining = [row for rows, _ in batch.joining for row in rows]
         waiting = [*batch.waiting, *(row for row, _ in batch.prefilling)]
@@ -172,7 +201,12 @@ class Drafting:
             for row in (*batch.rows, *joining, *waiting)
             if not (row.gone or row.done or row in batch.leaving)
         ]
-        return bool(batch.rows) and all(can_draft(row) for row in live)
+        most = self.settings.max_batch
+        if not batch.rows or (most and len(live) > most):
+            return False
+        if self.source is None and all(row.prediction is None for row in live):
+            return False  # nothing would draft
+        return all(can_draft(row) for row in live)
 
     def verify(self, batch: BatchState) -> Stepped | None:
         """One forward pass over every row's last token and its drafts; each
@@ -180,11 +214,9 @@ class Drafting:
         None when no row has drafts (the ordinary step runs instead)."""
         rows = list(batch.rows)
         try:
-            tokens = self.settings.tokens
-            counts = [min(tokens, row.max_tokens - row.sampled - 1) for row in rows]
-            each = self.source.propose(rows, counts)
+            each = self._propose(rows)
             if not any(each):
-                self.source.settle(rows, [0] * len(rows))
+                self._settle(rows, [0] * len(rows))
                 return None
             width = max(len(d) for d in each)
             inputs = [
@@ -203,7 +235,8 @@ class Drafting:
             ahead = [j for _ in rows for j in range(width + 1)]
             sampled = collect(draw(flat, at, None, [c.state for c in cache], ahead))
         except BaseException:
-            self.source.reset()
+            if self.source is not None:
+                self.source.reset()
             raise
         items = [
             sampled[i * (width + 1) : (i + 1) * (width + 1)] for i in range(len(rows))
@@ -215,9 +248,34 @@ class Drafting:
             rows, [row_items[: k + 1] for row_items, k in zip(items, kept, strict=True)]
         )
         cut_back(cache, width, kept)
-        self.source.settle(rows, kept)
+        self._settle(rows, kept)
+        for row, d, k in zip(rows, each, kept, strict=True):
+            if row.prediction is not None:
+                tried, used = row.predicted
+                row.predicted = (tried + len(d), used + k)
         drafted = sum(len(d) for d in each)
         return Stepped(read_rows, got, len(rows), drafted, sum(kept), speculative=True)
+
+    def _propose(self, rows: list[Row]) -> list[list[int]]:
+        """Each row's drafts: from its prediction where it has one, else
+        from the source."""
+        left = [row.max_tokens - row.sampled - 1 for row in rows]
+        tokens = self.settings.tokens
+        each = (
+            self.source.propose(rows, [min(tokens, n) for n in left])
+            if self.source is not None
+            else [[] for _ in rows]
+        )
+        for i, row in enumerate(rows):
+            if row.prediction is not None and row.history is not None:
+                count = min(PREDICTION_TOKENS, left[i])
+                answer = row.history.answer
+                each[i] = follow(row.prediction, answer, PREDICTION_NGRAM, count)
+        return each
+
+    def _settle(self, rows: list[Row], kept: list[int]) -> None:
+        if self.source is not None:
+            self.source.settle(rows, kept)
 
 
 def _accepted(items: Sequence[Sampled], drafts: Sequence[int]) -> int:

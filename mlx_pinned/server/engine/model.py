@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 
 from ..limits import context_length, longest_token_chars
-from .text import token_bytes
 
 if TYPE_CHECKING:
     from ..events import Grammar
@@ -214,3 +213,14 @@ def load(
         seconds,
     )
     return loaded
+
+
+def token_bytes(processor: Any, tokenizer: Any, token_id: int) -> bytes:
+    """The exact bytes of a token: through the byte-level BPE map if there is one."""
+    detokenizer = getattr(processor, "detokenizer", None)
+    byte_decoder = getattr(detokenizer, "_byte_decoder", None)
+    if byte_decoder is not None:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and all(c in byte_decoder for c in piece):
+            return bytes(byte_decoder[c] for c in piece)
+    return str(tokenizer.decode([token_id])).encode("utf-8")

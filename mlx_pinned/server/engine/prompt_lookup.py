@@ -3,7 +3,9 @@
 A row's drafts are the tokens that followed the latest earlier occurrence of
 its last n tokens (n from N down to 1, the longest match wins), in its
 prompt and its answer so far; a match that runs into the end continues as a
-repeat of its period. :mod:`.drafting` verifies them.
+repeat of its period. A row with a predicted answer (OpenAI's predicted
+outputs) drafts from that instead (:func:`follow`). :mod:`.drafting`
+verifies them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 if TYPE_CHECKING:
     from .rows import Row
 
-__all__ = ["History", "PromptLookup", "lookup"]
+__all__ = ["History", "PromptLookup", "follow", "lookup"]
 
 
 class History:
@@ -25,7 +27,7 @@ class History:
     def __init__(self, prompt: np.ndarray) -> None:
         self._ids = np.empty(max(64, 2 * len(prompt)), dtype=np.int64)
         self._ids[: len(prompt)] = prompt
-        self.size = len(prompt)
+        self.size = self.prompt_size = len(prompt)
 
     def append(self, token: int) -> None:
         if self.size == len(self._ids):
@@ -36,6 +38,11 @@ class History:
     @property
     def ids(self) -> np.ndarray:
         return self._ids[: self.size]
+
+    @property
+    def answer(self) -> np.ndarray:
+        """The answer's token ids so far."""
+        return self._ids[self.prompt_size : self.size]
 
 
 def lookup(ids: np.ndarray, ngram: int, count: int) -> list[int]:
@@ -56,6 +63,28 @@ def lookup(ids: np.ndarray, ngram: int, count: int) -> list[int]:
         start = int(hits[-1]) + n  # the token that followed it
         period = size - start
         return [int(ids[start + (j % period)]) for j in range(count)]
+    return []
+
+
+def follow(
+    prediction: np.ndarray, answer: np.ndarray, ngram: int, count: int
+) -> list[int]:
+    """Up to ``count`` tokens of ``prediction`` that follow ``answer`` (the
+    answer so far): after the match of its last n tokens in the prediction
+    (longest n first, from ``ngram`` down to 1) that ends nearest to the
+    answer's own length, as an edit keeps most of the text in place; the
+    prediction's first tokens for an empty answer. Empty when none matches."""
+    if count < 1:
+        return []
+    size = len(answer)
+    if size == 0:
+        return [int(t) for t in prediction[:count]]
+    for n in range(min(ngram, size, len(prediction)), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(prediction, n)
+        hits = np.flatnonzero((windows == answer[size - n :]).all(axis=1)) + n
+        if len(hits):
+            end = int(hits[np.argmin(np.abs(hits - size))])
+            return [int(t) for t in prediction[end : end + count]]
     return []
 
 

@@ -3,8 +3,6 @@
 - ``BatchKVCache`` builds an attention mask for every one-token decode step,
   all true once no row is left-padded, and attention with a mask array is
   the slower kernel: :func:`unmask_if_unpadded` lets those steps skip it.
-- A processor's streaming detokenizer is one object shared by every request
-  of the model: :class:`SequenceText` gives each sequence its own.
 - Only mlx-vlm's plain caches can be cut at any token (the prompt cache
   reuses them, a speculative step is cut back a token):
   :func:`plain_caches`, :func:`cut_back_caches`; and a speculative step
@@ -22,11 +20,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from .model import LoadedModel
-from .text import TextDecoder
-
 __all__ = [
-    "SequenceText",
     "cut_back",
     "cut_back_caches",
     "plain_caches",
@@ -87,37 +81,6 @@ def _unmasked_steps(make_mask: Any) -> Any:
         return None if n == 1 else make_mask(n, *args, **kwargs)
 
     return make
-
-
-class SequenceText:
-    """A sequence's text, token by token, as the unbatched path makes it."""
-
-    def __init__(self, loaded: LoadedModel) -> None:
-        self._decoder = TextDecoder(loaded.processor, lambda t: loaded.token_text(t)[1])
-        self._detokenizer: Any = None
-        detokenizer = getattr(loaded.processor, "detokenizer", None)
-        if (
-            detokenizer is not None
-            and getattr(detokenizer, "_byte_decoder", None) is None
-        ):
-            # Not byte-level: the decoder uses mlx-vlm's text, from a
-            # detokenizer of this sequence's own.
-            utils = importlib.import_module("mlx_vlm.tokenizer_utils")
-            self._detokenizer = utils.make_streaming_detokenizer(loaded.processor)
-
-    def add(self, token: int) -> str:
-        fallback = ""
-        if self._detokenizer is not None:
-            self._detokenizer.add_token(token)
-            fallback = str(self._detokenizer.last_segment)
-        return self._decoder.add(token, fallback)
-
-    def finish(self) -> str:
-        fallback = ""
-        if self._detokenizer is not None:
-            self._detokenizer.finalize()
-            fallback = str(self._detokenizer.last_segment)
-        return self._decoder.finish(fallback)
 
 
 def row_rope_deltas(

@@ -11,6 +11,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from ..events import SamplingParams
 from .logits import GrammarMatcher, advance
@@ -18,7 +19,7 @@ from .prefill import Prepared, PromptScores
 from .prompt_cache import Key
 from .prompt_lookup import History
 from .sampling import Sampled
-from .thinking import ThinkingBudget
+from .thinking_budget import ThinkingBudget
 
 __all__ = ["BatchStatistics", "Row", "read"]
 
@@ -51,6 +52,9 @@ class Row:
             drafts by prompt lookup (:mod:`.drafting`).
         scores: Its prompt's log-probabilities, once prefilled, when its
             request asked for them.
+        prediction: Its request's predicted answer, as token ids: its
+            drafts (:mod:`.drafting`).
+        predicted: Tokens of its prediction verified, and those kept.
     """
 
     max_tokens: int
@@ -73,6 +77,8 @@ class Row:
     thinking: ThinkingBudget | None = None
     history: History | None = None  # speculative decoding (.drafting)
     scores: PromptScores | None = None
+    prediction: np.ndarray | None = None
+    predicted: tuple[int, int] = (0, 0)
 
     def record(self, item: Sampled) -> None:
         """Give it a sampled token: its request reads it from ``pending``."""

@@ -27,8 +27,15 @@ import mlx.core as mx
 import numpy as np
 
 from ..events import GenerationParams
+from ..failures import RequestError
 from .admission import make_row, media_tokens
 from .decode import Decoder, Stepped, first_tokens
+from .drafting import (
+    PREDICTION_MAX_BATCH,
+    PREDICTION_TOKENS,
+    Drafting,
+    DraftSettings,
+)
 from .kv_quant import KVQuant, bytes_per_token, check_quantizable, held_bytes
 from .model import LoadedModel
 from .pacing import PrefillPacer
@@ -41,7 +48,7 @@ from .prefill import (
     prefill_together,
 )
 from .prompt_cache import Key, PromptCache
-from .quirks import plain_caches, unmask_if_unpadded
+from .quirks import plain_caches, uncuttable_kinds, unmask_if_unpadded
 from .rows import BatchStatistics, Row
 from .sampling import vlm
 
@@ -128,7 +135,8 @@ class BatchState:
     def draft_weight_bytes(self) -> int:
         """Bytes of the draft model's parameters; 0 without one."""
         drafting = self.decoder.drafting
-        return 0 if drafting is None else drafting.source.weight_bytes
+        source = None if drafting is None else drafting.source
+        return 0 if source is None else source.weight_bytes
 
     def idle(self) -> bool:
         """Whether no row is in the batch, joining it, queued or prefilled."""
@@ -164,6 +172,8 @@ class BatchState:
         row = make_row(
             self.loaded, params, images, media=self._media if keyed else None
         )
+        if row.prediction is not None and self.decoder.drafting is None:
+            self.decoder.drafting = _predicting(self.loaded)
         if self.decoder.drafting is not None:
             self.decoder.drafting.start(row)
         self.waiting.append(row)
@@ -459,6 +469,24 @@ class BatchState:
         self.decoder.inflight = None
         self.leaving.clear()
         self.decoder.bias_stale = True
+
+
+def _predicting(loaded: LoadedModel) -> Drafting:
+    """The speculative step of a batch with no drafts of its own, for the
+    predictions requests send: while it holds at most
+    :data:`~.drafting.PREDICTION_MAX_BATCH` rows.
+
+    Raises:
+        RequestError: The model's KV cache cannot be cut back.
+    """
+    if uncuttable_kinds(loaded.model.language_model):
+        raise RequestError(
+            "This model's KV cache cannot be cut back, so it takes no "
+            "prediction: send the request without 'prediction'.",
+            "prediction_unsupported",
+        )
+    settings = DraftSettings(tokens=PREDICTION_TOKENS, max_batch=PREDICTION_MAX_BATCH)
+    return Drafting(settings, None)
 
 
 def _prepared(row: Row) -> Prepared:

@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, ClassVar, Generic
 import anyio
 
 from ..events import FinalEvent, TokenEvent
-from .answer import answer_parser
-from .capabilities import Capabilities
+from .answer_parser import answer_parser
 from .errors import APIError, api_error, internal_error, thread_unavailable, timed_out
 from .serving_common import RequestT, Serving, check_media
+from .slots import Capabilities
 from .wire import (
     OPENAI_ERRORS,
     Disconnected,
@@ -62,10 +62,10 @@ if TYPE_CHECKING:
     from ..config import ServerConfig
     from ..events import Engine, Event, EventStream, GenerationParams
     from ..media import ImageRef, LoadImages, LoadVideos, Video, VideoRef
-    from .answer import AnswerParser, Part
+    from .answer_parser import AnswerParser, Part
     from .metrics import ServerMetrics
-    from .models import ServedModel, ServedModels
     from .residency import Residency
+    from .served_models import ServedModel, ServedModels
     from .serving_common import Prepared
     from .turns import LoopTurns
 

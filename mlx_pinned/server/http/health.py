@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from mlx_pinned import MLXThread
 
-    from .models import ServedModels
+    from .served_models import ServedModels
 
 __all__ = ["Readiness", "health", "live"]
 

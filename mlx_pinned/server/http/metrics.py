@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
     from ..events import EngineCounters
-    from .models import ServedModels
+    from .served_models import ServedModels
     from .wire import RequestLog
 
 __all__ = ["MetricsMiddleware", "ServerMetrics"]

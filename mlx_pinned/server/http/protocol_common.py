@@ -11,8 +11,8 @@ here names an API's slice.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Annotated, Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Annotated, Any, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -24,9 +24,12 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ..config import ImageLimits, VideoLimits
 from ..events import SamplingParams
+from ..media import ImageRef, VideoRef
 
 __all__ = [
+    "EFFORT_BUDGETS",
     "TEMPLATE_ARGUMENTS",
     "VLLM_REFUSED",
     "OpenAISamplingFields",
@@ -38,6 +41,8 @@ __all__ = [
     "check_stop",
     "check_template_kwargs",
     "check_unique_names",
+    "counted_image_refs",
+    "counted_video_refs",
     "floor_top_p",
     "refusing",
     "stop_tuple",
@@ -45,6 +50,17 @@ __all__ = [
     "unsupported",
     "unsupported_value",
 ]
+
+#: Reasoning tokens per reasoning effort (chat's ``reasoning_effort``, the
+#: Responses API's ``reasoning.effort``); None: no budget.
+EFFORT_BUDGETS: Mapping[str, int | None] = {
+    "none": 0,
+    "minimal": 256,
+    "low": 1024,
+    "medium": 4096,
+    "high": 16384,
+    "xhigh": None,
+}
 
 _TOP_P_FLOOR = 1.1754943508222875e-38  # float32's smallest normal number
 
@@ -291,3 +307,43 @@ class OpenAISamplingFields(RequestBody):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": bool(self.skip_special_tokens),
         }
+
+
+R = TypeVar("R", ImageRef, VideoRef)
+
+
+def counted_image_refs(urls: Iterable[str], limits: ImageLimits) -> list[ImageRef]:
+    """An :class:`ImageRef` per URL, in order.
+
+    Raises:
+        ImageRefusedError: More than ``limits.max_images`` images.
+    """
+    refs = [ImageRef(index, url) for index, url in enumerate(urls)]
+    return _at_most(refs, limits.max_images, "image")
+
+
+def counted_video_refs(
+    urls: Iterable[str],
+    limits: VideoLimits,
+    *,
+    fps: float | None,
+    max_frames: int | None,
+) -> list[VideoRef]:
+    """A :class:`VideoRef` per URL, in order, each with the request's
+    sampling.
+
+    Raises:
+        VideoRefusedError: More than ``limits.max_videos`` videos.
+    """
+    refs = [VideoRef(i, url, fps, max_frames) for i, url in enumerate(urls)]
+    return _at_most(refs, limits.max_videos, "video")
+
+
+def _at_most(refs: Sequence[R], most: int, kind: str) -> list[R]:
+    if len(refs) > most:
+        raise refs[most].error(
+            f"too many {kind}s: {len(refs)} in this request, at most "
+            f"{most} are allowed.",
+            f"too_many_{kind}s",
+        )
+    return list(refs)

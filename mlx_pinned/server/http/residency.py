@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
     from ..events import Engine
-    from .models import ServedModel, ServedModels
+    from .served_models import ServedModel, ServedModels
 
 __all__ = ["Residency", "StartUpRefusal"]
 

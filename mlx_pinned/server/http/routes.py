@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from starlette.routing import BaseRoute
     from starlette.types import ASGIApp, Receive, Scope, Send
 
-    from .models import ServedModel, ServedModels
+    from .served_models import ServedModel, ServedModels
 
 __all__ = [
     "APIKeyMiddleware",

@@ -1,6 +1,6 @@
 """What every API's serving module shares: what it is (:class:`Serving`),
 the checks it runs against the served model's
-:class:`~.capabilities.Capabilities` and this server's limits, the grammar
+:class:`~.slots.Capabilities` and this server's limits, the grammar
 of its answer, and what it hands the endpoint (:class:`Prepared`),
 whatever the API's shapes.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ..config import ServerConfig
     from ..formats import ToolCallFormat, ToolSpec
     from ..media import ImageRef, VideoRef
-    from .capabilities import Capabilities
+    from .slots import Capabilities
 
 __all__ = [
     "ForcedCall",
@@ -47,6 +47,7 @@ __all__ = [
     "out_of_vocabulary",
     "request_grammar",
     "unforced_call",
+    "with_budget",
 ]
 
 
@@ -315,3 +316,23 @@ async def check_grammar(grammar: Grammar, param: str) -> None:
             param=param,
             code="invalid_json_schema",
         ) from None
+
+
+def with_budget(
+    params: GenerationParams,
+    capabilities: Capabilities,
+    template_kwargs: Mapping[str, Any],
+    budget: int | None,
+) -> GenerationParams:
+    """``params`` with a thinking ``budget`` and the markers it forces; as
+    they are without a budget, for a model with no reasoning markers, or
+    for an answer under a grammar (it does not reason)."""
+    reasoning = capabilities.formats.reasoning
+    if budget is None or reasoning is None or params.grammar is not None:
+        return params
+    markers = reasoning.budget_markers(
+        capabilities.chat_template or "", template_kwargs
+    )
+    if markers is None:
+        return params
+    return replace(params, thinking_budget=budget, thinking_markers=markers)

@@ -1,5 +1,5 @@
 """The HTTP side of a generation request, the same for every API: body,
-response, disconnects, log line.
+response, disconnects, log line, server-sent events, fresh ids.
 
 Plain ASGI, on the event loop. Nothing here knows about models or an API's
 shapes: it reads only the plain events of :mod:`..events`.
@@ -8,12 +8,15 @@ shapes: it reads only the plain events of :mod:`..events`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import sniffio
@@ -33,7 +36,9 @@ __all__ = [
     "RequestLog",
     "ResponseWriter",
     "cancel_on_disconnect",
+    "random_hex",
     "read_body",
+    "sse_event",
     "watch_disconnect",
 ]
 
@@ -285,3 +290,27 @@ async def cancel_on_disconnect(
 def _watcher_done(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and (error := task.exception()) is not None:
         logger.error("the disconnect watcher failed", exc_info=error)
+
+
+def sse_event(data: Any, *, event: str | None = None) -> bytes:
+    """``data`` as one server-sent event: JSON (not ASCII-escaped, no
+    spaces) after ``data:``, with an ``event:`` line first when ``event`` is
+    given (every API's stream writes its events through this)."""
+    body = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    if event is None:
+        return f"data: {body}\n\n".encode()
+    return f"event: {event}\ndata: {body}\n\n".encode()
+
+
+# Fresh random ids for answers, items and tool calls: unique, not secret.
+# One generator seeded from the OS per process (forks re-seeded), not a
+# system call per id, which on the event loop would also give up the GIL.
+_ids = random.Random(os.urandom(16))
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(16)))
+
+
+def random_hex(bits: int) -> str:
+    """``bits`` random bits as lowercase hex, zero-padded to ``bits // 4``
+    digits (each API writes its own prefix around it)."""
+    return f"{_ids.getrandbits(bits):0{bits // 4}x}"

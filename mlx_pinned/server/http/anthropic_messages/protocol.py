@@ -1,4 +1,4 @@
-"""Request bodies of the Anthropic Messages API (the messages: :mod:`.blocks`).
+"""Request bodies of the Anthropic Messages API (the messages: :mod:`.content`).
 
 Pure CPU, no MLX, no event loop. Bodies are parsed with
 :func:`parse_messages_request` and :func:`parse_count_request`; every
@@ -20,7 +20,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from ...events import GenerationParams, Grammar, SamplingParams
 from ..protocol_common import RequestBody, floor_top_p, refusing, unsupported_value
 from ..validation import parse_request
-from .blocks import (
+from .content import (
     CacheControl,
     Message,
     RequestModel,

@@ -18,7 +18,6 @@ import json
 from collections.abc import Sequence
 from typing import ClassVar
 
-from ..capabilities import Capabilities
 from ..endpoint import (
     GenerationEndpoint,
     ModelEndpoint,
@@ -28,10 +27,18 @@ from ..endpoint import (
     token_parts,
 )
 from ..errors import APIError
+from ..slots import Capabilities
 from ..wire import ErrorShape, RequestLog, ResponseWriter
-from .blocks import image_parts
-from .errors import ANTHROPIC_ERRORS, anthropic_error
-from .output import Blocks, EventWriter, message_id, stop_reason, tool_use_id
+from .content import image_parts
+from .output import (
+    ANTHROPIC_ERRORS,
+    Blocks,
+    EventWriter,
+    anthropic_error,
+    message_id,
+    stop_reason,
+    tool_use_id,
+)
 from .protocol import MessagesRequest, parse_count_request, parse_messages_request
 from .serving import MessagesServing
 

@@ -1,5 +1,5 @@
 """Anthropic Messages' one validation site: a parsed request checked against
-the served model's :class:`~..capabilities.Capabilities` and this server's
+the served model's :class:`~..slots.Capabilities` and this server's
 limits, and turned into the shared generation request.
 
 Event loop; a grammar is compiled in a worker thread
@@ -29,9 +29,9 @@ from ..serving_common import (
     max_tokens,
     no_tool_call_format,
     request_grammar,
+    with_budget,
 )
-from ..thinking import with_budget
-from .blocks import image_refs, text_chars
+from .content import image_refs, text_chars
 from .protocol import (
     CountTokensRequest,
     MessagesRequest,
@@ -43,7 +43,7 @@ from .protocol import (
 if TYPE_CHECKING:
     from ...config import ServerConfig
     from ...media import ImageRef
-    from ..capabilities import Capabilities
+    from ..slots import Capabilities
 
 __all__ = ["MessagesServing"]
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from ...config import ImageLimits, VideoLimits
 from ...media import ImageRef, VideoRef
-from ..media_counts import counted_image_refs, counted_video_refs
+from ..protocol_common import counted_image_refs, counted_video_refs
 
 __all__ = [
     "NAME_PATTERN",
@@ -80,6 +80,19 @@ class TextPart(RequestModel):
 
     type: Literal["text"]
     text: str
+
+
+class Prediction(RequestModel):
+    """``prediction``: the answer's expected text (OpenAI's predicted
+    outputs), a string or text parts."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        content = self.content
+        return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
 class ImageURL(RequestModel):

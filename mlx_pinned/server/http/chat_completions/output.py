@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 
 from ...events import FinalEvent, FinishReason, TokenEvent, TokenLogprobs
 from ...formats import CallStart
-from ..answer import Part, Reasoning
-from .responses import (
+from ..answer_parser import Part, Reasoning
+from .bodies import (
     ChoiceLogprobs,
     ChunkChoice,
     ChunkEncoder,
+    CompletionTokensDetails,
     Delta,
     DeltaFunction,
     DeltaToolCall,
@@ -113,12 +114,21 @@ def delta(part: Part) -> Delta:
     return Delta(tool_calls=[call])
 
 
-def usage(event: FinalEvent) -> Usage:
+def usage(event: FinalEvent, *, predicted: bool = False) -> Usage:
+    """The usage of an answer; ``predicted``: its request sent a
+    ``prediction`` (its tokens kept and not kept are counted)."""
+    details = None
+    if predicted:
+        details = CompletionTokensDetails(
+            accepted_prediction_tokens=event.accepted_prediction_tokens,
+            rejected_prediction_tokens=event.rejected_prediction_tokens,
+        )
     return Usage(
         prompt_tokens=event.prompt_tokens,
         completion_tokens=event.completion_tokens,
         total_tokens=event.prompt_tokens + event.completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=event.cached_tokens),
+        completion_tokens_details=details,
     )
 
 

@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI chat-completions API (responses: :mod:`.responses`).
+"""Request bodies of the OpenAI chat-completions API (responses: :mod:`.bodies`).
 
 Requests are parsed from the raw body with :func:`parse_chat_request`, which
 turns every failure (bad JSON, wrong type, out of range) into an
@@ -24,6 +24,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from ...events import GenerationParams, Grammar
 from ..protocol_common import (
+    EFFORT_BUDGETS,
     OpenAISamplingFields,
     TemplateKwargs,
     check_service_tier,
@@ -32,11 +33,11 @@ from ..protocol_common import (
     unsupported_value,
 )
 from ..structured_outputs import StructuredOutputFields
-from ..thinking import EFFORT_BUDGETS
 from ..validation import parse_request
 from .messages import (
     Message,
     NamedToolChoice,
+    Prediction,
     ResponseFormat,
     StreamOptions,
     TextFormat,
@@ -53,7 +54,6 @@ _REFUSED = {
     "function_call": "it is deprecated; use 'tool_choice'",
     "moderation": "this server runs no moderation; leave it out",
     "functions": "it is deprecated; use 'tools'",
-    "prediction": "this server has no predicted outputs; leave it out",
     "web_search_options": "this server cannot search the web; leave it out",
 }
 
@@ -74,6 +74,8 @@ class ChatCompletionRequest(OpenAISamplingFields, StructuredOutputFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # Predicted outputs: the answer's drafts (the answer is the same).
+    prediction: Prediction | None = None
     # vLLM's extensions, honoured (its sampling ones are shared).
     chat_template_kwargs: TemplateKwargs | None = None
     add_generation_prompt: bool = True
@@ -106,7 +108,6 @@ class ChatCompletionRequest(OpenAISamplingFields, StructuredOutputFields):
     function_call: Any = None
     functions: Any = None
     moderation: Any = None
-    prediction: Any = None
     web_search_options: Any = None
 
     _refuse = refusing(_REFUSED)
@@ -286,6 +287,7 @@ class ChatCompletionRequest(OpenAISamplingFields, StructuredOutputFields):
                 tool.model_dump(exclude_none=True) for tool in self.active_tools
             ),
             template_kwargs=tuple(self.template_kwargs().items()),
+            prediction="" if self.prediction is None else self.prediction.text,
         )
 
     def template_kwargs(self) -> dict[str, Any]:

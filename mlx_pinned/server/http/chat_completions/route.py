@@ -16,17 +16,7 @@ import functools
 from ...events import TokenEvent
 from ..endpoint import GenerationEndpoint, Reply, last_parts, send_last
 from ..prompt_logprobs import vllm_prompt_logprobs
-from .messages import image_parts, video_parts
-from .output import (
-    Answer,
-    content_choice,
-    finish_reason,
-    parsed_chunks,
-    token_logprob,
-    usage,
-)
-from .protocol import ChatCompletionRequest, parse_chat_request
-from .responses import (
+from .bodies import (
     ChatCompletion,
     Choice,
     ChoiceLogprobs,
@@ -37,6 +27,16 @@ from .responses import (
     completion_id,
     tool_call_id,
 )
+from .messages import image_parts, video_parts
+from .output import (
+    Answer,
+    content_choice,
+    finish_reason,
+    parsed_chunks,
+    token_logprob,
+    usage,
+)
+from .protocol import ChatCompletionRequest, parse_chat_request
 from .serving import ChatCompletionsServing
 
 __all__ = ["ChatCompletionsEndpoint"]
@@ -95,7 +95,7 @@ class ChatCompletionsEndpoint(GenerationEndpoint[ChatCompletionRequest]):
             created=created,
             model=reply.model,
             choices=[choice],
-            usage=usage(final),
+            usage=usage(final, predicted=reply.request.prediction is not None),
             prompt_logprobs=None
             if request.prompt_logprobs is None
             else vllm_prompt_logprobs(final.prompt_logprobs, request.prompt_logprobs),
@@ -133,6 +133,7 @@ class ChatCompletionsEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         done = ChunkChoice(delta=Delta(), finish_reason=reason)
         tail.append(chunks.chunk([done]))
         if request.include_usage:
-            tail.append(chunks.chunk([], usage(final)))
+            predicted = reply.request.prediction is not None
+            tail.append(chunks.chunk([], usage(final, predicted=predicted)))
         tail.append(b"data: [DONE]\n\n")
         await send_last(reply.response, role, b"".join(tail))

@@ -1,5 +1,5 @@
 """Chat completions' one validation site: a parsed request checked against
-the served model's :class:`~..capabilities.Capabilities` and this server's
+the served model's :class:`~..slots.Capabilities` and this server's
 limits, and turned into the shared generation request.
 
 Event loop; a grammar is compiled in a worker thread
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from ...events import Grammar
+from ...events import GenerationParams, Grammar
 from ...formats import ToolSpec
 from ...media import VideoRef
 from ..errors import APIError
@@ -32,9 +32,9 @@ from ..serving_common import (
     max_tokens,
     no_tool_call_format,
     request_grammar,
+    with_budget,
 )
 from ..structured_outputs import conflict
-from ..thinking import with_budget
 from .messages import (
     JSONObjectFormat,
     JSONSchemaResponseFormat,
@@ -47,7 +47,7 @@ from .messages import (
 
 if TYPE_CHECKING:
     from ...config import ServerConfig
-    from ..capabilities import Capabilities
+    from ..slots import Capabilities
     from .protocol import ChatCompletionRequest
 
 __all__ = ["ChatCompletionsServing"]
@@ -97,6 +97,8 @@ class ChatCompletionsServing:
         params = with_budget(params, capabilities, kwargs, request.thinking_budget)
         check_token_fields(params, capabilities.vocab_size)
         check_scored_stream(params, request.stream)
+        if params.prediction:
+            check_prediction(params)
         refs = image_refs(request.messages, self.config.image_limits)
         tools = [
             ToolSpec(t.function.name, t.function.parameters)
@@ -163,3 +165,28 @@ def _answer_format(request: ChatCompletionRequest) -> tuple[str, Grammar] | None
         wanted = response_format.json_schema.json_schema
         return "response_format", Grammar("json_schema", json.dumps(wanted or {}))
     return None
+
+
+def check_prediction(params: GenerationParams) -> None:
+    """Refuse a ``prediction`` beside what reads each token before the
+    next: its drafts are verified in one pass, which such rows cannot be.
+
+    Raises:
+        APIError: 400 naming ``prediction``.
+    """
+    sampling = params.sampling
+    beside = [
+        ("a grammar (response_format or a forced tool call)", params.grammar),
+        ("logit_bias", sampling.logit_bias),
+        ("penalties", sampling.penalized),
+        ("a thinking budget", params.thinking_budget is not None),
+    ]
+    for what, there in beside:
+        if there:
+            raise APIError(
+                400,
+                f"Invalid value for 'prediction': a predicted output cannot be "
+                f"used with {what}; send one or the other.",
+                param="prediction",
+                code="unsupported_value",
+            )

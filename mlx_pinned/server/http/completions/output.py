@@ -22,9 +22,8 @@ from pydantic import (
 )
 
 from ...events import FinalEvent, FinishReason, TokenEvent
-from ..ids import random_hex
 from ..prompt_logprobs import VLLMPromptLogprobs
-from ..sse import sse_event
+from ..wire import random_hex, sse_event
 
 __all__ = [
     "ChoiceText",

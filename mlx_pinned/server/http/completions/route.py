@@ -25,10 +25,10 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ...events import Event, FinalEvent
-from ..capabilities import Capabilities
 from ..endpoint import ModelEndpoint
 from ..errors import APIError, api_error
 from ..prompt_logprobs import VLLMPromptLogprobs, vllm_prompt_logprobs
+from ..slots import Capabilities
 from .output import (
     ChoiceText,
     ChunkWriter,
@@ -42,7 +42,7 @@ from .serving import CompletionsServing
 
 if TYPE_CHECKING:
     from ...events import Engine, GenerationParams
-    from ..models import ServedModel
+    from ..served_models import ServedModel
     from ..wire import RequestLog, ResponseWriter
 
 __all__ = ["CompletionsEndpoint"]

@@ -1,5 +1,5 @@
 """Completions' one validation site: a parsed request checked against the
-served model's :class:`~..capabilities.Capabilities` and this server's
+served model's :class:`~..slots.Capabilities` and this server's
 limits, and turned into one shared generation request per prompt.
 
 Event loop. Checked here, once, before any prompt waits for the model's
@@ -29,7 +29,7 @@ from .protocol import OPENAI_DEFAULT_MAX_TOKENS
 if TYPE_CHECKING:
     from ...config import ServerConfig
     from ...events import Engine, GenerationParams
-    from ..capabilities import Capabilities
+    from ..slots import Capabilities
     from .protocol import CompletionRequest
 
 __all__ = ["CompletionsServing", "Prompts"]

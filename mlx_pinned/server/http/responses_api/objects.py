@@ -14,9 +14,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from ...formats import CallStart
-from ..answer import Part, Reasoning
-from ..ids import random_hex
-from ..sse import sse_event
+from ..answer_parser import Part, Reasoning
+from ..wire import random_hex, sse_event
 
 if TYPE_CHECKING:
     from ...events import FinalEvent

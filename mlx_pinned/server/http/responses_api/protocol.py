@@ -18,6 +18,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from ...events import GenerationParams, Grammar, SamplingParams
 from ..protocol_common import (
+    EFFORT_BUDGETS,
     RequestBody,
     check_service_tier,
     check_unique_names,
@@ -25,7 +26,6 @@ from ..protocol_common import (
     refusing,
     unsupported_value,
 )
-from ..thinking import EFFORT_BUDGETS
 from ..validation import parse_request
 from .items import (
     NAME_PATTERN,

@@ -1,5 +1,5 @@
 """The Responses API's one validation site: a parsed request checked against
-the served model's :class:`~..capabilities.Capabilities`, this server's
+the served model's :class:`~..slots.Capabilities`, this server's
 limits and the stored responses, and turned into the shared generation
 request.
 
@@ -30,8 +30,8 @@ from ..serving_common import (
     max_tokens,
     no_tool_call_format,
     request_grammar,
+    with_budget,
 )
-from ..thinking import with_budget
 from .items import (
     MessageItem,
     NamedFunctionChoice,
@@ -44,7 +44,7 @@ from .protocol import JSONObjectFormat, JSONSchemaFormat
 
 if TYPE_CHECKING:
     from ...config import ServerConfig
-    from ..capabilities import Capabilities
+    from ..slots import Capabilities
     from .protocol import ResponsesRequest
     from .store import ResponseStore
 

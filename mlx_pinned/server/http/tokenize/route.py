@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 from ...failures import PromptTooLongError
 from ...limits import check_text_length
-from ..capabilities import Capabilities
 from ..endpoint import ModelEndpoint
 from ..errors import APIError
+from ..slots import Capabilities
 from ..validation import parse_request
 from .protocol import DetokenizeRequest, TokenizeChatRequest, parse_tokenize_request
 

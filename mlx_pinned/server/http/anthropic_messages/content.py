@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...config import ImageLimits
 from ...media import ImageRef
-from ..media_counts import counted_image_refs
+from ..protocol_common import counted_image_refs
 
 __all__ = [
     "AssistantMessage",

@@ -25,8 +25,8 @@ from ..formats import (
 )
 
 if TYPE_CHECKING:
-    from .capabilities import Capabilities
     from .serving_common import Prepared
+    from .slots import Capabilities
 
 __all__ = ["AnswerParser", "Part", "Reasoning", "answer_parser"]
 

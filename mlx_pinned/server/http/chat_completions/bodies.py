@@ -13,13 +13,13 @@ from typing import Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
     SerializerFunctionWrapHandler,
     model_serializer,
 )
 
-from ..ids import random_hex
 from ..prompt_logprobs import VLLMPromptLogprobs
-from ..sse import sse_event
+from ..wire import random_hex, sse_event
 
 __all__ = [
     "ChatCompletion",
@@ -28,6 +28,7 @@ __all__ = [
     "ChoiceLogprobs",
     "ChunkChoice",
     "ChunkEncoder",
+    "CompletionTokensDetails",
     "Delta",
     "DeltaFunction",
     "DeltaToolCall",
@@ -81,6 +82,14 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_Response):
+    """``usage.completion_tokens_details``, for a request that sent a
+    ``prediction``: its tokens the answer kept, and those it did not."""
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
 class Usage(_Response):
     """Token counts of one completion."""
 
@@ -88,6 +97,9 @@ class Usage(_Response):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        default=None, exclude_if=lambda details: details is None
+    )
 
 
 class FunctionCall(_Response):
