@@ -179,6 +179,8 @@ class GenerationParams:
             chat template renders ``messages``).
         add_special_tokens: Whether the tokenizer adds its special tokens
             (a BOS) to a text ``prompt``.
+        truncate_prompt_tokens: Keep the prompt's last N tokens (vLLM's;
+            -1: the model's context length; None: the whole prompt).
         videos: The decoded videos of ``messages``, in prompt order (the
             HTTP side decodes them off the event loop and sets them).
         thinking_budget: Most reasoning tokens before the closing marker is
@@ -209,6 +211,7 @@ class GenerationParams:
     template_kwargs: tuple[tuple[str, Any], ...] = ()
     prompt: str | tuple[int, ...] | None = None
     add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
     videos: tuple[Video, ...] = ()
     thinking_budget: int | None = None
     thinking_markers: tuple[str, str] | None = None

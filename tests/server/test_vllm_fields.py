@@ -25,7 +25,7 @@ from mlx_pinned.server.engine.special_tokens import special_tokens
 from mlx_pinned.server.events import FinalEvent
 from mlx_pinned.server.http.served_models import BatchGate
 
-from .conftest import MODEL
+from .conftest import MODEL, vision_body
 from .kit import (
     TOL,
     Event,
@@ -442,7 +442,6 @@ class TestAssistantPrefill:
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("truncate_prompt_tokens", 8),
         ("bad_words", ["x"]),
     ],
 )
@@ -553,3 +552,97 @@ async def test_return_tokens_as_token_ids_names_every_token_by_its_id(
     tokens = legacy["choices"][0]["logprobs"]["tokens"]
     assert tokens
     assert all(t.startswith("token_id:") for t in tokens)
+
+
+@pytest.mark.anyio
+class TestTruncatePromptTokens:
+    async def test_the_prompts_last_tokens_are_kept(self, serve: Serve) -> None:
+        ids = list(range(40, 60))
+        async with serve(max_prompt_tokens=8) as served:
+            post = served.client.post
+            cut = await post(
+                "/v1/completions",
+                json={
+                    "model": MODEL,
+                    "prompt": ids,
+                    "max_tokens": 4,
+                    "logprobs": 1,
+                    "truncate_prompt_tokens": 6,
+                },
+            )
+            short = await post(
+                "/v1/completions",
+                json={
+                    "model": MODEL,
+                    "prompt": ids[-6:],
+                    "max_tokens": 4,
+                    "logprobs": 1,
+                },
+            )
+            whole = await post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": ids, "max_tokens": 4},
+            )
+        assert cut.status_code == short.status_code == 200, cut.text
+        assert cut.json()["usage"]["prompt_tokens"] == 6
+        assert (
+            cut.json()["choices"][0]["logprobs"]
+            == short.json()["choices"][0]["logprobs"]
+        )
+        assert whole.status_code == 400  # over the prompt limit, uncut
+
+    async def test_a_chat_is_cut_after_its_template(self, serve: Serve) -> None:
+        messages = [{"role": "user", "content": "Hello there, how are you today?"}]
+        async with serve() as served:
+            tokens = await served.client.post(
+                "/tokenize", json={"model": MODEL, "messages": messages}
+            )
+            ids = tokens.json()["tokens"]
+            cut = await served.chat(
+                {
+                    "model": MODEL,
+                    "messages": messages,
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "logprobs": True,
+                    "truncate_prompt_tokens": 5,
+                }
+            )
+            raw = await served.client.post(
+                "/v1/completions",
+                json={
+                    "model": MODEL,
+                    "prompt": ids[-5:],
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "logprobs": 0,
+                },
+            )
+        assert cut.status_code == 200, cut.text
+        assert len(ids) > 5
+        assert cut.json()["usage"]["prompt_tokens"] == 5
+        ours = [t["logprob"] for t in cut.json()["choices"][0]["logprobs"]["content"]]
+        assert ours == pytest.approx(
+            raw.json()["choices"][0]["logprobs"]["token_logprobs"], abs=TOL
+        )
+
+    @pytest.mark.parametrize("value", [0, -2])
+    async def test_a_bad_value_is_a_400(self, serve: Serve, value: int) -> None:
+        async with serve() as served:
+            body = {
+                "model": MODEL,
+                "messages": PREFILL[:1],
+                "truncate_prompt_tokens": value,
+            }
+            response = await served.chat(body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "truncate_prompt_tokens"
+
+    async def test_a_prompt_with_an_image_is_not_cut(self, serve: Serve) -> None:
+        async with serve() as served:
+            body = vision_body(4, truncate_prompt_tokens=3)
+            response = await served.chat(body)
+            kept = await served.chat(vision_body(4, truncate_prompt_tokens=-1))
+        assert response.status_code == 400, response.text
+        assert "truncate_prompt_tokens" in response.json()["error"]["message"]
+        assert kept.status_code == 200, kept.text

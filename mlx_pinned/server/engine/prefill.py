@@ -165,7 +165,45 @@ def preprocess(
     loaded: LoadedModel, params: GenerationParams, images: Sequence[Image.Image]
 ) -> Prepared:
     """Chat template and processor: token ids, pixels and their metadata; a
-    raw ``params.prompt`` skips both (see :func:`raw_inputs`)."""
+    raw ``params.prompt`` skips both (see :func:`raw_inputs`); then cut to
+    the request's ``truncate_prompt_tokens``.
+
+    Raises:
+        RequestError: A prompt with media that would have to be cut.
+    """
+    keep = params.truncate_prompt_tokens
+    if keep == -1:  # vLLM's: the model's context
+        keep = params.context_length
+    return truncated(_model_inputs(loaded, params, images), keep)
+
+
+def truncated(prepared: Prepared, keep: int | None) -> Prepared:
+    """The prompt's last ``keep`` tokens (vLLM's ``truncate_prompt_tokens``:
+    a left cut); the prompt as it is when it is no longer, or ``keep`` is
+    None.
+
+    Raises:
+        RequestError: The prompt holds images or videos (their tokens and
+            their pixels cannot be cut apart).
+    """
+    if keep is None or prepared.prompt_tokens <= keep:
+        return prepared
+    inputs = prepared.inputs
+    if set(inputs) - {"input_ids", "attention_mask"}:
+        raise RequestError(
+            f"The prompt has {prepared.prompt_tokens} tokens and images or "
+            f"videos, which truncate_prompt_tokens ({keep}) cannot cut: send "
+            "a shorter prompt.",
+            "invalid_prompt",
+        )
+    ids = inputs["input_ids"][:, -keep:]
+    cut = {"input_ids": ids, "attention_mask": mx.ones_like(ids)}
+    return Prepared(cut, keep, prepared.last, prepared.scored)
+
+
+def _model_inputs(
+    loaded: LoadedModel, params: GenerationParams, images: Sequence[Image.Image]
+) -> Prepared:
     if params.prompt is not None:
         prepared = raw_inputs(loaded, params.prompt, params.add_special_tokens)
         config = loaded.model.config

@@ -82,7 +82,6 @@ TEMPLATE_ARGUMENTS = frozenset(
 
 #: vLLM's fields both doors declare and refuse whenever set, and why.
 VLLM_REFUSED = {
-    "truncate_prompt_tokens": "this server does not cut prompts; send a shorter one",
     "bad_words": "this server has no banned words; use 'logit_bias'",
 }
 
@@ -229,15 +228,23 @@ class OpenAISamplingFields(RequestBody):
     # Hugging Face's fast tokenizers (every one mlx-vlm loads) ignore it.
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool | None = None
+    # Keep the prompt's last N tokens; -1: the model's context length.
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     # Admission order at the model's gate: lower first.
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     # The prompt's log-probabilities with this many alternatives per token.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # Refused whenever set (VLLM_REFUSED says why).
-    truncate_prompt_tokens: Any = None
     bad_words: Any = None
 
     _refuse_vllm = refusing(VLLM_REFUSED)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncation(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("keep at least 1 token, or -1 for the model's context")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -304,6 +311,7 @@ class OpenAISamplingFields(RequestBody):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": bool(self.skip_special_tokens),
             "return_tokens_as_token_ids": bool(self.return_tokens_as_token_ids),
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
 
 

@@ -72,9 +72,10 @@ class ChatCompletionsServing:
             ImageRefusedError: Too many images.
             VideoRefusedError: Too many videos.
         """
-        max_prompt = check_prompt_text(
-            self.config, capabilities, text_chars(request.messages)
-        )
+        # A prompt to be cut is checked once cut, by the engine.
+        cut = request.truncate_prompt_tokens is not None
+        chars = 0 if cut else text_chars(request.messages)
+        max_prompt = check_prompt_text(self.config, capabilities, chars)
         name = (
             "max_completion_tokens"
             if request.max_completion_tokens is not None

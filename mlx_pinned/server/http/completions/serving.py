@@ -93,14 +93,18 @@ class CompletionsServing:
             )
             check_token_fields(one, vocab)
             check_scored_stream(one, request.stream)
+            # A prompt to be cut is checked once cut, by the engine.
+            cut = request.truncate_prompt_tokens is not None
             if isinstance(prompt, str):
-                check_prompt_text(self.config, capabilities, len(prompt))
+                if not cut:
+                    check_prompt_text(self.config, capabilities, len(prompt))
                 echo = prompt
             else:
                 for token_id in prompt:
                     if token_id >= vocab:
                         raise out_of_vocabulary("prompt", token_id, vocab)
-                one.check_prompt_tokens(len(prompt))
+                if not cut:
+                    one.check_prompt_tokens(len(prompt))
                 echo = await engine.detokenize(prompt) if request.echo else ""
             params.append(one)
             echoes.append(echo if request.echo else "")
