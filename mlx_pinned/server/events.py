@@ -99,6 +99,9 @@ class SamplingParams:
             turn does (vLLM's).
         allowed_token_ids: Only these tokens may be sampled (vLLM's; empty:
             every token).
+        bad_words: Words that are never generated (vLLM's): a word's last
+            token is barred where the tokens before it were just generated
+            (its first, always, for a one-token word).
         eos_token_ids: The model's end-of-turn tokens; filled in at
             admission, never by a request.
         prompt_logprobs: The prompt's log-probabilities are computed in its
@@ -122,6 +125,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     prompt_logprobs: int | None = None
 

@@ -42,11 +42,9 @@ VLLM_EXTENSIONS |= {
 # vLLM's assistant prefill.
 VLLM_EXTENSIONS |= {"add_generation_prompt", "continue_final_message"}
 VLLM_EXTENSIONS |= {"add_special_tokens"}
-# vLLM's fields this server refuses by name (protocol_common.VLLM_REFUSED).
-VLLM_EXTENSIONS |= {
-    "bad_words",
-}  # fmt: skip
+# vLLM's token naming, prompt cutting and banned words (protocol_common.py).
 VLLM_EXTENSIONS |= {"return_tokens_as_token_ids", "truncate_prompt_tokens"}
+VLLM_EXTENSIONS |= {"bad_words"}
 # vLLM's admission order (http/served_models.py).
 VLLM_EXTENSIONS |= {"priority"}
 # vLLM's prompt log-probabilities (prefill.py).

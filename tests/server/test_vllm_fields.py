@@ -10,6 +10,7 @@ if the field were ignored.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import Any
@@ -189,6 +190,11 @@ class TestSpeculative:
             assert max_logprob_difference(mine, solo) <= TOL
         assert on.statistics().accepted_tokens > 0
         assert len(tokens(off[2])) == 20  # min_tokens is max_tokens
+        # A row that bars bad words reads its last tokens: it never drafts.
+        banned = [echo(3, 16, bad_words=("two", "three one"))]
+        (alone,) = [run(thread, loaded_lm, req)[0] for req in banned]
+        (mine,) = interleaved(thread, on, banned)
+        assert max_logprob_difference(mine, alone) <= TOL
 
 
 async def chat(serve: Serve, **fields: Any) -> dict[str, Any]:
@@ -438,26 +444,71 @@ class TestAssistantPrefill:
         assert response.json()["error"]["param"] == param
 
 
-@pytest.mark.anyio
-@pytest.mark.parametrize(
-    ("name", "value"),
-    [
-        ("bad_words", ["x"]),
-    ],
-)
-async def test_vllm_fields_still_refused_name_themselves_on_both_doors(
-    serve: Serve, name: str, value: Any
-) -> None:
-    async with serve() as served:
-        chat_body = {"model": MODEL, "messages": PREFILL[:1], name: value}
-        response = await served.chat(chat_body)
-        assert response.status_code == 400, response.text
-        error = response.json()["error"]
-        assert (error["param"], error["code"]) == (name, "unsupported_parameter")
-        completion = {"model": MODEL, "prompt": "Hi", name: value}
-        response = await served.client.post("/v1/completions", json=completion)
-        assert response.status_code == 400, response.text
-        assert response.json()["error"]["param"] == name
+class TestBadWords:
+    def test_a_bad_word_never_ends_in_the_answer(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        (plain,) = run(thread, loaded, request(1, 24))
+        ids = token_ids(loaded, plain)
+        # Two generated tokens in a row that a word's text tokenizes back to.
+        encode = loaded.tokenizer.encode
+        at, word = next(
+            (i, text)
+            for i in range(1, len(ids) - 1)
+            if ids[i] != ids[i + 1]
+            and encode(text := loaded.tokenizer.decode(ids[i : i + 2]).lstrip())
+            == ids[i : i + 2]
+        )
+        (events,) = run(thread, loaded, request(1, 24, bad_words=(word,)))
+        got = token_ids(loaded, events)
+        assert got[: at + 1] == ids[: at + 1]  # the same up to the word's end
+        assert got[at + 1] != ids[at + 1]
+        pairs = list(itertools.pairwise(got))
+        assert (ids[at], ids[at + 1]) not in pairs
+
+    def test_a_one_token_word_is_never_generated(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        (plain,) = run(thread, loaded, request(2, 16))
+        ids = token_ids(loaded, plain)
+        # The most frequent token past the first whose text is itself.
+        word = max(
+            (
+                text
+                for token in set(ids[1:])
+                if loaded.tokenizer.encode(text := loaded.tokenizer.decode([token]))
+                == [token]
+                and text.strip()
+            ),
+            key=lambda text: ids[1:].count(loaded.tokenizer.encode(text)[0]),
+        )
+        assert ids[1:].count(loaded.tokenizer.encode(word)[0]) >= 1
+        (events,) = run(thread, loaded, request(2, 16, bad_words=(word,)))
+        banned = set(loaded.tokenizer.encode(word))
+        banned |= set(loaded.tokenizer.encode(" " + word.lstrip())[:1])
+        assert not banned & set(token_ids(loaded, events))
+
+    @pytest.mark.slow
+    def test_bad_words_rows_batched_equal_each_alone(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        reqs = [
+            request(0, 12, bad_words=("the", "a b"), top_logprobs=2),
+            request(1, 12, top_logprobs=2),
+            request(3, 10, bad_words=("he",), top_logprobs=2),
+        ]
+        alone = [run(thread, loaded, req)[0] for req in reqs]
+        engine = thread.run_sync(BatchEngine, loaded, thread)
+        batched = interleaved(thread, engine, reqs, (0, 1, 3))
+        for mine, solo in zip(batched, alone, strict=True):
+            assert max_logprob_difference(mine, solo) <= TOL
+
+    @pytest.mark.anyio
+    async def test_bad_words_are_taken_on_both_doors(self, serve: Serve) -> None:
+        reply = await chat(serve, bad_words=["Hello"], max_tokens=3)
+        assert reply["usage"]["completion_tokens"] == 3
+        reply = await complete(serve, bad_words=["Hello"], max_tokens=3)
+        assert reply["usage"]["completion_tokens"] == 3
 
 
 @pytest.mark.anyio

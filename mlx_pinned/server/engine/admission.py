@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from ..failures import ImagesUnsupportedError, InvalidGrammarError
-from .logits import GrammarMatcher, new_matcher, prompt_seen
+from .logits import GrammarMatcher, banned_sequences, new_matcher, prompt_seen
 from .prefill import MEDIA_TOKENS, preprocess
 from .prompt_cache import image_hash, prompt_key
 from .rows import Row
@@ -66,6 +66,7 @@ def make_row(
         prepared=prepared,
         matcher=_matcher(loaded, params.grammar),
         thinking=_thinking(loaded, params),
+        banned=tuple(map(tuple, banned_sequences(loaded, sampling.bad_words))),
     )
     if params.prediction:
         encode = loaded.tokenizer.encode

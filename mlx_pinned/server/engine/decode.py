@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import mlx.core as mx
 
-from .logits import bias_rows, constrain, penalize
+from .logits import ban_words, bias_rows, constrain, penalize
 from .prefill import Prefilled
 from .rows import Row, read
 from .sampling import Draw, collect, draw
@@ -72,6 +72,7 @@ def first_tokens(rows: list[Row], group: Prefilled) -> None:
     logits = penalize(logits, rows)
     logits = constrain(logits, [row.matcher for row in rows])
     logits = force(logits, rows)
+    logits = ban_words(logits, rows)
     bias = bias_rows(rows, logits)
     states = [c.state for c in group.cache]
     firsts = collect(draw(logits, rows, bias, states))
@@ -160,11 +161,15 @@ class Decoder:
         return Stepped(rows_read, tokens, width)
 
     def _constrained(self, batch: BatchState) -> bool:
-        """Whether a row in the batch follows a grammar or may have its
-        thinking's closing marker forced: its next mask needs its last token
-        read."""
+        """Whether a row in the batch follows a grammar, may have its
+        thinking's closing marker forced, or bars bad words: its next mask
+        needs its last token read."""
         return any(
-            (row.matcher is not None or (row.thinking and row.thinking.open))
+            (
+                row.matcher is not None
+                or (row.thinking and row.thinking.open)
+                or row.banned
+            )
             and not (row.gone or row.done)
             for row in batch.rows
         )
@@ -237,6 +242,7 @@ class Decoder:
         # The rows' budgets are current: a step built before its rows' last
         # tokens are read has no row still thinking (see _constrained).
         logits = force(logits, rows)
+        logits = ban_words(logits, rows)
         bias = self._bias_matrix(rows, logits)
         states = [c.state for c in batch.cache or ()]
         ahead = () if after_read else forward.ahead

@@ -121,6 +121,7 @@ def can_draft(row: Row) -> bool:
         and not row.sampling.logit_bias
         and row.counts is None
         and not row.sampling.penalized
+        and not row.banned
     )
 
 

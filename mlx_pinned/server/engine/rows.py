@@ -52,6 +52,9 @@ class Row:
             drafts by prompt lookup (:mod:`.drafting`).
         scores: Its prompt's log-probabilities, once prefilled, when its
             request asked for them.
+        banned: Its bad words' token ids (:func:`.logits.ban_words`).
+        recent: Its last generated tokens, as many as its longest bad word
+            reads, while it has any.
         prediction: Its request's predicted answer, as token ids: its
             drafts (:mod:`.drafting`).
         predicted: Tokens of its prediction verified, and those kept.
@@ -77,6 +80,8 @@ class Row:
     thinking: ThinkingBudget | None = None
     history: History | None = None  # speculative decoding (.drafting)
     scores: PromptScores | None = None
+    banned: tuple[tuple[int, ...], ...] = ()
+    recent: list[int] = field(default_factory=list)
     prediction: np.ndarray | None = None
     predicted: tuple[int, int] = (0, 0)
 
@@ -92,6 +97,9 @@ class Row:
             self.tokens.append(item.token)
         if self.history is not None:  # speculative decoding (.drafting)
             self.history.append(item.token)
+        if self.banned:
+            self.recent.append(item.token)
+            del self.recent[: -max(len(word) for word in self.banned)]
 
 
 def read(

@@ -31,7 +31,6 @@ from ..media import ImageRef, VideoRef
 __all__ = [
     "EFFORT_BUDGETS",
     "TEMPLATE_ARGUMENTS",
-    "VLLM_REFUSED",
     "OpenAISamplingFields",
     "RequestBody",
     "Stop",
@@ -78,12 +77,6 @@ TEMPLATE_ARGUMENTS = frozenset(
         "tools",
     }
 )
-
-
-#: vLLM's fields both doors declare and refuse whenever set, and why.
-VLLM_REFUSED = {
-    "bad_words": "this server has no banned words; use 'logit_bias'",
-}
 
 
 class RequestBody(BaseModel):
@@ -234,10 +227,11 @@ class OpenAISamplingFields(RequestBody):
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     # The prompt's log-probabilities with this many alternatives per token.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # Refused whenever set (VLLM_REFUSED says why).
-    bad_words: Any = None
-
-    _refuse_vllm = refusing(VLLM_REFUSED)
+    # Words never generated (their tokens barred where they would end one).
+    bad_words: (
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=64)]
+        | None
+    ) = None
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -299,6 +293,7 @@ class OpenAISamplingFields(RequestBody):
             ignore_eos=self.ignore_eos,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
+            bad_words=tuple(self.bad_words or ()),
             prompt_logprobs=self.prompt_logprobs if scored is None else scored,
         )
 
