@@ -697,3 +697,17 @@ class TestTruncatePromptTokens:
         assert response.status_code == 400, response.text
         assert "truncate_prompt_tokens" in response.json()["error"]["message"]
         assert kept.status_code == 200, kept.text
+
+
+@pytest.mark.anyio
+async def test_fields_that_leave_no_token_still_answer(
+    serve: Serve, loaded: LoadedModel
+) -> None:
+    # allowed_token_ids all held off by min_tokens, and all outside a grammar:
+    # the bar is lifted rather than sampling from nothing.
+    reply = await chat(serve, allowed_token_ids=[eos(loaded)], min_tokens=3)
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    reply = await chat(
+        serve, allowed_token_ids=[65, 66], guided_choice=["zzz"], max_tokens=4
+    )
+    assert reply["choices"][0]["message"]["content"] == "zzz"

@@ -95,7 +95,11 @@ def draw(
         logits = logits + bias
     barred = barred_tokens(rows, ahead, logits.shape[-1])
     if barred is not None:
-        logits = mx.where(mx.array(barred), -mx.inf, logits)
+        allowed = mx.where(mx.array(barred), -mx.inf, logits)
+        # A row left no token at all (allowed_token_ids all held off by
+        # min_tokens, or all outside its grammar) keeps its logits.
+        empty = mx.all(allowed == -mx.inf, axis=-1, keepdims=True)
+        logits = mx.where(empty, logits, allowed)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     tokens = mx.argmax(logprobs, axis=-1)
     groups: dict[tuple[float, float, int, float], list[int]] = {}
