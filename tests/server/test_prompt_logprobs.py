@@ -16,7 +16,7 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.events import FinalEvent, PromptLogprob
 
-from .conftest import MODEL
+from .conftest import MODEL, vision_body
 from .kit import (
     TOL,
     Event,
@@ -289,3 +289,15 @@ class TestCompletions:
 
 def await_text(loaded: LoadedModel, ids: Sequence[int]) -> str:
     return str(loaded.tokenizer.decode(list(ids)))
+
+
+@pytest.mark.anyio
+async def test_a_chat_with_an_image_scores_its_whole_prompt(serve: Serve) -> None:
+    async with serve() as served:
+        response = await served.chat(vision_body(3, prompt_logprobs=1))
+    assert response.status_code == 200, response.text
+    reply = response.json()
+    entries = reply["prompt_logprobs"]
+    assert len(entries) == reply["usage"]["prompt_tokens"]  # image tokens too
+    assert entries[0] is None
+    assert all(entry for entry in entries[1:])

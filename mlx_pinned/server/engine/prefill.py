@@ -111,6 +111,9 @@ class _Scoring:
         """The logits of positions ``start`` onwards (one pass's)."""
         targets = self.ids[start + 1 : start + 1 + logits.shape[0]]
         logits = logits[: targets.shape[0]].astype(mx.float32)
+        # Media placeholders past the vocabulary (some families') are read
+        # as its last token rather than outside the array.
+        targets = mx.minimum(targets, logits.shape[-1] - 1)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         chosen = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
         ranks = mx.sum(logprobs > chosen[:, None], axis=-1) + 1
