@@ -1,9 +1,11 @@
 """lm-eval (pinned in the test extra) against a live server: its
 ``local-completions`` model on a multiple-choice task and a
-rolling-loglikelihood (perplexity) task, both from task files in this repo
+rolling-loglikelihood (perplexity) task, and its ``local-chat-completions``
+model on a generation task, all from task files in this repo
 (``lm_eval_tasks/``, offline JSON data). Every loglikelihood lm-eval reports
 must equal the same sum computed in process with one forward pass of the
-model; that is what ``echo`` with ``logprobs`` is for.
+model (what ``echo`` with ``logprobs`` is for); every generation, the
+server's own answer to the request lm-eval made.
 """
 
 from __future__ import annotations
@@ -40,42 +42,57 @@ def rows(name: str) -> list[dict[str, Any]]:
 
 def test_the_pinned_lm_eval_and_its_offline_tasks_are_here() -> None:
     assert metadata.version("lm-eval") == LM_EVAL
-    for name in ("tiny_choice", "tiny_text"):
+    for name, data in [
+        ("tiny_choice", "tiny_choice"),
+        ("tiny_text", "tiny_text"),
+        ("tiny_chat", "tiny_choice"),
+    ]:
         task = (TASKS / f"{name}.yaml").read_text()
-        assert f"tests/server/lm_eval_tasks/{name}.jsonl" in task
-        assert rows(name)
+        assert f"tests/server/lm_eval_tasks/{data}.jsonl" in task
+        assert rows(data)
 
 
-@pytest.fixture(scope="module")
-def samples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """lm-eval's per-sample answers of both tasks, from one run."""
-    folder = tmp_path_factory.mktemp("lm_eval")
+def lm_eval(folder: Path, model: str, path: str, tasks: str, *extra: str) -> Any:
+    """lm-eval's per-sample answers of ``tasks`` (comma-separated), its
+    ``model`` against ``serve --demo`` at ``path``, by task."""
     with running_server(folder / "server.log") as server:
-        args = ",".join(
-            [
-                "model=mlx-pinned-demo",
-                f"base_url={server.url}/v1/completions",
-                f"tokenizer={tiny_vlm_path()}",
-                "num_concurrent=2",
-                "max_retries=1",
-                "tokenized_requests=True",
-            ]
-        )
+        args = [
+            "model=mlx-pinned-demo",
+            f"base_url={server.url}{path}",
+            "num_concurrent=2",
+            "max_retries=1",
+        ]
         command = [str(Path(sys.executable).with_name("lm_eval")), "run"]
-        command += ["--model", "local-completions", "--model_args", args]
-        command += ["--tasks", "tiny_choice,tiny_text", "--include_path", str(TASKS)]
+        command += ["--model", model, "--model_args", ",".join([*args, *extra])]
+        command += ["--tasks", tasks, "--include_path", str(TASKS)]
         command += ["--output_path", str(folder / "out"), "--log_samples"]
+        if model == "local-chat-completions":
+            command.append("--apply_chat_template")
         env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
         run = subprocess.run(
             command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
         )
         assert run.returncode == 0, run.stderr[-4000:] + server.log_text()[-2000:]
     found: dict[str, Any] = {}
-    for path in (folder / "out").rglob("samples_*.jsonl"):
-        task = path.name.split("_2")[0].removeprefix("samples_")
-        found[task] = [json.loads(line) for line in path.read_text().splitlines()]
-    assert set(found) == {"tiny_choice", "tiny_text"}
+    for path_ in (folder / "out").rglob("samples_*.jsonl"):
+        task = path_.name.split("_2")[0].removeprefix("samples_")
+        found[task] = [json.loads(line) for line in path_.read_text().splitlines()]
+    assert set(found) == set(tasks.split(","))
     return found
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """lm-eval's per-sample answers of the loglikelihood tasks, from one run
+    of local-completions (token ids, so its tokenizer is the model's)."""
+    return lm_eval(  # type: ignore[no-any-return]
+        tmp_path_factory.mktemp("lm_eval"),
+        "local-completions",
+        "/v1/completions",
+        "tiny_choice,tiny_text",
+        f"tokenizer={tiny_vlm_path()}",
+        "tokenized_requests=True",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +157,34 @@ def test_rolling_loglikelihoods_equal_the_forward_pass(
         text = sample["doc"]["text"]
         expected, _ = summed(thread, model, [prefix], encode(model, text))
         assert float(sample["filtered_resps"][0]) == pytest.approx(expected, abs=EXACT)
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_chat_generations_are_the_servers_own_answers(
+    serve: Serve, tmp_path: Path
+) -> None:
+    found = lm_eval(
+        tmp_path, "local-chat-completions", "/v1/chat/completions", "tiny_chat"
+    )
+    answers = found["tiny_chat"]
+    assert len(answers) == len(rows("tiny_choice"))
+    async with serve() as served:
+        for sample in answers:
+            request = sample["arguments"]["gen_args_0"]
+            messages = json.loads(request["arg_0"][0])
+            response = await served.chat(
+                {
+                    "model": "tiny",
+                    "messages": messages,
+                    "max_tokens": request["arg_1"]["max_gen_toks"],
+                    "stop": request["arg_1"]["until"],
+                    "temperature": 0,
+                }
+            )
+            assert response.status_code == 200, response.text
+            content = response.json()["choices"][0]["message"]["content"]
+            assert sample["filtered_resps"][0] == content
 
 
 @pytest.mark.anyio
