@@ -7,7 +7,10 @@ Rows are sampled as mlx-vlm samples one stream: logit bias added to the
 logits, the log-softmax of those reported, greedy rows by argmax, the others
 by mlx-vlm's position-keyed sampler (a key per (seed, position)), so a seeded
 request samples the same tokens alone, batched, or through the unbatched
-path.
+path. Before the log-softmax each row's barred tokens are taken out
+(:func:`barred_tokens`: vLLM's ``allowed_token_ids``, and its ends of turn
+before ``min_tokens``); whether a token ends its row is the row's own
+sampling's to say (:meth:`~..events.SamplingParams.ends`).
 """
 
 from __future__ import annotations

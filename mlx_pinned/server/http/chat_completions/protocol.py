@@ -7,8 +7,11 @@ turns every failure (bad JSON, wrong type, out of range) into an
 API reference is declared here and either honoured or refused with a 400
 that names it; an unknown top-level field is refused as OpenAI refuses it
 ("Unrecognized request argument supplied"), except the vLLM extensions
-clients commonly send (the sampling ones of
-:class:`~..protocol_common.OpenAISamplingFields`, ``chat_template_kwargs``,
+clients commonly send (the sampling, stopping and text ones of
+:class:`~..protocol_common.OpenAISamplingFields`, the constrained answers
+of :class:`~..structured_outputs.StructuredOutputFields`,
+``chat_template_kwargs``, the assistant prefill
+(``add_generation_prompt``, ``continue_final_message``),
 ``thinking_token_budget``; vllm-mlx's ``video_fps`` and
 ``video_max_frames``), which are honoured. A validated request turns
 itself into the shared generation request

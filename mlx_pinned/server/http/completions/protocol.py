@@ -4,9 +4,12 @@ Any thread (pure CPU, no MLX); the routes parse on the event loop.
 :func:`parse_completion_request` turns every failure into an
 :class:`~..errors.APIError` that names the parameter (as chat completions
 does, through :func:`~..validation.parse_request`). Every field of OpenAI's
-reference is declared: honoured, accepted without effect (``user``), or
-refused by name (``suffix``, ``n`` and ``best_of`` above 1, ``echo`` with
-``logprobs``); an unknown field is refused as OpenAI refuses it. A validated
+reference is declared: honoured (``echo`` with ``logprobs`` too: the
+prompt's log-probabilities), accepted without effect (``user``), or refused
+by name (``suffix``, ``n`` and ``best_of`` above 1), and vLLM's extensions
+of :class:`~..protocol_common.OpenAISamplingFields` and
+:class:`~..structured_outputs.StructuredOutputFields` are honoured; an
+unknown field is refused as OpenAI refuses it. A validated
 request turns itself into one shared generation request per prompt
 (:meth:`CompletionRequest.to_generation_params`): a raw prompt, no chat
 template.
