@@ -47,9 +47,9 @@ VLLM_EXTENSIONS |= {"return_tokens_as_token_ids", "truncate_prompt_tokens"}
 VLLM_EXTENSIONS |= {"bad_words"}
 # vLLM's admission order (http/served_models.py).
 VLLM_EXTENSIONS |= {"priority"}
-# vLLM's prompt log-probabilities (prefill.py).
+# vLLM's prompt log-probabilities (prefill.py, vllm_extensions.py).
 VLLM_EXTENSIONS |= {"prompt_logprobs"}
-# vLLM's constrained answers (structured_outputs.py).
+# vLLM's constrained answers (vllm_extensions.py).
 VLLM_EXTENSIONS |= {
     "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar",

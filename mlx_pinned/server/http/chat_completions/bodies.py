@@ -18,7 +18,7 @@ from pydantic import (
     model_serializer,
 )
 
-from ..prompt_logprobs import VLLMPromptLogprobs
+from ..vllm_extensions import VLLMPromptLogprobs
 from ..wire import random_hex, sse_event
 
 __all__ = [

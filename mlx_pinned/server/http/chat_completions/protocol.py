@@ -9,7 +9,7 @@ that names it; an unknown top-level field is refused as OpenAI refuses it
 ("Unrecognized request argument supplied"), except the vLLM extensions
 clients commonly send (the sampling, stopping and text ones of
 :class:`~..protocol_common.OpenAISamplingFields`, the constrained answers
-of :class:`~..structured_outputs.StructuredOutputFields`,
+of :class:`~..vllm_extensions.StructuredOutputFields`,
 ``chat_template_kwargs``, the assistant prefill
 (``add_generation_prompt``, ``continue_final_message``),
 ``thinking_token_budget``; vllm-mlx's ``video_fps`` and
@@ -35,8 +35,8 @@ from ..protocol_common import (
     refusing,
     unsupported_value,
 )
-from ..structured_outputs import StructuredOutputFields
 from ..validation import parse_request
+from ..vllm_extensions import StructuredOutputFields
 from .messages import (
     Message,
     NamedToolChoice,

@@ -15,7 +15,7 @@ import functools
 
 from ...events import TokenEvent
 from ..endpoint import GenerationEndpoint, Reply, last_parts, send_last
-from ..prompt_logprobs import vllm_prompt_logprobs
+from ..vllm_extensions import vllm_prompt_logprobs
 from .bodies import (
     ChatCompletion,
     Choice,

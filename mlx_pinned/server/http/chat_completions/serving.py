@@ -34,7 +34,7 @@ from ..serving_common import (
     request_grammar,
     with_budget,
 )
-from ..structured_outputs import conflict
+from ..vllm_extensions import conflict
 from .messages import (
     JSONObjectFormat,
     JSONSchemaResponseFormat,
@@ -146,7 +146,7 @@ def _forced_call(request: ChatCompletionRequest) -> ForcedCall | None:
 def _answer_format(request: ChatCompletionRequest) -> tuple[str, Grammar] | None:
     """``response_format`` ``json_object`` or ``json_schema`` (its schema as
     sent: the grammar's JSON is compiled compactly), or vLLM's spellings
-    (:mod:`..structured_outputs`); None for text.
+    (:mod:`..vllm_extensions`); None for text.
 
     Raises:
         APIError: 400 for two of them, or one with a forced tool call.

@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from ...events import FinalEvent, FinishReason, TokenEvent
-from ..prompt_logprobs import VLLMPromptLogprobs
+from ..vllm_extensions import VLLMPromptLogprobs
 from ..wire import random_hex, sse_event
 
 __all__ = [

@@ -8,7 +8,7 @@ reference is declared: honoured (``echo`` with ``logprobs`` too: the
 prompt's log-probabilities), accepted without effect (``user``), or refused
 by name (``suffix``, ``n`` and ``best_of`` above 1), and vLLM's extensions
 of :class:`~..protocol_common.OpenAISamplingFields` and
-:class:`~..structured_outputs.StructuredOutputFields` are honoured; an
+:class:`~..vllm_extensions.StructuredOutputFields` are honoured; an
 unknown field is refused as OpenAI refuses it. A validated
 request turns itself into one shared generation request per prompt
 (:meth:`CompletionRequest.to_generation_params`): a raw prompt, no chat
@@ -23,8 +23,8 @@ from pydantic import Field, field_validator
 
 from ...events import GenerationParams, Grammar
 from ..protocol_common import OpenAISamplingFields, StreamOptions, unsupported
-from ..structured_outputs import StructuredOutputFields
 from ..validation import parse_request
+from ..vllm_extensions import StructuredOutputFields
 
 __all__ = [
     "MAX_PROMPTS",

@@ -27,8 +27,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ...events import Event, FinalEvent
 from ..endpoint import ModelEndpoint
 from ..errors import APIError, api_error
-from ..prompt_logprobs import VLLMPromptLogprobs, vllm_prompt_logprobs
 from ..slots import Capabilities
+from ..vllm_extensions import VLLMPromptLogprobs, vllm_prompt_logprobs
 from .output import (
     ChoiceText,
     ChunkWriter,

@@ -1,27 +1,46 @@
-"""vLLM's spellings of a constrained answer, shared by chat and legacy
-completions: ``structured_outputs`` (``json``, ``json_object``, ``regex``,
-``choice``, ``grammar``) and the older ``guided_json``, ``guided_regex``,
-``guided_choice`` and ``guided_grammar``.
+"""What vLLM adds to both OpenAI doors (chat and legacy completions) beyond
+sampling (:class:`~.protocol_common.OpenAISamplingFields` has those): its
+spellings of a constrained answer, and the shape of a prompt's
+log-probabilities.
 
-Any thread (pure CPU, no MLX); the routes parse on the event loop. Each is
-mapped onto the one :class:`~..events.Grammar` that ``response_format``
-maps onto, so it is compiled by the one cache (:data:`~..grammars.GRAMMARS`)
-and enforced by the same matcher. At most one may be set; a ``grammar`` is
-an llguidance Lark grammar (vLLM's guidance backend's syntax).
+Any thread (pure CPU, no MLX); the routes parse and write on the event
+loop.
+
+- Constrained answers: ``structured_outputs`` (``json``, ``json_object``,
+  ``regex``, ``choice``, ``grammar``) and the older ``guided_json``,
+  ``guided_regex``, ``guided_choice`` and ``guided_grammar``. Each is
+  mapped onto the one :class:`~..events.Grammar` that ``response_format``
+  maps onto, so it is compiled by the one cache
+  (:data:`~..grammars.GRAMMARS`) and enforced by the same matcher. At most
+  one may be set; a ``grammar`` is an llguidance Lark grammar (vLLM's
+  guidance backend's syntax).
+- ``prompt_logprobs``: the engine computes them in the prompt's prefill
+  (:class:`~..events.PromptLogprob`, one per prompt token); each becomes
+  vLLM's entry: ``null`` for the first token, else ``{token id:
+  {"logprob", "rank", "decoded_token"}}`` holding the prompt's token and the
+  most likely ones there.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..events import Grammar
+from ..events import Grammar, PromptLogprob
 from .errors import APIError
 from .protocol_common import RequestBody, unsupported
 
-__all__ = ["StructuredOutputFields", "StructuredOutputs", "conflict"]
+__all__ = [
+    "PromptTokenLogprob",
+    "StructuredOutputFields",
+    "StructuredOutputs",
+    "VLLMPromptLogprobs",
+    "conflict",
+    "vllm_prompt_logprobs",
+]
 
 Choices = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
 JSONSchema = dict[str, Any] | str
@@ -142,3 +161,41 @@ def conflict(param: str, other: str) -> APIError:
         param=param,
         code="invalid_value",
     )
+
+
+class PromptTokenLogprob(BaseModel):
+    """One token of one prompt position, as vLLM writes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+#: vLLM's ``prompt_logprobs``: per prompt token, null for the first.
+VLLMPromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
+
+
+def vllm_prompt_logprobs(
+    entries: Sequence[PromptLogprob], top: int
+) -> VLLMPromptLogprobs:
+    """``entries`` in vLLM's shape, with ``top`` alternatives each."""
+    out: VLLMPromptLogprobs = []
+    for entry in entries:
+        if entry.logprob is None or entry.rank is None:
+            out.append(None)
+            continue
+        tokens: dict[str, PromptTokenLogprob] = {}
+        for rank, (token_id, text, value) in enumerate(entry.top[:top], start=1):
+            tokens[str(token_id)] = PromptTokenLogprob(
+                logprob=value, rank=rank, decoded_token=text
+            )
+        tokens.setdefault(
+            str(entry.token_id),
+            PromptTokenLogprob(
+                logprob=entry.logprob, rank=entry.rank, decoded_token=entry.token
+            ),
+        )
+        out.append(tokens)
+    return out
