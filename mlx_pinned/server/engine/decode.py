@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import mlx.core as mx
 
-from .logits import bias_rows, constrain, penalize
+from .logits import ban_words, bias_rows, constrain, penalize
 from .prefill import Prefilled
 from .rows import Row, read
 from .sampling import Draw, collect, draw
@@ -63,7 +63,7 @@ class Stepped(NamedTuple):
     speculative: bool = False
 
 
-def first_tokens(rows: list[Row], group: Prefilled, stop: Any) -> None:
+def first_tokens(rows: list[Row], group: Prefilled) -> None:
     """Give the rows their first tokens, sampled from their prefill's logits,
     if it kept them (else their first decode step samples them)."""
     logits = group.logits
@@ -72,9 +72,10 @@ def first_tokens(rows: list[Row], group: Prefilled, stop: Any) -> None:
     logits = penalize(logits, rows)
     logits = constrain(logits, [row.matcher for row in rows])
     logits = force(logits, rows)
+    logits = ban_words(logits, rows)
     bias = bias_rows(rows, logits)
     states = [c.state for c in group.cache]
-    firsts = collect(draw(logits, rows, bias, states), stop)
+    firsts = collect(draw(logits, rows, bias, states))
     read(rows, [[first] for first in firsts])
 
 
@@ -84,13 +85,11 @@ class Decoder:
     Attributes:
         speculation: The grammar speculation policy; None where it does not
             pay (off the CPU backend).
-        stop: Whether a token ends a turn (the tokenizer's criteria).
         inflight: The step started and not yet read: its rows and its draw.
         drafting: Speculative decoding, when installed (:mod:`.drafting`).
     """
 
-    def __init__(self, stop: Any) -> None:
-        self.stop = stop
+    def __init__(self) -> None:
         self.speculation = Speculation() if mx.default_device() == mx.cpu else None
         self.inflight: tuple[list[Row], Draw] | None = None
         self._bias: mx.array | None = None  # (B, V), None when no row biases
@@ -113,7 +112,7 @@ class Decoder:
         """Read the step in flight and start none after it."""
         assert self.inflight is not None, "no step in flight"
         (rows, pending), self.inflight = self.inflight, None
-        rows_read, tokens = read(rows, [[s] for s in collect(pending, self.stop)])
+        rows_read, tokens = read(rows, [[s] for s in collect(pending)])
         return Stepped(rows_read, tokens, 0)
 
     def pipelined(self, batch: BatchState) -> Stepped:
@@ -131,7 +130,7 @@ class Decoder:
         (rows, pending), self.inflight = self.inflight, None
         forward = self._forward(batch, (rows, pending))
         width = 0 if forward is None else self._sample(batch, forward)
-        rows_read, tokens = read(rows, [[s] for s in collect(pending, self.stop)])
+        rows_read, tokens = read(rows, [[s] for s in collect(pending)])
         return Stepped(rows_read, tokens, width)
 
     def _constrained_step(self, batch: BatchState) -> Stepped:
@@ -145,11 +144,11 @@ class Decoder:
         (rows, pending), self.inflight = self.inflight, None
         speculation = self.speculation
         forward = self._forward(batch, (rows, pending), start=True)
-        sampled = collect(pending, self.stop)
+        sampled = collect(pending)
         consumed: set[Row] = set()
         refused: set[Row] = set()
         if speculation is not None:
-            consumed, refused = speculation.check(rows, pending, sampled, self.stop)
+            consumed, refused = speculation.check(rows, pending, sampled)
         # Only a pass that holds a refused row's token is wrong.
         wrong = forward is not None and not refused.isdisjoint(forward.rows)
         if speculation is not None and pending.speculative:
@@ -162,11 +161,15 @@ class Decoder:
         return Stepped(rows_read, tokens, width)
 
     def _constrained(self, batch: BatchState) -> bool:
-        """Whether a row in the batch follows a grammar or may have its
-        thinking's closing marker forced: its next mask needs its last token
-        read."""
+        """Whether a row in the batch follows a grammar, may have its
+        thinking's closing marker forced, or bars bad words: its next mask
+        needs its last token read."""
         return any(
-            (row.matcher is not None or (row.thinking and row.thinking.open))
+            (
+                row.matcher is not None
+                or (row.thinking and row.thinking.open)
+                or row.banned
+            )
             and not (row.gone or row.done)
             for row in batch.rows
         )
@@ -239,6 +242,7 @@ class Decoder:
         # The rows' budgets are current: a step built before its rows' last
         # tokens are read has no row still thinking (see _constrained).
         logits = force(logits, rows)
+        logits = ban_words(logits, rows)
         bias = self._bias_matrix(rows, logits)
         states = [c.state for c in batch.cache or ()]
         ahead = () if after_read else forward.ahead

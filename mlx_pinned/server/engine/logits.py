@@ -43,10 +43,13 @@ if TYPE_CHECKING:
     from .model import LoadedModel
 
 __all__ = [
+    "Banning",
     "Constrained",
     "GrammarMatcher",
     "Penalized",
     "advance",
+    "ban_words",
+    "banned_sequences",
     "bias_rows",
     "constrain",
     "fill_masks",
@@ -308,6 +311,53 @@ def llg_tokenizer(loaded: LoadedModel) -> Any:
         )
         loaded.grammar_tokenizer = cached
     return cached
+
+
+class Banning(Protocol):
+    """What barring a row's bad words reads of it."""
+
+    banned: tuple[tuple[int, ...], ...]  # each bad word's token ids
+    recent: list[int]  # its last generated tokens, the latest last
+    done: bool
+
+
+def banned_sequences(loaded: LoadedModel, words: Sequence[str]) -> list[list[int]]:
+    """The token ids of each bad word, as vLLM tokenizes them: the word, and
+    with a space before it where that makes other tokens of the same count
+    (a word at the start of the text and one inside it)."""
+    tokenizer = loaded.tokenizer
+    out: list[list[int]] = []
+    for word in words:
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            continue
+        out.append(plain)
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
+
+
+def ban_words(logits: mx.array, rows: Sequence[Banning]) -> mx.array:
+    """``logits`` (B, V) at -inf for each row's bad words' last tokens where
+    the rest of the word was just generated (vLLM's ``bad_words``); rows
+    without any are left as they are, exactly. A row's ``recent`` tokens
+    must be read: a batch with such a row runs the constrained step."""
+    barred: list[tuple[int, int]] = []
+    for i, row in enumerate(rows):
+        if row.done:
+            continue
+        for word in row.banned:
+            head = list(word[:-1])
+            if not head or row.recent[-len(head) :] == head:
+                barred.append((i, word[-1]))
+    if not barred:
+        return logits
+    mask = np.zeros(logits.shape, dtype=np.bool_)
+    for i, token in barred:
+        if token < logits.shape[-1]:
+            mask[i, token] = True
+    return mx.where(mx.array(mask), mx.array(-mx.inf, dtype=logits.dtype), logits)
 
 
 def bias_rows(rows: Sequence[Biased], logits: mx.array) -> mx.array | None:

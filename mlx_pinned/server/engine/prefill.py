@@ -17,8 +17,8 @@ write quantized caches (:mod:`.kv_quant`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import mlx.core as mx
 
@@ -67,11 +67,82 @@ MEDIA_TOKENS = (
 
 @dataclass(eq=False)
 class Prepared:
-    """A request's model inputs, before its prefill."""
+    """A request's model inputs, before its prefill.
+
+    Attributes:
+        scored: Alternatives per prompt token its prompt's log-probabilities
+            list (vLLM's ``prompt_logprobs``); None: they are not computed.
+    """
 
     inputs: dict[str, Any]
     prompt_tokens: int
     last: int  # the last prompt token
+    scored: int | None = None
+
+
+class PromptScores(NamedTuple):
+    """The log-probabilities of a prompt's tokens from the second on, each
+    under the model's distribution after the tokens before it (raw: no
+    penalty, bias or temperature), as plain values.
+
+    Attributes:
+        tokens: The prompt's tokens, the first included.
+        logprobs: Each one's log-probability but the first's.
+        ranks: Each one's rank in its distribution (1: the most likely).
+        top: Each position's most likely tokens, likeliest first.
+    """
+
+    tokens: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]]
+
+
+class _Scoring:
+    """A prompt's scores as its prefill passes compute them, lazily: each
+    pass's logits (T, V) for the prompt's tokens after its positions."""
+
+    def __init__(self, ids: mx.array, top: int) -> None:
+        self.ids = ids.reshape(-1)
+        self.top = top
+        self.parts: list[tuple[mx.array, ...]] = []
+
+    def add(self, logits: mx.array, start: int) -> None:
+        """The logits of positions ``start`` onwards (one pass's)."""
+        targets = self.ids[start + 1 : start + 1 + logits.shape[0]]
+        logits = logits[: targets.shape[0]].astype(mx.float32)
+        # Media placeholders past the vocabulary (some families') are read
+        # as its last token rather than outside the array.
+        targets = mx.minimum(targets, logits.shape[-1] - 1)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+        ranks = mx.sum(logprobs > chosen[:, None], axis=-1) + 1
+        part: tuple[mx.array, ...] = (targets, chosen, ranks)
+        if self.top:
+            keep = min(self.top, logprobs.shape[-1])
+            ids = mx.argpartition(-logprobs, kth=keep - 1, axis=-1)[:, :keep]
+            part += (ids, mx.take_along_axis(logprobs, ids, axis=-1))
+        mx.async_eval(part)  # type: ignore[no-untyped-call]
+        self.parts.append(part)
+
+    def scores(self) -> PromptScores:
+        """Every pass's scores, read, in prompt order."""
+        out = PromptScores([cast("int", self.ids[0].item())], [], [], [])
+        for part in self.parts:
+            out.tokens.extend(cast("list[int]", part[0].tolist()))
+            out.logprobs.extend(cast("list[float]", part[1].tolist()))
+            out.ranks.extend(cast("list[int]", part[2].tolist()))
+            if len(part) == 3:
+                out.top.extend([] for _ in range(part[0].shape[0]))
+                continue
+            ids = cast("list[list[int]]", part[3].tolist())
+            values = cast("list[list[float]]", part[4].tolist())
+            for row_ids, row_values in zip(ids, values, strict=True):
+                pairs = sorted(
+                    zip(row_ids, row_values, strict=True), key=lambda p: -p[1]
+                )
+                out.top.append(pairs)
+        return out
 
 
 @dataclass(eq=False)
@@ -84,18 +155,58 @@ class Prefilled:
         logits: (B, V) of the last prompt tokens, to sample the first tokens
             from; None when the last tokens are left for the decode step
             (see :class:`ChunkedPrefill`).
+        scores: Each prompt's scores, for those whose ``scored`` is set.
     """
 
     cache: list[Any]
     deltas: mx.array | None
     logits: mx.array | None = None
+    scores: list[PromptScores | None] = field(default_factory=list)
 
 
 def preprocess(
     loaded: LoadedModel, params: GenerationParams, images: Sequence[Image.Image]
 ) -> Prepared:
     """Chat template and processor: token ids, pixels and their metadata; a
-    raw ``params.prompt`` skips both (see :func:`raw_inputs`)."""
+    raw ``params.prompt`` skips both (see :func:`raw_inputs`); then cut to
+    the request's ``truncate_prompt_tokens``.
+
+    Raises:
+        RequestError: A prompt with media that would have to be cut.
+    """
+    keep = params.truncate_prompt_tokens
+    if keep == -1:  # vLLM's: the model's context
+        keep = params.context_length
+    return truncated(_model_inputs(loaded, params, images), keep)
+
+
+def truncated(prepared: Prepared, keep: int | None) -> Prepared:
+    """The prompt's last ``keep`` tokens (vLLM's ``truncate_prompt_tokens``:
+    a left cut); the prompt as it is when it is no longer, or ``keep`` is
+    None.
+
+    Raises:
+        RequestError: The prompt holds images or videos (their tokens and
+            their pixels cannot be cut apart).
+    """
+    if keep is None or prepared.prompt_tokens <= keep:
+        return prepared
+    inputs = prepared.inputs
+    if set(inputs) - {"input_ids", "attention_mask"}:
+        raise RequestError(
+            f"The prompt has {prepared.prompt_tokens} tokens and images or "
+            f"videos, which truncate_prompt_tokens ({keep}) cannot cut: send "
+            "a shorter prompt.",
+            "invalid_prompt",
+        )
+    ids = inputs["input_ids"][:, -keep:]
+    cut = {"input_ids": ids, "attention_mask": mx.ones_like(ids)}
+    return Prepared(cut, keep, prepared.last, prepared.scored)
+
+
+def _model_inputs(
+    loaded: LoadedModel, params: GenerationParams, images: Sequence[Image.Image]
+) -> Prepared:
     if params.prompt is not None:
         prepared = raw_inputs(loaded, params.prompt, params.add_special_tokens)
         config = loaded.model.config
@@ -259,18 +370,28 @@ def prefill_together(
     kwargs = _prefill_kwargs(extra, embedded)
     cache = batch_caches(lm, pads, quant)
     assert cache is not None, "batchable() keeps this model's prompts apart"
+    scored = any(p.scored is not None for p in prompts)
     output = lm(
         inputs=ids,
         inputs_embeds=embedded.inputs_embeds,
         cache=cache,
         n_to_process=width,
-        logits_to_keep=1,
+        logits_to_keep=width if scored else 1,
         **kwargs,
     )
     logits = output.logits[:, -1, :]
+    scorings: list[_Scoring | None] = []
+    for row, (prompt, pad) in enumerate(zip(prompts, pads, strict=True)):
+        scoring = None
+        if prompt.scored is not None:
+            # Left padding: the row's positions are its last columns.
+            scoring = _Scoring(prompt.inputs["input_ids"], prompt.scored)
+            scoring.add(output.logits[row, pad:], 0)
+        scorings.append(scoring)
     deltas = row_rope_deltas(lm, kwargs, pads, media=bool(pixels))
     mx.eval([c.state for c in cache], deltas, logits)
-    return Prefilled(cache, deltas, logits)
+    scores = [None if s is None else s.scores() for s in scorings]
+    return Prefilled(cache, deltas, logits, scores)
 
 
 class ChunkedPrefill:
@@ -312,6 +433,11 @@ class ChunkedPrefill:
         self.kwargs = _prefill_kwargs(extra, embedded)
         self.embeds, self.ids = embedded.inputs_embeds, ids
         self.cache = single_caches(self.lm, quant)
+        self._ran = 0  # prompt tokens run so far
+        self._scoring = None
+        if prepared.scored is not None:
+            assert not prefix, "a scored prompt is prefilled whole"
+            self._scoring = _Scoring(ids, prepared.scored)
         if prefix:
             reused = kv_length(prefix[0][0])
             for layer, (keys, values) in zip(self.cache, prefix, strict=True):
@@ -329,15 +455,19 @@ class ChunkedPrefill:
         embeds, ids, lm, kwargs = self.embeds, self.ids, self.lm, self.kwargs
         if embeds.shape[1] > 1:
             n = min(tokens or self.step, embeds.shape[1] - 1)
-            lm(
+            scoring = self._scoring
+            output = lm(
                 inputs=ids[:, :n],
                 inputs_embeds=embeds[:, :n],
                 cache=self.cache,
                 n_to_process=n,
-                logits_to_keep=1,
+                logits_to_keep=1 if scoring is None else n,
                 **kwargs,
             )
+            if scoring is not None:
+                scoring.add(output.logits[0, -n:], self._ran)
             mx.eval([c.state for c in self.cache])
+            self._ran += n
             self.embeds, self.ids = embeds[:, n:], ids[:, n:]
             if self.embeds.shape[1] > 1:
                 return None
@@ -355,7 +485,8 @@ class ChunkedPrefill:
             )
             logits = output.logits[:, -1, :]
         batch_cache = [to_batch(c) for c in self.cache]
-        return Prefilled(batch_cache, deltas, logits)
+        scores = [None if self._scoring is None else self._scoring.scores()]
+        return Prefilled(batch_cache, deltas, logits, scores)
 
 
 def batch_caches(
@@ -415,6 +546,7 @@ def build_prompt(
         if part["type"] == "image_url"
     )
     extra: dict[str, Any] = dict(template_kwargs)
+    opened = bool(extra.pop("add_generation_prompt", True))
     if tools:
         extra["tools"] = list(tools)
     if any(
@@ -424,9 +556,14 @@ def build_prompt(
         for part in m["content"]
     ):
         marked = [_marked(m) for m in messages]
-        return str(get_chat_template(loaded.processor, marked, True, **extra))
+        return str(get_chat_template(loaded.processor, marked, opened, **extra))
     prompt = apply_chat_template(
-        loaded.processor, loaded.config, list(messages), num_images=num_images, **extra
+        loaded.processor,
+        loaded.config,
+        list(messages),
+        add_generation_prompt=opened,
+        num_images=num_images,
+        **extra,
     )
     return str(prompt)
 

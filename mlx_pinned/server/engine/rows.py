@@ -15,7 +15,7 @@ import numpy as np
 
 from ..events import SamplingParams
 from .logits import GrammarMatcher, advance
-from .prefill import Prepared
+from .prefill import Prepared, PromptScores
 from .prompt_cache import Key
 from .prompt_lookup import History
 from .sampling import Sampled
@@ -50,6 +50,11 @@ class Row:
             model's reasoning format has markers.
         history: Its prompt's and answer's token ids, while the batch
             drafts by prompt lookup (:mod:`.drafting`).
+        scores: Its prompt's log-probabilities, once prefilled, when its
+            request asked for them.
+        banned: Its bad words' token ids (:func:`.logits.ban_words`).
+        recent: Its last generated tokens, as many as its longest bad word
+            reads, while it has any.
         prediction: Its request's predicted answer, as token ids: its
             drafts (:mod:`.drafting`).
         predicted: Tokens of its prediction verified, and those kept.
@@ -74,6 +79,9 @@ class Row:
     cached: int = 0
     thinking: ThinkingBudget | None = None
     history: History | None = None  # speculative decoding (.drafting)
+    scores: PromptScores | None = None
+    banned: tuple[tuple[int, ...], ...] = ()
+    recent: list[int] = field(default_factory=list)
     prediction: np.ndarray | None = None
     predicted: tuple[int, int] = (0, 0)
 
@@ -89,6 +97,9 @@ class Row:
             self.tokens.append(item.token)
         if self.history is not None:  # speculative decoding (.drafting)
             self.history.append(item.token)
+        if self.banned:
+            self.recent.append(item.token)
+            del self.recent[: -max(len(word) for word in self.banned)]
 
 
 def read(

@@ -4,9 +4,12 @@ Any thread (pure CPU, no MLX); the routes parse on the event loop.
 :func:`parse_completion_request` turns every failure into an
 :class:`~..errors.APIError` that names the parameter (as chat completions
 does, through :func:`~..validation.parse_request`). Every field of OpenAI's
-reference is declared: honoured, accepted without effect (``user``), or
-refused by name (``suffix``, ``n`` and ``best_of`` above 1, ``echo`` with
-``logprobs``); an unknown field is refused as OpenAI refuses it. A validated
+reference is declared: honoured (``echo`` with ``logprobs`` too: the
+prompt's log-probabilities), accepted without effect (``user``), or refused
+by name (``suffix``, ``n`` and ``best_of`` above 1), and vLLM's extensions
+of :class:`~..protocol_common.OpenAISamplingFields` and
+:class:`~..vllm_extensions.StructuredOutputFields` are honoured; an
+unknown field is refused as OpenAI refuses it. A validated
 request turns itself into one shared generation request per prompt
 (:meth:`CompletionRequest.to_generation_params`): a raw prompt, no chat
 template.
@@ -16,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, field_validator
 
-from ...events import GenerationParams
+from ...events import GenerationParams, Grammar
 from ..protocol_common import (
     OpenAISamplingFields,
     StreamOptions,
@@ -26,6 +29,7 @@ from ..protocol_common import (
     unsupported,
 )
 from ..validation import parse_request
+from ..vllm_extensions import StructuredOutputFields
 
 __all__ = [
     "MAX_PROMPTS",
@@ -40,12 +44,12 @@ MAX_PROMPTS = 64
 OPENAI_DEFAULT_MAX_TOKENS = 16
 
 
-class CompletionRequest(OpenAISamplingFields):
+class CompletionRequest(OpenAISamplingFields, StructuredOutputFields):
     """The body of ``POST /v1/completions``."""
 
     model: str
     prompt: TextsOrTokens
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(default=None, ge=0, le=5)
@@ -95,17 +99,16 @@ class CompletionRequest(OpenAISamplingFields):
             raise unsupported("suffix", "this server has no fill-in-the-middle")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _check_echo(cls, value: bool | None, info: ValidationInfo) -> bool | None:
-        # Declared after logprobs, so this sees it.
-        if value and info.data.get("logprobs") is not None:
-            raise unsupported(
-                "echo",
-                "with 'logprobs' it asks for the prompt's log-probabilities, "
-                "which this server does not compute; send one or the other",
-            )
-        return value
+    @property
+    def scored(self) -> int | None:
+        """Alternatives per prompt token its log-probabilities list: vLLM's
+        ``prompt_logprobs``, or ``logprobs`` with ``echo`` (the prompt's
+        tokens come first in the legacy lists); None: not computed."""
+        wanted = [self.prompt_logprobs]
+        if self.echo and (self.logprobs is not None or self.max_tokens == 0):
+            wanted.append(self.logprobs or 0)
+        given = [k for k in wanted if k is not None]
+        return max(given) if given else None
 
     @property
     def prompts(self) -> list[str | tuple[int, ...]]:
@@ -129,20 +132,25 @@ class CompletionRequest(OpenAISamplingFields):
         *,
         max_prompt_tokens: int | None = None,
         context_length: int | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationParams:
         """One prompt of this request as the shared generation request, with
-        ``max_tokens`` resolved: the prompt raw, without the chat template."""
+        ``max_tokens`` resolved and its ``grammar`` checked: the prompt raw,
+        without the chat template."""
         return GenerationParams(
             messages=(),
             prompt=prompt,
             add_special_tokens=self.add_special_tokens,
             max_tokens=max_tokens,
             sampling=self.sampling_params(
-                logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0
+                logprobs=self.logprobs is not None,
+                top_logprobs=self.logprobs or 0,
+                scored=self.scored,
             ),
-            stop=self.stop_sequences,
+            **self.generation_fields(),
             max_prompt_tokens=max_prompt_tokens,
             context_length=context_length,
+            grammar=grammar,
         )
 
 
