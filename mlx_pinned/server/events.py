@@ -33,6 +33,7 @@ __all__ = [
     "FinishReason",
     "GenerationParams",
     "Grammar",
+    "PromptLogprob",
     "SamplingParams",
     "TokenEvent",
     "TokenLogprobs",
@@ -52,13 +53,14 @@ class Grammar:
 
     Attributes:
         kind: ``json_schema`` (``source`` is a JSON schema, as text),
-            ``json_object`` (any JSON object; ``source`` is ignored) or
-            ``lark`` (``source`` is an llguidance Lark grammar, which may
-            embed JSON schemas with ``%json {...}``).
+            ``json_object`` (any JSON object; ``source`` is ignored),
+            ``regex`` (``source`` is a regular expression the whole text
+            matches) or ``lark`` (``source`` is an llguidance Lark grammar,
+            which may embed JSON schemas with ``%json {...}``).
         source: The grammar's text.
     """
 
-    kind: Literal["json_schema", "json_object", "lark"]
+    kind: Literal["json_schema", "json_object", "regex", "lark"]
     source: str = ""
 
 
@@ -87,6 +89,22 @@ class SamplingParams:
         logit_bias: ``(token id, bias)`` pairs added to the logits.
         logprobs: Whether each token's log-probability is returned.
         top_logprobs: How many alternatives to return per token.
+        min_tokens: No end of turn nor stop token before this many tokens
+            (vLLM's: their logits are -inf until then, and stop strings
+            are not looked for).
+        ignore_eos: The model's ends of turn do not end the generation
+            (vLLM's: it runs to ``max_tokens``, a stop string or a stop
+            token).
+        stop_token_ids: Token ids that end the generation, as an end of
+            turn does (vLLM's).
+        allowed_token_ids: Only these tokens may be sampled (vLLM's; empty:
+            every token).
+        eos_token_ids: The model's end-of-turn tokens; filled in at
+            admission, never by a request.
+        prompt_logprobs: The prompt's log-probabilities are computed in its
+            prefill, with this many alternatives per token (vLLM's
+            ``prompt_logprobs``; None: not computed). A prompt that asks
+            for them is prefilled whole, never from the prompt cache.
     """
 
     temperature: float | None = None
@@ -100,6 +118,25 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: int | None = None
+
+    def ends(self, token: int) -> bool:
+        """Whether ``token`` ends the generation (resolved: see
+        ``eos_token_ids``)."""
+        if token in self.stop_token_ids:
+            return True
+        return not self.ignore_eos and token in self.eos_token_ids
+
+    @property
+    def held_token_ids(self) -> tuple[int, ...]:
+        """The tokens kept off until ``min_tokens``: every end of turn and
+        stop token, as vLLM keeps them off (under ``ignore_eos`` too)."""
+        return (*self.eos_token_ids, *self.stop_token_ids)
 
     @property
     def penalized(self) -> bool:
@@ -123,6 +160,10 @@ class GenerationParams:
         max_tokens: Most tokens to generate.
         sampling: How its tokens are picked.
         stop: Stop strings; generation ends before them.
+        include_stop_str_in_output: The text ends with the stop string, or
+            the stop token's text, that ended it (vLLM's).
+        skip_special_tokens: Special tokens are left out of the text
+            (vLLM's; False: their text is in it, as mlx-vlm gives it).
         max_prompt_tokens: Refuse a longer prompt (None: no limit of its own).
         context_length: Refuse a prompt that, with ``max_tokens``, is longer
             (None: the model has no known context length).
@@ -141,6 +182,8 @@ class GenerationParams:
         thinking_budget: Most reasoning tokens before the closing marker is
             forced (None: no budget); applied where ``thinking_markers`` is
             set and the text is not constrained.
+        priority: Its place at the model's gate: the lowest waiting is
+            admitted first, in arrival order within one (vLLM's).
         thinking_markers: The model's reasoning markers as text,
             ``(opening, closing)``; the opening is empty when the chat
             template opens the reasoning itself (the HTTP side reads both
@@ -154,6 +197,8 @@ class GenerationParams:
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = False
     max_prompt_tokens: int | None = None
     context_length: int | None = None
     grammar: Grammar | None = None
@@ -164,6 +209,7 @@ class GenerationParams:
     videos: tuple[Video, ...] = ()
     thinking_budget: int | None = None
     thinking_markers: tuple[str, str] | None = None
+    priority: int = 0
     prediction: str = ""
 
     def check_prompt_tokens(self, prompt_tokens: int) -> None:
@@ -188,6 +234,30 @@ class TokenLogprobs:
     logprob: float
     bytes: list[int]
     top: list[tuple[str, float, list[int]]]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprob:
+    """A prompt token's log-probability given the tokens before it.
+
+    Attributes:
+        token_id: The token.
+        token: Its text, as log-probabilities show it.
+        bytes: Its UTF-8 bytes.
+        logprob: Its log-probability (raw: the model's distribution); None
+            for the prompt's first token, which nothing comes before.
+        rank: Its rank in that distribution (1: the most likely); None
+            with ``logprob``.
+        top: The most likely tokens there, likeliest first: id, text,
+            log-probability.
+    """
+
+    token_id: int
+    token: str
+    bytes: list[int]
+    logprob: float | None
+    rank: int | None
+    top: tuple[tuple[int, str, float], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +290,9 @@ class FinalEvent:
             answer is the same either way, so events compare equal.
         stop_sequence: The stop string that ended the generation (None: it
             ended otherwise).
+        prompt_logprobs: The prompt's tokens with their log-probabilities
+            (the first's None: nothing comes before it), when asked for
+            (``SamplingParams.prompt_logprobs``); empty otherwise.
         accepted_prediction_tokens: Tokens of the request's prediction the
             answer kept (drafts verified and kept).
         rejected_prediction_tokens: Tokens of its prediction verified and
@@ -234,6 +307,7 @@ class FinalEvent:
     decode_seconds: float = field(default=0.0, compare=False)
     cached_tokens: int = field(default=0, compare=False)
     stop_sequence: str | None = None
+    prompt_logprobs: tuple[PromptLogprob, ...] = field(default=(), compare=False)
     accepted_prediction_tokens: int = field(default=0, compare=False)
     rejected_prediction_tokens: int = field(default=0, compare=False)
 

@@ -95,6 +95,8 @@ def _compile(grammar: Grammar) -> tuple[str, str]:
             compiled = compiler.compile(grammar.source)
         elif grammar.kind == "json_object":
             compiled = compiler.compile('{"type": "object"}')
+        elif grammar.kind == "regex":
+            compiled = llguidance.RegexCompiler().compile(grammar.source)
         else:
             compiled = llguidance.LarkCompiler().compile(grammar.source)
     except Exception as exc:  # llguidance raises its own ValueError/RuntimeError

@@ -190,7 +190,7 @@ class TestIsolation:
         assert "".join(log) == "CLLCLCLCC"
 
     def test_a_step_built_ahead_adds_nothing_after_an_end_of_turn(
-        self, thread: MLXThread, loaded: LoadedModel
+        self, thread: MLXThread, loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         # Row 0's second decoded token is its end of turn; the step after it
         # was built before that was known, with row 0 in it: its token there
@@ -200,14 +200,14 @@ class TestIsolation:
             a = state.admit(*request(0, 10, logprobs=False))
             b = state.admit(*request(1, 10, logprobs=False))
             calls = 0
-            stop = state.decoder.stop
+            ends = SamplingParams.ends
 
-            def end_of_turn(token: int) -> bool:
+            def end_of_turn(sampling: SamplingParams, token: int) -> bool:
                 nonlocal calls
                 calls += 1  # rows in order: first tokens, then each step
-                return calls == 5 or bool(stop(token))
+                return calls == 5 or ends(sampling, token)
 
-            state.decoder.stop = end_of_turn
+            monkeypatch.setattr(SamplingParams, "ends", end_of_turn)
             for _ in range(4):
                 state.step()
             ended = [item.eos for item in a.pending]
@@ -623,9 +623,9 @@ def test_a_step_reads_logprobs_only_for_rows_that_asked(thread: MLXThread) -> No
         logits = mx.array([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]])
         rows = [greedy(logprobs=False), greedy(logprobs=False)]
         pending = draw(logits, rows, None)
-        lean = collect(pending, lambda token: False)
+        lean = collect(pending)
         rows[1] = greedy(logprobs=True)
-        full = collect(draw(logits, rows, None), lambda token: False)
+        full = collect(draw(logits, rows, None))
         return lean, full, pending.chosen is None
 
     lean, full, skipped = thread.run_sync(run)

@@ -302,7 +302,12 @@ class TestCompletions:
             ({"suffix": "end"}, "suffix", "unsupported_parameter"),
             ({"n": 2}, "n", "unsupported_parameter"),
             ({"best_of": 3}, "best_of", "unsupported_parameter"),
-            ({"echo": True, "logprobs": 1}, "echo", "unsupported_parameter"),
+            (
+                {"echo": True, "logprobs": 1, "stream": True},
+                "stream",
+                "unsupported_value",
+            ),
+            ({"max_tokens": 0}, "max_tokens", "invalid_value"),
             ({"logprobs": 6}, "logprobs", None),
             ({"logprobs": True}, "logprobs", None),
             ({"stop": ["a", "b", "c", "d", "e"]}, "stop", None),

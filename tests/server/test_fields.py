@@ -34,6 +34,27 @@ OPENAI_FIELDS = {
 }  # fmt: skip
 VLLM_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs"}
 VLLM_EXTENSIONS |= {"thinking_token_budget"}
+# vLLM's stopping, vocabulary and text fields (protocol_common.py).
+VLLM_EXTENSIONS |= {
+    "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+    "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids",
+}  # fmt: skip
+# vLLM's assistant prefill.
+VLLM_EXTENSIONS |= {"add_generation_prompt", "continue_final_message"}
+VLLM_EXTENSIONS |= {"add_special_tokens"}
+# vLLM's fields this server refuses by name (protocol_common.VLLM_REFUSED).
+VLLM_EXTENSIONS |= {
+    "truncate_prompt_tokens", "bad_words", "return_tokens_as_token_ids",
+}  # fmt: skip
+# vLLM's admission order (http/served_models.py).
+VLLM_EXTENSIONS |= {"priority"}
+# vLLM's prompt log-probabilities (prefill.py).
+VLLM_EXTENSIONS |= {"prompt_logprobs"}
+# vLLM's constrained answers (structured_outputs.py).
+VLLM_EXTENSIONS |= {
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar",
+}  # fmt: skip
 # vllm-mlx's video sampling.
 VLLM_EXTENSIONS |= {"video_fps", "video_max_frames"}
 TOOL = {
@@ -96,7 +117,7 @@ class TestEveryField:
         declared = set(ChatCompletionRequest.model_fields)
         assert sdk - declared == set()
 
-    @pytest.mark.parametrize("name", ["foo", "best_of", "guided_json", "ignore_eos"])
+    @pytest.mark.parametrize("name", ["foo", "best_of", "use_beam_search"])
     def test_an_unknown_field_is_refused_by_name(self, name: str) -> None:
         error = refused(**{name: 1})
         assert error.param == name

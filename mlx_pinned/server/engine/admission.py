@@ -55,10 +55,11 @@ def make_row(
         raise ImagesUnsupportedError()
     sampling = resolve_sampling(loaded, params.sampling)
     prepared = preprocess(loaded, params, images)
+    prepared.scored = sampling.prompt_logprobs
     # Refused before anything is prefilled.
     params.check_prompt_tokens(prepared.prompt_tokens)
     row = Row(
-        max_tokens=params.max_tokens,
+        max_tokens=max(params.max_tokens, 1),  # 0: one sampled, none handed out
         sampling=sampling,
         prompt_tokens=prepared.prompt_tokens,
         token=prepared.last,
@@ -85,7 +86,8 @@ def make_row(
 
 def resolve_sampling(loaded: LoadedModel, sampling: SamplingParams) -> SamplingParams:
     """``sampling`` with the checkpoint's defaults filled in (as mlx-vlm
-    fills them) and a seed drawn where the request set none."""
+    fills them), a seed drawn where the request set none, and the model's
+    end-of-turn tokens."""
     api = vlm()
     temperature, top_p, top_k = api.resolve_sampling_defaults(
         getattr(loaded.model, "config", None),
@@ -101,7 +103,14 @@ def resolve_sampling(loaded: LoadedModel, sampling: SamplingParams) -> SamplingP
         top_k=int(top_k or 0),
         seed=random.getrandbits(32) if seed is None else seed,
         top_logprobs=sampling.top_logprobs if sampling.logprobs else 0,
+        eos_token_ids=end_of_turn_ids(loaded),
     )
+
+
+def end_of_turn_ids(loaded: LoadedModel) -> tuple[int, ...]:
+    """The model's end-of-turn tokens (its tokenizer's stopping criteria)."""
+    stopping = loaded.tokenizer.stopping_criteria
+    return tuple(int(t) for t in getattr(stopping, "eos_token_ids", None) or ())
 
 
 def _video_keys(

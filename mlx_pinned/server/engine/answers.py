@@ -23,12 +23,14 @@ from ..events import (
     FinalEvent,
     FinishReason,
     GenerationParams,
+    PromptLogprob,
     TokenEvent,
     TokenLogprobs,
 )
 from .model import LoadedModel
 from .rows import Row
 from .sampling import Sampled
+from .special_tokens import special_tokens
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -65,8 +67,16 @@ class RowAnswer:
         self.loaded = loaded
         self.row = row
         self._logprobs = params.sampling.logprobs
+        self._max_tokens = params.max_tokens
+        self._min_tokens = params.sampling.min_tokens
+        self._include_stop = params.include_stop_str_in_output
+        self._skipped = (
+            frozenset(special_tokens(loaded).values())
+            if params.skip_special_tokens
+            else frozenset()
+        )
         self._text = SequenceText(loaded)
-        self._stops = StopMatcher(params.stop)
+        self._stops = StopMatcher(params.stop, include=self._include_stop)
         self._start = start
         self._first_token_at: float | None = None
         self._completion = 0
@@ -78,13 +88,23 @@ class RowAnswer:
         row = self.row
         items: list[Item] = []
         while row.pending:
+            if self._completion >= self._max_tokens:  # max_tokens 0: none
+                row.pending.clear()
+                items.append(self._final(self._stops.feed("")[0], "length"))
+                return items, True
             item = row.pending.popleft()
-            if item.eos:
-                tail, _ = self._stops.feed(self._text.finish())
+            if item.eos:  # an end of turn or a stop token: not counted
+                tail = self._add(item.token) if self._include_stop else ""
+                tail, _ = self._stops.feed(tail + self._text.finish())
                 items.append(self._final(tail, "stop"))
                 return items, True
-            piece, stopped = self._stops.feed(self._text.add(item.token))
+            text = self._add(item.token)
             self._completion += 1
+            # vLLM looks for stop strings only past min_tokens.
+            if self._completion > self._min_tokens:
+                piece, stopped = self._stops.feed(text)
+            else:
+                piece, stopped = text, False
             if self._first_token_at is None:
                 self._first_token_at = time.perf_counter()
             logprobs = self._token_logprobs(item) if self._logprobs else None
@@ -101,6 +121,11 @@ class RowAnswer:
             return items, True
         return items, False
 
+    def _add(self, token: int) -> str:
+        """The text ``token`` completes; none for a special token left out
+        (``skip_special_tokens``)."""
+        return "" if token in self._skipped else self._text.add(token)
+
     def _final(self, tail: str, finish: FinishReason) -> FinalEvent:
         tail += self._stops.flush()  # held back as a possible stop string
         end = time.perf_counter()
@@ -114,9 +139,25 @@ class RowAnswer:
             decode_seconds=end - first,
             cached_tokens=self.row.cached,
             stop_sequence=self._stops.hit,
+            prompt_logprobs=self._prompt_logprobs(),
             accepted_prediction_tokens=self.row.predicted[1],
             rejected_prediction_tokens=self.row.predicted[0] - self.row.predicted[1],
         )
+
+    def _prompt_logprobs(self) -> tuple[PromptLogprob, ...]:
+        scores = self.row.scores
+        if scores is None:
+            return ()
+        token_text = self.loaded.token_text
+        first, *rest = scores.tokens
+        out = [PromptLogprob(first, *token_text(first), None, None, ())]
+        for token, logprob, rank, top in zip(
+            rest, scores.logprobs, scores.ranks, scores.top, strict=True
+        ):
+            text, raw = token_text(token)
+            alternatives = tuple((i, token_text(i)[0], value) for i, value in top)
+            out.append(PromptLogprob(token, text, raw, logprob, rank, alternatives))
+        return tuple(out)
 
     def _token_logprobs(self, item: Sampled) -> TokenLogprobs:
         token_text = self.loaded.token_text
@@ -173,11 +214,13 @@ class StopMatcher:
     """Cuts generated text at the first stop string.
 
     Text that could be the start of a stop string is held back until it is
-    known not to be one, so a stop string never reaches the client.
+    known not to be one, so a stop string never reaches the client; with
+    ``include`` (vLLM's ``include_stop_str_in_output``) the text ends with it.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], *, include: bool = False) -> None:
         self.stops = tuple(stops)
+        self._include = include
         self._pending = ""
         self.hit: str | None = None  # the stop string that ended the text
 
@@ -191,7 +234,8 @@ class StopMatcher:
             self._pending = ""
             first = min(hits)
             self.hit = next(s for s in self.stops if pending.find(s) == first)
-            return pending[:first], True
+            end = first + len(self.hit) if self._include else first
+            return pending[:end], True
         hold = 0
         for k in range(min(len(pending), max(map(len, self.stops)) - 1), 0, -1):
             if any(s.startswith(pending[-k:]) for s in self.stops):

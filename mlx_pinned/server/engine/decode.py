@@ -63,7 +63,7 @@ class Stepped(NamedTuple):
     speculative: bool = False
 
 
-def first_tokens(rows: list[Row], group: Prefilled, stop: Any) -> None:
+def first_tokens(rows: list[Row], group: Prefilled) -> None:
     """Give the rows their first tokens, sampled from their prefill's logits,
     if it kept them (else their first decode step samples them)."""
     logits = group.logits
@@ -74,7 +74,7 @@ def first_tokens(rows: list[Row], group: Prefilled, stop: Any) -> None:
     logits = force(logits, rows)
     bias = bias_rows(rows, logits)
     states = [c.state for c in group.cache]
-    firsts = collect(draw(logits, rows, bias, states), stop)
+    firsts = collect(draw(logits, rows, bias, states))
     read(rows, [[first] for first in firsts])
 
 
@@ -84,13 +84,11 @@ class Decoder:
     Attributes:
         speculation: The grammar speculation policy; None where it does not
             pay (off the CPU backend).
-        stop: Whether a token ends a turn (the tokenizer's criteria).
         inflight: The step started and not yet read: its rows and its draw.
         drafting: Speculative decoding, when installed (:mod:`.drafting`).
     """
 
-    def __init__(self, stop: Any) -> None:
-        self.stop = stop
+    def __init__(self) -> None:
         self.speculation = Speculation() if mx.default_device() == mx.cpu else None
         self.inflight: tuple[list[Row], Draw] | None = None
         self._bias: mx.array | None = None  # (B, V), None when no row biases
@@ -113,7 +111,7 @@ class Decoder:
         """Read the step in flight and start none after it."""
         assert self.inflight is not None, "no step in flight"
         (rows, pending), self.inflight = self.inflight, None
-        rows_read, tokens = read(rows, [[s] for s in collect(pending, self.stop)])
+        rows_read, tokens = read(rows, [[s] for s in collect(pending)])
         return Stepped(rows_read, tokens, 0)
 
     def pipelined(self, batch: BatchState) -> Stepped:
@@ -131,7 +129,7 @@ class Decoder:
         (rows, pending), self.inflight = self.inflight, None
         forward = self._forward(batch, (rows, pending))
         width = 0 if forward is None else self._sample(batch, forward)
-        rows_read, tokens = read(rows, [[s] for s in collect(pending, self.stop)])
+        rows_read, tokens = read(rows, [[s] for s in collect(pending)])
         return Stepped(rows_read, tokens, width)
 
     def _constrained_step(self, batch: BatchState) -> Stepped:
@@ -145,11 +143,11 @@ class Decoder:
         (rows, pending), self.inflight = self.inflight, None
         speculation = self.speculation
         forward = self._forward(batch, (rows, pending), start=True)
-        sampled = collect(pending, self.stop)
+        sampled = collect(pending)
         consumed: set[Row] = set()
         refused: set[Row] = set()
         if speculation is not None:
-            consumed, refused = speculation.check(rows, pending, sampled, self.stop)
+            consumed, refused = speculation.check(rows, pending, sampled)
         # Only a pass that holds a refused row's token is wrong.
         wrong = forward is not None and not refused.isdisjoint(forward.rows)
         if speculation is not None and pending.speculative:

@@ -208,7 +208,7 @@ class Drafting:
             return False  # nothing would draft
         return all(can_draft(row) for row in live)
 
-    def verify(self, batch: BatchState, stop: Any) -> Stepped | None:
+    def verify(self, batch: BatchState) -> Stepped | None:
         """One forward pass over every row's last token and its drafts; each
         row keeps what the target agrees with (see the module's docstring).
         None when no row has drafts (the ordinary step runs instead)."""
@@ -233,9 +233,7 @@ class Drafting:
             # Row i's position j is drawn as its token at sampled + j.
             at = [row for row in rows for _ in range(width + 1)]
             ahead = [j for _ in rows for j in range(width + 1)]
-            sampled = collect(
-                draw(flat, at, None, [c.state for c in cache], ahead), stop
-            )
+            sampled = collect(draw(flat, at, None, [c.state for c in cache], ahead))
         except BaseException:
             if self.source is not None:
                 self.source.reset()

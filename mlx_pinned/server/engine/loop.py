@@ -171,7 +171,9 @@ class BatchLoop:
     def _admit(self, request: Request, start: float, outputs: Outputs) -> None:
         params = request.params
         try:
-            if params.max_tokens < 1:
+            # 0: the prompt's log-probabilities alone (vLLM's echo).
+            scored = params.sampling.prompt_logprobs is not None
+            if params.max_tokens < (0 if scored else 1):
                 raise ValueError(
                     f"max_tokens must be 1 or more, not {params.max_tokens}"
                 )

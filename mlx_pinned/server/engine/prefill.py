@@ -17,8 +17,8 @@ write quantized caches (:mod:`.kv_quant`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import mlx.core as mx
 
@@ -67,11 +67,79 @@ MEDIA_TOKENS = (
 
 @dataclass(eq=False)
 class Prepared:
-    """A request's model inputs, before its prefill."""
+    """A request's model inputs, before its prefill.
+
+    Attributes:
+        scored: Alternatives per prompt token its prompt's log-probabilities
+            list (vLLM's ``prompt_logprobs``); None: they are not computed.
+    """
 
     inputs: dict[str, Any]
     prompt_tokens: int
     last: int  # the last prompt token
+    scored: int | None = None
+
+
+class PromptScores(NamedTuple):
+    """The log-probabilities of a prompt's tokens from the second on, each
+    under the model's distribution after the tokens before it (raw: no
+    penalty, bias or temperature), as plain values.
+
+    Attributes:
+        tokens: The prompt's tokens, the first included.
+        logprobs: Each one's log-probability but the first's.
+        ranks: Each one's rank in its distribution (1: the most likely).
+        top: Each position's most likely tokens, likeliest first.
+    """
+
+    tokens: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]]
+
+
+class _Scoring:
+    """A prompt's scores as its prefill passes compute them, lazily: each
+    pass's logits (T, V) for the prompt's tokens after its positions."""
+
+    def __init__(self, ids: mx.array, top: int) -> None:
+        self.ids = ids.reshape(-1)
+        self.top = top
+        self.parts: list[tuple[mx.array, ...]] = []
+
+    def add(self, logits: mx.array, start: int) -> None:
+        """The logits of positions ``start`` onwards (one pass's)."""
+        targets = self.ids[start + 1 : start + 1 + logits.shape[0]]
+        logits = logits[: targets.shape[0]].astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+        ranks = mx.sum(logprobs > chosen[:, None], axis=-1) + 1
+        part: tuple[mx.array, ...] = (targets, chosen, ranks)
+        if self.top:
+            keep = min(self.top, logprobs.shape[-1])
+            ids = mx.argpartition(-logprobs, kth=keep - 1, axis=-1)[:, :keep]
+            part += (ids, mx.take_along_axis(logprobs, ids, axis=-1))
+        mx.async_eval(part)  # type: ignore[no-untyped-call]
+        self.parts.append(part)
+
+    def scores(self) -> PromptScores:
+        """Every pass's scores, read, in prompt order."""
+        out = PromptScores([cast("int", self.ids[0].item())], [], [], [])
+        for part in self.parts:
+            out.tokens.extend(cast("list[int]", part[0].tolist()))
+            out.logprobs.extend(cast("list[float]", part[1].tolist()))
+            out.ranks.extend(cast("list[int]", part[2].tolist()))
+            if len(part) == 3:
+                out.top.extend([] for _ in range(part[0].shape[0]))
+                continue
+            ids = cast("list[list[int]]", part[3].tolist())
+            values = cast("list[list[float]]", part[4].tolist())
+            for row_ids, row_values in zip(ids, values, strict=True):
+                pairs = sorted(
+                    zip(row_ids, row_values, strict=True), key=lambda p: -p[1]
+                )
+                out.top.append(pairs)
+        return out
 
 
 @dataclass(eq=False)
@@ -84,11 +152,13 @@ class Prefilled:
         logits: (B, V) of the last prompt tokens, to sample the first tokens
             from; None when the last tokens are left for the decode step
             (see :class:`ChunkedPrefill`).
+        scores: Each prompt's scores, for those whose ``scored`` is set.
     """
 
     cache: list[Any]
     deltas: mx.array | None
     logits: mx.array | None = None
+    scores: list[PromptScores | None] = field(default_factory=list)
 
 
 def preprocess(
@@ -259,18 +329,28 @@ def prefill_together(
     kwargs = _prefill_kwargs(extra, embedded)
     cache = batch_caches(lm, pads, quant)
     assert cache is not None, "batchable() keeps this model's prompts apart"
+    scored = any(p.scored is not None for p in prompts)
     output = lm(
         inputs=ids,
         inputs_embeds=embedded.inputs_embeds,
         cache=cache,
         n_to_process=width,
-        logits_to_keep=1,
+        logits_to_keep=width if scored else 1,
         **kwargs,
     )
     logits = output.logits[:, -1, :]
+    scorings: list[_Scoring | None] = []
+    for row, (prompt, pad) in enumerate(zip(prompts, pads, strict=True)):
+        scoring = None
+        if prompt.scored is not None:
+            # Left padding: the row's positions are its last columns.
+            scoring = _Scoring(prompt.inputs["input_ids"], prompt.scored)
+            scoring.add(output.logits[row, pad:], 0)
+        scorings.append(scoring)
     deltas = row_rope_deltas(lm, kwargs, pads, media=bool(pixels))
     mx.eval([c.state for c in cache], deltas, logits)
-    return Prefilled(cache, deltas, logits)
+    scores = [None if s is None else s.scores() for s in scorings]
+    return Prefilled(cache, deltas, logits, scores)
 
 
 class ChunkedPrefill:
@@ -312,6 +392,11 @@ class ChunkedPrefill:
         self.kwargs = _prefill_kwargs(extra, embedded)
         self.embeds, self.ids = embedded.inputs_embeds, ids
         self.cache = single_caches(self.lm, quant)
+        self._ran = 0  # prompt tokens run so far
+        self._scoring = None
+        if prepared.scored is not None:
+            assert not prefix, "a scored prompt is prefilled whole"
+            self._scoring = _Scoring(ids, prepared.scored)
         if prefix:
             reused = kv_length(prefix[0][0])
             for layer, (keys, values) in zip(self.cache, prefix, strict=True):
@@ -329,15 +414,19 @@ class ChunkedPrefill:
         embeds, ids, lm, kwargs = self.embeds, self.ids, self.lm, self.kwargs
         if embeds.shape[1] > 1:
             n = min(tokens or self.step, embeds.shape[1] - 1)
-            lm(
+            scoring = self._scoring
+            output = lm(
                 inputs=ids[:, :n],
                 inputs_embeds=embeds[:, :n],
                 cache=self.cache,
                 n_to_process=n,
-                logits_to_keep=1,
+                logits_to_keep=1 if scoring is None else n,
                 **kwargs,
             )
+            if scoring is not None:
+                scoring.add(output.logits[0, -n:], self._ran)
             mx.eval([c.state for c in self.cache])
+            self._ran += n
             self.embeds, self.ids = embeds[:, n:], ids[:, n:]
             if self.embeds.shape[1] > 1:
                 return None
@@ -355,7 +444,8 @@ class ChunkedPrefill:
             )
             logits = output.logits[:, -1, :]
         batch_cache = [to_batch(c) for c in self.cache]
-        return Prefilled(batch_cache, deltas, logits)
+        scores = [None if self._scoring is None else self._scoring.scores()]
+        return Prefilled(batch_cache, deltas, logits, scores)
 
 
 def batch_caches(
@@ -415,6 +505,7 @@ def build_prompt(
         if part["type"] == "image_url"
     )
     extra: dict[str, Any] = dict(template_kwargs)
+    opened = bool(extra.pop("add_generation_prompt", True))
     if tools:
         extra["tools"] = list(tools)
     if any(
@@ -424,9 +515,14 @@ def build_prompt(
         for part in m["content"]
     ):
         marked = [_marked(m) for m in messages]
-        return str(get_chat_template(loaded.processor, marked, True, **extra))
+        return str(get_chat_template(loaded.processor, marked, opened, **extra))
     prompt = apply_chat_template(
-        loaded.processor, loaded.config, list(messages), num_images=num_images, **extra
+        loaded.processor,
+        loaded.config,
+        list(messages),
+        add_generation_prompt=opened,
+        num_images=num_images,
+        **extra,
     )
     return str(prompt)
 

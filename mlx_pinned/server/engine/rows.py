@@ -15,7 +15,7 @@ import numpy as np
 
 from ..events import SamplingParams
 from .logits import GrammarMatcher, advance
-from .prefill import Prepared
+from .prefill import Prepared, PromptScores
 from .prompt_cache import Key
 from .prompt_lookup import History
 from .sampling import Sampled
@@ -50,6 +50,8 @@ class Row:
             model's reasoning format has markers.
         history: Its prompt's and answer's token ids, while the batch
             drafts by prompt lookup (:mod:`.drafting`).
+        scores: Its prompt's log-probabilities, once prefilled, when its
+            request asked for them.
         prediction: Its request's predicted answer, as token ids: its
             drafts (:mod:`.drafting`).
         predicted: Tokens of its prediction verified, and those kept.
@@ -74,6 +76,7 @@ class Row:
     cached: int = 0
     thinking: ThinkingBudget | None = None
     history: History | None = None  # speculative decoding (.drafting)
+    scores: PromptScores | None = None
     prediction: np.ndarray | None = None
     predicted: tuple[int, int] = (0, 0)
 

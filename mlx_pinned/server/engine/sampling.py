@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import mlx.core as mx
+import numpy as np
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     from ..events import SamplingParams
 
@@ -66,6 +67,7 @@ class Draw:
     top_values: mx.array | None
     keep: int  # the most alternatives a row asked for
     top_sizes: list[int]
+    ends: list[SamplingParams]  # each row's, for whether its token ends it
     # Rows drawn without their grammar's mask (:func:`.logits.speculates`),
     # to be checked when read; with the logits and bias they were drawn from.
     speculative: Sequence[int] = ()
@@ -91,6 +93,9 @@ def draw(
     kept = (speculative, logits, bias) if speculative else ((), None, None)
     if bias is not None:
         logits = logits + bias
+    barred = barred_tokens(rows, ahead, logits.shape[-1])
+    if barred is not None:
+        logits = mx.where(mx.array(barred), -mx.inf, logits)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     tokens = mx.argmax(logprobs, axis=-1)
     groups: dict[tuple[float, float, int, float], list[int]] = {}
@@ -140,11 +145,37 @@ def draw(
     targets.extend(also)
     mx.async_eval(targets)  # type: ignore[no-untyped-call]
     sizes = [rows[i].sampling.top_logprobs for i in wanted]
-    return Draw(tokens, chosen, wanted, top_ids, top_values, keep, sizes, *kept)
+    ends = [row.sampling for row in rows]
+    return Draw(tokens, chosen, wanted, top_ids, top_values, keep, sizes, ends, *kept)
 
 
-def collect(pending: Draw, stop: Callable[[int], Any]) -> list[Sampled]:
-    """Wait for a :class:`Draw` and return its rows' tokens, in row order.
+def barred_tokens(
+    rows: Sequence[Sampling], ahead: Sequence[int], vocab: int
+) -> np.ndarray | None:
+    """(B, V) true for the tokens a row may not draw at its position: those
+    outside its ``allowed_token_ids``, and its ends of turn and stop tokens
+    before ``min_tokens``; None when no row bars any. Both depend on the
+    row's position only, so a speculative step bars them per position."""
+    barred: np.ndarray | None = None
+    for i, row in enumerate(rows):
+        sampling = row.sampling
+        position = row.sampled + (ahead[i] if ahead else 0)
+        held = sampling.held_token_ids if position < sampling.min_tokens else ()
+        if not held and not sampling.allowed_token_ids:
+            continue
+        if barred is None:
+            barred = np.zeros((len(rows), vocab), dtype=np.bool_)
+        if sampling.allowed_token_ids:
+            barred[i] = True
+            barred[i, [t for t in sampling.allowed_token_ids if t < vocab]] = False
+        barred[i, [t for t in held if t < vocab]] = True
+    return barred
+
+
+def collect(pending: Draw) -> list[Sampled]:
+    """Wait for a :class:`Draw` and return its rows' tokens, in row order;
+    a token ends its row as the row's sampling says
+    (:meth:`~..events.SamplingParams.ends`).
 
     Only what is read is waited for (``tolist`` does): its step's other
     targets, the caches' states, finish with it, so waiting for each of them
@@ -166,7 +197,7 @@ def collect(pending: Draw, stop: Callable[[int], Any]) -> list[Sampled]:
             pairs = sorted(zip(ids[j], values[j], strict=True), key=lambda p: -p[1])
             tops[i] = pairs[:size]
     return [
-        Sampled(token, chosen[i], tops.get(i, []), bool(stop(token)))
+        Sampled(token, chosen[i], tops.get(i, []), pending.ends[i].ends(token))
         for i, token in enumerate(tokens)
     ]
 

@@ -93,7 +93,6 @@ class Speculation:
         rows: list[Row],
         pending: Draw,
         sampled: list[Sampled],
-        stop: Callable[[int], Any],
     ) -> tuple[set[Row], set[Row]]:
         """Check the tokens of the rows drawn without their grammar's mask.
 
@@ -121,7 +120,7 @@ class Speculation:
             index = mx.array(refused, dtype=mx.int32)
             logits = mask(pending.logits[index], allowed)
             bias = None if pending.bias is None else pending.bias[index]
-            redrawn = collect(draw(logits, again, bias), stop)
+            redrawn = collect(draw(logits, again, bias))
             for i, item in zip(refused, redrawn, strict=True):
                 sampled[i] = item
         return consumed, {rows[i] for i in refused}

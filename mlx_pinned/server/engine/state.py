@@ -104,7 +104,7 @@ class BatchState:
         self.leaving: set[Row] = set()
         self.cache: list[Any] | None = None
         self.deltas: mx.array | None = None
-        self.decoder = Decoder(loaded.tokenizer.stopping_criteria)
+        self.decoder = Decoder()
         self.prefills = self.passes = 0
         self.prefill_seconds = self.step_seconds = 0.0
         self.steps = self.decoded = self.peak_active = 0
@@ -192,7 +192,12 @@ class BatchState:
         if not waiting and not self.prefilling:
             return False
         start = time.perf_counter()
-        prefixes = {row: self._reuse(row) for row in waiting if row.key is not None}
+        # A scored prompt is prefilled whole: a cached prefix has no scores.
+        prefixes = {
+            row: self._reuse(row)
+            for row in waiting
+            if row.key is not None and row.sampling.prompt_logprobs is None
+        }
         step = self.prefill_step
         together = [
             r
@@ -209,7 +214,7 @@ class BatchState:
                 group = prefill_together(
                     self.loaded, [_prepared(r) for r in rows], self.kv_quant
                 )
-                first_tokens(rows, group, self.decoder.stop)
+                first_tokens(rows, group)
             except Exception:  # find the culprit: each alone (none sampled yet)
                 alone += rows
             else:
@@ -252,7 +257,7 @@ class BatchState:
             if group is None:
                 self.pacer.observe(left - job.left, time.perf_counter() - start)
                 return []
-            first_tokens([row], group, self.decoder.stop)
+            first_tokens([row], group)
         except Exception as exc:
             row.error, row.done = exc, True
         else:
@@ -277,6 +282,8 @@ class BatchState:
     def _joined(self, rows: list[Row], group: Prefilled) -> None:
         for i, row in enumerate(rows):
             row.prepared = None
+            if group.scores:
+                row.scores = group.scores[i]
             if row.key is not None:
                 self._store(row.key, group.cache, i)
         self.joining.append((rows, group))
@@ -413,7 +420,7 @@ class BatchState:
         if drafting is not None and drafting.applies(self):
             if decoder.inflight is not None:
                 return decoder.drain()
-            stepped = drafting.verify(self, decoder.stop)
+            stepped = drafting.verify(self)
             if stepped is not None:
                 return stepped
         if decoder.inflight is None:

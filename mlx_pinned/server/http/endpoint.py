@@ -206,7 +206,7 @@ class ModelEndpoint(ABC):
         """The generation's events, after a turn of the model's gate; closed
         on the MLX thread when the block ends, however it ends."""
         arrived = time.perf_counter()
-        async with served.gate.turn():
+        async with served.gate.turn(params.priority):
             log.queued = time.perf_counter() - arrived
             stream = engine.stream(params, images)
             try:

@@ -31,6 +31,7 @@ from ..media import ImageRef, VideoRef
 __all__ = [
     "EFFORT_BUDGETS",
     "TEMPLATE_ARGUMENTS",
+    "VLLM_REFUSED",
     "OpenAISamplingFields",
     "RequestBody",
     "Stop",
@@ -77,6 +78,16 @@ TEMPLATE_ARGUMENTS = frozenset(
         "tools",
     }
 )
+
+
+#: vLLM's fields both doors declare and refuse whenever set, and why.
+VLLM_REFUSED = {
+    "truncate_prompt_tokens": "this server does not cut prompts; send a shorter one",
+    "bad_words": "this server has no banned words; use 'logit_bias'",
+    "return_tokens_as_token_ids": (
+        "this server shows tokens as text; read 'bytes' for the exact token"
+    ),
+}
 
 
 class RequestBody(BaseModel):
@@ -188,9 +199,17 @@ def floor_top_p(top_p: float | None) -> float | None:
     return None if top_p is None else max(top_p, _TOP_P_FLOOR)
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=4096)]
+
+
 class OpenAISamplingFields(RequestBody):
     """The sampling fields OpenAI's chat and legacy completions share, with
-    vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``)."""
+    vLLM's extensions: its sampling ones (``top_k``, ``min_p``,
+    ``repetition_penalty``, ``allowed_token_ids``), its stopping ones
+    (``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+    ``include_stop_str_in_output``) and its text ones
+    (``skip_special_tokens``, ``spaces_between_special_tokens``), each with
+    vLLM's meaning and default."""
 
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -202,6 +221,26 @@ class OpenAISamplingFields(RequestBody):
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
+    allowed_token_ids: Annotated[TokenIds, Field(min_length=1)] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: bool = False
+    # None: the special tokens' text is kept, as mlx-vlm gives it (the
+    # server's format parsers read markers that are special tokens).
+    skip_special_tokens: bool | None = None
+    # Hugging Face's fast tokenizers (every one mlx-vlm loads) ignore it.
+    spaces_between_special_tokens: bool = True
+    # Admission order at the model's gate: lower first.
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+    # The prompt's log-probabilities with this many alternatives per token.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Refused whenever set (VLLM_REFUSED says why).
+    truncate_prompt_tokens: Any = None
+    bad_words: Any = None
+    return_tokens_as_token_ids: Any = None
+
+    _refuse_vllm = refusing(VLLM_REFUSED)
 
     @field_validator("logit_bias")
     @classmethod
@@ -231,8 +270,12 @@ class OpenAISamplingFields(RequestBody):
         """``stop`` as a tuple of strings (empty when unset)."""
         return stop_tuple(self.stop)
 
-    def sampling_params(self, *, logprobs: bool, top_logprobs: int) -> SamplingParams:
-        """These fields as the one sampling value of a generation."""
+    def sampling_params(
+        self, *, logprobs: bool, top_logprobs: int, scored: int | None = None
+    ) -> SamplingParams:
+        """These fields as the one sampling value of a generation; ``scored``:
+        the prompt's log-probabilities' alternatives, when not
+        ``prompt_logprobs``'s."""
         top_k, repetition = self.top_k, self.repetition_penalty
         return SamplingParams(
             temperature=self.temperature,
@@ -248,7 +291,22 @@ class OpenAISamplingFields(RequestBody):
             ),
             logprobs=logprobs,
             top_logprobs=top_logprobs if logprobs else 0,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
+            prompt_logprobs=self.prompt_logprobs if scored is None else scored,
         )
+
+    def generation_fields(self) -> dict[str, Any]:
+        """The fields that shape the answer's text, and its priority, as the
+        shared generation request's arguments."""
+        return {
+            "priority": self.priority,
+            "stop": self.stop_sequences,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": bool(self.skip_special_tokens),
+        }
 
 
 R = TypeVar("R", ImageRef, VideoRef)

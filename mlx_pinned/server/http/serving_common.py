@@ -38,9 +38,10 @@ __all__ = [
     "RequestT",
     "Serving",
     "check_grammar",
-    "check_logit_bias",
     "check_media",
     "check_prompt_text",
+    "check_scored_stream",
+    "check_token_fields",
     "max_tokens",
     "no_tool_call_format",
     "out_of_vocabulary",
@@ -151,15 +152,50 @@ def out_of_vocabulary(param: str, token_id: int, vocab: int) -> APIError:
     )
 
 
-def check_logit_bias(params: GenerationParams, vocab: int) -> None:
-    """Refuse a ``logit_bias`` token id outside the vocabulary.
+def check_token_fields(params: GenerationParams, vocab: int) -> None:
+    """Refuse a token id outside the vocabulary (``logit_bias``,
+    ``stop_token_ids``, ``allowed_token_ids``) and a ``min_tokens`` over
+    ``max_tokens``, as vLLM refuses it.
 
     Raises:
-        APIError: 400 naming ``logit_bias``.
+        APIError: 400 naming the field.
     """
-    for token_id, _ in params.sampling.logit_bias:
-        if token_id >= vocab:
-            raise out_of_vocabulary("logit_bias", token_id, vocab)
+    sampling = params.sampling
+    fields = {
+        "logit_bias": [token for token, _ in sampling.logit_bias],
+        "stop_token_ids": sampling.stop_token_ids,
+        "allowed_token_ids": sampling.allowed_token_ids,
+    }
+    for param, token_ids in fields.items():
+        for token_id in token_ids:
+            if token_id >= vocab:
+                raise out_of_vocabulary(param, token_id, vocab)
+    if sampling.min_tokens > params.max_tokens:
+        raise APIError(
+            400,
+            f"Invalid value for 'min_tokens': {sampling.min_tokens} is more than "
+            f"the {params.max_tokens} tokens this request may generate.",
+            param="min_tokens",
+            code="invalid_value",
+        )
+
+
+def check_scored_stream(params: GenerationParams, stream: bool | None) -> None:
+    """Refuse a stream of an answer with its prompt's log-probabilities:
+    they come with the answer's end, which a stream has sent by then.
+
+    Raises:
+        APIError: 400 naming ``stream``.
+    """
+    if stream and params.sampling.prompt_logprobs is not None:
+        raise APIError(
+            400,
+            "Unsupported value: 'stream' does not support True with the prompt's "
+            "log-probabilities ('prompt_logprobs', or 'echo' with 'logprobs'); "
+            "send the request unstreamed.",
+            param="stream",
+            code="unsupported_value",
+        )
 
 
 def no_tool_call_format(

@@ -18,6 +18,7 @@ from pydantic import (
     model_serializer,
 )
 
+from ..prompt_logprobs import VLLMPromptLogprobs
 from ..wire import random_hex, sse_event
 
 __all__ = [
@@ -157,6 +158,15 @@ class ChatCompletion(_Response):
     choices: list[Choice]
     usage: Usage
     system_fingerprint: None = None
+    # vLLM's, only when asked for (left out otherwise).
+    prompt_logprobs: VLLMPromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _leave_out_unasked(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and data.get("prompt_logprobs") is None:
+            data.pop("prompt_logprobs", None)
+        return data
 
 
 class DeltaFunction(_Response):

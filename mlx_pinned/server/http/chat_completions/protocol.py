@@ -32,6 +32,7 @@ from ..protocol_common import (
     refusing,
     unsupported_value,
 )
+from ..structured_outputs import StructuredOutputFields
 from ..validation import parse_request
 from .messages import (
     Message,
@@ -57,7 +58,7 @@ _REFUSED = {
 }
 
 
-class ChatCompletionRequest(OpenAISamplingFields):
+class ChatCompletionRequest(OpenAISamplingFields, StructuredOutputFields):
     """The body of ``POST /v1/chat/completions``."""
 
     model: str
@@ -77,6 +78,9 @@ class ChatCompletionRequest(OpenAISamplingFields):
     prediction: Prediction | None = None
     # vLLM's extensions, honoured (its sampling ones are shared).
     chat_template_kwargs: TemplateKwargs | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
     # vllm-mlx's video sampling, honoured (the server's settings bound them).
     video_fps: float | None = Field(default=None, gt=0.0, le=60.0)
     video_max_frames: int | None = Field(default=None, ge=2)
@@ -107,6 +111,33 @@ class ChatCompletionRequest(OpenAISamplingFields):
     web_search_options: Any = None
 
     _refuse = refusing(_REFUSED)
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _check_continue(cls, value: bool, info: ValidationInfo) -> bool:
+        # Declared after messages and add_generation_prompt, so this sees them.
+        if not value:
+            return value
+        if info.data.get("add_generation_prompt"):
+            raise ValueError(
+                "it continues the final message; set add_generation_prompt "
+                "to false with it"
+            )
+        messages = info.data.get("messages")
+        if messages and messages[-1].role != "assistant":
+            raise ValueError("the final message must be the assistant's to continue")
+        return value
+
+    @field_validator("add_special_tokens")
+    @classmethod
+    def _check_special(cls, value: bool) -> bool:
+        if value:
+            raise unsupported_value(
+                "add_special_tokens",
+                True,
+                "the chat template adds the model's special tokens; leave it false",
+            )
+        return value
 
     @field_validator("store")
     @classmethod
@@ -248,16 +279,27 @@ class ChatCompletionRequest(OpenAISamplingFields):
             sampling=self.sampling_params(
                 logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs or 0
             ),
-            stop=self.stop_sequences,
+            **self.generation_fields(),
             max_prompt_tokens=max_prompt_tokens,
             context_length=context_length,
             grammar=grammar,
             tools=tuple(
                 tool.model_dump(exclude_none=True) for tool in self.active_tools
             ),
-            template_kwargs=tuple((self.chat_template_kwargs or {}).items()),
+            template_kwargs=tuple(self.template_kwargs().items()),
             prediction="" if self.prediction is None else self.prediction.text,
         )
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's keywords: ``chat_template_kwargs``, and the
+        assistant prefill (vLLM's ``add_generation_prompt`` and
+        ``continue_final_message``) where it is not the default."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if not self.add_generation_prompt:
+            kwargs["add_generation_prompt"] = False
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        return kwargs
 
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:

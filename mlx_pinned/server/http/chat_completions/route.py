@@ -15,6 +15,7 @@ import functools
 
 from ...events import TokenEvent
 from ..endpoint import GenerationEndpoint, Reply, last_parts, send_last
+from ..prompt_logprobs import vllm_prompt_logprobs
 from .bodies import (
     ChatCompletion,
     Choice,
@@ -95,6 +96,9 @@ class ChatCompletionsEndpoint(GenerationEndpoint[ChatCompletionRequest]):
             model=reply.model,
             choices=[choice],
             usage=usage(final, predicted=reply.request.prediction is not None),
+            prompt_logprobs=None
+            if request.prompt_logprobs is None
+            else vllm_prompt_logprobs(final.prompt_logprobs, request.prompt_logprobs),
         )
         await reply.response.json(completion.model_dump_json().encode())
 

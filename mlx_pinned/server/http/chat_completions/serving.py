@@ -26,17 +26,20 @@ from ..errors import APIError
 from ..serving_common import (
     ForcedCall,
     Prepared,
-    check_logit_bias,
     check_prompt_text,
+    check_scored_stream,
+    check_token_fields,
     max_tokens,
     no_tool_call_format,
     request_grammar,
     with_budget,
 )
+from ..structured_outputs import conflict
 from .messages import (
     JSONObjectFormat,
     JSONSchemaResponseFormat,
     NamedToolChoice,
+    TextFormat,
     image_refs,
     text_chars,
     video_refs,
@@ -92,7 +95,8 @@ class ChatCompletionsServing:
         )
         kwargs = request.chat_template_kwargs or {}
         params = with_budget(params, capabilities, kwargs, request.thinking_budget)
-        check_logit_bias(params, capabilities.vocab_size)
+        check_token_fields(params, capabilities.vocab_size)
+        check_scored_stream(params, request.stream)
         if params.prediction:
             check_prediction(params)
         refs = image_refs(request.messages, self.config.image_limits)
@@ -140,8 +144,21 @@ def _forced_call(request: ChatCompletionRequest) -> ForcedCall | None:
 
 def _answer_format(request: ChatCompletionRequest) -> tuple[str, Grammar] | None:
     """``response_format`` ``json_object`` or ``json_schema`` (its schema as
-    sent: the grammar's JSON is compiled compactly); None for text."""
+    sent: the grammar's JSON is compiled compactly), or vLLM's spellings
+    (:mod:`..structured_outputs`); None for text.
+
+    Raises:
+        APIError: 400 for two of them, or one with a forced tool call.
+    """
     response_format = request.response_format
+    structured = request.structured_grammar()
+    if structured is not None:
+        param = structured[0]
+        if response_format is not None and not isinstance(response_format, TextFormat):
+            raise conflict(param, "response_format")
+        if _forced_call(request) is not None:
+            raise conflict(param, "tool_choice")
+        return structured
     if isinstance(response_format, JSONObjectFormat):
         return "response_format", Grammar("json_object")
     if isinstance(response_format, JSONSchemaResponseFormat):

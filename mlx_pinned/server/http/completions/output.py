@@ -14,9 +14,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 from ...events import FinalEvent, FinishReason, TokenEvent
+from ..prompt_logprobs import VLLMPromptLogprobs
 from ..wire import random_hex, sse_event
 
 __all__ = [
@@ -36,11 +42,12 @@ class _Response(BaseModel):
 
 
 class Logprobs(_Response):
-    """OpenAI's legacy log-probabilities of a choice, one entry per token."""
+    """OpenAI's legacy log-probabilities of a choice, one entry per token
+    (with ``echo``, the prompt's tokens first: the first one's null)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -49,6 +56,15 @@ class CompletionChoice(_Response):
     index: int
     logprobs: Logprobs | None = None
     finish_reason: FinishReason | None = None
+    # vLLM's, only when asked for (left out otherwise).
+    prompt_logprobs: VLLMPromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _leave_out_unasked(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and data.get("prompt_logprobs") is None:
+            data.pop("prompt_logprobs", None)
+        return data
 
 
 class Usage(_Response):
@@ -86,15 +102,18 @@ class ChoiceText:
 
     ``offset`` is where the generated text starts in the choice's text (the
     echoed prompt's length); each token's ``text_offset`` counts the token
-    texts before it, as vLLM's does.
+    texts before it, as vLLM's does. ``echo_top``: the prompt's tokens come
+    first in the whole lists, with this many alternatives each (``echo``
+    with ``logprobs``; None: they are left out).
     """
 
     logprobs: bool
+    echo_top: int | None = None
     offset: int = 0
     text: list[str] = field(default_factory=list)
     tokens: list[str] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
     final: FinalEvent | None = None
 
@@ -120,8 +139,29 @@ class ChoiceText:
         return event.text, self._since(start)
 
     def whole(self) -> Logprobs | None:
-        """Every token's log-probabilities (None when not asked for)."""
-        return self._since(0)
+        """Every token's log-probabilities (None when not asked for), the
+        echoed prompt's first."""
+        generated = self._since(0)
+        entries = self.final.prompt_logprobs if self.final is not None else ()
+        if generated is None or self.echo_top is None or not entries:
+            return generated
+        tokens = [entry.token for entry in entries]
+        starts = [0]
+        for token in tokens:
+            starts.append(starts[-1] + len(token))
+        shift = starts.pop()
+        tops: list[dict[str, float] | None] = [None]
+        for entry in entries[1:]:
+            top: dict[str, float] = {}
+            for _, text, logprob in entry.top[: self.echo_top]:
+                top.setdefault(text, logprob)
+            tops.append(top)
+        return Logprobs(
+            tokens=tokens + generated.tokens,
+            token_logprobs=[e.logprob for e in entries] + generated.token_logprobs,
+            top_logprobs=tops + generated.top_logprobs,
+            text_offset=starts + [shift + o for o in generated.text_offset],
+        )
 
     def _since(self, start: int) -> Logprobs | None:
         if not self.logprobs:

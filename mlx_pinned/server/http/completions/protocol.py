@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, field_validator
 
-from ...events import GenerationParams
+from ...events import GenerationParams, Grammar
 from ..protocol_common import OpenAISamplingFields, StreamOptions, unsupported
+from ..structured_outputs import StructuredOutputFields
 from ..validation import parse_request
 
 __all__ = [
@@ -45,12 +46,12 @@ Prompt = (
 )
 
 
-class CompletionRequest(OpenAISamplingFields):
+class CompletionRequest(OpenAISamplingFields, StructuredOutputFields):
     """The body of ``POST /v1/completions``."""
 
     model: str
     prompt: Prompt
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(default=None, ge=0, le=5)
@@ -100,17 +101,16 @@ class CompletionRequest(OpenAISamplingFields):
             raise unsupported("suffix", "this server has no fill-in-the-middle")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _check_echo(cls, value: bool | None, info: ValidationInfo) -> bool | None:
-        # Declared after logprobs, so this sees it.
-        if value and info.data.get("logprobs") is not None:
-            raise unsupported(
-                "echo",
-                "with 'logprobs' it asks for the prompt's log-probabilities, "
-                "which this server does not compute; send one or the other",
-            )
-        return value
+    @property
+    def scored(self) -> int | None:
+        """Alternatives per prompt token its log-probabilities list: vLLM's
+        ``prompt_logprobs``, or ``logprobs`` with ``echo`` (the prompt's
+        tokens come first in the legacy lists); None: not computed."""
+        wanted = [self.prompt_logprobs]
+        if self.echo and (self.logprobs is not None or self.max_tokens == 0):
+            wanted.append(self.logprobs or 0)
+        given = [k for k in wanted if k is not None]
+        return max(given) if given else None
 
     @property
     def prompts(self) -> list[str | tuple[int, ...]]:
@@ -134,20 +134,25 @@ class CompletionRequest(OpenAISamplingFields):
         *,
         max_prompt_tokens: int | None = None,
         context_length: int | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationParams:
         """One prompt of this request as the shared generation request, with
-        ``max_tokens`` resolved: the prompt raw, without the chat template."""
+        ``max_tokens`` resolved and its ``grammar`` checked: the prompt raw,
+        without the chat template."""
         return GenerationParams(
             messages=(),
             prompt=prompt,
             add_special_tokens=self.add_special_tokens,
             max_tokens=max_tokens,
             sampling=self.sampling_params(
-                logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0
+                logprobs=self.logprobs is not None,
+                top_logprobs=self.logprobs or 0,
+                scored=self.scored,
             ),
-            stop=self.stop_sequences,
+            **self.generation_fields(),
             max_prompt_tokens=max_prompt_tokens,
             context_length=context_length,
+            grammar=grammar,
         )
 
 

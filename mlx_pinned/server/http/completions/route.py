@@ -27,6 +27,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ...events import Event, FinalEvent
 from ..endpoint import ModelEndpoint
 from ..errors import APIError, api_error
+from ..prompt_logprobs import VLLMPromptLogprobs, vllm_prompt_logprobs
 from ..slots import Capabilities
 from .output import (
     ChoiceText,
@@ -36,7 +37,7 @@ from .output import (
     completion_id,
     usage,
 )
-from .protocol import parse_completion_request
+from .protocol import CompletionRequest, parse_completion_request
 from .serving import CompletionsServing
 
 if TYPE_CHECKING:
@@ -79,7 +80,8 @@ class CompletionsEndpoint(ModelEndpoint):
             capabilities = Capabilities.of(engine, served)
             prepared = await self.serving.prepare(request, capabilities, engine)
             logprobs = request.logprobs is not None
-            choices = [ChoiceText(logprobs) for _ in prepared.params]
+            echo_top = request.logprobs if request.echo else None
+            choices = [ChoiceText(logprobs, echo_top) for _ in prepared.params]
             chunk_id, created = completion_id()
             writer = ChunkWriter(
                 chunk_id, created, served.name, include_usage=request.include_usage
@@ -140,6 +142,7 @@ class CompletionsEndpoint(ModelEndpoint):
                         finish_reason=choice.final.finish_reason
                         if choice.final
                         else None,
+                        prompt_logprobs=_prompt_logprobs(request, choice.final),
                     )
                     for index, (choice, echo) in enumerate(
                         zip(choices, prepared.echoes, strict=True)
@@ -229,6 +232,16 @@ class CompletionsEndpoint(ModelEndpoint):
                             await send.send((index, batch))
             except Exception as exc:  # the answer raises it
                 await send.send((index, exc))
+
+
+def _prompt_logprobs(
+    request: CompletionRequest, final: FinalEvent | None
+) -> VLLMPromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` of a choice, when asked for."""
+    top = request.prompt_logprobs
+    if top is None or final is None:
+        return None
+    return vllm_prompt_logprobs(final.prompt_logprobs, top)
 
 
 def _events(batch: tuple[Event, ...] | Exception) -> tuple[Event, ...]:

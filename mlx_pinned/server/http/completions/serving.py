@@ -15,11 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..errors import APIError
 from ..serving_common import (
-    check_logit_bias,
     check_prompt_text,
+    check_scored_stream,
+    check_token_fields,
     max_tokens,
     out_of_vocabulary,
+    request_grammar,
 )
 from .protocol import OPENAI_DEFAULT_MAX_TOKENS
 
@@ -68,7 +71,16 @@ class CompletionsServing:
         # OpenAI's default (16), within the server's limit.
         least = min(OPENAI_DEFAULT_MAX_TOKENS, self.config.max_tokens_limit)
         most = max_tokens(self.config, "max_tokens", request.max_tokens, default=least)
+        if most == 0 and not request.echo:
+            raise APIError(
+                400,
+                "Invalid value for 'max_tokens': 0 generates nothing; it needs "
+                "'echo' (the prompt, and its log-probabilities with 'logprobs').",
+                param="max_tokens",
+                code="invalid_value",
+            )
         vocab = capabilities.vocab_size
+        grammar = await request_grammar(None, None, request.structured_grammar())
         params: list[GenerationParams] = []
         echoes: list[str] = []
         for prompt in request.prompts:
@@ -77,8 +89,10 @@ class CompletionsServing:
                 most,
                 max_prompt_tokens=max_prompt,
                 context_length=capabilities.context_length,
+                grammar=grammar,
             )
-            check_logit_bias(one, vocab)
+            check_token_fields(one, vocab)
+            check_scored_stream(one, request.stream)
             if isinstance(prompt, str):
                 check_prompt_text(self.config, capabilities, len(prompt))
                 echo = prompt

@@ -1,0 +1,144 @@
+"""vLLM's spellings of a constrained answer, shared by chat and legacy
+completions: ``structured_outputs`` (``json``, ``json_object``, ``regex``,
+``choice``, ``grammar``) and the older ``guided_json``, ``guided_regex``,
+``guided_choice`` and ``guided_grammar``.
+
+Any thread (pure CPU, no MLX); the routes parse on the event loop. Each is
+mapped onto the one :class:`~..events.Grammar` that ``response_format``
+maps onto, so it is compiled by the one cache (:data:`~..grammars.GRAMMARS`)
+and enforced by the same matcher. At most one may be set; a ``grammar`` is
+an llguidance Lark grammar (vLLM's guidance backend's syntax).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..events import Grammar
+from .errors import APIError
+from .protocol_common import RequestBody, unsupported
+
+__all__ = ["StructuredOutputFields", "StructuredOutputs", "conflict"]
+
+Choices = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+JSONSchema = dict[str, Any] | str
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one constraint of the answer."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    json_: JSONSchema | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: Annotated[str, Field(min_length=1)] | None = None
+    choice: Choices | None = None
+    grammar: Annotated[str, Field(min_length=1)] | None = None
+    # vLLM's switches for its own backends: whitespace is never allowed
+    # between JSON tokens here, so only the value that says so is taken.
+    disable_any_whitespace: bool | None = None
+    structural_tag: Any = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        if self.structural_tag is not None:
+            raise unsupported(
+                "structured_outputs.structural_tag",
+                "this server has no structural tags; use 'tools' or 'grammar'",
+            )
+        if self.disable_any_whitespace is False:
+            raise unsupported(
+                "structured_outputs.disable_any_whitespace",
+                "this server's JSON grammars allow no whitespace between tokens",
+            )
+        set_ = [name for name, value in self._constraints().items() if value]
+        if len(set_) > 1:
+            raise ValueError(f"set one of {', '.join(set_)}, not several")
+        if not set_:
+            raise ValueError("set one of json, json_object, regex, choice, grammar")
+        return self
+
+    def _constraints(self) -> dict[str, Any]:
+        return {
+            "json": self.json_ is not None,
+            "json_object": bool(self.json_object),
+            "regex": self.regex is not None,
+            "choice": self.choice is not None,
+            "grammar": self.grammar is not None,
+        }
+
+    def to_grammar(self) -> Grammar:
+        """The constraint as the one grammar value."""
+        if self.json_ is not None:
+            return json_grammar(self.json_)
+        if self.regex is not None:
+            return Grammar("regex", self.regex)
+        if self.choice is not None:
+            return choice_grammar(self.choice)
+        if self.grammar is not None:
+            return Grammar("lark", self.grammar)
+        return Grammar("json_object")
+
+
+def json_grammar(schema: JSONSchema) -> Grammar:
+    """A JSON schema, sent as an object or as its text."""
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    return Grammar("json_schema", text)
+
+
+def choice_grammar(choices: list[str]) -> Grammar:
+    """Exactly one of ``choices``: a Lark grammar of their literals."""
+    return Grammar("lark", "start: " + " | ".join(json.dumps(c) for c in choices))
+
+
+class StructuredOutputFields(RequestBody):
+    """The fields of vLLM's constrained answers, declared once for both
+    doors; :meth:`structured_grammar` says which was set, and its grammar."""
+
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JSONSchema | None = None
+    guided_regex: Annotated[str, Field(min_length=1)] | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Annotated[str, Field(min_length=1)] | None = None
+
+    def _spellings(self) -> list[tuple[str, Grammar]]:
+        spellings: list[tuple[str, Grammar]] = []
+        if self.structured_outputs is not None:
+            spellings.append(
+                ("structured_outputs", self.structured_outputs.to_grammar())
+            )
+        if self.guided_json is not None:
+            spellings.append(("guided_json", json_grammar(self.guided_json)))
+        if self.guided_regex is not None:
+            spellings.append(("guided_regex", Grammar("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            spellings.append(("guided_choice", choice_grammar(self.guided_choice)))
+        if self.guided_grammar is not None:
+            spellings.append(("guided_grammar", Grammar("lark", self.guided_grammar)))
+        return spellings
+
+    def structured_grammar(self) -> tuple[str, Grammar] | None:
+        """The field that constrains the answer and its grammar; None: none.
+
+        Raises:
+            APIError: 400 naming the second of two fields set.
+        """
+        spellings = self._spellings()
+        if len(spellings) > 1:
+            first, second = spellings[0][0], spellings[1][0]
+            raise conflict(second, first)
+        return spellings[0] if spellings else None
+
+
+def conflict(param: str, other: str) -> APIError:
+    """The 400 for two fields that each constrain the answer."""
+    return APIError(
+        400,
+        f"Invalid value for '{param}': '{other}' constrains the answer already; "
+        "send one of them.",
+        param=param,
+        code="invalid_value",
+    )
