@@ -164,6 +164,8 @@ class GenerationParams:
             the stop token's text, that ended it (vLLM's).
         skip_special_tokens: Special tokens are left out of the text
             (vLLM's; False: their text is in it, as mlx-vlm gives it).
+        return_tokens_as_token_ids: Log-probabilities name each token
+            ``token_id:N``, not by its text (vLLM's).
         max_prompt_tokens: Refuse a longer prompt (None: no limit of its own).
         context_length: Refuse a prompt that, with ``max_tokens``, is longer
             (None: the model has no known context length).
@@ -199,6 +201,7 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = False
+    return_tokens_as_token_ids: bool = False
     max_prompt_tokens: int | None = None
     context_length: int | None = None
     grammar: Grammar | None = None

@@ -44,8 +44,9 @@ VLLM_EXTENSIONS |= {"add_generation_prompt", "continue_final_message"}
 VLLM_EXTENSIONS |= {"add_special_tokens"}
 # vLLM's fields this server refuses by name (protocol_common.VLLM_REFUSED).
 VLLM_EXTENSIONS |= {
-    "truncate_prompt_tokens", "bad_words", "return_tokens_as_token_ids",
+    "truncate_prompt_tokens", "bad_words",
 }  # fmt: skip
+VLLM_EXTENSIONS |= {"return_tokens_as_token_ids"}
 # vLLM's admission order (http/served_models.py).
 VLLM_EXTENSIONS |= {"priority"}
 # vLLM's prompt log-probabilities (prefill.py).

@@ -444,7 +444,6 @@ class TestAssistantPrefill:
     [
         ("truncate_prompt_tokens", 8),
         ("bad_words", ["x"]),
-        ("return_tokens_as_token_ids", True),
     ],
 )
 async def test_vllm_fields_still_refused_name_themselves_on_both_doors(
@@ -533,3 +532,24 @@ async def wait_for(condition: Any) -> None:
     with anyio.fail_after(5):
         while not condition():
             await anyio.lowlevel.checkpoint()
+
+
+@pytest.mark.anyio
+async def test_return_tokens_as_token_ids_names_every_token_by_its_id(
+    serve: Serve, loaded: LoadedModel
+) -> None:
+    fields = {"logprobs": True, "top_logprobs": 2}
+    plain = (await chat(serve, **fields))["choices"][0]["logprobs"]["content"]
+    named = await chat(serve, return_tokens_as_token_ids=True, **fields)
+    for mine, theirs in zip(
+        named["choices"][0]["logprobs"]["content"], plain, strict=True
+    ):
+        token_id = int(mine["token"].removeprefix("token_id:"))
+        assert loaded.token_text(token_id)[0] == theirs["token"]
+        assert mine["bytes"] == theirs["bytes"]
+        assert mine["logprob"] == theirs["logprob"]
+        assert all(t["token"].startswith("token_id:") for t in mine["top_logprobs"])
+    legacy = await complete(serve, logprobs=2, return_tokens_as_token_ids=True)
+    tokens = legacy["choices"][0]["logprobs"]["tokens"]
+    assert tokens
+    assert all(t.startswith("token_id:") for t in tokens)

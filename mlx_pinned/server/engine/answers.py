@@ -68,6 +68,7 @@ class RowAnswer:
         self.row = row
         self._logprobs = params.sampling.logprobs
         self._max_tokens = params.max_tokens
+        self._as_ids = params.return_tokens_as_token_ids
         self._min_tokens = params.sampling.min_tokens
         self._include_stop = params.include_stop_str_in_output
         self._skipped = (
@@ -144,11 +145,17 @@ class RowAnswer:
             rejected_prediction_tokens=self.row.predicted[0] - self.row.predicted[1],
         )
 
+    def _token_text(self, token: int) -> tuple[str, list[int]]:
+        """A token's text and bytes in its log-probabilities: its text, or
+        ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``)."""
+        text, raw = self.loaded.token_text(token)
+        return (f"token_id:{token}", raw) if self._as_ids else (text, raw)
+
     def _prompt_logprobs(self) -> tuple[PromptLogprob, ...]:
         scores = self.row.scores
         if scores is None:
             return ()
-        token_text = self.loaded.token_text
+        token_text = self._token_text
         first, *rest = scores.tokens
         out = [PromptLogprob(first, *token_text(first), None, None, ())]
         for token, logprob, rank, top in zip(
@@ -160,7 +167,7 @@ class RowAnswer:
         return tuple(out)
 
     def _token_logprobs(self, item: Sampled) -> TokenLogprobs:
-        token_text = self.loaded.token_text
+        token_text = self._token_text
         text, raw = token_text(item.token)
         top = []
         for index, value in item.top:

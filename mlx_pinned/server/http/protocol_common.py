@@ -84,9 +84,6 @@ TEMPLATE_ARGUMENTS = frozenset(
 VLLM_REFUSED = {
     "truncate_prompt_tokens": "this server does not cut prompts; send a shorter one",
     "bad_words": "this server has no banned words; use 'logit_bias'",
-    "return_tokens_as_token_ids": (
-        "this server shows tokens as text; read 'bytes' for the exact token"
-    ),
 }
 
 
@@ -231,6 +228,7 @@ class OpenAISamplingFields(RequestBody):
     skip_special_tokens: bool | None = None
     # Hugging Face's fast tokenizers (every one mlx-vlm loads) ignore it.
     spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool | None = None
     # Admission order at the model's gate: lower first.
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     # The prompt's log-probabilities with this many alternatives per token.
@@ -238,7 +236,6 @@ class OpenAISamplingFields(RequestBody):
     # Refused whenever set (VLLM_REFUSED says why).
     truncate_prompt_tokens: Any = None
     bad_words: Any = None
-    return_tokens_as_token_ids: Any = None
 
     _refuse_vllm = refusing(VLLM_REFUSED)
 
@@ -306,6 +303,7 @@ class OpenAISamplingFields(RequestBody):
             "stop": self.stop_sequences,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": bool(self.skip_special_tokens),
+            "return_tokens_as_token_ids": bool(self.return_tokens_as_token_ids),
         }
 
 
