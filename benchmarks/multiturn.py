@@ -16,7 +16,10 @@ prompt cache, and writes a PNG.
         [--rounds 5] [--max-tokens 32] [--peers-venv VENV] [--plot multiturn.png]
 
 Systems: ``mlx-pinned`` (prompt cache on, its default), ``mlx-pinned-nocache``
-(``--prompt-cache-bytes 0``), and the peers ``vllm-mlx-cb`` (``--continuous-
+(``--prompt-cache-bytes 0``), ``mlx-pinned-restarted`` (``--state-dir``, and
+restarted before each conversation's turn 4: its prefix comes from the prompt
+cache's disk tier; each start warmed up by a conversation of its own), and
+the peers ``vllm-mlx-cb`` (``--continuous-
 batching``, its prefix cache on by default) and ``mlx-vlm`` (its server), from
 the virtual environment given by ``--peers-venv`` or ``$MLX_PINNED_PEERS_VENV``
 (see ``peers.py``). Expensive: a quiet machine, never CI.
@@ -26,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +57,9 @@ QUESTIONS = (
 COMMANDS = {
     "mlx-pinned": "{python} -m mlx_pinned.server serve {model} --port {port} "
     "--served-model-name tiny --log-level warning",
+    "mlx-pinned-restarted": "{python} -m mlx_pinned.server serve {model} "
+    "--port {port} --served-model-name tiny --log-level warning "
+    "--state-dir {state_dir}",
     "mlx-pinned-nocache": "{python} -m mlx_pinned.server serve {model} "
     "--port {port} --served-model-name tiny --log-level warning "
     "--prompt-cache-bytes 0",
@@ -81,11 +89,10 @@ async def first_token(client: Any, body: dict[str, Any]) -> tuple[float, str]:
     return ttft, "".join(parts)
 
 
-async def conversation(
-    client: Any, model: str, image_uri: str, round_index: int, max_tokens: int
-) -> list[float]:
-    """One 4-turn conversation; the time to first token of each turn."""
-    messages: list[dict[str, Any]] = [
+def opening(image_uri: str, round_index: int) -> list[dict[str, Any]]:
+    """A conversation's first messages: the system prompt, the image and
+    the first question."""
+    return [
         {"role": "system", "content": SYSTEM},
         {
             "role": "user",
@@ -95,8 +102,19 @@ async def conversation(
             ],
         },
     ]
+
+
+async def turns(
+    client: Any,
+    model: str,
+    messages: list[dict[str, Any]],
+    numbers: range,
+    max_tokens: int,
+) -> list[float]:
+    """Turns ``numbers`` (0 to 3) of a conversation, ``messages`` so far
+    (each answer appended); the time to first token of each."""
     times = []
-    for turn in range(len(QUESTIONS)):
+    for turn in numbers:
         if turn:
             messages.append({"role": "user", "content": QUESTIONS[turn]})
         body = {
@@ -112,17 +130,58 @@ async def conversation(
     return times
 
 
+async def conversation(
+    client: Any, model: str, image_uri: str, round_index: int, max_tokens: int
+) -> list[float]:
+    """One 4-turn conversation; the time to first token of each turn."""
+    messages = opening(image_uri, round_index)
+    return await turns(client, model, messages, range(len(QUESTIONS)), max_tokens)
+
+
 async def bench(
     name: str, command: list[str], args: argparse.Namespace
 ) -> list[list[float]]:
+    from mlx_pinned.testing import image_data_uri
+
+    log = Path(tempfile.gettempdir()) / f"multiturn-{name}.log"
+    print(f"\n== {name}: {' '.join(command)}  (log: {log})", flush=True)
+    rounds: list[list[float]] = []
+    images = [
+        image_data_uri(args.image_size, args.image_size, "JPEG", seed=index)
+        for index in range(args.rounds)
+    ]
+    if name.endswith("-restarted"):
+        # Turns 1-3, a restart (the conversation's KV on disk only), turn 4.
+        for index, uri in enumerate(images):
+            messages = opening(uri, index)
+            async with running(command, log, args) as (client, model):
+                times = await turns(client, model, messages, range(3), args.max_tokens)
+            async with running(command, log, args) as (client, model):
+                times += await turns(
+                    client, model, messages, range(3, 4), args.max_tokens
+                )
+            print("   " + "  ".join(f"{t * 1e3:7.1f}" for t in times), flush=True)
+            rounds.append(times)
+        return rounds
+    async with running(command, log, args) as (client, model):
+        for index, uri in enumerate(images):
+            times = await conversation(client, model, uri, index, args.max_tokens)
+            print("   " + "  ".join(f"{t * 1e3:7.1f}" for t in times), flush=True)
+            rounds.append(times)
+    return rounds
+
+
+@contextlib.asynccontextmanager
+async def running(
+    command: list[str], log: Path, args: argparse.Namespace
+) -> AsyncIterator[tuple[Any, str]]:
+    """The system of ``command``, warmed up by one conversation of its own;
+    a client of it and the model's name. Stopped (SIGTERM) at the end."""
     import httpx
 
     from mlx_pinned.testing import image_data_uri
 
     port = int(command[command.index("--port") + 1])
-    log = Path(tempfile.gettempdir()) / f"multiturn-{name}.log"
-    print(f"\n== {name}: {' '.join(command)}  (log: {log})", flush=True)
-    rounds: list[list[float]] = []
     with server(command, log) as process:
         async with httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}", timeout=300
@@ -132,14 +191,7 @@ async def bench(
             model = model or args.model
             warm = image_data_uri(64, 64, "JPEG", seed=10_000)
             await conversation(client, model, warm, -1, args.max_tokens)
-            for index in range(args.rounds):
-                uri = image_data_uri(
-                    args.image_size, args.image_size, "JPEG", seed=index
-                )
-                times = await conversation(client, model, uri, index, args.max_tokens)
-                print("   " + "  ".join(f"{t * 1e3:7.1f}" for t in times), flush=True)
-                rounds.append(times)
-    return rounds
+            yield client, model
 
 
 def report(results: dict[str, list[list[float]]]) -> dict[str, list[float]]:
@@ -205,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             peers_bin=str(Path(args.peers_venv or ".") / "bin"),
             model=args.model,
             port=free_port(),
+            state_dir=tempfile.mkdtemp(prefix="multiturn-state-"),
         ).split()
         results[name] = asyncio.run(bench(name, command, args))
     medians = report(results)

@@ -23,11 +23,12 @@ docs/security.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.playground import routes as playground_routes
 from .http.residency import Residency, StartUpRefusal
-from .http.responses_api import ResponsesEndpoint
+from .http.responses_api import ResponsesEndpoint, ResponseStore, open_store
 from .http.responses_api import routes as responses_routes
 from .http.routes import APIKeyMiddleware, ErrorEdge, model, models
 from .http.served_models import BatchGate, ServedModel, ServedModels
@@ -142,6 +143,7 @@ def create_app(
             image_cache_bytes=own.image_cache_budget,
             **_kv_quant(own),
             **_drafting(own),
+            **_prompt_disk(own),
         )
         for own in each
     ]
@@ -210,6 +212,8 @@ def create_app(
     messages = MessagesEndpoint(*wiring, metrics=metrics)
     count_tokens = CountTokensEndpoint(*wiring, metrics=metrics)
     responses = ResponsesEndpoint(*wiring, metrics=metrics)
+    # Opened now: a state_dir that cannot hold it fails here, at start.
+    responses.store = store = open_store(config)
     routes = [
         Route("/health", functools.partial(health, readiness), methods=["GET"]),
         Route("/livez", functools.partial(live, readiness), methods=["GET"]),
@@ -269,7 +273,7 @@ def create_app(
             ),
             Exception: errors.server_error,
         },
-        lifespan=residency.running,
+        lifespan=functools.partial(_lifespan, residency, store),
     )
     app.state.config = config
     app.state.mlx_thread = mlx_thread
@@ -281,6 +285,18 @@ def create_app(
     app.state.errors = errors
     app.state.loop_turns = turns
     return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(
+    residency: Residency, store: ResponseStore, app: Starlette
+) -> AsyncIterator[None]:
+    """The models' lifespan (the registry's), then the store closed."""
+    try:
+        async with residency.running(app):
+            yield
+    finally:
+        await store.aclose()
 
 
 def _drafting(config: ServerConfig) -> dict[str, Any]:
@@ -357,6 +373,17 @@ def _freeze_gc() -> int:
     frozen = gc.get_freeze_count()
     logger.info("froze %d objects out of later garbage collections", frozen)
     return frozen
+
+
+def _prompt_disk(own: ServerConfig) -> dict[str, Any]:
+    """The engine's disk tier keywords where ``state_dir`` is set (none
+    otherwise, so an engine factory without them still serves)."""
+    if own.state_dir is None or own.prompt_cache_disk_bytes < 1:
+        return {}
+    return {
+        "prompt_cache_dir": Path(own.state_dir) / "prompt_cache",
+        "prompt_cache_disk_bytes": own.prompt_cache_disk_bytes,
+    }
 
 
 def _kv_quant(own: ServerConfig) -> dict[str, Any]:

@@ -152,7 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "Face hub id looks like 'org/name')",
                 )
     with log_from_a_thread(args.log_level.upper()):
-        return serve(args, config)
+        try:
+            return serve(args, config)
+        except SettingError as exc:  # one that is checked as the app opens it
+            _refuse(parser, _refused(exc, args, file))
 
 
 @contextlib.contextmanager

@@ -328,13 +328,26 @@ OPTIONS = (
     ),
     Option(
         "responses_store_max",
-        "responses kept in memory for GET /v1/responses/{id} and "
+        "responses kept for GET /v1/responses/{id} and "
         "previous_response_id, oldest out first; 0: none (default: %(default)s)",
         whole,
     ),
     Option(
         "responses_store_bytes",
         "bytes the kept responses may take, oldest out first (default: %(default)s)",
+        whole,
+    ),
+    Option(
+        "state_dir",
+        "a folder for what a restart keeps: the stored responses (a SQLite "
+        "database) and the prompt cache's files, made if missing (default: "
+        "none, memory only)",
+        str,
+    ),
+    Option(
+        "prompt_cache_disk_bytes",
+        "bytes of prompt cache files each model keeps under --state-dir; 0: "
+        "none (default: %(default)s)",
         whole,
     ),
     # On here, off in the library: the command owns its process.

@@ -175,11 +175,23 @@ class ServerConfig:
             (a step, a collective) before the group counts as lost: rank 0's
             ``/health`` turns 503 and every rank exits with status 1.
         responses_store_max: Responses kept for ``GET /v1/responses/{id}`` and
-            ``previous_response_id`` (in memory, all models together); past
+            ``previous_response_id`` (all models together; in memory, or
+            in ``state_dir``); past
             it the oldest go first. 0: none is kept.
         responses_store_bytes: Bytes the kept responses may take (their JSON,
             input and conversation, images included); past it the oldest go
             first, and a response larger than this alone is not kept.
+        state_dir: A folder for what the server keeps across restarts: the
+            stored responses, in a SQLite database (``responses.sqlite3``,
+            within the same bounds), and the prompt cache's disk tier
+            (``prompt_cache/``, within ``prompt_cache_disk_bytes``). Made if
+            missing; one that cannot hold the store (not a folder, not
+            writable, a corrupt or foreign database, in use by another
+            server) fails the start. None: memory only.
+        prompt_cache_disk_bytes: Bytes of prompt cache files each model may
+            keep under ``state_dir`` (every entry is written there, and a
+            lookup that finds a longer prefix there than in memory loads
+            it); 0: no disk tier. Without ``state_dir``, unused.
         freeze_gc: After the model is loaded, collect garbage once and move
             every object left to the collector's permanent generation
             (:func:`gc.freeze`), so later full collections skip the
@@ -249,6 +261,8 @@ class ServerConfig:
     distributed_timeout: float = 30.0
     responses_store_max: int = 1000
     responses_store_bytes: int = 256 * 1024 * 1024
+    state_dir: str | None = None
+    prompt_cache_disk_bytes: int = 4 * 2**30
     # Process-wide: a library user's app shares the process with other code.
     freeze_gc: bool = False
     playground: bool = True

@@ -9,6 +9,7 @@ A config runs them as it is made (and again for each model's own settings,
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING, Any
 
 from .formats import check_reasoning_parser, check_tool_call_parser
@@ -83,7 +84,9 @@ def check_config(config: ServerConfig) -> None:
         _at_least(config, name, 0, optional=True)
     for name in ("responses_store_max", "responses_store_bytes"):
         _at_least(config, name, 0)
+    _at_least(config, "prompt_cache_disk_bytes", 0)
     _check_origins(config)
+    _check_state_dir(config)
     if config.api_key == "":
         raise SettingError("api_key", "api_key is empty: give a key, or leave it unset")
     for name, check in (
@@ -144,6 +147,18 @@ def _check_origins(config: ServerConfig) -> None:
                 "allowed_origins",
                 f"allowed_origins gives {origin!r}: an origin is scheme://host[:port]",
             )
+
+
+def _check_state_dir(config: ServerConfig) -> None:
+    """A folder's path, kept as a string (opened when the app is made)."""
+    folder = config.state_dir
+    if folder is None:
+        return
+    if not isinstance(folder, (str, os.PathLike)) or not str(folder).strip():
+        raise SettingError(
+            "state_dir", f"state_dir must be a folder's path, not {folder!r}"
+        )
+    _set(config, "state_dir", os.fspath(folder))
 
 
 def _check_residency(config: ServerConfig) -> None:

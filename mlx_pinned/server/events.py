@@ -410,6 +410,11 @@ class EngineCounters:
         speculative_rows: Their rows, summed over those steps.
         draft_tokens: Draft tokens verified.
         accepted_tokens: Draft tokens kept.
+        image_cache_bytes: Bytes of vision-tower outputs the image cache
+            holds.
+        mlx_memory: MLX's memory, the whole process's (every model's):
+            ``(active, cached, peak)`` bytes, as ``mx.get_active_memory``,
+            ``mx.get_cache_memory`` and ``mx.get_peak_memory`` give them.
     """
 
     rows: int
@@ -427,6 +432,8 @@ class EngineCounters:
     speculative_rows: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    image_cache_bytes: int = 0
+    mlx_memory: tuple[int, int, int] = (0, 0, 0)
 
 
 class Engine(Protocol):

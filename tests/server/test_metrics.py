@@ -44,6 +44,20 @@ class TestMetrics:
         assert value(samples, "mlx_pinned_batch_rows", model=MODEL) == 0
         assert ("mlx_pinned_kv_cache_bytes", (("model", MODEL),)) in samples
 
+    async def test_mlx_memory_and_the_image_cache_are_visible(
+        self, serve: Serve
+    ) -> None:
+        async with serve(image_cache_bytes=2**24) as served:
+            response = await served.chat(vision_body(3))
+            assert response.status_code == 200
+            samples = await scrape(served)
+        active = value(samples, "mlx_pinned_mlx_active_bytes")
+        # The model's weights are alive at least; the peak holds them too.
+        assert active >= served.engine.loaded.weight_bytes > 0
+        assert value(samples, "mlx_pinned_mlx_peak_bytes") >= active
+        assert value(samples, "mlx_pinned_mlx_cache_bytes") >= 0
+        assert value(samples, "mlx_pinned_image_cache_bytes", model=MODEL) > 0
+
     async def test_counts_after_traffic(self, serve: Serve) -> None:
         async with serve() as served:
             first = await scrape(served)

@@ -25,7 +25,6 @@ from mlx_pinned.server.http.errors import APIError
 from mlx_pinned.server.http.responses_api.items import INPUT_ITEMS, chat_messages
 from mlx_pinned.server.http.responses_api.objects import Output
 from mlx_pinned.server.http.responses_api.route import StreamErrors
-from mlx_pinned.server.http.responses_api.store import ResponseStore
 from mlx_pinned.testing import image_data_uri, tiny_vlm_path
 
 from .conftest import MODEL, replace_generation
@@ -263,22 +262,6 @@ def test_store_false_is_not_kept(client: openai.OpenAI) -> None:
     assert created.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(created.id)
-
-
-def test_the_store_bound_evicts_the_oldest() -> None:
-    store = ResponseStore(max_count=2, max_bytes=10_000)
-    for name in ("a", "b", "c"):
-        assert store.put({"id": name}, [], (), ())
-    assert store.get("a") is None
-    assert store.get("b") is not None
-    assert store.get("c") is not None
-    by_bytes = ResponseStore(max_count=100, max_bytes=60)
-    for name in ("a", "b", "c"):
-        assert by_bytes.put({"id": name, "pad": "x" * 10}, [], (), ())
-    assert by_bytes.bytes <= 60
-    assert by_bytes.get("a") is None
-    assert by_bytes.get("c") is not None
-    assert not by_bytes.put({"id": "huge", "pad": "x" * 100}, [], (), ())
 
 
 @pytest.mark.slow

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
+
 from ..events import EngineCounters, EventStream, GenerationParams
 from .drafting import DraftSettings
 from .drafting import install as install_drafting
@@ -29,6 +31,7 @@ from .loop import BatchLoop
 from .model import LoadedModel, load
 from .prefill import PREFILL_STEP, preprocess, prompt_tokens
 from .prompt_cache import PromptCache
+from .prompt_disk import DiskTier, model_fingerprint
 from .rows import BatchStatistics
 from .state import BatchState
 
@@ -105,13 +108,18 @@ class BatchEngine:
         image_cache_bytes: int = 0,
         kv_quant: KVQuant | None = None,
         drafts: DraftSettings | None = None,
+        prompt_cache_dir: Path | None = None,
+        prompt_cache_disk_bytes: int = 0,
     ) -> BatchEngine:
         """Load a model and make its engine; runs on ``thread`` (a start-up
         job of the middleware). See :class:`BatchEngine` for the options;
         ``kv_quant``: quantize its KV cache so (:mod:`.kv_quant`);
-        ``drafts``: speculative decoding's settings (:meth:`speculate`)."""
+        ``drafts``: speculative decoding's settings (:meth:`speculate`);
+        ``prompt_cache_dir``: the prompt cache's disk tier goes in a folder
+        of the model's there, within ``prompt_cache_disk_bytes``."""
+        loaded = load(model_path)
         engine = cls(
-            load(model_path),
+            loaded,
             thread,
             prompt_cache_bytes=prompt_cache_bytes,
             prefill_step_size=prefill_step_size,
@@ -121,6 +129,18 @@ class BatchEngine:
                 BatchState, kv_quant=kv_quant, prefill_seconds=prefill_step_seconds
             ),
         )
+        if prompt_cache_dir is not None:
+            quantized = (
+                "" if kv_quant is None else f"{kv_quant.bits}/{kv_quant.group_size}"
+            )
+            fingerprint = model_fingerprint(loaded.path, quantized)
+            engine.prompt_cache.attach(
+                DiskTier(
+                    prompt_cache_dir / fingerprint[:16],
+                    prompt_cache_disk_bytes,
+                    fingerprint,
+                )
+            )
         if drafts is not None:
             engine.speculate(drafts)
         return engine
@@ -195,6 +215,15 @@ class BatchEngine:
             speculative_rows=batch.speculative_rows,
             draft_tokens=batch.draft_tokens,
             accepted_tokens=batch.accepted_tokens,
+            image_cache_bytes=0
+            if self.image_cache is None
+            else self.image_cache.held.bytes,
+            # The allocator's counters: read from any thread, no stream.
+            mlx_memory=(
+                mx.get_active_memory(),
+                mx.get_cache_memory(),
+                mx.get_peak_memory(),
+            ),
         )
 
     async def tokenize(self, params: GenerationParams) -> tuple[tuple[int, str], ...]:

@@ -12,7 +12,10 @@ KV caches take part (a rotating or recurrent cache cannot be cut at any
 token). Under ``kv_bits`` an entry holds the quantized KV as the batch held
 it (per layer a tuple of packed values, scales and biases): a prefix reused
 is then the very KV a prefill would have written, and takes the quantized
-bytes of the budget, not the float ones.
+bytes of the budget, not the float ones. With a disk tier
+(:mod:`.prompt_disk`, under ``state_dir``) each entry is also written to a
+file, and a lookup that finds a longer prefix there than in memory loads it
+back (into memory): entries outlive their eviction, and a restart.
 """
 
 from __future__ import annotations
@@ -29,7 +32,17 @@ import numpy as np
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["CacheStatistics", "Key", "PromptCache", "image_hash", "prompt_key"]
+    from .prompt_disk import DiskTier
+
+__all__ = [
+    "CacheStatistics",
+    "Key",
+    "PromptCache",
+    "common_prefix",
+    "image_hash",
+    "is_prefix",
+    "prompt_key",
+]
 
 Key = np.ndarray[Any, np.dtype[np.int64]]
 #: One layer's keys or values, (1, H, T, D): an array, or under ``kv_bits``
@@ -113,10 +126,15 @@ class PromptCache:
 
     Args:
         budget: Bytes of KV to hold at most; 0 turns the cache off.
+
+    Attributes:
+        disk: Where entries are also written, and looked up (None: memory
+            only; :meth:`attach`).
     """
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        self.disk: DiskTier | None = None
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._bytes = 0
         self.hits = self.misses = self.reused_tokens = 0
@@ -125,6 +143,12 @@ class PromptCache:
     def enabled(self) -> bool:
         """Whether anything is ever cached."""
         return self.budget > 0
+
+    def attach(self, disk: DiskTier) -> None:
+        """Write entries to ``disk`` too, and look them up there (not for a
+        cache that is off)."""
+        if self.enabled and disk.enabled:
+            self.disk = disk
 
     def statistics(self) -> CacheStatistics:
         """A snapshot; any thread (it may be a step old)."""
@@ -143,17 +167,19 @@ class PromptCache:
         best: _Entry | None = None
         length = 0
         for entry in self._entries.values():
-            n = min(len(entry.key), len(key), limit)
-            if n <= length:
-                continue
-            differs = np.flatnonzero(entry.key[:n] != key[:n])
-            common = int(differs[0]) if len(differs) else n
+            common = common_prefix(entry.key, key, limit, length)
             if common > length:
                 best, length = entry, common
+        if self.disk is not None:
+            name, common = self.disk.best(key, limit)
+            loaded = self.disk.load(name) if name and common > length else None
+            if loaded is not None:
+                best, length = self._hold(*loaded), common
         if best is None or length == 0:
             self.misses += 1
             return [], 0
-        self._entries.move_to_end(id(best))
+        if id(best) in self._entries:  # not one from disk past the budget
+            self._entries.move_to_end(id(best))
         self.hits += 1
         self.reused_tokens += length
         return [(_cut(k, length), _cut(v, length)) for k, v in best.layers], length
@@ -169,20 +195,44 @@ class PromptCache:
         nbytes = sum(_nbytes(k) + _nbytes(v) for k, v in cut)
         if nbytes > self.budget:
             return
+        self._hold(key, cut)
+        if self.disk is not None:
+            self.disk.save(key, cut)
+
+    def _hold(self, key: Key, cut: list[tuple[Part, Part]]) -> _Entry:
+        """Keep the evaluated ``cut`` under ``key``, newest; the entries it
+        makes useless (prefixes of it) and the oldest past the budget go."""
+        nbytes = sum(_nbytes(k) + _nbytes(v) for k, v in cut)
+        if nbytes > self.budget:  # one from disk: served, not held
+            return _Entry(key, cut, nbytes)
         for entry_id, entry in list(self._entries.items()):
-            if len(entry.key) <= len(key) and np.array_equal(
-                entry.key, key[: len(entry.key)]
-            ):
+            if is_prefix(entry.key, key):
                 self._drop(entry_id)
         entry = _Entry(key.copy(), cut, nbytes)
         self._entries[id(entry)] = entry
         self._bytes += nbytes
         while self._bytes > self.budget:
             self._drop(next(iter(self._entries)))
+        return entry
 
     def _drop(self, entry_id: int) -> None:
         entry = self._entries.pop(entry_id)
         self._bytes -= entry.nbytes
+
+
+def common_prefix(stored: Key, key: Key, limit: int, beat: int = 0) -> int:
+    """How many tokens ``stored`` and ``key`` share from the start, at most
+    ``limit``; 0 where that cannot be more than ``beat`` (not compared)."""
+    n = min(len(stored), len(key), limit)
+    if n <= beat:
+        return 0
+    differs = np.flatnonzero(stored[:n] != key[:n])
+    return int(differs[0]) if len(differs) else n
+
+
+def is_prefix(short: Key, key: Key) -> bool:
+    """Whether ``short`` is a prefix of ``key`` (or ``key`` itself)."""
+    return len(short) <= len(key) and np.array_equal(short, key[: len(short)])
 
 
 def _cut(part: Part, tokens: int, contiguous: bool = False) -> Part:

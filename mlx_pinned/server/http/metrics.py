@@ -279,6 +279,11 @@ def _engine_metrics(loaded: list[tuple[str, EngineCounters]]) -> Iterator[Metric
             "Bytes of prompt KV the prompt cache holds.",
             "prompt_cache_bytes",
         ),
+        (
+            "image_cache_bytes",
+            "Bytes of vision-tower outputs the image cache holds.",
+            "image_cache_bytes",
+        ),
     )
     for name, text, field in gauges:
         gauge = _per_model(name, text)
@@ -297,6 +302,13 @@ def _engine_metrics(loaded: list[tuple[str, EngineCounters]]) -> Iterator[Metric
         for model, counters in loaded:
             counter.add_metric([model], getattr(counters, f"prompt_cache_{name}"))
         yield counter
+    # MLX's allocator is the process's: one sample, whichever engine read it.
+    active, cached, peak = loaded[0][1].mlx_memory
+    yield _gauge("mlx_active_bytes", "Bytes of MLX arrays alive now.", active)
+    yield _gauge(
+        "mlx_cache_bytes", "Bytes MLX keeps freed for reuse (its buffer cache).", cached
+    )
+    yield _gauge("mlx_peak_bytes", "Most bytes of MLX arrays alive at once.", peak)
     yield from _decode_metrics(loaded)
 
 

@@ -8,10 +8,13 @@ models, which turn themselves into the shared
 place a request is checked against the model's
 :class:`~..slots.Capabilities` and the stored responses); the route
 (:mod:`.route`, written through :mod:`.objects`). Stored responses live in
-:mod:`.store`, their routes in :mod:`.stored`.
+:mod:`.store` (in memory, or in SQLite under ``state_dir``:
+:mod:`.sqlite_store`), their routes in :mod:`.stored`.
 """
 
 from .route import ResponsesEndpoint as ResponsesEndpoint
+from .store import ResponseStore as ResponseStore
+from .store import open_store as open_store
 from .stored import routes as routes
 
-__all__ = ["ResponsesEndpoint", "routes"]
+__all__ = ["ResponseStore", "ResponsesEndpoint", "open_store", "routes"]

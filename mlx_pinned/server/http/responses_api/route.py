@@ -22,7 +22,7 @@ from .items import INPUT_ITEMS, chat_messages, image_urls
 from .objects import Output, item_id, response_object, sse, tool_call_id, usage
 from .protocol import ResponsesRequest, parse_responses_request
 from .serving import Continued, ResponsesServing
-from .store import ResponseStore
+from .store import MemoryStore, ResponseStore
 
 if TYPE_CHECKING:
     from ..errors import APIError
@@ -79,8 +79,9 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
 
     @functools.cached_property
     def store(self) -> ResponseStore:
-        """The stored responses, within the server's bound."""
-        return ResponseStore(
+        """The stored responses, within the server's bound: in memory,
+        unless the app sets its own (``state_dir``'s)."""
+        return MemoryStore(
             self.config.responses_store_max, self.config.responses_store_bytes
         )
 
@@ -91,10 +92,9 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
     def parse(self, body: bytes, images: list[str]) -> ResponsesRequest:
         request = parse_responses_request(body)
         if request.previous_response_id is not None:
-            stored = self.store.get(request.previous_response_id)
             # Where each image is named: a stored turn's by its response.
-            if stored is not None:
-                images.extend("previous_response_id" for _ in stored.images)
+            stored = self.store.image_count(request.previous_response_id) or 0
+            images.extend("previous_response_id" for _ in range(stored))
         images.extend(param for param, _ in image_urls(request.items))
         return request
 
@@ -103,7 +103,7 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
         head, output = self._head(reply), Output()
         events, final = await self.whole(reply.events, reply.log)
         text = "".join(event.text for event in events)
-        done, _ = self._finish(reply, head, output, final, text)
+        done, _ = await self._finish(reply, head, output, final, text)
         await reply.response.json(json.dumps(done).encode())
 
     async def send_stream(self, reply: Reply[ResponsesRequest]) -> None:
@@ -124,7 +124,7 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
         final = await self.stream_tokens(
             reply.events, response, reply.log, opening, encode
         )
-        done, data = self._finish(reply, head, output, final, final.text)
+        done, data = await self._finish(reply, head, output, final, final.text)
         kind = "completed" if done["status"] == "completed" else "incomplete"
         last = sse(output.event(f"response.{kind}", response=done))
         await send_last(response, opening, data + last)
@@ -135,7 +135,7 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
             reply.request, item_id("resp"), int(time.time()), reply.model
         )
 
-    def _finish(
+    async def _finish(
         self,
         reply: Reply[ResponsesRequest],
         head: dict[str, Any],
@@ -158,14 +158,17 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
         done["output"] = copy.deepcopy(output.items)
         done["usage"] = usage(final)
         if reply.request.store is not False:
-            self._keep(done, reply.prepared, output)
+            await self._keep(done, reply.prepared, output)
         return done, b"".join(sse(event) for event in events)
 
-    def _keep(self, done: dict[str, Any], prepared: Prepared, output: Output) -> None:
+    async def _keep(
+        self, done: dict[str, Any], prepared: Prepared, output: Output
+    ) -> None:
         """Store the response and the conversation it ends, its output as the
-        chat turns the same items make when sent back as input."""
+        chat turns the same items make when sent back as input (written
+        before the answer's end is sent: an answered response is kept)."""
         assert isinstance(prepared, Continued), "this endpoint's prepare made it"
         said = chat_messages(INPUT_ITEMS.validate_python(output.items, strict=False))
         messages = (*prepared.history, *said)
         urls = tuple(ref.url for ref in prepared.images)
-        self.store.put(done, prepared.input_items, messages, urls)
+        await self.store.put(done, prepared.input_items, messages, urls)

@@ -89,7 +89,7 @@ class ResponsesServing:
         before: tuple[dict[str, Any], ...] = ()
         urls: list[str] = []
         if request.previous_response_id is not None:
-            stored = self.store.get(request.previous_response_id)
+            stored = await self.store.get(request.previous_response_id)
             if stored is None:
                 raise APIError(
                     404,

@@ -1,21 +1,38 @@
-"""Stored responses, in memory, within a bound: for ``GET`` and ``DELETE
+"""Stored responses, within a bound: for ``GET`` and ``DELETE
 /v1/responses/{id}``, its ``input_items``, and ``previous_response_id``.
 
-Event loop only (no locks: every read and write is on the loop). A stored
-response keeps its JSON, its input items as sent, and the conversation it
-ended (chat messages and image URLs), so a turn that continues it renders
-the same prefix and the engine's prompt cache serves it. The bound is a
-count and a size in bytes; past either, the oldest go first.
+One interface (:class:`ResponseStore`), two backings: this process's memory
+(:class:`MemoryStore`, the default) and a SQLite file under ``state_dir``
+(:class:`~.sqlite_store.SQLiteStore`), which a restart keeps. The
+interface is the event loop's; the SQLite backing's queries run on a
+worker thread. A stored response keeps its JSON, its input items as sent,
+and the conversation it ended (chat messages and image URLs), so a turn
+that continues it renders the same prefix and the engine's prompt cache
+serves it. The bound is a count and a size in bytes; past either, the
+oldest go first.
 """
 
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ResponseStore", "StoredResponse"]
+if TYPE_CHECKING:
+    from ...config import ServerConfig
+
+__all__ = [
+    "Entry",
+    "Ledger",
+    "MemoryStore",
+    "ResponseStore",
+    "StoredResponse",
+    "encoded",
+    "open_store",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,54 +55,191 @@ class StoredResponse:
     size: int
 
 
-class ResponseStore:
-    """Responses by id, oldest out first past ``max_count`` or ``max_bytes``.
+def encoded(
+    response: dict[str, Any],
+    input_items: list[dict[str, Any]],
+    messages: tuple[dict[str, Any], ...],
+    images: tuple[str, ...],
+) -> tuple[str, ...]:
+    """The four parts of a response as JSON; their lengths add up to its
+    size (the same count for every backing)."""
+    parts = (response, input_items, messages, images)
+    return tuple(json.dumps(part, ensure_ascii=False, default=str) for part in parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """What the bound and the image count need of a stored response."""
+
+    size: int
+    image_count: int
+
+
+class Ledger:
+    """The stored responses' sizes and image counts by id, oldest first:
+    the one place the bound is kept, for every backing.
 
     Args:
-        max_count: Most responses kept (0: none).
-        max_bytes: Most bytes kept, counted as their JSON's length; a response
-            larger than this alone is not kept.
+        max_count: Most responses kept.
+        max_bytes: Most bytes kept.
     """
 
     def __init__(self, max_count: int, max_bytes: int) -> None:
         self.max_count = max_count
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.entries: OrderedDict[str, Entry] = OrderedDict()
+
+    def fits(self, size: int) -> bool:
+        """Whether a response of ``size`` bytes may be kept at all."""
+        return self.max_count >= 1 and size <= self.max_bytes
+
+    def evicted_by(self, response_id: str, size: int) -> list[str]:
+        """The oldest responses that must go for ``response_id`` (``size``
+        bytes) to be kept, oldest first (a response it replaces not
+        among them); nothing changes yet."""
+        replaced = self.entries.get(response_id)
+        count = len(self.entries) + (replaced is None)
+        total = self.bytes + size - (replaced.size if replaced else 0)
+        return self._oldest_past(count, total, keep=response_id)
+
+    def over(self) -> list[str]:
+        """The oldest responses past the bound (those read back from disk
+        under a smaller bound), oldest first; nothing changes yet."""
+        return self._oldest_past(len(self.entries), self.bytes, keep=None)
+
+    def _oldest_past(self, count: int, total: int, keep: str | None) -> list[str]:
+        """The oldest ids (never ``keep``) whose going brings ``count``
+        responses of ``total`` bytes within the bound."""
+        out: list[str] = []
+        for old_id, entry in self.entries.items():
+            if count <= self.max_count and total <= self.max_bytes:
+                break
+            if old_id != keep:
+                out.append(old_id)
+                count -= 1
+                total -= entry.size
+        return out
+
+    def add(self, response_id: str, entry: Entry) -> None:
+        """Keep ``response_id`` as the newest."""
+        self.remove(response_id)
+        self.entries[response_id] = entry
+        self.bytes += entry.size
+
+    def remove(self, response_id: str) -> bool:
+        """Forget ``response_id``; whether it was there."""
+        entry = self.entries.pop(response_id, None)
+        if entry is not None:
+            self.bytes -= entry.size
+        return entry is not None
+
+
+class ResponseStore(ABC):
+    """Responses by id, oldest out first past ``max_count`` or ``max_bytes``.
+
+    Called on the event loop. A read or a write may wait for a worker
+    thread (the SQLite backing); a write is whole or not at all, and is
+    durable once it returns.
+
+    Args:
+        ledger: What is kept, by id, within the bound (its ``max_count``:
+            most responses kept, 0 none; its ``max_bytes``: most bytes kept,
+            counted as their JSON's length, a response larger than this
+            alone is not kept).
+    """
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.max_count = ledger.max_count
+        self.max_bytes = ledger.max_bytes
+        self._ledger = ledger
+
+    @property
+    def bytes(self) -> int:
+        """Bytes kept, as counted against ``max_bytes``."""
+        return self._ledger.bytes
 
     def __len__(self) -> int:
-        return len(self._kept)
+        return len(self._ledger.entries)
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        return self._kept.get(response_id)
+    def image_count(self, response_id: str) -> int | None:
+        """How many images a stored response's conversation has (None: not
+        stored), without waiting: where each image of a turn that continues
+        it is named."""
+        entry = self._ledger.entries.get(response_id)
+        return None if entry is None else entry.image_count
 
-    def put(
+    @abstractmethod
+    async def get(self, response_id: str) -> StoredResponse | None:
+        """The stored response, or None."""
+
+    @abstractmethod
+    async def put(
         self,
         response: dict[str, Any],
         input_items: list[dict[str, Any]],
         messages: tuple[dict[str, Any], ...],
         images: tuple[str, ...],
     ) -> bool:
-        """Keep a response; whether it was kept (it fits the bound)."""
-        size = sum(
-            len(json.dumps(part, ensure_ascii=False, default=str))
-            for part in (response, input_items, messages, images)
-        )
-        if self.max_count < 1 or size > self.max_bytes:
+        """Keep a response (one of the same id is replaced); whether it was
+        kept (it fits the bound, and could be written)."""
+
+    @abstractmethod
+    async def delete(self, response_id: str) -> bool:
+        """Drop a response; whether it was there."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Let go of what the store holds open; it keeps nothing more."""
+
+
+class MemoryStore(ResponseStore):
+    """The store in this process's memory: a restart forgets it."""
+
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        super().__init__(Ledger(max_count, max_bytes))
+        self._kept: dict[str, StoredResponse] = {}
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        return self._kept.get(response_id)
+
+    async def put(
+        self,
+        response: dict[str, Any],
+        input_items: list[dict[str, Any]],
+        messages: tuple[dict[str, Any], ...],
+        images: tuple[str, ...],
+    ) -> bool:
+        size = sum(map(len, encoded(response, input_items, messages, images)))
+        if not self._ledger.fits(size):
             return False
-        self.delete(response["id"])
+        for old_id in self._ledger.evicted_by(response["id"], size):
+            await self.delete(old_id)
         stored = StoredResponse(response, input_items, messages, images, size)
         self._kept[response["id"]] = stored
-        self.bytes += size
-        while len(self._kept) > self.max_count or self.bytes > self.max_bytes:
-            _, oldest = self._kept.popitem(last=False)
-            self.bytes -= oldest.size
+        self._ledger.add(response["id"], Entry(size, len(images)))
         return True
 
-    def delete(self, response_id: str) -> bool:
-        """Drop a response; whether it was there."""
-        stored = self._kept.pop(response_id, None)
-        if stored is None:
-            return False
-        self.bytes -= stored.size
-        return True
+    async def delete(self, response_id: str) -> bool:
+        self._kept.pop(response_id, None)
+        return self._ledger.remove(response_id)
+
+    async def aclose(self) -> None:
+        """Nothing is held open in memory."""
+
+
+def open_store(config: ServerConfig) -> ResponseStore:
+    """The store of ``config``: in memory, or in ``state_dir`` where it is
+    set (opened and checked now, on the caller's thread, at start-up).
+
+    Raises:
+        SettingError: ``state_dir`` cannot hold the store (not a folder,
+            not writable, a corrupt or foreign database); the message names
+            the setting and says what to do.
+    """
+    bound = (config.responses_store_max, config.responses_store_bytes)
+    if config.state_dir is None:
+        return MemoryStore(*bound)
+    from .sqlite_store import SQLiteStore
+
+    return SQLiteStore.open(Path(config.state_dir), *bound)

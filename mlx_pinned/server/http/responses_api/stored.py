@@ -48,37 +48,42 @@ def routes(endpoint: ResponsesEndpoint) -> list[Route]:
     ]
 
 
-def _found(store: ResponseStore, request: Request) -> StoredResponse:
+async def _found(store: ResponseStore, request: Request) -> StoredResponse:
     response_id = request.path_params["response_id"]
-    stored = store.get(response_id)
+    stored = await store.get(response_id)
     if stored is None:
-        raise APIError(
-            404,
-            f"No response found with id '{response_id}': it was not stored "
-            "(store=false), was deleted, or was evicted by the store's bound.",
-            param="response_id",
-            code="not_found",
-        )
+        raise _not_found(response_id)
     return stored
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(
+        404,
+        f"No response found with id '{response_id}': it was not stored "
+        "(store=false), was deleted, or was evicted by the store's bound.",
+        param="response_id",
+        code="not_found",
+    )
 
 
 async def retrieve(store: ResponseStore, request: Request) -> Response:
     """``GET /v1/responses/{id}``: the stored response object."""
-    return JSONResponse(_found(store, request).response)
+    return JSONResponse((await _found(store, request)).response)
 
 
 async def delete(store: ResponseStore, request: Request) -> Response:
     """``DELETE /v1/responses/{id}``: OpenAI's deletion object."""
-    stored = _found(store, request)
-    store.delete(stored.response["id"])
-    body = {"id": stored.response["id"], "object": "response.deleted", "deleted": True}
+    response_id = request.path_params["response_id"]
+    if not await store.delete(response_id):
+        raise _not_found(response_id)
+    body = {"id": response_id, "object": "response.deleted", "deleted": True}
     return JSONResponse(body)
 
 
 async def input_items(store: ResponseStore, request: Request) -> Response:
     """``GET /v1/responses/{id}/input_items``: its input items as a list
     page (``order``: ``desc`` by default, ``limit`` 1-100, ``after``)."""
-    stored = _found(store, request)
+    stored = await _found(store, request)
     query = request.query_params
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):

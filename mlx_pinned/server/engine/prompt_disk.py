@@ -1,0 +1,335 @@
+"""The prompt cache's disk tier: its entries as files under ``state_dir``,
+within a byte budget, so a restart (or an entry evicted from memory) loads
+a prefix instead of prefilling it.
+
+Lookups and loads run on the MLX thread; writes on a thread of the tier's
+own (an entry's arrays are evaluated before they are handed over, and only
+their bytes are read there); what was handed over is written before the
+process exits. Safe to share and to lose: a file is written
+to a temporary name and renamed, so a reader never sees half of one; each
+is checked when it is loaded against its format, its model (a fingerprint
+of the model's files and the KV's quantization) and a checksum of its
+bytes; a file that fails is skipped with a warning, never served. A write
+that fails (a full disk) turns the tier off: the cache goes on in memory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .prompt_cache import common_prefix, is_prefix
+
+__all__ = ["FORMAT", "DiskTier", "model_fingerprint"]
+
+logger = logging.getLogger("mlx_pinned.server")
+
+#: The files' format (in each header).
+FORMAT = 1
+SUFFIX = ".kv"
+#: Bytes of each weight file read into the model's fingerprint (its head).
+HEAD_BYTES = 1 << 16
+_LENGTH = struct.Struct("<Q")
+_DTYPES: dict[str, tuple[Any, Any]] = {
+    # name: (MLX dtype, the NumPy dtype its bytes are read as)
+    "float32": (mx.float32, np.float32),
+    "float16": (mx.float16, np.float16),
+    "bfloat16": (mx.bfloat16, np.uint16),
+    "uint32": (mx.uint32, np.uint32),
+}
+
+
+def model_fingerprint(path: str, quantization: str = "") -> str:
+    """What a file must match to be served by this model: its folder's
+    config and each weight file's name, size and head (or the hub id, for
+    a model not in a folder), and how its KV is quantized."""
+    digest = hashlib.blake2b(f"{FORMAT}:{quantization}".encode(), digest_size=16)
+    folder = Path(path)
+    if not folder.is_dir():
+        digest.update(path.encode())
+        return digest.hexdigest()
+    for file in sorted(folder.iterdir()):
+        if file.name == "config.json":
+            digest.update(file.read_bytes())
+        elif file.suffix == ".safetensors":
+            with file.open("rb") as weights:
+                head = weights.read(HEAD_BYTES)
+            digest.update(f"{file.name}:{file.stat().st_size}:".encode() + head)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class _File:
+    key: np.ndarray[Any, np.dtype[np.int64]]
+    nbytes: int
+
+
+class DiskTier:
+    """Prompt cache entries in ``folder``, least recently used out first
+    past ``budget`` bytes.
+
+    Args:
+        folder: Where the files go (made if missing); one per model.
+        budget: Bytes of files kept at most.
+        fingerprint: The model's (:func:`model_fingerprint`).
+    """
+
+    def __init__(self, folder: Path, budget: int, fingerprint: str) -> None:
+        self.folder = folder
+        self.budget = budget
+        self.fingerprint = fingerprint
+        self.enabled = budget > 0
+        self._files: OrderedDict[str, _File] = OrderedDict()  # oldest use first
+        self._bytes = 0
+        self._lock = threading.Lock()  # the MLX thread and the writer
+        self._writes: queue.Queue[tuple[str, Any, list[Any]] | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
+        if self.enabled:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                self._off(f"cannot make {folder}: {exc}")
+            else:
+                self._scan()
+
+    # On the MLX thread.
+
+    def best(self, key: Any, limit: int) -> tuple[str | None, int]:
+        """The file whose key shares the longest prefix with ``key`` (at
+        most ``limit`` tokens), and that length (None, 0: none)."""
+        found: str | None = None
+        length = 0
+        with self._lock:
+            files = list(self._files.items())
+        for name, file in files:
+            common = common_prefix(file.key, key, limit, length)
+            if common > length:
+                found, length = name, common
+        return found, length
+
+    def load(self, name: str) -> tuple[Any, list[tuple[Any, Any]]] | None:
+        """A file's key and layers (as the cache holds them), checked; None
+        (with a warning, and the file dropped) when it fails a check."""
+        path = self.folder / name
+        try:
+            header, payload = _read(path)
+            if (
+                header.get("format") != FORMAT
+                or header.get("model") != self.fingerprint
+            ):
+                raise ValueError("of another format or model")
+            if hashlib.blake2b(payload).hexdigest() != header.get("checksum"):
+                raise ValueError("its checksum does not match (truncated or changed)")
+            layers = _layers(header["layers"], payload)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("prompt cache file %s skipped: %s", path, exc)
+            self._forget(name, unlink=True)
+            return None
+        with self._lock:
+            if name in self._files:
+                self._files.move_to_end(name)
+        key = np.frombuffer(bytes.fromhex(header["key"]), dtype=np.int64)
+        return key, layers
+
+    def save(self, key: Any, layers: Sequence[tuple[Any, Any]]) -> None:
+        """Write an entry (evaluated arrays), on the writer thread; entries
+        whose keys are a prefix of ``key`` go (it serves their lookups)."""
+        if not self.enabled:
+            return
+        if self._writer is None:
+            self._writer = threading.Thread(
+                target=self._write_all, name="mlx-pinned-prompt-disk", daemon=True
+            )
+            self._writer.start()
+            # A stop writes what was handed over (atexit runs before daemon
+            # threads are stopped, after the server's own shutdown).
+            atexit.register(self.close)
+        self._writes.put((_name(key), key.copy(), list(layers)))
+
+    def flush(self) -> None:
+        """Wait until every entry handed over is written (or refused)."""
+        self._writes.join()
+
+    def close(self) -> None:
+        """Write what is handed over, then stop the writer."""
+        if self._writer is not None:
+            self._writes.put(None)
+            self._writer.join()
+            self._writer = None
+            atexit.unregister(self.close)
+
+    # On the writer thread.
+
+    def _write_all(self) -> None:
+        while (item := self._writes.get()) is not None:
+            self._write_one(item)
+        self._writes.task_done()
+
+    def _write_one(self, item: tuple[str, Any, list[Any]]) -> None:
+        try:
+            if self.enabled:
+                self._write(*item)
+        except Exception as exc:  # a bug: the cache goes on in memory
+            logger.exception("prompt cache file not written")
+            self._off(f"a write failed ({exc!r})")
+        finally:
+            self._writes.task_done()
+
+    def _write(self, name: str, key: Any, layers: list[Any]) -> None:
+        pieces = [piece for pair in layers for part in pair for piece in _pieces(part)]
+        payload_size = sum(int(piece.nbytes) for piece in pieces)
+        with self._lock:
+            if payload_size > self.budget or name in self._files:
+                return
+        checksum = hashlib.blake2b()
+        for piece in pieces:
+            checksum.update(memoryview(piece))
+        header = json.dumps(
+            {
+                "format": FORMAT,
+                "model": self.fingerprint,
+                "key": key.astype(np.int64).tobytes().hex(),
+                "layers": [[_shape(part) for part in pair] for pair in layers],
+                "checksum": checksum.hexdigest(),
+            }
+        ).encode()
+        temporary = self.folder / f".{name}.{os.getpid()}.tmp"
+        try:
+            with temporary.open("wb") as out:
+                out.write(_LENGTH.pack(len(header)) + header)
+                for piece in pieces:
+                    out.write(memoryview(piece))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temporary, self.folder / name)
+        except OSError as exc:
+            temporary.unlink(missing_ok=True)
+            self._off(f"a write failed ({exc})")
+            return
+        nbytes = len(header) + _LENGTH.size + payload_size
+        with self._lock:
+            self._files[name] = _File(key, nbytes)
+            self._bytes += nbytes
+            prefixes = [
+                other
+                for other, file in self._files.items()
+                if other != name and is_prefix(file.key, key)
+            ]
+            while self._bytes > self.budget:
+                prefixes.append(next(iter(self._files)))
+                self._bytes -= self._files[prefixes[-1]].nbytes
+                self._files.pop(prefixes[-1])
+        for other in dict.fromkeys(prefixes):
+            self._forget(other, unlink=True)
+
+    # Either thread.
+
+    def _scan(self) -> None:
+        """The files already there (a restart's): their headers only; the
+        rest is checked as each is loaded."""
+        for path in sorted(self.folder.glob(f"*{SUFFIX}"), key=_mtime):
+            try:
+                header, _ = _read(path, header_only=True)
+                key = np.frombuffer(bytes.fromhex(header["key"]), dtype=np.int64)
+                if (
+                    header.get("format") != FORMAT
+                    or header.get("model") != self.fingerprint
+                ):
+                    continue  # another model's folder, or format: not ours
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                logger.warning("prompt cache file %s skipped: %s", path, exc)
+                continue
+            self._files[path.name] = _File(key, path.stat().st_size)
+            self._bytes += path.stat().st_size
+        for stale in self.folder.glob(".*.tmp"):  # a write cut short
+            stale.unlink(missing_ok=True)
+
+    def _forget(self, name: str, *, unlink: bool) -> None:
+        with self._lock:
+            file = self._files.pop(name, None)
+            if file is not None:
+                self._bytes -= file.nbytes
+        if unlink:
+            (self.folder / name).unlink(missing_ok=True)
+
+    def _off(self, why: str) -> None:
+        logger.warning("prompt cache disk tier off, memory only: %s", why)
+        self.enabled = False
+
+
+def _name(key: Any) -> str:
+    digest = hashlib.blake2b(np.asarray(key, dtype=np.int64).tobytes(), digest_size=16)
+    return digest.hexdigest() + SUFFIX
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _pieces(part: Any) -> tuple[Any, ...]:
+    """A layer's keys or values as arrays: one, or a quantized three."""
+    return part if isinstance(part, tuple) else (part,)
+
+
+def _shape(part: Any) -> list[tuple[str, list[int]]]:
+    return [
+        (str(piece.dtype).rpartition(".")[2], list(piece.shape))
+        for piece in _pieces(part)
+    ]
+
+
+def _read(path: Path, *, header_only: bool = False) -> tuple[dict[str, Any], bytes]:
+    with path.open("rb") as file:
+        raw = file.read(_LENGTH.size)
+        if len(raw) != _LENGTH.size:
+            raise ValueError("it is too short to be a prompt cache file")
+        (length,) = _LENGTH.unpack(raw)
+        text = file.read(length)
+        if len(text) != length:
+            raise ValueError("its header is cut short")
+        header = json.loads(text)
+        payload = b"" if header_only else file.read()
+    if not isinstance(header, dict):
+        raise ValueError("its header is not an object")
+    return header, payload
+
+
+def _layers(shapes: list[Any], payload: bytes) -> list[tuple[Any, Any]]:
+    """The layers a header's ``shapes`` describe, out of ``payload``."""
+    offset = 0
+    layers: list[tuple[Any, Any]] = []
+    for pair in shapes:
+        parts = []
+        for part in pair:
+            pieces = []
+            for dtype_name, shape in part:
+                kind, stored = _DTYPES[dtype_name]
+                size = int(np.prod(shape)) * np.dtype(stored).itemsize
+                if offset + size > len(payload):
+                    raise ValueError("it is shorter than its header says")
+                raw = np.frombuffer(payload, stored, int(np.prod(shape)), offset)
+                pieces.append(mx.array(raw.reshape(shape)).view(kind))
+                offset += size
+            parts.append(tuple(pieces) if len(pieces) > 1 else pieces[0])
+        layers.append((parts[0], parts[1]))
+    if offset != len(payload):
+        raise ValueError("it is longer than its header says")
+    mx.eval(layers)
+    return layers

@@ -1,0 +1,285 @@
+"""The prompt cache's disk tier (``engine/prompt_disk.py``): entries written
+atomically, checked when loaded (format, model, checksum), skipped with a
+warning when they fail, within a byte budget, memory only when the disk
+fails; and through the app, a restart that answers from disk exactly as a
+fresh prefill does."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_pinned.server.engine.prompt_cache import PromptCache
+from mlx_pinned.server.engine.prompt_disk import DiskTier, model_fingerprint
+from mlx_pinned.testing import image_data_uri
+
+from .conftest import MODEL
+from .kit import TOL, Serve, Served, logprobs
+
+FINGERPRINT = "f" * 32
+
+
+def layers(tokens: int, seed: int, *, quantized: bool = False) -> list[Any]:
+    """Two layers of evaluated KV for ``tokens`` tokens, (1, 2, T, 64)."""
+    mx.random.seed(seed)
+    out = []
+    for _ in range(2):
+        keys = mx.random.normal((1, 2, tokens, 64)).astype(mx.bfloat16)
+        values = mx.random.normal((1, 2, tokens, 64))
+        if quantized:
+            out.append(
+                (tuple(mx.quantize(keys, 64, 8)), tuple(mx.quantize(values, 64, 8)))
+            )
+        else:
+            out.append((keys, values))
+    mx.eval(out)
+    return out
+
+
+def key(*ids: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    return np.asarray(ids, dtype=np.int64)
+
+
+def same(ours: Any, theirs: Any) -> bool:
+    """Whether two layers' lists hold the very same arrays, piece by piece."""
+    mine, yours = _flat(ours), _flat(theirs)
+    if len(mine) != len(yours):
+        return False
+    pairs = zip(mine, yours, strict=True)
+    return all(a.dtype == b.dtype and mx.array_equal(a, b).item() for a, b in pairs)
+
+
+def _flat(tree: Any) -> list[Any]:
+    if isinstance(tree, (list, tuple)):
+        return [leaf for item in tree for leaf in _flat(item)]
+    return [tree]
+
+
+class TestTheFiles:
+    @pytest.mark.parametrize("quantized", [False, True])
+    def test_an_entry_comes_back_the_same_after_a_restart(
+        self, tmp_path: Path, quantized: bool
+    ) -> None:
+        kv = layers(5, seed=1, quantized=quantized)
+        tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        tier.save(key(1, 2, 3, 4, 5), kv)
+        tier.close()
+        again = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        name, length = again.best(key(1, 2, 3, 9), limit=10)
+        assert length == 3
+        assert name is not None
+        loaded = again.load(name)
+        assert loaded is not None
+        assert list(loaded[0]) == [1, 2, 3, 4, 5]
+        assert same(loaded[1], kv)
+
+    def test_a_longer_entry_replaces_its_prefixes(self, tmp_path: Path) -> None:
+        tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        tier.save(key(1, 2, 3), layers(3, seed=1))
+        tier.save(key(1, 2, 3, 4), layers(4, seed=2))
+        tier.save(key(7, 8), layers(2, seed=3))
+        tier.flush()
+        assert len(list(tmp_path.glob("*.kv"))) == 2
+        tier.close()
+
+    def test_the_budget_drops_the_least_recently_used(self, tmp_path: Path) -> None:
+        one = sum(int(p.nbytes) for p in _flat(layers(4, seed=1)))
+        tier = DiskTier(tmp_path, int(one * 2.5), FINGERPRINT)
+        for first in (1, 2, 3):
+            tier.save(key(first, 0, 0, 0), layers(4, seed=first))
+            tier.flush()
+        assert tier.best(key(1, 0, 0, 0), 4)[1] == 0, "the oldest went"
+        assert tier.best(key(3, 0, 0, 0), 4)[1] == 4
+        assert len(list(tmp_path.glob("*.kv"))) == 2
+        tier.close()
+
+    def test_an_entry_larger_than_the_budget_is_not_written(
+        self, tmp_path: Path
+    ) -> None:
+        tier = DiskTier(tmp_path, 100, FINGERPRINT)
+        tier.save(key(1, 2), layers(2, seed=1))
+        tier.close()
+        assert list(tmp_path.iterdir()) == []
+        assert tier.enabled
+
+    def test_a_truncated_file_is_skipped_with_a_warning(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        tier.save(key(1, 2, 3), layers(3, seed=1))
+        tier.close()
+        (path,) = tmp_path.glob("*.kv")
+        path.write_bytes(path.read_bytes()[:-100])
+        again = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        name, _ = again.best(key(1, 2, 3), 3)
+        assert name == path.name
+        with caplog.at_level(logging.WARNING, "mlx_pinned.server"):
+            assert again.load(name) is None
+        assert "checksum does not match" in caplog.text
+        assert again.best(key(1, 2, 3), 3) == (None, 0)
+        assert not path.exists()
+
+    def test_a_file_of_another_model_is_never_served(self, tmp_path: Path) -> None:
+        tier = DiskTier(tmp_path, 10**7, "another model")
+        tier.save(key(1, 2, 3), layers(3, seed=1))
+        tier.close()
+        assert DiskTier(tmp_path, 10**7, FINGERPRINT).best(key(1, 2, 3), 3) == (
+            None,
+            0,
+        )
+
+    def test_a_file_that_is_not_one_is_skipped_at_start(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        (tmp_path / "junk.kv").write_bytes(b"\x05" * 3)
+        (tmp_path / ".half.123.tmp").write_bytes(b"a write cut short")
+        with caplog.at_level(logging.WARNING, "mlx_pinned.server"):
+            tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        assert "junk.kv skipped" in caplog.text
+        assert tier.best(key(5), 1) == (None, 0)
+        assert not (tmp_path / ".half.123.tmp").exists()
+
+    def test_a_failed_write_turns_the_tier_off(
+        self,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        def full(*args: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(os, "replace", full)
+        tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        cache = PromptCache(10**7)
+        cache.attach(tier)
+        with caplog.at_level(logging.WARNING, "mlx_pinned.server"):
+            cache.store(key(1, 2, 3), layers(3, seed=1))
+            tier.flush()
+        assert "disk tier off, memory only" in caplog.text
+        assert not tier.enabled
+        assert list(tmp_path.iterdir()) == []
+        assert cache.lookup(key(1, 2, 3, 4), 3)[1] == 3, "memory still serves"
+        tier.close()
+
+    @pytest.mark.slow
+    def test_what_was_handed_over_is_written_before_the_process_exits(
+        self, tmp_path: Path
+    ) -> None:
+        script = textwrap.dedent(
+            f"""
+            import mlx.core as mx, numpy as np
+            from pathlib import Path
+            from mlx_pinned.server.engine.prompt_disk import DiskTier
+
+            tier = DiskTier(Path({str(tmp_path)!r}), 10**9, {FINGERPRINT!r})
+            kv = [(mx.ones((1, 2, 4000, 64)), mx.ones((1, 2, 4000, 64)))] * 4
+            mx.eval(kv)
+            tier.save(np.arange(4000), kv)
+            """
+        )
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+        tier = DiskTier(tmp_path, 10**9, FINGERPRINT)
+        name, length = tier.best(np.arange(4000), 4000)
+        assert length == 4000
+        assert name is not None
+        assert tier.load(name) is not None
+
+    def test_the_fingerprint_tells_models_and_quantization_apart(
+        self, tiny_model_path: Path, tmp_path: Path
+    ) -> None:
+        plain = model_fingerprint(str(tiny_model_path))
+        assert model_fingerprint(str(tiny_model_path)) == plain
+        assert model_fingerprint(str(tiny_model_path), "8/64") != plain
+        assert model_fingerprint(str(tmp_path)) != plain
+
+
+def chat(image: str, question: str) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You are a careful assistant. " * 20},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": image}},
+                    {"type": "text", "text": question},
+                ],
+            },
+        ],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+    }
+
+
+def flush(served: Served) -> None:
+    disk = served.engine.prompt_cache.disk
+    assert disk is not None
+    disk.flush()
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_a_restart_answers_from_disk_as_a_fresh_prefill(
+    serve: Serve, tmp_path: Path
+) -> None:
+    image = image_data_uri(64, 64, seed=3)
+    first, second = chat(image, "What is it?"), chat(image, "What colour is it?")
+    async with serve(prompt_cache_bytes=0) as cold:
+        fresh = logprobs(await cold.chat(second))
+    disk = {"state_dir": str(tmp_path), "prompt_cache_bytes": 10**8}
+    async with serve(**disk) as served:
+        assert (await served.chat(first)).status_code == 200
+        flush(served)
+    assert list((tmp_path / "prompt_cache").glob("*/*.kv"))
+    async with serve(**disk) as served:
+        answer = await served.chat(second)
+    cached = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 100, "the system prompt and the image, from disk"
+    ours = logprobs(answer)
+    assert len(ours) == len(fresh)
+    assert max(abs(a - b) for a, b in zip(ours, fresh, strict=True)) <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_a_truncated_file_after_a_restart_is_skipped_and_the_answer_exact(
+    serve: Serve, tmp_path: Path
+) -> None:
+    image = image_data_uri(64, 64, seed=4)
+    request = chat(image, "What is it?")
+    async with serve(prompt_cache_bytes=0) as cold:
+        fresh = logprobs(await cold.chat(request))
+    disk = {"state_dir": str(tmp_path), "prompt_cache_bytes": 10**8}
+    async with serve(**disk) as served:
+        assert (await served.chat(request)).status_code == 200
+        flush(served)
+    for path in (tmp_path / "prompt_cache").glob("*/*.kv"):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    async with serve(**disk) as served:
+        answer = await served.chat(request)
+    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    ours = logprobs(answer)
+    assert max(abs(a - b) for a, b in zip(ours, fresh, strict=True)) <= TOL
+
+
+@pytest.mark.anyio
+async def test_a_tiny_disk_budget_is_no_error_to_the_client(
+    serve: Serve, tmp_path: Path
+) -> None:
+    image = image_data_uri(32, 32, seed=5)
+    settings = {"state_dir": str(tmp_path), "prompt_cache_disk_bytes": 10}
+    async with serve(**settings) as served:
+        answer = await served.chat(chat(image, "Hi?"))
+        assert answer.status_code == 200
+        flush(served)
+    assert not list((tmp_path / "prompt_cache").glob("*/*.kv"))
