@@ -159,14 +159,9 @@ class ChatCompletion(_Response):
     usage: Usage
     system_fingerprint: None = None
     # vLLM's, only when asked for (left out otherwise).
-    prompt_logprobs: VLLMPromptLogprobs | None = None
-
-    @model_serializer(mode="wrap")
-    def _leave_out_unasked(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        if isinstance(data, dict) and data.get("prompt_logprobs") is None:
-            data.pop("prompt_logprobs", None)
-        return data
+    prompt_logprobs: VLLMPromptLogprobs | None = Field(
+        default=None, exclude_if=lambda logprobs: logprobs is None
+    )
 
 
 class DeltaFunction(_Response):

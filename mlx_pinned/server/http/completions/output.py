@@ -14,12 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    SerializerFunctionWrapHandler,
-    model_serializer,
-)
+from pydantic import BaseModel, ConfigDict, Field
 
 from ...events import FinalEvent, FinishReason, TokenEvent
 from ..vllm_extensions import VLLMPromptLogprobs
@@ -57,14 +52,9 @@ class CompletionChoice(_Response):
     logprobs: Logprobs | None = None
     finish_reason: FinishReason | None = None
     # vLLM's, only when asked for (left out otherwise).
-    prompt_logprobs: VLLMPromptLogprobs | None = None
-
-    @model_serializer(mode="wrap")
-    def _leave_out_unasked(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        if isinstance(data, dict) and data.get("prompt_logprobs") is None:
-            data.pop("prompt_logprobs", None)
-        return data
+    prompt_logprobs: VLLMPromptLogprobs | None = Field(
+        default=None, exclude_if=lambda logprobs: logprobs is None
+    )
 
 
 class Usage(_Response):
