@@ -47,6 +47,7 @@ from .engine.embedding import EmbeddingEngine
 from .engine.kv_quant import KVQuant
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
 from .engine.rerank import RerankEngine
+from .engine.transcription import TranscriptionEngine
 from .events import Resident
 from .failures import UnavailableError
 from .formats import log_formats
@@ -66,7 +67,9 @@ from .http.routes import APIKeyMiddleware, ErrorEdge, model, models
 from .http.served_models import BatchGate, ServedModel, ServedModels
 from .http.slots import ModelSlot
 from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
+from .http.transcriptions import TranscriptionsEndpoint, TranslationsEndpoint
 from .http.turns import LoopTurns
+from .inputs.audio import load_audio
 from .inputs.images import Fetcher, load_images
 from .inputs.remote import RemoteImageFetcher
 from .inputs.videos import load_videos
@@ -205,6 +208,10 @@ def create_app(
     responses = ResponsesEndpoint(*wiring, metrics=metrics)
     embeddings = EmbeddingsEndpoint(*wiring, metrics=metrics)
     rerank = RerankEndpoint(*wiring, metrics=metrics)
+    transcriptions = TranscriptionsEndpoint(*wiring, metrics=metrics)
+    translations = TranslationsEndpoint(*wiring, metrics=metrics)
+    loader = functools.partial(load_audio, limits=config.audio_limits)
+    transcriptions.load_audio = translations.load_audio = loader
     # Opened now: a state_dir that cannot hold it fails here, at start.
     responses.store = store = open_store(config)
     routes = [
@@ -226,6 +233,8 @@ def create_app(
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         # vLLM's paths for the one rerank door (Cohere's and Jina's shape).
         *(Route(path, rerank, methods=["POST"]) for path in RERANK_PATHS),
+        Route("/v1/audio/transcriptions", transcriptions, methods=["POST"]),
+        Route("/v1/audio/translations", translations, methods=["POST"]),
         *responses_routes(responses),
     ]
     # The playground: the chat page at / and its assets, open without the API
@@ -316,6 +325,8 @@ def _load(
 ) -> Callable[[], Resident]:
     """Loads a model (``own``: its settings) and makes the engine of its
     kind, on the MLX thread."""
+    if own.model_kind == "transcription":
+        return functools.partial(TranscriptionEngine.load, own.models[0], thread)
     if own.model_kind != "chat":  # an encoder: its passes paced as prefill is
         kind = EmbeddingEngine if own.model_kind == "embedding" else RerankEngine
         seconds = own.prefill_step_seconds

@@ -19,7 +19,9 @@ tool-call format in :data:`TINY_TOOL_LM_TYPES` (:func:`make_tiny_lm` too).
 Embedding models (mlx-vlm's embedding loader, ``mlx_vlm.embedding_loader``)
 are listed in :data:`TINY_EMBEDDING_TYPES` (:func:`make_tiny_embedding`),
 rerankers (``mlx_vlm.reranker_loader``) in :data:`TINY_RERANKER_TYPES`
-(:func:`make_tiny_reranker`).
+(:func:`make_tiny_reranker`), speech-to-text models (mlx-audio's loader,
+``mlx_audio.stt.utils.load_model``) in :data:`TINY_TRANSCRIPTION_TYPES`
+(:func:`make_tiny_transcription`).
 ``import mlx_pinned.testing`` is cheap: MLX, mlx-vlm, ``tokenizers`` and
 Pillow are imported inside the functions that need them.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+from collections.abc import Mapping
 from typing import Final
 
 from ._aya import AYA_VISION
@@ -43,6 +46,7 @@ from ._qwen import QWEN2_5_VL, QWEN3, QWEN3_VL, SPECIAL_TOKENS
 from ._qwen3_5 import QWEN3_5
 from ._smolvlm import SMOLVLM
 from ._tool_families import TOOL_FAMILIES
+from ._whisper import WHISPER
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -51,15 +55,18 @@ __all__ = [
     "TINY_MODEL_TYPES",
     "TINY_RERANKER_TYPES",
     "TINY_TOOL_LM_TYPES",
+    "TINY_TRANSCRIPTION_TYPES",
     "image_data_uri",
     "make_test_image",
     "make_tiny_embedding",
     "make_tiny_lm",
     "make_tiny_reranker",
+    "make_tiny_transcription",
     "make_tiny_vlm",
     "tiny_embedding_path",
     "tiny_lm_path",
     "tiny_reranker_path",
+    "tiny_transcription_path",
     "tiny_vlm_path",
 ]
 
@@ -95,6 +102,10 @@ TINY_EMBEDDING_TYPES: Final = tuple(_EMBEDDING)
 _RERANKER: Final = {family.model_type: family for family in (BERT_RERANKER,)}
 #: The reranker families :func:`make_tiny_reranker` writes (``bert``).
 TINY_RERANKER_TYPES: Final = tuple(_RERANKER)
+_TRANSCRIPTION: Final = {family.model_type: family for family in (WHISPER,)}
+#: The speech-to-text families :func:`make_tiny_transcription` writes
+#: (``whisper``).
+TINY_TRANSCRIPTION_TYPES: Final = tuple(_TRANSCRIPTION)
 
 
 def make_tiny_vlm(
@@ -254,6 +265,46 @@ def make_tiny_reranker(
     return _make(family, path, seed, overwrite)
 
 
+def make_tiny_transcription(
+    path: str | os.PathLike[str],
+    model_type: str = "whisper",
+    *,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """Write a tiny random-weight speech-to-text model that mlx-audio's
+    loader (``mlx_audio.stt.utils.load_model``) loads offline.
+
+    ``whisper``: mlx-audio's own Whisper class, multilingual (99 languages,
+    transcribe and translate), an 80-mel, 1-layer, 32-wide audio encoder
+    over Whisper's 30-second windows and a 2-layer, 32-wide text decoder of
+    64 positions (so a window's answer is at most 32 tokens), with a
+    vocabulary of Whisper's layout and size (51,865: the byte-level BPE
+    tokens, unused ones, the special tokens, the timestamps), about 1.7M
+    parameters. Greedy decoding picks text tokens only: it never ends a
+    window early, so each window's answer takes its 32 tokens. Written,
+    cached and replaced as :func:`make_tiny_vlm` does, on the calling
+    thread.
+
+    Args:
+        path: The folder to write. Its parent is created if missing.
+        model_type: One of :data:`TINY_TRANSCRIPTION_TYPES`.
+        seed: Seeds the weights. The same seed gives byte-identical files.
+        overwrite: Replace whatever is at ``path``.
+
+    Returns:
+        ``path`` as a :class:`pathlib.Path`, holding the model.
+
+    Raises:
+        FileExistsError: ``path`` holds something that is not a model written
+            by this module, and ``overwrite`` is false.
+        ValueError: ``model_type`` is not one of
+            :data:`TINY_TRANSCRIPTION_TYPES`.
+    """
+    family = _family(_TRANSCRIPTION, model_type, "make_tiny_transcription")
+    return _make(family, path, seed, overwrite)
+
+
 def tiny_vlm_path(model_type: str = "qwen3_vl") -> pathlib.Path:
     """Return the shared tiny vision model of a family (seed 0), writing it
     on first use.
@@ -312,12 +363,26 @@ def tiny_reranker_path(model_type: str = "bert") -> pathlib.Path:
     )
 
 
+def tiny_transcription_path(model_type: str = "whisper") -> pathlib.Path:
+    """Return the shared tiny speech-to-text model of a family (seed 0),
+    writing it on first use: ``tiny-transcription-<model_type>`` in the
+    folder :func:`tiny_vlm_path` uses. Calling thread; safe from any thread
+    or process at once.
+
+    Returns:
+        The model folder.
+    """
+    return make_tiny_transcription(
+        _cache() / f"tiny-transcription-{model_type}", model_type, seed=0
+    )
+
+
 def _cache() -> pathlib.Path:
     root = os.environ.get("MLX_PINNED_CACHE")
     return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "mlx-pinned"
 
 
-def _family(known: dict[str, Family], model_type: str, function: str) -> Family:
+def _family(known: Mapping[str, Family], model_type: str, function: str) -> Family:
     try:
         return known[model_type]
     except KeyError:

@@ -32,6 +32,7 @@ SHARED = {
     "grammars",
     "limits",
     "encoders",
+    "transcripts",
     "media",
 }
 # The command line: the CLI, its options (the settings' projection) and its

@@ -31,6 +31,7 @@ __all__ = [
     "DRAIN_FACTOR",
     "DRAIN_SECONDS",
     "OPENAI_ERRORS",
+    "Body",
     "Disconnected",
     "ErrorShape",
     "RequestLog",
@@ -147,8 +148,18 @@ class ResponseWriter:
     async def json(
         self, body: bytes, status: int = 200, extra: Sequence[tuple[bytes, bytes]] = ()
     ) -> None:
+        await self.whole(body, _JSON_HEADERS, status, extra)
+
+    async def whole(
+        self,
+        body: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        status: int = 200,
+        extra: Sequence[tuple[bytes, bytes]] = (),
+    ) -> None:
+        """The whole response: ``body``, with its ``headers`` (its type)."""
         length = (b"content-length", str(len(body)).encode())
-        await self._start(status, [*_JSON_HEADERS, length, *extra])
+        await self._start(status, [*headers, length, *extra])
         await self.send(body, more=False)
 
     async def start_stream(self, first: bytes) -> None:
@@ -187,7 +198,19 @@ DRAIN_FACTOR = 4
 DRAIN_SECONDS = 5.0
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+class Body(bytes):
+    """A request body, and the media type its ``Content-Type`` declares
+    (with its parameters: a multipart form's boundary)."""
+
+    content_type: str
+
+    def __new__(cls, data: bytes, content_type: str = "") -> Body:
+        body = super().__new__(cls, data)
+        body.content_type = content_type
+        return body
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> Body:
     """The request body, refused with 413 once it passes ``limit``.
 
     Before the 413, the rest of the body is read and dropped, within
@@ -203,7 +226,8 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         code="request_too_large",
     )
     drain = limit * DRAIN_FACTOR
-    length = dict(scope["headers"]).get(b"content-length")
+    headers = dict(scope["headers"])
+    length = headers.get(b"content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         if int(length) <= drain:
             await _drain(receive, drain)
@@ -223,7 +247,8 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             raise too_large
         chunks.append(body)
         if not more:
-            return b"".join(chunks)
+            declared = headers.get(b"content-type", b"").decode("latin-1")
+            return Body(b"".join(chunks), declared)
 
 
 async def _drain(receive: Receive, budget: int) -> None:
