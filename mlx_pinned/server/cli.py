@@ -15,9 +15,10 @@ served together, each under its own name (``--served-model-name`` given once
 per MODEL, in the same order, or not at all). ``--demo`` writes the tiny
 random-weight models to the cache folder (``$MLX_PINNED_CACHE``, else
 ``~/.cache/mlx-pinned``) and serves them: a vision chat model as
-``mlx-pinned-demo``, an embedding model as ``mlx-pinned-demo-embedding`` and
-a reranker as ``mlx-pinned-demo-rerank``. They work offline, and answer
-with random text, random vectors and random scores. Every
+``mlx-pinned-demo``, an embedding model as ``mlx-pinned-demo-embedding``, a
+reranker as ``mlx-pinned-demo-rerank`` and a speech-to-text model as
+``mlx-pinned-demo-transcription``. They work offline, and answer with
+random text, random vectors and random scores. Every
 limit: docs/security.md.
 With ``--distributed tensor`` every rank of an ``mx.distributed`` group runs
 the same command: rank 0 serves, the others bind no port and follow it
@@ -54,6 +55,7 @@ __all__ = ["main"]
 DEMO_MODEL_NAME = "mlx-pinned-demo"
 DEMO_EMBEDDING_NAME = "mlx-pinned-demo-embedding"
 DEMO_RERANK_NAME = "mlx-pinned-demo-rerank"
+DEMO_TRANSCRIPTION_NAME = "mlx-pinned-demo-transcription"
 KEEP_ALIVE_SECONDS = 75  # an idle connection is kept this long
 STARTUP_FAILURE = 3  # the exit status of a failed model load, as uvicorn's
 
@@ -328,9 +330,10 @@ def _port(text: str) -> int:
 def _demo(config: ServerConfig) -> ServerConfig:
     """``config`` serving the demo's models, written first if they are not
     in the cache: the tiny vision chat model as its name, the tiny embedding
-    model as :data:`DEMO_EMBEDDING_NAME` and the tiny reranker as
-    :data:`DEMO_RERANK_NAME` (those two not under ``--distributed``, which
-    serves one chat model).
+    model as :data:`DEMO_EMBEDDING_NAME`, the tiny reranker as
+    :data:`DEMO_RERANK_NAME` and the tiny Whisper as
+    :data:`DEMO_TRANSCRIPTION_NAME` (those not under ``--distributed``,
+    which serves one chat model).
 
     Raises:
         OSError: A model could not be written.
@@ -338,19 +341,24 @@ def _demo(config: ServerConfig) -> ServerConfig:
     from mlx_pinned.testing import (
         tiny_embedding_path,
         tiny_reranker_path,
+        tiny_transcription_path,
         tiny_vlm_path,
     )
 
     chat = str(tiny_vlm_path())
     if config.distributed is not None:
         return dataclasses.replace(config, model=chat, served_model_name=config.names)
+    kinds = {
+        config.name: ("chat", chat),
+        DEMO_EMBEDDING_NAME: ("embedding", str(tiny_embedding_path())),
+        DEMO_RERANK_NAME: ("rerank", str(tiny_reranker_path())),
+        DEMO_TRANSCRIPTION_NAME: ("transcription", str(tiny_transcription_path())),
+    }
     return dataclasses.replace(
         config,
-        model=(chat, str(tiny_embedding_path()), str(tiny_reranker_path())),
-        served_model_name=(config.name, DEMO_EMBEDDING_NAME, DEMO_RERANK_NAME),
-        model_settings=tuple(
-            {"model_kind": kind} for kind in ("chat", "embedding", "rerank")
-        ),
+        model=tuple(path for _, path in kinds.values()),
+        served_model_name=tuple(kinds),
+        model_settings=tuple({"model_kind": kind} for kind, _ in kinds.values()),
     )
 
 
