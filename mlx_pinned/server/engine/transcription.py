@@ -28,11 +28,13 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import mlx.core as mx
 import numpy as np
 
-from ..events import EngineCounters
 from ..transcripts import Segment, TranscriptionParams, Window, Word
+from .passes import kv_free_counters
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
+
+    from ..events import EngineCounters
 
 __all__ = ["WINDOW_SECONDS", "TranscriptionEngine"]
 
@@ -113,15 +115,7 @@ class TranscriptionEngine:
     def counters(self) -> EngineCounters:
         """Files being transcribed as its rows, windows as its steps; it
         holds no KV between windows. Any thread."""
-        return EngineCounters(
-            rows=self.active,
-            kv_bytes=0,
-            prompt_cache_hits=0,
-            prompt_cache_misses=0,
-            prompt_cache_reused_tokens=0,
-            prompt_cache_bytes=0,
-            decode_steps=self.windows,
-        )
+        return kv_free_counters(self.active, self.windows)
 
     async def transcribe(self, params: TranscriptionParams) -> AsyncGenerator[Window]:
         """See :meth:`~..transcripts.TranscriptionEngine.transcribe`."""
