@@ -274,6 +274,13 @@ OPTIONS = (
         whole,
     ),
     Option(
+        "mlx_cache_bytes",
+        "bytes of freed buffers MLX keeps for reuse (its buffer cache, emptied "
+        "when a batch ends); 0: none (default: MLX's own limit or an eighth of "
+        "the machine's memory, whichever is smaller)",
+        whole,
+    ),
+    Option(
         "prefill_step_size",
         "prompt tokens prefilled in one pass, at most (default: %(default)s)",
         whole,

@@ -252,6 +252,11 @@ class ServerConfig:
             keep under ``state_dir`` (every entry is written there, and a
             lookup that finds a longer prefix there than in memory loads
             it); 0: no disk tier. Without ``state_dir``, unused.
+        mlx_cache_bytes: The most bytes of freed buffers MLX keeps for reuse
+            (its buffer cache, process-wide, emptied whenever a batch ends);
+            0: none kept. None: MLX's own limit or an eighth of the
+            machine's memory, whichever is smaller (Metal's own is the whole
+            working set: a Mac that is also a desktop would lend it all).
         freeze_gc: After the model is loaded, collect garbage once and move
             every object left to the collector's permanent generation
             (:func:`gc.freeze`), so later full collections skip the
@@ -312,6 +317,7 @@ class ServerConfig:
     retry_after: int = 1
     prompt_cache_bytes: int | None = None
     image_cache_bytes: int | None = None
+    mlx_cache_bytes: int | None = None
     prefill_step_size: int = 2048
     prefill_step_seconds: float | None = 0.25
     tool_call_parser: str | None = None
@@ -429,6 +435,14 @@ class ServerConfig:
         return AudioLimits(
             max_bytes=self.max_audio_bytes, max_seconds=self.max_audio_seconds
         )
+
+    @property
+    def mlx_cache_budget(self) -> int:
+        """The buffer cache's most bytes (MLX's own limit, if smaller, wins
+        when unset: :func:`~.engine.memory.limit_buffer_cache`)."""
+        if self.mlx_cache_bytes is not None:
+            return self.mlx_cache_bytes
+        return _memory() // 8
 
     @property
     def image_cache_budget(self) -> int:
