@@ -181,6 +181,11 @@ class BatchEngine:
         return self.loaded.accepts_images
 
     @property
+    def audio_sample_rate(self) -> int | None:
+        """The rate the model takes audio at (None: it takes none)."""
+        return self.loaded.audio_sample_rate
+
+    @property
     def loaded_at(self) -> float:
         """When the load ended (Unix time)."""
         return self.loaded.loaded_at

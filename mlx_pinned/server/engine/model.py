@@ -33,6 +33,7 @@ EXACT_FAMILIES = frozenset(
         "qwen2_5_vl",
         "qwen3_5",
         "gemma3",
+        "gemma4",
         "smolvlm",
         "mistral3",
         "aya_vision",
@@ -121,6 +122,22 @@ class LoadedModel:
         )
 
     @property
+    def audio_sample_rate(self) -> int | None:
+        """The rate (Hz) the model takes audio at: its feature extractor's,
+        where it has an audio config, an audio token and a feature extractor
+        (an omni model: Gemma 4's); None for a model that takes no audio."""
+        config = self.config
+        extractor = getattr(self.processor, "feature_extractor", None)
+        rate = getattr(extractor, "sampling_rate", None)
+        if (
+            getattr(config, "audio_config", None) is None
+            or not isinstance(getattr(config, "audio_token_id", None), int)
+            or not isinstance(rate, int)
+        ):
+            return None
+        return rate
+
+    @property
     def tokenizer(self) -> Any:
         """The text tokenizer."""
         return getattr(self.processor, "tokenizer", self.processor)
@@ -163,6 +180,17 @@ def serial_reason(config: Any) -> str | None:
         return (
             "mlx-vlm's Ministral 3 decoder scales every row's attention by the "
             "first row's position, so batched rows would change each other"
+        )
+    if model_type == "gemma4" and (
+        getattr(text, "num_kv_shared_layers", 0)
+        or getattr(text, "hidden_size_per_layer_input", 0)
+    ):
+        # Proven on the tiny Gemma 4 (tests/server/test_input_audio.py), which
+        # has neither; the layers that reuse another's KV and the per-layer
+        # inputs of the 2B and 4B checkpoints are not.
+        return (
+            "the batch engine is not proven exact on Gemma 4's shared-KV layers "
+            "and per-layer inputs"
         )
     return None
 

@@ -118,6 +118,8 @@ class Capabilities:
         longest_token_chars: Characters in its longest token, which bounds
             the tokens a text is at least.
         accepts_images: Whether it takes images.
+        audio_sample_rate: The rate it takes audio at (Hz); None: it takes
+            no audio.
         chat_template: Its chat template (None: it has none); whether it
             thinks is read from it.
         formats: Its tool-call and reasoning formats (None each: it has
@@ -130,6 +132,7 @@ class Capabilities:
     accepts_images: bool
     chat_template: str | None
     formats: ModelFormats
+    audio_sample_rate: int | None = None
 
     @classmethod
     def of(cls, engine: Engine, served: ServedModel) -> Capabilities:
@@ -151,6 +154,7 @@ class Capabilities:
                 tool_call_parser=served.tool_call_parser,
                 reasoning_parser=served.reasoning_parser,
             ),
+            audio_sample_rate=engine.audio_sample_rate,
         )
         if slot.engine is engine:  # kept until the residency unloads it
             slot.capabilities = capabilities
