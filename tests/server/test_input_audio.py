@@ -483,22 +483,21 @@ class TestServed:
         )
         assert worst <= TOL
 
-    async def test_the_responses_api_refuses_an_audio_part(
+    async def test_the_responses_and_messages_apis_refuse_an_audio_part(
         self, serve_omni: ServeOmni
     ) -> None:
-        body = {
-            "model": MODEL,
-            "input": [
-                {
-                    "role": "user",
-                    "content": [audio_part(wav(0.2))],
-                }
-            ],
-        }
+        turn = {"role": "user", "content": [audio_part(wav(0.2))]}
         async with serve_omni() as served:
-            response = await served.client.post("/v1/responses", json=body)
-        assert response.status_code == 400
-        assert "input_audio" in response.text
+            responses = await served.client.post(
+                "/v1/responses", json={"model": MODEL, "input": [turn]}
+            )
+            messages = await served.client.post(
+                "/v1/messages",
+                json={"model": MODEL, "max_tokens": 4, "messages": [turn]},
+            )
+        for response in (responses, messages):
+            assert response.status_code == 400, response.text
+            assert "input_audio" in response.text
 
 
 async def test_the_sdk_error_is_a_bad_request(serve_omni: ServeOmni) -> None:
