@@ -13,6 +13,7 @@ import wave
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -25,6 +26,7 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server import create_app, engine
 from mlx_pinned.server.config import AudioLimits, ServerConfig
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.engine.model import serial_reason
 from mlx_pinned.server.engine.prompt_cache import audio_hash, prompt_key
 from mlx_pinned.server.events import GenerationParams, SamplingParams
 from mlx_pinned.server.failures import AudioRefusedError
@@ -242,6 +244,19 @@ class TestDecoding:
         data = b64(lying_wav(7200.0))
         audio = decode_part(AudioRef(0, data, "wav"), AudioLimits(), sample_rate=RATE)
         assert audio.seconds == pytest.approx(1.0)
+
+
+class TestFamily:
+    def test_gemma4_batches_only_where_it_is_proven(self) -> None:
+        def config(**text: int) -> SimpleNamespace:
+            text_config = SimpleNamespace(**text)
+            return SimpleNamespace(model_type="gemma4", text_config=text_config)
+
+        assert serial_reason(config()) is None
+        shared = serial_reason(config(num_kv_shared_layers=20))
+        assert shared is not None
+        assert "shared-KV" in shared
+        assert serial_reason(config(hidden_size_per_layer_input=256)) is not None
 
 
 class TestPromptKey:
@@ -501,8 +516,8 @@ class TestServed:
 
 
 async def test_the_sdk_error_is_a_bad_request(serve_omni: ServeOmni) -> None:
-    """Refused before the model is asked: not slow."""
-    async with serve_omni() as served:
+    """Refused as the body is parsed, before the model is loaded."""
+    async with serve_omni(load_on_first_use=True) as served:
         client = served.sdk()
         with pytest.raises(openai.BadRequestError) as caught:
             await client.chat.completions.create(
@@ -510,3 +525,4 @@ async def test_the_sdk_error_is_a_bad_request(serve_omni: ServeOmni) -> None:
                 messages=[{"role": "user", "content": [audio_part(wav(0.1), "ogg")]}],  # type: ignore[list-item]
             )
     assert caught.value.status_code == 400
+    assert served.app.state.models.get(MODEL).engine() is None

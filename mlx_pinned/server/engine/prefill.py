@@ -190,16 +190,16 @@ def truncated(prepared: Prepared, keep: int | None) -> Prepared:
     None.
 
     Raises:
-        RequestError: The prompt holds images or videos (their tokens and
-            their pixels cannot be cut apart).
+        RequestError: The prompt holds images, videos or audio (their tokens
+            and their features cannot be cut apart).
     """
     if keep is None or prepared.prompt_tokens <= keep:
         return prepared
     inputs = prepared.inputs
     if set(inputs) - {"input_ids", "attention_mask"}:
         raise RequestError(
-            f"The prompt has {prepared.prompt_tokens} tokens and images or "
-            f"videos, which truncate_prompt_tokens ({keep}) cannot cut: send "
+            f"The prompt has {prepared.prompt_tokens} tokens and images, videos "
+            f"or audio, which truncate_prompt_tokens ({keep}) cannot cut: send "
             "a shorter prompt.",
             "invalid_prompt",
         )
