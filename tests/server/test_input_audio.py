@@ -26,6 +26,7 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server import create_app, engine
 from mlx_pinned.server.config import AudioLimits, ServerConfig
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.engine.admission import make_row, media_tokens
 from mlx_pinned.server.engine.model import serial_reason
 from mlx_pinned.server.engine.prompt_cache import audio_hash, prompt_key
 from mlx_pinned.server.events import GenerationParams, SamplingParams
@@ -354,6 +355,25 @@ class TestEngine:
                 max_logprob_difference(await solo(thread, loaded_omni, req), expected)
                 <= TOL
             )
+
+    async def test_the_key_holds_the_audio_and_the_image(
+        self, thread: MLXThread, loaded_omni: LoadedModel
+    ) -> None:
+        media = media_tokens(loaded_omni)
+        audio_id = loaded_omni.model.config.audio_token_id
+
+        def key(audio: Audio) -> Any:
+            params, images = heard(audio, 4, image=(64, 64))
+            return make_row(loaded_omni, params, images, media=media).key
+
+        one, other = [await thread.run(key, decoded(1.0, seed=s)) for s in (0, 1)]
+        assert one is not None
+        assert other is not None
+        assert audio_id in media
+        assert audio_id not in set(one.tolist())  # every audio token replaced
+        assert len(one) == len(other)
+        changed = np.flatnonzero(one != other)
+        assert len(changed) == TOKENS_PER_SECOND  # the audio's tokens only
 
 
 @pytest.mark.slow
