@@ -461,6 +461,20 @@ class TestServed:
             alive = await served.chat(audio_chat(audio_part(lying_wav(7200.0))))
         assert alive.status_code == 200, alive.text
 
+    async def test_a_file_longer_than_the_model_hears_names_the_part(
+        self, serve_omni: ServeOmni
+    ) -> None:
+        # Gemma 4 hears 30 seconds a file (750 tokens of 40 ms): the
+        # processor would drop the rest unheard.
+        async with serve_omni() as served:
+            long = await served.chat(audio_chat(audio_part(wav(30.5))))
+            heard = await served.chat(audio_chat(audio_part(wav(30.0)), max_tokens=1))
+        place = "messages[0].content[1].input_audio"
+        error = assert_error(long, 400, place, "audio_too_long")
+        assert "at most 30 seconds" in error["message"]
+        assert heard.status_code == 200, heard.text
+        assert heard.json()["usage"]["prompt_tokens"] > 750
+
     @pytest.mark.parametrize("kind", ["text", "vision"])
     async def test_a_model_without_audio_names_the_part(
         self, kind: str, serve_omni: ServeOmni, tiny_model_path: Path

@@ -292,8 +292,8 @@ def _audio_inputs(loaded: LoadedModel, params: GenerationParams) -> dict[str, An
     rate (none without audio).
 
     Raises:
-        AudioRefusedError: The model takes no audio, or one file at a time
-            and the request has more.
+        AudioRefusedError: The model takes no audio, one file at a time and
+            the request has more, or a file longer than the model hears.
     """
     if not params.audios:
         return {}
@@ -316,7 +316,30 @@ def _audio_inputs(loaded: LoadedModel, params: GenerationParams) -> dict[str, An
             index=1,
             code="too_many_audios",
         )
+    longest = _longest_audio(loaded.processor)
+    for index, audio in enumerate(params.audios):
+        if longest is not None and audio.seconds > longest:
+            # Its processor would keep the placeholders of the first part
+            # alone, and the features past them would be dropped unheard.
+            raise AudioRefusedError(
+                f"the file is {audio.seconds:.1f} seconds long; this model "
+                f"({loaded.config.model_type}) hears at most {longest:g} seconds "
+                "of audio per file.",
+                index=index,
+                code="audio_too_long",
+            )
     return {"audio": [audio.samples for audio in params.audios]}
+
+
+def _longest_audio(processor: Any) -> float | None:
+    """The seconds of audio a file may have for the processor: its cap on a
+    file's audio tokens times a token's milliseconds (Gemma 4's: 750 of 40
+    ms); None where it has none."""
+    tokens = getattr(processor, "audio_seq_length", None)
+    milliseconds = getattr(processor, "audio_ms_per_token", None)
+    if not isinstance(tokens, int) or not isinstance(milliseconds, int | float):
+        return None
+    return tokens * milliseconds / 1000
 
 
 def raw_inputs(
