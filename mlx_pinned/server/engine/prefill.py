@@ -299,8 +299,8 @@ def _audio_inputs(loaded: LoadedModel, params: GenerationParams) -> dict[str, An
         return {}
     if loaded.audio_sample_rate is None:
         raise AudioRefusedError(
-            f"this model ({loaded.config.model_type}) takes no audio; send text "
-            "or images.",
+            f"this model ({loaded.config.model_type}) takes no audio; send it to "
+            "a model that does.",
             index=0,
             code="audio_unsupported",
         )
@@ -319,8 +319,8 @@ def _audio_inputs(loaded: LoadedModel, params: GenerationParams) -> dict[str, An
     longest = _longest_audio(loaded.processor)
     for index, audio in enumerate(params.audios):
         if longest is not None and audio.seconds > longest:
-            # Its processor would keep the placeholders of the first part
-            # alone, and the features past them would be dropped unheard.
+            # Its processor caps the file's placeholders there: the features
+            # past them would be dropped unheard.
             raise AudioRefusedError(
                 f"the file is {audio.seconds:.1f} seconds long; this model "
                 f"({loaded.config.model_type}) hears at most {longest:g} seconds "
