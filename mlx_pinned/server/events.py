@@ -20,7 +20,7 @@ from .limits import check_prompt_tokens
 if TYPE_CHECKING:
     from PIL import Image
 
-    from .media import Audio, Video
+    from .media import Audio, AudioInput, Video
 
 
 __all__ = [
@@ -515,10 +515,10 @@ class Engine(Resident, Protocol):
         ...
 
     @property
-    def audio_sample_rate(self) -> int | None:
-        """The sample rate (Hz) the model takes audio at; None when it takes
-        no audio (``input_audio`` parts sent to it are a 400 that names the
-        part)."""
+    def audio_input(self) -> AudioInput | None:
+        """How the model takes audio (its rate, its longest file); None when
+        it takes none (``input_audio`` parts sent to it are a 400 that names
+        the part)."""
         ...
 
     def stream(

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Audio",
+    "AudioInput",
     "AudioRef",
     "ImageRef",
     "LoadAudio",
@@ -115,6 +116,16 @@ class Audio:
 
 
 @dataclass(frozen=True)
+class AudioInput:
+    """How a model takes audio: the rate it hears at (Hz), and the longest
+    file it hears (seconds; None: no limit of its own), which the decoder
+    checks from a file's header with the server's own limits."""
+
+    sample_rate: int
+    max_seconds: float | None = None
+
+
+@dataclass(frozen=True)
 class AudioRef:
     """An audio file of the request (an ``input_audio`` part): which one, in
     prompt order, its base64 data, and the format the request says it is
@@ -138,7 +149,7 @@ LoadVideos = Callable[[Sequence[VideoRef]], Awaitable[list[Video]]]
 #: event loop; raises :class:`~.failures.AudioRefusedError` when it cannot.
 LoadAudio = Callable[[bytes, int], Awaitable[Audio]]
 
-#: Decodes a request's audio parts, in order, to mono samples at a sample
-#: rate (the model's), off the event loop; raises
+#: Decodes a request's audio parts, in order, to mono samples as a model
+#: takes them (its rate, its longest file), off the event loop; raises
 #: :class:`~.failures.AudioRefusedError` for the first it cannot use.
-LoadAudios = Callable[[Sequence[AudioRef], int], Awaitable[list[Audio]]]
+LoadAudios = Callable[[Sequence[AudioRef], AudioInput], Awaitable[list[Audio]]]

@@ -39,7 +39,7 @@ from mlx_pinned.server.http.chat_completions.messages import (
 from mlx_pinned.server.http.chat_completions.protocol import parse_chat_request
 from mlx_pinned.server.http.errors import APIError, api_error
 from mlx_pinned.server.inputs.audio import decode_part
-from mlx_pinned.server.media import Audio, AudioRef
+from mlx_pinned.server.media import Audio, AudioInput, AudioRef
 from mlx_pinned.testing import TINY_OMNI_TYPES, tiny_lm_path, tiny_omni_path
 
 from .conftest import assert_error
@@ -345,7 +345,7 @@ class TestEngine:
         ]
         alone = [await run(BatchEngine(loaded_omni, thread), req) for req in reqs]
         batch = BatchEngine(loaded_omni, thread)
-        assert batch.audio_sample_rate == RATE
+        assert batch.audio_input == AudioInput(RATE, 30.0)
         runs = await all_at_once(thread, batch, reqs, seconds=120)
         assert max(run_.active_at_start for run_ in runs) > 1
         for run_, expected in zip(runs, alone, strict=True):
@@ -355,6 +355,23 @@ class TestEngine:
                 max_logprob_difference(await solo(thread, loaded_omni, req), expected)
                 <= TOL
             )
+
+    async def test_the_engine_refuses_what_the_model_cannot_hear(
+        self, thread: MLXThread, loaded_omni: LoadedModel
+    ) -> None:
+        long = decoded(30.5)
+        twice = GenerationParams(
+            ({"role": "user", "content": [{"type": "audio"}, {"type": "audio"}]},),
+            max_tokens=1,
+            audios=(decoded(0.2), decoded(0.3, seed=1)),
+        )
+        for params, index, code in [
+            (heard(long, 1)[0], 0, "audio_too_long"),
+            (twice, 1, "too_many_audios"),
+        ]:
+            with pytest.raises(AudioRefusedError) as caught:
+                await thread.run(make_row, loaded_omni, params, [])
+            assert (caught.value.index, caught.value.code) == (index, code)
 
     async def test_the_key_holds_the_audio_and_the_image(
         self, thread: MLXThread, loaded_omni: LoadedModel
@@ -465,13 +482,13 @@ class TestServed:
         self, serve_omni: ServeOmni
     ) -> None:
         # Gemma 4 hears 30 seconds a file (750 tokens of 40 ms): the
-        # processor would drop the rest unheard.
+        # processor would drop the rest unheard. Refused from the header.
         async with serve_omni() as served:
             long = await served.chat(audio_chat(audio_part(wav(30.5))))
             heard = await served.chat(audio_chat(audio_part(wav(30.0)), max_tokens=1))
         place = "messages[0].content[1].input_audio"
         error = assert_error(long, 400, place, "audio_too_long")
-        assert "at most 30 seconds" in error["message"]
+        assert "the limit of 30 seconds" in error["message"]
         assert heard.status_code == 200, heard.text
         assert heard.json()["usage"]["prompt_tokens"] > 750
 

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
     from mlx_pinned import MLXThread
 
+    from ..media import AudioInput
+
 __all__ = ["BatchEngine", "BatchStatistics"]
 
 logger = logging.getLogger("mlx_pinned.server")
@@ -181,9 +183,9 @@ class BatchEngine:
         return self.loaded.accepts_images
 
     @property
-    def audio_sample_rate(self) -> int | None:
-        """The rate the model takes audio at (None: it takes none)."""
-        return self.loaded.audio_sample_rate
+    def audio_input(self) -> AudioInput | None:
+        """How the model takes audio (None: it takes none)."""
+        return self.loaded.audio_input
 
     @property
     def loaded_at(self) -> float:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 
 from ..limits import context_length, longest_token_chars
+from ..media import AudioInput
 
 if TYPE_CHECKING:
     from ..events import Grammar
@@ -122,12 +123,14 @@ class LoadedModel:
         )
 
     @property
-    def audio_sample_rate(self) -> int | None:
-        """The rate (Hz) the model takes audio at: its feature extractor's,
-        where it has an audio config, an audio token and a feature extractor
-        (an omni model: Gemma 4's); None for a model that takes no audio."""
-        config = self.config
-        extractor = getattr(self.processor, "feature_extractor", None)
+    def audio_input(self) -> AudioInput | None:
+        """How the model takes audio, where it has an audio config, an audio
+        token and a feature extractor (an omni model: Gemma 4's): at its
+        feature extractor's rate, files as long as its processor caps them
+        (a file's most audio tokens times a token's milliseconds: Gemma 4's
+        750 of 40 ms); None for a model that takes no audio."""
+        config, processor = self.config, self.processor
+        extractor = getattr(processor, "feature_extractor", None)
         rate = getattr(extractor, "sampling_rate", None)
         if (
             getattr(config, "audio_config", None) is None
@@ -135,7 +138,11 @@ class LoadedModel:
             or not isinstance(rate, int)
         ):
             return None
-        return rate
+        tokens = getattr(processor, "audio_seq_length", None)
+        milliseconds = getattr(processor, "audio_ms_per_token", None)
+        if not isinstance(tokens, int) or not isinstance(milliseconds, int | float):
+            return AudioInput(rate)
+        return AudioInput(rate, tokens * milliseconds / 1000)
 
     @property
     def tokenizer(self) -> Any:

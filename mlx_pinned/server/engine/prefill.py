@@ -297,7 +297,8 @@ def _audio_inputs(loaded: LoadedModel, params: GenerationParams) -> dict[str, An
     """
     if not params.audios:
         return {}
-    if loaded.audio_sample_rate is None:
+    taken = loaded.audio_input
+    if taken is None:
         raise AudioRefusedError(
             f"this model ({loaded.config.model_type}) takes no audio; send it to "
             "a model that does.",
@@ -316,11 +317,12 @@ def _audio_inputs(loaded: LoadedModel, params: GenerationParams) -> dict[str, An
             index=1,
             code="too_many_audios",
         )
-    longest = _longest_audio(loaded.processor)
+    longest = taken.max_seconds
     for index, audio in enumerate(params.audios):
         if longest is not None and audio.seconds > longest:
-            # Its processor caps the file's placeholders there: the features
-            # past them would be dropped unheard.
+            # The HTTP side refuses it from its header first; this guards
+            # other callers, as the processor caps a file's placeholders
+            # there and the features past them would be dropped unheard.
             raise AudioRefusedError(
                 f"the file is {audio.seconds:.1f} seconds long; this model "
                 f"({loaded.config.model_type}) hears at most {longest:g} seconds "
@@ -329,17 +331,6 @@ def _audio_inputs(loaded: LoadedModel, params: GenerationParams) -> dict[str, An
                 code="audio_too_long",
             )
     return {"audio": [audio.samples for audio in params.audios]}
-
-
-def _longest_audio(processor: Any) -> float | None:
-    """The seconds of audio a file may have for the processor: its cap on a
-    file's audio tokens times a token's milliseconds (Gemma 4's: 750 of 40
-    ms); None where it has none."""
-    tokens = getattr(processor, "audio_seq_length", None)
-    milliseconds = getattr(processor, "audio_ms_per_token", None)
-    if not isinstance(tokens, int) or not isinstance(milliseconds, int | float):
-        return None
-    return tokens * milliseconds / 1000
 
 
 def raw_inputs(

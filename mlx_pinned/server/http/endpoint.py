@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from ..events import Engine, Event, EventStream, GenerationParams, Resident
     from ..media import (
         Audio,
+        AudioInput,
         AudioRef,
         ImageRef,
         LoadAudios,
@@ -321,7 +322,7 @@ async def _no_videos(refs: Sequence[VideoRef]) -> list[Video]:
     raise refs[0].error("this server decodes no videos.", "videos_unsupported")
 
 
-async def _no_audios(refs: Sequence[AudioRef], sample_rate: int) -> list[Audio]:
+async def _no_audios(refs: Sequence[AudioRef], taken: AudioInput) -> list[Audio]:
     raise refs[0].error("this server decodes no audio.", "audio_unsupported")
 
 
@@ -332,9 +333,9 @@ class GenerationEndpoint(ModelEndpoint, Generic[RequestT]):
     :meth:`parse`), checks it against the model it names (its
     :attr:`serving`, before any wait for the gate), decodes its images,
     videos and audio off the loop (``load_images``; ``load_videos`` and
-    ``load_audios``, which ``app.py`` sets where they are taken), at the
-    model's sample rate for audio, generates, and writes the answer with the
-    slice's :meth:`send_whole` or :meth:`send_stream`.
+    ``load_audios``, which ``app.py`` sets where they are taken; audio as
+    the model takes it: its rate, its longest file), generates, and writes
+    the answer with the slice's :meth:`send_whole` or :meth:`send_stream`.
 
     Attributes:
         call_id: Makes a tool call's id, in the API's own form.
@@ -377,9 +378,9 @@ class GenerationEndpoint(ModelEndpoint, Generic[RequestT]):
             if prepared.videos:
                 videos = await self.load_videos(prepared.videos)
                 params = dataclasses.replace(params, videos=tuple(videos))
-            rate = capabilities.audio_sample_rate
-            if prepared.audios and rate is not None:  # check_media refused None
-                audios = await self.load_audios(prepared.audios, rate)
+            taken = capabilities.audio_input
+            if prepared.audios and taken is not None:  # check_media refused None
+                audios = await self.load_audios(prepared.audios, taken)
                 params = dataclasses.replace(params, audios=tuple(audios))
             async with self.generation(served, engine, params, decoded, log) as events:
                 parser = answer_parser(capabilities, prepared, self.call_id)

@@ -139,7 +139,7 @@ def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
 def input_modalities(engine: Engine) -> list[str]:
     """What a chat model's messages may hold (OpenRouter's word): the
     playground offers to attach what it takes."""
-    taken = {"image": engine.accepts_images, "audio": engine.audio_sample_rate}
+    taken = {"image": engine.accepts_images, "audio": engine.audio_input is not None}
     return ["text", *(kind for kind, takes in taken.items() if takes)]
 
 

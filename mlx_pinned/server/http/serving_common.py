@@ -229,7 +229,7 @@ def check_media(
         VideoRefusedError: The first video's error.
         AudioRefusedError: The first audio file's error.
     """
-    if audios and capabilities.audio_sample_rate is None:
+    if audios and capabilities.audio_input is None:
         send = "text or images" if capabilities.accepts_images else "text only"
         message = f"this model takes no audio; send {send}."
         raise audios[0].error(message, "audio_unsupported")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +31,7 @@ import numpy as np
 
 from ..config import AudioLimits
 from ..failures import AudioRefusedError
-from ..media import Audio, AudioRef
+from ..media import Audio, AudioInput, AudioRef
 from ._load import decoders
 
 __all__ = ["FORMATS", "decode_audio", "decode_part", "load_audio", "load_audios"]
@@ -49,15 +50,20 @@ async def load_audio(data: bytes, sample_rate: int, *, limits: AudioLimits) -> A
 
 
 async def load_audios(
-    refs: Sequence[AudioRef], sample_rate: int, *, limits: AudioLimits
+    refs: Sequence[AudioRef], taken: AudioInput, *, limits: AudioLimits
 ) -> list[Audio]:
     """:func:`decode_part` of each part, in order, in one worker thread under
     the decoders' bound (a :data:`~..media.LoadAudios`, once ``limits`` are
-    given). Event loop."""
+    given), at the model's rate; a file longer than the model hears is
+    refused from its header too. Event loop."""
     if not refs:
         return []
+    longest = taken.max_seconds
+    if longest is not None and longest < limits.max_seconds:
+        limits = dataclasses.replace(limits, max_seconds=longest)
+    rate = taken.sample_rate
     return await anyio.to_thread.run_sync(
-        lambda: [decode_part(ref, limits, sample_rate=sample_rate) for ref in refs],
+        lambda: [decode_part(ref, limits, sample_rate=rate) for ref in refs],
         limiter=decoders(),
     )
 
@@ -206,7 +212,8 @@ def _too_large(size: int, limits: AudioLimits) -> str:
 
 
 def _too_long(seconds: float, limits: AudioLimits) -> str:
+    # The limit may be the server's or the model's (what it hears).
     return (
-        f"the file is {seconds:.1f} seconds long, more than this server's limit "
-        f"of {limits.max_seconds:g} seconds."
+        f"the file is {seconds:.1f} seconds long, more than the limit of "
+        f"{limits.max_seconds:g} seconds."
     )
