@@ -112,6 +112,7 @@ class Report:
     idle_after: dict[str, Any] = field(default_factory=dict)
     rested: Sample | None = None  # after --idle seconds without traffic
     server_statuses: dict[str, int] = field(default_factory=dict)  # /metrics
+    held: dict[str, float] = field(default_factory=dict)  # /metrics, at the end
     exit_code: int | None = None
     log_problems: list[str] = field(default_factory=list)
 
@@ -314,6 +315,7 @@ class Soak:
                 await asyncio.sleep(0.05)
             self.report.idle_after = health
             metrics = (await client.get(f"{self.url}/metrics")).text
+            self.report.held = holders(metrics)
             for status, count in re.findall(
                 r'requests_total\{route="/v1/chat/completions",status="(\d+)"\} '
                 r"([\d.]+)",
@@ -418,6 +420,28 @@ async def mlx_memory(client: httpx.AsyncClient, url: str) -> tuple[float, float]
     return found.get("active", 0.0), found.get("cache", 0.0)
 
 
+#: What holds memory, as /metrics says (summed over the models).
+HOLDERS = (
+    "mlx_active_bytes",
+    "prompt_cache_bytes",
+    "image_cache_bytes",
+    "kv_cache_bytes",
+    "responses_store_bytes",
+    "responses_store_items",
+)
+
+
+def holders(metrics: str) -> dict[str, float]:
+    """Each of :data:`HOLDERS`, summed over its labels."""
+    held = dict.fromkeys(HOLDERS, 0.0)
+    for name, value in re.findall(
+        r"^mlx_pinned_(\w+?)(?:\{[^}]*\})? ([\d.e+]+)$", metrics, re.M
+    ):
+        if name in held:
+            held[name] += float(value)
+    return held
+
+
 def growth(samples: list[Sample]) -> float:
     """RSS growth over the last third of the run, as a share of its start."""
     if len(samples) < 3:
@@ -487,6 +511,13 @@ def summary(report: Report) -> str:
         f"the last third grew {growth(samples) * 100:.1f} %",
         f"MLX MiB at the end: active {samples[-1].mlx_active_mb:.1f}, "
         f"cache {samples[-1].mlx_cache_mb:.1f}",
+        "held at the end (/metrics): "
+        + ", ".join(
+            f"{name} {value:.0f}"
+            if name.endswith("items")
+            else f"{name[:-6]} {value / 2**20:.1f} MiB"
+            for name, value in report.held.items()
+        ),
         f"server threads: start {threads[0]}, "
         + ", ".join(f"{name} {s.threads}" for name, s in marks)
         + f", peak {max(threads)}, end {threads[-1]}",
