@@ -74,7 +74,7 @@ from .http.slots import ModelSlot
 from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
 from .http.transcriptions import TranscriptionsEndpoint, TranslationsEndpoint
 from .http.turns import LoopTurns
-from .inputs.audio import load_audio
+from .inputs.audio import load_audio, load_audios
 from .inputs.images import Fetcher, load_images
 from .inputs.remote import RemoteImageFetcher
 from .inputs.videos import load_videos
@@ -205,6 +205,7 @@ def create_app(
         metrics=metrics,
     )
     chat.load_videos = _video_loader(config, image_fetcher)
+    chat.load_audios = functools.partial(load_audios, limits=config.audio_limits)
     # The same wiring for the other APIs' endpoints.
     wiring = (chat.config, chat.thread, served, residency, chat.load_images, turns)
     completions = CompletionsEndpoint(*wiring, metrics=metrics)

@@ -193,6 +193,7 @@ OPTIONS = (
     Option("max_videos", "videos per request (default: %(default)s)", whole),
     Option("max_video_bytes", "encoded bytes per video (default: %(default)s)", whole),
     Option("max_video_seconds", "seconds per video (default: %(default)s)", seconds),
+    Option("max_audios", "audio files per chat request (default: %(default)s)", whole),
     Option(
         "max_audio_bytes", "encoded bytes per audio file (default: %(default)s)", whole
     ),

@@ -106,6 +106,7 @@ class AudioLimits:
         max_channels: Channels per file.
         min_sample_rate: The lowest sample rate taken (Hz).
         max_sample_rate: The highest sample rate taken (Hz).
+        max_audios: Audio files per chat request, over all messages.
     """
 
     max_bytes: int = 20 * 1024 * 1024
@@ -113,6 +114,7 @@ class AudioLimits:
     max_channels: int = 8
     min_sample_rate: int = 8000
     max_sample_rate: int = 192000
+    max_audios: int = 2
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,8 @@ class ServerConfig:
             no ``video_fps``.
         max_video_frames: Most frames sampled per video (a request's
             ``video_max_frames`` may ask for fewer, not more).
+        max_audios: Audio files (``input_audio`` parts) per chat request,
+            over all messages.
         max_audio_bytes: Encoded bytes per audio file.
         max_audio_seconds: Length per audio file, from its header; longer
             is a 400 before it is decoded.
@@ -306,6 +310,7 @@ class ServerConfig:
     max_video_pixels: int = 1920 * 1080
     video_fps: float = 2.0
     max_video_frames: int = 32
+    max_audios: int = 2
     max_audio_bytes: int = 20 * 1024 * 1024
     max_audio_seconds: float = 1800.0
     max_prompt_tokens: int | None = None
@@ -433,7 +438,9 @@ class ServerConfig:
     def audio_limits(self) -> AudioLimits:
         """The audio settings, as the audio decoder takes them."""
         return AudioLimits(
-            max_bytes=self.max_audio_bytes, max_seconds=self.max_audio_seconds
+            max_bytes=self.max_audio_bytes,
+            max_seconds=self.max_audio_seconds,
+            max_audios=self.max_audios,
         )
 
     @property
