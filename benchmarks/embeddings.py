@@ -13,6 +13,17 @@ the figures as JSON (``--json``)::
     python benchmarks/embeddings.py [--concurrency 1,16] [--seconds 10]
         [--inputs 8] [--model FOLDER] [--url URL --name NAME] [--json OUT]
 
+``--systems mlx-pinned,mlx-vlm,vllm-mlx`` runs each in turn on the same
+folder, one after the other in one run, and prints their embeddings/s
+side by side: mlx-vlm's own server (``python -m mlx_vlm.server
+--embedding-model DIR``) and vllm-mlx's (``vllm-mlx serve CHAT_DIR
+--embedding-model DIR``; it needs a chat model too: the tiny Qwen3) from
+the peers' own venv (``--peers-venv``, as benchmarks/peers.py documents).
+vllm-mlx loads embeddings with mlx-embeddings, whose BERT has a pooler
+layer: the tiny model is copied with one (random, unused by the mean
+pooling all three do), so every system serves the same folder and gives
+the same vectors.
+
 It needs ``httpx`` beside mlx-pinned. Run it on a quiet machine; the
 figures go to docs/benchmarks.md.
 """
@@ -98,18 +109,63 @@ def own_server(model: str | None) -> Iterator[tuple[str, str, Any]]:
         yield f"http://127.0.0.1:{port}", "emb", process
 
 
-async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+@contextlib.contextmanager
+def peer_server(system: str, folder: str, venv: Path) -> Iterator[tuple[str, str, Any]]:
+    """mlx-vlm's or vllm-mlx's server on ``folder``, from ``venv``."""
+    from mlx_pinned.testing import tiny_lm_path
+
+    port = free_port()
+    if system == "mlx-vlm":
+        command = [str(venv / "bin" / "python"), "-m", "mlx_vlm.server"]
+        command += ["--embedding-model", folder, "--port", str(port)]
+    else:
+        command = [str(venv / "bin" / "vllm-mlx"), "serve", str(tiny_lm_path())]
+        command += ["--embedding-model", folder, "--port", str(port)]
+    log = Path(tempfile.mkdtemp()) / f"{system}.log"
+    with server(command, log) as process:
+        yield f"http://127.0.0.1:{port}", folder, process
+
+
+def with_pooler(folder: str) -> str:
+    """A copy of ``folder`` with a BERT pooler layer (what mlx-embeddings,
+    vllm-mlx's loader, needs), in a temporary folder."""
+    import shutil
+
+    import mlx.core as mx
+    import numpy as np
+
+    copy = Path(tempfile.mkdtemp()) / "embedding"
+    shutil.copytree(folder, copy)
+    weights = mx.load(str(copy / "model.safetensors"))
+    assert isinstance(weights, dict)
+    width = weights["embeddings.word_embeddings.weight"].shape[1]
+    rng = np.random.default_rng(0)
+    dense = rng.standard_normal((width, width)).astype(np.float32) / width**0.5
+    weights["pooler.dense.weight"] = mx.array(dense)
+    weights["pooler.dense.bias"] = mx.zeros((width,))
+    mx.save_safetensors(str(copy / "model.safetensors"), weights)
+    return str(copy)
+
+
+async def run(
+    args: argparse.Namespace, system: str = "mlx-pinned"
+) -> list[dict[str, Any]]:
     with contextlib.ExitStack() as stack:
         if args.url:
             url, name, process = args.url, args.name, None
-        else:
+        elif system == "mlx-pinned":
             url, name, process = stack.enter_context(own_server(args.model))
+        else:
+            if args.peers_venv is None:
+                raise SystemExit(f"{system} needs --peers-venv")
+            peer = peer_server(system, args.model, args.peers_venv)
+            url, name, process = stack.enter_context(peer)
         limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
         async with httpx.AsyncClient(
             base_url=url, timeout=120, limits=limits
         ) as client:
             if process is not None:
-                await wait_for(client, process, "/health", 120)
+                await wait_for(client, process, "/v1/models", 180)
             await level(client, name, 1, 1.0, args.inputs)  # warm-up
             return [
                 await level(client, name, c, args.seconds, args.inputs)
@@ -126,16 +182,33 @@ def main() -> None:
     parser.add_argument("--url", help="a running server instead of mlx-pinned's")
     parser.add_argument("--name", default="emb", help="its model name (--url)")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument(
+        "--systems", default="mlx-pinned", help="mlx-pinned,mlx-vlm,vllm-mlx"
+    )
+    parser.add_argument("--peers-venv", type=Path, help="the peers' own venv")
     args = parser.parse_args()
-    results = asyncio.run(run(args))
-    print("concurrency  requests  embeddings/s  p50 ms  p99 ms  errors")
-    for row in results:
-        print(
-            f"{row['concurrency']:>11}  {row['requests']:>8}  "
-            f"{row['embeddings_per_second']:>12.1f}  "
-            f"{row['p50_seconds'] * 1000:>6.1f}  {row['p99_seconds'] * 1000:>6.1f}  "
-            f"{row['errors']:>6}"
-        )
+    systems = args.systems.split(",")
+    if systems != ["mlx-pinned"]:
+        from mlx_pinned.testing import tiny_embedding_path
+
+        args.model = with_pooler(args.model or str(tiny_embedding_path()))
+    results = {system: asyncio.run(run(args, system)) for system in systems}
+    print("system      concurrency  requests  embeddings/s  p50 ms  p99 ms  errors")
+    for system, rows in results.items():
+        for row in rows:
+            print(
+                f"{system:<11} {row['concurrency']:>11}  {row['requests']:>8}  "
+                f"{row['embeddings_per_second']:>12.1f}  "
+                f"{row['p50_seconds'] * 1000:>6.1f}  "
+                f"{row['p99_seconds'] * 1000:>6.1f}  {row['errors']:>6}"
+            )
+    first = results[systems[0]]
+    for system in systems[1:]:
+        ratios = []
+        for mine, theirs in zip(first, results[system], strict=True):
+            ratio = mine["embeddings_per_second"] / theirs["embeddings_per_second"]
+            ratios.append(f"c{mine['concurrency']} {ratio:.2f}x")
+        print(f"{systems[0]} / {system}: " + ", ".join(ratios))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

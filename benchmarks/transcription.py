@@ -8,8 +8,10 @@ Writes a WAV of ``--seconds`` of a noisy tone, then, in one run:
   uses it);
 - **mlx-pinned**: ``mlx-pinned serve`` on a free loopback port with the
   model as a ``transcription`` kind, the file uploaded as OpenAI's SDK
-  does (``--url``/``--name``: a server already running instead, such as
-  mlx-vlm's own on the same folder).
+  does (``--url``/``--name``: a server already running instead);
+- **mlx-vlm's server** (``--peers-venv VENV``): ``python -m mlx_vlm.server
+  --stt-model DIR`` from the peers' own venv (benchmarks/peers.py says how
+  to make it), the same upload.
 
 Each is run ``--rounds`` times after one warm-up; it prints the median
 seconds and the real-time factor (seconds of audio per second of work) of
@@ -97,6 +99,7 @@ def main() -> None:
     parser.add_argument("--model")
     parser.add_argument("--url")
     parser.add_argument("--name", default="whisper")
+    parser.add_argument("--peers-venv", type=Path, help="also mlx-vlm's server")
     args = parser.parse_args()
     if args.model is None:
         from mlx_pinned.testing import tiny_transcription_path
@@ -128,10 +131,35 @@ def main() -> None:
                     )
 
                 through = asyncio.run(run())
-    for label, took in (("mlx-audio generate", alone), ("mlx-pinned", through)):
+    rows = [("mlx-audio generate", alone), ("mlx-pinned", through)]
+    if args.peers_venv is not None:
+        rows.append(("mlx-vlm server", mlx_vlm_server(args, audio)))
+    for label, took in rows:
         factor = args.seconds / took
         print(f"{label:20s} {took:7.2f} s  real-time factor {factor:6.1f}x")
     print(f"mlx-pinned / mlx-audio speed: {alone / through:.2f}x")
+    if args.peers_venv is not None:
+        print(f"mlx-pinned / mlx-vlm server speed: {rows[2][1] / through:.2f}x")
+
+
+def mlx_vlm_server(args: argparse.Namespace, audio: bytes) -> float:
+    """Median seconds of the upload to mlx-vlm's own server, on the model."""
+    port = free_port()
+    python = str(args.peers_venv / "bin" / "python")
+    command = [python, "-m", "mlx_vlm.server", "--stt-model", args.model]
+    command += ["--port", str(port)]
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as folder:
+        with server(command, Path(folder) / "mlx-vlm.log") as process:
+
+            async def run() -> float:
+                async with httpx.AsyncClient(base_url=url) as client:
+                    await wait_for(client, process, "/v1/models", 180)
+                return await served(
+                    url, args.model, audio, args.temperature, args.rounds
+                )
+
+            return asyncio.run(run())
 
 
 if __name__ == "__main__":
