@@ -13,10 +13,14 @@ each engine only through its protocol, :class:`EmbeddingEngine` and
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .events import Resident
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 __all__ = [
     "EmbeddingEngine",
@@ -30,19 +34,30 @@ __all__ = [
 
 @dataclass(frozen=True)
 class EmbeddingParams:
-    """What one embedding request needs: its inputs and their width.
+    """What one embedding request needs: its inputs (or one conversation)
+    and their width.
 
     Attributes:
         inputs: Each input, in order: a text (tokenized with the model's
             tokenizer and its special tokens) or token ids (used as they
-            are; each below the model's vocabulary size).
+            are; each below the model's vocabulary size). Empty for a
+            conversation.
         dimensions: Keep the first ``dimensions`` values of each vector and
             normalise again (a Matryoshka-trained model's shorter vectors);
             None: the model's own width.
+        messages: A conversation embedded as one vector (vLLM's
+            ``messages``), as the model's chat template reads it: each
+            image a ``{"type": "image"}`` part in place, its image given
+            to :meth:`EmbeddingEngine.embed` in the same order. Empty: the
+            request embeds ``inputs``.
+        add_generation_prompt: End the rendered conversation with the
+            assistant's opening, as the chat template writes it.
     """
 
     inputs: tuple[str | tuple[int, ...], ...]
     dimensions: int | None = None
+    messages: tuple[Mapping[str, Any], ...] = ()
+    add_generation_prompt: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,12 +99,26 @@ class EmbeddingEngine(Resident, Protocol):
         ``dimensions``."""
         ...
 
-    async def embed(self, params: EmbeddingParams) -> Embeddings:
-        """Embed the inputs of ``params``.
+    @property
+    def accepts_images(self) -> bool:
+        """Whether it embeds images (in ``messages``)."""
+        ...
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether it renders a conversation (``messages``) at all."""
+        ...
+
+    async def embed(
+        self, params: EmbeddingParams, images: Sequence[Image.Image] = ()
+    ) -> Embeddings:
+        """Embed the inputs of ``params``, or its conversation with
+        ``images`` (decoded, in prompt order) as one vector.
 
         Event loop; the tokenizer and the model run on the MLX thread, the
         inputs of every request waiting then padded into shared forward
-        passes. Cancelling it drops the inputs not yet embedded.
+        passes; a conversation runs in a job of its own, one pass. Cancelling
+        it drops the inputs not yet embedded.
 
         Raises:
             PromptTooLongError: An input over :attr:`max_input_tokens`; the

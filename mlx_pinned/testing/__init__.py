@@ -45,7 +45,7 @@ from ._llama import LLAMA
 from ._mistral import MISTRAL3
 from ._parakeet import PARAKEET
 from ._qwen import _CHAT_TEMPLATE as _CHAT_TEMPLATE
-from ._qwen import QWEN2_5_VL, QWEN3, QWEN3_VL, SPECIAL_TOKENS
+from ._qwen import QWEN2_5_VL, QWEN3, QWEN3_VL, QWEN3_VL_EMBEDDING, SPECIAL_TOKENS
 from ._qwen3_5 import QWEN3_5
 from ._smolvlm import SMOLVLM
 from ._tool_families import TOOL_FAMILIES
@@ -102,8 +102,9 @@ TINY_LM_TYPES: Final = tuple(_TEXT)
 #: ``gpt_oss_harmony`` (harmony) and ``qwen3_coder`` (its XML calls). The
 #: first three are Llama decoders, the last a Qwen3 one.
 TINY_TOOL_LM_TYPES: Final = tuple(_TOOLS)
-_EMBEDDING: Final = {family.model_type: family for family in (BERT,)}
-#: The embedding families :func:`make_tiny_embedding` writes (``bert``).
+_EMBEDDING: Final = {family.model_type: family for family in (BERT, QWEN3_VL_EMBEDDING)}
+#: The embedding families :func:`make_tiny_embedding` writes (``bert``, then
+#: ``qwen3_vl_embedding``, which embeds images too).
 TINY_EMBEDDING_TYPES: Final = tuple(_EMBEDDING)
 _RERANKER: Final = {family.model_type: family for family in (BERT_RERANKER,)}
 #: The reranker families :func:`make_tiny_reranker` writes (``bert``).
@@ -219,7 +220,10 @@ def make_tiny_embedding(
     longest input), mean-pooled and normalised as the loader's model does,
     with the byte-level tokenizer wrapping every text in ``[CLS] ... [SEP]``.
     Its config lists ``matryoshka_dimensions`` (16, 32, 64), so a server may
-    cut its vectors short. Written, cached and replaced as
+    cut its vectors short. ``qwen3_vl_embedding``: mlx-vlm's Qwen3-VL-Embedding
+    (images and text in one space), the tiny Qwen3-VL of :func:`make_tiny_vlm`
+    with no LM head, its last token pooled and normalised, with the same
+    processor and chat template. Written, cached and replaced as
     :func:`make_tiny_vlm` does, on the calling thread.
 
     Args:

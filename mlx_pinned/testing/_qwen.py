@@ -246,6 +246,30 @@ QWEN3_VL: Final = Family(
 )
 
 
+# -- Qwen3-VL-Embedding ----------------------------------------------------------
+
+
+def _qwen3_vl_embedding_config() -> dict[str, Any]:
+    # Qwen3-VL itself, renamed: mlx-vlm's embedding class is Qwen3-VL's with
+    # no LM head, its last token pooled and normalised (``normalize``).
+    config = _qwen3_vl_config()
+    return {
+        **config,
+        "architectures": ["Qwen3VLForEmbedding"],
+        "model_type": "qwen3_vl_embedding",
+        "normalize": True,
+    }
+
+
+QWEN3_VL_EMBEDDING: Final = Family(
+    "qwen3_vl_embedding",
+    SPECIAL_TOKENS,
+    _qwen3_vl_embedding_config,
+    qwen3_vl_files,
+    generator="make_tiny_embedding",
+)
+
+
 # -- Qwen2.5-VL ----------------------------------------------------------------
 
 

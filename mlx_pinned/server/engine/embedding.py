@@ -4,7 +4,10 @@ in forward passes that every waiting request shares (:mod:`.passes`).
 :func:`load_embedder` and every pass run on the MLX thread;
 :meth:`EmbeddingEngine.embed` is called on the event loop. Each vector is
 its input's own: batched equals solo within float rounding
-(tests/server/test_embeddings.py).
+(tests/server/test_embeddings.py). A conversation (``messages``: text and
+images, as vLLM embeds them) is one job of its own on the MLX thread,
+rendered with the model's chat template and run through its processor, as
+mlx-vlm's own server embeds an image (tests/server/test_image_embeddings.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 
 from ..encoders import EmbeddingParams, Embeddings
 from ..events import EngineCounters
-from ..failures import PromptTooLongError, RequestError
+from ..failures import ImagesUnsupportedError, PromptTooLongError, RequestError
 from .passes import (
     TOKENIZE_AT_ONCE,
     Encoded,
@@ -33,6 +36,8 @@ from .passes import (
 )
 
 if TYPE_CHECKING:
+    from PIL import Image
+
     from mlx_pinned import MLXThread
 
 __all__ = ["EmbeddingEngine", "LoadedEmbedder", "load_embedder"]
@@ -47,6 +52,7 @@ class LoadedEmbedder:
     Attributes:
         model: mlx-vlm's model (its ``text_embeds`` are pooled and
             normalised as its checkpoint says).
+        processor: Its processor (the tokenizer alone for a text model).
         tokenizer: Its tokenizer.
         path: What it was loaded from.
         vocab_size: Valid token ids are below it.
@@ -60,6 +66,7 @@ class LoadedEmbedder:
     """
 
     model: Any
+    processor: Any
     tokenizer: Any
     path: str
     vocab_size: int
@@ -109,14 +116,78 @@ class LoadedEmbedder:
                 )
         return [Encoded(ids) for ids in tokens]
 
+    @property
+    def accepts_images(self) -> bool:
+        """Whether it embeds images (its processor has an image processor)."""
+        return getattr(self.processor, "image_processor", None) is not None
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether it renders conversations (``messages``)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def forward(self, batch: Sequence[Encoded]) -> np.ndarray:
         """The vectors of ``batch``, padded on the right and masked; float32,
         one row per input. MLX thread."""
         ids, mask, _ = padded(batch, self.pad_id)
+        _forget_positions(self.model)
         out = self.model(mx.array(ids), attention_mask=mx.array(mask))
         vectors = out.text_embeds.astype(mx.float32)
         mx.eval(vectors)
         return np.array(vectors, copy=True)
+
+    def conversation(
+        self,
+        messages: Sequence[dict[str, Any]],
+        images: Sequence[Image.Image],
+        add_generation_prompt: bool,
+    ) -> tuple[np.ndarray, int]:
+        """One vector for the whole conversation: rendered with the model's
+        chat template, its images through the processor, one forward pass
+        alone (as mlx-vlm's server embeds an image); and its tokens. MLX
+        thread.
+
+        Raises:
+            ImagesUnsupportedError: Images for a model that embeds none.
+            PromptTooLongError: More than :attr:`max_input_tokens` tokens.
+        """
+        from mlx_vlm.prompt_utils import get_chat_template
+        from mlx_vlm.utils import prepare_inputs
+
+        if images and not self.accepts_images:
+            raise ImagesUnsupportedError
+        prompt = get_chat_template(
+            self.processor, list(messages), add_generation_prompt=add_generation_prompt
+        )
+        inputs = prepare_inputs(  # type: ignore[no-untyped-call]
+            self.processor,
+            images=list(images) or None,
+            prompts=prompt,
+            image_token_index=getattr(self.model.config, "image_token_index", None),
+        )
+        tokens = int(inputs["attention_mask"].sum().item())
+        if tokens > self.max_input_tokens:
+            raise PromptTooLongError(
+                f"Invalid value for 'messages': the conversation has {tokens} "
+                f"tokens, more than this model's {self.max_input_tokens}.",
+                tokens,
+                self.max_input_tokens,
+            )
+        _forget_positions(self.model)
+        out = self.model(**inputs)
+        vector = out.text_embeds[0].astype(mx.float32)
+        mx.eval(vector)
+        return np.array(vector, copy=True), tokens
+
+
+def _forget_positions(model: Any) -> None:
+    """Drop the positions a Qwen-VL model keeps from its last call: its
+    forward reuses them for any input no longer than the last, images and
+    batch shape ignored, so every pass starts from none."""
+    language: Any = getattr(model, "language_model", None)
+    if hasattr(language, "_position_ids"):
+        language._position_ids = None
+        language._rope_deltas = None
 
 
 def load_embedder(model_path: str | Path) -> LoadedEmbedder:
@@ -152,6 +223,7 @@ def load_embedder(model_path: str | Path) -> LoadedEmbedder:
     pad = getattr(tokenizer, "pad_token_id", None)
     loaded = LoadedEmbedder(
         model=model,
+        processor=processor,
         tokenizer=tokenizer,
         path=str(model_path),
         vocab_size=int(text.get("vocab_size") or len(tokenizer)),
@@ -223,6 +295,14 @@ class EmbeddingEngine:
         return self.loaded.matryoshka_dimensions
 
     @property
+    def accepts_images(self) -> bool:
+        return self.loaded.accepts_images
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.loaded.has_chat_template
+
+    @property
     def loaded_at(self) -> float:
         return self.loaded.loaded_at
 
@@ -234,8 +314,19 @@ class EmbeddingEngine:
         """Inputs waiting as its rows; it holds no KV. Any thread."""
         return queue_counters(self.queue)
 
-    async def embed(self, params: EmbeddingParams) -> Embeddings:
+    async def embed(
+        self, params: EmbeddingParams, images: Sequence[Image.Image] = ()
+    ) -> Embeddings:
         """See :meth:`~..encoders.EmbeddingEngine.embed`."""
+        if params.messages:
+            # A job of its own: one pass, never padded beside other inputs.
+            vector, tokens = await self.thread.run(
+                self.loaded.conversation,
+                params.messages,
+                images,
+                params.add_generation_prompt,
+            )
+            return Embeddings((_encoded(vector, params.dimensions),), tokens)
         inputs = []
         # A job per few hundred texts: the thread's other work runs between.
         for first in range(0, len(params.inputs), TOKENIZE_AT_ONCE):

@@ -12,11 +12,12 @@ here names an API's slice.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -31,11 +32,15 @@ from ..media import AudioRef, ImageRef, VideoRef
 __all__ = [
     "EFFORT_BUDGETS",
     "TEMPLATE_ARGUMENTS",
+    "ImagePart",
+    "ImageURL",
     "OpenAISamplingFields",
     "RequestBody",
+    "RequestModel",
     "Stop",
     "StreamOptions",
     "TemplateKwargs",
+    "TextPart",
     "TextsOrTokens",
     "TokenId",
     "check_service_tier",
@@ -51,6 +56,7 @@ __all__ = [
     "token_id",
     "unsupported",
     "unsupported_value",
+    "url_object",
 ]
 
 #: A token id as a request sends it (below the vocabulary: the serving's check).
@@ -92,6 +98,48 @@ TEMPLATE_ARGUMENTS = frozenset(
         "tools",
     }
 )
+
+
+class RequestModel(BaseModel):
+    """The base of every request model: strict types, finite numbers."""
+
+    # strict: "10" is not an int and 1 is not a bool, as in OpenAI's API;
+    # extra="ignore" inside the body (a message replayed from a response
+    # carries 'refusal', 'annotations'...); the top level forbids extras;
+    # allow_inf_nan=False: NaN and Infinity are "not a finite number", not
+    # "should be less than or equal to 2".
+    model_config = ConfigDict(
+        strict=True, extra="ignore", frozen=True, allow_inf_nan=False
+    )
+
+
+def url_object(value: object) -> object:
+    """A media part's URL string as the ``{"url": ...}`` object it stands for."""
+    return {"url": value} if isinstance(value, str) else value
+
+
+class TextPart(RequestModel):
+    """A ``{"type": "text", "text": ...}`` content part."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(RequestModel):
+    """The ``image_url`` object of an image part; ``detail`` is accepted, unused."""
+
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(RequestModel):
+    """A ``{"type": "image_url", "image_url": {"url": ...}}`` content part.
+
+    ``image_url`` may also be the URL string itself.
+    """
+
+    type: Literal["image_url"]
+    image_url: Annotated[ImageURL, BeforeValidator(url_object)]
 
 
 class RequestBody(BaseModel):

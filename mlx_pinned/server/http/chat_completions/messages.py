@@ -15,11 +15,20 @@ import json
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BeforeValidator, Field
 
 from ...config import AudioLimits, ImageLimits, VideoLimits
 from ...media import AudioRef, ImageRef, VideoRef
-from ..protocol_common import counted_audio_refs, counted_image_refs, counted_video_refs
+from ..protocol_common import (
+    ImagePart,
+    ImageURL,
+    RequestModel,
+    TextPart,
+    counted_audio_refs,
+    counted_image_refs,
+    counted_video_refs,
+    url_object,
+)
 
 __all__ = [
     "NAME_PATTERN",
@@ -62,31 +71,6 @@ __all__ = [
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
-class RequestModel(BaseModel):
-    """The base of every request model: strict types, finite numbers."""
-
-    # strict: "10" is not an int and 1 is not a bool, as in OpenAI's API;
-    # extra="ignore" inside the body (a message replayed from a response
-    # carries 'refusal', 'annotations'...); the top level forbids extras;
-    # allow_inf_nan=False: NaN and Infinity are "not a finite number", not
-    # "should be less than or equal to 2".
-    model_config = ConfigDict(
-        strict=True, extra="ignore", frozen=True, allow_inf_nan=False
-    )
-
-
-def _url_object(value: object) -> object:
-    """A media part's URL string as the ``{"url": ...}`` object it stands for."""
-    return {"url": value} if isinstance(value, str) else value
-
-
-class TextPart(RequestModel):
-    """A ``{"type": "text", "text": ...}`` content part."""
-
-    type: Literal["text"]
-    text: str
-
-
 class Prediction(RequestModel):
     """``prediction``: the answer's expected text (OpenAI's predicted
     outputs), a string or text parts."""
@@ -100,23 +84,6 @@ class Prediction(RequestModel):
         return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-class ImageURL(RequestModel):
-    """The ``image_url`` object of an image part; ``detail`` is accepted, unused."""
-
-    url: str = Field(min_length=1)
-    detail: Literal["auto", "low", "high"] | None = None
-
-
-class ImagePart(RequestModel):
-    """A ``{"type": "image_url", "image_url": {"url": ...}}`` content part.
-
-    ``image_url`` may also be the URL string itself.
-    """
-
-    type: Literal["image_url"]
-    image_url: Annotated[ImageURL, BeforeValidator(_url_object)]
-
-
 class VideoURL(RequestModel):
     """The ``video_url`` object of a video part."""
 
@@ -128,7 +95,7 @@ class VideoPart(RequestModel):
     (vLLM's form); ``video_url`` may also be the URL string itself."""
 
     type: Literal["video_url"]
-    video_url: Annotated[VideoURL, BeforeValidator(_url_object)]
+    video_url: Annotated[VideoURL, BeforeValidator(url_object)]
 
 
 class InputAudio(RequestModel):

@@ -5,30 +5,61 @@ Any thread (pure CPU, no MLX); the route parses on the event loop.
 token ids (none empty, at most :data:`MAX_INPUTS`, as OpenAI's API allows);
 ``encoding_format`` is ``float`` or ``base64`` (little-endian float32, as
 OpenAI's SDK decodes it); ``dimensions`` cuts a Matryoshka-trained model's
-vectors short. Unknown fields are refused by name.
+vectors short. Instead of ``input``, vLLM's multimodal shape: ``messages``,
+a conversation of text and ``image_url`` parts (as in chat completions),
+embedded as one vector with the model's chat template
+(``add_generation_prompt``, false by default as in vLLM). Unknown fields
+are refused by name.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
+from ...config import ImageLimits
 from ...encoders import EmbeddingParams
-from ..protocol_common import RequestBody, TextsOrTokens
+from ...media import ImageRef
+from ..errors import APIError
+from ..protocol_common import (
+    ImagePart,
+    RequestBody,
+    RequestModel,
+    TextPart,
+    TextsOrTokens,
+    counted_image_refs,
+)
 from ..validation import parse_request
 
-__all__ = ["MAX_INPUTS", "EmbeddingRequest", "parse_embedding_request"]
+__all__ = [
+    "MAX_INPUTS",
+    "EmbeddingMessage",
+    "EmbeddingRequest",
+    "parse_embedding_request",
+]
 
 #: Inputs one request may send (OpenAI's limit).
 MAX_INPUTS = 2048
 
 
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class EmbeddingMessage(RequestModel):
+    """A turn of the conversation to embed: text, or text and image parts."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str | Annotated[list[Part], Field(min_length=1)]
+
+
 class EmbeddingRequest(RequestBody):
-    """The body of ``POST /v1/embeddings``."""
+    """The body of ``POST /v1/embeddings``: ``input`` or ``messages``."""
 
     model: str
-    input: TextsOrTokens
+    input: TextsOrTokens | None = None
+    messages: Annotated[list[EmbeddingMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = False
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     # No effect on the output by definition: accepted, unused.
@@ -45,23 +76,88 @@ class EmbeddingRequest(RequestBody):
         return value
 
     def inputs(self) -> tuple[str | tuple[int, ...], ...]:
-        """The inputs, in order: texts or token ids."""
+        """The inputs, in order: texts or token ids (none for ``messages``)."""
         value = self.input
+        if value is None:
+            return ()
         if isinstance(value, str):
             return (value,)
         if isinstance(value[0], int):
             return (tuple(value),)
         return tuple(item if isinstance(item, str) else tuple(item) for item in value)
 
+    def image_parts(self) -> list[tuple[str, str]]:
+        """Each image part of ``messages`` in prompt order: where it is in
+        the request (``messages[0].content[1].image_url``), and its URL."""
+        return [
+            (f"messages[{turn}].content[{index}].image_url", part.image_url.url)
+            for turn, message in enumerate(self.messages or ())
+            if not isinstance(message.content, str)
+            for index, part in enumerate(message.content)
+            if isinstance(part, ImagePart)
+        ]
+
+    def image_refs(self, limits: ImageLimits) -> list[ImageRef]:
+        """The images of ``messages``, in prompt order; checks the count.
+
+        Raises:
+            ImageRefusedError: More than ``limits.max_images`` images.
+        """
+        return counted_image_refs((url for _, url in self.image_parts()), limits)
+
     def to_embedding_params(self) -> EmbeddingParams:
         """The shared embedding request."""
-        return EmbeddingParams(self.inputs(), self.dimensions)
+        return EmbeddingParams(
+            self.inputs(),
+            self.dimensions,
+            tuple(_turn(message) for message in self.messages or ()),
+            self.add_generation_prompt,
+        )
+
+
+def _turn(message: EmbeddingMessage) -> dict[str, Any]:
+    """A turn as chat templates read it: each image a ``{"type": "image"}``
+    part in place (as mlx-vlm's server writes an image to embed)."""
+    content = message.content
+    if isinstance(content, str):
+        return {"role": message.role, "content": content}
+    parts = [
+        {"type": "text", "text": part.text}
+        if isinstance(part, TextPart)
+        else {"type": "image"}
+        for part in content
+    ]
+    return {"role": message.role, "content": parts}
 
 
 def parse_embedding_request(body: bytes) -> EmbeddingRequest:
     """Parse and validate a ``/v1/embeddings`` body.
 
     Raises:
-        APIError: 400 naming the first invalid parameter.
+        APIError: 400 naming the first invalid parameter, ``messages`` when
+            it comes with ``input`` or ``add_generation_prompt`` without it,
+            ``input`` when neither is sent.
     """
-    return parse_request(EmbeddingRequest, body)
+    request = parse_request(EmbeddingRequest, body)
+    if request.input is not None and request.messages is not None:
+        why = "send either 'input' (texts or token ids) or 'messages', not both"
+        raise APIError(
+            400, f"Invalid request: {why}.", param="messages", code="invalid_value"
+        )
+    if request.input is None and request.messages is None:
+        why = "send 'input' (texts or token ids) or 'messages' (a conversation)"
+        raise APIError(
+            400,
+            f"Missing required parameter: {why}.",
+            param="input",
+            code="missing_required_parameter",
+        )
+    if request.add_generation_prompt and request.messages is None:
+        why = "it shapes a conversation; send it with 'messages'"
+        raise APIError(
+            400,
+            f"Invalid parameter 'add_generation_prompt': {why}.",
+            param="add_generation_prompt",
+            code="invalid_value",
+        )
+    return request

@@ -60,18 +60,24 @@ class EmbeddingsEndpoint(ModelEndpoint):
             yield served, cast("EmbeddingEngine", engine)
 
     def error_for(self, exc: BaseException, images: Sequence[str]) -> APIError | None:
+        prompt = "messages" if images else "input"
         if type(exc) is RequestError:  # the engine's refusal of an input
-            return APIError(400, exc.message, param="input", code=exc.code)
-        return api_error(exc, retry_after=self.config.retry_after, prompt="input")
+            return APIError(400, exc.message, param=prompt, code=exc.code)
+        return api_error(
+            exc, retry_after=self.config.retry_after, images=images, prompt=prompt
+        )
 
     async def handle(
         self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
     ) -> None:
         request = parse_embedding_request(body)
+        images.extend(param for param, _ in request.image_parts())
         async with self.embedder(request.model, log) as (served, engine):
-            params = self.serving.prepare(request, engine)
+            limits = self.config.image_limits
+            params, refs = self.serving.prepare(request, engine, limits)
+            decoded = await self.decode_images(refs, log)
             async with served.gate.turn():
-                embedded = await engine.embed(params)
+                embedded = await engine.embed(params, decoded)
             log.prompt_tokens = embedded.prompt_tokens
             write = functools.partial(
                 embeddings_body, embedded, served.name, request.encoding_format

@@ -3,9 +3,11 @@ served embedding model, and turned into the shared embedding request.
 
 Event loop. Checked here, before the request waits for the model's gate:
 ``dimensions`` against what the model was trained for (a model not trained
-Matryoshka-style takes none: its cut vectors would be poor), and each token
-input's ids against the vocabulary. A text's length in tokens is checked by
-the engine, which tokenizes it on the MLX thread.
+Matryoshka-style takes none: its cut vectors would be poor), each token
+input's ids against the vocabulary, and a conversation against the model (a
+chat template to render it, images only for a model that embeds them; the
+count under the server's image limits). A text's length in tokens is
+checked by the engine, which tokenizes it on the MLX thread.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from ..errors import APIError
 from ..serving_common import out_of_vocabulary
 
 if TYPE_CHECKING:
+    from ...config import ImageLimits
     from ...encoders import EmbeddingEngine, EmbeddingParams
+    from ...media import ImageRef
     from .protocol import EmbeddingRequest
 
 __all__ = ["EmbeddingsServing"]
@@ -26,16 +30,31 @@ class EmbeddingsServing:
     """Checks embeddings requests against the served model."""
 
     def prepare(
-        self, request: EmbeddingRequest, engine: EmbeddingEngine
-    ) -> EmbeddingParams:
-        """Check ``request`` against the model; its embedding request.
+        self, request: EmbeddingRequest, engine: EmbeddingEngine, limits: ImageLimits
+    ) -> tuple[EmbeddingParams, list[ImageRef]]:
+        """Check ``request`` against the model; its embedding request and
+        its images, in prompt order.
 
         Raises:
             APIError: 400 naming ``dimensions`` (the model takes none, or
-                not that many) or ``input`` (a token id outside the
-                vocabulary).
+                not that many), ``input`` (a token id outside the
+                vocabulary) or ``messages`` (a model with no chat template).
+            ImageRefusedError: More images than ``limits`` allow, or any for
+                a model that embeds none (naming the first).
         """
         params = request.to_embedding_params()
+        refs = request.image_refs(limits) if params.messages else []
+        if params.messages and not engine.has_chat_template:
+            raise APIError(
+                400,
+                "Invalid parameter 'messages': this model has no chat template "
+                "to render a conversation; send 'input' instead.",
+                param="messages",
+                code="invalid_value",
+            )
+        if refs and not engine.accepts_images:
+            message = "this model embeds no images; send text only."
+            raise refs[0].error(message, "images_unsupported")
         if params.dimensions is not None:
             check_dimensions(params.dimensions, engine)
         vocab = engine.vocab_size
@@ -44,7 +63,7 @@ class EmbeddingsServing:
                 outside = next((token for token in item if token >= vocab), None)
                 if outside is not None:
                     raise out_of_vocabulary("input", outside, vocab)
-        return params
+        return params, refs
 
 
 def check_dimensions(dimensions: int, engine: EmbeddingEngine) -> None:
