@@ -632,7 +632,8 @@ class TestEncoderFamilies:
     them."""
 
     def test_lists_the_encoder_families(self) -> None:
-        assert TINY_EMBEDDING_TYPES == TINY_RERANKER_TYPES == ("bert",)
+        assert TINY_EMBEDDING_TYPES == ("bert", "qwen3_vl_embedding")
+        assert TINY_RERANKER_TYPES == ("bert",)
 
     def test_the_embedding_model_gives_unit_vectors_offline(
         self, tmp_path: pathlib.Path, hub_calls: HubCalls
@@ -655,6 +656,31 @@ class TestEncoderFamilies:
         assert ids["input_ids"][0][0] == 1  # [CLS]
         config = json.loads((path / "config.json").read_text())
         assert config["matryoshka_dimensions"] == [16, 32, 64]
+
+    def test_the_vl_embedding_model_embeds_an_image_offline(
+        self, tmp_path: pathlib.Path, hub_calls: HubCalls
+    ) -> None:
+        """Qwen3-VL-Embedding: the tiny Qwen3-VL with no LM head, an image
+        and its chat turn pooled at the last token into one unit vector."""
+        import mlx.core as mx
+        from mlx_vlm.embedding_loader import load_embedding_model
+        from mlx_vlm.prompt_utils import get_chat_template
+        from mlx_vlm.utils import load_processor, prepare_inputs
+
+        path = make_tiny_embedding(tmp_path / "vl", "qwen3_vl_embedding")
+        model = load_embedding_model(path)
+        processor = load_processor(path, add_detokenizer=False)
+        turn = [{"role": "user", "content": [{"type": "image"}]}]
+        prompt = get_chat_template(processor, turn, add_generation_prompt=True)
+        inputs = prepare_inputs(processor, images=[picture()], prompts=prompt)
+        out = model(**inputs)
+        assert hub_calls.calls == []
+        assert type(model).__module__.startswith("mlx_vlm.models.qwen3_vl_embedding")
+        assert model.language_model.lm_head is None
+        assert inputs["pixel_values"] is not None
+        assert out.text_embeds.shape == (1, 64)
+        norm = mx.linalg.norm(out.text_embeds, axis=-1).item()
+        assert norm == pytest.approx(1.0, abs=1e-5)
 
     def test_the_reranker_scores_a_pair_with_one_logit_offline(
         self, tmp_path: pathlib.Path, hub_calls: HubCalls

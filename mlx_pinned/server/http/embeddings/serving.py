@@ -44,6 +44,9 @@ class EmbeddingsServing:
         """
         params = request.to_embedding_params()
         refs = request.image_refs(limits) if params.messages else []
+        if refs and not engine.accepts_images:
+            message = "this model embeds no images; send text only."
+            raise refs[0].error(message, "images_unsupported")
         if params.messages and not engine.has_chat_template:
             raise APIError(
                 400,
@@ -52,9 +55,6 @@ class EmbeddingsServing:
                 param="messages",
                 code="invalid_value",
             )
-        if refs and not engine.accepts_images:
-            message = "this model embeds no images; send text only."
-            raise refs[0].error(message, "images_unsupported")
         if params.dimensions is not None:
             check_dimensions(params.dimensions, engine)
         vocab = engine.vocab_size
