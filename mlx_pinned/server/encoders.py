@@ -26,10 +26,24 @@ __all__ = [
     "EmbeddingEngine",
     "EmbeddingParams",
     "Embeddings",
+    "ImageInput",
     "RerankEngine",
     "RerankParams",
     "Scores",
 ]
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """An image among an embedding request's inputs, embedded alone as a
+    user turn that holds it (as mlx-vlm's server embeds an image).
+
+    Attributes:
+        image: Which of the request's images (in the order given to
+            :meth:`EmbeddingEngine.embed`).
+    """
+
+    image: int
 
 
 @dataclass(frozen=True)
@@ -39,9 +53,9 @@ class EmbeddingParams:
 
     Attributes:
         inputs: Each input, in order: a text (tokenized with the model's
-            tokenizer and its special tokens) or token ids (used as they
-            are; each below the model's vocabulary size). Empty for a
-            conversation.
+            tokenizer and its special tokens), token ids (used as they
+            are; each below the model's vocabulary size) or an image. Empty
+            for a conversation.
         dimensions: Keep the first ``dimensions`` values of each vector and
             normalise again (a Matryoshka-trained model's shorter vectors);
             None: the model's own width.
@@ -54,7 +68,7 @@ class EmbeddingParams:
             assistant's opening, as the chat template writes it.
     """
 
-    inputs: tuple[str | tuple[int, ...], ...]
+    inputs: tuple[str | tuple[int, ...] | ImageInput, ...]
     dimensions: int | None = None
     messages: tuple[Mapping[str, Any], ...] = ()
     add_generation_prompt: bool = False
@@ -112,12 +126,14 @@ class EmbeddingEngine(Resident, Protocol):
     async def embed(
         self, params: EmbeddingParams, images: Sequence[Image.Image] = ()
     ) -> Embeddings:
-        """Embed the inputs of ``params``, or its conversation with
-        ``images`` (decoded, in prompt order) as one vector.
+        """Embed the inputs of ``params`` (its images from ``images``), or
+        its conversation with ``images`` (decoded, in prompt order) as one
+        vector.
 
         Event loop; the tokenizer and the model run on the MLX thread, the
         inputs of every request waiting then padded into shared forward
-        passes; a conversation runs in a job of its own, one pass. Cancelling
+        passes; a conversation, and each image input, runs in a job of its
+        own, one pass. Cancelling
         it drops the inputs not yet embedded.
 
         Raises:

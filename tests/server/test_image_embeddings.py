@@ -1,6 +1,7 @@
 """``POST /v1/embeddings`` with images: vLLM's ``messages`` shape (a
-conversation of text and ``image_url`` parts, one vector), on the tiny
-Qwen3-VL-Embedding. The vector equals mlx-vlm's own image-embedding path
+conversation of text and ``image_url`` parts, one vector) and ``image_url``
+parts among ``input`` (each its own vector, as mlx-vlm's server takes them),
+on the tiny Qwen3-VL-Embedding. The vector equals mlx-vlm's own image-embedding path
 (its server's ``_embed_image``, called on the MLX thread), a request alone
 equals the same request beside others, and hostile images are 400s that
 name the part.
@@ -26,6 +27,7 @@ import pytest
 
 from mlx_pinned.server import create_app
 from mlx_pinned.server.config import ImageLimits
+from mlx_pinned.server.encoders import ImageInput
 from mlx_pinned.server.engine.embedding import EmbeddingEngine
 from mlx_pinned.server.http.embeddings.protocol import parse_embedding_request
 from mlx_pinned.server.http.errors import APIError
@@ -121,6 +123,37 @@ def test_a_generation_prompt_without_messages_is_refused_by_name() -> None:
     assert error.param == "add_generation_prompt"
 
 
+def test_an_image_as_a_data_uri_string_in_input_is_refused() -> None:
+    """By OpenAI's definition a text; never meant as one."""
+    error = refused(b'{"model": "m", "input": ["cat", "data:image/png;base64,AA"]}')
+    assert error.param == "input"
+    assert "image_url" in error.message
+
+
+def test_a_video_part_in_messages_is_refused_by_name() -> None:
+    body = (
+        b'{"model": "m", "messages": [{"role": "user", "content":'
+        b' [{"type": "video_url", "video_url": {"url": "x"}}]}]}'
+    )
+    error = refused(body)
+    assert error.status == 400
+    assert error.param is not None
+    assert error.param.startswith("messages[0].content[0]")
+
+
+def test_images_in_input_are_numbered_in_order() -> None:
+    part = b'{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}'
+    request = parse_embedding_request(
+        b'{"model": "m", "input": [' + part + b', "cat", ' + part + b"]}"
+    )
+    params = request.to_embedding_params()
+    assert params.inputs == (ImageInput(0), "cat", ImageInput(1))
+    assert [where for where, _ in request.image_parts()] == [
+        "input[0].image_url",
+        "input[2].image_url",
+    ]
+
+
 def test_image_parts_are_named_where_they_are_and_marked_in_place() -> None:
     body = (
         b'{"model": "m", "messages": [{"role": "system", "content": "be brief"},'
@@ -155,6 +188,26 @@ async def test_an_image_embeds_as_mlx_vlms_own_image_path(serve: Serve) -> None:
     assert np.linalg.norm(ours) == pytest.approx(1.0, abs=1e-5)
     assert np.abs(ours - np.array(theirs)).max() <= TOL
     assert answer.json()["usage"]["prompt_tokens"] == tokens
+
+
+@pytest.mark.slow
+async def test_images_in_input_are_each_their_own_vector(serve: Serve) -> None:
+    """Each image in ``input`` is the vector of a one-image turn with its
+    generation prompt (mlx-vlm's server's), texts beside it their own."""
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in (IMAGE, OTHER)]
+    async with serve() as served:
+        mixed = await embed(served, input=[parts[0], "a red fox", parts[1]])
+        turn = await embed(served, messages=image_turn(), add_generation_prompt=True)
+        other = await embed(
+            served, messages=image_turn(OTHER), add_generation_prompt=True
+        )
+        text = await embed(served, input="a red fox")
+    assert mixed.status_code == 200, mixed.text
+    got = [np.array(item["embedding"]) for item in mixed.json()["data"]]
+    for row, alone in zip(got, (turn, text, other), strict=True):
+        assert np.abs(row - vector(alone)).max() <= TOL
+    usage = [r.json()["usage"]["prompt_tokens"] for r in (turn, text, other)]
+    assert mixed.json()["usage"]["prompt_tokens"] == sum(usage)
 
 
 @pytest.mark.slow
@@ -239,7 +292,19 @@ async def test_too_many_images_are_a_400(serve: Serve) -> None:
     parts = [{"type": "image_url", "image_url": {"url": IMAGE}}] * 3
     async with serve(image_limits=ImageLimits(max_images=2)) as served:
         answer = await embed(served, messages=[{"role": "user", "content": parts}])
+        listed = await embed(served, input=parts)
     assert_error(answer, 400, "messages[0].content[2].image_url")
+    assert_error(listed, 400, "input[2].image_url")
+
+
+@pytest.mark.slow
+async def test_a_bad_image_in_input_is_named_by_its_index(serve: Serve) -> None:
+    bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}
+    async with serve() as served:
+        answer = await embed(served, input=["cat", bad])
+        text_model = await embed(served, model=TEXT_MODEL, input=["cat", bad])
+    assert_error(answer, 400, "input[1].image_url")
+    assert_error(text_model, 400, "input[1].image_url", "images_unsupported")
 
 
 @pytest.mark.slow

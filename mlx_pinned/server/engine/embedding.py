@@ -18,12 +18,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import mlx.core as mx
 import numpy as np
 
-from ..encoders import EmbeddingParams, Embeddings
+from ..encoders import EmbeddingParams, Embeddings, ImageInput
 from ..events import EngineCounters
 from ..failures import ImagesUnsupportedError, PromptTooLongError, RequestError
 from .passes import (
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from mlx_pinned import MLXThread
 
-__all__ = ["EmbeddingEngine", "LoadedEmbedder", "load_embedder"]
+__all__ = ["IMAGE_TURN", "EmbeddingEngine", "LoadedEmbedder", "load_embedder"]
 
 logger = logging.getLogger("mlx_pinned.server")
 
@@ -78,11 +78,11 @@ class LoadedEmbedder:
     loaded_at: float = field(default_factory=time.time)
 
     def tokenize(
-        self, inputs: Sequence[str | tuple[int, ...]], first: int = 0
+        self, numbered: Sequence[tuple[int, str | tuple[int, ...]]]
     ) -> list[Encoded]:
         """Each input's tokens: a text through the tokenizer (its special
-        tokens added), ids as they are; ``first``: the index of the first
-        in its request. MLX thread (the tokenizer is the model's).
+        tokens added), ids as they are; each with its index in its request
+        (which the errors name). MLX thread (the tokenizer is the model's).
 
         Raises:
             PromptTooLongError: An input of more than
@@ -90,6 +90,7 @@ class LoadedEmbedder:
             RequestError: An input of no tokens (a text its tokenizer
                 makes nothing of).
         """
+        inputs = [item for _, item in numbered]
         texts = [
             (index, text) for index, text in enumerate(inputs) if isinstance(text, str)
         ]
@@ -100,7 +101,7 @@ class LoadedEmbedder:
             encoded = self.tokenizer([text for _, text in texts])["input_ids"]
             for (index, _), ids in zip(texts, encoded, strict=True):
                 tokens[index] = list(ids)
-        for index, ids in enumerate(tokens, first):
+        for (index, _), ids in zip(numbered, tokens, strict=True):
             if not ids:
                 raise RequestError(
                     f"Invalid value for 'input': input {index} has no tokens; "
@@ -327,14 +328,36 @@ class EmbeddingEngine:
                 params.add_generation_prompt,
             )
             return Embeddings((_encoded(vector, params.dimensions),), tokens)
+        numbered = [
+            (index, item)
+            for index, item in enumerate(params.inputs)
+            if not isinstance(item, ImageInput)
+        ]
         inputs = []
         # A job per few hundred texts: the thread's other work runs between.
-        for first in range(0, len(params.inputs), TOKENIZE_AT_ONCE):
-            chunk = params.inputs[first : first + TOKENIZE_AT_ONCE]
-            inputs += await self.thread.run(self.loaded.tokenize, chunk, first)
-        rows = await self.queue.run(inputs)
-        vectors = tuple(_encoded(row, params.dimensions) for row in rows)
-        return Embeddings(vectors, sum(len(item.ids) for item in inputs))
+        for first in range(0, len(numbered), TOKENIZE_AT_ONCE):
+            chunk = numbered[first : first + TOKENIZE_AT_ONCE]
+            inputs += await self.thread.run(self.loaded.tokenize, chunk)
+        rows = await self.queue.run(inputs) if inputs else []
+        vectors = dict(zip((index for index, _ in numbered), rows, strict=True))
+        tokens = sum(len(item.ids) for item in inputs)
+        for index, item in enumerate(params.inputs):
+            if isinstance(item, ImageInput):
+                # A job per image: the thread's other work runs between.
+                image = [images[item.image]]
+                vectors[index], used = await self.thread.run(
+                    self.loaded.conversation, IMAGE_TURN, image, True
+                )
+                tokens += used
+        ordered = (vectors[index] for index in range(len(params.inputs)))
+        return Embeddings(
+            tuple(_encoded(row, params.dimensions) for row in ordered), tokens
+        )
+
+
+#: The conversation an image input is embedded as: one user turn that holds
+#: it, the generation prompt added (mlx-vlm's server's ``_embed_image``).
+IMAGE_TURN: Final = ({"role": "user", "content": [{"type": "image"}]},)
 
 
 def _encoded(vector: np.ndarray, dimensions: int | None) -> bytes:

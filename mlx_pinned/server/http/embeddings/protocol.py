@@ -14,12 +14,13 @@ are refused by name.
 
 from __future__ import annotations
 
+import itertools
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
 from ...config import ImageLimits
-from ...encoders import EmbeddingParams
+from ...encoders import EmbeddingParams, ImageInput
 from ...media import ImageRef
 from ..errors import APIError
 from ..protocol_common import (
@@ -45,6 +46,12 @@ MAX_INPUTS = 2048
 
 Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
+#: ``input`` as texts and images (``image_url`` parts), each its own vector,
+#: as mlx-vlm's server takes them.
+TextsAndImages = Annotated[
+    list[Annotated[str, Field(min_length=1)] | ImagePart], Field(min_length=1)
+]
+
 
 class EmbeddingMessage(RequestModel):
     """A turn of the conversation to embed: text, or text and image parts."""
@@ -57,7 +64,7 @@ class EmbeddingRequest(RequestBody):
     """The body of ``POST /v1/embeddings``: ``input`` or ``messages``."""
 
     model: str
-    input: TextsOrTokens | None = None
+    input: TextsOrTokens | TextsAndImages | None = None
     messages: Annotated[list[EmbeddingMessage], Field(min_length=1)] | None = None
     add_generation_prompt: bool = False
     encoding_format: Literal["float", "base64"] = "float"
@@ -68,15 +75,24 @@ class EmbeddingRequest(RequestBody):
     @field_validator("input")
     @classmethod
     def _check_input(cls, value: Any) -> Any:
-        if isinstance(value, list) and isinstance(value[0], str | list):
+        if isinstance(value, list) and not isinstance(value[0], int):
             if len(value) > MAX_INPUTS:
                 raise ValueError(
                     f"at most {MAX_INPUTS} inputs are allowed, not {len(value)}"
                 )
+        for index, item in enumerate(value if isinstance(value, list) else [value]):
+            # Text by OpenAI's definition, but never meant as text: say where
+            # an image goes rather than embed its base64.
+            if isinstance(item, str) and item.startswith("data:image/"):
+                raise ValueError(
+                    f"input {index} is an image as a data URI; send it as an "
+                    '{"type": "image_url", "image_url": {"url": ...}} part'
+                )
         return value
 
-    def inputs(self) -> tuple[str | tuple[int, ...], ...]:
-        """The inputs, in order: texts or token ids (none for ``messages``)."""
+    def inputs(self) -> tuple[str | tuple[int, ...] | ImageInput, ...]:
+        """The inputs, in order: texts, token ids or images (none for
+        ``messages``)."""
         value = self.input
         if value is None:
             return ()
@@ -84,11 +100,25 @@ class EmbeddingRequest(RequestBody):
             return (value,)
         if isinstance(value[0], int):
             return (tuple(value),)
-        return tuple(item if isinstance(item, str) else tuple(item) for item in value)
+        images = itertools.count()
+        inputs: list[str | tuple[int, ...] | ImageInput] = []
+        for item in value:
+            if isinstance(item, ImagePart):
+                inputs.append(ImageInput(next(images)))
+            else:
+                inputs.append(item if isinstance(item, str) else tuple(item))
+        return tuple(inputs)
 
     def image_parts(self) -> list[tuple[str, str]]:
-        """Each image part of ``messages`` in prompt order: where it is in
-        the request (``messages[0].content[1].image_url``), and its URL."""
+        """Each image part of ``input`` or ``messages`` in order: where it
+        is in the request (``input[2].image_url``,
+        ``messages[0].content[1].image_url``), and its URL."""
+        if isinstance(self.input, list):
+            return [
+                (f"input[{index}].image_url", item.image_url.url)
+                for index, item in enumerate(self.input)
+                if isinstance(item, ImagePart)
+            ]
         return [
             (f"messages[{turn}].content[{index}].image_url", part.image_url.url)
             for turn, message in enumerate(self.messages or ())
@@ -98,7 +128,8 @@ class EmbeddingRequest(RequestBody):
         ]
 
     def image_refs(self, limits: ImageLimits) -> list[ImageRef]:
-        """The images of ``messages``, in prompt order; checks the count.
+        """The images of ``input`` or ``messages``, in order; checks the
+        count.
 
         Raises:
             ImageRefusedError: More than ``limits.max_images`` images.

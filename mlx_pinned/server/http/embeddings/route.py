@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, ClassVar, cast
 
 import anyio
 
-from ...failures import RequestError
+from ...failures import PromptTooLongError, RequestError
 from ..endpoint import ModelEndpoint
 from ..errors import APIError, api_error
 from .protocol import parse_embedding_request
@@ -60,11 +60,10 @@ class EmbeddingsEndpoint(ModelEndpoint):
             yield served, cast("EmbeddingEngine", engine)
 
     def error_for(self, exc: BaseException, images: Sequence[str]) -> APIError | None:
-        prompt = "messages" if images else "input"
         if type(exc) is RequestError:  # the engine's refusal of an input
-            return APIError(400, exc.message, param=prompt, code=exc.code)
+            return APIError(400, exc.message, param="input", code=exc.code)
         return api_error(
-            exc, retry_after=self.config.retry_after, images=images, prompt=prompt
+            exc, retry_after=self.config.retry_after, images=images, prompt="input"
         )
 
     async def handle(
@@ -77,7 +76,15 @@ class EmbeddingsEndpoint(ModelEndpoint):
             params, refs = self.serving.prepare(request, engine, limits)
             decoded = await self.decode_images(refs, log)
             async with served.gate.turn():
-                embedded = await engine.embed(params, decoded)
+                try:
+                    embedded = await engine.embed(params, decoded)
+                except PromptTooLongError as exc:
+                    if not params.messages:
+                        raise
+                    # The conversation, not an input, is too long.
+                    raise APIError(
+                        400, exc.message, param="messages", code=exc.code
+                    ) from None
             log.prompt_tokens = embedded.prompt_tokens
             write = functools.partial(
                 embeddings_body, embedded, served.name, request.encoding_format

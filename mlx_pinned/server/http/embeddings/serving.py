@@ -43,7 +43,7 @@ class EmbeddingsServing:
                 a model that embeds none (naming the first).
         """
         params = request.to_embedding_params()
-        refs = request.image_refs(limits) if params.messages else []
+        refs = request.image_refs(limits)
         if refs and not engine.accepts_images:
             message = "this model embeds no images; send text only."
             raise refs[0].error(message, "images_unsupported")
@@ -59,7 +59,7 @@ class EmbeddingsServing:
             check_dimensions(params.dimensions, engine)
         vocab = engine.vocab_size
         for item in params.inputs:
-            if not isinstance(item, str):
+            if isinstance(item, tuple):
                 outside = next((token for token in item if token >= vocab), None)
                 if outside is not None:
                     raise out_of_vocabulary("input", outside, vocab)
