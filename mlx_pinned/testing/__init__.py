@@ -19,7 +19,9 @@ tool-call format in :data:`TINY_TOOL_LM_TYPES` (:func:`make_tiny_lm` too).
 Embedding models (mlx-vlm's embedding loader, ``mlx_vlm.embedding_loader``)
 are listed in :data:`TINY_EMBEDDING_TYPES` (:func:`make_tiny_embedding`),
 rerankers (``mlx_vlm.reranker_loader``) in :data:`TINY_RERANKER_TYPES`
-(:func:`make_tiny_reranker`).
+(:func:`make_tiny_reranker`), text-to-speech models (mlx-audio's loader,
+``mlx_audio.tts.utils.load_model``) in :data:`TINY_SPEECH_TYPES`
+(:func:`make_tiny_speech`).
 ``import mlx_pinned.testing`` is cheap: MLX, mlx-vlm, ``tokenizers`` and
 Pillow are imported inside the functions that need them.
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Final
+from typing import Final, TypeVar
 
 from ._aya import AYA_VISION
 from ._bert import BERT, BERT_RERANKER
@@ -41,6 +43,7 @@ from ._mistral import MISTRAL3
 from ._qwen import _CHAT_TEMPLATE as _CHAT_TEMPLATE
 from ._qwen import QWEN2_5_VL, QWEN3, QWEN3_VL, SPECIAL_TOKENS
 from ._qwen3_5 import QWEN3_5
+from ._qwen3_tts import QWEN3_TTS, SpeechFamily
 from ._smolvlm import SMOLVLM
 from ._tool_families import TOOL_FAMILIES
 
@@ -50,18 +53,23 @@ __all__ = [
     "TINY_LM_TYPES",
     "TINY_MODEL_TYPES",
     "TINY_RERANKER_TYPES",
+    "TINY_SPEECH_TYPES",
     "TINY_TOOL_LM_TYPES",
     "image_data_uri",
     "make_test_image",
     "make_tiny_embedding",
     "make_tiny_lm",
     "make_tiny_reranker",
+    "make_tiny_speech",
     "make_tiny_vlm",
     "tiny_embedding_path",
     "tiny_lm_path",
     "tiny_reranker_path",
+    "tiny_speech_path",
     "tiny_vlm_path",
 ]
+
+F = TypeVar("F")
 
 _VISION: Final = {
     family.model_type: family
@@ -95,6 +103,11 @@ TINY_EMBEDDING_TYPES: Final = tuple(_EMBEDDING)
 _RERANKER: Final = {family.model_type: family for family in (BERT_RERANKER,)}
 #: The reranker families :func:`make_tiny_reranker` writes (``bert``).
 TINY_RERANKER_TYPES: Final = tuple(_RERANKER)
+
+_SPEECH: Final = {family.model_type: family for family in (QWEN3_TTS,)}
+
+#: The text-to-speech families :func:`make_tiny_speech` writes (``qwen3_tts``).
+TINY_SPEECH_TYPES: Final = tuple(_SPEECH)
 
 
 def make_tiny_vlm(
@@ -298,6 +311,45 @@ def tiny_embedding_path(model_type: str = "bert") -> pathlib.Path:
     )
 
 
+def make_tiny_speech(
+    path: str | os.PathLike[str],
+    model_type: str = "qwen3_tts",
+    *,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """Write a tiny random-weight text-to-speech model that mlx-audio's loader
+    (``mlx_audio.tts.utils.load_model``) loads offline.
+
+    ``qwen3_tts``: mlx-audio's own Qwen3-TTS CustomVoice classes, a 1-layer,
+    32-wide talker and code predictor making frames of 4 codes, its speech
+    tokenizer's decoder as the vocoder (1920 samples a frame at 24 kHz, 12.5
+    frames a second), the voices ``vivian``, ``ryan`` and ``serena``, and a
+    greedy generation config. Its end of speech is never picked, so it speaks
+    until the frame limit it is given, and the same text and voice always
+    give the same samples. Nothing is fetched at load or generation time.
+    Written, cached and replaced as :func:`make_tiny_vlm` does, on the
+    calling thread (the first call in a process imports mlx-audio and builds
+    the family's classes once, on a private thread).
+
+    Args:
+        path: The folder to write. Its parent is created if missing.
+        model_type: One of :data:`TINY_SPEECH_TYPES`.
+        seed: Seeds the weights. The same seed gives byte-identical files.
+        overwrite: Replace whatever is at ``path``.
+
+    Returns:
+        ``path`` as a :class:`pathlib.Path`, holding the model.
+
+    Raises:
+        FileExistsError: ``path`` holds something that is not a model written
+            by this module, and ``overwrite`` is false.
+        ValueError: ``model_type`` is not one of :data:`TINY_SPEECH_TYPES`.
+    """
+    family = _family(_SPEECH, model_type, "make_tiny_speech")
+    return _make(family, path, seed, overwrite)
+
+
 def tiny_reranker_path(model_type: str = "bert") -> pathlib.Path:
     """Return the shared tiny reranker of a family (seed 0), writing it on
     first use: ``tiny-reranker-<model_type>`` in the folder
@@ -312,12 +364,24 @@ def tiny_reranker_path(model_type: str = "bert") -> pathlib.Path:
     )
 
 
+def tiny_speech_path(model_type: str = "qwen3_tts") -> pathlib.Path:
+    """Return the shared tiny text-to-speech model of a family (seed 0),
+    writing it on first use: ``tiny-speech-<model_type>`` in the folder
+    :func:`tiny_vlm_path` uses. Calling thread; safe from any thread or
+    process at once.
+
+    Returns:
+        The model folder.
+    """
+    return make_tiny_speech(_cache() / f"tiny-speech-{model_type}", model_type, seed=0)
+
+
 def _cache() -> pathlib.Path:
     root = os.environ.get("MLX_PINNED_CACHE")
     return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "mlx-pinned"
 
 
-def _family(known: dict[str, Family], model_type: str, function: str) -> Family:
+def _family(known: dict[str, F], model_type: str, function: str) -> F:
     try:
         return known[model_type]
     except KeyError:
@@ -327,7 +391,7 @@ def _family(known: dict[str, Family], model_type: str, function: str) -> Family:
 
 
 def _make(
-    family: Family, path: str | os.PathLike[str], seed: int, overwrite: bool
+    family: Family | SpeechFamily, path: str | os.PathLike[str], seed: int, overwrite: bool
 ) -> pathlib.Path:
     return write_folder(
         pathlib.Path(path),
