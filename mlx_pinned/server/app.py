@@ -47,6 +47,7 @@ from .engine.embedding import EmbeddingEngine
 from .engine.kv_quant import KVQuant
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
 from .engine.rerank import RerankEngine
+from .engine.speech import SpeechEngine
 from .events import Resident
 from .failures import UnavailableError
 from .formats import log_formats
@@ -65,6 +66,7 @@ from .http.responses_api import routes as responses_routes
 from .http.routes import APIKeyMiddleware, ErrorEdge, model, models
 from .http.served_models import BatchGate, ServedModel, ServedModels
 from .http.slots import ModelSlot
+from .http.speech import SpeechEndpoint
 from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
 from .http.turns import LoopTurns
 from .inputs.images import Fetcher, load_images
@@ -205,6 +207,7 @@ def create_app(
     responses = ResponsesEndpoint(*wiring, metrics=metrics)
     embeddings = EmbeddingsEndpoint(*wiring, metrics=metrics)
     rerank = RerankEndpoint(*wiring, metrics=metrics)
+    speech = SpeechEndpoint(*wiring, metrics=metrics)
     # Opened now: a state_dir that cannot hold it fails here, at start.
     responses.store = store = open_store(config)
     routes = [
@@ -226,6 +229,7 @@ def create_app(
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         # vLLM's paths for the one rerank door (Cohere's and Jina's shape).
         *(Route(path, rerank, methods=["POST"]) for path in RERANK_PATHS),
+        Route("/v1/audio/speech", speech, methods=["POST"]),
         *responses_routes(responses),
     ]
     # The playground: the chat page at / and its assets, open without the API
@@ -316,6 +320,8 @@ def _load(
 ) -> Callable[[], Resident]:
     """Loads a model (``own``: its settings) and makes the engine of its
     kind, on the MLX thread."""
+    if own.model_kind == "speech":  # its generation streams on the thread
+        return functools.partial(SpeechEngine.load, own.models[0], thread)
     if own.model_kind != "chat":  # an encoder: its passes paced as prefill is
         kind = EmbeddingEngine if own.model_kind == "embedding" else RerankEngine
         seconds = own.prefill_step_seconds

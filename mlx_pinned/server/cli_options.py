@@ -298,9 +298,11 @@ OPTIONS = (
     Option(
         "model_kind",
         "what the models are served as: 'chat' (the chat and completion routes), "
-        "'embedding' (/v1/embeddings, through mlx-vlm's embedding loader) or "
+        "'embedding' (/v1/embeddings, through mlx-vlm's embedding loader), "
         "'rerank' (/v1/rerank, a cross-encoder through mlx-vlm's reranker "
-        "loader); a config file sets it per model (default: %(default)s)",
+        "loader) or 'speech' (/v1/audio/speech, through mlx-audio's "
+        "text-to-speech loader); a config file sets it per model "
+        "(default: %(default)s)",
         str,
     ),
     Option(

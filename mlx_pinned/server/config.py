@@ -36,9 +36,9 @@ __all__ = [
 
 
 #: What a model is served as: ``chat`` (the generation routes),
-#: ``embedding`` (``/v1/embeddings``) or ``rerank`` (``/v1/rerank``); one of
-#: :data:`MODEL_KINDS`.
-ModelKind = Literal["chat", "embedding", "rerank"]
+#: ``embedding`` (``/v1/embeddings``), ``rerank`` (``/v1/rerank``) or
+#: ``speech`` (``/v1/audio/speech``); one of :data:`MODEL_KINDS`.
+ModelKind = Literal["chat", "embedding", "rerank", "speech"]
 
 
 # What a chat setting is for a model of another kind: off.
@@ -178,8 +178,9 @@ class ServerConfig:
         model_kind: What each model is served as (:data:`ModelKind`):
             ``chat`` (mlx-vlm's generation, the chat and completion
             routes), ``embedding`` (mlx-vlm's embedding loader,
-            ``/v1/embeddings``) or ``rerank`` (mlx-vlm's reranker loader,
-            ``/v1/rerank``). A model of one kind named on another's
+            ``/v1/embeddings``), ``rerank`` (mlx-vlm's reranker loader,
+            ``/v1/rerank``) or ``speech`` (mlx-audio's text-to-speech
+            loader, ``/v1/audio/speech``). A model of one kind named on another's
             route is a 400.
         load_on_first_use: Load each model when its first request arrives
             (that request, and any that come meanwhile, wait for the one

@@ -171,7 +171,7 @@ CHAT_SETTINGS = frozenset(
 )
 
 #: The kinds of model a server serves, each through its own routes.
-MODEL_KINDS = ("chat", "embedding", "rerank")
+MODEL_KINDS = ("chat", "embedding", "rerank", "speech")
 
 
 def _check_kind(config: ServerConfig) -> None:

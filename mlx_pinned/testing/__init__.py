@@ -391,7 +391,10 @@ def _family(known: dict[str, F], model_type: str, function: str) -> F:
 
 
 def _make(
-    family: Family | SpeechFamily, path: str | os.PathLike[str], seed: int, overwrite: bool
+    family: Family | SpeechFamily,
+    path: str | os.PathLike[str],
+    seed: int,
+    overwrite: bool,
 ) -> pathlib.Path:
     return write_folder(
         pathlib.Path(path),

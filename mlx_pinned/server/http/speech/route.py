@@ -1,0 +1,165 @@
+"""``POST /v1/audio/speech``, in OpenAI's shape.
+
+Event loop. A :class:`~..endpoint.ModelEndpoint` of the speech kind: the
+base reads the body, keeps the deadline, watches the client, holds the
+model named by ``model`` (404 for one not served, 400 for another kind)
+and answers every error in OpenAI's shape, as the other routes do. The
+request takes a turn of its model's gate, then the engine speaks on the
+MLX thread, a piece at a time. The answer is the whole file when
+``stream_format`` is left out; with ``audio`` the bytes go out as they are
+made, with ``sse`` as OpenAI's events (``speech.audio.delta``, each the
+base64 of what the ``audio`` stream would send then, and
+``speech.audio.done`` with the usage). The status goes with the first
+piece, so a generation that fails before any audio is still an error
+status; one that fails later ends the stream early (``audio``) or with an
+error event (``sse``). A client that goes away stops the generation on the
+MLX thread before its next piece.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing, asynccontextmanager
+from typing import TYPE_CHECKING, ClassVar, cast
+
+from ..endpoint import ModelEndpoint
+from ..errors import OpenAIErrors
+from ..wire import sse_event
+from .formats import MEDIA_TYPES, audio_head
+from .protocol import parse_speech_request
+from .serving import SpeechServing
+
+if TYPE_CHECKING:
+    from ...config import ModelKind
+    from ...speech import SpeechChunk, SpeechEngine
+    from ..errors import APIError
+    from ..served_models import ServedModel
+    from ..wire import RequestLog, ResponseWriter
+    from .protocol import SpeechRequest
+
+__all__ = ["SpeechEndpoint"]
+
+
+class _AudioStreamErrors(OpenAIErrors):
+    """OpenAI's errors, but a failure in an audio stream already begun ends
+    it where it is: an error event would be heard as audio."""
+
+    def event(self, error: APIError) -> bytes:
+        return b""
+
+
+_AUDIO_STREAM_ERRORS = _AudioStreamErrors()
+
+
+class SpeechEndpoint(ModelEndpoint):
+    """The ASGI endpoint of ``POST /v1/audio/speech``: the audio, whole or
+    streamed, as its ``response_format`` (``wav`` or ``pcm``)."""
+
+    route = "POST /v1/audio/speech"
+    kind: ClassVar[ModelKind] = "speech"
+    serving = SpeechServing()
+
+    @asynccontextmanager
+    async def speaker(
+        self, name: str, log: RequestLog
+    ) -> AsyncIterator[tuple[ServedModel, SpeechEngine]]:
+        """:meth:`resident` of a speech model (its kind's engine)."""
+        async with self.resident(name, log) as (served, engine):
+            yield served, cast("SpeechEngine", engine)
+
+    def error_for(self, exc: BaseException, images: Sequence[str]) -> APIError | None:
+        return super().error_for(exc, ())
+
+    async def handle(
+        self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
+    ) -> None:
+        request = parse_speech_request(body)
+        log.stream = request.stream_format is not None
+        async with self.speaker(request.model, log) as (served, engine):
+            params = self.serving.prepare(request, engine)
+            async with served.gate.turn():
+                async with aclosing(engine.speak(params)) as chunks:
+                    if request.stream_format is None:
+                        await self._whole(request, engine, chunks, response, log)
+                    elif request.stream_format == "audio":
+                        await self._audio(request, engine, chunks, response, log)
+                    else:
+                        await self._sse(request, engine, chunks, response, log)
+
+    async def _whole(
+        self,
+        request: SpeechRequest,
+        engine: SpeechEngine,
+        chunks: AsyncIterator[SpeechChunk],
+        response: ResponseWriter,
+        log: RequestLog,
+    ) -> None:
+        """The whole file, once the generation ended."""
+        pcm = [chunk.pcm async for chunk in _counted(chunks, log)]
+        data = b"".join(pcm)
+        head = audio_head(request.response_format, engine.sample_rate, len(data))
+        await response.file(head + data, MEDIA_TYPES[request.response_format])
+
+    async def _audio(
+        self,
+        request: SpeechRequest,
+        engine: SpeechEngine,
+        chunks: AsyncIterator[SpeechChunk],
+        response: ResponseWriter,
+        log: RequestLog,
+    ) -> None:
+        """The bytes as they are made, the header with the first piece."""
+        head = audio_head(request.response_format, engine.sample_rate, None)
+        media = MEDIA_TYPES[request.response_format]
+        response.errors = _AUDIO_STREAM_ERRORS
+        async for chunk in _counted(chunks, log):
+            if not response.started:
+                await response.start_file_stream(media, head + chunk.pcm)
+            else:
+                await response.send(chunk.pcm)
+        if not response.started:  # no audio at all: the header alone
+            await response.start_file_stream(media, head)
+        await response.send(b"", more=False)
+
+    async def _sse(
+        self,
+        request: SpeechRequest,
+        engine: SpeechEngine,
+        chunks: AsyncIterator[SpeechChunk],
+        response: ResponseWriter,
+        log: RequestLog,
+    ) -> None:
+        """OpenAI's events: a delta a piece, then the usage."""
+        head = audio_head(request.response_format, engine.sample_rate, None)
+        async for chunk in _counted(chunks, log):
+            delta = _delta((head if not response.started else b"") + chunk.pcm)
+            if not response.started:
+                await response.start_stream(delta)
+            else:
+                await response.send(delta)
+        if not response.started:
+            await response.start_stream(_delta(head) if head else b"")
+        usage = {
+            "input_tokens": log.prompt_tokens,
+            "output_tokens": log.completion_tokens,
+            "total_tokens": log.prompt_tokens + log.completion_tokens,
+        }
+        done = {"type": "speech.audio.done", "usage": usage}
+        await response.send(sse_event(done), more=False)
+
+
+async def _counted(
+    chunks: AsyncIterator[SpeechChunk], log: RequestLog
+) -> AsyncIterator[SpeechChunk]:
+    """``chunks``, counted in ``log`` as they come (text tokens as the
+    prompt's, audio frames as the completion's)."""
+    async for chunk in chunks:
+        log.prompt_tokens = chunk.input_tokens
+        log.completion_tokens += chunk.frames
+        yield chunk
+
+
+def _delta(audio: bytes) -> bytes:
+    encoded = base64.b64encode(audio).decode("ascii")
+    return sse_event({"type": "speech.audio.delta", "audio": encoded})
