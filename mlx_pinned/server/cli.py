@@ -54,6 +54,7 @@ __all__ = ["main"]
 DEMO_MODEL_NAME = "mlx-pinned-demo"
 DEMO_EMBEDDING_NAME = "mlx-pinned-demo-embedding"
 DEMO_RERANK_NAME = "mlx-pinned-demo-rerank"
+DEMO_SPEECH_NAME = "mlx-pinned-demo-speech"
 KEEP_ALIVE_SECONDS = 75  # an idle connection is kept this long
 STARTUP_FAILURE = 3  # the exit status of a failed model load, as uvicorn's
 
@@ -328,8 +329,9 @@ def _port(text: str) -> int:
 def _demo(config: ServerConfig) -> ServerConfig:
     """``config`` serving the demo's models, written first if they are not
     in the cache: the tiny vision chat model as its name, the tiny embedding
-    model as :data:`DEMO_EMBEDDING_NAME` and the tiny reranker as
-    :data:`DEMO_RERANK_NAME` (those two not under ``--distributed``, which
+    model as :data:`DEMO_EMBEDDING_NAME`, the tiny reranker as
+    :data:`DEMO_RERANK_NAME` and the tiny text-to-speech model as
+    :data:`DEMO_SPEECH_NAME` (those three not under ``--distributed``, which
     serves one chat model).
 
     Raises:
@@ -338,19 +340,24 @@ def _demo(config: ServerConfig) -> ServerConfig:
     from mlx_pinned.testing import (
         tiny_embedding_path,
         tiny_reranker_path,
+        tiny_speech_path,
         tiny_vlm_path,
     )
 
     chat = str(tiny_vlm_path())
     if config.distributed is not None:
         return dataclasses.replace(config, model=chat, served_model_name=config.names)
+    kinds = {
+        config.name: ("chat", chat),
+        DEMO_EMBEDDING_NAME: ("embedding", str(tiny_embedding_path())),
+        DEMO_RERANK_NAME: ("rerank", str(tiny_reranker_path())),
+        DEMO_SPEECH_NAME: ("speech", str(tiny_speech_path())),
+    }
     return dataclasses.replace(
         config,
-        model=(chat, str(tiny_embedding_path()), str(tiny_reranker_path())),
-        served_model_name=(config.name, DEMO_EMBEDDING_NAME, DEMO_RERANK_NAME),
-        model_settings=tuple(
-            {"model_kind": kind} for kind in ("chat", "embedding", "rerank")
-        ),
+        model=tuple(path for _, path in kinds.values()),
+        served_model_name=tuple(kinds),
+        model_settings=tuple({"model_kind": kind} for kind, _ in kinds.values()),
     )
 
 

@@ -25,7 +25,7 @@ from ._weights import parameter_specs, write_weights
 __all__ = ["QWEN3_TTS", "SpeechFamily"]
 
 # Bump when the files written change, so cached folders are rebuilt.
-FORMAT: Final = 1
+FORMAT: Final = 2
 
 #: The text tokenizer's special tokens, in id order.
 SPECIAL_TOKENS: Final = (
@@ -47,7 +47,7 @@ CODEBOOK_SIZE: Final = 32
 CODE_GROUPS: Final = 4
 
 #: Its voices (Qwen3-TTS CustomVoice's speakers), each a talker token.
-VOICES: Final = ("vivian", "ryan", "serena")
+VOICES: Final = ("ryan", "serena", "vivian")
 
 # The talker's vocabulary is its codes, then 1024 tokens of its own (mlx-audio
 # masks all of those but the end of speech at every step).

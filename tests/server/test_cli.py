@@ -17,7 +17,12 @@ from mlx_pinned.server import cli
 from mlx_pinned.server.cli_options import NOT_ON_THE_COMMAND_LINE, OPTIONS
 from mlx_pinned.server.config import ImageLimits, ServerConfig
 from mlx_pinned.server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
-from mlx_pinned.testing import make_tiny_vlm, tiny_embedding_path, tiny_reranker_path
+from mlx_pinned.testing import (
+    make_tiny_vlm,
+    tiny_embedding_path,
+    tiny_reranker_path,
+    tiny_speech_path,
+)
 
 
 @pytest.fixture
@@ -263,12 +268,14 @@ class TestServe:
             cli.DEMO_MODEL_NAME,
             cli.DEMO_EMBEDDING_NAME,
             cli.DEMO_RERANK_NAME,
+            cli.DEMO_SPEECH_NAME,
         )
         assert Path(config.models[0]) == tiny_model_path
         assert Path(config.models[1]) == tiny_embedding_path()
         assert Path(config.models[2]) == tiny_reranker_path()
+        assert Path(config.models[3]) == tiny_speech_path()
         kinds = [model.kind for model in runs[0]["app"].state.models]
-        assert kinds == ["chat", "embedding", "rerank"]
+        assert kinds == ["chat", "embedding", "rerank", "speech"]
 
     def test_api_key_from_environment(
         self, runs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
