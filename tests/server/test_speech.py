@@ -465,3 +465,18 @@ async def test_a_long_speech_never_stalls_a_chat_stream_for_long(
     # A piece is a few frames; a chat step runs between pieces, so the
     # stream's largest gap is a piece or two, far below the speech's time.
     assert gaps.max() < took / 5, (gaps.max(), took)
+
+
+@pytest.mark.slow
+async def test_a_speech_past_the_deadline_is_a_504_and_stops(
+    serve_speech: Serve,
+) -> None:
+    text = "a long speech " * 60
+    async with serve_speech(request_timeout=0.3) as served:
+        engine = engine_of(served)
+        late = await speak(served, input=text)
+        with anyio.fail_after(20):
+            await until(lambda: engine.speaking == 0)
+        made = engine.frames
+    assert_error(late, 504)
+    assert made < frame_limit(text, 8192) // 2
