@@ -32,11 +32,14 @@ class SpeechParams:
         instructions: How to speak it (tone, style), for a model that
             :attr:`~SpeechEngine.takes_instructions`; None: as the voice
             does.
+        speed: How fast, 1.0 the voice's own; other than 1.0 only for a
+            model that :attr:`~SpeechEngine.takes_speed`.
     """
 
     text: str
     voice: str
     instructions: str | None = None
+    speed: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,11 @@ class SpeechEngine(Resident, Protocol):
     @property
     def takes_instructions(self) -> bool:
         """Whether it is steered by ``instructions`` (else it takes none)."""
+        ...
+
+    @property
+    def takes_speed(self) -> bool:
+        """Whether it speaks at a ``speed`` other than 1.0."""
         ...
 
     def speak(self, params: SpeechParams) -> AsyncGenerator[SpeechChunk, None]:

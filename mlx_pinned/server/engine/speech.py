@@ -77,6 +77,7 @@ class LoadedSpeaker:
         sample_rate: Samples a second of its audio.
         voices: Its voices (lower case).
         takes_instructions: Whether its generation is steered by them.
+        takes_speed: Whether its generation honours a speed.
         max_frames: The most frames one generation may make (its config's).
         weight_bytes: Bytes of its parameters (the vocoder's included).
         loaded_at: When its load ended (Unix time).
@@ -87,6 +88,7 @@ class LoadedSpeaker:
     sample_rate: int
     voices: tuple[str, ...]
     takes_instructions: bool
+    takes_speed: bool
     max_frames: int
     weight_bytes: int
     loaded_at: float = field(default_factory=time.time)
@@ -106,6 +108,7 @@ class LoadedSpeaker:
             params.text,
             voice=params.voice,
             instruct=params.instructions,
+            speed=params.speed,
             stream=True,
             streaming_interval=CHUNK_FRAMES / FRAME_RATE,
             max_tokens=frame_limit(params.text, self.max_frames),
@@ -150,6 +153,7 @@ def load_speaker(model_path: str | Path) -> LoadedSpeaker:
         sample_rate=int(model.sample_rate),
         voices=voices,
         takes_instructions=_takes_instructions(model),
+        takes_speed=_takes_speed(model),
         max_frames=int(settings.get("max_new_tokens") or 2048),
         weight_bytes=sum(value.nbytes for _, value in flat),
     )
@@ -170,6 +174,15 @@ def _takes_instructions(model: Any) -> bool:
         return False
     config = getattr(model, "config", None)
     return getattr(config, "tts_model_size", "") != "0b6"
+
+
+def _takes_speed(model: Any) -> bool:
+    """Whether ``model``'s generation honours a speed: its ``generate``
+    takes ``speed``, and it is not Qwen3-TTS (whose ``generate`` takes one
+    and ignores it)."""
+    if "speed" not in inspect.signature(model.generate).parameters:
+        return False
+    return getattr(model, "model_type", "") != "qwen3_tts"
 
 
 class SpeechEngine:
@@ -206,6 +219,10 @@ class SpeechEngine:
     @property
     def takes_instructions(self) -> bool:
         return self.loaded.takes_instructions
+
+    @property
+    def takes_speed(self) -> bool:
+        return self.loaded.takes_speed
 
     @property
     def loaded_at(self) -> float:

@@ -68,7 +68,7 @@ class SpeechRequest(RequestBody):
     def to_speech_params(self, voice: str) -> SpeechParams:
         """The shared speech request, in ``voice`` (the model's name of the
         voice asked for)."""
-        return SpeechParams(self.input, voice, self.instructions or None)
+        return SpeechParams(self.input, voice, self.instructions or None, self.speed)
 
 
 def parse_speech_request(body: bytes) -> SpeechRequest:

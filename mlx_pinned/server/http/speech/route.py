@@ -76,6 +76,7 @@ class SpeechEndpoint(ModelEndpoint):
     ) -> None:
         request = parse_speech_request(body)
         log.stream = request.stream_format is not None
+        self.serving.check_format(request)
         async with self.speaker(request.model, log) as (served, engine):
             params = self.serving.prepare(request, engine)
             async with served.gate.turn():

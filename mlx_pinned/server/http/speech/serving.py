@@ -1,11 +1,11 @@
 """Speech's one validation site: a parsed request checked against the
 served speech model, and turned into the shared speech request.
 
-Event loop. Checked here, before the request waits for the model's gate:
-the voice (one of the model's), the format (one this server encodes), and
-the settings the model does not honour (``speed`` other than 1,
-``instructions`` to a model that takes none), each refused by name rather
-than ignored.
+Event loop. Checked here: the format (one this server encodes) before the
+model is even looked up, then, before the request waits for the model's
+gate, the voice (one of the model's) and the settings the model does not
+honour (``speed`` other than 1, ``instructions`` to a model that takes
+none), each refused by name rather than ignored.
 """
 
 from __future__ import annotations
@@ -23,15 +23,28 @@ __all__ = ["SpeechServing"]
 
 
 class SpeechServing:
-    """Checks speech requests against the served model."""
+    """Checks speech requests against this server and the served model."""
+
+    def check_format(self, request: SpeechRequest) -> None:
+        """Refuse a format this server does not encode (whatever the model).
+
+        Raises:
+            APIError: 400 naming ``response_format``.
+        """
+        if request.response_format not in ENCODED:
+            raise _refused(
+                "response_format",
+                f"{request.response_format!r} is not encoded by this server; "
+                f"ask for {' or '.join(ENCODED)}",
+            )
 
     def prepare(self, request: SpeechRequest, engine: SpeechEngine) -> SpeechParams:
         """Check ``request`` against the model; its speech request.
 
         Raises:
             APIError: 400 naming ``voice`` (not one of the model's),
-                ``response_format`` (not encoded here), ``speed`` (not 1)
-                or ``instructions`` (the model takes none).
+                ``speed`` (not 1, to a model of one speed) or
+                ``instructions`` (the model takes none).
         """
         voice = request.voice_name.lower()
         if voice not in engine.voices:
@@ -41,13 +54,7 @@ class SpeechServing:
                 f"{request.voice_name!r} is not a voice of this model; "
                 f"its voices are {listed}",
             )
-        if request.response_format not in ENCODED:
-            raise _refused(
-                "response_format",
-                f"{request.response_format!r} is not encoded by this server; "
-                f"ask for {' or '.join(ENCODED)}",
-            )
-        if request.speed != 1.0:
+        if request.speed != 1.0 and not engine.takes_speed:
             raise _refused(
                 "speed",
                 f"{request.speed}; this model speaks at one speed: leave it out "
