@@ -48,8 +48,7 @@ class SpeechRequest(RequestBody):
     input: str = Field(max_length=MAX_INPUT_CHARS)
     voice: str | VoiceId
     instructions: str | None = None
-    # OpenAI's default is mp3, which this server does not encode.
-    response_format: ResponseFormat = "wav"
+    response_format: ResponseFormat = "mp3"
     speed: float = Field(default=1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] | None = None
 

@@ -23,10 +23,12 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, ClassVar, cast
 
+import anyio
+
 from ..endpoint import ModelEndpoint
 from ..errors import OpenAIErrors
 from ..wire import sse_event
-from .formats import MEDIA_TYPES, audio_head
+from .formats import MEDIA_TYPES, STREAMED, audio_head, encoded
 from .protocol import parse_speech_request
 from .serving import SpeechServing
 
@@ -54,7 +56,8 @@ _AUDIO_STREAM_ERRORS = _AudioStreamErrors()
 
 class SpeechEndpoint(ModelEndpoint):
     """The ASGI endpoint of ``POST /v1/audio/speech``: the audio, whole or
-    streamed, as its ``response_format`` (``wav`` or ``pcm``)."""
+    streamed, as its ``response_format`` (``mp3``, ``opus``, ``flac``,
+    ``wav`` or ``pcm``; only the last two streamed)."""
 
     route = "POST /v1/audio/speech"
     kind: ClassVar[ModelKind] = "speech"
@@ -97,10 +100,13 @@ class SpeechEndpoint(ModelEndpoint):
         log: RequestLog,
     ) -> None:
         """The whole file, once the generation ended."""
-        pcm = [chunk.pcm async for chunk in _counted(chunks, log)]
-        data = b"".join(pcm)
-        head = audio_head(request.response_format, engine.sample_rate, len(data))
-        await response.file(head + data, MEDIA_TYPES[request.response_format])
+        pcm = b"".join([chunk.pcm async for chunk in _counted(chunks, log)])
+        fmt, rate = request.response_format, engine.sample_rate
+        if fmt in STREAMED:  # a header at most
+            answer = encoded(fmt, pcm, rate)
+        else:  # an encoder's work: off the loop, which every stream waits on
+            answer = await anyio.to_thread.run_sync(encoded, fmt, pcm, rate)
+        await response.file(answer, MEDIA_TYPES[fmt])
 
     async def _audio(
         self,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import APIError
-from .formats import ENCODED
+from .formats import ENCODED, STREAMED
 
 if TYPE_CHECKING:
     from ...speech import SpeechEngine, SpeechParams
@@ -26,7 +26,8 @@ class SpeechServing:
     """Checks speech requests against this server and the served model."""
 
     def check_format(self, request: SpeechRequest) -> None:
-        """Refuse a format this server does not encode (whatever the model).
+        """Refuse a format this server does not encode, or does not stream
+        when ``stream_format`` asks for a stream (whatever the model).
 
         Raises:
             APIError: 400 naming ``response_format``.
@@ -35,7 +36,14 @@ class SpeechServing:
             raise _refused(
                 "response_format",
                 f"{request.response_format!r} is not encoded by this server; "
-                f"ask for {' or '.join(ENCODED)}",
+                f"ask for {', '.join(ENCODED)}",
+            )
+        if request.stream_format and request.response_format not in STREAMED:
+            raise _refused(
+                "response_format",
+                f"{request.response_format!r} is encoded once the speech is "
+                f"made, not streamed; stream {' or '.join(STREAMED)}, or leave "
+                "stream_format out for the whole file",
             )
 
     def prepare(self, request: SpeechRequest, engine: SpeechEngine) -> SpeechParams:
