@@ -152,6 +152,31 @@ async def test_mp3_flac_and_opus_are_the_same_speech_encoded(
 
 
 @pytest.mark.slow
+async def test_speeches_at_once_each_equal_their_own_alone(
+    serve_speech: Serve,
+) -> None:
+    asks = [("vivian", TEXT), ("ryan", TEXT + " Yes."), ("serena", "Hi.")]
+
+    async def one(voice: str, text: str) -> bytes:
+        answer = await speak(served, input=text, voice=voice, response_format="pcm")
+        assert answer.status_code == 200, answer.text
+        return answer.content
+
+    async with serve_speech() as served:
+        alone = [await one(voice, text) for voice, text in asks]
+        together: list[bytes] = [b""] * len(asks)
+
+        async def into(index: int) -> None:
+            together[index] = await one(*asks[index])
+
+        async with anyio.create_task_group() as tasks:
+            for index in range(len(asks)):
+                tasks.start_soon(into, index)
+    # The model's vocoder state is one generation's: they take turns.
+    assert together == alone
+
+
+@pytest.mark.slow
 async def test_instructions_steer_the_model_that_takes_them(
     serve_speech: Serve,
 ) -> None:

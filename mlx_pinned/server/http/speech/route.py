@@ -19,6 +19,7 @@ MLX thread before its next piece.
 from __future__ import annotations
 
 import base64
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, ClassVar, cast
@@ -160,8 +161,11 @@ async def _counted(
     chunks: AsyncIterator[SpeechChunk], log: RequestLog
 ) -> AsyncIterator[SpeechChunk]:
     """``chunks``, counted in ``log`` as they come (text tokens as the
-    prompt's, audio frames as the completion's)."""
+    prompt's, audio frames as the completion's, the first piece's time as
+    the first token's)."""
     async for chunk in chunks:
+        log.last_token = time.perf_counter()
+        log.first_token = log.first_token or log.last_token
         log.prompt_tokens = chunk.input_tokens
         log.completion_tokens += chunk.frames
         yield chunk
