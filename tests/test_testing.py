@@ -29,12 +29,14 @@ from mlx_pinned.testing import (
     TINY_RERANKER_TYPES,
     TINY_SPEECH_TYPES,
     TINY_TOOL_LM_TYPES,
+    TINY_TRANSCRIPTION_TYPES,
     image_data_uri,
     make_test_image,
     make_tiny_embedding,
     make_tiny_lm,
     make_tiny_reranker,
     make_tiny_speech,
+    make_tiny_transcription,
     make_tiny_vlm,
     tiny_embedding_path,
     tiny_lm_path,
@@ -512,6 +514,49 @@ class TestFamilies:
         assert tiny_lm_path("llama") == tmp_path / "tiny-lm-llama"
         other = TINY_MODEL_TYPES[1]
         assert tiny_vlm_path(other) == tmp_path / f"tiny-vlm-{other}"
+
+
+class TestTranscriptionFamilies:
+    """The tiny Whisper, as mlx-audio's own loader loads it."""
+
+    def test_whisper_is_multilingual_and_decodes_text_offline(
+        self, tmp_path: pathlib.Path, hub_calls: HubCalls
+    ) -> None:
+        import mlx.core as mx
+        import numpy as np
+        from mlx_audio.stt.utils import load_model
+
+        assert TINY_TRANSCRIPTION_TYPES == ("whisper",)
+        path = make_tiny_transcription(tmp_path / "whisper")
+        model = load_model(str(path))
+        tokenizer = model.get_tokenizer(language="fr", task="translate")
+        noise = np.random.default_rng(0).standard_normal(16000).astype(np.float32)
+        result = model.generate(mx.array(noise * 0.1), temperature=0.0)
+        assert hub_calls.calls == []
+        assert model.is_multilingual
+        assert model.num_languages == 99
+        # Whisper's layout: text below the end of text, timestamps last.
+        assert tokenizer.eot < tokenizer.sot < tokenizer.language_token
+        assert tokenizer.timestamp_begin == 51865 - 1501
+        assert tokenizer.sot_sequence == (
+            tokenizer.sot,
+            tokenizer.language_token,
+            tokenizer.translate,
+        )
+        tokens = [t for segment in result.segments for t in segment["tokens"]]
+        text = [t for t in tokens if t < tokenizer.eot]
+        assert len(text) > 10
+        assert "<|" not in result.text
+        assert all(t < 384 or t >= tokenizer.timestamp_begin for t in tokens)
+
+    def test_same_seed_is_byte_identical(self, tmp_path: pathlib.Path) -> None:
+        first = make_tiny_transcription(tmp_path / "a")
+        second = make_tiny_transcription(tmp_path / "b")
+        third = make_tiny_transcription(tmp_path / "c", seed=1)
+        for name in ("model.safetensors", "tokenizer.json", "config.json"):
+            assert (first / name).read_bytes() == (second / name).read_bytes()
+        weights = (first / "model.safetensors").read_bytes()
+        assert weights != (third / "model.safetensors").read_bytes()
 
 
 class TestEncoderFamilies:

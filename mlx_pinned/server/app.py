@@ -48,6 +48,7 @@ from .engine.kv_quant import KVQuant
 from .engine.memory import check_start_up_budget, release, stored_weight_bytes
 from .engine.rerank import RerankEngine
 from .engine.speech import SpeechEngine
+from .engine.transcription import TranscriptionEngine
 from .events import Resident
 from .failures import UnavailableError
 from .formats import log_formats
@@ -68,7 +69,9 @@ from .http.served_models import BatchGate, ServedModel, ServedModels
 from .http.slots import ModelSlot
 from .http.speech import SpeechEndpoint
 from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
+from .http.transcriptions import TranscriptionsEndpoint, TranslationsEndpoint
 from .http.turns import LoopTurns
+from .inputs.audio import load_audio
 from .inputs.images import Fetcher, load_images
 from .inputs.remote import RemoteImageFetcher
 from .inputs.videos import load_videos
@@ -208,6 +211,10 @@ def create_app(
     embeddings = EmbeddingsEndpoint(*wiring, metrics=metrics)
     rerank = RerankEndpoint(*wiring, metrics=metrics)
     speech = SpeechEndpoint(*wiring, metrics=metrics)
+    transcriptions = TranscriptionsEndpoint(*wiring, metrics=metrics)
+    translations = TranslationsEndpoint(*wiring, metrics=metrics)
+    loader = functools.partial(load_audio, limits=config.audio_limits)
+    transcriptions.load_audio = translations.load_audio = loader
     # Opened now: a state_dir that cannot hold it fails here, at start.
     responses.store = store = open_store(config)
     routes = [
@@ -230,6 +237,8 @@ def create_app(
         # vLLM's paths for the one rerank door (Cohere's and Jina's shape).
         *(Route(path, rerank, methods=["POST"]) for path in RERANK_PATHS),
         Route("/v1/audio/speech", speech, methods=["POST"]),
+        Route("/v1/audio/transcriptions", transcriptions, methods=["POST"]),
+        Route("/v1/audio/translations", translations, methods=["POST"]),
         *responses_routes(responses),
     ]
     # The playground: the chat page at / and its assets, open without the API
@@ -322,6 +331,8 @@ def _load(
     kind, on the MLX thread."""
     if own.model_kind == "speech":  # its generation streams on the thread
         return functools.partial(SpeechEngine.load, own.models[0], thread)
+    if own.model_kind == "transcription":
+        return functools.partial(TranscriptionEngine.load, own.models[0], thread)
     if own.model_kind != "chat":  # an encoder: its passes paced as prefill is
         kind = EmbeddingEngine if own.model_kind == "embedding" else RerankEngine
         seconds = own.prefill_step_seconds

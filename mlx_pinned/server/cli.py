@@ -15,9 +15,10 @@ served together, each under its own name (``--served-model-name`` given once
 per MODEL, in the same order, or not at all). ``--demo`` writes the tiny
 random-weight models to the cache folder (``$MLX_PINNED_CACHE``, else
 ``~/.cache/mlx-pinned``) and serves them: a vision chat model as
-``mlx-pinned-demo``, an embedding model as ``mlx-pinned-demo-embedding`` and
-a reranker as ``mlx-pinned-demo-rerank``. They work offline, and answer
-with random text, random vectors and random scores. Every
+``mlx-pinned-demo``, an embedding model as ``mlx-pinned-demo-embedding``, a
+reranker as ``mlx-pinned-demo-rerank`` and a speech-to-text model as
+``mlx-pinned-demo-transcription``. They work offline, and answer with
+random text, random vectors and random scores. Every
 limit: docs/security.md.
 With ``--distributed tensor`` every rank of an ``mx.distributed`` group runs
 the same command: rank 0 serves, the others bind no port and follow it
@@ -54,6 +55,7 @@ __all__ = ["main"]
 DEMO_MODEL_NAME = "mlx-pinned-demo"
 DEMO_EMBEDDING_NAME = "mlx-pinned-demo-embedding"
 DEMO_RERANK_NAME = "mlx-pinned-demo-rerank"
+DEMO_TRANSCRIPTION_NAME = "mlx-pinned-demo-transcription"
 DEMO_SPEECH_NAME = "mlx-pinned-demo-speech"
 KEEP_ALIVE_SECONDS = 75  # an idle connection is kept this long
 STARTUP_FAILURE = 3  # the exit status of a failed model load, as uvicorn's
@@ -330,8 +332,9 @@ def _demo(config: ServerConfig) -> ServerConfig:
     """``config`` serving the demo's models, written first if they are not
     in the cache: the tiny vision chat model as its name, the tiny embedding
     model as :data:`DEMO_EMBEDDING_NAME`, the tiny reranker as
-    :data:`DEMO_RERANK_NAME` and the tiny text-to-speech model as
-    :data:`DEMO_SPEECH_NAME` (those three not under ``--distributed``, which
+    :data:`DEMO_RERANK_NAME`, the tiny Whisper as
+    :data:`DEMO_TRANSCRIPTION_NAME` and the tiny text-to-speech model as
+    :data:`DEMO_SPEECH_NAME` (those not under ``--distributed``, which
     serves one chat model).
 
     Raises:
@@ -341,6 +344,7 @@ def _demo(config: ServerConfig) -> ServerConfig:
         tiny_embedding_path,
         tiny_reranker_path,
         tiny_speech_path,
+        tiny_transcription_path,
         tiny_vlm_path,
     )
 
@@ -351,6 +355,7 @@ def _demo(config: ServerConfig) -> ServerConfig:
         config.name: ("chat", chat),
         DEMO_EMBEDDING_NAME: ("embedding", str(tiny_embedding_path())),
         DEMO_RERANK_NAME: ("rerank", str(tiny_reranker_path())),
+        DEMO_TRANSCRIPTION_NAME: ("transcription", str(tiny_transcription_path())),
         DEMO_SPEECH_NAME: ("speech", str(tiny_speech_path())),
     }
     return dataclasses.replace(

@@ -194,6 +194,12 @@ OPTIONS = (
     Option("max_video_bytes", "encoded bytes per video (default: %(default)s)", whole),
     Option("max_video_seconds", "seconds per video (default: %(default)s)", seconds),
     Option(
+        "max_audio_bytes", "encoded bytes per audio file (default: %(default)s)", whole
+    ),
+    Option(
+        "max_audio_seconds", "seconds per audio file (default: %(default)s)", seconds
+    ),
+    Option(
         "max_video_pixels",
         "width x height per video frame (default: %(default)s)",
         whole,
@@ -300,9 +306,10 @@ OPTIONS = (
         "what the models are served as: 'chat' (the chat and completion routes), "
         "'embedding' (/v1/embeddings, through mlx-vlm's embedding loader), "
         "'rerank' (/v1/rerank, a cross-encoder through mlx-vlm's reranker "
-        "loader) or 'speech' (/v1/audio/speech, through mlx-audio's "
-        "text-to-speech loader); a config file sets it per model "
-        "(default: %(default)s)",
+        "loader), 'transcription' (/v1/audio/transcriptions and "
+        "/v1/audio/translations, through mlx-audio's speech-to-text loader) "
+        "or 'speech' (/v1/audio/speech, through mlx-audio's text-to-speech "
+        "loader); a config file sets it per model (default: %(default)s)",
         str,
     ),
     Option(

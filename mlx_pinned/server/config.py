@@ -27,6 +27,7 @@ __all__ = [
     "CHAT_SETTINGS",
     "MODEL_KINDS",
     "PER_MODEL_SETTINGS",
+    "AudioLimits",
     "ImageLimits",
     "ModelKind",
     "ServerConfig",
@@ -37,8 +38,9 @@ __all__ = [
 
 #: What a model is served as: ``chat`` (the generation routes),
 #: ``embedding`` (``/v1/embeddings``), ``rerank`` (``/v1/rerank``) or
+#: ``transcription`` (``/v1/audio/transcriptions`` and ``translations``) or
 #: ``speech`` (``/v1/audio/speech``); one of :data:`MODEL_KINDS`.
-ModelKind = Literal["chat", "embedding", "rerank", "speech"]
+ModelKind = Literal["chat", "embedding", "rerank", "transcription", "speech"]
 
 
 # What a chat setting is for a model of another kind: off.
@@ -93,6 +95,27 @@ class VideoLimits:
 
 
 @dataclass(frozen=True)
+class AudioLimits:
+    """Limits on an audio file (:attr:`ServerConfig.audio_limits`), each
+    checked from the file's header before it is decoded, and its length
+    again on what decoding gave.
+
+    Attributes:
+        max_bytes: Encoded bytes per file.
+        max_seconds: Length per file.
+        max_channels: Channels per file.
+        min_sample_rate: The lowest sample rate taken (Hz).
+        max_sample_rate: The highest sample rate taken (Hz).
+    """
+
+    max_bytes: int = 20 * 1024 * 1024
+    max_seconds: float = 1800.0
+    max_channels: int = 8
+    min_sample_rate: int = 8000
+    max_sample_rate: int = 192000
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Settings of one server. Each is checked as the config is made, in
     one place (``config_checks.py``); a bad one is a :class:`SettingError`
@@ -136,6 +159,9 @@ class ServerConfig:
             no ``video_fps``.
         max_video_frames: Most frames sampled per video (a request's
             ``video_max_frames`` may ask for fewer, not more).
+        max_audio_bytes: Encoded bytes per audio file.
+        max_audio_seconds: Length per audio file, from its header; longer
+            is a 400 before it is decoded.
         max_prompt_tokens: Most prompt tokens, images included; None: the
             model's context length from its config.
         request_timeout: Seconds a request may take after its body is read
@@ -179,9 +205,11 @@ class ServerConfig:
             ``chat`` (mlx-vlm's generation, the chat and completion
             routes), ``embedding`` (mlx-vlm's embedding loader,
             ``/v1/embeddings``), ``rerank`` (mlx-vlm's reranker loader,
-            ``/v1/rerank``) or ``speech`` (mlx-audio's text-to-speech
-            loader, ``/v1/audio/speech``). A model of one kind named on another's
-            route is a 400.
+            ``/v1/rerank``), ``transcription`` (mlx-audio's speech-to-text
+            loader, ``/v1/audio/transcriptions`` and
+            ``/v1/audio/translations``) or ``speech`` (mlx-audio's
+            text-to-speech loader, ``/v1/audio/speech``). A model of one
+            kind named on another's route is a 400.
         load_on_first_use: Load each model when its first request arrives
             (that request, and any that come meanwhile, wait for the one
             load) instead of at start-up.
@@ -274,6 +302,8 @@ class ServerConfig:
     max_video_pixels: int = 1920 * 1080
     video_fps: float = 2.0
     max_video_frames: int = 32
+    max_audio_bytes: int = 20 * 1024 * 1024
+    max_audio_seconds: float = 1800.0
     max_prompt_tokens: int | None = None
     request_timeout: float | None = 600.0
     stream_write_interval: float = 0.02
@@ -392,6 +422,13 @@ class ServerConfig:
             max_pixels=self.max_video_pixels,
             fps=self.video_fps,
             max_frames=self.max_video_frames,
+        )
+
+    @property
+    def audio_limits(self) -> AudioLimits:
+        """The audio settings, as the audio decoder takes them."""
+        return AudioLimits(
+            max_bytes=self.max_audio_bytes, max_seconds=self.max_audio_seconds
         )
 
     @property

@@ -86,7 +86,8 @@ def check_config(config: ServerConfig) -> None:
     for name in ("max_videos", "max_video_bytes", "max_video_pixels"):
         _at_least(config, name, 1)
     _at_least(config, "max_video_frames", 2)  # a temporal patch is two frames
-    for name in ("max_video_seconds", "video_fps"):
+    _at_least(config, "max_audio_bytes", 1)
+    for name in ("max_video_seconds", "video_fps", "max_audio_seconds"):
         _seconds(config, name, positive=True, finite=True)
     for name in ("prompt_cache_bytes", "image_cache_bytes"):
         _at_least(config, name, 0, optional=True)
@@ -171,7 +172,7 @@ CHAT_SETTINGS = frozenset(
 )
 
 #: The kinds of model a server serves, each through its own routes.
-MODEL_KINDS = ("chat", "embedding", "rerank", "speech")
+MODEL_KINDS = ("chat", "embedding", "rerank", "transcription", "speech")
 
 
 def _check_kind(config: ServerConfig) -> None:

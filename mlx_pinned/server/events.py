@@ -137,6 +137,14 @@ class SamplingParams:
             return True
         return not self.ignore_eos and token in self.eos_token_ids
 
+    def stop_token(self, token: int) -> int | None:
+        """``token`` where it ends the generation as a stop token, not as an
+        end of turn (vLLM's ``stop_reason``: an end of turn comes first,
+        unless ``ignore_eos``); None otherwise."""
+        if not self.ignore_eos and token in self.eos_token_ids:
+            return None
+        return token if token in self.stop_token_ids else None
+
     @property
     def held_token_ids(self) -> tuple[int, ...]:
         """The tokens kept off until ``min_tokens``: every end of turn and
@@ -299,8 +307,9 @@ class FinalEvent:
         cached_tokens: Prompt tokens taken from the prompt cache, not
             prefilled (OpenAI's ``usage.prompt_tokens_details``); the
             answer is the same either way, so events compare equal.
-        stop_sequence: The stop string that ended the generation (None: it
-            ended otherwise).
+        stop_reason: What ended a ``stop`` (vLLM's ``stop_reason``): the
+            stop string, or the stop token's id (``stop_token_ids``); None
+            for an end of turn and for ``length``.
         prompt_logprobs: The prompt's tokens with their log-probabilities
             (the first's None: nothing comes before it), when asked for
             (``SamplingParams.prompt_logprobs``); empty otherwise.
@@ -317,10 +326,16 @@ class FinalEvent:
     prefill_seconds: float = field(default=0.0, compare=False)
     decode_seconds: float = field(default=0.0, compare=False)
     cached_tokens: int = field(default=0, compare=False)
-    stop_sequence: str | None = None
+    stop_reason: int | str | None = None
     prompt_logprobs: tuple[PromptLogprob, ...] = field(default=(), compare=False)
     accepted_prediction_tokens: int = field(default=0, compare=False)
     rejected_prediction_tokens: int = field(default=0, compare=False)
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the generation (None: it ended
+        otherwise)."""
+        return self.stop_reason if isinstance(self.stop_reason, str) else None
 
 
 Event = TokenEvent | FinalEvent

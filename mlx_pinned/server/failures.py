@@ -15,6 +15,7 @@ later).
 from __future__ import annotations
 
 __all__ = [
+    "AudioRefusedError",
     "ImageRefusedError",
     "ImagesUnsupportedError",
     "InvalidGrammarError",
@@ -81,6 +82,11 @@ class ImageRefusedError(MediaRefusedError):
 class VideoRefusedError(MediaRefusedError):
     """A video the server cannot use: over a limit, undecodable, or sent to a
     model that takes none; ``index`` counts videos only."""
+
+
+class AudioRefusedError(MediaRefusedError):
+    """An audio file the server cannot use: over a limit, or undecodable;
+    ``index`` counts audio files only."""
 
 
 class ImagesUnsupportedError(RequestError):

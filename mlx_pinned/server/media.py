@@ -1,5 +1,5 @@
-"""A request's images and videos, as plain values: where each one is, and
-a video once decoded.
+"""A request's images, videos and audio, as plain values: where each one
+is, and a video or an audio file once decoded.
 
 A shared module: no Starlette, no pydantic, no MLX. The HTTP side makes an
 :class:`ImageRef` or a :class:`VideoRef` per part of a request, in prompt
@@ -20,7 +20,15 @@ if TYPE_CHECKING:
     import numpy as np
     from PIL import Image
 
-__all__ = ["ImageRef", "LoadImages", "LoadVideos", "Video", "VideoRef"]
+__all__ = [
+    "Audio",
+    "ImageRef",
+    "LoadAudio",
+    "LoadImages",
+    "LoadVideos",
+    "Video",
+    "VideoRef",
+]
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,28 @@ class Video:
         }
 
 
+@dataclass(frozen=True, eq=False)
+class Audio:
+    """A decoded audio file.
+
+    Attributes:
+        samples: Mono float32 samples.
+        sample_rate: Their rate (Hz): the rate the model takes.
+        seconds: Its length.
+        digest: A content hash of the samples (what the caches key on).
+    """
+
+    samples: np.ndarray[Any, Any]
+    sample_rate: int
+    seconds: float
+    digest: str
+
+
 #: Decodes (and, where allowed, fetches) a request's videos, in order, off
 #: the event loop; raises :class:`~.failures.VideoRefusedError` for the first
 #: it cannot use.
 LoadVideos = Callable[[Sequence[VideoRef]], Awaitable[list[Video]]]
+
+#: Decodes an audio file's bytes to mono samples at a sample rate, off the
+#: event loop; raises :class:`~.failures.AudioRefusedError` when it cannot.
+LoadAudio = Callable[[bytes, int], Awaitable[Audio]]

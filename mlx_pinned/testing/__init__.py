@@ -19,8 +19,10 @@ tool-call format in :data:`TINY_TOOL_LM_TYPES` (:func:`make_tiny_lm` too).
 Embedding models (mlx-vlm's embedding loader, ``mlx_vlm.embedding_loader``)
 are listed in :data:`TINY_EMBEDDING_TYPES` (:func:`make_tiny_embedding`),
 rerankers (``mlx_vlm.reranker_loader``) in :data:`TINY_RERANKER_TYPES`
-(:func:`make_tiny_reranker`), text-to-speech models (mlx-audio's loader,
-``mlx_audio.tts.utils.load_model``) in :data:`TINY_SPEECH_TYPES`
+(:func:`make_tiny_reranker`), speech-to-text models (mlx-audio's loader,
+``mlx_audio.stt.utils.load_model``) in :data:`TINY_TRANSCRIPTION_TYPES`
+(:func:`make_tiny_transcription`), text-to-speech models (mlx-audio's
+loader, ``mlx_audio.tts.utils.load_model``) in :data:`TINY_SPEECH_TYPES`
 (:func:`make_tiny_speech`).
 ``import mlx_pinned.testing`` is cheap: MLX, mlx-vlm, ``tokenizers`` and
 Pillow are imported inside the functions that need them.
@@ -30,7 +32,8 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Final, TypeVar
+from collections.abc import Mapping
+from typing import Final
 
 from ._aya import AYA_VISION
 from ._bert import BERT, BERT_RERANKER
@@ -43,9 +46,10 @@ from ._mistral import MISTRAL3
 from ._qwen import _CHAT_TEMPLATE as _CHAT_TEMPLATE
 from ._qwen import QWEN2_5_VL, QWEN3, QWEN3_VL, SPECIAL_TOKENS
 from ._qwen3_5 import QWEN3_5
-from ._qwen3_tts import QWEN3_TTS, SpeechFamily
+from ._qwen3_tts import QWEN3_TTS
 from ._smolvlm import SMOLVLM
 from ._tool_families import TOOL_FAMILIES
+from ._whisper import WHISPER
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -55,21 +59,22 @@ __all__ = [
     "TINY_RERANKER_TYPES",
     "TINY_SPEECH_TYPES",
     "TINY_TOOL_LM_TYPES",
+    "TINY_TRANSCRIPTION_TYPES",
     "image_data_uri",
     "make_test_image",
     "make_tiny_embedding",
     "make_tiny_lm",
     "make_tiny_reranker",
     "make_tiny_speech",
+    "make_tiny_transcription",
     "make_tiny_vlm",
     "tiny_embedding_path",
     "tiny_lm_path",
     "tiny_reranker_path",
     "tiny_speech_path",
+    "tiny_transcription_path",
     "tiny_vlm_path",
 ]
-
-F = TypeVar("F")
 
 _VISION: Final = {
     family.model_type: family
@@ -103,10 +108,13 @@ TINY_EMBEDDING_TYPES: Final = tuple(_EMBEDDING)
 _RERANKER: Final = {family.model_type: family for family in (BERT_RERANKER,)}
 #: The reranker families :func:`make_tiny_reranker` writes (``bert``).
 TINY_RERANKER_TYPES: Final = tuple(_RERANKER)
-
+_TRANSCRIPTION: Final = {family.model_type: family for family in (WHISPER,)}
+#: The speech-to-text families :func:`make_tiny_transcription` writes
+#: (``whisper``).
+TINY_TRANSCRIPTION_TYPES: Final = tuple(_TRANSCRIPTION)
 _SPEECH: Final = {family.model_type: family for family in (QWEN3_TTS,)}
-
-#: The text-to-speech families :func:`make_tiny_speech` writes (``qwen3_tts``).
+#: The text-to-speech families :func:`make_tiny_speech` writes
+#: (``qwen3_tts``).
 TINY_SPEECH_TYPES: Final = tuple(_SPEECH)
 
 
@@ -267,6 +275,85 @@ def make_tiny_reranker(
     return _make(family, path, seed, overwrite)
 
 
+def make_tiny_transcription(
+    path: str | os.PathLike[str],
+    model_type: str = "whisper",
+    *,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """Write a tiny random-weight speech-to-text model that mlx-audio's
+    loader (``mlx_audio.stt.utils.load_model``) loads offline.
+
+    ``whisper``: mlx-audio's own Whisper class, multilingual (99 languages,
+    transcribe and translate), an 80-mel, 1-layer, 32-wide audio encoder
+    over Whisper's 30-second windows and a 2-layer, 32-wide text decoder of
+    64 positions (so a window's answer is at most 32 tokens), with a
+    vocabulary of Whisper's layout and size (51,865: the byte-level BPE
+    tokens, unused ones, the special tokens, the timestamps), about 1.7M
+    parameters. Greedy decoding picks text tokens only: it never ends a
+    window early, so each window's answer takes its 32 tokens. Written,
+    cached and replaced as :func:`make_tiny_vlm` does, on the calling
+    thread.
+
+    Args:
+        path: The folder to write. Its parent is created if missing.
+        model_type: One of :data:`TINY_TRANSCRIPTION_TYPES`.
+        seed: Seeds the weights. The same seed gives byte-identical files.
+        overwrite: Replace whatever is at ``path``.
+
+    Returns:
+        ``path`` as a :class:`pathlib.Path`, holding the model.
+
+    Raises:
+        FileExistsError: ``path`` holds something that is not a model written
+            by this module, and ``overwrite`` is false.
+        ValueError: ``model_type`` is not one of
+            :data:`TINY_TRANSCRIPTION_TYPES`.
+    """
+    family = _family(_TRANSCRIPTION, model_type, "make_tiny_transcription")
+    return _make(family, path, seed, overwrite)
+
+
+def make_tiny_speech(
+    path: str | os.PathLike[str],
+    model_type: str = "qwen3_tts",
+    *,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """Write a tiny random-weight text-to-speech model that mlx-audio's loader
+    (``mlx_audio.tts.utils.load_model``) loads offline.
+
+    ``qwen3_tts``: mlx-audio's own Qwen3-TTS CustomVoice classes, a 1-layer,
+    32-wide talker and code predictor making frames of 4 codes, its speech
+    tokenizer's decoder as the vocoder (1920 samples a frame at 24 kHz, 12.5
+    frames a second), the voices ``ryan``, ``serena`` and ``vivian``, and a
+    greedy generation config. Its end of speech is never picked, so it speaks
+    until the frame limit it is given, and the same text and voice always
+    give the same samples. Nothing is fetched at load or generation time.
+    Written, cached and replaced as :func:`make_tiny_vlm` does, on the
+    calling thread (the first call in a process imports mlx-audio and builds
+    the family's classes once, on a private thread).
+
+    Args:
+        path: The folder to write. Its parent is created if missing.
+        model_type: One of :data:`TINY_SPEECH_TYPES`.
+        seed: Seeds the weights. The same seed gives byte-identical files.
+        overwrite: Replace whatever is at ``path``.
+
+    Returns:
+        ``path`` as a :class:`pathlib.Path`, holding the model.
+
+    Raises:
+        FileExistsError: ``path`` holds something that is not a model written
+            by this module, and ``overwrite`` is false.
+        ValueError: ``model_type`` is not one of :data:`TINY_SPEECH_TYPES`.
+    """
+    family = _family(_SPEECH, model_type, "make_tiny_speech")
+    return _make(family, path, seed, overwrite)
+
+
 def tiny_vlm_path(model_type: str = "qwen3_vl") -> pathlib.Path:
     """Return the shared tiny vision model of a family (seed 0), writing it
     on first use.
@@ -311,45 +398,6 @@ def tiny_embedding_path(model_type: str = "bert") -> pathlib.Path:
     )
 
 
-def make_tiny_speech(
-    path: str | os.PathLike[str],
-    model_type: str = "qwen3_tts",
-    *,
-    seed: int = 0,
-    overwrite: bool = False,
-) -> pathlib.Path:
-    """Write a tiny random-weight text-to-speech model that mlx-audio's loader
-    (``mlx_audio.tts.utils.load_model``) loads offline.
-
-    ``qwen3_tts``: mlx-audio's own Qwen3-TTS CustomVoice classes, a 1-layer,
-    32-wide talker and code predictor making frames of 4 codes, its speech
-    tokenizer's decoder as the vocoder (1920 samples a frame at 24 kHz, 12.5
-    frames a second), the voices ``vivian``, ``ryan`` and ``serena``, and a
-    greedy generation config. Its end of speech is never picked, so it speaks
-    until the frame limit it is given, and the same text and voice always
-    give the same samples. Nothing is fetched at load or generation time.
-    Written, cached and replaced as :func:`make_tiny_vlm` does, on the
-    calling thread (the first call in a process imports mlx-audio and builds
-    the family's classes once, on a private thread).
-
-    Args:
-        path: The folder to write. Its parent is created if missing.
-        model_type: One of :data:`TINY_SPEECH_TYPES`.
-        seed: Seeds the weights. The same seed gives byte-identical files.
-        overwrite: Replace whatever is at ``path``.
-
-    Returns:
-        ``path`` as a :class:`pathlib.Path`, holding the model.
-
-    Raises:
-        FileExistsError: ``path`` holds something that is not a model written
-            by this module, and ``overwrite`` is false.
-        ValueError: ``model_type`` is not one of :data:`TINY_SPEECH_TYPES`.
-    """
-    family = _family(_SPEECH, model_type, "make_tiny_speech")
-    return _make(family, path, seed, overwrite)
-
-
 def tiny_reranker_path(model_type: str = "bert") -> pathlib.Path:
     """Return the shared tiny reranker of a family (seed 0), writing it on
     first use: ``tiny-reranker-<model_type>`` in the folder
@@ -361,6 +409,20 @@ def tiny_reranker_path(model_type: str = "bert") -> pathlib.Path:
     """
     return make_tiny_reranker(
         _cache() / f"tiny-reranker-{model_type}", model_type, seed=0
+    )
+
+
+def tiny_transcription_path(model_type: str = "whisper") -> pathlib.Path:
+    """Return the shared tiny speech-to-text model of a family (seed 0),
+    writing it on first use: ``tiny-transcription-<model_type>`` in the
+    folder :func:`tiny_vlm_path` uses. Calling thread; safe from any thread
+    or process at once.
+
+    Returns:
+        The model folder.
+    """
+    return make_tiny_transcription(
+        _cache() / f"tiny-transcription-{model_type}", model_type, seed=0
     )
 
 
@@ -381,7 +443,7 @@ def _cache() -> pathlib.Path:
     return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "mlx-pinned"
 
 
-def _family(known: dict[str, F], model_type: str, function: str) -> F:
+def _family(known: Mapping[str, Family], model_type: str, function: str) -> Family:
     try:
         return known[model_type]
     except KeyError:
@@ -391,10 +453,7 @@ def _family(known: dict[str, F], model_type: str, function: str) -> F:
 
 
 def _make(
-    family: Family | SpeechFamily,
-    path: str | os.PathLike[str],
-    seed: int,
-    overwrite: bool,
+    family: Family, path: str | os.PathLike[str], seed: int, overwrite: bool
 ) -> pathlib.Path:
     return write_folder(
         pathlib.Path(path),

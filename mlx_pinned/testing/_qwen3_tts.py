@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import functools
 import pathlib
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Final
 
+from ._family import Family
 from ._install import to_json
-from ._tokenizer import VOCAB_SIZE, ids, tokenizer_config, tokenizer_json
+from ._tokenizer import VOCAB_SIZE, ids, tokenizer_config
 from ._weights import parameter_specs, write_weights
 
-__all__ = ["QWEN3_TTS", "SpeechFamily"]
-
-# Bump when the files written change, so cached folders are rebuilt.
-FORMAT: Final = 2
+__all__ = ["QWEN3_TTS", "VOICES"]
 
 #: The text tokenizer's special tokens, in id order.
 SPECIAL_TOKENS: Final = (
@@ -139,7 +138,6 @@ def _vocoder_config() -> dict[str, Any]:
 
 def _files() -> dict[str, Any]:
     return {
-        "config.json": _config(),
         "tokenizer_config.json": tokenizer_config(
             SPECIAL_TOKENS, "", bos=None, eos="<|im_end|>", pad="<|endoftext|>"
         ),
@@ -166,35 +164,21 @@ def _build_vocoder(module: Any) -> Any:
     return module.Qwen3TTSSpeechTokenizer(Qwen3TTSTokenizerConfig(**config))
 
 
-class SpeechFamily:
-    """A tiny text-to-speech model of one mlx-audio family (Qwen3-TTS).
-
-    Attributes:
-        model_type: mlx-audio's name for it (``config.json``'s).
-        voices: The voices it speaks with.
-        sample_rate: Samples a second of its audio.
-    """
-
-    model_type = "qwen3_tts"
-    voices = VOICES
-    sample_rate = 24000
+@dataclass(frozen=True)
+class _Qwen3TTS(Family):
+    """A family of mlx-audio's text-to-speech models: its talker in
+    ``model.safetensors``, its vocoder in ``speech_tokenizer/``."""
 
     def marker(self, seed: int, sizes: dict[str, int]) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "generator": "mlx_pinned.testing.make_tiny_speech",
-            "mlx_audio": _version("mlx-audio"),
-            "model_type": self.model_type,
-            "seed": seed,
-            "files": sizes,
-        }
+        # mlx-audio's version too: its classes give the shapes.
+        return {**super().marker(seed, sizes), "mlx_audio": _version("mlx-audio")}
 
     def write(self, folder: pathlib.Path, seed: int) -> None:
-        """Write every file of the model into ``folder`` (not the marker)."""
         (folder / "speech_tokenizer").mkdir()
-        for name, value in _files().items():
+        files = {"config.json": self.config(), **self.files()}
+        for name, value in files.items():
             (folder / name).write_bytes(to_json(value))
-        (folder / "tokenizer.json").write_bytes(tokenizer_json(SPECIAL_TOKENS))
+        (folder / "tokenizer.json").write_bytes(self.tokenizer(self.specials))
         # The end of speech gets a zero logit, below the best random code's:
         # greedy decoding never picks it, and speaks until its frame limit.
         eos = _CODEC["codec_eos_token_id"]
@@ -225,4 +209,11 @@ def _version(package: str) -> str:
         return "unknown"
 
 
-QWEN3_TTS: Final = SpeechFamily()
+QWEN3_TTS: Final = _Qwen3TTS(
+    "qwen3_tts",
+    SPECIAL_TOKENS,
+    _config,
+    _files,
+    vision=False,
+    generator="make_tiny_speech",
+)

@@ -66,12 +66,15 @@ def write_weights(
     seed: int,
     specs: Specs,
     zero_rows: dict[str, Iterable[int]],
+    adjust: Callable[[str, Any], Any] | None = None,
 ) -> None:
     """Draw the weights from ``seed`` with NumPy and save them with MLX.
 
     Matrices are normal over the square root of their fan-in, biases zero,
     other vectors (norm scales) one. ``zero_rows``: rows set to zero per
     parameter (embedding rows of tokens greedy decoding must never pick).
+    ``adjust``: given each parameter's name and drawn value, returns the
+    value to save (a family's own touches).
 
     NumPy, not ``mx.random``: drawing MLX random numbers binds a stream to the
     calling thread (see :func:`parameter_specs`), and a NumPy generator is
@@ -92,6 +95,8 @@ def write_weights(
             value = np.ones(shape, dtype=np.float32)
         if name in zero_rows:
             value[list(zero_rows[name])] = 0.0
+        if adjust is not None:
+            value = adjust(name, value)
         # A mx.array made from host memory is already evaluated: no stream.
         weights[name] = mx.array(value)
     mx.save_safetensors(str(file), weights, metadata={"format": "mlx"})

@@ -89,7 +89,7 @@ def reference_stream(
     finally:
         inner.close()
     tail += matcher.flush()
-    yield FinalEvent(tail, finish, prompt_tokens, completion, stop_sequence=matcher.hit)
+    yield FinalEvent(tail, finish, prompt_tokens, completion, stop_reason=matcher.hit)
 
 
 def _logprobs(

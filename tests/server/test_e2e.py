@@ -4,10 +4,12 @@ free loopback port, driven by the official ``openai`` package."""
 from __future__ import annotations
 
 import asyncio
+import io
 import re
 import signal
 import sys
 import time
+import wave
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +22,7 @@ from mlx_pinned.server.cli import (
     DEMO_MODEL_NAME,
     DEMO_RERANK_NAME,
     DEMO_SPEECH_NAME,
+    DEMO_TRANSCRIPTION_NAME,
 )
 from mlx_pinned.server.engine.model import EXACT_FAMILIES
 from mlx_pinned.testing import TINY_MODEL_TYPES, image_data_uri, tiny_vlm_path
@@ -86,6 +89,7 @@ def test_the_demo_embeds_through_the_sdk_beside_its_chat_model(
         DEMO_EMBEDDING_NAME: "embedding",
         DEMO_RERANK_NAME: "rerank",
         DEMO_SPEECH_NAME: "speech",
+        DEMO_TRANSCRIPTION_NAME: "transcription",
     }
 
 
@@ -128,6 +132,25 @@ def test_the_demo_reranks_beside_its_chat_model(server: Server) -> None:
         "a cat on a table",
         "a blue sky",
     }
+
+
+@pytest.mark.slow
+def test_the_demo_transcribes_a_file_through_the_sdk(server: Server) -> None:
+    sound = io.BytesIO()
+    with wave.open(sound, "wb") as file:
+        file.setnchannels(1)
+        file.setsampwidth(2)
+        file.setframerate(16000)
+        file.writeframes(bytes(16000 * 2))  # a second of silence
+    client = server.client()
+    answer = client.audio.transcriptions.create(
+        model=DEMO_TRANSCRIPTION_NAME,
+        file=("silence.wav", sound.getvalue()),
+        temperature=0.2,
+    )
+    assert answer.text
+    assert answer.usage is not None
+    assert answer.usage.seconds == 1
 
 
 def test_streaming_sync_with_usage(server: Server) -> None:

@@ -81,6 +81,32 @@ def vectors(response: httpx.Response) -> list[list[float]]:
     return [item["embedding"] for item in data]
 
 
+async def test_langchain_embeds_documents_and_queries(
+    serve_embedding: ServeEmbedding,
+) -> None:
+    """LangChain's ``OpenAIEmbeddings`` sends the texts themselves
+    (``check_embedding_ctx_length=False``: its default cuts them with
+    tiktoken, whose files are downloaded at run time) as base64."""
+    from langchain_openai import OpenAIEmbeddings
+
+    async with serve_embedding() as served:
+        embedder = OpenAIEmbeddings(
+            model=MODEL,
+            base_url="http://test/v1",
+            api_key="unused",  # type: ignore[arg-type]
+            http_async_client=served.client,
+            check_embedding_ctx_length=False,
+            chunk_size=2,  # two requests of two texts, and one of one
+        )
+        documents = await embedder.aembed_documents(list(TEXTS[:3]))
+        query = await embedder.aembed_query(TEXTS[0])
+        direct = vectors(await embed(served, input=list(TEXTS[:3])))
+    assert len(documents) == 3
+    assert query == pytest.approx(documents[0], abs=1e-6)
+    for got, expected in zip(documents, direct, strict=True):
+        assert got == pytest.approx(expected, abs=1e-6)
+
+
 async def test_the_openai_sdk_embeds_texts_as_unit_vectors(
     serve_embedding: ServeEmbedding,
 ) -> None:

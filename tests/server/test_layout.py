@@ -32,6 +32,7 @@ SHARED = {
     "grammars",
     "limits",
     "encoders",
+    "transcripts",
     "media",
     "speech",
 }

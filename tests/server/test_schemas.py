@@ -285,6 +285,7 @@ class TestResponses:
             "message": {"role": "assistant", "content": "hi", "refusal": None},
             "logprobs": None,
             "finish_reason": "stop",
+            "stop_reason": None,  # vLLM's
         }
         assert data["usage"]["total_tokens"] == 4
 

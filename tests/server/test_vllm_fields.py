@@ -188,7 +188,9 @@ class TestSpeculative:
         on = thread.run_sync(drafting)
         for mine, solo in zip(interleaved(thread, on, reqs), off, strict=True):
             assert max_logprob_difference(mine, solo) <= TOL
+            assert final(mine).stop_reason == final(solo).stop_reason
         assert on.statistics().accepted_tokens > 0
+        assert final(off[0]).stop_reason == ids[10]  # vLLM's, the stop token
         assert len(tokens(off[2])) == 20  # min_tokens is max_tokens
         # A row that bars bad words reads its last tokens: it never drafts.
         banned = [echo(3, 16, bad_words=("two", "three one"))]

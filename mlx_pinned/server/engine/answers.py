@@ -97,7 +97,8 @@ class RowAnswer:
             if item.eos:  # an end of turn or a stop token: not counted
                 tail = self._add(item.token) if self._include_stop else ""
                 tail, _ = self._stops.feed(tail + self._text.finish())
-                items.append(self._final(tail, "stop"))
+                stop_token = row.sampling.stop_token(item.token)
+                items.append(self._final(tail, "stop", stop_token))
                 return items, True
             text = self._add(item.token)
             self._completion += 1
@@ -127,7 +128,11 @@ class RowAnswer:
         (``skip_special_tokens``)."""
         return "" if token in self._skipped else self._text.add(token)
 
-    def _final(self, tail: str, finish: FinishReason) -> FinalEvent:
+    def _final(
+        self, tail: str, finish: FinishReason, stop_token: int | None = None
+    ) -> FinalEvent:
+        """The final event; ``stop_token``: the stop token that ended it
+        (a stop string that ended it is its ``stop_reason`` first)."""
         tail += self._stops.flush()  # held back as a possible stop string
         end = time.perf_counter()
         first = self._first_token_at or end
@@ -139,7 +144,7 @@ class RowAnswer:
             prefill_seconds=first - self._start,
             decode_seconds=end - first,
             cached_tokens=self.row.cached,
-            stop_sequence=self._stops.hit,
+            stop_reason=stop_token if self._stops.hit is None else self._stops.hit,
             prompt_logprobs=self._prompt_logprobs(),
             accepted_prediction_tokens=self.row.predicted[1],
             rejected_prediction_tokens=self.row.predicted[0] - self.row.predicted[1],

@@ -42,6 +42,7 @@ __all__ = [
     "Encoded",
     "PassQueue",
     "input_limit",
+    "kv_free_counters",
     "padded",
     "queue_counters",
 ]
@@ -231,13 +232,19 @@ def input_limit(config: dict[str, Any], tokenizer: Any) -> int:
 
 def queue_counters(queue: PassQueue) -> EngineCounters:
     """An encoder model's counters: its inputs waiting as rows, its passes
-    as steps; it holds no KV. Any thread."""
+    as steps. Any thread."""
+    return kv_free_counters(queue.waiting, queue.passes)
+
+
+def kv_free_counters(rows: int, steps: int) -> EngineCounters:
+    """The counters of a model that holds no KV between its steps (an
+    encoder's passes, a speech model's windows)."""
     return EngineCounters(
-        rows=queue.waiting,
+        rows=rows,
         kv_bytes=0,
         prompt_cache_hits=0,
         prompt_cache_misses=0,
         prompt_cache_reused_tokens=0,
         prompt_cache_bytes=0,
-        decode_steps=queue.passes,
+        decode_steps=steps,
     )

@@ -12,6 +12,7 @@ streaming state on the model, so one model speaks for one request at a time
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import time
@@ -24,11 +25,13 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import mlx.core as mx
 import numpy as np
 
-from ..events import EngineCounters
 from ..speech import SpeechChunk, SpeechParams
+from .passes import kv_free_counters
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
+
+    from ..events import EngineCounters
 
 __all__ = [
     "CHUNK_FRAMES",
@@ -235,16 +238,8 @@ class SpeechEngine:
     def counters(self) -> EngineCounters:
         """Generations speaking as its rows, frames made as its decoded
         tokens and pieces as its steps; it holds no KV. Any thread."""
-        return EngineCounters(
-            rows=self.speaking,
-            kv_bytes=0,
-            prompt_cache_hits=0,
-            prompt_cache_misses=0,
-            prompt_cache_reused_tokens=0,
-            prompt_cache_bytes=0,
-            decode_steps=self.pieces,
-            decoded_tokens=self.frames,
-        )
+        counters = kv_free_counters(self.speaking, self.pieces)
+        return dataclasses.replace(counters, decoded_tokens=self.frames)
 
     async def speak(self, params: SpeechParams) -> AsyncGenerator[SpeechChunk, None]:
         """See :meth:`~..speech.SpeechEngine.speak`."""

@@ -45,6 +45,7 @@ from .serving_common import RequestT, Serving, check_media
 from .slots import Capabilities
 from .wire import (
     OPENAI_ERRORS,
+    Body,
     Disconnected,
     ErrorShape,
     RequestLog,
@@ -122,7 +123,7 @@ class ModelEndpoint(ABC):
 
     @abstractmethod
     async def handle(
-        self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
+        self, body: Body, response: ResponseWriter, log: RequestLog, images: list[str]
     ) -> None:
         """Parse ``body``, use the model through :meth:`model` (and
         :meth:`generation`), and write the answer; raise for any error (the
@@ -161,7 +162,7 @@ class ModelEndpoint(ABC):
                 self.metrics.observe(log)
 
     async def _answer(
-        self, body: bytes, response: ResponseWriter, log: RequestLog
+        self, body: Body, response: ResponseWriter, log: RequestLog
     ) -> None:
         """Handle the request; every error becomes an answer (none escapes)."""
         images: list[str] = []

@@ -14,6 +14,10 @@ loop.
   (:data:`~..grammars.GRAMMARS`) and enforced by the same matcher. At most
   one may be set; a ``grammar`` is an llguidance Lark grammar (vLLM's
   guidance backend's syntax).
+- ``stop_reason``: beside a choice's ``finish_reason``, what ended it
+  (:attr:`~..events.FinalEvent.stop_reason`: the stop token's id or the
+  stop string; null for an end of turn or ``length``). A stream chunk
+  carries it only with its ``finish_reason``, as vLLM's chat chunks do.
 - ``prompt_logprobs``: the engine computes them in the prompt's prefill
   (:class:`~..events.PromptLogprob`, one per prompt token); each becomes
   vLLM's entry: ``null`` for the first token, else ``{token id:
@@ -27,7 +31,14 @@ import json
 from collections.abc import Sequence
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from ..events import Grammar, PromptLogprob
 from .errors import APIError
@@ -35,6 +46,8 @@ from .protocol_common import RequestBody, unsupported
 
 __all__ = [
     "PromptTokenLogprob",
+    "StopReason",
+    "StopReasonChoice",
     "StructuredOutputFields",
     "StructuredOutputs",
     "VLLMPromptLogprobs",
@@ -161,6 +174,24 @@ def conflict(param: str, other: str) -> APIError:
         param=param,
         code="invalid_value",
     )
+
+
+#: vLLM's ``stop_reason``: the stop token's id or the stop string that
+#: ended a choice; null when it ended otherwise.
+StopReason = int | str | None
+
+
+class StopReasonChoice(BaseModel):
+    """A choice that has vLLM's ``stop_reason`` (its subclass declares the
+    field after ``finish_reason``): written where ``finish_reason`` is set,
+    left out of a stream chunk that has none."""
+
+    @model_serializer(mode="wrap")
+    def _stop_reason_with_finish(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if data.get("finish_reason") is None:
+            data.pop("stop_reason", None)
+        return data
 
 
 class PromptTokenLogprob(BaseModel):

@@ -31,6 +31,7 @@ __all__ = [
     "DRAIN_FACTOR",
     "DRAIN_SECONDS",
     "OPENAI_ERRORS",
+    "Body",
     "Disconnected",
     "ErrorShape",
     "RequestLog",
@@ -147,19 +148,23 @@ class ResponseWriter:
     async def json(
         self, body: bytes, status: int = 200, extra: Sequence[tuple[bytes, bytes]] = ()
     ) -> None:
+        await self.whole(body, _JSON_HEADERS, status, extra)
+
+    async def whole(
+        self,
+        body: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        status: int = 200,
+        extra: Sequence[tuple[bytes, bytes]] = (),
+    ) -> None:
+        """The whole response: ``body``, with its ``headers`` (its type)."""
         length = (b"content-length", str(len(body)).encode())
-        await self._start(status, [*_JSON_HEADERS, length, *extra])
+        await self._start(status, [*headers, length, *extra])
         await self.send(body, more=False)
 
     async def start_stream(self, first: bytes) -> None:
         await self._start(200, _SSE_HEADERS)
         await self.send(first)
-
-    async def file(self, body: bytes, media_type: bytes) -> None:
-        """A whole answer of another type than JSON (audio)."""
-        length = (b"content-length", str(len(body)).encode())
-        await self._start(200, [(b"content-type", media_type), length])
-        await self.send(body, more=False)
 
     async def start_file_stream(self, media_type: bytes, first: bytes) -> None:
         """Begin an answer of another type than JSON, sent as it is made."""
@@ -199,7 +204,19 @@ DRAIN_FACTOR = 4
 DRAIN_SECONDS = 5.0
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+class Body(bytes):
+    """A request body, and the media type its ``Content-Type`` declares
+    (with its parameters: a multipart form's boundary)."""
+
+    content_type: str
+
+    def __new__(cls, data: bytes, content_type: str = "") -> Body:
+        body = super().__new__(cls, data)
+        body.content_type = content_type
+        return body
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> Body:
     """The request body, refused with 413 once it passes ``limit``.
 
     Before the 413, the rest of the body is read and dropped, within
@@ -215,7 +232,8 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         code="request_too_large",
     )
     drain = limit * DRAIN_FACTOR
-    length = dict(scope["headers"]).get(b"content-length")
+    headers = dict(scope["headers"])
+    length = headers.get(b"content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         if int(length) <= drain:
             await _drain(receive, drain)
@@ -235,7 +253,8 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             raise too_large
         chunks.append(body)
         if not more:
-            return b"".join(chunks)
+            declared = headers.get(b"content-type", b"").decode("latin-1")
+            return Body(b"".join(chunks), declared)
 
 
 async def _drain(receive: Receive, budget: int) -> None:

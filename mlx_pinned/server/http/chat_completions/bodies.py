@@ -18,7 +18,7 @@ from pydantic import (
     model_serializer,
 )
 
-from ..vllm_extensions import VLLMPromptLogprobs
+from ..vllm_extensions import StopReason, StopReasonChoice, VLLMPromptLogprobs
 from ..wire import random_hex, sse_event
 
 __all__ = [
@@ -139,13 +139,14 @@ class ResponseMessage(_Response):
         return data
 
 
-class Choice(_Response):
+class Choice(_Response, StopReasonChoice):
     """The one choice of a non-streamed completion."""
 
     index: int = 0
     message: ResponseMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: WireFinishReason
+    stop_reason: StopReason = None  # vLLM's
 
 
 class ChatCompletion(_Response):
@@ -190,13 +191,15 @@ class Delta(_Response):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChunkChoice(_Response):
-    """The one choice of a stream chunk."""
+class ChunkChoice(_Response, StopReasonChoice):
+    """The one choice of a stream chunk; the last has ``finish_reason`` and
+    ``stop_reason``."""
 
     index: int = 0
     delta: Delta
     logprobs: ChoiceLogprobs | None = None
     finish_reason: WireFinishReason | None = None
+    stop_reason: StopReason = None  # vLLM's, only with finish_reason
 
 
 class ChatCompletionChunk(_Response):

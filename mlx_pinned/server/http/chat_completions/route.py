@@ -89,6 +89,7 @@ class ChatCompletionsEndpoint(GenerationEndpoint[ChatCompletionRequest]):
             message=message,
             logprobs=ChoiceLogprobs(content=logprobs) if request.logprobs else None,
             finish_reason=reason,
+            stop_reason=final.stop_reason,
         )
         completion = ChatCompletion(
             id=chunk_id,
@@ -130,7 +131,9 @@ class ChatCompletionsEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         else:
             tail = [parsed_chunks(chunks, last_parts(parser, final.text, final))]
             reason = finish_reason(final.finish_reason, parser.called)
-        done = ChunkChoice(delta=Delta(), finish_reason=reason)
+        done = ChunkChoice(
+            delta=Delta(), finish_reason=reason, stop_reason=final.stop_reason
+        )
         tail.append(chunks.chunk([done]))
         if request.include_usage:
             predicted = reply.request.prediction is not None

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...events import FinalEvent, FinishReason, TokenEvent
-from ..vllm_extensions import VLLMPromptLogprobs
+from ..vllm_extensions import StopReason, StopReasonChoice, VLLMPromptLogprobs
 from ..wire import random_hex, sse_event
 
 __all__ = [
@@ -46,15 +46,38 @@ class Logprobs(_Response):
     text_offset: list[int]
 
 
-class CompletionChoice(_Response):
+class CompletionChoice(_Response, StopReasonChoice):
+    """A choice of a whole answer, or of a chunk (the last of a choice's
+    chunks has ``finish_reason`` and ``stop_reason``)."""
+
     text: str
     index: int
     logprobs: Logprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: StopReason = None  # vLLM's, only with finish_reason
     # vLLM's, only when asked for (left out otherwise).
     prompt_logprobs: VLLMPromptLogprobs | None = Field(
         default=None, exclude_if=lambda logprobs: logprobs is None
     )
+
+    @classmethod
+    def ending(
+        cls,
+        index: int,
+        text: str,
+        final: FinalEvent | None,
+        logprobs: Logprobs | None = None,
+        prompt_logprobs: VLLMPromptLogprobs | None = None,
+    ) -> CompletionChoice:
+        """A choice that ended as ``final`` says (None: not yet, a chunk's)."""
+        return cls(
+            text=text,
+            index=index,
+            logprobs=logprobs,
+            finish_reason=None if final is None else final.finish_reason,
+            stop_reason=None if final is None else final.stop_reason,
+            prompt_logprobs=prompt_logprobs,
+        )
 
 
 class Usage(_Response):
@@ -176,12 +199,10 @@ class ChunkWriter:
         index: int,
         text: str,
         logprobs: Logprobs | None = None,
-        finish_reason: FinishReason | None = None,
+        final: FinalEvent | None = None,
     ) -> bytes:
-        """A chunk of choice ``index``."""
-        choice = CompletionChoice(
-            text=text, index=index, logprobs=logprobs, finish_reason=finish_reason
-        )
+        """A chunk of choice ``index``; its last (``final``: how it ended)."""
+        choice = CompletionChoice.ending(index, text, final, logprobs)
         return self._sse(self._completion([choice]).model_dump())
 
     def usage(self, value: Usage) -> bytes:

@@ -135,14 +135,12 @@ class CompletionsEndpoint(ModelEndpoint):
                 created=created,
                 model=served.name,
                 choices=[
-                    CompletionChoice(
-                        text=echo + "".join(choice.text),
-                        index=index,
-                        logprobs=choice.whole(),
-                        finish_reason=choice.final.finish_reason
-                        if choice.final
-                        else None,
-                        prompt_logprobs=_prompt_logprobs(request, choice.final),
+                    CompletionChoice.ending(
+                        index,
+                        echo + "".join(choice.text),
+                        choice.final,
+                        choice.whole(),
+                        _prompt_logprobs(request, choice.final),
                     )
                     for index, (choice, echo) in enumerate(
                         zip(choices, prepared.echoes, strict=True)
@@ -166,7 +164,7 @@ class CompletionsEndpoint(ModelEndpoint):
             log.record(event)
             text, logprobs = choices[index].add(event)
             if isinstance(event, FinalEvent):
-                out.append(writer.chunk(index, text, None, event.finish_reason))
+                out.append(writer.chunk(index, text, None, event))
             elif text or logprobs is not None:
                 out.append(writer.chunk(index, text, logprobs))
         return out

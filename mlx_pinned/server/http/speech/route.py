@@ -107,7 +107,7 @@ class SpeechEndpoint(ModelEndpoint):
             answer = encoded(fmt, pcm, rate)
         else:  # an encoder's work: off the loop, which every stream waits on
             answer = await anyio.to_thread.run_sync(encoded, fmt, pcm, rate)
-        await response.file(answer, MEDIA_TYPES[fmt])
+        await response.whole(answer, [(b"content-type", MEDIA_TYPES[fmt])])
 
     async def _audio(
         self,

@@ -1,0 +1,159 @@
+"""Untrusted audio files, decoded to mono float32 samples with miniaudio.
+
+The formats are those miniaudio decodes: WAV, MP3, FLAC and Ogg Vorbis,
+told apart by their first bytes (never by a name or a MIME type a client
+sent). Every limit is checked as early as it can be: the encoded size
+first, then the header (channels, sample rate, frame count, so its length)
+before a sample is decoded, so a small file that claims two hours is
+refused without decoding it; the length again on what decoding gave (a
+header that lies short). Decoding mixes the channels down and resamples to
+the model's rate in the same pass.
+
+Decoding is CPU work that does not touch MLX: :func:`load_audio` runs it in
+a worker thread, off the event loop and off the MLX thread, under the
+image decoders' bound.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from ..config import AudioLimits
+from ..failures import AudioRefusedError
+from ..media import Audio
+from ._load import decoders
+
+__all__ = ["FORMATS", "decode_audio", "load_audio"]
+
+#: The formats taken, as OpenAI names them.
+FORMATS = ("wav", "mp3", "flac", "ogg")
+
+
+async def load_audio(data: bytes, sample_rate: int, *, limits: AudioLimits) -> Audio:
+    """:func:`decode_audio` in a worker thread, under the decoders' bound
+    (a :data:`~..media.LoadAudio`, once ``limits`` are given). Event loop."""
+    return await anyio.to_thread.run_sync(
+        lambda: decode_audio(data, limits, sample_rate=sample_rate),
+        limiter=decoders(),
+    )
+
+
+def decode_audio(
+    data: bytes, limits: AudioLimits, *, sample_rate: int, index: int = 0
+) -> Audio:
+    """Decode one audio file to mono float32 samples at ``sample_rate``.
+
+    Runs on the calling thread; pure CPU, never touches MLX.
+
+    Args:
+        data: The file's bytes.
+        limits: The limits it must keep.
+        sample_rate: The rate to resample to (the model's).
+        index: Which audio file of the request it is, for the error.
+
+    Raises:
+        AudioRefusedError: Empty, over a limit, not a format taken, or not
+            decodable; the message says which.
+    """
+
+    def refuse(message: str, code: str = "invalid_audio") -> AudioRefusedError:
+        return AudioRefusedError(message, index=index, code=code)
+
+    if not data:
+        raise refuse("the file is empty; send a WAV, MP3, FLAC or Ogg Vorbis file.")
+    if len(data) > limits.max_bytes:
+        raise refuse(
+            f"the file has {len(data)} bytes, more than this server's limit of "
+            f"{limits.max_bytes}.",
+            "audio_too_large",
+        )
+    kind = _kind(data)
+    if kind is None:
+        raise refuse(
+            "the file is not in a format this server decodes (WAV, MP3, FLAC or "
+            "Ogg Vorbis)."
+        )
+    info = _info(kind, data)
+    if info is None:
+        raise refuse(f"the file's {kind.upper()} header cannot be read.")
+    _check_header(info, limits, refuse)
+    import miniaudio
+
+    try:
+        decoded = miniaudio.decode(
+            data,
+            output_format=miniaudio.SampleFormat.FLOAT32,
+            nchannels=1,
+            sample_rate=sample_rate,
+        )
+    except miniaudio.MiniaudioError:
+        raise refuse(f"the {kind.upper()} data cannot be decoded.") from None
+    samples = np.frombuffer(decoded.samples, dtype=np.float32).copy()
+    seconds = len(samples) / sample_rate
+    if not len(samples):
+        raise refuse("the file holds no audio.")
+    if seconds > limits.max_seconds:  # a header that said less
+        raise refuse(_too_long(seconds, limits), "audio_too_long")
+    if not np.isfinite(samples).all():
+        raise refuse("the file decodes to samples that are not numbers.")
+    digest = hashlib.sha256(samples.tobytes()).hexdigest()
+    return Audio(samples, sample_rate, seconds, digest)
+
+
+def _kind(data: bytes) -> str | None:
+    """The format, from the file's first bytes."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        return "wav"
+    if data[:4] == b"fLaC":
+        return "flac"
+    if data[:4] == b"OggS":
+        return "ogg"
+    # An ID3 tag, or an MPEG audio frame's sync word (11 bits set).
+    if data[:3] == b"ID3" or (len(data) > 1 and data[0] == 0xFF and data[1] >= 0xE0):
+        return "mp3"
+    return None
+
+
+def _info(kind: str, data: bytes) -> Any:
+    """miniaudio's reading of the header (None: it cannot read one)."""
+    import miniaudio
+
+    read = {
+        "wav": miniaudio.wav_get_info,
+        "mp3": miniaudio.mp3_get_info,
+        "flac": miniaudio.flac_get_info,
+        "ogg": miniaudio.vorbis_get_info,
+    }[kind]
+    try:
+        return read(data)
+    except miniaudio.MiniaudioError:
+        return None
+
+
+def _check_header(info: Any, limits: AudioLimits, refuse: Any) -> None:
+    rate, channels = int(info.sample_rate), int(info.nchannels)
+    if not 1 <= channels <= limits.max_channels:
+        raise refuse(
+            f"the file has {channels} channels; this server takes 1 to "
+            f"{limits.max_channels}."
+        )
+    if not limits.min_sample_rate <= rate <= limits.max_sample_rate:
+        raise refuse(
+            f"the file's sample rate is {rate} Hz; this server takes "
+            f"{limits.min_sample_rate} to {limits.max_sample_rate} Hz."
+        )
+    seconds = int(info.num_frames) / rate
+    if seconds > limits.max_seconds:
+        raise refuse(_too_long(seconds, limits), "audio_too_long")
+
+
+def _too_long(seconds: float, limits: AudioLimits) -> str:
+    return (
+        f"the file is {seconds:.1f} seconds long, more than this server's limit "
+        f"of {limits.max_seconds:g} seconds."
+    )
