@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, ClassVar, cast
 
@@ -72,9 +72,6 @@ class SpeechEndpoint(ModelEndpoint):
         async with self.resident(name, log) as (served, engine):
             yield served, cast("SpeechEngine", engine)
 
-    def error_for(self, exc: BaseException, images: Sequence[str]) -> APIError | None:
-        return super().error_for(exc, ())
-
     async def handle(
         self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
     ) -> None:
@@ -101,7 +98,7 @@ class SpeechEndpoint(ModelEndpoint):
         log: RequestLog,
     ) -> None:
         """The whole file, once the generation ended."""
-        pcm = b"".join([chunk.pcm async for chunk in _counted(chunks, log)])
+        pcm = b"".join([_counted(chunk, log).pcm async for chunk in chunks])
         fmt, rate = request.response_format, engine.sample_rate
         if fmt in STREAMED:  # a header at most
             answer = encoded(fmt, pcm, rate)
@@ -121,7 +118,8 @@ class SpeechEndpoint(ModelEndpoint):
         head = audio_head(request.response_format, engine.sample_rate, None)
         media = MEDIA_TYPES[request.response_format]
         response.errors = _AUDIO_STREAM_ERRORS
-        async for chunk in _counted(chunks, log):
+        async for chunk in chunks:
+            _counted(chunk, log)
             if not response.started:
                 await response.start_file_stream(media, head + chunk.pcm)
             else:
@@ -140,7 +138,8 @@ class SpeechEndpoint(ModelEndpoint):
     ) -> None:
         """OpenAI's events: a delta a piece, then the usage."""
         head = audio_head(request.response_format, engine.sample_rate, None)
-        async for chunk in _counted(chunks, log):
+        async for chunk in chunks:
+            _counted(chunk, log)
             delta = _delta((head if not response.started else b"") + chunk.pcm)
             if not response.started:
                 await response.start_stream(delta)
@@ -157,18 +156,15 @@ class SpeechEndpoint(ModelEndpoint):
         await response.send(sse_event(done), more=False)
 
 
-async def _counted(
-    chunks: AsyncIterator[SpeechChunk], log: RequestLog
-) -> AsyncIterator[SpeechChunk]:
-    """``chunks``, counted in ``log`` as they come (text tokens as the
+def _counted(chunk: SpeechChunk, log: RequestLog) -> SpeechChunk:
+    """``chunk``, counted in ``log`` as it comes (text tokens as the
     prompt's, audio frames as the completion's, the first piece's time as
     the first token's)."""
-    async for chunk in chunks:
-        log.last_token = time.perf_counter()
-        log.first_token = log.first_token or log.last_token
-        log.prompt_tokens = chunk.input_tokens
-        log.completion_tokens += chunk.frames
-        yield chunk
+    log.last_token = time.perf_counter()
+    log.first_token = log.first_token or log.last_token
+    log.prompt_tokens = chunk.input_tokens
+    log.completion_tokens += chunk.frames
+    return chunk
 
 
 def _delta(audio: bytes) -> bytes:
