@@ -6,7 +6,8 @@ Starts mlx-pinned's server on a free loopback port on the tiny Qwen3-TTS of
 this process with mlx-audio's loader. For each of ``--requests`` rounds it
 speaks ``--text`` (``--repeat`` times over) four ways: mlx-audio's
 ``generate`` whole and streamed (in process, the frame limit the server
-would use), and the server's whole answer and its streamed one (``pcm``).
+would use), and the server's whole answer and its streamed one (``pcm``),
+the four in turn each round.
 The real-time factor is seconds of work per second of audio (below 1:
 faster than real time); per way it prints the median RTF, the median time
 to the first audio byte of the streamed ways, and each server way's RTF as
@@ -40,74 +41,65 @@ from _common import free_port, server, wait_for
 TEXT = "The model runs on one thread that owns its stream. "
 VOICE = "vivian"
 BYTES_PER_SAMPLE = 2
+WAYS = ("mlx_audio_whole", "mlx_audio_streamed", "server_whole", "server_streamed")
 
 
-def in_process(folder: str, text: str, rounds: int) -> dict[str, Any]:
-    """mlx-audio's own ``generate``, whole and streamed, as the server would
-    call it (the same frame limit and piece size)."""
-    import numpy as np
-    from mlx_audio.tts.utils import load_model
+class InProcess:
+    """mlx-audio's own ``generate`` on the model, loaded in this process,
+    called as the server calls it (the same frame limit and piece size)."""
 
-    from mlx_pinned.server.engine.speech import (
-        CHUNK_FRAMES,
-        FRAME_RATE,
-        frame_limit,
-    )
+    def __init__(self, folder: str, text: str) -> None:
+        from mlx_audio.tts.utils import load_model
 
-    model = load_model(Path(folder))
-    limit = frame_limit(text, (model.generate_config or {}).get("max_new_tokens", 2048))
-    rate = model.sample_rate
+        from mlx_pinned.server.engine.speech import frame_limit
 
-    def once(stream: bool) -> tuple[float, float, float]:
+        self.model = load_model(Path(folder))
+        settings = self.model.generate_config or {}
+        self.limit = frame_limit(text, settings.get("max_new_tokens", 2048))
+        self.text = text
+
+    def once(self, stream: bool) -> tuple[float, float, float]:
+        """One generation: its RTF, its first audio's time, its seconds."""
+        import numpy as np
+
+        from mlx_pinned.server.engine.speech import CHUNK_FRAMES, FRAME_RATE
+
         start = time.perf_counter()
         first = None
         samples = 0
-        for result in model.generate(
-            text,
+        for result in self.model.generate(
+            self.text,
             voice=VOICE,
-            max_tokens=limit,
+            max_tokens=self.limit,
             stream=stream,
             streaming_interval=CHUNK_FRAMES / FRAME_RATE,
         ):
             samples += int(np.array(result.audio).size)
             first = first or time.perf_counter() - start
         took = time.perf_counter() - start
-        return took / (samples / rate), first or took, samples / rate
-
-    once(True)  # warm-up: MLX compiles its kernels on the first call
-    return {
-        "mlx_audio_whole": [once(False) for _ in range(rounds)],
-        "mlx_audio_streamed": [once(True) for _ in range(rounds)],
-    }
+        seconds = samples / self.model.sample_rate
+        return took / seconds, first or took, seconds
 
 
 async def through_server(
-    client: httpx.AsyncClient, name: str, text: str, rounds: int, rate: int
-) -> dict[str, Any]:
-    """The server's whole answer and its streamed one (``pcm``)."""
+    client: httpx.AsyncClient, name: str, text: str, stream: bool, rate: int
+) -> tuple[float, float, float]:
+    """One answer of the server, whole or streamed (``pcm``): its RTF, its
+    first audio byte's time, its seconds."""
     body = {"model": name, "voice": VOICE, "input": text, "response_format": "pcm"}
-
-    async def once(stream: bool) -> tuple[float, float, float]:
-        start = time.perf_counter()
-        first = None
-        size = 0
-        extra = {"stream_format": "audio"} if stream else {}
-        async with client.stream(
-            "POST", "/v1/audio/speech", json={**body, **extra}
-        ) as response:
-            response.raise_for_status()
-            async for piece in response.aiter_bytes():
-                size += len(piece)
-                first = first or time.perf_counter() - start
-        took = time.perf_counter() - start
-        seconds = size / BYTES_PER_SAMPLE / rate
-        return took / seconds, first or took, seconds
-
-    await once(True)  # warm-up
-    return {
-        "server_whole": [await once(False) for _ in range(rounds)],
-        "server_streamed": [await once(True) for _ in range(rounds)],
-    }
+    if stream:
+        body["stream_format"] = "audio"
+    start = time.perf_counter()
+    first = None
+    size = 0
+    async with client.stream("POST", "/v1/audio/speech", json=body) as response:
+        response.raise_for_status()
+        async for piece in response.aiter_bytes():
+            size += len(piece)
+            first = first or time.perf_counter() - start
+    took = time.perf_counter() - start
+    seconds = size / BYTES_PER_SAMPLE / rate
+    return took / seconds, first or took, seconds
 
 
 @contextlib.contextmanager
@@ -128,11 +120,26 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     folder = args.model or str(tiny_speech_path())
     text = TEXT * args.repeat
-    rows = in_process(folder, text, args.requests)
+    own = InProcess(folder, text)
+    rows: dict[str, list[tuple[float, float, float]]] = {way: [] for way in WAYS}
     with own_server(folder) as (url, name, process):
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:
             await wait_for(client, process, "/health", 120)
-            rows |= await through_server(client, name, text, args.requests, 24000)
+            rate = own.model.sample_rate
+            # Warm-ups (MLX compiles its kernels on a first call), then the
+            # four ways in turn each round, so a busy machine's noise falls
+            # on all of them alike.
+            own.once(True)
+            await through_server(client, name, text, True, rate)
+            for _ in range(args.requests):
+                rows["mlx_audio_whole"].append(own.once(False))
+                rows["mlx_audio_streamed"].append(own.once(True))
+                rows["server_whole"].append(
+                    await through_server(client, name, text, False, rate)
+                )
+                rows["server_streamed"].append(
+                    await through_server(client, name, text, True, rate)
+                )
     summary: dict[str, Any] = {}
     for way, runs in rows.items():
         summary[way] = {

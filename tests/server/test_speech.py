@@ -302,6 +302,10 @@ async def test_a_missing_field_and_a_broken_body_are_a_400(
         broken = await served.client.post("/v1/audio/speech", content=b"{not json")
         unknown = await speak(served, input=TEXT, model="nope")
         fine = await speak(served, input=TEXT, voice={"id": "serena"})
+        wide = "你好 世界 🎉 ça va?"
+        unicode = await speak(served, input=wide, response_format="pcm")
+    assert unicode.status_code == 200, unicode.text
+    assert len(unicode.content) == 2 * samples_of(wide)  # counted in characters
     assert_error(no_voice, 400, "voice")
     assert_error(no_input, 400, "input")
     assert broken.status_code == 400
