@@ -134,6 +134,9 @@ async def test_mp3_flac_and_opus_are_the_same_speech_encoded(
             fmt: await speak(served, input=TEXT, response_format=fmt)
             for fmt in ("flac", "opus", "mp3")
         }
+        streamed = await speak(
+            served, input=TEXT, response_format="opus", stream_format="audio"
+        )
     samples = np.frombuffer(pcm.content, "<i2")
     assert default.response.headers["content-type"] == "audio/mpeg"
     assert default.content == answers["mp3"].content  # OpenAI's default, mp3
@@ -147,6 +150,11 @@ async def test_mp3_flac_and_opus_are_the_same_speech_encoded(
     assert answers["opus"].headers["content-type"] == "audio/ogg"
     assert np.array_equal(decoded["flac"], samples)  # lossless
     assert len(decoded["opus"]) == len(samples)
+    # Opus is also streamed, page by page: the same packets, so the same
+    # samples decoded (its Ogg stream's serial number is drawn at random).
+    assert streamed.headers["content-type"] == "audio/ogg"
+    with soundfile.SoundFile(io.BytesIO(streamed.content)) as audio:
+        assert np.array_equal(audio.read(dtype="int16"), decoded["opus"])
     # An MP3 decoder adds its encoder's delay and padding: a frame or two.
     assert 0 <= len(decoded["mp3"]) - len(samples) < 3 * 1152
 
@@ -231,6 +239,18 @@ async def test_server_sent_events_carry_the_audio_then_the_usage(
             served, input=TEXT, response_format="pcm", stream_format="sse"
         )
         tokens = len(engine_of(served).loaded.model.tokenizer.encode(TEXT))
+        opus = await speak(
+            served, input=TEXT, response_format="opus", stream_format="sse"
+        )
+    opus_deltas = [
+        json.loads(line.removeprefix("data: "))
+        for line in opus.text.splitlines()
+        if line.startswith("data: ")
+    ][:-1]
+    # Ogg pages go out as they fill: several while the speech is made.
+    assert len(opus_deltas) > 2
+    joined = b"".join(base64.b64decode(event["audio"]) for event in opus_deltas)
+    assert joined.startswith(b"OggS")
     assert sse.headers["content-type"].startswith("text/event-stream")
     events = [
         json.loads(line.removeprefix("data: "))

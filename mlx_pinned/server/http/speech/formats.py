@@ -6,23 +6,25 @@ OpenAI's ``pcm``). ``wav`` is the same samples after a 44-byte RIFF header;
 a streamed one cannot know its length, so its header says the largest
 sizes (``0xFFFFFFFF``), as streamed WAV commonly does, and readers read
 to the end of the body. ``mp3``, ``flac`` and ``opus`` (in Ogg) are
-encoded whole, once the speech is made, with libsndfile (the
-``soundfile`` package): a streamed FLAC or MP3 would lack the totals its
-header is patched with at the end, which libsndfile's own reader then
-misreads, so those formats are not streamed. ``aac`` has no encoder here.
+encoded with libsndfile (the ``soundfile`` package). Opus is also streamed:
+Ogg pages go out as the encoder fills them. A streamed FLAC or MP3 would
+lack the totals libsndfile patches their headers with at the end, which
+its own reader then misreads, so those two are encoded whole only.
+``aac`` has no encoder here.
 """
 
 from __future__ import annotations
 
 import io
 import struct
-from typing import Final
+from typing import Any, Final
 
 __all__ = [
     "ENCODED",
     "MEDIA_TYPES",
     "STREAMED",
     "UNKNOWN_LENGTH",
+    "StreamEncoder",
     "audio_head",
     "encoded",
 ]
@@ -31,7 +33,7 @@ __all__ = [
 ENCODED: Final = ("mp3", "opus", "flac", "wav", "pcm")
 
 #: Those also answered as they are made (``stream_format``).
-STREAMED: Final = ("wav", "pcm")
+STREAMED: Final = ("wav", "pcm", "opus")
 
 #: Each format's ``content-type``.
 MEDIA_TYPES: Final = {
@@ -86,7 +88,7 @@ def encoded(response_format: str, pcm: bytes, sample_rate: int) -> bytes:
     """The whole answer of ``pcm`` (mono 16-bit samples) in
     ``response_format``. Run it in a worker thread for a long speech: an
     encoder takes milliseconds a second of audio."""
-    if response_format in STREAMED:
+    if response_format in ("wav", "pcm"):
         return audio_head(response_format, sample_rate, len(pcm)) + pcm
     import numpy as np
     import soundfile
@@ -96,3 +98,105 @@ def encoded(response_format: str, pcm: bytes, sample_rate: int) -> bytes:
     samples = np.frombuffer(pcm, dtype="<i2")
     soundfile.write(out, samples, sample_rate, subtype=codec, format=container)
     return out.getvalue()
+
+
+class StreamEncoder:
+    """A streamed answer's bytes, piece by piece: the raw samples (``pcm``;
+    ``wav`` after its header) or Opus in Ogg, each page as it fills.
+
+    One piece at a time, from any one thread at a time; an Opus piece
+    takes milliseconds (:attr:`slow`: feed it in a worker thread).
+
+    Args:
+        response_format: One of :data:`STREAMED`.
+        sample_rate: Samples a second of the speech.
+    """
+
+    def __init__(self, response_format: str, sample_rate: int) -> None:
+        self.response_format = response_format
+        self.slow = response_format == "opus"
+        self._head = audio_head(response_format, sample_rate, None)
+        self._sink: _Sink | None = None
+        self._file: Any = None
+        if self.slow:
+            import soundfile
+
+            container, codec = _SOUNDFILE[response_format]
+            self._sink = _Sink()
+            self._file = soundfile.SoundFile(
+                self._sink, "w", sample_rate, _CHANNELS, codec, format=container
+            )
+
+    def feed(self, pcm: bytes) -> bytes:
+        """The bytes to send after ``pcm`` (maybe none: a page not full)."""
+        if self._file is None:
+            head, self._head = self._head, b""
+            return head + pcm
+        assert self._sink is not None
+        self._file.buffer_write(pcm, dtype="int16")
+        return self._sink.take()
+
+    def end(self) -> bytes:
+        """The last bytes (the encoder's last page), once every piece is in."""
+        if self._file is None:
+            head, self._head = self._head, b""
+            return head
+        assert self._sink is not None
+        self._file.close()
+        self._file = None
+        return self._sink.take()
+
+    def close(self) -> None:
+        """Drop the encoder (a stream that ended early)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class _Sink(io.RawIOBase):
+    """The file libsndfile encodes into: kept whole (it may seek back and
+    read), handing out what was written past the last hand-out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._data = bytearray()
+        self._at = 0
+        self._sent = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        raw = bytes(data)
+        end = self._at + len(raw)
+        if end > len(self._data):
+            self._data.extend(bytes(end - len(self._data)))
+        self._data[self._at : end] = raw
+        self._at = end
+        return len(raw)
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self._data) if size < 0 else self._at + size
+        raw = bytes(self._data[self._at : end])
+        self._at += len(raw)
+        return raw
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._data)}
+        self._at = base[whence] + offset
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
+
+    def take(self) -> bytes:
+        """What was written since the last call."""
+        raw = bytes(self._data[self._sent :])
+        self._sent = len(self._data)
+        return raw

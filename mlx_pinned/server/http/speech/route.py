@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, ClassVar, cast
 
@@ -29,7 +29,7 @@ import anyio
 from ..endpoint import ModelEndpoint
 from ..errors import OpenAIErrors
 from ..wire import sse_event
-from .formats import MEDIA_TYPES, STREAMED, audio_head, encoded
+from .formats import MEDIA_TYPES, StreamEncoder, encoded
 from .protocol import parse_speech_request
 from .serving import SpeechServing
 
@@ -58,7 +58,7 @@ _AUDIO_STREAM_ERRORS = _AudioStreamErrors()
 class SpeechEndpoint(ModelEndpoint):
     """The ASGI endpoint of ``POST /v1/audio/speech``: the audio, whole or
     streamed, as its ``response_format`` (``mp3``, ``opus``, ``flac``,
-    ``wav`` or ``pcm``; only the last two streamed)."""
+    ``wav`` or ``pcm``; ``mp3`` and ``flac`` whole only)."""
 
     route = "POST /v1/audio/speech"
     kind: ClassVar[ModelKind] = "speech"
@@ -100,7 +100,7 @@ class SpeechEndpoint(ModelEndpoint):
         """The whole file, once the generation ended."""
         pcm = b"".join([_counted(chunk, log).pcm async for chunk in chunks])
         fmt, rate = request.response_format, engine.sample_rate
-        if fmt in STREAMED:  # a header at most
+        if fmt in ("wav", "pcm"):  # a header at most
             answer = encoded(fmt, pcm, rate)
         else:  # an encoder's work: off the loop, which every stream waits on
             answer = await anyio.to_thread.run_sync(encoded, fmt, pcm, rate)
@@ -114,18 +114,18 @@ class SpeechEndpoint(ModelEndpoint):
         response: ResponseWriter,
         log: RequestLog,
     ) -> None:
-        """The bytes as they are made, the header with the first piece."""
-        head = audio_head(request.response_format, engine.sample_rate, None)
+        """The bytes as they are made (a streamed header first, for
+        ``wav``), the status with the first of them."""
         media = MEDIA_TYPES[request.response_format]
         response.errors = _AUDIO_STREAM_ERRORS
-        async for chunk in chunks:
-            _counted(chunk, log)
-            if not response.started:
-                await response.start_file_stream(media, head + chunk.pcm)
-            else:
-                await response.send(chunk.pcm)
-        if not response.started:  # no audio at all: the header alone
-            await response.start_file_stream(media, head)
+        async with aclosing(_encoded(request, engine, chunks, log)) as pieces:
+            async for data in pieces:
+                if not response.started:
+                    await response.start_file_stream(media, data)
+                else:
+                    await response.send(data)
+        if not response.started:  # no audio at all
+            await response.start_file_stream(media, b"")
         await response.send(b"", more=False)
 
     async def _sse(
@@ -136,17 +136,16 @@ class SpeechEndpoint(ModelEndpoint):
         response: ResponseWriter,
         log: RequestLog,
     ) -> None:
-        """OpenAI's events: a delta a piece, then the usage."""
-        head = audio_head(request.response_format, engine.sample_rate, None)
-        async for chunk in chunks:
-            _counted(chunk, log)
-            delta = _delta((head if not response.started else b"") + chunk.pcm)
-            if not response.started:
-                await response.start_stream(delta)
-            else:
-                await response.send(delta)
+        """OpenAI's events: a delta of what the ``audio`` stream would send
+        then, a piece at a time, then the usage."""
+        async with aclosing(_encoded(request, engine, chunks, log)) as pieces:
+            async for data in pieces:
+                if not response.started:
+                    await response.start_stream(_delta(data))
+                else:
+                    await response.send(_delta(data))
         if not response.started:
-            await response.start_stream(_delta(head) if head else b"")
+            await response.start_stream(b"")
         usage = {
             "input_tokens": log.prompt_tokens,
             "output_tokens": log.completion_tokens,
@@ -154,6 +153,31 @@ class SpeechEndpoint(ModelEndpoint):
         }
         done = {"type": "speech.audio.done", "usage": usage}
         await response.send(sse_event(done), more=False)
+
+
+async def _encoded(
+    request: SpeechRequest,
+    engine: SpeechEngine,
+    chunks: AsyncIterator[SpeechChunk],
+    log: RequestLog,
+) -> AsyncGenerator[bytes, None]:
+    """The streamed answer's bytes as the pieces come, none empty: Opus is
+    encoded in a worker thread, off the loop every stream waits on."""
+    encoder = StreamEncoder(request.response_format, engine.sample_rate)
+    run = anyio.to_thread.run_sync if encoder.slow else _inline
+    try:
+        async for chunk in chunks:
+            data = await run(encoder.feed, _counted(chunk, log).pcm)
+            if data:
+                yield data
+        if data := await run(encoder.end):
+            yield data
+    finally:
+        encoder.close()
+
+
+async def _inline(fn: Callable[..., bytes], *args: object) -> bytes:
+    return fn(*args)
 
 
 def _counted(chunk: SpeechChunk, log: RequestLog) -> SpeechChunk:

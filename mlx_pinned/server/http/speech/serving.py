@@ -42,7 +42,7 @@ class SpeechServing:
             raise _refused(
                 "response_format",
                 f"{request.response_format!r} is encoded once the speech is "
-                f"made, not streamed; stream {' or '.join(STREAMED)}, or leave "
+                f"made, not streamed; stream {', '.join(STREAMED)}, or leave "
                 "stream_format out for the whole file",
             )
 
