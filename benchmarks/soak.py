@@ -1,8 +1,9 @@
-"""Soak test: the real server under 1,000 mixed requests, watched from outside.
+"""Soak test: the real server under mixed requests on every door, watched
+from outside.
 
 Starts ``python -m mlx_pinned.server serve --demo`` (uvicorn, a free loopback
-port, the tiny offline model), then sends mixed requests with bounded
-concurrency:
+port, the tiny offline models), then sends mixed requests with bounded
+concurrency, ``--requests`` of them or for ``--minutes``:
 
 - ``plain``: a vision request, non-streaming, 4 to 32 tokens;
 - ``stream``: the same, streamed, with usage; must end with ``[DONE]``;
@@ -11,7 +12,15 @@ concurrency:
   while it still waits for the model;
 - ``bad``: one of a list of invalid requests (bad base64, a local path, a
   remote URL, a wrong type, an unknown model, broken JSON, too many images);
-  must be a 4xx in OpenAI's error shape.
+  must be a 4xx in OpenAI's error shape;
+- ``messages``: Anthropic's ``/v1/messages``, whole or streamed;
+- ``responses``: ``/v1/responses`` stored, then a second turn chained to it
+  by ``previous_response_id``;
+- ``completion``: the legacy ``/v1/completions``;
+- ``embedding``: ``/v1/embeddings`` of a few texts on the demo's embedding
+  model;
+- ``transcription``: ``/v1/audio/transcriptions`` of a second of audio on the
+  demo's Whisper.
 
 Anything else is an unexpected error: a 5xx, a wrong status, an error event in
 a stream, a malformed body, a transport error outside the cancellations. While
@@ -20,8 +29,13 @@ it runs, the server process's resident memory and thread count are sampled
 stream, nothing pending), and SIGINT must drain it and exit 0 with a log free
 of tracebacks. Prints the figures; ``--json`` writes them too. Not for CI::
 
-    python benchmarks/soak.py [--requests 1000] [--concurrency 16] [--seed 0]
+    python benchmarks/soak.py [--requests 1000 | --minutes 30]
+        [--concurrency 16] [--seed 0] [--json OUT] [--plot PNG]
         [-- SERVER OPTIONS, e.g. --max-num-seqs 1]
+
+With ``--minutes`` the RSS curve is the point: the summary gives its
+growth over the last third of the run (``--plot`` draws it, with MLX's
+active and cached bytes from ``/metrics``).
 """
 
 from __future__ import annotations
@@ -46,12 +60,36 @@ from typing import Any
 
 import httpx
 
-from mlx_pinned.server.cli import DEMO_MODEL_NAME
+from mlx_pinned.server.cli import (
+    DEMO_EMBEDDING_NAME,
+    DEMO_MODEL_NAME,
+    DEMO_TRANSCRIPTION_NAME,
+)
 from mlx_pinned.testing import image_data_uri
 
 READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
-KINDS = ("plain", "stream", "cancel", "queued", "bad")
-WEIGHTS = (35, 30, 15, 10, 10)
+KINDS = (
+    "plain",
+    "stream",
+    "cancel",
+    "queued",
+    "bad",
+    "messages",
+    "responses",
+    "completion",
+    "embedding",
+    "transcription",
+)
+WEIGHTS = (20, 15, 8, 5, 7, 12, 12, 9, 7, 5)
+# A second of a tone, for the transcription door.
+_TONE = (
+    b"RIFF" + (36 + 32000).to_bytes(4, "little") + b"WAVEfmt "
+    + (16).to_bytes(4, "little") + (1).to_bytes(2, "little")
+    + (1).to_bytes(2, "little") + (16000).to_bytes(4, "little")
+    + (32000).to_bytes(4, "little") + (2).to_bytes(2, "little")
+    + (16).to_bytes(2, "little") + b"data" + (32000).to_bytes(4, "little")
+    + bytes(range(256)) * 125
+)  # fmt: skip
 
 
 @dataclass
@@ -59,6 +97,8 @@ class Sample:
     at: float
     rss_mb: float
     threads: int
+    mlx_active_mb: float = 0.0
+    mlx_cache_mb: float = 0.0
 
 
 @dataclass
@@ -72,6 +112,7 @@ class Report:
     idle_after: dict[str, Any] = field(default_factory=dict)
     rested: Sample | None = None  # after --idle seconds without traffic
     server_statuses: dict[str, int] = field(default_factory=dict)  # /metrics
+    held: dict[str, float] = field(default_factory=dict)  # /metrics, at the end
     exit_code: int | None = None
     log_problems: list[str] = field(default_factory=list)
 
@@ -191,6 +232,8 @@ class Soak:
                         client.post(url, json=vision(16, i)),
                         timeout=rng.uniform(0.001, 0.03),
                     )
+            elif kind in DOORS:
+                await DOORS[kind](self, client, rng, i)
             else:
                 name, bad = self.bad[i % len(self.bad)]
                 if isinstance(bad, bytes):
@@ -209,36 +252,59 @@ class Soak:
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
             self.unexpected(kind, repr(exc))
 
+    def check(self, kind: str, response: httpx.Response) -> Any:
+        """Count the answer; its JSON if it is a 200, else None."""
+        self.statuses[f"{kind} {response.status_code}"] += 1
+        if response.status_code != 200:
+            self.unexpected(kind, f"{response.status_code} {response.text}")
+            return None
+        return response.json()
+
     async def run(self, pid: int) -> None:
         args = self.args
-        kinds = self.rng.choices(KINDS, WEIGHTS, k=args.requests)
-        self.report.by_kind = dict(Counter(kinds))
+        counts: Counter[str] = Counter()
         done = asyncio.Event()
 
-        async def sample() -> None:
+        async def sample(client: httpx.AsyncClient) -> None:
             start = time.perf_counter()
+            every = 0.25 if args.minutes is None else 5.0
             while True:
                 rss, threads = process_stats(pid)
+                active, cached = await mlx_memory(client, self.url)
                 self.report.samples.append(
-                    Sample(time.perf_counter() - start, rss, threads)
+                    Sample(time.perf_counter() - start, rss, threads, active, cached)
                 )
                 if done.is_set():
                     return
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(done.wait(), 0.25)
+                    await asyncio.wait_for(done.wait(), every)
 
         limits = httpx.Limits(max_connections=args.concurrency * 2)
-        semaphore = asyncio.Semaphore(args.concurrency)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            start = time.perf_counter()
+            stop = None if args.minutes is None else start + args.minutes * 60
+            sent = 0
 
-            async def bounded(i: int, kind: str) -> None:
-                async with semaphore:
+            def more() -> bool:
+                if stop is None:
+                    return sent < args.requests
+                return time.perf_counter() < stop
+
+            async def worker() -> None:
+                nonlocal sent
+                while more():
+                    i, sent = sent, sent + 1
+                    kind = random.Random(args.seed * 7919 + i).choices(KINDS, WEIGHTS)[
+                        0
+                    ]
+                    counts[kind] += 1
                     await self.one(client, i, kind)
 
-            sampler = asyncio.create_task(sample())
-            start = time.perf_counter()
-            await asyncio.gather(*(bounded(i, k) for i, k in enumerate(kinds)))
+            sampler = asyncio.create_task(sample(client))
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
             self.report.seconds = time.perf_counter() - start
+            self.report.by_kind = dict(counts)
+            args.requests = sent
             # Cancelled work is closed on the MLX thread within a token or two.
             deadline = time.monotonic() + 10
             while True:
@@ -249,6 +315,7 @@ class Soak:
                 await asyncio.sleep(0.05)
             self.report.idle_after = health
             metrics = (await client.get(f"{self.url}/metrics")).text
+            self.report.held = holders(metrics)
             for status, count in re.findall(
                 r'requests_total\{route="/v1/chat/completions",status="(\d+)"\} '
                 r"([\d.]+)",
@@ -265,6 +332,142 @@ class Soak:
             self.report.rested = Sample(time.perf_counter() - start, rss, threads)
         self.report.requests = args.requests
         self.report.statuses = dict(sorted(self.statuses.items()))
+
+
+async def messages(soak: Soak, client: httpx.AsyncClient, rng: Any, i: int) -> None:
+    body = {
+        "model": DEMO_MODEL_NAME,
+        "max_tokens": rng.randint(4, 32),
+        "messages": [{"role": "user", "content": f"Say something {i}."}],
+    }
+    url = f"{soak.url}/v1/messages"
+    if rng.random() < 0.5:
+        answer = soak.check("messages", await client.post(url, json=body))
+        if answer is not None and answer.get("type") != "message":
+            soak.unexpected("messages", str(answer)[:200])
+        return
+    async with client.stream("POST", url, json={**body, "stream": True}) as response:
+        lines = [line async for line in response.aiter_lines() if line]
+    soak.statuses[f"messages-stream {response.status_code}"] += 1
+    if response.status_code != 200 or "message_stop" not in lines[-1]:
+        soak.unexpected("messages-stream", f"{response.status_code} {lines[-2:]}")
+
+
+async def responses(soak: Soak, client: httpx.AsyncClient, rng: Any, i: int) -> None:
+    url = f"{soak.url}/v1/responses"
+    body = {
+        "model": DEMO_MODEL_NAME,
+        "input": f"Tell me about {i}.",
+        "max_output_tokens": rng.randint(4, 24),
+        "store": True,
+    }
+    first = soak.check("responses", await client.post(url, json=body))
+    if first is None:
+        return
+    chained = {**body, "input": "And then?", "previous_response_id": first["id"]}
+    soak.check("responses-chained", await client.post(url, json=chained))
+
+
+async def completion(soak: Soak, client: httpx.AsyncClient, rng: Any, i: int) -> None:
+    body = {
+        "model": DEMO_MODEL_NAME,
+        "prompt": f"Once upon a time {i}",
+        "max_tokens": rng.randint(4, 32),
+    }
+    soak.check("completion", await client.post(f"{soak.url}/v1/completions", json=body))
+
+
+async def embedding(soak: Soak, client: httpx.AsyncClient, rng: Any, i: int) -> None:
+    body = {
+        "model": DEMO_EMBEDDING_NAME,
+        "input": [f"a sentence {i} {n}" for n in range(rng.randint(1, 8))],
+    }
+    soak.check("embedding", await client.post(f"{soak.url}/v1/embeddings", json=body))
+
+
+async def transcription(
+    soak: Soak, client: httpx.AsyncClient, rng: Any, i: int
+) -> None:
+    response = await client.post(
+        f"{soak.url}/v1/audio/transcriptions",
+        data={"model": DEMO_TRANSCRIPTION_NAME, "temperature": "0.2"},
+        files={"file": ("tone.wav", _TONE, "audio/wav")},
+    )
+    soak.check("transcription", response)
+
+
+DOORS = {
+    "messages": messages,
+    "responses": responses,
+    "completion": completion,
+    "embedding": embedding,
+    "transcription": transcription,
+}
+
+
+async def mlx_memory(client: httpx.AsyncClient, url: str) -> tuple[float, float]:
+    """MLX's active and cached MiB, from the server's ``/metrics``."""
+    try:
+        text = (await client.get(f"{url}/metrics")).text
+    except httpx.HTTPError:
+        return 0.0, 0.0
+    found = {
+        name: float(value) / 2**20
+        for name, value in re.findall(
+            r"^mlx_pinned_mlx_(active|cache)_bytes ([\d.e+]+)$", text, re.M
+        )
+    }
+    return found.get("active", 0.0), found.get("cache", 0.0)
+
+
+#: What holds memory, as /metrics says (summed over the models).
+HOLDERS = (
+    "mlx_active_bytes",
+    "prompt_cache_bytes",
+    "image_cache_bytes",
+    "kv_cache_bytes",
+    "responses_store_bytes",
+    "responses_store_items",
+)
+
+
+def holders(metrics: str) -> dict[str, float]:
+    """Each of :data:`HOLDERS`, summed over its labels."""
+    held = dict.fromkeys(HOLDERS, 0.0)
+    for name, value in re.findall(
+        r"^mlx_pinned_(\w+?)(?:\{[^}]*\})? ([\d.e+]+)$", metrics, re.M
+    ):
+        if name in held:
+            held[name] += float(value)
+    return held
+
+
+def growth(samples: list[Sample]) -> float:
+    """RSS growth over the last third of the run, as a share of its start."""
+    if len(samples) < 3:
+        return 0.0
+    tail = samples[len(samples) * 2 // 3 :]
+    return (tail[-1].rss_mb - tail[0].rss_mb) / tail[0].rss_mb
+
+
+def plot(report: Report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    minutes = [s.at / 60 for s in report.samples]
+    figure, axes = plt.subplots(figsize=(8, 4))
+    axes.plot(minutes, [s.rss_mb for s in report.samples], label="server RSS")
+    axes.plot(minutes, [s.mlx_active_mb for s in report.samples], label="MLX active")
+    axes.plot(minutes, [s.mlx_cache_mb for s in report.samples], label="MLX cache")
+    axes.set_xlabel("minutes")
+    axes.set_ylabel("MiB")
+    axes.set_ylim(bottom=0)
+    axes.legend()
+    axes.set_title(f"soak: {report.requests} requests, every door")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
 
 
 def start_server(
@@ -304,7 +507,17 @@ def summary(report: Report) -> str:
         *(f"  {u}" for u in report.unexpected[:10]),
         f"server RSS MiB: start {rss[0]:.1f}, "
         + ", ".join(f"{name} {s.rss_mb:.1f}" for name, s in marks)
-        + f", peak {max(rss):.1f}, end {rss[-1]:.1f}",
+        + f", peak {max(rss):.1f}, end {rss[-1]:.1f}; "
+        f"the last third grew {growth(samples) * 100:.1f} %",
+        f"MLX MiB at the end: active {samples[-1].mlx_active_mb:.1f}, "
+        f"cache {samples[-1].mlx_cache_mb:.1f}",
+        "held at the end (/metrics): "
+        + ", ".join(
+            f"{name} {value:.0f}"
+            if name.endswith("items")
+            else f"{name[:-6]} {value / 2**20:.1f} MiB"
+            for name, value in report.held.items()
+        ),
         f"server threads: start {threads[0]}, "
         + ", ".join(f"{name} {s.threads}" for name, s in marks)
         + f", peak {max(threads)}, end {threads[-1]}",
@@ -322,6 +535,10 @@ def summary(report: Report) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument(
+        "--minutes", type=float, help="send for this long instead of --requests"
+    )
+    parser.add_argument("--plot", type=Path, help="draw the RSS curve here (PNG)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-pending", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
@@ -357,10 +574,12 @@ def main() -> int:
         for needle in ("Traceback", " ERROR ", "There is no Stream"):
             if needle in text:
                 report.log_problems.append(needle)
-        fives = re.findall(r"POST /v1/chat/completions (5\d\d) ", text)
+        fives = re.findall(r"POST /v1/\S+ (5\d\d) ", text)
         if fives:
             report.log_problems.append(f"{len(fives)} 5xx in the log")
     print(summary(report))
+    if args.plot:
+        plot(report, args.plot)
     if args.json:
         args.json.write_text(json.dumps(asdict(report), indent=2))
     ok = not report.unexpected and report.exit_code == 0 and not report.log_problems

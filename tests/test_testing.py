@@ -526,7 +526,7 @@ class TestTranscriptionFamilies:
         import numpy as np
         from mlx_audio.stt.utils import load_model
 
-        assert TINY_TRANSCRIPTION_TYPES == ("whisper",)
+        assert TINY_TRANSCRIPTION_TYPES == ("whisper", "parakeet")
         path = make_tiny_transcription(tmp_path / "whisper")
         model = load_model(str(path))
         tokenizer = model.get_tokenizer(language="fr", task="translate")
@@ -548,6 +548,26 @@ class TestTranscriptionFamilies:
         assert len(text) > 10
         assert "<|" not in result.text
         assert all(t < 384 or t >= tokenizer.timestamp_begin for t in tokens)
+
+    def test_parakeet_loads_offline_with_its_vocabulary_in_its_config(
+        self, tmp_path: pathlib.Path, hub_calls: HubCalls
+    ) -> None:
+        import mlx.core as mx
+        import numpy as np
+        from mlx_audio.stt.utils import load_model
+
+        path = make_tiny_transcription(tmp_path / "parakeet", "parakeet")
+        model = load_model(str(path))
+        noise = np.random.default_rng(0).standard_normal(16000).astype(np.float32)
+        result = model.generate(mx.array(noise * 0.1))
+        config = json.loads((path / "config.json").read_text())
+        assert hub_calls.calls == []
+        assert type(model).__name__ == "ParakeetCTC"
+        assert not (path / "tokenizer.json").exists()
+        assert result.text
+        assert {token.text.strip() for s in result.sentences for token in s.tokens} <= {
+            piece.replace("\u2581", "") for piece in config["decoder"]["vocabulary"]
+        }
 
     def test_same_seed_is_byte_identical(self, tmp_path: pathlib.Path) -> None:
         first = make_tiny_transcription(tmp_path / "a")

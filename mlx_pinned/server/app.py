@@ -216,7 +216,7 @@ def create_app(
     loader = functools.partial(load_audio, limits=config.audio_limits)
     transcriptions.load_audio = translations.load_audio = loader
     # Opened now: a state_dir that cannot hold it fails here, at start.
-    responses.store = store = open_store(config)
+    responses.store = metrics.store = store = open_store(config)
     routes = [
         Route("/health", functools.partial(health, readiness), methods=["GET"]),
         Route("/livez", functools.partial(live, readiness), methods=["GET"]),

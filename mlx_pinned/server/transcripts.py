@@ -58,18 +58,20 @@ class TranscriptionParams:
 
 @dataclass(frozen=True)
 class Word:
-    """A word, with its time in the file (seconds) and its probability."""
+    """A word, with its time in the file (seconds) and its probability
+    (None where the family gives none)."""
 
     word: str
     start: float
     end: float
-    probability: float
+    probability: float | None
 
 
 @dataclass(frozen=True)
 class Segment:
     """A segment of the transcript, as OpenAI's ``verbose_json`` gives it
-    (times in seconds from the file's start)."""
+    (times in seconds from the file's start); the decoding statistics are
+    None for a family that does not compute them (Parakeet's)."""
 
     id: int
     seek: int
@@ -77,10 +79,10 @@ class Segment:
     end: float
     text: str
     tokens: tuple[int, ...]
-    temperature: float
-    avg_logprob: float
-    compression_ratio: float
-    no_speech_prob: float
+    temperature: float | None
+    avg_logprob: float | None
+    compression_ratio: float | None
+    no_speech_prob: float | None
     words: tuple[Word, ...] = ()
 
 
@@ -107,6 +109,12 @@ class TranscriptionEngine(Resident, Protocol):
     @property
     def sample_rate(self) -> int:
         """The sample rate the model takes (Hz)."""
+        ...
+
+    @property
+    def options(self) -> frozenset[str]:
+        """What a request may ask of it beside the file: ``language``,
+        ``prompt``, ``temperature``, ``words`` (word timestamps)."""
         ...
 
     @property

@@ -43,6 +43,7 @@ from ._images import image_data_uri, make_test_image
 from ._install import write_folder
 from ._llama import LLAMA
 from ._mistral import MISTRAL3
+from ._parakeet import PARAKEET
 from ._qwen import _CHAT_TEMPLATE as _CHAT_TEMPLATE
 from ._qwen import QWEN2_5_VL, QWEN3, QWEN3_VL, SPECIAL_TOKENS
 from ._qwen3_5 import QWEN3_5
@@ -108,9 +109,9 @@ TINY_EMBEDDING_TYPES: Final = tuple(_EMBEDDING)
 _RERANKER: Final = {family.model_type: family for family in (BERT_RERANKER,)}
 #: The reranker families :func:`make_tiny_reranker` writes (``bert``).
 TINY_RERANKER_TYPES: Final = tuple(_RERANKER)
-_TRANSCRIPTION: Final = {family.model_type: family for family in (WHISPER,)}
+_TRANSCRIPTION: Final = {family.model_type: family for family in (WHISPER, PARAKEET)}
 #: The speech-to-text families :func:`make_tiny_transcription` writes
-#: (``whisper``).
+#: (``whisper`` first, then ``parakeet``).
 TINY_TRANSCRIPTION_TYPES: Final = tuple(_TRANSCRIPTION)
 _SPEECH: Final = {family.model_type: family for family in (QWEN3_TTS,)}
 #: The text-to-speech families :func:`make_tiny_speech` writes
@@ -292,9 +293,12 @@ def make_tiny_transcription(
     vocabulary of Whisper's layout and size (51,865: the byte-level BPE
     tokens, unused ones, the special tokens, the timestamps), about 1.7M
     parameters. Greedy decoding picks text tokens only: it never ends a
-    window early, so each window's answer takes its 32 tokens. Written,
-    cached and replaced as :func:`make_tiny_vlm` does, on the calling
-    thread.
+    window early, so each window's answer takes its 32 tokens.
+    ``parakeet``: mlx-audio's Parakeet CTC class (NeMo's layout, English
+    only), a 1-layer, 32-wide Conformer over 80 log-mel features with 8x
+    subsampling and a 61-piece vocabulary in its config, about 33k
+    parameters. Written, cached and replaced as :func:`make_tiny_vlm`
+    does, on the calling thread.
 
     Args:
         path: The folder to write. Its parent is created if missing.

@@ -115,6 +115,29 @@ class Family:
         )
 
 
+@dataclass(frozen=True)
+class SpeechFamily(Family):
+    """A family of mlx-audio's: its model class in ``module``, built by
+    ``build`` from the config; ``tokenizer`` may give no bytes (a family
+    whose vocabulary is in its config) and ``adjust`` touches the drawn
+    weights (name and value in, value out)."""
+
+    module: str = ""
+    adjust: Callable[[str, Any], Any] | None = None
+
+    def write(self, folder: pathlib.Path, seed: int) -> None:
+        files = {"config.json": self.config(), **self.files()}
+        for name, value in files.items():
+            (folder / name).write_bytes(to_json(value))
+        tokenizer = self.tokenizer(self.specials)
+        if tokenizer:
+            (folder / "tokenizer.json").write_bytes(tokenizer)
+        specs = parameter_specs(
+            self.module, lambda module: self.build(module, self.config())
+        )
+        write_weights(folder / "model.safetensors", seed, specs, {}, self.adjust)
+
+
 def _mlx_vlm_version() -> str:
     try:
         return metadata.version("mlx-vlm")

@@ -17,14 +17,10 @@ from __future__ import annotations
 
 import functools
 import json
-import pathlib
-from dataclasses import dataclass
 from typing import Any, Final
 
-from ._family import Family
-from ._install import to_json
+from ._family import SpeechFamily
 from ._tokenizer import VOCAB_SIZE, high_byte_ids, tokenizer_json
-from ._weights import parameter_specs, write_weights
 
 #: The smallest multilingual Whisper vocabulary (large-v2's).
 N_VOCAB: Final = 51865
@@ -166,55 +162,44 @@ def _files() -> dict[str, Any]:
     }
 
 
-def _build(module: Any) -> Any:
-    return module.Model(module.ModelDimensions.from_dict(_config()))
+def _build(module: Any, config: dict[str, Any]) -> Any:
+    return module.Model(module.ModelDimensions.from_dict(config))
 
 
-@dataclass(frozen=True)
-class _Whisper(Family):
-    """A family of mlx-audio's, laid out as Whisper's vocabulary is."""
-
-    def write(self, folder: pathlib.Path, seed: int) -> None:
-        files = {"config.json": self.config(), **self.files()}
-        for name, value in files.items():
-            (folder / name).write_bytes(to_json(value))
-        (folder / "tokenizer.json").write_bytes(self.tokenizer(self.specials))
-        first = _first_special()
-        # The two task tokens keep random rows, so a translation differs
-        # from a transcription (decoding never picks either: Whisper's
-        # suppresses them).
-        tasks = {first + special_index(token) for token in _TASKS[:2]}
-        hidden = [
-            *high_byte_ids(()),
-            *(n for n in range(VOCAB_SIZE, N_VOCAB) if n not in tasks),
-        ]
-
-        def adjust(name: str, value: Any) -> Any:
-            if name == _EMBEDDING:
-                value[hidden] = _HIDDEN_ROW
-            elif name == "decoder.ln.weight":
-                value *= _LOGIT_SCALE
-            elif name == "decoder.ln.bias":
-                value += _NORM_BIAS
-            elif name == "decoder.positional_embedding":
-                value *= _POSITION_SCALE
-            return value
-
-        write_weights(
-            folder / "model.safetensors",
-            seed,
-            parameter_specs("mlx_audio.stt.models.whisper.whisper", _build),
-            {},
-            adjust,
-        )
+@functools.cache
+def _hidden() -> list[int]:
+    """The rows no answer may hold. The two task tokens keep random rows,
+    so a translation differs from a transcription (decoding never picks
+    either: Whisper's suppresses them)."""
+    first = _first_special()
+    tasks = {first + special_index(token) for token in _TASKS[:2]}
+    return [
+        *high_byte_ids(()),
+        *(n for n in range(VOCAB_SIZE, N_VOCAB) if n not in tasks),
+    ]
 
 
-WHISPER: Final = _Whisper(
+def _adjust(name: str, value: Any) -> Any:
+    if name == _EMBEDDING:
+        value[_hidden()] = _HIDDEN_ROW
+    elif name == "decoder.ln.weight":
+        value *= _LOGIT_SCALE
+    elif name == "decoder.ln.bias":
+        value += _NORM_BIAS
+    elif name == "decoder.positional_embedding":
+        value *= _POSITION_SCALE
+    return value
+
+
+WHISPER: Final = SpeechFamily(
     "whisper",
     (),
     _config,
     _files,
+    build=_build,
     vision=False,
     tokenizer=lambda _: _tokenizer(_specials()),
     generator="make_tiny_transcription",
+    module="mlx_audio.stt.models.whisper.whisper",
+    adjust=_adjust,
 )

@@ -58,6 +58,22 @@ class TestMetrics:
         assert value(samples, "mlx_pinned_mlx_cache_bytes") >= 0
         assert value(samples, "mlx_pinned_image_cache_bytes", model=MODEL) > 0
 
+    async def test_the_responses_store_is_visible(self, serve: Serve) -> None:
+        async with serve() as served:
+            empty = await scrape(served)
+            body = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
+            for store in (True, True, False):
+                answer = await served.client.post(
+                    "/v1/responses", json={**body, "store": store}
+                )
+                assert answer.status_code == 200, answer.text
+            samples = await scrape(served)
+            kept = served.app.state.metrics.store
+        assert value(empty, "mlx_pinned_responses_store_items") == 0
+        assert value(empty, "mlx_pinned_responses_store_bytes") == 0
+        assert value(samples, "mlx_pinned_responses_store_items") == 2
+        assert value(samples, "mlx_pinned_responses_store_bytes") == kept.bytes > 0
+
     async def test_counts_after_traffic(self, serve: Serve) -> None:
         async with serve() as served:
             first = await scrape(served)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -542,9 +543,36 @@ def test_codex_exec_says_hi(tmp_path: Path) -> None:
         run_codex(server, tmp_path)
 
 
-def run_codex(server: Server, tmp_path: Path) -> None:
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_codex_resumes_its_conversation_after_a_restart(tmp_path: Path) -> None:
+    """Codex's second turn, after the server was stopped and started again on
+    the same ``--state-dir``, is answered, with the first turn in its
+    prompt (Codex resends its conversation; what the server stored survives)."""
+    model = quiet_model(tmp_path / "quiet")
+    state = ("--state-dir", str(tmp_path / "state"))
+    with serving(tmp_path / "first.log", *state, model=model) as server:
+        first = run_codex(server, tmp_path, "say hi")
+    with serving(tmp_path / "second.log", *state, model=model) as server:
+        second = run_codex(server, tmp_path, "say bye", resume=True)
+    # The first turn (its message and the answer's turn) is in the prompt:
+    # more tokens than "say bye" and "say hi" differ by.
+    assert prompt_tokens(second[0]) > prompt_tokens(first[-1]) + 4
+
+
+def prompt_tokens(line: str) -> int:
+    match = re.search(r" prompt=(\d+) ", line)
+    assert match, line
+    return int(match.group(1))
+
+
+def run_codex(
+    server: Server, tmp_path: Path, prompt: str = "say hi", *, resume: bool = False
+) -> list[str]:
+    """``codex exec`` (``resume --last``: its last session, continued)
+    against ``server``; the log lines of its requests, all answered 200."""
     home = tmp_path / "home"
-    (home / ".codex").mkdir(parents=True)
+    (home / ".codex").mkdir(parents=True, exist_ok=True)
     (home / ".codex" / "config.toml").write_text(
         f'model = "{DEMO_MODEL_NAME}"\n'
         'model_provider = "local"\n'
@@ -558,19 +586,17 @@ def run_codex(server: Server, tmp_path: Path) -> None:
     )
     before = len(server.log_text())
     env = {**os.environ, "HOME": str(home), "LOCAL_KEY": "x"}
+    command = [str(codex_binary()), "exec", "--skip-git-repo-check"]
+    command += ["resume", "--last", prompt] if resume else [prompt]
     done = subprocess.run(
-        [str(codex_binary()), "exec", "--skip-git-repo-check", "say hi"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     lines = server.log_text()[before:].splitlines()
     requests = [line for line in lines if "POST /v1/responses" in line]
     assert done.returncode == 0, done.stdout + done.stderr
     assert requests, "\n".join(lines)
     assert all(" 200 " in line for line in requests), "\n".join(requests)
+    return requests
 
 
 def test_items_become_the_chat_turns_templates_take() -> None:

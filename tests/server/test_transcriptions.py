@@ -405,3 +405,43 @@ async def test_a_long_transcription_never_stalls_a_chat_stream_for_long(
     # between them, so no gap is more than about a window's decode.
     assert len(during) > 20, "the chat stream waited for the whole file"
     assert gaps.max() < took / 4, (gaps.max(), took)
+
+
+async def test_parakeet_transcribes_as_mlx_audio_does(
+    serve_whisper: ServeWhisper,
+) -> None:
+    """A second family: Parakeet's CTC (greedy, English, tokens aligned in
+    time), each sentence a segment; what it cannot take is a 400."""
+    audio = wav(2.0, seed=6)
+    async with serve_whisper(model=tiny_transcription_path("parakeet")) as served:
+        verbose = await post(
+            served,
+            audio,
+            response_format="verbose_json",
+            timestamp_granularities=["word", "segment"],
+        )
+        model = engine_of(served).loaded.model
+        clip = decode_audio(audio, AudioLimits(), sample_rate=RATE)
+        expected = await served.thread.run(
+            lambda: model.generate(mx.array(clip.samples))
+        )
+        refused = {
+            "prompt": await post(served, audio, prompt="a cat"),
+            "temperature": await post(served, audio, temperature=0.5),
+            "language": await post(served, audio, language="fr"),
+            "model": await post(served, audio, "/v1/audio/translations"),
+        }
+        english = await post(served, audio, language="en")
+    answer = verbose.json()
+    assert verbose.status_code == 200, verbose.text
+    assert answer["text"] == expected.text
+    tokens = [[t.id for t in s.tokens] for s in expected.sentences]
+    assert [s["tokens"] for s in answer["segments"]] == tokens
+    assert answer["segments"][0]["avg_logprob"] is None  # Parakeet gives none
+    assert "".join(w["word"] for w in answer["words"]).replace(" ", "") == (
+        answer["text"].replace(" ", "")
+    )
+    assert english.status_code == 200
+    for param, response in refused.items():
+        assert response.status_code == 400, (param, response.text)
+        assert response.json()["error"]["param"] == param

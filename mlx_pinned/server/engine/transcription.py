@@ -12,8 +12,9 @@ Whisper conditions a window on the one before. The fallback's sampling is
 seeded from the audio's content and the window's place, so the same file
 gives the same transcript.
 
-The families are mlx-audio's Whisper and those of its speech-to-text models
-whose ``generate`` takes a waveform and gives segments the same way.
+The families are mlx-audio's Whisper and Parakeet (NVIDIA's; greedy, in
+English, its tokens aligned in time: each sentence is a segment, and its
+words are its tokens joined where a word starts).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ logger = logging.getLogger("mlx_pinned.server")
 WINDOW_SECONDS: Final = 30
 #: OpenAI's fallback temperatures, where a request asks for 0.
 FALLBACK: Final = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+#: What a request may ask of Whisper beside the file; Parakeet (greedy,
+#: English, no prompt) takes word timestamps only.
+WHISPER_OPTIONS: Final = frozenset({"language", "prompt", "temperature", "words"})
+ALIGNED_OPTIONS: Final = frozenset({"words"})
 
 
 @dataclass(eq=False)
@@ -52,6 +57,7 @@ class _Loaded:
     path: str
     sample_rate: int
     languages: dict[str, str]
+    whisper: bool
     weight_bytes: int
     loaded_at: float = field(default_factory=time.time)
 
@@ -79,14 +85,19 @@ class TranscriptionEngine:
         from mlx_audio.stt.utils import load_model
 
         model = load_model(str(model_path))
-        if not callable(getattr(model, "generate", None)):
-            raise ValueError(f"{model_path} is not a speech-to-text model")
+        whisper = hasattr(model, "detect_language")
+        if not whisper and not hasattr(model, "decode_chunk"):
+            raise ValueError(
+                f"{model_path} is a speech-to-text model of a family this server "
+                "does not transcribe with yet (it serves Whisper and Parakeet)"
+            )
         flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
         loaded = _Loaded(
             model=model,
             path=str(model_path),
-            sample_rate=int(getattr(model, "sample_rate", 16000)),
+            sample_rate=_sample_rate(model),
             languages=_languages(model),
+            whisper=whisper,
             weight_bytes=sum(value.nbytes for _, value in flat),
         )
         logger.info(
@@ -103,6 +114,10 @@ class TranscriptionEngine:
     @property
     def languages(self) -> dict[str, str]:
         return self.loaded.languages
+
+    @property
+    def options(self) -> frozenset[str]:
+        return WHISPER_OPTIONS if self.loaded.whisper else ALIGNED_OPTIONS
 
     @property
     def loaded_at(self) -> float:
@@ -157,26 +172,33 @@ class TranscriptionEngine:
         seed: int,
     ) -> Window:
         """Decode one window with mlx-audio's ``generate``. MLX thread."""
-        mx.random.seed(seed)
-        temperature = FALLBACK if params.temperature == 0 else params.temperature
-        result = self.loaded.model.generate(
-            mx.array(samples),
-            task=params.task,
-            language=language,
-            temperature=temperature,
-            initial_prompt=prompt,
-            word_timestamps=params.words,
-            verbose=None,
-        )
+        model = self.loaded.model
+        if self.loaded.whisper:
+            mx.random.seed(seed)
+            temperature = FALLBACK if params.temperature == 0 else params.temperature
+            result = model.generate(
+                mx.array(samples),
+                task=params.task,
+                language=language,
+                temperature=temperature,
+                initial_prompt=prompt,
+                word_timestamps=params.words,
+                verbose=None,
+            )
+            raws = result.segments or []
+            language = result.language or language
+        else:  # an aligned-token family (Parakeet): greedy, in English
+            result = model.generate(mx.array(samples))
+            raws = [_aligned(sentence) for sentence in result.sentences]
         frames = round(offset * 100)  # Whisper's seek is in 10 ms mel frames
         segments = tuple(
             _segment(raw, first + index, offset, frames)
-            for index, raw in enumerate(result.segments or ())
+            for index, raw in enumerate(raws)
         )
         return Window(
             text="".join(segment.text for segment in segments),
             segments=segments,
-            language=str(result.language or language or "en"),
+            language=str(language or "en"),
             end=offset + len(samples) / self.loaded.sample_rate,
         )
 
@@ -188,7 +210,7 @@ def _segment(raw: dict[str, Any], index: int, offset: float, frames: int) -> Seg
             word=str(word["word"]),
             start=round(float(word["start"]) + offset, 2),
             end=round(float(word["end"]) + offset, 2),
-            probability=float(word.get("probability", 0.0)),
+            probability=_number(word.get("probability")),
         )
         for word in raw.get("words") or ()
     )
@@ -199,12 +221,41 @@ def _segment(raw: dict[str, Any], index: int, offset: float, frames: int) -> Seg
         end=round(float(raw["end"]) + offset, 2),
         text=str(raw["text"]),
         tokens=tuple(int(token) for token in raw.get("tokens", ())),
-        temperature=float(raw.get("temperature", 0.0)),
-        avg_logprob=float(raw.get("avg_logprob", 0.0)),
-        compression_ratio=float(raw.get("compression_ratio", 0.0)),
-        no_speech_prob=float(raw.get("no_speech_prob", 0.0)),
+        temperature=_number(raw.get("temperature")),
+        avg_logprob=_number(raw.get("avg_logprob")),
+        compression_ratio=_number(raw.get("compression_ratio")),
+        no_speech_prob=_number(raw.get("no_speech_prob")),
         words=words,
     )
+
+
+def _number(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _aligned(sentence: Any) -> dict[str, Any]:
+    """An aligned sentence of mlx-audio's (Parakeet's tokens with their
+    times) as a segment of Whisper's shape, its words the tokens joined
+    where a token starts a word (a space first); no decoding statistics."""
+    words: list[dict[str, Any]] = []
+    for token in sentence.tokens:
+        if not words or token.text.startswith(" "):
+            words.append({"word": "", "start": token.start, "probability": None})
+        words[-1]["word"] += token.text
+        words[-1]["end"] = token.end
+    return {
+        "start": sentence.start,
+        "end": sentence.end,
+        "text": sentence.text,
+        "tokens": [token.id for token in sentence.tokens],
+        "words": words,
+    }
+
+
+def _sample_rate(model: Any) -> int:
+    """The rate a model takes: Whisper's 16 kHz, or its preprocessor's."""
+    preprocessor = getattr(model, "preprocessor_config", None)
+    return int(getattr(preprocessor, "sample_rate", 16000))
 
 
 def _languages(model: Any) -> dict[str, str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -57,6 +57,15 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+class Kept(Protocol):
+    """What a store keeps, as the metrics read it (the Responses store)."""
+
+    @property
+    def bytes(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+
 class ServerMetrics:
     """The metrics of one app, in their own registry.
 
@@ -87,7 +96,9 @@ class ServerMetrics:
     ``model_weight_bytes``, counters ``model_loads_total``,
     ``model_unloads_total`` and ``model_load_failures_total`` (models
     loaded on first use come and go; one loaded at start-up counts one
-    load).
+    load). Once :attr:`store` is set, gauges ``responses_store_items`` and
+    ``responses_store_bytes`` (what the Responses store keeps, within its
+    bounds).
 
     Args:
         thread: The app's MLX thread.
@@ -144,6 +155,15 @@ class ServerMetrics:
         self._live = _LiveCollector(thread, models)
         registry.register(self._live)
 
+    @property
+    def store(self) -> Kept | None:
+        """The Responses store whose size the gauges report."""
+        return self._live.store
+
+    @store.setter
+    def store(self, store: Kept | None) -> None:
+        self._live.store = store
+
     def _per_model(self) -> tuple[Counter | Histogram, ...]:
         return (
             self.prompt_tokens,
@@ -182,6 +202,7 @@ class _LiveCollector(Collector):
     def __init__(self, thread: MLXThread, models: ServedModels) -> None:
         self.thread = thread
         self.models = models
+        self.store: Kept | None = None
         self._last = (time.perf_counter(), thread.statistics().busy_time)
 
     def collect(self) -> Iterator[Metric]:
@@ -233,6 +254,15 @@ class _LiveCollector(Collector):
         yield from self._residency()
         if loaded:
             yield from _engine_metrics(loaded)
+        if self.store is not None:
+            yield _gauge(
+                "responses_store_items", "Responses the store keeps.", len(self.store)
+            )
+            yield _gauge(
+                "responses_store_bytes",
+                "Bytes the store's kept responses take (their JSON).",
+                self.store.bytes,
+            )
 
     def _residency(self) -> Iterator[Metric]:
         """Whether each model is loaded, its weights' bytes, and (those

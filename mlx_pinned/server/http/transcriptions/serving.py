@@ -62,6 +62,21 @@ def params(
             param="stream",
             code="invalid_value",
         )
+    asked = {
+        "prompt": form.prompt is not None,
+        "temperature": form.temperature != 0,
+        "timestamp_granularities": words,
+    }
+    for name, given in asked.items():
+        option = "words" if name == "timestamp_granularities" else name
+        if given and option not in engine.options:
+            raise APIError(
+                400,
+                f"Unsupported parameter: '{name}': model {form.model!r} does not "
+                "take it (its family decodes greedily, without a prompt).",
+                param=name,
+                code="unsupported_parameter",
+            )
     known = engine.languages
     if language is not None and language not in known:
         shown = ", ".join(sorted(known)[:12]) + (", ..." if len(known) > 12 else "")
