@@ -100,13 +100,15 @@ def test_the_demo_speaks_through_the_sdk_beside_its_chat_model(
     import io
     import wave
 
-    client = server.client()
-    with client.audio.speech.with_streaming_response.create(
-        model=DEMO_SPEECH_NAME,
-        voice="vivian",
-        input="Hello from the demo.",
-        response_format="wav",
-    ) as response:
+    with (
+        server.client() as client,
+        client.audio.speech.with_streaming_response.create(
+            model=DEMO_SPEECH_NAME,
+            voice="vivian",
+            input="Hello from the demo.",
+            response_format="wav",
+        ) as response,
+    ):
         raw = response.read()
     with wave.open(io.BytesIO(raw)) as reader:
         assert (reader.getframerate(), reader.getnchannels()) == (24000, 1)

@@ -486,8 +486,7 @@ def test_the_sdk_speaks_through_a_served_config_file(
     )
     command = [sys.executable, "-m", "mlx_pinned.server", "serve"]
     command += ["--config", str(config), "--port", "0"]
-    with running(command, tmp_path / "log") as server:
-        client = server.client()
+    with running(command, tmp_path / "log") as server, server.client() as client:
         whole = client.audio.speech.create(
             model=MODEL, voice="serena", input=TEXT, response_format="pcm"
         ).read()
