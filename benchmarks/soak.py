@@ -304,9 +304,17 @@ class Soak:
                     counts[kind] += 1
                     await self.one(client, i, kind)
 
+            async def mark() -> None:  # --trace: the start of the growth traced
+                await asyncio.sleep((args.minutes or 0) * 20)
+                os.kill(pid, signal.SIGUSR1)
+
             sampler = asyncio.create_task(sample(client))
+            marker = asyncio.create_task(mark()) if args.trace else None
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
             self.report.seconds = time.perf_counter() - start
+            if marker is not None:
+                await marker
+                os.kill(pid, signal.SIGUSR1)  # where the growth since is held
             self.report.by_kind = dict(counts)
             args.requests = sent
             # Cancelled work is closed on the MLX thread within a token or two.
@@ -493,7 +501,11 @@ def plot(report: Report, path: Path) -> None:
 def start_server(
     log: Path, args: argparse.Namespace
 ) -> tuple[subprocess.Popen[bytes], str]:
-    command = [sys.executable, "-m", "mlx_pinned.server", "serve", "--demo"]
+    serve = ["-m", "mlx_pinned.server"]
+    if args.trace is not None:  # Python's allocations traced
+        os.environ["SOAK_TRACE"] = str(args.trace)
+        serve = [str(Path(__file__).with_name("_traced_serve.py"))]
+    command = [sys.executable, *serve, "serve", "--demo"]
     command += ["--port", "0", "--max-pending", str(args.max_pending)]
     command += args.server_args
     with log.open("wb") as sink:
@@ -559,6 +571,12 @@ def main() -> int:
         "--minutes", type=float, help="send for this long instead of --requests"
     )
     parser.add_argument("--plot", type=Path, help="draw the RSS curve here (PNG)")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        help="trace the server's Python allocations: where those made after "
+        "the first third of the run are held, written here at the end",
+    )
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-pending", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)

@@ -26,6 +26,7 @@ from mlx_pinned.testing import (
     TINY_EMBEDDING_TYPES,
     TINY_LM_TYPES,
     TINY_MODEL_TYPES,
+    TINY_OMNI_TYPES,
     TINY_RERANKER_TYPES,
     TINY_SPEECH_TYPES,
     TINY_TOOL_LM_TYPES,
@@ -34,12 +35,14 @@ from mlx_pinned.testing import (
     make_test_image,
     make_tiny_embedding,
     make_tiny_lm,
+    make_tiny_omni,
     make_tiny_reranker,
     make_tiny_speech,
     make_tiny_transcription,
     make_tiny_vlm,
     tiny_embedding_path,
     tiny_lm_path,
+    tiny_omni_path,
     tiny_reranker_path,
     tiny_speech_path,
     tiny_vlm_path,
@@ -514,6 +517,54 @@ class TestFamilies:
         assert tiny_lm_path("llama") == tmp_path / "tiny-lm-llama"
         other = TINY_MODEL_TYPES[1]
         assert tiny_vlm_path(other) == tmp_path / f"tiny-vlm-{other}"
+
+
+class TestOmniFamilies:
+    """The tiny Gemma 4, as mlx-vlm loads it: audio through its own processor."""
+
+    def test_gemma4_takes_audio_offline(
+        self, tmp_path: pathlib.Path, hub_calls: HubCalls
+    ) -> None:
+        import numpy as np
+
+        assert TINY_OMNI_TYPES == ("gemma4",)
+        path = make_tiny_omni(tmp_path / "gemma4")
+        model, processor = mlx_vlm.load(str(path))
+        assert hub_calls.calls == []
+        assert model.config.audio_config is not None
+        assert processor.feature_extractor.sampling_rate == 16000
+        second = np.sin(np.arange(16000, dtype=np.float32) * 0.05) * 0.3
+        messages = [{"role": "user", "content": [{"type": "audio"}]}]
+        prompt = processor.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        utils = importlib.import_module("mlx_vlm.utils")
+        inputs = utils.prepare_inputs(processor, audio=[second], prompts=prompt)
+        ids = inputs["input_ids"][0].tolist()
+        # 40 ms a token: a second is 25, between the audio markers.
+        assert ids.count(model.config.audio_token_id) == 25
+        assert ids.count(model.config.boa_token_id) == 1
+        assert inputs["input_features"].shape[-1] == 128
+        embedded = model.get_input_embeddings(
+            inputs["input_ids"],
+            None,
+            input_features=inputs["input_features"],
+            input_features_mask=inputs["input_features_mask"],
+        ).inputs_embeds
+        plain = model.language_model.model.embed_tokens(inputs["input_ids"])
+        spots = np.array(ids) == model.config.audio_token_id
+        audio_rows = np.array(embedded[0])[spots]
+        # The audio tower's features, not the placeholder's embedding.
+        assert not np.allclose(audio_rows, np.array(plain[0])[spots])
+        assert len({row.tobytes() for row in audio_rows}) > 20
+
+    def test_the_cached_folder_is_named_by_family(
+        self, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("MLX_PINNED_CACHE", str(tmp_path))
+        assert tiny_omni_path() == tmp_path / "tiny-omni-gemma4"
+        with pytest.raises(ValueError, match="gemma4"):
+            make_tiny_omni(tmp_path / "x", "qwen3_vl")
 
 
 class TestTranscriptionFamilies:

@@ -45,7 +45,12 @@ from .config import ServerConfig
 from .engine import BatchEngine, DraftSettings
 from .engine.embedding import EmbeddingEngine
 from .engine.kv_quant import KVQuant
-from .engine.memory import check_start_up_budget, release, stored_weight_bytes
+from .engine.memory import (
+    check_start_up_budget,
+    limit_buffer_cache,
+    release,
+    stored_weight_bytes,
+)
 from .engine.rerank import RerankEngine
 from .engine.speech import SpeechEngine
 from .engine.transcription import TranscriptionEngine
@@ -71,7 +76,7 @@ from .http.speech import SpeechEndpoint
 from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
 from .http.transcriptions import TranscriptionsEndpoint, TranslationsEndpoint
 from .http.turns import LoopTurns
-from .inputs.audio import load_audio
+from .inputs.audio import load_audio, load_audios
 from .inputs.images import Fetcher, load_images
 from .inputs.remote import RemoteImageFetcher
 from .inputs.videos import load_videos
@@ -167,15 +172,17 @@ def create_app(
         for path in (own.models[0], own.draft_model)
         if path is not None
     ]
-    prepare = settle = None
-    if config.max_model_bytes is not None and at_start_up:
-        # Before any load: a start-up past the budget fails at once.
-        prepare = functools.partial(
-            mlx_thread.run,
-            check_start_up_budget,
-            tuple(at_start_up),
-            config.max_model_bytes,
-        )
+    settle = None
+
+    async def prepare() -> None:
+        explicit = config.mlx_cache_bytes is not None
+        limit = config.mlx_cache_budget
+        await mlx_thread.run(limit_buffer_cache, limit, explicit=explicit)
+        if config.max_model_bytes is not None and at_start_up:
+            # Before any load: a start-up past the budget fails at once.
+            budget = config.max_model_bytes
+            await mlx_thread.run(check_start_up_budget, tuple(at_start_up), budget)
+
     if config.freeze_gc:
         settle = functools.partial(mlx_thread.run, _freeze_gc)
     residency = Residency(
@@ -200,6 +207,7 @@ def create_app(
         metrics=metrics,
     )
     chat.load_videos = _video_loader(config, image_fetcher)
+    chat.load_audios = functools.partial(load_audios, limits=config.audio_limits)
     # The same wiring for the other APIs' endpoints.
     wiring = (chat.config, chat.thread, served, residency, chat.load_images, turns)
     completions = CompletionsEndpoint(*wiring, metrics=metrics)

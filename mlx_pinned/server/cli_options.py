@@ -193,6 +193,7 @@ OPTIONS = (
     Option("max_videos", "videos per request (default: %(default)s)", whole),
     Option("max_video_bytes", "encoded bytes per video (default: %(default)s)", whole),
     Option("max_video_seconds", "seconds per video (default: %(default)s)", seconds),
+    Option("max_audios", "audio files per chat request (default: %(default)s)", whole),
     Option(
         "max_audio_bytes", "encoded bytes per audio file (default: %(default)s)", whole
     ),
@@ -271,6 +272,13 @@ OPTIONS = (
         "bytes of vision-tower outputs kept for images sent again, per model; 0: "
         "off (default: a 32nd of the machine's memory, shared out among the "
         "models)",
+        whole,
+    ),
+    Option(
+        "mlx_cache_bytes",
+        "bytes of freed buffers MLX keeps for reuse (its buffer cache, emptied "
+        "when a batch ends); 0: none (default: MLX's own limit or an eighth of "
+        "the machine's memory, whichever is smaller)",
         whole,
     ),
     Option(

@@ -106,6 +106,7 @@ class AudioLimits:
         max_channels: Channels per file.
         min_sample_rate: The lowest sample rate taken (Hz).
         max_sample_rate: The highest sample rate taken (Hz).
+        max_audios: Audio files per chat request, over all messages.
     """
 
     max_bytes: int = 20 * 1024 * 1024
@@ -113,6 +114,7 @@ class AudioLimits:
     max_channels: int = 8
     min_sample_rate: int = 8000
     max_sample_rate: int = 192000
+    max_audios: int = 2
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,8 @@ class ServerConfig:
             no ``video_fps``.
         max_video_frames: Most frames sampled per video (a request's
             ``video_max_frames`` may ask for fewer, not more).
+        max_audios: Audio files (``input_audio`` parts) per chat request,
+            over all messages.
         max_audio_bytes: Encoded bytes per audio file.
         max_audio_seconds: Length per audio file, from its header; longer
             is a 400 before it is decoded.
@@ -253,6 +257,11 @@ class ServerConfig:
             keep under ``state_dir`` (every entry is written there, and a
             lookup that finds a longer prefix there than in memory loads
             it); 0: no disk tier. Without ``state_dir``, unused.
+        mlx_cache_bytes: The most bytes of freed buffers MLX keeps for reuse
+            (its buffer cache, process-wide, emptied whenever a batch ends);
+            0: none kept. None: MLX's own limit or an eighth of the
+            machine's memory, whichever is smaller (Metal's own is the whole
+            working set: a Mac that is also a desktop would lend it all).
         freeze_gc: After the model is loaded, collect garbage once and move
             every object left to the collector's permanent generation
             (:func:`gc.freeze`), so later full collections skip the
@@ -302,6 +311,7 @@ class ServerConfig:
     max_video_pixels: int = 1920 * 1080
     video_fps: float = 2.0
     max_video_frames: int = 32
+    max_audios: int = 2
     max_audio_bytes: int = 20 * 1024 * 1024
     max_audio_seconds: float = 1800.0
     max_prompt_tokens: int | None = None
@@ -313,6 +323,7 @@ class ServerConfig:
     retry_after: int = 1
     prompt_cache_bytes: int | None = None
     image_cache_bytes: int | None = None
+    mlx_cache_bytes: int | None = None
     prefill_step_size: int = 2048
     prefill_step_seconds: float | None = 0.25
     tool_call_parser: str | None = None
@@ -428,8 +439,18 @@ class ServerConfig:
     def audio_limits(self) -> AudioLimits:
         """The audio settings, as the audio decoder takes them."""
         return AudioLimits(
-            max_bytes=self.max_audio_bytes, max_seconds=self.max_audio_seconds
+            max_bytes=self.max_audio_bytes,
+            max_seconds=self.max_audio_seconds,
+            max_audios=self.max_audios,
         )
+
+    @property
+    def mlx_cache_budget(self) -> int:
+        """The buffer cache's most bytes (MLX's own limit, if smaller, wins
+        when unset: :func:`~.engine.memory.limit_buffer_cache`)."""
+        if self.mlx_cache_bytes is not None:
+            return self.mlx_cache_bytes
+        return _memory() // 8
 
     @property
     def image_cache_budget(self) -> int:

@@ -86,10 +86,11 @@ def check_config(config: ServerConfig) -> None:
     for name in ("max_videos", "max_video_bytes", "max_video_pixels"):
         _at_least(config, name, 1)
     _at_least(config, "max_video_frames", 2)  # a temporal patch is two frames
-    _at_least(config, "max_audio_bytes", 1)
+    for name in ("max_audios", "max_audio_bytes"):
+        _at_least(config, name, 1)
     for name in ("max_video_seconds", "video_fps", "max_audio_seconds"):
         _seconds(config, name, positive=True, finite=True)
-    for name in ("prompt_cache_bytes", "image_cache_bytes"):
+    for name in ("prompt_cache_bytes", "image_cache_bytes", "mlx_cache_bytes"):
         _at_least(config, name, 0, optional=True)
     for name in ("responses_store_max", "responses_store_bytes"):
         _at_least(config, name, 0)

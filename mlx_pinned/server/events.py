@@ -2,7 +2,7 @@
 
 A shared module: no Starlette, no pydantic, no MLX. The HTTP side turns a
 request into :class:`GenerationParams` and the media references of
-:mod:`.media` (decoded videos travel in the params); the
+:mod:`.media` (decoded videos and audio travel in the params); the
 engine, on the MLX thread, answers with one :class:`TokenEvent` per token
 and one :class:`FinalEvent`, through an :class:`EventStream`. The HTTP side
 knows the engine only through the :class:`Engine` protocol, so it never
@@ -20,7 +20,7 @@ from .limits import check_prompt_tokens
 if TYPE_CHECKING:
     from PIL import Image
 
-    from .media import Video
+    from .media import Audio, AudioInput, Video
 
 
 __all__ = [
@@ -196,6 +196,9 @@ class GenerationParams:
             -1: the model's context length; None: the whole prompt).
         videos: The decoded videos of ``messages``, in prompt order (the
             HTTP side decodes them off the event loop and sets them).
+        audios: The decoded audio files of ``messages`` (its ``input_audio``
+            parts), in prompt order, at the model's sample rate (set as
+            ``videos`` are).
         thinking_budget: Most reasoning tokens before the closing marker is
             forced (None: no budget); applied where ``thinking_markers`` is
             set and the text is not constrained.
@@ -226,6 +229,7 @@ class GenerationParams:
     add_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     videos: tuple[Video, ...] = ()
+    audios: tuple[Audio, ...] = ()
     thinking_budget: int | None = None
     thinking_markers: tuple[str, str] | None = None
     priority: int = 0
@@ -508,6 +512,13 @@ class Engine(Resident, Protocol):
     def accepts_images(self) -> bool:
         """Whether the model takes images; image parts sent to one that does
         not are a 400 that names the part."""
+        ...
+
+    @property
+    def audio_input(self) -> AudioInput | None:
+        """How the model takes audio (its rate, its longest file); None when
+        it takes none (``input_audio`` parts sent to it are a 400 that names
+        the part)."""
         ...
 
     def stream(

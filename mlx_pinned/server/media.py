@@ -3,8 +3,9 @@ is, and a video or an audio file once decoded.
 
 A shared module: no Starlette, no pydantic, no MLX. The HTTP side makes an
 :class:`ImageRef` or a :class:`VideoRef` per part of a request, in prompt
-order; the decoders (:mod:`.inputs`, on worker threads) turn them into
-images and :class:`Video` values, or refuse them with the domain errors of
+order, and an :class:`AudioRef` per audio part; the decoders
+(:mod:`.inputs`, on worker threads) turn them into images, :class:`Video`
+and :class:`Audio` values, or refuse them with the domain errors of
 :mod:`.failures`, naming the part by its index.
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .failures import ImageRefusedError, VideoRefusedError
+from .failures import AudioRefusedError, ImageRefusedError, VideoRefusedError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -22,8 +23,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Audio",
+    "AudioInput",
+    "AudioRef",
     "ImageRef",
     "LoadAudio",
+    "LoadAudios",
     "LoadImages",
     "LoadVideos",
     "Video",
@@ -111,6 +115,31 @@ class Audio:
     digest: str
 
 
+@dataclass(frozen=True)
+class AudioInput:
+    """How a model takes audio: the rate it hears at (Hz), and the longest
+    file it hears (seconds; None: no limit of its own), which the decoder
+    checks from a file's header with the server's own limits."""
+
+    sample_rate: int
+    max_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class AudioRef:
+    """An audio file of the request (an ``input_audio`` part): which one, in
+    prompt order, its base64 data, and the format the request says it is
+    (``wav`` or ``mp3``; the bytes must be that)."""
+
+    index: int
+    data: str
+    format: str
+
+    def error(self, message: str, code: str) -> AudioRefusedError:
+        """An :class:`~.failures.AudioRefusedError` for this audio file."""
+        return AudioRefusedError(message, index=self.index, code=code)
+
+
 #: Decodes (and, where allowed, fetches) a request's videos, in order, off
 #: the event loop; raises :class:`~.failures.VideoRefusedError` for the first
 #: it cannot use.
@@ -119,3 +148,8 @@ LoadVideos = Callable[[Sequence[VideoRef]], Awaitable[list[Video]]]
 #: Decodes an audio file's bytes to mono samples at a sample rate, off the
 #: event loop; raises :class:`~.failures.AudioRefusedError` when it cannot.
 LoadAudio = Callable[[bytes, int], Awaitable[Audio]]
+
+#: Decodes a request's audio parts, in order, to mono samples as a model
+#: takes them (its rate, its longest file), off the event loop; raises
+#: :class:`~.failures.AudioRefusedError` for the first it cannot use.
+LoadAudios = Callable[[Sequence[AudioRef], AudioInput], Awaitable[list[Audio]]]

@@ -23,7 +23,8 @@ rerankers (``mlx_vlm.reranker_loader``) in :data:`TINY_RERANKER_TYPES`
 ``mlx_audio.stt.utils.load_model``) in :data:`TINY_TRANSCRIPTION_TYPES`
 (:func:`make_tiny_transcription`), text-to-speech models (mlx-audio's
 loader, ``mlx_audio.tts.utils.load_model``) in :data:`TINY_SPEECH_TYPES`
-(:func:`make_tiny_speech`).
+(:func:`make_tiny_speech`), chat models that take audio as well as images
+(omni models) in :data:`TINY_OMNI_TYPES` (:func:`make_tiny_omni`).
 ``import mlx_pinned.testing`` is cheap: MLX, mlx-vlm, ``tokenizers`` and
 Pillow are imported inside the functions that need them.
 """
@@ -39,6 +40,7 @@ from ._aya import AYA_VISION
 from ._bert import BERT, BERT_RERANKER
 from ._family import Family
 from ._gemma import GEMMA3
+from ._gemma4 import GEMMA4
 from ._images import image_data_uri, make_test_image
 from ._install import write_folder
 from ._llama import LLAMA
@@ -57,6 +59,7 @@ __all__ = [
     "TINY_EMBEDDING_TYPES",
     "TINY_LM_TYPES",
     "TINY_MODEL_TYPES",
+    "TINY_OMNI_TYPES",
     "TINY_RERANKER_TYPES",
     "TINY_SPEECH_TYPES",
     "TINY_TOOL_LM_TYPES",
@@ -65,12 +68,14 @@ __all__ = [
     "make_test_image",
     "make_tiny_embedding",
     "make_tiny_lm",
+    "make_tiny_omni",
     "make_tiny_reranker",
     "make_tiny_speech",
     "make_tiny_transcription",
     "make_tiny_vlm",
     "tiny_embedding_path",
     "tiny_lm_path",
+    "tiny_omni_path",
     "tiny_reranker_path",
     "tiny_speech_path",
     "tiny_transcription_path",
@@ -117,6 +122,10 @@ _SPEECH: Final = {family.model_type: family for family in (QWEN3_TTS,)}
 #: The text-to-speech families :func:`make_tiny_speech` writes
 #: (``qwen3_tts``).
 TINY_SPEECH_TYPES: Final = tuple(_SPEECH)
+_OMNI: Final = {family.model_type: family for family in (GEMMA4,)}
+#: The chat families that take audio :func:`make_tiny_omni` writes
+#: (``gemma4``).
+TINY_OMNI_TYPES: Final = tuple(_OMNI)
 
 
 def make_tiny_vlm(
@@ -358,6 +367,44 @@ def make_tiny_speech(
     return _make(family, path, seed, overwrite)
 
 
+def make_tiny_omni(
+    path: str | os.PathLike[str],
+    model_type: str = "gemma4",
+    *,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """Write a tiny random-weight chat model that takes audio (and images),
+    which mlx-vlm loads offline.
+
+    ``gemma4``: mlx-vlm's own Gemma 4 class, the 2-layer, 64-wide decoder of
+    :func:`make_tiny_vlm` (both layers attending to everything, so the
+    server's prompt cache takes part), a 2-layer, 32-wide vision tower (a
+    64x64 image is 4 soft tokens) and a 1-layer, 32-wide Conformer audio
+    tower over 128 log-mel bins at 16 kHz, 4x subsampled: a second of audio
+    is 25 audio tokens, between ``<|audio>`` and ``<audio|>``. mlx-vlm's own
+    Gemma 4 processor and feature extractor (no transformers processor, no
+    hub). About 183k parameters. Written, cached and replaced as
+    :func:`make_tiny_vlm` does, on the calling thread.
+
+    Args:
+        path: The folder to write. Its parent is created if missing.
+        model_type: One of :data:`TINY_OMNI_TYPES`.
+        seed: Seeds the weights. The same seed gives byte-identical files.
+        overwrite: Replace whatever is at ``path``.
+
+    Returns:
+        ``path`` as a :class:`pathlib.Path`, holding the model.
+
+    Raises:
+        FileExistsError: ``path`` holds something that is not a model written
+            by this module, and ``overwrite`` is false.
+        ValueError: ``model_type`` is not one of :data:`TINY_OMNI_TYPES`.
+    """
+    family = _family(_OMNI, model_type, "make_tiny_omni")
+    return _make(family, path, seed, overwrite)
+
+
 def tiny_vlm_path(model_type: str = "qwen3_vl") -> pathlib.Path:
     """Return the shared tiny vision model of a family (seed 0), writing it
     on first use.
@@ -440,6 +487,18 @@ def tiny_speech_path(model_type: str = "qwen3_tts") -> pathlib.Path:
         The model folder.
     """
     return make_tiny_speech(_cache() / f"tiny-speech-{model_type}", model_type, seed=0)
+
+
+def tiny_omni_path(model_type: str = "gemma4") -> pathlib.Path:
+    """Return the shared tiny audio-and-vision chat model of a family (seed
+    0), writing it on first use: ``tiny-omni-<model_type>`` in the folder
+    :func:`tiny_vlm_path` uses. Calling thread; safe from any thread or
+    process at once.
+
+    Returns:
+        The model folder.
+    """
+    return make_tiny_omni(_cache() / f"tiny-omni-{model_type}", model_type, seed=0)
 
 
 def _cache() -> pathlib.Path:

@@ -48,6 +48,7 @@ def reference_stream(
         utils.prepare_inputs(
             processor,
             images=list(images) or None,
+            audio=[audio.samples for audio in params.audios] or None,
             prompts=prompt,
             image_token_index=getattr(model.config, "image_token_index", None),
             add_special_tokens=utils.should_add_special_tokens(

@@ -30,6 +30,7 @@ class Loaded:
     longest_token_chars: int = 16
     accepts_images: bool = True
     chat_template: str | None = _CHAT_TEMPLATE
+    audio_input: Any = None
 
 
 @pytest.fixture

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import anyio
+import mlx.core as mx
 import pytest
 from prometheus_client import REGISTRY
 
+from mlx_pinned.server.engine.memory import limit_buffer_cache
 from mlx_pinned.server.http.metrics import route_of
 
 from .conftest import MODEL, assert_error, replace_generation, until, vision_body
@@ -57,6 +59,27 @@ class TestMetrics:
         assert value(samples, "mlx_pinned_mlx_peak_bytes") >= active
         assert value(samples, "mlx_pinned_mlx_cache_bytes") >= 0
         assert value(samples, "mlx_pinned_image_cache_bytes", model=MODEL) > 0
+
+    async def test_the_buffer_cache_keeps_what_the_setting_says(
+        self, serve: Serve
+    ) -> None:
+        own = mx.set_cache_limit(2**20)  # what this process had: restored below
+        try:
+            async with serve(mlx_cache_bytes=0) as served:
+                response = await served.chat(vision_body(8))
+                assert response.status_code == 200
+                samples = await scrape(served)
+                none_kept = mx.set_cache_limit(2**20)
+                # Unset, it never raises MLX's own limit, only lowers it.
+                run = served.thread.run
+                higher = await run(limit_buffer_cache, 2**40, explicit=False)
+                lower = await run(limit_buffer_cache, 4096, explicit=False)
+        finally:
+            mx.set_cache_limit(own)
+        assert none_kept == 0
+        assert value(samples, "mlx_pinned_mlx_cache_bytes") == 0
+        assert higher == 2**20
+        assert lower == 4096
 
     async def test_the_responses_store_is_visible(self, serve: Serve) -> None:
         async with serve() as served:

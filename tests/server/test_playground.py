@@ -1,6 +1,6 @@
 """The playground: ``http/playground.py`` (its routes and their headers) and
 its page, driven in headless Chromium (Debian's ``chromium`` and
-``chromium-driver``, under Selenium) against a real two-model server.
+``chromium-driver``, under Selenium) against a real three-model server.
 
 The browser tests fail on any error in the browser's console; a copy of the
 page with a broken ``app.js`` shows that the check catches one.
@@ -14,12 +14,14 @@ import re
 import sys
 import textwrap
 import time
+import wave
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import numpy as np
 import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.options import Options
@@ -43,8 +45,9 @@ CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("CHROMEDRIVER", "/usr/bin/chromedriver")
 LONG = 30000  # max_tokens of an answer the test stops
 
-# The server the browser talks to: two tiny models of different families
-# (create_app, as `mlx-pinned serve` builds it, under uvicorn). Beside them,
+# The server the browser talks to: two tiny vision models of different
+# families and a tiny Gemma 4 that takes audio too (create_app, as
+# `mlx-pinned serve` builds it, under uvicorn). Beside them,
 # for the tests: under /broken/ the page read from another folder (the
 # negative control's), and under /canned/ the page with a scripted API (the
 # page's API paths are relative) whose one answer has reasoning and a tool
@@ -61,12 +64,12 @@ SERVER = textwrap.dedent(
 
     from mlx_pinned.server import create_app
     from mlx_pinned.server.http.playground import routes
-    from mlx_pinned.testing import tiny_vlm_path
+    from mlx_pinned.testing import tiny_omni_path, tiny_vlm_path
 
     broken, limit, key = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] or None
     app = create_app(
-        [tiny_vlm_path("qwen3_vl"), tiny_vlm_path("qwen2_5_vl")],
-        served_model_name=["tiny-a", "tiny-b"],
+        [tiny_vlm_path("qwen3_vl"), tiny_vlm_path("qwen2_5_vl"), tiny_omni_path()],
+        served_model_name=["tiny-a", "tiny-b", "tiny-omni"],
         max_tokens_limit=limit,
         api_key=key,
     )
@@ -353,7 +356,11 @@ def test_a_conversation_in_the_browser(
 ) -> None:
     open_page(browser, server.url + "/")
     picker = Select(browser.find_element(By.ID, "model"))
-    assert [option.text for option in picker.options] == ["tiny-a", "tiny-b"]
+    assert [option.text for option in picker.options] == [
+        "tiny-a",
+        "tiny-b",
+        "tiny-omni",
+    ]
     assert picker.first_selected_option.text == "tiny-a"
 
     # An image, attached through the file picker, shows as a preview.
@@ -413,6 +420,66 @@ def test_a_conversation_in_the_browser(
     shot = Path(os.environ.get("PLAYGROUND_SCREENSHOT", tmp_path / "page.png"))
     assert browser.save_screenshot(str(shot))
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_no_console_errors(browser)
+
+
+def wav_file(path: Path, seconds: float = 1.0) -> Path:
+    """A WAV file of ``seconds`` of a tone at 16 kHz, written to ``path``."""
+    rate = 16000
+    tone = 0.3 * np.sin(np.arange(int(seconds * rate)) * 2 * np.pi * 220 / rate)
+    with wave.open(str(path), "wb") as file:
+        file.setnchannels(1)
+        file.setsampwidth(2)
+        file.setframerate(rate)
+        file.writeframes((tone * 32767).astype("<i2").tobytes())
+    return path
+
+
+@pytest.mark.slow
+def test_audio_attaches_for_a_model_that_takes_it(
+    server: Server, browser: WebDriver, tmp_path: Path
+) -> None:
+    open_page(browser, server.url + "/")
+    cards = httpx.get(server.url + "/v1/models", timeout=5).json()["data"]
+    taken = {card["id"]: card["input_modalities"] for card in cards}
+    assert taken == {
+        "tiny-a": ["text", "image"],
+        "tiny-b": ["text", "image"],
+        "tiny-omni": ["text", "image", "audio"],
+    }
+    sound = wav_file(tmp_path / "question.wav")
+    picker = Select(browser.find_element(By.ID, "model"))
+
+    # A model that takes no audio: the page says so and attaches nothing.
+    picker.select_by_value("tiny-a")
+    browser.find_element(By.ID, "file").send_keys(str(sound))
+    status = browser.find_element(By.ID, "status")
+    until(lambda: "takes no audio" in status.text, "the refusal")
+    assert not browser.find_elements(By.CSS_SELECTOR, "#attachments li")
+
+    # The omni model: a player previews the file, and the model hears it.
+    picker.select_by_value("tiny-omni")
+    browser.find_element(By.ID, "file").send_keys(str(sound))
+    player = until(
+        lambda: browser.find_elements(By.CSS_SELECTOR, "#attachments audio.thumb"),
+        "the player",
+    )[0]
+    assert str(player.get_attribute("src")).startswith("blob:")
+    heard = ask(browser, "What is said?", 8)
+    with_audio = prompt_tokens(finished(heard))
+    assert browser.find_elements(By.CSS_SELECTOR, ".turn.user audio.shown")
+    assert not browser.find_elements(By.CSS_SELECTOR, "#attachments li")
+    # A second of audio is 25 audio tokens and its two markers.
+    text = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={
+            "model": "tiny-omni",
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": "What is said?"}],
+        },
+        timeout=30,
+    ).json()["usage"]["prompt_tokens"]
+    assert with_audio == text + 27
     assert_no_console_errors(browser)
 
 

@@ -4,7 +4,7 @@
 checkpoint's defaults, runs the chat template and the processor, checks the
 prompt's limits, and prepares what the row's logits need (its grammar's
 matcher, the prompt's tokens for a repetition penalty, its prompt-cache key,
-which holds its images' and videos' content hashes).
+which holds its images', videos' and audio files' content hashes).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from ..failures import ImagesUnsupportedError, InvalidGrammarError
 from .logits import GrammarMatcher, banned_sequences, new_matcher, prompt_seen
 from .prefill import MEDIA_TOKENS, preprocess
-from .prompt_cache import image_hash, prompt_key
+from .prompt_cache import audio_hash, image_hash, prompt_key
 from .rows import Row
 from .sampling import vlm
 from .thinking_budget import ThinkingBudget
@@ -81,6 +81,8 @@ def make_row(
             hashes,
             media,
             *_video_keys(loaded, params, prepared.inputs),
+            [audio_hash(audio.digest) for audio in params.audios],
+            getattr(loaded.model.config, "audio_token_id", None),
         )
     return row
 
@@ -165,7 +167,7 @@ def _marker_ids(loaded: LoadedModel, text: str) -> list[int]:
 
 
 def media_tokens(loaded: LoadedModel) -> frozenset[int]:
-    """The model's image and video placeholder token ids."""
+    """The model's image, video and audio placeholder token ids."""
     config = loaded.model.config
     found = {getattr(config, name, None) for name in MEDIA_TOKENS}
     return frozenset(token for token in found if isinstance(token, int))

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
     from mlx_pinned import MLXThread
 
+    from ..media import AudioInput
+
 __all__ = ["BatchEngine", "BatchStatistics"]
 
 logger = logging.getLogger("mlx_pinned.server")
@@ -179,6 +181,11 @@ class BatchEngine:
     def accepts_images(self) -> bool:
         """Whether the model takes images (False for a text-only model)."""
         return self.loaded.accepts_images
+
+    @property
+    def audio_input(self) -> AudioInput | None:
+        """How the model takes audio (None: it takes none)."""
+        return self.loaded.audio_input
 
     @property
     def loaded_at(self) -> float:

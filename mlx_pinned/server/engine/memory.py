@@ -20,7 +20,13 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["Released", "check_start_up_budget", "release", "stored_weight_bytes"]
+__all__ = [
+    "Released",
+    "check_start_up_budget",
+    "limit_buffer_cache",
+    "release",
+    "stored_weight_bytes",
+]
 
 logger = logging.getLogger("mlx_pinned.server")
 
@@ -44,6 +50,21 @@ def stored_weight_bytes(model_path: str | Path) -> int:
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {folder}")
     return sum(file.stat().st_size for file in files)
+
+
+def limit_buffer_cache(limit: int, *, explicit: bool) -> int:
+    """Bound MLX's buffer cache (freed buffers kept for reuse) to ``limit``
+    bytes; unless ``explicit``, only where MLX's own limit is larger. The
+    limit in force, returned.
+
+    Runs on the MLX thread (a start-up job); the limit is process-wide.
+    """
+    own = int(mx.set_cache_limit(limit))
+    if not explicit and own < limit:
+        mx.set_cache_limit(own)
+        limit = own
+    logger.info("MLX's buffer cache keeps at most %d bytes", limit)
+    return limit
 
 
 def check_start_up_budget(paths: tuple[str, ...], budget: int) -> int:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 
 from ..limits import context_length, longest_token_chars
+from ..media import AudioInput
 
 if TYPE_CHECKING:
     from ..events import Grammar
@@ -33,6 +34,7 @@ EXACT_FAMILIES = frozenset(
         "qwen2_5_vl",
         "qwen3_5",
         "gemma3",
+        "gemma4",
         "smolvlm",
         "mistral3",
         "aya_vision",
@@ -121,6 +123,28 @@ class LoadedModel:
         )
 
     @property
+    def audio_input(self) -> AudioInput | None:
+        """How the model takes audio, where it has an audio config, an audio
+        token and a feature extractor (an omni model: Gemma 4's): at its
+        feature extractor's rate, files as long as its processor caps them
+        (a file's most audio tokens times a token's milliseconds: Gemma 4's
+        750 of 40 ms); None for a model that takes no audio."""
+        config, processor = self.config, self.processor
+        extractor = getattr(processor, "feature_extractor", None)
+        rate = getattr(extractor, "sampling_rate", None)
+        if (
+            getattr(config, "audio_config", None) is None
+            or not isinstance(getattr(config, "audio_token_id", None), int)
+            or not isinstance(rate, int)
+        ):
+            return None
+        tokens = getattr(processor, "audio_seq_length", None)
+        milliseconds = getattr(processor, "audio_ms_per_token", None)
+        if not isinstance(tokens, int) or not isinstance(milliseconds, int | float):
+            return AudioInput(rate)
+        return AudioInput(rate, tokens * milliseconds / 1000)
+
+    @property
     def tokenizer(self) -> Any:
         """The text tokenizer."""
         return getattr(self.processor, "tokenizer", self.processor)
@@ -163,6 +187,17 @@ def serial_reason(config: Any) -> str | None:
         return (
             "mlx-vlm's Ministral 3 decoder scales every row's attention by the "
             "first row's position, so batched rows would change each other"
+        )
+    if model_type == "gemma4" and (
+        getattr(text, "num_kv_shared_layers", 0)
+        or getattr(text, "hidden_size_per_layer_input", 0)
+    ):
+        # Proven on the tiny Gemma 4 (tests/server/test_input_audio.py), which
+        # has neither; the layers that reuse another's KV and the per-layer
+        # inputs of the 2B and 4B checkpoints are not.
+        return (
+            "the batch engine is not proven exact on Gemma 4's shared-KV layers "
+            "and per-layer inputs"
         )
     return None
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import mlx.core as mx
 
-from ..failures import RequestError, VideoRefusedError
+from ..failures import AudioRefusedError, RequestError, VideoRefusedError
 from .kv_quant import KVQuant, batch_layer, kv_length, single_caches, to_batch
 from .model import LoadedModel
 from .quirks import rope_deltas, row_rope_deltas
@@ -56,6 +56,10 @@ _POSITION_ONLY = frozenset(
 _ONE_ROW_IMAGES = frozenset({"aya_vision"})
 # Families whose mlx-vlm embedding takes images or videos, not both at once.
 _ONE_MEDIA_KIND = frozenset({"qwen2_vl", "qwen2_5_vl"})
+# Families whose mlx-vlm embedding places a second audio file's features at
+# the first one's padding (it drops the padded batch's mask): one audio
+# file per prompt.
+_ONE_AUDIO = frozenset({"gemma4"})
 MEDIA_TOKENS = (
     "image_token_index",
     "image_token_id",
@@ -186,16 +190,16 @@ def truncated(prepared: Prepared, keep: int | None) -> Prepared:
     None.
 
     Raises:
-        RequestError: The prompt holds images or videos (their tokens and
-            their pixels cannot be cut apart).
+        RequestError: The prompt holds images, videos or audio (their tokens
+            and their features cannot be cut apart).
     """
     if keep is None or prepared.prompt_tokens <= keep:
         return prepared
     inputs = prepared.inputs
     if set(inputs) - {"input_ids", "attention_mask"}:
         raise RequestError(
-            f"The prompt has {prepared.prompt_tokens} tokens and images or "
-            f"videos, which truncate_prompt_tokens ({keep}) cannot cut: send "
+            f"The prompt has {prepared.prompt_tokens} tokens and images, videos "
+            f"or audio, which truncate_prompt_tokens ({keep}) cannot cut: send "
             "a shorter prompt.",
             "invalid_prompt",
         )
@@ -229,6 +233,7 @@ def _model_inputs(
         processor,
         images=list(images) or None,
         **videos,
+        **_audio_inputs(loaded, params),
         prompts=build_prompt(
             loaded, params.messages, params.tools, params.template_kwargs
         ),
@@ -280,6 +285,52 @@ def _video_inputs(
         "videos": [video.frames for video in params.videos],
         "video_metadata": [video.metadata() for video in params.videos],
     }
+
+
+def _audio_inputs(loaded: LoadedModel, params: GenerationParams) -> dict[str, Any]:
+    """The processor's audio argument: each file's samples, at the model's
+    rate (none without audio).
+
+    Raises:
+        AudioRefusedError: The model takes no audio, one file at a time and
+            the request has more, or a file longer than the model hears.
+    """
+    if not params.audios:
+        return {}
+    taken = loaded.audio_input
+    if taken is None:
+        raise AudioRefusedError(
+            f"this model ({loaded.config.model_type}) takes no audio; send it to "
+            "a model that does.",
+            index=0,
+            code="audio_unsupported",
+        )
+    several = getattr(loaded.processor, "supports_multiple_audio", False)
+    if len(params.audios) > 1 and (
+        # mlx-vlm would keep the first file alone and leave the others'
+        # placeholders empty, or misplace them (see _ONE_AUDIO).
+        not several or loaded.config.model_type in _ONE_AUDIO
+    ):
+        raise AudioRefusedError(
+            f"this model ({loaded.config.model_type}) takes one audio file per "
+            "request; send the others in separate requests.",
+            index=1,
+            code="too_many_audios",
+        )
+    longest = taken.max_seconds
+    for index, audio in enumerate(params.audios):
+        if longest is not None and audio.seconds > longest:
+            # The HTTP side refuses it from its header first; this guards
+            # other callers, as the processor caps a file's placeholders
+            # there and the features past them would be dropped unheard.
+            raise AudioRefusedError(
+                f"the file is {audio.seconds:.1f} seconds long; this model "
+                f"({loaded.config.model_type}) hears at most {longest:g} seconds "
+                "of audio per file.",
+                index=index,
+                code="audio_too_long",
+            )
+    return {"audio": [audio.samples for audio in params.audios]}
 
 
 def raw_inputs(
@@ -531,7 +582,9 @@ def build_prompt(
     Images in every turn count: the image markers stay in their own messages.
     A chat with videos goes to the chat template as it is, image and video
     markers in place (mlx-vlm's own formatting would move its videos ahead
-    of the text).
+    of the text); so does a chat with audio (``{"type": "audio"}`` markers),
+    through the tokenizer's own rendering of the template (Gemma 4's
+    processor would move every audio file to the end of its turn).
     ``tools`` (OpenAI's tool definitions) and ``template_kwargs`` (a
     request's ``chat_template_kwargs``) reach the template as keyword
     arguments.
@@ -549,12 +602,23 @@ def build_prompt(
     opened = bool(extra.pop("add_generation_prompt", True))
     if tools:
         extra["tools"] = list(tools)
-    if any(
-        part["type"] == "video"
+    kinds = {
+        part["type"]
         for m in messages
         if isinstance(m["content"], list)
         for part in m["content"]
-    ):
+    }
+    if "audio" in kinds:
+        marked = [_marked(m) for m in messages]
+        rendered = loaded.tokenizer.apply_chat_template(
+            marked,
+            chat_template=loaded.chat_template,
+            tokenize=False,
+            add_generation_prompt=opened,
+            **extra,
+        )
+        return str(rendered)
+    if "video" in kinds:
         marked = [_marked(m) for m in messages]
         return str(get_chat_template(loaded.processor, marked, opened, **extra))
     prompt = apply_chat_template(

@@ -1,12 +1,13 @@
 """The prompt cache: the KV of earlier prompts (and answers), reused by a
 request whose prompt starts the same way. MLX thread only.
 
-A key is the prompt's token ids with every image's and video's tokens
-replaced by a content hash of that image or video (of its sampled frames),
-so two different images or videos of one size (the same media tokens) never
-share KV. An entry holds the KV of every layer for its
-key's tokens; a request reuses the longest common prefix of its key with
-any entry and prefills only the rest. Entries are evicted least recently
+A key is the prompt's token ids with every image's, video's and audio
+file's tokens replaced by a content hash of that image, video (of its
+sampled frames) or audio file (of its samples), so two different images,
+videos or audio files of one size (the same media tokens) never share KV.
+An entry holds the KV of every layer for its key's tokens; a request
+reuses the longest common prefix of its key with any entry and prefills
+only the rest. Entries are evicted least recently
 used first, within a byte budget. Only models whose layers all use plain
 KV caches take part (a rotating or recurrent cache cannot be cut at any
 token). Under ``kv_bits`` an entry holds the quantized KV as the batch held
@@ -38,6 +39,7 @@ __all__ = [
     "CacheStatistics",
     "Key",
     "PromptCache",
+    "audio_hash",
     "common_prefix",
     "image_hash",
     "is_prefix",
@@ -58,12 +60,20 @@ def image_hash(image: Image.Image) -> int:
     return int.from_bytes(digest.digest(), "little") & (2**62 - 1)
 
 
+def audio_hash(digest: str) -> int:
+    """An audio file's content hash (:attr:`~...media.Audio.digest`, hex) as
+    a key value, in the range of :func:`image_hash`'s."""
+    return int(digest[:16], 16) & (2**62 - 1)
+
+
 def prompt_key(
     ids: Sequence[int],
     hashes: Sequence[int],
     media_tokens: frozenset[int],
     videos: Sequence[tuple[int, int]] = (),
     video_token: int | None = None,
+    audios: Sequence[int] = (),
+    audio_token: int | None = None,
 ) -> Key | None:
     """The cache key of a prompt: ``ids`` with each run of media tokens
     replaced by its image's hash (negative, so never a token id); None when
@@ -72,8 +82,15 @@ def prompt_key(
     ``videos``: each video's hash and its count of ``video_token`` tokens,
     in prompt order; a video's tokens may come in several runs (Qwen3-VL
     puts a timestamp before each temporal patch), so they are matched by
-    count, not by run."""
+    count, not by run.
+
+    ``audios``: each audio file's hash, in prompt order: a file is one run of
+    ``audio_token`` tokens."""
     key: Key = np.asarray(ids, dtype=np.int64).copy()
+    if audios:
+        if not _replace_runs(key, key == audio_token, audios):
+            return None
+        media_tokens = media_tokens - {audio_token}
     if videos:
         spots = np.flatnonzero(key == video_token)
         if len(spots) != sum(count for _, count in videos):
@@ -84,13 +101,20 @@ def prompt_key(
             first += count
         media_tokens = media_tokens - {video_token}
     media = np.isin(key, np.fromiter(media_tokens, dtype=np.int64))
+    return key if _replace_runs(key, media, hashes) else None
+
+
+def _replace_runs(key: Key, media: np.ndarray[Any, Any], hashes: Sequence[int]) -> bool:
+    """Replace each run of ``media`` positions of ``key`` by its hash
+    (negative, so never a token id), in order; False (``key`` as it was)
+    when the runs do not match the hashes one to one."""
     starts = np.flatnonzero(media & ~np.concatenate(([False], media[:-1])))
     if len(starts) != len(hashes):
-        return None
+        return False
     ends = np.flatnonzero(media & ~np.concatenate((media[1:], [False]))) + 1
     for start, end, value in zip(starts, ends, hashes, strict=True):
         key[start:end] = -value - 1
-    return key
+    return True
 
 
 @dataclass(frozen=True)

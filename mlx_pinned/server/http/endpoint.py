@@ -62,7 +62,17 @@ if TYPE_CHECKING:
 
     from ..config import ModelKind, ServerConfig
     from ..events import Engine, Event, EventStream, GenerationParams, Resident
-    from ..media import ImageRef, LoadImages, LoadVideos, Video, VideoRef
+    from ..media import (
+        Audio,
+        AudioInput,
+        AudioRef,
+        ImageRef,
+        LoadAudios,
+        LoadImages,
+        LoadVideos,
+        Video,
+        VideoRef,
+    )
     from .answer_parser import AnswerParser, Part
     from .metrics import ServerMetrics
     from .residency import Residency
@@ -312,15 +322,20 @@ async def _no_videos(refs: Sequence[VideoRef]) -> list[Video]:
     raise refs[0].error("this server decodes no videos.", "videos_unsupported")
 
 
+async def _no_audios(refs: Sequence[AudioRef], taken: AudioInput) -> list[Audio]:
+    raise refs[0].error("this server decodes no audio.", "audio_unsupported")
+
+
 class GenerationEndpoint(ModelEndpoint, Generic[RequestT]):
     """The endpoint of an API's generation route: one skeleton for every API.
 
     Runs on the event loop: :meth:`handle` parses the body (the slice's
     :meth:`parse`), checks it against the model it names (its
-    :attr:`serving`, before any wait for the gate), decodes its images and
-    videos off the loop (``load_images``; ``load_videos``, which ``app.py``
-    sets where videos are taken), generates, and writes the answer with the
-    slice's :meth:`send_whole` or :meth:`send_stream`.
+    :attr:`serving`, before any wait for the gate), decodes its images,
+    videos and audio off the loop (``load_images``; ``load_videos`` and
+    ``load_audios``, which ``app.py`` sets where they are taken; audio as
+    the model takes it: its rate, its longest file), generates, and writes
+    the answer with the slice's :meth:`send_whole` or :meth:`send_stream`.
 
     Attributes:
         call_id: Makes a tool call's id, in the API's own form.
@@ -328,6 +343,7 @@ class GenerationEndpoint(ModelEndpoint, Generic[RequestT]):
 
     call_id: Callable[[], str]
     load_videos: LoadVideos = staticmethod(_no_videos)
+    load_audios: LoadAudios = staticmethod(_no_audios)
 
     @abstractmethod
     def parse(self, body: bytes, images: list[str]) -> RequestT:
@@ -356,12 +372,16 @@ class GenerationEndpoint(ModelEndpoint, Generic[RequestT]):
         async with self.model(request.model, log) as (served, engine):
             capabilities = Capabilities.of(engine, served)
             prepared = await self.serving.prepare(request, capabilities)
-            check_media(capabilities, prepared.images, prepared.videos)
+            check_media(capabilities, prepared.images, prepared.videos, prepared.audios)
             decoded = await self.decode_images(prepared.images, log)
             params = prepared.params
             if prepared.videos:
                 videos = await self.load_videos(prepared.videos)
                 params = dataclasses.replace(params, videos=tuple(videos))
+            taken = capabilities.audio_input
+            if prepared.audios and taken is not None:  # check_media refused None
+                audios = await self.load_audios(prepared.audios, taken)
+                params = dataclasses.replace(params, audios=tuple(audios))
             async with self.generation(served, engine, params, decoded, log) as events:
                 parser = answer_parser(capabilities, prepared, self.call_id)
                 reply = Reply(

@@ -29,8 +29,9 @@ from mlx_pinned import (
 )
 
 from ..failures import (
-    ImageRefusedError,
+    AudioRefusedError,
     ImagesUnsupportedError,
+    MediaRefusedError,
     PromptTooLongError,
     RequestError,
     UnavailableError,
@@ -82,6 +83,19 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
+# Each kind of media refusal: what the message calls it, and how the places
+# of its parts end (an image's place is any other).
+_MEDIA: dict[type[MediaRefusedError], tuple[str, str]] = {
+    VideoRefusedError: ("video", ".video_url"),
+    AudioRefusedError: ("audio", ".input_audio"),
+}
+
+
+def _media_suffix(place: str) -> str:
+    """The ending a part's place shares with its kind's (``""``: an image)."""
+    return next((s for _, s in _MEDIA.values() if place.endswith(s)), "")
+
+
 def api_error(
     exc: BaseException,
     *,
@@ -95,9 +109,10 @@ def api_error(
     Args:
         exc: What was raised.
         retry_after: Seconds in the ``Retry-After`` of a busy MLX thread.
-        images: Where each image and video of the request is, in prompt
-            order per kind (``messages[1].content[0].image_url``,
-            ``messages[1].content[1].video_url``), to name a refused one.
+        images: Where each image, video and audio file of the request is,
+            in prompt order per kind (``messages[1].content[0].image_url``,
+            ``messages[1].content[1].video_url``,
+            ``messages[1].content[2].input_audio``), to name a refused one.
         prompt: The request's part that holds the prompt (``messages``;
             ``prompt`` for the completions API).
 
@@ -109,11 +124,10 @@ def api_error(
     """
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, ImageRefusedError | VideoRefusedError):
-        video = isinstance(exc, VideoRefusedError)
-        kind = [p for p in images if p.endswith(".video_url") == video]
+    if isinstance(exc, MediaRefusedError):
+        what, suffix = _MEDIA.get(type(exc), ("image", ""))
+        kind = [p for p in images if _media_suffix(p) == suffix]
         param = kind[exc.index] if exc.index < len(kind) else prompt
-        what = "video" if video else "image"
         message = f"Invalid {what} at '{param}': {exc.message}"
         return APIError(400, message, param=param, code=exc.code)
     if isinstance(exc, ImagesUnsupportedError | PromptTooLongError):

@@ -24,9 +24,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ..config import ImageLimits, VideoLimits
+from ..config import AudioLimits, ImageLimits, VideoLimits
 from ..events import SamplingParams
-from ..media import ImageRef, VideoRef
+from ..media import AudioRef, ImageRef, VideoRef
 
 __all__ = [
     "EFFORT_BUDGETS",
@@ -42,6 +42,7 @@ __all__ = [
     "check_stop",
     "check_template_kwargs",
     "check_unique_names",
+    "counted_audio_refs",
     "counted_image_refs",
     "counted_video_refs",
     "floor_top_p",
@@ -324,7 +325,7 @@ class OpenAISamplingFields(RequestBody):
         }
 
 
-R = TypeVar("R", ImageRef, VideoRef)
+R = TypeVar("R", ImageRef, VideoRef, AudioRef)
 
 
 def counted_image_refs(urls: Iterable[str], limits: ImageLimits) -> list[ImageRef]:
@@ -354,10 +355,23 @@ def counted_video_refs(
     return _at_most(refs, limits.max_videos, "video")
 
 
+def counted_audio_refs(
+    files: Iterable[tuple[str, str]], limits: AudioLimits
+) -> list[AudioRef]:
+    """An :class:`AudioRef` per ``(base64 data, format)``, in order.
+
+    Raises:
+        AudioRefusedError: More than ``limits.max_audios`` audio files.
+    """
+    refs = [AudioRef(i, data, kind) for i, (data, kind) in enumerate(files)]
+    return _at_most(refs, limits.max_audios, "audio")
+
+
 def _at_most(refs: Sequence[R], most: int, kind: str) -> list[R]:
     if len(refs) > most:
+        plural = "audio files" if kind == "audio" else f"{kind}s"
         raise refs[most].error(
-            f"too many {kind}s: {len(refs)} in this request, at most "
+            f"too many {plural}: {len(refs)} in this request, at most "
             f"{most} are allowed.",
             f"too_many_{kind}s",
         )

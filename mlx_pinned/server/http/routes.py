@@ -104,7 +104,8 @@ def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
     loaded (now, while it loads), or for one loaded on first use, when the
     server was made (its loads come and go); ``kind``: what it is served as
     (``chat``, ``embedding``); a chat model's ``formats``: its tool-call and
-    reasoning formats."""
+    reasoning formats, and its ``input_modalities``: what its messages may
+    hold (``text``, ``image``, ``audio``); both None until it is loaded."""
     if not served.slot.pinned:
         created = int(served.slot.created)
     else:
@@ -131,7 +132,15 @@ def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
                 reasoning_parser=own.reasoning_parser,
             ).names()
         )
+        card["input_modalities"] = None if engine is None else input_modalities(engine)
     return card
+
+
+def input_modalities(engine: Engine) -> list[str]:
+    """What a chat model's messages may hold (OpenRouter's word): the
+    playground offers to attach what it takes."""
+    taken = {"image": engine.accepts_images, "audio": engine.audio_input is not None}
+    return ["text", *(kind for kind, takes in taken.items() if takes)]
 
 
 async def models(served: ServedModels, request: Request) -> Response:

@@ -28,7 +28,7 @@ from .errors import APIError
 if TYPE_CHECKING:
     from ..config import ServerConfig
     from ..formats import ToolCallFormat, ToolSpec
-    from ..media import ImageRef, VideoRef
+    from ..media import AudioRef, ImageRef, VideoRef
     from .slots import Capabilities
 
 __all__ = [
@@ -63,6 +63,7 @@ class Prepared:
         tools: The tools the model may call, for the answer's parser.
         template_kwargs: The chat template's keywords (whether the model
             thinks is read with them).
+        audios: Its audio files in prompt order, to decode.
     """
 
     params: GenerationParams
@@ -70,6 +71,7 @@ class Prepared:
     videos: Sequence[VideoRef] = ()
     tools: Sequence[ToolSpec] = ()
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    audios: Sequence[AudioRef] = ()
 
 
 class GenerationRequest(Protocol):
@@ -217,14 +219,20 @@ def check_media(
     capabilities: Capabilities,
     images: Sequence[ImageRef],
     videos: Sequence[VideoRef] = (),
+    audios: Sequence[AudioRef] = (),
 ) -> None:
-    """Refuse images (or videos) for a model that takes none, naming the
-    first.
+    """Refuse images (or videos, or audio) for a model that takes none,
+    naming the first.
 
     Raises:
         ImageRefusedError: The first image's error.
         VideoRefusedError: The first video's error.
+        AudioRefusedError: The first audio file's error.
     """
+    if audios and capabilities.audio_input is None:
+        send = "text or images" if capabilities.accepts_images else "text only"
+        message = f"this model takes no audio; send {send}."
+        raise audios[0].error(message, "audio_unsupported")
     if capabilities.accepts_images:
         return
     for kind, refs in (("images", images), ("videos", videos)):

@@ -24,6 +24,7 @@ from ..formats import ModelFormats, model_formats
 
 if TYPE_CHECKING:
     from ..events import Engine, Resident
+    from ..media import AudioInput
     from .served_models import ServedModel
 
 __all__ = ["Capabilities", "ModelSlot", "SlotChange", "SlotState", "due"]
@@ -118,6 +119,8 @@ class Capabilities:
         longest_token_chars: Characters in its longest token, which bounds
             the tokens a text is at least.
         accepts_images: Whether it takes images.
+        audio_input: How it takes audio (its rate, its longest file);
+            None: it takes no audio.
         chat_template: Its chat template (None: it has none); whether it
             thinks is read from it.
         formats: Its tool-call and reasoning formats (None each: it has
@@ -130,6 +133,7 @@ class Capabilities:
     accepts_images: bool
     chat_template: str | None
     formats: ModelFormats
+    audio_input: AudioInput | None = None
 
     @classmethod
     def of(cls, engine: Engine, served: ServedModel) -> Capabilities:
@@ -151,6 +155,7 @@ class Capabilities:
                 tool_call_parser=served.tool_call_parser,
                 reasoning_parser=served.reasoning_parser,
             ),
+            audio_input=engine.audio_input,
         )
         if slot.engine is engine:  # kept until the residency unloads it
             slot.capabilities = capabilities

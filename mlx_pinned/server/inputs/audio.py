@@ -9,14 +9,20 @@ refused without decoding it; the length again on what decoding gave (a
 header that lies short). Decoding mixes the channels down and resamples to
 the model's rate in the same pass.
 
-Decoding is CPU work that does not touch MLX: :func:`load_audio` runs it in
-a worker thread, off the event loop and off the MLX thread, under the
-image decoders' bound.
+Decoding is CPU work that does not touch MLX: :func:`load_audio` (an
+uploaded file) and :func:`load_audios` (a chat request's ``input_audio``
+parts: base64, and the format each part says it is, checked against its
+first bytes) run it in a worker thread, off the event loop and off the MLX
+thread, under the image decoders' bound.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import dataclasses
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -25,10 +31,10 @@ import numpy as np
 
 from ..config import AudioLimits
 from ..failures import AudioRefusedError
-from ..media import Audio
+from ..media import Audio, AudioInput, AudioRef
 from ._load import decoders
 
-__all__ = ["FORMATS", "decode_audio", "load_audio"]
+__all__ = ["FORMATS", "decode_audio", "decode_part", "load_audio", "load_audios"]
 
 #: The formats taken, as OpenAI names them.
 FORMATS = ("wav", "mp3", "flac", "ogg")
@@ -41,6 +47,56 @@ async def load_audio(data: bytes, sample_rate: int, *, limits: AudioLimits) -> A
         lambda: decode_audio(data, limits, sample_rate=sample_rate),
         limiter=decoders(),
     )
+
+
+async def load_audios(
+    refs: Sequence[AudioRef], taken: AudioInput, *, limits: AudioLimits
+) -> list[Audio]:
+    """:func:`decode_part` of each part, in order, in one worker thread under
+    the decoders' bound (a :data:`~..media.LoadAudios`, once ``limits`` are
+    given), at the model's rate; a file longer than the model hears is
+    refused from its header too. Event loop."""
+    if not refs:
+        return []
+    longest = taken.max_seconds
+    if longest is not None and longest < limits.max_seconds:
+        limits = dataclasses.replace(limits, max_seconds=longest)
+    rate = taken.sample_rate
+    return await anyio.to_thread.run_sync(
+        lambda: [decode_part(ref, limits, sample_rate=rate) for ref in refs],
+        limiter=decoders(),
+    )
+
+
+def decode_part(ref: AudioRef, limits: AudioLimits, *, sample_rate: int) -> Audio:
+    """Decode an ``input_audio`` part: its base64 data, which must be a file
+    of the format it names, then :func:`decode_audio`. Calling thread.
+
+    Raises:
+        AudioRefusedError: Not base64, over the byte limit, not of its
+            ``format``, or refused by :func:`decode_audio`.
+    """
+    payload = ref.data.encode("ascii", "replace")
+    # Base64 grows data by 4/3: refuse before decoding anything.
+    if len(payload) // 4 * 3 > limits.max_bytes + 3:
+        raise ref.error(_too_large(len(payload) // 4 * 3, limits), "audio_too_large")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ref.error(
+            "the data is not valid base64; send the file's bytes base64-encoded "
+            "(no data: URI).",
+            "invalid_base64",
+        ) from None
+    kind = _kind(data)
+    if data and kind != ref.format:
+        found = f"a {kind.upper()} file" if kind else "not an audio file"
+        raise ref.error(
+            f"the format is {ref.format!r} but the data is {found}; send the "
+            "format the file is in.",
+            "audio_format_mismatch",
+        )
+    return decode_audio(data, limits, sample_rate=sample_rate, index=ref.index)
 
 
 def decode_audio(
@@ -67,11 +123,7 @@ def decode_audio(
     if not data:
         raise refuse("the file is empty; send a WAV, MP3, FLAC or Ogg Vorbis file.")
     if len(data) > limits.max_bytes:
-        raise refuse(
-            f"the file has {len(data)} bytes, more than this server's limit of "
-            f"{limits.max_bytes}.",
-            "audio_too_large",
-        )
+        raise refuse(_too_large(len(data), limits), "audio_too_large")
     kind = _kind(data)
     if kind is None:
         raise refuse(
@@ -152,8 +204,16 @@ def _check_header(info: Any, limits: AudioLimits, refuse: Any) -> None:
         raise refuse(_too_long(seconds, limits), "audio_too_long")
 
 
-def _too_long(seconds: float, limits: AudioLimits) -> str:
+def _too_large(size: int, limits: AudioLimits) -> str:
     return (
-        f"the file is {seconds:.1f} seconds long, more than this server's limit "
-        f"of {limits.max_seconds:g} seconds."
+        f"the file has {size} bytes, more than this server's limit of "
+        f"{limits.max_bytes}."
+    )
+
+
+def _too_long(seconds: float, limits: AudioLimits) -> str:
+    # The limit may be the server's or the model's (what it hears).
+    return (
+        f"the file is {seconds:.1f} seconds long, more than the limit of "
+        f"{limits.max_seconds:g} seconds."
     )

@@ -29,8 +29,11 @@
 
   // The conversation as sent to the server: earlier turns, oldest first.
   const history = [];
-  // Files attached to the next message: {kind, name, url, preview}.
+  // Files attached to the next message: {kind, name, url, preview}; an
+  // audio file also keeps its format and its bytes in base64 (input_audio).
   let attachments = [];
+  // Each chat model's input_modalities, from /v1/models (null: not loaded).
+  let modalities = new Map();
   // The running request's AbortController; null while idle.
   let running = null;
   // Counts "New chat"s: an answer that ends after one is not kept.
@@ -102,6 +105,7 @@
     // The chat models only: an embedding model or a reranker has no chat.
     const cards = (await response.json()).data || [];
     const listed = cards.filter((card) => (card.kind || "chat") === "chat");
+    modalities = new Map(listed.map((card) => [card.id, card.input_modalities]));
     const previous = ui.model.value || sessionStorage.getItem("mlx-pinned-model");
     ui.model.replaceChildren(
       ...listed.map((card) => {
@@ -138,16 +142,47 @@
     });
   }
 
+  // OpenAI's input_audio formats, by the MIME types browsers give them.
+  const AUDIO_FORMATS = {
+    "audio/wav": "wav",
+    "audio/x-wav": "wav",
+    "audio/wave": "wav",
+    "audio/vnd.wave": "wav",
+    "audio/mpeg": "mp3",
+    "audio/mp3": "mp3",
+  };
+
+  // Whether the chosen model takes audio: its /v1/models card says so once
+  // it is loaded; before that (null) the server's answer tells.
+  function takesAudio() {
+    const taken = modalities.get(ui.model.value);
+    return !Array.isArray(taken) || taken.includes("audio");
+  }
+
   async function attach(files) {
     for (const file of files) {
       const kind = file.type.split("/")[0];
-      if (kind !== "image" && kind !== "video") {
-        setStatus(file.name + ": only images and videos can be attached.", true);
+      if (kind !== "image" && kind !== "video" && kind !== "audio") {
+        setStatus(file.name + ": only images, videos and audio can be attached.", true);
+        continue;
+      }
+      const format = AUDIO_FORMATS[file.type];
+      if (kind === "audio" && !format) {
+        setStatus(file.name + ": audio is sent as WAV or MP3.", true);
+        continue;
+      }
+      if (kind === "audio" && !takesAudio()) {
+        setStatus(ui.model.value + " takes no audio: choose a model that does.", true);
         continue;
       }
       try {
         const url = await readAsDataURL(file);
-        attachments.push({ kind, name: file.name, url, preview: URL.createObjectURL(file) });
+        const item = { kind, name: file.name, url, preview: URL.createObjectURL(file) };
+        if (kind === "audio") {
+          item.format = format;
+          item.data = url.slice(url.indexOf(",") + 1);
+        }
+        attachments.push(item);
       } catch (error) {
         setStatus("Could not read " + file.name + ": " + error.message, true);
       }
@@ -156,9 +191,14 @@
   }
 
   function mediaOf(item, className) {
-    const media = element(item.kind === "video" ? "video" : "img", className);
+    const tag = { video: "video", audio: "audio" }[item.kind] || "img";
+    const media = element(tag, className);
     media.src = item.preview || item.url;
-    if (item.kind === "video") {
+    if (item.kind === "audio") {
+      media.controls = true;
+      media.preload = "metadata";
+      media.title = item.name;
+    } else if (item.kind === "video") {
       media.controls = true;
       media.muted = true;
       media.preload = "metadata";
@@ -333,6 +373,8 @@
     for (const item of files) {
       if (item.kind === "video") {
         parts.push({ type: "video_url", video_url: { url: item.url } });
+      } else if (item.kind === "audio") {
+        parts.push({ type: "input_audio", input_audio: { data: item.data, format: item.format } });
       } else {
         parts.push({ type: "image_url", image_url: { url: item.url } });
       }

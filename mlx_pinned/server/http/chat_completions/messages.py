@@ -5,27 +5,30 @@ messages as what the engine and the image decoders take.
 Pure CPU, no MLX, no event loop; :mod:`.protocol` assembles them into the
 request and parses it. The engine gets mlx-vlm's chat messages
 (:func:`chat_messages`), the image decoders :class:`~...events.ImageRef`
-values (:func:`image_refs`); neither sees pydantic.
+values (:func:`image_refs`), the audio decoder :class:`~...media.AudioRef`
+values (:func:`audio_refs`); none sees pydantic.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from ...config import ImageLimits, VideoLimits
-from ...media import ImageRef, VideoRef
-from ..protocol_common import counted_image_refs, counted_video_refs
+from ...config import AudioLimits, ImageLimits, VideoLimits
+from ...media import AudioRef, ImageRef, VideoRef
+from ..protocol_common import counted_audio_refs, counted_image_refs, counted_video_refs
 
 __all__ = [
     "NAME_PATTERN",
     "AssistantMessage",
+    "AudioPart",
     "FunctionDefinition",
     "ImagePart",
     "ImageURL",
+    "InputAudio",
     "JSONObjectFormat",
     "JSONSchemaFormat",
     "JSONSchemaResponseFormat",
@@ -45,6 +48,8 @@ __all__ = [
     "UserMessage",
     "VideoPart",
     "VideoURL",
+    "audio_parts",
+    "audio_refs",
     "chat_messages",
     "image_parts",
     "image_refs",
@@ -126,7 +131,24 @@ class VideoPart(RequestModel):
     video_url: Annotated[VideoURL, BeforeValidator(_url_object)]
 
 
-UserPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+class InputAudio(RequestModel):
+    """The ``input_audio`` object of an audio part: the file's bytes in
+    base64, and its format (OpenAI's two)."""
+
+    data: str = Field(min_length=1)
+    format: Literal["wav", "mp3"]
+
+
+class AudioPart(RequestModel):
+    """A ``{"type": "input_audio", "input_audio": {"data", "format"}}``
+    content part (OpenAI's)."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+MediaPart = ImagePart | VideoPart | AudioPart
+UserPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
 TextContent = str | Annotated[list[TextPart], Field(min_length=1)]
 
 
@@ -139,7 +161,8 @@ class SystemMessage(RequestModel):
 
 
 class UserMessage(RequestModel):
-    """A user message: text, or a list of text, image and video parts."""
+    """A user message: text, or a list of text, image, video and audio
+    parts."""
 
     role: Literal["user"]
     content: str | Annotated[list[UserPart], Field(min_length=1)]
@@ -253,7 +276,8 @@ def chat_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
     ``tool_call_id``, as chat templates that take tools expect them. Image
     parts become ``{"type": "image_url"}`` markers in place, so mlx-vlm
     puts each image in the turn and position where it was sent; video parts
-    ``{"type": "video"}`` markers, as Qwen-VL chat templates read them.
+    ``{"type": "video"}`` markers, as Qwen-VL chat templates read them, and
+    audio parts ``{"type": "audio"}`` markers, as Gemma's read them.
     """
     out: list[dict[str, Any]] = []
     for message in messages:
@@ -276,10 +300,17 @@ def chat_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
     return out
 
 
-def _marker(part: TextPart | ImagePart | VideoPart) -> dict[str, Any]:
+_MARKERS: dict[type[MediaPart], str] = {
+    ImagePart: "image_url",
+    VideoPart: "video",
+    AudioPart: "audio",
+}
+
+
+def _marker(part: TextPart | MediaPart) -> dict[str, Any]:
     if isinstance(part, TextPart):
         return {"type": "text", "text": part.text}
-    return {"type": "image_url" if isinstance(part, ImagePart) else "video"}
+    return {"type": _MARKERS[type(part)]}
 
 
 def _tool_call(call: ToolCall) -> dict[str, Any]:
@@ -310,7 +341,7 @@ def image_refs(messages: Sequence[Message], limits: ImageLimits) -> list[ImageRe
 def image_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
     """Each image part of ``messages`` in prompt order: where it is in the
     request (``messages[1].content[0].image_url``), and its URL."""
-    return _media_parts(messages, ImagePart)
+    return [(w, p.image_url.url) for w, p in _parts_of(messages, ImagePart)]
 
 
 def video_refs(
@@ -333,14 +364,32 @@ def video_refs(
 def video_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
     """Each video part of ``messages`` in prompt order: where it is in the
     request (``messages[1].content[0].video_url``), and its URL."""
-    return _media_parts(messages, VideoPart)
+    return [(w, p.video_url.url) for w, p in _parts_of(messages, VideoPart)]
 
 
-def _media_parts(
-    messages: Sequence[Message], media: type[ImagePart] | type[VideoPart]
-) -> list[tuple[str, str]]:
+def audio_refs(messages: Sequence[Message], limits: AudioLimits) -> list[AudioRef]:
+    """The audio parts of ``messages`` in prompt order; checks the count.
+
+    Raises:
+        AudioRefusedError: More than ``limits.max_audios`` audio files.
+    """
+    parts = [part for _, part in _parts_of(messages, AudioPart)]
+    files = ((p.input_audio.data, p.input_audio.format) for p in parts)
+    return counted_audio_refs(files, limits)
+
+
+def audio_parts(messages: Sequence[Message]) -> list[str]:
+    """Where each audio part of ``messages`` is in the request, in prompt
+    order (``messages[1].content[0].input_audio``)."""
+    return [where for where, _ in _parts_of(messages, AudioPart)]
+
+
+P = TypeVar("P", ImagePart, VideoPart, AudioPart)
+
+
+def _parts_of(messages: Sequence[Message], media: type[P]) -> list[tuple[str, P]]:
     return [
-        (f"messages[{i}].content[{j}].{part.type}", _media_url(part))
+        (f"messages[{i}].content[{j}].{part.type}", part)
         for i, message in enumerate(messages)
         if isinstance(message, UserMessage) and not isinstance(message.content, str)
         for j, part in enumerate(message.content)
@@ -348,12 +397,9 @@ def _media_parts(
     ]
 
 
-def _media_url(part: ImagePart | VideoPart) -> str:
-    return part.image_url.url if isinstance(part, ImagePart) else part.video_url.url
-
-
 def text_chars(messages: Sequence[Message]) -> int:
-    """Characters of text in ``messages`` (images and videos not counted)."""
+    """Characters of text in ``messages`` (images, videos and audio not
+    counted)."""
     total = 0
     for message in messages:
         content = message.content or ""

@@ -27,7 +27,7 @@ from .bodies import (
     completion_id,
     tool_call_id,
 )
-from .messages import image_parts, video_parts
+from .messages import audio_parts, image_parts, video_parts
 from .output import (
     Answer,
     content_choice,
@@ -63,6 +63,7 @@ class ChatCompletionsEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         request = parse_chat_request(body)
         images.extend(param for param, _ in image_parts(request.messages))
         images.extend(param for param, _ in video_parts(request.messages))
+        images.extend(audio_parts(request.messages))
         return request
 
     async def send_whole(self, reply: Reply[ChatCompletionRequest]) -> None:

@@ -8,8 +8,8 @@ depends on the model or on the server's settings is checked here, once,
 before the request waits for the model's gate: its text against the prompt
 limit, ``max_tokens`` against the server's limit, tools against the model's
 tool-call format, the grammar, ``logit_bias`` against the vocabulary, its
-images and videos (how many, the frames a request asks for; whether the
-model takes any, the endpoint checks). What needs no model is checked by
+images, videos and audio files (how many, the frames a request asks for;
+whether the model takes any, the endpoint checks). What needs no model is checked by
 the pydantic models (:mod:`.protocol`); what needs the exact prompt (its
 length in tokens) by the engine, on the MLX thread.
 """
@@ -40,6 +40,7 @@ from .messages import (
     JSONSchemaResponseFormat,
     NamedToolChoice,
     TextFormat,
+    audio_refs,
     image_refs,
     text_chars,
     video_refs,
@@ -56,7 +57,8 @@ __all__ = ["ChatCompletionsServing"]
 class ChatCompletionsServing:
     """Checks chat-completions requests against the served model and the
     server's limits (``config``: ``max_prompt_tokens``,
-    ``default_max_tokens``, ``max_tokens_limit``, ``image_limits``)."""
+    ``default_max_tokens``, ``max_tokens_limit``, ``image_limits``,
+    ``video_limits``, ``audio_limits``)."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -71,6 +73,7 @@ class ChatCompletionsServing:
             PromptTooLongError: Its text alone is over the prompt limit.
             ImageRefusedError: Too many images.
             VideoRefusedError: Too many videos.
+            AudioRefusedError: Too many audio files.
         """
         # A prompt to be cut is checked once cut, by the engine.
         cut = request.truncate_prompt_tokens is not None
@@ -106,7 +109,8 @@ class ChatCompletionsServing:
             for t in request.active_tools
         ]
         videos = self._videos(request)
-        return Prepared(params, refs, videos, tools, kwargs)
+        audios = audio_refs(request.messages, self.config.audio_limits)
+        return Prepared(params, refs, videos, tools, kwargs, audios)
 
     def _videos(self, request: ChatCompletionRequest) -> list[VideoRef]:
         limits = self.config.video_limits
