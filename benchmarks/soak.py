@@ -20,7 +20,9 @@ concurrency, ``--requests`` of them or for ``--minutes``:
 - ``embedding``: ``/v1/embeddings`` of a few texts on the demo's embedding
   model;
 - ``transcription``: ``/v1/audio/transcriptions`` of a second of audio on the
-  demo's Whisper.
+  demo's Whisper;
+- ``speech``: ``/v1/audio/speech`` of a short sentence on the demo's
+  Qwen3-TTS, in one of its formats, whole or streamed.
 
 Anything else is an unexpected error: a 5xx, a wrong status, an error event in
 a stream, a malformed body, a transport error outside the cancellations. While
@@ -63,6 +65,7 @@ import httpx
 from mlx_pinned.server.cli import (
     DEMO_EMBEDDING_NAME,
     DEMO_MODEL_NAME,
+    DEMO_SPEECH_NAME,
     DEMO_TRANSCRIPTION_NAME,
 )
 from mlx_pinned.testing import image_data_uri
@@ -79,8 +82,9 @@ KINDS = (
     "completion",
     "embedding",
     "transcription",
+    "speech",
 )
-WEIGHTS = (20, 15, 8, 5, 7, 12, 12, 9, 7, 5)
+WEIGHTS = (20, 15, 8, 5, 7, 12, 12, 9, 7, 5, 5)
 # A second of a tone, for the transcription door.
 _TONE = (
     b"RIFF" + (36 + 32000).to_bytes(4, "little") + b"WAVEfmt "
@@ -404,12 +408,28 @@ async def transcription(
     soak.check("transcription", response)
 
 
+async def speech(soak: Soak, client: httpx.AsyncClient, rng: Any, i: int) -> None:
+    body = {
+        "model": DEMO_SPEECH_NAME,
+        "voice": rng.choice(("ryan", "serena", "vivian")),
+        "input": f"Hello, number {i}.",
+        "response_format": rng.choice(("mp3", "opus", "flac", "wav", "pcm")),
+    }
+    if body["response_format"] in ("opus", "wav", "pcm") and rng.random() < 0.5:
+        body["stream_format"] = "audio"
+    response = await client.post(f"{soak.url}/v1/audio/speech", json=body)
+    soak.statuses[f"speech {response.status_code}"] += 1
+    if response.status_code != 200 or not response.content:
+        soak.unexpected("speech", f"{response.status_code} {response.text[:200]}")
+
+
 DOORS = {
     "messages": messages,
     "responses": responses,
     "completion": completion,
     "embedding": embedding,
     "transcription": transcription,
+    "speech": speech,
 }
 
 

@@ -28,6 +28,7 @@ from mlx_pinned.testing import (
     TINY_MODEL_TYPES,
     TINY_OMNI_TYPES,
     TINY_RERANKER_TYPES,
+    TINY_SPEECH_TYPES,
     TINY_TOOL_LM_TYPES,
     TINY_TRANSCRIPTION_TYPES,
     image_data_uri,
@@ -36,12 +37,14 @@ from mlx_pinned.testing import (
     make_tiny_lm,
     make_tiny_omni,
     make_tiny_reranker,
+    make_tiny_speech,
     make_tiny_transcription,
     make_tiny_vlm,
     tiny_embedding_path,
     tiny_lm_path,
     tiny_omni_path,
     tiny_reranker_path,
+    tiny_speech_path,
     tiny_vlm_path,
 )
 
@@ -727,6 +730,92 @@ class TestEncoderFamilies:
         monkeypatch.setenv("MLX_PINNED_CACHE", str(tmp_path))
         assert tiny_embedding_path() == tmp_path / "tiny-embedding-bert"
         assert tiny_reranker_path() == tmp_path / "tiny-reranker-bert"
+
+
+@pytest.fixture(scope="module")
+def speech_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_tiny_speech(tmp_path_factory.mktemp("speech") / "model")
+
+
+class TestSpeechFamily:
+    """The text-to-speech model, as mlx-audio's own loader loads it."""
+
+    def test_lists_the_speech_families(self) -> None:
+        assert TINY_SPEECH_TYPES == ("qwen3_tts",)
+
+    def test_loads_every_weight_as_written_offline(
+        self,
+        speech_dir: pathlib.Path,
+        hub_calls: HubCalls,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        import mlx.core as mx
+        import numpy as np
+        from mlx.utils import tree_flatten
+        from mlx_audio.tts.utils import load_model
+
+        monkeypatch.setattr(
+            sys.modules["mlx_audio.utils"], "snapshot_download", hub_calls.refuse("s")
+        )
+        model = load_model(speech_dir)
+        assert hub_calls.calls == []
+        assert model.get_supported_speakers() == ["ryan", "serena", "vivian"]
+        assert model.sample_rate == 24000
+        parts = [
+            (speech_dir / "model.safetensors", model),
+            (speech_dir / "speech_tokenizer/model.safetensors", model.speech_tokenizer),
+        ]
+        for file, module in parts:
+            held = dict(tree_flatten(module.parameters()))
+            for name, value in mx.load(str(file)).items():
+                # mlx-audio guesses each convolution's layout from its shape:
+                # none is turned round.
+                assert np.array_equal(np.array(held[name]), np.array(value)), name
+
+    def test_speaks_greedily_to_its_frame_limit_streamed_or_whole(
+        self, speech_dir: pathlib.Path
+    ) -> None:
+        import numpy as np
+        from mlx_audio.tts.utils import load_model
+
+        model = load_model(speech_dir)
+
+        def audio(voice: str = "vivian", **kwargs: Any) -> Any:
+            results = model.generate(
+                "Hello there.", voice=voice, max_tokens=12, **kwargs
+            )
+            return np.concatenate([np.array(result.audio) for result in results])
+
+        streamed = audio(stream=True, streaming_interval=0.32)
+        whole = audio()
+        assert streamed.shape == (12 * 1920,)  # 12 frames, 1920 samples each
+        assert np.array_equal(streamed, whole)
+        assert np.array_equal(audio(), whole)
+        assert not np.array_equal(audio("ryan"), whole)
+        assert not np.array_equal(audio(instruct="Very happy."), whole)
+
+    def test_same_seed_is_byte_identical(self, tmp_path: pathlib.Path) -> None:
+        first = make_tiny_speech(tmp_path / "a")
+        second = make_tiny_speech(tmp_path / "b")
+        other = make_tiny_speech(tmp_path / "c", seed=1)
+        names = ["model.safetensors", "speech_tokenizer/model.safetensors"]
+        for name in [*names, "tokenizer.json", "config.json"]:
+            assert (first / name).read_bytes() == (second / name).read_bytes()
+        for name in names:
+            assert (first / name).read_bytes() != (other / name).read_bytes()
+        marker = json.loads((first / "mlx_pinned_tiny_vlm.json").read_text())
+        assert marker["generator"] == "mlx_pinned.testing.make_tiny_speech"
+
+    def test_unknown_families_are_refused(self, tmp_path: pathlib.Path) -> None:
+        with pytest.raises(ValueError, match="qwen3_tts"):
+            make_tiny_speech(tmp_path, "kokoro")
+        assert not any(tmp_path.iterdir())
+
+    def test_the_cached_folder_is_named_by_family(
+        self, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("MLX_PINNED_CACHE", str(tmp_path))
+        assert tiny_speech_path() == tmp_path / "tiny-speech-qwen3_tts"
 
 
 FRESH_PROCESS = textwrap.dedent(

@@ -52,6 +52,7 @@ from .engine.memory import (
     stored_weight_bytes,
 )
 from .engine.rerank import RerankEngine
+from .engine.speech import SpeechEngine
 from .engine.transcription import TranscriptionEngine
 from .events import Resident
 from .failures import UnavailableError
@@ -71,6 +72,7 @@ from .http.responses_api import routes as responses_routes
 from .http.routes import APIKeyMiddleware, ErrorEdge, model, models
 from .http.served_models import BatchGate, ServedModel, ServedModels
 from .http.slots import ModelSlot
+from .http.speech import SpeechEndpoint
 from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
 from .http.transcriptions import TranscriptionsEndpoint, TranslationsEndpoint
 from .http.turns import LoopTurns
@@ -216,6 +218,7 @@ def create_app(
     responses = ResponsesEndpoint(*wiring, metrics=metrics)
     embeddings = EmbeddingsEndpoint(*wiring, metrics=metrics)
     rerank = RerankEndpoint(*wiring, metrics=metrics)
+    speech = SpeechEndpoint(*wiring, metrics=metrics)
     transcriptions = TranscriptionsEndpoint(*wiring, metrics=metrics)
     translations = TranslationsEndpoint(*wiring, metrics=metrics)
     loader = functools.partial(load_audio, limits=config.audio_limits)
@@ -241,6 +244,7 @@ def create_app(
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         # vLLM's paths for the one rerank door (Cohere's and Jina's shape).
         *(Route(path, rerank, methods=["POST"]) for path in RERANK_PATHS),
+        Route("/v1/audio/speech", speech, methods=["POST"]),
         Route("/v1/audio/transcriptions", transcriptions, methods=["POST"]),
         Route("/v1/audio/translations", translations, methods=["POST"]),
         *responses_routes(responses),
@@ -333,6 +337,8 @@ def _load(
 ) -> Callable[[], Resident]:
     """Loads a model (``own``: its settings) and makes the engine of its
     kind, on the MLX thread."""
+    if own.model_kind == "speech":  # its generation streams on the thread
+        return functools.partial(SpeechEngine.load, own.models[0], thread)
     if own.model_kind == "transcription":
         return functools.partial(TranscriptionEngine.load, own.models[0], thread)
     if own.model_kind != "chat":  # an encoder: its passes paced as prefill is

@@ -56,6 +56,7 @@ DEMO_MODEL_NAME = "mlx-pinned-demo"
 DEMO_EMBEDDING_NAME = "mlx-pinned-demo-embedding"
 DEMO_RERANK_NAME = "mlx-pinned-demo-rerank"
 DEMO_TRANSCRIPTION_NAME = "mlx-pinned-demo-transcription"
+DEMO_SPEECH_NAME = "mlx-pinned-demo-speech"
 KEEP_ALIVE_SECONDS = 75  # an idle connection is kept this long
 STARTUP_FAILURE = 3  # the exit status of a failed model load, as uvicorn's
 
@@ -331,9 +332,10 @@ def _demo(config: ServerConfig) -> ServerConfig:
     """``config`` serving the demo's models, written first if they are not
     in the cache: the tiny vision chat model as its name, the tiny embedding
     model as :data:`DEMO_EMBEDDING_NAME`, the tiny reranker as
-    :data:`DEMO_RERANK_NAME` and the tiny Whisper as
-    :data:`DEMO_TRANSCRIPTION_NAME` (those not under ``--distributed``,
-    which serves one chat model).
+    :data:`DEMO_RERANK_NAME`, the tiny Whisper as
+    :data:`DEMO_TRANSCRIPTION_NAME` and the tiny text-to-speech model as
+    :data:`DEMO_SPEECH_NAME` (those not under ``--distributed``, which
+    serves one chat model).
 
     Raises:
         OSError: A model could not be written.
@@ -341,6 +343,7 @@ def _demo(config: ServerConfig) -> ServerConfig:
     from mlx_pinned.testing import (
         tiny_embedding_path,
         tiny_reranker_path,
+        tiny_speech_path,
         tiny_transcription_path,
         tiny_vlm_path,
     )
@@ -353,6 +356,7 @@ def _demo(config: ServerConfig) -> ServerConfig:
         DEMO_EMBEDDING_NAME: ("embedding", str(tiny_embedding_path())),
         DEMO_RERANK_NAME: ("rerank", str(tiny_reranker_path())),
         DEMO_TRANSCRIPTION_NAME: ("transcription", str(tiny_transcription_path())),
+        DEMO_SPEECH_NAME: ("speech", str(tiny_speech_path())),
     }
     return dataclasses.replace(
         config,

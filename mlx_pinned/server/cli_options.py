@@ -314,9 +314,10 @@ OPTIONS = (
         "what the models are served as: 'chat' (the chat and completion routes), "
         "'embedding' (/v1/embeddings, through mlx-vlm's embedding loader), "
         "'rerank' (/v1/rerank, a cross-encoder through mlx-vlm's reranker "
-        "loader) or 'transcription' (/v1/audio/transcriptions and "
-        "/v1/audio/translations, through mlx-audio's speech-to-text loader); "
-        "a config file sets it per model (default: %(default)s)",
+        "loader), 'transcription' (/v1/audio/transcriptions and "
+        "/v1/audio/translations, through mlx-audio's speech-to-text loader) "
+        "or 'speech' (/v1/audio/speech, through mlx-audio's text-to-speech "
+        "loader); a config file sets it per model (default: %(default)s)",
         str,
     ),
     Option(

@@ -38,9 +38,9 @@ __all__ = [
 
 #: What a model is served as: ``chat`` (the generation routes),
 #: ``embedding`` (``/v1/embeddings``), ``rerank`` (``/v1/rerank``) or
-#: ``transcription`` (``/v1/audio/transcriptions`` and ``translations``);
-#: one of :data:`MODEL_KINDS`.
-ModelKind = Literal["chat", "embedding", "rerank", "transcription"]
+#: ``transcription`` (``/v1/audio/transcriptions`` and ``translations``) or
+#: ``speech`` (``/v1/audio/speech``); one of :data:`MODEL_KINDS`.
+ModelKind = Literal["chat", "embedding", "rerank", "transcription", "speech"]
 
 
 # What a chat setting is for a model of another kind: off.
@@ -209,10 +209,11 @@ class ServerConfig:
             ``chat`` (mlx-vlm's generation, the chat and completion
             routes), ``embedding`` (mlx-vlm's embedding loader,
             ``/v1/embeddings``), ``rerank`` (mlx-vlm's reranker loader,
-            ``/v1/rerank``) or ``transcription`` (mlx-audio's speech-to-text
+            ``/v1/rerank``), ``transcription`` (mlx-audio's speech-to-text
             loader, ``/v1/audio/transcriptions`` and
-            ``/v1/audio/translations``). A model of one kind named on
-            another's route is a 400.
+            ``/v1/audio/translations``) or ``speech`` (mlx-audio's
+            text-to-speech loader, ``/v1/audio/speech``). A model of one
+            kind named on another's route is a 400.
         load_on_first_use: Load each model when its first request arrives
             (that request, and any that come meanwhile, wait for the one
             load) instead of at start-up.

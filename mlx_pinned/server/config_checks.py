@@ -173,7 +173,7 @@ CHAT_SETTINGS = frozenset(
 )
 
 #: The kinds of model a server serves, each through its own routes.
-MODEL_KINDS = ("chat", "embedding", "rerank", "transcription")
+MODEL_KINDS = ("chat", "embedding", "rerank", "transcription", "speech")
 
 
 def _check_kind(config: ServerConfig) -> None:

@@ -21,8 +21,10 @@ are listed in :data:`TINY_EMBEDDING_TYPES` (:func:`make_tiny_embedding`),
 rerankers (``mlx_vlm.reranker_loader``) in :data:`TINY_RERANKER_TYPES`
 (:func:`make_tiny_reranker`), speech-to-text models (mlx-audio's loader,
 ``mlx_audio.stt.utils.load_model``) in :data:`TINY_TRANSCRIPTION_TYPES`
-(:func:`make_tiny_transcription`), chat models that take audio as well as
-images (omni models) in :data:`TINY_OMNI_TYPES` (:func:`make_tiny_omni`).
+(:func:`make_tiny_transcription`), text-to-speech models (mlx-audio's
+loader, ``mlx_audio.tts.utils.load_model``) in :data:`TINY_SPEECH_TYPES`
+(:func:`make_tiny_speech`), chat models that take audio as well as images
+(omni models) in :data:`TINY_OMNI_TYPES` (:func:`make_tiny_omni`).
 ``import mlx_pinned.testing`` is cheap: MLX, mlx-vlm, ``tokenizers`` and
 Pillow are imported inside the functions that need them.
 """
@@ -47,6 +49,7 @@ from ._parakeet import PARAKEET
 from ._qwen import _CHAT_TEMPLATE as _CHAT_TEMPLATE
 from ._qwen import QWEN2_5_VL, QWEN3, QWEN3_VL, QWEN3_VL_EMBEDDING, SPECIAL_TOKENS
 from ._qwen3_5 import QWEN3_5
+from ._qwen3_tts import QWEN3_TTS
 from ._smolvlm import SMOLVLM
 from ._tool_families import TOOL_FAMILIES
 from ._whisper import WHISPER
@@ -58,6 +61,7 @@ __all__ = [
     "TINY_MODEL_TYPES",
     "TINY_OMNI_TYPES",
     "TINY_RERANKER_TYPES",
+    "TINY_SPEECH_TYPES",
     "TINY_TOOL_LM_TYPES",
     "TINY_TRANSCRIPTION_TYPES",
     "image_data_uri",
@@ -66,12 +70,14 @@ __all__ = [
     "make_tiny_lm",
     "make_tiny_omni",
     "make_tiny_reranker",
+    "make_tiny_speech",
     "make_tiny_transcription",
     "make_tiny_vlm",
     "tiny_embedding_path",
     "tiny_lm_path",
     "tiny_omni_path",
     "tiny_reranker_path",
+    "tiny_speech_path",
     "tiny_transcription_path",
     "tiny_vlm_path",
 ]
@@ -113,6 +119,10 @@ _TRANSCRIPTION: Final = {family.model_type: family for family in (WHISPER, PARAK
 #: The speech-to-text families :func:`make_tiny_transcription` writes
 #: (``whisper`` first, then ``parakeet``).
 TINY_TRANSCRIPTION_TYPES: Final = tuple(_TRANSCRIPTION)
+_SPEECH: Final = {family.model_type: family for family in (QWEN3_TTS,)}
+#: The text-to-speech families :func:`make_tiny_speech` writes
+#: (``qwen3_tts``).
+TINY_SPEECH_TYPES: Final = tuple(_SPEECH)
 _OMNI: Final = {family.model_type: family for family in (GEMMA4,)}
 #: The chat families that take audio :func:`make_tiny_omni` writes
 #: (``gemma4``).
@@ -322,6 +332,45 @@ def make_tiny_transcription(
     return _make(family, path, seed, overwrite)
 
 
+def make_tiny_speech(
+    path: str | os.PathLike[str],
+    model_type: str = "qwen3_tts",
+    *,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> pathlib.Path:
+    """Write a tiny random-weight text-to-speech model that mlx-audio's loader
+    (``mlx_audio.tts.utils.load_model``) loads offline.
+
+    ``qwen3_tts``: mlx-audio's own Qwen3-TTS CustomVoice classes, a 1-layer,
+    32-wide talker and code predictor making frames of 4 codes, its speech
+    tokenizer's decoder as the vocoder (1920 samples a frame at 24 kHz, 12.5
+    frames a second), the voices ``ryan``, ``serena`` and ``vivian``, and a
+    greedy generation config. Its end of speech is never picked, so it speaks
+    until the frame limit it is given, and the same text and voice always
+    give the same samples. Nothing is fetched at load or generation time.
+    Written, cached and replaced as :func:`make_tiny_vlm` does, on the
+    calling thread (the first call in a process imports mlx-audio and builds
+    the family's classes once, on a private thread).
+
+    Args:
+        path: The folder to write. Its parent is created if missing.
+        model_type: One of :data:`TINY_SPEECH_TYPES`.
+        seed: Seeds the weights. The same seed gives byte-identical files.
+        overwrite: Replace whatever is at ``path``.
+
+    Returns:
+        ``path`` as a :class:`pathlib.Path`, holding the model.
+
+    Raises:
+        FileExistsError: ``path`` holds something that is not a model written
+            by this module, and ``overwrite`` is false.
+        ValueError: ``model_type`` is not one of :data:`TINY_SPEECH_TYPES`.
+    """
+    family = _family(_SPEECH, model_type, "make_tiny_speech")
+    return _make(family, path, seed, overwrite)
+
+
 def make_tiny_omni(
     path: str | os.PathLike[str],
     model_type: str = "gemma4",
@@ -430,6 +479,18 @@ def tiny_transcription_path(model_type: str = "whisper") -> pathlib.Path:
     return make_tiny_transcription(
         _cache() / f"tiny-transcription-{model_type}", model_type, seed=0
     )
+
+
+def tiny_speech_path(model_type: str = "qwen3_tts") -> pathlib.Path:
+    """Return the shared tiny text-to-speech model of a family (seed 0),
+    writing it on first use: ``tiny-speech-<model_type>`` in the folder
+    :func:`tiny_vlm_path` uses. Calling thread; safe from any thread or
+    process at once.
+
+    Returns:
+        The model folder.
+    """
+    return make_tiny_speech(_cache() / f"tiny-speech-{model_type}", model_type, seed=0)
 
 
 def tiny_omni_path(model_type: str = "gemma4") -> pathlib.Path:

@@ -21,6 +21,7 @@ from mlx_pinned.testing import (
     make_tiny_vlm,
     tiny_embedding_path,
     tiny_reranker_path,
+    tiny_speech_path,
     tiny_transcription_path,
 )
 
@@ -269,13 +270,15 @@ class TestServe:
             cli.DEMO_EMBEDDING_NAME,
             cli.DEMO_RERANK_NAME,
             cli.DEMO_TRANSCRIPTION_NAME,
+            cli.DEMO_SPEECH_NAME,
         )
         assert Path(config.models[0]) == tiny_model_path
         assert Path(config.models[1]) == tiny_embedding_path()
         assert Path(config.models[2]) == tiny_reranker_path()
         assert Path(config.models[3]) == tiny_transcription_path()
+        assert Path(config.models[4]) == tiny_speech_path()
         kinds = [model.kind for model in runs[0]["app"].state.models]
-        assert kinds == ["chat", "embedding", "rerank", "transcription"]
+        assert kinds == ["chat", "embedding", "rerank", "transcription", "speech"]
 
     def test_api_key_from_environment(
         self, runs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch

@@ -21,6 +21,7 @@ from mlx_pinned.server.cli import (
     DEMO_EMBEDDING_NAME,
     DEMO_MODEL_NAME,
     DEMO_RERANK_NAME,
+    DEMO_SPEECH_NAME,
     DEMO_TRANSCRIPTION_NAME,
 )
 from mlx_pinned.server.engine.model import EXACT_FAMILIES
@@ -87,8 +88,31 @@ def test_the_demo_embeds_through_the_sdk_beside_its_chat_model(
         DEMO_MODEL_NAME: "chat",
         DEMO_EMBEDDING_NAME: "embedding",
         DEMO_RERANK_NAME: "rerank",
+        DEMO_SPEECH_NAME: "speech",
         DEMO_TRANSCRIPTION_NAME: "transcription",
     }
+
+
+@pytest.mark.slow
+def test_the_demo_speaks_through_the_sdk_beside_its_chat_model(
+    server: Server,
+) -> None:
+    import io
+    import wave
+
+    with (
+        server.client() as client,
+        client.audio.speech.with_streaming_response.create(
+            model=DEMO_SPEECH_NAME,
+            voice="vivian",
+            input="Hello from the demo.",
+            response_format="wav",
+        ) as response,
+    ):
+        raw = response.read()
+    with wave.open(io.BytesIO(raw)) as reader:
+        assert (reader.getframerate(), reader.getnchannels()) == (24000, 1)
+        assert reader.getnframes() > 0
 
 
 @pytest.mark.slow

@@ -2,11 +2,11 @@
 
 cli (and its options and config file) -> app -> {http, inputs, engine} ->
 shared (config and its checks, events, encoders, failures, formats,
-grammars, limits, media). The engine (the MLX thread) never imports HTTP
-libraries; the HTTP side (the event loop) never imports MLX; the input
-decoders neither. Inside the HTTP side, each API's slice imports only the
-shared pieces. Every import counts, those under ``TYPE_CHECKING`` and inside
-functions too.
+grammars, limits, media, speech). The engine (the MLX thread) never imports
+HTTP libraries; the HTTP side (the event loop) never imports MLX (nor
+mlx-audio); the input decoders neither. Inside the HTTP side, each API's
+slice imports only the shared pieces. Every import counts, those under
+``TYPE_CHECKING`` and inside functions too.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ SHARED = {
     "encoders",
     "transcripts",
     "media",
+    "speech",
 }
 # The command line: the CLI, its options (the settings' projection) and its
 # config file.
@@ -48,7 +49,7 @@ ALLOWED = {
     "cli": {"cli", "app", "engine", "http", "inputs", "shared"},
     "package": {"app", "shared", "cli"},
 }
-MLX = {"mlx", "mlx_vlm", "mlx_lm"}
+MLX = {"mlx", "mlx_vlm", "mlx_lm", "mlx_audio"}
 WEB = {"starlette", "pydantic", "prometheus_client", "httpx", "uvicorn", "fastapi"}
 # The remote image fetcher is an HTTP client (httpx), not the HTTP side.
 SERVING = WEB - {"httpx"}

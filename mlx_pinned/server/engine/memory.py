@@ -32,7 +32,8 @@ logger = logging.getLogger("mlx_pinned.server")
 
 
 def stored_weight_bytes(model_path: str | Path) -> int:
-    """Bytes of the model's ``*.safetensors`` files.
+    """Bytes of the model's ``*.safetensors`` files, and those one folder
+    down (a speech model's vocoder, in its ``speech_tokenizer/``).
 
     Runs on the MLX thread. A hub id is resolved as mlx-vlm's load resolves
     it (downloaded when it is not in the local cache: the load needs it next).
@@ -45,7 +46,7 @@ def stored_weight_bytes(model_path: str | Path) -> int:
         from mlx_vlm.utils import get_model_path
 
         folder = Path(get_model_path(str(model_path)))
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted([*folder.glob("*.safetensors"), *folder.glob("*/*.safetensors")])
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {folder}")
     return sum(file.stat().st_size for file in files)

@@ -44,6 +44,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "chat": ("a chat model", "/v1/chat/completions"),
     "embedding": ("an embedding model", "/v1/embeddings"),
     "rerank": ("a rerank model", "/v1/rerank"),
+    "speech": ("a speech model", "/v1/audio/speech"),
     "transcription": ("a transcription model", "/v1/audio/transcriptions"),
 }
 

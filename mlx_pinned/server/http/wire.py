@@ -166,6 +166,12 @@ class ResponseWriter:
         await self._start(200, _SSE_HEADERS)
         await self.send(first)
 
+    async def start_file_stream(self, media_type: bytes, first: bytes) -> None:
+        """Begin an answer of another type than JSON, sent as it is made."""
+        headers = [(b"content-type", media_type), *_SSE_HEADERS[1:]]
+        await self._start(200, headers)
+        await self.send(first)
+
     async def send(self, body: bytes, *, more: bool = True) -> None:
         await self._send(
             {"type": "http.response.body", "body": body, "more_body": more}
