@@ -12,6 +12,11 @@ the figures as JSON (``--json``)::
 
     python benchmarks/embeddings.py [--concurrency 1,16] [--seconds 10]
         [--inputs 8] [--model FOLDER] [--url URL --name NAME] [--json OUT]
+        [--images]
+
+``--images`` sends 64x64 PNG images as ``image_url`` parts in ``input``
+(each its own vector; mlx-vlm's server takes the same body) to the tiny
+Qwen3-VL-Embedding (or ``--model``) instead of sentences.
 
 ``--systems mlx-pinned,mlx-vlm,vllm-mlx`` runs each in turn on the same
 folder, one after the other in one run, and prints their embeddings/s
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import sys
 import tempfile
@@ -52,14 +58,38 @@ SENTENCES = (
 )
 
 
-def body(name: str, inputs: int, seed: int) -> dict[str, Any]:
-    """``inputs`` sentences, numbered so no two requests are alike."""
+#: Distinct images the ``--images`` requests take in turn.
+IMAGE_POOL = 64
+
+
+def body(name: str, inputs: int, seed: int, images: bool = False) -> dict[str, Any]:
+    """``inputs`` sentences, numbered so no two requests are alike; or
+    ``inputs`` image parts taken in turn from the pool."""
+    if images:
+        urls = image_pool()
+        parts = [
+            {"type": "image_url", "image_url": {"url": urls[(seed + i) % IMAGE_POOL]}}
+            for i in range(inputs)
+        ]
+        return {"model": name, "input": parts, "encoding_format": "float"}
     texts = [f"{SENTENCES[i % len(SENTENCES)]} {seed}-{i}" for i in range(inputs)]
     return {"model": name, "input": texts, "encoding_format": "float"}
 
 
+@functools.cache
+def image_pool() -> tuple[str, ...]:
+    from mlx_pinned.testing import image_data_uri
+
+    return tuple(image_data_uri(64, 64, "PNG", seed=i) for i in range(IMAGE_POOL))
+
+
 async def level(
-    client: httpx.AsyncClient, name: str, concurrency: int, seconds: float, inputs: int
+    client: httpx.AsyncClient,
+    name: str,
+    concurrency: int,
+    seconds: float,
+    inputs: int,
+    images: bool = False,
 ) -> dict[str, Any]:
     """``concurrency`` clients for ``seconds``: the level's figures."""
     latencies: list[float] = []
@@ -72,7 +102,8 @@ async def level(
         while time.perf_counter() < stop:
             start = time.perf_counter()
             response = await client.post(
-                "/v1/embeddings", json=body(name, inputs, index * 10**6 + sent)
+                "/v1/embeddings",
+                json=body(name, inputs, index * 10**6 + sent, images),
             )
             sent += 1
             if response.status_code == 200:
@@ -94,12 +125,13 @@ async def level(
 
 
 @contextlib.contextmanager
-def own_server(model: str | None) -> Iterator[tuple[str, str, Any]]:
-    """mlx-pinned serving ``model`` (the tiny one by default) as ``emb``:
-    its URL, the name and its process."""
+def own_server(model: str | None, images: bool) -> Iterator[tuple[str, str, Any]]:
+    """mlx-pinned serving ``model`` (the tiny one by default, its image
+    embedder with ``images``) as ``emb``: its URL, the name and its process."""
     from mlx_pinned.testing import tiny_embedding_path
 
-    folder = model or str(tiny_embedding_path())
+    tiny = tiny_embedding_path("qwen3_vl_embedding" if images else "bert")
+    folder = model or str(tiny)
     port = free_port()
     command = [sys.executable, "-m", "mlx_pinned.server", "serve", folder]
     command += ["--model-kind", "embedding", "--served-model-name", "emb"]
@@ -154,7 +186,9 @@ async def run(
         if args.url:
             url, name, process = args.url, args.name, None
         elif system == "mlx-pinned":
-            url, name, process = stack.enter_context(own_server(args.model))
+            url, name, process = stack.enter_context(
+                own_server(args.model, args.images)
+            )
         else:
             if args.peers_venv is None:
                 raise SystemExit(f"{system} needs --peers-venv")
@@ -166,9 +200,9 @@ async def run(
         ) as client:
             if process is not None:
                 await wait_for(client, process, "/v1/models", 180)
-            await level(client, name, 1, 1.0, args.inputs)  # warm-up
+            await level(client, name, 1, 1.0, args.inputs, args.images)  # warm-up
             return [
-                await level(client, name, c, args.seconds, args.inputs)
+                await level(client, name, c, args.seconds, args.inputs, args.images)
                 for c in args.concurrency
             ]
 
@@ -186,12 +220,19 @@ def main() -> None:
         "--systems", default="mlx-pinned", help="mlx-pinned,mlx-vlm,vllm-mlx"
     )
     parser.add_argument("--peers-venv", type=Path, help="the peers' own venv")
+    parser.add_argument(
+        "--images", action="store_true", help="embed images, not sentences"
+    )
     args = parser.parse_args()
     systems = args.systems.split(",")
     if systems != ["mlx-pinned"]:
         from mlx_pinned.testing import tiny_embedding_path
 
-        args.model = with_pooler(args.model or str(tiny_embedding_path()))
+        if args.images:  # the same Qwen3-VL-Embedding folder for every system
+            tiny = tiny_embedding_path("qwen3_vl_embedding")
+            args.model = args.model or str(tiny)
+        else:
+            args.model = with_pooler(args.model or str(tiny_embedding_path()))
     results = {system: asyncio.run(run(args, system)) for system in systems}
     print("system      concurrency  requests  embeddings/s  p50 ms  p99 ms  errors")
     for system, rows in results.items():
