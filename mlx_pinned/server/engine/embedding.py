@@ -119,8 +119,10 @@ class LoadedEmbedder:
 
     @property
     def accepts_images(self) -> bool:
-        """Whether it embeds images (its processor has an image processor)."""
-        return getattr(self.processor, "image_processor", None) is not None
+        """Whether it embeds images: its processor has an image processor,
+        and a chat template to place them with."""
+        processor = getattr(self.processor, "image_processor", None)
+        return processor is not None and self.has_chat_template
 
     @property
     def has_chat_template(self) -> bool:
