@@ -27,6 +27,7 @@ import anyio
 import anyio.abc
 import httpx
 import openai
+import pytest
 from openai.types.chat import ChatCompletionChunk
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
@@ -268,6 +269,15 @@ class Served:
             http_client=self.client,
             max_retries=0,
         )
+
+
+def slow_on_asyncio(test: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark an async test slow and run it on asyncio alone: for a door's slow
+    tests whose subject is the model (a long file, a long speech), not the
+    event loop; the door's quick tests run on trio too, in the full suite."""
+    only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
+    marked: Callable[..., Any] = pytest.mark.slow(only(test))
+    return marked
 
 
 #: The ``serve`` fixture: an app for the options given, its lifespan running.

@@ -34,7 +34,7 @@ from mlx_pinned.server.http.errors import APIError
 from mlx_pinned.testing import image_data_uri, tiny_embedding_path
 
 from .conftest import assert_error
-from .kit import TOL, Lifespan, Serve, Served, in_process
+from .kit import TOL, Lifespan, Serve, Served, in_process, slow_on_asyncio
 
 pytestmark = pytest.mark.anyio
 
@@ -172,7 +172,7 @@ def test_image_parts_are_named_where_they_are_and_marked_in_place() -> None:
     ]
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_an_image_embeds_as_mlx_vlms_own_image_path(serve: Serve) -> None:
     """mlx-vlm's server embeds an image as one user turn holding it, its
     generation prompt added: the same request here gives the same vector."""
@@ -190,7 +190,7 @@ async def test_an_image_embeds_as_mlx_vlms_own_image_path(serve: Serve) -> None:
     assert answer.json()["usage"]["prompt_tokens"] == tokens
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_images_in_input_are_each_their_own_vector(serve: Serve) -> None:
     """Each image in ``input`` is the vector of a one-image turn with its
     generation prompt (mlx-vlm's server's), texts beside it their own."""
@@ -210,7 +210,7 @@ async def test_images_in_input_are_each_their_own_vector(serve: Serve) -> None:
     assert mixed.json()["usage"]["prompt_tokens"] == sum(usage)
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_a_conversation_alone_equals_it_beside_other_requests(
     serve: Serve,
 ) -> None:
@@ -244,7 +244,7 @@ async def test_a_conversation_alone_equals_it_beside_other_requests(
     assert np.abs(alone[0] - alone[1]).max() > 1e-3  # different images differ
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_text_input_beside_images_equals_it_alone(serve: Serve) -> None:
     """A text pass after an image conversation is not moved by it: the
     Qwen-VL model would reuse the image's positions for any shorter input,
@@ -272,7 +272,7 @@ HOSTILE = [
 ]
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 @pytest.mark.parametrize(
     ("turns", "code"), [pytest.param(t, c, id=name) for name, t, c in HOSTILE]
 )
@@ -287,7 +287,7 @@ async def test_a_hostile_image_is_a_400_that_names_its_part(
     assert after.status_code == 200  # the server is fine
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_too_many_images_are_a_400(serve: Serve) -> None:
     parts = [{"type": "image_url", "image_url": {"url": IMAGE}}] * 3
     async with serve(image_limits=ImageLimits(max_images=2)) as served:
@@ -297,7 +297,7 @@ async def test_too_many_images_are_a_400(serve: Serve) -> None:
     assert_error(listed, 400, "input[2].image_url")
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_a_bad_image_in_input_is_named_by_its_index(serve: Serve) -> None:
     bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}
     async with serve() as served:
@@ -307,7 +307,7 @@ async def test_a_bad_image_in_input_is_named_by_its_index(serve: Serve) -> None:
     assert_error(text_model, 400, "input[1].image_url", "images_unsupported")
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_a_text_only_model_refuses_images_and_conversations(
     serve: Serve,
 ) -> None:

@@ -30,7 +30,7 @@ from mlx_pinned.server.speech import SpeechParams
 from mlx_pinned.testing import make_tiny_speech, tiny_speech_path
 
 from .conftest import assert_error, until
-from .kit import Lifespan, Serve, Served, in_process
+from .kit import Lifespan, Serve, Served, in_process, slow_on_asyncio
 
 pytestmark = pytest.mark.anyio
 
@@ -84,7 +84,7 @@ def read_wav(raw: bytes) -> tuple[wave.Wave_read, bytes]:
     return reader, reader.readframes(len(raw))
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_the_openai_sdk_speaks_a_wav_of_the_models_length(
     serve_speech: Serve,
 ) -> None:
@@ -102,7 +102,7 @@ async def test_the_openai_sdk_speaks_a_wav_of_the_models_length(
     assert np.frombuffer(frames, "<i2").std() > 100  # not silence
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_pcm_is_the_wavs_samples_and_each_voice_sounds_its_own(
     serve_speech: Serve,
 ) -> None:
@@ -119,7 +119,7 @@ async def test_pcm_is_the_wavs_samples_and_each_voice_sounds_its_own(
     assert len(other.content) == 2 * samples_of(TEXT + "!")
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_mp3_flac_and_opus_are_the_same_speech_encoded(
     serve_speech: Serve,
 ) -> None:
@@ -159,7 +159,7 @@ async def test_mp3_flac_and_opus_are_the_same_speech_encoded(
     assert 0 <= len(decoded["mp3"]) - len(samples) < 3 * 1152
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_speeches_at_once_each_equal_their_own_alone(
     serve_speech: Serve,
 ) -> None:
@@ -184,7 +184,7 @@ async def test_speeches_at_once_each_equal_their_own_alone(
     assert together == alone
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_instructions_steer_the_model_that_takes_them(
     serve_speech: Serve,
 ) -> None:
@@ -198,7 +198,7 @@ async def test_instructions_steer_the_model_that_takes_them(
     assert steered.content != plain.content
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_a_streamed_answer_is_the_whole_answers_bytes(
     serve_speech: Serve,
 ) -> None:
@@ -229,7 +229,7 @@ async def test_a_streamed_answer_is_the_whole_answers_bytes(
     assert frames == whole.content
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_server_sent_events_carry_the_audio_then_the_usage(
     serve_speech: Serve,
 ) -> None:
@@ -310,7 +310,7 @@ async def test_hostile_inputs_are_a_400_that_names_them(
     assert_error(answer, 400, param)
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_a_missing_field_and_a_broken_body_are_a_400(
     serve_speech: Serve,
 ) -> None:
@@ -333,7 +333,7 @@ async def test_a_missing_field_and_a_broken_body_are_a_400(
     assert fine.status_code == 200, fine.text
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_instructions_to_a_model_that_takes_none_are_refused(
     serve_speech: Serve, tmp_path: Path
 ) -> None:
@@ -348,7 +348,7 @@ async def test_instructions_to_a_model_that_takes_none_are_refused(
     assert fine.status_code == 200, fine.text
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_each_kind_is_sent_to_its_own_routes(
     serve_speech: Serve, tiny_model_path: Path, speech_path: Path
 ) -> None:
@@ -384,7 +384,7 @@ async def test_each_kind_is_sent_to_its_own_routes(
     assert f'mlx_pinned_model_loaded{{model="{MODEL}"}} 1.0' in metrics.text
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_a_speech_model_loads_on_first_use_unloads_and_counts_its_bytes(
     serve_speech: Serve, speech_path: Path
 ) -> None:
@@ -504,7 +504,7 @@ def test_the_sdk_speaks_through_a_served_config_file(
     assert listed == {"chat": "chat", MODEL: "speech"}
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_a_long_speech_never_stalls_a_chat_stream_for_long(
     tiny_model_path: Path, speech_path: Path
 ) -> None:

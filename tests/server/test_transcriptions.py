@@ -29,7 +29,7 @@ from mlx_pinned.server.inputs.audio import decode_audio
 from mlx_pinned.testing import tiny_transcription_path
 
 from .conftest import assert_error
-from .kit import Lifespan, Served, in_process
+from .kit import Lifespan, Served, in_process, slow_on_asyncio
 
 pytestmark = pytest.mark.anyio
 
@@ -160,7 +160,7 @@ async def test_the_openai_sdk_transcribes_a_file_as_mlx_audio_does(
     assert segments[-1].end <= 3.0
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_every_response_format(serve_whisper: ServeWhisper) -> None:
     audio = wav(2.0, seed=1)
     async with serve_whisper() as served:
@@ -196,7 +196,7 @@ async def test_every_response_format(serve_whisper: ServeWhisper) -> None:
     )
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_a_long_file_streams_each_window_as_it_is_done(
     serve_whisper: ServeWhisper,
 ) -> None:
@@ -230,7 +230,7 @@ async def test_a_long_file_streams_each_window_as_it_is_done(
     assert answer["duration"] == 65.0
 
 
-@pytest.mark.slow
+@slow_on_asyncio
 async def test_a_translation_is_its_own_task(serve_whisper: ServeWhisper) -> None:
     audio = wav(2.0, seed=3)
     async with serve_whisper() as served:
@@ -260,6 +260,7 @@ async def test_a_translation_is_its_own_task(serve_whisper: ServeWhisper) -> Non
     assert_error(no_language, 400, "language", "unknown_parameter")
 
 
+@slow_on_asyncio
 async def test_the_same_file_gives_the_same_transcript(
     serve_whisper: ServeWhisper,
 ) -> None:
