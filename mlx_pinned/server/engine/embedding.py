@@ -29,6 +29,7 @@ from ..failures import ImagesUnsupportedError, PromptTooLongError, RequestError
 from .passes import (
     TOKENIZE_AT_ONCE,
     Encoded,
+    Holding,
     PassQueue,
     input_limit,
     padded,
@@ -254,7 +255,7 @@ def _matryoshka(config: dict[str, Any]) -> tuple[int, ...] | None:
     return () if config.get("is_matryoshka") else None
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(Holding[LoadedEmbedder]):
     """One embedding model's engine: the :class:`~..encoders.EmbeddingEngine`
     the HTTP side uses.
 
@@ -304,14 +305,6 @@ class EmbeddingEngine:
     @property
     def has_chat_template(self) -> bool:
         return self.loaded.has_chat_template
-
-    @property
-    def loaded_at(self) -> float:
-        return self.loaded.loaded_at
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.loaded.weight_bytes
 
     def counters(self) -> EngineCounters:
         """Inputs waiting as its rows; it holds no KV. Any thread."""

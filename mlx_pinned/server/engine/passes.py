@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -40,6 +40,8 @@ __all__ = [
     "BATCH_TOKENS",
     "TOKENIZE_AT_ONCE",
     "Encoded",
+    "Holding",
+    "Loaded",
     "PassQueue",
     "input_limit",
     "kv_free_counters",
@@ -234,6 +236,35 @@ def queue_counters(queue: PassQueue) -> EngineCounters:
     """An encoder model's counters: its inputs waiting as rows, its passes
     as steps. Any thread."""
     return kv_free_counters(queue.waiting, queue.passes)
+
+
+class Loaded(Protocol):
+    """What a model loaded on the MLX thread tells the registry."""
+
+    @property
+    def loaded_at(self) -> float: ...
+
+    @property
+    def weight_bytes(self) -> int: ...
+
+
+L = TypeVar("L", bound=Loaded)
+
+
+class Holding(Generic[L]):
+    """An engine of a model other than chat, that holds what it loaded as
+    ``loaded`` (an embedder, a reranker, a speech model): the registry reads
+    when it was loaded and its weights' bytes from there."""
+
+    loaded: L
+
+    @property
+    def loaded_at(self) -> float:
+        return self.loaded.loaded_at
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.loaded.weight_bytes
 
 
 def kv_free_counters(rows: int, steps: int) -> EngineCounters:

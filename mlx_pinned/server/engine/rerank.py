@@ -29,6 +29,7 @@ from ..failures import PromptTooLongError
 from .passes import (
     TOKENIZE_AT_ONCE,
     Encoded,
+    Holding,
     PassQueue,
     input_limit,
     padded,
@@ -152,7 +153,7 @@ def load_reranker(model_path: str | Path) -> LoadedReranker:
     return loaded
 
 
-class RerankEngine:
+class RerankEngine(Holding[LoadedReranker]):
     """One rerank model's engine: the :class:`~..encoders.RerankEngine` the
     HTTP side uses.
 
@@ -182,14 +183,6 @@ class RerankEngine:
     @property
     def max_input_tokens(self) -> int:
         return self.loaded.max_input_tokens
-
-    @property
-    def loaded_at(self) -> float:
-        return self.loaded.loaded_at
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.loaded.weight_bytes
 
     def counters(self) -> EngineCounters:
         """Pairs waiting as its rows; it holds no KV. Any thread."""

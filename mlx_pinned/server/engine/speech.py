@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..speech import SpeechChunk, SpeechParams
-from .passes import kv_free_counters
+from .passes import Holding, kv_free_counters
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
@@ -188,7 +188,7 @@ def _takes_speed(model: Any) -> bool:
     return getattr(model, "model_type", "") != "qwen3_tts"
 
 
-class SpeechEngine:
+class SpeechEngine(Holding[LoadedSpeaker]):
     """One text-to-speech model's engine: the
     :class:`~..speech.SpeechEngine` the HTTP side uses.
 
@@ -226,14 +226,6 @@ class SpeechEngine:
     @property
     def takes_speed(self) -> bool:
         return self.loaded.takes_speed
-
-    @property
-    def loaded_at(self) -> float:
-        return self.loaded.loaded_at
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.loaded.weight_bytes
 
     def counters(self) -> EngineCounters:
         """Generations speaking as its rows, frames made as its decoded

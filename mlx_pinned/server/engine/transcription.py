@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..transcripts import Segment, TranscriptionParams, Window, Word
-from .passes import kv_free_counters
+from .passes import Holding, kv_free_counters
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
@@ -62,7 +62,7 @@ class _Loaded:
     loaded_at: float = field(default_factory=time.time)
 
 
-class TranscriptionEngine:
+class TranscriptionEngine(Holding[_Loaded]):
     """One speech-to-text model's engine: the
     :class:`~..transcripts.TranscriptionEngine` the HTTP side uses."""
 
@@ -118,14 +118,6 @@ class TranscriptionEngine:
     @property
     def options(self) -> frozenset[str]:
         return WHISPER_OPTIONS if self.loaded.whisper else ALIGNED_OPTIONS
-
-    @property
-    def loaded_at(self) -> float:
-        return self.loaded.loaded_at
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.loaded.weight_bytes
 
     def counters(self) -> EngineCounters:
         """Files being transcribed as its rows, windows as its steps; it
