@@ -271,6 +271,25 @@ class Served:
         )
 
 
+def serving_kind(
+    path: Path, kind: str, name: str, lifespan: Lifespan
+) -> Callable[..., AbstractAsyncContextManager[Served]]:
+    """A ``serve`` of one model kind's door tests: an app serving ``path``
+    as ``name``, of ``kind`` (and whatever else a test names), its lifespan
+    running."""
+    from mlx_pinned.server import create_app
+
+    @asynccontextmanager
+    async def serve(**options: Any) -> AsyncIterator[Served]:
+        options.setdefault("served_model_name", name)
+        options.setdefault("model_kind", kind)
+        app = create_app(options.pop("model", path), **options)
+        async with in_process(app, lifespan, Served) as served:
+            yield served
+
+    return serve
+
+
 def slow_on_asyncio(test: Callable[..., Any]) -> Callable[..., Any]:
     """Mark an async test slow and run it on asyncio alone: for a door's slow
     tests whose subject is the model (a long file, a long speech), not the

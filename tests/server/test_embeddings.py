@@ -9,8 +9,8 @@ import base64
 import json
 import struct
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,7 +27,7 @@ from mlx_pinned.server.engine.embedding import EmbeddingEngine
 from mlx_pinned.testing import make_tiny_embedding, tiny_embedding_path
 
 from .conftest import assert_error, until
-from .kit import TOL, Lifespan, Served, in_process
+from .kit import TOL, Lifespan, Served, serving_kind
 
 pytestmark = pytest.mark.anyio
 
@@ -51,16 +51,7 @@ def embedding_path() -> Path:
 def serve_embedding(embedding_path: Path, lifespan: Lifespan) -> ServeEmbedding:
     """An app serving the tiny embedding model as ``emb`` (and whatever
     else a test names), its lifespan running."""
-
-    @asynccontextmanager
-    async def serve(**options: Any) -> AsyncIterator[Served]:
-        options.setdefault("served_model_name", MODEL)
-        options.setdefault("model_kind", "embedding")
-        app = create_app(options.pop("model", embedding_path), **options)
-        async with in_process(app, lifespan, Served) as served:
-            yield served
-
-    return serve
+    return serving_kind(embedding_path, "embedding", MODEL, lifespan)
 
 
 def engine_of(served: Served, name: str = MODEL) -> EmbeddingEngine:

@@ -13,8 +13,6 @@ import struct
 import sys
 import time
 import wave
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,7 +28,7 @@ from mlx_pinned.server.speech import SpeechParams
 from mlx_pinned.testing import make_tiny_speech, tiny_speech_path
 
 from .conftest import assert_error, until
-from .kit import Lifespan, Serve, Served, in_process, slow_on_asyncio
+from .kit import Lifespan, Serve, Served, serving_kind, slow_on_asyncio
 
 pytestmark = pytest.mark.anyio
 
@@ -49,16 +47,7 @@ def speech_path() -> Path:
 def serve_speech(speech_path: Path, lifespan: Lifespan) -> Serve:
     """An app serving the tiny speech model as ``tts`` (and whatever else a
     test names), its lifespan running."""
-
-    @asynccontextmanager
-    async def serve(**options: Any) -> AsyncIterator[Served]:
-        options.setdefault("served_model_name", MODEL)
-        options.setdefault("model_kind", "speech")
-        app = create_app(options.pop("model", speech_path), **options)
-        async with in_process(app, lifespan, Served) as served:
-            yield served
-
-    return serve
+    return serving_kind(speech_path, "speech", MODEL, lifespan)
 
 
 def engine_of(served: Served, name: str = MODEL) -> SpeechEngine:

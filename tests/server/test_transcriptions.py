@@ -10,8 +10,8 @@ import io
 import struct
 import time
 import wave
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from mlx_pinned.server.inputs.audio import decode_audio
 from mlx_pinned.testing import tiny_transcription_path
 
 from .conftest import assert_error
-from .kit import Lifespan, Served, in_process, slow_on_asyncio
+from .kit import Lifespan, Served, serving_kind, slow_on_asyncio
 
 pytestmark = pytest.mark.anyio
 
@@ -67,16 +67,7 @@ def whisper_path() -> Path:
 @pytest.fixture
 def serve_whisper(whisper_path: Path, lifespan: Lifespan) -> ServeWhisper:
     """An app serving the tiny Whisper as ``whisper``, its lifespan running."""
-
-    @asynccontextmanager
-    async def serve(**options: Any) -> AsyncIterator[Served]:
-        options.setdefault("served_model_name", MODEL)
-        options.setdefault("model_kind", "transcription")
-        app = create_app(options.pop("model", whisper_path), **options)
-        async with in_process(app, lifespan, Served) as served:
-            yield served
-
-    return serve
+    return serving_kind(whisper_path, "transcription", MODEL, lifespan)
 
 
 def engine_of(served: Served, name: str = MODEL) -> TranscriptionEngine:
