@@ -16,7 +16,14 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -269,6 +276,73 @@ class Served:
             http_client=self.client,
             max_retries=0,
         )
+
+
+@dataclass
+class Beside:
+    """When a chat stream's chunks arrived, and when a request sent beside
+    it (once the stream had begun) was sent and answered."""
+
+    arrivals: list[float]
+    start: float
+    end: float
+
+    @property
+    def during(self) -> list[float]:
+        """The chunks that arrived while the request ran."""
+        return [at for at in self.arrivals if self.start <= at <= self.end]
+
+    @property
+    def gaps(self) -> Any:
+        """The times between those chunks (from the request's start)."""
+        import numpy as np
+
+        return np.diff([self.start, *self.during])
+
+    @property
+    def took(self) -> float:
+        return self.end - self.start
+
+
+async def chat_beside(
+    client: httpx.AsyncClient,
+    send: Callable[[httpx.AsyncClient], Awaitable[httpx.Response]],
+    *,
+    max_tokens: int,
+    leave_early: bool = False,
+) -> Beside:
+    """Stream a chat answer of model ``chat`` and, once its first chunk is
+    in, ``send`` a request beside it (which must be answered 200);
+    ``leave_early``: the stream is left once that request is answered."""
+    arrivals: list[float] = []
+    window: list[float] = []
+    started = anyio.Event()
+
+    async def chat() -> None:
+        body = {
+            "model": "chat",
+            "messages": [{"role": "user", "content": "Tell me a story."}],
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for _ in response.aiter_lines():
+                arrivals.append(time.monotonic())
+                started.set()
+                if leave_early and window[1:]:
+                    break
+
+    async def beside() -> None:
+        await started.wait()
+        window.append(time.monotonic())
+        answer = await send(client)
+        window.append(time.monotonic())
+        assert answer.status_code == 200, answer.text
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(chat)
+        tasks.start_soon(beside)
+    return Beside(arrivals, window[0], window[1])
 
 
 def serving_kind(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import json
 import struct
-import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -27,7 +26,7 @@ from mlx_pinned.server.engine.embedding import EmbeddingEngine
 from mlx_pinned.testing import make_tiny_embedding, tiny_embedding_path
 
 from .conftest import assert_error, until
-from .kit import TOL, Lifespan, Served, serving_kind
+from .kit import TOL, Lifespan, Served, chat_beside, serving_kind
 
 pytestmark = pytest.mark.anyio
 
@@ -478,46 +477,21 @@ async def test_a_large_request_never_stalls_a_chat_stream_for_long(
         ),
         stream_write_interval=0.0,
     )
-    arrivals: list[float] = []
-    window: list[float] = []
-    started = anyio.Event()
     # Under uvicorn: httpx's in-process transport hands over a streamed
     # body only once it is whole.
     with run_uvicorn(app) as url:
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-
-            async def chat() -> None:
-                body = {
-                    "model": "chat",
-                    "messages": [{"role": "user", "content": "Tell me a story."}],
-                    "max_tokens": 600,
-                    "stream": True,
-                }
-                async with client.stream(
-                    "POST", "/v1/chat/completions", json=body
-                ) as response:
-                    async for _ in response.aiter_lines():
-                        arrivals.append(time.monotonic())
-                        started.set()
-
-            async def large() -> None:
-                await started.wait()
-                window.append(time.monotonic())
-                answer = await client.post(
+            beside = await chat_beside(
+                client,
+                lambda c: c.post(
                     "/v1/embeddings", json={"model": MODEL, "input": texts}
-                )
-                window.append(time.monotonic())
-                assert answer.status_code == 200, answer.text
-
-            async with anyio.create_task_group() as tasks:
-                tasks.start_soon(chat)
-                tasks.start_soon(large)
+                ),
+                max_tokens=600,
+            )
         engine = app.state.models.get(MODEL).engine()
         assert isinstance(engine, EmbeddingEngine)
         passes = engine.queue.passes
-    during = [at for at in arrivals if window[0] <= at <= window[1]]
-    gaps = np.diff([window[0], *during])
-    took = window[1] - window[0]
+    during, gaps, took = beside.during, beside.gaps, beside.took
     assert passes > 10
     assert len(during) > passes // 4, "the chat stream waited for the whole request"
     # A pass takes about the budget and a step of the chat model runs

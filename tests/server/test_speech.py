@@ -11,7 +11,6 @@ import io
 import json
 import struct
 import sys
-import time
 import wave
 from pathlib import Path
 from typing import Any, cast
@@ -28,7 +27,7 @@ from mlx_pinned.server.speech import SpeechParams
 from mlx_pinned.testing import make_tiny_speech, tiny_speech_path
 
 from .conftest import assert_error, until
-from .kit import Lifespan, Serve, Served, serving_kind, slow_on_asyncio
+from .kit import Lifespan, Serve, Served, chat_beside, serving_kind, slow_on_asyncio
 
 pytestmark = pytest.mark.anyio
 
@@ -504,47 +503,19 @@ async def test_a_long_speech_never_stalls_a_chat_stream_for_long(
         model_settings=({}, {"model_kind": "speech"}),
         stream_write_interval=0.0,
     )
-    arrivals: list[float] = []
-    window: list[float] = []
-    started = anyio.Event()
+    body = {"model": MODEL, "voice": "vivian", "input": text}
     # Under uvicorn: httpx's in-process transport hands over a streamed
     # body only once it is whole.
     with run_uvicorn(app) as url:
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-
-            async def chat() -> None:
-                body = {
-                    "model": "chat",
-                    "messages": [{"role": "user", "content": "Tell me a story."}],
-                    "max_tokens": 1500,
-                    "stream": True,
-                }
-                async with client.stream(
-                    "POST", "/v1/chat/completions", json=body
-                ) as response:
-                    async for _ in response.aiter_lines():
-                        arrivals.append(time.monotonic())
-                        started.set()
-
-            async def long_speech() -> None:
-                await started.wait()
-                window.append(time.monotonic())
-                answer = await client.post(
-                    "/v1/audio/speech",
-                    json={"model": MODEL, "voice": "vivian", "input": text},
-                )
-                window.append(time.monotonic())
-                assert answer.status_code == 200, answer.text
-
-            async with anyio.create_task_group() as tasks:
-                tasks.start_soon(chat)
-                tasks.start_soon(long_speech)
+            beside = await chat_beside(
+                client, lambda c: c.post("/v1/audio/speech", json=body), max_tokens=1500
+            )
         engine = app.state.models.get(MODEL).engine()
         assert isinstance(engine, SpeechEngine)
         pieces = engine.pieces
-    during = [at for at in arrivals if window[0] <= at <= window[1]]
-    gaps = np.diff([window[0], *during])
-    took = window[1] - window[0]
+    during, gaps, took = beside.during, beside.gaps, beside.took
+    window, arrivals = (beside.start, beside.end), beside.arrivals
     assert window[1] < arrivals[-1], "the chat stream ended before the speech"
     assert pieces > 20
     assert len(during) > pieces, "the chat stream waited for the whole speech"

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import io
 import struct
-import time
 import wave
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
-import anyio
 import httpx
 import mlx.core as mx
 import numpy as np
@@ -29,7 +27,7 @@ from mlx_pinned.server.inputs.audio import decode_audio
 from mlx_pinned.testing import tiny_transcription_path
 
 from .conftest import assert_error
-from .kit import Lifespan, Served, serving_kind, slow_on_asyncio
+from .kit import Lifespan, Served, chat_beside, serving_kind, slow_on_asyncio
 
 pytestmark = pytest.mark.anyio
 
@@ -347,10 +345,8 @@ async def test_a_long_transcription_never_stalls_a_chat_stream_for_long(
         model_settings=({}, {"model_kind": "transcription"}),
         stream_write_interval=0.0,
     )
-    arrivals: list[float] = []
-    window: list[float] = []
-    started = anyio.Event()
     audio = wav(300.0, seed=5)
+    form = {"model": MODEL, "temperature": str(WARM)}
     with run_uvicorn(app) as url:
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:
             wrong = await client.post(
@@ -358,41 +354,18 @@ async def test_a_long_transcription_never_stalls_a_chat_stream_for_long(
                 data={"model": "chat"},
                 files={"file": ("a.wav", wav(0.5))},
             )
-
-            async def chat() -> None:
-                body = {
-                    "model": "chat",
-                    "messages": [{"role": "user", "content": "Tell me a story."}],
-                    "max_tokens": 4000,
-                    "stream": True,
-                }
-                async with client.stream(
-                    "POST", "/v1/chat/completions", json=body
-                ) as response:
-                    async for _ in response.aiter_lines():
-                        arrivals.append(time.monotonic())
-                        started.set()
-                        if window[1:]:
-                            break
-
-            async def transcribe() -> None:
-                await started.wait()
-                window.append(time.monotonic())
-                answer = await client.post(
+            beside = await chat_beside(
+                client,
+                lambda c: c.post(
                     "/v1/audio/transcriptions",
-                    data={"model": MODEL, "temperature": str(WARM)},
+                    data=form,
                     files={"file": ("long.wav", audio)},
-                )
-                window.append(time.monotonic())
-                assert answer.status_code == 200, answer.text
-
-            async with anyio.create_task_group() as tasks:
-                tasks.start_soon(chat)
-                tasks.start_soon(transcribe)
+                ),
+                max_tokens=4000,
+                leave_early=True,
+            )
     assert_error(wrong, 400, "model", "wrong_model_kind")
-    during = [at for at in arrivals if window[0] <= at <= window[1]]
-    gaps = np.diff([window[0], *during])
-    took = window[1] - window[0]
+    during, gaps, took = beside.during, beside.gaps, beside.took
     # Ten windows, a job of the MLX thread each: the chat's steps run
     # between them, so no gap is more than about a window's decode.
     assert len(during) > 20, "the chat stream waited for the whole file"
