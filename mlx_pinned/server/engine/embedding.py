@@ -24,16 +24,13 @@ import mlx.core as mx
 import numpy as np
 
 from ..encoders import EmbeddingParams, Embeddings, ImageInput
-from ..events import EngineCounters
 from ..failures import ImagesUnsupportedError, PromptTooLongError, RequestError
 from .passes import (
     TOKENIZE_AT_ONCE,
     Encoded,
-    Holding,
-    PassQueue,
+    PassEngine,
     input_limit,
     padded,
-    queue_counters,
 )
 
 if TYPE_CHECKING:
@@ -255,23 +252,13 @@ def _matryoshka(config: dict[str, Any]) -> tuple[int, ...] | None:
     return () if config.get("is_matryoshka") else None
 
 
-class EmbeddingEngine(Holding[LoadedEmbedder]):
+class EmbeddingEngine(PassEngine[LoadedEmbedder]):
     """One embedding model's engine: the :class:`~..encoders.EmbeddingEngine`
     the HTTP side uses.
 
-    Args:
-        loaded: The model, from :func:`load_embedder`.
-        thread: The MLX thread it was loaded on.
-        **passes: The passes' bounds (``batch_tokens``, ``batch_size``,
-            ``seconds``: :class:`~.passes.PassQueue`).
+    Its queue and counters are :class:`~.passes.PassEngine`'s; ``loaded``
+    comes from :func:`load_embedder`.
     """
-
-    def __init__(
-        self, loaded: LoadedEmbedder, thread: MLXThread, **passes: Any
-    ) -> None:
-        self.loaded = loaded
-        self.thread = thread
-        self.queue = PassQueue(thread, loaded.forward, **passes)
 
     @classmethod
     def load(
@@ -305,10 +292,6 @@ class EmbeddingEngine(Holding[LoadedEmbedder]):
     @property
     def has_chat_template(self) -> bool:
         return self.loaded.has_chat_template
-
-    def counters(self) -> EngineCounters:
-        """Inputs waiting as its rows; it holds no KV. Any thread."""
-        return queue_counters(self.queue)
 
     async def embed(
         self, params: EmbeddingParams, images: Sequence[Image.Image] = ()

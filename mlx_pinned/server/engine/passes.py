@@ -42,6 +42,7 @@ __all__ = [
     "Encoded",
     "Holding",
     "Loaded",
+    "PassEngine",
     "PassQueue",
     "input_limit",
     "kv_free_counters",
@@ -265,6 +266,37 @@ class Holding(Generic[L]):
     @property
     def weight_bytes(self) -> int:
         return self.loaded.weight_bytes
+
+
+class Encoder(Loaded, Protocol):
+    """A model loaded on the MLX thread whose forward pass a
+    :class:`PassQueue` runs."""
+
+    def forward(self, batch: Sequence[Encoded]) -> np.ndarray: ...
+
+
+E = TypeVar("E", bound=Encoder)
+
+
+class PassEngine(Holding[E]):
+    """An encoder model's engine (embedding, rerank): what it loaded, and
+    the queue of the passes its requests share.
+
+    Args:
+        loaded: The model.
+        thread: The MLX thread it was loaded on.
+        **passes: The passes' bounds (``batch_tokens``, ``batch_size``,
+            ``seconds``: :class:`PassQueue`).
+    """
+
+    def __init__(self, loaded: E, thread: MLXThread, **passes: Any) -> None:
+        self.loaded = loaded
+        self.thread = thread
+        self.queue = PassQueue(thread, loaded.forward, **passes)
+
+    def counters(self) -> EngineCounters:
+        """Inputs waiting as its rows; it holds no KV. Any thread."""
+        return queue_counters(self.queue)
 
 
 def kv_free_counters(rows: int, steps: int) -> EngineCounters:

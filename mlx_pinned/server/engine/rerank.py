@@ -24,16 +24,13 @@ import mlx.core as mx
 import numpy as np
 
 from ..encoders import RerankParams, Scores
-from ..events import EngineCounters
 from ..failures import PromptTooLongError
 from .passes import (
     TOKENIZE_AT_ONCE,
     Encoded,
-    Holding,
-    PassQueue,
+    PassEngine,
     input_limit,
     padded,
-    queue_counters,
 )
 
 if TYPE_CHECKING:
@@ -153,23 +150,13 @@ def load_reranker(model_path: str | Path) -> LoadedReranker:
     return loaded
 
 
-class RerankEngine(Holding[LoadedReranker]):
+class RerankEngine(PassEngine[LoadedReranker]):
     """One rerank model's engine: the :class:`~..encoders.RerankEngine` the
     HTTP side uses.
 
-    Args:
-        loaded: The model, from :func:`load_reranker`.
-        thread: The MLX thread it was loaded on.
-        **passes: The passes' bounds (``batch_tokens``, ``batch_size``,
-            ``seconds``: :class:`~.passes.PassQueue`).
+    Its queue and counters are :class:`~.passes.PassEngine`'s; ``loaded``
+    comes from :func:`load_reranker`.
     """
-
-    def __init__(
-        self, loaded: LoadedReranker, thread: MLXThread, **passes: Any
-    ) -> None:
-        self.loaded = loaded
-        self.thread = thread
-        self.queue = PassQueue(thread, loaded.forward, **passes)
 
     @classmethod
     def load(
@@ -183,10 +170,6 @@ class RerankEngine(Holding[LoadedReranker]):
     @property
     def max_input_tokens(self) -> int:
         return self.loaded.max_input_tokens
-
-    def counters(self) -> EngineCounters:
-        """Pairs waiting as its rows; it holds no KV. Any thread."""
-        return queue_counters(self.queue)
 
     async def score(self, params: RerankParams) -> Scores:
         """See :meth:`~..encoders.RerankEngine.score`."""
