@@ -3,10 +3,14 @@
 On the tiny text model, ``--rows`` identical greedy requests of ``--tokens``
 tokens each, several ways, alternating round by round (ABCABC...):
 
-- ``bare``: the ceiling. One process, the model's language model over a
-  batch of the prompt ``--rows`` times: batched forward and argmax,
-  pipelined with ``mx.async_eval`` (the next step is built before this one
-  is read), each step's tokens read as Python ints, nothing else.
+- ``strict``: the strict ceiling. One process, the model's language model
+  over a batch of the prompt ``--rows`` times: batched forward and argmax,
+  pipelined with ``mx.async_eval`` (the next step is built on this one's
+  tokens before they are computed), nothing read until the end.
+- ``bare``: the same loop reading each step's tokens as Python ints (the
+  least a server must do); ``bare/kK`` (``--windows K,...``) reads them
+  every K steps, K steps' tokens at once: what multi-step decode windows
+  would save on host reads.
 - ``engine``: the server's engine in process (``BatchEngine.stream``, one
   stream per request read on the event loop), no HTTP.
 - ``server/CLIENT``: ``mlx-pinned serve`` in its own process, over HTTP,
@@ -24,7 +28,7 @@ tokens each, several ways, alternating round by round (ABCABC...):
 Each way's tokens/s counts the tokens every request received over the wall
 time from the first request sent to the last token read (prompts are short:
 prefill is a few ms of it). The table gives each way's median over the
-rounds and its ratio to ``bare``'s median of the same run, and the CPU each
+rounds and its ratio to ``strict``'s median of the same run, and the CPU each
 way used per token: this process's (the bare loop and the engine, or the
 client), and the server process's (all its threads, from ``/proc``). On a
 machine whose cores the model's compute already fills, the client's CPU
@@ -59,8 +63,9 @@ PROMPT = "Count to a thousand."
 CLIENTS = ("httpx", "lean", "whole")
 
 
-def bare(loaded: Any, rows: int, tokens: int) -> int:
-    """The bare loop: the tokens it made."""
+def bare(loaded: Any, rows: int, tokens: int, *, every: int = 1) -> int:
+    """The bare loop: the tokens it made, read every ``every`` steps (0:
+    none until the end)."""
     import mlx.core as mx
 
     from mlx_pinned.server.engine.sampling import vlm
@@ -77,11 +82,21 @@ def bare(loaded: Any, rows: int, tokens: int) -> int:
     y = mx.argmax(logits, axis=-1)
     mx.async_eval(y)
     made = 0
+    steps: list[Any] = []
     for _ in range(tokens):
         nxt = mx.argmax(lm(y[:, None], cache=cache).logits[:, -1, :], axis=-1)
         mx.async_eval(nxt)
-        made += len(y.tolist())
+        steps.append(y)
+        if every and len(steps) == every:
+            made += (
+                sum(map(len, mx.stack(steps).tolist()))
+                if every > 1
+                else len(y.tolist())
+            )
+            steps = []
         y = nxt
+    if steps:
+        made += sum(map(len, mx.stack(steps).tolist()))
     return made
 
 
@@ -209,7 +224,10 @@ async def main_async(args: argparse.Namespace) -> None:
         thread = await stack.enter_async_context(MLXThread(name="ceiling"))
         loaded = await thread.run(load, model)
         engine = BatchEngine(loaded, thread)
-        ways["bare"] = (functools.partial(thread.run, bare, loaded, args.rows), None)
+        for every in (0, 1, *args.windows):
+            name = {0: "strict", 1: "bare"}.get(every, f"bare/k{every}")
+            loop = functools.partial(bare, loaded, args.rows, every=every)
+            ways[name] = (functools.partial(thread.run, loop), None)
         ways["engine"] = (functools.partial(engine_round, engine, args.rows), None)
         session = await stack.enter_async_context(
             aiohttp.ClientSession(
@@ -260,10 +278,10 @@ async def main_async(args: argparse.Namespace) -> None:
                 + "  ".join(f"{w} {v[-1]:,.0f}" for w, v in results.items()),
                 flush=True,
             )
-    ceiling = statistics.median(results["bare"])
+    ceiling = statistics.median(results["strict"])
     print(f"\n{args.rows} rows x {args.tokens} tokens, {args.rounds} rounds")
     print(
-        f"{'way':>14} {'tokens/s (median)':>18} {'x bare':>7} {'tokens':>7} "
+        f"{'way':>14} {'tokens/s (median)':>18} {'x strict':>8} {'tokens':>7} "
         f"{'CPU us/token: here':>19} {'server':>7}"
     )
     for way, values in results.items():
@@ -271,7 +289,7 @@ async def main_async(args: argparse.Namespace) -> None:
         here = statistics.median(c[0] for c in cpu[way])
         there = statistics.median(c[1] for c in cpu[way])
         print(
-            f"{way:>14} {median:>18,.0f} {median / ceiling:>7.2f} "
+            f"{way:>14} {median:>18,.0f} {median / ceiling:>8.2f} "
             f"{statistics.median(made[way]):>7.0f} {here:>19.0f} {there:>7.0f}"
         )
 
@@ -282,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", help="model folder (default: the tiny qwen3)")
+    parser.add_argument(
+        "--windows",
+        type=lambda text: [int(k) for k in text.split(",") if k],
+        default=[8],
+        help="bare loops that read every K steps (default: 8; '' for none)",
+    )
     parser.add_argument(
         "--clients",
         type=lambda text: text.split(","),

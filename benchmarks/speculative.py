@@ -1,12 +1,13 @@
 """Speculative decoding against none, in one run: prompt lookup, or a draft
 model.
 
-In process: the same greedy requests through two engines of one loaded
-model, speculation off (A) and on (B), alternated ABAB (the order flips
-every round), at one stream and at ``--concurrency`` streams. Prints each
+In process: the same greedy (or, with ``--temperature``, seeded) requests
+through two engines of one loaded model, speculation off (A) and on (B),
+alternated ABAB (the order flips every round), at one stream and at each
+of ``--concurrency`` streams. Prints each
 round's tokens/s and the median of the on/off ratios, and, with
-speculation on, the drafts' acceptance rate and tokens per step. Greedy
-output is the same token for token (tests/server/test_speculative.py,
+speculation on, the drafts' acceptance rate and tokens per step. Greedy and
+seeded output is the same token for token (tests/server/test_speculative.py,
 tests/server/test_draft_model.py), so both engines generate the same
 tokens. Measure on a quiet machine; ``--quick`` is a smoke run (under a
 minute).
@@ -22,7 +23,8 @@ minute).
 ::
 
     python benchmarks/speculative.py [--quick] [--rounds 5] [--tokens 256]
-        [--concurrency 8] [--ngram 3] [--draft-tokens 4] [--max-batch N]
+        [--concurrency 8,32] [--temperature T] [--ngram 3] [--draft-tokens 4]
+        [--max-batch N]
         [--draft-model PATH --model PATH | --synthetic-draft DAMPING]
 """
 
@@ -40,7 +42,7 @@ import anyio
 from _draft_pair import write_pair
 
 
-def requests(count: int, tokens: int) -> list[Any]:
+def requests(count: int, tokens: int, temperature: float) -> list[Any]:
     from mlx_pinned.server.events import GenerationParams, SamplingParams
 
     prompts = [f"Tell story number {i}, then tell it again." for i in range(count)]
@@ -48,13 +50,13 @@ def requests(count: int, tokens: int) -> list[Any]:
         GenerationParams(
             ({"role": "user", "content": prompt},),
             max_tokens=tokens,
-            sampling=SamplingParams(temperature=0.0),
+            sampling=SamplingParams(temperature=temperature, seed=i),
         )
-        for prompt in prompts
+        for i, prompt in enumerate(prompts)
     ]
 
 
-async def rate(engine: Any, count: int, tokens: int) -> float:
+async def rate(engine: Any, count: int, tokens: int, temperature: float = 0.0) -> float:
     """Generated tokens per second of ``count`` streams at once."""
     made = 0
 
@@ -67,7 +69,7 @@ async def rate(engine: Any, count: int, tokens: int) -> float:
 
     start = time.perf_counter()
     async with anyio.create_task_group() as group:
-        for params in requests(count, tokens):
+        for params in requests(count, tokens, temperature):
             group.start_soon(one, params)
     return made / (time.perf_counter() - start)
 
@@ -102,12 +104,15 @@ async def main_async(args: argparse.Namespace) -> None:
             await rate(engine, 2, 16)
         columns = ("streams", 7), ("round", 5), ("off tok/s", 10), ("on tok/s", 10)
         print(*(f"{name:>{width}}" for name, width in columns), f"{'ratio':>6}")
-        for streams in (1, args.concurrency):
+        for streams in (1, *args.concurrency):
             ratios = []
             before = on.statistics()
             for round_ in range(args.rounds):
                 pair = (off, on) if round_ % 2 == 0 else (on, off)
-                got = {id(e): await rate(e, streams, args.tokens) for e in pair}
+                got = {
+                    id(e): await rate(e, streams, args.tokens, args.temperature)
+                    for e in pair
+                }
                 a, b = got[id(off)], got[id(on)]
                 ratios.append(b / a)
                 print(f"{streams:>7} {round_:>5} {a:>10.0f} {b:>10.0f} {b / a:>6.2f}")
@@ -130,7 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--concurrency",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[8, 32],
+        help="the batched stream counts measured after one (default: 8,32)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample (seeded per request) instead of greedy: on the random "
+        "weights, text that prompt lookup drafts badly (default: 0, greedy)",
+    )
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument(
