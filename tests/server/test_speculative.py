@@ -21,9 +21,17 @@ import pytest
 from mlx_pinned import MLXThread
 from mlx_pinned.server.config import ServerConfig
 from mlx_pinned.server.config_checks import SettingError
-from mlx_pinned.server.engine import BatchEngine, DraftSettings, LoadedModel, load
+from mlx_pinned.server.engine import (
+    BatchEngine,
+    DraftSettings,
+    LoadedModel,
+    drafting,
+    load,
+)
+from mlx_pinned.server.engine.drafting import FLOOR, REST, pace, resting
 from mlx_pinned.server.engine.prompt_lookup import follow, lookup
-from mlx_pinned.server.events import FinalEvent, TokenEvent
+from mlx_pinned.server.engine.rows import Row
+from mlx_pinned.server.events import FinalEvent, SamplingParams, TokenEvent
 from mlx_pinned.testing import tiny_vlm_path
 
 from .conftest import MODEL, vision_body
@@ -195,6 +203,54 @@ class TestLimits:
         reqs.append(echo(2, 24, logit_bias=((7, 2.0),)))
         assert_same(interleaved(thread, on, reqs), interleaved(thread, off, reqs))
         assert on.statistics().speculative_steps == 0
+
+
+class TestRunningAcceptance:
+    def test_a_row_whose_drafts_miss_rests_and_comes_back(self) -> None:
+        row = Row(max_tokens=512, sampling=SamplingParams())
+        missed = 0
+        while not resting(row):  # every draft missed: the share falls
+            pace(row, 4, 0)
+            missed += 1
+        assert row.acceptance < FLOOR <= row.acceptance * 4 / 3
+        assert 1 < missed < 20
+        assert row.rest == REST
+        row.sampled = row.rests_until
+        assert not resting(row)
+        pace(row, 4, 0)  # missed again: twice as long
+        assert row.rest == 2 * REST
+        assert resting(row)
+        row.sampled = row.rests_until
+        pace(row, 4, 4)  # all kept: back over the floor, the rest forgotten
+        assert not resting(row)
+        assert row.rest == 0
+        share = row.acceptance
+        pace(row, 0, 0)  # a step it drafted nothing in counts for nothing
+        assert row.acceptance == share
+
+    def test_hot_seeded_rows_verify_less_and_give_the_same_tokens(
+        self,
+        thread: MLXThread,
+        loaded_lm: LoadedModel,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        # Hot sampling on random weights: prompt lookup's drafts are rarely
+        # kept, so the rows rest; with the floor at 0 they never do.
+        reqs = [
+            request(i, 192, sizes=(None,), temperature=1.5, seed=i) for i in range(2)
+        ]
+        off, on = engines(thread, loaded_lm)
+        (_, never) = engines(thread, loaded_lm)
+        resting_runs = interleaved(thread, on, reqs)
+        monkeypatch.setattr(drafting, "FLOOR", 0.0)
+        always_runs = interleaved(thread, never, reqs)
+        plain = interleaved(thread, off, reqs)
+        assert_same(resting_runs, plain)
+        assert_same(always_runs, plain)
+        rests, always = on.statistics(), never.statistics()
+        assert always.draft_tokens > 0
+        assert always.accepted_tokens < always.draft_tokens / 4
+        assert rests.speculative_steps < always.speculative_steps / 2
 
 
 def text_of(events: list[Event]) -> str:

@@ -25,6 +25,13 @@ the fewest drafts any row dropped, and each row that dropped more has the
 rest rolled to its left padding (as mlx-vlm's ``BatchKVCache.finalize`` does
 for a right-padded prefill), so each row's offset is its own again.
 
+Drafting pays only where drafts are kept: each row keeps its running share
+of drafts kept (each speculative step weighs a third of all before it), and
+a row whose share falls under :data:`FLOOR` rests: it drafts nothing for
+:data:`REST` tokens, twice as long each time it falls again (at most
+:data:`MOST_REST`), then tries again. While every row rests, the batch runs
+the ordinary pipelined step (a speculative step is not pipelined).
+
 A step speculates only when every row of the batch can: a plain, trimmable
 KV cache (checked at install), no grammar, no thinking budget, no penalties
 and no logit bias (their logits depend on the tokens before them in the
@@ -161,6 +168,32 @@ PREDICTION_TOKENS = 8
 PREDICTION_MAX_BATCH = 4
 
 
+# A row's running share of drafts kept under which it rests (a verify pass
+# that keeps a tenth of its drafts gives about what it costs at one row), and its first
+# and longest rests, in tokens (see the module's docstring).
+FLOOR = 0.1
+REST = 8
+MOST_REST = 128
+
+
+def resting(row: Row) -> bool:
+    """Whether a row drafts nothing now: its drafts were not being kept."""
+    return row.sampled < row.rests_until
+
+
+def pace(row: Row, drafted: int, kept: int) -> None:
+    """Count a speculative step in a row's running acceptance; under
+    :data:`FLOOR` it rests, twice as long as the last time."""
+    if not drafted:
+        return
+    row.acceptance = (3 * row.acceptance + kept / drafted) / 4
+    if row.acceptance >= FLOOR:
+        row.rest = 0
+        return
+    row.rest = min(MOST_REST, max(REST, 2 * row.rest))
+    row.rests_until = row.sampled + row.rest
+
+
 class Drafting:
     """The speculative step of one batch: its drafts verified in one pass.
 
@@ -209,6 +242,8 @@ class Drafting:
             return False
         if self.source is None and all(row.prediction is None for row in live):
             return False  # nothing would draft
+        if all(resting(row) for row in batch.rows):
+            return False  # pipelined until a row tries again
         return all(can_draft(row) for row in live)
 
     def verify(self, batch: BatchState) -> Stepped | None:
@@ -253,6 +288,7 @@ class Drafting:
         cut_back(cache, width, kept)
         self._settle(rows, kept)
         for row, d, k in zip(rows, each, kept, strict=True):
+            pace(row, len(d), k)
             if row.prediction is not None:
                 tried, used = row.predicted
                 row.predicted = (tried + len(d), used + k)
@@ -262,7 +298,7 @@ class Drafting:
     def _propose(self, rows: list[Row]) -> list[list[int]]:
         """Each row's drafts: from its prediction where it has one, else
         from the source."""
-        left = [row.max_tokens - row.sampled - 1 for row in rows]
+        left = [0 if resting(row) else row.max_tokens - row.sampled - 1 for row in rows]
         tokens = self.settings.tokens
         each = (
             self.source.propose(rows, [min(tokens, n) for n in left])

@@ -58,6 +58,9 @@ class Row:
         prediction: Its request's predicted answer, as token ids: its
             drafts (:mod:`.drafting`).
         predicted: Tokens of its prediction verified, and those kept.
+        acceptance: Its running share of drafts kept (:mod:`.drafting`).
+        rest: How many tokens it last rested from drafting, and
+            ``rests_until`` its ``sampled`` count when it drafts again.
     """
 
     max_tokens: int
@@ -84,6 +87,9 @@ class Row:
     recent: list[int] = field(default_factory=list)
     prediction: np.ndarray | None = None
     predicted: tuple[int, int] = (0, 0)
+    acceptance: float = 1.0
+    rest: int = 0
+    rests_until: int = 0
 
     def record(self, item: Sampled) -> None:
         """Give it a sampled token: its request reads it from ``pending``."""
