@@ -81,23 +81,24 @@ def bare(loaded: Any, rows: int, tokens: int, *, every: int = 1) -> int:
     logits = lm(prompt, cache=cache).logits[:, -1, :]
     y = mx.argmax(logits, axis=-1)
     mx.async_eval(y)
+
+    def read(steps: list[Any]) -> int:
+        """The steps' tokens as ints, in one read: how many."""
+        if len(steps) == 1:
+            return len(steps[0].tolist())
+        return sum(map(len, mx.stack(steps).tolist()))
+
     made = 0
     steps: list[Any] = []
     for _ in range(tokens):
         nxt = mx.argmax(lm(y[:, None], cache=cache).logits[:, -1, :], axis=-1)
         mx.async_eval(nxt)
         steps.append(y)
-        if every and len(steps) == every:
-            made += (
-                sum(map(len, mx.stack(steps).tolist()))
-                if every > 1
-                else len(y.tolist())
-            )
+        if len(steps) == every:
+            made += read(steps)
             steps = []
         y = nxt
-    if steps:
-        made += sum(map(len, mx.stack(steps).tolist()))
-    return made
+    return made + (read(steps) if steps else 0)
 
 
 async def engine_round(engine: Any, rows: int, tokens: int) -> int:

@@ -240,7 +240,7 @@ class TestRunningAcceptance:
             request(i, 192, sizes=(None,), temperature=1.5, seed=i) for i in range(2)
         ]
         off, on = engines(thread, loaded_lm)
-        (_, never) = engines(thread, loaded_lm)
+        _, never = engines(thread, loaded_lm)
         resting_runs = interleaved(thread, on, reqs)
         monkeypatch.setattr(drafting, "FLOOR", 0.0)
         always_runs = interleaved(thread, never, reqs)

@@ -169,8 +169,8 @@ PREDICTION_MAX_BATCH = 4
 
 
 # A row's running share of drafts kept under which it rests (a verify pass
-# that keeps a tenth of its drafts gives about what it costs at one row), and its first
-# and longest rests, in tokens (see the module's docstring).
+# that keeps a tenth of its drafts gives about what it costs at one row),
+# and its first and longest rests, in tokens (see the module's docstring).
 FLOOR = 0.1
 REST = 8
 MOST_REST = 128
