@@ -439,6 +439,8 @@ class EngineCounters:
         accepted_tokens: Draft tokens kept.
         image_cache_bytes: Bytes of vision-tower outputs the image cache
             holds.
+        disk_cache_bytes: Bytes of files the two caches' disk tier holds
+            (``--state-dir``).
         mlx_memory: MLX's memory, the whole process's (every model's):
             ``(active, cached, peak)`` bytes, as ``mx.get_active_memory``,
             ``mx.get_cache_memory`` and ``mx.get_peak_memory`` give them.
@@ -460,6 +462,7 @@ class EngineCounters:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     image_cache_bytes: int = 0
+    disk_cache_bytes: int = 0
     mlx_memory: tuple[int, int, int] = (0, 0, 0)
 
 

@@ -1,8 +1,9 @@
-"""The prompt cache's disk tier (``engine/prompt_disk.py``): entries written
-atomically, checked when loaded (format, model, checksum), skipped with a
-warning when they fail, within a byte budget, memory only when the disk
-fails; and through the app, a restart that answers from disk exactly as a
-fresh prefill does."""
+"""The disk tier of the prompt and image caches (``engine/prompt_disk.py``):
+entries and images' outputs written atomically, checked when loaded (format,
+model, checksum, shape), skipped with a warning when they fail, within one
+byte budget, memory only when the disk fails; and through the app, a restart
+that answers from disk exactly as a fresh prefill does, without encoding
+its image again."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .conftest import MODEL
 from .kit import TOL, Serve, Served, logprobs
 
 FINGERPRINT = "f" * 32
+DIGEST, OTHER = b"\x01" * 16, b"\x02" * 16
 
 
 def layers(tokens: int, seed: int, *, quantized: bool = False) -> list[Any]:
@@ -62,6 +64,18 @@ def _flat(tree: Any) -> list[Any]:
     if isinstance(tree, (list, tuple)):
         return [leaf for item in tree for leaf in _flat(item)]
     return [tree]
+
+
+def image_output(rows: int, seed: int, deep: int | None) -> Any:
+    """An image's outputs as the tower's are cut: views into larger
+    arrays, (rows, 16) features and ``deep`` deepstack ones."""
+    mx.random.seed(seed)
+    features = mx.random.normal((3 * rows, 16)).astype(mx.bfloat16)[rows : 2 * rows]
+    deeps = None
+    if deep is not None:
+        deeps = [mx.random.normal((2 * rows, 16))[rows:] for _ in range(deep)]
+    mx.eval(features, deeps)
+    return features, deeps
 
 
 class TestTheFiles:
@@ -202,6 +216,70 @@ class TestTheFiles:
         assert model_fingerprint(str(tmp_path)) != plain
 
 
+class TestImageFiles:
+    @pytest.mark.parametrize("deep", [None, 2])
+    def test_an_images_outputs_come_back_the_same_after_a_restart(
+        self, tmp_path: Path, deep: int | None
+    ) -> None:
+        output = image_output(4, seed=1, deep=deep)
+        tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        tier.save_image(DIGEST, output)
+        tier.close()
+        again = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        (path,) = tmp_path.iterdir()
+        assert again.nbytes == path.stat().st_size
+        loaded = again.load_image(DIGEST, rows=4)
+        assert loaded is not None
+        assert same(loaded[0], output[0])
+        assert (loaded[1] is None) == (deep is None)
+        assert same(loaded[1] or [], output[1] or [])
+        assert again.load_image(OTHER, rows=4) is None
+        assert again.best(key(1, 2), 2) == (None, 0), "an image is no prompt"
+        assert DiskTier(tmp_path, 10**7, "another model").load_image(DIGEST, 4) is None
+
+    @pytest.mark.parametrize(
+        ("damage", "warned"),
+        [("truncate", "checksum does not match"), ("rows", "do not match the image")],
+    )
+    def test_an_image_file_that_fails_a_check_is_skipped_with_a_warning(
+        self,
+        tmp_path: Path,
+        caplog: pytest.LogCaptureFixture,
+        damage: str,
+        warned: str,
+    ) -> None:
+        tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        tier.save_image(DIGEST, image_output(4, seed=1, deep=2))
+        tier.close()
+        (path,) = tmp_path.iterdir()
+        if damage == "truncate":
+            path.write_bytes(path.read_bytes()[:-10])
+        again = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        rows = 5 if damage == "rows" else 4
+        with caplog.at_level(logging.WARNING, "mlx_pinned.server"):
+            assert again.load_image(DIGEST, rows) is None
+        assert warned in caplog.text
+        assert not path.exists()
+        assert again.nbytes == 0
+
+    def test_images_and_prompts_share_the_budget(self, tmp_path: Path) -> None:
+        kv = layers(4, seed=1)
+        one = sum(int(p.nbytes) for p in _flat(kv))
+        image = image_output(one // 32, seed=2, deep=None)  # as large as kv
+        tier = DiskTier(tmp_path, int(one * 2.5), FINGERPRINT)
+        tier.save(key(1, 0, 0, 0), kv)
+        tier.save_image(DIGEST, image)
+        tier.save(key(2, 0, 0, 0), layers(4, seed=2))
+        tier.flush()
+        assert tier.best(key(1, 0, 0, 0), 4)[1] == 0, "the oldest went"
+        assert tier.load_image(DIGEST, one // 32) is not None  # used: newest
+        tier.save(key(3, 0, 0, 0), layers(4, seed=3))
+        tier.flush()
+        assert tier.best(key(2, 0, 0, 0), 4)[1] == 0
+        assert tier.load_image(DIGEST, one // 32) is not None
+        tier.close()
+
+
 def chat(image: str, question: str) -> dict[str, Any]:
     return {
         "model": MODEL,
@@ -222,9 +300,16 @@ def chat(image: str, question: str) -> dict[str, Any]:
 
 
 def flush(served: Served) -> None:
-    disk = served.engine.prompt_cache.disk
+    disk = served.engine.disk
     assert disk is not None
     disk.flush()
+
+
+def encoded(served: Served) -> tuple[int, int]:
+    """Images the vision tower encoded, and those read from disk."""
+    cache = served.engine.image_cache
+    assert cache is not None
+    return cache.held.misses, cache.held.disk_hits
 
 
 @pytest.mark.slow
@@ -243,6 +328,7 @@ async def test_a_restart_answers_from_disk_as_a_fresh_prefill(
     assert list((tmp_path / "prompt_cache").glob("*/*.kv"))
     async with serve(**disk) as served:
         answer = await served.chat(second)
+        assert encoded(served) == (0, 1), "the image's features, from disk"
     cached = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 100, "the system prompt and the image, from disk"
     ours = logprobs(answer)
@@ -263,10 +349,13 @@ async def test_a_truncated_file_after_a_restart_is_skipped_and_the_answer_exact(
     async with serve(**disk) as served:
         assert (await served.chat(request)).status_code == 200
         flush(served)
-    for path in (tmp_path / "prompt_cache").glob("*/*.kv"):
+    files = list((tmp_path / "prompt_cache").glob("*/*"))
+    assert {path.suffix for path in files} == {".kv", ".img"}
+    for path in files:
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     async with serve(**disk) as served:
         answer = await served.chat(request)
+        assert encoded(served) == (1, 0), "encoded again"
     assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     ours = logprobs(answer)
     assert max(abs(a - b) for a, b in zip(ours, fresh, strict=True)) <= TOL
@@ -282,4 +371,31 @@ async def test_a_tiny_disk_budget_is_no_error_to_the_client(
         answer = await served.chat(chat(image, "Hi?"))
         assert answer.status_code == 200
         flush(served)
-    assert not list((tmp_path / "prompt_cache").glob("*/*.kv"))
+    assert not list((tmp_path / "prompt_cache").glob("*/*"))
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_a_restart_reads_an_image_from_disk_and_answers_exactly(
+    serve: Serve, tmp_path: Path
+) -> None:
+    """The image tier alone (no prompt cache): after a restart the image is
+    not encoded again, and the answer is a fresh one's."""
+    request = chat(image_data_uri(64, 64, seed=6), "What is it?")
+    async with serve(prompt_cache_bytes=0, image_cache_bytes=0) as cold:
+        fresh = logprobs(await cold.chat(request))
+    disk = {"state_dir": str(tmp_path), "prompt_cache_bytes": 0}
+    async with serve(**disk) as served:
+        assert (await served.chat(request)).status_code == 200
+        assert encoded(served) == (1, 0)
+        flush(served)
+        (path,) = (tmp_path / "prompt_cache").glob("*/*")
+        assert path.suffix == ".img"
+        assert served.engine.counters().disk_cache_bytes == path.stat().st_size
+    async with serve(**disk) as served:
+        answer = await served.chat(request)
+        assert encoded(served) == (0, 1)
+    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    ours = logprobs(answer)
+    assert len(ours) == len(fresh)
+    assert max(abs(a - b) for a, b in zip(ours, fresh, strict=True)) <= TOL

@@ -71,6 +71,10 @@ class BatchEngine:
             what it does for the other ranks: :mod:`.distributed`); a
             quantized KV cache is ``BatchState`` made with ``kv_quant``
             (:meth:`load` makes it so).
+
+    Attributes:
+        disk: The prompt and image caches' disk tier (None: memory only;
+            :meth:`attach`).
     """
 
     def __init__(
@@ -88,6 +92,7 @@ class BatchEngine:
         self.thread = thread
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.image_cache = install_image_cache(loaded.model, image_cache_bytes)
+        self.disk: DiskTier | None = None
         if make_state is None:
             make_state = functools.partial(
                 BatchState, prefill_seconds=prefill_step_seconds
@@ -117,8 +122,9 @@ class BatchEngine:
         job of the middleware). See :class:`BatchEngine` for the options;
         ``kv_quant``: quantize its KV cache so (:mod:`.kv_quant`);
         ``drafts``: speculative decoding's settings (:meth:`speculate`);
-        ``prompt_cache_dir``: the prompt cache's disk tier goes in a folder
-        of the model's there, within ``prompt_cache_disk_bytes``."""
+        ``prompt_cache_dir``: the disk tier of the prompt and image caches
+        goes in a folder of the model's there, within
+        ``prompt_cache_disk_bytes``."""
         loaded = load(model_path)
         engine = cls(
             loaded,
@@ -136,7 +142,7 @@ class BatchEngine:
                 "" if kv_quant is None else f"{kv_quant.bits}/{kv_quant.group_size}"
             )
             fingerprint = model_fingerprint(loaded.path, quantized)
-            engine.prompt_cache.attach(
+            engine.attach(
                 DiskTier(
                     prompt_cache_dir / fingerprint[:16],
                     prompt_cache_disk_bytes,
@@ -146,6 +152,14 @@ class BatchEngine:
         if drafts is not None:
             engine.speculate(drafts)
         return engine
+
+    def attach(self, disk: DiskTier) -> None:
+        """Give the prompt and image caches ``disk`` as their disk tier
+        (:mod:`.prompt_disk`); MLX thread, before the first request."""
+        self.disk = disk
+        self.prompt_cache.attach(disk)
+        if self.image_cache is not None:
+            self.image_cache.attach(disk)
 
     def speculate(self, drafts: DraftSettings) -> None:
         """Turn speculative decoding on (:mod:`.drafting`); MLX thread, before
@@ -225,6 +239,7 @@ class BatchEngine:
             image_cache_bytes=0
             if self.image_cache is None
             else self.image_cache.held.bytes,
+            disk_cache_bytes=0 if self.disk is None else self.disk.nbytes,
             # The allocator's counters: read from any thread, no stream.
             mlx_memory=(
                 mx.get_active_memory(),

@@ -14,18 +14,25 @@ images), so the output is the same as one call over all of them.
 
 Only towers of the Qwen-VL kind take part (pixels and output rows per image
 follow ``grid_thw``: :func:`install` checks); least recently used images are
-evicted first, within a byte budget.
+evicted first, within a byte budget. With the disk tier
+(:mod:`.prompt_disk`) each image's outputs are also written to a file, and
+an image not held is looked up there before it is encoded: a restart, or an
+image evicted from memory, is read back, not encoded again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+if TYPE_CHECKING:
+    from .prompt_disk import DiskTier
 
 __all__ = ["CachedVisionTower", "install"]
 
@@ -46,6 +53,7 @@ class _Held:
         self.outputs: OrderedDict[bytes, Output] = OrderedDict()
         self.bytes = 0
         self.hits = self.misses = 0
+        self.disk_hits = 0  # of the hits, images read from the disk tier
 
 
 class CachedVisionTower(nn.Module):  # type: ignore[misc,name-defined]
@@ -56,6 +64,10 @@ class CachedVisionTower(nn.Module):  # type: ignore[misc,name-defined]
         merge: Its spatial merge size (output rows per image are its pixel
             rows divided by ``merge**2``).
         budget: Bytes of outputs to hold at most.
+
+    Attributes:
+        disk: Where outputs are also written, and looked up (None: memory
+            only; :meth:`attach`).
     """
 
     def __init__(self, tower: Any, merge: int, budget: int) -> None:
@@ -63,6 +75,7 @@ class CachedVisionTower(nn.Module):  # type: ignore[misc,name-defined]
         self.tower = tower
         self.merge = merge
         self.held = _Held(budget)
+        self.disk: DiskTier | None = None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -73,6 +86,12 @@ class CachedVisionTower(nn.Module):  # type: ignore[misc,name-defined]
                 raise
             return getattr(tower, name)
 
+    def attach(self, disk: DiskTier) -> None:
+        """Write each image's outputs to ``disk`` too, and look an image
+        not held up there before encoding it."""
+        if disk.enabled:
+            self.disk = disk
+
     def __call__(self, pixels: mx.array, grid_thw: mx.array, **kwargs: Any) -> Any:
         rows = cast("list[list[int]]", grid_thw.tolist())
         grids = [tuple(int(v) for v in row) for row in rows]
@@ -82,32 +101,51 @@ class CachedVisionTower(nn.Module):  # type: ignore[misc,name-defined]
             _key(pixels[a:b], grid)
             for a, b, grid in zip(starts[:-1], starts[1:], grids, strict=True)
         ]
-        missing = [i for i, key in enumerate(keys) if key not in self.held.outputs]
+        parts = [
+            self._find(key, size // self.merge**2)
+            for key, size in zip(keys, sizes, strict=True)
+        ]
+        missing = [i for i, part in enumerate(parts) if part is None]
         self.held.hits += len(keys) - len(missing)
         self.held.misses += len(missing)
         if missing:
-            self._encode(pixels, grid_thw, starts, keys, missing, **kwargs)
-        parts = [self.held.outputs[key] for key in keys]
-        for key in keys:
-            self.held.outputs.move_to_end(key)
-        features = mx.concatenate([f for f, _ in parts])
-        if parts[0][1] is None:
+            encoded = self._encode(pixels, grid_thw, starts, missing, **kwargs)
+            for i, part in zip(missing, encoded, strict=True):
+                parts[i] = part
+                self._hold(keys[i], part)
+                if self.disk is not None:
+                    self.disk.save_image(keys[i], part)
+        found = cast("list[Output]", parts)
+        features = mx.concatenate([f for f, _ in found])
+        if found[0][1] is None:
             return features
         deep = [
-            mx.concatenate([d[layer] for _, d in parts if d is not None])
-            for layer in range(len(parts[0][1]))
+            mx.concatenate([d[layer] for _, d in found if d is not None])
+            for layer in range(len(found[0][1]))
         ]
         return features, deep
+
+    def _find(self, key: bytes, rows: int) -> Output | None:
+        """An image's outputs, held or (then held) on disk; None: neither."""
+        output = self.held.outputs.get(key)
+        if output is not None:
+            self.held.outputs.move_to_end(key)
+        elif self.disk is not None:
+            output = self.disk.load_image(key, rows)
+            if output is not None:
+                self.held.disk_hits += 1
+                self._hold(key, output)
+        return output
 
     def _encode(
         self,
         pixels: mx.array,
         grid_thw: mx.array,
         starts: list[int],
-        keys: list[bytes],
         missing: list[int],
         **kwargs: Any,
-    ) -> None:
+    ) -> list[Output]:
+        """The tower's (evaluated) outputs for the ``missing`` images."""
         rows = mx.concatenate([pixels[starts[i] : starts[i + 1]] for i in missing])
         grids = grid_thw[mx.array(missing, dtype=mx.int32)]
         output = self.tower(rows, grids, **kwargs)
@@ -115,11 +153,12 @@ class CachedVisionTower(nn.Module):  # type: ignore[misc,name-defined]
         cut = np.cumsum(
             [0, *((starts[i + 1] - starts[i]) // self.merge**2 for i in missing)]
         ).tolist()
-        for n, i in enumerate(missing):
-            a, b = cut[n], cut[n + 1]
-            mine = (features[a:b], None if deep is None else [d[a:b] for d in deep])
-            mx.eval(mine)
-            self._hold(keys[i], mine)
+        outputs: list[Output] = [
+            (features[a:b], None if deep is None else [d[a:b] for d in deep])
+            for a, b in itertools.pairwise(cut)
+        ]
+        mx.eval(outputs)
+        return outputs
 
     def _hold(self, key: bytes, value: Output) -> None:
         held = self.held

@@ -1,6 +1,13 @@
-"""The prompt cache's disk tier: its entries as files under ``state_dir``,
-within a byte budget, so a restart (or an entry evicted from memory) loads
-a prefix instead of prefilling it.
+"""The disk tier: the prompt cache's entries, and the image cache's
+outputs, as files under ``state_dir`` within one byte budget, so a restart
+(or an entry evicted from memory) loads a prefix instead of prefilling it,
+and an image's features instead of encoding it again.
+
+A prompt cache entry (``.kv``) is found by the longest prefix its tokens
+share with a prompt; an image's outputs (``.img``) by name, its content
+hash (:mod:`.image_cache`). Both are one kind of file: a header (JSON: the
+format, the model, the arrays' dtypes and shapes, a checksum, and what the
+kind needs to put its arrays back together) and the arrays' bytes.
 
 Lookups and loads run on the MLX thread; writes on a thread of the tier's
 own (an entry's arrays are evaluated before they are handed over, and only
@@ -16,6 +23,7 @@ that fails (a full disk) turns the tier off: the cache goes on in memory.
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import logging
@@ -24,23 +32,26 @@ import queue
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import numpy as np
 
 from .prompt_cache import common_prefix, is_prefix
 
-__all__ = ["FORMAT", "DiskTier", "model_fingerprint"]
+__all__ = ["FORMAT", "DiskTier", "ImageOutput", "model_fingerprint"]
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger("mlx_pinned.server")
 
 #: The files' format (in each header).
-FORMAT = 1
+FORMAT = 2
 SUFFIX = ".kv"
+IMAGE_SUFFIX = ".img"
 #: Bytes of each weight file read into the model's fingerprint (its head).
 HEAD_BYTES = 1 << 16
 _LENGTH = struct.Struct("<Q")
@@ -72,15 +83,28 @@ def model_fingerprint(path: str, quantization: str = "") -> str:
     return digest.hexdigest()
 
 
+#: An image's outputs (:data:`.image_cache.Output`): its features, and its
+#: deepstack features (None: the tower has none).
+ImageOutput = tuple[mx.array, list[mx.array] | None]
+
+
 @dataclass(frozen=True, slots=True)
 class _File:
-    key: np.ndarray[Any, np.dtype[np.int64]]
+    key: np.ndarray[Any, np.dtype[np.int64]] | None  # None: an image's
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Write:
+    name: str
+    key: np.ndarray[Any, np.dtype[np.int64]] | None
+    meta: dict[str, Any]  # what the kind needs in the header
+    arrays: list[Any]  # evaluated mx.arrays (their buffers are written)
+
+
 class DiskTier:
-    """Prompt cache entries in ``folder``, least recently used out first
-    past ``budget`` bytes.
+    """Prompt cache entries and images' outputs in ``folder``, least
+    recently used out first past ``budget`` bytes.
 
     Args:
         folder: Where the files go (made if missing); one per model.
@@ -96,7 +120,7 @@ class DiskTier:
         self._files: OrderedDict[str, _File] = OrderedDict()  # oldest use first
         self._bytes = 0
         self._lock = threading.Lock()  # the MLX thread and the writer
-        self._writes: queue.Queue[tuple[str, Any, list[Any]] | None] = queue.Queue()
+        self._writes: queue.Queue[_Write | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         if self.enabled:
             try:
@@ -108,46 +132,67 @@ class DiskTier:
 
     # On the MLX thread.
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the files it holds (a snapshot; any thread)."""
+        return self._bytes
+
     def best(self, key: Any, limit: int) -> tuple[str | None, int]:
-        """The file whose key shares the longest prefix with ``key`` (at
-        most ``limit`` tokens), and that length (None, 0: none)."""
+        """The prompt cache file whose key shares the longest prefix with
+        ``key`` (at most ``limit`` tokens), and that length (None, 0: none)."""
         found: str | None = None
         length = 0
         with self._lock:
             files = list(self._files.items())
         for name, file in files:
+            if file.key is None:
+                continue
             common = common_prefix(file.key, key, limit, length)
             if common > length:
                 found, length = name, common
         return found, length
 
     def load(self, name: str) -> tuple[Any, list[tuple[Any, Any]]] | None:
-        """A file's key and layers (as the cache holds them), checked; None
-        (with a warning, and the file dropped) when it fails a check."""
-        path = self.folder / name
-        try:
-            header, payload = _read(path)
-            if (
-                header.get("format") != FORMAT
-                or header.get("model") != self.fingerprint
-            ):
-                raise ValueError("of another format or model")
-            if hashlib.blake2b(payload).hexdigest() != header.get("checksum"):
-                raise ValueError("its checksum does not match (truncated or changed)")
-            layers = _layers(header["layers"], payload)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("prompt cache file %s skipped: %s", path, exc)
-            self._forget(name, unlink=True)
+        """A prompt cache file's key and layers (as the cache holds them),
+        checked; None (with a warning, and the file dropped) when it fails
+        a check."""
+        read = self._load(name, _layers)
+        if read is None:
             return None
-        with self._lock:
-            if name in self._files:
-                self._files.move_to_end(name)
-        key = np.frombuffer(bytes.fromhex(header["key"]), dtype=np.int64)
-        return key, layers
+        header, layers = read
+        return np.frombuffer(bytes.fromhex(header["key"]), dtype=np.int64), layers
 
     def save(self, key: Any, layers: Sequence[tuple[Any, Any]]) -> None:
         """Write an entry (evaluated arrays), on the writer thread; entries
         whose keys are a prefix of ``key`` go (it serves their lookups)."""
+        key = np.asarray(key, dtype=np.int64).copy()
+        parts = [part for pair in layers for part in pair]
+        meta = {
+            "key": key.tobytes().hex(),
+            "parts": [len(_pieces(part)) for part in parts],
+        }
+        arrays = [piece for part in parts for piece in _pieces(part)]
+        self._put(_Write(_name(key), key, meta, arrays))
+
+    def load_image(self, digest: bytes, rows: int) -> ImageOutput | None:
+        """An image's outputs by its content hash, checked (``rows``: the
+        feature rows it must have); None where none is here, or (with a
+        warning, and the file dropped) where it fails a check."""
+        name = digest.hex() + IMAGE_SUFFIX
+        with self._lock:
+            if name not in self._files:
+                return None
+        read = self._load(name, functools.partial(_image, rows=rows))
+        return None if read is None else read[1]
+
+    def save_image(self, digest: bytes, output: ImageOutput) -> None:
+        """Write an image's (evaluated) outputs, on the writer thread."""
+        features, deep = output
+        meta = {"deep": None if deep is None else len(deep)}
+        name = digest.hex() + IMAGE_SUFFIX
+        self._put(_Write(name, None, meta, [features, *(deep or ())]))
+
+    def _put(self, item: _Write) -> None:
         if not self.enabled:
             return
         if self._writer is None:
@@ -158,7 +203,32 @@ class DiskTier:
             # A stop writes what was handed over (atexit runs before daemon
             # threads are stopped, after the server's own shutdown).
             atexit.register(self.close)
-        self._writes.put((_name(key), key.copy(), list(layers)))
+        self._writes.put(item)
+
+    def _load(
+        self, name: str, build: Callable[[dict[str, Any], list[mx.array]], _T]
+    ) -> tuple[dict[str, Any], _T] | None:
+        """A file's header, and what ``build`` makes of its arrays, checked
+        (``build`` raises ValueError for arrays its kind cannot take)."""
+        path = self.folder / name
+        try:
+            header, payload = _read(path)
+            if (
+                header.get("format") != FORMAT
+                or header.get("model") != self.fingerprint
+            ):
+                raise ValueError("of another format or model")
+            if hashlib.blake2b(payload).hexdigest() != header.get("checksum"):
+                raise ValueError("its checksum does not match (truncated or changed)")
+            built = build(header, _arrays(header["arrays"], payload))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("prompt cache file %s skipped: %s", path, exc)
+            self._forget(name, unlink=True)
+            return None
+        with self._lock:
+            if name in self._files:
+                self._files.move_to_end(name)
+        return header, built
 
     def flush(self) -> None:
         """Wait until every entry handed over is written (or refused)."""
@@ -179,61 +249,64 @@ class DiskTier:
             self._write_one(item)
         self._writes.task_done()
 
-    def _write_one(self, item: tuple[str, Any, list[Any]]) -> None:
+    def _write_one(self, item: _Write) -> None:
         try:
             if self.enabled:
-                self._write(*item)
+                self._write(item)
         except Exception as exc:  # a bug: the cache goes on in memory
             logger.exception("prompt cache file not written")
             self._off(f"a write failed ({exc!r})")
         finally:
             self._writes.task_done()
 
-    def _write(self, name: str, key: Any, layers: list[Any]) -> None:
-        pieces = [piece for pair in layers for part in pair for piece in _pieces(part)]
-        payload_size = sum(int(piece.nbytes) for piece in pieces)
+    def _write(self, item: _Write) -> None:
+        payload_size = sum(int(array.nbytes) for array in item.arrays)
         with self._lock:
-            if payload_size > self.budget or name in self._files:
+            if payload_size > self.budget or item.name in self._files:
                 return
         checksum = hashlib.blake2b()
-        for piece in pieces:
-            checksum.update(memoryview(piece))
+        for array in item.arrays:
+            checksum.update(memoryview(array))
         header = json.dumps(
             {
                 "format": FORMAT,
                 "model": self.fingerprint,
-                "key": key.astype(np.int64).tobytes().hex(),
-                "layers": [[_shape(part) for part in pair] for pair in layers],
+                "arrays": [_spec(array) for array in item.arrays],
                 "checksum": checksum.hexdigest(),
+                **item.meta,
             }
         ).encode()
-        temporary = self.folder / f".{name}.{os.getpid()}.tmp"
+        temporary = self.folder / f".{item.name}.{os.getpid()}.tmp"
         try:
             with temporary.open("wb") as out:
                 out.write(_LENGTH.pack(len(header)) + header)
-                for piece in pieces:
-                    out.write(memoryview(piece))
+                for array in item.arrays:
+                    out.write(memoryview(array))
                 out.flush()
                 os.fsync(out.fileno())
-            os.replace(temporary, self.folder / name)
+            os.replace(temporary, self.folder / item.name)
         except OSError as exc:
             temporary.unlink(missing_ok=True)
             self._off(f"a write failed ({exc})")
             return
         nbytes = len(header) + _LENGTH.size + payload_size
+        key = item.key
         with self._lock:
-            self._files[name] = _File(key, nbytes)
+            self._files[item.name] = _File(key, nbytes)
             self._bytes += nbytes
-            prefixes = [
+            gone = [
                 other
                 for other, file in self._files.items()
-                if other != name and is_prefix(file.key, key)
+                if other != item.name
+                and key is not None
+                and file.key is not None
+                and is_prefix(file.key, key)
             ]
             while self._bytes > self.budget:
-                prefixes.append(next(iter(self._files)))
-                self._bytes -= self._files[prefixes[-1]].nbytes
-                self._files.pop(prefixes[-1])
-        for other in dict.fromkeys(prefixes):
+                gone.append(next(iter(self._files)))
+                self._bytes -= self._files[gone[-1]].nbytes
+                self._files.pop(gone[-1])
+        for other in dict.fromkeys(gone):
             self._forget(other, unlink=True)
 
     # Either thread.
@@ -241,10 +314,15 @@ class DiskTier:
     def _scan(self) -> None:
         """The files already there (a restart's): their headers only; the
         rest is checked as each is loaded."""
-        for path in sorted(self.folder.glob(f"*{SUFFIX}"), key=_mtime):
+        paths = [*self.folder.glob(f"*{SUFFIX}"), *self.folder.glob(f"*{IMAGE_SUFFIX}")]
+        for path in sorted(paths, key=_mtime):
             try:
                 header, _ = _read(path, header_only=True)
-                key = np.frombuffer(bytes.fromhex(header["key"]), dtype=np.int64)
+                key = (
+                    None
+                    if path.suffix == IMAGE_SUFFIX
+                    else np.frombuffer(bytes.fromhex(header["key"]), dtype=np.int64)
+                )
                 if (
                     header.get("format") != FORMAT
                     or header.get("model") != self.fingerprint
@@ -288,11 +366,8 @@ def _pieces(part: Any) -> tuple[Any, ...]:
     return part if isinstance(part, tuple) else (part,)
 
 
-def _shape(part: Any) -> list[tuple[str, list[int]]]:
-    return [
-        (str(piece.dtype).rpartition(".")[2], list(piece.shape))
-        for piece in _pieces(part)
-    ]
+def _spec(array: mx.array) -> tuple[str, list[int]]:
+    return str(array.dtype).rpartition(".")[2], list(array.shape)
 
 
 def _read(path: Path, *, header_only: bool = False) -> tuple[dict[str, Any], bytes]:
@@ -311,25 +386,41 @@ def _read(path: Path, *, header_only: bool = False) -> tuple[dict[str, Any], byt
     return header, payload
 
 
-def _layers(shapes: list[Any], payload: bytes) -> list[tuple[Any, Any]]:
-    """The layers a header's ``shapes`` describe, out of ``payload``."""
+def _arrays(specs: list[Any], payload: bytes) -> list[mx.array]:
+    """The arrays a header's ``specs`` describe, out of ``payload``."""
     offset = 0
-    layers: list[tuple[Any, Any]] = []
-    for pair in shapes:
-        parts = []
-        for part in pair:
-            pieces = []
-            for dtype_name, shape in part:
-                kind, stored = _DTYPES[dtype_name]
-                size = int(np.prod(shape)) * np.dtype(stored).itemsize
-                if offset + size > len(payload):
-                    raise ValueError("it is shorter than its header says")
-                raw = np.frombuffer(payload, stored, int(np.prod(shape)), offset)
-                pieces.append(mx.array(raw.reshape(shape)).view(kind))
-                offset += size
-            parts.append(tuple(pieces) if len(pieces) > 1 else pieces[0])
-        layers.append((parts[0], parts[1]))
+    arrays = []
+    for dtype_name, shape in specs:
+        kind, stored = _DTYPES[dtype_name]
+        count = int(np.prod(shape))
+        size = count * np.dtype(stored).itemsize
+        if offset + size > len(payload):
+            raise ValueError("it is shorter than its header says")
+        raw = np.frombuffer(payload, stored, count, offset)
+        arrays.append(mx.array(raw.reshape(shape)).view(kind))
+        offset += size
     if offset != len(payload):
         raise ValueError("it is longer than its header says")
-    mx.eval(layers)
-    return layers
+    mx.eval(arrays)
+    return arrays
+
+
+def _layers(header: dict[str, Any], arrays: list[mx.array]) -> list[tuple[Any, Any]]:
+    """A prompt cache entry's layers: its ``parts`` (a layer's keys, then
+    its values) of one array, or of a quantized three, in order."""
+    counts = header["parts"]
+    if sum(counts) != len(arrays) or len(counts) % 2:
+        raise ValueError("its parts do not match its arrays")
+    parts: list[Any] = []
+    for count in counts:
+        pieces, arrays = arrays[:count], arrays[count:]
+        parts.append(tuple(pieces) if count > 1 else pieces[0])
+    return list(zip(parts[::2], parts[1::2], strict=True))
+
+
+def _image(header: dict[str, Any], arrays: list[mx.array], *, rows: int) -> ImageOutput:
+    """An image's features (``rows`` of them), and its ``deep`` ones."""
+    deep = header["deep"]
+    if len(arrays) != 1 + (deep or 0) or any(a.shape[0] != rows for a in arrays):
+        raise ValueError("its arrays do not match the image")
+    return arrays[0], None if deep is None else arrays[1:]

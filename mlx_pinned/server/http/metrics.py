@@ -83,9 +83,11 @@ class ServerMetrics:
     ``mlx_thread_up`` and ``mlx_thread_busy_fraction`` (since the previous
     scrape), and the counter ``mlx_thread_busy_seconds_total`` (``rate()``
     of it is the busy fraction over any window). Per model, once it is
-    loaded: gauges ``kv_cache_bytes`` (the rows' KV), ``batch_rows`` and
-    ``prompt_cache_bytes``, counters ``prompt_cache_hits_total``,
-    ``prompt_cache_misses_total`` and ``prompt_cache_reused_tokens_total``;
+    loaded: gauges ``kv_cache_bytes`` (the rows' KV), ``batch_rows``,
+    ``prompt_cache_bytes``, ``image_cache_bytes`` and ``disk_cache_bytes``
+    (the files of the caches' disk tier, under ``--state-dir``), counters
+    ``prompt_cache_hits_total``, ``prompt_cache_misses_total`` and
+    ``prompt_cache_reused_tokens_total``;
     for the decode steps, counters ``decode_steps_total``,
     ``decode_tokens_total``, ``speculative_steps_total``,
     ``draft_tokens_total`` and ``draft_accepted_tokens_total``, and gauges
@@ -313,6 +315,11 @@ def _engine_metrics(loaded: list[tuple[str, EngineCounters]]) -> Iterator[Metric
             "image_cache_bytes",
             "Bytes of vision-tower outputs the image cache holds.",
             "image_cache_bytes",
+        ),
+        (
+            "disk_cache_bytes",
+            "Bytes of prompt KV and image files the disk tier holds.",
+            "disk_cache_bytes",
         ),
     )
     for name, text, field in gauges:
