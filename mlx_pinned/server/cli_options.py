@@ -365,14 +365,14 @@ OPTIONS = (
     Option(
         "state_dir",
         "a folder for what a restart keeps: the stored responses (a SQLite "
-        "database) and the prompt cache's files, made if missing (default: "
-        "none, memory only)",
+        "database) and the prompt and image caches' files, made if missing "
+        "(default: none, memory only)",
         str,
     ),
     Option(
         "prompt_cache_disk_bytes",
-        "bytes of prompt cache files each model keeps under --state-dir; 0: "
-        "none (default: %(default)s)",
+        "bytes of prompt KV and image files each model keeps under "
+        "--state-dir; 0: none (default: %(default)s)",
         whole,
     ),
     # On here, off in the library: the command owns its process.

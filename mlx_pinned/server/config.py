@@ -248,14 +248,16 @@ class ServerConfig:
             first, and a response larger than this alone is not kept.
         state_dir: A folder for what the server keeps across restarts: the
             stored responses, in a SQLite database (``responses.sqlite3``,
-            within the same bounds), and the prompt cache's disk tier
-            (``prompt_cache/``, within ``prompt_cache_disk_bytes``). Made if
+            within the same bounds), and the disk tier of the prompt and
+            image caches (``prompt_cache/``, within
+            ``prompt_cache_disk_bytes``). Made if
             missing; one that cannot hold the store (not a folder, not
             writable, a corrupt or foreign database, in use by another
             server) fails the start. None: memory only.
-        prompt_cache_disk_bytes: Bytes of prompt cache files each model may
-            keep under ``state_dir`` (every entry is written there, and a
-            lookup that finds a longer prefix there than in memory loads
+        prompt_cache_disk_bytes: Bytes of prompt KV and image files each
+            model may keep under ``state_dir`` (every prompt cache entry and
+            every image encoded is written there; a lookup that finds a
+            longer prefix there than in memory, or an image not held, loads
             it); 0: no disk tier. Without ``state_dir``, unused.
         mlx_cache_bytes: The most bytes of freed buffers MLX keeps for reuse
             (its buffer cache, process-wide, emptied whenever a batch ends);
