@@ -69,13 +69,17 @@ def positive_ints(text: str) -> list[int]:
 
 @contextlib.contextmanager
 def server(
-    command: list[str], log: Path, stop_timeout: float = 20
+    command: list[str], log: Path, stop_timeout: float = 20, cwd: Path | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``command`` in its own process group, its output in ``log``;
-    at exit SIGTERM, then SIGKILL after ``stop_timeout`` seconds."""
+    """Run ``command`` in its own process group (in ``cwd``), its output in
+    ``log``; at exit SIGTERM, then SIGKILL after ``stop_timeout`` seconds."""
     with log.open("wb") as out:
         process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=cwd,
         )
         try:
             yield process

@@ -60,6 +60,7 @@ from typing import Any
 from _common import free_port, server, sse_json, wait_for
 
 PROMPT = "Count to a thousand."
+TREE = Path(__file__).resolve().parents[1]  # the mlx-pinned this script is of
 CLIENTS = ("httpx", "lean", "whole")
 
 
@@ -208,15 +209,18 @@ async def main_async(args: argparse.Namespace) -> None:
         *("--served-model-name", "tiny", "--log-level", "warning"),
         *("--max-num-seqs", str(args.rows), "--max-pending", "1024"),
     ]
-    servers = {"server": [*command, *args.server_args.split()]}
+    # Each server's command and the tree it runs from: ``-m`` puts the
+    # working folder first on the path, so a server runs the code of the
+    # folder it starts in (this script's tree, or a --compare-tree).
+    servers = {"server": ([*command, *args.server_args.split()], TREE)}
     for i, extra in enumerate(args.compare):
-        servers[f"server{i + 2}"] = [*command, *extra.split()]
+        servers[f"server{i + 2}"] = ([*command, *extra.split()], TREE)
     for tree in args.compare_tree:
         name = tree.name
         while name in servers:
             name += "'"
         env = ["env", f"PYTHONPATH={tree}"]
-        servers[name] = [*env, *command, *args.server_args.split()]
+        servers[name] = ([*env, *command, *args.server_args.split()], tree)
     folder = Path(tempfile.mkdtemp())
     limits = httpx.Limits(max_connections=args.rows + 4)
     # Each way: what runs a round (the tokens it got), and the server's pid.
@@ -236,10 +240,11 @@ async def main_async(args: argparse.Namespace) -> None:
                 timeout=aiohttp.ClientTimeout(total=600),
             )
         )
-        for name, argv in servers.items():
+        for name, (argv, tree) in servers.items():
             port = free_port()
             argv = [*argv, "--port", str(port)]
-            process = stack.enter_context(server(argv, folder / f"{name}.log"))
+            log = folder / f"{name}.log"
+            process = stack.enter_context(server(argv, log, cwd=tree))
             base = f"http://127.0.0.1:{port}"
             client = await stack.enter_async_context(
                 httpx.AsyncClient(base_url=base, timeout=600, limits=limits)
