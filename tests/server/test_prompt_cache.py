@@ -218,6 +218,26 @@ class TestSameAnswersWithTheCache:
 
 
 class TestChunkedPrefill:
+    async def test_prompts_from_the_cache_join_the_batch_together(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        """Prompts whose start the cache holds are a few tokens each from
+        their end: they share one step's chunk, not one step each, so eight
+        of them decode side by side, each as it would alone."""
+        on = BatchEngine(loaded, thread, prompt_cache_bytes=BUDGET)
+        off = BatchEngine(loaded, thread)
+        system = {"role": "system", "content": "You answer in one line. " * 8}
+        await run(on, params([system, user("Warm up.")]), [])
+        reqs = [(params([system, user(f"Question {i}?")], 12), []) for i in range(8)]
+        expected = [await run(off, *req) for req in reqs]
+        steps = on.counters().decode_steps
+        runs = await all_at_once(thread, on, reqs)
+        # 12 tokens: 11 steps after the first, and one more per late arrival.
+        assert on.counters().decode_steps - steps <= 13
+        for each, theirs in zip(runs, expected, strict=True):
+            assert final(each.events).cached_tokens > 0
+            assert max_logprob_difference(each.events, theirs) <= TOL
+
     async def test_running_streams_get_tokens_between_a_long_prompts_chunks(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:

@@ -239,31 +239,35 @@ class BatchState:
         return any(row.pending or row.error is not None for row in [*waiting, *ended])
 
     def _advance_prefill(self) -> list[Row]:
-        """Run one chunk of the oldest long prompt being prefilled, so the
-        decode step after it is not held up by the whole prompt (a chunk of
-        about the pacer's time while rows decode: :mod:`.pacing`); the row,
-        if this chunk ended its prefill."""
+        """Run the next chunk of the long prompts being prefilled, oldest
+        first, so the decode step after it is not held up by whole prompts:
+        a chunk of about the pacer's time while rows decode
+        (:mod:`.pacing`), shared by as many prompts as it covers, since one
+        that starts from the prompt cache is often a few tokens from its
+        end; the rows whose prefill ended in it."""
         self.prefilling = [(r, job) for r, job in self.prefilling if not r.gone]
-        if not self.prefilling:
-            return []
-        row, job = self.prefilling[0]
-        self.passes += 1
         decoding = any(not (r.gone or r.done) for r in self.rows)
         tokens = self.pacer.tokens(decoding=decoding)
-        try:
+        ended: list[Row] = []
+        while self.prefilling and tokens > 0:
+            row, job = self.prefilling[0]
+            self.passes += 1
             left = job.left
-            start = time.perf_counter()
-            group = job.advance(tokens)
-            if group is None:
-                self.pacer.observe(left - job.left, time.perf_counter() - start)
-                return []
-            first_tokens([row], group)
-        except Exception as exc:
-            row.error, row.done = exc, True
-        else:
-            self._joined([row], group)
-        self.prefilling.pop(0)
-        return [row]
+            try:
+                start = time.perf_counter()
+                group = job.advance(tokens)
+                if group is None:
+                    self.pacer.observe(left - job.left, time.perf_counter() - start)
+                    return ended
+                first_tokens([row], group)
+            except Exception as exc:
+                row.error, row.done = exc, True
+            else:
+                self._joined([row], group)
+            self.prefilling.pop(0)
+            ended.append(row)
+            tokens -= left
+        return ended
 
     def _busy(self) -> bool:
         """Whether a row is in the batch, joining it or being prefilled."""
