@@ -8,6 +8,8 @@ import pytest
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.pacing import MIN_CHUNK, PrefillPacer
+from mlx_pinned.server.engine.prompt_cache import PromptCache
+from mlx_pinned.server.engine.state import BatchState
 from mlx_pinned.server.http.served_models import BatchGate
 
 from .kit import (
@@ -15,6 +17,7 @@ from .kit import (
     TOL,
     Collector,
     deadline,
+    drive_rows,
     max_logprob_difference,
     request,
     solo,
@@ -48,6 +51,35 @@ class TestPacer:
         assert pacer.tokens(decoding=True) == MIN_CHUNK
         pacer.observe(100, 1e-6)  # far under: never over the cap
         assert pacer.tokens(decoding=True) == 4096
+
+    def test_a_step_is_spent_at_the_budget_while_rows_decode(self) -> None:
+        paced = PrefillPacer(0.1, 512)
+        assert not paced.spent(0.05, decoding=True)
+        assert paced.spent(0.1, decoding=True)
+        assert not paced.spent(5.0, decoding=False)
+        assert not PrefillPacer(None, 512).spent(5.0, decoding=True)
+
+
+async def test_prompts_from_the_cache_share_a_step_within_its_time(
+    thread: MLXThread, loaded: LoadedModel
+) -> None:
+    """While a row decodes, prompts that start from the prompt cache share
+    a step's chunk: all in one step, or with a budget that one pass spends,
+    one a step."""
+
+    def left_after_a_step(seconds: float | None) -> int:
+        state = BatchState(loaded, PromptCache(2**26), prefill_seconds=seconds)
+        drive_rows(state, [request(1, 2, sizes=(None,))], [0])  # now cached
+        state.admit(*request(0, 40, sizes=(None,)))
+        state.step()  # its prefill
+        state.step()  # it decodes
+        for _ in range(6):
+            state.admit(*request(1, 4, sizes=(None,)))
+        state.step()
+        return len(state.prefilling)
+
+    assert await thread.run(left_after_a_step, None) == 0
+    assert await thread.run(left_after_a_step, 1e-9) == 5
 
 
 async def passes_with(

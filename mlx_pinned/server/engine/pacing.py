@@ -45,6 +45,11 @@ class PrefillPacer:
             return min(self.cap, MIN_CHUNK)
         return max(MIN_CHUNK, min(self.cap, int(self.budget / self.per_token)))
 
+    def spent(self, seconds: float, *, decoding: bool) -> bool:
+        """Whether chunks that took ``seconds`` in one step are all the
+        step may have (prompts sharing a step's chunk stop there)."""
+        return decoding and self.budget is not None and seconds >= self.budget
+
     def observe(self, tokens: int, seconds: float) -> None:
         """A chunk of ``tokens`` took ``seconds``: the next is sized by it
         (the cost per token only grows along a prompt, so the last chunk's

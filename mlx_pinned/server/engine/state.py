@@ -241,7 +241,7 @@ class BatchState:
     def _advance_prefill(self) -> list[Row]:
         """Run the next chunk of the long prompts being prefilled, oldest
         first, so the decode step after it is not held up by whole prompts:
-        a chunk of about the pacer's time while rows decode
+        a chunk of about the pacer's tokens and time while rows decode
         (:mod:`.pacing`), shared by as many prompts as it covers, since one
         that starts from the prompt cache is often a few tokens from its
         end; the rows whose prefill ended in it."""
@@ -249,7 +249,11 @@ class BatchState:
         decoding = any(not (r.gone or r.done) for r in self.rows)
         tokens = self.pacer.tokens(decoding=decoding)
         ended: list[Row] = []
+        began = time.perf_counter()
         while self.prefilling and tokens > 0:
+            spent = time.perf_counter() - began
+            if ended and self.pacer.spent(spent, decoding=decoding):
+                break  # the first always runs
             row, job = self.prefilling[0]
             self.passes += 1
             left = job.left
