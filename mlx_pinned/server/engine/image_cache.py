@@ -41,6 +41,8 @@ __all__ = ["CachedVisionTower", "install"]
 # and whose cached answers the tests compare with uncached ones.
 _GRID_TOWERS = frozenset({"qwen3_vl"})
 
+#: An image's outputs: its features, and its deepstack features (None: the
+#: tower has none).
 Output = tuple[mx.array, list[mx.array] | None]
 
 

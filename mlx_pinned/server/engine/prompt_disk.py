@@ -40,9 +40,10 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import numpy as np
 
+from .image_cache import Output as ImageOutput
 from .prompt_cache import common_prefix, is_prefix
 
-__all__ = ["FORMAT", "DiskTier", "ImageOutput", "model_fingerprint"]
+__all__ = ["FORMAT", "DiskTier", "model_fingerprint"]
 
 _T = TypeVar("_T")
 
@@ -81,11 +82,6 @@ def model_fingerprint(path: str, quantization: str = "") -> str:
                 head = weights.read(HEAD_BYTES)
             digest.update(f"{file.name}:{file.stat().st_size}:".encode() + head)
     return digest.hexdigest()
-
-
-#: An image's outputs (:data:`.image_cache.Output`): its features, and its
-#: deepstack features (None: the tower has none).
-ImageOutput = tuple[mx.array, list[mx.array] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,12 +291,10 @@ class DiskTier:
             self._files[item.name] = _File(key, nbytes)
             self._bytes += nbytes
             gone = [
-                other
+                other  # a prefix of this entry's key: this one serves it
                 for other, file in self._files.items()
-                if other != item.name
-                and key is not None
-                and file.key is not None
-                and is_prefix(file.key, key)
+                if key is not None and file.key is not None and other != item.name
+                if is_prefix(file.key, key)
             ]
             while self._bytes > self.budget:
                 gone.append(next(iter(self._files)))
