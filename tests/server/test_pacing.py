@@ -52,12 +52,11 @@ class TestPacer:
         pacer.observe(100, 1e-6)  # far under: never over the cap
         assert pacer.tokens(decoding=True) == 4096
 
-    def test_a_step_is_spent_at_the_budget_while_rows_decode(self) -> None:
+    def test_a_step_is_spent_at_the_budget(self) -> None:
         paced = PrefillPacer(0.1, 512)
-        assert not paced.spent(0.05, decoding=True)
-        assert paced.spent(0.1, decoding=True)
-        assert not paced.spent(5.0, decoding=False)
-        assert not PrefillPacer(None, 512).spent(5.0, decoding=True)
+        assert not paced.spent(0.05)
+        assert paced.spent(0.1)
+        assert not PrefillPacer(None, 512).spent(5.0)
 
 
 async def test_prompts_from_the_cache_share_a_step_within_its_time(
@@ -80,6 +79,28 @@ async def test_prompts_from_the_cache_share_a_step_within_its_time(
 
     assert await thread.run(left_after_a_step, None) == 0
     assert await thread.run(left_after_a_step, 1e-9) == 5
+
+
+async def test_a_long_prompt_does_not_hold_up_a_prompt_that_ended_before_it(
+    thread: MLXThread, loaded: LoadedModel
+) -> None:
+    """A step that ended a prompt from the cache starts no chunk of a long
+    prompt after it, idle or not: the ended one's row waits on the step."""
+
+    def long_left_after_a_step() -> tuple[int, int]:
+        state = BatchState(loaded, PromptCache(2**26), prefill_step=STEP)
+        drive_rows(state, [request(1, 2, sizes=(None,))], [0])  # now cached
+        state.admit(*request(1, 4, sizes=(None,)))
+        long = state.admit(*request(0, 4, prompts=(LONG,), sizes=(None,)))
+        assert long.prepared is not None
+        tokens = long.prepared.inputs["input_ids"].shape[1]
+        state.step()
+        ((row, job),) = state.prefilling
+        assert row is long
+        return job.left, tokens - long.cached
+
+    left, unrun = await thread.run(long_left_after_a_step)
+    assert left == unrun > STEP
 
 
 async def passes_with(

@@ -45,10 +45,10 @@ class PrefillPacer:
             return min(self.cap, MIN_CHUNK)
         return max(MIN_CHUNK, min(self.cap, int(self.budget / self.per_token)))
 
-    def spent(self, seconds: float, *, decoding: bool) -> bool:
-        """Whether chunks that took ``seconds`` in one step are all the
-        step may have (prompts sharing a step's chunk stop there)."""
-        return decoding and self.budget is not None and seconds >= self.budget
+    def spent(self, seconds: float) -> bool:
+        """Whether a step's prefill that took ``seconds`` is all it may
+        have, with rows waiting on it (prompts after its chunk stop there)."""
+        return self.budget is not None and seconds >= self.budget
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A chunk of ``tokens`` took ``seconds``: the next is sized by it

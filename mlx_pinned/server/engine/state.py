@@ -233,30 +233,32 @@ class BatchState:
                 continue
             self.prefilling.append((row, job))
         ended = [row for row in waiting if row.error is not None]
-        ended += self._advance_prefill()
+        ended += self._advance_prefill(start)
         self.prefills += len(waiting)
         self.prefill_seconds += time.perf_counter() - start
         return any(row.pending or row.error is not None for row in [*waiting, *ended])
 
-    def _advance_prefill(self) -> list[Row]:
-        """Run the next chunk of the long prompts being prefilled, oldest
-        first, so the decode step after it is not held up by whole prompts:
-        a chunk of about the pacer's tokens and time while rows decode
-        (:mod:`.pacing`), shared by as many prompts as it covers, since one
-        that starts from the prompt cache is often a few tokens from its
-        end; the rows whose prefill ended in it."""
+    def _advance_prefill(self, began: float) -> list[Row]:
+        """Run the next chunk of the oldest long prompt being prefilled, so
+        the decode step after it is not held up by the whole prompt (a chunk
+        of about the pacer's time while rows decode: :mod:`.pacing`); then
+        the prompts after it that end within what is left of the chunk's
+        tokens and of the step's time (since ``began``): one that starts
+        from the prompt cache is often a few tokens from its end. The rows
+        whose prefill ended here."""
         self.prefilling = [(r, job) for r, job in self.prefilling if not r.gone]
         decoding = any(not (r.gone or r.done) for r in self.rows)
         tokens = self.pacer.tokens(decoding=decoding)
         ended: list[Row] = []
-        began = time.perf_counter()
-        while self.prefilling and tokens > 0:
-            spent = time.perf_counter() - began
-            if ended and self.pacer.spent(spent, decoding=decoding):
-                break  # the first always runs
+        while self.prefilling:
             row, job = self.prefilling[0]
-            self.passes += 1
             left = job.left
+            # After the first, only whole prompts: their rows wait on it.
+            if ended and (
+                left > tokens or self.pacer.spent(time.perf_counter() - began)
+            ):
+                break
+            self.passes += 1
             try:
                 start = time.perf_counter()
                 group = job.advance(tokens)
