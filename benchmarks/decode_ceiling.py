@@ -202,7 +202,7 @@ async def main_async(args: argparse.Namespace) -> None:
     from mlx_pinned.server.engine.model import load
     from mlx_pinned.testing import tiny_lm_path
 
-    model = Path(args.model) if args.model else tiny_lm_path()
+    model = args.model or tiny_lm_path()
     command = [
         sys.executable,
         *("-m", "mlx_pinned.server", "serve", str(model)),
@@ -305,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--model", help="model folder (default: the tiny qwen3)")
+    parser.add_argument(
+        "--model",
+        type=lambda folder: Path(folder).resolve(),  # each server has its cwd
+        help="model folder (default: the tiny qwen3)",
+    )
     parser.add_argument(
         "--windows",
         type=lambda text: [int(k) for k in text.split(",") if k],

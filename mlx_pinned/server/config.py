@@ -255,10 +255,11 @@ class ServerConfig:
             writable, a corrupt or foreign database, in use by another
             server) fails the start. None: memory only.
         prompt_cache_disk_bytes: Bytes of prompt KV and image files each
-            model may keep under ``state_dir`` (every prompt cache entry and
-            every image encoded is written there; a lookup that finds a
-            longer prefix there than in memory, or an image not held, loads
-            it); 0: no disk tier. Without ``state_dir``, unused.
+            model may keep under ``state_dir`` (every prompt cache entry,
+            and every image the image cache holds, is written there; a
+            lookup that finds a longer prefix there than in memory, or an
+            image not held, loads it); 0: no disk tier. Without
+            ``state_dir``, unused.
         mlx_cache_bytes: The most bytes of freed buffers MLX keeps for reuse
             (its buffer cache, process-wide, emptied whenever a batch ends);
             0: none kept. None: MLX's own limit or an eighth of the

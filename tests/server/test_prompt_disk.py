@@ -7,8 +7,10 @@ its image again."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -19,8 +21,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_pinned.server.engine.disk_format import model_fingerprint
 from mlx_pinned.server.engine.prompt_cache import PromptCache
-from mlx_pinned.server.engine.prompt_disk import DiskTier, model_fingerprint
+from mlx_pinned.server.engine.prompt_disk import DiskTier
 from mlx_pinned.testing import image_data_uri
 
 from .conftest import MODEL
@@ -261,6 +264,38 @@ class TestImageFiles:
         assert warned in caplog.text
         assert not path.exists()
         assert again.nbytes == 0
+
+    def test_a_changed_header_is_caught_by_the_checksum(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        tier.save_image(DIGEST, image_output(4, seed=1, deep=None))
+        tier.close()
+        (path,) = tmp_path.iterdir()
+        raw = path.read_bytes()
+        (length,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + length])
+        header["arrays"][0][0] = "float16"  # as many bytes: only the sum knows
+        text = json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length :])
+        again = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        with caplog.at_level(logging.WARNING, "mlx_pinned.server"):
+            assert again.load_image(DIGEST, 4) is None
+        assert "checksum does not match" in caplog.text
+
+    def test_a_file_over_the_budget_with_its_header_is_not_written(
+        self, tmp_path: Path
+    ) -> None:
+        small, large = image_output(2, seed=1, deep=None), image_output(64, 2, None)
+        payload = int(large[0].nbytes)
+        tier = DiskTier(tmp_path, payload + 16, FINGERPRINT)
+        tier.save_image(OTHER, small)
+        tier.save_image(DIGEST, large)
+        tier.flush()
+        assert tier.load_image(DIGEST, 64) is None
+        assert tier.load_image(OTHER, 2) is not None, "nothing made room for it"
+        assert tier.enabled
+        tier.close()
 
     def test_images_and_prompts_share_the_budget(self, tmp_path: Path) -> None:
         kv = layers(4, seed=1)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from ..events import EngineCounters, EventStream, GenerationParams
+from .disk_format import model_fingerprint
 from .drafting import DraftSettings
 from .drafting import install as install_drafting
 from .driver import LoopDriver
@@ -31,7 +32,7 @@ from .loop import BatchLoop
 from .model import LoadedModel, load
 from .prefill import PREFILL_STEP, preprocess, prompt_tokens
 from .prompt_cache import PromptCache
-from .prompt_disk import DiskTier, model_fingerprint
+from .prompt_disk import DiskTier
 from .rows import BatchStatistics
 from .state import BatchState
 

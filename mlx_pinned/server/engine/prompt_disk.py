@@ -5,9 +5,8 @@ and an image's features instead of encoding it again.
 
 A prompt cache entry (``.kv``) is found by the longest prefix its tokens
 share with a prompt; an image's outputs (``.img``) by name, its content
-hash (:mod:`.image_cache`). Both are one kind of file: a header (JSON: the
-format, the model, the arrays' dtypes and shapes, a checksum, and what the
-kind needs to put its arrays back together) and the arrays' bytes.
+hash (:mod:`.image_cache`). Both are one kind of file
+(:mod:`.disk_format`).
 
 Lookups and loads run on the MLX thread; writes on a thread of the tier's
 own (an entry's arrays are evaluated before they are handed over, and only
@@ -16,7 +15,7 @@ process exits. Safe to share and to lose: a file is written
 to a temporary name and renamed, so a reader never sees half of one; each
 is checked when it is loaded against its format, its model (a fingerprint
 of the model's files and the KV's quantization) and a checksum of its
-bytes; a file that fails is skipped with a warning, never served. A write
+header and bytes; a file that fails is skipped with a warning, never served. A write
 that fails (a full disk) turns the tier off: the cache goes on in memory.
 """
 
@@ -25,11 +24,9 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
-import json
 import logging
 import os
 import queue
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -40,48 +37,18 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import numpy as np
 
+from . import disk_format
 from .image_cache import Output as ImageOutput
 from .prompt_cache import common_prefix, is_prefix
 
-__all__ = ["FORMAT", "DiskTier", "model_fingerprint"]
+__all__ = ["DiskTier"]
 
 _T = TypeVar("_T")
 
 logger = logging.getLogger("mlx_pinned.server")
 
-#: The files' format (in each header).
-FORMAT = 2
 SUFFIX = ".kv"
 IMAGE_SUFFIX = ".img"
-#: Bytes of each weight file read into the model's fingerprint (its head).
-HEAD_BYTES = 1 << 16
-_LENGTH = struct.Struct("<Q")
-_DTYPES: dict[str, tuple[Any, Any]] = {
-    # name: (MLX dtype, the NumPy dtype its bytes are read as)
-    "float32": (mx.float32, np.float32),
-    "float16": (mx.float16, np.float16),
-    "bfloat16": (mx.bfloat16, np.uint16),
-    "uint32": (mx.uint32, np.uint32),
-}
-
-
-def model_fingerprint(path: str, quantization: str = "") -> str:
-    """What a file must match to be served by this model: its folder's
-    config and each weight file's name, size and head (or the hub id, for
-    a model not in a folder), and how its KV is quantized."""
-    digest = hashlib.blake2b(f"{FORMAT}:{quantization}".encode(), digest_size=16)
-    folder = Path(path)
-    if not folder.is_dir():
-        digest.update(path.encode())
-        return digest.hexdigest()
-    for file in sorted(folder.iterdir()):
-        if file.name == "config.json":
-            digest.update(file.read_bytes())
-        elif file.suffix == ".safetensors":
-            with file.open("rb") as weights:
-                head = weights.read(HEAD_BYTES)
-            digest.update(f"{file.name}:{file.stat().st_size}:".encode() + head)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +72,7 @@ class DiskTier:
     Args:
         folder: Where the files go (made if missing); one per model.
         budget: Bytes of files kept at most.
-        fingerprint: The model's (:func:`model_fingerprint`).
+        fingerprint: The model's (:func:`.disk_format.model_fingerprint`).
     """
 
     def __init__(self, folder: Path, budget: int, fingerprint: str) -> None:
@@ -174,7 +141,7 @@ class DiskTier:
         """An image's outputs by its content hash, checked (``rows``: the
         feature rows it must have); None where none is here, or (with a
         warning, and the file dropped) where it fails a check."""
-        name = digest.hex() + IMAGE_SUFFIX
+        name = _image_name(digest)
         with self._lock:
             if name not in self._files:
                 return None
@@ -182,18 +149,22 @@ class DiskTier:
         return None if read is None else read[1]
 
     def save_image(self, digest: bytes, output: ImageOutput) -> None:
-        """Write an image's (evaluated) outputs, on the writer thread."""
+        """Write an image's outputs, on the writer thread (made contiguous
+        here: the tower's are cut from one output)."""
+        if not self.enabled:
+            return
         features, deep = output
+        arrays = [mx.contiguous(array) for array in (features, *(deep or ()))]
+        mx.eval(arrays)
         meta = {"deep": None if deep is None else len(deep)}
-        name = digest.hex() + IMAGE_SUFFIX
-        self._put(_Write(name, None, meta, [features, *(deep or ())]))
+        self._put(_Write(_image_name(digest), None, meta, arrays))
 
     def _put(self, item: _Write) -> None:
         if not self.enabled:
             return
         if self._writer is None:
             self._writer = threading.Thread(
-                target=self._write_all, name="mlx-pinned-prompt-disk", daemon=True
+                target=self._write_all, name="mlx-pinned-disk-tier", daemon=True
             )
             self._writer.start()
             # A stop writes what was handed over (atexit runs before daemon
@@ -208,17 +179,10 @@ class DiskTier:
         (``build`` raises ValueError for arrays its kind cannot take)."""
         path = self.folder / name
         try:
-            header, payload = _read(path)
-            if (
-                header.get("format") != FORMAT
-                or header.get("model") != self.fingerprint
-            ):
-                raise ValueError("of another format or model")
-            if hashlib.blake2b(payload).hexdigest() != header.get("checksum"):
-                raise ValueError("its checksum does not match (truncated or changed)")
-            built = build(header, _arrays(header["arrays"], payload))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("prompt cache file %s skipped: %s", path, exc)
+            header, payload = disk_format.read(path, self.fingerprint)
+            built = build(header, disk_format.arrays(header, payload))
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            logger.warning("disk tier file %s skipped: %s", path, exc)
             self._forget(name, unlink=True)
             return None
         with self._lock:
@@ -250,7 +214,7 @@ class DiskTier:
             if self.enabled:
                 self._write(item)
         except Exception as exc:  # a bug: the cache goes on in memory
-            logger.exception("prompt cache file not written")
+            logger.exception("disk tier file not written")
             self._off(f"a write failed ({exc!r})")
         finally:
             self._writes.task_done()
@@ -260,22 +224,14 @@ class DiskTier:
         with self._lock:
             if payload_size > self.budget or item.name in self._files:
                 return
-        checksum = hashlib.blake2b()
-        for array in item.arrays:
-            checksum.update(memoryview(array))
-        header = json.dumps(
-            {
-                "format": FORMAT,
-                "model": self.fingerprint,
-                "arrays": [_spec(array) for array in item.arrays],
-                "checksum": checksum.hexdigest(),
-                **item.meta,
-            }
-        ).encode()
+        head = disk_format.header(self.fingerprint, item.arrays, item.meta)
+        nbytes = len(head) + payload_size
+        if nbytes > self.budget:
+            return
         temporary = self.folder / f".{item.name}.{os.getpid()}.tmp"
         try:
             with temporary.open("wb") as out:
-                out.write(_LENGTH.pack(len(header)) + header)
+                out.write(head)
                 for array in item.arrays:
                     out.write(memoryview(array))
                 out.flush()
@@ -285,7 +241,6 @@ class DiskTier:
             temporary.unlink(missing_ok=True)
             self._off(f"a write failed ({exc})")
             return
-        nbytes = len(header) + _LENGTH.size + payload_size
         key = item.key
         with self._lock:
             self._files[item.name] = _File(key, nbytes)
@@ -311,19 +266,14 @@ class DiskTier:
         paths = [*self.folder.glob(f"*{SUFFIX}"), *self.folder.glob(f"*{IMAGE_SUFFIX}")]
         for path in sorted(paths, key=_mtime):
             try:
-                header, _ = _read(path, header_only=True)
+                header, _ = disk_format.read(path, self.fingerprint, header_only=True)
                 key = (
                     None
                     if path.suffix == IMAGE_SUFFIX
                     else np.frombuffer(bytes.fromhex(header["key"]), dtype=np.int64)
                 )
-                if (
-                    header.get("format") != FORMAT
-                    or header.get("model") != self.fingerprint
-                ):
-                    continue  # another model's folder, or format: not ours
             except (OSError, ValueError, KeyError, TypeError) as exc:
-                logger.warning("prompt cache file %s skipped: %s", path, exc)
+                logger.warning("disk tier file %s skipped: %s", path, exc)
                 continue
             self._files[path.name] = _File(key, path.stat().st_size)
             self._bytes += path.stat().st_size
@@ -339,13 +289,17 @@ class DiskTier:
             (self.folder / name).unlink(missing_ok=True)
 
     def _off(self, why: str) -> None:
-        logger.warning("prompt cache disk tier off, memory only: %s", why)
+        logger.warning("the caches' disk tier off, memory only: %s", why)
         self.enabled = False
 
 
 def _name(key: Any) -> str:
     digest = hashlib.blake2b(np.asarray(key, dtype=np.int64).tobytes(), digest_size=16)
     return digest.hexdigest() + SUFFIX
+
+
+def _image_name(digest: bytes) -> str:
+    return digest.hex() + IMAGE_SUFFIX
 
 
 def _mtime(path: Path) -> float:
@@ -358,45 +312,6 @@ def _mtime(path: Path) -> float:
 def _pieces(part: Any) -> tuple[Any, ...]:
     """A layer's keys or values as arrays: one, or a quantized three."""
     return part if isinstance(part, tuple) else (part,)
-
-
-def _spec(array: mx.array) -> tuple[str, list[int]]:
-    return str(array.dtype).rpartition(".")[2], list(array.shape)
-
-
-def _read(path: Path, *, header_only: bool = False) -> tuple[dict[str, Any], bytes]:
-    with path.open("rb") as file:
-        raw = file.read(_LENGTH.size)
-        if len(raw) != _LENGTH.size:
-            raise ValueError("it is too short to be a prompt cache file")
-        (length,) = _LENGTH.unpack(raw)
-        text = file.read(length)
-        if len(text) != length:
-            raise ValueError("its header is cut short")
-        header = json.loads(text)
-        payload = b"" if header_only else file.read()
-    if not isinstance(header, dict):
-        raise ValueError("its header is not an object")
-    return header, payload
-
-
-def _arrays(specs: list[Any], payload: bytes) -> list[mx.array]:
-    """The arrays a header's ``specs`` describe, out of ``payload``."""
-    offset = 0
-    arrays = []
-    for dtype_name, shape in specs:
-        kind, stored = _DTYPES[dtype_name]
-        count = int(np.prod(shape))
-        size = count * np.dtype(stored).itemsize
-        if offset + size > len(payload):
-            raise ValueError("it is shorter than its header says")
-        raw = np.frombuffer(payload, stored, count, offset)
-        arrays.append(mx.array(raw.reshape(shape)).view(kind))
-        offset += size
-    if offset != len(payload):
-        raise ValueError("it is longer than its header says")
-    mx.eval(arrays)
-    return arrays
 
 
 def _layers(header: dict[str, Any], arrays: list[mx.array]) -> list[tuple[Any, Any]]:
