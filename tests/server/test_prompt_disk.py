@@ -119,6 +119,36 @@ class TestTheFiles:
         assert len(list(tmp_path.glob("*.kv"))) == 2
         tier.close()
 
+    def test_the_prefixes_a_new_entry_replaces_make_room_first(
+        self, tmp_path: Path
+    ) -> None:
+        one = sum(int(p.nbytes) for p in _flat(layers(4, seed=1)))
+        tier = DiskTier(tmp_path, int(one * 2.5), FINGERPRINT)
+        tier.save(key(9, 0, 0, 0), layers(4, seed=1))
+        tier.save(key(1, 2, 3), layers(3, seed=2))
+        tier.save(key(1, 2, 3, 4), layers(4, seed=3))  # replaces (1, 2, 3)
+        tier.flush()
+        assert tier.best(key(9, 0, 0, 0), 4)[1] == 4, "the oldest stays"
+        assert len(list(tmp_path.glob("*.kv"))) == 2
+        tier.close()
+
+    def test_a_restart_keeps_the_order_of_use(self, tmp_path: Path) -> None:
+        one = sum(int(p.nbytes) for p in _flat(layers(4, seed=1)))
+        tier = DiskTier(tmp_path, int(one * 2.5), FINGERPRINT)
+        for first in (1, 2):
+            tier.save(key(first, 0, 0, 0), layers(4, seed=first))
+            tier.flush()
+        name, _ = tier.best(key(1, 0, 0, 0), 4)
+        assert name is not None
+        assert tier.load(name) is not None  # 1 used last: 2 is the oldest
+        tier.close()
+        again = DiskTier(tmp_path, int(one * 2.5), FINGERPRINT)
+        again.save(key(3, 0, 0, 0), layers(4, seed=3))
+        again.flush()
+        assert again.best(key(1, 0, 0, 0), 4)[1] == 4
+        assert again.best(key(2, 0, 0, 0), 4)[1] == 0
+        again.close()
+
     def test_an_entry_larger_than_the_budget_is_not_written(
         self, tmp_path: Path
     ) -> None:

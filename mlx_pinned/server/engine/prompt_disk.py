@@ -22,6 +22,7 @@ that fails (a full disk) turns the tier off: the cache goes on in memory.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import logging
@@ -188,6 +189,8 @@ class DiskTier:
         with self._lock:
             if name in self._files:
                 self._files.move_to_end(name)
+        with contextlib.suppress(OSError):
+            os.utime(path)  # a restart orders the files by their last use
         return header, built
 
     def flush(self) -> None:
@@ -251,12 +254,14 @@ class DiskTier:
                 if key is not None and file.key is not None and other != item.name
                 if is_prefix(file.key, key)
             ]
-            while self._bytes > self.budget:
-                gone.append(next(iter(self._files)))
-                self._bytes -= self._files[gone[-1]].nbytes
-                self._files.pop(gone[-1])
-        for other in dict.fromkeys(gone):
-            self._forget(other, unlink=True)
+            for other in gone:
+                self._bytes -= self._files.pop(other).nbytes
+            while self._bytes > self.budget:  # the least recently used go
+                other, file = self._files.popitem(last=False)
+                self._bytes -= file.nbytes
+                gone.append(other)
+        for other in gone:
+            (self.folder / other).unlink(missing_ok=True)
 
     # Either thread.
 
