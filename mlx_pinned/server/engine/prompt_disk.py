@@ -11,12 +11,12 @@ hash (:mod:`.image_cache`). Both are one kind of file
 Lookups and loads run on the MLX thread; writes on a thread of the tier's
 own (an entry's arrays are evaluated before they are handed over, and only
 their bytes are read there); what was handed over is written before the
-process exits. Safe to share and to lose: a file is written
-to a temporary name and renamed, so a reader never sees half of one; each
-is checked when it is loaded against its format, its model (a fingerprint
-of the model's files and the KV's quantization) and a checksum of its
-header and bytes; a file that fails is skipped with a warning, never served. A write
-that fails (a full disk) turns the tier off: the cache goes on in memory.
+process exits. Safe to share and to lose: a file is written to a temporary
+name and renamed, so a reader never sees half of one; each is checked when
+it is loaded against its format, its model (a fingerprint of the model's
+files and the KV's quantization) and a checksum of its header and bytes; a
+file that fails is skipped with a warning, never served. A write that
+fails (a full disk) turns the tier off: the caches go on in memory.
 """
 
 from __future__ import annotations
