@@ -456,9 +456,10 @@ def test_the_openai_server_answers_503_with_retry_after_when_its_thread_is_full(
         blocker.result(30)
         for job in queued:
             job.result(30)
-        # Drained, it answers again.
+        # Drained, it answers again (greedy: sampled, the random model can
+        # end its answer before max_tokens).
         answer = client.chat.completions.create(
-            model="tiny", messages=HELLO, max_tokens=4
+            model="tiny", messages=HELLO, max_tokens=4, temperature=0
         )
         assert answer.choices[0].finish_reason == "length"
     assert thread.closed  # the lifespan stopped it
