@@ -9,7 +9,7 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.pacing import MIN_CHUNK, PrefillPacer
 from mlx_pinned.server.engine.prompt_cache import PromptCache
-from mlx_pinned.server.engine.state import BatchState
+from mlx_pinned.server.engine.state import PREFILL_BATCH, BatchState
 from mlx_pinned.server.http.served_models import BatchGate
 
 from .kit import (
@@ -63,22 +63,24 @@ async def test_prompts_from_the_cache_share_a_step_within_its_time(
     thread: MLXThread, loaded: LoadedModel
 ) -> None:
     """While a row decodes, prompts that start from the prompt cache share
-    a step's chunk: all in one step, or with a budget that one pass spends,
-    one a step."""
+    a step's chunk: a prefill batch's worth in one step, or with a budget
+    that one pass spends, one a step."""
 
-    def left_after_a_step(seconds: float | None) -> int:
+    def left_after_a_step(seconds: float | None, prompts: int = 6) -> int:
         state = BatchState(loaded, PromptCache(2**26), prefill_seconds=seconds)
         drive_rows(state, [request(1, 2, sizes=(None,))], [0])  # now cached
         state.admit(*request(0, 40, sizes=(None,)))
         state.step()  # its prefill
         state.step()  # it decodes
-        for _ in range(6):
+        for _ in range(prompts):
             state.admit(*request(1, 4, sizes=(None,)))
         state.step()
         return len(state.prefilling)
 
     assert await thread.run(left_after_a_step, None) == 0
     assert await thread.run(left_after_a_step, 1e-9) == 5
+    # A prefill batch's worth a step: each joins the batch alone.
+    assert await thread.run(left_after_a_step, None, PREFILL_BATCH + 3) == 3
 
 
 async def test_a_long_prompt_does_not_hold_up_a_prompt_that_ended_before_it(

@@ -243,9 +243,10 @@ class BatchState:
         the decode step after it is not held up by the whole prompt (a chunk
         of about the pacer's time while rows decode: :mod:`.pacing`); then
         the prompts after it that end within what is left of the chunk's
-        tokens and of the step's time (since ``began``): one that starts
-        from the prompt cache is often a few tokens from its end. The rows
-        whose prefill ended here."""
+        tokens and of the step's time (since ``began``), up to
+        :data:`PREFILL_BATCH` in all: one that starts from the prompt cache
+        is often a few tokens from its end. The rows whose prefill ended
+        here."""
         self.prefilling = [(r, job) for r, job in self.prefilling if not r.gone]
         decoding = any(not (r.gone or r.done) for r in self.rows)
         tokens = self.pacer.tokens(decoding=decoding)
@@ -254,8 +255,12 @@ class BatchState:
             row, job = self.prefilling[0]
             left = job.left
             # After the first, only whole prompts: their rows wait on it.
+            # At most a prefill batch's worth: each joins the batch alone
+            # (a copy of the batch's KV), in the decode step after this.
             if ended and (
-                left > tokens or self.pacer.spent(time.perf_counter() - began)
+                len(ended) == PREFILL_BATCH
+                or left > tokens
+                or self.pacer.spent(time.perf_counter() - began)
             ):
                 break
             self.passes += 1
