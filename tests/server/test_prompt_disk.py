@@ -63,6 +63,11 @@ def same(ours: Any, theirs: Any) -> bool:
     return all(a.dtype == b.dtype and mx.array_equal(a, b).item() for a, b in pairs)
 
 
+def nbytes(tree: Any) -> int:
+    """Bytes of the arrays in layers' lists."""
+    return sum(int(piece.nbytes) for piece in _flat(tree))
+
+
 def _flat(tree: Any) -> list[Any]:
     if isinstance(tree, (list, tuple)):
         return [leaf for item in tree for leaf in _flat(item)]
@@ -109,7 +114,7 @@ class TestTheFiles:
         tier.close()
 
     def test_the_budget_drops_the_least_recently_used(self, tmp_path: Path) -> None:
-        one = sum(int(p.nbytes) for p in _flat(layers(4, seed=1)))
+        one = nbytes(layers(4, seed=1))
         tier = DiskTier(tmp_path, int(one * 2.5), FINGERPRINT)
         for first in (1, 2, 3):
             tier.save(key(first, 0, 0, 0), layers(4, seed=first))
@@ -122,7 +127,7 @@ class TestTheFiles:
     def test_the_prefixes_a_new_entry_replaces_make_room_first(
         self, tmp_path: Path
     ) -> None:
-        one = sum(int(p.nbytes) for p in _flat(layers(4, seed=1)))
+        one = nbytes(layers(4, seed=1))
         tier = DiskTier(tmp_path, int(one * 2.5), FINGERPRINT)
         tier.save(key(9, 0, 0, 0), layers(4, seed=1))
         tier.save(key(1, 2, 3), layers(3, seed=2))
@@ -133,7 +138,7 @@ class TestTheFiles:
         tier.close()
 
     def test_a_restart_keeps_the_order_of_use(self, tmp_path: Path) -> None:
-        one = sum(int(p.nbytes) for p in _flat(layers(4, seed=1)))
+        one = nbytes(layers(4, seed=1))
         tier = DiskTier(tmp_path, int(one * 2.5), FINGERPRINT)
         for first in (1, 2):
             tier.save(key(first, 0, 0, 0), layers(4, seed=first))
@@ -329,7 +334,7 @@ class TestImageFiles:
 
     def test_images_and_prompts_share_the_budget(self, tmp_path: Path) -> None:
         kv = layers(4, seed=1)
-        one = sum(int(p.nbytes) for p in _flat(kv))
+        one = nbytes(kv)
         image = image_output(one // 32, seed=2, deep=None)  # as large as kv
         tier = DiskTier(tmp_path, int(one * 2.5), FINGERPRINT)
         tier.save(key(1, 0, 0, 0), kv)

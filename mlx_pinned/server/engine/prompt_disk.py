@@ -124,7 +124,7 @@ class DiskTier:
         if read is None:
             return None
         header, layers = read
-        return np.frombuffer(bytes.fromhex(header["key"]), dtype=np.int64), layers
+        return _key(header), layers
 
     def save(self, key: Any, layers: Sequence[tuple[Any, Any]]) -> None:
         """Write an entry (evaluated arrays), on the writer thread; entries
@@ -248,12 +248,14 @@ class DiskTier:
         with self._lock:
             self._files[item.name] = _File(key, nbytes)
             self._bytes += nbytes
-            gone = [
-                other  # a prefix of this entry's key: this one serves it
-                for other, file in self._files.items()
-                if key is not None and file.key is not None and other != item.name
-                if is_prefix(file.key, key)
-            ]
+            gone: list[str] = []
+            if key is not None:  # the prefixes of its key: it serves them
+                gone = [
+                    other
+                    for other, file in self._files.items()
+                    if file.key is not None and other != item.name
+                    if is_prefix(file.key, key)
+                ]
             for other in gone:
                 self._bytes -= self._files.pop(other).nbytes
             while self._bytes > self.budget:  # the least recently used go
@@ -272,16 +274,13 @@ class DiskTier:
         for path in sorted(paths, key=_mtime):
             try:
                 header, _ = disk_format.read(path, self.fingerprint, header_only=True)
-                key = (
-                    None
-                    if path.suffix == IMAGE_SUFFIX
-                    else np.frombuffer(bytes.fromhex(header["key"]), dtype=np.int64)
-                )
+                key = None if path.suffix == IMAGE_SUFFIX else _key(header)
+                size = path.stat().st_size
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 logger.warning("disk tier file %s skipped: %s", path, exc)
                 continue
-            self._files[path.name] = _File(key, path.stat().st_size)
-            self._bytes += path.stat().st_size
+            self._files[path.name] = _File(key, size)
+            self._bytes += size
         for stale in self.folder.glob(".*.tmp"):  # a write cut short
             stale.unlink(missing_ok=True)
 
@@ -301,6 +300,11 @@ class DiskTier:
 def _name(key: Any) -> str:
     digest = hashlib.blake2b(np.asarray(key, dtype=np.int64).tobytes(), digest_size=16)
     return digest.hexdigest() + SUFFIX
+
+
+def _key(header: dict[str, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """A prompt cache file's key, from its header."""
+    return np.frombuffer(bytes.fromhex(header["key"]), dtype=np.int64)
 
 
 def _image_name(digest: bytes) -> str:
