@@ -30,7 +30,7 @@ import gc
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -54,12 +54,13 @@ from .engine.memory import (
 from .engine.rerank import RerankEngine
 from .engine.speech import SpeechEngine
 from .engine.transcription import TranscriptionEngine
-from .events import Resident
+from .events import Engine, Resident
 from .failures import UnavailableError
 from .formats import log_formats
 from .http.anthropic_messages import CountTokensEndpoint, MessagesEndpoint
 from .http.chat_completions import ChatCompletionsEndpoint
 from .http.completions import CompletionsEndpoint
+from .http.door import Wiring
 from .http.embeddings import EmbeddingsEndpoint
 from .http.errors import APIError
 from .http.health import Readiness, health, live
@@ -70,8 +71,7 @@ from .http.residency import Residency, StartUpRefusal
 from .http.responses_api import ResponsesEndpoint, ResponseStore, open_store
 from .http.responses_api import routes as responses_routes
 from .http.routes import APIKeyMiddleware, ErrorEdge, model, models
-from .http.served_models import BatchGate, ServedModel, ServedModels
-from .http.slots import ModelSlot
+from .http.served_models import BatchGate, ModelSlot, ServedModel, ServedModels
 from .http.speech import SpeechEndpoint
 from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
 from .http.transcriptions import TranscriptionsEndpoint, TranslationsEndpoint
@@ -80,7 +80,7 @@ from .inputs.audio import load_audio, load_audios
 from .inputs.images import Fetcher, load_images
 from .inputs.remote import RemoteImageFetcher
 from .inputs.videos import load_videos
-from .media import LoadImages, LoadVideos
+from .media import Decoders, LoadImages, LoadVideos
 
 __all__ = ["create_app"]
 
@@ -197,32 +197,25 @@ def create_app(
     metrics = ServerMetrics(mlx_thread, served)
     readiness = Readiness(mlx_thread, served, retry_after=config.retry_after)
     turns = LoopTurns()
-    chat = ChatCompletionsEndpoint(
-        config,
-        mlx_thread,
-        served,
-        residency,
-        _image_loader(config, image_fetcher),
-        turns,
-        metrics=metrics,
+    decoders = Decoders(
+        images=_image_loader(config, image_fetcher),
+        videos=_video_loader(config, image_fetcher),
+        audios=functools.partial(load_audios, limits=config.audio_limits),
+        audio=functools.partial(load_audio, limits=config.audio_limits),
     )
-    chat.load_videos = _video_loader(config, image_fetcher)
-    chat.load_audios = functools.partial(load_audios, limits=config.audio_limits)
-    # The same wiring for the other APIs' endpoints.
-    wiring = (chat.config, chat.thread, served, residency, chat.load_images, turns)
-    completions = CompletionsEndpoint(*wiring, metrics=metrics)
-    tokenize = TokenizeEndpoint(*wiring, metrics=metrics)
-    detokenize = DetokenizeEndpoint(*wiring, metrics=metrics)
-    messages = MessagesEndpoint(*wiring, metrics=metrics)
-    count_tokens = CountTokensEndpoint(*wiring, metrics=metrics)
-    responses = ResponsesEndpoint(*wiring, metrics=metrics)
-    embeddings = EmbeddingsEndpoint(*wiring, metrics=metrics)
-    rerank = RerankEndpoint(*wiring, metrics=metrics)
-    speech = SpeechEndpoint(*wiring, metrics=metrics)
-    transcriptions = TranscriptionsEndpoint(*wiring, metrics=metrics)
-    translations = TranslationsEndpoint(*wiring, metrics=metrics)
-    loader = functools.partial(load_audio, limits=config.audio_limits)
-    transcriptions.load_audio = translations.load_audio = loader
+    wiring = Wiring(config, mlx_thread, served, residency, turns, decoders, metrics)
+    chat = ChatCompletionsEndpoint(wiring)
+    completions = CompletionsEndpoint(wiring)
+    tokenize = TokenizeEndpoint(wiring)
+    detokenize = DetokenizeEndpoint(wiring)
+    messages = MessagesEndpoint(wiring)
+    count_tokens = CountTokensEndpoint(wiring)
+    responses = ResponsesEndpoint(wiring)
+    embeddings = EmbeddingsEndpoint(wiring)
+    rerank = RerankEndpoint(wiring)
+    speech = SpeechEndpoint(wiring)
+    transcriptions = TranscriptionsEndpoint(wiring)
+    translations = TranslationsEndpoint(wiring)
     # Opened now: a state_dir that cannot hold it fails here, at start.
     responses.store = metrics.store = store = open_store(config)
     routes = [
@@ -353,6 +346,8 @@ def _load(
         prefill_step_size=own.prefill_step_size,
         prefill_step_seconds=own.prefill_step_seconds,
         image_cache_bytes=own.image_cache_budget,
+        tool_call_parser=own.tool_call_parser,
+        reasoning_parser=own.reasoning_parser,
         **_kv_quant(own),
         **_drafting(own),
         **_prompt_disk(own),
@@ -368,9 +363,10 @@ def _slot(
     async def load_engine() -> Resident:
         engine = await thread.run(load)
         if own.model_kind == "chat":  # its output formats, from its template
+            assert isinstance(engine, Engine)
             log_formats(
                 own.name,
-                cast("BatchEngine", engine).chat_template,
+                engine.facts.formats,
                 tool_call_parser=own.tool_call_parser,
                 reasoning_parser=own.reasoning_parser,
             )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .events import Resident
 
@@ -88,6 +88,7 @@ class Embeddings:
     prompt_tokens: int
 
 
+@runtime_checkable
 class EmbeddingEngine(Resident, Protocol):
     """A loaded embedding model as the HTTP side sees it."""
 
@@ -174,6 +175,7 @@ class Scores:
     prompt_tokens: int
 
 
+@runtime_checkable
 class RerankEngine(Resident, Protocol):
     """A loaded rerank model (a cross-encoder) as the HTTP side sees it."""
 

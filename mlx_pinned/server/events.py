@@ -13,17 +13,19 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from .limits import check_prompt_tokens
 
 if TYPE_CHECKING:
     from PIL import Image
 
+    from .formats import ModelFormats
     from .media import Audio, AudioInput, Video
 
 
 __all__ = [
+    "ChatFacts",
     "Engine",
     "EngineCounters",
     "Event",
@@ -466,10 +468,9 @@ class EngineCounters:
     mlx_memory: tuple[int, int, int] = (0, 0, 0)
 
 
+@runtime_checkable
 class Resident(Protocol):
-    """A loaded model of any kind, as the model registry sees it: when it
-    was loaded, what it holds, what it is doing. A kind's engine (the chat
-    :class:`Engine`, :class:`~.encoders.EmbeddingEngine`) is one."""
+    """A loaded model of any kind, as the model registry sees it."""
 
     @property
     def loaded_at(self) -> float:
@@ -486,71 +487,67 @@ class Resident(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class ChatFacts:
+    """What a loaded chat model is, built once by its engine at load.
+
+    Attributes:
+        context_length: Its context in tokens (None: unknown).
+        vocab_size: Valid token ids are below it.
+        longest_token_chars: Characters in its longest token, which bounds
+            the tokens a text is at least.
+        accepts_images: Whether it takes images (and videos).
+        chat_template: Its chat template (None: it has none).
+        formats: Its tool-call and reasoning formats, set for it or detected
+            from its template.
+        audio_input: How it takes audio (None: it takes none).
+    """
+
+    context_length: int | None
+    vocab_size: int
+    longest_token_chars: int
+    accepts_images: bool
+    chat_template: str | None
+    formats: ModelFormats
+    audio_input: AudioInput | None = None
+
+    def card(self) -> dict[str, Any]:
+        """Its entries in ``/v1/models``: its formats by name, and what its
+        messages may hold (OpenRouter's ``input_modalities``)."""
+        taken = {"image": self.accepts_images, "audio": self.audio_input is not None}
+        modalities = ["text", *(kind for kind, takes in taken.items() if takes)]
+        return {"formats": self.formats.names(), "input_modalities": modalities}
+
+
+@runtime_checkable
 class Engine(Resident, Protocol):
     """A loaded chat model as the HTTP side sees it (``app.py`` wires the
-    real one, :class:`mlx_pinned.server.engine.BatchEngine`)."""
+    real one, :class:`mlx_pinned.server.engine.BatchEngine`). Each method is
+    called on the event loop; its work runs on the MLX thread."""
 
     @property
-    def context_length(self) -> int | None:
-        """The model's context length in tokens, or None if unknown."""
-        ...
-
-    @property
-    def longest_token_chars(self) -> int:
-        """Characters in the longest token of the vocabulary."""
-        ...
-
-    @property
-    def vocab_size(self) -> int:
-        """Valid token ids are below it."""
-        ...
-
-    @property
-    def chat_template(self) -> str | None:
-        """The model's chat template (its tool-call format and whether it
-        thinks are read from it), or None when it has none."""
-        ...
-
-    @property
-    def accepts_images(self) -> bool:
-        """Whether the model takes images; image parts sent to one that does
-        not are a 400 that names the part."""
-        ...
-
-    @property
-    def audio_input(self) -> AudioInput | None:
-        """How the model takes audio (its rate, its longest file); None when
-        it takes none (``input_audio`` parts sent to it are a 400 that names
-        the part)."""
+    def facts(self) -> ChatFacts:
+        """What the model is."""
         ...
 
     def stream(
         self, params: GenerationParams, images: Sequence[Image.Image]
     ) -> EventStream:
-        """Start a generation on the MLX thread; its events, on the event loop.
-
-        Event loop only; the generation runs on the MLX thread.
-        """
+        """Start a generation; its events."""
         ...
 
     async def tokenize(self, params: GenerationParams) -> tuple[tuple[int, str], ...]:
-        """The prompt's tokens, as a generation of ``params`` would prefill
-        them (its ``prompt``, or its ``messages`` through the chat template;
-        text only): each id with its text as log-probabilities show it.
-        Event loop; the tokenizer runs on the MLX thread, between steps of
-        the batch."""
+        """The prompt's tokens as a generation of ``params`` would prefill
+        them (text only), each id with its text as log-probabilities show it."""
         ...
 
     async def detokenize(self, tokens: Sequence[int]) -> str:
-        """The text of ``tokens`` (each below :attr:`vocab_size`). Event
-        loop; the tokenizer runs on the MLX thread."""
+        """The text of ``tokens`` (each below the vocabulary size)."""
         ...
 
     async def count_tokens(
         self, params: GenerationParams, images: Sequence[Image.Image]
     ) -> int:
-        """The tokens of the prompt of ``params`` (chat template and
-        processor, images included), as its prefill would count them.
-        Event loop; the processor runs on the MLX thread, between steps of
-        the batch; nothing is generated."""
+        """The tokens of the prompt of ``params``, images included, as its
+        prefill would count them; nothing is generated."""
         ...

@@ -24,6 +24,7 @@ __all__ = [
     "ModelMemoryBudgetError",
     "ModelNotLoadedError",
     "OverloadedError",
+    "PromptError",
     "PromptTooLongError",
     "RequestError",
     "UnavailableError",
@@ -37,15 +38,23 @@ class RequestError(Exception):
     Args:
         message: One sentence: what is wrong and what to send instead.
         code: A short machine-readable reason, e.g. ``invalid_grammar``.
+        field: The request's field at fault, by its shared name
+            (``prediction``); None: not one field.
     """
 
-    def __init__(self, message: str, code: str) -> None:
+    def __init__(self, message: str, code: str, field: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
+        self.field = field
 
 
-class PromptTooLongError(RequestError):
+class PromptError(RequestError):
+    """The prompt (or an input) as sent cannot be run; each door names it in
+    its own words (``messages``, ``prompt``, ``input``)."""
+
+
+class PromptTooLongError(PromptError):
     """A prompt over a limit; the message gives the numbers.
 
     Args:
@@ -89,7 +98,7 @@ class AudioRefusedError(MediaRefusedError):
     ``index`` counts audio files only."""
 
 
-class ImagesUnsupportedError(RequestError):
+class ImagesUnsupportedError(PromptError):
     """Images sent to a model that takes none (a text-only model)."""
 
     def __init__(self) -> None:

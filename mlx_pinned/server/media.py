@@ -25,6 +25,7 @@ __all__ = [
     "Audio",
     "AudioInput",
     "AudioRef",
+    "Decoders",
     "ImageRef",
     "LoadAudio",
     "LoadAudios",
@@ -153,3 +154,21 @@ LoadAudio = Callable[[bytes, int], Awaitable[Audio]]
 #: takes them (its rate, its longest file), off the event loop; raises
 #: :class:`~.failures.AudioRefusedError` for the first it cannot use.
 LoadAudios = Callable[[Sequence[AudioRef], AudioInput], Awaitable[list[Audio]]]
+
+
+@dataclass(frozen=True)
+class Decoders:
+    """How a request's media is decoded off the event loop, under the
+    server's limits (``app.py`` makes them).
+
+    Attributes:
+        images: A request's images.
+        videos: Its videos.
+        audios: Its audio parts, as the model takes audio.
+        audio: An uploaded audio file, at a sample rate.
+    """
+
+    images: LoadImages
+    videos: LoadVideos
+    audios: LoadAudios
+    audio: LoadAudio

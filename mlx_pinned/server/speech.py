@@ -12,7 +12,7 @@ the real one in (:mod:`mlx_pinned.server.engine.speech`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .events import Resident
 
@@ -60,6 +60,7 @@ class SpeechChunk:
     input_tokens: int
 
 
+@runtime_checkable
 class SpeechEngine(Resident, Protocol):
     """A loaded text-to-speech model as the HTTP side sees it."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from .events import Resident
 from .media import Audio
@@ -103,6 +103,7 @@ class Window:
     end: float
 
 
+@runtime_checkable
 class TranscriptionEngine(Resident, Protocol):
     """A loaded speech-to-text model as the HTTP side sees it."""
 

@@ -32,7 +32,6 @@ from mlx_pinned.server.failures import (
 from mlx_pinned.server.http.anthropic_messages import MessagesEndpoint
 from mlx_pinned.server.http.anthropic_messages.output import (
     ANTHROPIC_ERRORS,
-    anthropic_error,
 )
 from mlx_pinned.server.http.errors import APIError, timed_out
 from mlx_pinned.server.http.routes import APIKeyMiddleware, ErrorEdge
@@ -698,7 +697,7 @@ def test_an_image_in_a_tool_result_reaches_the_prompt(server: Server) -> None:
     ],
 )
 def test_the_error_table(exc: Exception, status: int, kind: str) -> None:
-    error = anthropic_error(exc, retry_after=1)
+    error = ANTHROPIC_ERRORS.answer(exc, retry_after=1)
     assert error is not None
     assert error.status == status
     body = json.loads(ANTHROPIC_ERRORS.body(error))
@@ -711,7 +710,7 @@ def test_the_error_table(exc: Exception, status: int, kind: str) -> None:
 
 
 def test_a_bug_is_no_known_error() -> None:
-    assert anthropic_error(KeyError("x"), retry_after=1) is None
+    assert ANTHROPIC_ERRORS.answer(KeyError("x"), retry_after=1) is None
 
 
 def test_metrics_count_the_messages_routes(server: Server) -> None:

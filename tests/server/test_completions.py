@@ -359,7 +359,7 @@ class TestCompletions:
         answer = await served.client.post(
             "/v1/completions", json=body([5, placeholder])
         )
-        error = assert_error(answer, 400, None, "invalid_prompt")
+        error = assert_error(answer, 400, "prompt", "invalid_prompt")
         assert "placeholder" in error["message"]
 
     @pytest.mark.slow

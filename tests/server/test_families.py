@@ -206,7 +206,7 @@ class TestEveryFamily:
         self, thread: MLXThread, family: Served
     ) -> None:
         batch = BatchEngine(family.loaded, thread)
-        assert batch.accepts_images is family.vision
+        assert batch.facts.accepts_images is family.vision
 
 
 @pytest.fixture(scope="module", params=TINY_LM_TYPES)

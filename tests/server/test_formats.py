@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletionChunk
 
 from mlx_pinned.server import create_app
 from mlx_pinned.server.config import ServerConfig
-from mlx_pinned.server.engine import BatchEngine
+from mlx_pinned.server.engine.model import LoadedModel
 from mlx_pinned.server.events import Grammar
 from mlx_pinned.server.formats import (
     REASONING_FORMATS,
@@ -232,7 +232,7 @@ class TestSettings:
         self, sdk: tuple[Served, openai.AsyncOpenAI]
     ) -> None:
         served, _ = sdk
-        formats = model_formats(served.engine.chat_template)
+        formats = served.engine.facts.formats
         assert formats.tool_call is not None
         assert formats.tool_call.name == "hermes"
         assert formats.reasoning is not None
@@ -257,9 +257,8 @@ class TestSettings:
     async def test_a_named_format_serves_a_template_without_one(
         self, serve: Serve, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        monkeypatch.setattr(
-            BatchEngine, "chat_template", property(lambda self: PLAIN), raising=False
-        )
+        # The template the load reads its formats from.
+        monkeypatch.setattr(LoadedModel, "chat_template", property(lambda self: PLAIN))
         body = {
             "model": MODEL,
             "messages": MESSAGES,

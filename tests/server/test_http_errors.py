@@ -42,14 +42,14 @@ class TestTable:
     def test_each_failure_has_one_answer(
         self, failure: Exception, status: int, param: str | None, code: str
     ) -> None:
-        answer = api_error(failure, retry_after=1, images=IMAGES)
+        answer = api_error(failure, retry_after=1, places=IMAGES)
         assert answer is not None
         assert (answer.status, answer.param, answer.code) == (status, param, code)
         assert str(failure) in answer.message
 
     def test_a_refused_image_is_named_where_the_request_holds_it(self) -> None:
         failure = ImageRefusedError("not a PNG.", index=0, code="invalid_image")
-        answer = api_error(failure, retry_after=1, images=IMAGES)
+        answer = api_error(failure, retry_after=1, places=IMAGES)
         assert answer is not None
         assert answer.message == f"Invalid image at '{IMAGES[0]}': not a PNG."
 
@@ -61,7 +61,7 @@ class TestTable:
 
     def test_a_refused_image_the_edge_cannot_place_names_the_messages(self) -> None:
         failure = ImageRefusedError("not a PNG.", index=5, code="invalid_image")
-        answer = api_error(failure, retry_after=1, images=IMAGES)
+        answer = api_error(failure, retry_after=1, places=IMAGES)
         assert answer is not None
         assert answer.param == "messages"
 

@@ -130,7 +130,7 @@ class TestRefusals:
         assert text in error.message
         assert error.index == 2
         where = ["messages[0].content[0].image_url"] * 2
-        answer = api_error(error, retry_after=1, images=[*where, PARAM])
+        answer = api_error(error, retry_after=1, places=[*where, PARAM])
         assert answer is not None
         assert answer.status == 400
         assert (answer.param, answer.code) == (PARAM, code)

@@ -166,7 +166,7 @@ class TestParts:
             audio_refs(request.messages, AudioLimits(max_audios=2))
         assert (caught.value.index, caught.value.code) == (2, "too_many_audios")
         error = api_error(
-            caught.value, retry_after=1, images=audio_parts(request.messages)
+            caught.value, retry_after=1, places=audio_parts(request.messages)
         )
         assert isinstance(error, APIError)
         assert (error.status, error.param) == (

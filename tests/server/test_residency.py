@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import mlx_pinned.server.app as server_app
 from mlx_pinned.server import ServerConfig, cli, create_app
 from mlx_pinned.server.engine import BatchEngine, memory
-from mlx_pinned.server.http.slots import ModelSlot, SlotState
+from mlx_pinned.server.http.served_models import ModelSlot, SlotState
 from mlx_pinned.testing import make_tiny_lm, make_tiny_vlm
 
 from .conftest import assert_error, replace_generation, until
@@ -299,8 +299,7 @@ class TestIdleUnload:
             slot = served.slot("a")
             first = logprobs(await served.chat("a"))
             assert slot.engine is not None
-            read = slot.capabilities  # read once for this load
-            assert read is not None
+            read = slot.engine.facts  # type: ignore[attr-defined]
             model = weakref.ref(slot.engine.loaded)  # type: ignore[attr-defined]
             weights = slot.weight_bytes
             assert weights is not None
@@ -309,7 +308,7 @@ class TestIdleUnload:
             with anyio.fail_after(WAIT):
                 await until(lambda: slot.unloads == 1)
             assert slot.state is SlotState.UNLOADED
-            assert slot.capabilities is None
+            assert slot.engine is None
             assert model() is None  # nothing kept the model alive
             assert before - mx.get_active_memory() >= weights
             assert mx.get_cache_memory() == 0  # given back, not kept cached
@@ -321,8 +320,8 @@ class TestIdleUnload:
             again = logprobs(await served.chat("a"))
             assert again == first
             assert slot.loads == 2
-            assert slot.capabilities is not None
-            assert slot.capabilities is not read  # read again for the new load
+            assert slot.engine.facts == read  # type: ignore[union-attr]
+            assert slot.engine.facts is not read  # built again by the new load
 
     async def test_a_model_in_use_or_waited_for_is_not_unloaded(
         self, serve: Serve, monkeypatch: pytest.MonkeyPatch

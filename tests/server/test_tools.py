@@ -4,6 +4,7 @@ engine's own constraint is tested with the engine)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -13,7 +14,6 @@ import pydantic
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
-from mlx_pinned.server.engine import BatchEngine
 from mlx_pinned.server.events import (
     FinalEvent,
     GenerationParams,
@@ -21,6 +21,7 @@ from mlx_pinned.server.events import (
     TokenEvent,
     TokenLogprobs,
 )
+from mlx_pinned.server.formats import model_formats
 from mlx_pinned.server.formats.blocks import MAX_FORCED_CALLS
 
 from .conftest import MODEL, assert_error, replace_generation, sse_events
@@ -85,13 +86,17 @@ def script(monkeypatch: pytest.MonkeyPatch) -> Script:
 
 
 @pytest.fixture
-def template(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
-    """Set the chat template the HTTP side reads from the engine."""
+def template(
+    client: tuple[Served, openai.AsyncOpenAI],
+) -> Callable[[str], None]:
+    """Set the chat template the HTTP side reads from the loaded engine's
+    facts (its formats detected from it, as a load would)."""
 
     def set_template(text: str) -> None:
-        monkeypatch.setattr(
-            BatchEngine, "chat_template", property(lambda self: text), raising=False
-        )
+        engine = client[0].engine
+        facts = engine.facts
+        formats = model_formats(text)
+        engine.facts = dataclasses.replace(facts, chat_template=text, formats=formats)
 
     return set_template
 

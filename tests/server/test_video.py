@@ -213,7 +213,7 @@ class TestRequests:
             "messages[0].content[1].image_url",
             *(f"messages[0].content[{i}].video_url" for i in (1, 2, 3)),
         ]
-        error = api_error(caught.value, retry_after=1, images=paths)
+        error = api_error(caught.value, retry_after=1, places=paths)
         assert error is not None
         assert error.param == "messages[0].content[3].video_url"
 

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from ..events import EngineCounters, EventStream, GenerationParams
+from ..events import ChatFacts, EngineCounters, EventStream, GenerationParams
+from ..formats import ModelFormats, model_formats
 from .disk_format import model_fingerprint
 from .drafting import DraftSettings
 from .drafting import install as install_drafting
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 
     from mlx_pinned import MLXThread
 
-    from ..media import AudioInput
 
 __all__ = ["BatchEngine", "BatchStatistics"]
 
@@ -67,6 +67,7 @@ class BatchEngine:
         image_cache_bytes: Bytes of vision-tower outputs kept for images
             sent again (:mod:`.image_cache`; families of the Qwen-VL kind);
             0: none.
+        formats: Its output formats (None: those its chat template shows).
         make_state: Makes the batch from the model, the prompt cache and
             the prefill step size (the tensor-parallel leader's records
             what it does for the other ranks: :mod:`.distributed`); a
@@ -74,6 +75,7 @@ class BatchEngine:
             (:meth:`load` makes it so).
 
     Attributes:
+        facts: What the model is (its limits, inputs, template and formats).
         disk: The prompt and image caches' disk tier (None: memory only;
             :meth:`attach`).
     """
@@ -88,8 +90,18 @@ class BatchEngine:
         prefill_step_seconds: float | None = None,
         image_cache_bytes: int = 0,
         make_state: Callable[[LoadedModel, PromptCache, int], BatchState] | None = None,
+        formats: ModelFormats | None = None,
     ) -> None:
         self.loaded = loaded
+        self.facts = ChatFacts(
+            context_length=loaded.context_length,
+            vocab_size=loaded.vocab_size,
+            longest_token_chars=loaded.longest_token_chars,
+            accepts_images=loaded.accepts_images,
+            chat_template=loaded.chat_template,
+            formats=formats or model_formats(loaded.chat_template),
+            audio_input=loaded.audio_input,
+        )
         self.thread = thread
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.image_cache = install_image_cache(loaded.model, image_cache_bytes)
@@ -118,6 +130,8 @@ class BatchEngine:
         drafts: DraftSettings | None = None,
         prompt_cache_dir: Path | None = None,
         prompt_cache_disk_bytes: int = 0,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> BatchEngine:
         """Load a model and make its engine; runs on ``thread`` (a start-up
         job of the middleware). See :class:`BatchEngine` for the options;
@@ -127,9 +141,15 @@ class BatchEngine:
         goes in a folder of the model's there, within
         ``prompt_cache_disk_bytes``."""
         loaded = load(model_path)
+        formats = model_formats(
+            loaded.chat_template,
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
+        )
         engine = cls(
             loaded,
             thread,
+            formats=formats,
             prompt_cache_bytes=prompt_cache_bytes,
             prefill_step_size=prefill_step_size,
             prefill_step_seconds=prefill_step_seconds,
@@ -171,36 +191,6 @@ class BatchEngine:
                 window, a recurrent state).
         """
         install_drafting(self._state, drafts)
-
-    @property
-    def context_length(self) -> int | None:
-        """The model's context length in tokens, or None if unknown."""
-        return self.loaded.context_length
-
-    @property
-    def longest_token_chars(self) -> int:
-        """Characters in the longest token of the vocabulary."""
-        return self.loaded.longest_token_chars
-
-    @property
-    def vocab_size(self) -> int:
-        """Valid token ids are below it."""
-        return self.loaded.vocab_size
-
-    @property
-    def chat_template(self) -> str | None:
-        """The model's chat template, if it has one."""
-        return self.loaded.chat_template
-
-    @property
-    def accepts_images(self) -> bool:
-        """Whether the model takes images (False for a text-only model)."""
-        return self.loaded.accepts_images
-
-    @property
-    def audio_input(self) -> AudioInput | None:
-        """How the model takes audio (None: it takes none)."""
-        return self.loaded.audio_input
 
     @property
     def loaded_at(self) -> float:

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_pinned import MLXPinnedError, MLXThread
 
 from ..events import GenerationParams
+from ..formats import model_formats
 from .batch import BatchEngine
 from .follower import Follower
 from .group import (
@@ -151,6 +152,8 @@ class Leader(Rank):
         prefill_step_size: int = PREFILL_STEP,
         prefill_step_seconds: float | None = None,
         image_cache_bytes: int = 0,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> BatchEngine:
         """Load rank 0's part of the model and make its engine, once every
         follower has loaded its own; MLX thread (as ``BatchEngine.load``).
@@ -183,7 +186,14 @@ class Leader(Rank):
                 )
         self._last = time.monotonic()
         del settings["parameters"]
-        return BatchEngine(loaded, thread, make_state=self._make_state, **settings)
+        formats = model_formats(
+            loaded.chat_template,
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
+        )
+        return BatchEngine(
+            loaded, thread, make_state=self._make_state, formats=formats, **settings
+        )
 
     def _make_state(
         self, loaded: LoadedModel, cache: PromptCache, prefill_step: int

@@ -218,6 +218,7 @@ class Drafting:
                 "This model drafts with a draft model, which takes no "
                 "prediction: send the request without 'prediction'.",
                 "prediction_unsupported",
+                "prediction",
             )
         assert row.prepared is not None
         ids = row.prepared.inputs.get("input_ids")

@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..encoders import EmbeddingParams, Embeddings, ImageInput
-from ..failures import ImagesUnsupportedError, PromptTooLongError, RequestError
+from ..failures import ImagesUnsupportedError, PromptError, PromptTooLongError
 from .passes import (
     TOKENIZE_AT_ONCE,
     Encoded,
@@ -85,7 +85,7 @@ class LoadedEmbedder:
         Raises:
             PromptTooLongError: An input of more than
                 :attr:`max_input_tokens`; the message names its index.
-            RequestError: An input of no tokens (a text its tokenizer
+            PromptError: An input of no tokens (a text its tokenizer
                 makes nothing of).
         """
         inputs = [item for _, item in numbered]
@@ -101,7 +101,7 @@ class LoadedEmbedder:
                 tokens[index] = list(ids)
         for (index, _), ids in zip(numbered, tokens, strict=True):
             if not ids:
-                raise RequestError(
+                raise PromptError(
                     f"Invalid value for 'input': input {index} has no tokens; "
                     "send text that has some.",
                     "invalid_value",

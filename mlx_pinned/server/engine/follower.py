@@ -109,7 +109,7 @@ class Follower(Rank):
         if hello.stop or hello.settings is None:
             logger.error("rank %d: rank 0 stopped before serving", self.rank)
             return FAULT_STATUS
-        settings = dict(hello.settings)
+        settings: dict[str, Any] = dict(hello.settings)
         if settings.pop("parameters") != loaded.parameters:
             logger.error("rank %d: rank 0 holds a different model", self.rank)
             return SETUP_STATUS

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import mlx.core as mx
 
-from ..failures import AudioRefusedError, RequestError, VideoRefusedError
+from ..failures import AudioRefusedError, PromptError, VideoRefusedError
 from .kv_quant import KVQuant, batch_layer, kv_length, single_caches, to_batch
 from .model import LoadedModel
 from .quirks import rope_deltas, row_rope_deltas
@@ -176,7 +176,7 @@ def preprocess(
     the request's ``truncate_prompt_tokens``.
 
     Raises:
-        RequestError: A prompt with media that would have to be cut.
+        PromptError: A prompt with media that would have to be cut.
     """
     keep = params.truncate_prompt_tokens
     if keep == -1:  # vLLM's: the model's context
@@ -190,14 +190,14 @@ def truncated(prepared: Prepared, keep: int | None) -> Prepared:
     None.
 
     Raises:
-        RequestError: The prompt holds images, videos or audio (their tokens
+        PromptError: The prompt holds images, videos or audio (their tokens
             and their features cannot be cut apart).
     """
     if keep is None or prepared.prompt_tokens <= keep:
         return prepared
     inputs = prepared.inputs
     if set(inputs) - {"input_ids", "attention_mask"}:
-        raise RequestError(
+        raise PromptError(
             f"The prompt has {prepared.prompt_tokens} tokens and images, videos "
             f"or audio, which truncate_prompt_tokens ({keep}) cannot cut: send "
             "a shorter prompt.",
@@ -220,7 +220,7 @@ def _model_inputs(
         if held:
             # A placeholder with no image behind it: not every family's
             # embedding survives one.
-            raise RequestError(
+            raise PromptError(
                 f"The prompt holds the model's image placeholder token "
                 f"{min(held)}: a raw prompt takes no images; leave it out.",
                 "invalid_prompt",
@@ -342,7 +342,7 @@ def raw_inputs(
     sent as the ids a chat renders to is prefilled exactly as that chat.
 
     Raises:
-        RequestError: The prompt has no tokens.
+        PromptError: The prompt has no tokens.
     """
     if isinstance(prompt, str):
         tokenizer = loaded.tokenizer
@@ -350,7 +350,7 @@ def raw_inputs(
     else:
         ids = list(prompt)
     if not ids:
-        raise RequestError("The prompt has no tokens: send some text.", "empty_prompt")
+        raise PromptError("The prompt has no tokens: send some text.", "empty_prompt")
     tokens = mx.array([ids], dtype=mx.int32)
     inputs = {"input_ids": tokens, "attention_mask": mx.ones_like(tokens)}
     return Prepared(inputs, len(ids), ids[-1])

@@ -499,6 +499,7 @@ def _predicting(loaded: LoadedModel) -> Drafting:
             "This model's KV cache cannot be cut back, so it takes no "
             "prediction: send the request without 'prediction'.",
             "prediction_unsupported",
+            "prediction",
         )
     settings = DraftSettings(tokens=PREDICTION_TOKENS, max_batch=PREDICTION_MAX_BATCH)
     return Drafting(settings, None)

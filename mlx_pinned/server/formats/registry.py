@@ -180,16 +180,13 @@ def model_formats(
 
 def log_formats(
     model: str,
-    template: str | None,
+    formats: ModelFormats,
     *,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
-) -> ModelFormats:
-    """:func:`model_formats`, logged in one line naming ``model`` and how
-    each was chosen (a setting, or detected from its chat template)."""
-    formats = model_formats(
-        template, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser
-    )
+) -> None:
+    """Log ``model``'s ``formats`` in one line, with how each was chosen (a
+    setting, or detected from its chat template)."""
     names = formats.names()
     logger.info(
         "model %r: tool calls in %s (%s), reasoning in %s (%s)",
@@ -199,4 +196,3 @@ def log_formats(
         names["reasoning"] or NONE,
         "set" if reasoning_parser is not None else "detected",
     )
-    return formats

@@ -25,8 +25,8 @@ from ..formats import (
 )
 
 if TYPE_CHECKING:
+    from ..events import ChatFacts
     from .serving_common import Prepared
-    from .slots import Capabilities
 
 __all__ = ["AnswerParser", "Part", "Reasoning", "answer_parser"]
 
@@ -113,7 +113,7 @@ class AnswerParser:
 
 
 def answer_parser(
-    capabilities: Capabilities, prepared: Prepared, call_id: Callable[[], str]
+    facts: ChatFacts, prepared: Prepared, call_id: Callable[[], str]
 ) -> AnswerParser | None:
     """The parser the answer of a ``prepared`` request needs; None when its
     text is its content.
@@ -125,11 +125,11 @@ def answer_parser(
     a grammar (it follows it from its first token) has no reasoning.
     ``call_id`` makes each tool call's id.
     """
-    formats = capabilities.formats
+    formats = facts.formats
     reasoning = None
     if formats.reasoning is not None and prepared.params.grammar is None:
         opened = formats.reasoning.opens(
-            capabilities.chat_template or "", prepared.template_kwargs
+            facts.chat_template or "", prepared.template_kwargs
         )
         reasoning = formats.reasoning.parser(opened)
     calls = None

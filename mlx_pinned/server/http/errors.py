@@ -30,9 +30,8 @@ from mlx_pinned import (
 
 from ..failures import (
     AudioRefusedError,
-    ImagesUnsupportedError,
     MediaRefusedError,
-    PromptTooLongError,
+    PromptError,
     RequestError,
     UnavailableError,
     VideoRefusedError,
@@ -100,7 +99,7 @@ def api_error(
     exc: BaseException,
     *,
     retry_after: int,
-    images: Sequence[str] = (),
+    places: Sequence[str] = (),
     prompt: str = "messages",
 ) -> APIError | None:
     """The answer for a known condition; None for anything else (a bug: the
@@ -109,16 +108,18 @@ def api_error(
     Args:
         exc: What was raised.
         retry_after: Seconds in the ``Retry-After`` of a busy MLX thread.
-        images: Where each image, video and audio file of the request is,
+        places: Where each image, video and audio file of the request is,
             in prompt order per kind (``messages[1].content[0].image_url``,
             ``messages[1].content[1].video_url``,
             ``messages[1].content[2].input_audio``), to name a refused one.
-        prompt: The request's part that holds the prompt (``messages``;
-            ``prompt`` for the completions API).
+        prompt: The request's part that holds the prompt or the inputs
+            (``messages``; ``prompt``, ``input``, ``query``, ``file``), which
+            a refused prompt or input is named by.
 
     The table: a :class:`~..failures.RequestError` is a 400 naming the part
-    at fault; an :class:`~..failures.UnavailableError` and the MLX thread's
-    busy, closed or broken errors are 503s; its bugs (a stream used on the
+    at fault (``prompt`` for a :class:`~..failures.PromptError`); an
+    :class:`~..failures.UnavailableError` and the MLX thread's busy, closed
+    or broken errors are 503s; its bugs (a stream used on the
     wrong thread, a deadlock) are 500s whose message names no job or thread
     (log the error for those).
     """
@@ -126,14 +127,14 @@ def api_error(
         return exc
     if isinstance(exc, MediaRefusedError):
         what, suffix = _MEDIA.get(type(exc), ("image", ""))
-        kind = [p for p in images if _media_suffix(p) == suffix]
+        kind = [p for p in places if _media_suffix(p) == suffix]
         param = kind[exc.index] if exc.index < len(kind) else prompt
         message = f"Invalid {what} at '{param}': {exc.message}"
         return APIError(400, message, param=param, code=exc.code)
-    if isinstance(exc, ImagesUnsupportedError | PromptTooLongError):
+    if isinstance(exc, PromptError):
         return APIError(400, exc.message, param=prompt, code=exc.code)
     if isinstance(exc, RequestError):
-        return APIError(400, exc.message, code=exc.code)
+        return APIError(400, exc.message, param=exc.field, code=exc.code)
     if isinstance(exc, UnavailableError):
         wait = exc.retry_after
         headers = {} if wait is None else {"Retry-After": str(wait)}
@@ -163,7 +164,12 @@ class ErrorShape(Protocol):
     a stream already begun."""
 
     def answer(
-        self, exc: BaseException, *, retry_after: int, images: Sequence[str] = ()
+        self,
+        exc: BaseException,
+        *,
+        retry_after: int,
+        places: Sequence[str] = (),
+        prompt: str = "messages",
     ) -> APIError | None:
         """The answer to ``exc``; None for a bug (see :func:`api_error`)."""
         ...
@@ -183,9 +189,14 @@ class OpenAIErrors:
     shape of the routes of no API (the probes, unknown URLs)."""
 
     def answer(
-        self, exc: BaseException, *, retry_after: int, images: Sequence[str] = ()
+        self,
+        exc: BaseException,
+        *,
+        retry_after: int,
+        places: Sequence[str] = (),
+        prompt: str = "messages",
     ) -> APIError | None:
-        return api_error(exc, retry_after=retry_after, images=images)
+        return api_error(exc, retry_after=retry_after, places=places, prompt=prompt)
 
     def body(self, error: APIError) -> bytes:
         status = error.status

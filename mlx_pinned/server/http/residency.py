@@ -4,7 +4,7 @@ the app's lifespan.
 Event loop only (asyncio or trio, through anyio): the decisions are made
 here, one at a time, and every load and unload itself runs on the MLX
 thread through the callables ``app.py`` wires in (this side never imports
-MLX). Every model has a :class:`~.slots.ModelSlot`. The lifespan
+MLX). Every model has a :class:`~.served_models.ModelSlot`. The lifespan
 (:meth:`Residency.running`) loads the models pinned at start-up, in order,
 before the server is ready; they stay loaded. A request that arrives while
 its model loads waits for that load (at most ``load_wait`` seconds). A model
@@ -47,7 +47,7 @@ from mlx_pinned import MLXPinnedError
 
 from ..config_checks import SettingError
 from ..failures import ModelLoadFailedError, ModelMemoryBudgetError, ModelNotLoadedError
-from .slots import ModelSlot, SlotChange, SlotState, due
+from .served_models import ModelSlot, SlotChange, SlotState, due
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -321,7 +321,7 @@ class Residency:
         slot.idle_since = None
         change = slot._change = SlotChange()
         holder: list[Any] = [slot.engine]
-        slot.engine = slot.capabilities = None
+        slot.engine = None
         logger.info("unloading model %r (%s)", slot.name, why)
         try:
             await self.release(holder, slot.name)

@@ -12,13 +12,12 @@ import hmac
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..formats import model_formats
 from .errors import OPENAI_ERRORS, APIError, ErrorShape, internal_error
 from .playground import ASSETS_PREFIX, PAGE
 
@@ -27,7 +26,6 @@ if TYPE_CHECKING:
     from starlette.routing import BaseRoute
     from starlette.types import ASGIApp, Receive, Scope, Send
 
-    from ..events import Engine
     from .served_models import ServedModel, ServedModels
 
 __all__ = [
@@ -103,9 +101,8 @@ def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
     """The ``/v1/models`` entry of a served model; ``created``: when it was
     loaded (now, while it loads), or for one loaded on first use, when the
     server was made (its loads come and go); ``kind``: what it is served as
-    (``chat``, ``embedding``); a chat model's ``formats``: its tool-call and
-    reasoning formats, and its ``input_modalities``: what its messages may
-    hold (``text``, ``image``, ``audio``); both None until it is loaded."""
+    (``chat``, ``embedding``); while it is loaded, what its engine's facts
+    add (a chat model's ``formats`` and ``input_modalities``)."""
     if not served.slot.pinned:
         created = int(served.slot.created)
     else:
@@ -118,29 +115,11 @@ def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
         "owned_by": "mlx-pinned",
         "kind": served.kind,
     }
-    if served.kind == "chat":
-        # Its output formats, by its settings and its template (None until
-        # loaded).
-        config, engine = request.app.state.config, cast("Engine", served.engine())
-        own = config.for_model(config.names.index(served.name))
-        card["formats"] = (
-            None
-            if engine is None
-            else model_formats(
-                engine.chat_template,
-                tool_call_parser=own.tool_call_parser,
-                reasoning_parser=own.reasoning_parser,
-            ).names()
-        )
-        card["input_modalities"] = None if engine is None else input_modalities(engine)
+    engine = served.engine()
+    facts = getattr(engine, "facts", None)
+    if facts is not None:
+        card.update(facts.card())
     return card
-
-
-def input_modalities(engine: Engine) -> list[str]:
-    """What a chat model's messages may hold (OpenRouter's word): the
-    playground offers to attach what it takes."""
-    taken = {"image": engine.accepts_images, "audio": engine.audio_input is not None}
-    return ["text", *(kind for kind, takes in taken.items() if takes)]
 
 
 async def models(served: ServedModels, request: Request) -> Response:

@@ -1,5 +1,5 @@
 """The served models as the HTTP side sees them: a name, a kind, a gate, a
-slot.
+slot (its state, its engine while loaded, its counts).
 
 Event loop only. A server serves one model or several, all on the one MLX
 thread. Each model's :attr:`ServedModel.slot` holds its engine while it is
@@ -15,9 +15,11 @@ served by its own routes, and a model named on another kind's route is a
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
-from collections.abc import AsyncIterator, Iterator, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -30,23 +32,97 @@ from anyio.lowlevel import (
 )
 
 from ..failures import OverloadedError
+from ..kinds import kind_named
 from .errors import APIError
 
 if TYPE_CHECKING:
-    from ..config import ModelKind
     from ..events import Resident
-    from .slots import ModelSlot
 
-__all__ = ["KINDS", "BatchGate", "ServedModel", "ServedModels", "model_not_found"]
+__all__ = [
+    "BatchGate",
+    "ModelSlot",
+    "ServedModel",
+    "ServedModels",
+    "SlotChange",
+    "SlotState",
+    "due",
+    "model_not_found",
+]
 
-#: Each kind of model in words, and the route it is sent to.
-KINDS: dict[str, tuple[str, str]] = {
-    "chat": ("a chat model", "/v1/chat/completions"),
-    "embedding": ("an embedding model", "/v1/embeddings"),
-    "rerank": ("a rerank model", "/v1/rerank"),
-    "speech": ("a speech model", "/v1/audio/speech"),
-    "transcription": ("a transcription model", "/v1/audio/transcriptions"),
-}
+
+class SlotState(enum.Enum):
+    """Where a model loaded on first use is (see the module's table)."""
+
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    LOADED = "loaded"
+    UNLOADING = "unloading"
+
+
+class SlotChange:
+    """One load or unload under way: its waiters wait for ``done``; a load
+    that failed leaves its answer in ``error`` and what it raised in
+    ``cause``."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.error: Exception | None = None
+        self.cause: BaseException | None = None
+
+
+@dataclass(eq=False)
+class ModelSlot:
+    """A served model: its state, engine and counts.
+
+    Attributes:
+        name: The served name.
+        load: Loads it on the MLX thread and gives its engine.
+        measure: Its weight bytes from its checkpoint, on the MLX thread
+            (the budget's measure before the first load).
+        pinned: Loaded by the lifespan at start-up and never unloaded; else
+            loaded on first use.
+        idle_timeout: Seconds idle before it is unloaded (None: never).
+        state: See :class:`SlotState`.
+        engine: Its engine (of its kind) while LOADED.
+        holders: Requests holding it now (:meth:`Residency.use`).
+        weight_bytes: Its weights' bytes, measured at its last load; None
+            before the first.
+        idle_since: When the last holder let go (``anyio.current_time()``),
+            while LOADED and idle; None otherwise.
+        created: Unix time the server was made: the ``created`` in
+            ``/v1/models`` of a model loaded on first use, which does not
+            move with loads.
+        loads, unloads, failures: Loads done, unloads done, loads failed.
+    """
+
+    name: str
+    load: Callable[[], Awaitable[Resident]]
+    measure: Callable[[], Awaitable[int]]
+    pinned: bool = False
+    idle_timeout: float | None = None
+    state: SlotState = SlotState.UNLOADED
+    engine: Resident | None = None
+    holders: int = 0
+    weight_bytes: int | None = None
+    idle_since: float | None = None
+    created: float = field(default_factory=time.time)
+    loads: int = 0
+    unloads: int = 0
+    failures: int = 0
+    _change: SlotChange | None = field(default=None, repr=False)
+
+    @property
+    def idle(self) -> bool:
+        """Loaded on first use, loaded now, and held by no request."""
+        return self.state is SlotState.LOADED and self.holders == 0 and not self.pinned
+
+
+def due(slot: ModelSlot) -> float | None:
+    """When an idle slot is unloaded (``anyio.current_time()``); None while
+    it is not idle, or never is unloaded for it."""
+    if not slot.idle or slot.idle_since is None or slot.idle_timeout is None:
+        return None
+    return slot.idle_since + slot.idle_timeout
 
 
 @dataclass(frozen=True)
@@ -70,20 +146,21 @@ class ServedModel:
     slot: ModelSlot
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
-    kind: ModelKind = "chat"
+    kind: str = "chat"
 
     def engine(self) -> Resident | None:
         """Its engine (of its kind); None while it is not loaded."""
         return self.slot.engine
 
-    def check_kind(self, kind: ModelKind, route: str) -> None:
+    def check_kind(self, kind: str, route: str) -> None:
         """Refuse it on a route of another kind.
 
         Raises:
             APIError: 400 naming ``model`` and the route it belongs on.
         """
         if kind != self.kind:
-            what, where = KINDS[self.kind]
+            mine = kind_named(self.kind)
+            what, where = mine.what, mine.paths[0]
             raise APIError(
                 400,
                 f"The model {self.name!r} is {what}: send it to {where}, not {route}.",

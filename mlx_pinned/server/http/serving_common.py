@@ -1,6 +1,6 @@
 """What every API's serving module shares: what it is (:class:`Serving`),
 the checks it runs against the served model's
-:class:`~.slots.Capabilities` and this server's limits, the grammar
+:class:`~..events.ChatFacts` and this server's limits, the grammar
 of its answer, and what it hands the endpoint (:class:`Prepared`),
 whatever the API's shapes.
 
@@ -26,10 +26,12 @@ from ..limits import check_text_length
 from .errors import APIError
 
 if TYPE_CHECKING:
+    from PIL import Image
+
     from ..config import ServerConfig
+    from ..events import ChatFacts
     from ..formats import ToolCallFormat, ToolSpec
     from ..media import AudioRef, ImageRef, VideoRef
-    from .slots import Capabilities
 
 __all__ = [
     "ForcedCall",
@@ -64,6 +66,7 @@ class Prepared:
         template_kwargs: The chat template's keywords (whether the model
             thinks is read with them).
         audios: Its audio files in prompt order, to decode.
+        decoded: Its images, decoded (set by the door's ``media`` step).
     """
 
     params: GenerationParams
@@ -72,6 +75,12 @@ class Prepared:
     tools: Sequence[ToolSpec] = ()
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     audios: Sequence[AudioRef] = ()
+    decoded: Sequence[Image.Image] = ()
+
+    @property
+    def priority(self) -> int:
+        """Its place at the gate (lowest first)."""
+        return self.params.priority
 
 
 class GenerationRequest(Protocol):
@@ -91,26 +100,22 @@ RequestT_contra = TypeVar(
 class Serving(Protocol[RequestT_contra]):
     """A slice's validation site (its ``serving`` module)."""
 
-    async def prepare(
-        self, request: RequestT_contra, capabilities: Capabilities
-    ) -> Prepared:
-        """``request`` checked against the model's ``capabilities`` and the
+    async def prepare(self, request: RequestT_contra, facts: ChatFacts) -> Prepared:
+        """``request`` checked against the model's ``facts`` and the
         server's limits: its generation, its images and its videos."""
         ...
 
 
-def check_prompt_text(
-    config: ServerConfig, capabilities: Capabilities, chars: int
-) -> int | None:
+def check_prompt_text(config: ServerConfig, facts: ChatFacts, chars: int) -> int | None:
     """The prompt limit in tokens (the server's, else the model's context;
     None: neither is known), with ``chars`` of text checked against it.
 
     Raises:
         PromptTooLongError: The text alone is over the limit.
     """
-    max_prompt = config.max_prompt_tokens or capabilities.context_length
+    max_prompt = config.max_prompt_tokens or facts.context_length
     if max_prompt is not None:
-        check_text_length(chars, capabilities.longest_token_chars, max_prompt)
+        check_text_length(chars, facts.longest_token_chars, max_prompt)
     return max_prompt
 
 
@@ -216,7 +221,7 @@ def no_tool_call_format(
 
 
 def check_media(
-    capabilities: Capabilities,
+    facts: ChatFacts,
     images: Sequence[ImageRef],
     videos: Sequence[VideoRef] = (),
     audios: Sequence[AudioRef] = (),
@@ -229,11 +234,11 @@ def check_media(
         VideoRefusedError: The first video's error.
         AudioRefusedError: The first audio file's error.
     """
-    if audios and capabilities.audio_input is None:
-        send = "text or images" if capabilities.accepts_images else "text only"
+    if audios and facts.audio_input is None:
+        send = "text or images" if facts.accepts_images else "text only"
         message = f"this model takes no audio; send {send}."
         raise audios[0].error(message, "audio_unsupported")
-    if capabilities.accepts_images:
+    if facts.accepts_images:
         return
     for kind, refs in (("images", images), ("videos", videos)):
         if refs:
@@ -328,19 +333,17 @@ async def check_grammar(grammar: Grammar, param: str) -> None:
 
 def with_budget(
     params: GenerationParams,
-    capabilities: Capabilities,
+    facts: ChatFacts,
     template_kwargs: Mapping[str, Any],
     budget: int | None,
 ) -> GenerationParams:
     """``params`` with a thinking ``budget`` and the markers it forces; as
     they are without a budget, for a model with no reasoning markers, or
     for an answer under a grammar (it does not reason)."""
-    reasoning = capabilities.formats.reasoning
+    reasoning = facts.formats.reasoning
     if budget is None or reasoning is None or params.grammar is not None:
         return params
-    markers = reasoning.budget_markers(
-        capabilities.chat_template or "", template_kwargs
-    )
+    markers = reasoning.budget_markers(facts.chat_template or "", template_kwargs)
     if markers is None:
         return params
     return replace(params, thinking_budget=budget, thinking_markers=markers)

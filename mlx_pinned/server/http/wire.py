@@ -13,7 +13,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -125,13 +125,13 @@ class ResponseWriter:
 
     Args:
         send: The ASGI send.
-        errors: How the request's API writes an error (a slice may set its
-            own for a stream it began: an error event that ends it).
+        errors: How the request's API writes an error.
     """
 
     def __init__(self, send: Send, errors: ErrorShape = OPENAI_ERRORS) -> None:
         self._send = send
         self.errors = errors
+        self._failed: Callable[[APIError], bytes] = errors.event
         self.status = 0
         self.started = False
         self.ended = False
@@ -162,12 +162,21 @@ class ResponseWriter:
         await self._start(status, [*headers, length, *extra])
         await self.send(body, more=False)
 
-    async def start_stream(self, first: bytes) -> None:
+    async def start_stream(
+        self, first: bytes, *, failed: Callable[[APIError], bytes] | None = None
+    ) -> None:
+        """Begin server-sent events with ``first``; a failure later ends the
+        stream with ``failed(error)`` (the API's error event, unless the
+        stream has its own, e.g. one that carries the output so far)."""
+        self._failed = failed or self.errors.event
         await self._start(200, _SSE_HEADERS)
         await self.send(first)
 
     async def start_file_stream(self, media_type: bytes, first: bytes) -> None:
-        """Begin an answer of another type than JSON, sent as it is made."""
+        """Begin an answer of another type than JSON, sent as it is made; a
+        failure later ends it where it is (an error event would be read as
+        the file's bytes)."""
+        self._failed = _nothing
         headers = [(b"content-type", media_type), *_SSE_HEADERS[1:]]
         await self._start(200, headers)
         await self.send(first)
@@ -193,9 +202,13 @@ class ResponseWriter:
                 ]
                 await self.json(self.errors.body(error), error.status, headers)
             elif not self.ended:
-                await self.send(self.errors.event(error), more=False)
+                await self.send(self._failed(error), more=False)
         except OSError:  # the client is gone; nothing left to tell it
             pass
+
+
+def _nothing(error: APIError) -> bytes:
+    return b""
 
 
 #: A body over the limit is still read (and dropped) up to this many times

@@ -41,7 +41,6 @@ __all__ = [
     "Blocks",
     "EventWriter",
     "StopReason",
-    "anthropic_error",
     "error_type",
     "message_id",
     "stop_reason",
@@ -235,11 +234,16 @@ class AnthropicErrors:
     ``event: error`` of it."""
 
     def answer(
-        self, exc: BaseException, *, retry_after: int, images: Sequence[str] = ()
+        self,
+        exc: BaseException,
+        *,
+        retry_after: int,
+        places: Sequence[str] = (),
+        prompt: str = "messages",
     ) -> APIError | None:
         """The answer for a known failure in this API's statuses; None for a
         bug (the base logs it and answers a 500)."""
-        error = api_error(exc, retry_after=retry_after, images=images)
+        error = api_error(exc, retry_after=retry_after, places=places, prompt=prompt)
         if error is not None and isinstance(exc, OverloadedError | MLXThreadBusyError):
             return APIError(529, error.message, code=error.code, headers=error.headers)
         return error
@@ -253,5 +257,3 @@ class AnthropicErrors:
 
 
 ANTHROPIC_ERRORS = AnthropicErrors()
-#: This API's table, for its endpoints.
-anthropic_error = ANTHROPIC_ERRORS.answer

@@ -1,79 +1,70 @@
-"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: the
+Messages API's doors, answered (errors too) in Anthropic's shape.
 
-Event loop. The routes of the Anthropic Messages slice: the body is parsed
-(:mod:`.protocol`), checked against the model once (:mod:`.serving`); a
-generation runs through the model's gate and engine
-(:class:`~..endpoint.GenerationEndpoint`: the deadline, the client watched,
-every error answered in Anthropic's shape by this slice's table,
-:mod:`.errors`), and the answer is written as Anthropic's (:mod:`.output`):
-one message, or its event stream. A count runs the chat template and the
-processor on the MLX thread (``Engine.count_tokens``) and generates
-nothing. A query string (Claude Code's ``?beta=true``) changes neither.
+Event loop. A count runs the chat template and the processor on the MLX
+thread and generates nothing. A query string (Claude Code's
+``?beta=true``) changes neither.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import TYPE_CHECKING, ClassVar
 
-from ..endpoint import (
-    GenerationEndpoint,
-    ModelEndpoint,
-    Reply,
-    last_parts,
-    send_last,
-    token_parts,
-)
-from ..errors import APIError
-from ..slots import Capabilities
-from ..wire import ErrorShape, RequestLog, ResponseWriter
+from ...events import Engine, EventStream
+from ..door import Call, Door
+from ..generation import Generation, GenerationDoor, last_parts, send_last, token_parts
+from ..serving_common import Prepared
+from ..wire import ErrorShape
 from .content import image_parts
 from .output import (
     ANTHROPIC_ERRORS,
     Blocks,
     EventWriter,
-    anthropic_error,
     message_id,
     stop_reason,
     tool_use_id,
 )
-from .protocol import MessagesRequest, parse_count_request, parse_messages_request
+from .protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    parse_count_request,
+    parse_messages_request,
+)
 from .serving import MessagesServing
+
+if TYPE_CHECKING:
+    from ..wire import RequestLog
 
 __all__ = ["CountTokensEndpoint", "MessagesEndpoint"]
 
 
-class _AnthropicEndpoint(ModelEndpoint):
-    """What both routes share: Anthropic's errors, and the one serving."""
+class MessagesEndpoint(GenerationDoor[MessagesRequest]):
+    """The door of ``POST /v1/messages``."""
 
+    route = "POST /v1/messages"
     errors: ClassVar[ErrorShape] = ANTHROPIC_ERRORS
+    call_id = staticmethod(tool_use_id)
 
     @functools.cached_property
     def serving(self) -> MessagesServing:
-        """The one place a request is checked against its model."""
         return MessagesServing(self.config)
 
-    def error_for(self, exc: BaseException, images: Sequence[str]) -> APIError | None:
-        return anthropic_error(exc, retry_after=self.config.retry_after, images=images)
-
-
-class MessagesEndpoint(_AnthropicEndpoint, GenerationEndpoint[MessagesRequest]):
-    """The ASGI endpoint of ``POST /v1/messages``."""
-
-    route = "POST /v1/messages"
-    call_id = staticmethod(tool_use_id)
-
-    def parse(self, body: bytes, images: list[str]) -> MessagesRequest:
+    async def parse(self, body: bytes, places: list[str]) -> MessagesRequest:
         request = parse_messages_request(body)
-        images.extend(param for param, _ in image_parts(request.messages))
+        places.extend(param for param, _ in image_parts(request.messages))
         return request
 
-    async def send_whole(self, reply: Reply[MessagesRequest]) -> None:
+    async def send_whole(
+        self, call: Generation[MessagesRequest], output: EventStream
+    ) -> None:
         """The whole answer as one message, once the generation ended."""
-        request, parser = reply.request, reply.parser
-        events, final = await self.whole(reply.events, reply.log)
+        request, parser = call.request, self.parser(call)
+        events, final = await self.whole(output, call.log)
         blocks = Blocks(shown=request.thinking_shown)
         blocks.add(last_parts(parser, "".join(event.text for event in events), final))
         called = parser is not None and parser.called
@@ -81,7 +72,7 @@ class MessagesEndpoint(_AnthropicEndpoint, GenerationEndpoint[MessagesRequest]):
             "id": message_id(),
             "type": "message",
             "role": "assistant",
-            "model": reply.model,
+            "model": call.served.name,
             "content": blocks.content(),
             "stop_reason": stop_reason(final, called=called),
             "stop_sequence": final.stop_sequence,
@@ -91,42 +82,65 @@ class MessagesEndpoint(_AnthropicEndpoint, GenerationEndpoint[MessagesRequest]):
                 "cache_read_input_tokens": final.cached_tokens,
             },
         }
-        await reply.response.json(json.dumps(message, ensure_ascii=False).encode())
+        await call.response.json(json.dumps(message, ensure_ascii=False).encode())
 
-    async def send_stream(self, reply: Reply[MessagesRequest]) -> None:
+    async def send_stream(
+        self, call: Generation[MessagesRequest], output: EventStream
+    ) -> None:
         """Anthropic's events."""
-        parser = reply.parser
-        writer = EventWriter(shown=reply.request.thinking_shown)
-        head = writer.start(message_id(), reply.model)
+        parser = self.parser(call)
+        writer = EventWriter(shown=call.request.thinking_shown)
+        head = writer.start(message_id(), call.served.name)
         final = await self.stream_tokens(
-            reply.events,
-            reply.response,
-            reply.log,
+            output,
+            call.response,
+            call.log,
             head,
             lambda event: writer.parts(token_parts(parser, event.text)),
         )
         data = writer.parts(last_parts(parser, final.text, final))
         called = parser is not None and parser.called
         tail = data + writer.end(stop_reason(final, called=called), final)
-        await send_last(reply.response, head, tail)
+        await send_last(call.response, head, tail)
 
 
-class CountTokensEndpoint(_AnthropicEndpoint):
-    """The ASGI endpoint of ``POST /v1/messages/count_tokens``: the prompt's
-    tokens through the model's chat template and processor, images
-    included; it waits for no gate (it generates nothing)."""
+class CountTokensEndpoint(Door[CountTokensRequest, Engine, Prepared, int]):
+    """The door of ``POST /v1/messages/count_tokens``: the prompt's tokens
+    through the model's chat template and processor, images included; it
+    takes no turn of the gate (it generates nothing)."""
 
     route = "POST /v1/messages/count_tokens"
+    errors: ClassVar[ErrorShape] = ANTHROPIC_ERRORS
+    gated = False
 
-    async def handle(
-        self, body: bytes, response: ResponseWriter, log: RequestLog, images: list[str]
-    ) -> None:
+    @functools.cached_property
+    def serving(self) -> MessagesServing:
+        return MessagesServing(self.config)
+
+    async def parse(self, body: bytes, places: list[str]) -> CountTokensRequest:
         request = parse_count_request(body)
-        images.extend(param for param, _ in image_parts(request.messages))
-        async with self.model(request.model, log) as (served, engine):
-            capabilities = Capabilities.of(engine, served)
-            prepared = self.serving.prepare_count(request, capabilities)
-            decoded = await self.decode_images(prepared.images, log)
-            tokens = await engine.count_tokens(prepared.params, decoded)
-        log.prompt_tokens = tokens
-        await response.json(json.dumps({"input_tokens": tokens}).encode())
+        places.extend(param for param, _ in image_parts(request.messages))
+        return request
+
+    async def prepare(self, request: CountTokensRequest, engine: Engine) -> Prepared:
+        return self.serving.prepare_count(request, engine.facts)
+
+    async def media(
+        self, prepared: Prepared, engine: Engine, log: RequestLog
+    ) -> Prepared:
+        log.images = len(prepared.images)
+        decoded = await self.wiring.decoders.images(prepared.images)
+        return replace(prepared, decoded=tuple(decoded))
+
+    @asynccontextmanager
+    async def run(
+        self, call: Call[CountTokensRequest, Engine, Prepared]
+    ) -> AsyncIterator[int]:
+        prepared = call.prepared
+        yield await call.engine.count_tokens(prepared.params, prepared.decoded)
+
+    async def send_whole(
+        self, call: Call[CountTokensRequest, Engine, Prepared], output: int
+    ) -> None:
+        call.log.prompt_tokens = output
+        await call.response.json(json.dumps({"input_tokens": output}).encode())

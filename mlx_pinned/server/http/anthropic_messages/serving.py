@@ -1,5 +1,5 @@
 """Anthropic Messages' one validation site: a parsed request checked against
-the served model's :class:`~..slots.Capabilities` and this server's
+the served model's :class:`~...events.ChatFacts` and this server's
 limits, and turned into the shared generation request.
 
 Event loop; a grammar is compiled in a worker thread
@@ -42,8 +42,8 @@ from .protocol import (
 
 if TYPE_CHECKING:
     from ...config import ServerConfig
+    from ...events import ChatFacts
     from ...media import ImageRef
-    from ..slots import Capabilities
 
 __all__ = ["MessagesServing"]
 
@@ -68,27 +68,23 @@ class MessagesServing:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
 
-    def _check(
-        self, request: CountTokensRequest, capabilities: Capabilities
-    ) -> list[ImageRef]:
+    def _check(self, request: CountTokensRequest, facts: ChatFacts) -> list[ImageRef]:
         """What a count and a generation share: thinking and tools checked,
         and the images, for the endpoint to check and decode."""
         if (
             isinstance(request.thinking, ThinkingEnabled)
-            and capabilities.formats.reasoning is None
+            and facts.formats.reasoning is None
         ):
             raise _invalid(
                 "thinking",
                 "this model does not think (no reasoning format in its chat "
                 'template); send thinking {"type": "disabled"} or leave it out.',
             )
-        if request.active_tools and capabilities.formats.tool_call is None:
+        if request.active_tools and facts.formats.tool_call is None:
             raise no_tool_call_format(code=None)
         return image_refs(request.messages, self.config.image_limits)
 
-    async def prepare(
-        self, request: MessagesRequest, capabilities: Capabilities
-    ) -> Prepared:
+    async def prepare(self, request: MessagesRequest, facts: ChatFacts) -> Prepared:
         """Check ``request`` against the model; its generation request.
 
         Raises:
@@ -97,7 +93,7 @@ class MessagesServing:
             ImageRefusedError: Too many images.
         """
         max_prompt = check_prompt_text(
-            self.config, capabilities, text_chars(request.system, request.messages)
+            self.config, facts, text_chars(request.system, request.messages)
         )
         most = max_tokens(self.config, "max_tokens", request.max_tokens, code=None)
         thinking = request.thinking
@@ -106,9 +102,9 @@ class MessagesServing:
                 raise _invalid(
                     "thinking.budget_tokens", "it must be less than max_tokens."
                 )
-        refs = self._check(request, capabilities)
+        refs = self._check(request, facts)
         grammar = await request_grammar(
-            capabilities.formats.tool_call,
+            facts.formats.tool_call,
             _forced_call(request),
             _answer_format(request),
             functools.partial(_invalid, "tool_choice"),
@@ -116,24 +112,22 @@ class MessagesServing:
         params = request.to_generation_params(
             most,
             max_prompt_tokens=max_prompt,
-            context_length=capabilities.context_length,
+            context_length=facts.context_length,
             grammar=grammar,
         )
         budget = (
             thinking.budget_tokens if isinstance(thinking, ThinkingEnabled) else None
         )
         kwargs = request.template_kwargs
-        params = with_budget(params, capabilities, kwargs, budget)
+        params = with_budget(params, facts, kwargs, budget)
         tools = [ToolSpec(t.name, t.input_schema) for t in request.active_tools]
         return _with_turns(Prepared(params, refs, (), tools, kwargs))
 
-    def prepare_count(
-        self, request: CountTokensRequest, capabilities: Capabilities
-    ) -> Prepared:
+    def prepare_count(self, request: CountTokensRequest, facts: ChatFacts) -> Prepared:
         """Check a count's request against the model; its prompt, with no
         limits (a count reports the length, it refuses none)."""
-        refs = self._check(request, capabilities)
-        check_media(capabilities, refs)
+        refs = self._check(request, facts)
+        check_media(facts, refs)
         return _with_turns(Prepared(request.prompt_params(1), refs))
 
 

@@ -5,7 +5,7 @@ steps: the protocol (:mod:`.protocol`, with :mod:`.messages` and
 :mod:`.bodies`: OpenAI's pydantic models, which turn themselves into the
 shared :class:`~...events.GenerationParams`); the serving
 (:mod:`.serving`: the one place a request is checked against the model's
-:class:`~..slots.Capabilities`); the route (:mod:`.route`: the ASGI
+:class:`~...events.ChatFacts`); the route (:mod:`.route`: the ASGI
 endpoint, from the body to the last byte of the answer, written by
 :mod:`.output`). Every slice shares the rest of :mod:`..http` (errors, wire,
 gate, model registry, answer parser) and the one engine.

@@ -3,7 +3,7 @@
 Event loop. The route of the chat-completions slice: the body is parsed
 (:mod:`.protocol`), checked against the model once (:mod:`.serving`), the
 generation runs through the model's gate and engine
-(:class:`~..endpoint.GenerationEndpoint`: the deadline, the client watched,
+(:class:`~..generation.GenerationDoor`: the deadline, the client watched,
 every error answered in OpenAI's shape), and the answer is written as
 OpenAI's (:mod:`.output`): one JSON body, or a chunk per token that ends
 with ``data: [DONE]``.
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import functools
 
-from ...events import TokenEvent
-from ..endpoint import GenerationEndpoint, Reply, last_parts, send_last
+from ...events import EventStream, TokenEvent
+from ..generation import Generation, GenerationDoor, last_parts, send_last
 from ..vllm_extensions import vllm_prompt_logprobs
 from .bodies import (
     ChatCompletion,
@@ -42,14 +42,9 @@ from .serving import ChatCompletionsServing
 __all__ = ["ChatCompletionsEndpoint"]
 
 
-class ChatCompletionsEndpoint(GenerationEndpoint[ChatCompletionRequest]):
-    """The ASGI endpoint of ``POST /v1/chat/completions``.
-
-    Runs on the event loop (the rest is :class:`~..endpoint.GenerationEndpoint`'s):
-    the request is checked against its model in one place
-    (:class:`.serving.ChatCompletionsServing`), and the answer is written as
-    OpenAI's.
-    """
+class ChatCompletionsEndpoint(GenerationDoor[ChatCompletionRequest]):
+    """The door of ``POST /v1/chat/completions``: checked by
+    :class:`.serving.ChatCompletionsServing`, answered as OpenAI's."""
 
     route = "POST /v1/chat/completions"
     call_id = staticmethod(tool_call_id)
@@ -59,17 +54,19 @@ class ChatCompletionsEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         """The one place a request is checked against its model."""
         return ChatCompletionsServing(self.config)
 
-    def parse(self, body: bytes, images: list[str]) -> ChatCompletionRequest:
+    async def parse(self, body: bytes, places: list[str]) -> ChatCompletionRequest:
         request = parse_chat_request(body)
-        images.extend(param for param, _ in image_parts(request.messages))
-        images.extend(param for param, _ in video_parts(request.messages))
-        images.extend(audio_parts(request.messages))
+        places.extend(param for param, _ in image_parts(request.messages))
+        places.extend(param for param, _ in video_parts(request.messages))
+        places.extend(audio_parts(request.messages))
         return request
 
-    async def send_whole(self, reply: Reply[ChatCompletionRequest]) -> None:
+    async def send_whole(
+        self, call: Generation[ChatCompletionRequest], output: EventStream
+    ) -> None:
         """The whole answer as one JSON body, once the generation ended."""
-        request, parser = reply.request, reply.parser
-        events, final = await self.whole(reply.events, reply.log)
+        request, parser = call.request, self.parser(call)
+        events, final = await self.whole(output, call.log)
         text = "".join(event.text for event in events)
         logprobs = [
             token_logprob(event.logprobs)
@@ -95,21 +92,23 @@ class ChatCompletionsEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         completion = ChatCompletion(
             id=chunk_id,
             created=created,
-            model=reply.model,
+            model=call.served.name,
             choices=[choice],
-            usage=usage(final, predicted=reply.request.prediction is not None),
+            usage=usage(final, predicted=request.prediction is not None),
             prompt_logprobs=None
             if request.prompt_logprobs is None
             else vllm_prompt_logprobs(final.prompt_logprobs, request.prompt_logprobs),
         )
-        await reply.response.json(completion.model_dump_json().encode())
+        await call.response.json(completion.model_dump_json().encode())
 
-    async def send_stream(self, reply: Reply[ChatCompletionRequest]) -> None:
+    async def send_stream(
+        self, call: Generation[ChatCompletionRequest], output: EventStream
+    ) -> None:
         """Server-sent events, a chunk per token."""
-        request, parser = reply.request, reply.parser
+        request, parser = call.request, self.parser(call)
         chunk_id, created = completion_id()
         chunks = ChunkEncoder(
-            chunk_id, created, reply.model, include_usage=request.include_usage
+            chunk_id, created, call.served.name, include_usage=request.include_usage
         )
         # Events that are ready together go out in one body message (each is
         # a write to the socket): the role chunk with the first token, and
@@ -123,9 +122,7 @@ class ChatCompletionsEndpoint(GenerationEndpoint[ChatCompletionRequest]):
                 return chunks.chunk([content_choice(event)])
             return chunks.content(event.text) if event.text else b""
 
-        final = await self.stream_tokens(
-            reply.events, reply.response, reply.log, role, encode
-        )
+        final = await self.stream_tokens(output, call.response, call.log, role, encode)
         if parser is None:
             tail = [chunks.content(final.text)] if final.text else []
             reason = finish_reason(final.finish_reason, calls=False)
@@ -137,7 +134,7 @@ class ChatCompletionsEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         )
         tail.append(chunks.chunk([done]))
         if request.include_usage:
-            predicted = reply.request.prediction is not None
+            predicted = request.prediction is not None
             tail.append(chunks.chunk([], usage(final, predicted=predicted)))
         tail.append(b"data: [DONE]\n\n")
-        await send_last(reply.response, role, b"".join(tail))
+        await send_last(call.response, role, b"".join(tail))

@@ -1,5 +1,5 @@
 """Chat completions' one validation site: a parsed request checked against
-the served model's :class:`~..slots.Capabilities` and this server's
+the served model's :class:`~...events.ChatFacts` and this server's
 limits, and turned into the shared generation request.
 
 Event loop; a grammar is compiled in a worker thread
@@ -48,7 +48,7 @@ from .messages import (
 
 if TYPE_CHECKING:
     from ...config import ServerConfig
-    from ..slots import Capabilities
+    from ...events import ChatFacts
     from .protocol import ChatCompletionRequest
 
 __all__ = ["ChatCompletionsServing"]
@@ -64,7 +64,7 @@ class ChatCompletionsServing:
         self.config = config
 
     async def prepare(
-        self, request: ChatCompletionRequest, capabilities: Capabilities
+        self, request: ChatCompletionRequest, facts: ChatFacts
     ) -> Prepared:
         """Check ``request`` against the model; its generation request.
 
@@ -78,14 +78,14 @@ class ChatCompletionsServing:
         # A prompt to be cut is checked once cut, by the engine.
         cut = request.truncate_prompt_tokens is not None
         chars = 0 if cut else text_chars(request.messages)
-        max_prompt = check_prompt_text(self.config, capabilities, chars)
+        max_prompt = check_prompt_text(self.config, facts, chars)
         name = (
             "max_completion_tokens"
             if request.max_completion_tokens is not None
             else "max_tokens"
         )
         most = max_tokens(self.config, name, request.requested_max_tokens)
-        tool_format = capabilities.formats.tool_call
+        tool_format = facts.formats.tool_call
         if request.active_tools and tool_format is None:
             raise no_tool_call_format()
         grammar = await request_grammar(
@@ -94,12 +94,12 @@ class ChatCompletionsServing:
         params = request.to_generation_params(
             most,
             max_prompt_tokens=max_prompt,
-            context_length=capabilities.context_length,
+            context_length=facts.context_length,
             grammar=grammar,
         )
         kwargs = request.chat_template_kwargs or {}
-        params = with_budget(params, capabilities, kwargs, request.thinking_budget)
-        check_token_fields(params, capabilities.vocab_size)
+        params = with_budget(params, facts, kwargs, request.thinking_budget)
+        check_token_fields(params, facts.vocab_size)
         check_scored_stream(params, request.stream)
         if params.prediction:
             check_prediction(params)

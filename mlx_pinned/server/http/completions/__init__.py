@@ -5,7 +5,7 @@ the protocol (:mod:`.protocol`: OpenAI's pydantic models, which turn each
 prompt into the shared :class:`~...events.GenerationParams` with a raw
 ``prompt``: no chat template); the serving (:mod:`.serving`: the one place
 a request is checked against the model's
-:class:`~..slots.Capabilities`); the route (:mod:`.route`, written
+:class:`~...events.ChatFacts`); the route (:mod:`.route`, written
 by :mod:`.output`).
 """
 

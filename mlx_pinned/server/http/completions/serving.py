@@ -1,5 +1,5 @@
 """Completions' one validation site: a parsed request checked against the
-served model's :class:`~..slots.Capabilities` and this server's
+served model's :class:`~...events.ChatFacts` and this server's
 limits, and turned into one shared generation request per prompt.
 
 Event loop. Checked here, once, before any prompt waits for the model's
@@ -28,8 +28,7 @@ from .protocol import OPENAI_DEFAULT_MAX_TOKENS
 
 if TYPE_CHECKING:
     from ...config import ServerConfig
-    from ...events import Engine, GenerationParams
-    from ..slots import Capabilities
+    from ...events import ChatFacts, Engine, GenerationParams
     from .protocol import CompletionRequest
 
 __all__ = ["CompletionsServing", "Prompts"]
@@ -58,7 +57,7 @@ class CompletionsServing:
         self.config = config
 
     async def prepare(
-        self, request: CompletionRequest, capabilities: Capabilities, engine: Engine
+        self, request: CompletionRequest, facts: ChatFacts, engine: Engine
     ) -> Prompts:
         """Check ``request`` against the model; a generation per prompt
         (``engine`` decodes token prompts that are echoed).
@@ -67,7 +66,7 @@ class CompletionsServing:
             APIError: 400 naming the parameter at fault.
             PromptTooLongError: A prompt over the prompt limit.
         """
-        max_prompt = self.config.max_prompt_tokens or capabilities.context_length
+        max_prompt = self.config.max_prompt_tokens or facts.context_length
         # OpenAI's default (16), within the server's limit.
         least = min(OPENAI_DEFAULT_MAX_TOKENS, self.config.max_tokens_limit)
         most = max_tokens(self.config, "max_tokens", request.max_tokens, default=least)
@@ -79,7 +78,7 @@ class CompletionsServing:
                 param="max_tokens",
                 code="invalid_value",
             )
-        vocab = capabilities.vocab_size
+        vocab = facts.vocab_size
         grammar = await request_grammar(None, None, request.structured_grammar())
         params: list[GenerationParams] = []
         echoes: list[str] = []
@@ -88,7 +87,7 @@ class CompletionsServing:
                 prompt,
                 most,
                 max_prompt_tokens=max_prompt,
-                context_length=capabilities.context_length,
+                context_length=facts.context_length,
                 grammar=grammar,
             )
             check_token_fields(one, vocab)
@@ -97,7 +96,7 @@ class CompletionsServing:
             cut = request.truncate_prompt_tokens is not None
             if isinstance(prompt, str):
                 if not cut:
-                    check_prompt_text(self.config, capabilities, len(prompt))
+                    check_prompt_text(self.config, facts, len(prompt))
                 echo = prompt
             else:
                 for token_id in prompt:

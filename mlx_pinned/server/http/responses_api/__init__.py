@@ -6,7 +6,7 @@ slice: the protocol (:mod:`.protocol`, with :mod:`.items`: OpenAI's pydantic
 models, which turn themselves into the shared
 :class:`~...events.GenerationParams`); the serving (:mod:`.serving`: the one
 place a request is checked against the model's
-:class:`~..slots.Capabilities` and the stored responses); the route
+:class:`~...events.ChatFacts` and the stored responses); the route
 (:mod:`.route`, written through :mod:`.objects`). Stored responses live in
 :mod:`.store` (in memory, or in SQLite under ``state_dir``:
 :mod:`.sqlite_store`), their routes in :mod:`.stored`.

@@ -15,9 +15,9 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from ...events import FinalEvent, TokenEvent
-from ..endpoint import GenerationEndpoint, Reply, last_parts, send_last, token_parts
+from ...events import EventStream, FinalEvent, TokenEvent
 from ..errors import OpenAIErrors
+from ..generation import Generation, GenerationDoor, last_parts, send_last, token_parts
 from .items import INPUT_ITEMS, chat_messages, image_urls
 from .objects import Output, item_id, response_object, sse, tool_call_id, usage
 from .protocol import ResponsesRequest, parse_responses_request
@@ -25,6 +25,7 @@ from .serving import Continued, ResponsesServing
 from .store import MemoryStore, ResponseStore
 
 if TYPE_CHECKING:
+    from ..answer_parser import AnswerParser
     from ..errors import APIError
     from ..serving_common import Prepared
 
@@ -64,14 +65,11 @@ class StreamErrors(ResponsesErrors):
         return sse(self.output.event("response.failed", response=failed))
 
 
-class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
-    """The ASGI endpoint of ``POST /v1/responses``.
-
-    Runs on the event loop (the rest is :class:`~..endpoint.GenerationEndpoint`'s):
-    the request is checked in one place (:class:`.serving.ResponsesServing`),
-    its answer written as OpenAI's response object or events, and kept in
-    :attr:`store` unless the request says ``store: false``.
-    """
+class ResponsesEndpoint(GenerationDoor[ResponsesRequest]):
+    """The door of ``POST /v1/responses``: checked by
+    :class:`.serving.ResponsesServing`, answered as OpenAI's response object
+    or events, and kept in :attr:`store` unless the request says
+    ``store: false``."""
 
     route = "POST /v1/responses"
     errors = ResponsesErrors()
@@ -89,64 +87,74 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
     def serving(self) -> ResponsesServing:
         return ResponsesServing(self.config, self.store)
 
-    def parse(self, body: bytes, images: list[str]) -> ResponsesRequest:
+    async def parse(self, body: bytes, places: list[str]) -> ResponsesRequest:
         request = parse_responses_request(body)
         if request.previous_response_id is not None:
             # Where each image is named: a stored turn's by its response.
             stored = self.store.image_count(request.previous_response_id) or 0
-            images.extend("previous_response_id" for _ in range(stored))
-        images.extend(param for param, _ in image_urls(request.items))
+            places.extend("previous_response_id" for _ in range(stored))
+        places.extend(param for param, _ in image_urls(request.items))
         return request
 
-    async def send_whole(self, reply: Reply[ResponsesRequest]) -> None:
+    async def send_whole(
+        self, call: Generation[ResponsesRequest], output: EventStream
+    ) -> None:
         """The response object, once the generation ended (stored first)."""
-        head, output = self._head(reply), Output()
-        events, final = await self.whole(reply.events, reply.log)
+        head, items, parser = self._head(call), Output(), self.parser(call)
+        events, final = await self.whole(output, call.log)
         text = "".join(event.text for event in events)
-        done, _ = await self._finish(reply, head, output, final, text)
-        await reply.response.json(json.dumps(done).encode())
+        done, _ = await self._finish(call, head, items, final, text, parser)
+        await call.response.json(json.dumps(done).encode())
 
-    async def send_stream(self, reply: Reply[ResponsesRequest]) -> None:
+    async def send_stream(
+        self, call: Generation[ResponsesRequest], output: EventStream
+    ) -> None:
         """The events of each token as it comes, numbered from
         ``response.created`` and ``response.in_progress``; the last is
         ``response.completed`` (or ``response.incomplete``), sent once the
-        response is stored."""
-        head, output, response = self._head(reply), Output(), reply.response
-        response.errors = StreamErrors(head, output)
-        opening = sse(output.event("response.created", response=head)) + sse(
-            output.event("response.in_progress", response=head)
+        response is stored. A failure once it began is ``response.failed``."""
+        head, items, response = self._head(call), Output(), call.response
+        parser = self.parser(call)
+        opening = sse(items.event("response.created", response=head)) + sse(
+            items.event("response.in_progress", response=head)
         )
 
         def encode(event: TokenEvent) -> bytes:
-            parts = token_parts(reply.parser, event.text)
-            return b"".join(sse(e) for e in output.add(parts))
+            parts = token_parts(parser, event.text)
+            return b"".join(sse(e) for e in items.add(parts))
 
         final = await self.stream_tokens(
-            reply.events, response, reply.log, opening, encode
+            output,
+            response,
+            call.log,
+            opening,
+            encode,
+            failed=StreamErrors(head, items).event,
         )
-        done, data = await self._finish(reply, head, output, final, final.text)
+        done, data = await self._finish(call, head, items, final, final.text, parser)
         kind = "completed" if done["status"] == "completed" else "incomplete"
-        last = sse(output.event(f"response.{kind}", response=done))
+        last = sse(items.event(f"response.{kind}", response=done))
         await send_last(response, opening, data + last)
 
-    def _head(self, reply: Reply[ResponsesRequest]) -> dict[str, Any]:
+    def _head(self, call: Generation[ResponsesRequest]) -> dict[str, Any]:
         """The response object as it begins (``in_progress``)."""
         return response_object(
-            reply.request, item_id("resp"), int(time.time()), reply.model
+            call.request, item_id("resp"), int(time.time()), call.served.name
         )
 
     async def _finish(
         self,
-        reply: Reply[ResponsesRequest],
+        call: Generation[ResponsesRequest],
         head: dict[str, Any],
         output: Output,
         final: FinalEvent,
         text: str,
+        parser: AnswerParser | None,
     ) -> tuple[dict[str, Any], bytes]:
         """The answer's last ``text`` into ``output``, and the response object
         at the answer's end, stored unless the request says ``store: false``;
         with the events of that end of the output."""
-        events = output.add(last_parts(reply.parser, text, final))
+        events = output.add(last_parts(parser, text, final))
         if not output.items:
             events += output.add_empty_message()
         events += output.close()
@@ -157,8 +165,8 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
             done["incomplete_details"] = {"reason": "max_output_tokens"}
         done["output"] = copy.deepcopy(output.items)
         done["usage"] = usage(final)
-        if reply.request.store is not False:
-            await self._keep(done, reply.prepared, output)
+        if call.request.store is not False:
+            await self._keep(done, call.prepared, output)
         return done, b"".join(sse(event) for event in events)
 
     async def _keep(

@@ -1,5 +1,5 @@
 """The Responses API's one validation site: a parsed request checked against
-the served model's :class:`~..slots.Capabilities`, this server's
+the served model's :class:`~...events.ChatFacts`, this server's
 limits and the stored responses, and turned into the shared generation
 request.
 
@@ -44,7 +44,7 @@ from .protocol import JSONObjectFormat, JSONSchemaFormat
 
 if TYPE_CHECKING:
     from ...config import ServerConfig
-    from ..slots import Capabilities
+    from ...events import ChatFacts
     from .protocol import ResponsesRequest
     from .store import ResponseStore
 
@@ -75,9 +75,7 @@ class ResponsesServing:
         self.config = config
         self.store = store
 
-    async def prepare(
-        self, request: ResponsesRequest, capabilities: Capabilities
-    ) -> Continued:
+    async def prepare(self, request: ResponsesRequest, facts: ChatFacts) -> Continued:
         """Check ``request``; its generation request.
 
         Raises:
@@ -108,8 +106,8 @@ class ResponsesServing:
             else ({"role": "system", "content": request.instructions},)
         )
         messages = (*system, *history)
-        max_prompt = check_prompt_text(self.config, capabilities, text_chars(messages))
-        tool_format = capabilities.formats.tool_call
+        max_prompt = check_prompt_text(self.config, facts, text_chars(messages))
+        tool_format = facts.formats.tool_call
         if request.active_tools and tool_format is None:
             raise no_tool_call_format("function tools")
         most = max_tokens(self.config, "max_output_tokens", request.max_output_tokens)
@@ -120,11 +118,11 @@ class ResponsesServing:
             messages,
             most,
             max_prompt_tokens=max_prompt,
-            context_length=capabilities.context_length,
+            context_length=facts.context_length,
             grammar=grammar,
         )
         kwargs = request.template_kwargs
-        params = with_budget(params, capabilities, kwargs, request.thinking_budget)
+        params = with_budget(params, facts, kwargs, request.thinking_budget)
         urls += [url for _, url in image_urls(items)]
         refs = [ImageRef(index, url) for index, url in enumerate(urls)]
         limits = self.config.image_limits

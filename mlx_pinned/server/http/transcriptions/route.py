@@ -1,84 +1,107 @@
 """``POST /v1/audio/transcriptions`` and ``/v1/audio/translations``, in
-OpenAI's shape.
+OpenAI's shape: the transcription kind's doors.
 
-Event loop. A :class:`~..endpoint.ModelEndpoint` of the transcription
-kind: the base reads the body, keeps the deadline, watches the client,
-holds the model named by ``model`` (404 for one not served, 400 for
-another kind) and answers every error in OpenAI's shape, as the other
-routes do. The file is decoded in a worker thread under the server's audio
-limits (:mod:`...inputs.audio`), then the request takes a turn of its
-model's gate and the engine transcribes it on the MLX thread, a window at
-a time; a stream sends each window's text as it comes.
+Event loop. The file is decoded in a worker thread under the server's
+audio limits, at the model's rate (:mod:`...inputs.audio`); the engine
+transcribes it on the MLX thread a window at a time, and a stream sends
+each window's text as it comes.
 """
 
 from __future__ import annotations
 
-from contextlib import aclosing
-from typing import TYPE_CHECKING, ClassVar, cast
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar, TypeAlias
 
-from ...failures import AudioRefusedError
-from ..endpoint import ModelEndpoint
-from ..errors import APIError, api_error
-from ..wire import sse_event
+from ...transcripts import Task, TranscriptionEngine, TranscriptionParams, Window
+from ..door import Call, Door
+from ..wire import Body, sse_event
 from .protocol import TranscriptionForm, TranslationForm, parse_form
 from .serving import MEDIA_TYPES, Transcript, params, usage
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Sequence
-
-    from ...config import ModelKind
-    from ...media import LoadAudio
-    from ...transcripts import Task, TranscriptionEngine, Window
-    from ..wire import Body, RequestLog, ResponseWriter
+    from ...media import Audio
+    from ..wire import RequestLog, ResponseWriter
 
 __all__ = ["TranscriptionsEndpoint", "TranslationsEndpoint"]
 
 
-class TranscriptionsEndpoint(ModelEndpoint):
-    """The ASGI endpoint of ``POST /v1/audio/transcriptions``: the text
-    (``json``: ``{"text", "usage"}``), or the transcript as ``text``,
-    ``srt``, ``vtt`` or ``verbose_json``; with ``stream``, server-sent
+@dataclass(frozen=True, slots=True)
+class Upload:
+    """A form checked against its model: the file's bytes, and its request
+    once they are decoded (``params``)."""
+
+    data: bytes
+    make: Callable[[Audio], TranscriptionParams]
+    params: TranscriptionParams | None = None
+
+
+_Form: TypeAlias = tuple[TranslationForm, bytes]
+_Call: TypeAlias = Call[_Form, TranscriptionEngine, Upload]
+
+
+class TranscriptionsEndpoint(
+    Door[_Form, TranscriptionEngine, Upload, AsyncIterator[Window]]
+):
+    """The door of ``POST /v1/audio/transcriptions``: the text (``json``:
+    ``{"text", "usage"}``), or the transcript as ``text``, ``srt``, ``vtt``
+    or ``verbose_json``; with ``stream``, server-sent
     ``transcript.text.delta`` events and a ``transcript.text.done``."""
 
     route = "POST /v1/audio/transcriptions"
-    kind: ClassVar[ModelKind] = "transcription"
+    kind = "transcription"
+    prompt = "file"
     task: ClassVar[Task] = "transcribe"
     form: ClassVar[type[TranslationForm]] = TranscriptionForm
-    #: Decodes the file under the server's limits (``app.py`` sets it).
-    load_audio: LoadAudio
 
-    def error_for(self, exc: BaseException, images: Sequence[str]) -> APIError | None:
-        if isinstance(exc, AudioRefusedError):
-            message = f"Invalid file: {exc.message}"
-            return APIError(400, message, param="file", code=exc.code)
-        return api_error(exc, retry_after=self.config.retry_after, prompt="file")
+    async def parse(self, body: Body, places: list[str]) -> _Form:
+        places.append("file")
+        return await parse_form(body, body.content_type, self.form)
 
-    async def handle(
-        self, body: Body, response: ResponseWriter, log: RequestLog, images: list[str]
-    ) -> None:
-        form, data = await parse_form(body, body.content_type, self.form)
-        async with self.resident(form.model, log) as (served, resident):
-            engine = cast("TranscriptionEngine", resident)
-            audio = await self.load_audio(data, engine.sample_rate)
-            request = params(form, audio, engine, self.task)
-            transcript = Transcript(self.task, dict(engine.languages), audio.seconds)
-            log.stream = stream = getattr(form, "stream", False)
-            windows = engine.transcribe(request)
-            async with served.gate.turn(), aclosing(windows):
-                if stream:
-                    await _stream(windows, transcript, response, log)
-                    return
-                async for window in windows:
-                    transcript.windows.append(window)
-                    log.completion_tokens += _tokens(window)
-            kind = form.response_format
-            headers = [(b"content-type", MEDIA_TYPES[kind])]
-            await response.whole(transcript.body(form), headers)
+    def model_name(self, request: _Form) -> str:
+        return request[0].model
+
+    def streamed(self, request: _Form) -> bool:
+        return bool(getattr(request[0], "stream", False))
+
+    async def prepare(self, request: _Form, engine: TranscriptionEngine) -> Upload:
+        form, data = request
+        return Upload(data, params(form, engine, self.task))
+
+    async def media(
+        self, prepared: Upload, engine: TranscriptionEngine, log: RequestLog
+    ) -> Upload:
+        audio = await self.wiring.decoders.audio(prepared.data, engine.sample_rate)
+        return replace(prepared, params=prepared.make(audio))
+
+    @asynccontextmanager
+    async def run(self, call: _Call) -> AsyncIterator[AsyncIterator[Window]]:
+        assert call.prepared.params is not None, "media decoded it"
+        async with aclosing(call.engine.transcribe(call.prepared.params)) as windows:
+            yield windows
+
+    def _transcript(self, call: _Call) -> Transcript:
+        assert call.prepared.params is not None, "media decoded it"
+        seconds = call.prepared.params.audio.seconds
+        return Transcript(self.task, dict(call.engine.languages), seconds)
+
+    async def send_whole(self, call: _Call, output: AsyncIterator[Window]) -> None:
+        transcript = self._transcript(call)
+        async for window in output:
+            transcript.windows.append(window)
+            call.log.completion_tokens += _tokens(window)
+        form = call.request[0]
+        headers = [(b"content-type", MEDIA_TYPES[form.response_format])]
+        await call.response.whole(transcript.body(form), headers)
+
+    async def send_stream(self, call: _Call, output: AsyncIterator[Window]) -> None:
+        await _stream(output, self._transcript(call), call.response, call.log)
 
 
 class TranslationsEndpoint(TranscriptionsEndpoint):
-    """The ASGI endpoint of ``POST /v1/audio/translations``: the speech in
-    English, in the same formats (no ``language``, no ``stream``)."""
+    """The door of ``POST /v1/audio/translations``: the speech in English,
+    in the same formats (no ``language``, no ``stream``)."""
 
     route = "POST /v1/audio/translations"
     task: ClassVar[Task] = "translate"

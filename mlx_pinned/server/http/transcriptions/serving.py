@@ -5,9 +5,10 @@ OpenAI's ``response_format``\\ s. Event loop; plain CPU.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...transcripts import Segment, Task, TranscriptionParams, Window
@@ -31,9 +32,10 @@ MEDIA_TYPES = {
 
 
 def params(
-    form: TranslationForm, audio: Audio, engine: TranscriptionEngine, task: Task
-) -> TranscriptionParams:
-    """The shared request of ``form`` for ``engine``.
+    form: TranslationForm, engine: TranscriptionEngine, task: Task
+) -> Callable[[Audio], TranscriptionParams]:
+    """The shared request of ``form`` for ``engine``, given its audio once
+    decoded.
 
     Raises:
         APIError: 400: a language the model does not know, a translation by
@@ -95,8 +97,8 @@ def params(
             param="model",
             code="invalid_value",
         )
-    return TranscriptionParams(
-        audio,
+    return functools.partial(
+        TranscriptionParams,
         task=task,
         language=language,
         prompt=form.prompt,

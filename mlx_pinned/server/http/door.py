@@ -1,0 +1,289 @@
+"""A door: one API route that serves a kind of model, and the one skeleton
+every door runs.
+
+Event loop only. :meth:`Door.handle` is written once: parse the body, hold
+the model it names (of the door's kind, loaded first if needed), check the
+request against it (``prepare``), decode its media off the loop, take a
+turn of the model's gate, run it on the engine and write the answer whole
+or streamed. A door fills in those steps; it never formats an error: every
+failure is answered by its API's one table (:attr:`Door.errors`), naming
+the door's :attr:`Door.prompt` for a refused prompt.
+
+A status code is chosen only before the first byte: the engine's work that
+can fail (prefill) runs before a stream starts, so a bad request is a 4xx,
+never a 200 that carries an error; a later failure is the stream's own
+error event. One deadline (``request_timeout``) covers everything after the
+body was read; past it the answer is a 504 and the engine's work is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+import anyio
+
+from ..kinds import kind_named
+from .errors import APIError, internal_error, thread_unavailable, timed_out
+from .wire import (
+    OPENAI_ERRORS,
+    Body,
+    Disconnected,
+    ErrorShape,
+    RequestLog,
+    ResponseWriter,
+    cancel_on_disconnect,
+    read_body,
+)
+
+if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
+
+    from mlx_pinned import MLXThread
+
+    from ..config import ServerConfig
+    from ..media import Decoders
+    from .metrics import ServerMetrics
+    from .residency import Residency
+    from .served_models import ServedModel, ServedModels
+    from .turns import LoopTurns
+
+__all__ = ["Call", "Door", "Wiring"]
+
+logger = logging.getLogger("mlx_pinned.server")
+
+RequestT = TypeVar("RequestT")
+EngineT = TypeVar("EngineT")
+PreparedT = TypeVar("PreparedT")
+OutputT = TypeVar("OutputT")
+
+
+@dataclass(frozen=True, slots=True)
+class Wiring:
+    """What every door is built with (``app.py`` makes one).
+
+    Attributes:
+        config: The server's settings.
+        thread: The MLX thread.
+        models: The served models.
+        residency: Loads, holds and unloads them.
+        turns: Fair turns of the event loop between requests.
+        decoders: Decode a request's media off the loop.
+        metrics: Counts each request (None: not counted).
+    """
+
+    config: ServerConfig
+    thread: MLXThread
+    models: ServedModels
+    residency: Residency
+    turns: LoopTurns
+    decoders: Decoders
+    metrics: ServerMetrics | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[RequestT, EngineT, PreparedT]):
+    """One request as a door's steps after ``prepare`` see it.
+
+    Attributes:
+        request: What ``parse`` made of the body.
+        served: The model it names.
+        engine: That model's engine, of the door's kind.
+        prepared: What ``prepare`` (then ``media``) made of the request.
+        response: Where the answer goes.
+        log: The request's log line.
+    """
+
+    request: RequestT
+    served: ServedModel
+    engine: EngineT
+    prepared: PreparedT
+    response: ResponseWriter
+    log: RequestLog
+
+
+class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
+    """The ASGI endpoint of one API route; see the module.
+
+    A client that disconnects, while waiting or while its engine runs,
+    cancels its request: work that has not started never starts, running
+    work is closed on the MLX thread.
+
+    Attributes:
+        route: The method and path, for the log line.
+        kind: The kind of model it serves (another kind's model is a 400
+            that names where to send it).
+        errors: Its API's error table and shape.
+        prompt: The request's part a refused prompt or input is named by.
+        gated: Whether its run takes a turn of the model's gate (a door
+            that generates nothing takes none).
+    """
+
+    route: ClassVar[str]
+    kind: ClassVar[str] = "chat"
+    errors: ClassVar[ErrorShape] = OPENAI_ERRORS
+    prompt: ClassVar[str] = "messages"
+    gated: ClassVar[bool] = True
+
+    def __init__(self, wiring: Wiring) -> None:
+        self.wiring = wiring
+        self.config = wiring.config
+        # The kind's engine protocol: the one check that types the engine.
+        self.protocol: type[EngineT] = kind_named(self.kind).protocol
+
+    # -- the steps a door fills in ------------------------------------------
+
+    @abstractmethod
+    async def parse(self, body: Body, places: list[str]) -> RequestT:
+        """The request in ``body``; where each of its media parts is, in
+        prompt order per kind, added to ``places`` (to name a refused one)."""
+
+    def model_name(self, request: RequestT) -> str:
+        """The served model the request names."""
+        name: str = getattr(request, "model")  # noqa: B009 every API's field
+        return name
+
+    def streamed(self, request: RequestT) -> bool:
+        """Whether the answer is streamed (else written whole)."""
+        return bool(getattr(request, "stream", False))
+
+    @abstractmethod
+    async def prepare(self, request: RequestT, engine: EngineT) -> PreparedT:
+        """``request`` checked against its model (before any wait for the
+        gate), as the engine takes it."""
+
+    async def media(
+        self, prepared: PreparedT, engine: EngineT, log: RequestLog
+    ) -> PreparedT:
+        """``prepared`` with its media decoded off the loop (none here)."""
+        return prepared
+
+    def gate(
+        self, call: Call[RequestT, EngineT, PreparedT]
+    ) -> AbstractAsyncContextManager[Any]:
+        """A turn of the model's gate for the run, lowest priority first
+        (none where the door is not :attr:`gated`)."""
+        if not self.gated:
+            return nullcontext()
+        return call.served.gate.turn(getattr(call.prepared, "priority", 0))
+
+    @abstractmethod
+    def run(
+        self, call: Call[RequestT, EngineT, PreparedT]
+    ) -> AbstractAsyncContextManager[OutputT]:
+        """The engine's work for ``call``, closed on the MLX thread when the
+        block ends, however it ends."""
+
+    @abstractmethod
+    async def send_whole(
+        self, call: Call[RequestT, EngineT, PreparedT], output: OutputT
+    ) -> None:
+        """Write the whole answer."""
+
+    async def send_stream(
+        self, call: Call[RequestT, EngineT, PreparedT], output: OutputT
+    ) -> None:
+        """Write the answer as it is made (the status with its first piece,
+        so a failure before it is still an error status)."""
+        await self.send_whole(call, output)
+
+    # -- the skeleton -------------------------------------------------------
+
+    async def handle(
+        self, body: Body, response: ResponseWriter, log: RequestLog, places: list[str]
+    ) -> None:
+        """parse -> resident -> prepare -> media -> gate -> run -> write."""
+        request = await self.parse(body, places)
+        log.stream = self.streamed(request)
+        async with self.resident(self.model_name(request), log) as (served, engine):
+            prepared = await self.prepare(request, engine)
+            prepared = await self.media(prepared, engine, log)
+            call = Call(request, served, engine, prepared, response, log)
+            arrived = time.perf_counter()
+            async with self.gate(call):
+                if self.gated:
+                    log.queued = time.perf_counter() - arrived
+                async with self.run(call) as output:
+                    if log.stream:
+                        await self.send_stream(call, output)
+                    else:
+                        await self.send_whole(call, output)
+
+    @asynccontextmanager
+    async def resident(
+        self, name: str, log: RequestLog
+    ) -> AsyncIterator[tuple[ServedModel, EngineT]]:
+        """The model served as ``name``, of this door's kind, and its engine,
+        held for the block (loaded first if needed; never unloaded under it).
+
+        Raises:
+            APIError: 404 for a model not served, 400 for one of another kind.
+        """
+        served = self.wiring.models.get(name)
+        log.model = served.name
+        served.check_kind(self.kind, self.route.partition(" ")[2])
+        async with self.wiring.residency.use(served) as engine:
+            if not isinstance(engine, self.protocol):
+                raise TypeError(f"{served.name}'s engine is not a {self.kind} engine")
+            yield served, engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        log = RequestLog(
+            start=time.perf_counter(), client=_client(scope), route=self.route
+        )
+        response = ResponseWriter(send, self.errors)
+        try:
+            await self.wiring.turns.checkpoint()
+            body = await read_body(scope, receive, self.config.max_body_bytes)
+            timeout = self.config.request_timeout
+            deadline = anyio.current_time() + timeout if timeout else math.inf
+            # One scope: the deadline cancels it, and so does the watcher
+            # when the client goes away (it marks the log first).
+            with anyio.CancelScope(deadline=deadline) as limit:
+                async with cancel_on_disconnect(receive, limit, response, log):
+                    await self._answer(body, response, log)
+            if limit.cancelled_caught and not log.disconnected:
+                await response.error(timed_out(timeout))
+        except Disconnected:
+            log.disconnected = True
+        except APIError as error:
+            await response.error(error)
+        finally:
+            log.status = response.status or (499 if log.disconnected else 0)
+            log.emit()
+            if self.wiring.metrics is not None:
+                self.wiring.metrics.observe(log)
+
+    async def _answer(
+        self, body: Body, response: ResponseWriter, log: RequestLog
+    ) -> None:
+        """Handle the request; every error becomes an answer (none escapes)."""
+        places: list[str] = []
+        try:
+            if self.wiring.thread.closed:  # fail fast: nothing will ever run
+                raise thread_unavailable()
+            await self.handle(body, response, log, places)
+        except Exception as exc:
+            error = self.errors.answer(
+                exc,
+                retry_after=self.config.retry_after,
+                places=places,
+                prompt=self.prompt,
+            )
+            if error is None:
+                logger.exception("%s failed", self.route)
+                error = internal_error()
+            elif error.status == 500:  # the body names nothing: the log does
+                logger.error("%s failed", self.route, exc_info=exc)
+            await response.error(error)
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else ""

@@ -1,0 +1,14 @@
+"""The rerank kind: ``/v1/rerank`` (and vLLM's ``/rerank``, ``/v2/rerank``).
+Any thread."""
+
+from __future__ import annotations
+
+from ...encoders import RerankEngine
+from .. import Kind
+
+KIND = Kind(
+    name="rerank",
+    what="a rerank model",
+    paths=("/v1/rerank", "/rerank", "/v2/rerank"),
+    protocol=RerankEngine,
+)
