@@ -302,6 +302,27 @@ class TestPrediction:
                 )
             assert caught.value.body["param"] == "prediction"  # type: ignore[index]
 
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+    async def test_beside_bad_words_it_is_used(self, serve: Serve) -> None:
+        asked: dict[str, Any] = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Say it twice."}],
+            "max_tokens": 32,
+            "temperature": 0,
+        }
+        async with serve() as served:
+            free = (await served.chat(asked)).json()["choices"][0]["message"]
+            words = free["content"].split()
+            barred = {**asked, "bad_words": [words[len(words) // 2]]}
+            plain = (await served.chat(barred)).json()
+            guess = {"type": "content", "content": free["content"]}
+            again = (await served.chat({**barred, "prediction": guess})).json()
+        text = plain["choices"][0]["message"]["content"]
+        assert again["choices"][0]["message"]["content"] == text
+        details = again["usage"]["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] > 0
+
 
 class TestToolMessages:
     def test_tool_turns_reach_the_template_as_hermes_templates_read_them(

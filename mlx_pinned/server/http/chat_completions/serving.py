@@ -182,7 +182,6 @@ def check_prediction(params: GenerationParams) -> None:
     sampling = params.sampling
     beside = [
         ("a grammar (response_format or a forced tool call)", params.grammar),
-        ("logit_bias", sampling.logit_bias),
         ("penalties", sampling.penalized),
         ("a thinking budget", params.thinking_budget is not None),
     ]
