@@ -300,7 +300,9 @@ class TestPrediction:
                 await sdk.chat.completions.create(
                     **asked, prediction=guess, response_format={"type": "json_object"}
                 )
-            assert caught.value.body["param"] == "prediction"  # type: ignore[index]
+            error = caught.value.body
+            assert error["param"] == "prediction"  # type: ignore[index]
+            assert "response_format" in error["message"]  # type: ignore[index]
 
     @pytest.mark.anyio
     @pytest.mark.parametrize("anyio_backend", ["asyncio"])
@@ -322,6 +324,27 @@ class TestPrediction:
         assert again["choices"][0]["message"]["content"] == text
         details = again["usage"]["completion_tokens_details"]
         assert details["accepted_prediction_tokens"] > 0
+
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+    async def test_beside_a_penalty_it_is_refused_naming_both(
+        self, serve: Serve
+    ) -> None:
+        guess = {"type": "content", "content": "a b"}
+        penalties = {
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.5,
+            "repetition_penalty": 1.2,
+        }
+        async with serve() as served:
+            for name, value in penalties.items():
+                body = {**vision_body(prediction=guess), name: value}
+                response = await served.chat(body)
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["param"] == "prediction"
+                assert "'prediction'" in error["message"]
+                assert name in error["message"]
 
 
 class TestToolMessages:

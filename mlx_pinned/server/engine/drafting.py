@@ -33,12 +33,11 @@ a row whose share falls under :data:`FLOOR` rests: it drafts nothing for
 the ordinary pipelined step (a speculative step is not pipelined).
 
 A step speculates only when every row of the batch can: a plain, trimmable
-KV cache (checked at install), no grammar, no thinking budget and no
-penalties (their logits depend on the tokens before them in the step); a
-row's bad words are barred at each position from the drafts before it.
-Otherwise, and when no row has a draft, the ordinary pipelined step runs.
-A speculative step is not pipelined: its drafts need its rows' last tokens
-read.
+KV cache (checked at install), and no row whose needs it cannot verify
+(:attr:`..row_needs.RowNeeds.undraftable`); a row's bad words are barred at
+each position from the drafts before it. Otherwise, and when no row has a
+draft, the ordinary pipelined step runs. A speculative step is not
+pipelined: its drafts need its rows' last tokens read.
 """
 
 from __future__ import annotations
@@ -118,13 +117,6 @@ class DraftSource(Protocol):
     def reset(self) -> None:
         """Forget every row: the step failed."""
         ...
-
-
-def can_draft(row: Row) -> bool:
-    """Whether a row's logits at every position of a speculative step are
-    the ones a one-token step would give it (no mask, forcing or penalty
-    reads the tokens before them)."""
-    return row.matcher is None and row.thinking is None and not row.sampling.penalized
 
 
 def install(state: BatchState, settings: DraftSettings) -> None:
@@ -239,7 +231,7 @@ class Drafting:
             return False  # nothing would draft
         if all(resting(row) for row in batch.rows):
             return False  # pipelined until a row tries again
-        return all(can_draft(row) for row in live)
+        return not any(row.needs.undraftable for row in live)
 
     def verify(self, batch: BatchState) -> Stepped | None:
         """One forward pass over every row's last token and its drafts; each
