@@ -300,7 +300,51 @@ class TestPrediction:
                 await sdk.chat.completions.create(
                     **asked, prediction=guess, response_format={"type": "json_object"}
                 )
-            assert caught.value.body["param"] == "prediction"  # type: ignore[index]
+            error = caught.value.body
+            assert error["param"] == "prediction"  # type: ignore[index]
+            assert "response_format" in error["message"]  # type: ignore[index]
+
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+    async def test_beside_bad_words_it_is_used(self, serve: Serve) -> None:
+        asked: dict[str, Any] = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Say it twice."}],
+            "max_tokens": 32,
+            "temperature": 0,
+        }
+        async with serve() as served:
+            free = (await served.chat(asked)).json()["choices"][0]["message"]
+            words = free["content"].split()
+            barred = {**asked, "bad_words": [words[len(words) // 2]]}
+            plain = (await served.chat(barred)).json()
+            guess = {"type": "content", "content": free["content"]}
+            again = (await served.chat({**barred, "prediction": guess})).json()
+        text = plain["choices"][0]["message"]["content"]
+        assert again["choices"][0]["message"]["content"] == text
+        details = again["usage"]["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] > 0
+
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+    async def test_beside_a_penalty_it_is_refused_naming_both(
+        self, serve: Serve
+    ) -> None:
+        guess = {"type": "content", "content": "a b"}
+        penalties = {
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.5,
+            "repetition_penalty": 1.2,
+        }
+        async with serve() as served:
+            for name, value in penalties.items():
+                body = {**vision_body(prediction=guess), name: value}
+                response = await served.chat(body)
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["param"] == "prediction"
+                assert "'prediction'" in error["message"]
+                assert name in error["message"]
 
 
 class TestToolMessages:

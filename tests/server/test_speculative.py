@@ -200,9 +200,23 @@ class TestLimits:
     ) -> None:
         off, on = engines(thread, loaded_lm)
         reqs = [echo(0, 24), echo(1, 24, presence_penalty=0.5)]
-        reqs.append(echo(2, 24, logit_bias=((7, 2.0),)))
+        reqs.append(echo(2, 24, repetition_penalty=1.2))
         assert_same(interleaved(thread, on, reqs), interleaved(thread, off, reqs))
         assert on.statistics().speculative_steps == 0
+
+    def test_rows_with_bad_words_or_a_logit_bias_draft_and_answer_the_same(
+        self, thread: MLXThread, loaded_lm: LoadedModel
+    ) -> None:
+        off, on = engines(thread, loaded_lm)
+        (free,) = interleaved(
+            thread, off, [echo(0, 32, return_tokens_as_token_ids=True)]
+        )
+        word = two_token_word(loaded_lm, free, 4)
+        reqs = [echo(0, 32, bad_words=(word,)), echo(1, 32, logit_bias=((7, 2.0),))]
+        batched = interleaved(thread, on, reqs)
+        assert_same(batched, interleaved(thread, off, reqs))
+        assert text_of(batched[0]) != text_of(free)  # the word was barred
+        assert kept_drafts(on) > 0
 
 
 class TestRunningAcceptance:
@@ -253,6 +267,24 @@ class TestRunningAcceptance:
         assert rests.speculative_steps < always.speculative_steps / 2
 
 
+def two_token_word(loaded: LoadedModel, answer: list[Event], after: int) -> str:
+    """A word ``answer`` (its tokens named by id) writes as two tokens in a
+    row, past its first ``after``, that the word's text tokenizes back to."""
+    ids = []
+    for event in answer:
+        if isinstance(event, TokenEvent):
+            assert event.logprobs is not None
+            ids.append(int(event.logprobs.token.removeprefix("token_id:")))
+    encode, decode = loaded.tokenizer.encode, loaded.tokenizer.decode
+    word: str = next(
+        text
+        for i in range(after, len(ids) - 1)
+        if ids[i] != ids[i + 1]
+        and encode(text := decode(ids[i : i + 2]).lstrip()) == ids[i : i + 2]
+    )
+    return word
+
+
 def text_of(events: list[Event]) -> str:
     return "".join(e.text for e in events if isinstance(e, TokenEvent)) + (
         events[-1].text if isinstance(events[-1], FinalEvent) else ""
@@ -291,6 +323,30 @@ class TestPredictions:
         assert final.accepted_prediction_tokens > 10
         assert final.rejected_prediction_tokens > 0  # the edit was refused
         assert kept_drafts(predicted) == final.accepted_prediction_tokens
+
+    def test_a_prediction_beside_bad_words_is_used_and_the_words_barred(
+        self, thread: MLXThread, loaded_lm: LoadedModel
+    ) -> None:
+        plain, predicted = (
+            BatchEngine(loaded_lm, thread),
+            BatchEngine(loaded_lm, thread),
+        )
+        (free,) = interleaved(
+            thread, plain, [echo(0, 48, return_tokens_as_token_ids=True)]
+        )
+        word = two_token_word(loaded_lm, free, 8)
+        alone = interleaved(thread, plain, [echo(0, 48, bad_words=(word,))])
+        # The prediction drafts the word: each draft is barred as a one-token
+        # step bars it, from the tokens (drafts too) before it.
+        guess = text_of(free)
+        assert text_of(alone[0]) != guess
+        reqs = [echo(0, 48, bad_words=(word,), prediction=guess)]
+        with_it = interleaved(thread, predicted, reqs)
+        assert_same(with_it, alone)
+        final = with_it[0][-1]
+        assert isinstance(final, FinalEvent)
+        assert final.accepted_prediction_tokens > 5
+        assert final.rejected_prediction_tokens > 0  # the word, at least
 
     def test_a_row_with_a_prediction_beside_one_without(
         self, thread: MLXThread, loaded_lm: LoadedModel

@@ -192,11 +192,13 @@ class TestSpeculative:
         assert on.statistics().accepted_tokens > 0
         assert final(off[0]).stop_reason == ids[10]  # vLLM's, the stop token
         assert len(tokens(off[2])) == 20  # min_tokens is max_tokens
-        # A row that bars bad words reads its last tokens: it never drafts.
+        # A row that bars bad words drafts: each position barred as alone.
+        kept = on.statistics().accepted_tokens
         banned = [echo(3, 16, bad_words=("two", "three one"))]
         (alone,) = [run(thread, loaded_lm, req)[0] for req in banned]
         (mine,) = interleaved(thread, on, banned)
         assert max_logprob_difference(mine, alone) <= TOL
+        assert on.statistics().accepted_tokens > kept
 
 
 async def chat(serve: Serve, **fields: Any) -> dict[str, Any]:

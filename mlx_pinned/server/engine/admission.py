@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from ..failures import ImagesUnsupportedError, InvalidGrammarError
+from ..row_needs import Reason, needs_of
 from .logits import GrammarMatcher, banned_sequences, new_matcher, prompt_seen
 from .prefill import MEDIA_TOKENS, preprocess
 from .prompt_cache import audio_hash, image_hash, prompt_key
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from ..events import GenerationParams, Grammar, SamplingParams
+    from ..row_needs import RowNeeds
     from .model import LoadedModel
 
 __all__ = ["make_row", "media_tokens"]
@@ -54,6 +56,7 @@ def make_row(
         # callers, as a text model's prompt would silently drop the image.
         raise ImagesUnsupportedError()
     sampling = resolve_sampling(loaded, params.sampling)
+    needs = needs_of(params)
     prepared = preprocess(loaded, params, images)
     prepared.scored = sampling.prompt_logprobs
     # Refused before anything is prefilled.
@@ -61,11 +64,12 @@ def make_row(
     row = Row(
         max_tokens=max(params.max_tokens, 1),  # 0: one sampled, none handed out
         sampling=sampling,
+        needs=needs,
         prompt_tokens=prepared.prompt_tokens,
         token=prepared.last,
         prepared=prepared,
         matcher=_matcher(loaded, params.grammar),
-        thinking=_thinking(loaded, params),
+        thinking=_thinking(loaded, params, needs),
         banned=tuple(map(tuple, banned_sequences(loaded, sampling.bad_words))),
     )
     if params.prediction:
@@ -145,13 +149,16 @@ def _matcher(loaded: LoadedModel, grammar: Grammar | None) -> GrammarMatcher | N
         raise InvalidGrammarError(f"{exc}.") from None
 
 
-def _thinking(loaded: LoadedModel, params: GenerationParams) -> ThinkingBudget | None:
-    """The row's thinking budget, its markers tokenized; None without a
-    budget, without markers, or under a grammar (a constrained answer does
-    not reason)."""
-    budget, markers = params.thinking_budget, params.thinking_markers
-    if budget is None or markers is None or params.grammar is not None:
+def _thinking(
+    loaded: LoadedModel, params: GenerationParams, needs: RowNeeds
+) -> ThinkingBudget | None:
+    """The row's thinking budget, its markers tokenized; None where its
+    needs have none, or its closing marker has no tokens."""
+    if Reason.THINKING_BUDGET not in needs.reasons:
         return None
+    budget, markers = params.thinking_budget, params.thinking_markers
+    assert budget is not None  # as needs_of found it
+    assert markers is not None
     opening, closing = (_marker_ids(loaded, text) for text in markers)
     if not closing:
         return None

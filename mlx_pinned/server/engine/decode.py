@@ -6,9 +6,10 @@ joins) and then asks it for one strategy's step; the strategy returns what
 it did (:class:`Stepped`) and the batch applies it. Steps are pipelined as
 mlx-vlm's own generation loop is: the next step is built on this step's
 tokens before they are read. :meth:`Decoder.pipelined` runs the plain step
-or, with a grammar row in the batch, the constrained one (grammar rows may
-draw unmasked through the :class:`~.speculation.Speculation` policy, where it
-pays); :meth:`Decoder.drain` reads the step in flight and starts none (a
+or, with a constrained row in the batch (:meth:`.Row.constrained`), the
+constrained one (grammar rows may draw unmasked through the
+:class:`~.speculation.Speculation` policy, where it pays);
+:meth:`Decoder.drain` reads the step in flight and starts none (a
 speculative step of :mod:`.drafting` follows). :func:`first_tokens` samples
 prompts' first tokens from their prefill.
 """
@@ -125,7 +126,7 @@ class Decoder:
         row that ends otherwise (end of turn, stop string) had its next
         token computed for nothing, and dropped."""
         assert self.inflight is not None, "no step in flight"
-        if self._constrained(batch):
+        if any(row.constrained() for row in batch.rows):
             return self._constrained_step(batch)
         (rows, pending), self.inflight = self.inflight, None
         forward = self._forward(batch, (rows, pending))
@@ -134,12 +135,12 @@ class Decoder:
         return Stepped(rows_read, tokens, width)
 
     def _constrained_step(self, batch: BatchState) -> Stepped:
-        """The step of a batch with a grammar row: a grammar's mask needs
-        this step's tokens. The next forward pass starts on them unread,
-        they are read and checked while it computes, then its logits are
-        masked and sampled. Where a grammar refuses a token drawn without
-        its mask, the row is drawn again and the pass built again
-        (:meth:`.Speculation.check`, :meth:`.Speculation.rebuild`)."""
+        """The step of a batch with a constrained row (:meth:`.Row.constrained`):
+        its mask needs this step's tokens. The next forward pass starts on
+        them unread, they are read and checked while it computes, then its
+        logits are masked and sampled. Where a grammar refuses a token
+        drawn without its mask, the row is drawn again and the pass built
+        again (:meth:`.Speculation.check`, :meth:`.Speculation.rebuild`)."""
         assert self.inflight is not None
         (rows, pending), self.inflight = self.inflight, None
         speculation = self.speculation
@@ -159,20 +160,6 @@ class Decoder:
             forward = speculation.rebuild(forward, batch.cache or (), again)
         width = 0 if forward is None else self._sample(batch, forward, after_read=True)
         return Stepped(rows_read, tokens, width)
-
-    def _constrained(self, batch: BatchState) -> bool:
-        """Whether a row in the batch follows a grammar, may have its
-        thinking's closing marker forced, or bars bad words: its next mask
-        needs its last token read."""
-        return any(
-            (
-                row.matcher is not None
-                or (row.thinking and row.thinking.open)
-                or row.banned
-            )
-            and not (row.gone or row.done)
-            for row in batch.rows
-        )
 
     def _forward(
         self,
@@ -240,7 +227,7 @@ class Decoder:
         ]
         logits = constrain(forward.logits, matchers)
         # The rows' budgets are current: a step built before its rows' last
-        # tokens are read has no row still thinking (see _constrained).
+        # tokens are read has no row still thinking (see Row.constrained).
         logits = force(logits, rows)
         logits = ban_words(logits, rows)
         bias = self._bias_matrix(rows, logits)

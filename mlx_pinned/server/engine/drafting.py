@@ -33,11 +33,11 @@ a row whose share falls under :data:`FLOOR` rests: it drafts nothing for
 the ordinary pipelined step (a speculative step is not pipelined).
 
 A step speculates only when every row of the batch can: a plain, trimmable
-KV cache (checked at install), no grammar, no thinking budget, no penalties
-and no logit bias (their logits depend on the tokens before them in the
-step). Otherwise, and when no row has a draft, the ordinary pipelined step
-runs. A speculative step is not pipelined: its drafts need its rows' last
-tokens read.
+KV cache (checked at install), and no row whose needs it cannot verify
+(:attr:`..row_needs.RowNeeds.undraftable`); a row's bad words are barred at
+each position from the drafts before it. Otherwise, and when no row has a
+draft, the ordinary pipelined step runs. A speculative step is not
+pipelined: its drafts need its rows' last tokens read.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from ..config_checks import SettingError
 from ..failures import RequestError
 from .decode import Stepped
 from .draft_model import DraftModel
+from .logits import ban_words, bias_rows
 from .prompt_lookup import History, PromptLookup, follow
 from .quirks import cut_back, uncuttable_kinds
 from .rows import read
@@ -116,20 +117,6 @@ class DraftSource(Protocol):
     def reset(self) -> None:
         """Forget every row: the step failed."""
         ...
-
-
-def can_draft(row: Row) -> bool:
-    """Whether a row's logits at every position of a speculative step are
-    the ones a one-token step would give it (no mask, forcing, penalty or
-    bias reads the tokens before them)."""
-    return (
-        row.matcher is None
-        and row.thinking is None
-        and not row.sampling.logit_bias
-        and row.counts is None
-        and not row.sampling.penalized
-        and not row.banned
-    )
 
 
 def install(state: BatchState, settings: DraftSettings) -> None:
@@ -245,7 +232,7 @@ class Drafting:
             return False  # nothing would draft
         if all(resting(row) for row in batch.rows):
             return False  # pipelined until a row tries again
-        return all(can_draft(row) for row in live)
+        return not any(row.needs.undraftable for row in live)
 
     def verify(self, batch: BatchState) -> Stepped | None:
         """One forward pass over every row's last token and its drafts; each
@@ -269,10 +256,17 @@ class Drafting:
             output = batch.lm(mx.array(inputs, dtype=mx.uint32), cache=cache, **kwargs)
             logits = output.logits
             flat = logits.reshape(-1, logits.shape[-1])
-            # Row i's position j is drawn as its token at sampled + j.
+            # Row i's position j is drawn as its token at sampled + j, after
+            # its inputs up to j.
             at = [row for row in rows for _ in range(width + 1)]
             ahead = [j for _ in rows for j in range(width + 1)]
-            sampled = collect(draw(flat, at, None, [c.state for c in cache], ahead))
+            if any(row.banned for row in rows):
+                flat = ban_words(flat, _positions(rows, inputs))
+            bias = bias_rows(rows, flat)
+            if bias is not None:
+                bias = mx.repeat(bias, width + 1, axis=0)
+            states = [c.state for c in cache]
+            sampled = collect(draw(flat, at, bias, states, ahead))
         except BaseException:
             if self.source is not None:
                 self.source.reset()
@@ -316,6 +310,26 @@ class Drafting:
     def _settle(self, rows: list[Row], kept: list[int]) -> None:
         if self.source is not None:
             self.source.settle(rows, kept)
+
+
+@dataclass
+class _Position:
+    """A row at one position of a speculative step, as barring its bad
+    words reads it (:class:`.logits.Banning`)."""
+
+    banned: tuple[tuple[int, ...], ...]
+    recent: list[int]
+    done: bool
+
+
+def _positions(rows: Sequence[Row], inputs: list[list[int]]) -> list[_Position]:
+    """Each row at each position of a step over ``inputs`` (its last token
+    and its drafts): its tokens so far are its own and the drafts before."""
+    return [
+        _Position(row.banned, [*row.recent, *row_inputs[1 : j + 1]], row.done)
+        for row, row_inputs in zip(rows, inputs, strict=True)
+        for j in range(len(row_inputs))
+    ]
 
 
 def _accepted(items: Sequence[Sampled], drafts: Sequence[int]) -> int:

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..events import SamplingParams
+from ..row_needs import Reason, RowNeeds
 from .logits import GrammarMatcher, advance
 from .prefill import Prepared, PromptScores
 from .prompt_cache import Key
@@ -32,6 +33,8 @@ class Row:
         max_tokens: Most tokens to sample.
         sampling: Its request's sampling, resolved: the checkpoint's defaults
             filled in (temperature 0 is greedy) and its seed drawn.
+        needs: What its logits read of the tokens before them, decided
+            from its request at admission (:func:`..row_needs.needs_of`).
         prompt_tokens: Tokens in the prompt, image tokens included.
         token: The last sampled token: the next step's input, not yet cached.
         sampled: Tokens sampled so far; also the next sampling position.
@@ -65,6 +68,7 @@ class Row:
 
     max_tokens: int
     sampling: SamplingParams
+    needs: RowNeeds = field(default_factory=RowNeeds)
     prompt_tokens: int = 0
     token: int = 0
     sampled: int = 0
@@ -90,6 +94,18 @@ class Row:
     acceptance: float = 1.0
     rest: int = 0
     rests_until: int = 0
+
+    def constrained(self) -> bool:
+        """Whether its next mask needs its last token read: its needs say so
+        and it is not done (a thinking budget only while it can still
+        force a token)."""
+        if self.gone or self.done or not self.needs.constrained:
+            return False
+        closed = self.thinking is None or not self.thinking.open
+        return any(
+            reason.constrains and not (reason is Reason.THINKING_BUDGET and closed)
+            for reason in self.needs.reasons
+        )
 
     def record(self, item: Sampled) -> None:
         """Give it a sampled token: its request reads it from ``pending``."""

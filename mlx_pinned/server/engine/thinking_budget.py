@@ -9,7 +9,7 @@ itself, or does not open it with its first tokens (where the reasoning
 formats look for it), is never forced. The state advances on each
 token read (:meth:`ThinkingBudget.observe`); the mask of a step needs the
 previous step's token, so a batch with a row still thinking takes the
-grammar rows' step (see ``Decoder._constrained``).
+grammar rows' step (see ``Row.constrained``).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from ...events import GenerationParams, Grammar
 from ...formats import ToolSpec
 from ...media import VideoRef
+from ...row_needs import needs_of
 from ..errors import APIError
 from ..serving_common import (
     ForcedCall,
@@ -173,25 +174,18 @@ def _answer_format(request: ChatCompletionRequest) -> tuple[str, Grammar] | None
 
 
 def check_prediction(params: GenerationParams) -> None:
-    """Refuse a ``prediction`` beside what reads each token before the
-    next: its drafts are verified in one pass, which such rows cannot be.
+    """Refuse a ``prediction`` beside what its row cannot draft with
+    (:attr:`~...row_needs.RowNeeds.undraftable`): it would go unused.
 
     Raises:
-        APIError: 400 naming ``prediction``.
+        APIError: 400 naming ``prediction`` and the field beside it.
     """
-    sampling = params.sampling
-    beside = [
-        ("a grammar (response_format or a forced tool call)", params.grammar),
-        ("logit_bias", sampling.logit_bias),
-        ("penalties", sampling.penalized),
-        ("a thinking budget", params.thinking_budget is not None),
-    ]
-    for what, there in beside:
-        if there:
-            raise APIError(
-                400,
-                f"Invalid value for 'prediction': a predicted output cannot be "
-                f"used with {what}; send one or the other.",
-                param="prediction",
-                code="unsupported_value",
-            )
+    undraftable = needs_of(params).undraftable
+    if undraftable:
+        raise APIError(
+            400,
+            f"Invalid value for 'prediction': a predicted output cannot be "
+            f"used with {undraftable[0].field}; send one or the other.",
+            param="prediction",
+            code="unsupported_value",
+        )
