@@ -165,7 +165,7 @@ async def test_concurrent_requests_share_passes_and_equal_each_alone(
     async with serve_embedding(max_num_seqs=16) as served:
         alone = {text: vectors(await embed(served, input=text))[0] for text in TEXTS}
         engine = engine_of(served)
-        before = engine.queue.passes
+        before = engine.loop.passes
         answers: list[list[list[float]]] = [[] for _ in bodies]
 
         async def one(index: int) -> None:
@@ -174,7 +174,7 @@ async def test_concurrent_requests_share_passes_and_equal_each_alone(
         async with anyio.create_task_group() as tasks:
             for index in range(len(bodies)):
                 tasks.start_soon(one, index)
-        passes = engine.queue.passes - before
+        passes = engine.loop.passes - before
     assert passes < len(bodies), "concurrent requests shared no pass"
     for body, answer in zip(bodies, answers, strict=True):
         expected = np.array([alone[text] for text in body])
@@ -188,12 +188,12 @@ async def test_a_large_request_is_cut_into_passes(
     texts = [f"{TEXTS[i % 4]} {i}" for i in range(300)]
     async with serve_embedding() as served:
         engine = engine_of(served)
-        before = engine.queue.passes
+        before = engine.loop.passes
         answer = vectors(await embed(served, input=texts))
-        passes = engine.queue.passes - before
+        passes = engine.loop.passes - before
         first = vectors(await embed(served, input=texts[0]))[0]
     assert len(answer) == 300
-    assert passes >= 300 // engine.queue.batch_size
+    assert passes >= 300 // engine.loop.batch_size
     assert np.abs(np.array(answer[0]) - np.array(first)).max() <= TOL
 
 
@@ -422,15 +422,15 @@ async def test_a_failed_pass_fails_its_requests_and_not_the_next(
     serve_embedding: ServeEmbedding, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with serve_embedding() as served:
-        queue = engine_of(served).queue
-        forward = queue.forward
+        loop = engine_of(served).loop
+        forward = loop.forward
 
         def broken(batch: Any) -> Any:
             raise RuntimeError("the model broke")
 
-        monkeypatch.setattr(queue, "forward", broken)
+        monkeypatch.setattr(loop, "forward", broken)
         failed = await embed(served, input="cat")
-        monkeypatch.setattr(queue, "forward", forward)
+        monkeypatch.setattr(loop, "forward", forward)
         fine = await embed(served, input="cat")
     assert failed.status_code == 500
     assert "the model broke" not in failed.text
@@ -490,7 +490,7 @@ async def test_a_large_request_never_stalls_a_chat_stream_for_long(
             )
         engine = app.state.models.get(MODEL).engine()
         assert isinstance(engine, EmbeddingEngine)
-        passes = engine.queue.passes
+        passes = engine.loop.passes
     during, gaps, took = beside.during, beside.gaps, beside.took
     assert passes > 10
     assert len(during) > passes // 4, "the chat stream waited for the whole request"

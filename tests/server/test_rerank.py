@@ -125,7 +125,7 @@ async def test_a_batch_of_pairs_equals_each_pair_alone(
             for text in DOCUMENTS
         ]
         engine = engine_of(served)
-        before = engine.queue.passes
+        before = engine.loop.passes
         answers: list[dict[int, float]] = [{} for _ in range(8)]
 
         async def one(index: int) -> None:
@@ -136,7 +136,7 @@ async def test_a_batch_of_pairs_equals_each_pair_alone(
         async with anyio.create_task_group() as tasks:
             for index in range(8):
                 tasks.start_soon(one, index)
-        passes = engine.queue.passes - before
+        passes = engine.loop.passes - before
     for index, score in enumerate(alone):
         assert abs(together[index] - score) <= TOL
         for answer in answers:

@@ -3,8 +3,10 @@
 The one part of the engine that runs on the event loop (asyncio or trio,
 through anyio); it touches no MLX. The loop (:mod:`.loop`) runs on the MLX
 thread as one ``MLXThread.iterate`` stream whose items are its turns'
-outputs; its driver, a task of the event loop (:func:`spawn`), puts each
-output in the :class:`RowOutput` of its request. A slow reader never holds
+outputs; a :class:`Driver`, a task of the event loop (:func:`spawn`),
+follows it (the encoders' loop too, :mod:`.passes`). The batch's,
+:class:`LoopDriver`, puts each output in the :class:`RowOutput` of its
+request. A slow reader never holds
 the loop: its events wait in its own output. A :class:`RowStream` is what
 the request's :class:`~..events.EventStream` reads: an event at a time, in
 batches, whole for an answer sent whole, or as they flow for a streamed one.
@@ -16,9 +18,17 @@ import asyncio
 import logging
 import time
 import weakref
+from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Generator,
+    Sequence,
+)
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 
 import anyio
 import sniffio
@@ -30,11 +40,19 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from mlx_pinned import MLXThread
-    from mlx_pinned.types import AsyncStreamIterator
+    from mlx_pinned.types import AsyncStreamIterator, Checkpoint
 
     from .loop import BatchLoop
 
-__all__ = ["READ_AHEAD", "LoopDriver", "RowOutput", "RowStream", "spawn"]
+__all__ = [
+    "READ_AHEAD",
+    "Driver",
+    "Loop",
+    "LoopDriver",
+    "RowOutput",
+    "RowStream",
+    "spawn",
+]
 
 
 logger = logging.getLogger("mlx_pinned.server")
@@ -44,6 +62,9 @@ logger = logging.getLogger("mlx_pinned.server")
 READ_AHEAD = 64
 
 _tasks: set[asyncio.Task[None]] = set()  # asyncio keeps only weak references
+
+Out = TypeVar("Out")  # a turn's outputs
+Out_co = TypeVar("Out_co", covariant=True)
 
 
 def spawn(fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
@@ -193,10 +214,98 @@ class RowStream:
             await self._output.wait_gone()
 
 
-class LoopDriver:
-    """The event-loop side of a model's loop (:class:`~.loop.BatchLoop`):
-    requests submit and close here, and the driver task routes the loop's
-    outputs. Event loop only, but :meth:`close` (any thread).
+class Loop(Protocol[Out_co]):
+    """A loop of turns on the MLX thread, as its driver sees it."""
+
+    def run(self) -> Generator[tuple[Out_co, bool] | Checkpoint, None, None]:
+        """The loop's stream (:func:`~.loop.turns`)."""
+        ...
+
+    def waiting(self) -> bool:
+        """Whether a command waits for a turn; any thread."""
+        ...
+
+
+L = TypeVar("L", bound=Loop[Any])  # the loop a driver follows
+
+
+class Driver(ABC, Generic[L, Out]):
+    """The event-loop side of a loop that runs on the MLX thread: it starts
+    the loop's stream when a request comes and none runs, and its task
+    routes each item's outputs (:meth:`_route`) until the loop ends,
+    starting it again while commands came meanwhile. Event loop only.
+
+    Args:
+        loop: The loop.
+        thread: The MLX thread it runs on.
+    """
+
+    def __init__(self, loop: L, thread: MLXThread) -> None:
+        self.loop = loop
+        self.thread = thread
+        self.running = False  # a driver task follows the loop's stream
+
+    def start(self) -> None:
+        """Start the loop, and its driver task, unless they run.
+
+        Raises:
+            MLXThreadClosedError: The thread is closed (raised here, at once).
+            MLXThreadBusyError: The thread's queue is full.
+        """
+        if not self.running:
+            spawn(self._drive, self._start())
+
+    @abstractmethod
+    def _route(self, outputs: Out) -> None:
+        """Hand one turn's outputs to their requests."""
+
+    @abstractmethod
+    def _fail(self, error: Exception) -> None:
+        """Fail every request still live: the loop's stream broke."""
+
+    def _start(self) -> AsyncStreamIterator[tuple[Out, bool]]:
+        # The loop's checkpoints are no items: the stream carries outputs.
+        items = cast(
+            "AsyncStreamIterator[tuple[Out, bool]]", self.thread.iterate(self.loop.run)
+        )
+        items.read_ahead(READ_AHEAD)
+        self.running = True
+        return items
+
+    async def _drive(self, items: AsyncStreamIterator[tuple[Out, bool]]) -> None:
+        """Route the loop's outputs until it ends, starting it again while
+        commands came meanwhile; if it breaks (the thread closed under it),
+        fail every request."""
+        try:
+            while True:
+                last: Out | None = None
+                async with items:
+                    async for outputs, ended in items:
+                        if ended:
+                            last = outputs
+                        else:
+                            self._route(outputs)
+                if last is not None:
+                    self._route(last)
+                # No await from here to the end: a submission sees the flag.
+                if not self.loop.waiting():
+                    self.running = False
+                    return
+                items = self._start()
+        except BaseException as exc:
+            self.running = False
+            if not isinstance(exc, Exception):
+                self._fail(RuntimeError("the loop was cancelled"))
+                raise  # the event loop is going away
+            self._fail(exc)
+            logger.debug("a loop stopped", exc_info=True)
+
+
+class LoopDriver(Driver["BatchLoop", Outputs]):
+    """The event-loop side of a model's batch loop (:class:`~.loop.BatchLoop`):
+    requests submit and close here, and the driver task (:class:`Driver`)
+    routes the loop's outputs. Event loop only, but :meth:`close` (any
+    thread).
 
     Args:
         loop: The model's loop.
@@ -204,10 +313,8 @@ class LoopDriver:
     """
 
     def __init__(self, loop: BatchLoop, thread: MLXThread) -> None:
-        self.loop = loop
-        self.thread = thread
+        super().__init__(loop, thread)
         self._live: set[Request] = set()  # submitted, not yet gone
-        self._driving = False  # a driver task follows the loop's stream
 
     def stream(
         self, params: GenerationParams, images: Sequence[Image.Image]
@@ -221,13 +328,11 @@ class LoopDriver:
         """
         request = Request(params, images, RowOutput())
         self.loop.submit(request)
-        if not self._driving:
-            try:
-                items = self._start()
-            except BaseException:
-                request.ended = True  # the loop skips its admission
-                raise
-            spawn(self._drive, items)
+        try:
+            self.start()
+        except BaseException:
+            request.ended = True  # the loop skips its admission
+            raise
         self._live.add(request)
         return EventStream(RowStream(self, request))
 
@@ -244,42 +349,6 @@ class LoopDriver:
         events out in one output, when it ended."""
         self.loop.whole(request)
 
-    def _start(self) -> AsyncStreamIterator[tuple[Outputs, bool]]:
-        # The loop's checkpoints are no items: the stream carries outputs.
-        items = cast(
-            "AsyncStreamIterator[tuple[Outputs, bool]]",
-            self.thread.iterate(self.loop.run),
-        )
-        items.read_ahead(READ_AHEAD)
-        self._driving = True
-        return items
-
-    async def _drive(self, items: AsyncStreamIterator[tuple[Outputs, bool]]) -> None:
-        """Route the loop's outputs until it ends, starting it again while
-        commands came meanwhile; if it breaks (the thread closed under it),
-        fail every request."""
-        try:
-            while True:
-                last: Outputs = []
-                async with items:
-                    async for outputs, ended in items:
-                        if ended:
-                            last = outputs
-                        else:
-                            self._route(outputs)
-                self._route(last)
-                # No await from here to the end: a submission sees the flag.
-                if not self.loop.waiting():
-                    self._driving = False
-                    return
-                items = self._start()
-        except BaseException as exc:
-            self._driving = False
-            self._fail_live(exc)
-            if not isinstance(exc, Exception):
-                raise  # cancelled: the event loop is going away
-            logger.debug("the batch's loop stopped", exc_info=True)
-
     def _route(self, outputs: Outputs) -> None:
         for request, items, gone in outputs:
             assert request.output is not None
@@ -287,10 +356,7 @@ class LoopDriver:
             if gone:
                 self._live.discard(request)
 
-    def _fail_live(self, error: BaseException) -> None:
-        """Fail every request still live: the loop's driver broke."""
-        if not isinstance(error, Exception):
-            error = RuntimeError("the batch's loop was cancelled")
+    def _fail(self, error: Exception) -> None:
         failed, self._live = self._live, set()
         for request in failed:
             request.ended = True

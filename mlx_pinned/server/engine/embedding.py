@@ -256,7 +256,7 @@ class EmbeddingEngine(PassEngine[LoadedEmbedder]):
     """One embedding model's engine: the :class:`~..encoders.EmbeddingEngine`
     the HTTP side uses.
 
-    Its queue and counters are :class:`~.passes.PassEngine`'s; ``loaded``
+    Its loop and counters are :class:`~.passes.PassEngine`'s; ``loaded``
     comes from :func:`load_embedder`.
     """
 
@@ -316,7 +316,7 @@ class EmbeddingEngine(PassEngine[LoadedEmbedder]):
         for first in range(0, len(numbered), TOKENIZE_AT_ONCE):
             chunk = numbered[first : first + TOKENIZE_AT_ONCE]
             inputs += await self.thread.run(self.loaded.tokenize, chunk)
-        rows = await self.queue.run(inputs) if inputs else []
+        rows = await self.driver.rows(inputs)
         vectors = dict(zip((index for index, _ in numbered), rows, strict=True))
         tokens = sum(len(item.ids) for item in inputs)
         for index, item in enumerate(params.inputs):

@@ -14,7 +14,8 @@ thread), which the next turn takes.
 
 The loop runs while it has work and ends when idle with an empty inbox; the
 driver starts it again when a command came meanwhile (docs/engine.md says
-why).
+why). :func:`turns` is that stream for any loop of turns (the encoders'
+too, :mod:`.passes`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Generator
-from typing import Literal
+from collections.abc import Callable, Generator
+from typing import Literal, TypeVar
 
 from mlx_pinned import CHECKPOINT
 from mlx_pinned.types import Checkpoint
@@ -31,9 +32,37 @@ from mlx_pinned.types import Checkpoint
 from .answers import Outputs, Request, RowAnswer
 from .state import BatchState
 
-__all__ = ["BatchLoop"]
+__all__ = ["BatchLoop", "turns"]
 
 logger = logging.getLogger("mlx_pinned.server")
+
+Out = TypeVar("Out")
+
+
+def turns(
+    turn: Callable[[], Out], idle: Callable[[], bool], abandon: Callable[[], None]
+) -> Generator[tuple[Out, bool] | Checkpoint, None, None]:
+    """A loop's stream on the MLX thread: one ``turn`` per item, until
+    ``idle`` after a turn. Each item is a turn's outputs and whether it is
+    the last (the driver hands those out once the stream ended, so a
+    request whose answer ended finds the loop stopped); a turn with no
+    outputs yields ``CHECKPOINT``: the thread is given away, the driver not
+    woken. Closed with work left (the thread shut down, the driver went
+    away), it calls ``abandon``."""
+    ended = False
+    try:
+        while True:
+            outputs = turn()
+            ended = idle()
+            if ended and not outputs:
+                return
+            yield (outputs, ended) if outputs else CHECKPOINT
+            if ended:
+                return
+    finally:
+        if not ended:
+            abandon()
+
 
 #: What a request asks of the loop through its inbox.
 Command = Literal["admit", "leave", "whole"]
@@ -84,26 +113,13 @@ class BatchLoop:
     # -- the loop (MLX thread) -------------------------------------------------
 
     def run(self) -> Generator[tuple[Outputs, bool] | Checkpoint, None, None]:
-        """The loop: one :meth:`turn` per item, until nothing is left to do
-        (no row, nothing queued). Each item is the turn's outputs and
-        whether it is the last (the driver hands those out once the loop's
-        stream ended, so a request that left finds the loop stopped). Closed
-        under it (the thread shuts down, the driver went away), it fails
-        every row."""
-        idle = False
-        try:
-            while True:
-                outputs = self.turn()
-                idle = not self._requests and self.state.idle() and not self.waiting()
-                if idle and not outputs:
-                    return
-                # Nothing due: the thread is given away, the driver not woken.
-                yield (outputs, idle) if outputs else CHECKPOINT
-                if idle:
-                    return
-        finally:
-            if not idle:
-                self._abandon(RuntimeError("the batch's loop was closed"))
+        """The loop's stream (:func:`turns`): one :meth:`turn` per item,
+        until no row is left and nothing is queued. Closed under it, it
+        fails every row."""
+        return turns(self.turn, self._idle, self._abandon)
+
+    def _idle(self) -> bool:
+        return not self._requests and self.state.idle() and not self.waiting()
 
     def turn(self) -> Outputs:
         """One step of the batch, and everything decided around it.
@@ -203,10 +219,10 @@ class BatchLoop:
             outputs.append((request, (*request.held, *items), ended))
             request.held = []
 
-    def _abandon(self, error: BaseException) -> None:
+    def _abandon(self) -> None:
         """The loop stops with rows in it: fail them, and drop what waits in
         the inbox (the driver fails those requests)."""
-        self.state.fail(error)
+        self.state.fail(RuntimeError("the batch's loop was closed"))
         self._requests = []
         while True:
             try:

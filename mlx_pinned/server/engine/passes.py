@@ -1,17 +1,17 @@
 """Forward passes shared by every waiting request, for the encoder kinds
 (embedding, rerank): a model that maps each input, in one pass, to one row.
 
-:meth:`PassQueue.run` is called on the event loop; every pass runs on the
-MLX thread. A request's inputs join one queue, in arrival order. Each of
-its turns (``MLXThread.run`` of :meth:`PassQueue._pass`) runs the inputs at
-the head of the queue, whichever request they are from, as many as fit in
-one pass (``batch_tokens`` padded tokens, ``batch_size`` inputs, and about
+An encoder model batches through a loop of its own, on the pattern of
+chat's (docs/engine.md): :class:`PassLoop` runs on the MLX thread as one
+``MLXThread.iterate`` stream (:func:`~.loop.turns`), started by the first
+request and ended when idle. Each turn takes the inputs at the head of its
+queue, whichever request they are from, as many as fit in one pass
+(``batch_tokens`` padded tokens, ``batch_size`` inputs, and about
 ``seconds`` of work: a pass is sized from the cost per token of the ones
-before, as a long prompt's prefill chunks are, :mod:`.pacing`); a request
-takes turns until its own inputs are done. So requests that arrive together
-share passes, and one large request never holds the MLX thread for more
-than a pass at a time: a chat model's steps run between its passes, at most
-about ``seconds`` apart.
+before, as a long prompt's prefill chunks are, :mod:`.pacing`), and yields
+the pass's rows. Its driver (:class:`PassDriver`, on the event loop) hands
+each request its rows. So requests that arrive together share passes, and
+a chat model's steps run between passes, at most about ``seconds`` apart.
 
 Exact: the inputs of a pass are padded on the right and masked
 (:func:`padded`), so an input's row is its row alone (batched equals solo
@@ -20,20 +20,32 @@ within float rounding, tests/server/test_embeddings.py).
 
 from __future__ import annotations
 
-import threading
+import queue
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar
+from collections.abc import Callable, Collection, Generator, Sequence
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Generic,
+    Literal,
+    NamedTuple,
+    Protocol,
+    TypeVar,
+    cast,
+)
 
+import anyio
 import numpy as np
 
 from ..events import EngineCounters
+from .driver import Driver
+from .loop import turns
 from .pacing import PrefillPacer
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
+    from mlx_pinned.types import Checkpoint
 
 __all__ = [
     "BATCH_SIZE",
@@ -41,13 +53,14 @@ __all__ = [
     "TOKENIZE_AT_ONCE",
     "Encoded",
     "Holding",
+    "Job",
     "Loaded",
+    "PassDriver",
     "PassEngine",
-    "PassQueue",
+    "PassLoop",
     "input_limit",
     "kv_free_counters",
     "padded",
-    "queue_counters",
 ]
 
 #: Padded tokens of one pass, at most (inputs times the longest of them).
@@ -88,37 +101,33 @@ def padded(
 Forward = Callable[[Sequence[Encoded]], np.ndarray]
 
 
-@dataclass(eq=False)
-class _Job:
-    """One request's inputs and their rows as passes compute them. Written
-    on the MLX thread; read by its request once its own turn has run (the
-    thread's FIFO orders the two)."""
+class Job:
+    """One request's inputs, and its rows as its driver hands them over.
+    Event loop; the loop reads only its inputs."""
 
-    inputs: Sequence[Encoded]
-    rows: list[np.ndarray | None] = field(default_factory=list)
-    left: int = 0
-    error: BaseException | None = None
+    __slots__ = ("done", "error", "inputs", "left", "rows")
 
-    def __post_init__(self) -> None:
-        self.rows = [None] * len(self.inputs)
-        self.left = len(self.inputs)
-
-    @property
-    def done(self) -> bool:
-        return self.left == 0 or self.error is not None
+    def __init__(self, inputs: Sequence[Encoded]) -> None:
+        self.inputs = inputs
+        self.rows: list[np.ndarray | None] = [None] * len(inputs)
+        self.left = len(inputs)  # rows not yet handed over
+        self.error: Exception | None = None
+        self.done = anyio.Event()
 
 
-@dataclass(frozen=True, slots=True)
-class _Item:
-    job: _Job
-    index: int
+#: What a request asks of the loop through its inbox.
+Command = Literal["admit", "leave"]
+
+#: A turn's outputs: each request with an input in its pass, and its rows
+#: by index, or the error of the pass.
+PassOutputs = list[tuple[Job, list[tuple[int, np.ndarray]] | Exception]]
 
 
-class PassQueue:
-    """The one queue of an encoder model's inputs, and its passes.
+class PassLoop:
+    """The loop of one encoder model's passes (MLX thread), and its inbox
+    (any thread).
 
     Args:
-        thread: The MLX thread the model was loaded on.
         forward: Computes a batch's rows (MLX thread).
         batch_tokens: Padded tokens of one pass, at most.
         batch_size: Inputs of one pass, at most.
@@ -128,93 +137,167 @@ class PassQueue:
 
     def __init__(
         self,
-        thread: MLXThread,
         forward: Forward,
         *,
         batch_tokens: int = BATCH_TOKENS,
         batch_size: int = BATCH_SIZE,
         seconds: float | None = None,
     ) -> None:
-        self.thread = thread
         self.forward = forward
         self.batch_tokens = batch_tokens
         self.batch_size = batch_size
         # Other models' streams may wait on any pass: always paced.
         self.pacer = PrefillPacer(seconds, batch_tokens)
-        # The event loop appends and takes back; the MLX thread pops.
-        self._lock = threading.Lock()
-        self._waiting: deque[_Item] = deque()
-        #: Passes run, and the inputs they ran.
+        self._inbox: queue.SimpleQueue[tuple[Job, Command]] = queue.SimpleQueue()
+        self._queue: deque[tuple[Job, int]] = deque()  # MLX thread only
+        #: Passes run.
         self.passes = 0
-        self.done = 0
 
-    @property
-    def waiting(self) -> int:
-        """Inputs in the queue; any thread."""
-        return len(self._waiting)
+    def submit(self, job: Job) -> None:
+        """Queue ``job``'s inputs at the next turn; any thread."""
+        self._inbox.put((job, "admit"))
 
-    async def run(self, inputs: Sequence[Encoded]) -> list[np.ndarray]:
-        """The rows of ``inputs``, in order, once passes ran them all.
+    def leave(self, job: Job) -> None:
+        """Take ``job``'s inputs not yet run out at the next turn; any
+        thread."""
+        self._inbox.put((job, "leave"))
 
-        Event loop. Cancelling it takes its inputs not yet run out of the
-        queue.
+    def waiting(self) -> bool:
+        """Whether a command waits for a turn; any thread."""
+        return not self._inbox.empty()
 
-        Raises:
-            Exception: What a pass with one of its inputs raised.
-        """
-        job = _Job(inputs)
-        with self._lock:
-            self._waiting.extend(_Item(job, index) for index in range(len(inputs)))
-        try:
-            while not job.done:
-                await self.thread.run(self._pass)
-        finally:
-            if not job.done:  # cancelled: its inputs leave the queue
-                with self._lock:
-                    self._waiting = deque(i for i in self._waiting if i.job is not job)
-        if job.error is not None:
-            raise job.error
-        return [row for row in job.rows if row is not None]
+    def run(self) -> Generator[tuple[PassOutputs, bool] | Checkpoint, None, None]:
+        """The loop's stream (:func:`~.loop.turns`): one :meth:`turn` per
+        item, until no input is queued."""
+        return turns(self.turn, self._idle, self._abandon)
 
-    def _take(self) -> list[_Item]:
-        """The inputs at the head of the queue that fit in one pass."""
-        taken: list[_Item] = []
-        longest = 0
-        budget = self.pacer.tokens(decoding=True)
-        with self._lock:
-            while self._waiting and len(taken) < self.batch_size:
-                item = self._waiting[0]
-                if item.job.error is not None:  # an earlier pass failed it
-                    self._waiting.popleft()
-                    continue
-                size = len(item.job.inputs[item.index].ids)
-                if taken and max(longest, size) * (len(taken) + 1) > budget:
-                    break
-                taken.append(self._waiting.popleft())
-                longest = max(longest, size)
-        return taken
-
-    def _pass(self) -> None:
-        """One pass over the inputs at the head of the queue. MLX thread. An
-        error fails every request with an input in the pass."""
+    def turn(self) -> PassOutputs:
+        """The inbox's commands, in order, then one pass over the inputs at
+        the head of the queue. A pass that fails fails each request with an
+        input in it, and no other: their inputs leave the queue."""
+        while not self._inbox.empty():
+            job, command = self._inbox.get_nowait()
+            if command == "admit":
+                self._queue.extend((job, index) for index in range(len(job.inputs)))
+            else:
+                self._drop({job})
         taken = self._take()
         if not taken:
-            return
-        batch = [item.job.inputs[item.index] for item in taken]
+            return []
+        batch = [job.inputs[index] for job, index in taken]
         start = time.perf_counter()
         try:
             rows = self.forward(batch)
         except Exception as exc:
-            for item in taken:
-                item.job.error = exc
-            return
+            failed = dict.fromkeys(job for job, _ in taken)
+            self._drop(failed.keys())
+            return [(job, exc) for job in failed]
         padded_tokens = len(batch) * max(len(item.ids) for item in batch)
         self.pacer.observe(padded_tokens, time.perf_counter() - start)
         self.passes += 1
-        self.done += len(taken)
-        for item, row in zip(taken, rows, strict=True):
-            item.job.rows[item.index] = row
-            item.job.left -= 1
+        handed: dict[Job, list[tuple[int, np.ndarray]]] = {}
+        for (job, index), row in zip(taken, rows, strict=True):
+            handed.setdefault(job, []).append((index, row))
+        return list(handed.items())
+
+    def _take(self) -> list[tuple[Job, int]]:
+        """The inputs at the head of the queue that fit in one pass."""
+        taken: list[tuple[Job, int]] = []
+        longest = 0
+        budget = self.pacer.tokens(decoding=True)
+        while self._queue and len(taken) < self.batch_size:
+            job, index = self._queue[0]
+            size = len(job.inputs[index].ids)
+            if taken and max(longest, size) * (len(taken) + 1) > budget:
+                break
+            taken.append(self._queue.popleft())
+            longest = max(longest, size)
+        return taken
+
+    def _drop(self, jobs: Collection[Job]) -> None:
+        self._queue = deque(item for item in self._queue if item[0] not in jobs)
+
+    def _idle(self) -> bool:
+        return not self._queue and not self.waiting()
+
+    def _abandon(self) -> None:
+        """Closed with inputs queued: drop them, and the inbox's commands
+        (the driver fails their requests)."""
+        self._queue.clear()
+        while not self._inbox.empty():
+            self._inbox.get_nowait()
+
+
+class PassDriver(Driver[PassLoop, PassOutputs]):
+    """The event-loop side of an encoder model's loop: a request submits
+    its inputs and waits for its rows; the driver task (:class:`~.driver.
+    Driver`) hands them over. Event loop only; :attr:`pending` any thread.
+
+    Args:
+        loop: The model's loop.
+        thread: The MLX thread it runs on.
+    """
+
+    def __init__(self, loop: PassLoop, thread: MLXThread) -> None:
+        super().__init__(loop, thread)
+        self._live: set[Job] = set()  # submitted, not yet ended
+        #: Inputs submitted whose rows are not yet handed over.
+        self.pending = 0
+
+    async def rows(self, inputs: Sequence[Encoded]) -> list[np.ndarray]:
+        """The rows of ``inputs``, in order, once passes ran them all.
+        Cancelling it takes its inputs not yet run out of the loop's queue
+        (at its next turn, before its next pass).
+
+        Raises:
+            MLXThreadClosedError: The thread is closed (raised at once).
+            MLXThreadBusyError: The thread's queue is full.
+            Exception: What a pass with one of its inputs raised.
+        """
+        if not inputs:
+            return []
+        job = Job(inputs)
+        self.loop.submit(job)
+        try:
+            self.start()
+        except BaseException:
+            self.loop.leave(job)
+            raise
+        self._live.add(job)
+        self.pending += len(inputs)
+        try:
+            await job.done.wait()
+        finally:
+            if job in self._live:  # cancelled: its inputs leave the queue
+                self.loop.leave(job)
+                self._end(job)
+        if job.error is not None:
+            raise job.error
+        return cast("list[np.ndarray]", job.rows)
+
+    def _route(self, outputs: PassOutputs) -> None:
+        for job, handed in outputs:
+            if job not in self._live:  # it left
+                continue
+            if isinstance(handed, Exception):
+                self._end(job, handed)
+                continue
+            for index, row in handed:
+                job.rows[index] = row
+            job.left -= len(handed)
+            self.pending -= len(handed)
+            if job.left == 0:
+                self._end(job)
+
+    def _fail(self, error: Exception) -> None:
+        for job in list(self._live):
+            self._end(job, error)
+
+    def _end(self, job: Job, error: Exception | None = None) -> None:
+        self._live.discard(job)
+        self.pending -= job.left
+        job.error = error
+        job.done.set()
 
 
 def input_limit(config: dict[str, Any], tokenizer: Any) -> int:
@@ -231,12 +314,6 @@ def input_limit(config: dict[str, Any], tokenizer: Any) -> int:
         if isinstance(value, int) and 0 < value < 10**7
     ]
     return min(limits, default=8192)
-
-
-def queue_counters(queue: PassQueue) -> EngineCounters:
-    """An encoder model's counters: its inputs waiting as rows, its passes
-    as steps. Any thread."""
-    return kv_free_counters(queue.waiting, queue.passes)
 
 
 class Loaded(Protocol):
@@ -270,7 +347,7 @@ class Holding(Generic[L]):
 
 class Encoder(Loaded, Protocol):
     """A model loaded on the MLX thread whose forward pass a
-    :class:`PassQueue` runs."""
+    :class:`PassLoop` runs."""
 
     def forward(self, batch: Sequence[Encoded]) -> np.ndarray: ...
 
@@ -280,23 +357,25 @@ E = TypeVar("E", bound=Encoder)
 
 class PassEngine(Holding[E]):
     """An encoder model's engine (embedding, rerank): what it loaded, and
-    the queue of the passes its requests share.
+    the loop of the passes its requests share, with its driver.
 
     Args:
         loaded: The model.
         thread: The MLX thread it was loaded on.
         **passes: The passes' bounds (``batch_tokens``, ``batch_size``,
-            ``seconds``: :class:`PassQueue`).
+            ``seconds``: :class:`PassLoop`).
     """
 
     def __init__(self, loaded: E, thread: MLXThread, **passes: Any) -> None:
         self.loaded = loaded
         self.thread = thread
-        self.queue = PassQueue(thread, loaded.forward, **passes)
+        self.loop = PassLoop(loaded.forward, **passes)
+        self.driver = PassDriver(self.loop, thread)
 
     def counters(self) -> EngineCounters:
-        """Inputs waiting as its rows; it holds no KV. Any thread."""
-        return queue_counters(self.queue)
+        """Inputs waiting as its rows, passes as its steps; it holds no KV.
+        Any thread."""
+        return kv_free_counters(self.driver.pending, self.loop.passes)
 
 
 def kv_free_counters(rows: int, steps: int) -> EngineCounters:

@@ -154,7 +154,7 @@ class RerankEngine(PassEngine[LoadedReranker]):
     """One rerank model's engine: the :class:`~..encoders.RerankEngine` the
     HTTP side uses.
 
-    Its queue and counters are :class:`~.passes.PassEngine`'s; ``loaded``
+    Its loop and counters are :class:`~.passes.PassEngine`'s; ``loaded``
     comes from :func:`load_reranker`.
     """
 
@@ -179,6 +179,6 @@ class RerankEngine(PassEngine[LoadedReranker]):
             chunk = params.documents[first : first + TOKENIZE_AT_ONCE]
             part = RerankParams(params.query, chunk)
             pairs += await self.thread.run(self.loaded.tokenize, part)
-        rows = await self.queue.run(pairs)
+        rows = await self.driver.rows(pairs)
         scores = tuple(float(row[0]) for row in rows)
         return Scores(scores, sum(len(pair.ids) for pair in pairs))
