@@ -51,7 +51,7 @@ class InProcess:
     def __init__(self, folder: str, text: str) -> None:
         from mlx_audio.tts.utils import load_model
 
-        from mlx_pinned.server.engine.speech import frame_limit
+        from mlx_pinned.server.kinds.speech.engine import frame_limit
 
         self.model = load_model(Path(folder))
         settings = self.model.generate_config or {}
@@ -62,7 +62,7 @@ class InProcess:
         """One generation: its RTF, its first audio's time, its seconds."""
         import numpy as np
 
-        from mlx_pinned.server.engine.speech import CHUNK_FRAMES, FRAME_RATE
+        from mlx_pinned.server.kinds.speech.engine import CHUNK_FRAMES, FRAME_RATE
 
         start = time.perf_counter()
         first = None

@@ -43,7 +43,6 @@ from mlx_pinned.middleware import MLXThreadMiddleware
 
 from .config import ServerConfig
 from .engine import BatchEngine, DraftSettings
-from .engine.embedding import EmbeddingEngine
 from .engine.kv_quant import KVQuant
 from .engine.memory import (
     check_start_up_budget,
@@ -51,9 +50,6 @@ from .engine.memory import (
     release,
     stored_weight_bytes,
 )
-from .engine.rerank import RerankEngine
-from .engine.speech import SpeechEngine
-from .engine.transcription import TranscriptionEngine
 from .events import Engine, Resident
 from .failures import UnavailableError
 from .formats import log_formats
@@ -61,25 +57,29 @@ from .http.anthropic_messages import CountTokensEndpoint, MessagesEndpoint
 from .http.chat_completions import ChatCompletionsEndpoint
 from .http.completions import CompletionsEndpoint
 from .http.door import Wiring
-from .http.embeddings import EmbeddingsEndpoint
 from .http.errors import APIError
 from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.playground import routes as playground_routes
-from .http.rerank import RERANK_PATHS, RerankEndpoint
 from .http.residency import Residency, StartUpRefusal
 from .http.responses_api import ResponsesEndpoint, ResponseStore, open_store
 from .http.responses_api import routes as responses_routes
 from .http.routes import APIKeyMiddleware, ErrorEdge, model, models
 from .http.served_models import BatchGate, ModelSlot, ServedModel, ServedModels
-from .http.speech import SpeechEndpoint
 from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
-from .http.transcriptions import TranscriptionsEndpoint, TranslationsEndpoint
 from .http.turns import LoopTurns
 from .inputs.audio import load_audio, load_audios
 from .inputs.images import Fetcher, load_images
 from .inputs.remote import RemoteImageFetcher
 from .inputs.videos import load_videos
+from .kinds.embedding.engine import EmbeddingEngine
+from .kinds.embedding.route import EmbeddingsEndpoint
+from .kinds.rerank.engine import RerankEngine
+from .kinds.rerank.route import RERANK_PATHS, RerankEndpoint
+from .kinds.speech.engine import SpeechEngine
+from .kinds.speech.route import SpeechEndpoint
+from .kinds.transcription.engine import TranscriptionEngine
+from .kinds.transcription.route import TranscriptionsEndpoint, TranslationsEndpoint
 from .media import Decoders, LoadImages, LoadVideos
 
 __all__ = ["create_app"]

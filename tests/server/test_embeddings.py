@@ -21,8 +21,8 @@ from conftest import run_uvicorn
 
 from mlx_pinned.server import ServerConfig, create_app
 from mlx_pinned.server.config import SettingError
-from mlx_pinned.server.encoders import EmbeddingParams
-from mlx_pinned.server.engine.embedding import EmbeddingEngine
+from mlx_pinned.server.kinds.embedding.engine import EmbeddingEngine
+from mlx_pinned.server.kinds.embedding.values import EmbeddingParams
 from mlx_pinned.testing import make_tiny_embedding, tiny_embedding_path
 
 from .conftest import assert_error, until

@@ -27,10 +27,10 @@ import pytest
 
 from mlx_pinned.server import create_app
 from mlx_pinned.server.config import ImageLimits
-from mlx_pinned.server.encoders import ImageInput
-from mlx_pinned.server.engine.embedding import EmbeddingEngine
-from mlx_pinned.server.http.embeddings.protocol import parse_embedding_request
 from mlx_pinned.server.http.errors import APIError
+from mlx_pinned.server.kinds.embedding.engine import EmbeddingEngine
+from mlx_pinned.server.kinds.embedding.protocol import parse_embedding_request
+from mlx_pinned.server.kinds.embedding.values import ImageInput
 from mlx_pinned.testing import image_data_uri, tiny_embedding_path
 
 from .conftest import assert_error

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from mlx_pinned.server import create_app
-from mlx_pinned.server.engine.rerank import RerankEngine
+from mlx_pinned.server.kinds.rerank.engine import RerankEngine
 from mlx_pinned.testing import tiny_embedding_path, tiny_lm_path, tiny_reranker_path
 
 from .conftest import assert_error

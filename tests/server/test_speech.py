@@ -22,8 +22,12 @@ import pytest
 from conftest import run_uvicorn
 
 from mlx_pinned.server import create_app
-from mlx_pinned.server.engine.speech import CHUNK_FRAMES, SpeechEngine, frame_limit
-from mlx_pinned.server.speech import SpeechParams
+from mlx_pinned.server.kinds.speech.engine import (
+    CHUNK_FRAMES,
+    SpeechEngine,
+    frame_limit,
+)
+from mlx_pinned.server.kinds.speech.values import SpeechParams
 from mlx_pinned.testing import make_tiny_speech, tiny_speech_path
 
 from .conftest import assert_error, until

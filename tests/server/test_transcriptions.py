@@ -22,8 +22,8 @@ from conftest import run_uvicorn
 
 from mlx_pinned.server import create_app
 from mlx_pinned.server.config import AudioLimits
-from mlx_pinned.server.engine.transcription import FALLBACK, TranscriptionEngine
 from mlx_pinned.server.inputs.audio import decode_audio
+from mlx_pinned.server.kinds.transcription.engine import FALLBACK, TranscriptionEngine
 from mlx_pinned.testing import tiny_transcription_path
 
 from .conftest import assert_error

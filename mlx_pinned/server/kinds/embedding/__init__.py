@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ...encoders import EmbeddingEngine
 from .. import Kind
+from .values import EmbeddingEngine
 
 KIND = Kind(
     name="embedding",

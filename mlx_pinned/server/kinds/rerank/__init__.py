@@ -3,8 +3,8 @@ Any thread."""
 
 from __future__ import annotations
 
-from ...encoders import RerankEngine
 from .. import Kind
+from .values import RerankEngine
 
 KIND = Kind(
     name="rerank",

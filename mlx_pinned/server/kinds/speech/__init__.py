@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ...speech import SpeechEngine
 from .. import Kind
+from .values import SpeechEngine
 
 KIND = Kind(
     name="speech",

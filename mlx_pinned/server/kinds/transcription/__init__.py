@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from ...transcripts import TranscriptionEngine
 from .. import Kind
+from .values import TranscriptionEngine
 
 KIND = Kind(
     name="transcription",

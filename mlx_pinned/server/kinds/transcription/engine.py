@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import mlx.core as mx
 import numpy as np
 
-from ..transcripts import Segment, TranscriptionParams, Window, Word
-from .passes import Holding, kv_free_counters
+from ...engine.passes import Holding, kv_free_counters
+from .values import Segment, TranscriptionParams, Window, Word
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
-    from ..events import EngineCounters
+    from ...events import EngineCounters
 
 __all__ = ["WINDOW_SECONDS", "TranscriptionEngine"]
 

@@ -1,15 +1,7 @@
-"""What the event loop and the MLX thread hand each other for the encoder
-kinds of model (embedding, rerank), as plain values.
-
-A shared module: no Starlette, no pydantic, no MLX. The HTTP side turns a
-request into :class:`EmbeddingParams` (or :class:`RerankParams`); the
-engine (on the MLX thread, in passes shared by every request waiting then)
-answers with :class:`Embeddings` (or :class:`Scores`). The HTTP side knows
-each engine only through its protocol, :class:`EmbeddingEngine` and
-:class:`RerankEngine`; ``app.py`` wires the real ones in
-(:mod:`mlx_pinned.server.engine.embedding`,
-:mod:`mlx_pinned.server.engine.rerank`).
-"""
+"""What the event loop and the MLX thread hand each other for the embedding
+kind: the request (:class:`EmbeddingParams`), its vectors
+(:class:`Embeddings`) and the engine's protocol. Any thread (no MLX, no
+Starlette)."""
 
 from __future__ import annotations
 
@@ -17,20 +9,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from .events import Resident
+from ...events import Resident
 
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = [
-    "EmbeddingEngine",
-    "EmbeddingParams",
-    "Embeddings",
-    "ImageInput",
-    "RerankEngine",
-    "RerankParams",
-    "Scores",
-]
+__all__ = ["EmbeddingEngine", "EmbeddingParams", "Embeddings", "ImageInput"]
 
 
 @dataclass(frozen=True)
@@ -141,58 +125,5 @@ class EmbeddingEngine(Resident, Protocol):
             PromptTooLongError: An input over :attr:`max_input_tokens`; the
                 message names it by its index.
             RequestError: An input of no tokens.
-        """
-        ...
-
-
-@dataclass(frozen=True)
-class RerankParams:
-    """What one rerank request needs: a query and the documents to score
-    against it.
-
-    Attributes:
-        query: The query (tokenized with the model's tokenizer).
-        documents: Each document, in order; each is scored as the pair
-            (query, document), cut at the end where the pair is longer than
-            the model's positions.
-    """
-
-    query: str
-    documents: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Scores:
-    """One rerank request's scores.
-
-    Attributes:
-        scores: Each document's relevance to the query, in document order,
-            from 0 to 1 (the sigmoid of the model's logit).
-        prompt_tokens: Tokens of all the pairs (padding excluded).
-    """
-
-    scores: tuple[float, ...]
-    prompt_tokens: int
-
-
-@runtime_checkable
-class RerankEngine(Resident, Protocol):
-    """A loaded rerank model (a cross-encoder) as the HTTP side sees it."""
-
-    @property
-    def max_input_tokens(self) -> int:
-        """Tokens of the longest pair it scores (special tokens included)."""
-        ...
-
-    async def score(self, params: RerankParams) -> Scores:
-        """Score each document of ``params`` against its query.
-
-        Event loop; the tokenizer and the model run on the MLX thread, the
-        pairs of every request waiting then padded into shared forward
-        passes. Cancelling it drops the pairs not yet scored.
-
-        Raises:
-            PromptTooLongError: The query alone leaves no room for a
-                document.
         """
         ...

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ...encoders import Scores
     from .protocol import RerankRequest
+    from .values import Scores
 
 __all__ = ["ranked"]
 

@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import anyio
 
-from ...encoders import EmbeddingEngine, EmbeddingParams, Embeddings
 from ...failures import PromptTooLongError
-from ..door import Call, Door
-from ..errors import APIError
+from ...http.door import Call, Door
+from ...http.errors import APIError
 from .protocol import EmbeddingRequest, parse_embedding_request
 from .serving import EmbeddingsServing
+from .values import EmbeddingEngine, EmbeddingParams, Embeddings
 
 if TYPE_CHECKING:
+    from ...http.wire import RequestLog
     from ...media import ImageRef
-    from ..wire import RequestLog
 
 __all__ = ["INLINE_VALUES", "EmbeddingsEndpoint", "embeddings_body"]
 

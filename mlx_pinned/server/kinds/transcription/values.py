@@ -16,8 +16,8 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from .events import Resident
-from .media import Audio
+from ...events import Resident
+from ...media import Audio
 
 __all__ = [
     "Segment",

@@ -14,15 +14,15 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar, TypeAlias
 
-from ...transcripts import Task, TranscriptionEngine, TranscriptionParams, Window
-from ..door import Call, Door
-from ..wire import Body, sse_event
+from ...http.door import Call, Door
+from ...http.wire import Body, sse_event
 from .protocol import TranscriptionForm, TranslationForm, parse_form
 from .serving import MEDIA_TYPES, Transcript, params, usage
+from .values import Task, TranscriptionEngine, TranscriptionParams, Window
 
 if TYPE_CHECKING:
+    from ...http.wire import RequestLog, ResponseWriter
     from ...media import Audio
-    from ..wire import RequestLog, ResponseWriter
 
 __all__ = ["TranscriptionsEndpoint", "TranslationsEndpoint"]
 

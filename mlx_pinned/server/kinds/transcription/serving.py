@@ -11,13 +11,13 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ...transcripts import Segment, Task, TranscriptionParams, Window
-from ..errors import APIError
+from ...http.errors import APIError
 from .protocol import TranscriptionForm, TranslationForm
+from .values import Segment, Task, TranscriptionParams, Window
 
 if TYPE_CHECKING:
     from ...media import Audio
-    from ...transcripts import TranscriptionEngine
+    from .values import TranscriptionEngine
 
 __all__ = ["Transcript", "params", "usage"]
 

@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 import numpy as np
 
-from ..encoders import RerankParams, Scores
-from ..failures import PromptTooLongError
-from .passes import (
+from ...engine.passes import (
     TOKENIZE_AT_ONCE,
     Encoded,
     PassEngine,
     input_limit,
     padded,
 )
+from ...failures import PromptTooLongError
+from .values import RerankParams, Scores
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread

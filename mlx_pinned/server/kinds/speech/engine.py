@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import mlx.core as mx
 import numpy as np
 
-from ..speech import SpeechChunk, SpeechParams
-from .passes import Holding, kv_free_counters
+from ...engine.passes import Holding, kv_free_counters
+from .values import SpeechChunk, SpeechParams
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
-    from ..events import EngineCounters
+    from ...events import EngineCounters
 
 __all__ = [
     "CHUNK_FRAMES",

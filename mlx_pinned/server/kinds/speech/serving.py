@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..errors import APIError
-from .formats import ENCODED, STREAMED
+from ...http.errors import APIError
+from .encoding import ENCODED, STREAMED
 
 if TYPE_CHECKING:
-    from ...speech import SpeechEngine, SpeechParams
     from .protocol import SpeechRequest
+    from .values import SpeechEngine, SpeechParams
 
 __all__ = ["SpeechServing"]
 

@@ -16,9 +16,9 @@ from typing import Final, Literal
 
 from pydantic import Field, field_validator
 
-from ...speech import SpeechParams
-from ..protocol_common import RequestBody
-from ..validation import parse_request
+from ...http.protocol_common import RequestBody
+from ...http.validation import parse_request
+from .values import SpeechParams
 
 __all__ = [
     "MAX_INPUT_CHARS",

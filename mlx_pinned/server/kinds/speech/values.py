@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from .events import Resident
+from ...events import Resident
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator

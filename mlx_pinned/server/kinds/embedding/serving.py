@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..errors import APIError
-from ..serving_common import out_of_vocabulary
+from ...http.errors import APIError
+from ...http.serving_common import out_of_vocabulary
 
 if TYPE_CHECKING:
     from ...config import ImageLimits
-    from ...encoders import EmbeddingEngine, EmbeddingParams
     from ...media import ImageRef
     from .protocol import EmbeddingRequest
+    from .values import EmbeddingEngine, EmbeddingParams
 
 __all__ = ["EmbeddingsServing"]
 

@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import anyio
 
-from ...speech import SpeechChunk, SpeechEngine, SpeechParams
-from ..door import Call, Door
-from ..wire import sse_event
-from .formats import MEDIA_TYPES, StreamEncoder, encoded
+from ...http.door import Call, Door
+from ...http.wire import sse_event
+from .encoding import MEDIA_TYPES, StreamEncoder, encoded
 from .protocol import SpeechRequest, parse_speech_request
 from .serving import SpeechServing
+from .values import SpeechChunk, SpeechEngine, SpeechParams
 
 if TYPE_CHECKING:
-    from ..wire import RequestLog
+    from ...http.wire import RequestLog
 
 __all__ = ["SpeechEndpoint"]
 

@@ -16,9 +16,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...encoders import RerankParams
-from ..protocol_common import RequestBody
-from ..validation import parse_request
+from ...http.protocol_common import RequestBody
+from ...http.validation import parse_request
+from .values import RerankParams
 
 __all__ = ["MAX_DOCUMENTS", "RerankRequest", "parse_rerank_request"]
 

@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import mlx.core as mx
 import numpy as np
 
-from ..encoders import EmbeddingParams, Embeddings, ImageInput
-from ..failures import ImagesUnsupportedError, PromptError, PromptTooLongError
-from .passes import (
+from ...engine.passes import (
     TOKENIZE_AT_ONCE,
     Encoded,
     PassEngine,
     input_limit,
     padded,
 )
+from ...failures import ImagesUnsupportedError, PromptError, PromptTooLongError
+from .values import EmbeddingParams, Embeddings, ImageInput
 
 if TYPE_CHECKING:
     from PIL import Image

@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..errors import APIError
-from ..validation import field_names, validation_error_to_api_error
+from ...http.errors import APIError
+from ...http.validation import field_names, validation_error_to_api_error
 
 __all__ = [
     "MAX_PROMPT_CHARS",

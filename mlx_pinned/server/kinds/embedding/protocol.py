@@ -20,10 +20,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from ...config import ImageLimits
-from ...encoders import EmbeddingParams, ImageInput
-from ...media import ImageRef
-from ..errors import APIError
-from ..protocol_common import (
+from ...http.errors import APIError
+from ...http.protocol_common import (
     ImagePart,
     RequestBody,
     RequestModel,
@@ -31,7 +29,9 @@ from ..protocol_common import (
     TextsOrTokens,
     counted_image_refs,
 )
-from ..validation import parse_request
+from ...http.validation import parse_request
+from ...media import ImageRef
+from .values import EmbeddingParams, ImageInput
 
 __all__ = [
     "MAX_INPUTS",

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TypeAlias
 
-from ...encoders import RerankEngine, RerankParams, Scores
-from ..door import Call, Door
-from ..wire import random_hex
+from ...http.door import Call, Door
+from ...http.wire import random_hex
 from .protocol import RerankRequest, parse_rerank_request
 from .serving import ranked
+from .values import RerankEngine, RerankParams, Scores
 
 __all__ = ["RERANK_PATHS", "RerankEndpoint"]
 
