@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import gc
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,33 +53,24 @@ from .engine.memory import (
 from .events import Engine, Resident
 from .failures import UnavailableError
 from .formats import log_formats
-from .http.anthropic_messages import CountTokensEndpoint, MessagesEndpoint
-from .http.chat_completions import ChatCompletionsEndpoint
-from .http.completions import CompletionsEndpoint
 from .http.door import Wiring
 from .http.errors import APIError
 from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.playground import routes as playground_routes
 from .http.residency import Residency, StartUpRefusal
-from .http.responses_api import ResponsesEndpoint, ResponseStore, open_store
-from .http.responses_api import routes as responses_routes
 from .http.routes import APIKeyMiddleware, ErrorEdge, model, models
 from .http.served_models import BatchGate, ModelSlot, ServedModel, ServedModels
-from .http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
 from .http.turns import LoopTurns
 from .inputs.audio import load_audio, load_audios
 from .inputs.images import Fetcher, load_images
 from .inputs.remote import RemoteImageFetcher
 from .inputs.videos import load_videos
+from .kinds import KINDS
 from .kinds.embedding.engine import EmbeddingEngine
-from .kinds.embedding.route import EmbeddingsEndpoint
 from .kinds.rerank.engine import RerankEngine
-from .kinds.rerank.route import RERANK_PATHS, RerankEndpoint
 from .kinds.speech.engine import SpeechEngine
-from .kinds.speech.route import SpeechEndpoint
 from .kinds.transcription.engine import TranscriptionEngine
-from .kinds.transcription.route import TranscriptionsEndpoint, TranslationsEndpoint
 from .media import Decoders, LoadImages, LoadVideos
 
 __all__ = ["create_app"]
@@ -204,20 +195,6 @@ def create_app(
         audio=functools.partial(load_audio, limits=config.audio_limits),
     )
     wiring = Wiring(config, mlx_thread, served, residency, turns, decoders, metrics)
-    chat = ChatCompletionsEndpoint(wiring)
-    completions = CompletionsEndpoint(wiring)
-    tokenize = TokenizeEndpoint(wiring)
-    detokenize = DetokenizeEndpoint(wiring)
-    messages = MessagesEndpoint(wiring)
-    count_tokens = CountTokensEndpoint(wiring)
-    responses = ResponsesEndpoint(wiring)
-    embeddings = EmbeddingsEndpoint(wiring)
-    rerank = RerankEndpoint(wiring)
-    speech = SpeechEndpoint(wiring)
-    transcriptions = TranscriptionsEndpoint(wiring)
-    translations = TranslationsEndpoint(wiring)
-    # Opened now: a state_dir that cannot hold it fails here, at start.
-    responses.store = metrics.store = store = open_store(config)
     routes = [
         Route("/health", functools.partial(health, readiness), methods=["GET"]),
         Route("/livez", functools.partial(live, readiness), methods=["GET"]),
@@ -228,20 +205,9 @@ def create_app(
             functools.partial(model, served),
             methods=["GET"],
         ),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/v1/messages", messages, methods=["POST"]),
-        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
-        Route("/v1/embeddings", embeddings, methods=["POST"]),
-        # vLLM's paths for the one rerank door (Cohere's and Jina's shape).
-        *(Route(path, rerank, methods=["POST"]) for path in RERANK_PATHS),
-        Route("/v1/audio/speech", speech, methods=["POST"]),
-        Route("/v1/audio/transcriptions", transcriptions, methods=["POST"]),
-        Route("/v1/audio/translations", translations, methods=["POST"]),
-        *responses_routes(responses),
     ]
+    for kind in KINDS.values():
+        routes += kind.routes(wiring) if kind.routes is not None else []
     # The playground: the chat page at / and its assets, open without the API
     # key (the page sends it).
     if config.playground:
@@ -283,7 +249,7 @@ def create_app(
             ),
             Exception: errors.server_error,
         },
-        lifespan=functools.partial(_lifespan, residency, store),
+        lifespan=functools.partial(_lifespan, residency, wiring.closing),
     )
     app.state.config = config
     app.state.mlx_thread = mlx_thread
@@ -299,14 +265,18 @@ def create_app(
 
 @contextlib.asynccontextmanager
 async def _lifespan(
-    residency: Residency, store: ResponseStore, app: Starlette
+    residency: Residency,
+    closing: Sequence[Callable[[], Awaitable[None]]],
+    app: Starlette,
 ) -> AsyncIterator[None]:
-    """The models' lifespan (the registry's), then the store closed."""
+    """The models' lifespan (the registry's), then what the doors opened,
+    closed."""
     try:
         async with residency.running(app):
             yield
     finally:
-        await store.aclose()
+        for close in closing:
+            await close()
 
 
 def _drafting(config: ServerConfig) -> dict[str, Any]:

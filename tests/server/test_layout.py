@@ -129,13 +129,13 @@ def lazy_lines(path: Path, text: str | None = None) -> set[int]:
 
 def entry_may_import(module: str, target: str) -> bool:
     """Whether a kind's entry (``module``) may import ``target`` lazily: its
-    own package's modules, and chat's engine and HTTP side for chat."""
+    own package's modules, and the engine's and the HTTP side's (not
+    another kind's)."""
     kind = kind_of(module)
     if kind is None or part_of(module) != "shared":
         return False
-    if kind == "chat":
-        return part_of(target) in ("engine", "http") and kind_of(target) is None
-    return kind_of(target) == kind
+    theirs = kind_of(target)
+    return theirs == kind or (theirs is None and part_of(target) in ("engine", "http"))
 
 
 def violations(path: Path, text: str | None = None) -> list[str]:

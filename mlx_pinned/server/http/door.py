@@ -22,12 +22,13 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import anyio
+from starlette.routing import Route
 
 from ..kinds import kind_named
 from .errors import APIError, internal_error, thread_unavailable, timed_out
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from .served_models import ServedModel, ServedModels
     from .turns import LoopTurns
 
-__all__ = ["Call", "Door", "Wiring"]
+__all__ = ["Call", "Door", "Wiring", "routes"]
 
 logger = logging.getLogger("mlx_pinned.server")
 
@@ -76,6 +77,8 @@ class Wiring:
         turns: Fair turns of the event loop between requests.
         decoders: Decode a request's media off the loop.
         metrics: Counts each request (None: not counted).
+        closing: What the app closes at shut-down, after the models (a
+            door that opens something adds its close here).
     """
 
     config: ServerConfig
@@ -85,6 +88,7 @@ class Wiring:
     turns: LoopTurns
     decoders: Decoders
     metrics: ServerMetrics | None = None
+    closing: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +120,8 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
     work is closed on the MLX thread.
 
     Attributes:
-        route: The method and path, for the log line.
+        route: The method and path, for the log line (and its route).
+        paths: Its paths, where it has more than the route's.
         kind: The kind of model it serves (another kind's model is a 400
             that names where to send it).
         errors: Its API's error table and shape.
@@ -126,6 +131,7 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
     """
 
     route: ClassVar[str]
+    paths: ClassVar[tuple[str, ...]] = ()
     kind: ClassVar[str] = "chat"
     errors: ClassVar[ErrorShape] = OPENAI_ERRORS
     prompt: ClassVar[str] = "messages"
@@ -282,6 +288,15 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
             elif error.status == 500:  # the body names nothing: the log does
                 logger.error("%s failed", self.route, exc_info=exc)
             await response.error(error)
+
+
+def routes(*doors: Door[Any, Any, Any, Any]) -> list[Route]:
+    """A route for each path of each door."""
+    found = []
+    for door in doors:
+        method, _, path = door.route.partition(" ")
+        found += [Route(p, door, methods=[method]) for p in door.paths or (path,)]
+    return found
 
 
 def _client(scope: Scope) -> str:

@@ -36,7 +36,8 @@ class Kind:
             ``runtime_checkable`` Protocol of its values).
         load: Loads a model of this kind from one model's settings and makes
             its engine; runs on the MLX thread.
-        doors: Its doors (ASGI endpoint classes, each with its ``route``).
+        routes: Its doors' routes, each door made with the server's wiring
+            (:class:`~..http.door.Wiring`).
         settings: The per-model settings it honours beyond every kind's
             (``model_kind``, ``max_num_seqs``, ``max_pending``,
             ``load_on_first_use``, ``idle_unload_timeout``).
@@ -48,7 +49,7 @@ class Kind:
     paths: tuple[str, ...]
     protocol: type[Any]
     load: Callable[[Any, MLXThread], Any] | None = None
-    doors: Callable[[], Sequence[type[Any]]] | None = None
+    routes: Callable[[Any], Sequence[Any]] | None = None
     settings: frozenset[str] = field(default_factory=frozenset)
     demo: Callable[[], Path] | None = None
 

@@ -1,15 +1,43 @@
 """The chat kind: generation, through the continuous batch of :mod:`..engine`
 and the doors of :mod:`..http` (chat completions, completions, the Messages
-and Responses APIs, tokenize). Any thread."""
+and Responses APIs, tokenize). Any thread; its engine and doors are
+imported when the server is built."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..events import Engine
 from . import Kind
+
+
+def _routes(wiring: Any) -> list[Any]:
+    from ..http.anthropic_messages import CountTokensEndpoint, MessagesEndpoint
+    from ..http.chat_completions import ChatCompletionsEndpoint
+    from ..http.completions import CompletionsEndpoint
+    from ..http.door import routes
+    from ..http.responses_api import ResponsesEndpoint
+    from ..http.responses_api import routes as stored
+    from ..http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
+
+    doors = (
+        ChatCompletionsEndpoint,
+        CompletionsEndpoint,
+        TokenizeEndpoint,
+        DetokenizeEndpoint,
+        MessagesEndpoint,
+        CountTokensEndpoint,
+    )
+    return [
+        *routes(*(door(wiring) for door in doors)),
+        *stored(ResponsesEndpoint(wiring)),
+    ]
+
 
 KIND = Kind(
     name="chat",
     what="a chat model",
     paths=("/v1/chat/completions",),
     protocol=Engine,
+    routes=_routes,
 )

@@ -13,8 +13,6 @@ place a request is checked against the model's
 """
 
 from .route import ResponsesEndpoint as ResponsesEndpoint
-from .store import ResponseStore as ResponseStore
-from .store import open_store as open_store
 from .stored import routes as routes
 
-__all__ = ["ResponseStore", "ResponsesEndpoint", "open_store", "routes"]
+__all__ = ["ResponsesEndpoint", "routes"]

@@ -22,10 +22,11 @@ from .items import INPUT_ITEMS, chat_messages, image_urls
 from .objects import Output, item_id, response_object, sse, tool_call_id, usage
 from .protocol import ResponsesRequest, parse_responses_request
 from .serving import Continued, ResponsesServing
-from .store import MemoryStore, ResponseStore
+from .store import open_store
 
 if TYPE_CHECKING:
     from ..answer_parser import AnswerParser
+    from ..door import Wiring
     from ..errors import APIError
     from ..serving_common import Prepared
 
@@ -75,13 +76,13 @@ class ResponsesEndpoint(GenerationDoor[ResponsesRequest]):
     errors = ResponsesErrors()
     call_id = staticmethod(tool_call_id)
 
-    @functools.cached_property
-    def store(self) -> ResponseStore:
-        """The stored responses, within the server's bound: in memory,
-        unless the app sets its own (``state_dir``'s)."""
-        return MemoryStore(
-            self.config.responses_store_max, self.config.responses_store_bytes
-        )
+    def __init__(self, wiring: Wiring) -> None:
+        super().__init__(wiring)
+        # Opened now: a state_dir that cannot hold it fails the start.
+        self.store = open_store(self.config)
+        wiring.closing.append(self.store.aclose)
+        if wiring.metrics is not None:
+            wiring.metrics.store = self.store
 
     @functools.cached_property
     def serving(self) -> ResponsesServing:

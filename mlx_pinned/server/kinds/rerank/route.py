@@ -15,14 +15,12 @@ from typing import TypeAlias
 
 from ...http.door import Call, Door
 from ...http.wire import random_hex
+from . import KIND
 from .protocol import RerankRequest, parse_rerank_request
 from .serving import ranked
 from .values import RerankEngine, RerankParams, Scores
 
-__all__ = ["RERANK_PATHS", "RerankEndpoint"]
-
-#: The paths of the one rerank door (vLLM's three).
-RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
+__all__ = ["RerankEndpoint"]
 
 _Call: TypeAlias = Call[RerankRequest, RerankEngine, RerankParams]
 
@@ -33,6 +31,7 @@ class RerankEndpoint(Door[RerankRequest, RerankEngine, RerankParams, Scores]):
     "relevance_score", "document"?}]}``."""
 
     route = "POST /v1/rerank"
+    paths = KIND.paths  # vLLM's three
     kind = "rerank"
     prompt = "query"
 

@@ -3,12 +3,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from .. import Kind
 from .values import TranscriptionEngine
+
+
+def _routes(wiring: Any) -> list[Any]:
+    from ...http.door import routes
+    from .route import TranscriptionsEndpoint, TranslationsEndpoint
+
+    return routes(TranscriptionsEndpoint(wiring), TranslationsEndpoint(wiring))
+
 
 KIND = Kind(
     name="transcription",
     what="a transcription model",
     paths=("/v1/audio/transcriptions", "/v1/audio/translations"),
     protocol=TranscriptionEngine,
+    routes=_routes,
 )
