@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     at = "" if file is None else f"--config {args.config}: "
     for index in () if args.demo else range(len(config.models)):
         own = config.for_model(index)
-        paths = (own.models[0], own.draft_model)
+        paths = (own.path, own.draft_model)
         for setting, path in zip(named, paths, strict=True):
             if path is not None and _looks_local(path) and not Path(path).is_dir():
                 _refuse(
@@ -233,7 +233,7 @@ def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     logger.info(
         "serving %s (event loop: %s, HTTP parser: %s)",
         ", ".join(
-            f"{own.model} as {own.name!r}"
+            f"{own.path} as {own.name!r}"
             + (" (loaded on first use)" if own.load_on_first_use else "")
             for own in map(config.for_model, range(len(config.models)))
         ),

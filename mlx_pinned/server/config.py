@@ -4,8 +4,9 @@ check and whether a model may set it for itself.
 :class:`ServerConfig` is the settings of one server; ``create_app`` takes
 one (or the same names as keywords), and the command line, its config file
 and the docs' table of settings are derived from its declarations
-(:mod:`.cli_options`). :meth:`ServerConfig.for_model` gives the settings
-a model is loaded and served with. A plain shared module: any thread.
+(:mod:`.cli_options`). :meth:`ServerConfig.for_model` gives the
+:class:`ModelSettings` a model is loaded and served with. A plain shared
+module: any thread.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from .config_checks import (
@@ -40,6 +42,7 @@ __all__ = [
     "AudioLimits",
     "ImageLimits",
     "ModelKind",
+    "ModelSettings",
     "ServerConfig",
     "SettingError",
     "VideoLimits",
@@ -252,12 +255,11 @@ class ServerConfig:
     def __post_init__(self) -> None:
         check_config(self)
 
-    def for_model(self, index: int) -> ServerConfig:
+    def for_model(self, index: int) -> ModelSettings:
         """The settings model ``index`` (in :attr:`models`) is served with:
-        the server's, with its own on top, as a config of that one model;
-        the default cache budgets shared out, ``idle_unload_timeout`` only
-        if it loads on first use, and for a model of another kind than
-        chat, no :data:`CHAT_SETTINGS`.
+        the server's, with its own on top; the default cache budgets shared
+        out, ``idle_unload_timeout`` only if it loads on first use, and for
+        a model of another kind than chat, no :data:`CHAT_SETTINGS`.
 
         Raises:
             SettingError: Its own settings are out of range, or chat ones of
@@ -274,12 +276,16 @@ class ServerConfig:
                     f"model is served as {own.get('model_kind')!r}",
                 )
             own.update((item, _DEFAULTS[item]) for item in CHAT_SETTINGS)
-        own.setdefault("prompt_cache_bytes", self.prompt_cache_budget)
-        own.setdefault("image_cache_bytes", self.image_cache_budget)
+        for item, budget in (
+            ("prompt_cache_bytes", self.prompt_cache_budget),
+            ("image_cache_bytes", self.image_cache_budget),
+        ):
+            if own.get(item) is None:  # the server's, shared out
+                own[item] = budget
         if not own.get("load_on_first_use", self.load_on_first_use):
             own.setdefault("idle_unload_timeout", None)
         try:
-            return dataclasses.replace(
+            one = dataclasses.replace(
                 self,
                 model=self.models[index],
                 served_model_name=name,
@@ -288,6 +294,16 @@ class ServerConfig:
             )
         except ValueError as exc:
             raise SettingError("model_settings", f"model {name!r}: {exc}") from None
+        disk = None
+        if one.state_dir is not None and one.prompt_cache_disk_bytes > 0:
+            disk = Path(one.state_dir) / "prompt_cache"
+        return ModelSettings(
+            name=name,
+            path=one.models[0],
+            kind=one.model_kind,
+            prompt_cache_dir=disk,
+            **{item: getattr(one, item) for item in _SERVERS},
+        )
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -353,6 +369,49 @@ class ServerConfig:
         return sum(own.max_pending + own.max_num_seqs for own in each)
 
 
+@dataclass(frozen=True)
+class ModelSettings:
+    """One model's settings, resolved (:meth:`ServerConfig.for_model`): what
+    its loader, its gate and its slot are made with. A field means what the
+    config's field of its name means; ``kind`` is its ``model_kind``, the
+    cache budgets are in bytes, and ``prompt_cache_dir`` is where its disk
+    tier goes (None: no disk tier)."""
+
+    name: str
+    path: str
+    kind: ModelKind
+    max_num_seqs: int
+    max_pending: int
+    retry_after: int
+    load_on_first_use: bool
+    idle_unload_timeout: float | None
+    prompt_cache_bytes: int
+    image_cache_bytes: int
+    prefill_step_size: int
+    prefill_step_seconds: float | None
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    kv_bits: int | None
+    kv_group_size: int
+    prompt_lookup_tokens: int
+    num_draft_tokens: int
+    draft_model: str | None
+    draft_max_batch: int
+    prompt_cache_dir: Path | None
+    prompt_cache_disk_bytes: int
+    distributed: str | None
+
+    @classmethod
+    def of(cls, model: str | os.PathLike[str], **settings: Any) -> ModelSettings:
+        """The settings of ``model`` served alone with ``settings`` (fields
+        of :class:`ServerConfig`).
+
+        Raises:
+            SettingError: A setting is out of its range.
+        """
+        return ServerConfig(model=os.fspath(model), **settings).for_model(0)
+
+
 _DEFAULTS = {item.name: item.default for item, _ in declared(ServerConfig)}
 #: The settings a model may set for itself (``model_settings``, a config
 #: file's ``[[models]]`` tables); the others are the server's.
@@ -364,6 +423,14 @@ PER_MODEL_SETTINGS = frozenset(
 CHAT_SETTINGS = frozenset(
     item.name for item, each in declared(ServerConfig) if each.scope == "chat"
 )
+# What ModelSettings copies from the model's config as it is.
+_SERVERS = tuple(
+    item.name
+    for item in dataclasses.fields(ModelSettings)
+    if item.name not in ("name", "path", "kind", "prompt_cache_dir")
+)
+
+
 def _or(given: int | None, default: int) -> int:
     return default if given is None else given
 
