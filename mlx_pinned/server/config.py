@@ -220,7 +220,7 @@ class ServerConfig:
     """a folder for what a restart keeps: the stored responses
     ([responses](responses.md#the-store)) and the prompt and image caches' files
     ([caching](caching.md#the-prompt-caches-disk-tier---state-dir)); made if
-    missing"""
+    missing. With `--distributed`, only with `--prompt-cache-disk-bytes 0`"""
     prompt_cache_disk_bytes: int = setting(4 * 2**30, at_least(0))
     """bytes of prompt KV and image files each model keeps under `--state-dir`,
     least recently used out first; `0`: no disk tier"""

@@ -320,6 +320,8 @@ def _check_residency(config: ServerConfig) -> None:
 
 
 def _check_distributed(config: ServerConfig) -> None:
+    """What a tensor-parallel group cannot take: each rank replays rank 0's
+    batch, so each must hold the same caches (docs/distributed.md)."""
     if config.distributed is None:
         return
     if len(config.models) > 1:
@@ -337,6 +339,13 @@ def _check_distributed(config: ServerConfig) -> None:
     for name in ("prompt_lookup_tokens", "draft_model"):
         if getattr(config, name):
             raise SettingError(name, f"{name} needs one process: not with distributed")
+    if config.state_dir is not None and config.prompt_cache_disk_bytes > 0:
+        raise SettingError(
+            "state_dir",
+            "state_dir keeps prompt cache files, which distributed cannot share "
+            "between ranks: set prompt_cache_disk_bytes 0 (the stored responses "
+            "stay there), or unset one of them",
+        )
 
 
 def _check_drafting(config: ServerConfig) -> None:

@@ -206,3 +206,27 @@ class TestModelSettings:
         defaults = ModelSettings.of("d")
         for name in CHAT_SETTINGS:
             assert getattr(embedding, name) == getattr(defaults, name)
+
+
+class TestDistributed:
+    def test_the_disk_tier_is_refused_naming_both_settings(
+        self, tmp_path: Path
+    ) -> None:
+        with pytest.raises(SettingError) as refused:
+            ServerConfig(model="m", distributed="tensor", state_dir=str(tmp_path))
+        message = str(refused.value)
+        assert refused.value.setting == "state_dir"
+        assert "distributed" in message
+        assert "prompt_cache_disk_bytes 0" in message
+
+    def test_the_state_dir_holds_the_responses_without_the_disk_tier(
+        self, tmp_path: Path
+    ) -> None:
+        settings = ModelSettings.of(
+            "m",
+            distributed="tensor",
+            state_dir=str(tmp_path),
+            prompt_cache_disk_bytes=0,
+        )
+        assert settings.distributed == "tensor"
+        assert settings.prompt_cache_dir is None
