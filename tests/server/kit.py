@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -742,3 +743,15 @@ def widen(source: Path, target: Path, head: int = 64, layers: int = 2) -> Path:
             weights[name] = np.ones((head,), dtype=np.float32)
     safetensors.numpy.save_file(weights, str(target / "model.safetensors"))
     return target
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free on loopback now (held open together, so distinct)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
