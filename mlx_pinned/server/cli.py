@@ -46,8 +46,9 @@ from queue import SimpleQueue
 from types import FrameType
 from typing import Any, NoReturn
 
-from .cli_options import API_KEY_ENV, AS_THE_FIELD, OPTIONS, add_options, whole
+from .cli_options import API_KEY_ENV, OPTIONS, add_options, whole
 from .config import ImageLimits, ServerConfig, SettingError
+from .config_checks import SAME
 from .config_file import ConfigFile, read_config_file
 
 __all__ = ["main"]
@@ -371,10 +372,11 @@ def _config(args: argparse.Namespace, file: ConfigFile | None = None) -> ServerC
     own defaults, then a config file's settings: a flag given wins."""
     values: dict[str, Any] = {}
     for option in OPTIONS:
-        if option.default is not AS_THE_FIELD:
-            values[option.setting] = option.default
-        if option.env is not None and option.env in os.environ:
-            values[option.setting] = os.environ[option.env]
+        own, env = option.declared.cli, option.declared.env
+        if own is not SAME:  # the command line's own default
+            values[option.setting] = own
+        if env is not None and env in os.environ:
+            values[option.setting] = os.environ[env]
     if file is not None:
         values.update(file.settings)
         values.update(served_model_name=file.names, model_settings=file.model_settings)
@@ -415,9 +417,9 @@ def _refused(
         return f"--config {args.config}: {text}"
     words = {o.setting.rpartition(".")[2]: o.flag for o in OPTIONS}
     for option in OPTIONS:
-        by_env = option.env is not None and option.env in os.environ
-        if by_env and option.setting not in args:
-            words[option.setting] = f"${option.env}"
+        env = option.declared.env
+        if env is not None and env in os.environ and option.setting not in args:
+            words[option.setting] = f"${env}"
     # A name in quotes is a value (a served name): as given.
     names = r"'[^']*'|\"[^\"]*\"|\b[a-z][a-z_]*\b"
     return re.sub(names, lambda word: words.get(word[0], word[0]), text)

@@ -39,7 +39,6 @@ from .config_checks import (
 
 __all__ = [
     "API_KEY_ENV",
-    "AS_THE_FIELD",
     "NOT_ON_THE_COMMAND_LINE",
     "OPTIONS",
     "Option",
@@ -59,9 +58,6 @@ NOT_ON_THE_COMMAND_LINE = {
     "image_limits": "a flag for each limit (image_limits.<name>)",
     "model_settings": "a config file's [[models]] tables",
 }
-
-#: :attr:`Option.default` where the command line's default is the field's.
-AS_THE_FIELD: Any = SAME
 
 # How a flag's text is read, by the field's type (None: a switch).
 _READ: dict[object, Callable[[str], Any] | None] = {
@@ -106,30 +102,18 @@ class Option:
         """Its key in a config file: ``max_num_seqs`` for ``--max-num-seqs``."""
         return self.flag[2:].replace("-", "_")
 
-    @property
-    def env(self) -> str | None:
-        return self.declared.env
-
-    @property
-    def default(self) -> Any:
-        """The command line's own default (:data:`AS_THE_FIELD`: the field's)."""
-        return self.declared.cli
-
-    @property
-    def repeated(self) -> bool:
-        return self.declared.repeated
-
     def command_line_default(self) -> Any:
         """What the command line sets where the flag is not given."""
-        return self.field_default if self.default is SAME else self.default
+        own = self.declared.cli
+        return self.field_default if own is SAME else own
 
     def shown(self) -> str:
         """The command line's default, in Markdown."""
         value = self.command_line_default()
         if self.declared.shown is not None:
             return self.declared.shown
-        if self.env is not None:
-            return f"`${self.env}`"
+        if self.declared.env is not None:
+            return f"`${self.declared.env}`"
         if value is None or isinstance(value, bool):
             return "on" if value else "off"
         if self.setting.endswith("_bytes"):  # and a whole number of a unit
@@ -189,7 +173,7 @@ def _kind(hint: Any) -> object:
 OPTIONS = tuple(_options())
 
 #: The environment variable that gives ``--api-key``'s default.
-API_KEY_ENV: str = next(o.env for o in OPTIONS if o.env is not None)
+API_KEY_ENV: str = next(o.declared.env for o in OPTIONS if o.declared.env)
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -210,7 +194,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(
                 option.flag,
                 type=_argument(option.parse),
-                action="append" if option.repeated else "store",
+                action="append" if option.declared.repeated else "store",
                 metavar=option.key.upper(),
                 **common,
             )

@@ -276,12 +276,8 @@ class ServerConfig:
                     f"model is served as {own.get('model_kind')!r}",
                 )
             own.update((item, _DEFAULTS[item]) for item in CHAT_SETTINGS)
-        for item, budget in (
-            ("prompt_cache_bytes", self.prompt_cache_budget),
-            ("image_cache_bytes", self.image_cache_budget),
-        ):
-            if own.get(item) is None:  # the server's, shared out
-                own[item] = budget
+        own.setdefault("prompt_cache_bytes", self.prompt_cache_budget)
+        own.setdefault("image_cache_bytes", self.image_cache_budget)
         if not own.get("load_on_first_use", self.load_on_first_use):
             own.setdefault("idle_unload_timeout", None)
         try:
@@ -301,6 +297,8 @@ class ServerConfig:
             name=name,
             path=one.models[0],
             kind=one.model_kind,
+            prompt_cache_bytes=one.prompt_cache_budget,
+            image_cache_bytes=one.image_cache_budget,
             prompt_cache_dir=disk,
             **{item: getattr(one, item) for item in _SERVERS},
         )
@@ -404,11 +402,7 @@ class ModelSettings:
     @classmethod
     def of(cls, model: str | os.PathLike[str], **settings: Any) -> ModelSettings:
         """The settings of ``model`` served alone with ``settings`` (fields
-        of :class:`ServerConfig`).
-
-        Raises:
-            SettingError: A setting is out of its range.
-        """
+        of :class:`ServerConfig`); a :class:`SettingError` if one is bad."""
         return ServerConfig(model=os.fspath(model), **settings).for_model(0)
 
 
@@ -423,11 +417,12 @@ PER_MODEL_SETTINGS = frozenset(
 CHAT_SETTINGS = frozenset(
     item.name for item, each in declared(ServerConfig) if each.scope == "chat"
 )
-# What ModelSettings copies from the model's config as it is.
+# What for_model resolves; ModelSettings' other fields are the config's.
+_RESOLVED = ("name", "path", "kind", "prompt_cache_bytes", "image_cache_bytes")
 _SERVERS = tuple(
     item.name
     for item in dataclasses.fields(ModelSettings)
-    if item.name not in ("name", "path", "kind", "prompt_cache_dir")
+    if item.name not in (*_RESOLVED, "prompt_cache_dir")
 )
 
 
