@@ -590,6 +590,7 @@ def inprocess(args: argparse.Namespace) -> int:
     from PIL import Image
 
     from mlx_pinned import MLXThread
+    from mlx_pinned.server.config import ModelSettings
     from mlx_pinned.server.engine import BatchEngine
     from mlx_pinned.server.events import FinalEvent, GenerationParams, SamplingParams
     from mlx_pinned.server.http.served_models import BatchGate
@@ -642,7 +643,14 @@ def inprocess(args: argparse.Namespace) -> int:
     async def main() -> list[Level]:
         levels = []
         async with MLXThread(name="peers-inprocess") as thread:
-            engine = await thread.run(BatchEngine.load, tiny_vlm_path(), thread)
+            # As the server's engine, without its caches (each request new).
+            settings = ModelSettings.of(
+                tiny_vlm_path(),
+                prompt_cache_bytes=0,
+                image_cache_bytes=0,
+                prefill_step_seconds=None,
+            )
+            engine = await thread.run(BatchEngine.load, settings, thread)
             for concurrency in args.concurrency:
                 for mode in ("one-at-a-time", "batched"):
                     await level(engine, mode, concurrency)  # warm-up

@@ -41,18 +41,16 @@ from starlette.routing import Route
 from mlx_pinned import MLXThread
 from mlx_pinned.middleware import MLXThreadMiddleware
 
-from .config import ServerConfig
-from .engine import BatchEngine, DraftSettings
-from .engine.kv_quant import KVQuant
+from .config import ModelSettings, ServerConfig
+from .engine import BatchEngine
 from .engine.memory import (
     check_start_up_budget,
     limit_buffer_cache,
     release,
     stored_weight_bytes,
 )
-from .events import Engine, Resident
+from .events import Resident
 from .failures import UnavailableError
-from .formats import log_formats
 from .http.door import Wiring
 from .http.errors import APIError
 from .http.health import Readiness, health, live
@@ -66,11 +64,7 @@ from .inputs.audio import load_audio, load_audios
 from .inputs.images import Fetcher, load_images
 from .inputs.remote import RemoteImageFetcher
 from .inputs.videos import load_videos
-from .kinds import KINDS
-from .kinds.embedding.engine import EmbeddingEngine
-from .kinds.rerank.engine import RerankEngine
-from .kinds.speech.engine import SpeechEngine
-from .kinds.transcription.engine import TranscriptionEngine
+from .kinds import KINDS, kind_named
 from .media import Decoders, LoadImages, LoadVideos
 
 __all__ = ["create_app"]
@@ -84,7 +78,7 @@ def create_app(
     *,
     thread: MLXThread | None = None,
     image_fetcher: Fetcher | None = None,
-    engine_factory: Callable[..., BatchEngine] | None = None,
+    engine_factory: Callable[[ModelSettings, MLXThread], BatchEngine] | None = None,
     **settings: Any,
 ) -> Starlette:
     """Create the server app for one model, or several.
@@ -108,8 +102,8 @@ def create_app(
             lifespan starts and closes it.
         image_fetcher: Fetches remote images instead of the default
             :class:`RemoteImageFetcher` (implies ``allow_remote_images``).
-        engine_factory: Loads a model and makes its engine on the MLX thread,
-            called as ``BatchEngine.load`` is (the default), e.g. the
+        engine_factory: Loads a chat model and makes its engine on the MLX
+            thread, as ``BatchEngine.load`` (the default) does, e.g. the
             tensor-parallel leader's (``engine.distributed.Leader.load``).
         **settings: Fields of :class:`ServerConfig` to set (on top of
             ``config``), e.g. ``max_num_seqs=8``.
@@ -150,7 +144,7 @@ def create_app(
                 _slot(own, mlx_thread, loads[index]),
                 tool_call_parser=own.tool_call_parser,
                 reasoning_parser=own.reasoning_parser,
-                kind=own.model_kind,
+                kind=own.kind,
             )
             for index, own in enumerate(each)
         ]
@@ -160,7 +154,7 @@ def create_app(
         path
         for own in each
         if not own.load_on_first_use
-        for path in (own.models[0], own.draft_model)
+        for path in (own.path, own.draft_model)
         if path is not None
     ]
     settle = None
@@ -279,71 +273,31 @@ async def _lifespan(
             await close()
 
 
-def _drafting(config: ServerConfig) -> dict[str, Any]:
-    """The engine's speculative decoding keyword, only where it is on (an
-    ``engine_factory`` that predates it still works with it off)."""
-    if config.prompt_lookup_tokens < 1 and config.draft_model is None:
-        return {}
-    settings = DraftSettings(
-        config.prompt_lookup_tokens,
-        config.num_draft_tokens,
-        config.draft_model,
-        config.draft_max_batch,
-    )
-    return {"drafts": settings}
-
-
 def _load(
-    own: ServerConfig,
+    own: ModelSettings,
     thread: MLXThread,
-    engine_factory: Callable[..., BatchEngine] | None,
+    engine_factory: Callable[[ModelSettings, MLXThread], BatchEngine] | None,
 ) -> Callable[[], Resident]:
     """Loads a model (``own``: its settings) and makes the engine of its
     kind, on the MLX thread."""
-    if own.model_kind == "speech":  # its generation streams on the thread
-        return functools.partial(SpeechEngine.load, own.models[0], thread)
-    if own.model_kind == "transcription":
-        return functools.partial(TranscriptionEngine.load, own.models[0], thread)
-    if own.model_kind != "chat":  # an encoder: its passes paced as prefill is
-        kind = EmbeddingEngine if own.model_kind == "embedding" else RerankEngine
-        seconds = own.prefill_step_seconds
-        return functools.partial(kind.load, own.models[0], thread, seconds=seconds)
-    return functools.partial(
-        engine_factory or BatchEngine.load,
-        own.models[0],
-        thread,
-        prompt_cache_bytes=own.prompt_cache_budget,
-        prefill_step_size=own.prefill_step_size,
-        prefill_step_seconds=own.prefill_step_seconds,
-        image_cache_bytes=own.image_cache_budget,
-        tool_call_parser=own.tool_call_parser,
-        reasoning_parser=own.reasoning_parser,
-        **_kv_quant(own),
-        **_drafting(own),
-        **_prompt_disk(own),
-    )
+    load = kind_named(own.kind).load
+    if own.kind == "chat" and engine_factory is not None:
+        load = engine_factory
+    assert load is not None, f"the {own.kind} kind has no loader"
+    return functools.partial(load, own, thread)
 
 
 def _slot(
-    own: ServerConfig, thread: MLXThread, load: Callable[[], Resident]
+    own: ModelSettings, thread: MLXThread, load: Callable[[], Resident]
 ) -> ModelSlot:
     """The slot of a model (``own``: its settings): its load and its measure
     each run as a job of the MLX thread."""
 
     async def load_engine() -> Resident:
-        engine = await thread.run(load)
-        if own.model_kind == "chat":  # its output formats, from its template
-            assert isinstance(engine, Engine)
-            log_formats(
-                own.name,
-                engine.facts.formats,
-                tool_call_parser=own.tool_call_parser,
-                reasoning_parser=own.reasoning_parser,
-            )
-        return engine
+        return await thread.run(load)
 
     async def measure() -> int:
-        paths = [own.models[0], *([own.draft_model] if own.draft_model else [])]
+        paths = [own.path, *([own.draft_model] if own.draft_model else [])]
         return sum([await thread.run(stored_weight_bytes, path) for path in paths])
 
     return ModelSlot(
@@ -386,22 +340,3 @@ def _freeze_gc() -> int:
     frozen = gc.get_freeze_count()
     logger.info("froze %d objects out of later garbage collections", frozen)
     return frozen
-
-
-def _prompt_disk(own: ServerConfig) -> dict[str, Any]:
-    """The engine's disk tier keywords where ``state_dir`` is set (none
-    otherwise, so an engine factory without them still serves)."""
-    if own.state_dir is None or own.prompt_cache_disk_bytes < 1:
-        return {}
-    return {
-        "prompt_cache_dir": Path(own.state_dir) / "prompt_cache",
-        "prompt_cache_disk_bytes": own.prompt_cache_disk_bytes,
-    }
-
-
-def _kv_quant(own: ServerConfig) -> dict[str, Any]:
-    """The engine's ``kv_quant`` argument where ``kv_bits`` is set (none
-    otherwise, so an engine factory without it still serves)."""
-    if own.kv_bits is None:
-        return {}
-    return {"kv_quant": KVQuant(own.kv_bits, own.kv_group_size)}

@@ -46,8 +46,9 @@ from queue import SimpleQueue
 from types import FrameType
 from typing import Any, NoReturn
 
-from .cli_options import API_KEY_ENV, AS_THE_FIELD, OPTIONS, add_options, whole
+from .cli_options import API_KEY_ENV, OPTIONS, add_options, whole
 from .config import ImageLimits, ServerConfig, SettingError
+from .config_checks import SAME
 from .config_file import ConfigFile, read_config_file
 
 __all__ = ["main"]
@@ -152,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     at = "" if file is None else f"--config {args.config}: "
     for index in () if args.demo else range(len(config.models)):
         own = config.for_model(index)
-        paths = (own.models[0], own.draft_model)
+        paths = (own.path, own.draft_model)
         for setting, path in zip(named, paths, strict=True):
             if path is not None and _looks_local(path) and not Path(path).is_dir():
                 _refuse(
@@ -233,7 +234,7 @@ def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     logger.info(
         "serving %s (event loop: %s, HTTP parser: %s)",
         ", ".join(
-            f"{own.model} as {own.name!r}"
+            f"{own.path} as {own.name!r}"
             + (" (loaded on first use)" if own.load_on_first_use else "")
             for own in map(config.for_model, range(len(config.models)))
         ),
@@ -371,10 +372,11 @@ def _config(args: argparse.Namespace, file: ConfigFile | None = None) -> ServerC
     own defaults, then a config file's settings: a flag given wins."""
     values: dict[str, Any] = {}
     for option in OPTIONS:
-        if option.default is not AS_THE_FIELD:
-            values[option.setting] = option.default
-        if option.env is not None and option.env in os.environ:
-            values[option.setting] = os.environ[option.env]
+        own, env = option.declared.cli, option.declared.env
+        if own is not SAME:  # the command line's own default
+            values[option.setting] = own
+        if env is not None and env in os.environ:
+            values[option.setting] = os.environ[env]
     if file is not None:
         values.update(file.settings)
         values.update(served_model_name=file.names, model_settings=file.model_settings)
@@ -415,9 +417,9 @@ def _refused(
         return f"--config {args.config}: {text}"
     words = {o.setting.rpartition(".")[2]: o.flag for o in OPTIONS}
     for option in OPTIONS:
-        by_env = option.env is not None and option.env in os.environ
-        if by_env and option.setting not in args:
-            words[option.setting] = f"${option.env}"
+        env = option.declared.env
+        if env is not None and env in os.environ and option.setting not in args:
+            words[option.setting] = f"${env}"
     # A name in quotes is a value (a served name): as given.
     names = r"'[^']*'|\"[^\"]*\"|\b[a-z][a-z_]*\b"
     return re.sub(names, lambda word: words.get(word[0], word[0]), text)

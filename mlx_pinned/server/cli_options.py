@@ -1,28 +1,44 @@
-"""How ``mlx-pinned serve`` spells each setting of :class:`~.config.ServerConfig`.
+"""How ``mlx-pinned serve`` spells each setting, derived from its
+declaration (:func:`~.config_checks.setting`).
 
-One :class:`Option` per field (a limit of :class:`~.config.ImageLimits` is
-``image_limits.<name>``), keyed by the field's name: its flag, its help, how
-the flag's text is read, and the command line's own default where it has
-one. A config file's keys are the same flags, without their dashes and with
-``_`` for ``-``. What a value may be is the config's to check, not this
-table's: a parser here only reads text as a number, a list or a name. Runs
-on the main thread, before the server starts.
+One :class:`Option` per declared field of :class:`~.config.ServerConfig` (a
+limit of :class:`~.config.ImageLimits` is ``image_limits.<name>``): its
+flag, its help, how the flag's text is read (by the field's type, unless
+declared) and the command line's own default where it has one. A config
+file's keys are the same flags, without their dashes and with ``_`` for
+``-``; the docs' table of settings is :func:`settings_table`, written into
+docs/server.md by ``python -m mlx_pinned.server.cli_options docs/server.md``.
+Runs on the main thread, before the server starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
-from collections.abc import Callable
+import inspect
+import itertools
+import re
+import sys
+import textwrap
+import typing
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 from .config import ImageLimits, ServerConfig
-from .formats import REASONING_FORMATS, TOOL_CALL_FORMATS
+from .config_checks import (
+    SAME,
+    Setting,
+    origins,
+    seconds,
+    seconds_or_none,
+    whole,
+)
 
 __all__ = [
     "API_KEY_ENV",
-    "AS_THE_FIELD",
     "NOT_ON_THE_COMMAND_LINE",
     "OPTIONS",
     "Option",
@@ -30,41 +46,11 @@ __all__ = [
     "origins",
     "seconds",
     "seconds_or_none",
+    "settings_table",
+    "table_in",
     "whole",
+    "write_settings_table",
 ]
-
-
-def whole(text: str) -> int:
-    """A whole number."""
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"must be a whole number, not {text!r}") from None
-
-
-def seconds(text: str) -> float:
-    """A number of seconds."""
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"must be a number of seconds, not {text!r}") from None
-
-
-def seconds_or_none(text: str) -> float | None:
-    """A number of seconds; 0 means no limit (None)."""
-    return seconds(text) or None
-
-
-def origins(text: str) -> tuple[str, ...]:
-    """Comma-separated origins (``https://app.example``), or ``*`` for any."""
-    found = tuple(item.strip().rstrip("/") for item in text.split(",") if item.strip())
-    if not found:
-        raise ValueError("give at least one origin, e.g. https://app.example")
-    return found
-
-
-#: The environment variable that gives ``--api-key``'s default.
-API_KEY_ENV = "MLX_PINNED_API_KEY"
 
 #: The fields that have no flag, and where the command line takes them from.
 NOT_ON_THE_COMMAND_LINE = {
@@ -73,9 +59,17 @@ NOT_ON_THE_COMMAND_LINE = {
     "model_settings": "a config file's [[models]] tables",
 }
 
-
-#: :attr:`Option.default` where the command line's default is the field's.
-AS_THE_FIELD: Any = object()
+# How a flag's text is read, by the field's type (None: a switch).
+_READ: dict[object, Callable[[str], Any] | None] = {
+    bool: None,
+    int: whole,
+    float: seconds,
+    (float, None): seconds_or_none,  # 0: no limit
+    str: str,
+}
+# The docs' table, between these lines.
+_BEGIN = "<!-- settings: python -m mlx_pinned.server.cli_options docs/server.md -->"
+_END = "<!-- /settings -->"
 
 
 @dataclass(frozen=True)
@@ -84,29 +78,24 @@ class Option:
 
     Attributes:
         setting: The field (``image_limits.max_bytes`` for a limit).
-        help: The flag's help; ``%(default)s`` is the command line's default.
+        declared: Its declaration.
+        field_default: The field's default.
         parse: Reads the flag's text as the field's value; its ValueError
             is the usage error's text. None: a switch (``--x``; also
             ``--no-x`` where it is on by default).
-        flag: The flag, where it is not the field's name with dashes.
-        env: The environment variable that gives the default, if set.
-        default: The command line's own default, where it is not the
-            field's (:data:`AS_THE_FIELD`: the field's).
-        repeated: Given once per model: the values, in order.
+        markdown: Its help, as declared (the string under the field).
     """
 
     setting: str
-    help: str
-    parse: Callable[[str], Any] | None = None
-    flag: str = ""
-    env: str | None = None
-    default: Any = AS_THE_FIELD
-    repeated: bool = False
+    declared: Setting
+    field_default: Any
+    parse: Callable[[str], Any] | None
+    markdown: str
 
-    def __post_init__(self) -> None:
-        if not self.flag:
-            name = self.setting.rpartition(".")[2]
-            object.__setattr__(self, "flag", "--" + name.replace("_", "-"))
+    @property
+    def flag(self) -> str:
+        name = self.setting.rpartition(".")[2]
+        return self.declared.flag or "--" + name.replace("_", "-")
 
     @property
     def key(self) -> str:
@@ -115,317 +104,76 @@ class Option:
 
     def command_line_default(self) -> Any:
         """What the command line sets where the flag is not given."""
-        if self.default is not AS_THE_FIELD:
-            return self.default
-        owner, _, name = self.setting.rpartition(".")
-        fields = dataclasses.fields(ImageLimits if owner else ServerConfig)
-        (found,) = (item for item in fields if item.name == name)
-        return found.default
+        own = self.declared.cli
+        return self.field_default if own is SAME else own
+
+    def shown(self) -> str:
+        """The command line's default, in Markdown."""
+        value = self.command_line_default()
+        if self.declared.shown is not None:
+            return self.declared.shown
+        if self.declared.env is not None:
+            return f"`${self.declared.env}`"
+        if value is None or isinstance(value, bool):
+            return "on" if value else "off"
+        if self.setting.endswith("_bytes"):  # and a whole number of a unit
+            for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+                if value % (1 << shift) == 0:
+                    return f"`{value}` ({value >> shift} {unit})"
+        return f"`{value}`"
+
+    def help(self) -> str:
+        """Its ``--help`` text: the declared help without Markdown, then the
+        default."""
+        text = f"{self.markdown} (default: {self.shown()}"
+        if self.parse is None and self.command_line_default():
+            text += f"; --no-{self.flag[2:]} turns it off"
+        return _plain(text + ")")
 
 
-OPTIONS = (
-    Option(
-        "served_model_name",
-        "the model name clients send; once per MODEL, in the same order "
-        "(default: MODEL as given)",
-        str,
-        repeated=True,
-    ),
-    Option(
-        "max_tokens_limit",
-        "largest max_tokens a request may ask for (default: %(default)s)",
-        whole,
-    ),
-    Option(
-        "default_max_tokens",
-        "max_tokens of a request that sets none (default: %(default)s)",
-        whole,
-    ),
-    Option(
-        "max_pending",
-        "requests that may wait for the model before 503 (default: %(default)s)",
-        whole,
-    ),
-    Option(
-        "max_num_seqs",
-        "generations decoded together in one batch (default: %(default)s)",
-        whole,
-    ),
-    Option("max_body_bytes", "largest request body (default: %(default)s)", whole),
-    Option(
-        "image_limits.max_images",
-        "images per request (default: %(default)s)",
-        whole,
-    ),
-    Option(
-        "image_limits.max_bytes",
-        "encoded bytes per image (default: %(default)s)",
-        whole,
-        flag="--max-image-bytes",
-    ),
-    Option(
-        "image_limits.max_pixels",
-        "width x height per image (default: %(default)s)",
-        whole,
-        flag="--max-image-pixels",
-    ),
-    Option(
-        "api_key",
-        f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
-        str,
-        env=API_KEY_ENV,
-    ),
-    Option(
-        "allowed_origins",
-        "browser origins allowed to call the API (CORS), comma-separated, or "
-        "'*' for any (default: none, CORS off)",
-        origins,
-    ),
-    Option(
-        "allow_remote_images",
-        "fetch http(s) image and video URLs, from public addresses only (default: off)",
-    ),
-    Option(
-        "remote_image_timeout",
-        "seconds to fetch one remote image or video (default: %(default)s)",
-        seconds,
-    ),
-    Option("max_videos", "videos per request (default: %(default)s)", whole),
-    Option("max_video_bytes", "encoded bytes per video (default: %(default)s)", whole),
-    Option("max_video_seconds", "seconds per video (default: %(default)s)", seconds),
-    Option("max_audios", "audio files per chat request (default: %(default)s)", whole),
-    Option(
-        "max_audio_bytes", "encoded bytes per audio file (default: %(default)s)", whole
-    ),
-    Option(
-        "max_audio_seconds", "seconds per audio file (default: %(default)s)", seconds
-    ),
-    Option(
-        "max_video_pixels",
-        "width x height per video frame (default: %(default)s)",
-        whole,
-    ),
-    Option(
-        "video_fps",
-        "frames sampled per second of video, where a request sets no video_fps "
-        "(default: %(default)s)",
-        seconds,
-    ),
-    Option(
-        "max_video_frames",
-        "most frames sampled per video (default: %(default)s)",
-        whole,
-    ),
-    Option(
-        "max_prompt_tokens",
-        "most prompt tokens, images included (default: the model's context length)",
-        whole,
-    ),
-    Option(
-        "request_timeout",
-        "seconds a request may wait and generate before 504; 0: no limit "
-        "(default: %(default)s)",
-        seconds_or_none,
-    ),
-    Option(
-        "stream_write_interval",
-        "seconds a streamed answer waits at least between two writes (its first "
-        "token goes out at once): tokens that come faster go out together; 0: a "
-        "write per wake-up (default: %(default)s)",
-        seconds,
-    ),
-    Option(
-        "load_wait",
-        "seconds a request waits for its model to load before 503 "
-        "model_not_loaded; 0: the 503 at once, for replicas behind a balancer "
-        "that retries elsewhere (default: %(default)s)",
-        seconds,
-    ),
-    Option(
-        "unready_seconds",
-        "on SIGTERM, seconds to keep serving with /health answering 503 before "
-        "the listener closes, so balancers stop sending first (default: "
-        "%(default)s)",
-        seconds,
-    ),
-    Option(
-        "in_flight_timeout",
-        "seconds the requests in flight get to finish once the listener is "
-        "closed (default: %(default)s)",
-        seconds,
-    ),
-    Option(
-        "retry_after",
-        "seconds a client is asked to wait (Retry-After) when the server is "
-        "busy (default: %(default)s)",
-        whole,
-    ),
-    Option(
-        "prompt_cache_bytes",
-        "bytes of prompt KV kept for requests that start the same way (a chat's "
-        "next turn), per model; 0: off (default: an eighth of the machine's "
-        "memory, shared out among the models)",
-        whole,
-    ),
-    Option(
-        "image_cache_bytes",
-        "bytes of vision-tower outputs kept for images sent again, per model; 0: "
-        "off (default: a 32nd of the machine's memory, shared out among the "
-        "models)",
-        whole,
-    ),
-    Option(
-        "mlx_cache_bytes",
-        "bytes of freed buffers MLX keeps for reuse (its buffer cache, emptied "
-        "when a batch ends); 0: none (default: MLX's own limit or an eighth of "
-        "the machine's memory, whichever is smaller)",
-        whole,
-    ),
-    Option(
-        "prefill_step_size",
-        "prompt tokens prefilled in one pass, at most (default: %(default)s)",
-        whole,
-    ),
-    Option(
-        "prefill_step_seconds",
-        "seconds a pass of a long prompt's prefill takes, about, while other "
-        "streams decode (they wait for it); 0: passes of --prefill-step-size "
-        "tokens (default: %(default)s)",
-        seconds_or_none,
-    ),
-    Option(
-        "tool_call_parser",
-        "the format the model writes tool calls in: "
-        + ", ".join(TOOL_CALL_FORMATS)
-        + ", or 'none' for no tool calls (default: detected from its chat "
-        "template)",
-        str,
-    ),
-    Option(
-        "reasoning_parser",
-        "the format the model writes its reasoning in: "
-        + ", ".join(REASONING_FORMATS)
-        + ", or 'none' to keep it in the content (default: detected from its "
-        "chat template)",
-        str,
-    ),
-    Option(
-        "model_kind",
-        "what the models are served as: 'chat' (the chat and completion routes), "
-        "'embedding' (/v1/embeddings, through mlx-vlm's embedding loader), "
-        "'rerank' (/v1/rerank, a cross-encoder through mlx-vlm's reranker "
-        "loader), 'transcription' (/v1/audio/transcriptions and "
-        "/v1/audio/translations, through mlx-audio's speech-to-text loader) "
-        "or 'speech' (/v1/audio/speech, through mlx-audio's text-to-speech "
-        "loader); a config file sets it per model (default: %(default)s)",
-        str,
-    ),
-    Option(
-        "load_on_first_use",
-        "load each model when its first request arrives, not at start-up "
-        "(default: off)",
-    ),
-    Option(
-        "idle_unload_timeout",
-        "seconds a model loaded on first use may sit idle (no rows, no waiting "
-        "request) before it is unloaded; its next request loads it again; 0: "
-        "never (default); needs --load-on-first-use",
-        seconds_or_none,
-    ),
-    Option(
-        "max_model_bytes",
-        "bytes of model weights loaded at once, over all models; a load past it "
-        "first unloads the least recently used idle models loaded on first use, "
-        "else answers 503 (default: no limit)",
-        whole,
-    ),
-    Option(
-        "distributed",
-        "'tensor': split the model over the ranks of an mx.distributed group "
-        "(run every rank under mlx.launch; rank 0 serves HTTP) (default: off)",
-        str,
-    ),
-    Option(
-        "distributed_timeout",
-        "seconds a rank of a --distributed group may take to answer before the "
-        "group counts as lost and exits with status 1 (default: %(default)s)",
-        seconds,
-    ),
-    Option(
-        "responses_store_max",
-        "responses kept for GET /v1/responses/{id} and "
-        "previous_response_id, oldest out first; 0: none (default: %(default)s)",
-        whole,
-    ),
-    Option(
-        "responses_store_bytes",
-        "bytes the kept responses may take, oldest out first (default: %(default)s)",
-        whole,
-    ),
-    Option(
-        "state_dir",
-        "a folder for what a restart keeps: the stored responses (a SQLite "
-        "database) and the prompt and image caches' files, made if missing "
-        "(default: none, memory only)",
-        str,
-    ),
-    Option(
-        "prompt_cache_disk_bytes",
-        "bytes of prompt KV and image files each model keeps under "
-        "--state-dir; 0: none (default: %(default)s)",
-        whole,
-    ),
-    # On here, off in the library: the command owns its process.
-    Option(
-        "freeze_gc",
-        "freeze the objects left after the model load out of later garbage "
-        "collections (default: on; --no-freeze-gc turns it off)",
-        default=True,
-    ),
-    Option(
-        "playground",
-        "serve the chat page at / (default: on; --no-playground turns it off)",
-    ),
-    # The quantized KV cache.
-    Option(
-        "kv_bits",
-        "quantize the KV cache to 4 or 8 bits per value (default: off)",
-        whole,
-    ),
-    Option(
-        "kv_group_size",
-        "values sharing one scale under --kv-bits: 32, 64 or 128 (default: "
-        "%(default)s)",
-        whole,
-    ),
-    # Speculative decoding (engine/drafting.py).
-    Option(
-        "prompt_lookup_tokens",
-        "speculative decoding by prompt lookup: draft the tokens that followed "
-        "the latest earlier match of a row's last N tokens (N down to 1) in its "
-        "prompt and answer, verified in the batch's forward pass; 0: off "
-        "(default: %(default)s)",
-        whole,
-    ),
-    Option(
-        "num_draft_tokens",
-        "draft tokens per row and step, at most (default: %(default)s)",
-        whole,
-    ),
-    Option(
-        "draft_model",
-        "speculative decoding with a draft model: a small model with the served "
-        "model's tokenizer (a folder or a hub id) drafts each row's next tokens, "
-        "verified in the batch's forward pass (default: off)",
-        str,
-    ),
-    Option(
-        "draft_max_batch",
-        "speculative steps only while the batch has at most N rows; 0: at any "
-        "size (default: %(default)s)",
-        whole,
-    ),
-)
+def _options(cls: type = ServerConfig, prefix: str = "") -> Iterator[Option]:
+    """Each declared field's option, in order (the image limits' where the
+    config has its ``image_limits``)."""
+    hints, helps = typing.get_type_hints(cls), _helps(cls)
+    for item in dataclasses.fields(cls):
+        if item.name == "image_limits":
+            yield from _options(ImageLimits, "image_limits.")
+        elif "setting" in item.metadata:
+            declaration: Setting = item.metadata["setting"]
+            parse = declaration.parse or _READ[_kind(hints[item.name])]
+            name, markdown = prefix + item.name, helps[item.name]
+            yield Option(name, declaration, item.default, parse, markdown)
+
+
+def _helps(cls: type) -> dict[str, str]:
+    """The string under each field of ``cls`` in its source (its attribute
+    docstring), on one line."""
+    (body,) = ast.parse(textwrap.dedent(inspect.getsource(cls))).body
+    assert isinstance(body, ast.ClassDef)
+    found = {}
+    for node, under in itertools.pairwise(body.body):
+        value = under.value if isinstance(under, ast.Expr) else None
+        text = value.value if isinstance(value, ast.Constant) else None
+        if isinstance(node, ast.AnnAssign) and isinstance(text, str):
+            assert isinstance(node.target, ast.Name)
+            found[node.target.id] = " ".join(text.split())
+    return found
+
+
+def _kind(hint: Any) -> object:
+    """The key of :data:`_READ` for a field's type."""
+    if typing.get_origin(hint) is Literal:
+        return str
+    kinds = tuple(arg for arg in typing.get_args(hint) if arg is not type(None))
+    if kinds == (float,):
+        return (float, None)
+    return kinds[0] if len(kinds) == 1 else hint
+
+
+OPTIONS = tuple(_options())
+
+#: The environment variable that gives ``--api-key``'s default.
+API_KEY_ENV: str = next(o.declared.env for o in OPTIONS if o.declared.env)
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -433,12 +181,10 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     (``image_limits.max_bytes``) and which sets nothing when not given: the
     namespace holds the flags given, and only those."""
     for option in OPTIONS:
-        metavar = option.key.upper()
-        shown = {"default": option.command_line_default()}
         common: dict[str, Any] = {
             "dest": option.setting,
             "default": argparse.SUPPRESS,
-            "help": option.help % shown,
+            "help": option.help().replace("%", "%%"),
         }
         if option.parse is None:  # a switch
             on = option.command_line_default()
@@ -448,10 +194,41 @@ def add_options(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(
                 option.flag,
                 type=_argument(option.parse),
-                action="append" if option.repeated else "store",
-                metavar=metavar,
+                action="append" if option.declared.repeated else "store",
+                metavar=option.key.upper(),
                 **common,
             )
+
+
+def settings_table() -> str:
+    """The docs' table of the settings, in Markdown."""
+    rows = ["| flag | default | per model | meaning |", "|---|---|---|---|"]
+    for option in OPTIONS:
+        flag = f"`{option.flag}`"
+        if option.parse is None and option.command_line_default():
+            flag += f", `--no-{option.flag[2:]}`"
+        own = {"server": "", "model": "yes", "chat": "yes (chat)"}[
+            option.declared.scope
+        ]
+        rows.append(f"| {flag} | {option.shown()} | {own} | {option.markdown} |")
+    return "\n".join(rows)
+
+
+def write_settings_table(path: str | Path) -> None:
+    """Put :func:`settings_table` between the markers of the file at ``path``."""
+    text = Path(path).read_text()
+    start, end = text.index(_BEGIN) + len(_BEGIN), text.index(_END)
+    Path(path).write_text(f"{text[:start]}\n{settings_table()}\n{text[end:]}")
+
+
+def table_in(text: str) -> str:
+    """The table between the markers of ``text`` (a docs page)."""
+    return text[text.index(_BEGIN) + len(_BEGIN) : text.index(_END)].strip()
+
+
+def _plain(markdown: str) -> str:
+    """``markdown`` as plain text: links as their words, no code marks."""
+    return re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", markdown).replace("`", "")
 
 
 def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -465,3 +242,8 @@ def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
     read.__name__ = parse.__name__  # argparse names it in some messages
     return read
+
+
+if __name__ == "__main__":  # pragma: no cover
+    for page in sys.argv[1:]:
+        write_settings_table(page)

@@ -1,54 +1,55 @@
-"""The checks of :class:`~.config.ServerConfig`, in one place: each
-setting's range and the settings that depend on each other.
+"""How a setting is declared (:func:`setting`) and checked.
 
-A config runs them as it is made (and again for each model's own settings,
-:meth:`~.config.ServerConfig.for_model`); a bad setting is a
-:class:`SettingError` that names it. A plain shared module: any thread.
+A field of :class:`~.config.ServerConfig` declares its type, default, help,
+check and scope once, with :func:`setting`; the command line, the config
+file and the docs' table of settings are derived from it
+(:mod:`.cli_options`). A config runs each field's own check as it is made,
+then the checks of settings that depend on each other (here, as functions);
+a bad setting is a :class:`SettingError` that names it. A plain shared
+module: any thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-from typing import TYPE_CHECKING, Any
-
-from .formats import check_reasoning_parser, check_tool_call_parser
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from .config import ImageLimits, ServerConfig
+    from .config import ServerConfig
 
 __all__ = [
-    "CHAT_SETTINGS",
     "MODEL_KINDS",
-    "PER_MODEL_SETTINGS",
+    "SAME",
+    "Check",
+    "Setting",
     "SettingError",
+    "at_least",
     "check_config",
-    "check_limits",
+    "check_fields",
+    "declared",
+    "duration",
+    "given",
+    "one_of",
+    "origins",
+    "parser",
+    "seconds",
+    "seconds_or_none",
+    "setting",
+    "whole",
 ]
 
-#: The settings a model may set for itself (:attr:`ServerConfig.model_settings`,
-#: a config file's ``[[models]]`` entries); the others are the server's.
-PER_MODEL_SETTINGS = frozenset(
-    {
-        "model_kind",
-        "load_on_first_use",
-        "idle_unload_timeout",
-        "max_num_seqs",
-        "max_pending",
-        "prompt_cache_bytes",
-        "image_cache_bytes",
-        "prefill_step_size",
-        "prefill_step_seconds",
-        "tool_call_parser",
-        "reasoning_parser",
-        "kv_bits",
-        "kv_group_size",
-        "prompt_lookup_tokens",
-        "num_draft_tokens",
-        "draft_model",
-        "draft_max_batch",
-    }
-)
+#: The kinds of model a server serves, each through its own routes.
+MODEL_KINDS = ("chat", "embedding", "rerank", "transcription", "speech")
+
+#: Checks a field's value, given its name; raises :class:`SettingError`.
+Check = Callable[[str, Any], None]
+
+#: :attr:`Setting.cli` where the command line's default is the field's.
+SAME: Any = object()
 
 
 class SettingError(ValueError):
@@ -64,10 +65,158 @@ class SettingError(ValueError):
         self.setting = setting
 
 
-def check_limits(limits: ImageLimits) -> None:
-    """Every limit of ``limits`` is at least 1."""
-    for name in ("max_images", "max_bytes", "max_pixels"):
-        _at_least(limits, name, 1)
+@dataclass(frozen=True)
+class Setting:
+    """What a field declares besides its type, its default and its help
+    (the string under it: its attribute docstring, in Markdown, naming
+    other settings by flag).
+
+    Attributes:
+        check: Its own range (others it depends on: :func:`check_config`).
+        scope: ``server``: the server's alone; ``model``: a model may set
+            its own (``model_settings``); ``chat``: a chat model may, and
+            only a chat model has it (the server's does not apply to a
+            model of another kind).
+        parse: Reads the flag's text; None: by the field's type.
+        flag: Its flag, where it is not the field's name with dashes.
+        shown: The default in words, where the value does not say it.
+        cli: The command line's own default (:data:`SAME`: the field's).
+        env: The environment variable that gives the command line's default.
+        repeated: Its flag is given once per model.
+    """
+
+    check: Check | None = None
+    scope: Literal["server", "model", "chat"] = "server"
+    parse: Callable[[str], Any] | None = None
+    flag: str | None = None
+    shown: str | None = None
+    cli: Any = SAME
+    env: str | None = None
+    repeated: bool = False
+
+    @property
+    def per_model(self) -> bool:
+        return self.scope != "server"
+
+
+def setting(default: Any, check: Check | None = None, **declared: Any) -> Any:
+    """A dataclass field that declares a setting (:class:`Setting`)."""
+    metadata = {"setting": Setting(check, **declared)}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def declared(cls: type) -> Iterator[tuple[dataclasses.Field[Any], Setting]]:
+    """Each field of the dataclass ``cls`` declared with :func:`setting`, in order."""
+    for item in dataclasses.fields(cls):
+        if "setting" in item.metadata:
+            yield item, item.metadata["setting"]
+
+
+def whole(text: str) -> int:
+    """A flag's text as a whole number."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"must be a whole number, not {text!r}") from None
+
+
+def seconds(text: str) -> float:
+    """A flag's text as a number of seconds."""
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"must be a number of seconds, not {text!r}") from None
+
+
+def seconds_or_none(text: str) -> float | None:
+    """A flag's text as a number of seconds; 0 means no limit (None)."""
+    return seconds(text) or None
+
+
+def origins(text: str) -> tuple[str, ...]:
+    """Comma-separated origins (``https://app.example``), or ``*`` for any."""
+    found = tuple(item.strip().rstrip("/") for item in text.split(",") if item.strip())
+    if not found:
+        raise ValueError("give at least one origin, e.g. https://app.example")
+    return found
+
+
+def at_least(low: int, *, optional: bool = False) -> Check:
+    """A whole number of at least ``low`` (or None, where ``optional``)."""
+
+    def check(name: str, value: Any) -> None:
+        if not (optional and value is None) and not value >= low:
+            raise SettingError(name, f"{name} must be >= {low}, not {value}")
+
+    return check
+
+
+def duration(
+    *, positive: bool = False, optional: bool = False, finite: bool = False
+) -> Check:
+    """Seconds: 0 or more, or more than 0 where ``positive``; None too where
+    ``optional``; not infinite where ``finite``. Never nan."""
+
+    def check(name: str, value: Any) -> None:
+        if optional and value is None:
+            return
+        in_range = value > 0 if positive else value >= 0  # False for nan
+        if not in_range or (finite and not math.isfinite(value)):
+            bound = "> 0" if positive else ">= 0"
+            raise SettingError(name, f"{name} must be {bound}, not {value}")
+
+    return check
+
+
+def one_of(*values: Any, optional: bool = False) -> Check:
+    """One of ``values`` (or None, where ``optional``)."""
+    *most, last = [
+        repr(value) if isinstance(value, str) else str(value) for value in values
+    ]
+    words = f"{', '.join(most)} or {last}" if most else last
+    unset = " (or unset)" if optional else ""
+
+    def check(name: str, value: Any) -> None:
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or value not in values:
+            raise SettingError(name, f"{name} must be {words}{unset}, not {value!r}")
+
+    return check
+
+
+def given(what: str) -> Check:
+    """A string that is not blank (or None), ``what`` it names."""
+
+    def check(name: str, value: Any) -> None:
+        if value is None:
+            return
+        if not isinstance(value, str):
+            raise SettingError(name, f"{name} must be {what}, not {value!r}")
+        if not value.strip():
+            raise SettingError(name, f"{name} is empty: give {what}, or leave it unset")
+
+    return check
+
+
+def parser(read: Callable[[str], object]) -> Check:
+    """A name ``read`` takes (or None); its ValueError is the message."""
+
+    def check(name: str, value: Any) -> None:
+        if value is not None:
+            try:
+                read(value)
+            except ValueError as exc:
+                raise SettingError(name, str(exc)) from None
+
+    return check
+
+
+def check_fields(settings: object) -> None:
+    """Run the check each field of ``settings`` declares."""
+    for item, declaration in declared(type(settings)):
+        if declaration.check is not None:
+            declaration.check(item.name, getattr(settings, item.name))
 
 
 def check_config(config: ServerConfig) -> None:
@@ -77,47 +226,12 @@ def check_config(config: ServerConfig) -> None:
     _set(config, "model", _one_or_many("model", config.model))
     _check_model_settings(config)
     _check_names(config)
-    positive = ("max_tokens_limit", "default_max_tokens", "max_pending")
-    for name in (*positive, "max_num_seqs", "max_body_bytes", "retry_after"):
-        _at_least(config, name, 1)
-    _at_least(config, "prefill_step_size", 1)
-    for name in ("max_prompt_tokens", "max_model_bytes"):
-        _at_least(config, name, 1, optional=True)
-    for name in ("max_videos", "max_video_bytes", "max_video_pixels"):
-        _at_least(config, name, 1)
-    _at_least(config, "max_video_frames", 2)  # a temporal patch is two frames
-    for name in ("max_audios", "max_audio_bytes"):
-        _at_least(config, name, 1)
-    for name in ("max_video_seconds", "video_fps", "max_audio_seconds"):
-        _seconds(config, name, positive=True, finite=True)
-    for name in ("prompt_cache_bytes", "image_cache_bytes", "mlx_cache_bytes"):
-        _at_least(config, name, 0, optional=True)
-    for name in ("responses_store_max", "responses_store_bytes"):
-        _at_least(config, name, 0)
-    _at_least(config, "prompt_cache_disk_bytes", 0)
+    check_fields(config)
     _check_origins(config)
     _check_state_dir(config)
-    if config.api_key == "":
-        raise SettingError("api_key", "api_key is empty: give a key, or leave it unset")
-    for name, check in (
-        ("tool_call_parser", check_tool_call_parser),
-        ("reasoning_parser", check_reasoning_parser),
-    ):
-        if getattr(config, name) is not None:
-            try:
-                check(getattr(config, name))
-            except ValueError as exc:
-                raise SettingError(name, str(exc)) from None
-    for name in ("request_timeout", "remote_image_timeout", "prefill_step_seconds"):
-        _seconds(config, name, positive=True, optional=True)
-    _seconds(config, "load_wait", optional=True)
-    for name in ("unready_seconds", "in_flight_timeout", "stream_write_interval"):
-        _seconds(config, name, finite=True)
-    _seconds(config, "distributed_timeout", positive=True, finite=True)
     _check_kind(config)
     _check_residency(config)
     _check_distributed(config)
-    _check_kv_quant(config)
     _check_drafting(config)
     if config.default_max_tokens > config.max_tokens_limit:
         _set(config, "default_max_tokens", config.max_tokens_limit)
@@ -158,22 +272,6 @@ def _check_origins(config: ServerConfig) -> None:
                 "allowed_origins",
                 f"allowed_origins gives {origin!r}: an origin is scheme://host[:port]",
             )
-
-
-#: The settings only a chat model has: an encoder (embedding, rerank) model
-#: that sets one is refused; the server's do not apply to it.
-CHAT_SETTINGS = frozenset(
-    {
-        "kv_bits",
-        "prompt_lookup_tokens",
-        "draft_model",
-        "tool_call_parser",
-        "reasoning_parser",
-    }
-)
-
-#: The kinds of model a server serves, each through its own routes.
-MODEL_KINDS = ("chat", "embedding", "rerank", "transcription", "speech")
 
 
 def _check_kind(config: ServerConfig) -> None:
@@ -222,13 +320,10 @@ def _check_residency(config: ServerConfig) -> None:
 
 
 def _check_distributed(config: ServerConfig) -> None:
+    """What a tensor-parallel group cannot take: each rank replays rank 0's
+    batch, so each must hold the same caches (docs/distributed.md)."""
     if config.distributed is None:
         return
-    if config.distributed != "tensor":
-        raise SettingError(
-            "distributed",
-            f"distributed must be 'tensor' or None, not {config.distributed!r}",
-        )
     if len(config.models) > 1:
         raise SettingError("distributed", "distributed serves one model: give one")
     if config.load_on_first_use:
@@ -237,46 +332,30 @@ def _check_distributed(config: ServerConfig) -> None:
             "distributed",
             "distributed loads the model at start-up: no load_on_first_use",
         )
-
-
-def _check_kv_quant(config: ServerConfig) -> None:
-    bits, group = config.kv_bits, config.kv_group_size
-    if bits is not None and (isinstance(bits, bool) or bits not in (4, 8)):
-        raise SettingError(
-            "kv_bits",
-            f"kv_bits must be 4 or 8 (or unset: no quantization), not {bits!r}",
-        )
-    if isinstance(group, bool) or group not in (32, 64, 128):
-        raise SettingError(
-            "kv_group_size", f"kv_group_size must be 32, 64 or 128, not {group!r}"
-        )
-    if bits is not None and config.distributed is not None:
+    if config.kv_bits is not None:
         raise SettingError(
             "kv_bits", "kv_bits is not offered with distributed: unset one of them"
+        )
+    for name in ("prompt_lookup_tokens", "draft_model"):
+        if getattr(config, name):
+            raise SettingError(name, f"{name} needs one process: not with distributed")
+    if config.state_dir is not None and config.prompt_cache_disk_bytes > 0:
+        raise SettingError(
+            "state_dir",
+            "state_dir keeps prompt cache files, which distributed cannot share "
+            "between ranks: set prompt_cache_disk_bytes 0 (the stored responses "
+            "stay there), or unset one of them",
         )
 
 
 def _check_drafting(config: ServerConfig) -> None:
-    """Speculative decoding: a draft count, one source of drafts, one
-    process."""
-    _at_least(config, "prompt_lookup_tokens", 0)
-    _at_least(config, "num_draft_tokens", 1)
-    _at_least(config, "draft_max_batch", 0)
-    draft = config.draft_model
-    if draft is not None and (not isinstance(draft, str) or not draft.strip()):
-        raise SettingError(
-            "draft_model",
-            f"draft_model must be a model's folder or hub id, not {draft!r}",
-        )
-    if draft is not None and config.prompt_lookup_tokens > 0:
+    """One source of drafts."""
+    if config.draft_model is not None and config.prompt_lookup_tokens > 0:
         raise SettingError(
             "draft_model",
             "draft_model and prompt_lookup_tokens are two sources of drafts: "
             "set one of them",
         )
-    for name in ("prompt_lookup_tokens", "draft_model"):
-        if getattr(config, name) and config.distributed is not None:
-            raise SettingError(name, f"{name} needs one process: not with distributed")
 
 
 def _check_model_settings(config: ServerConfig) -> None:
@@ -293,10 +372,13 @@ def _check_model_settings(config: ServerConfig) -> None:
             f"model_settings gives {len(settings)} for {len(config.models)} "
             "models: give one per model, in order (an empty one for none)",
         )
+    own_settings = {
+        item.name for item, each in declared(type(config)) if each.per_model
+    }
     for own in settings:
-        unknown = sorted(set(own) - PER_MODEL_SETTINGS)
+        unknown = sorted(set(own) - own_settings)
         if unknown:
-            allowed = ", ".join(sorted(PER_MODEL_SETTINGS))
+            allowed = ", ".join(sorted(own_settings))
             raise SettingError(
                 "model_settings",
                 f"{unknown[0]} is not a setting of one model: it applies to "
@@ -320,33 +402,3 @@ def _one_or_many(name: str, value: object) -> str | tuple[str, ...]:
 
 def _set(config: ServerConfig, name: str, value: Any) -> None:
     object.__setattr__(config, name, value)  # a frozen dataclass, as it is made
-
-
-def _at_least(settings: object, name: str, low: int, *, optional: bool = False) -> None:
-    """``settings.name`` is a whole number of at least ``low`` (or None,
-    where ``optional``)."""
-    value = getattr(settings, name)
-    if optional and value is None:
-        return
-    if not value >= low:
-        raise SettingError(name, f"{name} must be >= {low}, not {value}")
-
-
-def _seconds(
-    settings: object,
-    name: str,
-    *,
-    positive: bool = False,
-    optional: bool = False,
-    finite: bool = False,
-) -> None:
-    """``settings.name`` is a number of seconds: 0 or more, or more than 0
-    where ``positive``; None too where ``optional``; not infinite where
-    ``finite``. Never nan."""
-    value = getattr(settings, name)
-    if optional and value is None:
-        return
-    bound = "> 0" if positive else ">= 0"
-    in_range = value > 0 if positive else value >= 0  # False for nan
-    if not in_range or (finite and not math.isfinite(value)):
-        raise SettingError(name, f"{name} must be {bound}, not {value}")

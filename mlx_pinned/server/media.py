@@ -1,5 +1,6 @@
 """A request's images, videos and audio, as plain values: where each one
-is, and a video or an audio file once decoded.
+is, a video or an audio file once decoded, and the limits their decoders
+take.
 
 A shared module: no Starlette, no pydantic, no MLX. The HTTP side makes an
 :class:`ImageRef` or a :class:`VideoRef` per part of a request, in prompt
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Audio",
     "AudioInput",
+    "AudioLimits",
     "AudioRef",
     "Decoders",
     "ImageRef",
@@ -32,8 +34,37 @@ __all__ = [
     "LoadImages",
     "LoadVideos",
     "Video",
+    "VideoLimits",
     "VideoRef",
 ]
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """Limits on the videos of one request, as the decoder takes them
+    (:attr:`~.config.ServerConfig.video_limits`; ``fps``: frames sampled per second
+    where a request sets no ``video_fps``)."""
+
+    max_videos: int = 2
+    max_bytes: int = 16 * 1024 * 1024
+    max_seconds: float = 600.0
+    max_pixels: int = 1920 * 1080
+    fps: float = 2.0
+    max_frames: int = 32
+
+
+@dataclass(frozen=True)
+class AudioLimits:
+    """Limits on an audio file, as the decoder takes them
+    (:attr:`~.config.ServerConfig.audio_limits`), each checked from the file's header
+    before it is decoded (its length again on what decoding gave)."""
+
+    max_bytes: int = 20 * 1024 * 1024
+    max_seconds: float = 1800.0
+    max_channels: int = 8
+    min_sample_rate: int = 8000
+    max_sample_rate: int = 192000
+    max_audios: int = 2
 
 
 @dataclass(frozen=True)

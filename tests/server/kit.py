@@ -10,6 +10,8 @@ import io
 import json
 import os
 import re
+import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -33,8 +35,10 @@ import anthropic
 import anyio
 import anyio.abc
 import httpx
+import numpy as np
 import openai
 import pytest
+import safetensors.numpy
 from openai.types.chat import ChatCompletionChunk
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
@@ -698,3 +702,56 @@ async def scrape(served: Any, **kw: object) -> Samples:
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def widen(source: Path, target: Path, head: int = 64, layers: int = 2) -> Path:
+    """A copy of a tiny model whose attention heads have ``head`` values,
+    with ``layers`` layers (past the second, copies of it)."""
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["head_dim"] = head
+    text["num_hidden_layers"] = layers
+    rope = text.get("rope_scaling") or {}
+    if "mrope_section" in rope:  # halves of the head: temporal, height, width
+        rope["mrope_section"] = [head // 4, head // 8, head // 8]
+    (target / "config.json").write_text(json.dumps(config))
+    weights = safetensors.numpy.load_file(str(target / "model.safetensors"))
+    second = "language_model.model.layers.1."
+    for name in [name for name in weights if name.startswith(second)]:
+        for layer in range(2, layers):
+            copy = name.replace(".layers.1.", f".layers.{layer}.")
+            weights[copy] = weights[name].copy()
+    rng = np.random.default_rng(1)
+    hidden, heads = text["hidden_size"], text["num_attention_heads"]
+    kv_heads = text["num_key_value_heads"]
+    shapes = {
+        "q_proj": (heads * head, hidden),
+        "k_proj": (kv_heads * head, hidden),
+        "v_proj": (kv_heads * head, hidden),
+        "o_proj": (hidden, heads * head),
+    }
+    for name in list(weights):
+        if not name.startswith("language_model.") or "self_attn" not in name:
+            continue
+        part = name.rsplit(".", 2)[-2]
+        if part in shapes:
+            shape = shapes[part]
+            drawn = rng.standard_normal(shape) / np.sqrt(shape[1])
+            weights[name] = drawn.astype(np.float32)
+        elif part in ("q_norm", "k_norm"):
+            weights[name] = np.ones((head,), dtype=np.float32)
+    safetensors.numpy.save_file(weights, str(target / "model.safetensors"))
+    return target
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free on loopback now (held open together, so distinct)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()

@@ -15,7 +15,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ from mlx_pinned.server import create_app
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
 from mlx_pinned.testing import image_data_uri, tiny_vlm_path
 
+from .kit import free_ports
+
 pytestmark = pytest.mark.timeout(180)
 
 START = 120.0  # seconds for a group to load and serve, on a loaded machine
@@ -42,18 +43,6 @@ TIMEOUT = 2.0  # --distributed-timeout of the groups here
 # The tiny model's end-of-turn and end-of-text tokens never sampled: a long
 # stream runs its whole length.
 NO_END = {"0": -100, "2": -100}
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports free on loopback now (held open together, so distinct)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 @dataclass

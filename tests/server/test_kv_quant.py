@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import safetensors.numpy
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server import cli, engine
@@ -52,6 +49,7 @@ from .kit import (
     max_logprob_difference,
     request,
     tokens,
+    widen,
 )
 
 pytestmark = pytest.mark.anyio
@@ -62,47 +60,6 @@ HEAD = 64
 #: the tokens both runs chose alike, per bit width (measured: docs/engine.md).
 GAP_BOUND = {8: 0.1, 4: 1.0}
 BUDGET = 64 * 1024 * 1024
-
-
-def widen(source: Path, target: Path, head: int = HEAD, layers: int = 2) -> Path:
-    """A copy of a tiny model whose attention heads have ``head`` values,
-    with ``layers`` layers (past the second, copies of it)."""
-    shutil.copytree(source, target)
-    config = json.loads((target / "config.json").read_text())
-    text = config.get("text_config", config)
-    text["head_dim"] = head
-    text["num_hidden_layers"] = layers
-    rope = text.get("rope_scaling") or {}
-    if "mrope_section" in rope:  # halves of the head: temporal, height, width
-        rope["mrope_section"] = [head // 4, head // 8, head // 8]
-    (target / "config.json").write_text(json.dumps(config))
-    weights = safetensors.numpy.load_file(str(target / "model.safetensors"))
-    second = "language_model.model.layers.1."
-    for name in [name for name in weights if name.startswith(second)]:
-        for layer in range(2, layers):
-            copy = name.replace(".layers.1.", f".layers.{layer}.")
-            weights[copy] = weights[name].copy()
-    rng = np.random.default_rng(1)
-    hidden, heads = text["hidden_size"], text["num_attention_heads"]
-    kv_heads = text["num_key_value_heads"]
-    shapes = {
-        "q_proj": (heads * head, hidden),
-        "k_proj": (kv_heads * head, hidden),
-        "v_proj": (kv_heads * head, hidden),
-        "o_proj": (hidden, heads * head),
-    }
-    for name in list(weights):
-        if not name.startswith("language_model.") or "self_attn" not in name:
-            continue
-        part = name.rsplit(".", 2)[-2]
-        if part in shapes:
-            shape = shapes[part]
-            drawn = rng.standard_normal(shape) / np.sqrt(shape[1])
-            weights[name] = drawn.astype(np.float32)
-        elif part in ("q_norm", "k_norm"):
-            weights[name] = np.ones((head,), dtype=np.float32)
-    safetensors.numpy.save_file(weights, str(target / "model.safetensors"))
-    return target
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from mlx_pinned import MLXThread
+from mlx_pinned.server.config import ModelSettings
 from mlx_pinned.server.engine import BatchEngine
 from mlx_pinned.server.engine.memory import (
     check_start_up_budget,
@@ -25,7 +26,8 @@ class TestWeightBytes:
         stored = stored_weight_bytes(tiny_model_path)
         thread = MLXThread(name="memory-test")
         try:
-            engine = thread.run_sync(BatchEngine.load, tiny_model_path, thread)
+            settings = ModelSettings.of(tiny_model_path)
+            engine = thread.run_sync(BatchEngine.load, settings, thread)
             loaded = engine.weight_bytes
             parameters = engine.loaded.parameters
         finally:
@@ -49,9 +51,8 @@ class TestRelease:
     def test_the_engine_is_freed_on_the_thread(self, tiny_model_path: Path) -> None:
         thread = MLXThread(name="memory-test")
         try:
-            holder: list[Any] = [
-                thread.run_sync(BatchEngine.load, tiny_model_path, thread)
-            ]
+            settings = ModelSettings.of(tiny_model_path)
+            holder: list[Any] = [thread.run_sync(BatchEngine.load, settings, thread)]
             model = weakref.ref(holder[0].loaded.model)
             weights = holder[0].weight_bytes
             released = thread.run_sync(release, holder, "tiny")

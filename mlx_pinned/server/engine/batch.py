@@ -16,13 +16,12 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from ..events import ChatFacts, EngineCounters, EventStream, GenerationParams
-from ..formats import ModelFormats, model_formats
+from ..formats import ModelFormats, log_formats, model_formats
 from .disk_format import model_fingerprint
 from .drafting import DraftSettings
 from .drafting import install as install_drafting
@@ -42,6 +41,7 @@ if TYPE_CHECKING:
 
     from mlx_pinned import MLXThread
 
+    from ..config import ModelSettings
 
 __all__ = ["BatchEngine", "BatchStatistics"]
 
@@ -117,61 +117,43 @@ class BatchEngine:
             logger.warning("%s: serving one generation at a time", loaded.serial_reason)
 
     @classmethod
-    def load(
-        cls,
-        model_path: str | Path,
-        thread: MLXThread,
-        *,
-        prompt_cache_bytes: int = 0,
-        prefill_step_size: int = PREFILL_STEP,
-        prefill_step_seconds: float | None = None,
-        image_cache_bytes: int = 0,
-        kv_quant: KVQuant | None = None,
-        drafts: DraftSettings | None = None,
-        prompt_cache_dir: Path | None = None,
-        prompt_cache_disk_bytes: int = 0,
-        tool_call_parser: str | None = None,
-        reasoning_parser: str | None = None,
-    ) -> BatchEngine:
-        """Load a model and make its engine; runs on ``thread`` (a start-up
-        job of the middleware). See :class:`BatchEngine` for the options;
-        ``kv_quant``: quantize its KV cache so (:mod:`.kv_quant`);
-        ``drafts``: speculative decoding's settings (:meth:`speculate`);
-        ``prompt_cache_dir``: the disk tier of the prompt and image caches
-        goes in a folder of the model's there, within
-        ``prompt_cache_disk_bytes``."""
-        loaded = load(model_path)
-        formats = model_formats(
-            loaded.chat_template,
-            tool_call_parser=tool_call_parser,
-            reasoning_parser=reasoning_parser,
-        )
+    def load(cls, settings: ModelSettings, thread: MLXThread) -> BatchEngine:
+        """Load a chat model and make its engine as ``settings`` say (its
+        caches, its prefill, its KV's quantization, its drafts, its disk
+        tier); runs on ``thread`` (a start-up job of the middleware)."""
+        loaded = load(settings.path)
+        formats = output_formats(loaded, settings)
+        quant = None
+        if settings.kv_bits is not None:
+            quant = KVQuant(settings.kv_bits, settings.kv_group_size)
+        seconds = settings.prefill_step_seconds
         engine = cls(
             loaded,
             thread,
             formats=formats,
-            prompt_cache_bytes=prompt_cache_bytes,
-            prefill_step_size=prefill_step_size,
-            prefill_step_seconds=prefill_step_seconds,
-            image_cache_bytes=image_cache_bytes,
+            prompt_cache_bytes=settings.prompt_cache_bytes,
+            prefill_step_size=settings.prefill_step_size,
+            prefill_step_seconds=seconds,
+            image_cache_bytes=settings.image_cache_bytes,
             make_state=functools.partial(
-                BatchState, kv_quant=kv_quant, prefill_seconds=prefill_step_seconds
+                BatchState, kv_quant=quant, prefill_seconds=seconds
             ),
         )
-        if prompt_cache_dir is not None:
-            quantized = (
-                "" if kv_quant is None else f"{kv_quant.bits}/{kv_quant.group_size}"
-            )
+        if settings.prompt_cache_dir is not None:
+            quantized = "" if quant is None else f"{quant.bits}/{quant.group_size}"
             fingerprint = model_fingerprint(loaded.path, quantized)
-            engine.attach(
-                DiskTier(
-                    prompt_cache_dir / fingerprint[:16],
-                    prompt_cache_disk_bytes,
-                    fingerprint,
+            folder = settings.prompt_cache_dir / fingerprint[:16]
+            budget = settings.prompt_cache_disk_bytes
+            engine.attach(DiskTier(folder, budget, fingerprint))
+        if settings.prompt_lookup_tokens or settings.draft_model is not None:
+            engine.speculate(
+                DraftSettings(
+                    settings.prompt_lookup_tokens,
+                    settings.num_draft_tokens,
+                    settings.draft_model,
+                    settings.draft_max_batch,
                 )
             )
-        if drafts is not None:
-            engine.speculate(drafts)
         return engine
 
     def attach(self, disk: DiskTier) -> None:
@@ -296,3 +278,20 @@ def _count_tokens(
     loaded: LoadedModel, params: GenerationParams, images: Sequence[Image.Image]
 ) -> int:
     return preprocess(loaded, params, images).prompt_tokens
+
+
+def output_formats(loaded: LoadedModel, settings: ModelSettings) -> ModelFormats:
+    """A chat model's output formats: those its settings name, else those
+    its chat template shows; logged in one line."""
+    formats = model_formats(
+        loaded.chat_template,
+        tool_call_parser=settings.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
+    )
+    log_formats(
+        settings.name,
+        formats,
+        tool_call_parser=settings.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
+    )
+    return formats

@@ -41,14 +41,12 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlx_pinned import MLXPinnedError, MLXThread
 
 from ..events import GenerationParams
-from ..formats import model_formats
-from .batch import BatchEngine
+from .batch import BatchEngine, output_formats
 from .follower import Follower
 from .group import (
     FAULT_GRACE,
@@ -74,7 +72,7 @@ from .state import BatchState
 if TYPE_CHECKING:
     from PIL import Image
 
-    from ..config import ServerConfig
+    from ..config import ModelSettings, ServerConfig
 
 __all__ = [
     "FAULT_STATUS",
@@ -143,38 +141,29 @@ class Leader(Rank):
         self.follower_rows: tuple[int, ...] = ()
         self.watchdog.start()  # from here on, every wait is bounded
 
-    def load(
-        self,
-        model_path: str | Path,
-        thread: MLXThread,
-        *,
-        prompt_cache_bytes: int = 0,
-        prefill_step_size: int = PREFILL_STEP,
-        prefill_step_seconds: float | None = None,
-        image_cache_bytes: int = 0,
-        tool_call_parser: str | None = None,
-        reasoning_parser: str | None = None,
-    ) -> BatchEngine:
+    def load(self, settings: ModelSettings, thread: MLXThread) -> BatchEngine:
         """Load rank 0's part of the model and make its engine, once every
         follower has loaded its own; MLX thread (as ``BatchEngine.load``).
-        ``prefill_step_seconds`` is not used: every rank must cut a prompt
-        into the same chunks, so they are ``prefill_step_size`` tokens.
+        Its caches and prefill step are sent to the followers. Every rank
+        cuts a prompt into the same chunks, so they are
+        ``prefill_step_size`` tokens (not ``prefill_step_seconds``); what a
+        group cannot take (a quantized KV, drafts, the disk tier) the
+        config refuses.
 
         Raises:
             DistributedError: A follower holds a different model.
             GroupLostError: A follower is gone.
         """
         loaded = load(
-            model_path, shard=functools.partial(shard, group=self.channel.group)
+            settings.path, shard=functools.partial(shard, group=self.channel.group)
         )
         self._thread = thread
-        settings = {
-            "prompt_cache_bytes": prompt_cache_bytes,
-            "prefill_step_size": prefill_step_size,
-            "image_cache_bytes": image_cache_bytes,
-            "parameters": loaded.parameters,
+        shared = {
+            "prompt_cache_bytes": settings.prompt_cache_bytes,
+            "prefill_step_size": settings.prefill_step_size,
+            "image_cache_bytes": settings.image_cache_bytes,
         }
-        hello = Message((0, 0, 0), settings=settings)
+        hello = Message((0, 0, 0), settings={**shared, "parameters": loaded.parameters})
         with self.watchdog.watch("the other ranks' load", self.timeout * LOAD_WAIT):
             with self._lock:
                 _, reports = self._exchange(hello, loaded.parameters)
@@ -185,14 +174,9 @@ class Leader(Rank):
                     f"0 {loaded.parameters}: start every rank with the same model"
                 )
         self._last = time.monotonic()
-        del settings["parameters"]
-        formats = model_formats(
-            loaded.chat_template,
-            tool_call_parser=tool_call_parser,
-            reasoning_parser=reasoning_parser,
-        )
+        formats = output_formats(loaded, settings)
         return BatchEngine(
-            loaded, thread, make_state=self._make_state, formats=formats, **settings
+            loaded, thread, make_state=self._make_state, formats=formats, **shared
         )
 
     def _make_state(

@@ -5,10 +5,21 @@ imported when the server is built."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..events import Engine
 from . import Kind
+
+if TYPE_CHECKING:
+    from mlx_pinned import MLXThread
+
+    from ..config import ModelSettings
+
+
+def _load(settings: ModelSettings, thread: MLXThread) -> Any:
+    from ..engine import BatchEngine
+
+    return BatchEngine.load(settings, thread)
 
 
 def _routes(wiring: Any) -> list[Any]:
@@ -39,5 +50,6 @@ KIND = Kind(
     what="a chat model",
     paths=("/v1/chat/completions",),
     protocol=Engine,
+    load=_load,
     routes=_routes,
 )

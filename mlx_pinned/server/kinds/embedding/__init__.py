@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import Kind
 from .values import EmbeddingEngine
+
+if TYPE_CHECKING:
+    from mlx_pinned import MLXThread
+
+    from ...config import ModelSettings
+
+
+def _load(settings: ModelSettings, thread: MLXThread) -> Any:
+    from .engine import EmbeddingEngine
+
+    return EmbeddingEngine.load(settings, thread)
 
 
 def _routes(wiring: Any) -> list[Any]:
@@ -20,5 +31,6 @@ KIND = Kind(
     what="an embedding model",
     paths=("/v1/embeddings",),
     protocol=EmbeddingEngine,
+    load=_load,
     routes=_routes,
 )

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
     from mlx_pinned import MLXThread
 
+    from ...config import ModelSettings
+
 __all__ = ["IMAGE_TURN", "EmbeddingEngine", "LoadedEmbedder", "load_embedder"]
 
 logger = logging.getLogger("mlx_pinned.server")
@@ -261,13 +263,11 @@ class EmbeddingEngine(PassEngine[LoadedEmbedder]):
     """
 
     @classmethod
-    def load(
-        cls, model_path: str | Path, thread: MLXThread, *, seconds: float | None = None
-    ) -> EmbeddingEngine:
-        """Load a model and make its engine; runs on ``thread``. ``seconds``:
-        about how long a pass may take (:class:`~.passes.PassQueue`)."""
-        loaded = load_embedder(model_path)
-        return cls(loaded, thread, seconds=seconds)
+    def load(cls, settings: ModelSettings, thread: MLXThread) -> EmbeddingEngine:
+        """Load a model and make its engine; runs on ``thread``. A pass takes
+        about ``prefill_step_seconds`` (:class:`~.passes.PassQueue`)."""
+        loaded = load_embedder(settings.path)
+        return cls(loaded, thread, seconds=settings.prefill_step_seconds)
 
     @property
     def vocab_size(self) -> int:

@@ -3,10 +3,21 @@ Any thread."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import Kind
 from .values import RerankEngine
+
+if TYPE_CHECKING:
+    from mlx_pinned import MLXThread
+
+    from ...config import ModelSettings
+
+
+def _load(settings: ModelSettings, thread: MLXThread) -> Any:
+    from .engine import RerankEngine
+
+    return RerankEngine.load(settings, thread)
 
 
 def _routes(wiring: Any) -> list[Any]:
@@ -21,5 +32,6 @@ KIND = Kind(
     what="a rerank model",
     paths=("/v1/rerank", "/rerank", "/v2/rerank"),
     protocol=RerankEngine,
+    load=_load,
     routes=_routes,
 )

@@ -36,6 +36,8 @@ from .values import RerankParams, Scores
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
+    from ...config import ModelSettings
+
 __all__ = ["LoadedReranker", "RerankEngine", "load_reranker"]
 
 logger = logging.getLogger("mlx_pinned.server")
@@ -159,13 +161,11 @@ class RerankEngine(PassEngine[LoadedReranker]):
     """
 
     @classmethod
-    def load(
-        cls, model_path: str | Path, thread: MLXThread, *, seconds: float | None = None
-    ) -> RerankEngine:
-        """Load a model and make its engine; runs on ``thread``. ``seconds``:
-        about how long a pass may take (:class:`~.passes.PassQueue`)."""
-        loaded = load_reranker(model_path)
-        return cls(loaded, thread, seconds=seconds)
+    def load(cls, settings: ModelSettings, thread: MLXThread) -> RerankEngine:
+        """Load a model and make its engine; runs on ``thread``. A pass takes
+        about ``prefill_step_seconds`` (:class:`~.passes.PassQueue`)."""
+        loaded = load_reranker(settings.path)
+        return cls(loaded, thread, seconds=settings.prefill_step_seconds)
 
     @property
     def max_input_tokens(self) -> int:

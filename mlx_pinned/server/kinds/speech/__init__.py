@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import Kind
 from .values import SpeechEngine
+
+if TYPE_CHECKING:
+    from mlx_pinned import MLXThread
+
+    from ...config import ModelSettings
+
+
+def _load(settings: ModelSettings, thread: MLXThread) -> Any:
+    from .engine import SpeechEngine
+
+    return SpeechEngine.load(settings, thread)
 
 
 def _routes(wiring: Any) -> list[Any]:
@@ -20,5 +31,6 @@ KIND = Kind(
     what="a speech model",
     paths=("/v1/audio/speech",),
     protocol=SpeechEngine,
+    load=_load,
     routes=_routes,
 )

@@ -31,6 +31,7 @@ from .values import SpeechChunk, SpeechParams
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
+    from ...config import ModelSettings
     from ...events import EngineCounters
 
 __all__ = [
@@ -207,9 +208,9 @@ class SpeechEngine(Holding[LoadedSpeaker]):
         self.pieces = 0
 
     @classmethod
-    def load(cls, model_path: str | Path, thread: MLXThread) -> SpeechEngine:
+    def load(cls, settings: ModelSettings, thread: MLXThread) -> SpeechEngine:
         """Load a model and make its engine; runs on ``thread``."""
-        return cls(load_speaker(model_path), thread)
+        return cls(load_speaker(settings.path), thread)
 
     @property
     def sample_rate(self) -> int:

@@ -3,10 +3,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import Kind
 from .values import TranscriptionEngine
+
+if TYPE_CHECKING:
+    from mlx_pinned import MLXThread
+
+    from ...config import ModelSettings
+
+
+def _load(settings: ModelSettings, thread: MLXThread) -> Any:
+    from .engine import TranscriptionEngine
+
+    return TranscriptionEngine.load(settings, thread)
 
 
 def _routes(wiring: Any) -> list[Any]:
@@ -21,5 +32,6 @@ KIND = Kind(
     what="a transcription model",
     paths=("/v1/audio/transcriptions", "/v1/audio/translations"),
     protocol=TranscriptionEngine,
+    load=_load,
     routes=_routes,
 )

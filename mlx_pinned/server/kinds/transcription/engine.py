@@ -23,7 +23,6 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import mlx.core as mx
@@ -35,6 +34,7 @@ from .values import Segment, TranscriptionParams, Window, Word
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
+    from ...config import ModelSettings
     from ...events import EngineCounters
 
 __all__ = ["WINDOW_SECONDS", "TranscriptionEngine"]
@@ -73,7 +73,7 @@ class TranscriptionEngine(Holding[_Loaded]):
         self.windows = 0
 
     @classmethod
-    def load(cls, model_path: str | Path, thread: MLXThread) -> TranscriptionEngine:
+    def load(cls, settings: ModelSettings, thread: MLXThread) -> TranscriptionEngine:
         """Load a model with mlx-audio's speech-to-text loader and evaluate
         it whole; runs on ``thread``.
 
@@ -84,17 +84,17 @@ class TranscriptionEngine(Holding[_Loaded]):
         from mlx.utils import tree_flatten
         from mlx_audio.stt.utils import load_model
 
-        model = load_model(str(model_path))
+        model = load_model(settings.path)
         whisper = hasattr(model, "detect_language")
         if not whisper and not hasattr(model, "decode_chunk"):
             raise ValueError(
-                f"{model_path} is a speech-to-text model of a family this server "
+                f"{settings.path} is a speech-to-text model of a family this server "
                 "does not transcribe with yet (it serves Whisper and Parakeet)"
             )
         flat = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
         loaded = _Loaded(
             model=model,
-            path=str(model_path),
+            path=settings.path,
             sample_rate=_sample_rate(model),
             languages=_languages(model),
             whisper=whisper,
@@ -102,7 +102,7 @@ class TranscriptionEngine(Holding[_Loaded]):
         )
         logger.info(
             "loaded transcription model %s: %d language(s)",
-            model_path,
+            settings.path,
             len(loaded.languages),
         )
         return cls(loaded, thread)
