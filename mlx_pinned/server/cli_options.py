@@ -36,6 +36,7 @@ from .config_checks import (
     seconds_or_none,
     whole,
 )
+from .kinds import KINDS
 
 __all__ = [
     "API_KEY_ENV",
@@ -207,11 +208,15 @@ def settings_table() -> str:
         flag = f"`{option.flag}`"
         if option.parse is None and option.command_line_default():
             flag += f", `--no-{option.flag[2:]}`"
-        own = {"server": "", "model": "yes", "chat": "yes (chat)"}[
-            option.declared.scope
-        ]
+        own = _kinds(option.setting) if option.declared.per_model else ""
         rows.append(f"| {flag} | {option.shown()} | {own} | {option.markdown} |")
     return "\n".join(rows)
+
+
+def _kinds(setting: str) -> str:
+    """The kinds of model that may set ``setting`` for themselves, in words."""
+    kinds = [kind.name for kind in KINDS.values() if kind.honours(setting)]
+    return "every kind" if len(kinds) == len(KINDS) else ", ".join(kinds)
 
 
 def write_settings_table(path: str | Path) -> None:

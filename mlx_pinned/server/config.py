@@ -15,10 +15,9 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from .config_checks import (
-    MODEL_KINDS,
     SettingError,
     at_least,
     check_config,
@@ -33,24 +32,18 @@ from .config_checks import (
     setting,
 )
 from .formats import check_reasoning_parser, check_tool_call_parser
+from .kinds import kind_named
 from .media import AudioLimits, VideoLimits
 
 __all__ = [
-    "CHAT_SETTINGS",
-    "MODEL_KINDS",
     "PER_MODEL_SETTINGS",
     "AudioLimits",
     "ImageLimits",
-    "ModelKind",
     "ModelSettings",
     "ServerConfig",
     "SettingError",
     "VideoLimits",
 ]
-
-
-#: What a model is served as, one of :data:`MODEL_KINDS`.
-ModelKind = Literal["chat", "embedding", "rerank", "transcription", "speech"]
 
 
 @dataclass(frozen=True)
@@ -179,16 +172,16 @@ class ServerConfig:
     group cuts by tokens); `0`: passes of `--prefill-step-size` tokens
     ([engine](engine.md#a-long-prompts-chunks-by-time---prefill-step-seconds))"""
     tool_call_parser: str | None = setting(
-        None, parser(check_tool_call_parser), scope="chat", shown=_DETECTED
+        None, parser(check_tool_call_parser), scope="model", shown=_DETECTED
     )
     """the format the model writes tool calls in (`hermes`), or `none`: a request
     with tools is then a 400 ([output formats](#output-formats))"""
     reasoning_parser: str | None = setting(
-        None, parser(check_reasoning_parser), scope="chat", shown=_DETECTED
+        None, parser(check_reasoning_parser), scope="model", shown=_DETECTED
     )
     """the format the model writes its reasoning in (`think`), or `none`: the
     reasoning stays in `content`"""
-    model_kind: ModelKind = setting("chat", scope="model")  # noqa: RUF009
+    model_kind: str = setting("chat", scope="model")
     """what the model is served as, and so its routes: `chat`, `embedding`
     ([embeddings](embeddings.md)), `rerank`, `transcription` ([audio](audio.md))
     or `speech` ([text to speech](speech.md))"""
@@ -229,21 +222,21 @@ class ServerConfig:
     collections (`gc.freeze`); process-wide, so off in `create_app`"""
     playground: bool = setting(True)
     """serve the chat page at `/` ([playground](#playground))"""
-    kv_bits: int | None = setting(None, one_of(4, 8, optional=True), scope="chat")
+    kv_bits: int | None = setting(None, one_of(4, 8, optional=True), scope="model")
     """quantize the KV cache to `4` or `8` bits per value
     ([engine](engine.md#the-quantized-kv-cache---kv-bits)); a model with
     sliding-window or recurrent layers, or heads no group divides, fails its
     load. Not with `--distributed`"""
     kv_group_size: int = setting(64, one_of(32, 64, 128), scope="model")
     """values of a head that share one scale and bias under `--kv-bits`"""
-    prompt_lookup_tokens: int = setting(0, at_least(0), scope="chat")
+    prompt_lookup_tokens: int = setting(0, at_least(0), scope="model")
     """speculative decoding by prompt lookup: each row drafts the tokens that
     followed the latest earlier match of its last N tokens, and the batch verifies
     them in its forward pass ([engine](engine.md#speculative-decoding-prompt-lookup));
     `0`: off. Not with `--draft-model` nor `--distributed`"""
     num_draft_tokens: int = setting(3, _ONE, scope="model")
     """draft tokens per row and step, at most"""
-    draft_model: str | None = setting(None, given("a folder or hub id"), scope="chat")
+    draft_model: str | None = setting(None, given("a folder or hub id"), scope="model")
     """speculative decoding with a small model with the served model's tokenizer
     (a folder or hub id), loaded with it
     ([engine](engine.md#a-draft-model---draft-model)). Not with `--distributed`"""
@@ -258,24 +251,24 @@ class ServerConfig:
     def for_model(self, index: int) -> ModelSettings:
         """The settings model ``index`` (in :attr:`models`) is served with:
         the server's, with its own on top; the default cache budgets shared
-        out, ``idle_unload_timeout`` only if it loads on first use, and for
-        a model of another kind than chat, no :data:`CHAT_SETTINGS`.
+        out, ``idle_unload_timeout`` only if it loads on first use, and only
+        the settings its kind honours (the server's others do not apply).
 
         Raises:
-            SettingError: Its own settings are out of range, or chat ones of
-                a model of another kind (``setting`` is ``model_settings``).
+            SettingError: Its own settings are out of range, or one its kind
+                does not honour (``setting`` is ``model_settings``).
         """
         name = self.names[index]
         own = dict(self.model_settings[index]) if self.model_settings else {}
-        if own.get("model_kind", self.model_kind) != "chat":
-            chats = sorted(set(own) & CHAT_SETTINGS)
-            if chats:
-                raise SettingError(
-                    "model_settings",
-                    f"model {name!r}: {chats[0]} is a chat model's setting; this "
-                    f"model is served as {own.get('model_kind')!r}",
-                )
-            own.update((item, _DEFAULTS[item]) for item in CHAT_SETTINGS)
+        kind = kind_named(own.get("model_kind", self.model_kind))
+        ignored = sorted(item for item in PER_MODEL_SETTINGS if not kind.honours(item))
+        refused = [item for item in ignored if item in own]
+        if refused:
+            raise SettingError(
+                "model_settings",
+                f"model {name!r}: {refused[0]} is not a setting of {kind.what}",
+            )
+        own.update((item, _DEFAULTS[item]) for item in ignored)
         own.setdefault("prompt_cache_bytes", self.prompt_cache_budget)
         own.setdefault("image_cache_bytes", self.image_cache_budget)
         if not own.get("load_on_first_use", self.load_on_first_use):
@@ -377,7 +370,7 @@ class ModelSettings:
 
     name: str
     path: str
-    kind: ModelKind
+    kind: str
     max_num_seqs: int
     max_pending: int
     retry_after: int
@@ -411,11 +404,6 @@ _DEFAULTS = {item.name: item.default for item, _ in declared(ServerConfig)}
 #: file's ``[[models]]`` tables); the others are the server's.
 PER_MODEL_SETTINGS = frozenset(
     item.name for item, each in declared(ServerConfig) if each.per_model
-)
-#: The settings only a chat model has; the server's do not apply to a model
-#: of another kind, which may not set its own.
-CHAT_SETTINGS = frozenset(
-    item.name for item, each in declared(ServerConfig) if each.scope == "chat"
 )
 # What for_model resolves; ModelSettings' other fields are the config's.
 _RESOLVED = ("name", "path", "kind", "prompt_cache_bytes", "image_cache_bytes")

@@ -18,11 +18,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from .kinds import kind_named
+
 if TYPE_CHECKING:
     from .config import ServerConfig
 
 __all__ = [
-    "MODEL_KINDS",
     "SAME",
     "Check",
     "Setting",
@@ -43,7 +44,6 @@ __all__ = [
 ]
 
 #: The kinds of model a server serves, each through its own routes.
-MODEL_KINDS = ("chat", "embedding", "rerank", "transcription", "speech")
 
 #: Checks a field's value, given its name; raises :class:`SettingError`.
 Check = Callable[[str, Any], None]
@@ -74,9 +74,8 @@ class Setting:
     Attributes:
         check: Its own range (others it depends on: :func:`check_config`).
         scope: ``server``: the server's alone; ``model``: a model may set
-            its own (``model_settings``); ``chat``: a chat model may, and
-            only a chat model has it (the server's does not apply to a
-            model of another kind).
+            its own (``model_settings``), if its kind honours it
+            (:attr:`~.kinds.Kind.settings`).
         parse: Reads the flag's text; None: by the field's type.
         flag: Its flag, where it is not the field's name with dashes.
         shown: The default in words, where the value does not say it.
@@ -86,7 +85,7 @@ class Setting:
     """
 
     check: Check | None = None
-    scope: Literal["server", "model", "chat"] = "server"
+    scope: Literal["server", "model"] = "server"
     parse: Callable[[str], Any] | None = None
     flag: str | None = None
     shown: str | None = None
@@ -96,7 +95,7 @@ class Setting:
 
     @property
     def per_model(self) -> bool:
-        return self.scope != "server"
+        return self.scope == "model"
 
 
 def setting(default: Any, check: Check | None = None, **declared: Any) -> Any:
@@ -275,12 +274,10 @@ def _check_origins(config: ServerConfig) -> None:
 
 
 def _check_kind(config: ServerConfig) -> None:
-    if config.model_kind not in MODEL_KINDS:
-        raise SettingError(
-            "model_kind",
-            f"model_kind must be one of {', '.join(MODEL_KINDS)}, not "
-            f"{config.model_kind!r}",
-        )
+    try:
+        kind_named(config.model_kind)
+    except ValueError as exc:
+        raise SettingError("model_kind", str(exc)) from None
     if config.model_kind != "chat" and config.distributed is not None:
         raise SettingError(
             "model_kind", "distributed serves a chat model: model_kind 'chat'"

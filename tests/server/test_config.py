@@ -15,7 +15,6 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server import create_app
 from mlx_pinned.server.cli_options import settings_table, table_in
 from mlx_pinned.server.config import (
-    CHAT_SETTINGS,
     PER_MODEL_SETTINGS,
     ModelSettings,
     ServerConfig,
@@ -23,7 +22,7 @@ from mlx_pinned.server.config import (
 )
 from mlx_pinned.server.engine import BatchEngine, DraftSettings
 from mlx_pinned.server.http.served_models import ServedModel
-from mlx_pinned.server.kinds import kind_named
+from mlx_pinned.server.kinds import KINDS, kind_named
 from mlx_pinned.testing import (
     tiny_embedding_path,
     tiny_lm_path,
@@ -131,7 +130,8 @@ def test_the_docs_table_is_what_the_declarations_give() -> None:
 def test_every_per_model_setting_is_a_field_of_model_settings_and_shows() -> None:
     fields = {item.name for item in dataclasses.fields(ModelSettings)}
     assert PER_MODEL_SETTINGS - {"model_kind"} <= fields
-    assert CHAT_SETTINGS <= PER_MODEL_SETTINGS
+    for kind in KINDS.values():
+        assert kind.settings <= PER_MODEL_SETTINGS, kind.name
     shown = set(SERVED) | {name for name, _ in ENGINE}
     assert shown == PER_MODEL_SETTINGS  # a new one needs its place below
     assert set(VALUES) == PER_MODEL_SETTINGS - {"model_kind"}
@@ -149,13 +149,13 @@ def test_each_loader_is_built_from_for_model_with_each_setting(
             own.update(
                 (other, given)
                 for other, given in beside.items()
-                if kind == "chat" or other not in CHAT_SETTINGS
+                if kind_named(kind).honours(other)
             )
         make = functools.partial(
             ServerConfig, model=path, served_model_name=NAME, model_settings=(own,)
         )
-        if kind != "chat" and name in CHAT_SETTINGS:
-            with pytest.raises(SettingError, match=f"{name} is a chat model's"):
+        if not kind_named(kind).honours(name):
+            with pytest.raises(SettingError, match=f"{name} is not a setting of"):
                 make()
             continue
         config = make()
@@ -200,7 +200,7 @@ class TestModelSettings:
         chat, embedding = config.for_model(0), config.for_model(1)
         assert (chat.prompt_lookup_tokens, chat.tool_call_parser) == (2, "hermes")
         defaults = ModelSettings.of("d")
-        for name in CHAT_SETTINGS:
+        for name in ("prompt_lookup_tokens", "tool_call_parser"):
             assert getattr(embedding, name) == getattr(defaults, name)
 
 

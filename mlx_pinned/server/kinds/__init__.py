@@ -20,7 +20,18 @@ if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
 
-__all__ = ["KINDS", "Kind", "kind_named", "register"]
+__all__ = ["COMMON_SETTINGS", "KINDS", "Kind", "kind_named", "register"]
+
+#: The per-model settings every kind honours: its gate and its slot.
+COMMON_SETTINGS = frozenset(
+    {
+        "model_kind",
+        "max_num_seqs",
+        "max_pending",
+        "load_on_first_use",
+        "idle_unload_timeout",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -39,8 +50,8 @@ class Kind:
         routes: Its doors' routes, each door made with the server's wiring
             (:class:`~..http.door.Wiring`).
         settings: The per-model settings it honours beyond every kind's
-            (``model_kind``, ``max_num_seqs``, ``max_pending``,
-            ``load_on_first_use``, ``idle_unload_timeout``).
+            (:data:`COMMON_SETTINGS`): a model of this kind may set only
+            those, and the server's others do not apply to it.
         demo: Writes (or finds) its tiny demo model, offline; its path.
     """
 
@@ -52,6 +63,10 @@ class Kind:
     routes: Callable[[Any], Sequence[Any]] | None = None
     settings: frozenset[str] = field(default_factory=frozenset)
     demo: Callable[[], Path] | None = None
+
+    def honours(self, setting: str) -> bool:
+        """Whether a model of this kind honours the per-model ``setting``."""
+        return setting in COMMON_SETTINGS or setting in self.settings
 
 
 #: Every kind served, by name, in the order ``/v1/models`` and the docs list them.

@@ -50,6 +50,22 @@ KIND = Kind(
     what="a chat model",
     paths=("/v1/chat/completions",),
     protocol=Engine,
+    settings=frozenset(
+        {
+            "tool_call_parser",
+            "reasoning_parser",
+            "prompt_cache_bytes",
+            "image_cache_bytes",
+            "prefill_step_size",
+            "prefill_step_seconds",
+            "kv_bits",
+            "kv_group_size",
+            "prompt_lookup_tokens",
+            "num_draft_tokens",
+            "draft_model",
+            "draft_max_batch",
+        }
+    ),
     load=_load,
     routes=_routes,
 )

@@ -31,6 +31,7 @@ KIND = Kind(
     what="an embedding model",
     paths=("/v1/embeddings",),
     protocol=EmbeddingEngine,
+    settings=frozenset({"prefill_step_seconds"}),  # its passes are paced
     load=_load,
     routes=_routes,
 )

@@ -32,6 +32,7 @@ KIND = Kind(
     what="a rerank model",
     paths=("/v1/rerank", "/rerank", "/v2/rerank"),
     protocol=RerankEngine,
+    settings=frozenset({"prefill_step_seconds"}),  # its passes are paced
     load=_load,
     routes=_routes,
 )
