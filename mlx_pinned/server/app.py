@@ -142,8 +142,6 @@ def create_app(
                     own.max_num_seqs, own.max_pending, retry_after=own.retry_after
                 ),
                 _slot(own, mlx_thread, loads[index]),
-                tool_call_parser=own.tool_call_parser,
-                reasoning_parser=own.reasoning_parser,
                 kind=own.kind,
             )
             for index, own in enumerate(each)

@@ -14,12 +14,10 @@
 served together, each under its own name (``--served-model-name`` given once
 per MODEL, in the same order, or not at all). ``--demo`` writes the tiny
 random-weight models to the cache folder (``$MLX_PINNED_CACHE``, else
-``~/.cache/mlx-pinned``) and serves them: a vision chat model as
-``mlx-pinned-demo``, an embedding model as ``mlx-pinned-demo-embedding``, a
-reranker as ``mlx-pinned-demo-rerank`` and a speech-to-text model as
-``mlx-pinned-demo-transcription``. They work offline, and answer with
-random text, random vectors and random scores. Every
-limit: docs/security.md.
+``~/.cache/mlx-pinned``) and serves one of each kind: the vision chat
+model as ``mlx-pinned-demo``, the others as ``mlx-pinned-demo-<kind>``.
+They work offline, and answer with random text, vectors, scores and
+sounds. Every limit: docs/security.md.
 With ``--distributed tensor`` every rank of an ``mx.distributed`` group runs
 the same command: rank 0 serves, the others bind no port and follow it
 (docs/distributed.md).
@@ -50,14 +48,11 @@ from .cli_options import API_KEY_ENV, OPTIONS, add_options, whole
 from .config import ImageLimits, ServerConfig, SettingError
 from .config_checks import SAME
 from .config_file import ConfigFile, read_config_file
+from .kinds import KINDS, kind_named
 
 __all__ = ["main"]
 
 DEMO_MODEL_NAME = "mlx-pinned-demo"
-DEMO_EMBEDDING_NAME = "mlx-pinned-demo-embedding"
-DEMO_RERANK_NAME = "mlx-pinned-demo-rerank"
-DEMO_TRANSCRIPTION_NAME = "mlx-pinned-demo-transcription"
-DEMO_SPEECH_NAME = "mlx-pinned-demo-speech"
 KEEP_ALIVE_SECONDS = 75  # an idle connection is kept this long
 STARTUP_FAILURE = 3  # the exit status of a failed model load, as uvicorn's
 
@@ -329,41 +324,29 @@ def _port(text: str) -> int:
     return int(value)
 
 
+def demo_name(kind: str) -> str:
+    """The name ``--demo`` serves a kind's demo model as: the chat model as
+    :data:`DEMO_MODEL_NAME`, another as ``mlx-pinned-demo-<kind>``."""
+    return DEMO_MODEL_NAME if kind == "chat" else f"{DEMO_MODEL_NAME}-{kind}"
+
+
 def _demo(config: ServerConfig) -> ServerConfig:
-    """``config`` serving the demo's models, written first if they are not
-    in the cache: the tiny vision chat model as its name, the tiny embedding
-    model as :data:`DEMO_EMBEDDING_NAME`, the tiny reranker as
-    :data:`DEMO_RERANK_NAME`, the tiny Whisper as
-    :data:`DEMO_TRANSCRIPTION_NAME` and the tiny text-to-speech model as
-    :data:`DEMO_SPEECH_NAME` (those not under ``--distributed``, which
-    serves one chat model).
+    """``config`` serving each kind's demo model (written first if it is not
+    in the cache), the chat model as its name, the others as
+    :func:`demo_name` says; the chat model alone under ``--distributed``.
 
     Raises:
         OSError: A model could not be written.
     """
-    from mlx_pinned.testing import (
-        tiny_embedding_path,
-        tiny_reranker_path,
-        tiny_speech_path,
-        tiny_transcription_path,
-        tiny_vlm_path,
-    )
-
-    chat = str(tiny_vlm_path())
+    kinds = [kind for kind in KINDS.values() if kind.demo is not None]
     if config.distributed is not None:
-        return dataclasses.replace(config, model=chat, served_model_name=config.names)
-    kinds = {
-        config.name: ("chat", chat),
-        DEMO_EMBEDDING_NAME: ("embedding", str(tiny_embedding_path())),
-        DEMO_RERANK_NAME: ("rerank", str(tiny_reranker_path())),
-        DEMO_TRANSCRIPTION_NAME: ("transcription", str(tiny_transcription_path())),
-        DEMO_SPEECH_NAME: ("speech", str(tiny_speech_path())),
-    }
+        kinds = [kind_named("chat")]
+    names = [config.name if k.name == "chat" else demo_name(k.name) for k in kinds]
     return dataclasses.replace(
         config,
-        model=tuple(path for _, path in kinds.values()),
-        served_model_name=tuple(kinds),
-        model_settings=tuple({"model_kind": kind} for kind, _ in kinds.values()),
+        model=tuple(str(kind.demo()) for kind in kinds if kind.demo is not None),
+        served_model_name=tuple(names),
+        model_settings=tuple({"model_kind": kind.name} for kind in kinds),
     )
 
 

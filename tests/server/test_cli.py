@@ -267,10 +267,10 @@ class TestServe:
         config = runs[0]["app"].state.config
         assert config.names == (
             cli.DEMO_MODEL_NAME,
-            cli.DEMO_EMBEDDING_NAME,
-            cli.DEMO_RERANK_NAME,
-            cli.DEMO_TRANSCRIPTION_NAME,
-            cli.DEMO_SPEECH_NAME,
+            cli.demo_name("embedding"),
+            cli.demo_name("rerank"),
+            cli.demo_name("transcription"),
+            cli.demo_name("speech"),
         )
         assert Path(config.models[0]) == tiny_model_path
         assert Path(config.models[1]) == tiny_embedding_path()

@@ -72,8 +72,6 @@ SERVED: dict[str, Callable[[ServedModel], Any]] = {
     "idle_unload_timeout": lambda served: served.slot.idle_timeout,
     "max_num_seqs": lambda served: served.gate.max_num_seqs,
     "max_pending": lambda served: served.gate.max_pending,
-    "tool_call_parser": lambda served: served.tool_call_parser,
-    "reasoning_parser": lambda served: served.reasoning_parser,
 }
 
 
@@ -85,6 +83,8 @@ def drafts(engine: BatchEngine) -> DraftSettings:
 
 # Where an engine of a kind shows a setting.
 ENGINE: dict[tuple[str, str], Callable[[Any], Any]] = {
+    ("tool_call_parser", "chat"): lambda engine: engine.facts.formats.tool_call.name,
+    ("reasoning_parser", "chat"): lambda engine: engine.facts.formats.reasoning.name,
     ("prompt_cache_bytes", "chat"): lambda engine: engine.prompt_cache.budget,
     ("image_cache_bytes", "chat"): lambda engine: engine.image_cache.held.budget,
     ("prefill_step_size", "chat"): lambda engine: engine.loop.state.prefill_step,

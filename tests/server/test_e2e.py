@@ -17,13 +17,7 @@ import httpx
 import openai
 import pytest
 
-from mlx_pinned.server.cli import (
-    DEMO_EMBEDDING_NAME,
-    DEMO_MODEL_NAME,
-    DEMO_RERANK_NAME,
-    DEMO_SPEECH_NAME,
-    DEMO_TRANSCRIPTION_NAME,
-)
+from mlx_pinned.server.cli import DEMO_MODEL_NAME, demo_name
 from mlx_pinned.server.engine.model import EXACT_FAMILIES
 from mlx_pinned.testing import TINY_MODEL_TYPES, image_data_uri, tiny_vlm_path
 
@@ -75,10 +69,10 @@ def test_the_demo_embeds_through_the_sdk_beside_its_chat_model(
 ) -> None:
     client = server.client()
     answer = client.embeddings.create(
-        model=DEMO_EMBEDDING_NAME, input=["a red square", "a blue sky"]
+        model=demo_name("embedding"), input=["a red square", "a blue sky"]
     )
     floats = client.embeddings.create(
-        model=DEMO_EMBEDDING_NAME, input="a red square", encoding_format="float"
+        model=demo_name("embedding"), input="a red square", encoding_format="float"
     )
     kinds = {model.id: getattr(model, "kind", None) for model in client.models.list()}
     assert [len(item.embedding) for item in answer.data] == [64, 64]
@@ -86,10 +80,10 @@ def test_the_demo_embeds_through_the_sdk_beside_its_chat_model(
     assert answer.usage.prompt_tokens > 0
     assert kinds == {
         DEMO_MODEL_NAME: "chat",
-        DEMO_EMBEDDING_NAME: "embedding",
-        DEMO_RERANK_NAME: "rerank",
-        DEMO_SPEECH_NAME: "speech",
-        DEMO_TRANSCRIPTION_NAME: "transcription",
+        demo_name("embedding"): "embedding",
+        demo_name("rerank"): "rerank",
+        demo_name("speech"): "speech",
+        demo_name("transcription"): "transcription",
     }
 
 
@@ -103,7 +97,7 @@ def test_the_demo_speaks_through_the_sdk_beside_its_chat_model(
     with (
         server.client() as client,
         client.audio.speech.with_streaming_response.create(
-            model=DEMO_SPEECH_NAME,
+            model=demo_name("speech"),
             voice="vivian",
             input="Hello from the demo.",
             response_format="wav",
@@ -120,7 +114,7 @@ def test_the_demo_reranks_beside_its_chat_model(server: Server) -> None:
     answer = httpx.post(
         f"{server.url}/rerank",
         json={
-            "model": DEMO_RERANK_NAME,
+            "model": demo_name("rerank"),
             "query": "a cat",
             "documents": ["a cat on a table", "a blue sky"],
             "return_documents": True,
@@ -146,7 +140,7 @@ def test_the_demo_transcribes_a_file_through_the_sdk(server: Server) -> None:
         file.writeframes(bytes(16000 * 2))  # a second of silence
     client = server.client()
     answer = client.audio.transcriptions.create(
-        model=DEMO_TRANSCRIPTION_NAME,
+        model=demo_name("transcription"),
         file=("silence.wav", sound.getvalue()),
         temperature=0.2,
     )

@@ -507,7 +507,9 @@ def test_an_unknown_kind_is_refused_by_name() -> None:
 
 
 def test_a_chat_setting_of_an_embedding_model_is_refused() -> None:
-    with pytest.raises(SettingError, match="'emb': kv_bits is not a setting of an embedding model"):
+    with pytest.raises(
+        SettingError, match="'emb': kv_bits is not a setting of an embedding model"
+    ):
         ServerConfig(
             model=("chat", "e"),
             served_model_name=("chat", "emb"),

@@ -134,18 +134,12 @@ class ServedModel:
         gate: Its own gate: at most ``max_num_seqs`` of its generations at
             once, at most ``max_pending`` waiting.
         slot: Where it is loaded (at start-up, or on first use) and unloaded.
-        tool_call_parser: The tool-call format its answers are read in
-            (None: detected from its chat template).
-        reasoning_parser: The reasoning format its answers are read in
-            (None: detected from its chat template).
         kind: What it is served as, by which routes.
     """
 
     name: str
     gate: BatchGate
     slot: ModelSlot
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
     kind: str = "chat"
 
     def engine(self) -> Resident | None:

@@ -11,6 +11,8 @@ from ..events import Engine
 from . import Kind
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from mlx_pinned import MLXThread
 
     from ..config import ModelSettings
@@ -45,6 +47,12 @@ def _routes(wiring: Any) -> list[Any]:
     ]
 
 
+def _demo() -> Path:
+    from mlx_pinned.testing import tiny_vlm_path
+
+    return tiny_vlm_path()
+
+
 KIND = Kind(
     name="chat",
     what="a chat model",
@@ -68,4 +76,5 @@ KIND = Kind(
     ),
     load=_load,
     routes=_routes,
+    demo=_demo,
 )

@@ -8,6 +8,8 @@ from .. import Kind
 from .values import EmbeddingEngine
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from mlx_pinned import MLXThread
 
     from ...config import ModelSettings
@@ -26,6 +28,12 @@ def _routes(wiring: Any) -> list[Any]:
     return routes(EmbeddingsEndpoint(wiring))
 
 
+def _demo() -> Path:
+    from mlx_pinned.testing import tiny_embedding_path
+
+    return tiny_embedding_path()
+
+
 KIND = Kind(
     name="embedding",
     what="an embedding model",
@@ -34,4 +42,5 @@ KIND = Kind(
     settings=frozenset({"prefill_step_seconds"}),  # its passes are paced
     load=_load,
     routes=_routes,
+    demo=_demo,
 )

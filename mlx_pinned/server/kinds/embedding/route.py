@@ -22,6 +22,7 @@ import anyio
 from ...failures import PromptTooLongError
 from ...http.door import Call, Door
 from ...http.errors import APIError
+from . import KIND
 from .protocol import EmbeddingRequest, parse_embedding_request
 from .serving import EmbeddingsServing
 from .values import EmbeddingEngine, EmbeddingParams, Embeddings
@@ -58,7 +59,7 @@ class EmbeddingsEndpoint(
     {"prompt_tokens", "total_tokens"}}``."""
 
     route = "POST /v1/embeddings"
-    kind = "embedding"
+    kind = KIND.name
     prompt = "input"
     serving = EmbeddingsServing()
 

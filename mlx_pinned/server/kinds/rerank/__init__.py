@@ -9,6 +9,8 @@ from .. import Kind
 from .values import RerankEngine
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from mlx_pinned import MLXThread
 
     from ...config import ModelSettings
@@ -27,6 +29,12 @@ def _routes(wiring: Any) -> list[Any]:
     return routes(RerankEndpoint(wiring))
 
 
+def _demo() -> Path:
+    from mlx_pinned.testing import tiny_reranker_path
+
+    return tiny_reranker_path()
+
+
 KIND = Kind(
     name="rerank",
     what="a rerank model",
@@ -35,4 +43,5 @@ KIND = Kind(
     settings=frozenset({"prefill_step_seconds"}),  # its passes are paced
     load=_load,
     routes=_routes,
+    demo=_demo,
 )

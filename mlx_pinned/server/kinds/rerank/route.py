@@ -32,7 +32,7 @@ class RerankEndpoint(Door[RerankRequest, RerankEngine, RerankParams, Scores]):
 
     route = "POST /v1/rerank"
     paths = KIND.paths  # vLLM's three
-    kind = "rerank"
+    kind = KIND.name
     prompt = "query"
 
     async def parse(self, body: bytes, places: list[str]) -> RerankRequest:

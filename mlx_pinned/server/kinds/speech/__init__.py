@@ -8,6 +8,8 @@ from .. import Kind
 from .values import SpeechEngine
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from mlx_pinned import MLXThread
 
     from ...config import ModelSettings
@@ -26,6 +28,12 @@ def _routes(wiring: Any) -> list[Any]:
     return routes(SpeechEndpoint(wiring))
 
 
+def _demo() -> Path:
+    from mlx_pinned.testing import tiny_speech_path
+
+    return tiny_speech_path()
+
+
 KIND = Kind(
     name="speech",
     what="a speech model",
@@ -33,4 +41,5 @@ KIND = Kind(
     protocol=SpeechEngine,
     load=_load,
     routes=_routes,
+    demo=_demo,
 )

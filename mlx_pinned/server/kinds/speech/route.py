@@ -22,6 +22,7 @@ import anyio
 
 from ...http.door import Call, Door
 from ...http.wire import sse_event
+from . import KIND
 from .encoding import MEDIA_TYPES, StreamEncoder, encoded
 from .protocol import SpeechRequest, parse_speech_request
 from .serving import SpeechServing
@@ -42,7 +43,7 @@ class SpeechEndpoint(Door[SpeechRequest, SpeechEngine, SpeechParams, _Chunks]):
     ``pcm``; ``mp3`` and ``flac`` whole only)."""
 
     route = "POST /v1/audio/speech"
-    kind = "speech"
+    kind = KIND.name
     prompt = "input"
     serving = SpeechServing()
 

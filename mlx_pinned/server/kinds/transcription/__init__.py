@@ -9,6 +9,8 @@ from .. import Kind
 from .values import TranscriptionEngine
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from mlx_pinned import MLXThread
 
     from ...config import ModelSettings
@@ -27,6 +29,12 @@ def _routes(wiring: Any) -> list[Any]:
     return routes(TranscriptionsEndpoint(wiring), TranslationsEndpoint(wiring))
 
 
+def _demo() -> Path:
+    from mlx_pinned.testing import tiny_transcription_path
+
+    return tiny_transcription_path()
+
+
 KIND = Kind(
     name="transcription",
     what="a transcription model",
@@ -34,4 +42,5 @@ KIND = Kind(
     protocol=TranscriptionEngine,
     load=_load,
     routes=_routes,
+    demo=_demo,
 )

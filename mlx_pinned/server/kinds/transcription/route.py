@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeAlias
 
 from ...http.door import Call, Door
 from ...http.wire import Body, sse_event
+from . import KIND
 from .protocol import TranscriptionForm, TranslationForm, parse_form
 from .serving import MEDIA_TYPES, Transcript, params, usage
 from .values import Task, TranscriptionEngine, TranscriptionParams, Window
@@ -50,7 +51,7 @@ class TranscriptionsEndpoint(
     ``transcript.text.delta`` events and a ``transcript.text.done``."""
 
     route = "POST /v1/audio/transcriptions"
-    kind = "transcription"
+    kind = KIND.name
     prompt = "file"
     task: ClassVar[Task] = "transcribe"
     form: ClassVar[type[TranslationForm]] = TranscriptionForm
