@@ -204,6 +204,7 @@ def create_app(
     # key (the page sends it).
     if config.playground:
         routes += playground_routes()
+    metrics.mount(routes)
     # Every refusal outside an endpoint, in the shape of its route's API.
     errors = ErrorEdge(routes, retry_after=config.retry_after)
     middleware = [

@@ -14,11 +14,10 @@ import httpx
 import pytest
 
 from mlx_pinned.server import create_app
-from mlx_pinned.server.http.metrics import route_of
 from mlx_pinned.testing import tiny_lm_path, tiny_vlm_path
 
 from .conftest import assert_error, drive, sse_events
-from .kit import Lifespan, Served, Server, in_process, running
+from .kit import Lifespan, Serve, Served, Server, in_process, running
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -496,6 +495,8 @@ async def test_a_prompt_the_engine_finds_too_long_is_a_400_naming_prompt(
         assert fine.status_code == 200, fine.text
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/detokenize"])
-def test_each_route_is_its_own_metrics_label(path: str) -> None:
-    assert route_of(path) == path
+@pytest.mark.anyio
+async def test_each_route_is_its_own_metrics_label(serve: Serve) -> None:
+    async with serve() as served:
+        for path in ("/v1/completions", "/tokenize", "/detokenize"):
+            assert served.app.state.metrics.route_of(path) == path

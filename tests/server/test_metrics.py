@@ -8,7 +8,6 @@ import pytest
 from prometheus_client import REGISTRY
 
 from mlx_pinned.server.engine.memory import limit_buffer_cache
-from mlx_pinned.server.http.metrics import route_of
 
 from .conftest import MODEL, assert_error, replace_generation, until, vision_body
 from .kit import Serve, SlowModel, scrape, value
@@ -247,7 +246,14 @@ class TestMetrics:
             )
 
 
-def test_route_labels_are_bounded() -> None:
-    assert route_of(CHAT) == CHAT
-    assert route_of("/v1/models/anything/at/all") == "/v1/models/{model_id}"
-    assert route_of("/" + "x" * 1000) == "other"
+async def test_route_labels_are_the_apps_routes(serve: Serve) -> None:
+    async with serve() as served:
+        route_of = served.app.state.metrics.route_of
+        assert route_of(CHAT) == CHAT
+        assert route_of("/v1/embeddings") == "/v1/embeddings"
+        assert route_of("/v2/rerank") == "/v2/rerank"
+        assert route_of("/v1/models/anything/at/all") == "/v1/models/{model_id}"
+        assert route_of("/v1/responses/r1/input_items") == (
+            "/v1/responses/{response_id}/input_items"
+        )
+        assert route_of("/" + "x" * 1000) == "other"

@@ -128,6 +128,7 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
         prompt: The request's part a refused prompt or input is named by.
         gated: Whether its run takes a turn of the model's gate (a door
             that generates nothing takes none).
+        api: Its label in the per-model metrics (None: it has none).
     """
 
     route: ClassVar[str]
@@ -136,6 +137,7 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
     errors: ClassVar[ErrorShape] = OPENAI_ERRORS
     prompt: ClassVar[str] = "messages"
     gated: ClassVar[bool] = True
+    api: ClassVar[str | None] = None
 
     def __init__(self, wiring: Wiring) -> None:
         self.wiring = wiring
@@ -241,7 +243,10 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         log = RequestLog(
-            start=time.perf_counter(), client=_client(scope), route=self.route
+            start=time.perf_counter(),
+            client=_client(scope),
+            route=self.route,
+            api=self.api,
         )
         response = ResponseWriter(send, self.errors)
         try:

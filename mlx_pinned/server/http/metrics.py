@@ -12,8 +12,9 @@ the MLX thread.
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import (
@@ -26,10 +27,12 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.responses import Response
+from starlette.routing import Route
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
     from starlette.requests import Request
+    from starlette.routing import BaseRoute
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
     from mlx_pinned import MLXThread
@@ -40,19 +43,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MetricsMiddleware", "ServerMetrics"]
 
-_ROUTES = frozenset(
-    {"/health", "/livez", "/metrics", "/v1/models", "/v1/chat/completions"}
-    | {"/v1/completions", "/tokenize", "/detokenize", "/v1/responses"}
-    | {"/v1/messages", "/v1/messages/count_tokens"}
-)
-#: The API of each route that generates: the ``api`` label of the per-model
-#: series (the tokenizer routes and count_tokens generate nothing).
-APIS = {
-    "POST /v1/chat/completions": "chat_completions",
-    "POST /v1/completions": "completions",
-    "POST /v1/responses": "responses",
-    "POST /v1/messages": "messages",
-}
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -70,8 +60,9 @@ class ServerMetrics:
     """The metrics of one app, in their own registry.
 
     Metric names (all prefixed ``mlx_pinned_``): ``requests_total{route,
-    status}``; per model and API (labels ``model``, and ``api``: one of
-    :data:`APIS`' values): counters ``prompt_tokens_total`` and
+    status}`` (``route``: the path of one of the app's routes, or ``other``);
+    per model and API (labels ``model``, and ``api``: a door's
+    :attr:`~.door.Door.api`): counters ``prompt_tokens_total`` and
     ``generated_tokens_total``, histograms ``time_to_first_token_seconds``,
     ``request_duration_seconds`` (completed generations, end to end) and
     ``queue_wait_seconds``; per model (label ``model``): gauges
@@ -149,11 +140,8 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
-        # Every model's series from the start, at 0: rate() needs a first sample.
-        for name in models.names:
-            for api in APIS.values():
-                for metric in self._per_model():
-                    metric.labels(name, api)
+        self.models = models
+        self._paths: list[tuple[re.Pattern[str], str]] = []
         self._live = _LiveCollector(thread, models)
         registry.register(self._live)
 
@@ -165,6 +153,28 @@ class ServerMetrics:
     @store.setter
     def store(self, store: Kept | None) -> None:
         self._live.store = store
+
+    def mount(self, routes: Sequence[BaseRoute]) -> None:
+        """Label requests by ``routes``' paths, and start the series of each
+        door's API of each model of its kind at 0 (``rate()`` needs a first
+        sample)."""
+        found = [route for route in routes if isinstance(route, Route)]
+        # A path's converters are left out: "/v1/models/{model_id}".
+        self._paths = [
+            (route.path_regex, re.sub(r":\w+}", "}", route.path)) for route in found
+        ]
+        for route in found:
+            api = getattr(route.endpoint, "api", None)
+            kind = getattr(route.endpoint, "kind", None)
+            for model in self.models if api is not None else ():
+                if model.kind == kind:
+                    for metric in self._per_model():
+                        metric.labels(model.name, api)
+
+    def route_of(self, path: str) -> str:
+        """The route label of ``path``: its route's path, or ``other``."""
+        found = (label for regex, label in self._paths if regex.match(path))
+        return next(found, "other")
 
     def _per_model(self) -> tuple[Counter | Histogram, ...]:
         return (
@@ -178,7 +188,7 @@ class ServerMetrics:
     def observe(self, log: RequestLog) -> None:
         """Record a finished chat request from its log line; one that named
         no served model (refused before) has nothing per model to record."""
-        api = APIS.get(log.route)
+        api = log.api
         if log.model is None or api is None:
             return
         model = log.model
@@ -391,19 +401,6 @@ def _per_model(name: str, documentation: str) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"mlx_pinned_{name}", documentation, labels=["model"])
 
 
-def route_of(path: str) -> str:
-    """The route label of a path: one of the app's routes, or ``other``."""
-    if path in _ROUTES:
-        return path
-    if path.startswith("/v1/models/"):
-        return "/v1/models/{model_id}"
-    if path.startswith("/v1/responses/"):  # one label, whatever the id
-        if path.endswith("/input_items"):
-            return "/v1/responses/{response_id}/input_items"
-        return "/v1/responses/{response_id}"
-    return "other"
-
-
 class MetricsMiddleware:
     """Counts every HTTP request by route and status, outermost, so that
     401s, 413s and the 503s of a draining server are counted too."""
@@ -428,4 +425,5 @@ class MetricsMiddleware:
             await self.app(scope, receive, counting_send)
         finally:
             label = str(status) if status else "499"
-            self.metrics.requests.labels(route_of(scope["path"]), label).inc()
+            route = self.metrics.route_of(scope["path"])
+            self.metrics.requests.labels(route, label).inc()

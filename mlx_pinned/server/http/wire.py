@@ -71,6 +71,7 @@ class RequestLog:
     disconnected: bool = False
     client: str = ""  # host:port, from a trusted proxy's X-Forwarded-For
     model: str | None = None  # the served model's name, once the request named one
+    api: str | None = None  # the door's per-model series (None: it has none)
 
     def record(self, event: TokenEvent | FinalEvent, *, whole: bool = False) -> None:
         """Count ``event`` as it reaches the event loop; ``whole``: the events

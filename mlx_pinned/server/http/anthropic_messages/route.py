@@ -47,6 +47,7 @@ class MessagesEndpoint(GenerationDoor[MessagesRequest]):
     """The door of ``POST /v1/messages``."""
 
     route = "POST /v1/messages"
+    api = "messages"
     errors: ClassVar[ErrorShape] = ANTHROPIC_ERRORS
     call_id = staticmethod(tool_use_id)
 

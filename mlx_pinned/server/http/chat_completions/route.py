@@ -47,6 +47,7 @@ class ChatCompletionsEndpoint(GenerationDoor[ChatCompletionRequest]):
     :class:`.serving.ChatCompletionsServing`, answered as OpenAI's."""
 
     route = "POST /v1/chat/completions"
+    api = "chat_completions"
     call_id = staticmethod(tool_call_id)
 
     @functools.cached_property

@@ -47,6 +47,7 @@ class CompletionsEndpoint(Door[CompletionRequest, Engine, Prompts, _Items]):
     for another); their events meet in one channel."""
 
     route = "POST /v1/completions"
+    api = "completions"
     prompt = "prompt"
     gated = False  # each prompt takes its own turn
 

@@ -59,6 +59,7 @@ class EmbeddingsEndpoint(
     {"prompt_tokens", "total_tokens"}}``."""
 
     route = "POST /v1/embeddings"
+    api = "embeddings"
     kind = KIND.name
     prompt = "input"
     serving = EmbeddingsServing()

@@ -31,6 +31,7 @@ class RerankEndpoint(Door[RerankRequest, RerankEngine, RerankParams, Scores]):
     "relevance_score", "document"?}]}``."""
 
     route = "POST /v1/rerank"
+    api = "rerank"
     paths = KIND.paths  # vLLM's three
     kind = KIND.name
     prompt = "query"

@@ -51,6 +51,7 @@ class TranscriptionsEndpoint(
     ``transcript.text.delta`` events and a ``transcript.text.done``."""
 
     route = "POST /v1/audio/transcriptions"
+    api = "transcriptions"
     kind = KIND.name
     prompt = "file"
     task: ClassVar[Task] = "transcribe"
@@ -105,6 +106,7 @@ class TranslationsEndpoint(TranscriptionsEndpoint):
     in the same formats (no ``language``, no ``stream``)."""
 
     route = "POST /v1/audio/translations"
+    api = "translations"
     task: ClassVar[Task] = "translate"
     form: ClassVar[type[TranslationForm]] = TranslationForm
 
