@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 import struct
@@ -24,6 +25,7 @@ from collections.abc import (
     Iterator,
     Sequence,
 )
+from concurrent.futures import Future
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -49,6 +51,7 @@ from mlx_pinned.server.events import (
     TokenEvent,
 )
 from mlx_pinned.server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
+from mlx_pinned.server.http import endpoint
 from mlx_pinned.server.http.served_models import BatchGate
 from mlx_pinned.testing import make_test_image
 
@@ -56,6 +59,8 @@ from .inline import generate_inline
 from .reference import reference_stream
 
 TOL = 1e-5
+# A bound for what must happen soon: running out of it means a hang.
+WAIT = 30.0
 
 Event = TokenEvent | FinalEvent
 Request = tuple[GenerationParams, list[Image.Image]]
@@ -212,16 +217,87 @@ async def deadline(seconds: float = 60) -> AsyncIterator[anyio.abc.TaskGroup]:
             yield group
 
 
+@asynccontextmanager
+async def mlx_thread_held(thread: MLXThread) -> AsyncIterator[None]:
+    """The MLX thread runs nothing else during the block (a job holds it):
+    no batch steps, so what a test reads meanwhile stays put."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(WAIT)
+
+    held = thread.submit(hold)
+    try:
+        assert await anyio.to_thread.run_sync(entered.wait, WAIT)
+        yield
+    finally:
+        release.set()
+        await anyio.to_thread.run_sync(held.result, WAIT)
+
+
+def hold_until(thread: MLXThread, condition: Callable[[], bool]) -> Future[None]:
+    """Hold the MLX thread with a job until ``condition()`` (polled there)
+    holds, so that the work queued meanwhile runs together after it."""
+
+    def hold() -> None:
+        deadline = time.monotonic() + WAIT
+        while not condition():
+            assert time.monotonic() < deadline, "the condition never held"
+            time.sleep(0.002)
+
+    return thread.submit(hold)
+
+
+class Deadlines:
+    """Request deadlines that pass when the test says, not by the clock.
+
+    Serve with ``request_timeout=FAR``; :meth:`expire` makes the deadline
+    of every request begun so far pass now (each request's deadline is a
+    cancel scope of the endpoint, recorded as it is made).
+    """
+
+    FAR = 3600.0
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        # Each scope, and how far off its deadline was when it was made.
+        self.scopes: list[tuple[anyio.CancelScope, float]] = []
+        monkeypatch.setattr(endpoint, "anyio", _RecordingDeadlines(self.scopes))
+
+    def expire(self) -> None:
+        for scope, left in self.scopes:
+            assert self.FAR - WAIT < left <= self.FAR  # request_timeout's
+            scope.deadline = -math.inf
+
+
+class _RecordingDeadlines:
+    """``anyio`` as the endpoint module sees it, its deadline scopes kept."""
+
+    def __init__(self, scopes: list[tuple[anyio.CancelScope, float]]) -> None:
+        self._scopes = scopes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(anyio, name)
+
+    def CancelScope(self, **kwargs: Any) -> anyio.CancelScope:
+        scope = anyio.CancelScope(**kwargs)
+        if "deadline" in kwargs:
+            self._scopes.append((scope, kwargs["deadline"] - anyio.current_time()))
+        return scope
+
+
 class SlowModel:
     """Stands in for the engine's generation: one token per ``step`` seconds
     on the MLX thread, until ``max_tokens`` or :attr:`release` is set.
-    Records where each generator started and where it was closed."""
+    Records where each generator started and where it was closed, and
+    the tokens made (all generations together)."""
 
     def __init__(self, step: float) -> None:
         self.step = step
         self.release = threading.Event()
         self.started: list[int] = []
         self.closed: list[int] = []
+        self.made = 0
 
     def __call__(
         self, loaded: LoadedModel, params: GenerationParams, images: Any
@@ -232,6 +308,7 @@ class SlowModel:
             while n < params.max_tokens and not self.release.is_set():
                 time.sleep(self.step)
                 n += 1
+                self.made += 1
                 yield TokenEvent("x")
             yield FinalEvent("", "length", 1, n)
         finally:
