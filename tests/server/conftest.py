@@ -119,6 +119,7 @@ async def drive(
     hold: anyio.Event | None = None,
     started: anyio.Event | None = None,
     stall_start: bool = False,
+    stalled: anyio.Event | None = None,
     path: str = "/v1/chat/completions",
 ) -> tuple[int, list[bytes]]:
     """Call the ASGI app directly, as a server would; the client leaves after
@@ -126,13 +127,13 @@ async def drive(
     first body chunk it stops reading until ``hold`` is set. ``started`` is set
     once the first body chunk was sent. With ``stall_start`` the first status
     line's send never returns (a client that reads nothing pauses the
-    server's writes) and is not recorded."""
+    server's writes) and is not recorded; ``stalled`` is set once it waits."""
     raw = json.dumps(body).encode()
     sent: list[bytes] = []
     status = 0
     leave = leave or anyio.Event()
     delivered = False
-    stalled = not stall_start
+    stalling = not stall_start
 
     async def receive() -> dict[str, Any]:
         nonlocal delivered
@@ -143,10 +144,12 @@ async def drive(
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
-        nonlocal status, stalled
+        nonlocal status, stalling
         if message["type"] == "http.response.start":
-            if not stalled:
-                stalled = True
+            if not stalling:
+                stalling = True
+                if stalled is not None:
+                    stalled.set()
                 await anyio.sleep_forever()
             status = message["status"]
         elif message["type"] == "http.response.body":
