@@ -43,7 +43,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
 from mlx_pinned import MLXThread
-from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.engine import BatchEngine, LoadedModel, driver
+from mlx_pinned.server.engine.loop import BatchLoop
 from mlx_pinned.server.events import (
     FinalEvent,
     GenerationParams,
@@ -357,42 +358,48 @@ class Served:
 
 @dataclass
 class Beside:
-    """When a chat stream's chunks arrived, and when a request sent beside
-    it (once the stream had begun) was sent and answered."""
+    """What the MLX thread ran while a chat stream and a request of another
+    model shared it: at each turn of the chat model's loop, how many steps
+    the other model had run (``counters().decode_steps``: an encoder's
+    passes, a speech model's pieces, a transcription's windows)."""
 
-    arrivals: list[float]
-    start: float
-    end: float
-
-    @property
-    def during(self) -> list[float]:
-        """The chunks that arrived while the request ran."""
-        return [at for at in self.arrivals if self.start <= at <= self.end]
+    seen: list[int]
+    first: int  # the other model's steps when the request was sent
+    last: int  # and once it was answered
 
     @property
-    def gaps(self) -> Any:
-        """The times between those chunks (from the request's start)."""
-        import numpy as np
-
-        return np.diff([self.start, *self.during])
-
-    @property
-    def took(self) -> float:
-        return self.end - self.start
+    def stalls(self) -> list[int]:
+        """The other model's step counts that no chat turn saw: where two
+        of its steps ran back to back, the chat waiting."""
+        return sorted(set(range(self.first, self.last + 1)) - set(self.seen))
 
 
 async def chat_beside(
+    app: Starlette,
     client: httpx.AsyncClient,
     send: Callable[[httpx.AsyncClient], Awaitable[httpx.Response]],
+    monkeypatch: pytest.MonkeyPatch,
     *,
     max_tokens: int,
     leave_early: bool = False,
 ) -> Beside:
     """Stream a chat answer of model ``chat`` and, once its first chunk is
-    in, ``send`` a request beside it (which must be answered 200);
-    ``leave_early``: the stream is left once that request is answered."""
-    arrivals: list[float] = []
-    window: list[float] = []
+    in, ``send`` a request of the app's other model beside it (which must be
+    answered 200); ``leave_early``: the stream is left once that request is
+    answered. The chat's loop reads ahead without bound here, so it never
+    waits for its reader (however slow the event loop): what is left is the
+    order in which the MLX thread takes the two models' work."""
+    (other,) = (model for model in app.state.models if model.name != "chat")
+    seen: list[int] = []
+    turn = BatchLoop.turn
+
+    def watched(loop: BatchLoop) -> Any:
+        seen.append(other.engine().counters().decode_steps)
+        return turn(loop)
+
+    monkeypatch.setattr(BatchLoop, "turn", watched)
+    monkeypatch.setattr(driver, "READ_AHEAD", 1 << 30)
+    counts: list[int] = []
     started = anyio.Event()
 
     async def chat() -> None:
@@ -404,22 +411,21 @@ async def chat_beside(
         }
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             async for _ in response.aiter_lines():
-                arrivals.append(time.monotonic())
                 started.set()
-                if leave_early and window[1:]:
+                if leave_early and counts[1:]:
                     break
 
     async def beside() -> None:
         await started.wait()
-        window.append(time.monotonic())
+        counts.append(other.engine().counters().decode_steps)
         answer = await send(client)
-        window.append(time.monotonic())
+        counts.append(other.engine().counters().decode_steps)
         assert answer.status_code == 200, answer.text
 
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(chat)
         tasks.start_soon(beside)
-    return Beside(arrivals, window[0], window[1])
+    return Beside(seen, counts[0], counts[1])
 
 
 def serving_kind(

@@ -494,7 +494,7 @@ def test_the_sdk_speaks_through_a_served_config_file(
 
 @slow_on_asyncio
 async def test_a_long_speech_never_stalls_a_chat_stream_for_long(
-    tiny_model_path: Path, speech_path: Path
+    tiny_model_path: Path, speech_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     text = "A long speech beside a chat stream. " * 6
     app = create_app(
@@ -504,24 +504,18 @@ async def test_a_long_speech_never_stalls_a_chat_stream_for_long(
         stream_write_interval=0.0,
     )
     body = {"model": MODEL, "voice": "vivian", "input": text}
-    # Under uvicorn: httpx's in-process transport hands over a streamed
-    # body only once it is whole.
     with run_uvicorn(app) as url:
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             beside = await chat_beside(
-                client, lambda c: c.post("/v1/audio/speech", json=body), max_tokens=1500
+                app,
+                client,
+                lambda c: c.post("/v1/audio/speech", json=body),
+                monkeypatch,
+                max_tokens=1500,
             )
-        engine = app.state.models.get(MODEL).engine()
-        assert isinstance(engine, SpeechEngine)
-        pieces = engine.pieces
-    during, gaps, took = beside.during, beside.gaps, beside.took
-    window, arrivals = (beside.start, beside.end), beside.arrivals
-    assert window[1] < arrivals[-1], "the chat stream ended before the speech"
-    assert pieces > 20
-    assert len(during) > pieces, "the chat stream waited for the whole speech"
-    # A piece is a few frames; a chat step runs between pieces, so the
-    # stream's largest gap is a piece or two, far below the speech's time.
-    assert gaps.max() < took / 5, (gaps.max(), took)
+    # A piece is a job of the MLX thread; a chat step runs between each two.
+    assert beside.last - beside.first > 20
+    assert beside.stalls == []
 
 
 @pytest.mark.slow
