@@ -178,20 +178,27 @@ T = TypeVar("T")
 
 class AtOnce:
     """Counts how many threads run a wrapped function at once, at most
-    (``most``); each call is made ``seconds`` slower so that calls overlap."""
+    (``most``); each call is made ``seconds`` slower so that calls overlap.
+    With ``meet``, the first calls wait (a bounded wait) until ``meet`` of
+    them run at once: the overlap a bound allows happens whatever the load."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, meet: int = 0) -> None:
         self.seconds = seconds
         self.most = 0
         self._running = 0
         self._lock = threading.Lock()
+        self._met = threading.Event()
+        self._meet = meet
 
     def wrap(self, fn: Callable[..., T]) -> Callable[..., T]:
         def counted(*args: Any, **kwargs: Any) -> T:
             with self._lock:
                 self._running += 1
                 self.most = max(self.most, self._running)
+                if self._running >= self._meet:
+                    self._met.set()
             try:
+                self._met.wait(60)
                 time.sleep(self.seconds)
                 return fn(*args, **kwargs)
             finally:
