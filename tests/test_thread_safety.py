@@ -1705,7 +1705,6 @@ class TestShutdown:
             while t.statistics().pending or t.statistics().running:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)  # let the stream park after its read-ahead
-            time.sleep(0.05)
             started, release = threading.Event(), threading.Event()
             t.submit(lambda: (started.set(), release.wait(10)))
             assert started.wait(10)
