@@ -259,6 +259,8 @@ class TestDeadThread:
             with anyio.fail_after(WAIT):  # nothing will ever run: no wait
                 error = assert_error(await served.chat(vision_body(2)), 503)
             assert "restart the server" in error["message"]
+            # The thread closes the generator as it stops: wait for that.
+            await anyio.to_thread.run_sync(served.thread.shutdown)
             assert slow.closed == [served.thread.ident]
 
 
