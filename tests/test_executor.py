@@ -14,6 +14,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import mlx.core as mx
 import pytest
 
@@ -802,8 +803,11 @@ class TestStreams:
         finished: list[str] = []
 
         async def consume(name: str, count: int) -> None:
+            # A checkpoint an item, as test_thread_safety's: a ready item is
+            # taken without one, and a consumer that never waits would keep
+            # the other from reading (the subject is the thread's order).
             async for _ in thread.iterate(numbers, count, log, name):
-                pass
+                await anyio.lowlevel.checkpoint()
             finished.append(name)
 
         async with anyio.create_task_group() as tg:

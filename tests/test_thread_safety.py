@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import mlx.core as mx
 import pytest
 import sniffio
@@ -1456,7 +1457,12 @@ class TestStreams:
             gate.release()
 
             async def consume(name: str) -> None:
-                await read_all(streams[name])
+                # A checkpoint an item: an item that is ready is taken without
+                # one, so a consumer that always finds the next item in (a
+                # busy event loop's) would never let the other one run, and
+                # the short stream would wait, parked, for its reader.
+                async for _ in streams[name]:
+                    await anyio.lowlevel.checkpoint()
                 finished.append(name)
 
             with anyio.fail_after(WAIT):
