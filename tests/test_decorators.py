@@ -318,8 +318,10 @@ class TestExclusive:
         async def main() -> None:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(keyed_append, "keyed")
-                await anyio.sleep(0.05)
-                assert log == []  # waits for the key
+                with anyio.fail_after(WAIT):  # it waits for the key
+                    while not default.statistics().waiting_for_key:  # noqa: ASYNC110
+                        await anyio.sleep(0.001)
+                assert log == []
                 assert await anyio.to_thread.run_sync(list, stream) == [1, 2]
 
         anyio.run(main)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import itertools
 import threading
 import time
 import traceback
@@ -13,6 +14,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import mlx.core as mx
 import pytest
 
@@ -474,15 +476,15 @@ class ThreadPool:
 class TestBackpressure:
     def test_full_queue_refuses_at_once(self) -> None:
         with MLXThread(max_pending=2) as t:
-            _, gate, _running = block(t)
+            _, gate, running = block(t)
             queued = [t.submit(ident), t.submit(ident)]
             assert t.statistics().pending == 2  # the running job is not counted
-            started = time.perf_counter()
             with pytest.raises(MLXThreadBusyError, match="2 jobs queued"):
                 t.submit(ident)
             with pytest.raises(MLXThreadBusyError):
                 t.iterate_sync(range, 3)
-            assert time.perf_counter() - started < 1.0
+            # Refused while the queue was still full: no wait for room.
+            assert not running.done()
             gate.set()
             assert [f.result(WAIT) for f in queued] == [t.ident] * 2
             assert t.submit(ident).result(WAIT) == t.ident  # room again
@@ -600,7 +602,8 @@ class TestCancellation:
 
     @pytest.mark.anyio
     async def test_running_job_sees_cancel_requested(self, thread: MLXThread) -> None:
-        started, seen = threading.Event(), threading.Event()
+        started, seen, released = (threading.Event() for _ in range(3))
+        order: list[str] = []
 
         def poll() -> str:
             started.set()
@@ -608,11 +611,13 @@ class TestCancellation:
             while time.monotonic() < deadline:
                 if cancel_requested():
                     seen.set()
+                    # It ends only after its caller was released.
+                    released.wait(WAIT)
+                    order.append("job ended")
                     return "stopped early"
                 time.sleep(0.001)
             return "never told"
 
-        released_at = 0.0
         async with anyio.create_task_group() as tg:
 
             async def caller() -> None:
@@ -621,9 +626,11 @@ class TestCancellation:
             tg.start_soon(caller)
             await anyio.to_thread.run_sync(started.wait, WAIT)
             tg.cancel_scope.cancel()
-            released_at = time.monotonic()
-        assert time.monotonic() - released_at < 1.0  # released at once
+        order.append("caller released")
+        released.set()
         assert await anyio.to_thread.run_sync(seen.wait, WAIT)
+        await thread.run(lambda: None)  # the job has ended
+        assert order == ["caller released", "job ended"]  # released at once
         assert cancel_requested() is False  # never true off the thread
 
     @pytest.mark.anyio
@@ -684,18 +691,16 @@ class TestStreams:
         log: list[str] = []
         closed = threading.Event()
 
-        def slow(log: list[str]) -> Iterator[int]:
+        def endless(log: list[str]) -> Iterator[int]:
             try:
-                for i in range(1000):
-                    time.sleep(0.005)
-                    yield i
+                yield from itertools.count()
             finally:
                 log.append(f"closed on {threading.get_ident()}")
                 closed.set()
 
-        with anyio.move_on_after(0.1):
-            async for _ in thread.iterate(slow, log):
-                pass
+        with anyio.CancelScope() as scope:
+            async for _ in thread.iterate(endless, log):
+                scope.cancel()  # while it waits for the next item
         assert await anyio.to_thread.run_sync(closed.wait, WAIT)
         assert log == [f"closed on {thread.ident}"]
 
@@ -724,6 +729,7 @@ class TestStreams:
         # next. (Found as a 1-in-30 failure of the server's disconnect test:
         # the close ran after the next job.)
         make_waiter = _async_streams.async_waiter
+        queued_next = threading.Event()
 
         class SlowAfterWaking:
             def __init__(self) -> None:
@@ -731,8 +737,8 @@ class TestStreams:
 
             def wake(self) -> None:
                 self.inner.wake()
-                if thread.is_current():
-                    time.sleep(0.05)
+                if thread.is_current():  # until the consumer queued its job
+                    queued_next.wait(WAIT)
 
             async def wait(self) -> None:
                 await self.inner.wait()
@@ -744,7 +750,9 @@ class TestStreams:
             async for _ in stream:
                 scope.cancel()  # the next wait for an item is cancelled
         await stream.aclose()  # returns at once after a cancelled read
-        open_then = await thread.run(lambda: thread.statistics().open_streams)
+        probe = thread.submit(lambda: thread.statistics().open_streams)
+        queued_next.set()
+        open_then = await anyio.to_thread.run_sync(probe.result, WAIT)
         assert open_then == 0
         assert log[-1] == f"gen:closed on {thread.ident}"
 
@@ -768,7 +776,7 @@ class TestStreams:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(close)
-            await anyio.sleep(0.01)
+            await anyio.wait_all_tasks_blocked()  # closing, the thread still held
             gate.set()
         assert closing.is_set()
         assert created == []
@@ -795,8 +803,11 @@ class TestStreams:
         finished: list[str] = []
 
         async def consume(name: str, count: int) -> None:
+            # A checkpoint an item, as test_thread_safety's: a ready item is
+            # taken without one, and a consumer that never waits would keep
+            # the other from reading (the subject is the thread's order).
             async for _ in thread.iterate(numbers, count, log, name):
-                pass
+                await anyio.lowlevel.checkpoint()
             finished.append(name)
 
         async with anyio.create_task_group() as tg:
@@ -934,7 +945,7 @@ class TestReadAhead:
 
         def held() -> Iterator[int]:
             yield 1
-            release.wait(WAIT)
+            release.wait(3 * WAIT)  # longer than the consumer waits below
             yield 2
 
         stream = thread.iterate(held)
@@ -1110,7 +1121,8 @@ class TestShutdown:
         async with anyio.create_task_group() as tg:
             for _ in range(3):
                 tg.start_soon(caller)
-            await anyio.sleep(0.01)
+            await anyio.wait_all_tasks_blocked()
+            assert t.statistics().pending == 3  # all three wait on the thread
             t.shutdown(wait=False, cancel_futures=True)
             gate.set()
         await t.aclose()
@@ -1223,13 +1235,26 @@ class TestBroken:
 
     @pytest.mark.anyio
     async def test_awaiting_callers_get_broken_error(self) -> None:
+        go = threading.Event()
+
         def fail() -> None:
-            time.sleep(0.05)
+            go.wait(WAIT)  # until the caller waits for its job
             raise OSError("late failure")
 
         t = MLXThread(initializer=fail)
-        with pytest.raises(MLXThreadBrokenError):
-            await t.run(ident)
+        errors: list[BaseException] = []
+
+        async def caller() -> None:
+            with pytest.raises(MLXThreadBrokenError) as info:
+                await t.run(ident)
+            errors.append(info.value)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(caller)
+            await anyio.wait_all_tasks_blocked()
+            assert t.statistics().pending == 1
+            go.set()
+        assert len(errors) == 1
         t.shutdown()
 
     def test_each_job_left_behind_gets_its_own_error(self) -> None:

@@ -119,6 +119,7 @@ async def drive(
     hold: anyio.Event | None = None,
     started: anyio.Event | None = None,
     stall_start: bool = False,
+    stalled: anyio.Event | None = None,
     path: str = "/v1/chat/completions",
 ) -> tuple[int, list[bytes]]:
     """Call the ASGI app directly, as a server would; the client leaves after
@@ -126,13 +127,13 @@ async def drive(
     first body chunk it stops reading until ``hold`` is set. ``started`` is set
     once the first body chunk was sent. With ``stall_start`` the first status
     line's send never returns (a client that reads nothing pauses the
-    server's writes) and is not recorded."""
+    server's writes) and is not recorded; ``stalled`` is set once it waits."""
     raw = json.dumps(body).encode()
     sent: list[bytes] = []
     status = 0
     leave = leave or anyio.Event()
     delivered = False
-    stalled = not stall_start
+    stalling = not stall_start
 
     async def receive() -> dict[str, Any]:
         nonlocal delivered
@@ -143,10 +144,12 @@ async def drive(
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
-        nonlocal status, stalled
+        nonlocal status, stalling
         if message["type"] == "http.response.start":
-            if not stalled:
-                stalled = True
+            if not stalling:
+                stalling = True
+                if stalled is not None:
+                    stalled.set()
                 await anyio.sleep_forever()
             status = message["status"]
         elif message["type"] == "http.response.body":
@@ -175,20 +178,27 @@ T = TypeVar("T")
 
 class AtOnce:
     """Counts how many threads run a wrapped function at once, at most
-    (``most``); each call is made ``seconds`` slower so that calls overlap."""
+    (``most``); each call is made ``seconds`` slower so that calls overlap.
+    With ``meet``, the first calls wait (a bounded wait) until ``meet`` of
+    them run at once: the overlap a bound allows happens whatever the load."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, meet: int = 0) -> None:
         self.seconds = seconds
         self.most = 0
         self._running = 0
         self._lock = threading.Lock()
+        self._met = threading.Event()
+        self._meet = meet
 
     def wrap(self, fn: Callable[..., T]) -> Callable[..., T]:
         def counted(*args: Any, **kwargs: Any) -> T:
             with self._lock:
                 self._running += 1
                 self.most = max(self.most, self._running)
+                if self._running >= self._meet:
+                    self._met.set()
             try:
+                self._met.wait(60)
                 time.sleep(self.seconds)
                 return fn(*args, **kwargs)
             finally:

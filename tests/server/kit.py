@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from collections.abc import (
     Iterator,
     Sequence,
 )
+from concurrent.futures import Future
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -45,7 +47,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
 from mlx_pinned import MLXThread
-from mlx_pinned.server.engine import BatchEngine, LoadedModel
+from mlx_pinned.server.engine import BatchEngine, LoadedModel, driver
+from mlx_pinned.server.engine.loop import BatchLoop
 from mlx_pinned.server.events import (
     FinalEvent,
     GenerationParams,
@@ -53,6 +56,7 @@ from mlx_pinned.server.events import (
     TokenEvent,
 )
 from mlx_pinned.server.formats import REASONING_FORMATS, TOOL_CALL_FORMATS
+from mlx_pinned.server.http import door
 from mlx_pinned.server.http.served_models import BatchGate
 from mlx_pinned.testing import make_test_image
 
@@ -60,6 +64,8 @@ from .inline import generate_inline
 from .reference import reference_stream
 
 TOL = 1e-5
+# A bound for what must happen soon: running out of it means a hang.
+WAIT = 30.0
 
 Event = TokenEvent | FinalEvent
 Request = tuple[GenerationParams, list[Image.Image]]
@@ -216,16 +222,87 @@ async def deadline(seconds: float = 60) -> AsyncIterator[anyio.abc.TaskGroup]:
             yield group
 
 
+@asynccontextmanager
+async def mlx_thread_held(thread: MLXThread) -> AsyncIterator[None]:
+    """The MLX thread runs nothing else during the block (a job holds it):
+    no batch steps, so what a test reads meanwhile stays put."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(WAIT)
+
+    held = thread.submit(hold)
+    try:
+        assert await anyio.to_thread.run_sync(entered.wait, WAIT)
+        yield
+    finally:
+        release.set()
+        await anyio.to_thread.run_sync(held.result, WAIT)
+
+
+def hold_until(thread: MLXThread, condition: Callable[[], bool]) -> Future[None]:
+    """Hold the MLX thread with a job until ``condition()`` (polled there)
+    holds, so that the work queued meanwhile runs together after it."""
+
+    def hold() -> None:
+        deadline = time.monotonic() + WAIT
+        while not condition():
+            assert time.monotonic() < deadline, "the condition never held"
+            time.sleep(0.002)
+
+    return thread.submit(hold)
+
+
+class Deadlines:
+    """Request deadlines that pass when the test says, not by the clock.
+
+    Serve with ``request_timeout=FAR``; :meth:`expire` makes the deadline
+    of every request begun so far pass now (each request's deadline is a
+    cancel scope of its door, recorded as it is made).
+    """
+
+    FAR = 3600.0
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        # Each scope, and how far off its deadline was when it was made.
+        self.scopes: list[tuple[anyio.CancelScope, float]] = []
+        monkeypatch.setattr(door, "anyio", _RecordingDeadlines(self.scopes))
+
+    def expire(self) -> None:
+        for scope, left in self.scopes:
+            assert self.FAR - WAIT < left <= self.FAR  # request_timeout's
+            scope.deadline = -math.inf
+
+
+class _RecordingDeadlines:
+    """``anyio`` as the door module sees it, its deadline scopes kept."""
+
+    def __init__(self, scopes: list[tuple[anyio.CancelScope, float]]) -> None:
+        self._scopes = scopes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(anyio, name)
+
+    def CancelScope(self, **kwargs: Any) -> anyio.CancelScope:
+        scope = anyio.CancelScope(**kwargs)
+        if "deadline" in kwargs:
+            self._scopes.append((scope, kwargs["deadline"] - anyio.current_time()))
+        return scope
+
+
 class SlowModel:
     """Stands in for the engine's generation: one token per ``step`` seconds
     on the MLX thread, until ``max_tokens`` or :attr:`release` is set.
-    Records where each generator started and where it was closed."""
+    Records where each generator started and where it was closed, and
+    the tokens made (all generations together)."""
 
     def __init__(self, step: float) -> None:
         self.step = step
         self.release = threading.Event()
         self.started: list[int] = []
         self.closed: list[int] = []
+        self.made = 0
 
     def __call__(
         self, loaded: LoadedModel, params: GenerationParams, images: Any
@@ -236,6 +313,7 @@ class SlowModel:
             while n < params.max_tokens and not self.release.is_set():
                 time.sleep(self.step)
                 n += 1
+                self.made += 1
                 yield TokenEvent("x")
             yield FinalEvent("", "length", 1, n)
         finally:
@@ -284,42 +362,48 @@ class Served:
 
 @dataclass
 class Beside:
-    """When a chat stream's chunks arrived, and when a request sent beside
-    it (once the stream had begun) was sent and answered."""
+    """What the MLX thread ran while a chat stream and a request of another
+    model shared it: at each turn of the chat model's loop, how many steps
+    the other model had run (``counters().decode_steps``: an encoder's
+    passes, a speech model's pieces, a transcription's windows)."""
 
-    arrivals: list[float]
-    start: float
-    end: float
-
-    @property
-    def during(self) -> list[float]:
-        """The chunks that arrived while the request ran."""
-        return [at for at in self.arrivals if self.start <= at <= self.end]
+    seen: list[int]
+    first: int  # the other model's steps when the request was sent
+    last: int  # and once it was answered
 
     @property
-    def gaps(self) -> Any:
-        """The times between those chunks (from the request's start)."""
-        import numpy as np
-
-        return np.diff([self.start, *self.during])
-
-    @property
-    def took(self) -> float:
-        return self.end - self.start
+    def stalls(self) -> list[int]:
+        """The other model's step counts that no chat turn saw: where two
+        of its steps ran back to back, the chat waiting."""
+        return sorted(set(range(self.first, self.last + 1)) - set(self.seen))
 
 
 async def chat_beside(
+    app: Starlette,
     client: httpx.AsyncClient,
     send: Callable[[httpx.AsyncClient], Awaitable[httpx.Response]],
+    monkeypatch: pytest.MonkeyPatch,
     *,
     max_tokens: int,
     leave_early: bool = False,
 ) -> Beside:
     """Stream a chat answer of model ``chat`` and, once its first chunk is
-    in, ``send`` a request beside it (which must be answered 200);
-    ``leave_early``: the stream is left once that request is answered."""
-    arrivals: list[float] = []
-    window: list[float] = []
+    in, ``send`` a request of the app's other model beside it (which must be
+    answered 200); ``leave_early``: the stream is left once that request is
+    answered. The chat's loop reads ahead without bound here, so it never
+    waits for its reader (however slow the event loop): what is left is the
+    order in which the MLX thread takes the two models' work."""
+    (other,) = (model for model in app.state.models if model.name != "chat")
+    seen: list[int] = []
+    turn = BatchLoop.turn
+
+    def watched(loop: BatchLoop) -> Any:
+        seen.append(other.engine().counters().decode_steps)
+        return turn(loop)
+
+    monkeypatch.setattr(BatchLoop, "turn", watched)
+    monkeypatch.setattr(driver, "READ_AHEAD", 1 << 30)
+    counts: list[int] = []
     started = anyio.Event()
 
     async def chat() -> None:
@@ -331,22 +415,21 @@ async def chat_beside(
         }
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             async for _ in response.aiter_lines():
-                arrivals.append(time.monotonic())
                 started.set()
-                if leave_early and window[1:]:
+                if leave_early and counts[1:]:
                     break
 
     async def beside() -> None:
         await started.wait()
-        window.append(time.monotonic())
+        counts.append(other.engine().counters().decode_steps)
         answer = await send(client)
-        window.append(time.monotonic())
+        counts.append(other.engine().counters().decode_steps)
         assert answer.status_code == 200, answer.text
 
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(chat)
         tasks.start_soon(beside)
-    return Beside(arrivals, window[0], window[1])
+    return Beside(seen, counts[0], counts[1])
 
 
 def serving_kind(

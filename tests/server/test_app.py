@@ -8,8 +8,8 @@ import logging
 import os
 import re
 import threading
-import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import anyio
@@ -18,7 +18,9 @@ import pytest
 
 from mlx_pinned import _waiters
 from mlx_pinned.server import ImageLimits
-from mlx_pinned.server.engine import LoadedModel, prefill
+from mlx_pinned.server.engine import LoadedModel, driver, prefill
+from mlx_pinned.server.engine.driver import RowOutput
+from mlx_pinned.server.engine.loop import BatchLoop
 from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
 from mlx_pinned.testing import image_data_uri
 
@@ -32,7 +34,16 @@ from .conftest import (
     until,
     vision_body,
 )
-from .kit import Serve, Served, content_of, logprobs, post_scope
+from .kit import (
+    WAIT,
+    Serve,
+    Served,
+    content_of,
+    hold_until,
+    logprobs,
+    mlx_thread_held,
+    post_scope,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -70,6 +81,69 @@ class Chunks:
         self.messages.append(message)
 
 
+class Lockstep:
+    """The batch's loop steps again only once its reader took what the last
+    step handed out, or left (the MLX thread waits for the event loop), so
+    tokens reach the reader one at a time however loaded the machine is;
+    past ``tokens`` tokens (None: never) the loop runs freely again."""
+
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, tokens: int | None = None
+    ) -> None:
+        self.taken = threading.Semaphore(0)
+        self.owed = False  # a step handed out a token not yet taken
+        self.steps_after_a_token = 0
+        self.waited_out = False
+        turn, take = BatchLoop.turn, RowOutput.take
+
+        def stepping(loop: BatchLoop) -> Any:
+            stepped = tokens is None or self.steps_after_a_token <= tokens
+            if self.owed and stepped and not self.waited_out:
+                self.waited_out = not self.taken.acquire(timeout=WAIT)
+            self.owed = False
+            outputs = turn(loop)
+            items = (item for _, given, _ in outputs for item in given)
+            self.owed = any(isinstance(item, TokenEvent) for item in items)
+            self.steps_after_a_token += self.owed
+            return outputs
+
+        async def taking(output: RowOutput, n: int, least: int | None = None) -> Any:
+            events = await take(output, n, least)
+            if events:
+                self.taken.release()
+            return events
+
+        leave = BatchLoop.leave
+
+        def leaving(loop: BatchLoop, request: Any) -> None:
+            leave(loop, request)
+            self.taken.release()
+
+        monkeypatch.setattr(BatchLoop, "turn", stepping)
+        monkeypatch.setattr(RowOutput, "take", taking)
+        monkeypatch.setattr(BatchLoop, "leave", leaving)
+
+
+class Interval:
+    """The stream writer's wait for its interval, ended by the test
+    (:meth:`over`) instead of by the clock; records the waits asked for."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.asked: list[float] = []
+        self._over = anyio.Event()
+        monkeypatch.setattr(driver, "anyio", self)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(anyio, name)
+
+    async def sleep(self, seconds: float) -> None:
+        self.asked.append(seconds)
+        await self._over.wait()
+
+    def over(self) -> None:
+        self._over.set()
+
+
 class TestRoutes:
     async def test_health(self, serve: Serve) -> None:
         async with serve() as served:
@@ -79,21 +153,26 @@ class TestRoutes:
             served.thread.shutdown()
             assert_error(await served.client.get("/health"), 503)
 
-    @pytest.mark.slow
     async def test_health_tells_each_models_rows_and_kv(self, serve: Serve) -> None:
         async with serve() as served:
             idle = (await served.client.get("/health")).json()["models"]
             nothing = {"rows": 0, "kv_bytes": 0, "kv_bytes_per_token": 0}
             assert idle == {MODEL: {"loaded": True, **nothing}}
-            seen: list[dict[str, int]] = []
-            async with anyio.create_task_group() as group:
-                group.start_soon(served.chat, vision_body(300))
-                with anyio.fail_after(30):
-                    while not seen or not seen[-1]["rows"]:
-                        await anyio.sleep(0.005)
+            started, leave = anyio.Event(), anyio.Event()
+            body = vision_body(4000, stream=True)
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as group:
+                    group.start_soon(
+                        partial(drive, started=started, leave=leave), served.app, body
+                    )
+                    await started.wait()  # its row decodes
+                    async with mlx_thread_held(served.thread):  # and stays
                         health = await served.client.get("/health")
-                        seen.append(health.json()["models"][MODEL])
-            assert seen[-1]["kv_bytes"] > 0
+                    leave.set()
+        seen = health.json()["models"][MODEL]
+        assert seen["rows"] == 1
+        assert seen["kv_bytes"] > 0
+        assert seen["kv_bytes_per_token"] > 0
 
     async def test_models(self, serve: Serve) -> None:
         async with serve() as served:
@@ -251,20 +330,49 @@ class TestCompletion:
             wake(self)
 
         monkeypatch.setattr(_waiters.LoopWaiter, "wake", counting)
+        asked = threading.Event()
+        whole = BatchLoop.whole
+
+        def asking(self: BatchLoop, request: Any) -> None:
+            whole(self, request)
+            asked.set()
+
+        monkeypatch.setattr(BatchLoop, "whole", asking)
         config = {"max_num_seqs": max_num_seqs, "stream_write_interval": 0}
         async with serve(**config) as served:
             await served.chat(vision_body(2))  # warm: the batch engine is made
+            asked.clear()
+            # The loop's first turn waits until the answer is asked for
+            # whole: else its first token may go out alone, as it would for
+            # any reader that had not said yet.
+            held = hold_until(served.thread, asked.is_set)
             wakes.clear()
             response = await served.chat(vision_body(24))
+            held.result(0)
             assert response.json()["usage"]["completion_tokens"] == 24
-            whole = len(wakes)
-            wakes.clear()
-            streamed = await served.chat(vision_body(24, stream=True))
-            # The role, the tokens (joined where they came together), the
-            # finish and [DONE].
-            assert 4 <= len(sse_events(streamed.text)) <= 24 + 3
-        assert whole <= 2, wakes
-        assert len(wakes) >= 12  # a stream is sent as the tokens come
+        assert len(wakes) <= 2, wakes
+
+    @pytest.mark.parametrize("max_num_seqs", [1, 4])
+    async def test_a_stream_is_written_as_its_tokens_come(
+        self, serve: Serve, max_num_seqs: int, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # The loop steps again only once the reader took the last token, so
+        # each token is read (and written) before the next is made: a writer
+        # that held tokens back would leave the loop waiting.
+        lockstep = Lockstep(monkeypatch)
+        config = {"max_num_seqs": max_num_seqs, "stream_write_interval": 0}
+        async with serve(**config) as served:
+            # Log-probabilities make every token an event, empty text or not.
+            body = vision_body(24, stream=True, logprobs=True)
+            with anyio.fail_after(60):
+                status, sent = await drive(served.app, body)
+        assert status == 200
+        assert not lockstep.waited_out, "a token was not read before the next step"
+        assert lockstep.steps_after_a_token == 24
+        # A write a token (the first with the role chunk), then the tail.
+        assert len(sent) == 24 + 1
+        assert all(len(sse_events(m.decode())) == 1 for m in sent[1:-1])
+        assert sse_events(sent[-1].decode())[-1] == "[DONE]"
 
     @pytest.mark.parametrize("stream", [False, True])
     async def test_log_line(
@@ -361,19 +469,42 @@ class TestStreaming:
         chunks = [c for m in sent for c in sse_events(m.decode())]
         assert content_of(chunks) == plain["choices"][0]["message"]["content"]
 
-    @pytest.mark.slow
-    async def test_stream_write_interval(self, serve: Serve) -> None:
+    async def test_stream_write_interval(
+        self, serve: Serve, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         # Tokens that come within the interval go out together: the first
-        # write at once, the rest once the interval is over.
+        # write at once, the rest once the interval is over. The first token
+        # is read alone, and the interval ends once the whole answer is in.
+        Lockstep(monkeypatch, tokens=1)
+        interval = Interval(monkeypatch)
+        routed: list[bool] = []  # the answer's end reached its reader's output
+        put = RowOutput.put
+
+        def routing(output: RowOutput, items: Any, *, gone: bool) -> None:
+            put(output, items, gone=gone)
+            routed.append(any(isinstance(item, FinalEvent) for item in items))
+
+        monkeypatch.setattr(RowOutput, "put", routing)
         async with serve(stream_write_interval=1.0) as served:
             body = vision_body(12, stream=True, stream_options={"include_usage": True})
-            start = time.perf_counter()
-            with anyio.fail_after(20):
-                status, sent = await drive(served.app, body)
-            elapsed = time.perf_counter() - start
+            started = anyio.Event()
+            answers: list[tuple[int, list[bytes]]] = []
+
+            async def stream() -> None:
+                answers.append(await drive(served.app, body, started=started))
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as group:
+                    group.start_soon(stream)
+                    await started.wait()
+                    await until(lambda: any(routed))
+                    interval.over()
             plain = (await served.chat(vision_body(12))).json()
+        ((status, sent),) = answers
         assert status == 200
-        assert elapsed >= 1.0
+        # Each wait is what was left of the interval since the last write.
+        assert interval.asked
+        assert all(0 < wait <= 1.0 for wait in interval.asked)
         # The role chunk and the first token; the other tokens, one chunk of
         # their joined text; finish, usage and [DONE].
         assert len(sent) == 3
@@ -692,9 +823,15 @@ class TestSerialisation:
 
 class TestDisconnect:
     async def test_disconnect_mid_stream_closes_the_generator(
-        self, serve: Serve, caplog: pytest.LogCaptureFixture
+        self,
+        serve: Serve,
+        caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         caplog.set_level(logging.INFO, "mlx_pinned.server")
+        # A token at a time: the writer always waits for the next one, and
+        # its client's leaving reaches it there, whatever the load.
+        Lockstep(monkeypatch)
         async with serve() as served:
             before = served.thread.statistics()
             body = vision_body(2000, stream=True)
@@ -702,7 +839,7 @@ class TestDisconnect:
                 status, sent = await drive(served.app, body, disconnect_after=3)
             after = served.thread.statistics()
             assert status == 200
-            assert len(sent) <= 6  # stopped within a token or two of leaving
+            assert len(sent) <= 4  # stopped within a token of leaving
             # The request ends once the loop took its row out: the loop had
             # no other row, so its stream ended too, as a finished one.
             assert after.open_streams == 0
@@ -722,9 +859,11 @@ class TestDisconnect:
             before = served.thread.statistics()
             leave = anyio.Event()
 
+            made = served.engine.statistics().decoded_tokens
+
             async def leave_once_generating() -> None:
-                await until(lambda: served.thread.statistics().open_streams == 1)
-                await anyio.sleep(0.05)  # some tokens in
+                # Some tokens in: the answer is waited for, not yet whole.
+                await until(lambda: served.engine.statistics().decoded_tokens > made)
                 leave.set()
 
             with anyio.fail_after(20):

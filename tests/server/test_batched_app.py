@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import pytest
+
+from mlx_pinned.server.http.served_models import BatchGate
 
 from .conftest import drive, vision_body
 from .kit import Serve, logprobs
@@ -55,28 +59,32 @@ class TestBatchedApp:
         assert stats.failed == 0
         assert stats.open_streams == 0
 
-    async def test_max_num_seqs_bounds_the_batch(self, serve: Serve) -> None:
-        async with serve(max_num_seqs=2) as served:
-            gate = served.app.state.gate
-            most = 0
-            done = anyio.Event()
+    async def test_max_num_seqs_bounds_the_batch(
+        self, serve: Serve, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Counted as each request enters, not sampled.
+        held: list[int] = []
+        turn = BatchGate.turn
 
-            async def watch() -> None:
-                nonlocal most
-                while not done.is_set():
-                    most = max(most, gate.active)
-                    await anyio.sleep(0.001)
+        @asynccontextmanager
+        async def counted(gate: BatchGate, priority: int = 0) -> AsyncIterator[None]:
+            async with turn(gate, priority):
+                held.append(gate.active)
+                yield
+
+        monkeypatch.setattr(BatchGate, "turn", counted)
+        async with serve(max_num_seqs=2) as served:
 
             async def one(index: int) -> None:
                 assert (await served.chat(body(index, 8))).status_code == 200
 
-            async with anyio.create_task_group() as outer:
-                outer.start_soon(watch)
-                async with anyio.create_task_group() as tg:
-                    for index in range(6):
-                        tg.start_soon(one, index)
-                done.set()
-        assert most == 2
+            async with anyio.create_task_group() as tg:
+                for index in range(6):
+                    tg.start_soon(one, index)
+            peak = served.engine.statistics().peak_active
+        assert len(held) == 6
+        assert max(held) == 2
+        assert peak == 2
 
     async def test_a_waiting_room_smaller_than_the_batch_refuses_nobody(
         self, serve: Serve

@@ -40,6 +40,7 @@ from mlx_pinned.server.failures import OverloadedError, PromptTooLongError
 from mlx_pinned.server.http.served_models import BatchGate
 from mlx_pinned.testing import tiny_vlm_path
 
+from .conftest import until
 from .kit import (
     PROMPTS,
     TOL,
@@ -347,9 +348,8 @@ class TestLeaving:
             group.start_soon(b.run)
             await b.two_tokens.wait()
             group.start_soon(c.run)
-            await anyio.sleep(0.02)
+            await until(lambda: gate.waiting == 1)
             assert not c.started.is_set()  # two active: c waits its turn
-            assert gate.waiting == 1
             assert batch.statistics().active == 2
             leave.set()
             await a.done.wait()
@@ -533,21 +533,24 @@ class TestGate:
     async def test_cancelled_waiter_gives_up_its_place(self) -> None:
         gate = BatchGate(max_num_seqs=1, max_pending=4)
         order: list[str] = []
-        entered = anyio.Event()
+        entered, release = anyio.Event(), anyio.Event()
 
-        async def hold(name: str, seconds: float) -> None:
+        async def hold(name: str) -> None:
             async with gate.turn():
                 order.append(name)
                 entered.set()
-                await anyio.sleep(seconds)
+                await release.wait()
 
         async with deadline(10) as group:
-            group.start_soon(hold, "first", 0.05)
+            group.start_soon(hold, "first")
             await entered.wait()
-            with anyio.move_on_after(0.01):
-                await hold("cancelled", 0)
+            async with anyio.create_task_group() as waiting:
+                waiting.start_soon(hold, "cancelled")
+                await until(lambda: gate.waiting == 1)
+                waiting.cancel_scope.cancel()
             assert gate.waiting == 0
-            group.start_soon(hold, "second", 0)
+            group.start_soon(hold, "second")
+            release.set()
         assert order == ["first", "second"]
 
     async def test_a_slot_being_handed_over_refuses_nobody(self) -> None:

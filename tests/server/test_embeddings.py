@@ -464,7 +464,7 @@ def test_the_sdk_embeds_through_a_served_config_file(
 
 @pytest.mark.slow
 async def test_a_large_request_never_stalls_a_chat_stream_for_long(
-    tiny_model_path: Path,
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     budget = 0.05  # the embedding model's prefill_step_seconds: a pass's time
     texts = [f"{TEXTS[i % 4]} {i}" for i in range(1500)]
@@ -477,28 +477,21 @@ async def test_a_large_request_never_stalls_a_chat_stream_for_long(
         ),
         stream_write_interval=0.0,
     )
-    # Under uvicorn: httpx's in-process transport hands over a streamed
-    # body only once it is whole.
     with run_uvicorn(app) as url:
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             beside = await chat_beside(
+                app,
                 client,
                 lambda c: c.post(
                     "/v1/embeddings", json={"model": MODEL, "input": texts}
                 ),
+                monkeypatch,
                 max_tokens=600,
             )
-        engine = app.state.models.get(MODEL).engine()
-        assert isinstance(engine, EmbeddingEngine)
-        passes = engine.loop.passes
-    during, gaps, took = beside.during, beside.gaps, beside.took
-    assert passes > 10
-    assert len(during) > passes // 4, "the chat stream waited for the whole request"
-    # A pass takes about the budget and a step of the chat model runs
-    # between passes, so its tokens are a pass or two apart; a busy machine
-    # (a collection, another process) may stretch one gap, never most.
-    assert np.percentile(gaps, 95) < 4 * budget, np.percentile(gaps, 95)
-    assert gaps.max() < took / 5, (gaps.max(), took)
+    # The request takes many passes, and a step of the chat model runs
+    # between each two of them: the stream never waits for the whole request.
+    assert beside.last - beside.first > 10
+    assert beside.stalls == []
 
 
 def test_an_unknown_kind_is_refused_by_name() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -10,8 +11,8 @@ import pytest
 
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
 
-from .conftest import MODEL, assert_error, vision_body
-from .kit import Serve
+from .conftest import MODEL, assert_error, drive, vision_body
+from .kit import Serve, mlx_thread_held
 from .replicas import replica
 
 pytestmark = pytest.mark.anyio
@@ -88,12 +89,24 @@ class TestLiveness:
             assert 'mlx_pinned_requests_total{route="/livez",status="200"} 1.0' in text
 
 
-@pytest.mark.slow
 async def test_batch_usage_ratio_is_rows_in_use_over_max_num_seqs(
     serve: Serve,
 ) -> None:
     gauge = f'mlx_pinned_batch_usage_ratio{{model="{MODEL}"}}'
     async with serve(max_num_seqs=4) as served:
+        assert f"{gauge} 0.0" in (await served.client.get("/metrics")).text
+        started, leave = anyio.Event(), anyio.Event()
+        body = vision_body(4000, stream=True)
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as group:
+                group.start_soon(
+                    partial(drive, started=started, leave=leave), served.app, body
+                )
+                await started.wait()  # its row decodes
+                async with mlx_thread_held(served.thread):  # and stays
+                    during = (await served.client.get("/metrics")).text
+                leave.set()
+        assert f"{gauge} 0.25" in during
         assert f"{gauge} 0.0" in (await served.client.get("/metrics")).text
         seen = []
         async with anyio.create_task_group() as group:

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_pinned.server import ServerConfig, create_app
 from mlx_pinned.server.engine import BatchEngine
+from mlx_pinned.server.engine.loop import BatchLoop
 from mlx_pinned.testing import make_tiny_vlm
 
 from .conftest import assert_error, replace_generation, sse_events, until, vision_body
@@ -209,7 +210,11 @@ class TestRouting:
 class TestConcurrency:
     @pytest.mark.slow
     async def test_both_batches_run_at_once_and_match_their_solo_runs(
-        self, serve_models: ServeModels, tiny_model_path: Path, other_model_path: Path
+        self,
+        serve_models: ServeModels,
+        tiny_model_path: Path,
+        other_model_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         lengths = [24, 14, 20, 10]
         bodies = {
@@ -220,7 +225,15 @@ class TestConcurrency:
             "second": await alone(serve_models, other_model_path, bodies["second"]),
         }
         together: dict[tuple[str, int], list[float]] = {}
-        both_batched = False
+        # Each model's rows, read on the MLX thread at every turn of a loop.
+        rows: list[list[int]] = []
+        turn = BatchLoop.turn
+
+        def watched(loop: BatchLoop) -> Any:
+            rows.append([e.statistics().active for e in engines])
+            return turn(loop)
+
+        monkeypatch.setattr(BatchLoop, "turn", watched)
         async with serve_models(max_num_seqs=4) as served:
             engines = [served.engine(name) for name in NAMES]
 
@@ -228,22 +241,12 @@ class TestConcurrency:
                 response = await served.chat(bodies[name][index])
                 together[name, index] = logprobs(response)
 
-            async def watch(done: anyio.Event) -> None:
-                nonlocal both_batched
-                while not done.is_set():
-                    rows = [e.statistics().active for e in engines]
-                    both_batched = both_batched or min(rows) >= 2
-                    await anyio.sleep(0.001)
-
-            done = anyio.Event()
-            async with anyio.create_task_group() as outer:
-                outer.start_soon(watch, done)
-                async with anyio.create_task_group() as group:
-                    for name in NAMES:
-                        for index in range(len(lengths)):
-                            group.start_soon(one, name, index)
-                done.set()
+            async with anyio.create_task_group() as group:
+                for name in NAMES:
+                    for index in range(len(lengths)):
+                        group.start_soon(one, name, index)
             stats = served.app.state.mlx_thread.statistics()
+        both_batched = any(min(at) >= 2 for at in rows)
         for name in NAMES:
             for index, expected in enumerate(solo[name]):
                 assert worst(together[name, index], expected) <= TOLERANCE

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import pytest
 
 from mlx_pinned import MLXThread
@@ -15,6 +18,7 @@ from mlx_pinned.server.http.served_models import BatchGate
 from .kit import (
     PROMPTS,
     TOL,
+    WAIT,
     Collector,
     deadline,
     drive_rows,
@@ -117,6 +121,23 @@ async def passes_with(
     )
     gate = BatchGate(max_num_seqs=2, max_pending=0)
     runs = [Collector(thread, batch, gate, req) for req in (running, long)]
+    # Two tokens in, the loop steps no further until the long prompt is
+    # submitted: it arrives then, however slow the event loop is.
+    submitted = threading.Event()
+    turn, submit = batch.loop.turn, batch.loop.submit
+
+    def turning() -> Any:
+        if batch.statistics().decoded_tokens >= 2:
+            submitted.wait(WAIT)
+        return turn()
+
+    def submitting(request: Any) -> None:
+        submit(request)
+        if runs[1].started.is_set():
+            submitted.set()
+
+    batch.loop.turn = turning  # type: ignore[method-assign]
+    batch.loop.submit = submitting  # type: ignore[method-assign]
     async with deadline() as group:
         group.start_soon(runs[0].run)
         await runs[0].two_tokens.wait()

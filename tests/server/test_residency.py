@@ -279,8 +279,11 @@ class TestFirstUse:
         loads.hold.clear()
         async with serve() as served:
             slot = served.slot("a")
-            with anyio.move_on_after(0.2):
-                await served.chat("a")
+            with anyio.fail_after(WAIT):
+                async with anyio.create_task_group() as group:
+                    group.start_soon(served.chat, "a")
+                    await until(lambda: loads.calls == 1)  # it loads, held
+                    group.cancel_scope.cancel()  # the client leaves
             assert slot.holders == 0  # it left while the load went on
             assert slot.state is SlotState.LOADING
             loads.hold.set()

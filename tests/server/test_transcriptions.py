@@ -337,7 +337,7 @@ async def test_bad_forms_are_400s_that_name_the_field(
 # unclosed socket (the subject here is the MLX thread, not the loop).
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_long_transcription_never_stalls_a_chat_stream_for_long(
-    tiny_model_path: Path, whisper_path: Path
+    tiny_model_path: Path, whisper_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app = create_app(
         [tiny_model_path, whisper_path],
@@ -355,21 +355,22 @@ async def test_a_long_transcription_never_stalls_a_chat_stream_for_long(
                 files={"file": ("a.wav", wav(0.5))},
             )
             beside = await chat_beside(
+                app,
                 client,
                 lambda c: c.post(
                     "/v1/audio/transcriptions",
                     data=form,
                     files={"file": ("long.wav", audio)},
                 ),
+                monkeypatch,
                 max_tokens=4000,
                 leave_early=True,
             )
     assert_error(wrong, 400, "model", "wrong_model_kind")
-    during, gaps, took = beside.during, beside.gaps, beside.took
     # Ten windows, a job of the MLX thread each: the chat's steps run
-    # between them, so no gap is more than about a window's decode.
-    assert len(during) > 20, "the chat stream waited for the whole file"
-    assert gaps.max() < took / 4, (gaps.max(), took)
+    # between them, so the stream never waits for the whole file.
+    assert beside.last - beside.first >= 10
+    assert beside.stalls == []
 
 
 async def test_parakeet_transcribes_as_mlx_audio_does(
