@@ -31,6 +31,7 @@ __all__ = [
     "Event",
     "EventSource",
     "EventStream",
+    "Facts",
     "FinalEvent",
     "FinishReason",
     "GenerationParams",
@@ -468,9 +469,24 @@ class EngineCounters:
     mlx_memory: tuple[int, int, int] = (0, 0, 0)
 
 
+class Facts(Protocol):
+    """What a loaded model of any kind is: one frozen value its engine
+    builds at load (each kind has its own), read by the doors and the
+    registry."""
+
+    def card(self) -> dict[str, Any]:
+        """Its entries in its ``/v1/models`` card."""
+        ...
+
+
 @runtime_checkable
 class Resident(Protocol):
     """A loaded model of any kind, as the model registry sees it."""
+
+    @property
+    def facts(self) -> Facts:
+        """What the model is."""
+        ...
 
     @property
     def loaded_at(self) -> float:

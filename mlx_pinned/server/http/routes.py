@@ -116,9 +116,8 @@ def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
         "kind": served.kind,
     }
     engine = served.engine()
-    facts = getattr(engine, "facts", None)
-    if facts is not None:
-        card.update(facts.card())
+    if engine is not None:
+        card.update(engine.facts.card())
     return card
 
 

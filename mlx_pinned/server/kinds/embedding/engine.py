@@ -31,7 +31,7 @@ from ...engine.passes import (
     padded,
 )
 from ...failures import ImagesUnsupportedError, PromptError, PromptTooLongError
-from .values import EmbeddingParams, Embeddings, ImageInput
+from .values import EmbeddingFacts, EmbeddingParams, Embeddings, ImageInput
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -269,29 +269,16 @@ class EmbeddingEngine(PassEngine[LoadedEmbedder]):
         loaded = load_embedder(settings.path)
         return cls(loaded, thread, seconds=settings.prefill_step_seconds)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.loaded.vocab_size
-
-    @property
-    def max_input_tokens(self) -> int:
-        return self.loaded.max_input_tokens
-
-    @property
-    def width(self) -> int:
-        return self.loaded.width
-
-    @property
-    def matryoshka_dimensions(self) -> tuple[int, ...] | None:
-        return self.loaded.matryoshka_dimensions
-
-    @property
-    def accepts_images(self) -> bool:
-        return self.loaded.accepts_images
-
-    @property
-    def has_chat_template(self) -> bool:
-        return self.loaded.has_chat_template
+    def __init__(self, loaded: LoadedEmbedder, thread: MLXThread, **passes: Any):
+        super().__init__(loaded, thread, **passes)
+        self.facts = EmbeddingFacts(
+            loaded.vocab_size,
+            loaded.max_input_tokens,
+            loaded.width,
+            loaded.matryoshka_dimensions,
+            loaded.accepts_images,
+            loaded.has_chat_template,
+        )
 
     async def embed(
         self, params: EmbeddingParams, images: Sequence[Image.Image] = ()

@@ -72,7 +72,9 @@ class EmbeddingsEndpoint(
     async def prepare(
         self, request: EmbeddingRequest, engine: EmbeddingEngine
     ) -> Embedding:
-        params, refs = self.serving.prepare(request, engine, self.config.image_limits)
+        params, refs = self.serving.prepare(
+            request, engine.facts, self.config.image_limits
+        )
         return Embedding(params, refs)
 
     async def media(

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ...config import ImageLimits
     from ...media import ImageRef
     from .protocol import EmbeddingRequest
-    from .values import EmbeddingEngine, EmbeddingParams
+    from .values import EmbeddingFacts, EmbeddingParams
 
 __all__ = ["EmbeddingsServing"]
 
@@ -30,7 +30,7 @@ class EmbeddingsServing:
     """Checks embeddings requests against the served model."""
 
     def prepare(
-        self, request: EmbeddingRequest, engine: EmbeddingEngine, limits: ImageLimits
+        self, request: EmbeddingRequest, facts: EmbeddingFacts, limits: ImageLimits
     ) -> tuple[EmbeddingParams, list[ImageRef]]:
         """Check ``request`` against the model; its embedding request and
         its images, in prompt order.
@@ -44,10 +44,10 @@ class EmbeddingsServing:
         """
         params = request.to_embedding_params()
         refs = request.image_refs(limits)
-        if refs and not engine.accepts_images:
+        if refs and not facts.accepts_images:
             message = "this model embeds no images; send text only."
             raise refs[0].error(message, "images_unsupported")
-        if params.messages and not engine.has_chat_template:
+        if params.messages and not facts.has_chat_template:
             raise APIError(
                 400,
                 "Invalid parameter 'messages': this model has no chat template "
@@ -56,8 +56,8 @@ class EmbeddingsServing:
                 code="invalid_value",
             )
         if params.dimensions is not None:
-            check_dimensions(params.dimensions, engine)
-        vocab = engine.vocab_size
+            check_dimensions(params.dimensions, facts)
+        vocab = facts.vocab_size
         for item in params.inputs:
             if isinstance(item, tuple):
                 outside = next((token for token in item if token >= vocab), None)
@@ -66,20 +66,20 @@ class EmbeddingsServing:
         return params, refs
 
 
-def check_dimensions(dimensions: int, engine: EmbeddingEngine) -> None:
+def check_dimensions(dimensions: int, facts: EmbeddingFacts) -> None:
     """Refuse a width the model was not trained to be cut to.
 
     Raises:
         APIError: 400 naming ``dimensions``.
     """
-    trained = engine.matryoshka_dimensions
+    trained = facts.matryoshka_dimensions
     if trained is None:
         why = (
             "this model was not trained Matryoshka-style, so its vectors "
-            f"cannot be cut short; leave it out for its {engine.width} values"
+            f"cannot be cut short; leave it out for its {facts.width} values"
         )
-    elif dimensions > engine.width:
-        why = f"this model's vectors have {engine.width} values"
+    elif dimensions > facts.width:
+        why = f"this model's vectors have {facts.width} values"
     elif trained and dimensions not in trained:
         listed = ", ".join(str(width) for width in trained)
         why = f"this model was trained for {listed}"

@@ -14,7 +14,13 @@ from ...events import Resident
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["EmbeddingEngine", "EmbeddingParams", "Embeddings", "ImageInput"]
+__all__ = [
+    "EmbeddingEngine",
+    "EmbeddingFacts",
+    "EmbeddingParams",
+    "Embeddings",
+    "ImageInput",
+]
 
 
 @dataclass(frozen=True)
@@ -72,40 +78,40 @@ class Embeddings:
     prompt_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class EmbeddingFacts:
+    """What a loaded embedding model is, built by its engine at load.
+
+    Attributes:
+        vocab_size: Valid token ids are below it.
+        max_input_tokens: Tokens of the longest input it embeds (special
+            tokens included).
+        width: Values in each of its vectors.
+        matryoshka_dimensions: The widths it was trained to be cut to (empty:
+            any up to ``width``); None: it was not, and takes no ``dimensions``.
+        accepts_images: Whether it embeds images.
+        has_chat_template: Whether it renders a conversation (``messages``).
+    """
+
+    vocab_size: int
+    max_input_tokens: int
+    width: int
+    matryoshka_dimensions: tuple[int, ...] | None
+    accepts_images: bool
+    has_chat_template: bool
+
+    def card(self) -> dict[str, Any]:
+        modalities = ["text", "image"] if self.accepts_images else ["text"]
+        return {"dimensions": self.width, "input_modalities": modalities}
+
+
 @runtime_checkable
 class EmbeddingEngine(Resident, Protocol):
     """A loaded embedding model as the HTTP side sees it."""
 
     @property
-    def vocab_size(self) -> int:
-        """Valid token ids are below it."""
-        ...
-
-    @property
-    def max_input_tokens(self) -> int:
-        """Tokens of the longest input it embeds (special tokens included)."""
-        ...
-
-    @property
-    def width(self) -> int:
-        """Values in each of its vectors."""
-        ...
-
-    @property
-    def matryoshka_dimensions(self) -> tuple[int, ...] | None:
-        """The widths it was trained to be cut to (empty: any up to
-        :attr:`width`); None: it was not trained so, and takes no
-        ``dimensions``."""
-        ...
-
-    @property
-    def accepts_images(self) -> bool:
-        """Whether it embeds images (in ``messages``)."""
-        ...
-
-    @property
-    def has_chat_template(self) -> bool:
-        """Whether it renders a conversation (``messages``) at all."""
+    def facts(self) -> EmbeddingFacts:
+        """What the model is."""
         ...
 
     async def embed(
@@ -122,7 +128,7 @@ class EmbeddingEngine(Resident, Protocol):
         it drops the inputs not yet embedded.
 
         Raises:
-            PromptTooLongError: An input over :attr:`max_input_tokens`; the
+            PromptTooLongError: An input over its ``max_input_tokens``; the
                 message names it by its index.
             RequestError: An input of no tokens.
         """

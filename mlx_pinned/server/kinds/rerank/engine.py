@@ -31,7 +31,7 @@ from ...engine.passes import (
     padded,
 )
 from ...failures import PromptTooLongError
-from .values import RerankParams, Scores
+from .values import RerankFacts, RerankParams, Scores
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
@@ -167,9 +167,9 @@ class RerankEngine(PassEngine[LoadedReranker]):
         loaded = load_reranker(settings.path)
         return cls(loaded, thread, seconds=settings.prefill_step_seconds)
 
-    @property
-    def max_input_tokens(self) -> int:
-        return self.loaded.max_input_tokens
+    def __init__(self, loaded: LoadedReranker, thread: MLXThread, **passes: Any):
+        super().__init__(loaded, thread, **passes)
+        self.facts = RerankFacts(loaded.max_input_tokens)
 
     async def score(self, params: RerankParams) -> Scores:
         """See :meth:`~..encoders.RerankEngine.score`."""

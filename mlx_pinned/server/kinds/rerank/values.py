@@ -5,11 +5,11 @@ the engine's protocol. Any thread (no MLX, no Starlette)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ...events import Resident
 
-__all__ = ["RerankEngine", "RerankParams", "Scores"]
+__all__ = ["RerankEngine", "RerankFacts", "RerankParams", "Scores"]
 
 
 @dataclass(frozen=True)
@@ -42,13 +42,28 @@ class Scores:
     prompt_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class RerankFacts:
+    """What a loaded rerank model is, built by its engine at load.
+
+    Attributes:
+        max_input_tokens: Tokens of the longest pair it scores (special
+            tokens included); a longer pair is cut at its document's end.
+    """
+
+    max_input_tokens: int
+
+    def card(self) -> dict[str, Any]:
+        return {"max_input_tokens": self.max_input_tokens}
+
+
 @runtime_checkable
 class RerankEngine(Resident, Protocol):
     """A loaded rerank model (a cross-encoder) as the HTTP side sees it."""
 
     @property
-    def max_input_tokens(self) -> int:
-        """Tokens of the longest pair it scores (special tokens included)."""
+    def facts(self) -> RerankFacts:
+        """What the model is."""
         ...
 
     async def score(self, params: RerankParams) -> Scores:

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...engine.passes import Holding, kv_free_counters
-from .values import SpeechChunk, SpeechParams
+from .values import SpeechChunk, SpeechFacts, SpeechParams
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
@@ -201,6 +201,12 @@ class SpeechEngine(Holding[LoadedSpeaker]):
     def __init__(self, loaded: LoadedSpeaker, thread: MLXThread) -> None:
         self.loaded = loaded
         self.thread = thread
+        self.facts = SpeechFacts(
+            loaded.sample_rate,
+            loaded.voices,
+            loaded.takes_instructions,
+            loaded.takes_speed,
+        )
         # The model's own state (its vocoder's) is one generation's.
         self.turns = thread.exclusive(loaded.model)
         self.speaking = 0
@@ -211,22 +217,6 @@ class SpeechEngine(Holding[LoadedSpeaker]):
     def load(cls, settings: ModelSettings, thread: MLXThread) -> SpeechEngine:
         """Load a model and make its engine; runs on ``thread``."""
         return cls(load_speaker(settings.path), thread)
-
-    @property
-    def sample_rate(self) -> int:
-        return self.loaded.sample_rate
-
-    @property
-    def voices(self) -> tuple[str, ...]:
-        return self.loaded.voices
-
-    @property
-    def takes_instructions(self) -> bool:
-        return self.loaded.takes_instructions
-
-    @property
-    def takes_speed(self) -> bool:
-        return self.loaded.takes_speed
 
     def counters(self) -> EngineCounters:
         """Generations speaking as its rows, frames made as its decoded

@@ -59,7 +59,7 @@ class SpeechEndpoint(Door[SpeechRequest, SpeechEngine, SpeechParams, _Chunks]):
     async def prepare(
         self, request: SpeechRequest, engine: SpeechEngine
     ) -> SpeechParams:
-        return self.serving.prepare(request, engine)
+        return self.serving.prepare(request, engine.facts)
 
     @asynccontextmanager
     async def run(self, call: _Call) -> AsyncIterator[_Chunks]:
@@ -69,7 +69,7 @@ class SpeechEndpoint(Door[SpeechRequest, SpeechEngine, SpeechParams, _Chunks]):
     async def send_whole(self, call: _Call, output: _Chunks) -> None:
         """The whole file, once the generation ended."""
         pcm = b"".join([_counted(chunk, call.log).pcm async for chunk in output])
-        fmt, rate = call.request.response_format, call.engine.sample_rate
+        fmt, rate = call.request.response_format, call.engine.facts.sample_rate
         if fmt in ("wav", "pcm"):  # a header at most
             answer = encoded(fmt, pcm, rate)
         else:  # an encoder's work: off the loop, which every stream waits on
@@ -122,7 +122,7 @@ async def _encoded(call: _Call, chunks: _Chunks) -> AsyncGenerator[bytes, None]:
     """The streamed answer's bytes as the pieces come, none empty: Opus is
     encoded in a worker thread, off the loop every stream waits on."""
     log = call.log
-    encoder = StreamEncoder(call.request.response_format, call.engine.sample_rate)
+    encoder = StreamEncoder(call.request.response_format, call.engine.facts.sample_rate)
     run = anyio.to_thread.run_sync if encoder.slow else _inline
     try:
         async for chunk in chunks:

@@ -17,7 +17,7 @@ from .encoding import ENCODED, STREAMED
 
 if TYPE_CHECKING:
     from .protocol import SpeechRequest
-    from .values import SpeechEngine, SpeechParams
+    from .values import SpeechFacts, SpeechParams
 
 __all__ = ["SpeechServing"]
 
@@ -46,7 +46,7 @@ class SpeechServing:
                 "stream_format out for the whole file",
             )
 
-    def prepare(self, request: SpeechRequest, engine: SpeechEngine) -> SpeechParams:
+    def prepare(self, request: SpeechRequest, facts: SpeechFacts) -> SpeechParams:
         """Check ``request`` against the model; its speech request.
 
         Raises:
@@ -55,20 +55,20 @@ class SpeechServing:
                 ``instructions`` (the model takes none).
         """
         voice = request.voice_name.lower()
-        if voice not in engine.voices:
-            listed = ", ".join(engine.voices)
+        if voice not in facts.voices:
+            listed = ", ".join(facts.voices)
             raise _refused(
                 "voice",
                 f"{request.voice_name!r} is not a voice of this model; "
                 f"its voices are {listed}",
             )
-        if request.speed != 1.0 and not engine.takes_speed:
+        if request.speed != 1.0 and not facts.takes_speed:
             raise _refused(
                 "speed",
                 f"{request.speed}; this model speaks at one speed: leave it out "
                 "or send 1.0",
             )
-        if request.instructions and not engine.takes_instructions:
+        if request.instructions and not facts.takes_instructions:
             raise _refused(
                 "instructions",
                 "this model is not steered by instructions; leave them out",

@@ -12,14 +12,14 @@ the real one in (:mod:`mlx_pinned.server.engine.speech`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ...events import Resident
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator
 
-__all__ = ["SpeechChunk", "SpeechEngine", "SpeechParams"]
+__all__ = ["SpeechChunk", "SpeechEngine", "SpeechFacts", "SpeechParams"]
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,12 @@ class SpeechParams:
 
     Attributes:
         text: The text to speak (not empty).
-        voice: One of the engine's :attr:`~SpeechEngine.voices`.
+        voice: One of the engine's its facts' ``voices``.
         instructions: How to speak it (tone, style), for a model that
-            :attr:`~SpeechEngine.takes_instructions`; None: as the voice
+            takes them; None: as the voice
             does.
         speed: How fast, 1.0 the voice's own; other than 1.0 only for a
-            model that :attr:`~SpeechEngine.takes_speed`.
+            model that takes it.
     """
 
     text: str
@@ -48,7 +48,7 @@ class SpeechChunk:
 
     Attributes:
         pcm: Mono 16-bit little-endian samples at the engine's
-            :attr:`~SpeechEngine.sample_rate` (what OpenAI's ``pcm`` format
+            sample rate (what OpenAI's ``pcm`` format
             sends).
         frames: The model's audio frames (its output tokens) this piece was
             made from.
@@ -60,28 +60,33 @@ class SpeechChunk:
     input_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class SpeechFacts:
+    """What a loaded text-to-speech model is, built by its engine at load.
+
+    Attributes:
+        sample_rate: Samples a second of its audio.
+        voices: The voices it speaks with, by name (lower case).
+        takes_instructions: Whether it is steered by ``instructions``.
+        takes_speed: Whether it speaks at a ``speed`` other than 1.0.
+    """
+
+    sample_rate: int
+    voices: tuple[str, ...]
+    takes_instructions: bool
+    takes_speed: bool
+
+    def card(self) -> dict[str, Any]:
+        return {"voices": list(self.voices)}
+
+
 @runtime_checkable
 class SpeechEngine(Resident, Protocol):
     """A loaded text-to-speech model as the HTTP side sees it."""
 
     @property
-    def sample_rate(self) -> int:
-        """Samples a second of its audio."""
-        ...
-
-    @property
-    def voices(self) -> tuple[str, ...]:
-        """The voices it speaks with, by name (lower case)."""
-        ...
-
-    @property
-    def takes_instructions(self) -> bool:
-        """Whether it is steered by ``instructions`` (else it takes none)."""
-        ...
-
-    @property
-    def takes_speed(self) -> bool:
-        """Whether it speaks at a ``speed`` other than 1.0."""
+    def facts(self) -> SpeechFacts:
+        """What the model is."""
         ...
 
     def speak(self, params: SpeechParams) -> AsyncGenerator[SpeechChunk, None]:

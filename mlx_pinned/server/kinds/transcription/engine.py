@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...engine.passes import Holding, kv_free_counters
-from .values import Segment, TranscriptionParams, Window, Word
+from .values import Segment, TranscriptionFacts, TranscriptionParams, Window, Word
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
@@ -69,6 +69,8 @@ class TranscriptionEngine(Holding[_Loaded]):
     def __init__(self, loaded: _Loaded, thread: MLXThread) -> None:
         self.loaded = loaded
         self.thread = thread
+        options = WHISPER_OPTIONS if loaded.whisper else ALIGNED_OPTIONS
+        self.facts = TranscriptionFacts(loaded.sample_rate, options, loaded.languages)
         self.active = 0
         self.windows = 0
 
@@ -106,18 +108,6 @@ class TranscriptionEngine(Holding[_Loaded]):
             len(loaded.languages),
         )
         return cls(loaded, thread)
-
-    @property
-    def sample_rate(self) -> int:
-        return self.loaded.sample_rate
-
-    @property
-    def languages(self) -> dict[str, str]:
-        return self.loaded.languages
-
-    @property
-    def options(self) -> frozenset[str]:
-        return WHISPER_OPTIONS if self.loaded.whisper else ALIGNED_OPTIONS
 
     def counters(self) -> EngineCounters:
         """Files being transcribed as its rows, windows as its steps; it

@@ -69,12 +69,14 @@ class TranscriptionsEndpoint(
 
     async def prepare(self, request: _Form, engine: TranscriptionEngine) -> Upload:
         form, data = request
-        return Upload(data, params(form, engine, self.task))
+        return Upload(data, params(form, engine.facts, self.task))
 
     async def media(
         self, prepared: Upload, engine: TranscriptionEngine, log: RequestLog
     ) -> Upload:
-        audio = await self.wiring.decoders.audio(prepared.data, engine.sample_rate)
+        audio = await self.wiring.decoders.audio(
+            prepared.data, engine.facts.sample_rate
+        )
         return replace(prepared, params=prepared.make(audio))
 
     @asynccontextmanager
@@ -86,7 +88,7 @@ class TranscriptionsEndpoint(
     def _transcript(self, call: _Call) -> Transcript:
         assert call.prepared.params is not None, "media decoded it"
         seconds = call.prepared.params.audio.seconds
-        return Transcript(self.task, dict(call.engine.languages), seconds)
+        return Transcript(self.task, dict(call.engine.facts.languages), seconds)
 
     async def send_whole(self, call: _Call, output: AsyncIterator[Window]) -> None:
         transcript = self._transcript(call)

@@ -17,7 +17,7 @@ from .values import Segment, Task, TranscriptionParams, Window
 
 if TYPE_CHECKING:
     from ...media import Audio
-    from .values import TranscriptionEngine
+    from .values import TranscriptionFacts
 
 __all__ = ["Transcript", "params", "usage"]
 
@@ -32,10 +32,10 @@ MEDIA_TYPES = {
 
 
 def params(
-    form: TranslationForm, engine: TranscriptionEngine, task: Task
+    form: TranslationForm, facts: TranscriptionFacts, task: Task
 ) -> Callable[[Audio], TranscriptionParams]:
-    """The shared request of ``form`` for ``engine``, given its audio once
-    decoded.
+    """The shared request of ``form`` for the model of ``facts``, given its
+    audio once decoded.
 
     Raises:
         APIError: 400: a language the model does not know, a translation by
@@ -71,7 +71,7 @@ def params(
     }
     for name, given in asked.items():
         option = "words" if name == "timestamp_granularities" else name
-        if given and option not in engine.options:
+        if given and option not in facts.options:
             raise APIError(
                 400,
                 f"Unsupported parameter: '{name}': model {form.model!r} does not "
@@ -79,7 +79,7 @@ def params(
                 param=name,
                 code="unsupported_parameter",
             )
-    known = engine.languages
+    known = facts.languages
     if language is not None and language not in known:
         shown = ", ".join(sorted(known)[:12]) + (", ..." if len(known) > 12 else "")
         raise APIError(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from ...events import Resident
 from ...media import Audio
@@ -23,6 +23,7 @@ __all__ = [
     "Segment",
     "Task",
     "TranscriptionEngine",
+    "TranscriptionFacts",
     "TranscriptionParams",
     "Window",
     "Word",
@@ -103,25 +104,33 @@ class Window:
     end: float
 
 
+@dataclass(frozen=True, slots=True)
+class TranscriptionFacts:
+    """What a loaded speech-to-text model is, built by its engine at load.
+
+    Attributes:
+        sample_rate: The sample rate it takes (Hz).
+        options: What a request may ask of it beside the file: ``language``,
+            ``prompt``, ``temperature``, ``words`` (word timestamps).
+        languages: The languages it knows: each ISO-639-1 code's name; one
+            (``en``) for an English-only model, which cannot translate.
+    """
+
+    sample_rate: int
+    options: frozenset[str]
+    languages: Mapping[str, str]
+
+    def card(self) -> dict[str, Any]:
+        return {"languages": sorted(self.languages)}
+
+
 @runtime_checkable
 class TranscriptionEngine(Resident, Protocol):
     """A loaded speech-to-text model as the HTTP side sees it."""
 
     @property
-    def sample_rate(self) -> int:
-        """The sample rate the model takes (Hz)."""
-        ...
-
-    @property
-    def options(self) -> frozenset[str]:
-        """What a request may ask of it beside the file: ``language``,
-        ``prompt``, ``temperature``, ``words`` (word timestamps)."""
-        ...
-
-    @property
-    def languages(self) -> Mapping[str, str]:
-        """The languages it knows: each ISO-639-1 code's name (``english``);
-        one (``en``) for an English-only model, which cannot translate."""
+    def facts(self) -> TranscriptionFacts:
+        """What the model is."""
         ...
 
     def transcribe(self, params: TranscriptionParams) -> AsyncGenerator[Window]:
