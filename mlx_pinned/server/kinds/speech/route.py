@@ -43,7 +43,7 @@ class SpeechEndpoint(Door[SpeechRequest, SpeechEngine, SpeechParams, _Chunks]):
     ``pcm``; ``mp3`` and ``flac`` whole only)."""
 
     route = "POST /v1/audio/speech"
-    api = "speech"
+    api = KIND.name
     kind = KIND.name
     prompt = "input"
     serving = SpeechServing()
