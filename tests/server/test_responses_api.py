@@ -825,3 +825,13 @@ async def test_a_failure_after_the_stream_began_is_response_failed(
     assert failed["status"] == "failed"
     assert failed["error"]["message"]
     assert failed["output"][0]["content"][0]["text"] == "some text"
+
+
+@pytest.mark.anyio
+async def test_a_prompt_too_long_names_input(serve: Any) -> None:
+    async with serve(max_prompt_tokens=8) as served:
+        body = {"model": MODEL, "input": "word " * 400, "max_output_tokens": 4}
+        answer = await served.client.post("/v1/responses", json=body)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert (error["param"], error["code"]) == ("input", "context_length_exceeded")

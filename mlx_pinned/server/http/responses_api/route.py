@@ -73,6 +73,7 @@ class ResponsesEndpoint(GenerationDoor[ResponsesRequest]):
     ``store: false``."""
 
     route = "POST /v1/responses"
+    prompt = "input"
     api = "responses"
     errors = ResponsesErrors()
     call_id = staticmethod(tool_call_id)
