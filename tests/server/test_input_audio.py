@@ -345,7 +345,7 @@ class TestEngine:
         ]
         alone = [await run(BatchEngine(loaded_omni, thread), req) for req in reqs]
         batch = BatchEngine(loaded_omni, thread)
-        assert batch.audio_input == AudioInput(RATE, 30.0)
+        assert batch.facts.audio_input == AudioInput(RATE, 30.0)
         runs = await all_at_once(thread, batch, reqs, seconds=120)
         assert max(run_.active_at_start for run_ in runs) > 1
         for run_, expected in zip(runs, alone, strict=True):
