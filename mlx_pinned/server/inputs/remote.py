@@ -233,7 +233,6 @@ class RemoteImageFetcher:
             )
         encoding = response.headers.get("content-encoding", "").strip().lower()
         if encoding not in ("", "identity"):
-            # A compressed body would expand past the byte cap unseen.
             raise RemoteImageError(
                 f"the image URL answered with a compressed body ({encoding}); "
                 "only uncompressed images are fetched.",
@@ -277,7 +276,7 @@ class _Borrowed(httpx.AsyncBaseTransport):
 
 @functools.cache
 def _ssl_context() -> ssl.SSLContext:
-    # Loading the CA certificates takes tens of milliseconds: once a process.
+    # Loading the CA certificates is slow: once a process.
     return ssl.create_default_context()
 
 
