@@ -1,13 +1,8 @@
-"""The reference OpenAI-compatible vision server, built on the MLX thread,
-the decorator and the middleware.
-
-``create_app(model)`` returns a Starlette app that serves ``model`` on one MLX
-thread; ``mlx-pinned serve MODEL`` (or ``python -m mlx_pinned.server``) runs
-it under uvicorn. The package is grouped by the thread its code runs on:
-:mod:`.engine` (the MLX thread), :mod:`.http` (the event loop),
-:mod:`.inputs` (worker threads), and plain shared modules (:mod:`.config`,
-:mod:`.events`, :mod:`.failures`, :mod:`.formats`, :mod:`.grammars`,
-:mod:`.limits`, :mod:`.media`).
+"""The reference OpenAI-compatible server, built on the MLX thread and the
+middleware: ``create_app(model)`` is a Starlette app, ``mlx-pinned serve
+MODEL`` runs it under uvicorn. Grouped by thread: :mod:`.engine` (the MLX
+thread), :mod:`.http` (the event loop), :mod:`.inputs` (worker threads),
+:mod:`.kinds` (one package per model kind) and plain shared modules.
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
-"""The OpenAI-compatible vision server: wiring only.
-
-Built only from mlx-pinned's public pieces (``MLXThread``,
-``MLXThreadMiddleware``), Starlette and mlx-vlm. Where work runs, by
-package:
-
-- :mod:`.http`, on the event loop: parse and validate requests, wait for a
-  slot (the gate), write responses;
-- :mod:`.inputs`, in worker threads: decode (and, where allowed, fetch)
-  images;
-- :mod:`.engine`, on the MLX thread: load each model (asked by the one
-  model registry, :mod:`.http.residency`, which is the app's lifespan) and
-  run every generation of a model in its continuous batch.
-
-Several models share the one MLX thread, each with its own engine (its own
-batch) and its own gate; requests are routed by ``model``. A model's
-generations are admitted in arrival order by its gate: up to
-``max_num_seqs`` decode together, each with its own rope state, cache rows
-and sampler; at most ``max_pending`` wait, past that the server answers 503
-at once. What the server refuses, and how each limit is set:
-docs/security.md.
+"""The server app: wiring only, built from mlx-pinned's public pieces
+(``MLXThread``, ``MLXThreadMiddleware``) and Starlette. Several models share
+one MLX thread, each with its own engine and gate; every kind's routes come
+from the :mod:`.kinds` registry. ``create_app`` runs on the caller's thread.
 """
 
 from __future__ import annotations
@@ -86,34 +69,27 @@ def create_app(
     Each model is loaded on the MLX thread when the app's lifespan starts, in
     order (run the app under uvicorn, or drive its lifespan in tests), or on
     its first request with ``load_on_first_use``; a failed start-up load
-    fails the start-up with the reason. A request that arrives while its
-    model loads waits for the load (``load_wait``). At shutdown in-flight
-    requests get ``in_flight_timeout`` seconds to finish, then the thread is
-    closed.
+    fails the start-up with the reason. At shutdown in-flight requests get
+    ``in_flight_timeout`` seconds to finish, then the thread is closed.
 
     Args:
         model_path: A local model folder or a Hugging Face hub id (the
-            config's ``model``), or a sequence of them, each served under
-            its own name (``served_model_name``: a name per model, in the
-            same order).
-        config: The settings (see :class:`ServerConfig`); the defaults when
-            None.
-        thread: The MLX thread to run on; a new one when None. The app's
+            config's ``model``), or a sequence of them.
+        config: The settings; the defaults when None.
+        thread: The MLX thread to run on (default: a new one). The app's
             lifespan starts and closes it.
         image_fetcher: Fetches remote images instead of the default
             :class:`RemoteImageFetcher` (implies ``allow_remote_images``).
         engine_factory: Loads a chat model and makes its engine on the MLX
-            thread, as ``BatchEngine.load`` (the default) does, e.g. the
-            tensor-parallel leader's (``engine.distributed.Leader.load``).
+            thread instead of ``BatchEngine.load``, e.g. the tensor-parallel
+            ``engine.distributed.Leader.load``.
         **settings: Fields of :class:`ServerConfig` to set (on top of
             ``config``), e.g. ``max_num_seqs=8``.
 
     Returns:
         A Starlette app; ``app.state.config`` is its :class:`ServerConfig`,
-        ``app.state.models`` the served models (name, gate, slot: its
-        engine while loaded),
-        ``app.state.readiness`` what ``/health`` answers (its ``drain()``
-        turns it 503 ahead of a shut-down).
+        ``app.state.models`` the served models, ``app.state.readiness`` what
+        ``/health`` answers (its ``drain()`` turns it 503 ahead of a stop).
 
     Raises:
         ValueError: A setting out of its range (the message names it).
@@ -129,7 +105,6 @@ def create_app(
     if not all(config.models):
         raise ValueError("model is empty: give a model folder or a hub id")
     mlx_thread = thread or MLXThread(name="mlx-pinned", max_pending=config.thread_bound)
-    # Each model's own settings: the server's, with its model_settings on top.
     each = [config.for_model(index) for index in range(len(config.models))]
     loads = [_load(own, mlx_thread, engine_factory) for own in each]
     served = ServedModels(
@@ -205,7 +180,7 @@ def create_app(
     if config.playground:
         routes += playground_routes()
     metrics.mount(routes)
-    # Every refusal outside an endpoint, in the shape of its route's API.
+    # Every refusal outside a door, in the shape of its route's API.
     errors = ErrorEdge(routes, retry_after=config.retry_after)
     middleware = [
         Middleware(MetricsMiddleware, metrics=metrics),
@@ -262,8 +237,7 @@ async def _lifespan(
     closing: Sequence[Callable[[], Awaitable[None]]],
     app: Starlette,
 ) -> AsyncIterator[None]:
-    """The models' lifespan (the registry's), then what the doors opened,
-    closed."""
+    """The models' lifespan, then what the doors opened, closed."""
     try:
         async with residency.running(app):
             yield
@@ -277,8 +251,7 @@ def _load(
     thread: MLXThread,
     engine_factory: Callable[[ModelSettings, MLXThread], BatchEngine] | None,
 ) -> Callable[[], Resident]:
-    """Loads a model (``own``: its settings) and makes the engine of its
-    kind, on the MLX thread."""
+    """Loads a model and makes its kind's engine, on the MLX thread."""
     load = kind_named(own.kind).load
     if own.kind == "chat" and engine_factory is not None:
         load = engine_factory
@@ -289,8 +262,7 @@ def _load(
 def _slot(
     own: ModelSettings, thread: MLXThread, load: Callable[[], Resident]
 ) -> ModelSlot:
-    """The slot of a model (``own``: its settings): its load and its measure
-    each run as a job of the MLX thread."""
+    """A model's slot: its load and its measure each run on the MLX thread."""
 
     async def load_engine() -> Resident:
         return await thread.run(load)
@@ -309,8 +281,8 @@ def _slot(
 
 
 def _image_loader(config: ServerConfig, fetch: Fetcher | None) -> LoadImages:
-    """Decodes a request's images with the config's limits, fetching remote
-    ones with ``fetch`` (or the default fetcher, when they are allowed)."""
+    """Decodes a request's images, fetching remote ones with ``fetch`` (or
+    the default fetcher, when they are allowed)."""
     if fetch is None and config.allow_remote_images:
         fetch = RemoteImageFetcher(
             max_bytes=config.image_limits.max_bytes,
@@ -320,9 +292,7 @@ def _image_loader(config: ServerConfig, fetch: Fetcher | None) -> LoadImages:
 
 
 def _video_loader(config: ServerConfig, fetch: Fetcher | None) -> LoadVideos:
-    """Decodes a request's videos with the config's limits; remote ones are
-    fetched under the same switch and rules as images, up to the video
-    byte limit."""
+    """As :func:`_image_loader`, up to the video byte limit."""
     if fetch is None and config.allow_remote_images:
         fetch = RemoteImageFetcher(
             max_bytes=config.max_video_bytes,

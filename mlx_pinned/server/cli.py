@@ -1,26 +1,9 @@
-"""``mlx-pinned serve``: run the vision server under uvicorn.
+"""``mlx-pinned serve``: run the server under uvicorn (docs/server.md).
 
-::
-
-    mlx-pinned serve MODEL [MODEL ...] [--host 127.0.0.1] [--port 8000]
-                           [--served-model-name NAME ...] [--max-tokens-limit N]
-                           [--max-pending N] [--max-num-seqs N] [--api-key KEY]
-                           [--request-timeout S] [--max-prompt-tokens N]
-                           [--allow-remote-images] [--max-images N] ...
-    mlx-pinned serve --demo        # the tiny offline models of mlx_pinned.testing
-    mlx.launch ... -- -m mlx_pinned.server serve MODEL --distributed tensor
-
-``MODEL`` is a local model folder or a Hugging Face hub id; several are
-served together, each under its own name (``--served-model-name`` given once
-per MODEL, in the same order, or not at all). ``--demo`` writes the tiny
-random-weight models to the cache folder (``$MLX_PINNED_CACHE``, else
-``~/.cache/mlx-pinned``) and serves one of each kind: the vision chat
-model as ``mlx-pinned-demo``, the others as ``mlx-pinned-demo-<kind>``.
-They work offline, and answer with random text, vectors, scores and
-sounds. Every limit: docs/security.md.
-With ``--distributed tensor`` every rank of an ``mx.distributed`` group runs
-the same command: rank 0 serves, the others bind no port and follow it
-(docs/distributed.md).
+``MODEL`` is a model folder or a Hugging Face hub id; ``--demo`` serves the
+tiny offline models of :mod:`mlx_pinned.testing`, one of each kind; with
+``--distributed tensor`` rank 0 serves and the other ranks follow it. Runs
+on the main thread, which uvicorn's event loop then takes.
 """
 
 from __future__ import annotations
@@ -61,7 +44,6 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``mlx-pinned`` command."""
     parser = argparse.ArgumentParser(
         prog="mlx-pinned",
         description="One pinned MLX thread for async servers.",
@@ -69,9 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
-        help="serve a vision model with an OpenAI-compatible API",
-        description="Serve a vision-language model with an OpenAI-compatible "
-        "chat-completions API (POST /v1/chat/completions).",
+        help="serve models with an OpenAI-compatible API",
+        description="Serve one or more models with an OpenAI-compatible API.",
     )
     serve.add_argument(
         "model",
@@ -83,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--demo",
         action="store_true",
-        help="serve the tiny random-weight test models, a chat model, an "
-        "embedding model and a reranker (offline; random answers)",
+        help="serve a tiny random-weight test model of each kind (offline; "
+        "random answers)",
     )
     serve.add_argument(
         "--config",
@@ -118,13 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``mlx-pinned`` command; returns the exit status.
-
-    Blocks until the server stops (SIGINT or SIGTERM: ``/health`` answers
-    503 for ``--unready-seconds`` while the server goes on serving, then the
-    listener closes, in-flight requests get ``--in-flight-timeout`` seconds
-    to finish, and the MLX thread shuts down).
-    """
+    """Run the ``mlx-pinned`` command; returns the exit status. Blocks until
+    the server stops (SIGINT or SIGTERM, in the phases of
+    ``--unready-seconds`` and ``--in-flight-timeout``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     file = None
@@ -166,11 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 @contextlib.contextmanager
 def log_from_a_thread(level: str) -> Iterator[None]:
     """Set up logging (if nothing has) so that records are written to stderr
-    by a thread of their own: the event loop only queues them. A write to
-    stderr is a system call on the loop, once per request, and
-    a full pipe (a log collector that lags) would block the loop until it
-    drains. What is queued is written before this returns, and the handler
-    is taken off again (a second run in the process logs as the first)."""
+    by a thread of their own: the event loop only queues them, and a full
+    pipe cannot block it. What is queued is written before this returns,
+    and the handler is taken off again."""
     queue: SimpleQueue[logging.LogRecord] = SimpleQueue()
     out = logging.StreamHandler()
     out.setFormatter(logging.Formatter(LOG_FORMAT))
@@ -189,7 +164,6 @@ def log_from_a_thread(level: str) -> Iterator[None]:
 
 
 def serve(args: argparse.Namespace, config: ServerConfig) -> int:
-    """Load the models of ``config`` and serve them until interrupted."""
     import uvicorn
 
     from .app import create_app
@@ -247,15 +221,12 @@ def serve(args: argparse.Namespace, config: ServerConfig) -> int:
         log_config=None,  # keep the logging set up in main()
         # Past the drain: uvicorn's own limit must not cut it short.
         timeout_graceful_shutdown=math.ceil(config.in_flight_timeout) + 5,
-        # Longer than clients keep idle connections (httpx, and so the openai
-        # package: 5 s; nginx upstream: 60 s), so the client always closes
-        # first: otherwise a request sent on a connection the server is
-        # closing fails.
+        # Longer than clients keep idle connections, so the client closes
+        # first: a request sent on a connection the server closes fails.
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
     )
-    # The socket first, the model after: a port in use fails at once, not
-    # after the load with the load's exit status (a restart loop would reload
-    # each time); the server answers probes while the model loads.
+    # The socket first: a port in use fails at once, not after the load,
+    # and probes are answered while the model loads.
     try:
         sockets = _listen(args.host, args.port, uvicorn_config.backlog)
     except OSError as exc:
@@ -286,9 +257,8 @@ def serve(args: argparse.Namespace, config: ServerConfig) -> int:
 
 def _listen(host: str, port: int, backlog: int) -> list[socket.socket]:
     """Listening sockets on every address of ``host``, as asyncio makes them
-    for uvicorn (IPv6 ones IPv6-only). Listening, not only bound: a second
-    server bound to the same port is refused at once, and connections queue
-    while the model loads."""
+    for uvicorn (IPv6 ones IPv6-only), so connections queue while the model
+    loads."""
     infos = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )
@@ -325,15 +295,12 @@ def _port(text: str) -> int:
 
 
 def demo_name(kind: str) -> str:
-    """The name ``--demo`` serves a kind's demo model as: the chat model as
-    :data:`DEMO_MODEL_NAME`, another as ``mlx-pinned-demo-<kind>``."""
     return DEMO_MODEL_NAME if kind == "chat" else f"{DEMO_MODEL_NAME}-{kind}"
 
 
 def _demo(config: ServerConfig) -> ServerConfig:
     """``config`` serving each kind's demo model (written first if it is not
-    in the cache), the chat model as its name, the others as
-    :func:`demo_name` says; the chat model alone under ``--distributed``.
+    in the cache); the chat model alone under ``--distributed``.
 
     Raises:
         OSError: A model could not be written.
@@ -351,8 +318,8 @@ def _demo(config: ServerConfig) -> ServerConfig:
 
 
 def _config(args: argparse.Namespace, file: ConfigFile | None = None) -> ServerConfig:
-    """The :class:`ServerConfig` of the parsed flags, over the command line's
-    own defaults, then a config file's settings: a flag given wins."""
+    """The :class:`ServerConfig` of the flags over the command line's own
+    defaults and a config file's settings: a flag given wins."""
     values: dict[str, Any] = {}
     for option in OPTIONS:
         own, env = option.declared.cli, option.declared.env
@@ -383,8 +350,7 @@ def _config(args: argparse.Namespace, file: ConfigFile | None = None) -> ServerC
 
 
 def _refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    """Exit 2 with one line: the setting was understood, its value refused
-    (no usage text: the line names the setting)."""
+    """Exit 2 with one line that names the setting (no usage text)."""
     parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
@@ -392,8 +358,7 @@ def _refused(
     error: SettingError, args: argparse.Namespace, file: ConfigFile | None
 ) -> str:
     """The usage error for a setting the config refused, in the words it
-    was given in: the config file's keys (the fields' names), else the
-    flags (and the environment variable that gave a value)."""
+    was given in: the config file's keys, the flags or the environment."""
     text = str(error)
     from_file = ("served_model_name", "model_settings", *file.settings) if file else ()
     if error.setting in from_file and error.setting not in args:

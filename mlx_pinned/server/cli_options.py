@@ -1,14 +1,7 @@
-"""How ``mlx-pinned serve`` spells each setting, derived from its
-declaration (:func:`~.config_checks.setting`).
-
-One :class:`Option` per declared field of :class:`~.config.ServerConfig` (a
-limit of :class:`~.config.ImageLimits` is ``image_limits.<name>``): its
-flag, its help, how the flag's text is read (by the field's type, unless
-declared) and the command line's own default where it has one. A config
-file's keys are the same flags, without their dashes and with ``_`` for
-``-``; the docs' table of settings is :func:`settings_table`, written into
-docs/server.md by ``python -m mlx_pinned.server.cli_options docs/server.md``.
-Runs on the main thread, before the server starts.
+"""How ``mlx-pinned serve`` spells each setting: one :class:`Option` per
+declared field, derived from its declaration; also the docs' table
+(``python -m mlx_pinned.server.cli_options docs/server.md``). Runs on the
+main thread, before the server starts.
 """
 
 from __future__ import annotations
@@ -79,11 +72,9 @@ class Option:
 
     Attributes:
         setting: The field (``image_limits.max_bytes`` for a limit).
-        declared: Its declaration.
-        field_default: The field's default.
-        parse: Reads the flag's text as the field's value; its ValueError
-            is the usage error's text. None: a switch (``--x``; also
-            ``--no-x`` where it is on by default).
+        parse: Reads the flag's text; its ValueError is the usage error's
+            text. None: a switch (``--x``; also ``--no-x`` where it is on
+            by default).
         markdown: Its help, as declared (the string under the field).
     """
 
@@ -104,12 +95,10 @@ class Option:
         return self.flag[2:].replace("-", "_")
 
     def command_line_default(self) -> Any:
-        """What the command line sets where the flag is not given."""
         own = self.declared.cli
         return self.field_default if own is SAME else own
 
     def shown(self) -> str:
-        """The command line's default, in Markdown."""
         value = self.command_line_default()
         if self.declared.shown is not None:
             return self.declared.shown
@@ -124,8 +113,6 @@ class Option:
         return f"`{value}`"
 
     def help(self) -> str:
-        """Its ``--help`` text: the declared help without Markdown, then the
-        default."""
         text = f"{self.markdown} (default: {self.shown()}"
         if self.parse is None and self.command_line_default():
             text += f"; --no-{self.flag[2:]} turns it off"
@@ -133,8 +120,6 @@ class Option:
 
 
 def _options(cls: type = ServerConfig, prefix: str = "") -> Iterator[Option]:
-    """Each declared field's option, in order (the image limits' where the
-    config has its ``image_limits``)."""
     hints, helps = typing.get_type_hints(cls), _helps(cls)
     for item in dataclasses.fields(cls):
         if item.name == "image_limits":
@@ -162,7 +147,6 @@ def _helps(cls: type) -> dict[str, str]:
 
 
 def _kind(hint: Any) -> object:
-    """The key of :data:`_READ` for a field's type."""
     if typing.get_origin(hint) is Literal:
         return str
     kinds = tuple(arg for arg in typing.get_args(hint) if arg is not type(None))
@@ -173,14 +157,12 @@ def _kind(hint: Any) -> object:
 
 OPTIONS = tuple(_options())
 
-#: The environment variable that gives ``--api-key``'s default.
 API_KEY_ENV: str = next(o.declared.env for o in OPTIONS if o.declared.env)
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
-    """A flag for each of :data:`OPTIONS`, whose destination is its setting
-    (``image_limits.max_bytes``) and which sets nothing when not given: the
-    namespace holds the flags given, and only those."""
+    """A flag for each of :data:`OPTIONS` that sets nothing when not given:
+    the namespace holds the flags given, and only those."""
     for option in OPTIONS:
         common: dict[str, Any] = {
             "dest": option.setting,
@@ -202,7 +184,6 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_table() -> str:
-    """The docs' table of the settings, in Markdown."""
     rows = ["| flag | default | per model | meaning |", "|---|---|---|---|"]
     for option in OPTIONS:
         flag = f"`{option.flag}`"
@@ -214,7 +195,6 @@ def settings_table() -> str:
 
 
 def _kinds(setting: str) -> str:
-    """The kinds of model that may set ``setting`` for themselves, in words."""
     kinds = [kind.name for kind in KINDS.values() if kind.honours(setting)]
     return "every kind" if len(kinds) == len(KINDS) else ", ".join(kinds)
 
@@ -227,12 +207,10 @@ def write_settings_table(path: str | Path) -> None:
 
 
 def table_in(text: str) -> str:
-    """The table between the markers of ``text`` (a docs page)."""
     return text[text.index(_BEGIN) + len(_BEGIN) : text.index(_END)].strip()
 
 
 def _plain(markdown: str) -> str:
-    """``markdown`` as plain text: links as their words, no code marks."""
     return re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", markdown).replace("`", "")
 
 

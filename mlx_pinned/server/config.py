@@ -1,12 +1,7 @@
-"""Every setting of the server, declared once: its type, default, help,
-check and whether a model may set it for itself.
-
-:class:`ServerConfig` is the settings of one server; ``create_app`` takes
-one (or the same names as keywords), and the command line, its config file
-and the docs' table of settings are derived from its declarations
-(:mod:`.cli_options`). :meth:`ServerConfig.for_model` gives the
-:class:`ModelSettings` a model is loaded and served with. A plain shared
-module: any thread.
+"""Every setting of the server, declared once: its type, default, help (the
+string under it), check and whether a model may set it for itself. The
+command line, config file and docs' table derive from these (:mod:`.cli_options`).
+Any thread.
 """
 
 from __future__ import annotations
@@ -71,10 +66,9 @@ _DETECTED = "detected from the chat template"
 @dataclass(frozen=True)
 class ServerConfig:
     """Settings of one server, each checked as the config is made (a bad one
-    is a :class:`SettingError` that names it), and each the same for every
-    served model, but for the settings a model sets itself
-    (``model_settings``: a dict per model, in the order of ``model``).
-    ``model``: a model folder or hub id, or a tuple of them."""
+    is a :class:`SettingError` that names it). ``model``: a model folder or
+    hub id, or a tuple of them; ``model_settings``: a dict per model of the
+    settings it sets for itself."""
 
     model: str | tuple[str, ...] = ""
     served_model_name: str | tuple[str, ...] | None = setting(
@@ -249,10 +243,8 @@ class ServerConfig:
         check_config(self)
 
     def for_model(self, index: int) -> ModelSettings:
-        """The settings model ``index`` (in :attr:`models`) is served with:
-        the server's, with its own on top; the default cache budgets shared
-        out, ``idle_unload_timeout`` only if it loads on first use, and only
-        the settings its kind honours (the server's others do not apply).
+        """The settings model ``index`` is served with: the server's, its own
+        on top, and only those its kind honours.
 
         Raises:
             SettingError: Its own settings are out of range, or one its kind
@@ -298,13 +290,12 @@ class ServerConfig:
 
     @property
     def models(self) -> tuple[str, ...]:
-        """Every model folder or hub id served, in order."""
         return (self.model,) if isinstance(self.model, str) else self.model
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The name of each model in :attr:`models` in requests and
-        ``/v1/models``: its ``served_model_name``, else the model as given."""
+        """Each model's name in requests: its ``served_model_name``, else the
+        model as given."""
         names = self.served_model_name
         if names is None:
             return self.models
@@ -312,28 +303,24 @@ class ServerConfig:
 
     @property
     def name(self) -> str:
-        """The first (or only) model's name in requests and ``/v1/models``."""
         return self.names[0]
 
     @property
     def prompt_cache_budget(self) -> int:
-        """Each model's ``prompt_cache_bytes``, resolved."""
         return _or(self.prompt_cache_bytes, _memory() // 8 // len(self.models))
 
     @property
     def image_cache_budget(self) -> int:
-        """Each model's ``image_cache_bytes``, resolved."""
         return _or(self.image_cache_bytes, _memory() // 32 // len(self.models))
 
     @property
     def mlx_cache_budget(self) -> int:
         """The buffer cache's most bytes (MLX's own limit, if smaller, wins
-        when unset: :func:`~.engine.memory.limit_buffer_cache`)."""
+        when unset)."""
         return _or(self.mlx_cache_bytes, _memory() // 8)
 
     @property
     def video_limits(self) -> VideoLimits:
-        """The video settings, as the video decoder takes them."""
         return VideoLimits(
             max_videos=self.max_videos,
             max_bytes=self.max_video_bytes,
@@ -345,7 +332,6 @@ class ServerConfig:
 
     @property
     def audio_limits(self) -> AudioLimits:
-        """The audio settings, as the audio decoder takes them."""
         return AudioLimits(
             max_bytes=self.max_audio_bytes,
             max_seconds=self.max_audio_seconds,
@@ -362,11 +348,10 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """One model's settings, resolved (:meth:`ServerConfig.for_model`): what
-    its loader, its gate and its slot are made with. A field means what the
-    config's field of its name means; ``kind`` is its ``model_kind``, the
-    cache budgets are in bytes, and ``prompt_cache_dir`` is where its disk
-    tier goes (None: no disk tier)."""
+    """One model's settings, resolved (:meth:`ServerConfig.for_model`). A
+    field means what the config's field of its name means; ``kind`` is its
+    ``model_kind``, and ``prompt_cache_dir`` is where its disk tier goes
+    (None: no disk tier)."""
 
     name: str
     path: str
@@ -394,14 +379,11 @@ class ModelSettings:
 
     @classmethod
     def of(cls, model: str | os.PathLike[str], **settings: Any) -> ModelSettings:
-        """The settings of ``model`` served alone with ``settings`` (fields
-        of :class:`ServerConfig`); a :class:`SettingError` if one is bad."""
+        """The settings of ``model`` served alone with ``settings``."""
         return ServerConfig(model=os.fspath(model), **settings).for_model(0)
 
 
 _DEFAULTS = {item.name: item.default for item, _ in declared(ServerConfig)}
-#: The settings a model may set for itself (``model_settings``, a config
-#: file's ``[[models]]`` tables); the others are the server's.
 PER_MODEL_SETTINGS = frozenset(
     item.name for item, each in declared(ServerConfig) if each.per_model
 )
@@ -419,7 +401,6 @@ def _or(given: int | None, default: int) -> int:
 
 
 def _memory() -> int:
-    """The machine's memory in bytes (8 GiB where it cannot be read)."""
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (AttributeError, OSError, ValueError):  # not POSIX

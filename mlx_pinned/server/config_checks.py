@@ -1,12 +1,6 @@
-"""How a setting is declared (:func:`setting`) and checked.
-
-A field of :class:`~.config.ServerConfig` declares its type, default, help,
-check and scope once, with :func:`setting`; the command line, the config
-file and the docs' table of settings are derived from it
-(:mod:`.cli_options`). A config runs each field's own check as it is made,
-then the checks of settings that depend on each other (here, as functions);
-a bad setting is a :class:`SettingError` that names it. A plain shared
-module: any thread.
+"""How a setting is declared (:func:`setting`) and checked: each field's
+own check as the config is made, then the checks of settings that depend
+on each other. Any thread.
 """
 
 from __future__ import annotations
@@ -43,8 +37,6 @@ __all__ = [
     "whole",
 ]
 
-#: The kinds of model a server serves, each through its own routes.
-
 #: Checks a field's value, given its name; raises :class:`SettingError`.
 Check = Callable[[str, Any], None]
 
@@ -53,12 +45,8 @@ SAME: Any = object()
 
 
 class SettingError(ValueError):
-    """A setting out of its range, or at odds with another.
-
-    Attributes:
-        setting: The field the message is about (the message's first word,
-            where it starts with it).
-    """
+    """A setting out of its range, or at odds with another; ``setting`` is
+    the field the message is about."""
 
     def __init__(self, setting: str, message: str) -> None:
         super().__init__(message)
@@ -68,20 +56,16 @@ class SettingError(ValueError):
 @dataclass(frozen=True)
 class Setting:
     """What a field declares besides its type, its default and its help
-    (the string under it: its attribute docstring, in Markdown, naming
-    other settings by flag).
+    (the string under it, in Markdown, naming other settings by flag).
 
     Attributes:
-        check: Its own range (others it depends on: :func:`check_config`).
-        scope: ``server``: the server's alone; ``model``: a model may set
-            its own (``model_settings``), if its kind honours it
-            (:attr:`~.kinds.Kind.settings`).
+        scope: ``model``: a model may set its own (``model_settings``), if
+            its kind honours it.
         parse: Reads the flag's text; None: by the field's type.
         flag: Its flag, where it is not the field's name with dashes.
         shown: The default in words, where the value does not say it.
         cli: The command line's own default (:data:`SAME`: the field's).
         env: The environment variable that gives the command line's default.
-        repeated: Its flag is given once per model.
     """
 
     check: Check | None = None
@@ -105,14 +89,12 @@ def setting(default: Any, check: Check | None = None, **declared: Any) -> Any:
 
 
 def declared(cls: type) -> Iterator[tuple[dataclasses.Field[Any], Setting]]:
-    """Each field of the dataclass ``cls`` declared with :func:`setting`, in order."""
     for item in dataclasses.fields(cls):
         if "setting" in item.metadata:
             yield item, item.metadata["setting"]
 
 
 def whole(text: str) -> int:
-    """A flag's text as a whole number."""
     try:
         return int(text)
     except ValueError:
@@ -120,7 +102,6 @@ def whole(text: str) -> int:
 
 
 def seconds(text: str) -> float:
-    """A flag's text as a number of seconds."""
     try:
         return float(text)
     except ValueError:
@@ -128,7 +109,7 @@ def seconds(text: str) -> float:
 
 
 def seconds_or_none(text: str) -> float | None:
-    """A flag's text as a number of seconds; 0 means no limit (None)."""
+    """0 means no limit (None)."""
     return seconds(text) or None
 
 
@@ -141,7 +122,6 @@ def origins(text: str) -> tuple[str, ...]:
 
 
 def at_least(low: int, *, optional: bool = False) -> Check:
-    """A whole number of at least ``low`` (or None, where ``optional``)."""
 
     def check(name: str, value: Any) -> None:
         if not (optional and value is None) and not value >= low:
@@ -153,8 +133,7 @@ def at_least(low: int, *, optional: bool = False) -> Check:
 def duration(
     *, positive: bool = False, optional: bool = False, finite: bool = False
 ) -> Check:
-    """Seconds: 0 or more, or more than 0 where ``positive``; None too where
-    ``optional``; not infinite where ``finite``. Never nan."""
+    """Seconds: 0 or more (more than 0 where ``positive``); never nan."""
 
     def check(name: str, value: Any) -> None:
         if optional and value is None:
@@ -168,7 +147,6 @@ def duration(
 
 
 def one_of(*values: Any, optional: bool = False) -> Check:
-    """One of ``values`` (or None, where ``optional``)."""
     *most, last = [
         repr(value) if isinstance(value, str) else str(value) for value in values
     ]
@@ -185,7 +163,7 @@ def one_of(*values: Any, optional: bool = False) -> Check:
 
 
 def given(what: str) -> Check:
-    """A string that is not blank (or None), ``what`` it names."""
+    """A string that is not blank (or None); ``what`` names it in errors."""
 
     def check(name: str, value: Any) -> None:
         if value is None:
@@ -212,7 +190,6 @@ def parser(read: Callable[[str], object]) -> Check:
 
 
 def check_fields(settings: object) -> None:
-    """Run the check each field of ``settings`` declares."""
     for item, declaration in declared(type(settings)):
         if declaration.check is not None:
             declaration.check(item.name, getattr(settings, item.name))
@@ -346,7 +323,6 @@ def _check_distributed(config: ServerConfig) -> None:
 
 
 def _check_drafting(config: ServerConfig) -> None:
-    """One source of drafts."""
     if config.draft_model is not None and config.prompt_lookup_tokens > 0:
         raise SettingError(
             "draft_model",

@@ -1,29 +1,8 @@
-"""``mlx-pinned serve --config FILE``: the models and settings of a TOML file.
-
-A plain shared module (the command line reads the file on its own thread,
-before the server starts)::
-
-    # Settings of the server: any flag of `serve`, without its dashes and
-    # with '_' for '-' (max_num_seqs = 8 is --max-num-seqs 8).
-    max_model_bytes = 8_000_000_000
-    idle_unload_timeout = 600
-
-    [[models]]
-    path = "./qwen3-vl-2b"     # a local folder or a hub id (required)
-    name = "small"             # the name clients send (default: path)
-    max_num_seqs = 8           # settings of this model only
-
-    [[models]]
-    path = "./qwen3-vl-8b"
-    name = "large"
-    load_on_first_use = true
-
-A model may set :data:`~.config.PER_MODEL_SETTINGS` for itself; every other
-setting is the server's. Values mean what their flags mean (``0`` for
-``idle_unload_timeout`` is never, as ``--idle-unload-timeout 0``), and are
-read as the flags are (:mod:`.cli_options`); whether a value is in range is
-the config's to check, once the flags are on top. Flags given on the command
-line too override the file's server settings.
+"""``mlx-pinned serve --config FILE``: the models and settings of a TOML file
+(docs/server.md, "A config file"). A key is a flag without its dashes and
+with ``_`` for ``-``, read as the flag is; the ranges are the config's to
+check once the flags are on top. Runs on the main thread, before the server
+starts.
 """
 
 from __future__ import annotations
@@ -50,12 +29,9 @@ class ConfigFile:
     """What a config file says.
 
     Attributes:
-        models: Each model's folder or hub id, in order.
         names: Each model's served name (its path where it gives none).
         settings: The server's settings by field (``max_num_seqs``,
             ``image_limits.max_images``), as the flags would give them.
-        model_settings: Each model's own settings (``model_settings`` of
-            :class:`~.config.ServerConfig`).
     """
 
     models: tuple[str, ...]
@@ -68,9 +44,8 @@ def read_config_file(path: str | Path) -> ConfigFile:
     """Read a config file.
 
     Raises:
-        ValueError: The file is not TOML, or says something this server
-            does not take (a key it does not know, a value its flag would
-            not read); the message names the file and the key.
+        ValueError: Not TOML, or a key or value this server does not take;
+            the message names the file and the key.
         OSError: It cannot be read.
     """
     with open(path, "rb") as file:
@@ -135,8 +110,7 @@ def _option(by_key: dict[str, Option], key: str, what: str) -> Option:
 
 
 def _value(key: str, option: Option, value: Any) -> Any:
-    """``value`` as its flag would give it: a switch takes true or false,
-    every other setting is read by its flag's parser."""
+    """``value`` as its flag would give it."""
     if option.parse is None:
         if not isinstance(value, bool):
             raise ValueError(f"{key} is true or false, not {value!r}")

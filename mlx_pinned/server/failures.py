@@ -1,15 +1,7 @@
-"""Why a request is refused, as values: no HTTP status, no wire path.
-
-A shared module (no Starlette, no pydantic, no MLX), raised on any thread:
-the engine and the limits on the MLX thread, the image decoders on worker
-threads, the gate on the event loop. Each API's edge turns these into its own
-error shape in one table (for the OpenAI-shaped routes,
-:func:`mlx_pinned.server.http.errors.api_error`), so the same condition has
-the same answer on every route of an API and a new API brings its own table.
-
-Two kinds: a :class:`RequestError` is the client's to fix (send it again
-changed); an :class:`UnavailableError` is the server's state (send it again
-later).
+"""Why a request is refused, as values: no HTTP status, no wire path. Raised
+on any thread; each API's edge turns them into its error shape in one table.
+A :class:`RequestError` is the client's to fix, an :class:`UnavailableError`
+the server's state (send it again later).
 """
 
 from __future__ import annotations
@@ -33,14 +25,9 @@ __all__ = [
 
 
 class RequestError(Exception):
-    """A request the server will not run as sent.
-
-    Args:
-        message: One sentence: what is wrong and what to send instead.
-        code: A short machine-readable reason, e.g. ``invalid_grammar``.
-        field: The request's field at fault, by its shared name
-            (``prediction``); None: not one field.
-    """
+    """A request the server will not run as sent: ``message`` says what is
+    wrong and what to send instead, ``field`` names the field at fault by
+    its shared name (None: not one field)."""
 
     def __init__(self, message: str, code: str, field: str | None = None) -> None:
         super().__init__(message)
@@ -55,13 +42,8 @@ class PromptError(RequestError):
 
 
 class PromptTooLongError(PromptError):
-    """A prompt over a limit; the message gives the numbers.
-
-    Args:
-        message: The sentence for the client.
-        prompt_tokens: Tokens in the prompt (a lower bound when estimated).
-        limit: The limit it broke.
-    """
+    """A prompt over ``limit``; ``prompt_tokens`` is a lower bound when
+    estimated."""
 
     def __init__(self, message: str, prompt_tokens: int, limit: int) -> None:
         super().__init__(message, "context_length_exceeded")
@@ -70,14 +52,8 @@ class PromptTooLongError(PromptError):
 
 
 class MediaRefusedError(RequestError):
-    """An image or a video the server cannot use, named by its index.
-
-    Args:
-        message: What is wrong with it and what to send instead.
-        index: Which image (or video) of the request, in prompt order, from
-            0; the edge names the part of its own request that holds it.
-        code: A short machine-readable reason, e.g. ``image_too_large``.
-    """
+    """A media part the server cannot use; ``index`` counts the parts of its
+    kind, in prompt order, from 0 (the edge names the part that holds it)."""
 
     def __init__(self, message: str, *, index: int, code: str) -> None:
         super().__init__(message, code)
@@ -85,21 +61,19 @@ class MediaRefusedError(RequestError):
 
 
 class ImageRefusedError(MediaRefusedError):
-    """An image the server cannot use; ``index`` counts images only."""
+    """An image the server cannot use."""
 
 
 class VideoRefusedError(MediaRefusedError):
-    """A video the server cannot use: over a limit, undecodable, or sent to a
-    model that takes none; ``index`` counts videos only."""
+    """A video the server cannot use, or one sent to a model that takes none."""
 
 
 class AudioRefusedError(MediaRefusedError):
-    """An audio file the server cannot use: over a limit, or undecodable;
-    ``index`` counts audio files only."""
+    """An audio file the server cannot use."""
 
 
 class ImagesUnsupportedError(PromptError):
-    """Images sent to a model that takes none (a text-only model)."""
+    """Images sent to a model that takes none."""
 
     def __init__(self) -> None:
         super().__init__(
@@ -116,14 +90,8 @@ class InvalidGrammarError(RequestError):
 
 class UnavailableError(Exception):
     """The server cannot take the request now; the same request may succeed
-    later.
-
-    Args:
-        message: One sentence: what is happening and when to come back.
-        code: A short machine-readable reason, e.g. ``server_busy``.
-        retry_after: Seconds to wait before sending it again; None when
-            waiting will not help (the server's settings must change).
-    """
+    after ``retry_after`` seconds (None: waiting will not help, the server's
+    settings must change)."""
 
     def __init__(self, message: str, code: str, *, retry_after: int | None) -> None:
         super().__init__(message)
@@ -133,12 +101,7 @@ class UnavailableError(Exception):
 
 
 class OverloadedError(UnavailableError):
-    """The model's waiting room is full.
-
-    Args:
-        waiting: Requests already waiting for the model.
-        retry_after: Seconds to wait before sending it again.
-    """
+    """The model's waiting room is full (``waiting`` requests)."""
 
     def __init__(self, waiting: int, *, retry_after: int) -> None:
         super().__init__(
@@ -152,12 +115,7 @@ class OverloadedError(UnavailableError):
 
 class ModelNotLoadedError(UnavailableError):
     """The model is not loaded (yet): its load is under way, or no lifespan
-    runs to load it.
-
-    Args:
-        name: The served name of the model.
-        retry_after: Seconds to wait before sending it again.
-    """
+    runs to load it."""
 
     def __init__(self, name: str, *, retry_after: int) -> None:
         super().__init__(
@@ -170,7 +128,7 @@ class ModelNotLoadedError(UnavailableError):
 
 class ModelLoadFailedError(UnavailableError):
     """The model's load failed (the server's log has why); the next request
-    for it tries again. Its arguments are :class:`ModelNotLoadedError`'s."""
+    for it tries again."""
 
     def __init__(self, name: str, *, retry_after: int) -> None:
         super().__init__(

@@ -1,12 +1,6 @@
-"""Grammars compiled by llguidance: one compiler and one cache for both sides.
-
-Any thread, pure CPU (a large schema may take milliseconds); it imports
-llguidance and nothing of MLX or HTTP. The HTTP side compiles a request's
-grammar in a worker thread before the request waits for the model, so a
-grammar llguidance refuses is a 400 that names its parameter; the engine
-takes the same compiled grammar from the same cache (:data:`GRAMMARS`) on
-the MLX thread when it makes the row's matcher. A grammar is compiled once,
-not once a side.
+"""Grammars compiled by llguidance, once for both sides: the HTTP side
+compiles a request's grammar in a worker thread (a refusal is a 400), and
+the engine takes it from the same cache on the MLX thread. Any thread.
 """
 
 from __future__ import annotations
@@ -22,11 +16,7 @@ __all__ = ["GRAMMARS", "GrammarCache", "GrammarCompileError"]
 
 
 class GrammarCompileError(ValueError):
-    """A grammar llguidance refuses.
-
-    Attributes:
-        reason: llguidance's message.
-    """
+    """A grammar llguidance refuses; ``reason`` is llguidance's message."""
 
     def __init__(self, grammar: Grammar, reason: str) -> None:
         super().__init__(f"invalid {grammar.kind} grammar: {reason}")
@@ -34,15 +24,10 @@ class GrammarCompileError(ValueError):
 
 
 class GrammarCache:
-    """Compiled grammars by grammar, the last ``kept`` used; a refusal is
-    remembered as well, so a bad schema sent again is not compiled again.
+    """The last ``kept`` compiled grammars, refusals included.
 
     Any thread: the lock guards the table, never a compile (two threads
-    that miss the same grammar at once both compile it; both get the same
-    text).
-
-    Attributes:
-        compiles: Grammars compiled so far (hits not counted).
+    that miss the same grammar at once both compile it, to the same text).
     """
 
     def __init__(self, kept: int = 256) -> None:
@@ -57,9 +42,7 @@ class GrammarCache:
             return grammar in self._done
 
     def compile(self, grammar: Grammar) -> str:
-        """llguidance's grammar for ``grammar``, compiled on first use.
-
-        JSON is compact (no whitespace between tokens is allowed), so a
+        """llguidance's grammar, compiled on first use. JSON is compact, so a
         constrained row cannot spend its tokens on blank space.
 
         Raises:
@@ -82,13 +65,11 @@ class GrammarCache:
         return compiled
 
 
-#: The process's one cache: the HTTP check fills it, the engine reads it.
 GRAMMARS = GrammarCache()
 
 
 def _compile(grammar: Grammar) -> tuple[str, str]:
-    """llguidance's grammar and an empty reason, or an empty grammar and why
-    llguidance refuses it."""
+    """llguidance's grammar and an empty reason, or "" and why it refuses."""
     compiler = llguidance.JsonCompiler(separators=(",", ":"), whitespace_pattern="")
     try:
         if grammar.kind == "json_schema":

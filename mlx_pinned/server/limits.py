@@ -1,11 +1,6 @@
-"""Limits on a prompt's length, with errors that give the numbers.
-
-Pure Python: the checks run wherever the numbers are known, and raise
-:class:`~.failures.PromptTooLongError`. The exact prompt
-length is known only on the MLX thread, after the chat template and the image
-processor ran (:func:`check_prompt_tokens`, before any prefill); a cheap lower
-bound from the text alone refuses a huge prompt on the event loop, before it
-waits for the model (:func:`check_text_length`).
+"""Limits on a prompt's length, with errors that give the numbers: the exact
+count on the MLX thread before any prefill, a cheap lower bound from the
+text alone on the event loop before the request waits. Any thread.
 """
 
 from __future__ import annotations
@@ -23,11 +18,7 @@ __all__ = [
 
 
 def context_length(config: Any) -> int | None:
-    """The model's context length from its config, or None if it has none.
-
-    Reads ``max_position_embeddings`` of the text config, else of the config
-    (Qwen-VL and most mlx-vlm models have one of the two).
-    """
+    """``max_position_embeddings`` of the text config, else of the config."""
     for owner in (getattr(config, "text_config", None), config):
         value = getattr(owner, "max_position_embeddings", None)
         if isinstance(owner, dict):
@@ -48,7 +39,7 @@ def check_prompt_tokens(
     ``max_tokens``, does not fit in the model's ``context``.
 
     Raises:
-        PromptTooLongError: Over a limit; the message gives the numbers.
+        PromptTooLongError: Over a limit.
     """
     if max_prompt_tokens is not None and prompt_tokens > max_prompt_tokens:
         raise PromptTooLongError(
@@ -70,10 +61,8 @@ def check_prompt_tokens(
 
 
 def check_text_length(chars: int, longest_token: int, max_prompt_tokens: int) -> None:
-    """Refuse text that cannot fit, before it is tokenized.
-
-    No token covers more than ``longest_token`` characters, so ``chars`` of
-    text are at least ``chars / longest_token`` tokens.
+    """Refuse text that cannot fit, before it is tokenized: no token covers
+    more than ``longest_token`` characters.
 
     Raises:
         PromptTooLongError: The text alone is over ``max_prompt_tokens``.
@@ -90,11 +79,8 @@ def check_text_length(chars: int, longest_token: int, max_prompt_tokens: int) ->
 
 
 def longest_token_chars(tokenizer: Any) -> int:
-    """Characters in the longest token of ``tokenizer``'s vocabulary.
-
-    Byte-level BPE spells each byte as one character, so this bounds the
-    characters of text a token can cover in either kind of vocabulary.
-    """
+    """Characters in the longest token of the vocabulary (byte-level BPE
+    spells each byte as one, so this bounds the text a token covers)."""
     try:
         vocab = tokenizer.get_vocab()
     except (AttributeError, NotImplementedError, TypeError):

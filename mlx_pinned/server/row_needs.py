@@ -1,10 +1,6 @@
 """What a generation's logits read of the tokens before them: one decision
-per request, from its plain values (any thread).
-
-The HTTP side reads it to refuse a ``prediction`` it could not use; the
-engine computes it once at admission, keeps it on the row, and reads it to
-pick the decode step (:mod:`.engine.decode`) and to speculate
-(:mod:`.engine.drafting`).
+per request, read by the HTTP side (a ``prediction`` it could not use) and
+by the engine (the decode step, drafting). Any thread.
 """
 
 from __future__ import annotations
@@ -58,11 +54,8 @@ class Reason(enum.Enum):
 
 @dataclass(frozen=True)
 class RowNeeds:
-    """What one generation needs, and why.
-
-    Attributes:
-        reasons: Each :class:`Reason` its request gives, in declaration order.
-    """
+    """What one generation needs: each :class:`Reason` its request gives,
+    in declaration order."""
 
     reasons: tuple[Reason, ...] = ()
 
@@ -82,8 +75,7 @@ class RowNeeds:
 
 def needs_of(params: GenerationParams) -> RowNeeds:
     """The one decision for a request. A thinking budget counts where it
-    applies: with the model's markers and no grammar (as ``with_budget``
-    sets them on the HTTP side)."""
+    applies: with the model's markers and no grammar."""
     sampling = params.sampling
     markers = params.thinking_markers
     given = {

@@ -1,11 +1,8 @@
 """Output formats: how a model writes tool calls and reasoning, as data.
 
-Any thread, pure Python: a shared package, imported by the HTTP side (the
-event loop) and by the settings; it imports neither MLX nor a web library.
-A format owns its parser (the whole text or piece by piece) and, for tool
-calls, the grammar that forces a call; the registry
-(:mod:`.registry`) chooses a model's formats from its chat template or its
-settings. Nothing outside this package names a format.
+Any thread, pure Python (no MLX, no web library). A format owns its parsers
+and, for tool calls, the grammar that forces a call; :mod:`.registry`
+chooses a model's formats. Nothing outside this package names a format.
 """
 
 from __future__ import annotations

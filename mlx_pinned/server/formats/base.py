@@ -1,10 +1,5 @@
-"""What a tool-call format and a reasoning format are: data, with their parsers.
-
-Any thread, pure Python (the HTTP side uses it on the event loop). A format
-is a frozen record of callables: how to recognise it in a chat template,
-a parser for one answer (fed piece by piece, or the whole text at once:
-both give the same parts), and, for tool calls, the grammar that forces a
-call. Nothing here imports MLX or a web library.
+"""What a tool-call format and a reasoning format are: frozen records of
+callables (detection, parsers, grammar). Any thread, pure Python.
 """
 
 from __future__ import annotations
@@ -32,8 +27,8 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class CallStart:
-    """A tool call begins: its index in the answer and its function name.
-    ``id`` is empty from a parser; the answer gives each call its id."""
+    """A tool call begins. ``id`` is empty from a parser; the answer gives
+    each call its id."""
 
     index: int
     name: str
@@ -48,7 +43,6 @@ class CallArguments:
     text: str
 
 
-#: What a tool-call parser gives: content (a plain string) or a call's parts.
 Piece = str | CallStart | CallArguments
 
 
@@ -62,11 +56,9 @@ class ToolSpec:
 
 
 class ToolCallParser(Protocol):
-    """Content and tool calls from one answer's text, fed piece by piece.
-
-    Text inside a call never comes out as content, and neither does a call
-    cut before its name and arguments.
-    """
+    """Content and tool calls from one answer's text, fed piece by piece
+    (or whole: both give the same parts). Text inside a call never comes
+    out as content, and neither does a call cut before its arguments."""
 
     @property
     def calls(self) -> int:
@@ -83,15 +75,15 @@ class ToolCallParser(Protocol):
 
 
 class ToolParserFactory(Protocol):
-    """Makes a format's parser for one answer to a request with ``tools``
-    (some formats read their arguments' types from the tools' schemas)."""
+    """A parser for one answer (some formats read argument types from the
+    tools' schemas)."""
 
     def __call__(self, tools: Sequence[ToolSpec] = ()) -> ToolCallParser: ...
 
 
 class UnforcedCallError(ValueError):
-    """A format cannot force a call to these tools (a grammar of its syntax
-    cannot hold their arguments' schemas): the message says which and why."""
+    """A format's syntax cannot hold these tools' argument schemas; the
+    message says which and why."""
 
 
 class ReasoningParser(Protocol):
@@ -115,15 +107,12 @@ class ToolCallFormat:
     Attributes:
         name: What ``--tool-call-parser`` calls it.
         detect: Whether a chat template writes calls in this format.
-        parser: A parser for one answer (given the request's tools).
-        grammar: A Lark grammar that forces calls to ``tools``, each one's
-            arguments valid for its schema: ``grammar(tools, parallel)``
-            allows one call then the end, or with ``parallel`` one or more
-            (at most :data:`.blocks.MAX_FORCED_CALLS`);
-            it raises :class:`UnforcedCallError` for tools whose arguments
-            the format's syntax cannot be forced to hold.
-        markers: The markup its calls are written in (openings, closings,
-            separators): text a parsed call leaves in no content field.
+        grammar: ``grammar(tools, parallel)``, a Lark grammar that forces one
+            call (with ``parallel``, up to :data:`.blocks.MAX_FORCED_CALLS`)
+            to ``tools``, arguments valid for their schemas; raises
+            :class:`UnforcedCallError` where the syntax cannot hold them.
+        markers: The markup its calls are written in: text a parsed call
+            leaves in no content field.
     """
 
     name: str
@@ -139,15 +128,11 @@ class ReasoningFormat:
 
     Attributes:
         name: What ``--reasoning-parser`` calls it.
-        detect: Whether a chat template thinks in this format.
-        opens: Whether the template's generation prompt opens the
-            reasoning itself, given the request's template arguments
-            (``opens(template, kwargs)``): then the answer starts inside it.
-        parser: A parser for one answer; its argument says whether the
-            answer starts inside the reasoning.
-        markers: ``(opening, closing)``, the text that opens and closes the
-            reasoning as the model writes it (what a thinking budget
-            forces); None: the format has no closing marker to force.
+        opens: ``opens(template, kwargs)``: whether the generation prompt
+            opens the reasoning itself, so the answer starts inside it.
+        parser: A parser for one answer, told whether it starts inside.
+        markers: ``(opening, closing)`` as the model writes them (what a
+            thinking budget forces); None: no closing marker to force.
     """
 
     name: str
@@ -159,9 +144,8 @@ class ReasoningFormat:
     def budget_markers(
         self, template: str, template_kwargs: Mapping[str, Any]
     ) -> tuple[str, str] | None:
-        """The markers a thinking budget counts from and forces, for an
-        answer to this template: the opening is empty when the generation
-        prompt opens the reasoning (the answer starts inside it)."""
+        """The markers a thinking budget counts from and forces; the
+        opening is empty when the generation prompt opens the reasoning."""
         if self.markers is None:
             return None
         opening, closing = self.markers
@@ -177,22 +161,18 @@ def partial_marker(text: str, marker: str) -> int:
     return 0
 
 
-# Tool arguments in a forced call are written as Qwen's template writes them
-# (json.dumps' separators, no other whitespace), so a model (above all a
-# random one) cannot spend its tokens on blank space. A schema's own
-# x-guidance wins.
+# Forced arguments as json.dumps writes them, so a model cannot spend its
+# tokens on blank space; a schema's own x-guidance wins.
 _JSON_STYLE = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
 }
-# Any object: what a tool without 'parameters' takes.
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 def json_arguments(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The JSON schema (with llguidance's layout) a forced call's arguments
-    follow, in a format that writes them as JSON."""
+    """The schema, with llguidance's layout, of forced JSON arguments."""
     schema = dict(parameters or _ANY_OBJECT)
     if "x-guidance" in schema:
         return schema

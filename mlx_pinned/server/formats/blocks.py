@@ -1,13 +1,7 @@
 """Tool calls written as blocks: one streaming parser for every format whose
-calls are whole spans of markup, each decoded once it is complete.
-
-Any thread, pure Python. A :class:`CallSyntax` says where a call's block
-begins and ends in the text; its ``decode`` turns the block's body into
-calls (mlx-vlm's parser for most formats, see :mod:`.vlm`).
-:class:`BlockToolParser` holds text that may begin a block, gives content
-around the blocks and, as each block closes, its calls: a call's start,
-then its arguments whole. Fed the text whole or in any pieces it gives the
-same parts, because it decides only on complete blocks.
+calls are whole spans of markup, each decoded once complete (so any cut of
+the text gives the same parts), and the helpers their grammars share.
+Any thread, pure Python.
 """
 
 from __future__ import annotations
@@ -51,14 +45,12 @@ class CallSyntax(abc.ABC):
     """Where a format's call blocks begin and end.
 
     Attributes:
-        decode: The block's body into its calls.
-        open_ended: A block may end with the text (its closing marker is a
-            stop token, or it has none): one left open at the end of the
-            answer is decoded as it stands. Else it is no call, as for
-            mlx-vlm's extractor, which needs the closing marker.
-        loose: A block left open at the end of an answer that was not cut
-            and is no call is content (its opening is ordinary text, such
-            as Llama 3's ``{``); else it is dropped, as markup.
+        open_ended: A block left open at the end of the answer is decoded
+            as it stands (its closing marker is a stop token, or it has
+            none); else it is no call.
+        loose: A block left open at the end of an uncut answer that is no
+            call is content (its opening is ordinary text, such as Llama
+            3's ``{``); else it is dropped, as markup.
     """
 
     open_ended = False
@@ -84,8 +76,7 @@ class CallSyntax(abc.ABC):
 
 
 class Markers(CallSyntax):
-    """A block between an opening and a closing marker (``<tool_call>`` and
-    ``</tool_call>``); with several openings, any one of them opens."""
+    """A block between an opening (any of several) and a closing marker."""
 
     def __init__(self, opening: str | Sequence[str], closing: str, decode: Decoder):
         super().__init__(decode)
@@ -118,17 +109,10 @@ def json_end(text: str, at: int) -> int | None:
 
 
 class BlockToolParser:
-    """Content and tool calls from one answer, fed piece by piece, in the
-    blocks of one :class:`CallSyntax`.
+    """A :class:`~.base.ToolCallParser` over one :class:`CallSyntax`'s blocks.
 
-    Whitespace next to a call is dropped from the content. A closed block
-    that is no call stays content, markers and all; a block left open at
-    the end of the answer is decoded as it stands if the syntax is
-    open-ended, and dropped if it is no call.
-
-    Args:
-        syntax: The format's blocks.
-        tools: The request's tools (some formats read their argument types).
+    Whitespace next to a call is dropped from the content; a closed block
+    that is no call stays content, markers and all.
     """
 
     def __init__(self, syntax: CallSyntax, tools: Sequence[ToolSpec] = ()) -> None:
@@ -144,13 +128,10 @@ class BlockToolParser:
         self.calls = 0
 
     def feed(self, text: str) -> list[Piece]:
-        """The content and call pieces ``text`` releases, in order."""
         self._buffer += text
         return self._parse(final=False)
 
     def end(self, *, cut: bool = False) -> list[Piece]:
-        """Everything still held, at the end of the answer; one ``cut``
-        short drops a block it cut, and a possible start of one."""
         self._cut = cut
         return self._parse(final=True)
 
@@ -225,14 +206,11 @@ class BlockToolParser:
 
 
 def literal(text: str) -> str:
-    """``text`` as a Lark string literal."""
     return json.dumps(text, ensure_ascii=False)
 
 
-#: The most calls a forced answer with parallel calls may hold. A list that
-#: may go on forever never ends for a model that prefers the separator to
-#: the list's end (a random one always does, a small one in a loop may):
-#: it repeats calls until ``max_tokens`` and no call comes back.
+#: The most calls a forced answer with parallel calls may hold: a model that
+#: prefers the separator to the list's end would repeat calls forever.
 MAX_FORCED_CALLS = 8
 
 
@@ -245,11 +223,10 @@ def grammar_of_calls(
     between: str = "",
     after: str = "",
 ) -> str:
-    """A Lark grammar of one call (or with ``parallel``, one to
-    :data:`MAX_FORCED_CALLS`, ``between`` apart) to one of ``tools``,
-    inside ``before`` and ``after``.
-    ``call(i, tool)`` gives the rules of the tool's call, the first one
-    named ``call_{i}``."""
+    """A Lark grammar of one call (with ``parallel``, up to
+    :data:`MAX_FORCED_CALLS`, ``between`` apart) to one of ``tools``, inside
+    ``before`` and ``after``; ``call(i, tool)`` gives a tool's rules, the
+    first named ``call_{i}``."""
     rules: list[str] = []
     for i, tool in enumerate(tools):
         rules += call(i, tool)
@@ -283,12 +260,8 @@ def _is_string(schema: dict[str, Any]) -> bool:
 
 def raw_value(fmt: str, tool: str, key: str, schema: dict[str, Any]) -> str:
     """A Lark expression for an argument in a format that writes strings
-    raw and other values as JSON (Qwen3-Coder's parameters, GLM's values).
-
-    Raises:
-        UnforcedCallError: A string with a ``pattern`` or ``format``, which
-            raw text cannot be held to.
-    """
+    raw and other values as JSON; :class:`~.base.UnforcedCallError` for a
+    string with a ``pattern`` or ``format``."""
     if not _is_string(schema):
         return f"%json {json.dumps(schema)}"
     if "enum" in schema:

@@ -1,16 +1,10 @@
 """DeepSeek V3's tool-call formats: a section of calls between special tokens.
 
-Any thread, pure Python. DeepSeek's tokens are written with full-width bars
-and word marks (``<\uff5ctool\u2581calls\u2581begin\uff5c>``); written
-here as ``<|tool calls begin|>``, DeepSeek-V3 and R1 write
-``<|tool calls begin|><|tool call begin|>function<|tool sep|>NAME\\n
-```json\\n{...}\\n```<|tool call end|>...<|tool calls end|>``, and
-DeepSeek-V3.1 and later drop the type and the fence,
-``<|tool call begin|>NAME<|tool sep|>{...}<|tool call end|>``. mlx-vlm
-has no parser for either, so this one is written here: a section is read
-whole, each call in it in either layout. A template is this format's when
-it writes the section's opening; the V3 layout's when it writes the fence
-too.
+Any thread, pure Python. Written with plain bars for DeepSeek's full-width
+ones, V3 and R1 write ``<|tool calls begin|><|tool call begin|>function
+<|tool sep|>NAME\\n```json\\n{...}\\n```<|tool call end|>...<|tool calls
+end|>``; V3.1 and later drop the type and the fence. mlx-vlm has no parser
+for either: a section is read whole here, each call in either layout.
 """
 
 from __future__ import annotations
@@ -83,12 +77,10 @@ def _v31_call(i: int, tool: ToolSpec) -> list[str]:
 
 
 def v3_grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """A section of one call (or, with ``parallel``, more), V3's layout."""
     return grammar_of_calls(tools, parallel, _v3_call, before=OPEN, after=CLOSE)
 
 
 def v31_grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """A section of one call (or, with ``parallel``, more), V3.1's layout."""
     return grammar_of_calls(tools, parallel, _v31_call, before=OPEN, after=CLOSE)
 
 
@@ -96,11 +88,9 @@ _SYNTAX = Markers(OPEN, CLOSE, decode)
 
 
 def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
-    """A parser of one answer's DeepSeek calls, in either layout."""
     return BlockToolParser(_SYNTAX, tools)
 
 
-#: DeepSeek V3's format, an entry of the registry.
 DEEPSEEK_V3 = ToolCallFormat(
     name="deepseek_v3",
     detect=detect_v3,
@@ -109,7 +99,6 @@ DEEPSEEK_V3 = ToolCallFormat(
     markers=(OPEN, CLOSE, CALL_OPEN, CALL_CLOSE, SEP),
 )
 
-#: DeepSeek V3.1's format, an entry of the registry.
 DEEPSEEK_V31 = ToolCallFormat(
     name="deepseek_v31",
     detect=detect_v31,

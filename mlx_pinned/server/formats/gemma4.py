@@ -1,12 +1,9 @@
 """Gemma 4's tool-call format: ``<|tool_call>call:NAME{key:value,...}<tool_call|>``.
 
-Any thread, pure Python. Gemma 4 writes each call as its own block, its
-arguments in Gemma's own object syntax: keys bare, strings between
-``<|"|>`` quotes, numbers and booleans bare, objects in braces. Detected
-by mlx-vlm (``gemma4``: the template names ``<|tool_call>``) and decoded by
-its parser; :func:`grammar` forces each value in that syntax (:mod:`.literals`),
-objects and lists included; a string with a ``pattern`` or ``format`` is
-refused.
+Any thread, pure Python. Each call is its own block, its arguments in
+Gemma's object syntax (bare keys, strings between ``<|"|>`` quotes).
+Detected and decoded by mlx-vlm; the grammar writes values through
+:mod:`.literals`.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ OPEN, CLOSE = "<|tool_call>", "<tool_call|>"
 QUOTE = '<|"|>'
 
 
-#: Gemma 4's values: bare keys, strings between ``<|"|>`` quotes.
 SYNTAX = LiteralSyntax(
     format=NAME,
     quote=QUOTE,
@@ -51,8 +47,7 @@ def _call(i: int, tool: ToolSpec) -> list[str]:
 
 
 def grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """A Lark grammar for one call (or, with ``parallel``, one or more) to
-    one of ``tools``, each with its required arguments in order."""
+    """Each call with its required arguments, in order."""
     return grammar_of_calls(tools, parallel, _call)
 
 
@@ -60,11 +55,9 @@ _SYNTAX = Markers(OPEN, CLOSE, vlm_decoder(NAME))
 
 
 def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
-    """A parser of one answer's Gemma 4 calls."""
     return BlockToolParser(_SYNTAX, tools)
 
 
-#: Gemma 4's format, an entry of the registry.
 GEMMA4 = ToolCallFormat(
     name=NAME,
     detect=vlm_detects(NAME),

@@ -1,12 +1,9 @@
 """GLM-4.5 to 4.7's tool-call format: keys and values inside ``<tool_call>``.
 
-Any thread, pure Python. GLM writes each call as
-``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...
-</tool_call>`` (GLM-4.5 and 4.6 put newlines between the parts); a string
-value is raw text, any other is JSON. Detected by mlx-vlm (``glm47``: the
-template names ``<arg_key>``) and decoded by its parser, which reads the
-string arguments from the request's tools; :func:`grammar` forces calls as
-GLM-4.7 writes them.
+Any thread, pure Python. A call is ``<tool_call>NAME<arg_key>KEY</arg_key>
+<arg_value>VALUE</arg_value>...</tool_call>``, a string value raw, any other
+JSON. Detected and decoded by mlx-vlm; the grammar writes calls as GLM-4.7
+does (4.5 and 4.6 put newlines between the parts).
 """
 
 from __future__ import annotations
@@ -42,9 +39,7 @@ def _call(i: int, tool: ToolSpec) -> list[str]:
 
 
 def grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """A Lark grammar for one call (or, with ``parallel``, one or more) to
-    one of ``tools``: each argument in the schema's order, the required
-    ones always."""
+    """Each argument in the schema's order, the required ones always."""
     return grammar_of_calls(tools, parallel, _call)
 
 
@@ -52,11 +47,9 @@ _SYNTAX = Markers(OPEN, CLOSE, vlm_decoder(NAME))
 
 
 def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
-    """A parser of one answer's GLM calls."""
     return BlockToolParser(_SYNTAX, tools)
 
 
-#: GLM's format, an entry of the registry.
 GLM47 = ToolCallFormat(
     name=NAME,
     detect=vlm_detects(NAME),

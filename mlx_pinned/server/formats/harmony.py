@@ -1,21 +1,12 @@
 """gpt-oss's harmony format: messages in channels, for reasoning and calls.
 
-Any thread, pure Python. gpt-oss answers in messages, each
-``<|channel|>CHANNEL<|message|>TEXT`` ended by ``<|end|>`` (the next one
-opens with ``<|start|>assistant``); the generation prompt opens the first.
-Its reasoning is the ``analysis`` channel, its answer the ``final`` one;
-a call is a ``commentary`` message to a function,
-``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}``
-ended by ``<|call|>`` (a stop token, so often the end of the text).
-
-:class:`HarmonySplitter` (the reasoning format) gives the analysis channel
-to the reasoning and the final channel to the content, without its
-markup, and passes a call's message on whole, markup and all, to the
-tool-call format: its blocks are decoded by mlx-vlm's parser
-(``harmony``), and mlx-vlm's detection (the template names
-``<|channel|>commentary`` and ``<|call|>``) finds both. The splitter is
-written here: mlx-vlm reads no channels, and ``openai-harmony`` parses
-token ids (with a vocabulary it downloads), not the text this side sees.
+Any thread, pure Python. gpt-oss answers in messages,
+``<|channel|>CHANNEL<|message|>TEXT`` ended by ``<|end|>``: its reasoning
+in ``analysis``, its answer in ``final``, a call as ``<|channel|>commentary
+to=functions.NAME <|constrain|>json<|message|>{...}`` ended by ``<|call|>``
+(a stop token). :class:`HarmonySplitter` splits the channels and passes a
+call's message whole to the tool-call parser (mlx-vlm's); it is written here
+because mlx-vlm reads no channels and ``openai-harmony`` parses token ids.
 """
 
 from __future__ import annotations
@@ -50,8 +41,7 @@ _RECIPIENT = re.compile(r"(?:^|\s)to=([^\s<]+)")
 
 
 class _Calls(CallSyntax):
-    """A call from its commentary header to ``<|call|>``, or to the next
-    message, or to the end of the text (``<|call|>`` stops the model)."""
+    """A call from its commentary header to ``<|call|>`` or the next message."""
 
     open_ended = True  # <|call|> is a stop token
 
@@ -77,7 +67,6 @@ class _Calls(CallSyntax):
 
 
 def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
-    """A parser of one answer's harmony calls."""
     return BlockToolParser(_Calls(), tools)
 
 
@@ -88,8 +77,7 @@ def _call(i: int, tool: ToolSpec) -> list[str]:
 
 
 def grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """A Lark grammar for one call to one of ``tools`` (harmony ends the
-    turn with each call, so ``parallel`` still gives one)."""
+    """One call even with ``parallel``: harmony ends the turn with each."""
     return grammar_of_calls(tools, False, _call)
 
 
@@ -108,11 +96,8 @@ class _Kind(enum.Enum):
 
 class HarmonySplitter:
     """Splits harmony text, fed piece by piece, into reasoning and content
-    (a call's message goes to the content whole, for the tool-call parser).
-
-    Args:
-        opened: Unused: harmony names the channel of every message.
-    """
+    (a call's message goes to the content whole, for the tool-call parser);
+    ``opened`` is unused: every message names its channel."""
 
     def __init__(self, opened: bool = False) -> None:
         self._state = _State.START
@@ -121,11 +106,9 @@ class HarmonySplitter:
         self.thought = False
 
     def feed(self, text: str) -> tuple[str, str]:
-        """The reasoning and the content ``text`` releases."""
         return self._split(self._held + text, final=False)
 
     def end(self) -> tuple[str, str]:
-        """What is still held, at the end of the answer."""
         return self._split(self._held, final=True)
 
     def _split(self, text: str, *, final: bool) -> tuple[str, str]:
@@ -198,7 +181,6 @@ def _opens(template: str, template_kwargs: Mapping[str, Any]) -> bool:
     return False  # each message names its channel
 
 
-#: Harmony's tool calls, an entry of the registry.
 HARMONY = ToolCallFormat(
     name=NAME,
     detect=vlm_detects(NAME),
@@ -207,7 +189,6 @@ HARMONY = ToolCallFormat(
     markers=(CHANNEL, MESSAGE, START, CALL, "<|constrain|>", "to=functions."),
 )
 
-#: Harmony's analysis channel, an entry of the reasoning registry.
 HARMONY_REASONING = ReasoningFormat(
     name=NAME,
     detect=detect_reasoning,

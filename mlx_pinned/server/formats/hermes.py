@@ -1,16 +1,10 @@
 """Hermes' tool-call format: ``<tool_call>`` JSON ``</tool_call>``.
 
 Any thread, pure Python. Qwen2.5, Qwen3, Qwen3-VL, Hermes and the models
-tuned on them write each call as
-``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>``; a chat
-template that contains ``<tool_call>`` has this format.
-
-:class:`HermesToolParser` reads the text piece by piece and gives content,
-then each call's start (its name) and its arguments in fragments, as soon
-as they are certain; fed the whole text at once it gives the same calls,
-so a stream and a whole answer agree exactly (a test checks it). A call's
-arguments are its ``ARGS`` text as the model wrote it. :func:`grammar`
-forces calls in this format.
+tuned on them write ``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n
+</tool_call>``. Unlike the block formats, :class:`HermesToolParser` streams
+a call's arguments in fragments (the ``ARGS`` text as written) as soon as
+they are certain.
 """
 
 from __future__ import annotations
@@ -59,9 +53,6 @@ def _call(i: int, tool: ToolSpec) -> list[str]:
 
 
 def grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """A Lark grammar for one call (or, with ``parallel``, one or more, a
-    newline apart) to one of ``tools``, its arguments constrained by the
-    tool's ``parameters`` schema."""
     return grammar_of_calls(tools, parallel, _call, between="\n")
 
 
@@ -72,22 +63,18 @@ class _State(enum.Enum):
 
 
 def _arguments(text: str) -> str:
-    """A call's arguments from what follows its head: without the object's
-    closing brace and the whitespace around it."""
+    """What follows a call's head, without the object's closing brace."""
     text = text.rstrip()
     return text.removesuffix("}").rstrip()
 
 
 class HermesToolParser:
-    """Content and tool calls from Hermes-format text, fed piece by piece.
+    """A :class:`~.base.ToolCallParser` for Hermes' calls (``tools`` is
+    unused: the arguments are JSON as written).
 
-    Whitespace next to a call is dropped from the content (Qwen writes a
-    newline between calls); a closed ``<tool_call>`` block that is not a
-    call (no name and arguments) stays content. The end of the text closes
-    a call cut short in its arguments, and drops one cut before them.
-
-    Args:
-        tools: The request's tools (unused: the arguments are JSON as written).
+    Whitespace next to a call is dropped from the content; a closed
+    ``<tool_call>`` block that is no call stays content. The end of the text
+    closes a call cut short in its arguments, and drops one cut before them.
     """
 
     def __init__(self, tools: Sequence[ToolSpec] = ()) -> None:
@@ -100,13 +87,10 @@ class HermesToolParser:
         self.calls = 0
 
     def feed(self, text: str) -> list[Piece]:
-        """The content and call pieces ``text`` releases, in order."""
         self._buffer += text
         return self._parse(final=False)
 
     def end(self, *, cut: bool = False) -> list[Piece]:
-        """Everything still held, at the end of the answer; one ``cut``
-        short drops a possible start of a call at its end too."""
         self._cut = cut
         return self._parse(final=True)
 
@@ -194,7 +178,6 @@ class HermesToolParser:
         return False
 
 
-#: Hermes' format, an entry of the registry.
 HERMES = ToolCallFormat(
     name="hermes",
     detect=detect,

@@ -1,11 +1,8 @@
 """Kimi K2's tool-call format: a section of calls between special tokens.
 
-Any thread, pure Python. Kimi K2 writes its calls as one section,
-``<|tool_calls_section_begin|>`` then per call ``<|tool_call_begin|>
-functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>``,
-then ``<|tool_calls_section_end|>``. Detected by mlx-vlm (``kimi_k2``: the
-template names the section's opening) and decoded by its parser, a section
-at a time; :func:`grammar` forces a section of calls numbered from 0.
+Any thread, pure Python. Per call, ``<|tool_call_begin|>functions.NAME:INDEX
+<|tool_call_argument_begin|>{...}<|tool_call_end|>``, inside one section.
+Detected and decoded (a section at a time) by mlx-vlm.
 """
 
 from __future__ import annotations
@@ -34,8 +31,6 @@ def _call(i: int, tool: ToolSpec) -> list[str]:
 
 
 def grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """A Lark grammar for a section of one call (or, with ``parallel``, one
-    or more) to ``tools``."""
     return grammar_of_calls(tools, parallel, _call, before=OPEN, after=CLOSE)
 
 
@@ -43,11 +38,9 @@ _SYNTAX = Markers(OPEN, CLOSE, vlm_decoder(NAME))
 
 
 def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
-    """A parser of one answer's Kimi K2 calls."""
     return BlockToolParser(_SYNTAX, tools)
 
 
-#: Kimi K2's format, an entry of the registry.
 KIMI_K2 = ToolCallFormat(
     name=NAME,
     detect=vlm_detects(NAME),

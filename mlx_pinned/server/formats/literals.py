@@ -1,15 +1,6 @@
 """Forced arguments in formats that write values in their own literal
-syntax, not JSON: the pythonic format's Python literals and Gemma 4's
-objects (bare keys, ``<|"|>`` quotes).
-
-Any thread, pure Python. :func:`value_rules` turns an argument's JSON
-schema into Lark rules of the format's syntax, recursively: strings
-(length bounds kept), numbers (JSON's are both syntaxes' too), booleans,
-null, enums, ``anyOf`` / ``oneOf``, arrays (their ``items``, ``minItems``
-and ``maxItems``) and objects (their required properties in order, as the
-top level; one without properties holds any values). A schema no grammar
-of the syntax can hold (a string ``pattern`` or ``format``, a ``$ref``)
-raises :class:`~.base.UnforcedCallError`.
+syntax, not JSON (pythonic's Python literals, Gemma 4's objects): an
+argument's JSON schema as Lark rules of that syntax. Any thread, pure Python.
 """
 
 from __future__ import annotations
@@ -29,12 +20,8 @@ class LiteralSyntax:
     """How a format writes values.
 
     Attributes:
-        format: The format's name, for errors.
-        quote: What opens and closes a string.
-        unquoted: A regular expression's character class of what a string
-            may hold (without its brackets).
-        true, false, null: The literals.
-        separator: Between two items of a list or two entries of an object.
+        unquoted: A character class (without its brackets) of what a string
+            may hold.
         key_format: An object's key and what follows it, ``{key}`` the key.
         any_key: A Lark expression for any key and what follows it.
     """
@@ -94,7 +81,6 @@ class _Rules:
         return f'"[" {inner} "]"'
 
     def any_value(self) -> str:
-        """A rule for any value of the syntax (a schema that says nothing)."""
         if self._any is None:
             syntax = self.syntax
             self._any = name = f"{self.prefix}_any"
@@ -110,7 +96,6 @@ class _Rules:
         return self._any
 
     def value(self, schema: dict[str, Any]) -> str:
-        """A Lark expression for a value of ``schema``."""
         syntax = self.syntax
         if "$ref" in schema:
             raise self.refuse("it names a '$ref'")
@@ -177,12 +162,12 @@ class _Rules:
 def value_rules(
     syntax: LiteralSyntax, tool: str, key: str, schema: dict[str, Any], name: str
 ) -> list[str]:
-    """The Lark rules of a value of ``schema`` (the argument ``key`` of
-    ``tool``) in ``syntax``: the first is ``name``'s, the others are named
-    after it.
+    """The Lark rules of a value of ``schema`` in ``syntax``: the first is
+    ``name``'s, the others are named after it.
 
     Raises:
-        UnforcedCallError: The syntax cannot hold the schema.
+        UnforcedCallError: The syntax cannot hold the schema (a string
+            ``pattern`` or ``format``, a ``$ref``).
     """
     rules = _Rules(syntax, tool, key, name)
     body = rules.value(schema)

@@ -1,14 +1,10 @@
 """Llama 3's tool-call format: a JSON object, ``{"name": ..., "parameters": ...}``.
 
-Any thread, pure Python. Llama 3.1, 3.2 and 3.3 (and Llama 4 with its
-JSON template) answer a call as the whole turn, ``{"name": NAME,
-"parameters": {...}}``, several ``; `` apart, or after ``<|python_tag|>``.
-mlx-vlm has no parser for it (its ``json_tools`` reads ``<tool_call>``
-blocks), so this one is written here: a call is a JSON object at the start
-of the answer (or after a call, or after ``<|python_tag|>``), read whole;
-one that is no call (no ``name``, no ``parameters``) stays content. A
-template is this format's when it writes ``"parameters": `` in a Llama
-header layout.
+Any thread, pure Python. Llama 3.1 to 3.3 (and Llama 4 with its JSON
+template) answer a call as the whole turn, several ``; `` apart, or after
+``<|python_tag|>``. mlx-vlm has no parser for it: here a call is a JSON
+object at the start of the answer (or after a call or the tag), read whole;
+one with no ``name`` or ``parameters`` stays content.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ __all__ = ["LLAMA3_JSON", "decode", "detect", "grammar"]
 
 PYTHON_TAG = "<|python_tag|>"
 _HEADERS = ("<|start_header_id|>", "<|header_start|>")
-# A call at the start (or after a call): its JSON object, perhaps after the
-# '; ' that parts two calls.
+# A call's JSON object, perhaps after the '; ' that parts two calls.
 _LEADING = re.compile(r"\s*(;\s*)?(?=\{)")
 _BEGUN = re.compile(r"\s*(;\s*)?")
 
@@ -85,7 +80,6 @@ _SYNTAX = _Objects(decode)
 
 
 def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
-    """A parser of one answer's Llama 3 calls."""
     return BlockToolParser(_SYNTAX, tools)
 
 
@@ -96,12 +90,9 @@ def _call(i: int, tool: ToolSpec) -> list[str]:
 
 
 def grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """A Lark grammar for one call (or, with ``parallel``, one or more,
-    ``; `` apart) to one of ``tools``."""
     return grammar_of_calls(tools, parallel, _call, between="; ")
 
 
-#: Llama 3's JSON format, an entry of the registry.
 LLAMA3_JSON = ToolCallFormat(
     name="llama3_json",
     detect=detect,

@@ -2,14 +2,10 @@
 tokenizers) ``[TOOL_CALLS]NAME[ARGS]{...}`` per call.
 
 Any thread, pure Python. Mistral-7B-v0.3, Mixtral and Ministral-8B write
-``[TOOL_CALLS] [{"name": NAME, "arguments": {...}}, ...]``; Mistral-Small-3.x,
-Devstral and Magistral (v11 and later) write ``[TOOL_CALLS]NAME[ARGS]{...}``,
-one marker per call. Both are detected by mlx-vlm (``mistral``: the template
-names ``[TOOL_CALLS]``), the v11 one by its template writing ``[ARGS]`` too,
-and a v11 block is decoded by mlx-vlm's parser. The block's end is found
-here, where the JSON value after the marker (or after ``[ARGS]``) ends:
-mlx-vlm ends a block at a newline, which cuts a call whose JSON spans lines
-and joins two v11 calls on one line into one that does not decode.
+the list; Mistral-Small-3.x, Devstral and Magistral one marker per call.
+Detected by mlx-vlm. A block ends here where its JSON value ends: mlx-vlm
+ends one at a newline, which cuts JSON that spans lines and joins two v11
+calls on one line.
 """
 
 from __future__ import annotations
@@ -78,7 +74,6 @@ def detect_v11(template: str) -> bool:
 
 
 def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
-    """A parser of one answer's Mistral calls, in either syntax."""
     return BlockToolParser(_SYNTAX, tools)
 
 
@@ -91,7 +86,6 @@ def _v11_call(i: int, tool: ToolSpec) -> list[str]:
 
 
 def v11_grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """Calls as v11 models write them: each ``[TOOL_CALLS]NAME[ARGS]{...}``."""
     return grammar_of_calls(tools, parallel, _v11_call)
 
 
@@ -102,15 +96,13 @@ def _list_call(i: int, tool: ToolSpec) -> list[str]:
 
 
 def list_grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """Calls as earlier models write them: one ``[TOOL_CALLS]`` and a list,
-    a space apart as their template writes it (``[TOOL_CALLS] [``), so the
+    """``[TOOL_CALLS] [``, a space apart as the template writes it, so the
     call sent back renders as the model wrote it."""
     return grammar_of_calls(
         tools, parallel, _list_call, before=f"{OPEN} [", between=", ", after="]"
     )
 
 
-#: Mistral's v11 format (``NAME[ARGS]{...}``), an entry of the registry.
 MISTRAL_V11 = ToolCallFormat(
     name="mistral_v11",
     detect=detect_v11,
@@ -119,7 +111,6 @@ MISTRAL_V11 = ToolCallFormat(
     markers=(OPEN, ARGS),
 )
 
-#: Mistral's earlier format (a JSON list), an entry of the registry.
 MISTRAL = ToolCallFormat(
     name="mistral",
     detect=vlm_detects("mistral"),

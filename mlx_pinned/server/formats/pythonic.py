@@ -1,15 +1,9 @@
 """The pythonic tool-call format: a Python list of calls with keyword arguments.
 
 Any thread, pure Python. LFM2 and the models tuned like it write
-``<|tool_call_start|>[get_weather(city="Paris", days=3)]<|tool_call_end|>``
-(several calls in the one list, the list Llama 4's pythonic prompts ask
-for). Detected by mlx-vlm (``pythonic``: the template names
-``<|tool_call_start|>`` and ``<|tool_call_end|>``, or
-``<|tool_list_start|>``); decoded by mlx-vlm's parser (Python literals,
-read with ``ast``).
-:func:`grammar` forces each value as a Python literal (lists, dicts,
-``True``, ``None``: :mod:`.literals`), not JSON; a string with a
-``pattern`` or ``format`` is refused.
+``<|tool_call_start|>[get_weather(city="Paris", days=3)]<|tool_call_end|>``.
+Detected and decoded by mlx-vlm; the grammar writes values as Python
+literals through :mod:`.literals`.
 """
 
 from __future__ import annotations
@@ -27,7 +21,6 @@ NAME = "pythonic"
 OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
 
 
-#: Python literals, as the calls write their values.
 SYNTAX = LiteralSyntax(
     format=NAME,
     quote='"',
@@ -52,8 +45,7 @@ def _call(i: int, tool: ToolSpec) -> list[str]:
 
 
 def grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """A Lark grammar for a list of one call (or, with ``parallel``, one or
-    more) to ``tools``, each with its required arguments in order."""
+    """Each call with its required arguments, in order."""
     return grammar_of_calls(
         tools, parallel, _call, before=f"{OPEN}[", between=", ", after=f"]{CLOSE}"
     )
@@ -63,11 +55,9 @@ _SYNTAX = Markers(OPEN, CLOSE, vlm_decoder(NAME))
 
 
 def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
-    """A parser of one answer's pythonic calls."""
     return BlockToolParser(_SYNTAX, tools)
 
 
-#: The pythonic format, an entry of the registry.
 PYTHONIC = ToolCallFormat(
     name=NAME,
     detect=vlm_detects(NAME),

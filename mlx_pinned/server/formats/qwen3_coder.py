@@ -1,11 +1,9 @@
 """Qwen3-Coder's tool-call format: XML functions and parameters.
 
-Any thread, pure Python. Qwen3-Coder and Qwen3.5 write each call as
+Any thread, pure Python. Qwen3-Coder and Qwen3.5 write
 ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n
-</function>\\n</tool_call>``; a value is raw text, typed by the tool's
-schema (a string stays text, an integer or an object is read as JSON).
-Detected and decoded by mlx-vlm (``qwen3_coder``), which reads the types
-from the request's tools; :func:`grammar` forces calls in this syntax.
+</function>\\n</tool_call>``, a value raw and typed by the tool's schema.
+Detected and decoded by mlx-vlm.
 """
 
 from __future__ import annotations
@@ -45,9 +43,7 @@ def _call(i: int, tool: ToolSpec) -> list[str]:
 
 
 def grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
-    """A Lark grammar for one call (or, with ``parallel``, one or more, a
-    newline apart) to one of ``tools``: each of its parameters in the
-    schema's order, the required ones always."""
+    """Each parameter in the schema's order, the required ones always."""
     return grammar_of_calls(tools, parallel, _call, between="\n")
 
 
@@ -55,11 +51,9 @@ _SYNTAX = Markers(OPEN, CLOSE, vlm_decoder(NAME))
 
 
 def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
-    """A parser of one answer's Qwen3-Coder calls."""
     return BlockToolParser(_SYNTAX, tools)
 
 
-#: Qwen3-Coder's format, an entry of the registry.
 QWEN3_CODER = ToolCallFormat(
     name=NAME,
     detect=vlm_detects(NAME),

@@ -1,11 +1,6 @@
-"""The formats this server knows, by name, and how a model's are chosen.
-
-Any thread, pure Python. Each model has a tool-call format and a reasoning
-format: by default the first entry whose ``detect`` recognises the model's
-chat template (None if none does), or the one a setting names
-(``tool_call_parser``, ``reasoning_parser``; ``"none"`` turns it off).
-Adding a format is one entry in :data:`TOOL_CALL_FORMATS` or
-:data:`REASONING_FORMATS`.
+"""The formats this server knows, by name, and how a model's are chosen:
+the one a setting names, else the first whose ``detect`` recognises the
+chat template. Adding a format is one entry here. Any thread, pure Python.
 """
 
 from __future__ import annotations
@@ -43,7 +38,6 @@ __all__ = [
 
 logger = logging.getLogger("mlx_pinned.server")
 
-#: The setting's value that turns a kind of format off.
 NONE = "none"
 
 #: Tool-call formats by name, in the order detection tries them: Hermes'
@@ -70,7 +64,6 @@ TOOL_CALL_FORMATS: Mapping[str, ToolCallFormat] = {
 #: The tool-call format of a model with no chat template (the Qwen-VL family).
 UNTEMPLATED = HERMES
 
-#: Reasoning formats by name, in the order detection tries them.
 REASONING_FORMATS: Mapping[str, ReasoningFormat] = {
     f.name: f for f in (HARMONY_REASONING, MAGISTRAL, GEMMA4_THINKING, THINK)
 }
@@ -91,51 +84,31 @@ def _named(formats: Mapping[str, F], setting: str, name: str) -> F | None:
 
 
 def tool_call_format(name: str) -> ToolCallFormat | None:
-    """The tool-call format called ``name``; None for ``"none"``.
-
-    Raises:
-        ValueError: No format has that name (the message lists those known).
-    """
+    """None for ``"none"``; a ValueError listing the names known if no
+    format has that name."""
     return _named(TOOL_CALL_FORMATS, "tool_call_parser", name)
 
 
 def reasoning_format(name: str) -> ReasoningFormat | None:
-    """The reasoning format called ``name``; None for ``"none"``.
-
-    Raises:
-        ValueError: No format has that name (the message lists those known).
-    """
+    """As :func:`tool_call_format`."""
     return _named(REASONING_FORMATS, "reasoning_parser", name)
 
 
 def check_tool_call_parser(name: str) -> str:
-    """``name``, if it names a tool-call format or is ``"none"``.
-
-    Raises:
-        ValueError: It does not (the message lists the names known).
-    """
+    """``name``, if :func:`tool_call_format` takes it."""
     tool_call_format(name)
     return name
 
 
 def check_reasoning_parser(name: str) -> str:
-    """``name``, if it names a reasoning format or is ``"none"``.
-
-    Raises:
-        ValueError: It does not (the message lists the names known).
-    """
+    """``name``, if :func:`reasoning_format` takes it."""
     reasoning_format(name)
     return name
 
 
 @dataclass(frozen=True, slots=True)
 class ModelFormats:
-    """The formats a model's answers are read in (None: it has none).
-
-    Attributes:
-        tool_call: How it writes tool calls.
-        reasoning: How it writes its reasoning.
-    """
+    """The formats a model's answers are read in (None: it has none)."""
 
     tool_call: ToolCallFormat | None
     reasoning: ReasoningFormat | None
@@ -155,11 +128,7 @@ def model_formats(
     reasoning_parser: str | None = None,
 ) -> ModelFormats:
     """The formats of a model with this chat ``template`` (None: it has
-    none): those the settings name, else those detected.
-
-    Raises:
-        ValueError: A setting names no known format.
-    """
+    none); a ValueError if a setting names no known format."""
     if tool_call_parser is not None:
         tools = tool_call_format(tool_call_parser)
     elif template is None:
@@ -185,8 +154,8 @@ def log_formats(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
 ) -> None:
-    """Log ``model``'s ``formats`` in one line, with how each was chosen (a
-    setting, or detected from its chat template)."""
+    """Log ``model``'s formats in one line, and whether each was set or
+    detected."""
     names = formats.names()
     logger.info(
         "model %r: tool calls in %s (%s), reasoning in %s (%s)",

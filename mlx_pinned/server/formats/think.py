@@ -1,13 +1,8 @@
 """The ``<think>...</think>`` reasoning format, and Magistral's ``[THINK]``.
 
-Any thread, pure Python. A model whose chat template thinks writes
-``<think>...</think>`` before its answer (Qwen3, Qwen3-VL-Thinking,
-DeepSeek-R1); :class:`ReasoningSplitter` sends the text between to the
-reasoning and the rest to the content, one piece of text at a time, so a
-stream and a whole answer split alike. Whether the answer starts inside
-the reasoning is read from the chat template (:func:`opens`). Magistral
-writes the same shape with ``[THINK]`` and ``[/THINK]`` (:data:`MAGISTRAL`),
-Gemma 4 with ``<|channel>thought`` and ``<channel|>`` (:data:`GEMMA4_THINKING`).
+Any thread, pure Python. Qwen3, Qwen3-VL-Thinking and DeepSeek-R1 think
+between ``<think>`` and ``</think>`` before the answer; Magistral and Gemma 4
+write the same shape with their own markers (:func:`tagged`).
 """
 
 from __future__ import annotations
@@ -51,15 +46,11 @@ def opens(
     opening: str = THINK_OPEN,
     closing: str = THINK_CLOSE,
 ) -> bool:
-    """Whether the template's generation prompt ends with ``<think>``
-    (Qwen3-VL-Thinking, DeepSeek-R1), so the answer starts inside the
-    reasoning; else the model may open ``<think>`` as its first text
-    (Qwen3's hybrid templates, whose ``enable_thinking: false`` writes an
-    empty pair).
-
-    A ``<think>`` the generation prompt opens only under an ``enable_thinking``
-    test opens it only when the request sets ``enable_thinking: true`` (mlx-vlm
-    passes false to templates that take it, unless the request says).
+    """Whether the template's generation prompt ends with ``<think>``, so
+    the answer starts inside the reasoning (an empty pair switches it off).
+    One opened only under an ``enable_thinking`` test opens it only when the
+    request sets ``enable_thinking: true``, as mlx-vlm passes false unless
+    the request says.
     """
     found = _GENERATION_PROMPT.search(template)
     tail = template[found.end() :] if found else ""
@@ -82,16 +73,10 @@ class _State(enum.Enum):
 class ReasoningSplitter:
     """Splits generated text, fed piece by piece, into reasoning and content.
 
-    Newlines just inside the tags and just after ``</think>`` are dropped,
-    as Qwen's templates drop them when the turn is sent back. An answer
-    that does not start inside the reasoning and does not begin with
-    ``<think>`` is all content, unchanged. The pieces out join to the same
-    two texts however the input was cut (a test checks it).
-
-    Args:
-        opened: Whether the answer starts inside the reasoning (:func:`opens`).
-        opening: The marker that opens the reasoning.
-        closing: The marker that closes it.
+    Newlines just inside the tags and just after the closing one are
+    dropped, as Qwen's templates drop them when the turn is sent back. An
+    answer not ``opened`` (:func:`opens`) that does not begin with the
+    opening marker is all content, unchanged.
     """
 
     def __init__(
@@ -104,12 +89,9 @@ class ReasoningSplitter:
         self.thought = opened  # whether any reasoning began
 
     def feed(self, text: str) -> tuple[str, str]:
-        """The reasoning and the content ``text`` releases (either may be
-        empty: text is held while it may begin a tag)."""
         return self._split(self._held + text, final=False)
 
     def end(self) -> tuple[str, str]:
-        """What is still held, released at the end of the answer."""
         return self._split(self._held, final=True)
 
     def _split(self, text: str, *, final: bool) -> tuple[str, str]:
@@ -149,9 +131,8 @@ class ReasoningSplitter:
 def tagged(
     name: str, opening: str, closing: str, *, named: str | None = None
 ) -> ReasoningFormat:
-    """A format that thinks between ``opening`` and ``closing``, as
-    ``<think>`` does, detected by a template that names ``named`` (by
-    default ``opening``)."""
+    """A format that thinks between ``opening`` and ``closing``, detected by
+    a template that names ``named`` (by default ``opening``)."""
 
     def detect(template: str) -> bool:
         return (named or opening) in template
@@ -171,18 +152,14 @@ def tagged(
     )
 
 
-#: Magistral's ``[THINK]...[/THINK]`` format, an entry of the registry.
 MAGISTRAL = tagged("magistral", "[THINK]", "[/THINK]")
 
-#: Gemma 4's thought channel, ``<|channel>thought ... <channel|>`` before
-#: the answer (the markers mlx-vlm's server splits Gemma 4's thinking by);
-#: a template that names ``<|channel>`` (to strip it from the history)
-#: thinks in it. An entry of the registry.
+# A template that names ``<|channel>`` (to strip it from the history)
+# thinks in Gemma 4's thought channel.
 GEMMA4_THINKING = tagged(
     "gemma4", "<|channel>thought", "<channel|>", named="<|channel>"
 )
 
-#: The ``<think>`` format, an entry of the registry.
 THINK = ReasoningFormat(
     name="think",
     detect=detect,

@@ -1,13 +1,8 @@
 """mlx-vlm's tool-call parsers and its template detection, as pure Python.
 
-Any thread (the HTTP side calls them on the event loop). mlx-vlm keeps one
-module per format in ``mlx_vlm/tools/parsers`` (``tool_call_start``,
-``tool_call_end``, ``parse_tool_call(text, tools)``) and maps a chat
-template to one of them in ``mlx_vlm/tools/registry.py``. Those files
-import only the standard library and ``regex``, but importing them as
-``mlx_vlm.tools...`` runs ``mlx_vlm/__init__``, which imports MLX, and
-this side never imports MLX. So each file is loaded on its own, from
-where mlx-vlm is installed (the modules already imported are reused).
+Any thread. Importing ``mlx_vlm.tools`` would run ``mlx_vlm/__init__``,
+which imports MLX, so each of those files (standard library and ``regex``
+only) is loaded on its own from where mlx-vlm is installed.
 """
 
 from __future__ import annotations
@@ -54,13 +49,12 @@ def _load(dotted: str) -> ModuleType:
 
 
 def vlm_parser(name: str) -> ModuleType:
-    """mlx-vlm's parser module for the format it calls ``name``."""
     return _load(f"tools.parsers.{name}")
 
 
 def vlm_detects(name: str) -> Callable[[str], bool]:
     """Whether mlx-vlm's own detection gives a chat template the format it
-    calls ``name`` (its markers and their priorities, as mlx-vlm infers)."""
+    calls ``name``."""
 
     def detect(template: str) -> bool:
         return _inferred(template) == name
@@ -70,14 +64,12 @@ def vlm_detects(name: str) -> Callable[[str], bool]:
 
 @lru_cache(maxsize=64)
 def _inferred(template: str) -> str | None:
-    """mlx-vlm's format for a template (asked once per template: every
-    request looks its model's formats up)."""
+    # Cached: every request looks its model's formats up.
     found = _load("tools.registry")._infer_tool_parser(template)
     return found if isinstance(found, str) else None
 
 
 def _wire_tools(tools: Sequence[ToolSpec]) -> list[dict[str, Any]]:
-    """Tools as mlx-vlm's parsers read them (OpenAI's request shape)."""
     return [
         {"type": "function", "function": {"name": t.name, "parameters": t.parameters}}
         for t in tools
@@ -92,9 +84,8 @@ def arguments_text(arguments: Any) -> str:
 
 
 def vlm_decoder(name: str) -> Callable[[str, Sequence[ToolSpec]], list[Decoded]]:
-    """Decodes the text between a call's markers with mlx-vlm's parser
-    ``name``: a list of calls; raises ValueError if it is no call. The
-    parser's file is loaded at the first call."""
+    """A :data:`~.blocks.Decoder` by mlx-vlm's parser ``name``, loaded at
+    the first call."""
 
     def decode(body: str, tools: Sequence[ToolSpec]) -> list[Decoded]:
         module = vlm_parser(name)

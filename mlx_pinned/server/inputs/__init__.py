@@ -1,3 +1,3 @@
-"""Inputs of a request that are read off the event loop and off the MLX
-thread: images decoded in worker threads, remote images fetched (when
-allowed) with SSRF rules. Never imports MLX or the HTTP side."""
+"""A request's images, videos and audio, fetched (where allowed) on the
+event loop and decoded in worker threads. Never imports MLX or the HTTP
+side."""

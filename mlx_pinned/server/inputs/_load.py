@@ -1,10 +1,6 @@
-"""What loading images and loading videos share: the ``data:`` URI, the
-remote fetch, the decoders' bound and the worker thread.
-
-:func:`load` runs on the event loop and hands decoding to an anyio worker
-thread (neither the event loop nor the MLX thread); :func:`data_uri_bytes`
-and :func:`too_large` run on that worker thread. Each names its media by
-``kind`` (``"image"`` or ``"video"``), which also spells its error codes.
+"""What loading images and videos share: the ``data:`` URI, the remote
+fetch, the decoders' bound. :func:`load` runs on the event loop, the rest
+on the worker thread it hands decoding to. ``kind`` spells the error codes.
 """
 
 from __future__ import annotations
@@ -33,8 +29,7 @@ __all__ = [
     "too_large",
 ]
 
-#: Fetches a remote image or video URL and returns its bytes; raises
-#: :class:`RemoteImageError` for a URL it refuses or cannot fetch.
+#: Fetches a remote URL's bytes; raises :class:`RemoteImageError`.
 Fetcher = Callable[[str], Awaitable[bytes]]
 Kind = Literal["image", "video"]
 
@@ -42,8 +37,8 @@ Kind = Literal["image", "video"]
 _DATA_URI = re.compile(
     r"\s*data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),", re.ASCII | re.IGNORECASE
 )
-# What rb"\s" matches; bytes.translate drops it about 6x faster than re.sub
-# on a 10 MB payload, and holds the GIL that much less.
+# What rb"\s" matches; bytes.translate drops it faster than re.sub, and
+# holds the GIL less.
 _WHITESPACE = b" \t\n\r\f\v"
 
 
@@ -70,22 +65,13 @@ async def load(
     fetch: Fetcher | None,
     limiter: anyio.CapacityLimiter | None,
 ) -> list[T]:
-    """Fetch the remote ones, then ``decode`` each in a worker thread, in order.
+    """Fetch the remote ones (refused where ``fetch`` is None), then
+    ``decode`` each under ``limits``, given its fetched bytes, in a worker
+    thread under ``limiter`` (default: :func:`decoders`), in order.
 
     Runs on the event loop. A cancelled caller is released once the decoding
     in progress ends (so the decoders' bound holds), and its result is
     dropped.
-
-    Args:
-        refs: The parts, in prompt order.
-        decode: Decodes one part under ``limits``, given its fetched bytes
-            (None: not remote).
-        limits: The limits ``decode`` is given.
-        kind: What the parts are.
-        fetch: Fetches ``http(s)://`` URLs; when None they are refused. Its
-            :class:`RemoteImageError` becomes the part's refusal.
-        limiter: Bounds the requests decoding at once (default:
-            :func:`decoders`).
 
     Raises:
         MediaRefusedError: The first part that cannot be used.
@@ -120,12 +106,8 @@ _DECODERS: RunVar[anyio.CapacityLimiter] = RunVar("mlx_pinned_image_decoders")
 
 
 def decoders() -> anyio.CapacityLimiter:
-    """The event loop's bound on image and video decodes at once: one per core.
-
-    anyio's shared limiter allows 40 worker threads: 32 requests arriving
-    together would have 32 threads decoding, each wanting the GIL the event
-    loop needs (docs/benchmarks.md measures ``GET /health`` both ways).
-    """
+    """The event loop's bound on media decodes at once: one per core, not
+    anyio's 40 threads, each wanting the GIL the event loop needs."""
     try:
         return _DECODERS.get()
     except LookupError:
@@ -137,14 +119,8 @@ def decoders() -> anyio.CapacityLimiter:
 def data_uri_bytes(
     ref: MediaRef, kind: Kind, formats: Collection[str], send: str, max_bytes: int
 ) -> tuple[bytes, str]:
-    """The decoded bytes of a base64 ``data:`` URI, and its MIME type.
-
-    Args:
-        ref: The part.
-        kind: What it is.
-        formats: The MIME types accepted.
-        send: The accepted types, as the refusal lists them.
-        max_bytes: The most decoded bytes allowed.
+    """The decoded bytes of a base64 ``data:`` URI, and its MIME type
+    (one of ``formats``; ``send`` lists them in the refusal).
 
     Raises:
         MediaRefusedError: Not a ``data:`` URI, a type not in ``formats``,
@@ -190,7 +166,6 @@ def data_uri_bytes(
 def too_large(
     ref: MediaRef, kind: Kind, size: int, max_bytes: int
 ) -> MediaRefusedError:
-    """The refusal of a part of ``size`` bytes, over ``max_bytes``."""
     return ref.error(
         f"the {kind} is {size} bytes; at most {max_bytes} are allowed.",
         f"{kind}_too_large",

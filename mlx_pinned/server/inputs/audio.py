@@ -1,19 +1,8 @@
-"""Untrusted audio files, decoded to mono float32 samples with miniaudio.
-
-The formats are those miniaudio decodes: WAV, MP3, FLAC and Ogg Vorbis,
-told apart by their first bytes (never by a name or a MIME type a client
-sent). Every limit is checked as early as it can be: the encoded size
-first, then the header (channels, sample rate, frame count, so its length)
-before a sample is decoded, so a small file that claims two hours is
-refused without decoding it; the length again on what decoding gave (a
-header that lies short). Decoding mixes the channels down and resamples to
-the model's rate in the same pass.
-
-Decoding is CPU work that does not touch MLX: :func:`load_audio` (an
-uploaded file) and :func:`load_audios` (a chat request's ``input_audio``
-parts: base64, and the format each part says it is, checked against its
-first bytes) run it in a worker thread, off the event loop and off the MLX
-thread, under the image decoders' bound.
+"""Untrusted audio files (WAV, MP3, FLAC, Ogg Vorbis, told apart by their
+first bytes) decoded to mono float32 samples at the model's rate with
+miniaudio, each limit checked from the header before a sample is decoded.
+The loaders run on the event loop and decode in a worker thread under the
+decoders' bound.
 """
 
 from __future__ import annotations
@@ -36,13 +25,11 @@ from ._load import decoders
 
 __all__ = ["FORMATS", "decode_audio", "decode_part", "load_audio", "load_audios"]
 
-#: The formats taken, as OpenAI names them.
 FORMATS = ("wav", "mp3", "flac", "ogg")
 
 
 async def load_audio(data: bytes, sample_rate: int, *, limits: AudioLimits) -> Audio:
-    """:func:`decode_audio` in a worker thread, under the decoders' bound
-    (a :data:`~..media.LoadAudio`, once ``limits`` are given). Event loop."""
+    """A :data:`~..media.LoadAudio`, once ``limits`` are given."""
     return await anyio.to_thread.run_sync(
         lambda: decode_audio(data, limits, sample_rate=sample_rate),
         limiter=decoders(),
@@ -52,10 +39,8 @@ async def load_audio(data: bytes, sample_rate: int, *, limits: AudioLimits) -> A
 async def load_audios(
     refs: Sequence[AudioRef], taken: AudioInput, *, limits: AudioLimits
 ) -> list[Audio]:
-    """:func:`decode_part` of each part, in order, in one worker thread under
-    the decoders' bound (a :data:`~..media.LoadAudios`, once ``limits`` are
-    given), at the model's rate; a file longer than the model hears is
-    refused from its header too. Event loop."""
+    """A :data:`~..media.LoadAudios`, once ``limits`` are given; a file
+    longer than the model hears is refused from its header too."""
     if not refs:
         return []
     longest = taken.max_seconds
@@ -69,12 +54,12 @@ async def load_audios(
 
 
 def decode_part(ref: AudioRef, limits: AudioLimits, *, sample_rate: int) -> Audio:
-    """Decode an ``input_audio`` part: its base64 data, which must be a file
-    of the format it names, then :func:`decode_audio`. Calling thread.
+    """Decode an ``input_audio`` part, whose base64 data must be a file of
+    the format it names. Calling thread.
 
     Raises:
-        AudioRefusedError: Not base64, over the byte limit, not of its
-            ``format``, or refused by :func:`decode_audio`.
+        AudioRefusedError: Not base64, not of its ``format``, or refused by
+            :func:`decode_audio`.
     """
     payload = ref.data.encode("ascii", "replace")
     # Base64 grows data by 4/3: refuse before decoding anything.
@@ -102,15 +87,8 @@ def decode_part(ref: AudioRef, limits: AudioLimits, *, sample_rate: int) -> Audi
 def decode_audio(
     data: bytes, limits: AudioLimits, *, sample_rate: int, index: int = 0
 ) -> Audio:
-    """Decode one audio file to mono float32 samples at ``sample_rate``.
-
-    Runs on the calling thread; pure CPU, never touches MLX.
-
-    Args:
-        data: The file's bytes.
-        limits: The limits it must keep.
-        sample_rate: The rate to resample to (the model's).
-        index: Which audio file of the request it is, for the error.
+    """Decode one audio file to mono float32 samples at ``sample_rate``, on
+    the calling thread; ``index`` names it in the error.
 
     Raises:
         AudioRefusedError: Empty, over a limit, not a format taken, or not
@@ -158,7 +136,6 @@ def decode_audio(
 
 
 def _kind(data: bytes) -> str | None:
-    """The format, from the file's first bytes."""
     if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
         return "wav"
     if data[:4] == b"fLaC":
@@ -172,7 +149,6 @@ def _kind(data: bytes) -> str | None:
 
 
 def _info(kind: str, data: bytes) -> Any:
-    """miniaudio's reading of the header (None: it cannot read one)."""
     import miniaudio
 
     read = {

@@ -1,15 +1,6 @@
-"""Untrusted images from chat requests, decoded to RGB PIL images.
-
-Images arrive as ``data:`` URIs (PNG, JPEG, WebP, GIF's first frame). Every
-limit is checked as early as it can be: the count (by the HTTP side) before
-anything is decoded, the encoded size before base64 is decoded, and the pixel
-count from the file's header before the pixels are decoded, so a small file
-that claims a huge canvas is refused without allocating it. Local paths and
-``file://`` are always refused; ``http(s)://`` URLs are refused unless a
-fetcher is given (the server's is :class:`.remote.RemoteImageFetcher`, with SSRF rules).
-
-Decoding is CPU work that does not touch MLX, so :func:`load_images` runs it in
-a worker thread: off the event loop and off the MLX thread.
+"""Untrusted images (PNG, JPEG, WebP, GIF's first frame) decoded to RGB PIL
+images, the pixel count read from the header before the pixels are decoded.
+:func:`load_images` runs on the event loop and decodes in a worker thread.
 """
 
 from __future__ import annotations
@@ -26,7 +17,7 @@ from ._load import Fetcher, data_uri_bytes, decoders, load, too_large
 
 __all__ = ["FORMATS", "Fetcher", "decode_image", "decoders", "load_images"]
 
-#: MIME type → Pillow format name, for the formats this server accepts.
+#: MIME type → Pillow format name.
 FORMATS: dict[str, str] = {
     "image/png": "PNG",
     "image/jpeg": "JPEG",
@@ -44,15 +35,9 @@ MAX_ASPECT_RATIO = 200
 def decode_image(
     ref: ImageRef, limits: ImageLimits, data: bytes | None = None
 ) -> Image.Image:
-    """Decode one image to a fully loaded RGB image.
-
-    Runs on the calling thread; pure CPU, never touches MLX.
-
-    Args:
-        ref: The image part; its URL must be a ``data:`` URI unless ``data`` is
-            given.
-        limits: The size limits.
-        data: The encoded bytes, when already fetched from a remote URL.
+    """Decode one image to a fully loaded RGB image, on the calling thread;
+    ``data``: its bytes, when fetched from a remote URL (else its URL must be
+    a ``data:`` URI).
 
     Raises:
         ImageRefusedError: Unsupported URL or format, bad base64, over a limit,
@@ -103,20 +88,7 @@ async def load_images(
     fetch: Fetcher | None = None,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> list[Image.Image]:
-    """Decode the images of a request in a worker thread, in order.
-
-    Runs on the event loop; decoding runs in an anyio worker thread (neither
-    the event loop nor the MLX thread). A cancelled caller is released once
-    the decoding in progress ends (so the decoders' bound holds), and its
-    result is dropped.
-
-    Args:
-        refs: The image parts, in prompt order.
-        limits: The size limits.
-        fetch: Fetches ``http(s)://`` URLs; when None they are refused. Its
-            :class:`RemoteImageError` becomes an ``ImageRefusedError``.
-        limiter: Bounds the requests decoding at once (default:
-            :func:`decoders`, one per core).
+    """A request's images, in order: :func:`._load.load` of :func:`decode_image`.
 
     Raises:
         ImageRefusedError: The first image that cannot be used.

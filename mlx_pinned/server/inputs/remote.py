@@ -1,22 +1,6 @@
-"""Remote images, fetched without letting a client reach internal addresses.
-
-Off by default. When a server enables them (``--allow-remote-images``),
-:class:`RemoteImageFetcher` fetches ``http(s)://`` image URLs with these rules
-against server-side request forgery (SSRF):
-
-- scheme ``http`` or ``https`` only, no user name or password in the URL;
-- the host name is resolved once per hop, and every address it resolves to
-  must be public (:func:`is_public_address`): not loopback, private,
-  link-local, shared (CGNAT), multicast, reserved, unspecified, a cloud
-  metadata address, nor an IPv6 address that embeds one of those;
-- the request goes to the vetted address itself (the ``Host`` header and the
-  TLS server name keep the name), so a second DNS answer cannot swap in an
-  internal address between the check and the connection (DNS rebinding);
-- redirects are followed by hand, at most ``max_redirects``, each hop vetted
-  the same way; proxies from the environment are never used;
-- one deadline for the whole fetch and a byte cap checked while reading.
-
-Runs on the event loop (asyncio or trio); nothing here touches MLX.
+"""Remote images and videos, fetched without letting a client reach internal
+addresses (``--allow-remote-images``; the SSRF rules: docs/security.md).
+Runs on the event loop (asyncio or trio).
 """
 
 from __future__ import annotations
@@ -56,13 +40,8 @@ _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 
 class RemoteImageError(Exception):
-    """A remote image that was refused or could not be fetched.
-
-    Args:
-        message: What went wrong, for the client.
-        code: ``image_url_refused`` (the URL is not allowed) or
-            ``image_fetch_failed`` (it is, but the fetch failed).
-    """
+    """A remote image that was refused (``code`` ``image_url_refused``) or
+    could not be fetched (``image_fetch_failed``)."""
 
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
@@ -71,13 +50,9 @@ class RemoteImageError(Exception):
 
 
 def is_public_address(address: str | IPAddress) -> bool:
-    """Whether a fetch may connect to ``address``.
-
-    False for loopback, private, link-local, shared (100.64.0.0/10),
-    multicast, reserved, unspecified and documentation ranges, cloud
-    metadata addresses, IPv6 site-local, and IPv6 addresses that embed a
-    refused IPv4 address (IPv4-mapped, 6to4, Teredo, NAT64).
-    """
+    """Whether a fetch may connect to ``address``: a global address, not a
+    cloud metadata one, and no IPv6 address that embeds a refused IPv4 one
+    (IPv4-mapped, 6to4, Teredo, NAT64)."""
     ip = ipaddress.ip_address(address) if isinstance(address, str) else address
     if isinstance(ip, ipaddress.IPv6Address):
         ip = ip.ipv4_mapped or ip
@@ -113,20 +88,20 @@ async def system_resolver(host: str, port: int) -> list[str]:
 
 
 class RemoteImageFetcher:
-    """Fetches image URLs under the SSRF rules of this module.
+    """Fetches a URL's body, or raises :class:`RemoteImageError`.
 
-    Call it with a URL; it returns the body's bytes or raises
-    :class:`RemoteImageError`. Runs on the event loop; cancelling the caller
-    abandons the fetch.
+    Each hop's host is resolved once and every address must be public; the
+    request goes to the vetted address itself (the ``Host`` header and TLS
+    server name keep the name), so DNS rebinding cannot swap one in.
+    Redirects are followed by hand, each hop vetted; environment proxies are
+    never used. Cancelling the caller abandons the fetch.
 
     Args:
-        max_bytes: Largest body; a bigger one is refused while reading.
         timeout: Seconds for the whole fetch, every hop and the body included.
-        max_redirects: Redirects followed; each hop is vetted.
-        resolver: Resolves ``(host, port)`` to addresses; the system resolver
-            when None. Tests inject one to make a name resolve anywhere.
-        transport: The httpx transport; a fresh one per fetch when None.
-            Tests inject one to stand in for the public internet.
+        resolver: Resolves ``(host, port)`` to addresses (default: the
+            system's); tests inject one to make a name resolve anywhere.
+        transport: The httpx transport (default: a fresh one per fetch);
+            tests inject one to stand in for the public internet.
     """
 
     def __init__(
@@ -145,7 +120,6 @@ class RemoteImageFetcher:
         self.transport = transport
 
     async def __call__(self, url: str) -> bytes:
-        """Fetch ``url``; see the class docstring."""
         try:
             with anyio.fail_after(self.timeout):
                 return await self._fetch(url)
@@ -188,7 +162,6 @@ class RemoteImageFetcher:
         )
 
     async def _get(self, client: httpx.AsyncClient, url: httpx.URL) -> httpx.Response:
-        """Send one GET to a vetted address of ``url``'s host."""
         # The ASCII (IDNA) form: resolvers, the Host header and TLS want it
         # (url.host is the Unicode form of an internationalised name).
         host = url.raw_host.decode("ascii")
@@ -217,7 +190,6 @@ class RemoteImageFetcher:
         raise _failed(url, last) from None
 
     async def _vetted(self, host: str, port: int) -> list[str]:
-        """The addresses of ``host``, all of them public, or a refusal."""
         try:
             literal: IPAddress | None = ipaddress.ip_address(host)
         except ValueError:
@@ -261,9 +233,6 @@ class RemoteImageFetcher:
             )
         encoding = response.headers.get("content-encoding", "").strip().lower()
         if encoding not in ("", "identity"):
-            # Asked for identity; a compressed answer would be expanded past
-            # the byte cap before the cap could see it (a few KiB of gzip
-            # can be gigabytes).
             raise RemoteImageError(
                 f"the image URL answered with a compressed body ({encoding}); "
                 "only uncompressed images are fetched.",
@@ -296,7 +265,7 @@ class RemoteImageFetcher:
 
 
 class _Borrowed(httpx.AsyncBaseTransport):
-    """A transport the fetcher uses but does not close (its owner does)."""
+    """A transport the fetcher uses but does not close."""
 
     def __init__(self, transport: httpx.AsyncBaseTransport) -> None:
         self._transport = transport
@@ -307,7 +276,7 @@ class _Borrowed(httpx.AsyncBaseTransport):
 
 @functools.cache
 def _ssl_context() -> ssl.SSLContext:
-    # Loading the CA certificates takes tens of milliseconds: once a process.
+    # Loading the CA certificates is slow: once a process.
     return ssl.create_default_context()
 
 

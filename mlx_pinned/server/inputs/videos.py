@@ -1,21 +1,8 @@
-"""Untrusted videos from chat requests, sampled to RGB frames with OpenCV.
-
-Videos arrive as ``data:`` URIs (MP4, WebM, QuickTime, AVI, Matroska) or,
-where the server allows it, as ``http(s)://`` URLs fetched under the same
-SSRF rules as images (:class:`.remote.RemoteImageFetcher`). Every limit is
-checked as early as it can be: the count (by the HTTP side), the encoded
-size before base64 is decoded, then the container's header (frame size,
-frame rate, frame count, so its length) before any frame is decoded, so a
-small file that claims a huge canvas or an hour of frames is refused
-without decoding one. Frames are then read in order (a lying frame count
-ends at the file's real end) and sampled at the request's ``video_fps``, at
-most ``video_max_frames`` of them, an even number (Qwen-VL's temporal
-patches are two frames).
-
-OpenCV reads from a path only, so the bytes go to a private temporary file
-that is removed once read. Decoding is CPU work that does not touch MLX:
-:func:`load_videos` runs it in a worker thread, off the event loop and off
-the MLX thread, under the image decoders' bound.
+"""Untrusted videos (MP4, WebM, QuickTime, AVI, Matroska) sampled to RGB
+frames with OpenCV, each limit checked from the container's header before a
+frame is decoded. OpenCV reads from a path only, so the bytes go to a
+private temporary file. :func:`load_videos` runs on the event loop and
+decodes in a worker thread.
 """
 
 from __future__ import annotations
@@ -37,7 +24,7 @@ from ._load import Fetcher, data_uri_bytes, load, too_large
 
 __all__ = ["FORMATS", "MAX_SOURCE_FPS", "decode_video", "load_videos"]
 
-#: MIME types this server accepts, and the file suffix OpenCV is given.
+#: MIME type → the file suffix OpenCV is given.
 FORMATS: dict[str, str] = {
     "video/mp4": ".mp4",
     "video/webm": ".webm",
@@ -53,15 +40,9 @@ MAX_SOURCE_FPS = 240.0
 def decode_video(
     ref: VideoRef, limits: VideoLimits, data: bytes | None = None
 ) -> Video:
-    """Decode and sample one video.
-
-    Runs on the calling thread; pure CPU, never touches MLX.
-
-    Args:
-        ref: The video part; its URL must be a ``data:`` URI unless ``data``
-            is given.
-        limits: The size limits and the default sampling.
-        data: The encoded bytes, when already fetched from a remote URL.
+    """Decode and sample one video, on the calling thread; ``data``: its
+    bytes, when fetched from a remote URL (else its URL must be a ``data:``
+    URI).
 
     Raises:
         VideoRefusedError: Unsupported URL or format, bad base64, over a
@@ -145,7 +126,8 @@ def _sample(ref: VideoRef, limits: VideoLimits, capture: Any, data: bytes) -> Vi
 
 def _indices(total: int, fps: float, ref: VideoRef, limits: VideoLimits) -> list[int]:
     """The source frames to keep: ``video_fps`` per second, evenly spread,
-    at most ``video_max_frames`` (and never more than the source has)."""
+    at most ``video_max_frames`` and the source's count, and even where more
+    than one (Qwen-VL's temporal patches are two frames)."""
     rate = ref.fps if ref.fps is not None else limits.fps
     cap = min(ref.max_frames or limits.max_frames, limits.max_frames)
     count = max(1, min(math.floor(total / fps * rate), cap, total))
@@ -161,18 +143,7 @@ async def load_videos(
     fetch: Fetcher | None = None,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> list[Video]:
-    """Decode the videos of a request in a worker thread, in order.
-
-    Runs on the event loop; decoding runs in an anyio worker thread (neither
-    the event loop nor the MLX thread). A cancelled caller is released once
-    the decoding in progress ends, and its result is dropped.
-
-    Args:
-        refs: The video parts, in prompt order.
-        limits: The size limits and the default sampling.
-        fetch: Fetches ``http(s)://`` URLs; when None they are refused.
-        limiter: Bounds the requests decoding at once (default: the image
-            decoders' bound, :func:`.images.decoders`).
+    """A request's videos, in order: :func:`._load.load` of :func:`decode_video`.
 
     Raises:
         VideoRefusedError: The first video that cannot be used.
