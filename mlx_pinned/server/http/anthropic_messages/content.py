@@ -1,19 +1,12 @@
-"""The messages of an Anthropic Messages request: roles, content blocks,
-and the chat they make for the engine and the image decoders.
+"""The messages of an Anthropic Messages request, and the chat they make.
 
-Pure CPU, no MLX, no event loop; :mod:`.protocol` assembles them into the
-request. The engine gets mlx-vlm's chat messages (:func:`chat_messages`),
-the image decoders :class:`~...events.ImageRef` values (:func:`image_refs`);
-neither sees pydantic.
-
-How Anthropic's turns become a chat template's: every system text (the
-top-level ``system`` first, then each ``system`` message inside
-``messages``, in order, as Claude Code sends them) is one leading system
-turn, since chat templates take a system turn only first; an assistant
-turn's ``tool_use`` blocks are its tool calls; a user turn's
-``tool_result`` blocks are tool turns, before the rest of its content;
-``thinking`` and ``redacted_thinking`` blocks of earlier turns are left out
-of the prompt, as thinking models' templates leave out earlier reasoning.
+Pure CPU, any thread. Every system text (the top-level ``system`` first,
+then each ``system`` message inside ``messages``, as Claude Code sends them)
+is one leading system turn, since chat templates take a system turn only
+first; an assistant turn's ``tool_use`` blocks are its tool calls; a user
+turn's ``tool_result`` blocks are tool turns, before the rest of its
+content; earlier ``thinking`` and ``redacted_thinking`` blocks are left out,
+as thinking models' templates leave out earlier reasoning.
 """
 
 from __future__ import annotations
@@ -183,11 +176,8 @@ def system_text(system: System | None, messages: Sequence[Message]) -> str:
 def chat_messages(
     system: System | None, messages: Sequence[Message]
 ) -> list[dict[str, Any]]:
-    """The request as mlx-vlm's chat messages (see the module's docstring).
-
-    Image blocks become ``{"type": "image_url"}`` markers in place, so
-    mlx-vlm puts each image in the turn and position where it was sent.
-    """
+    """The request as mlx-vlm's chat messages; each image block becomes an
+    ``image_url`` marker in place, so the image keeps its turn and position."""
     out: list[dict[str, Any]] = []
     leading = system_text(system, messages)
     if leading:
@@ -271,11 +261,8 @@ def image_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
 
 
 def image_refs(messages: Sequence[Message], limits: ImageLimits) -> list[ImageRef]:
-    """The images of ``messages`` in prompt order; checks the count.
-
-    Raises:
-        ImageRefusedError: More than ``limits.max_images`` images.
-    """
+    """The images of ``messages`` in prompt order; an
+    :class:`~...failures.ImageRefusedError` past ``limits.max_images``."""
     return counted_image_refs((url for _, url in image_parts(messages)), limits)
 
 

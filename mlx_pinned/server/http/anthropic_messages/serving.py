@@ -1,15 +1,9 @@
-"""Anthropic Messages' one validation site: a parsed request checked against
-the served model's :class:`~...events.ChatFacts` and this server's
-limits, and turned into the shared generation request.
+"""Anthropic Messages' one check against the model: a parsed request against
+the model's :class:`~...events.ChatFacts` and this server's limits, before
+it waits for the gate, turned into the shared generation request.
 
-Event loop; a grammar is compiled in a worker thread
-(:func:`~..serving_common.check_grammar`).
-Checked here, once, before the request waits for the model's gate: its text
-against the prompt limit, ``max_tokens`` against the server's limit,
-``thinking`` against the model's reasoning format, tools against its
-tool-call format, the grammar (a forced tool call, or ``output_config``'s
-JSON schema), its images. What needs no model is checked by the pydantic
-models (:mod:`.protocol`); what needs the exact prompt by the engine.
+Event loop; a grammar is compiled in a worker thread. What needs no model is
+checked by :mod:`.protocol`, what needs the exact prompt by the engine.
 """
 
 from __future__ import annotations
@@ -70,7 +64,7 @@ class MessagesServing:
 
     def _check(self, request: CountTokensRequest, facts: ChatFacts) -> list[ImageRef]:
         """What a count and a generation share: thinking and tools checked,
-        and the images, for the endpoint to check and decode."""
+        and the images, for the door to check and decode."""
         if (
             isinstance(request.thinking, ThinkingEnabled)
             and facts.formats.reasoning is None
