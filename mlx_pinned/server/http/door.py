@@ -60,13 +60,8 @@ OutputT = TypeVar("OutputT")
 
 @dataclass(frozen=True, slots=True)
 class Wiring:
-    """What every door is built with (``app.py`` makes one).
-
-    Attributes:
-        metrics: Counts each request (None: not counted).
-        closing: What the app closes at shut-down, after the models (a
-            door that opens something adds its close here).
-    """
+    """What every door is built with (``app.py`` makes one); a door that
+    opens something adds its close to ``closing``, run at shut-down."""
 
     config: ServerConfig
     thread: MLXThread
@@ -101,7 +96,6 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
         route: The method and path, for the log line (and its route).
         paths: Its paths, where it has more than the route's.
         prompt: The request's part a refused prompt or input is named by.
-        gated: Whether its run takes a turn of the model's gate.
         api: Its label in the per-model metrics (None: it has none).
     """
 

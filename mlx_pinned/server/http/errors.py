@@ -48,13 +48,9 @@ INTERNAL_ERROR = "The server had an error while processing your request."
 
 
 class APIError(Exception):
-    """A refusal with its HTTP status; each API's :class:`ErrorShape` writes
-    it.
-
-    Args:
-        message: One sentence that says what is wrong and what to do.
-        param: The request parameter at fault, e.g. ``messages[0].content``.
-    """
+    """A refusal with its HTTP status, written by each API's
+    :class:`ErrorShape`; ``message`` is one sentence that says what is
+    wrong and what to do."""
 
     def __init__(
         self,
@@ -140,9 +136,7 @@ def api_error(
 
 
 class ErrorShape(Protocol):
-    """One API's errors: its table (what each failure is answered with) and
-    how it writes an answer, as a response body and as the event that ends
-    a stream already begun."""
+    """One API's errors: its table, and how it writes an answer."""
 
     def answer(
         self,

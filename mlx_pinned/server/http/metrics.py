@@ -136,7 +136,6 @@ class ServerMetrics:
                         metric.labels(model.name, api)
 
     def route_of(self, path: str) -> str:
-        """The route label of ``path``: its route's path, or ``other``."""
         found = (label for regex, label in self._paths if regex.match(path))
         return next(found, "other")
 

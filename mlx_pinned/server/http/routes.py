@@ -70,7 +70,6 @@ class ErrorEdge:
         )
 
     def refusal(self, exc: BaseException) -> ASGIApp:
-        """The middleware's answer to one of the MLX thread's errors."""
 
         async def answer(scope: Scope, receive: Receive, send: Send) -> None:
             await self.response(scope["path"], exc)(scope, receive, send)

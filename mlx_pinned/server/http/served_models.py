@@ -67,19 +67,14 @@ class ModelSlot:
     """A served model: its state, engine and counts.
 
     Attributes:
-        load: Loads it on the MLX thread and gives its engine.
-        measure: Its weight bytes from its checkpoint, on the MLX thread
-            (the budget's measure before the first load).
-        pinned: Loaded by the lifespan at start-up and never unloaded; else
-            loaded on first use.
+        load, measure: Run on the MLX thread; ``measure`` gives the weight
+            bytes from the checkpoint, the budget's before the first load.
+        pinned: Loaded by the lifespan at start-up and never unloaded.
         idle_timeout: Seconds idle before it is unloaded (None: never).
-        holders: Requests holding it now (``Residency.use``).
-        weight_bytes: Measured at its last load; None before the first.
         idle_since: When the last holder let go (``anyio.current_time()``),
             while LOADED and idle; None otherwise.
         created: Unix time the server was made: the ``created`` in
             ``/v1/models``, which does not move with loads.
-        failures: Loads failed.
     """
 
     name: str
@@ -216,7 +211,6 @@ class _Slots:
             raise
 
     def release(self) -> None:
-        """Hand the slot to the first waiter, else free it."""
         if self.room:
             waiter = heapq.heappop(self.room)
             waiter.handed = True

@@ -51,15 +51,10 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A request checked against its model, as its door takes it; the media
-    references are in prompt order, to decode.
-
-    Attributes:
-        params: Its ``videos`` and ``audios`` are set once decoded.
-        tools: The tools the model may call, for the answer's parser.
-        template_kwargs: Whether the model thinks is read with them.
-        decoded: Its images, decoded (set by the door's ``media`` step).
-    """
+    """A request checked against its model, as its door takes it: media
+    references in prompt order, decoded by the door's ``media`` step into
+    ``params`` (videos, audio) and ``decoded`` (images); ``tools`` and
+    ``template_kwargs`` are what the answer's parser reads."""
 
     params: GenerationParams
     images: Sequence[ImageRef]
@@ -75,9 +70,6 @@ class Prepared:
 
 
 class GenerationRequest(Protocol):
-    """What the skeleton reads of every API's parsed request: the model it
-    names, and whether its answer is streamed."""
-
     model: str
     stream: bool | None
 
@@ -212,20 +204,14 @@ def check_media(
 
 
 def unforced_call(message: str) -> APIError:
-    """OpenAI's 400 for a ``tool_choice`` the model's format cannot force."""
     return APIError(400, message, param="tool_choice", code="unsupported_parameter")
 
 
 @dataclass(frozen=True, slots=True)
 class ForcedCall:
-    """A call the request forces (OpenAI's ``tool_choice`` ``required`` or
-    a named function, Anthropic's ``any`` or ``tool``).
-
-    Attributes:
-        tools: Each tool the call may be of, with the parameter that names
-            its schema (``tools[0].function.parameters``).
-        parallel: One or more calls; else exactly one.
-    """
+    """A call the request forces: of one of ``tools``, each with the
+    parameter that names its schema; one or more calls if ``parallel``,
+    else exactly one."""
 
     tools: Sequence[tuple[str, ToolSpec]]
     parallel: bool

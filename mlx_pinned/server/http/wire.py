@@ -186,7 +186,6 @@ class ResponseWriter:
             await self.send(b"", more=False)
 
     async def error(self, error: APIError) -> None:
-        """An error response, or an error event if the stream already began."""
         if error.status >= 500:
             logger.warning("answering %d: %s", error.status, error.message)
         try:

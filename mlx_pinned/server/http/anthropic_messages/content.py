@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ...config import ImageLimits
 from ...media import ImageRef
-from ..protocol_common import counted_image_refs
+from ..protocol_common import RequestModel, counted_image_refs
 
 __all__ = [
     "AssistantMessage",
@@ -41,16 +41,6 @@ __all__ = [
     "system_text",
     "text_chars",
 ]
-
-
-class RequestModel(BaseModel):
-    """The base of every request model: strict types, finite numbers;
-    unknown keys inside blocks are ignored (``citations``), the top level
-    refuses them."""
-
-    model_config = ConfigDict(
-        strict=True, extra="ignore", frozen=True, allow_inf_nan=False
-    )
 
 
 class CacheControl(RequestModel):
@@ -93,8 +83,6 @@ class ImageBlock(RequestModel):
 
 
 class ToolUseBlock(RequestModel):
-    """An earlier assistant turn's tool call."""
-
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
@@ -166,8 +154,6 @@ def _text(content: str | Sequence[Any]) -> str:
 
 
 def system_text(system: System | None, messages: Sequence[Message]) -> str:
-    """Every system text of the request, joined: ``system`` first, then
-    the system messages inside ``messages``, in order."""
     texts = [] if system is None else [_text(system)]
     texts += [_text(m.content) for m in messages if isinstance(m, SystemMessage)]
     return "\n\n".join(t for t in texts if t)

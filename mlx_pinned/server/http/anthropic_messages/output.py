@@ -40,12 +40,10 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
 def message_id() -> str:
-    """A fresh ``msg_…`` id (unique, not secret)."""
     return f"msg_{random_hex(96)}"
 
 
 def tool_use_id() -> str:
-    """A fresh ``toolu_…`` id for a tool call."""
     return f"toolu_{random_hex(96)}"
 
 
@@ -104,7 +102,6 @@ class Blocks:
                 self._calls[part.index][1].append(part.text)
 
     def content(self) -> list[dict[str, Any]]:
-        """The blocks, each tool call's input parsed."""
         out = [dict(block) for block in self.blocks]
         for position, arguments in self._calls.values():
             out[position]["input"] = _input("".join(arguments))

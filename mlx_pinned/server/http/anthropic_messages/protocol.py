@@ -179,8 +179,6 @@ class OutputConfig(RequestModel):
 
 
 class Metadata(RequestModel):
-    """``metadata``: accepted, without effect."""
-
     user_id: str | None = None
 
 
@@ -193,8 +191,6 @@ _REFUSED = {
 
 
 class CountTokensRequest(RequestBody):
-    """The body of ``POST /v1/messages/count_tokens``: the prompt's fields."""
-
     model: str
     messages: list[Message] = Field(min_length=1)
     system: System | None = None
@@ -277,7 +273,6 @@ class CountTokensRequest(RequestBody):
         context_length: int | None = None,
         grammar: Grammar | None = None,
     ) -> GenerationParams:
-        """The prompt's part of the shared generation request."""
         return GenerationParams(
             messages=tuple(chat_messages(self.system, self.messages)),
             max_tokens=max_tokens,
@@ -290,8 +285,6 @@ class CountTokensRequest(RequestBody):
 
 
 class MessagesRequest(CountTokensRequest):
-    """The body of ``POST /v1/messages``."""
-
     max_tokens: int = Field(ge=1)
     metadata: Metadata | None = None
     stop_sequences: Annotated[list[str], Field(max_length=16)] | None = None

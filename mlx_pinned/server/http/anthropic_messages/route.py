@@ -41,8 +41,6 @@ __all__ = ["CountTokensEndpoint", "MessagesEndpoint"]
 
 
 class MessagesEndpoint(GenerationDoor[MessagesRequest]):
-    """The door of ``POST /v1/messages``."""
-
     route = "POST /v1/messages"
     api = "messages"
     errors: ClassVar[ErrorShape] = ANTHROPIC_ERRORS

@@ -55,10 +55,6 @@ def _with_turns(prepared: Prepared) -> Prepared:
 
 
 class MessagesServing:
-    """Checks Messages requests against the served model and the server's
-    limits (``config``: ``max_prompt_tokens``, ``max_tokens_limit``,
-    ``image_limits``)."""
-
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
 
@@ -79,13 +75,8 @@ class MessagesServing:
         return image_refs(request.messages, self.config.image_limits)
 
     async def prepare(self, request: MessagesRequest, facts: ChatFacts) -> Prepared:
-        """Check ``request`` against the model; its generation request.
-
-        Raises:
-            APIError: 400 naming the field at fault.
-            PromptTooLongError: Its text alone is over the prompt limit.
-            ImageRefusedError: Too many images.
-        """
+        """Raises an ``APIError`` naming the field at fault, a
+        ``PromptTooLongError`` or an ``ImageRefusedError``."""
         max_prompt = check_prompt_text(
             self.config, facts, text_chars(request.system, request.messages)
         )
@@ -126,13 +117,8 @@ class MessagesServing:
 
 
 def _forced_call(request: MessagesRequest) -> ForcedCall | None:
-    """``tool_choice`` ``any`` (a call of any tool; one or more unless
-    ``disable_parallel_tool_use``) or ``tool`` (exactly one call of it);
-    None when no call is forced.
-
-    Raises:
-        APIError: 400 for a forced call with ``output_config.format``.
-    """
+    """None when no call is forced; a 400 for a forced call with
+    ``output_config.format``."""
     choice = request.tool_choice
     if not isinstance(choice, ToolChoiceAny | ToolChoiceTool):
         return None
@@ -154,7 +140,6 @@ def _forced_call(request: MessagesRequest) -> ForcedCall | None:
 
 
 def _answer_format(request: MessagesRequest) -> tuple[str, Grammar] | None:
-    """``output_config.format``'s schema; None for text."""
     output = request.output_config
     if output is None or output.format is None:
         return None

@@ -224,12 +224,10 @@ class ChunkEncoder:
 
 
 def completion_id() -> tuple[str, int]:
-    """A fresh ``chatcmpl-…`` id and the ``created`` Unix time."""
     return f"chatcmpl-{random_hex(96)}", int(time.time())
 
 
 def tool_call_id() -> str:
-    """A fresh ``call_…`` id for a tool call."""
     return f"call_{random_hex(96)}"
 
 

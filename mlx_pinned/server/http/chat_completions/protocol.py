@@ -228,7 +228,6 @@ class ChatCompletionRequest(OpenAISamplingFields, StructuredOutputFields):
 
     @property
     def active_tools(self) -> list[Tool]:
-        """The tools the model may call: none with ``tool_choice: "none"``."""
         if self.tools is None or self.tool_choice == "none":
             return []
         return self.tools

@@ -210,5 +210,4 @@ class ChunkWriter:
 
 
 def completion_id() -> tuple[str, int]:
-    """A fresh ``cmpl-…`` id and the ``created`` Unix time."""
     return f"cmpl-{random_hex(96)}", int(time.time())

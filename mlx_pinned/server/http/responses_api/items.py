@@ -21,6 +21,8 @@ from pydantic import (
     model_validator,
 )
 
+from ..protocol_common import RequestModel
+
 __all__ = [
     "INPUT_ITEMS",
     "NAME_PATTERN",
@@ -42,15 +44,6 @@ __all__ = [
 
 #: OpenAI's rule for function and schema names.
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
-
-
-class RequestModel(BaseModel):
-    """Strict types, finite numbers; fields OpenAI adds to items it returns
-    are ignored, so an output item replayed as input is accepted."""
-
-    model_config = ConfigDict(
-        strict=True, extra="ignore", frozen=True, allow_inf_nan=False
-    )
 
 
 class TextContent(RequestModel):

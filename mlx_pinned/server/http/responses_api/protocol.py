@@ -205,7 +205,6 @@ class ResponsesRequest(RequestBody):
 
     @property
     def items(self) -> list[InputItem]:
-        """``input`` as items: a string is one user message."""
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)
@@ -216,7 +215,6 @@ class ResponsesRequest(RequestBody):
 
     @property
     def active_tools(self) -> list[FunctionTool]:
-        """The tools the model may call: none with ``tool_choice: "none"``."""
         return [] if self.tool_choice == "none" else self.function_tools
 
     @property

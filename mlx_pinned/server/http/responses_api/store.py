@@ -31,14 +31,8 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
-    """One stored response.
-
-    Attributes:
-        messages: The conversation it ended, as chat messages, without its
-            instructions.
-        images: The URLs of the images in ``messages``, in order.
-        size: Bytes it is counted as.
-    """
+    """One stored response; ``messages`` is the conversation it ended,
+    without its instructions, and ``images`` their URLs, in order."""
 
     response: dict[str, Any]
     input_items: list[dict[str, Any]]
@@ -61,8 +55,6 @@ def encoded(
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """What the bound and the image count need of a stored response."""
-
     size: int
     image_count: int
 
@@ -204,12 +196,8 @@ class MemoryStore(ResponseStore):
 
 
 def open_store(config: ServerConfig) -> ResponseStore:
-    """The store of ``config``: in memory, or in ``state_dir`` where it is
-    set (opened and checked now, on the caller's thread).
-
-    Raises:
-        SettingError: ``state_dir`` cannot hold the store.
-    """
+    """The store of ``config``, opened and checked now, on the caller's
+    thread; a ``SettingError`` where ``state_dir`` cannot hold it."""
     bound = (config.responses_store_max, config.responses_store_bytes)
     if config.state_dir is None:
         return MemoryStore(*bound)

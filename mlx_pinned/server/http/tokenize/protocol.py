@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from ...events import GenerationParams
-from ..protocol_common import RequestBody, TemplateKwargs
+from ..protocol_common import RequestBody, RequestModel, TemplateKwargs, TextPart
 from ..validation import parse_request
 
 __all__ = [
@@ -25,16 +25,7 @@ __all__ = [
 ]
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
-
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
