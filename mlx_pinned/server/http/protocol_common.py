@@ -27,15 +27,18 @@ from ..media import AudioRef, ImageRef, VideoRef
 
 __all__ = [
     "EFFORT_BUDGETS",
+    "NAME_PATTERN",
     "TEMPLATE_ARGUMENTS",
     "ImagePart",
     "ImageURL",
+    "JSONObjectFormat",
     "OpenAISamplingFields",
     "RequestBody",
     "RequestModel",
     "Stop",
     "StreamOptions",
     "TemplateKwargs",
+    "TextFormat",
     "TextPart",
     "TextsOrTokens",
     "TokenId",
@@ -55,6 +58,8 @@ __all__ = [
     "url_object",
 ]
 
+#: OpenAI's rule for function and schema names.
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 #: A token id as a request sends it (below the vocabulary: the serving's check).
 TokenId = Annotated[int, Field(ge=0)]
 #: OpenAI's ``prompt`` (completions) and ``input`` (embeddings): a text, texts,
@@ -116,6 +121,14 @@ def url_object(value: object) -> object:
 class TextPart(RequestModel):
     type: Literal["text"]
     text: str
+
+
+class TextFormat(RequestModel):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(RequestModel):
+    type: Literal["json_object"]
 
 
 class ImageURL(RequestModel):

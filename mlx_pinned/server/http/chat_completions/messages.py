@@ -16,9 +16,13 @@ from pydantic import BeforeValidator, Field
 from ...config import AudioLimits, ImageLimits, VideoLimits
 from ...media import AudioRef, ImageRef, VideoRef
 from ..protocol_common import (
+    NAME_PATTERN,
     ImagePart,
     ImageURL,
+    JSONObjectFormat,
     RequestModel,
+    StreamOptions,
+    TextFormat,
     TextPart,
     counted_audio_refs,
     counted_image_refs,
@@ -62,9 +66,6 @@ __all__ = [
     "video_parts",
     "video_refs",
 ]
-
-#: OpenAI's rule for function and schema names.
-NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class Prediction(RequestModel):
@@ -145,12 +146,6 @@ Message = Annotated[
 ]
 
 
-class StreamOptions(RequestModel):
-    """``stream_options``: only ``include_usage`` has an effect."""
-
-    include_usage: bool | None = None
-
-
 class FunctionDefinition(RequestModel):
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
@@ -178,14 +173,6 @@ class JSONSchemaFormat(RequestModel):
     # 'schema' would shadow a BaseModel attribute: the field has another name.
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
-
-
-class TextFormat(RequestModel):
-    type: Literal["text"]
-
-
-class JSONObjectFormat(RequestModel):
-    type: Literal["json_object"]
 
 
 class JSONSchemaResponseFormat(RequestModel):

@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..protocol_common import RequestModel
+from ..protocol_common import NAME_PATTERN, RequestModel
 
 __all__ = [
     "INPUT_ITEMS",
@@ -41,9 +41,6 @@ __all__ = [
     "image_urls",
     "text_chars",
 ]
-
-#: OpenAI's rule for function and schema names.
-NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class TextContent(RequestModel):

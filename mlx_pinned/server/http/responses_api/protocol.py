@@ -14,7 +14,9 @@ from pydantic import Field, ValidationInfo, field_validator
 from ...events import GenerationParams, Grammar, SamplingParams
 from ..protocol_common import (
     EFFORT_BUDGETS,
+    JSONObjectFormat,
     RequestBody,
+    TextFormat,
     check_service_tier,
     check_unique_names,
     floor_top_p,
@@ -60,14 +62,6 @@ _REFUSED = {
     "prompt": "this server stores no prompt templates; send 'input'",
     "max_tool_calls": "this server cannot cap built-in tool calls; leave it out",
 }
-
-
-class TextFormat(RequestModel):
-    type: Literal["text"]
-
-
-class JSONObjectFormat(RequestModel):
-    type: Literal["json_object"]
 
 
 class JSONSchemaFormat(RequestModel):
