@@ -1,3 +1,2 @@
-"""The HTTP side of the server: the event loop only (Starlette, pydantic,
-prometheus). It never imports MLX: it reaches the model through the
-:class:`~..events.Engine` that ``app.py`` wires in."""
+"""The HTTP side of the server: the event loop only. It never imports MLX: it
+reaches a model through its kind's engine protocol."""

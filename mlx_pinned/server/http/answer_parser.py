@@ -1,13 +1,7 @@
 """The generated text as an answer's parts: reasoning, content and tool calls.
 
-Event loop, pure Python, the same for every API. :class:`AnswerParser` runs
-the generated text through the model's reasoning format's parser (for a
-model that thinks) and its tool-call format's parser (for a request with
-tools), piece by piece. Each API writes the parts in its own shape: a stream
-turns each part into a delta, a whole answer collects them (for chat
-completions, :mod:`.chat_completions.output`); both see the same parts, so a
-stream's deltas join to exactly the whole answer. A request with neither
-needs no parser: its text is its content, as generated.
+Event loop, the same for every API. A stream and a whole answer see the
+same parts, so a stream's deltas join to exactly the whole answer.
 """
 
 from __future__ import annotations
@@ -33,8 +27,6 @@ __all__ = ["AnswerParser", "Part", "Reasoning", "answer_parser"]
 
 @dataclass(frozen=True, slots=True)
 class Reasoning:
-    """A piece of the model's reasoning."""
-
     text: str
 
 
@@ -44,15 +36,9 @@ Part = Reasoning | str | CallStart | CallArguments
 
 
 class AnswerParser:
-    """Splits generated text, fed piece by piece, into the parts of an answer.
-
-    Args:
-        reasoning: The parser of the model's reasoning (None: it does not
-            think, or not in this answer).
-        tools: The parser of its tool calls (None: the request has no tools
-            the model may call).
-        call_id: Makes each tool call's id, in the API's own form.
-    """
+    """Splits generated text, fed piece by piece, into the parts of an
+    answer; ``reasoning`` is None where the answer has none, ``tools`` where
+    the request has no tools the model may call."""
 
     def __init__(
         self,
@@ -73,11 +59,9 @@ class AnswerParser:
 
     @property
     def thought(self) -> bool:
-        """Whether the answer began any reasoning."""
         return self._splitter is not None and self._splitter.thought
 
     def feed(self, text: str) -> list[Part]:
-        """The parts ``text`` releases, in order."""
         if self._splitter is None:
             return self._content(text, final=False)
         reasoning, content = self._splitter.feed(text)
@@ -116,15 +100,8 @@ def answer_parser(
     facts: ChatFacts, prepared: Prepared, call_id: Callable[[], str]
 ) -> AnswerParser | None:
     """The parser the answer of a ``prepared`` request needs; None when its
-    text is its content.
-
-    The model's reasoning format and its chat template (with the request's
-    template keywords) say whether and how it thinks; tool calls are parsed
-    in its tool-call format when the request gives tools the model may call
-    (some formats read their arguments' types from them). An answer under
-    a grammar (it follows it from its first token) has no reasoning.
-    ``call_id`` makes each tool call's id.
-    """
+    text is its content. An answer under a grammar (it follows it from its
+    first token) has no reasoning."""
     formats = facts.formats
     reasoning = None
     if formats.reasoning is not None and prepared.params.grammar is None:

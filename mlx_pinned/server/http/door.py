@@ -1,19 +1,12 @@
 """A door: one API route that serves a kind of model, and the one skeleton
-every door runs.
+every door runs (:meth:`Door.handle`).
 
-Event loop only. :meth:`Door.handle` is written once: parse the body, hold
-the model it names (of the door's kind, loaded first if needed), check the
-request against it (``prepare``), decode its media off the loop, take a
-turn of the model's gate, run it on the engine and write the answer whole
-or streamed. A door fills in those steps; it never formats an error: every
-failure is answered by its API's one table (:attr:`Door.errors`), naming
-the door's :attr:`Door.prompt` for a refused prompt.
-
-A status code is chosen only before the first byte: the engine's work that
-can fail (prefill) runs before a stream starts, so a bad request is a 4xx,
-never a 200 that carries an error; a later failure is the stream's own
-error event. One deadline (``request_timeout``) covers everything after the
-body was read; past it the answer is a 504 and the engine's work is closed.
+Event loop only. A door fills in the steps and never formats an error: its
+API's one table (:attr:`Door.errors`) answers every failure. The engine's
+work that can fail (prefill) runs before a stream starts, so a bad request
+is a 4xx, never a 200 that carries an error. One deadline
+(``request_timeout``) covers everything after the body was read; past it
+the answer is a 504 and the engine's work is closed.
 """
 
 from __future__ import annotations
@@ -67,19 +60,8 @@ OutputT = TypeVar("OutputT")
 
 @dataclass(frozen=True, slots=True)
 class Wiring:
-    """What every door is built with (``app.py`` makes one).
-
-    Attributes:
-        config: The server's settings.
-        thread: The MLX thread.
-        models: The served models.
-        residency: Loads, holds and unloads them.
-        turns: Fair turns of the event loop between requests.
-        decoders: Decode a request's media off the loop.
-        metrics: Counts each request (None: not counted).
-        closing: What the app closes at shut-down, after the models (a
-            door that opens something adds its close here).
-    """
+    """What every door is built with (``app.py`` makes one); a door that
+    opens something adds its close to ``closing``, run at shut-down."""
 
     config: ServerConfig
     thread: MLXThread
@@ -93,16 +75,7 @@ class Wiring:
 
 @dataclass(frozen=True, slots=True)
 class Call(Generic[RequestT, EngineT, PreparedT]):
-    """One request as a door's steps after ``prepare`` see it.
-
-    Attributes:
-        request: What ``parse`` made of the body.
-        served: The model it names.
-        engine: That model's engine, of the door's kind.
-        prepared: What ``prepare`` (then ``media``) made of the request.
-        response: Where the answer goes.
-        log: The request's log line.
-    """
+    """One request as a door's steps after ``prepare`` see it."""
 
     request: RequestT
     served: ServedModel
@@ -113,7 +86,7 @@ class Call(Generic[RequestT, EngineT, PreparedT]):
 
 
 class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
-    """The ASGI endpoint of one API route; see the module.
+    """The ASGI endpoint of one API route.
 
     A client that disconnects, while waiting or while its engine runs,
     cancels its request: work that has not started never starts, running
@@ -122,12 +95,7 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
     Attributes:
         route: The method and path, for the log line (and its route).
         paths: Its paths, where it has more than the route's.
-        kind: The kind of model it serves (another kind's model is a 400
-            that names where to send it).
-        errors: Its API's error table and shape.
         prompt: The request's part a refused prompt or input is named by.
-        gated: Whether its run takes a turn of the model's gate (a door
-            that generates nothing takes none).
         api: Its label in the per-model metrics (None: it has none).
     """
 
@@ -153,12 +121,10 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
         prompt order per kind, added to ``places`` (to name a refused one)."""
 
     def model_name(self, request: RequestT) -> str:
-        """The served model the request names."""
         name: str = getattr(request, "model")  # noqa: B009 every API's field
         return name
 
     def streamed(self, request: RequestT) -> bool:
-        """Whether the answer is streamed (else written whole)."""
         return bool(getattr(request, "stream", False))
 
     @abstractmethod
@@ -175,8 +141,8 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
     def gate(
         self, call: Call[RequestT, EngineT, PreparedT]
     ) -> AbstractAsyncContextManager[Any]:
-        """A turn of the model's gate for the run, lowest priority first
-        (none where the door is not :attr:`gated`)."""
+        """A turn of the model's gate for the run (none where the door is not
+        :attr:`gated`)."""
         if not self.gated:
             return nullcontext()
         return call.served.gate.turn(getattr(call.prepared, "priority", 0))
@@ -227,12 +193,9 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
     async def resident(
         self, name: str, log: RequestLog
     ) -> AsyncIterator[tuple[ServedModel, EngineT]]:
-        """The model served as ``name``, of this door's kind, and its engine,
-        held for the block (loaded first if needed; never unloaded under it).
-
-        Raises:
-            APIError: 404 for a model not served, 400 for one of another kind.
-        """
+        """The model served as ``name`` and its engine, held for the block
+        (loaded first if needed; never unloaded under it); a 404 for a model
+        not served, a 400 for one of another kind."""
         served = self.wiring.models.get(name)
         log.model = served.name
         served.check_kind(self.kind, self.route.partition(" ")[2])
@@ -296,7 +259,6 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
 
 
 def routes(*doors: Door[Any, Any, Any, Any]) -> list[Route]:
-    """A route for each path of each door."""
     found = []
     for door in doors:
         method, _, path = door.route.partition(" ")

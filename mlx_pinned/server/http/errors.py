@@ -1,16 +1,10 @@
 """The error edge: what a refusal is, each API's table, and OpenAI's shape.
 
-Event loop only (the middleware's refusal is sent from it too). Below the
-edge, code raises what went wrong: the domain failures of :mod:`..failures`
-(a prompt too long, an image refused, the model not loaded, a full waiting
-room) and the MLX thread's own errors, neither with an HTTP status. Here,
-:func:`api_error` turns each into an :class:`APIError`: its status, its
-code and the part of the request at fault, with no wire shape; the HTTP side
-also raises :class:`APIError` itself for what only it checks (the body, the
-fields). An :class:`ErrorShape` is one API's table and serializer; the route
-an error happens on picks the shape (:class:`~.routes.ErrorEdge`), so every
-refusal on a route, whoever makes it, is written as that route's API writes
-errors. OpenAI's is here; Anthropic's is its slice's.
+Event loop only. Below the edge, code raises the domain failures of
+:mod:`..failures` and the MLX thread's own errors, neither with an HTTP
+status; :func:`api_error` turns each into an :class:`APIError` with no wire
+shape, and the route it happens on picks the :class:`ErrorShape` that
+writes it.
 """
 
 from __future__ import annotations
@@ -54,16 +48,9 @@ INTERNAL_ERROR = "The server had an error while processing your request."
 
 
 class APIError(Exception):
-    """A refusal with its HTTP status; each API's :class:`ErrorShape` writes
-    it.
-
-    Args:
-        status: The HTTP status code.
-        message: One sentence that says what is wrong and what to do.
-        param: The request parameter at fault, e.g. ``messages[0].content``.
-        code: A short machine-readable code, e.g. ``model_not_found``.
-        headers: Extra response headers (e.g. ``Retry-After``).
-    """
+    """A refusal with its HTTP status, written by each API's
+    :class:`ErrorShape`; ``message`` is one sentence that says what is
+    wrong and what to do."""
 
     def __init__(
         self,
@@ -91,7 +78,6 @@ _MEDIA: dict[type[MediaRefusedError], tuple[str, str]] = {
 
 
 def _media_suffix(place: str) -> str:
-    """The ending a part's place shares with its kind's (``""``: an image)."""
     return next((s for _, s in _MEDIA.values() if place.endswith(s)), "")
 
 
@@ -103,25 +89,16 @@ def api_error(
     prompt: str = "messages",
 ) -> APIError | None:
     """The answer for a known condition; None for anything else (a bug: the
-    caller logs it and answers :func:`internal_error`).
+    caller logs it and answers :func:`internal_error`). The MLX thread's bugs
+    are 500s whose message names no job or thread: log those too.
 
     Args:
-        exc: What was raised.
         retry_after: Seconds in the ``Retry-After`` of a busy MLX thread.
         places: Where each image, video and audio file of the request is,
-            in prompt order per kind (``messages[1].content[0].image_url``,
-            ``messages[1].content[1].video_url``,
-            ``messages[1].content[2].input_audio``), to name a refused one.
-        prompt: The request's part that holds the prompt or the inputs
-            (``messages``; ``prompt``, ``input``, ``query``, ``file``), which
-            a refused prompt or input is named by.
-
-    The table: a :class:`~..failures.RequestError` is a 400 naming the part
-    at fault (``prompt`` for a :class:`~..failures.PromptError`); an
-    :class:`~..failures.UnavailableError` and the MLX thread's busy, closed
-    or broken errors are 503s; its bugs (a stream used on the
-    wrong thread, a deadlock) are 500s whose message names no job or thread
-    (log the error for those).
+            in prompt order per kind (``messages[1].content[0].image_url``),
+            to name a refused one.
+        prompt: The request's part that a refused prompt or input is named
+            by (``messages``, ``prompt``, ``input``...).
     """
     if isinstance(exc, APIError):
         return exc
@@ -159,9 +136,7 @@ def api_error(
 
 
 class ErrorShape(Protocol):
-    """One API's errors: its table (what each failure is answered with) and
-    how it writes an answer, as a response body and as the event that ends
-    a stream already begun."""
+    """One API's errors: its table, and how it writes an answer."""
 
     def answer(
         self,
@@ -174,12 +149,10 @@ class ErrorShape(Protocol):
         """The answer to ``exc``; None for a bug (see :func:`api_error`)."""
         ...
 
-    def body(self, error: APIError) -> bytes:
-        """The JSON body of the error response."""
-        ...
+    def body(self, error: APIError) -> bytes: ...
 
     def event(self, error: APIError) -> bytes:
-        """The server-sent event that ends a stream with the error."""
+        """The server-sent event that ends a stream already begun."""
         ...
 
 
@@ -217,17 +190,14 @@ OPENAI_ERRORS = OpenAIErrors()
 
 
 def internal_error() -> APIError:
-    """The 500 for an unexpected error: the details go to the log only."""
     return APIError(500, INTERNAL_ERROR)
 
 
 def shutting_down() -> APIError:
-    """The 503 of a server that is stopping: send new requests elsewhere."""
     return APIError(503, "The server is shutting down.", code="shutting_down")
 
 
 def thread_unavailable() -> APIError:
-    """The 503 once the MLX thread has stopped: nothing will ever run."""
     return APIError(
         503,
         "The MLX thread is not running, so no request can be served: restart "
@@ -237,7 +207,6 @@ def thread_unavailable() -> APIError:
 
 
 def timed_out(timeout: float | None) -> APIError:
-    """The 504 of a request past its deadline."""
     return APIError(
         504,
         f"The request did not finish within this server's limit of {timeout:g} s "

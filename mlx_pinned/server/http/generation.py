@@ -1,11 +1,8 @@
-"""The chat kind's generation doors: what chat completions, the Messages API
-and the Responses API share (the :class:`~.door.Door` steps of a
-generation, and the helpers their writers use).
+"""What the chat kind's generation doors (chat completions, Messages,
+Responses) share: their :class:`~.door.Door` steps, and their writers'
+helpers.
 
-Event loop only. A request is checked against the model's facts by its
-API's serving module, its images, videos and audio are decoded off the
-loop, and its generation is a stream of the model's batch (closed on the
-MLX thread however the request ends); the API writes it whole or streamed.
+Event loop only.
 """
 
 from __future__ import annotations
@@ -46,21 +43,14 @@ Generation = Call[RequestT, Engine, Prepared]
 
 
 class GenerationDoor(Door[RequestT, Engine, Prepared, EventStream], Generic[RequestT]):
-    """A door that generates: parse (the API's), prepare (its serving's
-    checks against :attr:`~..events.Engine.facts`), decode the media, take
-    a turn of the gate at the request's priority, and write the answer as
-    the API does.
-
-    Attributes:
-        call_id: Makes a tool call's id, in the API's own form.
-    """
+    """A door that generates; its API's ``serving`` checks the request, and
+    ``call_id`` makes a tool call's id in the API's own form."""
 
     call_id: Callable[[], str]
 
     @property
     @abstractmethod
-    def serving(self) -> Serving[RequestT]:
-        """The API's one place a request is checked against its model."""
+    def serving(self) -> Serving[RequestT]: ...
 
     async def prepare(self, request: RequestT, engine: Engine) -> Prepared:
         prepared = await self.serving.prepare(request, engine.facts)
@@ -121,11 +111,9 @@ class GenerationDoor(Door[RequestT, Engine, Prepared, EventStream], Generic[Requ
     ) -> FinalEvent:
         """Send the tokens' ``encode``-d data as they come, ``head`` first
         with the first token (the status goes with it, so a failed prefill
-        is still an error status); the final event, unsent, for the caller
-        to end the answer with. Tokens that are in together go out in one
-        write, at most one each ``stream_write_interval`` seconds.
-        ``failed``: how a failure ends the stream (the API's error event
-        when None)."""
+        is still an error status), at most one write each
+        ``stream_write_interval`` seconds; the final event, unsent, for the
+        caller to end the answer with."""
         interval = self.config.stream_write_interval
         final: FinalEvent | None = None
         async with aclosing(stream.flowing(interval)) as flowing:
@@ -175,7 +163,6 @@ def joined(tokens: Sequence[TokenEvent]) -> list[TokenEvent]:
 
 
 def token_parts(parser: AnswerParser | None, text: str) -> list[Part]:
-    """The parts of a token's ``text``: as parsed, else the text itself."""
     return parser.feed(text) if parser is not None else [text]
 
 

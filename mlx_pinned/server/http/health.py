@@ -1,16 +1,9 @@
-"""Readiness and liveness: ``GET /health`` and ``GET /livez``.
-
-``/health`` is the readiness probe, for balancers: 200 only while the server
-should be sent new requests. ``/livez`` is the liveness probe, for process
-managers: 200 while the process can still serve (also while the models load,
-and while it drains), so a slow load is never mistaken for a hung process.
-:class:`Readiness` is the one place that decides readiness; whatever can make
-a server unfit for traffic (shut-down, a follower rank that died) goes
-through it.
+"""Readiness and liveness: ``GET /health`` (for balancers) and ``GET /livez``
+(for process managers: a slow load is never mistaken for a hung process).
 
 The endpoints run on the event loop. :meth:`Readiness.drain` and
-:meth:`Readiness.fail` only set a value that the next probe reads, so any
-thread may call them (a signal handler, a watchdog).
+:meth:`Readiness.fail` only set a value the next probe reads, so any thread
+may call them (a signal handler, a watchdog).
 """
 
 from __future__ import annotations
@@ -33,16 +26,12 @@ __all__ = ["Readiness", "health", "live"]
 
 
 class Readiness:
-    """Whether this server should get new requests, and why not.
+    """Whether this server should get new requests, and why not: the one
+    place that decides it.
 
     Ready when the MLX thread runs, every model loaded at start-up is loaded
     (those loaded on first use are not waited for), the server is not
     draining and nothing marked it down.
-
-    Args:
-        thread: The app's MLX thread.
-        served: The served models.
-        retry_after: Seconds a probe is told to wait while a model loads.
     """
 
     def __init__(
@@ -56,25 +45,21 @@ class Readiness:
 
     @property
     def draining(self) -> bool:
-        """Whether :meth:`drain` was called."""
         return self._draining
 
     def drain(self) -> None:
-        """Stop being ready for good: the server is about to stop (SIGTERM),
-        and balancers should send new requests elsewhere. Requests keep
-        being served meanwhile."""
+        """Stop being ready for good (SIGTERM); requests keep being served
+        meanwhile."""
         self._draining = True
 
     def fail(self, reason: str, *, code: str = "server_unavailable") -> None:
         """Mark the server unfit for traffic for good: ``/health`` answers 503
-        with ``reason`` (one sentence: what broke) and ``code``. The first
-        reason is kept."""
+        with ``reason`` (one sentence: what broke); the first one is kept."""
         if self._down is None:
             self._down = APIError(503, reason, code=code)
 
     def refusal(self) -> Exception | None:
-        """Why the server is not ready (what ``/health`` answers, a 503);
-        None when it is."""
+        """What ``/health`` answers while not ready; None when it is."""
         if self.thread.closed:
             return thread_unavailable()
         if self._down is not None:
@@ -87,16 +72,11 @@ class Readiness:
         return None
 
     def alive(self) -> bool:
-        """Whether the process can still serve: its MLX thread has not
-        stopped. Loading and draining are alive."""
         return not self.thread.closed
 
 
 async def health(readiness: Readiness, request: Request) -> Response:
-    """``GET /health``, readiness: 200 while :class:`Readiness` says ready,
-    with whether each model is loaded (one loaded on first use may not be),
-    its rows, the bytes of KV they hold and the bytes of KV a token takes;
-    else the refusal (a 503, answered by the app's error edge)."""
+    """200 while ready, with each model's state; else the refusal, a 503."""
     refusal = readiness.refusal()
     if refusal is not None:
         raise refusal
@@ -125,8 +105,8 @@ async def health(readiness: Readiness, request: Request) -> Response:
 
 
 async def live(readiness: Readiness, request: Request) -> Response:
-    """``GET /livez``, liveness: 200 while the process can serve, loading and
-    draining included; 503 once its MLX thread stopped (restart it)."""
+    """200 while the process can serve, loading and draining included; 503
+    once its MLX thread stopped."""
     if not readiness.alive():
         raise thread_unavailable()
     return JSONResponse({"status": "alive"})

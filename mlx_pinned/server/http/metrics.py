@@ -1,13 +1,9 @@
 """``GET /metrics``: the server's counters in Prometheus' text format.
 
-One :class:`~prometheus_client.CollectorRegistry` per app, never the global
-one, so two apps in one process (tests) keep their own numbers. What belongs
-to one model (its tokens, times, queue, batch, KV and prompt cache) carries a
-``model`` label, the served name; requests by route and the MLX thread's
-numbers do not. Counters and histograms are updated on the event loop as
-requests end; the queues, the engines and the MLX thread are read when a
-scrape arrives. Everything here runs on the event loop and never waits for
-the MLX thread.
+Event loop only; never waits for the MLX thread. One registry per app, never
+the global one, so two apps in one process keep their own numbers. Counters
+and histograms are updated as requests end; the gates, the engines and the
+MLX thread are read when a scrape arrives.
 """
 
 from __future__ import annotations
@@ -57,45 +53,13 @@ class Kept(Protocol):
 
 
 class ServerMetrics:
-    """The metrics of one app, in their own registry.
+    """The metrics of one app, in their own registry, all prefixed
+    ``mlx_pinned_``; each metric's help text says what it counts.
 
-    Metric names (all prefixed ``mlx_pinned_``): ``requests_total{route,
-    status}`` (``route``: the path of one of the app's routes, or ``other``);
-    per model and API (labels ``model``, and ``api``: a door's
-    :attr:`~.door.Door.api`): counters ``prompt_tokens_total`` and
-    ``generated_tokens_total``, histograms ``time_to_first_token_seconds``,
-    ``request_duration_seconds`` (completed generations, end to end) and
-    ``queue_wait_seconds``; per model (label ``model``): gauges
-    ``queue_depth`` (requests waiting for the model), ``active_generations``
-    and ``batch_usage_ratio`` (``active_generations`` over ``max_num_seqs``:
-    1 means new requests wait; the KV cache has no fixed budget, so this is
-    the replica's fullness a balancer reads); for the MLX thread, gauges
-    ``mlx_thread_pending_jobs``, ``mlx_thread_open_streams``,
-    ``mlx_thread_up`` and ``mlx_thread_busy_fraction`` (since the previous
-    scrape), and the counter ``mlx_thread_busy_seconds_total`` (``rate()``
-    of it is the busy fraction over any window). Per model, once it is
-    loaded: gauges ``kv_cache_bytes`` (the rows' KV), ``batch_rows``,
-    ``prompt_cache_bytes``, ``image_cache_bytes`` and ``disk_cache_bytes``
-    (the files of the caches' disk tier, under ``--state-dir``), counters
-    ``prompt_cache_hits_total``, ``prompt_cache_misses_total`` and
-    ``prompt_cache_reused_tokens_total``;
-    for the decode steps, counters ``decode_steps_total``,
-    ``decode_tokens_total``, ``speculative_steps_total``,
-    ``draft_tokens_total`` and ``draft_accepted_tokens_total``, and gauges
-    ``draft_acceptance_ratio`` (kept over verified drafts) and
-    ``speculative_tokens_per_step`` (tokens a row got from a speculative
-    step: 1 plus its kept drafts), both since the load, 0 before any. Per
-    model, whether loaded or not: gauges ``model_loaded`` (1 or 0) and
-    ``model_weight_bytes``, counters ``model_loads_total``,
-    ``model_unloads_total`` and ``model_load_failures_total`` (models
-    loaded on first use come and go; one loaded at start-up counts one
-    load). Once :attr:`store` is set, gauges ``responses_store_items`` and
-    ``responses_store_bytes`` (what the Responses store keeps, within its
-    bounds).
-
-    Args:
-        thread: The app's MLX thread.
-        models: The served models: their names, gates and engines.
+    What belongs to one model carries a ``model`` label (the served name),
+    and a request's tokens and times an ``api`` label too (a door's
+    :attr:`~.door.Door.api`). An engine's numbers appear once its model is
+    loaded; the Responses store's once :attr:`store` is set.
     """
 
     def __init__(self, thread: MLXThread, models: ServedModels) -> None:
@@ -172,7 +136,6 @@ class ServerMetrics:
                         metric.labels(model.name, api)
 
     def route_of(self, path: str) -> str:
-        """The route label of ``path``: its route's path, or ``other``."""
         found = (label for regex, label in self._paths if regex.match(path))
         return next(found, "other")
 
@@ -202,8 +165,6 @@ class ServerMetrics:
             self.latency.labels(model, api).observe(time.perf_counter() - log.start)
 
     async def endpoint(self, request: Request) -> Response:
-        """``GET /metrics``; each engine's numbers are read once its model is
-        loaded."""
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -277,8 +238,6 @@ class _LiveCollector(Collector):
             )
 
     def _residency(self) -> Iterator[Metric]:
-        """Whether each model is loaded, its weights' bytes, and (those
-        loaded on first use) how often it was loaded and unloaded."""
         flag = _per_model("model_loaded", "1 while the model is loaded.")
         weights = _per_model(
             "model_weight_bytes", "Bytes of the model's weights while it is loaded."
@@ -307,7 +266,6 @@ class _LiveCollector(Collector):
 
 
 def _engine_metrics(loaded: list[tuple[str, EngineCounters]]) -> Iterator[Metric]:
-    """The engines' numbers, a family per metric, a sample per model."""
     gauges = (
         ("kv_cache_bytes", "Bytes of KV held by the rows.", "kv_bytes"),
         (
@@ -360,7 +318,6 @@ def _engine_metrics(loaded: list[tuple[str, EngineCounters]]) -> Iterator[Metric
 
 
 def _decode_metrics(loaded: list[tuple[str, EngineCounters]]) -> Iterator[Metric]:
-    """The decode steps' counts, speculative decoding's among them."""
     counted = (
         ("decode_steps", "Decode steps run.", "decode_steps"),
         ("decode_tokens", "Tokens the decode steps gave.", "decoded_tokens"),

@@ -1,11 +1,8 @@
 """The playground: a chat page at ``GET /`` and its assets, served by the
 server itself (no CDN, no build step).
 
-Event loop only. The files (``mlx_pinned/server/playground/``) are read once,
-when the routes are made, and answered from memory with an ``ETag`` (a
-request that sends it back gets a 304) and a strict Content-Security-Policy:
-the page runs only its own script and style, and talks only to its own
-origin.
+Event loop only. The files are read once, when the routes are made, and
+answered from memory with an ``ETag`` and a strict Content-Security-Policy.
 """
 
 from __future__ import annotations
@@ -71,7 +68,6 @@ class _File:
 
 
 def _read(directory: Path) -> dict[str, _File]:
-    """Every file of ``directory`` with a known type, by name."""
     found = {}
     for path in sorted(directory.iterdir()):
         content_type = _CONTENT_TYPES.get(path.suffix)
@@ -94,11 +90,7 @@ def _answer(file: _File, request: Request) -> Response:
 
 def routes(directory: Path = DIRECTORY) -> list[Route]:
     """The page (``index.html`` at ``/``) and its assets (every other file,
-    under ``/playground/``), read from ``directory`` now.
-
-    Raises:
-        FileNotFoundError: ``directory`` has no ``index.html``.
-    """
+    under ``/playground/``), read from ``directory`` now."""
     files = _read(directory)
     if "index.html" not in files:
         raise FileNotFoundError(f"no index.html in {directory}")

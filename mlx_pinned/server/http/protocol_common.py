@@ -1,12 +1,8 @@
-"""What the API slices' request models share: refusals, checks, sampling.
+"""What the APIs' request models share: refusals by name, checks of
+``stop`` and ``chat_template_kwargs``, OpenAI's sampling fields, media
+references counted against the limits.
 
-Any thread (pure CPU, no MLX); the routes parse on the event loop. Each
-slice's ``protocol`` declares its own fields and names and calls these for
-the parts that are the same in every API that has them: the errors that
-refuse a parameter or a value by name, the checks of ``stop`` and
-``chat_template_kwargs``, and the sampling fields of OpenAI's chat and
-legacy completions as the shared generation request's arguments. Nothing
-here names an API's slice.
+Pure CPU, any thread.
 """
 
 from __future__ import annotations
@@ -31,15 +27,18 @@ from ..media import AudioRef, ImageRef, VideoRef
 
 __all__ = [
     "EFFORT_BUDGETS",
+    "NAME_PATTERN",
     "TEMPLATE_ARGUMENTS",
     "ImagePart",
     "ImageURL",
+    "JSONObjectFormat",
     "OpenAISamplingFields",
     "RequestBody",
     "RequestModel",
     "Stop",
     "StreamOptions",
     "TemplateKwargs",
+    "TextFormat",
     "TextPart",
     "TextsOrTokens",
     "TokenId",
@@ -59,6 +58,8 @@ __all__ = [
     "url_object",
 ]
 
+#: OpenAI's rule for function and schema names.
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 #: A token id as a request sends it (below the vocabulary: the serving's check).
 TokenId = Annotated[int, Field(ge=0)]
 #: OpenAI's ``prompt`` (completions) and ``input`` (embeddings): a text, texts,
@@ -114,15 +115,20 @@ class RequestModel(BaseModel):
 
 
 def url_object(value: object) -> object:
-    """A media part's URL string as the ``{"url": ...}`` object it stands for."""
     return {"url": value} if isinstance(value, str) else value
 
 
 class TextPart(RequestModel):
-    """A ``{"type": "text", "text": ...}`` content part."""
-
     type: Literal["text"]
     text: str
+
+
+class TextFormat(RequestModel):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(RequestModel):
+    type: Literal["json_object"]
 
 
 class ImageURL(RequestModel):
@@ -133,10 +139,8 @@ class ImageURL(RequestModel):
 
 
 class ImagePart(RequestModel):
-    """A ``{"type": "image_url", "image_url": {"url": ...}}`` content part.
-
-    ``image_url`` may also be the URL string itself.
-    """
+    """An ``image_url`` content part; ``image_url`` may also be the URL
+    string itself."""
 
     type: Literal["image_url"]
     image_url: Annotated[ImageURL, BeforeValidator(url_object)]
@@ -144,10 +148,8 @@ class ImagePart(RequestModel):
 
 class RequestBody(BaseModel):
     """The base of a top-level body: strict types, finite numbers, unknown
-    fields refused."""
+    fields refused (see :class:`RequestModel`)."""
 
-    # strict: "10" is not an int, as in OpenAI's API; allow_inf_nan=False:
-    # NaN is "not a finite number", not a range error.
     model_config = ConfigDict(
         strict=True, extra="forbid", frozen=True, allow_inf_nan=False
     )
@@ -162,14 +164,12 @@ class StreamOptions(BaseModel):
 
 
 def unsupported(field: str, why: str) -> PydanticCustomError:
-    """The error that refuses ``field`` whatever its value."""
     return PydanticCustomError(
         "unsupported_parameter", f"Unsupported parameter: '{field}': {why}."
     )
 
 
 def unsupported_value(field: str, value: object, why: str) -> PydanticCustomError:
-    """The error that refuses one ``value`` of ``field``."""
     return PydanticCustomError(
         "unsupported_value",
         f"Unsupported value: '{field}' does not support {value!r}: {why}.",
@@ -202,7 +202,6 @@ def check_service_tier(value: str | None) -> str | None:
 
 
 def check_stop(value: str | list[str] | None) -> str | list[str] | None:
-    """OpenAI's ``stop``: at most 4 sequences, none empty."""
     stops = [value] if isinstance(value, str) else value or []
     if len(stops) > 4:
         raise ValueError("at most 4 stop sequences are allowed")
@@ -212,14 +211,12 @@ def check_stop(value: str | list[str] | None) -> str | list[str] | None:
 
 
 def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
-    """OpenAI's ``stop`` as a tuple of strings (empty when unset)."""
     if stop is None:
         return ()
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
 def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``chat_template_kwargs``: none of the keywords the server sets."""
     for key in value or {}:
         if key in TEMPLATE_ARGUMENTS:
             raise ValueError(f"{key!r} is set by the server, not the request")
@@ -233,7 +230,6 @@ TemplateKwargs = Annotated[dict[str, Any], AfterValidator(check_template_kwargs)
 
 
 def check_unique_names(names: list[str], what: str) -> None:
-    """Refuse a tool list that gives a name twice (``what``: "function")."""
     for name in names:
         if names.count(name) > 1:
             raise ValueError(f"the {what} name {name!r} is given twice")
@@ -256,12 +252,8 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=4096)]
 
 class OpenAISamplingFields(RequestBody):
     """The sampling fields OpenAI's chat and legacy completions share, with
-    vLLM's extensions: its sampling ones (``top_k``, ``min_p``,
-    ``repetition_penalty``, ``allowed_token_ids``), its stopping ones
-    (``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-    ``include_stop_str_in_output``) and its text ones
-    (``skip_special_tokens``, ``spaces_between_special_tokens``), each with
-    vLLM's meaning and default."""
+    vLLM's extensions, each with vLLM's meaning and default but where a
+    comment says otherwise."""
 
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -284,13 +276,9 @@ class OpenAISamplingFields(RequestBody):
     # Hugging Face's fast tokenizers (every one mlx-vlm loads) ignore it.
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool | None = None
-    # Keep the prompt's last N tokens; -1: the model's context length.
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-    # Admission order at the model's gate: lower first.
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
-    # The prompt's log-probabilities with this many alternatives per token.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # Words never generated (their tokens barred where they would end one).
     bad_words: (
         Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=64)]
         | None
@@ -328,7 +316,6 @@ class OpenAISamplingFields(RequestBody):
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
-        """``stop`` as a tuple of strings (empty when unset)."""
         return stop_tuple(self.stop)
 
     def sampling_params(
@@ -377,11 +364,7 @@ R = TypeVar("R", ImageRef, VideoRef, AudioRef)
 
 
 def counted_image_refs(urls: Iterable[str], limits: ImageLimits) -> list[ImageRef]:
-    """An :class:`ImageRef` per URL, in order.
-
-    Raises:
-        ImageRefusedError: More than ``limits.max_images`` images.
-    """
+    """Raises ``ImageRefusedError`` past ``limits.max_images``."""
     refs = [ImageRef(index, url) for index, url in enumerate(urls)]
     return _at_most(refs, limits.max_images, "image")
 
@@ -393,12 +376,7 @@ def counted_video_refs(
     fps: float | None,
     max_frames: int | None,
 ) -> list[VideoRef]:
-    """A :class:`VideoRef` per URL, in order, each with the request's
-    sampling.
-
-    Raises:
-        VideoRefusedError: More than ``limits.max_videos`` videos.
-    """
+    """Raises ``VideoRefusedError`` past ``limits.max_videos``."""
     refs = [VideoRef(i, url, fps, max_frames) for i, url in enumerate(urls)]
     return _at_most(refs, limits.max_videos, "video")
 
@@ -406,11 +384,8 @@ def counted_video_refs(
 def counted_audio_refs(
     files: Iterable[tuple[str, str]], limits: AudioLimits
 ) -> list[AudioRef]:
-    """An :class:`AudioRef` per ``(base64 data, format)``, in order.
-
-    Raises:
-        AudioRefusedError: More than ``limits.max_audios`` audio files.
-    """
+    """An :class:`AudioRef` per ``(base64 data, format)``; raises
+    ``AudioRefusedError`` past ``limits.max_audios``."""
     refs = [AudioRef(i, data, kind) for i, (data, kind) in enumerate(files)]
     return _at_most(refs, limits.max_audios, "audio")
 

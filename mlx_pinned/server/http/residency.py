@@ -1,14 +1,9 @@
 """The one model registry: every load and unload, the memory budget, and
 the app's lifespan.
 
-Event loop only (asyncio or trio, through anyio): the decisions are made
-here, one at a time, and every load and unload itself runs on the MLX
-thread through the callables ``app.py`` wires in (this side never imports
-MLX). Every model has a :class:`~.served_models.ModelSlot`. The lifespan
-(:meth:`Residency.running`) loads the models pinned at start-up, in order,
-before the server is ready; they stay loaded. A request that arrives while
-its model loads waits for that load (at most ``load_wait`` seconds). A model
-loaded on first use goes through these states:
+Event loop only; each load and unload runs on the MLX thread through the
+callables ``app.py`` wires in. Models pinned at start-up are loaded by the
+lifespan, in order, and stay. A model loaded on first use goes through:
 
 ===========  ===============================  ==============================
 state        a request that arrives           leaves it for
@@ -21,16 +16,12 @@ LOADED       holds the engine at once         UNLOADING, once idle: by the
 UNLOADING    waits, then loads it again       UNLOADED
 ===========  ===============================  ==============================
 
-A request holds its model (:meth:`Residency.use`) from the moment it names
-it until its generation is closed on the MLX thread, waiting for the load
-and at the gate included: a model is *idle* only when no request holds it,
-so it has no rows and no waiting request, and only an idle model is
-unloaded. Loads and unloads take one lock, so the budget is checked and
-spent by one of them at a time; the check and the state change that
-follows it run without an ``await`` between them, so a request never slips
-in between. Loads run in the lifespan's task group, not in the request that
-started them: a client that leaves does not cancel a load that others wait
-for.
+A request holds its model from the moment it names it until its
+generation is closed, waiting included; only a model no request holds is
+*idle*, and only an idle one is unloaded. Loads and unloads take one lock,
+and no ``await`` comes between a check and the state change that follows
+it. Loads run in the lifespan's task group, so a client that leaves does
+not cancel a load that others wait for.
 """
 
 from __future__ import annotations
@@ -68,17 +59,9 @@ Release = Callable[[list[Any], str], Awaitable[object]]
 class Residency:
     """Loads every model, unloads idle ones, keeps the memory budget.
 
-    Event loop only. :meth:`running` is the app's lifespan: it loads the
-    pinned models, and its task group runs the loads and the idle watch.
-    Requests take their model through :meth:`use`, which waits for a load
-    when needed.
-
     Args:
-        models: The served models.
-        release: Frees an unloaded engine on the MLX thread.
         budget: Bytes of weights loaded at once, over all models (None: no
             limit).
-        retry_after: Seconds a request it refuses is told to wait.
         load_wait: Seconds a request waits for its model's load before a 503
             ``model_not_loaded`` (None: as long as the load takes).
         prepare: Runs before the start-up loads (the budget's check); what
@@ -113,15 +96,9 @@ class Residency:
 
     @asynccontextmanager
     async def running(self, app: object = None) -> AsyncIterator[None]:
-        """The lifespan (Starlette's ``lifespan=``): loads the pinned models
-        in order (a request that arrives meanwhile waits); loads and the
-        idle watch run inside it; at its end both are cancelled (the server
-        drained its requests first).
-
-        Raises:
-            Exception: What ``prepare`` or a start-up load raised: the
-                start-up fails with it.
-        """
+        """The lifespan (Starlette's ``lifespan=``); loads and the idle watch
+        run inside it and are cancelled at its end. What ``prepare`` or a
+        start-up load raised fails the start-up."""
         self._lock = anyio.Lock()
         self.failure = None
         async with anyio.create_task_group() as tasks:
@@ -171,11 +148,9 @@ class Residency:
 
     @asynccontextmanager
     async def use(self, served: ServedModel) -> AsyncIterator[Resident]:
-        """Hold ``served`` for the block and give its engine, loading it
-        first if it is loaded on first use and not loaded (waiting for the
-        load under way, if one is, at most ``load_wait`` seconds). Close the
-        generation inside the block: the model may be unloaded once the
-        block ends.
+        """Hold ``served`` for the block and give its engine, loading it first
+        if needed (waiting at most ``load_wait`` seconds). Close the
+        generation inside the block: the model may be unloaded after it.
 
         Raises:
             ModelNotLoadedError: Its load did not end within ``load_wait``,
@@ -202,7 +177,6 @@ class Residency:
                 self._notify()
 
     def weight_bytes(self) -> int:
-        """Bytes of weights loaded now."""
         return sum(
             slot.weight_bytes or 0
             for slot in self._slots
@@ -210,7 +184,6 @@ class Residency:
         )
 
     def _pinned_bytes(self) -> int:
-        """Bytes of the models loaded at start-up (never unloaded)."""
         return sum(
             slot.weight_bytes or 0
             for slot in self._slots

@@ -1,7 +1,6 @@
 """The small routes and the error edge: ``/v1/models``, the API key check,
-and :class:`ErrorEdge`, which answers every refusal outside an endpoint
-(the middleware's, the exception handlers', the API key's, the probes') in
-the shape of the route it happens on.
+and :class:`ErrorEdge`, which answers every refusal outside a door in the
+shape of the route it happens on.
 
 Event loop only.
 """
@@ -44,9 +43,8 @@ PROBES = frozenset({"/health", "/livez"})
 
 class ErrorEdge:
     """Which API answers a refusal on a path: the one its route in
-    ``routes`` declares (an endpoint's ``errors``: Anthropic's for
-    ``/v1/messages``), else OpenAI's (the probes, ``/v1/models``, unknown
-    URLs). A busy MLX thread's refusal says to wait ``retry_after`` s."""
+    ``routes`` declares (a door's ``errors``), else OpenAI's. A busy MLX
+    thread's refusal says to wait ``retry_after`` s."""
 
     def __init__(self, routes: Sequence[BaseRoute], *, retry_after: int) -> None:
         self.retry_after = retry_after
@@ -58,13 +56,12 @@ class ErrorEdge:
         ]
 
     def shape(self, path: str) -> ErrorShape:
-        """The error shape of the route at ``path``."""
         found = (shape for regex, shape in self._shapes if regex.match(path))
         return next(found, OPENAI_ERRORS)
 
     def response(self, path: str, exc: BaseException) -> Response:
-        """The answer to ``exc`` on ``path``, by that API's table and in its
-        shape; a bug is a 500 that names nothing."""
+        """The answer to ``exc`` on ``path``; a bug is a 500 that names
+        nothing."""
         shape = self.shape(path)
         error = shape.answer(exc, retry_after=self.retry_after) or internal_error()
         body = shape.body(error)
@@ -73,7 +70,6 @@ class ErrorEdge:
         )
 
     def refusal(self, exc: BaseException) -> ASGIApp:
-        """The middleware's answer to one of the MLX thread's errors."""
 
         async def answer(scope: Scope, receive: Receive, send: Send) -> None:
             await self.response(scope["path"], exc)(scope, receive, send)
@@ -100,9 +96,7 @@ class ErrorEdge:
 def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
     """The ``/v1/models`` entry of a served model; ``created``: when it was
     loaded (now, while it loads), or for one loaded on first use, when the
-    server was made (its loads come and go); ``kind``: what it is served as
-    (``chat``, ``embedding``); while it is loaded, what its engine's facts
-    add (a chat model's ``formats`` and ``input_modalities``)."""
+    server was made; while it is loaded, what its engine's facts add."""
     if not served.slot.pinned:
         created = int(served.slot.created)
     else:
@@ -122,26 +116,20 @@ def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
 
 
 async def models(served: ServedModels, request: Request) -> Response:
-    """``GET /v1/models``: every served model, in the order given."""
     data = [model_card(item, request) for item in served]
     return JSONResponse({"object": "list", "data": data})
 
 
 async def model(served: ServedModels, request: Request) -> Response:
-    """``GET /v1/models/{model_id}``; 404 naming the served ones for any other."""
     found = served.get(request.path_params["model_id"])
     return JSONResponse(model_card(found, request))
 
 
 class APIKeyMiddleware:
     """``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``)
-    on every HTTP route except the probes
-    (``/health`` and ``/livez``): balancers and process managers send none;
-    and except the playground's page and assets, which hold no data: the
-    page asks for the key and sends it on its API calls.
-
-    The key is compared in constant time; a wrong or missing one is a 401
-    in the shape of the route asked for (``errors``).
+    on every HTTP route but the probes (balancers send none) and the
+    playground's page and assets (they hold no data; the page asks for the
+    key). A wrong or missing key is a 401 in the route's shape.
     """
 
     def __init__(self, app: ASGIApp, *, api_key: str, errors: ErrorEdge) -> None:
@@ -172,6 +160,4 @@ class APIKeyMiddleware:
 
 
 def _is_open(path: str) -> bool:
-    """Whether ``path`` needs no API key: a probe, or the playground's page
-    or one of its assets."""
     return path in PROBES or path == PAGE or path.startswith(ASSETS_PREFIX)

@@ -1,16 +1,8 @@
-"""The served models as the HTTP side sees them: a name, a kind, a gate, a
-slot (its state, its engine while loaded, its counts).
+"""The served models as the HTTP side sees them: a name, a kind, a gate
+(:class:`BatchGate`) and a slot (its state, its engine while loaded, its
+counts; :mod:`.residency` loads and unloads it).
 
-Event loop only. A server serves one model or several, all on the one MLX
-thread. Each model's :attr:`ServedModel.slot` holds its engine while it is
-loaded: a model loaded at start-up is loaded by the app's lifespan and
-stays; one loaded on first use comes and goes (:mod:`.residency`, the one
-place that loads and unloads). Requests are routed by their ``model``; each
-model has its own gate (:class:`BatchGate`: at most ``max_num_seqs``
-generations at once, the rest wait their turn), so its batch and its
-waiting room are its own. Each has a kind (chat, embedding): a kind is
-served by its own routes, and a model named on another kind's route is a
-400 that says where to send it.
+Event loop only.
 """
 
 from __future__ import annotations
@@ -51,7 +43,7 @@ __all__ = [
 
 
 class SlotState(enum.Enum):
-    """Where a model loaded on first use is (see the module's table)."""
+    """Where a model loaded on first use is (:mod:`.residency` has the table)."""
 
     UNLOADED = "unloaded"
     LOADING = "loading"
@@ -75,24 +67,14 @@ class ModelSlot:
     """A served model: its state, engine and counts.
 
     Attributes:
-        name: The served name.
-        load: Loads it on the MLX thread and gives its engine.
-        measure: Its weight bytes from its checkpoint, on the MLX thread
-            (the budget's measure before the first load).
-        pinned: Loaded by the lifespan at start-up and never unloaded; else
-            loaded on first use.
+        load, measure: Run on the MLX thread; ``measure`` gives the weight
+            bytes from the checkpoint, the budget's before the first load.
+        pinned: Loaded by the lifespan at start-up and never unloaded.
         idle_timeout: Seconds idle before it is unloaded (None: never).
-        state: See :class:`SlotState`.
-        engine: Its engine (of its kind) while LOADED.
-        holders: Requests holding it now (:meth:`Residency.use`).
-        weight_bytes: Its weights' bytes, measured at its last load; None
-            before the first.
         idle_since: When the last holder let go (``anyio.current_time()``),
             while LOADED and idle; None otherwise.
         created: Unix time the server was made: the ``created`` in
-            ``/v1/models`` of a model loaded on first use, which does not
-            move with loads.
-        loads, unloads, failures: Loads done, unloads done, loads failed.
+            ``/v1/models``, which does not move with loads.
     """
 
     name: str
@@ -127,15 +109,8 @@ def due(slot: ModelSlot) -> float | None:
 
 @dataclass(frozen=True)
 class ServedModel:
-    """One model of the server.
-
-    Attributes:
-        name: What clients send as ``model``.
-        gate: Its own gate: at most ``max_num_seqs`` of its generations at
-            once, at most ``max_pending`` waiting.
-        slot: Where it is loaded (at start-up, or on first use) and unloaded.
-        kind: What it is served as, by which routes.
-    """
+    """One model of the server, with a gate and a batch of its own; ``kind``
+    says which routes serve it."""
 
     name: str
     gate: BatchGate
@@ -143,15 +118,12 @@ class ServedModel:
     kind: str = "chat"
 
     def engine(self) -> Resident | None:
-        """Its engine (of its kind); None while it is not loaded."""
+        """None while it is not loaded."""
         return self.slot.engine
 
     def check_kind(self, kind: str, route: str) -> None:
-        """Refuse it on a route of another kind.
-
-        Raises:
-            APIError: 400 naming ``model`` and the route it belongs on.
-        """
+        """Refuse it on a route of another kind with a 400 that names the
+        route it belongs on."""
         if kind != self.kind:
             mine = kind_named(self.kind)
             what, where = mine.what, mine.paths[0]
@@ -164,7 +136,6 @@ class ServedModel:
 
 
 def model_not_found(name: str, served: Sequence[str]) -> APIError:
-    """The 404 for a model this server does not serve; names those it does."""
     listed = ", ".join(repr(item) for item in served)
     return APIError(
         404,
@@ -192,15 +163,11 @@ class ServedModels:
 
     @property
     def names(self) -> list[str]:
-        """Every served name, in order."""
         return list(self._by_name)
 
     def get(self, name: str) -> ServedModel:
-        """The model served as ``name``.
-
-        Raises:
-            APIError: 404 ``model_not_found``, naming the served models.
-        """
+        """The model served as ``name``; a 404 naming the served ones if
+        none is."""
         try:
             return self._by_name[name]
         except KeyError:
@@ -244,7 +211,6 @@ class _Slots:
             raise
 
     def release(self) -> None:
-        """Hand the slot to the first waiter, else free it."""
         if self.room:
             waiter = heapq.heappop(self.room)
             waiter.handed = True
@@ -256,17 +222,12 @@ class _Slots:
 class BatchGate:
     """At most ``max_num_seqs`` generations at once; the rest wait their turn.
 
-    Event-loop side (asyncio or trio, through anyio). Waiting requests are
-    admitted as slots free up, the lowest ``priority`` first (vLLM's:
-    lower is sooner) and in arrival order within one; at most
-    ``max_pending`` may wait, past that :meth:`turn` refuses at once. A
-    slot is given back when the ``turn()`` block exits, so close the stream
-    inside it.
-
-    Args:
-        max_num_seqs: Generations active at once (the decode batch bound).
-        max_pending: Requests that may wait for a slot.
-        retry_after: Seconds a refused request is told to wait.
+    Event loop (asyncio or trio, through anyio). Waiting requests are
+    admitted as slots free up, the lowest ``priority`` first (vLLM's) and
+    in arrival order within one; past ``max_pending`` waiting, :meth:`turn`
+    refuses at once, telling the client to retry after ``retry_after``
+    seconds. A slot is given back when the ``turn()`` block exits, so close
+    the stream inside it.
     """
 
     def __init__(
@@ -288,16 +249,12 @@ class BatchGate:
 
     @property
     def busy(self) -> bool:
-        """Whether any generation holds a slot."""
         return self.active > 0
 
     @asynccontextmanager
     async def turn(self, priority: int = 0) -> AsyncIterator[None]:
-        """Hold a slot for the block; refused at once when the waiting room is
-        full. ``priority``: lower is admitted sooner.
-
-        Cancelling the caller while it waits gives up its place: its
-        generation never starts.
+        """Hold a slot for the block (``priority``: lower is sooner).
+        Cancelling the caller while it waits gives up its place.
 
         Raises:
             OverloadedError: ``max_pending`` requests wait already.

@@ -1,13 +1,9 @@
-"""What every API's serving module shares: what it is (:class:`Serving`),
-the checks it runs against the served model's
-:class:`~..events.ChatFacts` and this server's limits, the grammar
-of its answer, and what it hands the endpoint (:class:`Prepared`),
-whatever the API's shapes.
+"""What every chat API's serving module shares: the checks against the
+model's :class:`~..events.ChatFacts` and this server's limits, the answer's
+grammar, and what it hands its door (:class:`Prepared`).
 
 Event loop; a grammar is compiled in a worker thread, once for the HTTP
-check and the engine (:data:`~..grammars.GRAMMARS`). Each check takes the
-parameter names and wording its API uses, so an API's errors stay its own;
-none imports a slice.
+check and the engine. Each check takes the parameter names its API uses.
 """
 
 from __future__ import annotations
@@ -55,19 +51,10 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A request checked against its model, as the endpoint takes it.
-
-    Attributes:
-        params: The shared generation request (its ``videos`` are set once
-            they are decoded).
-        images: Its images in prompt order, to decode.
-        videos: Its videos in prompt order, to decode.
-        tools: The tools the model may call, for the answer's parser.
-        template_kwargs: The chat template's keywords (whether the model
-            thinks is read with them).
-        audios: Its audio files in prompt order, to decode.
-        decoded: Its images, decoded (set by the door's ``media`` step).
-    """
+    """A request checked against its model, as its door takes it: media
+    references in prompt order, decoded by the door's ``media`` step into
+    ``params`` (videos, audio) and ``decoded`` (images); ``tools`` and
+    ``template_kwargs`` are what the answer's parser reads."""
 
     params: GenerationParams
     images: Sequence[ImageRef]
@@ -79,14 +66,10 @@ class Prepared:
 
     @property
     def priority(self) -> int:
-        """Its place at the gate (lowest first)."""
         return self.params.priority
 
 
 class GenerationRequest(Protocol):
-    """What the skeleton reads of every API's parsed request: the model it
-    names, and whether its answer is streamed."""
-
     model: str
     stream: bool | None
 
@@ -98,21 +81,15 @@ RequestT_contra = TypeVar(
 
 
 class Serving(Protocol[RequestT_contra]):
-    """A slice's validation site (its ``serving`` module)."""
+    """A chat API's one check against the model (its ``serving`` module)."""
 
-    async def prepare(self, request: RequestT_contra, facts: ChatFacts) -> Prepared:
-        """``request`` checked against the model's ``facts`` and the
-        server's limits: its generation, its images and its videos."""
-        ...
+    async def prepare(self, request: RequestT_contra, facts: ChatFacts) -> Prepared: ...
 
 
 def check_prompt_text(config: ServerConfig, facts: ChatFacts, chars: int) -> int | None:
     """The prompt limit in tokens (the server's, else the model's context;
-    None: neither is known), with ``chars`` of text checked against it.
-
-    Raises:
-        PromptTooLongError: The text alone is over the limit.
-    """
+    None: neither is known); a ``PromptTooLongError`` where ``chars`` of
+    text alone are over it."""
     max_prompt = config.max_prompt_tokens or facts.context_length
     if max_prompt is not None:
         check_text_length(chars, facts.longest_token_chars, max_prompt)
@@ -129,11 +106,7 @@ def max_tokens(
 ) -> int:
     """The tokens to generate: ``asked`` (the request's ``param``) within
     the server's ``max_tokens_limit``; when it asks none, ``default`` (else
-    the server's ``default_max_tokens``).
-
-    Raises:
-        APIError: 400 naming ``param``, over the limit.
-    """
+    the server's ``default_max_tokens``)."""
     if asked is None:
         return config.default_max_tokens if default is None else default
     limit = config.max_tokens_limit
@@ -149,7 +122,6 @@ def max_tokens(
 
 
 def out_of_vocabulary(param: str, token_id: int, vocab: int) -> APIError:
-    """The 400 for a token id of ``param`` the vocabulary does not have."""
     return APIError(
         400,
         f"Invalid value for '{param}': token id {token_id} is outside the "
@@ -160,13 +132,8 @@ def out_of_vocabulary(param: str, token_id: int, vocab: int) -> APIError:
 
 
 def check_token_fields(params: GenerationParams, vocab: int) -> None:
-    """Refuse a token id outside the vocabulary (``logit_bias``,
-    ``stop_token_ids``, ``allowed_token_ids``) and a ``min_tokens`` over
-    ``max_tokens``, as vLLM refuses it.
-
-    Raises:
-        APIError: 400 naming the field.
-    """
+    """Refuse a token id outside the vocabulary and a ``min_tokens`` over
+    ``max_tokens``, as vLLM refuses them."""
     sampling = params.sampling
     fields = {
         "logit_bias": [token for token, _ in sampling.logit_bias],
@@ -189,11 +156,7 @@ def check_token_fields(params: GenerationParams, vocab: int) -> None:
 
 def check_scored_stream(params: GenerationParams, stream: bool | None) -> None:
     """Refuse a stream of an answer with its prompt's log-probabilities:
-    they come with the answer's end, which a stream has sent by then.
-
-    Raises:
-        APIError: 400 naming ``stream``.
-    """
+    they come with the answer's end, which a stream has sent by then."""
     if stream and params.sampling.prompt_logprobs is not None:
         raise APIError(
             400,
@@ -226,14 +189,8 @@ def check_media(
     videos: Sequence[VideoRef] = (),
     audios: Sequence[AudioRef] = (),
 ) -> None:
-    """Refuse images (or videos, or audio) for a model that takes none,
-    naming the first.
-
-    Raises:
-        ImageRefusedError: The first image's error.
-        VideoRefusedError: The first video's error.
-        AudioRefusedError: The first audio file's error.
-    """
+    """Refuse images (or videos, or audio) for a model that takes none, with
+    the first one's ``MediaRefusedError``."""
     if audios and facts.audio_input is None:
         send = "text or images" if facts.accepts_images else "text only"
         message = f"this model takes no audio; send {send}."
@@ -247,20 +204,14 @@ def check_media(
 
 
 def unforced_call(message: str) -> APIError:
-    """OpenAI's 400 for a ``tool_choice`` the model's format cannot force."""
     return APIError(400, message, param="tool_choice", code="unsupported_parameter")
 
 
 @dataclass(frozen=True, slots=True)
 class ForcedCall:
-    """A call the request forces (OpenAI's ``tool_choice`` ``required`` or
-    a named function, Anthropic's ``any`` or ``tool``).
-
-    Attributes:
-        tools: Each tool the call may be of, with the parameter that names
-            its schema (``tools[0].function.parameters``).
-        parallel: One or more calls; else exactly one.
-    """
+    """A call the request forces: of one of ``tools``, each with the
+    parameter that names its schema; one or more calls if ``parallel``,
+    else exactly one."""
 
     tools: Sequence[tuple[str, ToolSpec]]
     parallel: bool
@@ -272,11 +223,9 @@ async def request_grammar(
     answer: tuple[str, Grammar] | None,
     unforced: Callable[[str], APIError] = unforced_call,
 ) -> Grammar | None:
-    """The grammar the request's answer must follow, checked; None if free.
-
-    The forced ``call`` in the model's ``tool_format``, when it has one;
-    else the ``answer``'s format (the parameter that asks for it, and its
-    grammar).
+    """The grammar the answer must follow, checked; None if free: the forced
+    ``call`` in the model's ``tool_format``, else ``answer`` (the parameter
+    that asks for it, and its grammar).
 
     Raises:
         APIError: 400 naming the schema that cannot be used, or
@@ -304,15 +253,9 @@ async def request_grammar(
 
 async def check_grammar(grammar: Grammar, param: str) -> None:
     """Compile ``grammar`` off the event loop (once: the engine takes it
-    from the same cache), and refuse one llguidance cannot use.
-
-    A grammar compiled before is answered on the event loop, without a hop
-    to a worker thread. Cancelling the caller abandons the compile (it runs
-    to its end in its worker thread, and is cached).
-
-    Raises:
-        APIError: 400 ``invalid_json_schema`` naming ``param``.
-    """
+    from the same cache), and refuse one llguidance cannot use with a 400
+    naming ``param``. Cancelling the caller abandons the compile, which
+    runs to its end in its worker thread and is cached."""
     try:
         if grammar in GRAMMARS:
             GRAMMARS.compile(grammar)

@@ -17,28 +17,15 @@ __all__ = ["LoopTurns"]
 class LoopTurns:
     """Share the event loop fairly when many requests are ready at once.
 
-    asyncio runs every callback that was ready when a loop iteration began
-    before it polls its sockets again. When 32 streams end on the same
-    decode step and 32 new requests arrive together, that is all their
-    Python in one iteration, and every other request (``GET /health``, a
-    new arrival, a disconnect) waits for all of it. A request that calls
-    :meth:`checkpoint` between its pieces of work yields to the loop once
-    the loop's current busy stretch has run longer than ``budget`` seconds:
-    the loop polls its sockets, and whatever arrived runs before the rest of
-    the stretch. The work is the same, cut into slices of ``budget``.
-
-    A stretch starts at the first checkpoint after the loop last polled: the
-    first checkpoint queues a marker callback, which runs after the next
-    poll. Whoever waits goes first, in order: a request over the budget, or
-    arriving while others wait, joins the line; the first in line goes on
-    once a new stretch has room, and hands the turn to the next as it goes.
-    A lone stream never yields (it pays a clock read and one marker a
-    checkpoint). Requests that never call :meth:`checkpoint` (``/health``)
-    never wait behind the slices. asyncio only (uvloop included); elsewhere
-    :meth:`checkpoint` returns at once.
-
-    Args:
-        budget: Seconds of checkpointed work per loop iteration.
+    asyncio runs every callback that was ready when an iteration began before
+    it polls its sockets again, so many streams ending together would make
+    every other request wait for all their Python. A request that calls
+    :meth:`checkpoint` between its pieces of work yields once the loop's
+    current busy stretch has run longer than ``budget`` seconds; the stretch
+    ends when a marker callback runs, after the next poll. Waiters go in
+    order: a request over the budget, or arriving while others wait, joins
+    the line, and the first in line goes on once a new stretch has room. A
+    lone stream never yields.
     """
 
     def __init__(self, budget: float = 0.0005) -> None:
@@ -95,7 +82,6 @@ class LoopTurns:
                 line.remove(turn)
 
     def _open(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Open a stretch; its marker runs after the loop's next poll."""
         self._marked = loop
         self._since = time.perf_counter()
         loop.call_soon(self._unmark, loop)

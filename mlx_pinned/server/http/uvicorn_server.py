@@ -2,10 +2,8 @@
 models load, and on SIGTERM it turns ``/health`` to 503 for
 ``--unready-seconds`` before it closes its listener.
 
-Event loop (the main thread). uvicorn calls :meth:`Server.handle_exit` from
-its signal handler, on the loop's thread between two callbacks, and
-:meth:`Server.on_tick` from its main loop every 0.1 s; the load runs on the
-MLX thread, awaited by a task on the loop.
+Event loop (the main thread); uvicorn calls :meth:`Server.handle_exit` from
+its signal handler, on the loop's thread between two callbacks.
 """
 
 from __future__ import annotations
@@ -28,24 +26,14 @@ logger = logging.getLogger("mlx_pinned.server")
 
 
 class Server(uvicorn.Server):
-    """uvicorn's Server for sockets that listen before the models load.
+    """uvicorn's Server for sockets that listen before the models load:
+    meanwhile ``/livez`` answers 200 and the rest 503 ``model_not_loaded``.
+    uvicorn's ``Uvicorn running on URL`` is logged once the models are
+    loaded; a failed load stops the server and sets :attr:`load_failed`.
 
-    It accepts connections from the start: while the app's start-up (the
-    model loads) runs, ``/livez`` answers 200 and ``/health`` and the chat
-    route answer 503 ``model_not_loaded``, so probes and balancers see a
-    process that loads rather than one that hangs. uvicorn's line
-    ``Uvicorn running on URL`` is logged once the models are loaded. A
-    failed load stops the server; :attr:`load_failed` says so.
-
-    The first SIGTERM or SIGINT turns readiness off (:meth:`Readiness.drain`);
-    when the server was ready it keeps serving ``unready_seconds`` more,
-    then shuts down as uvicorn does (the listener closes, in-flight requests
-    finish). A second signal ends the wait.
-
-    Args:
-        config: uvicorn's settings.
-        readiness: The app's readiness.
-        unready_seconds: Seconds between the signal and the listener's close.
+    The first SIGTERM or SIGINT turns readiness off; when the server was
+    ready it keeps serving ``unready_seconds`` more, then shuts down as
+    uvicorn does. A second signal ends the wait.
     """
 
     def __init__(
@@ -99,8 +87,7 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     def _drain_wanted(self) -> bool:
-        """Whether to wait before closing: a balancer may be sending here
-        only if the server was ready."""
+        # A balancer may be sending here only if the server was ready.
         if self.unready_seconds <= 0 or not self.started:
             return False
         return self.readiness.refusal() is None
@@ -116,9 +103,8 @@ class Server(uvicorn.Server):
 
 class _LoadWhileServing(LifespanOn):
     """uvicorn's lifespan, whose start-up (the model loads) runs in a task
-    once the server listens, instead of before; ``loaded(failed)`` is called
-    when it ends. The shut-down waits for a load still running: the MLX
-    thread cannot cut it short."""
+    once the server listens; ``loaded(failed)`` is called when it ends. The
+    shut-down waits for a load still running: it cannot be cut short."""
 
     def __init__(self, config: uvicorn.Config, loaded: Callable[[bool], None]):
         super().__init__(config)

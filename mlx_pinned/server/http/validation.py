@@ -21,14 +21,7 @@ Model = TypeVar("Model", bound=BaseModel)
 
 
 def parse_request(model: type[Model], body: bytes) -> Model:
-    """Parse and validate a JSON body as ``model``.
-
-    Runs wherever it is called (pure CPU, no MLX); cheap enough for the
-    event loop for bodies within the server's size limit.
-
-    Raises:
-        APIError: 400 naming the first invalid parameter.
-    """
+    """Raises :class:`APIError`, a 400 naming the first invalid parameter."""
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
@@ -58,14 +51,9 @@ def field_names(model: type[BaseModel]) -> frozenset[str]:
 def validation_error_to_api_error(
     exc: ValidationError, body: bytes, field_names: frozenset[str]
 ) -> APIError:
-    """A 400 :class:`APIError` for the most specific error of ``exc``.
-
-    Args:
-        exc: pydantic's error for ``body``.
-        body: The request body that failed.
-        field_names: Every field name of the request models, to tell a
-            missing field from one of pydantic's union labels.
-    """
+    """A 400 :class:`APIError` for the most specific error of ``exc``;
+    ``field_names`` tells a missing field from one of pydantic's union
+    labels."""
     errors = exc.errors(include_url=False, include_context=False)
     if any(e["type"] == "json_invalid" for e in errors):
         return APIError(
@@ -130,11 +118,9 @@ def _code(error_type: str) -> str:
 def _param_path(
     loc: tuple[int | str, ...], data: Any, field_names: frozenset[str]
 ) -> list[int | str]:
-    """Drop pydantic's union labels from ``loc`` by walking the request data.
-
-    pydantic puts discriminator tags (``'user'``) and union members
-    (``'list[...]'``) in the location; OpenAI names the path in the request.
-    """
+    """Drop pydantic's union labels (``'user'``, ``'list[...]'``) from
+    ``loc`` by walking the request data: OpenAI names the path in the
+    request."""
     path: list[int | str] = []
     current = data
     for i, item in enumerate(loc):

@@ -1,28 +1,11 @@
 """What vLLM adds to both OpenAI doors (chat and legacy completions) beyond
-sampling (:class:`~.protocol_common.OpenAISamplingFields` has those): its
-spellings of a constrained answer, and the shape of a prompt's
-log-probabilities.
+sampling: its spellings of a constrained answer (``structured_outputs`` and
+the older ``guided_*``), ``stop_reason`` and ``prompt_logprobs``' shape.
 
-Any thread (pure CPU, no MLX); the routes parse and write on the event
-loop.
-
-- Constrained answers: ``structured_outputs`` (``json``, ``json_object``,
-  ``regex``, ``choice``, ``grammar``) and the older ``guided_json``,
-  ``guided_regex``, ``guided_choice`` and ``guided_grammar``. Each is
-  mapped onto the one :class:`~..events.Grammar` that ``response_format``
-  maps onto, so it is compiled by the one cache
-  (:data:`~..grammars.GRAMMARS`) and enforced by the same matcher. At most
-  one may be set; a ``grammar`` is an llguidance Lark grammar (vLLM's
-  guidance backend's syntax).
-- ``stop_reason``: beside a choice's ``finish_reason``, what ended it
-  (:attr:`~..events.FinalEvent.stop_reason`: the stop token's id or the
-  stop string; null for an end of turn or ``length``). A stream chunk
-  carries it only with its ``finish_reason``, as vLLM's chat chunks do.
-- ``prompt_logprobs``: the engine computes them in the prompt's prefill
-  (:class:`~..events.PromptLogprob`, one per prompt token); each becomes
-  vLLM's entry: ``null`` for the first token, else ``{token id:
-  {"logprob", "rank", "decoded_token"}}`` holding the prompt's token and the
-  most likely ones there.
+Pure CPU, any thread. Each constraint maps onto the one
+:class:`~..events.Grammar` that ``response_format`` maps onto; at most one
+may be set, and a ``grammar`` is an llguidance Lark grammar (vLLM's guidance
+backend's syntax).
 """
 
 from __future__ import annotations
@@ -60,8 +43,6 @@ JSONSchema = dict[str, Any] | str
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's ``structured_outputs``: one constraint of the answer."""
-
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
     json_: JSONSchema | None = Field(default=None, alias="json")
@@ -103,7 +84,6 @@ class StructuredOutputs(BaseModel):
         }
 
     def to_grammar(self) -> Grammar:
-        """The constraint as the one grammar value."""
         if self.json_ is not None:
             return json_grammar(self.json_)
         if self.regex is not None:
@@ -116,7 +96,6 @@ class StructuredOutputs(BaseModel):
 
 
 def json_grammar(schema: JSONSchema) -> Grammar:
-    """A JSON schema, sent as an object or as its text."""
     text = schema if isinstance(schema, str) else json.dumps(schema)
     return Grammar("json_schema", text)
 
@@ -127,9 +106,6 @@ def choice_grammar(choices: list[str]) -> Grammar:
 
 
 class StructuredOutputFields(RequestBody):
-    """The fields of vLLM's constrained answers, declared once for both
-    doors; :meth:`structured_grammar` says which was set, and its grammar."""
-
     structured_outputs: StructuredOutputs | None = None
     guided_json: JSONSchema | None = None
     guided_regex: Annotated[str, Field(min_length=1)] | None = None
@@ -153,11 +129,8 @@ class StructuredOutputFields(RequestBody):
         return spellings
 
     def structured_grammar(self) -> tuple[str, Grammar] | None:
-        """The field that constrains the answer and its grammar; None: none.
-
-        Raises:
-            APIError: 400 naming the second of two fields set.
-        """
+        """The field that constrains the answer and its grammar (None: none);
+        a 400 naming the second of two fields set."""
         spellings = self._spellings()
         if len(spellings) > 1:
             first, second = spellings[0][0], spellings[1][0]
@@ -166,7 +139,6 @@ class StructuredOutputFields(RequestBody):
 
 
 def conflict(param: str, other: str) -> APIError:
-    """The 400 for two fields that each constrain the answer."""
     return APIError(
         400,
         f"Invalid value for '{param}': '{other}' constrains the answer already; "
@@ -195,8 +167,6 @@ class StopReasonChoice(BaseModel):
 
 
 class PromptTokenLogprob(BaseModel):
-    """One token of one prompt position, as vLLM writes it."""
-
     model_config = ConfigDict(extra="forbid")
 
     logprob: float
@@ -211,7 +181,8 @@ VLLMPromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
 def vllm_prompt_logprobs(
     entries: Sequence[PromptLogprob], top: int
 ) -> VLLMPromptLogprobs:
-    """``entries`` in vLLM's shape, with ``top`` alternatives each."""
+    """``entries`` in vLLM's shape, with ``top`` alternatives each and the
+    prompt's own token."""
     out: VLLMPromptLogprobs = []
     for entry in entries:
         if entry.logprob is None or entry.rank is None:

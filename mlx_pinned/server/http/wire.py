@@ -1,8 +1,7 @@
-"""The HTTP side of a generation request, the same for every API: body,
-response, disconnects, log line, server-sent events, fresh ids.
+"""The HTTP side of a request, the same for every API: body, response,
+disconnects, log line, server-sent events, fresh ids.
 
-Plain ASGI, on the event loop. Nothing here knows about models or an API's
-shapes: it reads only the plain events of :mod:`..events`.
+Plain ASGI, on the event loop; nothing here knows a model or an API's shapes.
 """
 
 from __future__ import annotations
@@ -122,12 +121,8 @@ class Disconnected(Exception):
 
 
 class ResponseWriter:
-    """The response side of one request: a status is sent once, first.
-
-    Args:
-        send: The ASGI send.
-        errors: How the request's API writes an error.
-    """
+    """The response side of one request: a status is sent once, first;
+    ``errors`` writes an error as the request's API does."""
 
     def __init__(self, send: Send, errors: ErrorShape = OPENAI_ERRORS) -> None:
         self._send = send
@@ -158,7 +153,6 @@ class ResponseWriter:
         status: int = 200,
         extra: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:
-        """The whole response: ``body``, with its ``headers`` (its type)."""
         length = (b"content-length", str(len(body)).encode())
         await self._start(status, [*headers, length, *extra])
         await self.send(body, more=False)
@@ -167,8 +161,7 @@ class ResponseWriter:
         self, first: bytes, *, failed: Callable[[APIError], bytes] | None = None
     ) -> None:
         """Begin server-sent events with ``first``; a failure later ends the
-        stream with ``failed(error)`` (the API's error event, unless the
-        stream has its own, e.g. one that carries the output so far)."""
+        stream with ``failed(error)`` (default: the API's error event)."""
         self._failed = failed or self.errors.event
         await self._start(200, _SSE_HEADERS)
         await self.send(first)
@@ -193,7 +186,6 @@ class ResponseWriter:
             await self.send(b"", more=False)
 
     async def error(self, error: APIError) -> None:
-        """An error response, or an error event if the stream already began."""
         if error.status >= 500:
             logger.warning("answering %d: %s", error.status, error.message)
         try:
@@ -233,12 +225,10 @@ class Body(bytes):
 async def read_body(scope: Scope, receive: Receive, limit: int) -> Body:
     """The request body, refused with 413 once it passes ``limit``.
 
-    Before the 413, the rest of the body is read and dropped, within
-    :data:`DRAIN_FACTOR` times the limit and :data:`DRAIN_SECONDS`: a client
-    that sends its whole body before it reads (Python's ``urllib``,
-    ``requests``) would otherwise find the connection reset under it
-    instead of the answer. A body declared larger than that is refused at
-    once.
+    Before the 413, the rest is read and dropped (within :data:`DRAIN_FACTOR`
+    times the limit and :data:`DRAIN_SECONDS`): a client that sends its whole
+    body before it reads (``urllib``, ``requests``) would otherwise find the
+    connection reset instead of the answer.
     """
     too_large = APIError(
         413,
@@ -272,8 +262,6 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> Body:
 
 
 async def _drain(receive: Receive, budget: int) -> None:
-    """Read and drop the body until it ends, or past ``budget`` bytes or
-    :data:`DRAIN_SECONDS`; the client's disconnect ends it too."""
     with anyio.move_on_after(DRAIN_SECONDS):
         while budget >= 0:
             message = await receive()
@@ -309,10 +297,8 @@ async def cancel_on_disconnect(
 ) -> AsyncIterator[None]:
     """Run :func:`watch_disconnect` beside the block; stop it at the end.
 
-    On asyncio the watcher is a bare task, cancelled at the end without
-    waiting for it: an anyio task group costs the event loop many times a
-    bare task's price per request, and requests arriving together pay it in
-    one stretch of the loop. Elsewhere (trio), a task group.
+    On asyncio the watcher is a bare task, cancelled without waiting for it:
+    an anyio task group per request costs the event loop far more.
     """
     if sniffio.current_async_library() != "asyncio":
         async with anyio.create_task_group() as group:
@@ -338,9 +324,8 @@ def _watcher_done(task: asyncio.Task[None]) -> None:
 
 
 def sse_event(data: Any, *, event: str | None = None) -> bytes:
-    """``data`` as one server-sent event: JSON (not ASCII-escaped, no
-    spaces) after ``data:``, with an ``event:`` line first when ``event`` is
-    given (every API's stream writes its events through this)."""
+    """``data`` as one server-sent event of compact JSON, with an ``event:``
+    line first when ``event`` is given."""
     body = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     if event is None:
         return f"data: {body}\n\n".encode()
@@ -356,6 +341,4 @@ if hasattr(os, "register_at_fork"):  # not on Windows
 
 
 def random_hex(bits: int) -> str:
-    """``bits`` random bits as lowercase hex, zero-padded to ``bits // 4``
-    digits (each API writes its own prefix around it)."""
     return f"{_ids.getrandbits(bits):0{bits // 4}x}"

@@ -1,8 +1,6 @@
-"""The Anthropic Messages slice: ``POST /v1/messages`` and
-``POST /v1/messages/count_tokens``. Event loop only: the protocol
-(:mod:`.protocol`, :mod:`.content`), the one check against the model
-(:mod:`.serving`), the doors (:mod:`.route`) and Anthropic's answers,
-events and error shape (:mod:`.output`).
+"""Anthropic's Messages API: ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens``, answered (errors too) in Anthropic's
+shape. Event loop only.
 """
 
 from .route import CountTokensEndpoint as CountTokensEndpoint

@@ -1,19 +1,12 @@
-"""The messages of an Anthropic Messages request: roles, content blocks,
-and the chat they make for the engine and the image decoders.
+"""The messages of an Anthropic Messages request, and the chat they make.
 
-Pure CPU, no MLX, no event loop; :mod:`.protocol` assembles them into the
-request. The engine gets mlx-vlm's chat messages (:func:`chat_messages`),
-the image decoders :class:`~...events.ImageRef` values (:func:`image_refs`);
-neither sees pydantic.
-
-How Anthropic's turns become a chat template's: every system text (the
-top-level ``system`` first, then each ``system`` message inside
-``messages``, in order, as Claude Code sends them) is one leading system
-turn, since chat templates take a system turn only first; an assistant
-turn's ``tool_use`` blocks are its tool calls; a user turn's
-``tool_result`` blocks are tool turns, before the rest of its content;
-``thinking`` and ``redacted_thinking`` blocks of earlier turns are left out
-of the prompt, as thinking models' templates leave out earlier reasoning.
+Pure CPU, any thread. Every system text (the top-level ``system`` first,
+then each ``system`` message inside ``messages``, as Claude Code sends them)
+is one leading system turn, since chat templates take a system turn only
+first; an assistant turn's ``tool_use`` blocks are its tool calls; a user
+turn's ``tool_result`` blocks are tool turns, before the rest of its
+content; earlier ``thinking`` and ``redacted_thinking`` blocks are left out,
+as thinking models' templates leave out earlier reasoning.
 """
 
 from __future__ import annotations
@@ -21,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ...config import ImageLimits
 from ...media import ImageRef
-from ..protocol_common import counted_image_refs
+from ..protocol_common import RequestModel, counted_image_refs
 
 __all__ = [
     "AssistantMessage",
@@ -48,16 +41,6 @@ __all__ = [
     "system_text",
     "text_chars",
 ]
-
-
-class RequestModel(BaseModel):
-    """The base of every request model: strict types, finite numbers;
-    unknown keys inside blocks are ignored (``citations``), the top level
-    refuses them."""
-
-    model_config = ConfigDict(
-        strict=True, extra="ignore", frozen=True, allow_inf_nan=False
-    )
 
 
 class CacheControl(RequestModel):
@@ -100,8 +83,6 @@ class ImageBlock(RequestModel):
 
 
 class ToolUseBlock(RequestModel):
-    """An earlier assistant turn's tool call."""
-
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
@@ -173,8 +154,6 @@ def _text(content: str | Sequence[Any]) -> str:
 
 
 def system_text(system: System | None, messages: Sequence[Message]) -> str:
-    """Every system text of the request, joined: ``system`` first, then
-    the system messages inside ``messages``, in order."""
     texts = [] if system is None else [_text(system)]
     texts += [_text(m.content) for m in messages if isinstance(m, SystemMessage)]
     return "\n\n".join(t for t in texts if t)
@@ -183,11 +162,8 @@ def system_text(system: System | None, messages: Sequence[Message]) -> str:
 def chat_messages(
     system: System | None, messages: Sequence[Message]
 ) -> list[dict[str, Any]]:
-    """The request as mlx-vlm's chat messages (see the module's docstring).
-
-    Image blocks become ``{"type": "image_url"}`` markers in place, so
-    mlx-vlm puts each image in the turn and position where it was sent.
-    """
+    """The request as mlx-vlm's chat messages; each image block becomes an
+    ``image_url`` marker in place, so the image keeps its turn and position."""
     out: list[dict[str, Any]] = []
     leading = system_text(system, messages)
     if leading:
@@ -271,11 +247,8 @@ def image_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
 
 
 def image_refs(messages: Sequence[Message], limits: ImageLimits) -> list[ImageRef]:
-    """The images of ``messages`` in prompt order; checks the count.
-
-    Raises:
-        ImageRefusedError: More than ``limits.max_images`` images.
-    """
+    """The images of ``messages`` in prompt order; an
+    :class:`~...failures.ImageRefusedError` past ``limits.max_images``."""
     return counted_image_refs((url for _, url in image_parts(messages)), limits)
 
 

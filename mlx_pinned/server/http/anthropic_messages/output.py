@@ -1,22 +1,11 @@
-"""The answer as Anthropic writes it: a message of content blocks, or the
-events of its stream.
+"""The answer as Anthropic writes it, and Anthropic's error shape.
 
-Event loop (pure CPU). Both are made from the parts of the shared
-:class:`~..answer.AnswerParser` (or the plain text, for a request that
-needs no parser): a whole answer collects them into blocks
-(:class:`Blocks`), a stream turns them into events (:class:`EventWriter`),
-one block at a time, so a stream's deltas join to exactly the whole
-answer's blocks: text to ``text``, thinking to ``thinking``, a tool call's
-``input_json_delta`` fragments to its ``input``.
-
-Errors too, in Anthropic's shape (:data:`ANTHROPIC_ERRORS`): the body is
-``{"type": "error", "error": {"type", "message"}}``; a stream already
-begun ends with the same object as an ``event: error``. The table starts
-from the shared one (:func:`..errors.api_error`: the same condition, the
-same message) and gives each answer Anthropic's status and type
-(docs/anthropic.md lists them): 529 ``overloaded_error`` for a full
-waiting room or a busy MLX thread, Anthropic's "overloaded, retry", which
-its SDKs and Claude Code retry, with ``Retry-After``.
+Event loop (pure CPU). A whole answer (:class:`Blocks`) and a stream
+(:class:`EventWriter`) are made from the same parts of the answer parser,
+so a stream's deltas join to exactly the whole answer's blocks. Errors keep
+the shared table's conditions and messages with Anthropic's statuses and
+types (docs/anthropic.md): a full waiting room or a busy MLX thread is 529
+``overloaded_error``, which its SDKs and Claude Code retry.
 """
 
 from __future__ import annotations
@@ -51,12 +40,10 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
 def message_id() -> str:
-    """A fresh ``msg_…`` id (unique, not secret)."""
     return f"msg_{random_hex(96)}"
 
 
 def tool_use_id() -> str:
-    """A fresh ``toolu_…`` id for a tool call."""
     return f"toolu_{random_hex(96)}"
 
 
@@ -72,10 +59,8 @@ def stop_reason(final: FinalEvent, *, called: bool) -> StopReason:
 
 
 def _input(arguments: str) -> dict[str, Any]:
-    """A call's arguments as its ``input``. A complete call's arguments are
-    a JSON object (always, for a forced call: its grammar says so); text
-    that is none (a free answer's broken call) is kept under ``_raw``, so
-    nothing the model wrote is lost."""
+    # Arguments that are no JSON object (a free answer's broken call) are
+    # kept under _raw, so nothing the model wrote is lost.
     try:
         value = json.loads(arguments) if arguments else {}
     except ValueError:
@@ -117,7 +102,6 @@ class Blocks:
                 self._calls[part.index][1].append(part.text)
 
     def content(self) -> list[dict[str, Any]]:
-        """The blocks, each tool call's input parsed."""
         out = [dict(block) for block in self.blocks]
         for position, arguments in self._calls.values():
             out[position]["input"] = _input("".join(arguments))
@@ -174,7 +158,6 @@ class EventWriter:
         return _event("content_block_delta", {"index": self.index, "delta": delta})
 
     def parts(self, parts: list[Part]) -> bytes:
-        """The events of these parts of the answer."""
         out = []
         for part in parts:
             if isinstance(part, Reasoning):

@@ -1,13 +1,9 @@
-"""Request bodies of the Anthropic Messages API (the messages: :mod:`.content`).
+"""Request bodies of the Anthropic Messages API (its messages: :mod:`.content`).
 
-Pure CPU, no MLX, no event loop. Bodies are parsed with
-:func:`parse_messages_request` and :func:`parse_count_request`; every
-failure is a 400 naming the field (``messages[0].content[1].source``), and
-an unknown top-level field is a 400 naming it. Each top-level field of
-Anthropic's reference is honoured, accepted at the values that have no
-effect here, or refused by name (docs/anthropic.md lists which). A
-validated request turns itself into the shared generation request
-(:meth:`MessagesRequest.to_generation_params`): the wire schema stops here.
+Pure CPU, any thread. Each top-level field of Anthropic's reference is
+honoured, accepted at the values that have no effect here, or refused by
+name (docs/anthropic.md lists which); every failure is a 400 naming the
+field, and an unknown top-level field is one too.
 """
 
 from __future__ import annotations
@@ -183,8 +179,6 @@ class OutputConfig(RequestModel):
 
 
 class Metadata(RequestModel):
-    """``metadata``: accepted, without effect."""
-
     user_id: str | None = None
 
 
@@ -197,8 +191,6 @@ _REFUSED = {
 
 
 class CountTokensRequest(RequestBody):
-    """The body of ``POST /v1/messages/count_tokens``: the prompt's fields."""
-
     model: str
     messages: list[Message] = Field(min_length=1)
     system: System | None = None
@@ -281,7 +273,6 @@ class CountTokensRequest(RequestBody):
         context_length: int | None = None,
         grammar: Grammar | None = None,
     ) -> GenerationParams:
-        """The prompt's part of the shared generation request."""
         return GenerationParams(
             messages=tuple(chat_messages(self.system, self.messages)),
             max_tokens=max_tokens,
@@ -294,8 +285,6 @@ class CountTokensRequest(RequestBody):
 
 
 class MessagesRequest(CountTokensRequest):
-    """The body of ``POST /v1/messages``."""
-
     max_tokens: int = Field(ge=1)
     metadata: Metadata | None = None
     stop_sequences: Annotated[list[str], Field(max_length=16)] | None = None
@@ -321,8 +310,7 @@ class MessagesRequest(CountTokensRequest):
         grammar: Grammar | None = None,
     ) -> GenerationParams:
         """This request as the shared generation request, with ``max_tokens``
-        resolved and its ``grammar`` (:func:`.serving.request_grammar`)
-        checked."""
+        resolved and its ``grammar`` checked."""
         prompt = self.prompt_params(
             max_tokens,
             max_prompt_tokens=max_prompt_tokens,
@@ -338,18 +326,12 @@ class MessagesRequest(CountTokensRequest):
 
 
 def parse_messages_request(body: bytes) -> MessagesRequest:
-    """Parse and validate a ``/v1/messages`` body (pure CPU).
-
-    Raises:
-        APIError: 400 naming the first invalid field.
-    """
+    """Raises :class:`~..errors.APIError`, a 400 naming the first invalid
+    field."""
     return parse_request(MessagesRequest, body)
 
 
 def parse_count_request(body: bytes) -> CountTokensRequest:
-    """Parse and validate a ``/v1/messages/count_tokens`` body (pure CPU).
-
-    Raises:
-        APIError: 400 naming the first invalid field.
-    """
+    """Raises :class:`~..errors.APIError`, a 400 naming the first invalid
+    field."""
     return parse_request(CountTokensRequest, body)

@@ -1,9 +1,6 @@
-"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: the
-Messages API's doors, answered (errors too) in Anthropic's shape.
+"""The Messages API's doors, answered (errors too) in Anthropic's shape.
 
-Event loop. A count runs the chat template and the processor on the MLX
-thread and generates nothing. A query string (Claude Code's
-``?beta=true``) changes neither.
+Event loop. A query string (Claude Code's ``?beta=true``) changes neither.
 """
 
 from __future__ import annotations
@@ -44,8 +41,6 @@ __all__ = ["CountTokensEndpoint", "MessagesEndpoint"]
 
 
 class MessagesEndpoint(GenerationDoor[MessagesRequest]):
-    """The door of ``POST /v1/messages``."""
-
     route = "POST /v1/messages"
     api = "messages"
     errors: ClassVar[ErrorShape] = ANTHROPIC_ERRORS
@@ -63,7 +58,6 @@ class MessagesEndpoint(GenerationDoor[MessagesRequest]):
     async def send_whole(
         self, call: Generation[MessagesRequest], output: EventStream
     ) -> None:
-        """The whole answer as one message, once the generation ended."""
         request, parser = call.request, self.parser(call)
         events, final = await self.whole(output, call.log)
         blocks = Blocks(shown=request.thinking_shown)
@@ -88,7 +82,6 @@ class MessagesEndpoint(GenerationDoor[MessagesRequest]):
     async def send_stream(
         self, call: Generation[MessagesRequest], output: EventStream
     ) -> None:
-        """Anthropic's events."""
         parser = self.parser(call)
         writer = EventWriter(shown=call.request.thinking_shown)
         head = writer.start(message_id(), call.served.name)

@@ -1,15 +1,9 @@
-"""Anthropic Messages' one validation site: a parsed request checked against
-the served model's :class:`~...events.ChatFacts` and this server's
-limits, and turned into the shared generation request.
+"""Anthropic Messages' one check against the model: a parsed request against
+the model's :class:`~...events.ChatFacts` and this server's limits, before
+it waits for the gate, turned into the shared generation request.
 
-Event loop; a grammar is compiled in a worker thread
-(:func:`~..serving_common.check_grammar`).
-Checked here, once, before the request waits for the model's gate: its text
-against the prompt limit, ``max_tokens`` against the server's limit,
-``thinking`` against the model's reasoning format, tools against its
-tool-call format, the grammar (a forced tool call, or ``output_config``'s
-JSON schema), its images. What needs no model is checked by the pydantic
-models (:mod:`.protocol`); what needs the exact prompt by the engine.
+Event loop; a grammar is compiled in a worker thread. What needs no model is
+checked by :mod:`.protocol`, what needs the exact prompt by the engine.
 """
 
 from __future__ import annotations
@@ -61,16 +55,12 @@ def _with_turns(prepared: Prepared) -> Prepared:
 
 
 class MessagesServing:
-    """Checks Messages requests against the served model and the server's
-    limits (``config``: ``max_prompt_tokens``, ``max_tokens_limit``,
-    ``image_limits``)."""
-
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
 
     def _check(self, request: CountTokensRequest, facts: ChatFacts) -> list[ImageRef]:
         """What a count and a generation share: thinking and tools checked,
-        and the images, for the endpoint to check and decode."""
+        and the images, for the door to check and decode."""
         if (
             isinstance(request.thinking, ThinkingEnabled)
             and facts.formats.reasoning is None
@@ -85,13 +75,8 @@ class MessagesServing:
         return image_refs(request.messages, self.config.image_limits)
 
     async def prepare(self, request: MessagesRequest, facts: ChatFacts) -> Prepared:
-        """Check ``request`` against the model; its generation request.
-
-        Raises:
-            APIError: 400 naming the field at fault.
-            PromptTooLongError: Its text alone is over the prompt limit.
-            ImageRefusedError: Too many images.
-        """
+        """Raises an ``APIError`` naming the field at fault, a
+        ``PromptTooLongError`` or an ``ImageRefusedError``."""
         max_prompt = check_prompt_text(
             self.config, facts, text_chars(request.system, request.messages)
         )
@@ -132,13 +117,8 @@ class MessagesServing:
 
 
 def _forced_call(request: MessagesRequest) -> ForcedCall | None:
-    """``tool_choice`` ``any`` (a call of any tool; one or more unless
-    ``disable_parallel_tool_use``) or ``tool`` (exactly one call of it);
-    None when no call is forced.
-
-    Raises:
-        APIError: 400 for a forced call with ``output_config.format``.
-    """
+    """None when no call is forced; a 400 for a forced call with
+    ``output_config.format``."""
     choice = request.tool_choice
     if not isinstance(choice, ToolChoiceAny | ToolChoiceTool):
         return None
@@ -160,7 +140,6 @@ def _forced_call(request: MessagesRequest) -> ForcedCall | None:
 
 
 def _answer_format(request: MessagesRequest) -> tuple[str, Grammar] | None:
-    """``output_config.format``'s schema; None for text."""
     output = request.output_config
     if output is None or output.format is None:
         return None

@@ -53,16 +53,12 @@ class _Response(BaseModel):
 
 
 class TopLogprob(_Response):
-    """One alternative token at a position."""
-
     token: str
     logprob: float
     bytes: list[int] | None
 
 
 class TokenLogprob(_Response):
-    """The sampled token at a position, with its top alternatives."""
-
     token: str
     logprob: float
     bytes: list[int] | None
@@ -70,29 +66,20 @@ class TokenLogprob(_Response):
 
 
 class ChoiceLogprobs(_Response):
-    """``choices[].logprobs``."""
-
     content: list[TokenLogprob] | None
     refusal: None = None
 
 
 class PromptTokensDetails(_Response):
-    """``usage.prompt_tokens_details``: prompt tokens the prompt cache held."""
-
     cached_tokens: int = 0
 
 
 class CompletionTokensDetails(_Response):
-    """``usage.completion_tokens_details``, for a request that sent a
-    ``prediction``: its tokens the answer kept, and those it did not."""
-
     accepted_prediction_tokens: int
     rejected_prediction_tokens: int
 
 
 class Usage(_Response):
-    """Token counts of one completion."""
-
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -103,26 +90,19 @@ class Usage(_Response):
 
 
 class FunctionCall(_Response):
-    """The ``function`` of a tool call: its name and arguments (JSON text)."""
-
     name: str
     arguments: str
 
 
 class ResponseToolCall(_Response):
-    """One entry of ``message.tool_calls``."""
-
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class ResponseMessage(_Response):
-    """``choices[].message`` of a non-streamed completion.
-
-    ``tool_calls`` and ``reasoning_content`` appear only when the answer has
-    them, as OpenAI leaves ``tool_calls`` out of a plain answer.
-    """
+    """``tool_calls`` and ``reasoning_content`` appear only when the answer
+    has them, as OpenAI leaves ``tool_calls`` out of a plain answer."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
@@ -140,8 +120,6 @@ class ResponseMessage(_Response):
 
 
 class Choice(_Response, StopReasonChoice):
-    """The one choice of a non-streamed completion."""
-
     index: int = 0
     message: ResponseMessage
     logprobs: ChoiceLogprobs | None = None
@@ -150,8 +128,6 @@ class Choice(_Response, StopReasonChoice):
 
 
 class ChatCompletion(_Response):
-    """A non-streamed completion (``object: chat.completion``)."""
-
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -166,16 +142,11 @@ class ChatCompletion(_Response):
 
 
 class DeltaFunction(_Response):
-    """The ``function`` of a tool call's delta: the name comes once, first;
-    the arguments in fragments that join to the whole JSON text."""
-
     name: str | None = None
     arguments: str | None = None
 
 
 class DeltaToolCall(_Response):
-    """One tool call's piece in a delta: ``id`` and ``type`` with its first."""
-
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
@@ -183,7 +154,7 @@ class DeltaToolCall(_Response):
 
 
 class Delta(_Response):
-    """``choices[].delta`` of a stream chunk; only the keys it sets are sent."""
+    """Only the keys it sets are sent."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
@@ -192,9 +163,6 @@ class Delta(_Response):
 
 
 class ChunkChoice(_Response, StopReasonChoice):
-    """The one choice of a stream chunk; the last has ``finish_reason`` and
-    ``stop_reason``."""
-
     index: int = 0
     delta: Delta
     logprobs: ChoiceLogprobs | None = None
@@ -203,11 +171,8 @@ class ChunkChoice(_Response, StopReasonChoice):
 
 
 class ChatCompletionChunk(_Response):
-    """A stream chunk (``object: chat.completion.chunk``).
-
-    With ``include_usage`` every chunk carries ``"usage": null`` and the last
-    one has no choices and the usage; without it, ``usage`` is left out.
-    """
+    """With ``include_usage`` every chunk carries ``"usage": null`` and the
+    last one has no choices and the usage; without it, ``usage`` is left out."""
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -218,7 +183,6 @@ class ChatCompletionChunk(_Response):
     usage: Usage | None = None
 
     def to_sse(self, *, include_usage: bool) -> bytes:
-        """This chunk as one ``data: ...`` server-sent event."""
         data = self.model_dump(exclude=None if include_usage else {"usage"})
         for choice in data["choices"]:  # a delta carries only the keys it sets
             choice["delta"] = _set_only(choice["delta"])
@@ -228,11 +192,9 @@ class ChatCompletionChunk(_Response):
 class ChunkEncoder:
     """The stream chunks of one completion, as server-sent events.
 
-    The common chunk, a content delta, is written from a template: the
-    bytes :meth:`ChatCompletionChunk.to_sse` makes for this completion,
-    split around the content, so the two cannot differ (a test checks it).
-    It runs once per token on the event loop, where pydantic per token
-    would cost many times more (docs/benchmarks.md).
+    A content delta, once per token on the event loop, is written from a
+    template (what :meth:`ChatCompletionChunk.to_sse` makes, split around the
+    content; a test checks they agree): pydantic per token costs far more.
     """
 
     __slots__ = ("_head", "_include_usage", "_tail", "created", "id", "model")
@@ -248,12 +210,10 @@ class ChunkEncoder:
         assert found, "the content mark is in the template"
 
     def content(self, text: str) -> bytes:
-        """A chunk whose only choice's delta is ``{"content": text}``."""
         body = json.dumps(text, ensure_ascii=False).encode()
         return self._head + body + self._tail
 
     def chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
-        """Any chunk of this completion."""
         return ChatCompletionChunk(
             id=self.id,
             created=self.created,
@@ -264,17 +224,14 @@ class ChunkEncoder:
 
 
 def completion_id() -> tuple[str, int]:
-    """A fresh ``chatcmpl-…`` id and the ``created`` Unix time."""
     return f"chatcmpl-{random_hex(96)}", int(time.time())
 
 
 def tool_call_id() -> str:
-    """A fresh ``call_…`` id for a tool call."""
     return f"call_{random_hex(96)}"
 
 
 def _set_only(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` without its None values, in nested objects and lists too."""
     out: dict[str, Any] = {}
     for key, value in data.items():
         if value is None:

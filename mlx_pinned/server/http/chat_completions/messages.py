@@ -1,12 +1,8 @@
-"""The parts of a chat-completions request body: messages and their content,
-tools, tool choices and response formats, as pydantic models; and the
-messages as what the engine and the image decoders take.
+"""The parts of a chat-completions request body (messages, tools, tool
+choices, response formats), and the messages as the engine and the media
+decoders take them.
 
-Pure CPU, no MLX, no event loop; :mod:`.protocol` assembles them into the
-request and parses it. The engine gets mlx-vlm's chat messages
-(:func:`chat_messages`), the image decoders :class:`~...events.ImageRef`
-values (:func:`image_refs`), the audio decoder :class:`~...media.AudioRef`
-values (:func:`audio_refs`); none sees pydantic.
+Pure CPU, any thread.
 """
 
 from __future__ import annotations
@@ -20,9 +16,13 @@ from pydantic import BeforeValidator, Field
 from ...config import AudioLimits, ImageLimits, VideoLimits
 from ...media import AudioRef, ImageRef, VideoRef
 from ..protocol_common import (
+    NAME_PATTERN,
     ImagePart,
     ImageURL,
+    JSONObjectFormat,
     RequestModel,
+    StreamOptions,
+    TextFormat,
     TextPart,
     counted_audio_refs,
     counted_image_refs,
@@ -67,14 +67,8 @@ __all__ = [
     "video_refs",
 ]
 
-#: OpenAI's rule for function and schema names.
-NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
-
 
 class Prediction(RequestModel):
-    """``prediction``: the answer's expected text (OpenAI's predicted
-    outputs), a string or text parts."""
-
     type: Literal["content"]
     content: str | list[TextPart]
 
@@ -85,31 +79,22 @@ class Prediction(RequestModel):
 
 
 class VideoURL(RequestModel):
-    """The ``video_url`` object of a video part."""
-
     url: str = Field(min_length=1)
 
 
 class VideoPart(RequestModel):
-    """A ``{"type": "video_url", "video_url": {"url": ...}}`` content part
-    (vLLM's form); ``video_url`` may also be the URL string itself."""
+    """vLLM's video part; ``video_url`` may also be the URL string itself."""
 
     type: Literal["video_url"]
     video_url: Annotated[VideoURL, BeforeValidator(url_object)]
 
 
 class InputAudio(RequestModel):
-    """The ``input_audio`` object of an audio part: the file's bytes in
-    base64, and its format (OpenAI's two)."""
-
     data: str = Field(min_length=1)
     format: Literal["wav", "mp3"]
 
 
 class AudioPart(RequestModel):
-    """A ``{"type": "input_audio", "input_audio": {"data", "format"}}``
-    content part (OpenAI's)."""
-
     type: Literal["input_audio"]
     input_audio: InputAudio
 
@@ -120,40 +105,29 @@ TextContent = str | Annotated[list[TextPart], Field(min_length=1)]
 
 
 class SystemMessage(RequestModel):
-    """A system (or ``developer``) message: text only."""
-
     role: Literal["system", "developer"]
     content: TextContent
     name: str | None = None
 
 
 class UserMessage(RequestModel):
-    """A user message: text, or a list of text, image, video and audio
-    parts."""
-
     role: Literal["user"]
     content: str | Annotated[list[UserPart], Field(min_length=1)]
     name: str | None = None
 
 
 class ToolCallFunction(RequestModel):
-    """The ``function`` of an earlier tool call: name and JSON arguments."""
-
     name: str
     arguments: str
 
 
 class ToolCall(RequestModel):
-    """One of an earlier assistant turn's ``tool_calls``."""
-
     id: str
     type: Literal["function"]
     function: ToolCallFunction
 
 
 class AssistantMessage(RequestModel):
-    """An earlier assistant turn: text, tool calls, or both."""
-
     role: Literal["assistant"]
     content: TextContent | None = None
     name: str | None = None
@@ -161,8 +135,6 @@ class AssistantMessage(RequestModel):
 
 
 class ToolMessage(RequestModel):
-    """A tool's result, answering the call ``tool_call_id``."""
-
     role: Literal["tool"]
     content: TextContent
     tool_call_id: str
@@ -174,15 +146,7 @@ Message = Annotated[
 ]
 
 
-class StreamOptions(RequestModel):
-    """``stream_options``: only ``include_usage`` has an effect."""
-
-    include_usage: bool | None = None
-
-
 class FunctionDefinition(RequestModel):
-    """A tool's function: its name, and its arguments' JSON schema."""
-
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -190,8 +154,6 @@ class FunctionDefinition(RequestModel):
 
 
 class Tool(RequestModel):
-    """An entry of ``tools``: a function the model may call."""
-
     type: Literal["function"]
     function: FunctionDefinition
 
@@ -201,28 +163,16 @@ class NamedFunction(RequestModel):
 
 
 class NamedToolChoice(RequestModel):
-    """``tool_choice`` naming the one function the model must call."""
-
     type: Literal["function"]
     function: NamedFunction
 
 
 class JSONSchemaFormat(RequestModel):
-    """``response_format.json_schema``: the schema the answer must follow."""
-
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     # 'schema' would shadow a BaseModel attribute: the field has another name.
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
-
-
-class TextFormat(RequestModel):
-    type: Literal["text"]
-
-
-class JSONObjectFormat(RequestModel):
-    type: Literal["json_object"]
 
 
 class JSONSchemaResponseFormat(RequestModel):
@@ -237,15 +187,9 @@ ResponseFormat = Annotated[
 
 
 def chat_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
-    """Request messages as mlx-vlm's chat messages.
-
-    Assistant turns keep their ``tool_calls`` and tool turns their
-    ``tool_call_id``, as chat templates that take tools expect them. Image
-    parts become ``{"type": "image_url"}`` markers in place, so mlx-vlm
-    puts each image in the turn and position where it was sent; video parts
-    ``{"type": "video"}`` markers, as Qwen-VL chat templates read them, and
-    audio parts ``{"type": "audio"}`` markers, as Gemma's read them.
-    """
+    """Request messages as mlx-vlm's chat messages. Each media part becomes a
+    marker in place (``image_url``; ``video``, as Qwen-VL chat templates read
+    it; ``audio``, as Gemma's), so it keeps its turn and position."""
     out: list[dict[str, Any]] = []
     for message in messages:
         if isinstance(message, (SystemMessage, AssistantMessage, ToolMessage)):
@@ -281,8 +225,8 @@ def _marker(part: TextPart | MediaPart) -> dict[str, Any]:
 
 
 def _tool_call(call: ToolCall) -> dict[str, Any]:
-    """An earlier tool call as chat templates that take tools read it:
-    its arguments as an object when they are one, else the text."""
+    """An earlier tool call as chat templates read it: its arguments as an
+    object when they are one, else the text."""
     try:
         arguments: Any = json.loads(call.function.arguments)
     except ValueError:
@@ -297,17 +241,12 @@ def _tool_call(call: ToolCall) -> dict[str, Any]:
 
 
 def image_refs(messages: Sequence[Message], limits: ImageLimits) -> list[ImageRef]:
-    """The image parts of ``messages`` in prompt order; checks the count.
-
-    Raises:
-        ImageRefusedError: More than ``limits.max_images`` images.
-    """
     return counted_image_refs((url for _, url in image_parts(messages)), limits)
 
 
 def image_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
-    """Each image part of ``messages`` in prompt order: where it is in the
-    request (``messages[1].content[0].image_url``), and its URL."""
+    """Where each image part is (``messages[1].content[0].image_url``), and
+    its URL, in prompt order."""
     return [(w, p.image_url.url) for w, p in _parts_of(messages, ImagePart)]
 
 
@@ -318,36 +257,21 @@ def video_refs(
     fps: float | None = None,
     max_frames: int | None = None,
 ) -> list[VideoRef]:
-    """The video parts of ``messages`` in prompt order, each with the
-    request's sampling; checks the count.
-
-    Raises:
-        VideoRefusedError: More than ``limits.max_videos`` videos.
-    """
     urls = (url for _, url in video_parts(messages))
     return counted_video_refs(urls, limits, fps=fps, max_frames=max_frames)
 
 
 def video_parts(messages: Sequence[Message]) -> list[tuple[str, str]]:
-    """Each video part of ``messages`` in prompt order: where it is in the
-    request (``messages[1].content[0].video_url``), and its URL."""
     return [(w, p.video_url.url) for w, p in _parts_of(messages, VideoPart)]
 
 
 def audio_refs(messages: Sequence[Message], limits: AudioLimits) -> list[AudioRef]:
-    """The audio parts of ``messages`` in prompt order; checks the count.
-
-    Raises:
-        AudioRefusedError: More than ``limits.max_audios`` audio files.
-    """
     parts = [part for _, part in _parts_of(messages, AudioPart)]
     files = ((p.input_audio.data, p.input_audio.format) for p in parts)
     return counted_audio_refs(files, limits)
 
 
 def audio_parts(messages: Sequence[Message]) -> list[str]:
-    """Where each audio part of ``messages`` is in the request, in prompt
-    order (``messages[1].content[0].input_audio``)."""
     return [where for where, _ in _parts_of(messages, AudioPart)]
 
 
@@ -365,8 +289,6 @@ def _parts_of(messages: Sequence[Message], media: type[P]) -> list[tuple[str, P]
 
 
 def text_chars(messages: Sequence[Message]) -> int:
-    """Characters of text in ``messages`` (images, videos and audio not
-    counted)."""
     total = 0
     for message in messages:
         content = message.content or ""

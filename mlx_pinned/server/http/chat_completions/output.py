@@ -1,10 +1,6 @@
 """The answer as chat completions writes it: a message, deltas, chunks.
 
-Event loop (pure CPU). A whole answer collects the parts of the shared
-:class:`~..answer.AnswerParser` into its message (:class:`Answer`); a stream
-turns each part into a delta (:func:`delta`) and a chunk
-(:func:`parsed_chunks`), so a stream's deltas join to exactly the whole
-answer.
+Event loop (pure CPU). A stream's deltas join to exactly the whole answer.
 """
 
 from __future__ import annotations
@@ -52,8 +48,6 @@ class _Call:
 
 @dataclass
 class Answer:
-    """The parts of a whole answer, collected into its message."""
-
     reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     calls: list[_Call] = field(default_factory=list)
@@ -95,7 +89,6 @@ def finish_reason(engine: FinishReason, calls: bool) -> WireFinishReason:
 
 
 def delta(part: Part) -> Delta:
-    """The stream delta of one part."""
     if isinstance(part, Reasoning):
         return Delta(reasoning_content=part.text)
     if isinstance(part, str):

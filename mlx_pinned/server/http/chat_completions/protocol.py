@@ -1,22 +1,9 @@
 """Request bodies of the OpenAI chat-completions API (responses: :mod:`.bodies`).
 
-Requests are parsed from the raw body with :func:`parse_chat_request`, which
-turns every failure (bad JSON, wrong type, out of range) into an
-:class:`APIError` that names the offending parameter the way OpenAI does
-(``messages[0].content[1].image_url``). Every top-level field of OpenAI's
-API reference is declared here and either honoured or refused with a 400
-that names it; an unknown top-level field is refused as OpenAI refuses it
-("Unrecognized request argument supplied"), except the vLLM extensions
-clients commonly send (the sampling, stopping and text ones of
-:class:`~..protocol_common.OpenAISamplingFields`, the constrained answers
-of :class:`~..vllm_extensions.StructuredOutputFields`,
-``chat_template_kwargs``, the assistant prefill
-(``add_generation_prompt``, ``continue_final_message``),
-``thinking_token_budget``; vllm-mlx's ``video_fps`` and
-``video_max_frames``), which are honoured. A validated request turns
-itself into the shared generation request
-(:meth:`ChatCompletionRequest.to_generation_params`): the wire schema stops
-here. Nothing here touches MLX or the event loop.
+Pure CPU, any thread. Every top-level field of OpenAI's reference is
+honoured or refused with a 400 that names it; an unknown one is refused as
+OpenAI refuses it, except the vLLM and vllm-mlx extensions declared here,
+which are honoured.
 """
 
 from __future__ import annotations
@@ -62,8 +49,6 @@ _REFUSED = {
 
 
 class ChatCompletionRequest(OpenAISamplingFields, StructuredOutputFields):
-    """The body of ``POST /v1/chat/completions``."""
-
     model: str
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -77,7 +62,6 @@ class ChatCompletionRequest(OpenAISamplingFields, StructuredOutputFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
-    # Predicted outputs: the answer's drafts (the answer is the same).
     prediction: Prediction | None = None
     # vLLM's extensions, honoured (its sampling ones are shared).
     chat_template_kwargs: TemplateKwargs | None = None
@@ -234,19 +218,16 @@ class ChatCompletionRequest(OpenAISamplingFields, StructuredOutputFields):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        """``max_completion_tokens``, else the older ``max_tokens``, else None."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
 
     @property
     def include_usage(self) -> bool:
-        """Whether a stream ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
     def active_tools(self) -> list[Tool]:
-        """The tools the model may call: none with ``tool_choice: "none"``."""
         if self.tools is None or self.tool_choice == "none":
             return []
         return self.tools
@@ -270,12 +251,8 @@ class ChatCompletionRequest(OpenAISamplingFields, StructuredOutputFields):
         grammar: Grammar | None = None,
     ) -> GenerationParams:
         """This request as the shared generation request, with ``max_tokens``
-        resolved and its ``grammar`` (:func:`..serving_common.request_grammar`)
-        checked.
-
-        Tools go to the chat template unless ``tool_choice`` is ``none`` (the
-        model is not told of tools it may not call).
-        """
+        resolved and its ``grammar`` checked. Under ``tool_choice: "none"``
+        the model is not told of the tools."""
         return GenerationParams(
             messages=tuple(chat_messages(self.messages)),
             max_tokens=max_tokens,
@@ -306,9 +283,6 @@ class ChatCompletionRequest(OpenAISamplingFields, StructuredOutputFields):
 
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
-    """Parse and validate a chat-completions body (any thread, pure CPU).
-
-    Raises:
-        APIError: 400 naming the first invalid parameter.
-    """
+    """Raises :class:`~..errors.APIError`, a 400 naming the first invalid
+    parameter."""
     return parse_request(ChatCompletionRequest, body)

@@ -1,13 +1,4 @@
-"""``POST /v1/chat/completions``: parse, check, decode images, generate, answer.
-
-Event loop. The route of the chat-completions slice: the body is parsed
-(:mod:`.protocol`), checked against the model once (:mod:`.serving`), the
-generation runs through the model's gate and engine
-(:class:`~..generation.GenerationDoor`: the deadline, the client watched,
-every error answered in OpenAI's shape), and the answer is written as
-OpenAI's (:mod:`.output`): one JSON body, or a chunk per token that ends
-with ``data: [DONE]``.
-"""
+"""The door of ``POST /v1/chat/completions``. Event loop only."""
 
 from __future__ import annotations
 
@@ -43,16 +34,12 @@ __all__ = ["ChatCompletionsEndpoint"]
 
 
 class ChatCompletionsEndpoint(GenerationDoor[ChatCompletionRequest]):
-    """The door of ``POST /v1/chat/completions``: checked by
-    :class:`.serving.ChatCompletionsServing`, answered as OpenAI's."""
-
     route = "POST /v1/chat/completions"
     api = "chat_completions"
     call_id = staticmethod(tool_call_id)
 
     @functools.cached_property
     def serving(self) -> ChatCompletionsServing:
-        """The one place a request is checked against its model."""
         return ChatCompletionsServing(self.config)
 
     async def parse(self, body: bytes, places: list[str]) -> ChatCompletionRequest:
@@ -65,7 +52,6 @@ class ChatCompletionsEndpoint(GenerationDoor[ChatCompletionRequest]):
     async def send_whole(
         self, call: Generation[ChatCompletionRequest], output: EventStream
     ) -> None:
-        """The whole answer as one JSON body, once the generation ended."""
         request, parser = call.request, self.parser(call)
         events, final = await self.whole(output, call.log)
         text = "".join(event.text for event in events)
@@ -105,7 +91,6 @@ class ChatCompletionsEndpoint(GenerationDoor[ChatCompletionRequest]):
     async def send_stream(
         self, call: Generation[ChatCompletionRequest], output: EventStream
     ) -> None:
-        """Server-sent events, a chunk per token."""
         request, parser = call.request, self.parser(call)
         chunk_id, created = completion_id()
         chunks = ChunkEncoder(

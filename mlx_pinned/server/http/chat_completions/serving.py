@@ -1,17 +1,9 @@
-"""Chat completions' one validation site: a parsed request checked against
-the served model's :class:`~...events.ChatFacts` and this server's
-limits, and turned into the shared generation request.
+"""Chat completions' one check against the model: a parsed request against
+the model's :class:`~...events.ChatFacts` and this server's limits, before
+it waits for the gate, turned into the shared generation request.
 
-Event loop; a grammar is compiled in a worker thread
-(:func:`~..serving_common.check_grammar`). Everything about a request that
-depends on the model or on the server's settings is checked here, once,
-before the request waits for the model's gate: its text against the prompt
-limit, ``max_tokens`` against the server's limit, tools against the model's
-tool-call format, the grammar, ``logit_bias`` against the vocabulary, its
-images, videos and audio files (how many, the frames a request asks for;
-whether the model takes any, the endpoint checks). What needs no model is checked by
-the pydantic models (:mod:`.protocol`); what needs the exact prompt (its
-length in tokens) by the engine, on the MLX thread.
+Event loop; a grammar is compiled in a worker thread. What needs no model is
+checked by :mod:`.protocol`, what needs the exact prompt by the engine.
 """
 
 from __future__ import annotations
@@ -56,26 +48,15 @@ __all__ = ["ChatCompletionsServing"]
 
 
 class ChatCompletionsServing:
-    """Checks chat-completions requests against the served model and the
-    server's limits (``config``: ``max_prompt_tokens``,
-    ``default_max_tokens``, ``max_tokens_limit``, ``image_limits``,
-    ``video_limits``, ``audio_limits``)."""
-
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
 
     async def prepare(
         self, request: ChatCompletionRequest, facts: ChatFacts
     ) -> Prepared:
-        """Check ``request`` against the model; its generation request.
-
-        Raises:
-            APIError: 400 naming the parameter at fault.
-            PromptTooLongError: Its text alone is over the prompt limit.
-            ImageRefusedError: Too many images.
-            VideoRefusedError: Too many videos.
-            AudioRefusedError: Too many audio files.
-        """
+        """Raises an ``APIError`` naming the parameter at fault, a
+        ``PromptTooLongError`` for text alone over the prompt limit, or a
+        ``MediaRefusedError`` for too many of a kind of media."""
         # A prompt to be cut is checked once cut, by the engine.
         cut = request.truncate_prompt_tokens is not None
         chars = 0 if cut else text_chars(request.messages)
@@ -129,9 +110,6 @@ class ChatCompletionsServing:
 
 
 def _forced_call(request: ChatCompletionRequest) -> ForcedCall | None:
-    """``tool_choice`` ``required`` (one call, or with
-    ``parallel_tool_calls`` not false, one or more, of the tools) or a named
-    function (exactly one call to it); None when no call is forced."""
     choice = request.tool_choice
     named = isinstance(choice, NamedToolChoice)
     if not request.tools or not (choice == "required" or named):
@@ -149,13 +127,8 @@ def _forced_call(request: ChatCompletionRequest) -> ForcedCall | None:
 
 
 def _answer_format(request: ChatCompletionRequest) -> tuple[str, Grammar] | None:
-    """``response_format`` ``json_object`` or ``json_schema`` (its schema as
-    sent: the grammar's JSON is compiled compactly), or vLLM's spellings
-    (:mod:`..vllm_extensions`); None for text.
-
-    Raises:
-        APIError: 400 for two of them, or one with a forced tool call.
-    """
+    """``response_format`` or vLLM's spellings of it; None for text. Two of
+    them, or one with a forced tool call, are a 400."""
     response_format = request.response_format
     structured = request.structured_grammar()
     if structured is not None:
@@ -175,11 +148,7 @@ def _answer_format(request: ChatCompletionRequest) -> tuple[str, Grammar] | None
 
 def check_prediction(params: GenerationParams) -> None:
     """Refuse a ``prediction`` beside what its row cannot draft with
-    (:attr:`~...row_needs.RowNeeds.undraftable`): it would go unused.
-
-    Raises:
-        APIError: 400 naming ``prediction`` and the field beside it.
-    """
+    (:attr:`~...row_needs.RowNeeds.undraftable`): it would go unused."""
     undraftable = needs_of(params).undraftable
     if undraftable:
         raise APIError(

@@ -1,11 +1,6 @@
 """The answer as legacy completions writes it: choices, logprobs, chunks.
 
-Event loop (pure CPU). A choice collects its text and, when asked, its
-log-probabilities in OpenAI's legacy shape (:class:`ChoiceText`: parallel
-lists ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``); a
-stream writes a ``text_completion`` chunk per batch of a choice's events
-(:class:`ChunkWriter`), so a stream's texts join to exactly the whole
-answer.
+Event loop (pure CPU). A stream's texts join to exactly the whole answer.
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ class _Response(BaseModel):
 
 
 class Logprobs(_Response):
-    """OpenAI's legacy log-probabilities of a choice, one entry per token
-    (with ``echo``, the prompt's tokens first: the first one's null)."""
+    """With ``echo``, the prompt's tokens come first (the first one's null)."""
 
     tokens: list[str]
     token_logprobs: list[float | None]
@@ -47,9 +41,6 @@ class Logprobs(_Response):
 
 
 class CompletionChoice(_Response, StopReasonChoice):
-    """A choice of a whole answer, or of a chunk (the last of a choice's
-    chunks has ``finish_reason`` and ``stop_reason``)."""
-
     text: str
     index: int
     logprobs: Logprobs | None = None
@@ -87,7 +78,7 @@ class Usage(_Response):
 
 
 class Completion(_Response):
-    """A whole answer (and, with ``choices`` of one and no usage, a chunk)."""
+    """A whole answer, or a chunk."""
 
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -99,7 +90,6 @@ class Completion(_Response):
 
 
 def usage(finals: list[FinalEvent]) -> Usage:
-    """The usage of every choice's generation, summed."""
     prompt = sum(final.prompt_tokens for final in finals)
     completion = sum(final.completion_tokens for final in finals)
     return Usage(
@@ -113,11 +103,9 @@ def usage(finals: list[FinalEvent]) -> Usage:
 class ChoiceText:
     """One choice's text and log-probabilities as its events arrive.
 
-    ``offset`` is where the generated text starts in the choice's text (the
-    echoed prompt's length); each token's ``text_offset`` counts the token
-    texts before it, as vLLM's does. ``echo_top``: the prompt's tokens come
-    first in the whole lists, with this many alternatives each (``echo``
-    with ``logprobs``; None: they are left out).
+    Each token's ``text_offset`` counts the token texts before it, as vLLM's
+    does, from ``offset``. ``echo_top``: the prompt's tokens come first in
+    the whole lists, with this many alternatives each (None: left out).
     """
 
     logprobs: bool
@@ -152,8 +140,7 @@ class ChoiceText:
         return event.text, self._since(start)
 
     def whole(self) -> Logprobs | None:
-        """Every token's log-probabilities (None when not asked for), the
-        echoed prompt's first."""
+        """Every token's log-probabilities, the echoed prompt's first."""
         generated = self._since(0)
         entries = self.final.prompt_logprobs if self.final is not None else ()
         if generated is None or self.echo_top is None or not entries:
@@ -188,8 +175,6 @@ class ChoiceText:
 
 
 class ChunkWriter:
-    """The stream chunks of one completion, as server-sent events."""
-
     def __init__(self, id: str, created: int, model: str, *, include_usage: bool):
         self.id, self.created, self.model = id, created, model
         self.include_usage = include_usage
@@ -201,12 +186,10 @@ class ChunkWriter:
         logprobs: Logprobs | None = None,
         final: FinalEvent | None = None,
     ) -> bytes:
-        """A chunk of choice ``index``; its last (``final``: how it ended)."""
         choice = CompletionChoice.ending(index, text, final, logprobs)
         return self._sse(self._completion([choice]).model_dump())
 
     def usage(self, value: Usage) -> bytes:
-        """The last chunk of a stream with ``include_usage``: no choices."""
         return self._sse(self._completion([], value).model_dump())
 
     def _completion(
@@ -227,5 +210,4 @@ class ChunkWriter:
 
 
 def completion_id() -> tuple[str, int]:
-    """A fresh ``cmpl-…`` id and the ``created`` Unix time."""
     return f"cmpl-{random_hex(96)}", int(time.time())

@@ -1,18 +1,8 @@
-"""The body of OpenAI's legacy ``POST /v1/completions``, as pydantic models.
+"""The body of OpenAI's legacy ``POST /v1/completions``.
 
-Any thread (pure CPU, no MLX); the routes parse on the event loop.
-:func:`parse_completion_request` turns every failure into an
-:class:`~..errors.APIError` that names the parameter (as chat completions
-does, through :func:`~..validation.parse_request`). Every field of OpenAI's
-reference is declared: honoured (``echo`` with ``logprobs`` too: the
-prompt's log-probabilities), accepted without effect (``user``), or refused
-by name (``suffix``, ``n`` and ``best_of`` above 1), and vLLM's extensions
-of :class:`~..protocol_common.OpenAISamplingFields` and
-:class:`~..vllm_extensions.StructuredOutputFields` are honoured; an
-unknown field is refused as OpenAI refuses it. A validated
-request turns itself into one shared generation request per prompt
-(:meth:`CompletionRequest.to_generation_params`): a raw prompt, no chat
-template.
+Pure CPU, any thread. Every field of OpenAI's reference is honoured,
+accepted without effect (``user``) or refused by name (``suffix``, ``n`` and
+``best_of`` above 1), with vLLM's extensions honoured.
 """
 
 from __future__ import annotations
@@ -45,8 +35,6 @@ OPENAI_DEFAULT_MAX_TOKENS = 16
 
 
 class CompletionRequest(OpenAISamplingFields, StructuredOutputFields):
-    """The body of ``POST /v1/completions``."""
-
     model: str
     prompt: TextsOrTokens
     max_tokens: int | None = Field(default=None, ge=0)
@@ -112,7 +100,6 @@ class CompletionRequest(OpenAISamplingFields, StructuredOutputFields):
 
     @property
     def prompts(self) -> list[str | tuple[int, ...]]:
-        """The prompts, one per choice: texts or token ids."""
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
@@ -122,7 +109,6 @@ class CompletionRequest(OpenAISamplingFields, StructuredOutputFields):
 
     @property
     def include_usage(self) -> bool:
-        """Whether a stream ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def to_generation_params(
@@ -134,9 +120,8 @@ class CompletionRequest(OpenAISamplingFields, StructuredOutputFields):
         context_length: int | None = None,
         grammar: Grammar | None = None,
     ) -> GenerationParams:
-        """One prompt of this request as the shared generation request, with
-        ``max_tokens`` resolved and its ``grammar`` checked: the prompt raw,
-        without the chat template."""
+        """One prompt of this request as the shared generation request: the
+        prompt raw, without the chat template."""
         return GenerationParams(
             messages=(),
             prompt=prompt,
@@ -155,9 +140,6 @@ class CompletionRequest(OpenAISamplingFields, StructuredOutputFields):
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
-    """Parse and validate a completions body (any thread, pure CPU).
-
-    Raises:
-        APIError: 400 naming the first invalid parameter.
-    """
+    """Raises :class:`~..errors.APIError`, a 400 naming the first invalid
+    parameter."""
     return parse_request(CompletionRequest, body)

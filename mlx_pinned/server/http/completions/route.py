@@ -1,5 +1,5 @@
 """``POST /v1/completions``: the legacy completions door, a choice per
-prompt, answered as OpenAI's (:mod:`.output`). Event loop only."""
+prompt. Event loop only."""
 
 from __future__ import annotations
 
@@ -40,11 +40,9 @@ _Call: TypeAlias = Call[CompletionRequest, Engine, Prompts]
 
 
 class CompletionsEndpoint(Door[CompletionRequest, Engine, Prompts, _Items]):
-    """The door of ``POST /v1/completions``. Its run is a fan-out: each
-    prompt is generated in a task of its own, which takes its own turn of
-    the gate (so a request of more prompts than the batch has rows waits
-    for turns as other requests do, and never holds a turn while waiting
-    for another); their events meet in one channel."""
+    """Its run is a fan-out: each prompt is generated in a task of its own,
+    which takes its own turn of the gate (so it never holds a turn while
+    waiting for another); their events meet in one channel."""
 
     route = "POST /v1/completions"
     api = "completions"
@@ -63,9 +61,8 @@ class CompletionsEndpoint(Door[CompletionRequest, Engine, Prompts, _Items]):
 
     @asynccontextmanager
     async def run(self, call: _Call) -> AsyncIterator[_Items]:
-        """Every prompt generated, each in its own task and row. The first
-        error of any prompt, or of the writer, ends them all and is raised
-        as it is."""
+        """The first error of any prompt, or of the writer, ends them all and
+        is raised as it is."""
         send, receive = anyio.create_memory_object_stream[_Item](math.inf)
         failed: list[Exception] = []
         async with anyio.create_task_group() as group:
@@ -112,7 +109,6 @@ class CompletionsEndpoint(Door[CompletionRequest, Engine, Prompts, _Items]):
         return [ChoiceText(logprobs, echo_top) for _ in call.prepared.params]
 
     async def send_whole(self, call: _Call, output: _Items) -> None:
-        """One JSON body with a choice per prompt, once they all ended."""
         request, log = call.request, call.log
         choices = self._choices(call)
         async for index, batch in output:
@@ -144,9 +140,8 @@ class CompletionsEndpoint(Door[CompletionRequest, Engine, Prompts, _Items]):
         await call.response.json(completion.model_dump_json().encode())
 
     async def send_stream(self, call: _Call, output: _Items) -> None:
-        """``text_completion`` chunks, each naming its choice's ``index``,
-        that end with ``data: [DONE]``; the status goes with the first token
-        of any choice, so a prompt refused before it is an error status."""
+        """The status goes with the first token of any choice, so a prompt
+        refused before it is an error status."""
         request, response, log = call.request, call.response, call.log
         choices = self._choices(call)
         chunk_id, created = completion_id()
@@ -179,7 +174,6 @@ def _chunks(
     batch: tuple[Event, ...] | Exception,
     log: RequestLog,
 ) -> list[bytes]:
-    """The chunks of a batch of one choice's events."""
     out = []
     for event in _events(batch):
         log.record(event)
@@ -192,7 +186,6 @@ def _chunks(
 
 
 def _counted(log: RequestLog, choices: list[ChoiceText]) -> Usage:
-    """The usage of every choice, counted in ``log`` too."""
     total = usage([c.final for c in choices if c.final is not None])
     log.prompt_tokens = total.prompt_tokens
     log.completion_tokens = total.completion_tokens
@@ -202,7 +195,6 @@ def _counted(log: RequestLog, choices: list[ChoiceText]) -> Usage:
 def _prompt_logprobs(
     request: CompletionRequest, final: FinalEvent | None
 ) -> VLLMPromptLogprobs | None:
-    """vLLM's ``prompt_logprobs`` of a choice, when asked for."""
     top = request.prompt_logprobs
     if top is None or final is None:
         return None
@@ -210,7 +202,6 @@ def _prompt_logprobs(
 
 
 def _events(batch: tuple[Event, ...] | Exception) -> tuple[Event, ...]:
-    """A choice's batch of events; the error that ended it, raised."""
     if isinstance(batch, Exception):
         raise batch
     return batch

@@ -1,13 +1,8 @@
-"""Completions' one validation site: a parsed request checked against the
-served model's :class:`~...events.ChatFacts` and this server's
-limits, and turned into one shared generation request per prompt.
+"""Completions' one check against the model: a parsed request against the
+model's :class:`~...events.ChatFacts` and this server's limits, before any
+prompt waits for the gate, turned into a generation request per prompt.
 
-Event loop. Checked here, once, before any prompt waits for the model's
-gate: ``max_tokens`` against the server's limit, each text prompt's length
-against the prompt limit (a bound from its characters), each token prompt's
-ids against the vocabulary and its exact length against the limits, and
-``logit_bias`` against the vocabulary. What needs a text prompt's exact
-length in tokens is checked by the engine, on the MLX thread.
+Event loop. A text prompt's exact length in tokens is checked by the engine.
 """
 
 from __future__ import annotations
@@ -36,35 +31,22 @@ __all__ = ["CompletionsServing", "Prompts"]
 
 @dataclass(frozen=True, slots=True)
 class Prompts:
-    """A request checked against its model: a generation per prompt.
-
-    Attributes:
-        params: The shared generation request of each prompt, in order.
-        echoes: The text each choice starts with: its prompt with ``echo``,
-            else empty.
-    """
+    """A request checked against its model: a generation per prompt, and the
+    text each choice starts with (its prompt with ``echo``, else empty)."""
 
     params: list[GenerationParams]
     echoes: list[str]
 
 
 class CompletionsServing:
-    """Checks completions requests against the served model and the
-    server's limits (``config``: ``max_prompt_tokens``,
-    ``max_tokens_limit``)."""
-
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
 
     async def prepare(
         self, request: CompletionRequest, facts: ChatFacts, engine: Engine
     ) -> Prompts:
-        """Check ``request`` against the model; a generation per prompt
-        (``engine`` decodes token prompts that are echoed).
-
-        Raises:
-            APIError: 400 naming the parameter at fault.
-            PromptTooLongError: A prompt over the prompt limit.
+        """``engine`` decodes token prompts that are echoed. Raises an
+        ``APIError`` naming the parameter at fault, or a ``PromptTooLongError``.
         """
         max_prompt = self.config.max_prompt_tokens or facts.context_length
         # OpenAI's default (16), within the server's limit.

@@ -1,10 +1,7 @@
-"""The items of a Responses request: its ``input`` (messages, function
-calls and their outputs, reasoning), its tools and tool choice, as pydantic
-models; and the conversation as what the engine and the image decoders take.
+"""The items of a Responses request (its ``input``, tools and tool choice),
+and the conversation as the engine takes it.
 
-Pure CPU, no MLX, no event loop; :mod:`.protocol` assembles them into the
-request. The engine gets mlx-vlm's chat messages (:func:`chat_messages`);
-neither it nor the image decoders see pydantic.
+Pure CPU, any thread.
 """
 
 from __future__ import annotations
@@ -23,6 +20,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from ..protocol_common import NAME_PATTERN, RequestModel
 
 __all__ = [
     "INPUT_ITEMS",
@@ -43,36 +42,14 @@ __all__ = [
     "text_chars",
 ]
 
-#: OpenAI's rule for function and schema names.
-NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
-
-
-class RequestModel(BaseModel):
-    """The base of every request model: strict types, finite numbers.
-
-    Inside the body, fields OpenAI adds to items it returns (``status``,
-    ``annotations``, ``id``) are ignored, so an output item replayed as input
-    is accepted; the top level forbids extras (:mod:`.protocol`).
-    """
-
-    model_config = ConfigDict(
-        strict=True, extra="ignore", frozen=True, allow_inf_nan=False
-    )
-
 
 class TextContent(RequestModel):
-    """``input_text`` (a user's), ``output_text`` (an earlier answer's) or
-    ``refusal`` content."""
-
     type: Literal["input_text", "output_text", "text", "refusal"]
     text: str = ""
     refusal: str | None = None
 
 
 class ImageContent(RequestModel):
-    """``input_image``: a data URL, or an ``http(s)`` URL where the server
-    fetches them; ``file_id`` is refused (no files here)."""
-
     type: Literal["input_image"]
     image_url: str | None = Field(default=None, min_length=1)
     file_id: str | None = None
@@ -96,9 +73,6 @@ Content = Annotated[TextContent | ImageContent, Field(discriminator="type")]
 
 
 class MessageItem(RequestModel):
-    """A message: text (a string, or ``input_text`` parts), and for a user,
-    ``input_image`` parts."""
-
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | Annotated[list[Content], Field(max_length=4096)]
@@ -115,8 +89,6 @@ class MessageItem(RequestModel):
 
 
 class FunctionCallItem(RequestModel):
-    """An earlier answer's call of a function."""
-
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str
@@ -124,8 +96,6 @@ class FunctionCallItem(RequestModel):
 
 
 class FunctionCallOutputItem(RequestModel):
-    """What a function call returned: text, or text parts."""
-
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: str | Annotated[list[TextContent], Field(max_length=4096)]
@@ -137,8 +107,6 @@ class ReasoningText(RequestModel):
 
 
 class ReasoningItem(RequestModel):
-    """An earlier answer's reasoning; its text goes with the next answer."""
-
     type: Literal["reasoning"]
     summary: list[ReasoningText] = Field(default=[], max_length=4096)
     content: list[ReasoningText] | None = Field(default=None, max_length=4096)
@@ -165,8 +133,6 @@ INPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
 
 
 class FunctionTool(RequestModel):
-    """A function the model may call (``tools`` entry ``type: function``)."""
-
     type: Literal["function"]
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
@@ -174,7 +140,6 @@ class FunctionTool(RequestModel):
     strict: bool | None = None
 
     def spec(self) -> dict[str, Any]:
-        """As chat templates take a tool (chat completions' shape)."""
         function: dict[str, Any] = {"name": self.name}
         if self.description is not None:
             function["description"] = self.description
@@ -202,8 +167,6 @@ class HostedTool(BaseModel):
 
 
 class NamedFunctionChoice(RequestModel):
-    """``tool_choice`` naming the one function the model must call."""
-
     type: Literal["function"]
     name: str
 
@@ -219,8 +182,6 @@ def _text(content: str | Sequence[TextContent | ImageContent]) -> str:
 
 
 def _arguments(text: str) -> Any:
-    """A call's arguments as chat templates read them: an object when they
-    are one, else the text."""
     try:
         value = json.loads(text)
     except ValueError:
@@ -229,13 +190,9 @@ def _arguments(text: str) -> Any:
 
 
 def chat_messages(items: Sequence[InputItem]) -> list[dict[str, Any]]:
-    """Input items as mlx-vlm's chat messages.
-
-    Function calls join the assistant turn before them (or make one), each
-    output is a ``tool`` turn, and reasoning goes with the next assistant
-    turn as its ``reasoning_content``. Image parts become
-    ``{"type": "image_url"}`` markers in place.
-    """
+    """Input items as mlx-vlm's chat messages: function calls join the
+    assistant turn before them (or make one), each output is a ``tool`` turn,
+    and reasoning goes with the next assistant turn."""
     out: list[dict[str, Any]] = []
     reasoning: list[str] = []
     for item in items:
@@ -286,8 +243,8 @@ def chat_messages(items: Sequence[InputItem]) -> list[dict[str, Any]]:
 
 
 def image_urls(items: Sequence[InputItem]) -> list[tuple[str, str]]:
-    """Each image of ``items`` in prompt order: where it is in the request
-    (``input[1].content[0].image_url``), and its URL."""
+    """Where each image is (``input[1].content[0].image_url``), and its URL,
+    in prompt order."""
     return [
         (f"input[{i}].content[{j}].image_url", part.image_url or "")
         for i, item in enumerate(items)
@@ -298,7 +255,6 @@ def image_urls(items: Sequence[InputItem]) -> list[tuple[str, str]]:
 
 
 def text_chars(messages: Sequence[dict[str, Any]]) -> int:
-    """Characters of text in chat ``messages`` (images not counted)."""
     total = 0
     for message in messages:
         content = message.get("content") or ""

@@ -1,11 +1,8 @@
 """The Responses API's objects: ids, the response object, its output items
 as the answer's parts build them, and the stream's events.
 
-Event loop (pure CPU, plain dicts: the SDKs read OpenAI's JSON, and a dict
-per event is cheap). :class:`Output` turns the shared
-:class:`~..answer.AnswerParser`'s parts into output items and, as it goes,
-the events a stream sends, so a stream's events rebuild exactly the whole
-response.
+Event loop (pure CPU, plain dicts). A stream's events rebuild exactly the
+whole response.
 """
 
 from __future__ import annotations
@@ -32,17 +29,14 @@ __all__ = [
 
 
 def item_id(prefix: str) -> str:
-    """A fresh id: ``resp_…``, ``msg_…``, ``fc_…``, ``rs_…``."""
     return f"{prefix}_{random_hex(128)}"
 
 
 def tool_call_id() -> str:
-    """A fresh ``call_…`` id for a function call."""
     return item_id("call")
 
 
 def sse(event: dict[str, Any]) -> bytes:
-    """One server-sent event, named as its ``type``."""
     return sse_event(event, event=event["type"])
 
 
@@ -109,13 +103,8 @@ def response_object(
 
 
 class Output:
-    """The output items of one answer, built part by part.
-
-    :meth:`add` returns the stream events the parts make (each numbered
-    from ``sequence``); :meth:`close` ends the open item. ``items`` is the
-    response's ``output``: reasoning, message and function calls in the
-    order the model wrote them.
-    """
+    """The output items of one answer, built part by part; :meth:`add`
+    returns the stream events the parts make, numbered from ``sequence``."""
 
     def __init__(self, sequence: int = 0) -> None:
         self.sequence = sequence
@@ -128,7 +117,6 @@ class Output:
         return bool(self._calls)
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """An event of this stream, with the next ``sequence_number``."""
         event = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return event
@@ -167,7 +155,7 @@ class Output:
         return events
 
     def add_empty_message(self) -> list[dict[str, Any]]:
-        """An empty message: the output of an answer with no text at all."""
+        """The output of an answer with no text at all."""
         return self._text("message", "output_text", "")
 
     def _begin(self, item: dict[str, Any]) -> list[dict[str, Any]]:
@@ -223,7 +211,6 @@ class Output:
         return events
 
     def close(self) -> list[dict[str, Any]]:
-        """The events that end the open item (none if none is open)."""
         item, self._open = self._open, None
         if item is None:
             return []

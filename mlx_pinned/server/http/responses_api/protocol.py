@@ -1,13 +1,8 @@
 """The request body of the OpenAI Responses API (``POST /v1/responses``).
 
-Parsed from the raw body with :func:`parse_responses_request`, which turns
-every failure into an :class:`~..errors.APIError` naming the parameter at
-fault, as chat completions does. Every top-level field of OpenAI's reference
-is declared here: honoured, accepted without effect, or refused with a 400
-that names it; an unknown one is a 400 ("Unrecognized request argument
-supplied"). A validated request turns itself into the shared generation
-request (:meth:`ResponsesRequest.to_generation_params`). Nothing here
-touches MLX or the event loop.
+Pure CPU, any thread. Every top-level field of OpenAI's reference is
+honoured, accepted without effect, or refused with a 400 that names it; an
+unknown one is a 400 too.
 """
 
 from __future__ import annotations
@@ -19,7 +14,9 @@ from pydantic import Field, ValidationInfo, field_validator
 from ...events import GenerationParams, Grammar, SamplingParams
 from ..protocol_common import (
     EFFORT_BUDGETS,
+    JSONObjectFormat,
     RequestBody,
+    TextFormat,
     check_service_tier,
     check_unique_names,
     floor_top_p,
@@ -67,17 +64,7 @@ _REFUSED = {
 }
 
 
-class TextFormat(RequestModel):
-    type: Literal["text"]
-
-
-class JSONObjectFormat(RequestModel):
-    type: Literal["json_object"]
-
-
 class JSONSchemaFormat(RequestModel):
-    """``text.format`` of type ``json_schema``: the schema the answer follows."""
-
     type: Literal["json_schema"]
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
@@ -87,7 +74,7 @@ class JSONSchemaFormat(RequestModel):
 
 
 class TextOptions(RequestModel):
-    """``text``: its ``format``; ``verbosity`` at the one value this server has."""
+    """``verbosity`` only at the one value this server has."""
 
     format: (
         Annotated[
@@ -100,9 +87,9 @@ class TextOptions(RequestModel):
 
 
 class Reasoning(RequestModel):
-    """``reasoning``: ``effort`` turns the model's thinking on or off where its
-    chat template has the switch, and sets its thinking budget
-    (:data:`~..thinking.EFFORT_BUDGETS`); ``summary`` is accepted, unused."""
+    """``effort`` turns the model's thinking on or off where its chat template
+    has the switch, and sets its thinking budget
+    (:data:`~..protocol_common.EFFORT_BUDGETS`); ``summary`` is unused."""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -110,8 +97,6 @@ class Reasoning(RequestModel):
 
 
 class ResponsesRequest(RequestBody):
-    """The body of ``POST /v1/responses``."""
-
     model: str
     input: str | Annotated[list[InputItem], Field(min_length=1, max_length=4096)]
     instructions: str | None = None
@@ -214,19 +199,16 @@ class ResponsesRequest(RequestBody):
 
     @property
     def items(self) -> list[InputItem]:
-        """``input`` as items: a string is one user message."""
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)
 
     @property
     def function_tools(self) -> list[FunctionTool]:
-        """The function tools, whatever ``tool_choice`` says."""
         return [tool for tool in self.tools or [] if isinstance(tool, FunctionTool)]
 
     @property
     def active_tools(self) -> list[FunctionTool]:
-        """The tools the model may call: none with ``tool_choice: "none"``."""
         return [] if self.tool_choice == "none" else self.function_tools
 
     @property
@@ -238,8 +220,6 @@ class ResponsesRequest(RequestBody):
 
     @property
     def thinking_budget(self) -> int | None:
-        """``reasoning.effort``'s thinking budget (:data:`EFFORT_BUDGETS`);
-        None: no budget."""
         if self.reasoning is None or self.reasoning.effort is None:
             return None
         return EFFORT_BUDGETS[self.reasoning.effort]
@@ -254,8 +234,7 @@ class ResponsesRequest(RequestBody):
         grammar: Grammar | None = None,
     ) -> GenerationParams:
         """This request as the shared generation request, over the whole
-        conversation (``messages``: a stored one's turns, then this
-        request's), with ``max_tokens`` resolved and its ``grammar`` checked."""
+        conversation (a stored one's turns, then this request's)."""
         return GenerationParams(
             messages=messages,
             max_tokens=max_tokens,
@@ -271,9 +250,6 @@ class ResponsesRequest(RequestBody):
 
 
 def parse_responses_request(body: bytes) -> ResponsesRequest:
-    """Parse and validate a Responses body (any thread, pure CPU).
-
-    Raises:
-        APIError: 400 naming the first invalid parameter.
-    """
+    """Raises :class:`~..errors.APIError`, a 400 naming the first invalid
+    parameter."""
     return parse_request(ResponsesRequest, body)

@@ -1,10 +1,8 @@
-"""The ASGI endpoint of ``POST /v1/responses``: from the body to the last
-byte of the answer, a whole response or OpenAI's stream of events.
+"""The door of ``POST /v1/responses``: a whole response or OpenAI's stream
+of events.
 
-Event loop only. Each event carries its ``sequence_number``; the status
-is sent with the first token, so a failed prefill is still an error status.
-A failure after the stream began ends it with ``response.failed`` (or, for
-the request's deadline, an ``error`` event).
+Event loop only. A failure after the stream began ends it with
+``response.failed`` (or, for the request's deadline, an ``error`` event).
 """
 
 from __future__ import annotations
@@ -44,12 +42,7 @@ class ResponsesErrors(OpenAIErrors):
 
 class StreamErrors(ResponsesErrors):
     """The errors of a stream under way: ``response.failed`` with the
-    stream's next ``sequence_number``, its output so far and the error.
-
-    Args:
-        head: The stream's response object.
-        output: The stream's output so far.
-    """
+    stream's next ``sequence_number``, its output so far and the error."""
 
     def __init__(self, head: dict[str, Any], output: Output) -> None:
         self.head = head
@@ -67,9 +60,7 @@ class StreamErrors(ResponsesErrors):
 
 
 class ResponsesEndpoint(GenerationDoor[ResponsesRequest]):
-    """The door of ``POST /v1/responses``: checked by
-    :class:`.serving.ResponsesServing`, answered as OpenAI's response object
-    or events, and kept in :attr:`store` unless the request says
+    """Answers are kept in :attr:`store` unless the request says
     ``store: false``."""
 
     route = "POST /v1/responses"
@@ -102,7 +93,6 @@ class ResponsesEndpoint(GenerationDoor[ResponsesRequest]):
     async def send_whole(
         self, call: Generation[ResponsesRequest], output: EventStream
     ) -> None:
-        """The response object, once the generation ended (stored first)."""
         head, items, parser = self._head(call), Output(), self.parser(call)
         events, final = await self.whole(output, call.log)
         text = "".join(event.text for event in events)
@@ -112,10 +102,7 @@ class ResponsesEndpoint(GenerationDoor[ResponsesRequest]):
     async def send_stream(
         self, call: Generation[ResponsesRequest], output: EventStream
     ) -> None:
-        """The events of each token as it comes, numbered from
-        ``response.created`` and ``response.in_progress``; the last is
-        ``response.completed`` (or ``response.incomplete``), sent once the
-        response is stored. A failure once it began is ``response.failed``."""
+        """The last event is sent once the response is stored."""
         head, items, response = self._head(call), Output(), call.response
         parser = self.parser(call)
         opening = sse(items.event("response.created", response=head)) + sse(
@@ -140,7 +127,6 @@ class ResponsesEndpoint(GenerationDoor[ResponsesRequest]):
         await send_last(response, opening, data + last)
 
     def _head(self, call: Generation[ResponsesRequest]) -> dict[str, Any]:
-        """The response object as it begins (``in_progress``)."""
         return response_object(
             call.request, item_id("resp"), int(time.time()), call.served.name
         )
@@ -154,9 +140,9 @@ class ResponsesEndpoint(GenerationDoor[ResponsesRequest]):
         text: str,
         parser: AnswerParser | None,
     ) -> tuple[dict[str, Any], bytes]:
-        """The answer's last ``text`` into ``output``, and the response object
-        at the answer's end, stored unless the request says ``store: false``;
-        with the events of that end of the output."""
+        """The answer's last ``text`` into ``output``; the response object at
+        the answer's end, stored unless ``store: false``, and the events of
+        that end."""
         events = output.add(last_parts(parser, text, final))
         if not output.items:
             events += output.add_empty_message()
@@ -176,9 +162,8 @@ class ResponsesEndpoint(GenerationDoor[ResponsesRequest]):
         self, done: dict[str, Any], prepared: Prepared, output: Output
     ) -> None:
         """Store the response and the conversation it ends, its output as the
-        chat turns the same items make when sent back as input (written
-        before the answer's end is sent: an answered response is kept)."""
-        assert isinstance(prepared, Continued), "this endpoint's prepare made it"
+        chat turns the same items make when sent back as input."""
+        assert isinstance(prepared, Continued), "this door's prepare made it"
         said = chat_messages(INPUT_ITEMS.validate_python(output.items, strict=False))
         messages = (*prepared.history, *said)
         urls = tuple(ref.url for ref in prepared.images)

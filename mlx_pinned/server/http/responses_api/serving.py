@@ -1,16 +1,9 @@
-"""The Responses API's one validation site: a parsed request checked against
-the served model's :class:`~...events.ChatFacts`, this server's
-limits and the stored responses, and turned into the shared generation
-request.
+"""The Responses API's one check against the model: a parsed request against
+the model's :class:`~...events.ChatFacts`, this server's limits and the
+stored response it continues, before it waits for the gate, turned into the
+shared generation request.
 
-Event loop; a grammar is compiled in a worker thread
-(:func:`~..serving_common.check_grammar`).
-Here, once, before the request waits for the model's gate: the stored
-response it continues (``previous_response_id``), its text against the
-prompt limit, ``max_output_tokens`` against the server's limit, tools
-against the model's tool-call format, the grammar (``text.format`` or a
-forced call), its images (how many; whether the model takes any, the
-endpoint checks).
+Event loop; a grammar is compiled in a worker thread.
 """
 
 from __future__ import annotations
@@ -54,36 +47,21 @@ __all__ = ["Continued", "ResponsesServing"]
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Continued(Prepared):
     """A request checked against its model and the store, with what is
-    stored with its answer (its ``images`` are every image of the
-    conversation).
-
-    Attributes:
-        history: The conversation without instructions (a stored response's
-            turns, then this request's input).
-        input_items: This request's input items, with ids.
-    """
+    stored with its answer; its ``images`` are every image of the
+    conversation, and ``history`` the conversation without instructions."""
 
     history: tuple[dict[str, Any], ...]
     input_items: list[dict[str, Any]]
 
 
 class ResponsesServing:
-    """Checks Responses requests against the served model, the server's
-    limits (``config``) and the stored responses (``store``)."""
-
     def __init__(self, config: ServerConfig, store: ResponseStore) -> None:
         self.config = config
         self.store = store
 
     async def prepare(self, request: ResponsesRequest, facts: ChatFacts) -> Continued:
-        """Check ``request``; its generation request.
-
-        Raises:
-            APIError: 400 naming the parameter at fault; 404 for a
-                ``previous_response_id`` not stored.
-            PromptTooLongError: Its text alone is over the prompt limit.
-            ImageRefusedError: Too many images.
-        """
+        """Raises an ``APIError`` (a 404 for a ``previous_response_id`` not
+        stored), a ``PromptTooLongError`` or an ``ImageRefusedError``."""
         before: tuple[dict[str, Any], ...] = ()
         urls: list[str] = []
         if request.previous_response_id is not None:
@@ -144,9 +122,6 @@ class ResponsesServing:
 
 
 def _forced_call(request: ResponsesRequest) -> ForcedCall | None:
-    """``tool_choice`` ``required`` (one call, or with
-    ``parallel_tool_calls`` not false, one or more) or a named function
-    (exactly one call to it); None when no call is forced."""
     choice = request.tool_choice
     named = isinstance(choice, NamedFunctionChoice)
     functions = request.function_tools
@@ -164,7 +139,6 @@ def _forced_call(request: ResponsesRequest) -> ForcedCall | None:
 
 
 def _answer_format(request: ResponsesRequest) -> tuple[str, Grammar] | None:
-    """``text.format`` ``json_object`` or ``json_schema``; None for text."""
     wanted = request.text.format if request.text is not None else None
     if isinstance(wanted, JSONObjectFormat):
         return "text.format", Grammar("json_object")
@@ -175,7 +149,7 @@ def _answer_format(request: ResponsesRequest) -> tuple[str, Grammar] | None:
 
 def _input_items(items: list[Any]) -> list[dict[str, Any]]:
     """Input items as ``input_items`` lists them: each with an id, a string
-    message's text as one ``input_text`` part."""
+    message as one text part."""
     out = []
     for item in items:
         data = item.model_dump(mode="json", by_alias=True, exclude_none=True)

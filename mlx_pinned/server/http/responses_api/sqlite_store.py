@@ -2,15 +2,10 @@
 a crash, keeps every response it acknowledged.
 
 Called on the event loop; every query runs on a worker thread, one at a
-time (a capacity limiter of one token: the one writer), never on the loop
-and never on the MLX thread. A write is one transaction (the response in,
-the oldest past the bound out), in WAL mode: a ``kill -9`` mid-write
-leaves the database as it was before the write or after it, never between,
-and a write that returned is kept (``synchronous=NORMAL``: a power cut may
-also lose the last writes, never the file; docs/responses.md). The bound is the same
-:class:`~.store.Ledger` as in memory, read back from the file at start
-(a smaller bound then drops the oldest at once). The database is held
-exclusively: a second server on the same ``state_dir`` is refused at start.
+time. A write is one transaction in WAL mode, so a ``kill -9`` mid-write
+leaves the database as it was before or after it (docs/responses.md). The
+database is held exclusively: a second server on the same ``state_dir`` is
+refused at start.
 """
 
 from __future__ import annotations
@@ -76,8 +71,7 @@ class SQLiteStore(ResponseStore):
         and trimmed to the bound. Blocks: called once, at start-up.
 
         Raises:
-            SettingError: ``state_dir`` cannot hold it; one line that names
-                the setting, the folder and what to do.
+            SettingError: ``state_dir`` cannot hold it.
         """
         path = folder / FILE_NAME
         try:
@@ -211,7 +205,6 @@ class _BadFile(Exception):
 
 @contextlib.contextmanager
 def _transaction(connection: sqlite3.Connection) -> Iterator[sqlite3.Cursor]:
-    """``BEGIN IMMEDIATE`` ... ``COMMIT``, rolled back on any error."""
     connection.execute("BEGIN IMMEDIATE")
     try:
         yield connection.cursor()
@@ -274,7 +267,6 @@ def _refused(folder: Path, why: str) -> SettingError:
 
 
 def _unusable(exc: sqlite3.Error) -> str:
-    """Why the database cannot be used, and what to do."""
     if "locked" in str(exc):
         return f"{FILE_NAME} is in use by another process: give each server its own"
     if isinstance(exc, sqlite3.OperationalError):
@@ -283,7 +275,6 @@ def _unusable(exc: sqlite3.Error) -> str:
 
 
 def _reason(exc: BaseException) -> str:
-    """An OS or SQLite error as a few words (no errno, no path)."""
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return str(exc)

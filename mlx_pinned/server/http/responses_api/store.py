@@ -1,15 +1,9 @@
-"""Stored responses, within a bound: for ``GET`` and ``DELETE
-/v1/responses/{id}``, its ``input_items``, and ``previous_response_id``.
+"""Stored responses, within a bound of a count and bytes (past either, the
+oldest go first): in memory, or in SQLite under ``state_dir``.
 
-One interface (:class:`ResponseStore`), two backings: this process's memory
-(:class:`MemoryStore`, the default) and a SQLite file under ``state_dir``
-(:class:`~.sqlite_store.SQLiteStore`), which a restart keeps. The
-interface is the event loop's; the SQLite backing's queries run on a
-worker thread. A stored response keeps its JSON, its input items as sent,
-and the conversation it ended (chat messages and image URLs), so a turn
-that continues it renders the same prefix and the engine's prompt cache
-serves it. The bound is a count and a size in bytes; past either, the
-oldest go first.
+Event loop; the SQLite backing's queries run on a worker thread. A stored
+response keeps the conversation it ended, so a turn that continues it
+renders the same prefix and the engine's prompt cache serves it.
 """
 
 from __future__ import annotations
@@ -37,16 +31,8 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
-    """One stored response.
-
-    Attributes:
-        response: The response object, as ``GET`` answers it.
-        input_items: Its input items (with ids), as ``input_items`` lists them.
-        messages: The conversation it ended, without its instructions: the
-            chat messages of the turns before, of its input and of its output.
-        images: The URLs of the images in ``messages``, in order.
-        size: Bytes it is counted as.
-    """
+    """One stored response; ``messages`` is the conversation it ended,
+    without its instructions, and ``images`` their URLs, in order."""
 
     response: dict[str, Any]
     input_items: list[dict[str, Any]]
@@ -69,20 +55,13 @@ def encoded(
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """What the bound and the image count need of a stored response."""
-
     size: int
     image_count: int
 
 
 class Ledger:
     """The stored responses' sizes and image counts by id, oldest first:
-    the one place the bound is kept, for every backing.
-
-    Args:
-        max_count: Most responses kept.
-        max_bytes: Most bytes kept.
-    """
+    the one place the bound is kept, for every backing."""
 
     def __init__(self, max_count: int, max_bytes: int) -> None:
         self.max_count = max_count
@@ -91,7 +70,6 @@ class Ledger:
         self.entries: OrderedDict[str, Entry] = OrderedDict()
 
     def fits(self, size: int) -> bool:
-        """Whether a response of ``size`` bytes may be kept at all."""
         return self.max_count >= 1 and size <= self.max_bytes
 
     def evicted_by(self, response_id: str, size: int) -> list[str]:
@@ -109,8 +87,6 @@ class Ledger:
         return self._oldest_past(len(self.entries), self.bytes, keep=None)
 
     def _oldest_past(self, count: int, total: int, keep: str | None) -> list[str]:
-        """The oldest ids (never ``keep``) whose going brings ``count``
-        responses of ``total`` bytes within the bound."""
         out: list[str] = []
         for old_id, entry in self.entries.items():
             if count <= self.max_count and total <= self.max_bytes:
@@ -122,13 +98,11 @@ class Ledger:
         return out
 
     def add(self, response_id: str, entry: Entry) -> None:
-        """Keep ``response_id`` as the newest."""
         self.remove(response_id)
         self.entries[response_id] = entry
         self.bytes += entry.size
 
     def remove(self, response_id: str) -> bool:
-        """Forget ``response_id``; whether it was there."""
         entry = self.entries.pop(response_id, None)
         if entry is not None:
             self.bytes -= entry.size
@@ -136,17 +110,11 @@ class Ledger:
 
 
 class ResponseStore(ABC):
-    """Responses by id, oldest out first past ``max_count`` or ``max_bytes``.
+    """Responses by id, oldest out first past ``max_count`` or ``max_bytes``
+    (counted as their JSON's length; 0 responses: none kept).
 
-    Called on the event loop. A read or a write may wait for a worker
-    thread (the SQLite backing); a write is whole or not at all, and is
+    Called on the event loop; a write is whole or not at all, and is
     durable once it returns.
-
-    Args:
-        ledger: What is kept, by id, within the bound (its ``max_count``:
-            most responses kept, 0 none; its ``max_bytes``: most bytes kept,
-            counted as their JSON's length, a response larger than this
-            alone is not kept).
     """
 
     def __init__(self, ledger: Ledger) -> None:
@@ -156,7 +124,6 @@ class ResponseStore(ABC):
 
     @property
     def bytes(self) -> int:
-        """Bytes kept, as counted against ``max_bytes``."""
         return self._ledger.bytes
 
     def __len__(self) -> int:
@@ -171,7 +138,7 @@ class ResponseStore(ABC):
 
     @abstractmethod
     async def get(self, response_id: str) -> StoredResponse | None:
-        """The stored response, or None."""
+        """None where none is stored."""
 
     @abstractmethod
     async def put(
@@ -186,11 +153,11 @@ class ResponseStore(ABC):
 
     @abstractmethod
     async def delete(self, response_id: str) -> bool:
-        """Drop a response; whether it was there."""
+        """Whether it was there."""
 
     @abstractmethod
     async def aclose(self) -> None:
-        """Let go of what the store holds open; it keeps nothing more."""
+        """Let go of what the store holds open."""
 
 
 class MemoryStore(ResponseStore):
@@ -229,14 +196,8 @@ class MemoryStore(ResponseStore):
 
 
 def open_store(config: ServerConfig) -> ResponseStore:
-    """The store of ``config``: in memory, or in ``state_dir`` where it is
-    set (opened and checked now, on the caller's thread, at start-up).
-
-    Raises:
-        SettingError: ``state_dir`` cannot hold the store (not a folder,
-            not writable, a corrupt or foreign database); the message names
-            the setting and says what to do.
-    """
+    """The store of ``config``, opened and checked now, on the caller's
+    thread; a ``SettingError`` where ``state_dir`` cannot hold it."""
     bound = (config.responses_store_max, config.responses_store_bytes)
     if config.state_dir is None:
         return MemoryStore(*bound)

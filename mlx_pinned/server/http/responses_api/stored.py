@@ -1,9 +1,7 @@
 """The stored responses' routes: ``GET`` and ``DELETE /v1/responses/{id}``
 and ``GET /v1/responses/{id}/input_items``.
 
-Event loop only (Starlette handlers over the endpoint's
-:class:`~.store.ResponseStore`); a refusal is raised, and the app's error
-edge answers it in OpenAI's shape.
+Event loop only; a refusal is raised, and the app's error edge answers it.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ __all__ = ["routes"]
 
 
 def routes(endpoint: ResponsesEndpoint) -> list[Route]:
-    """The Responses API's routes: the endpoint, and its stored responses'."""
+    """The Responses API's routes: the door's, and its stored responses'."""
     store = endpoint.store
     return [
         Route("/v1/responses", endpoint, methods=["POST"]),
@@ -67,12 +65,10 @@ def _not_found(response_id: str) -> APIError:
 
 
 async def retrieve(store: ResponseStore, request: Request) -> Response:
-    """``GET /v1/responses/{id}``: the stored response object."""
     return JSONResponse((await _found(store, request)).response)
 
 
 async def delete(store: ResponseStore, request: Request) -> Response:
-    """``DELETE /v1/responses/{id}``: OpenAI's deletion object."""
     response_id = request.path_params["response_id"]
     if not await store.delete(response_id):
         raise _not_found(response_id)
@@ -81,8 +77,6 @@ async def delete(store: ResponseStore, request: Request) -> Response:
 
 
 async def input_items(store: ResponseStore, request: Request) -> Response:
-    """``GET /v1/responses/{id}/input_items``: its input items as a list
-    page (``order``: ``desc`` by default, ``limit`` 1-100, ``after``)."""
     stored = await _found(store, request)
     query = request.query_params
     order = query.get("order", "desc")

@@ -1,12 +1,9 @@
-"""The bodies of vLLM's ``/tokenize`` and ``/detokenize``, as pydantic models.
+"""The bodies of vLLM's ``/tokenize`` and ``/detokenize``.
 
-Any thread (pure CPU, no MLX); the routes parse on the event loop.
-``/tokenize`` takes a raw prompt (:class:`TokenizePromptRequest`: as
-``/v1/completions`` tokenizes it) or chat messages
-(:class:`TokenizeChatRequest`: as ``/v1/chat/completions`` renders them,
-through the chat template; text only); which one is told by the body's
-``messages`` key, as vLLM tells it. Each turns into the shared generation
-request whose prompt it counts. Unknown fields are refused by name.
+Pure CPU, any thread. ``/tokenize`` takes a raw prompt, as
+``/v1/completions`` tokenizes it, or chat messages (text only), as
+``/v1/chat/completions`` renders them; each turns into the generation
+request whose prompt it counts.
 """
 
 from __future__ import annotations
@@ -14,10 +11,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from ...events import GenerationParams
-from ..protocol_common import RequestBody, TemplateKwargs
+from ..protocol_common import RequestBody, RequestModel, TemplateKwargs, TextPart
 from ..validation import parse_request
 
 __all__ = [
@@ -28,25 +25,11 @@ __all__ = [
 ]
 
 
-class TextPart(BaseModel):
-    """A ``{"type": "text", "text": ...}`` content part."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    """A chat message of text: what the chat template renders."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
-
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
     def chat_message(self) -> dict[str, Any]:
-        """As mlx-vlm's chat message, the way chat completions makes it."""
         content = self.content
         if self.role == "user":
             if isinstance(content, str):
@@ -60,15 +43,12 @@ class ChatMessage(BaseModel):
 
 
 class TokenizePromptRequest(RequestBody):
-    """``/tokenize`` of a raw prompt."""
-
     model: str
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
     def to_generation_params(self) -> GenerationParams:
-        """The generation request whose prompt this counts."""
         return GenerationParams(
             messages=(),
             prompt=self.prompt,
@@ -78,8 +58,6 @@ class TokenizePromptRequest(RequestBody):
 
 
 class TokenizeChatRequest(RequestBody):
-    """``/tokenize`` of chat messages, through the chat template."""
-
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -97,8 +75,6 @@ class TokenizeChatRequest(RequestBody):
         return value
 
     def to_generation_params(self) -> GenerationParams:
-        """The generation request whose prompt this counts: the one chat
-        completions makes of the same messages."""
         kwargs = dict(self.chat_template_kwargs or {})
         if not self.add_generation_prompt:
             kwargs["add_generation_prompt"] = False
@@ -110,19 +86,13 @@ class TokenizeChatRequest(RequestBody):
 
 
 class DetokenizeRequest(RequestBody):
-    """``/detokenize``: token ids in, their text out."""
-
     model: str
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
 def parse_tokenize_request(body: bytes) -> TokenizePromptRequest | TokenizeChatRequest:
-    """Parse a ``/tokenize`` body: chat messages if it has ``messages``,
-    else a prompt (any thread, pure CPU).
-
-    Raises:
-        APIError: 400 naming the first invalid parameter.
-    """
+    """A ``/tokenize`` body: chat messages if it has ``messages`` (as vLLM
+    tells them), else a prompt."""
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):  # pydantic's parse names the fault

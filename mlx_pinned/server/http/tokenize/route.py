@@ -1,10 +1,7 @@
 """``POST /tokenize`` and ``POST /detokenize``, in vLLM's shapes.
 
-Event loop. Doors of the chat kind that generate nothing, so take no turn
-of the gate; the tokenizer runs on the MLX thread between steps of the
-batch. A prompt is tokenized exactly as a generation of it would be, so
-``/tokenize`` of chat messages gives the ids ``/v1/chat/completions``
-prefills, which ``/v1/completions`` takes as its ``prompt``.
+Event loop. They generate nothing, so take no turn of the gate. A prompt is
+tokenized exactly as a generation of it would be.
 """
 
 from __future__ import annotations
@@ -34,10 +31,6 @@ TokenizeRequest: TypeAlias = TokenizePromptRequest | TokenizeChatRequest
 
 
 class TokenizeEndpoint(Door[TokenizeRequest, Engine, TokenizeRequest, _Tokens]):
-    """The door of ``POST /tokenize``: ``{"count", "max_model_len",
-    "tokens"}``, and ``token_strs`` (each token's text, as log-probabilities
-    show it) when ``return_token_strs`` is true."""
-
     route = "POST /tokenize"
     prompt = "prompt"
     gated = False
@@ -49,11 +42,7 @@ class TokenizeEndpoint(Door[TokenizeRequest, Engine, TokenizeRequest, _Tokens]):
         self, request: TokenizeRequest, engine: Engine
     ) -> TokenizeRequest:
         """Refuse a text over the prompt limit before the MLX thread spends
-        time on it.
-
-        Raises:
-            APIError: 400 naming ``messages`` or ``prompt``.
-        """
+        time on it."""
         facts = engine.facts
         limit = self.config.max_prompt_tokens or facts.context_length
         if isinstance(request, TokenizeChatRequest):
@@ -94,9 +83,6 @@ class TokenizeEndpoint(Door[TokenizeRequest, Engine, TokenizeRequest, _Tokens]):
 
 
 class DetokenizeEndpoint(Door[DetokenizeRequest, Engine, DetokenizeRequest, str]):
-    """The door of ``POST /detokenize``: ``{"prompt"}``, the text of
-    ``tokens`` (at most the model's context of them)."""
-
     route = "POST /detokenize"
     prompt = "tokens"
     gated = False
@@ -108,11 +94,7 @@ class DetokenizeEndpoint(Door[DetokenizeRequest, Engine, DetokenizeRequest, str]
         self, request: DetokenizeRequest, engine: Engine
     ) -> DetokenizeRequest:
         """Refuse more tokens than any prompt or answer could hold, and ids
-        outside the vocabulary, before the MLX thread spends time on them.
-
-        Raises:
-            APIError: 400 naming ``tokens``.
-        """
+        outside the vocabulary, before the MLX thread spends time on them."""
         vocab, context = engine.facts.vocab_size, engine.facts.context_length
         if context is not None and len(request.tokens) > context:
             raise APIError(
