@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import anyio
 from starlette.routing import Route
@@ -48,11 +48,21 @@ if TYPE_CHECKING:
     from .served_models import ServedModel, ServedModels
     from .turns import LoopTurns
 
-__all__ = ["Call", "Door", "Wiring", "routes"]
+__all__ = ["Call", "Door", "Named", "Wiring", "routes"]
 
 logger = logging.getLogger("mlx_pinned.server")
 
-RequestT = TypeVar("RequestT")
+
+class Named(Protocol):
+    """What the skeleton reads of every door's parsed request."""
+
+    @property
+    def model(self) -> str:
+        """The served model it names."""
+        ...
+
+
+RequestT = TypeVar("RequestT", bound=Named)
 EngineT = TypeVar("EngineT")
 PreparedT = TypeVar("PreparedT")
 OutputT = TypeVar("OutputT")
@@ -120,12 +130,9 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
         """The request in ``body``; where each of its media parts is, in
         prompt order per kind, added to ``places`` (to name a refused one)."""
 
-    def model_name(self, request: RequestT) -> str:
-        name: str = getattr(request, "model")  # noqa: B009 every API's field
-        return name
-
     def streamed(self, request: RequestT) -> bool:
-        return bool(getattr(request, "stream", False))
+        """Whether the answer is written as it is made (else whole)."""
+        return False
 
     @abstractmethod
     async def prepare(self, request: RequestT, engine: EngineT) -> PreparedT:
@@ -145,7 +152,11 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
         :attr:`gated`)."""
         if not self.gated:
             return nullcontext()
-        return call.served.gate.turn(getattr(call.prepared, "priority", 0))
+        return call.served.gate.turn(self.priority(call.prepared))
+
+    def priority(self, prepared: PreparedT) -> int:
+        """Its place at the gate: the lowest waiting is admitted first."""
+        return 0
 
     @abstractmethod
     def run(
@@ -175,7 +186,7 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
         """parse -> resident -> prepare -> media -> gate -> run -> write."""
         request = await self.parse(body, places)
         log.stream = self.streamed(request)
-        async with self.resident(self.model_name(request), log) as (served, engine):
+        async with self.resident(request.model, log) as (served, engine):
             prepared = await self.prepare(request, engine)
             prepared = await self.media(prepared, engine, log)
             call = Call(request, served, engine, prepared, response, log)

@@ -52,6 +52,12 @@ class GenerationDoor(Door[RequestT, Engine, Prepared, EventStream], Generic[Requ
     @abstractmethod
     def serving(self) -> Serving[RequestT]: ...
 
+    def streamed(self, request: RequestT) -> bool:
+        return bool(request.stream)
+
+    def priority(self, prepared: Prepared) -> int:
+        return prepared.params.priority
+
     async def prepare(self, request: RequestT, engine: Engine) -> Prepared:
         prepared = await self.serving.prepare(request, engine.facts)
         check_media(engine.facts, prepared.images, prepared.videos, prepared.audios)

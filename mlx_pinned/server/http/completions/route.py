@@ -53,6 +53,9 @@ class CompletionsEndpoint(Door[CompletionRequest, Engine, Prompts, _Items]):
     def serving(self) -> CompletionsServing:
         return CompletionsServing(self.config)
 
+    def streamed(self, request: CompletionRequest) -> bool:
+        return bool(request.stream)
+
     async def parse(self, body: bytes, places: list[str]) -> CompletionRequest:
         return parse_completion_request(body)
 

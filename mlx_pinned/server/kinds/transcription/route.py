@@ -38,12 +38,23 @@ class Upload:
     params: TranscriptionParams | None = None
 
 
-_Form: TypeAlias = tuple[TranslationForm, bytes]
-_Call: TypeAlias = Call[_Form, TranscriptionEngine, Upload]
+@dataclass(frozen=True, slots=True)
+class Form:
+    """The form sent: its fields, and the file's bytes."""
+
+    fields: TranslationForm
+    data: bytes
+
+    @property
+    def model(self) -> str:
+        return self.fields.model
+
+
+_Call: TypeAlias = Call[Form, TranscriptionEngine, Upload]
 
 
 class TranscriptionsEndpoint(
-    Door[_Form, TranscriptionEngine, Upload, AsyncIterator[Window]]
+    Door[Form, TranscriptionEngine, Upload, AsyncIterator[Window]]
 ):
     """The door of ``POST /v1/audio/transcriptions``: the text (``json``:
     ``{"text", "usage"}``), or the transcript as ``text``, ``srt``, ``vtt``
@@ -57,19 +68,16 @@ class TranscriptionsEndpoint(
     task: ClassVar[Task] = "transcribe"
     form: ClassVar[type[TranslationForm]] = TranscriptionForm
 
-    async def parse(self, body: Body, places: list[str]) -> _Form:
+    async def parse(self, body: Body, places: list[str]) -> Form:
         places.append("file")
-        return await parse_form(body, body.content_type, self.form)
+        return Form(*await parse_form(body, body.content_type, self.form))
 
-    def model_name(self, request: _Form) -> str:
-        return request[0].model
+    def streamed(self, request: Form) -> bool:
+        return isinstance(request.fields, TranscriptionForm) and request.fields.stream
 
-    def streamed(self, request: _Form) -> bool:
-        return bool(getattr(request[0], "stream", False))
-
-    async def prepare(self, request: _Form, engine: TranscriptionEngine) -> Upload:
-        form, data = request
-        return Upload(data, params(form, engine.facts, self.task))
+    async def prepare(self, request: Form, engine: TranscriptionEngine) -> Upload:
+        facts = engine.facts
+        return Upload(request.data, params(request.fields, facts, self.task))
 
     async def media(
         self, prepared: Upload, engine: TranscriptionEngine, log: RequestLog
@@ -95,7 +103,7 @@ class TranscriptionsEndpoint(
         async for window in output:
             transcript.windows.append(window)
             call.log.completion_tokens += _tokens(window)
-        form = call.request[0]
+        form = call.request.fields
         headers = [(b"content-type", MEDIA_TYPES[form.response_format])]
         await call.response.whole(transcript.body(form), headers)
 
