@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from ..events import ChatFacts, EngineCounters, EventStream, GenerationParams
 from ..formats import ModelFormats, log_formats, model_formats
+from .batch_statistics import BatchStatistics
 from .disk_format import model_fingerprint
 from .drafting import DraftSettings
 from .drafting import install as install_drafting
@@ -30,10 +31,10 @@ from .image_cache import install as install_image_cache
 from .kv_quant import KVQuant
 from .loop import BatchLoop
 from .model import LoadedModel, load
-from .prefill import PREFILL_STEP, preprocess, prompt_tokens
+from .model_inputs import preprocess, prompt_tokens
+from .prefill import PREFILL_STEP
 from .prompt_cache import PromptCache
 from .prompt_disk import DiskTier
-from .rows import BatchStatistics
 from .state import BatchState
 
 if TYPE_CHECKING:

@@ -1,43 +1,6 @@
-"""Speculative decoding inside the batch: drafts verified together in one
-forward pass (MLX thread only).
-
-Not the grammar "speculation" of :mod:`.speculation` (a grammar row drawn
-without its mask). Here each row of the batch gets up to K draft tokens from
-a :class:`DraftSource`: prompt lookup (the tokens that followed the latest
-earlier occurrence of its last n tokens, in its prompt and its answer so
-far; no model, :class:`PromptLookup`) or a small draft model of the same
-tokenizer (:class:`~.draft_model.DraftModel`), and a row whose request
-predicted its answer (OpenAI's predicted outputs) drafts from that
-prediction (:func:`~.prompt_lookup.follow`); and one forward pass over
-``(B, 1 + K)`` tokens (each row's last token and its
-drafts) gives the target's token at every position. A row keeps its drafts
-up to the first one the target disagrees with, and the target's token
-there: every token it keeps is the token the target would have given it one
-step at a time, drawn with the same key (mlx-vlm's position-keyed sampler),
-so greedy and seeded rows give the same tokens as speculation off, and
-their log-probabilities come from the target's logits at each position.
-Accepting a draft exactly when the target's own draw equals it is rejection
-sampling against a one-hot draft: kept with probability p(draft), else a
-token drawn from the target without it, renormalized.
-
-The batch cache keeps one write position for every row: it is cut back by
-the fewest drafts any row dropped, and each row that dropped more has the
-rest rolled to its left padding (as mlx-vlm's ``BatchKVCache.finalize`` does
-for a right-padded prefill), so each row's offset is its own again.
-
-Drafting pays only where drafts are kept: each row keeps its running share
-of drafts kept (each speculative step weighs a third of all before it), and
-a row whose share falls under :data:`FLOOR` rests: it drafts nothing for
-:data:`REST` tokens, twice as long each time it falls again (at most
-:data:`MOST_REST`), then tries again. While every row rests, the batch runs
-the ordinary pipelined step (a speculative step is not pipelined).
-
-A step speculates only when every row of the batch can: a plain, trimmable
-KV cache (checked at install), and no row whose needs it cannot verify
-(:attr:`..row_needs.RowNeeds.undraftable`); a row's bad words are barred at
-each position from the drafts before it. Otherwise, and when no row has a
-draft, the ordinary pipelined step runs. A speculative step is not
-pipelined: its drafts need its rows' last tokens read.
+"""Speculative decoding inside the batch: each row's drafts (prompt lookup, a
+draft model, or its request's prediction) verified together in one forward
+pass. MLX thread only; docs/engine.md says how and when it pays.
 """
 
 from __future__ import annotations
@@ -66,7 +29,7 @@ if TYPE_CHECKING:
     from .rows import Row
     from .state import BatchState
 
-__all__ = ["DraftSettings", "DraftSource", "Drafting", "install"]
+__all__ = ["DraftSettings", "DraftSource", "Drafting", "for_predictions", "install"]
 
 
 @dataclass(frozen=True)
@@ -155,9 +118,27 @@ PREDICTION_TOKENS = 8
 PREDICTION_MAX_BATCH = 4
 
 
+def for_predictions(loaded: LoadedModel) -> Drafting:
+    """The speculative step of a batch with no drafts of its own, for the
+    predictions requests send.
+
+    Raises:
+        RequestError: The model's KV cache cannot be cut back.
+    """
+    if uncuttable_kinds(loaded.model.language_model):
+        raise RequestError(
+            "This model's KV cache cannot be cut back, so it takes no "
+            "prediction: send the request without 'prediction'.",
+            "prediction_unsupported",
+            "prediction",
+        )
+    settings = DraftSettings(tokens=PREDICTION_TOKENS, max_batch=PREDICTION_MAX_BATCH)
+    return Drafting(settings, None)
+
+
 # A row's running share of drafts kept under which it rests (a verify pass
 # that keeps a tenth of its drafts gives about what it costs at one row),
-# and its first and longest rests, in tokens (see the module's docstring).
+# and its first and longest rests, in tokens (docs/engine.md).
 FLOOR = 0.1
 REST = 8
 MOST_REST = 128
@@ -236,8 +217,8 @@ class Drafting:
 
     def verify(self, batch: BatchState) -> Stepped | None:
         """One forward pass over every row's last token and its drafts; each
-        row keeps what the target agrees with (see the module's docstring).
-        None when no row has drafts (the ordinary step runs instead)."""
+        row keeps its drafts up to the first the target's token differs
+        from, and that token. None when no row has drafts."""
         rows = list(batch.rows)
         try:
             each = self._propose(rows)

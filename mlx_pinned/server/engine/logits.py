@@ -209,7 +209,7 @@ class Speculating(Protocol):
     """What deciding whether a row's grammar can speculate reads of it."""
 
     matcher: GrammarMatcher | None
-    sampling: SamplingParams  # resolved (.admission)
+    sampling: SamplingParams  # resolved (rows.resolve_sampling)
 
 
 def speculates(row: Speculating) -> bool:

@@ -43,7 +43,7 @@ class Sampling(Protocol):
     """What sampling needs to know of a row."""
 
     @property
-    def sampling(self) -> SamplingParams: ...  # resolved (.admission)
+    def sampling(self) -> SamplingParams: ...  # resolved (rows.resolve_sampling)
     @property
     def sampled(self) -> int: ...  # the position of the token to sample
 
