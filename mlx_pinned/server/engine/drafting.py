@@ -38,15 +38,11 @@ class DraftSettings:
     (``model``), not both.
 
     Attributes:
-        ngram: Longest n-gram of a row's tokens looked up (n from this down
-            to 1); 0: no prompt lookup.
+        ngram: Longest n-gram of a row's tokens looked up; 0: no prompt lookup.
         tokens: Draft tokens per row and step, at most (K).
-        model: A draft model's folder or hub id (a small model with the
-            served model's tokenizer); None: no draft model.
+        model: A draft model's folder or hub id; None: no draft model.
         max_batch: Speculate only while the batch holds at most this many
-            rows (0: at any size): a verify pass computes every row's
-            drafts, and past a few rows that compute costs the batch more
-            than the drafts give (docs/engine.md has the figures).
+            rows (0: at any size); docs/engine.md says why.
     """
 
     ngram: int = 0
@@ -60,17 +56,13 @@ class DraftSettings:
 
 
 class DraftSource(Protocol):
-    """Where a batch's drafts come from (MLX thread only).
-
-    Attributes:
-        weight_bytes: Bytes of the parameters it holds (a draft model's).
-    """
+    """Where a batch's drafts come from. ``weight_bytes``: its parameters'."""
 
     weight_bytes: int
 
     def propose(self, rows: Sequence[Row], counts: Sequence[int]) -> list[list[int]]:
-        """Up to ``counts[i]`` draft tokens for each row of the batch (in
-        the batch's order), for the step about to verify them."""
+        """Up to ``counts[i]`` draft tokens for each row, for the step about to
+        verify them."""
         ...
 
     def settle(self, rows: Sequence[Row], kept: Sequence[int]) -> None:
@@ -78,18 +70,17 @@ class DraftSource(Protocol):
         ...
 
     def reset(self) -> None:
-        """Forget every row: the step failed."""
+        """The step failed: forget every row."""
         ...
 
 
 def install(state: BatchState, settings: DraftSettings) -> None:
-    """Make ``state``'s decoder speculate with ``settings``; a draft model
-    is loaded here (MLX thread).
+    """Make ``state``'s decoder speculate with ``settings`` (a draft model is
+    loaded here).
 
     Raises:
-        SettingError: The model's KV cache cannot be cut back (a rotating
-            window, a recurrent state); the draft model's cannot either, or
-            its tokenizer is not the served model's.
+        SettingError: The model's or the draft model's KV cache cannot be cut
+            back, or the draft model's tokenizer is not the served model's.
     """
     loaded: LoadedModel = state.loaded
     setting = "prompt_lookup_tokens" if settings.model is None else "draft_model"
@@ -163,13 +154,8 @@ def pace(row: Row, drafted: int, kept: int) -> None:
 
 
 class Drafting:
-    """The speculative step of one batch: its drafts verified in one pass.
-
-    Attributes:
-        settings: How many tokens a row drafts, and from where.
-        source: Where the rows' drafts come from; None: only from the
-            predictions that requests send.
-    """
+    """The speculative step of one batch. ``source``: where the rows' drafts
+    come from (None: only requests' predictions)."""
 
     def __init__(self, settings: DraftSettings, source: DraftSource | None) -> None:
         self.settings = settings
@@ -194,9 +180,8 @@ class Drafting:
             row.history = History(np.asarray(ids).reshape(-1))
 
     def applies(self, batch: BatchState) -> bool:
-        """Whether the batch's next step may speculate: it has rows, no more
-        than :attr:`DraftSettings.max_batch` with those joining it, and
-        every row in it, joining it or queued for it can draft."""
+        """Whether the batch's next step may speculate: it has rows, no more than
+        ``max_batch`` with those joining it, and each of them can draft."""
         most = self.settings.max_batch
         if not batch.rows or (most and len(batch.rows) > most):
             return False  # at once: a large batch pays nothing more per step
@@ -272,8 +257,6 @@ class Drafting:
         return Stepped(read_rows, got, len(rows), drafted, sum(kept), speculative=True)
 
     def _propose(self, rows: list[Row]) -> list[list[int]]:
-        """Each row's drafts: from its prediction where it has one, else
-        from the source."""
         left = [0 if resting(row) else row.max_tokens - row.sampled - 1 for row in rows]
         tokens = self.settings.tokens
         each = (
@@ -295,8 +278,8 @@ class Drafting:
 
 @dataclass
 class _Position:
-    """A row at one position of a speculative step, as barring its bad
-    words reads it (:class:`.logits.Banning`)."""
+    """A row at one position of a speculative step, as :func:`.logits.ban_words`
+    reads it."""
 
     banned: tuple[tuple[int, ...], ...]
     recent: list[int]
@@ -304,8 +287,8 @@ class _Position:
 
 
 def _positions(rows: Sequence[Row], inputs: list[list[int]]) -> list[_Position]:
-    """Each row at each position of a step over ``inputs`` (its last token
-    and its drafts): its tokens so far are its own and the drafts before."""
+    """Each row at each position of a step over ``inputs``: its tokens so far
+    are its own and the drafts before."""
     return [
         _Position(row.banned, [*row.recent, *row_inputs[1 : j + 1]], row.done)
         for row, row_inputs in zip(rows, inputs, strict=True)
@@ -314,8 +297,8 @@ def _positions(rows: Sequence[Row], inputs: list[list[int]]) -> list[_Position]:
 
 
 def _accepted(items: Sequence[Sampled], drafts: Sequence[int]) -> int:
-    """Drafts kept: up to the first the target's token differs from, or
-    the target ends the turn."""
+    """Drafts kept: up to the first the target's token differs from, or that
+    ends the turn."""
     kept = 0
     while kept < len(drafts) and items[kept].token == drafts[kept]:
         if items[kept].eos:

@@ -39,36 +39,21 @@ class Row:
     """One sequence: its sampling settings and where it stands.
 
     Attributes:
-        max_tokens: Most tokens to sample.
-        sampling: Its request's sampling, resolved: the checkpoint's defaults
-            filled in (temperature 0 is greedy) and its seed drawn.
-        needs: What its logits read of the tokens before them, decided
-            from its request at admission (:func:`..row_needs.needs_of`).
-        prompt_tokens: Tokens in the prompt, image tokens included.
+        sampling: Its request's sampling, resolved (:func:`resolve_sampling`).
+        needs: What its logits read of the tokens before them.
         token: The last sampled token: the next step's input, not yet cached.
         sampled: Tokens sampled so far; also the next sampling position.
         pending: Sampled tokens its request has not turned into events yet.
         done: No more tokens will be sampled (end of turn or ``max_tokens``).
         gone: Its request left; tokens still in flight for it are dropped.
-        error: Why the batch failed under it, if it did.
         counts: (V,) times each token was generated, while it is penalized.
         seen: (V,) the prompt's tokens, while a repetition penalty reads them.
-        matcher: Its grammar's matcher, when its text is constrained.
         key: Its prompt's cache key, when the prompt cache may hold it.
         tokens: Its sampled tokens, kept while ``key`` is (the answer's KV
             is cached under the prompt's key and these when it leaves).
-        cached: Prompt tokens it took from the prompt cache.
-        thinking: Its thinking budget, when the request set one and the
-            model's reasoning format has markers.
-        history: Its prompt's and answer's token ids, while the batch
-            drafts by prompt lookup (:mod:`.drafting`).
-        scores: Its prompt's log-probabilities, once prefilled, when its
-            request asked for them.
-        banned: Its bad words' token ids (:func:`.logits.ban_words`).
+        history: Its prompt's and answer's token ids, while the batch drafts.
         recent: Its last generated tokens, as many as its longest bad word
             reads, while it has any.
-        prediction: Its request's predicted answer, as token ids: its
-            drafts (:mod:`.drafting`).
         predicted: Tokens of its prediction verified, and those kept.
         acceptance: Its running share of drafts kept (:mod:`.drafting`).
         rest: How many tokens it last rested from drafting, and
@@ -94,7 +79,7 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     cached: int = 0
     thinking: ThinkingBudget | None = None
-    history: History | None = None  # speculative decoding (.drafting)
+    history: History | None = None
     scores: PromptScores | None = None
     banned: tuple[tuple[int, ...], ...] = ()
     recent: list[int] = field(default_factory=list)
@@ -105,9 +90,8 @@ class Row:
     rests_until: int = 0
 
     def constrained(self) -> bool:
-        """Whether its next mask needs its last token read: its needs say so
-        and it is not done (a thinking budget only while it can still
-        force a token)."""
+        """Whether its next mask needs its last token read (a thinking budget's
+        only while it can still force a token)."""
         if self.gone or self.done or not self.needs.constrained:
             return False
         closed = self.thinking is None or not self.thinking.open
@@ -126,7 +110,7 @@ class Row:
         self.done = item.eos or self.sampled >= self.max_tokens
         if self.key is not None:
             self.tokens.append(item.token)
-        if self.history is not None:  # speculative decoding (.drafting)
+        if self.history is not None:
             self.history.append(item.token)
         if self.banned:
             self.recent.append(item.token)
@@ -138,14 +122,10 @@ def read(
     items: Sequence[Sequence[Sampled]],
     consumed: Collection[Row] = (),
 ) -> tuple[list[Row], int]:
-    """Give each row its tokens of a step (``items[i]``, in order, up to the
-    one that ends it) and advance its grammar past them (but for the rows
-    whose grammar ``consumed`` them already); the rows read, and how many
-    tokens they got.
-
-    A row that left while the step ran, or whose token in the step before
-    ended it (end of turn), gets none: its tokens were computed ahead, for
-    nothing.
+    """Give each row its tokens of a step (``items[i]``, up to the one that
+    ends it) and advance its grammar past them (unless ``consumed``); the
+    rows read, and how many tokens they got. A row that left, or that a
+    token of the step before ended, gets none (they were computed ahead).
     """
     read: list[Row] = []
     tokens = 0
@@ -169,8 +149,8 @@ def make_row(
     *,
     media: frozenset[int] | None = None,
 ) -> Row:
-    """A new row for a request, its prompt preprocessed; ``media``: the
-    model's media tokens, when the row gets a prompt-cache key.
+    """A new row for a request; ``media``: the model's media tokens, when the
+    row gets a prompt-cache key.
 
     Raises:
         ImagesUnsupportedError: Images sent to a text model.
@@ -219,8 +199,8 @@ def make_row(
 
 
 def resolve_sampling(loaded: LoadedModel, sampling: SamplingParams) -> SamplingParams:
-    """``sampling`` with the checkpoint's defaults filled in (as mlx-vlm
-    fills them), a seed drawn where the request set none, and the model's
+    """``sampling`` with the checkpoint's defaults filled in (as mlx-vlm fills
+    them), a seed drawn where the request set none, and the model's
     end-of-turn tokens."""
     api = vlm()
     temperature, top_p, top_k = api.resolve_sampling_defaults(
@@ -250,8 +230,8 @@ def end_of_turn_ids(loaded: LoadedModel) -> tuple[int, ...]:
 def _video_keys(
     loaded: LoadedModel, params: GenerationParams, inputs: dict[str, Any]
 ) -> tuple[list[tuple[int, int]], int | None]:
-    """Each video's content hash and its count of video tokens (from its
-    ``video_grid_thw``), and the video token."""
+    """Each video's content hash and its count of video tokens, and the video
+    token."""
     grids = inputs.get("video_grid_thw")
     if not params.videos or grids is None:
         return [], None
@@ -277,8 +257,7 @@ def _matcher(loaded: LoadedModel, grammar: Grammar | None) -> GrammarMatcher | N
 def _thinking(
     loaded: LoadedModel, params: GenerationParams, needs: RowNeeds
 ) -> ThinkingBudget | None:
-    """The row's thinking budget, its markers tokenized; None where its
-    needs have none, or its closing marker has no tokens."""
+    """None where its needs have no budget, or its closing marker no tokens."""
     if Reason.THINKING_BUDGET not in needs.reasons:
         return None
     budget, markers = params.thinking_budget, params.thinking_markers

@@ -41,16 +41,13 @@ PREFILL_BATCH = 8
 
 
 class BatchState:
-    """The rows of one model and their batched KV cache (MLX thread only).
+    """The rows of one model and their batched KV cache.
 
-    Rows enter through :meth:`admit`, are prefilled and join the batch in
-    the next :meth:`step`, and leave through :meth:`leave` or when they are
-    done; rows that left are dropped from the cache at the next step, or at
-    once when none remain.
+    Rows enter through :meth:`admit`, are prefilled and join the batch in a
+    :meth:`step`, and leave through :meth:`leave` or when they are done.
 
     Raises:
-        SettingError: ``kv_quant`` is set and the model's cache cannot be
-            quantized so.
+        SettingError: The model's cache cannot be quantized as ``kv_quant``.
     """
 
     def __init__(
@@ -71,7 +68,6 @@ class BatchState:
         # for families the batch is not proven exact on (None: by family).
         self.exclusive = not loaded.batches_exactly if exclusive is None else exclusive
         self.prefill_step = prefill_step
-        # A long prompt's chunks are sized by time while rows decode.
         self.pacer = PrefillPacer(prefill_seconds, prefill_step)
         self.prompt_cache = prompt_cache or PromptCache(0)
         # Only plain KV caches can be cut at any token and reused.
@@ -99,7 +95,6 @@ class BatchState:
         )
 
     def draft_weight_bytes(self) -> int:
-        """Bytes of the draft model's parameters; 0 without one."""
         drafting = self.decoder.drafting
         source = None if drafting is None else drafting.source
         return 0 if source is None else source.weight_bytes
@@ -124,8 +119,6 @@ class BatchState:
         measured when rows last joined; 0 before the first did."""
         return self._token_bytes
 
-    # -- entering ------------------------------------------------------------
-
     def admit(self, params: GenerationParams, images: Sequence[Image.Image]) -> Row:
         """Make a request a row and queue it for the next :meth:`step`'s
         prefill. Raises what :func:`.rows.make_row` raises (nothing queued).
@@ -142,9 +135,9 @@ class BatchState:
         return row
 
     def prefill(self) -> bool:
-        """Prefill the queued prompts: up to :data:`PREFILL_BATCH` together,
-        the others alone; a failing prompt fails its own request only.
-        Whether any of them got its first token (or its error) here."""
+        """Prefill the queued prompts, up to :data:`PREFILL_BATCH` together; a
+        failing prompt fails its own request only. Whether any of them got its
+        first token (or its error) here."""
         waiting = [row for row in self.waiting if not row.gone]
         self.waiting = []
         if self.exclusive:
@@ -201,11 +194,9 @@ class BatchState:
         return any(row.pending or row.error is not None for row in [*waiting, *ended])
 
     def _advance_prefill(self, began: float) -> list[Row]:
-        """Run the next chunk of the oldest long prompt (sized by
-        :mod:`.pacing`), then the prompts after it that end within what is
-        left of the chunk's tokens and of the step's time since ``began``
-        (one from the prompt cache is often a few tokens from its end), up
-        to :data:`PREFILL_BATCH` in all. The rows whose prefill ended here."""
+        """Run the next chunk of the oldest long prompt, then the prompts after it
+        that end within what is left of the chunk's tokens and of the step's time
+        since ``began``, up to :data:`PREFILL_BATCH`; the rows that ended here."""
         self.prefilling = [(r, job) for r, job in self.prefilling if not r.gone]
         decoding = any(not (r.gone or r.done) for r in self.rows)
         tokens = self.pacer.tokens(decoding=decoding)
@@ -240,7 +231,6 @@ class BatchState:
         return ended
 
     def _busy(self) -> bool:
-        """Whether a row is in the batch, joining it or being prefilled."""
         joining = [row for rows, _ in self.joining for row in rows]
         live = [r for r in (*self.rows, *joining) if r not in self.leaving]
         return bool(self.prefilling) or any(not (r.gone or r.done) for r in live)
@@ -250,7 +240,6 @@ class BatchState:
         return row in self.waiting
 
     def prefilling_now(self, row: Row) -> bool:
-        """Whether ``row``'s long prompt is being prefilled in chunks."""
         return any(r is row for r, _ in self.prefilling)
 
     def _joined(self, rows: list[Row], group: Prefilled) -> None:
@@ -263,21 +252,19 @@ class BatchState:
         self.joining.append((rows, group))
 
     def _reuse(self, row: Row) -> list[tuple[Any, Any]]:
-        """The cached KV of the longest prefix of ``row``'s prompt; at least
-        its last token is left to run, for its first token's logits."""
+        """The cached KV of the longest prefix of ``row``'s prompt but its last
+        token, which is run for its first token's logits."""
         assert row.key is not None
         prefix, row.cached = self.prompt_cache.lookup(row.key, len(row.key) - 1)
         return prefix
 
     def _store(self, key: Key, cache: Sequence[Any], index: int) -> None:
-        """Cache the KV of row ``index`` of a batch ``cache``, under as much
-        of ``key`` as it holds."""
+        """Cache row ``index`` of a batch ``cache`` under as much of ``key`` as it
+        holds."""
         layers = [c.extract(index) for c in cache]
         tokens = layers[0].offset
         if 0 < tokens <= len(key):
             self.prompt_cache.store(key[:tokens], [(c.keys, c.values) for c in layers])
-
-    # -- leaving -------------------------------------------------------------
 
     def leave(self, row: Row) -> None:
         """Take ``row`` out: now if it has not joined, else at the next step."""
@@ -351,16 +338,13 @@ class BatchState:
             unmask_if_unpadded(self.cache)
             self._token_bytes = bytes_per_token(self.cache or []) or self._token_bytes
 
-    # -- stepping ------------------------------------------------------------
-
     def step(self) -> None:
-        """One step of the batch: the scheduler's prefill, leaves and joins,
-        then exactly one strategy (docs/engine.md, "A turn, step by step").
+        """One step: the scheduler's prefill, leaves and joins, then exactly one
+        strategy (docs/engine.md, "A turn, step by step").
 
         From idle, the prompts' first tokens are handed out at once and the
-        decoding starts at the next step; only from idle, so prompts that
-        keep arriving do not hold the decoding back. A step that fails
-        fails every row with its error, empties the batch, and raises it.
+        decoding starts at the next step, so prompts that keep arriving do not
+        hold it back. A step that fails fails every row and empties the batch.
         """
         decoder = self.decoder
         start = time.perf_counter()
@@ -376,8 +360,7 @@ class BatchState:
         self.tally.step_seconds += time.perf_counter() - start
 
     def _strategy(self, reading: list[Row]) -> Stepped | None:
-        """The scheduler's leaves and joins, then one strategy's step; the
-        rows of a step started here are added to ``reading``."""
+        """The rows of a step started here are added to ``reading``."""
         decoder = self.decoder
         self._settle()
         drafting = decoder.drafting
@@ -397,8 +380,8 @@ class BatchState:
         return decoder.pipelined(self)
 
     def _settle(self) -> None:
-        """Rows whose token in flight is their last leave, the rows that left
-        are dropped from the cache, and those prefilled join."""
+        """Rows whose token in flight is their last leave; the rows that left are
+        dropped from the cache, and those prefilled join."""
         last = (r for r in self.decoder.reading() if r.sampled + 1 >= r.max_tokens)
         self.leaving.update(last)
         self.compact()
@@ -419,9 +402,8 @@ class BatchState:
             tally.accepted_tokens += stepped.accepted
 
     def fail(self, exc: BaseException, reading: Sequence[Row] = ()) -> None:
-        """Fail every row with ``exc``: those in the batch, joining, waiting,
-        and those of the step being read (``reading``) that are not done:
-        a row whose last token that step held has left the batch already."""
+        """Fail every row with ``exc``, and those of the step being read
+        (``reading``) that are not done."""
         joining = [row for rows, _ in self.joining for row in rows]
         joining += [row for row, _ in self.prefilling]
         unread = [row for row in reading if not row.done]
