@@ -45,12 +45,8 @@ MEDIA_TOKENS = (
 
 @dataclass(eq=False)
 class Prepared:
-    """A request's model inputs, before its prefill.
-
-    Attributes:
-        scored: Alternatives per prompt token its prompt's log-probabilities
-            list (vLLM's ``prompt_logprobs``); None: they are not computed.
-    """
+    """A request's model inputs, before its prefill. ``scored``: the
+    alternatives per token its prompt's log-probabilities list (None: none)."""
 
     inputs: dict[str, Any]
     prompt_tokens: int
@@ -61,12 +57,14 @@ class Prepared:
 def preprocess(
     loaded: LoadedModel, params: GenerationParams, images: Sequence[Image.Image]
 ) -> Prepared:
-    """The request's model inputs (chat template and processor, or a raw
-    ``params.prompt`` through the tokenizer alone), cut to its
-    ``truncate_prompt_tokens``.
+    """The request's model inputs, cut to its ``truncate_prompt_tokens``.
 
     Raises:
-        PromptError: A prompt with media that would have to be cut.
+        PromptError: An empty raw prompt, one with a media placeholder, or a
+            prompt with media that would have to be cut.
+        VideoRefusedError: The model takes no videos, or not beside images.
+        AudioRefusedError: The model takes no audio, one file at a time and
+            the request has more, or a file longer than the model hears.
     """
     keep = params.truncate_prompt_tokens
     if keep == -1:  # vLLM's: the model's context
@@ -75,12 +73,10 @@ def preprocess(
 
 
 def truncated(prepared: Prepared, keep: int | None) -> Prepared:
-    """The prompt's last ``keep`` tokens (vLLM's ``truncate_prompt_tokens``);
-    None: all of them.
+    """The prompt's last ``keep`` tokens (None: all of them).
 
     Raises:
-        PromptError: The prompt holds images, videos or audio (their tokens
-            and their features cannot be cut apart).
+        PromptError: The prompt holds images, videos or audio.
     """
     if keep is None or prepared.prompt_tokens <= keep:
         return prepared
@@ -147,11 +143,6 @@ def accepts_videos(loaded: LoadedModel) -> bool:
 def _video_inputs(
     loaded: LoadedModel, params: GenerationParams, images: Sequence[Image.Image]
 ) -> dict[str, Any]:
-    """The processor's video arguments.
-
-    Raises:
-        VideoRefusedError: The model takes no videos, or not beside images.
-    """
     if not params.videos:
         return {}
     if not accepts_videos(loaded):
@@ -175,12 +166,6 @@ def _video_inputs(
 
 
 def _audio_inputs(loaded: LoadedModel, params: GenerationParams) -> dict[str, Any]:
-    """The processor's audio argument: each file's samples.
-
-    Raises:
-        AudioRefusedError: The model takes no audio, one file at a time and
-            the request has more, or a file longer than the model hears.
-    """
     if not params.audios:
         return {}
     taken = loaded.audio_input
@@ -245,7 +230,7 @@ def prompt_tokens(
     loaded: LoadedModel, params: GenerationParams
 ) -> tuple[tuple[int, str], ...]:
     """The tokens a generation of ``params`` (no images) would prefill, each
-    with its text (:meth:`.model.LoadedModel.token_text`)."""
+    with its text."""
     if params.prompt is not None:
         prepared = raw_inputs(loaded, params.prompt, params.add_special_tokens)
     else:

@@ -1,9 +1,7 @@
-"""Prompts into KV caches for the decode batch: several in one pass, or one
-a chunk at a time. MLX thread only.
-
-Both run every prompt token but the last, which the next decode step runs
-(as mlx-vlm's last prefill pass does) and samples the first token from.
-docs/engine.md says why a prompt's cache is the same alone or together.
+"""Prompts into KV caches for the decode batch: several in one pass
+(:func:`prefill_together`, whose logits give their first tokens), or one a
+chunk at a time (:class:`ChunkedPrefill`, which leaves a text last token
+to the next decode step to run and sample from). MLX thread only.
 """
 
 from __future__ import annotations
@@ -46,10 +44,9 @@ _ONE_ROW_IMAGES = frozenset({"aya_vision"})
 
 @dataclass(eq=False)
 class Prefilled:
-    """Prompts in a batch cache, ready to join the decode batch.
+    """Prompts in a batch cache, a row each, ready to join the decode batch.
 
     Attributes:
-        cache: One batch cache per layer, a row per prompt.
         deltas: Their rope deltas (B, 1), for Qwen-VL style models.
         logits: (B, V) of the last prompt tokens, to sample the first tokens
             from; None when the decode step runs the last tokens.
@@ -137,13 +134,12 @@ def prefill_together(
 
 
 class ChunkedPrefill:
-    """One prompt's prefill with mlx-vlm's single-stream operations, a chunk
-    per :meth:`advance`, so the batch decodes between a long prompt's chunks.
+    """One prompt's prefill with mlx-vlm's single-stream operations, a chunk per
+    :meth:`advance`, so the batch decodes between a long prompt's chunks.
 
     ``prefix``: per layer, the keys and values of the prompt's first tokens
-    (from the prompt cache; quantized ones as they are); only the tokens
-    after them run. A prompt not of :func:`batchable`'s kind runs its last
-    token too, and ``logits`` holds its output. The vision tower runs here.
+    (from the prompt cache); only the tokens after them run. A prompt not of
+    :func:`batchable`'s kind runs its last token too, into ``logits``.
     """
 
     def __init__(
@@ -187,8 +183,8 @@ class ChunkedPrefill:
         return int(self.embeds.shape[1])
 
     def advance(self, tokens: int | None = None) -> Prefilled | None:
-        """Run the next chunk, of ``tokens`` tokens at most (``step`` by
-        default); the prompt in a batch cache once it is done."""
+        """Run the next chunk, of ``tokens`` at most (``step`` by default); the
+        prompt in a batch cache once it is done."""
         embeds, ids, lm, kwargs = self.embeds, self.ids, self.lm, self.kwargs
         if embeds.shape[1] > 1:
             n = min(tokens or self.step, embeds.shape[1] - 1)

@@ -57,7 +57,6 @@ class Scoring:
         self.parts.append(part)
 
     def scores(self) -> PromptScores:
-        """Every pass's scores, read, in prompt order."""
         out = PromptScores([cast("int", self.ids[0].item())], [], [], [])
         for part in self.parts:
             out.tokens.extend(cast("list[int]", part[0].tolist()))
