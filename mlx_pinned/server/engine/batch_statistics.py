@@ -15,18 +15,12 @@ class BatchStatistics:
 
     Attributes:
         active: Rows in the decode batch now.
-        joining: Rows prefilled and waiting for the next step to join.
+        joining: Rows queued, being prefilled, or waiting to join.
         peak_active: Most rows ever decoded in one step.
-        steps: Batched decode steps run.
-        decoded_tokens: Tokens sampled by those steps (prefill tokens excluded).
-        prefills: Prompts prefilled.
+        decoded_tokens: Tokens sampled by decode steps (not prefill's).
         prefill_passes: Prefill passes run: prompts queued together share one.
-        prefill_seconds: Time spent in prefills.
-        step_seconds: Time spent in decode steps.
-        speculative_steps: Decode steps that verified drafts
-            (:mod:`.drafting`).
-        speculative_rows: Rows of those steps, summed over the steps: each
-            gave one token and the drafts it kept.
+        speculative_steps: Decode steps that verified drafts.
+        speculative_rows: Rows of those steps, summed over the steps.
         draft_tokens: Draft tokens those steps verified.
         accepted_tokens: Draft tokens they kept.
     """

@@ -1,8 +1,7 @@
 """The disk tier's files (:mod:`.prompt_disk`): one format for prompt KV and
 images' outputs (a length-prefixed JSON header with a checksum, then the
 arrays' bytes), and the fingerprint of the model a file belongs to. Any
-thread; :func:`read` and :func:`arrays` raise ValueError (or KeyError,
-TypeError) for a file that is not whole and unchanged.
+thread.
 """
 
 from __future__ import annotations
@@ -70,7 +69,12 @@ def read(
     path: Path, model: str, *, header_only: bool = False
 ) -> tuple[dict[str, Any], bytes]:
     """A file's header and its arrays' bytes, checked against ``model`` and the
-    format (and, read whole, the checksum)."""
+    format (and, read whole, the checksum).
+
+    Raises:
+        ValueError: The file is not whole and unchanged (or KeyError,
+            TypeError for a header that is not one).
+    """
     with path.open("rb") as file:
         raw = file.read(_LENGTH.size)
         if len(raw) != _LENGTH.size:

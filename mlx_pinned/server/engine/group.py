@@ -1,9 +1,8 @@
 """What every rank of a tensor-parallel group shares: rank 0's
-:class:`Message`, sent or received by a :class:`Rank` through a
-:class:`~.collectives.Channel`, every wait bounded by a
-:class:`~.collectives.Watchdog`, and the fault that ends the process.
-Messages are made and read on the MLX thread (rank 0's stop, on the thread
-that stopped the server); a fault may be raised on any thread.
+:class:`Message`, sent or received by a :class:`Rank`, every wait watched,
+and the fault that ends the process. Messages are made and read on the
+MLX thread (rank 0's stop, on the thread that stopped the server); a fault
+may be raised on any thread.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The image cache: the vision tower's output per image, reused across
-requests and turns (docs/caching.md). MLX thread only.
-
-:class:`CachedVisionTower` stands in for the tower: it splits a call's
-pixels into images by their ``grid_thw`` rows, looks each up by a hash of
-its pixels and grid, and encodes only the missing ones. The tower encodes
-each image alone, so the output is that of one call over all of them.
+"""The image cache (docs/caching.md): the vision tower's output per image,
+reused across requests and turns. :class:`CachedVisionTower` stands in
+for the tower and encodes only the images it does not hold (the tower
+encodes each image alone, so the output is the same). MLX thread only.
 """
 
 from __future__ import annotations

@@ -220,11 +220,11 @@ class PassDriver(Driver[PassLoop, PassOutputs]):
         self.pending = 0
 
     async def rows(self, inputs: Sequence[Encoded]) -> list[np.ndarray]:
-        """The rows of ``inputs``, in order. Cancelling it takes its inputs not yet
+        """The rows of ``inputs``, in order; cancelling it takes its inputs not yet
         run out of the loop's queue.
 
         Raises:
-            MLXThreadClosedError: The thread is closed (raised at once).
+            MLXThreadClosedError: The thread is closed.
             MLXThreadBusyError: The thread's queue is full.
             Exception: What a pass with one of its inputs raised.
         """

@@ -12,13 +12,11 @@ __all__ = ["PromptScores", "Scoring"]
 
 
 class PromptScores(NamedTuple):
-    """The log-probabilities of a prompt's tokens from the second on, each
-    under the model's distribution after the tokens before it (raw: no
-    penalty, bias or temperature).
+    """The log-probabilities of a prompt's tokens from the second on, each under
+    the model's raw distribution after the tokens before it.
 
     Attributes:
         tokens: The prompt's tokens, the first included.
-        logprobs: Each one's log-probability but the first's.
         ranks: Each one's rank in its distribution (1: the most likely).
         top: Each position's most likely tokens, likeliest first.
     """

@@ -40,7 +40,6 @@ class Row:
 
     Attributes:
         sampling: Its request's sampling, resolved (:func:`resolve_sampling`).
-        needs: What its logits read of the tokens before them.
         token: The last sampled token: the next step's input, not yet cached.
         sampled: Tokens sampled so far; also the next sampling position.
         pending: Sampled tokens its request has not turned into events yet.
@@ -49,11 +48,9 @@ class Row:
         counts: (V,) times each token was generated, while it is penalized.
         seen: (V,) the prompt's tokens, while a repetition penalty reads them.
         key: Its prompt's cache key, when the prompt cache may hold it.
-        tokens: Its sampled tokens, kept while ``key`` is (the answer's KV
-            is cached under the prompt's key and these when it leaves).
+        tokens: Its sampled tokens, kept while ``key`` is (for the cache).
         history: Its prompt's and answer's token ids, while the batch drafts.
-        recent: Its last generated tokens, as many as its longest bad word
-            reads, while it has any.
+        recent: Its last generated tokens, as many as its longest bad word.
         predicted: Tokens of its prediction verified, and those kept.
         acceptance: Its running share of drafts kept (:mod:`.drafting`).
         rest: How many tokens it last rested from drafting, and

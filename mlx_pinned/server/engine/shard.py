@@ -1,8 +1,7 @@
-"""A model's language model split over the ranks of a group, with MLX's
-``shard_linear`` (the Megatron split: q, k, v, gate, up all-to-sharded; o,
-down sharded-to-all), before any weight is read. The embeddings, the output
-head and the vision tower stay whole. A family with mlx-vlm's ``shard()``
-uses it; the dense Qwen-VL families use :data:`PLANS`. MLX thread only.
+"""A model's language model split over the ranks of a group, before any
+weight is read: mlx-vlm's ``shard()`` where the family has one, else the
+Megatron split of :data:`PLANS`. The embeddings, the output head and the
+vision tower stay whole. MLX thread only.
 """
 
 from __future__ import annotations

@@ -46,17 +46,13 @@ class Speculation:
         self.paused = 0
 
     def pick(self, rows: Sequence[Row], caches: Sequence[Any]) -> list[int]:
-        """The rows of a step built on read tokens to draw without their
-        grammar's mask: those that can (:func:`.logits.speculates`) and
-        whose grammar neither forces the next token nor may end here, while
-        every cache can be cut back a token (:meth:`rebuild`).
-
-        A refusal costs the batch a forward pass: when more than
-        :data:`SPECULATION_MISSES` of the last :data:`SPECULATION_WINDOW`
-        speculative steps were built again, every row is masked for the
-        next :data:`SPECULATION_PAUSE` steps. It reads the tokens only, so
-        every rank of a sharded model decides alike.
-        """
+        """The rows of a step built on read tokens to draw without their grammar's
+        mask: those that can (:func:`.logits.speculates`) and whose grammar
+        neither forces the next token nor may end here, while every cache can
+        be cut back a token. A refusal costs a forward pass: after more than
+        :data:`SPECULATION_MISSES` in the last :data:`SPECULATION_WINDOW` steps,
+        every row is masked for :data:`SPECULATION_PAUSE` steps (a decision of
+        the tokens alone, so every rank of a sharded model makes it alike)."""
         if not cut_back_caches(caches):
             return []
         if sum(self.window) > SPECULATION_MISSES:
