@@ -19,7 +19,7 @@ from PIL import Image
 
 from mlx_pinned.server.engine import LoadedModel
 from mlx_pinned.server.engine.answers import StopMatcher, TextDecoder
-from mlx_pinned.server.engine.prefill import build_prompt
+from mlx_pinned.server.engine.model_inputs import build_prompt
 from mlx_pinned.server.events import (
     Event,
     FinalEvent,

@@ -18,7 +18,7 @@ import pytest
 
 from mlx_pinned import _waiters
 from mlx_pinned.server import ImageLimits
-from mlx_pinned.server.engine import LoadedModel, driver, prefill
+from mlx_pinned.server.engine import LoadedModel, driver, model_inputs
 from mlx_pinned.server.engine.driver import RowOutput
 from mlx_pinned.server.engine.loop import BatchLoop
 from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
@@ -712,7 +712,7 @@ class TestPlacement:
         from mlx_pinned.server.inputs import images
 
         seen: dict[str, set[int]] = {"decode": set(), "prompt": set()}
-        decode, build_prompt = images.decode_image, prefill.build_prompt
+        decode, build_prompt = images.decode_image, model_inputs.build_prompt
 
         def spy_decode(*args: Any, **kwargs: Any) -> Any:
             seen["decode"].add(threading.get_ident())
@@ -723,7 +723,7 @@ class TestPlacement:
             return build_prompt(*args, **kwargs)
 
         monkeypatch.setattr(images, "decode_image", spy_decode)
-        monkeypatch.setattr(prefill, "build_prompt", spy_prompt)
+        monkeypatch.setattr(model_inputs, "build_prompt", spy_prompt)
         async with serve() as served:
             body = vision_body(2)
             body["messages"][0]["content"][1]["image_url"]["url"] = image_data_uri(

@@ -16,7 +16,7 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server import engine
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
 from mlx_pinned.server.engine.answers import StopMatcher
-from mlx_pinned.server.engine.prefill import build_prompt
+from mlx_pinned.server.engine.model_inputs import build_prompt
 from mlx_pinned.server.events import FinalEvent, GenerationParams, TokenEvent
 from mlx_pinned.server.http.chat_completions.messages import chat_messages
 from mlx_pinned.server.http.chat_completions.protocol import parse_chat_request

@@ -17,7 +17,7 @@ from openai.types.chat import ChatCompletionChunk
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
-from mlx_pinned.server.engine.prefill import build_prompt
+from mlx_pinned.server.engine.model_inputs import build_prompt
 from mlx_pinned.server.formats import model_formats
 from mlx_pinned.server.http.chat_completions.messages import chat_messages
 from mlx_pinned.server.http.chat_completions.protocol import ChatCompletionRequest

@@ -26,9 +26,9 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server import create_app, engine
 from mlx_pinned.server.config import AudioLimits, ServerConfig
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
-from mlx_pinned.server.engine.admission import make_row, media_tokens
 from mlx_pinned.server.engine.model import serial_reason
 from mlx_pinned.server.engine.prompt_cache import audio_hash, prompt_key
+from mlx_pinned.server.engine.rows import make_row, media_tokens
 from mlx_pinned.server.events import GenerationParams, SamplingParams
 from mlx_pinned.server.failures import AudioRefusedError
 from mlx_pinned.server.http.chat_completions.messages import (

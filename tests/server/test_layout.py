@@ -382,7 +382,7 @@ def test_no_http_status_below_the_edge(path: Path) -> None:
     ],
 )
 def test_a_status_below_the_edge_is_caught(planted: str) -> None:
-    path = ROOT / "engine" / "admission.py"
+    path = ROOT / "engine" / "rows.py"
     assert not http_statuses(path)
     assert http_statuses(path, path.read_text() + "\n" + planted + "\n")
 

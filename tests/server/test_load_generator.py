@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mlx_pinned.server.engine.admission import end_of_turn_ids
+from mlx_pinned.server.engine.rows import end_of_turn_ids
 from mlx_pinned.testing import tiny_lm_path
 
 from .conftest import MODEL, sse_events

@@ -19,7 +19,7 @@ from PIL import Image
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
-from mlx_pinned.server.engine.prefill import preprocess
+from mlx_pinned.server.engine.model_inputs import preprocess
 from mlx_pinned.server.engine.prompt_cache import PromptCache, prompt_key
 from mlx_pinned.server.events import FinalEvent, GenerationParams, SamplingParams
 from mlx_pinned.testing import make_test_image

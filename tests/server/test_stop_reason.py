@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from mlx_pinned.server.engine.admission import end_of_turn_ids
+from mlx_pinned.server.engine.rows import end_of_turn_ids
 
 from .conftest import MODEL
 from .kit import Serve, Served

@@ -21,8 +21,8 @@ from mlx_pinned import MLXThread
 from mlx_pinned.server import create_app, engine
 from mlx_pinned.server.config import ServerConfig, VideoLimits
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
-from mlx_pinned.server.engine.admission import make_row, media_tokens
-from mlx_pinned.server.engine.prefill import preprocess
+from mlx_pinned.server.engine.model_inputs import preprocess
+from mlx_pinned.server.engine.rows import make_row, media_tokens
 from mlx_pinned.server.events import FinalEvent, GenerationParams, SamplingParams
 from mlx_pinned.server.failures import VideoRefusedError
 from mlx_pinned.server.http.chat_completions.messages import (

@@ -21,7 +21,7 @@ import pytest
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, DraftSettings, LoadedModel
-from mlx_pinned.server.engine.admission import end_of_turn_ids
+from mlx_pinned.server.engine.rows import end_of_turn_ids
 from mlx_pinned.server.engine.special_tokens import special_tokens
 from mlx_pinned.server.events import FinalEvent
 from mlx_pinned.server.http.served_models import BatchGate

@@ -1,10 +1,7 @@
-"""The engine: everything here runs on the MLX thread (mlx, mlx-vlm), but
-:mod:`.driver`, the loop's event-loop side (docs/engine.md).
-
-It never imports Starlette, pydantic or anything HTTP: it takes
-:class:`~..events.GenerationParams` and decoded images, and answers with
-:mod:`..events`. :class:`BatchEngine` is the one engine (continuous
-batching; ``max_num_seqs`` 1 is a batch of one).
+"""The chat engine, continuous batching of one model (docs/engine.md), and
+the loop the encoder kinds share (:mod:`.passes`). All of it runs on the
+MLX thread but :mod:`.driver`, its event-loop side. No HTTP here: it takes
+and answers :mod:`..events` values.
 """
 
 from __future__ import annotations

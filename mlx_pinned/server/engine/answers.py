@@ -1,13 +1,7 @@
-"""A generation as the loop sees it, and its row's tokens turned into events.
-
-The loop (:mod:`.loop`) hands each row's sampled tokens to its
-:class:`RowAnswer` after every step, on the MLX thread: text per token
-(:class:`SequenceText`: a processor's streaming detokenizer is one object
-shared by every request of the model, so each sequence gets its own over a
-:class:`TextDecoder`), stop strings (:class:`StopMatcher`),
-log-probabilities, and the final event with its counts and timings. A
-:class:`Request` is made on the event loop; the loop writes it on the MLX
-thread, and the event loop reads only whether it ended.
+"""A generation as the loop sees it (:class:`Request`), and its row's tokens
+turned into events (:class:`RowAnswer`: text, stop strings,
+log-probabilities, the final event). MLX thread, but a :class:`Request`
+is made on the event loop, which then reads only whether it ended.
 """
 
 from __future__ import annotations
@@ -52,14 +46,8 @@ Item = Event | BaseException
 
 
 class RowAnswer:
-    """The events of one row, made as its tokens arrive.
-
-    Args:
-        loaded: The model (its tokenizer's text for each token).
-        params: The request's parameters.
-        row: The request's row of the batch.
-        start: When the request was admitted (``time.perf_counter``).
-    """
+    """The events of one row, made as its tokens arrive. ``start``: when its
+    request was admitted (``time.perf_counter``)."""
 
     def __init__(
         self, loaded: LoadedModel, params: GenerationParams, row: Row, start: float
@@ -83,9 +71,8 @@ class RowAnswer:
         self._completion = 0
 
     def read(self) -> tuple[list[Item], bool]:
-        """The events of the tokens sampled since the last read, and whether
-        the answer ended (its last item is then a :class:`FinalEvent`, or
-        the row's error once every token before it was handed out)."""
+        """The events of the tokens sampled since the last read, and whether the
+        answer ended (its last item then its final event, or its error)."""
         row = self.row
         items: list[Item] = []
         while row.pending:
@@ -124,15 +111,13 @@ class RowAnswer:
         return items, False
 
     def _add(self, token: int) -> str:
-        """The text ``token`` completes; none for a special token left out
-        (``skip_special_tokens``)."""
         return "" if token in self._skipped else self._text.add(token)
 
     def _final(
         self, tail: str, finish: FinishReason, stop_token: int | None = None
     ) -> FinalEvent:
-        """The final event; ``stop_token``: the stop token that ended it
-        (a stop string that ended it is its ``stop_reason`` first)."""
+        """``stop_token``: the one that ended it (a stop string that did is its
+        ``stop_reason`` first)."""
         tail += self._stops.flush()  # held back as a possible stop string
         end = time.perf_counter()
         first = self._first_token_at or end
@@ -151,8 +136,7 @@ class RowAnswer:
         )
 
     def _token_text(self, token: int) -> tuple[str, list[int]]:
-        """A token's text and bytes in its log-probabilities: its text, or
-        ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``)."""
+        """Its text, or ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``)."""
         text, raw = self.loaded.token_text(token)
         return (f"token_id:{token}", raw) if self._as_ids else (text, raw)
 
@@ -187,11 +171,8 @@ Outputs = list[tuple["Request", tuple[Item, ...], bool]]
 
 
 class Request:
-    """One generation as the loop sees it.
-
-    Its items reach it through ``output``, on the event loop (None for a
-    caller that runs the loop's turns itself and reads their outputs).
-    """
+    """One generation as the loop sees it; its items reach its ``output``
+    (None for a caller that runs the loop's turns itself)."""
 
     __slots__ = (
         "answer",
@@ -223,12 +204,9 @@ class Request:
 
 
 class StopMatcher:
-    """Cuts generated text at the first stop string.
-
-    Text that could be the start of a stop string is held back until it is
-    known not to be one, so a stop string never reaches the client; with
-    ``include`` (vLLM's ``include_stop_str_in_output``) the text ends with it.
-    """
+    """Cuts generated text at the first stop string; text that could start one
+    is held back until it is known not to, so a stop string never reaches
+    the client (with ``include``, the text ends with it)."""
 
     def __init__(self, stops: Sequence[str], *, include: bool = False) -> None:
         self.stops = tuple(stops)
@@ -237,7 +215,7 @@ class StopMatcher:
         self.hit: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> tuple[str, bool]:
-        """Add text; returns the text safe to release and whether a stop hit."""
+        """The text safe to release, and whether a stop string hit."""
         if not self.stops:
             return text, False
         pending = self._pending + text
@@ -257,7 +235,6 @@ class StopMatcher:
         return pending[: len(pending) - hold], False
 
     def flush(self) -> str:
-        """The text held back, released at the end of the generation."""
         text, self._pending = self._pending, ""
         return text
 
@@ -276,13 +253,12 @@ class TextDecoder:
         self._started = False
 
     def add(self, token: int, fallback: str) -> str:
-        """The text this token completes; ``fallback``: mlx-vlm's text for it."""
+        """``fallback``: mlx-vlm's text for it."""
         if not self._bytes:
             return fallback
         return self._emit(self._decoder.decode(bytes(self._token_bytes(token))))
 
     def finish(self, fallback: str) -> str:
-        """Whatever is left at the end of the generation."""
         if not self._bytes:
             return fallback
         return self._emit(self._decoder.decode(b"", final=True))
@@ -295,7 +271,9 @@ class TextDecoder:
 
 
 class SequenceText:
-    """A sequence's text, token by token, as the unbatched path makes it."""
+    """A sequence's text, token by token, as ``mlx_vlm.stream_generate``
+    makes it: a processor's streaming detokenizer is shared by every
+    request of the model, so each sequence gets its own."""
 
     def __init__(self, loaded: LoadedModel) -> None:
         self._decoder = TextDecoder(loaded.processor, lambda t: loaded.token_text(t)[1])

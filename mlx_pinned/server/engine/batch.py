@@ -1,13 +1,6 @@
-"""The engine: continuous batching of one model on the MLX thread.
-
-A :class:`BatchEngine` is one model's engine: its batch
-(:class:`~.state.BatchState`) and the loop that owns it
-(:class:`~.loop.BatchLoop`), which decides every step of the batch and
-runs on the MLX thread through ``MLXThread.iterate``, followed on the event
-loop by its driver (:class:`~.driver.LoopDriver`). A request submits its
-generation (:meth:`BatchEngine.stream`) and reads its row's events.
-docs/engine.md explains the loop, step by step, and why the batch is exact
-(batched equals solo).
+"""A chat model's engine: its batch (:class:`~.state.BatchState`) and the
+loop that owns it (:class:`~.loop.BatchLoop`), which runs on the MLX
+thread; requests come from the event loop. docs/engine.md explains both.
 """
 
 from __future__ import annotations
@@ -22,6 +15,7 @@ import mlx.core as mx
 
 from ..events import ChatFacts, EngineCounters, EventStream, GenerationParams
 from ..formats import ModelFormats, log_formats, model_formats
+from .batch_statistics import BatchStatistics
 from .disk_format import model_fingerprint
 from .drafting import DraftSettings
 from .drafting import install as install_drafting
@@ -30,10 +24,10 @@ from .image_cache import install as install_image_cache
 from .kv_quant import KVQuant
 from .loop import BatchLoop
 from .model import LoadedModel, load
-from .prefill import PREFILL_STEP, preprocess, prompt_tokens
+from .model_inputs import preprocess, prompt_tokens
+from .prefill import PREFILL_STEP
 from .prompt_cache import PromptCache
 from .prompt_disk import DiskTier
-from .rows import BatchStatistics
 from .state import BatchState
 
 if TYPE_CHECKING:
@@ -49,35 +43,22 @@ logger = logging.getLogger("mlx_pinned.server")
 
 
 class BatchEngine:
-    """Continuous batching for one loaded model: the server's engine.
-
-    One per model. Its batch and its loop run on the MLX thread only;
-    :meth:`stream` is called on the event loop, :meth:`statistics` read
-    from any thread. It is the :class:`~..events.Engine` the HTTP side uses.
+    """One chat model's continuous batching: the :class:`~..events.Engine` the
+    HTTP side uses. :meth:`stream` runs on the event loop, :meth:`statistics`
+    and :meth:`counters` on any thread.
 
     Args:
-        loaded: The model, from :func:`.model.load`.
-        thread: The MLX thread the model was loaded on.
-        prompt_cache_bytes: Bytes of prompt KV kept for later requests that
-            start the same way (:mod:`.prompt_cache`); 0: none.
-        prefill_step_size: Prompt tokens prefilled in one pass, at most.
-        prefill_step_seconds: Seconds a pass of a long prompt's prefill
-            should take while other rows decode (:mod:`.pacing`); None: a
-            pass is ``prefill_step_size`` tokens.
-        image_cache_bytes: Bytes of vision-tower outputs kept for images
-            sent again (:mod:`.image_cache`; families of the Qwen-VL kind);
-            0: none.
+        prefill_step_seconds: Seconds a chunk of a long prompt should take
+            while other rows decode (:mod:`.pacing`); None: a chunk is
+            ``prefill_step_size`` tokens.
         formats: Its output formats (None: those its chat template shows).
-        make_state: Makes the batch from the model, the prompt cache and
-            the prefill step size (the tensor-parallel leader's records
-            what it does for the other ranks: :mod:`.distributed`); a
-            quantized KV cache is ``BatchState`` made with ``kv_quant``
-            (:meth:`load` makes it so).
+        make_state: Makes the batch from the model, the prompt cache and the
+            prefill step size (the tensor-parallel leader's records what it
+            does: :mod:`.distributed`).
 
     Attributes:
         facts: What the model is (its limits, inputs, template and formats).
-        disk: The prompt and image caches' disk tier (None: memory only;
-            :meth:`attach`).
+        disk: The caches' disk tier (None: memory only; :meth:`attach`).
     """
 
     def __init__(
@@ -118,9 +99,8 @@ class BatchEngine:
 
     @classmethod
     def load(cls, settings: ModelSettings, thread: MLXThread) -> BatchEngine:
-        """Load a chat model and make its engine as ``settings`` say (its
-        caches, its prefill, its KV's quantization, its drafts, its disk
-        tier); runs on ``thread`` (a start-up job of the middleware)."""
+        """Load a chat model and make its engine as ``settings`` say; runs
+        on ``thread`` (a start-up job)."""
         loaded = load(settings.path)
         formats = output_formats(loaded, settings)
         quant = None
@@ -157,35 +137,31 @@ class BatchEngine:
         return engine
 
     def attach(self, disk: DiskTier) -> None:
-        """Give the prompt and image caches ``disk`` as their disk tier
-        (:mod:`.prompt_disk`); MLX thread, before the first request."""
+        """MLX thread, before the first request."""
         self.disk = disk
         self.prompt_cache.attach(disk)
         if self.image_cache is not None:
             self.image_cache.attach(disk)
 
     def speculate(self, drafts: DraftSettings) -> None:
-        """Turn speculative decoding on (:mod:`.drafting`); MLX thread, before
-        the first request.
+        """Turn speculative decoding on; MLX thread, before the first request.
 
         Raises:
-            ValueError: The model's KV cache cannot be cut back (a rotating
-                window, a recurrent state).
+            SettingError: As :func:`.drafting.install`.
         """
         install_drafting(self._state, drafts)
 
     @property
     def loaded_at(self) -> float:
-        """When the load ended (Unix time)."""
         return self.loaded.loaded_at
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the model's parameters, and its draft model's."""
+        """Its parameters' bytes, and its draft model's."""
         return self.loaded.weight_bytes + self._state.draft_weight_bytes()
 
     def statistics(self) -> BatchStatistics:
-        """A snapshot of the batch; any thread (it may be a step old).
+        """A snapshot of the batch, perhaps a step old; any thread.
         Requests submitted and not yet admitted count as joining."""
         stats = self._state.statistics()
         queued = self.loop.queued()
@@ -222,50 +198,35 @@ class BatchEngine:
         )
 
     async def tokenize(self, params: GenerationParams) -> tuple[tuple[int, str], ...]:
-        """The tokens a generation of ``params`` would prefill (no images),
-        each with its text as log-probabilities show it.
-
-        Event loop; the chat template and tokenizer run on the MLX thread
-        (the processor is the model's, as its prefill's is), between steps.
-        """
+        """The tokens a generation of ``params`` would prefill (no images), each
+        with its text as log-probabilities show it; a job of the MLX thread."""
         return await self.thread.run(prompt_tokens, self.loaded, params)
 
     async def detokenize(self, tokens: Sequence[int]) -> str:
-        """The text of ``tokens``; event loop, decoded on the MLX thread."""
+        """Decoded on the MLX thread."""
         tokenizer = self.loaded.tokenizer
         return str(await self.thread.run(tokenizer.decode, list(tokens)))
 
     async def count_tokens(
         self, params: GenerationParams, images: Sequence[Image.Image] = ()
     ) -> int:
-        """The tokens a generation of ``params`` would prefill, images
-        included (the chat template and the processor, as its prefill runs
-        them). Event loop; one job of the MLX thread, between steps; the
-        batch is not touched."""
+        """The tokens a generation of ``params`` would prefill, images included; a
+        job of the MLX thread."""
         return await self.thread.run(_count_tokens, self.loaded, params, images)
 
     def stream(
         self, params: GenerationParams, images: Sequence[Image.Image] = ()
     ) -> EventStream:
-        """Start a generation on the MLX thread; its events, on the event loop.
-
-        Event loop only. The generation is submitted to the model's loop
-        (started here if it is not running), which admits it at its next
-        turn, together with the others submitted by then, so requests that
-        arrive together are prefilled together. Bound the streams open at
-        once (the server's gate does) and close each one.
-
-        Args:
-            params: The request's parameters.
-            images: The decoded images, in prompt order.
+        """Submit a generation to the model's loop (started here if it is not
+        running), which admits it at its next turn. Event loop only; bound the
+        streams open at once (the server's gate does) and close each one.
 
         Returns:
-            An async iterator of :class:`~..events.TokenEvent`, then one
-            :class:`~..events.FinalEvent`, with ``aclose()``; closing it (or
-            cancelling its consumer) takes the sequence out of the batch at
-            the loop's next turn. It raises what the processor or the model
-            raise for this request; an error in a batched step is raised by
-            every request in that step.
+            :class:`~..events.TokenEvent` items, then one
+            :class:`~..events.FinalEvent`; closing the stream (or cancelling its
+            consumer) takes the row out at the loop's next turn. It raises what
+            the processor or the model raise for this request, and a batched
+            step's error in every request of the step.
 
         Raises:
             MLXThreadClosedError: The thread is closed.
@@ -281,8 +242,8 @@ def _count_tokens(
 
 
 def output_formats(loaded: LoadedModel, settings: ModelSettings) -> ModelFormats:
-    """A chat model's output formats: those its settings name, else those
-    its chat template shows; logged in one line."""
+    """Those its settings name, else those its chat template shows; logged in
+    one line."""
     formats = model_formats(
         loaded.chat_template,
         tool_call_parser=settings.tool_call_parser,

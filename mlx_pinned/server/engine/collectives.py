@@ -1,21 +1,8 @@
 """Rank 0's messages to the other ranks, through ``mx.distributed``, watched.
-
-:class:`Channel` sends a message from rank 0 to every rank with two
-``all_sum`` collectives, as mlx-lm's distributed server shares its requests:
-first a header (each rank's row holds what it adds: rank 0 the message's
-size, every rank a number it reports back), then the message's bytes, which
-only rank 0 fills (the others add zeros). No transport of its own: the
-bytes travel on the group's backend (ring over TCP, JACCL over RDMA).
-
-A collective waits for every rank and has no timeout of its own: a rank that
-died makes it raise (``[ring] connection to a peer was lost``), a rank that
-is alive but stuck makes it wait forever. :class:`Watchdog` bounds every wait
-and step: it runs on a thread of its own, and when a watched section runs
-past its deadline it calls the fault handler (the section's thread cannot be
-interrupted inside a collective: the handler ends the process).
-
-The collectives run on the MLX thread, except rank 0's last message (stop),
-sent by the thread that stopped the server once the MLX thread is done.
+:class:`Channel` sends one in two ``all_sum`` collectives, as mlx-lm's
+distributed server shares its requests; a collective has no timeout, so
+:class:`Watchdog` (a thread of its own) bounds each wait. The collectives
+run on the MLX thread, but rank 0's stop message.
 """
 
 from __future__ import annotations
@@ -36,9 +23,8 @@ logger = logging.getLogger("mlx_pinned.server")
 
 
 class Channel:
-    """Messages from rank 0 to every rank of ``group``, with a number from
-    each rank back. Every rank must call :meth:`exchange` the same number of
-    times, in the same order."""
+    """Messages from rank 0 to every rank of ``group``, with a number from each
+    rank back. Every rank must call :meth:`exchange` alike, in order."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -46,11 +32,8 @@ class Channel:
         self.size: int = group.size()
 
     def exchange(self, message: bytes | None, report: int) -> tuple[bytes, list[int]]:
-        """Send ``message`` (rank 0) or receive it (the others, None).
-
-        Args:
-            message: Rank 0's bytes; None on the other ranks.
-            report: This rank's number for the others (rank 0 reads them).
+        """Send ``message`` (rank 0) or receive it (the others, None), with this
+        rank's ``report`` for rank 0.
 
         Returns:
             The message, and each rank's report, rank 0 first.
@@ -82,12 +65,9 @@ class Channel:
 
 
 class Watchdog:
-    """Bounds how long a section of one thread may run (one at a time).
-
-    ``tick`` is called every ``interval`` seconds on the watchdog's thread
-    (rank 0 queues its heartbeats from it). ``on_timeout`` is called once, on
-    that thread, with what ran late; the watchdog stops then.
-    """
+    """Bounds how long a section of one thread may run (one at a time). ``tick``
+    runs every ``interval`` seconds on the watchdog's thread; ``on_timeout``
+    once, there, with what ran late, and the watchdog stops."""
 
     def __init__(
         self,
@@ -116,7 +96,6 @@ class Watchdog:
 
     @contextlib.contextmanager
     def watch(self, what: str, seconds: float) -> Iterator[None]:
-        """Bound the ``with`` block to ``seconds``."""
         self._section = (what, seconds, time.monotonic() + seconds)
         try:
             yield

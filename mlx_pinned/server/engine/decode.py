@@ -1,17 +1,6 @@
-"""The decode step strategies of one model's batch: plain and constrained.
-
-MLX thread only. A :class:`Decoder` belongs to one
-:class:`~.state.BatchState`, which schedules each step (prefill, leaves,
-joins) and then asks it for one strategy's step; the strategy returns what
-it did (:class:`Stepped`) and the batch applies it. Steps are pipelined as
-mlx-vlm's own generation loop is: the next step is built on this step's
-tokens before they are read. :meth:`Decoder.pipelined` runs the plain step
-or, with a constrained row in the batch (:meth:`.Row.constrained`), the
-constrained one (grammar rows may draw unmasked through the
-:class:`~.speculation.Speculation` policy, where it pays);
-:meth:`Decoder.drain` reads the step in flight and starts none (a
-speculative step of :mod:`.drafting` follows). :func:`first_tokens` samples
-prompts' first tokens from their prefill.
+"""The pipelined decode step strategies of one model's batch, plain and
+constrained (:class:`Decoder`): the next step is built on this step's
+tokens before they are read, as mlx-vlm's loop does. MLX thread only.
 """
 
 from __future__ import annotations
@@ -49,11 +38,8 @@ class Stepped(NamedTuple):
 
     Attributes:
         read: The rows that got tokens (their rows' ``pending``).
-        tokens: The tokens they got.
         width: Rows in the step's forward pass (0: none ran).
-        drafted: Draft tokens verified (a speculative step, :mod:`.drafting`).
-        accepted: Draft tokens kept.
-        speculative: Whether it was a speculative step.
+        drafted: Draft tokens verified; ``accepted``: those kept.
     """
 
     read: list[Row]
@@ -65,8 +51,8 @@ class Stepped(NamedTuple):
 
 
 def first_tokens(rows: list[Row], group: Prefilled) -> None:
-    """Give the rows their first tokens, sampled from their prefill's logits,
-    if it kept them (else their first decode step samples them)."""
+    """Give the rows their first tokens from their prefill's logits, where it
+    kept them (else their first decode step samples them)."""
     logits = group.logits
     if logits is None:
         return
@@ -81,13 +67,12 @@ def first_tokens(rows: list[Row], group: Prefilled) -> None:
 
 
 class Decoder:
-    """The step in flight of one batch, and its strategies (MLX thread only).
+    """The step in flight of one batch, and its strategies.
 
     Attributes:
-        speculation: The grammar speculation policy; None where it does not
-            pay (off the CPU backend).
+        speculation: The grammar speculation policy; None off the CPU backend.
         inflight: The step started and not yet read: its rows and its draw.
-        drafting: Speculative decoding, when installed (:mod:`.drafting`).
+        drafting: Speculative decoding, when on (:mod:`.drafting`).
     """
 
     def __init__(self) -> None:
@@ -98,12 +83,11 @@ class Decoder:
         self.drafting: Drafting | None = None
 
     def reading(self) -> list[Row]:
-        """The rows of the step in flight (none without one)."""
         return [] if self.inflight is None else self.inflight[0]
 
     def launch(self, batch: BatchState) -> int:
-        """Build a step for the batch's rows on their last tokens and start
-        it: the step in flight. Its width (0: no row)."""
+        """Build a step on the rows' last tokens and start it; its width (0: no
+        row)."""
         forward = self._forward(batch, None)
         if forward is None:
             return 0
@@ -117,14 +101,9 @@ class Decoder:
         return Stepped(rows_read, tokens, 0)
 
     def pipelined(self, batch: BatchState) -> Stepped:
-        """The step in flight read, and the next one started on its tokens
-        first, so building it overlaps computing this one (on the CPU
-        backend starting it waits for the previous one: no gain measured at
-        one row) and it computes while the thread hands out tokens. The
-        batch's rows are the next step's: rows that joined enter it, rows
-        that left or whose token in flight is their last are out of it; a
-        row that ends otherwise (end of turn, stop string) had its next
-        token computed for nothing, and dropped."""
+        """The step in flight read, the next one started on its tokens first (so it
+        computes while the thread hands out tokens). A row that ends on a token
+        read here had its next token computed for nothing."""
         assert self.inflight is not None, "no step in flight"
         if any(row.constrained() for row in batch.rows):
             return self._constrained_step(batch)
@@ -135,12 +114,9 @@ class Decoder:
         return Stepped(rows_read, tokens, width)
 
     def _constrained_step(self, batch: BatchState) -> Stepped:
-        """The step of a batch with a constrained row (:meth:`.Row.constrained`):
-        its mask needs this step's tokens. The next forward pass starts on
-        them unread, they are read and checked while it computes, then its
-        logits are masked and sampled. Where a grammar refuses a token
-        drawn without its mask, the row is drawn again and the pass built
-        again (:meth:`.Speculation.check`, :meth:`.Speculation.rebuild`)."""
+        """The step of a batch with a constrained row, whose mask needs this step's
+        tokens: the next pass starts on them unread, they are read and checked
+        while it computes, then its logits are masked and sampled."""
         assert self.inflight is not None
         (rows, pending), self.inflight = self.inflight, None
         speculation = self.speculation
@@ -168,9 +144,8 @@ class Decoder:
         *,
         start: bool = False,
     ) -> Forward | None:
-        """The next step's forward pass for the batch's rows, penalized; with
-        ``start``, started. With the step ``inflight`` (not yet read), its
-        rows' inputs are its tokens. None when no row is in the batch."""
+        """The next step's forward pass, penalized (with ``start``, started), on the
+        tokens of the step ``inflight`` where there is one; None without rows."""
         rows = list(batch.rows)
         if not rows:
             return None
@@ -212,9 +187,8 @@ class Decoder:
     def _sample(
         self, batch: BatchState, forward: Forward, *, after_read: bool = False
     ) -> int:
-        """Mask, bias and sample a forward pass's logits, and start it: the
-        next step in flight; its width. ``after_read``: the step before it
-        was read since (its rows' positions count its tokens)."""
+        """Mask, bias and sample a forward pass's logits, and start it; its width.
+        ``after_read``: the step before was read since."""
         rows = forward.rows
         speculation = self.speculation
         speculative: list[int] = []
@@ -238,8 +212,7 @@ class Decoder:
         return len(rows)
 
     def _bias_matrix(self, rows: list[Row], logits: mx.array) -> mx.array | None:
-        """:func:`.logits.bias_rows` of the decode batch, kept until its rows
-        change."""
+        """:func:`.logits.bias_rows`, kept until the batch's rows change."""
         if self.bias_stale:
             self.bias_stale = False
             self._bias = bias_rows(rows, logits)

@@ -1,12 +1,7 @@
 """The disk tier's files (:mod:`.prompt_disk`): one format for prompt KV and
-images' outputs, and the fingerprint of the model a file belongs to.
-
-A file is a header (JSON, after its length as 8 little-endian bytes: the
-format, the model, each array's dtype and shape, what its kind needs to put
-the arrays back together, and a checksum of all of that and of the arrays'
-bytes), then the arrays' bytes in order. :func:`read` and :func:`arrays`
-raise ValueError (or KeyError, TypeError) for a file that is not one, is
-cut short, or fails its checksum; nothing here is served unchecked.
+images' outputs (a length-prefixed JSON header with a checksum, then the
+arrays' bytes), and the fingerprint of the model a file belongs to. Any
+thread.
 """
 
 from __future__ import annotations
@@ -38,9 +33,9 @@ _DTYPES: dict[str, tuple[Any, Any]] = {
 
 
 def model_fingerprint(path: str, quantization: str = "") -> str:
-    """What a file must match to be served by this model: its folder's
-    config and each weight file's name, size and head (or the hub id, for
-    a model not in a folder), how its KV is quantized, and the format."""
+    """What a file must match to be served by this model: its folder's config
+    and each weight file's name, size and head (or a hub id), how its KV is
+    quantized, and the format."""
     digest = hashlib.blake2b(f"{FORMAT}:{quantization}".encode(), digest_size=16)
     folder = Path(path)
     if not folder.is_dir():
@@ -57,8 +52,8 @@ def model_fingerprint(path: str, quantization: str = "") -> str:
 
 
 def header(model: str, payload: Sequence[Any], meta: dict[str, Any]) -> bytes:
-    """The length-prefixed header of a file of ``model``'s holding
-    ``payload`` (evaluated, contiguous arrays) and its kind's ``meta``."""
+    """The length-prefixed header of a file of ``model``'s holding ``payload``
+    (evaluated, contiguous arrays) and its kind's ``meta``."""
     fields = {
         "format": FORMAT,
         "model": model,
@@ -73,8 +68,13 @@ def header(model: str, payload: Sequence[Any], meta: dict[str, Any]) -> bytes:
 def read(
     path: Path, model: str, *, header_only: bool = False
 ) -> tuple[dict[str, Any], bytes]:
-    """A file's header and its arrays' bytes, checked against ``model`` and
-    the format (and, read whole, the checksum)."""
+    """A file's header and its arrays' bytes, checked against ``model`` and the
+    format (and, read whole, the checksum).
+
+    Raises:
+        ValueError: The file is not whole and unchanged (or KeyError,
+            TypeError for a header that is not one).
+    """
     with path.open("rb") as file:
         raw = file.read(_LENGTH.size)
         if len(raw) != _LENGTH.size:
@@ -119,7 +119,6 @@ def _spec(array: mx.array) -> tuple[str, list[int]]:
 
 
 def _checksum(fields: dict[str, Any], payload: Sequence[Any]) -> str:
-    """Of a header's other fields, and of the arrays' bytes."""
     digest = hashlib.blake2b(json.dumps(fields, sort_keys=True).encode())
     for piece in payload:
         digest.update(piece)

@@ -1,34 +1,8 @@
-"""Tensor-parallel serving: rank 0 leads the batch, the other ranks follow.
-
-Every rank of an ``mx.distributed`` group (started by ``mlx.launch``, or by
-a supervisor that sets ``MLX_RANK`` and ``MLX_HOSTFILE``) runs the same
-command and loads its part of the model (:mod:`.shard`) on its MLX thread.
-
-- Rank 0 serves HTTP. Its engine is the usual :class:`~.batch.BatchEngine`,
-  whose batch is a :class:`LeaderState`: it records what the requests do to
-  the batch (rows admitted, with their request and a seed drawn here; rows
-  that left) and, before each step, sends that record to the other ranks
-  (:mod:`.collectives`), then runs the step.
-- A follower binds no port. Its MLX thread replays each message on a batch
-  of its own and runs the same step, so every rank runs the same forward
-  passes, whose sharded layers meet in ``all_sum``, and samples the same
-  tokens: the logits after those sums are the same on every rank and each
-  row's sampler is keyed by its seed and position. Text, log-probabilities
-  and HTTP stay on rank 0.
-
-When idle, rank 0 sends an empty message every :func:`heartbeat_interval`,
-so a rank that is gone is found then too. Each message carries rank 0's step
-counts: a follower whose own differ has diverged. Faults (a rank gone, a
-step or a wait past ``distributed_timeout``, a divergence) are final: the
-rank logs why and exits with status 1; rank 0 first closes its MLX thread
-(``/health`` and every request answer 503) for :data:`FAULT_GRACE` seconds.
-A supervisor restarts the group (docs/distributed.md). Rank 0's stop (after
-its drain) is a message too: every follower exits 0.
-
-Threads: the engine side runs on each rank's MLX thread; :class:`Leader`'s
-:meth:`~Leader.stop` on the thread that ran the server, after it stopped;
-the watchdog on its own thread; :class:`Follower`'s :meth:`~Follower.run`
-on the main thread (it waits for the MLX thread).
+"""Tensor-parallel serving (docs/distributed.md): rank 0 serves HTTP and
+leads the batch (:class:`Leader`, :class:`LeaderState`), sending what its
+requests did to it before each step; the other ranks replay it
+(:class:`~.follower.Follower`). The batch runs on each rank's MLX thread;
+:meth:`Leader.stop` on the thread that ran the server, after it stopped.
 """
 
 from __future__ import annotations
@@ -89,12 +63,12 @@ logger = logging.getLogger("mlx_pinned.server")
 
 
 def join(config: ServerConfig) -> Any:
-    """This process's ``mx.distributed`` group, once its model is known to
-    split over it. Main thread, before anything is loaded.
+    """This process's ``mx.distributed`` group, once its model is known to split
+    over it. Main thread, before anything is loaded.
 
     Raises:
-        DistributedError: No group (not started by ``mlx.launch`` or with
-            its environment), a group of one, or a model that cannot be split.
+        DistributedError: No group, a group of one, or a model that cannot be
+            split.
     """
     import mlx.core as mx
 
@@ -120,11 +94,8 @@ def join(config: ServerConfig) -> Any:
 
 class Leader(Rank):
     """Rank 0's side of the group: loads its engine, leads the followers.
-
     Made on the main thread before the server starts; :meth:`load` is the
-    app's engine factory (a start-up job on the MLX thread); :meth:`stop`
-    runs once the server has stopped.
-    """
+    app's engine factory (a start-up job on the MLX thread)."""
 
     def __init__(self, group: Any, timeout: float) -> None:
         super().__init__(group, timeout, grace=FAULT_GRACE)
@@ -143,12 +114,9 @@ class Leader(Rank):
 
     def load(self, settings: ModelSettings, thread: MLXThread) -> BatchEngine:
         """Load rank 0's part of the model and make its engine, once every
-        follower has loaded its own; MLX thread (as ``BatchEngine.load``).
-        Its caches and prefill step are sent to the followers. Every rank
-        cuts a prompt into the same chunks, so they are
-        ``prefill_step_size`` tokens (not ``prefill_step_seconds``); what a
-        group cannot take (a quantized KV, drafts, the disk tier) the
-        config refuses.
+        follower has loaded its own; MLX thread. Its caches and prefill
+        step go to the followers; every rank must cut a prompt alike, so a
+        chunk is ``prefill_step_size`` tokens (not paced by time).
 
         Raises:
             DistributedError: A follower holds a different model.
@@ -200,8 +168,7 @@ class Leader(Rank):
             self._ops.append(Leave(ident))
 
     def send(self, state: BatchState, *, step: bool) -> None:
-        """Send what happened since the last message, and whether a step
-        follows.
+        """Send what happened since the last message, and whether a step follows.
 
         Raises:
             GroupLostError: A follower is gone (the group exits).
@@ -243,8 +210,8 @@ class Leader(Rank):
             self._thread.shutdown(wait=False, cancel_futures=True)
 
     def stop(self) -> None:
-        """Tell every follower to exit 0; once the server has stopped (its
-        MLX thread is done). Nothing to do after a fault."""
+        """Tell every follower to exit 0, once the server has stopped; nothing
+        after a fault."""
         self._stopping = True
         if self.fault_reason is None:
             state = self._state
@@ -261,8 +228,7 @@ class Leader(Rank):
 
 
 class LeaderState(BatchState):
-    """Rank 0's batch: what it does is sent to the followers, which do the
-    same (MLX thread only)."""
+    """Rank 0's batch: what it does is sent to the followers, which do the same."""
 
     def __init__(
         self,

@@ -1,23 +1,7 @@
 """A draft model: a small model of the served model's tokenizer that drafts
-the batch's next tokens for its speculative steps (MLX thread only).
-
-It drafts greedily, K forward passes of its own over the batch's rows
-together, from a batch KV cache of its own that holds each row's prompt and
-answer so far. What it proposes decides only how many tokens a step gives:
-the served model verifies every draft and keeps only its own tokens
-(:mod:`.drafting`), so a draft model changes no answer, whatever it drafts.
-A row's images reach it as the placeholder tokens that hold their place in
-the prompt; it sees no pixels.
-
-Its cache follows the batch: a row new to it is prefilled (its prompt's ids
-and the answer so far), a row gone from the batch is dropped. A row's cache
-holds its history but its last one or two tokens (its unfed tokens): one
-as a rule, two after a step that kept all K drafts, since the last draft was
-never fed to the draft model (mlx-lm's ``speculative_generate_step`` feeds
-it the same way, with the next token). The first pass of a step feeds each
-row's unfed tokens; a row with one has a placeholder written after it,
-rolled away again to its left padding. A row whose history moved on without
-it (steps that did not speculate) is prefilled anew.
+the batch's next tokens greedily, from a batch KV cache of its own that
+follows the batch's rows (docs/engine.md, "A draft model"). It changes no
+answer: the served model verifies every draft. MLX thread only.
 """
 
 from __future__ import annotations
@@ -41,14 +25,8 @@ __all__ = ["DraftModel"]
 
 
 class DraftModel:
-    """Drafts from a small model, batched (MLX thread only); a
-    :class:`~.drafting.DraftSource`.
-
-    Attributes:
-        loaded: The draft model.
-        rows: The rows in its cache, in its cache's order (a subset of the
-            batch's, in any order).
-    """
+    """Drafts from a small model, batched; a :class:`~.drafting.DraftSource`.
+    ``rows``: the rows in its cache, in its cache's order."""
 
     def __init__(self, loaded: LoadedModel, vocab_size: int) -> None:
         self.loaded = loaded
@@ -59,13 +37,15 @@ class DraftModel:
         self.lm: Any = loaded.model.language_model
         self.rows: list[Row] = []
         self.cache: list[Any] | None = None
-        # History tokens each row's cache holds; its unfed tokens follow.
+        # History tokens each row's cache holds; its unfed tokens follow:
+        # one as a rule, two after a step that kept all its drafts (the
+        # last draft was never fed), as mlx-lm's speculative_generate_step.
         self._held: dict[Row, int] = {}
         self._passes = 0  # the draft passes of the step being verified
 
     @classmethod
     def load(cls, path: str | Path, target: LoadedModel) -> DraftModel:
-        """Load a draft model for ``target`` (MLX thread).
+        """Load a draft model for ``target``.
 
         Raises:
             SettingError: Its tokenizer is not ``target``'s, or its KV cache
@@ -107,9 +87,8 @@ class DraftModel:
         ]
 
     def settle(self, rows: Sequence[Row], kept: Sequence[int]) -> None:
-        """Cut each row's cache back to the drafts the served model kept:
-        ``passes - 1`` drafts were fed, row ``i`` keeps ``kept[i]`` of them
-        at most."""
+        """Cut each row's cache back to the drafts the served model kept (of the
+        ``passes - 1`` fed)."""
         fed, self._passes = self._passes - 1, 0
         if fed < 0 or not self.rows:
             return
@@ -120,7 +99,6 @@ class DraftModel:
             self._held[row] += count
 
     def _valid(self, drafts: list[int]) -> list[int]:
-        """``drafts`` up to the first id the served model has no row for."""
         for i, token in enumerate(drafts):
             if token >= self.vocab_size:
                 return drafts[:i]
@@ -134,8 +112,8 @@ class DraftModel:
         return row.history.size - self._held[row]
 
     def _follow(self, rows: Sequence[Row]) -> None:
-        """Drop the rows that left the batch, or whose cache fell behind;
-        prefill the rows new to it."""
+        """Drop the rows that left the batch or whose cache fell behind; prefill
+        the rows new to it."""
         present = set(rows)
         keep = [
             i
@@ -170,8 +148,8 @@ class DraftModel:
             unmask_if_unpadded(self.cache)
 
     def _prefill(self, rows: list[Row]) -> None:
-        """Each row's history but its last token, left-padded into one batch
-        cache (in chunks of a prefill step), joined to the draft's."""
+        """Each row's history but its last token, left-padded into one batch cache
+        (a prefill step at a time), joined to the draft's."""
         histories = [row.history.ids[:-1] for row in rows if row.history is not None]
         width = max(len(ids) for ids in histories)
         pads = [width - len(ids) for ids in histories]
@@ -197,8 +175,8 @@ class DraftModel:
             self._held[row] = len(history)
 
     def _draft(self, passes: int) -> list[list[int]]:
-        """``passes`` greedy tokens for each of its rows: the first pass
-        feeds the rows' unfed tokens, each next one the token before."""
+        """``passes`` greedy tokens for each row: the first pass feeds the rows'
+        unfed tokens, each next one the token before."""
         rows, cache = self.rows, self.cache or []
         kwargs = self._kwargs(len(rows))
         unfed = []
@@ -230,8 +208,8 @@ class DraftModel:
         return cast("list[list[int]]", drafts.tolist())
 
     def _kwargs(self, rows: int) -> dict[str, Any]:
-        """A Qwen-VL language model's rope deltas, given (zero: text only),
-        so it reads none it kept from another call."""
+        """A Qwen-VL model's rope deltas, given (zero: text only), so it reads none
+        it kept from another call."""
         if hasattr(self.lm, "_rope_deltas"):
             return {"rope_deltas": mx.zeros((rows, 1), dtype=mx.int32)}
         return {}

@@ -1,43 +1,6 @@
-"""Speculative decoding inside the batch: drafts verified together in one
-forward pass (MLX thread only).
-
-Not the grammar "speculation" of :mod:`.speculation` (a grammar row drawn
-without its mask). Here each row of the batch gets up to K draft tokens from
-a :class:`DraftSource`: prompt lookup (the tokens that followed the latest
-earlier occurrence of its last n tokens, in its prompt and its answer so
-far; no model, :class:`PromptLookup`) or a small draft model of the same
-tokenizer (:class:`~.draft_model.DraftModel`), and a row whose request
-predicted its answer (OpenAI's predicted outputs) drafts from that
-prediction (:func:`~.prompt_lookup.follow`); and one forward pass over
-``(B, 1 + K)`` tokens (each row's last token and its
-drafts) gives the target's token at every position. A row keeps its drafts
-up to the first one the target disagrees with, and the target's token
-there: every token it keeps is the token the target would have given it one
-step at a time, drawn with the same key (mlx-vlm's position-keyed sampler),
-so greedy and seeded rows give the same tokens as speculation off, and
-their log-probabilities come from the target's logits at each position.
-Accepting a draft exactly when the target's own draw equals it is rejection
-sampling against a one-hot draft: kept with probability p(draft), else a
-token drawn from the target without it, renormalized.
-
-The batch cache keeps one write position for every row: it is cut back by
-the fewest drafts any row dropped, and each row that dropped more has the
-rest rolled to its left padding (as mlx-vlm's ``BatchKVCache.finalize`` does
-for a right-padded prefill), so each row's offset is its own again.
-
-Drafting pays only where drafts are kept: each row keeps its running share
-of drafts kept (each speculative step weighs a third of all before it), and
-a row whose share falls under :data:`FLOOR` rests: it drafts nothing for
-:data:`REST` tokens, twice as long each time it falls again (at most
-:data:`MOST_REST`), then tries again. While every row rests, the batch runs
-the ordinary pipelined step (a speculative step is not pipelined).
-
-A step speculates only when every row of the batch can: a plain, trimmable
-KV cache (checked at install), and no row whose needs it cannot verify
-(:attr:`..row_needs.RowNeeds.undraftable`); a row's bad words are barred at
-each position from the drafts before it. Otherwise, and when no row has a
-draft, the ordinary pipelined step runs. A speculative step is not
-pipelined: its drafts need its rows' last tokens read.
+"""Speculative decoding inside the batch: each row's drafts (prompt lookup, a
+draft model, or its request's prediction) verified together in one forward
+pass. MLX thread only; docs/engine.md says how and when it pays.
 """
 
 from __future__ import annotations
@@ -66,7 +29,7 @@ if TYPE_CHECKING:
     from .rows import Row
     from .state import BatchState
 
-__all__ = ["DraftSettings", "DraftSource", "Drafting", "install"]
+__all__ = ["DraftSettings", "DraftSource", "Drafting", "for_predictions", "install"]
 
 
 @dataclass(frozen=True)
@@ -75,15 +38,11 @@ class DraftSettings:
     (``model``), not both.
 
     Attributes:
-        ngram: Longest n-gram of a row's tokens looked up (n from this down
-            to 1); 0: no prompt lookup.
+        ngram: Longest n-gram of a row's tokens looked up; 0: no prompt lookup.
         tokens: Draft tokens per row and step, at most (K).
-        model: A draft model's folder or hub id (a small model with the
-            served model's tokenizer); None: no draft model.
+        model: A draft model's folder or hub id; None: no draft model.
         max_batch: Speculate only while the batch holds at most this many
-            rows (0: at any size): a verify pass computes every row's
-            drafts, and past a few rows that compute costs the batch more
-            than the drafts give (docs/engine.md has the figures).
+            rows (0: at any size); docs/engine.md says why.
     """
 
     ngram: int = 0
@@ -97,17 +56,13 @@ class DraftSettings:
 
 
 class DraftSource(Protocol):
-    """Where a batch's drafts come from (MLX thread only).
-
-    Attributes:
-        weight_bytes: Bytes of the parameters it holds (a draft model's).
-    """
+    """Where a batch's drafts come from. ``weight_bytes``: its parameters'."""
 
     weight_bytes: int
 
     def propose(self, rows: Sequence[Row], counts: Sequence[int]) -> list[list[int]]:
-        """Up to ``counts[i]`` draft tokens for each row of the batch (in
-        the batch's order), for the step about to verify them."""
+        """Up to ``counts[i]`` draft tokens for each row, for the step about to
+        verify them."""
         ...
 
     def settle(self, rows: Sequence[Row], kept: Sequence[int]) -> None:
@@ -115,18 +70,17 @@ class DraftSource(Protocol):
         ...
 
     def reset(self) -> None:
-        """Forget every row: the step failed."""
+        """The step failed: forget every row."""
         ...
 
 
 def install(state: BatchState, settings: DraftSettings) -> None:
-    """Make ``state``'s decoder speculate with ``settings``; a draft model
-    is loaded here (MLX thread).
+    """Make ``state``'s decoder speculate with ``settings`` (a draft model is
+    loaded here).
 
     Raises:
-        SettingError: The model's KV cache cannot be cut back (a rotating
-            window, a recurrent state); the draft model's cannot either, or
-            its tokenizer is not the served model's.
+        SettingError: The model's or the draft model's KV cache cannot be cut
+            back, or the draft model's tokenizer is not the served model's.
     """
     loaded: LoadedModel = state.loaded
     setting = "prompt_lookup_tokens" if settings.model is None else "draft_model"
@@ -155,9 +109,27 @@ PREDICTION_TOKENS = 8
 PREDICTION_MAX_BATCH = 4
 
 
+def for_predictions(loaded: LoadedModel) -> Drafting:
+    """The speculative step of a batch with no drafts of its own, for the
+    predictions requests send.
+
+    Raises:
+        RequestError: The model's KV cache cannot be cut back.
+    """
+    if uncuttable_kinds(loaded.model.language_model):
+        raise RequestError(
+            "This model's KV cache cannot be cut back, so it takes no "
+            "prediction: send the request without 'prediction'.",
+            "prediction_unsupported",
+            "prediction",
+        )
+    settings = DraftSettings(tokens=PREDICTION_TOKENS, max_batch=PREDICTION_MAX_BATCH)
+    return Drafting(settings, None)
+
+
 # A row's running share of drafts kept under which it rests (a verify pass
 # that keeps a tenth of its drafts gives about what it costs at one row),
-# and its first and longest rests, in tokens (see the module's docstring).
+# and its first and longest rests, in tokens (docs/engine.md).
 FLOOR = 0.1
 REST = 8
 MOST_REST = 128
@@ -182,13 +154,8 @@ def pace(row: Row, drafted: int, kept: int) -> None:
 
 
 class Drafting:
-    """The speculative step of one batch: its drafts verified in one pass.
-
-    Attributes:
-        settings: How many tokens a row drafts, and from where.
-        source: Where the rows' drafts come from; None: only from the
-            predictions that requests send.
-    """
+    """The speculative step of one batch. ``source``: where the rows' drafts
+    come from (None: only requests' predictions)."""
 
     def __init__(self, settings: DraftSettings, source: DraftSource | None) -> None:
         self.settings = settings
@@ -213,9 +180,8 @@ class Drafting:
             row.history = History(np.asarray(ids).reshape(-1))
 
     def applies(self, batch: BatchState) -> bool:
-        """Whether the batch's next step may speculate: it has rows, no more
-        than :attr:`DraftSettings.max_batch` with those joining it, and
-        every row in it, joining it or queued for it can draft."""
+        """Whether the batch's next step may speculate: it has rows, no more than
+        ``max_batch`` with those joining it, and each of them can draft."""
         most = self.settings.max_batch
         if not batch.rows or (most and len(batch.rows) > most):
             return False  # at once: a large batch pays nothing more per step
@@ -236,8 +202,8 @@ class Drafting:
 
     def verify(self, batch: BatchState) -> Stepped | None:
         """One forward pass over every row's last token and its drafts; each
-        row keeps what the target agrees with (see the module's docstring).
-        None when no row has drafts (the ordinary step runs instead)."""
+        row keeps its drafts up to the first the target's token differs
+        from, and that token. None when no row has drafts."""
         rows = list(batch.rows)
         try:
             each = self._propose(rows)
@@ -291,8 +257,6 @@ class Drafting:
         return Stepped(read_rows, got, len(rows), drafted, sum(kept), speculative=True)
 
     def _propose(self, rows: list[Row]) -> list[list[int]]:
-        """Each row's drafts: from its prediction where it has one, else
-        from the source."""
         left = [0 if resting(row) else row.max_tokens - row.sampled - 1 for row in rows]
         tokens = self.settings.tokens
         each = (
@@ -314,8 +278,8 @@ class Drafting:
 
 @dataclass
 class _Position:
-    """A row at one position of a speculative step, as barring its bad
-    words reads it (:class:`.logits.Banning`)."""
+    """A row at one position of a speculative step, as :func:`.logits.ban_words`
+    reads it."""
 
     banned: tuple[tuple[int, ...], ...]
     recent: list[int]
@@ -323,8 +287,8 @@ class _Position:
 
 
 def _positions(rows: Sequence[Row], inputs: list[list[int]]) -> list[_Position]:
-    """Each row at each position of a step over ``inputs`` (its last token
-    and its drafts): its tokens so far are its own and the drafts before."""
+    """Each row at each position of a step over ``inputs``: its tokens so far
+    are its own and the drafts before."""
     return [
         _Position(row.banned, [*row.recent, *row_inputs[1 : j + 1]], row.done)
         for row, row_inputs in zip(rows, inputs, strict=True)
@@ -333,8 +297,8 @@ def _positions(rows: Sequence[Row], inputs: list[list[int]]) -> list[_Position]:
 
 
 def _accepted(items: Sequence[Sampled], drafts: Sequence[int]) -> int:
-    """Drafts kept: up to the first the target's token differs from, or
-    the target ends the turn."""
+    """Drafts kept: up to the first the target's token differs from, or that
+    ends the turn."""
     kept = 0
     while kept < len(drafts) and items[kept].token == drafts[kept]:
         if items[kept].eos:

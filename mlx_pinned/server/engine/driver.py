@@ -1,15 +1,6 @@
-"""The engine's event-loop side: the loop's driver and each request's output.
-
-The one part of the engine that runs on the event loop (asyncio or trio,
-through anyio); it touches no MLX. The loop (:mod:`.loop`) runs on the MLX
-thread as one ``MLXThread.iterate`` stream whose items are its turns'
-outputs; a :class:`Driver`, a task of the event loop (:func:`spawn`),
-follows it (the encoders' loop too, :mod:`.passes`). The batch's,
-:class:`LoopDriver`, puts each output in the :class:`RowOutput` of its
-request. A slow reader never holds
-the loop: its events wait in its own output. A :class:`RowStream` is what
-the request's :class:`~..events.EventStream` reads: an event at a time, in
-batches, whole for an answer sent whole, or as they flow for a streamed one.
+"""The engine's event-loop side (asyncio or trio; no MLX here): the
+:class:`Driver` task that follows a loop's ``MLXThread.iterate`` stream,
+and each request's :class:`RowOutput`, read through its :class:`RowStream`.
 """
 
 from __future__ import annotations
@@ -68,9 +59,8 @@ Out_co = TypeVar("Out_co", covariant=True)
 
 
 def spawn(fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
-    """Run ``fn(*args)`` as a task of the running event loop that outlives
-    its caller (the loop's driver serves every request, not the one that
-    started it). Event loop only."""
+    """Run ``fn(*args)`` as a task of the running event loop that outlives its
+    caller (a driver serves every request, not the one that started it)."""
     if sniffio.current_async_library() == "trio":
         import trio
 
@@ -87,11 +77,8 @@ _ALL = 1 << 30
 
 class RowOutput:
     """One request's items on their way from the driver to its reader.
-
     Event loop only. The reader wakes when as many items as it asked for
-    are in, or the answer ended (a :class:`~..events.FinalEvent` or an
-    error is in).
-    """
+    are in, or the answer ended."""
 
     def __init__(self) -> None:
         self._items: deque[Item] = deque()
@@ -102,7 +89,6 @@ class RowOutput:
         self.gone = False  # the loop holds no row of it
 
     def put(self, items: tuple[Item, ...], *, gone: bool) -> None:
-        """Add a turn's items (the driver)."""
         self._items.extend(items)
         if any(isinstance(i, (FinalEvent, BaseException)) for i in items):
             self._ended = True
@@ -137,16 +123,15 @@ class RowOutput:
         return tuple(taken)
 
     async def wait_gone(self) -> None:
-        """Until the loop holds no row of it."""
         if not self.gone:
             self._gone = gone = anyio.Event()
             await gone.wait()
 
 
 class RowStream:
-    """What a request's :class:`~..events.EventStream` reads: its row's
-    output; closing it (or cancelling its reader, or dropping it) takes the
-    row out at the loop's next turn. Event loop only."""
+    """What a request's :class:`~..events.EventStream` reads; closing it (or
+    cancelling its reader, or dropping it) takes the row out at the loop's
+    next turn. Event loop only."""
 
     def __init__(self, loop: LoopDriver, request: Request) -> None:
         assert request.output is not None
@@ -165,8 +150,8 @@ class RowStream:
         return events[0]
 
     def batched(self, n: int | None) -> AsyncIterator[tuple[Event, ...]]:
-        """The events in tuples of up to ``n``, one wake-up per tuple; None:
-        every event in one tuple, once the answer ended."""
+        """The events in tuples of up to ``n``, one wake-up per tuple; None: every
+        event in one tuple, once the answer ended."""
         if n is None:
             self._loop.whole(self._request)
             return self._batches(_ALL)
@@ -179,9 +164,8 @@ class RowStream:
             yield events
 
     def flowing(self, interval: float) -> AsyncGenerator[tuple[Event, ...], None]:
-        """The events as they come, every one that is in at each wake-up,
-        and at most one wake-up each ``interval`` seconds (but the first:
-        an answer's first token goes out as soon as it is in)."""
+        """The events as they come, at most one wake-up each ``interval`` seconds
+        (but the first: an answer's first token goes out at once)."""
         if interval < 0:
             raise ValueError(f"interval must be 0 or more, not {interval}")
         return self._flow(interval)
@@ -217,12 +201,10 @@ class RowStream:
 class Loop(Protocol[Out_co]):
     """A loop of turns on the MLX thread, as its driver sees it."""
 
-    def run(self) -> Generator[tuple[Out_co, bool] | Checkpoint, None, None]:
-        """The loop's stream (:func:`~.loop.turns`)."""
-        ...
+    def run(self) -> Generator[tuple[Out_co, bool] | Checkpoint, None, None]: ...
 
     def waiting(self) -> bool:
-        """Whether a command waits for a turn; any thread."""
+        """Any thread."""
         ...
 
 
@@ -230,15 +212,10 @@ L = TypeVar("L", bound=Loop[Any])  # the loop a driver follows
 
 
 class Driver(ABC, Generic[L, Out]):
-    """The event-loop side of a loop that runs on the MLX thread: it starts
-    the loop's stream when a request comes and none runs, and its task
-    routes each item's outputs (:meth:`_route`) until the loop ends,
-    starting it again while commands came meanwhile. Event loop only.
-
-    Args:
-        loop: The loop.
-        thread: The MLX thread it runs on.
-    """
+    """The event-loop side of a loop on the MLX thread: it starts the loop's
+    stream when a request comes and none runs, and its task routes each
+    item's outputs (:meth:`_route`) until the loop ends, starting it again
+    while commands came meanwhile. Event loop only."""
 
     def __init__(self, loop: L, thread: MLXThread) -> None:
         self.loop = loop
@@ -246,10 +223,10 @@ class Driver(ABC, Generic[L, Out]):
         self.running = False  # a driver task follows the loop's stream
 
     def start(self) -> None:
-        """Start the loop, and its driver task, unless they run.
+        """Start the loop and its driver task, unless they run.
 
         Raises:
-            MLXThreadClosedError: The thread is closed (raised here, at once).
+            MLXThreadClosedError: The thread is closed.
             MLXThreadBusyError: The thread's queue is full.
         """
         if not self.running:
@@ -261,7 +238,7 @@ class Driver(ABC, Generic[L, Out]):
 
     @abstractmethod
     def _fail(self, error: Exception) -> None:
-        """Fail every request still live: the loop's stream broke."""
+        """The loop's stream broke: fail every request still live."""
 
     def _start(self) -> AsyncStreamIterator[tuple[Out, bool]]:
         # The loop's checkpoints are no items: the stream carries outputs.
@@ -273,9 +250,8 @@ class Driver(ABC, Generic[L, Out]):
         return items
 
     async def _drive(self, items: AsyncStreamIterator[tuple[Out, bool]]) -> None:
-        """Route the loop's outputs until it ends, starting it again while
-        commands came meanwhile; if it breaks (the thread closed under it),
-        fail every request."""
+        """Route the loop's outputs until it ends, starting it again while commands
+        came meanwhile; if it breaks, fail every request."""
         try:
             while True:
                 last: Out | None = None
@@ -302,15 +278,8 @@ class Driver(ABC, Generic[L, Out]):
 
 
 class LoopDriver(Driver["BatchLoop", Outputs]):
-    """The event-loop side of a model's batch loop (:class:`~.loop.BatchLoop`):
-    requests submit and close here, and the driver task (:class:`Driver`)
-    routes the loop's outputs. Event loop only, but :meth:`close` (any
-    thread).
-
-    Args:
-        loop: The model's loop.
-        thread: The MLX thread the loop runs on.
-    """
+    """The event-loop side of a model's :class:`~.loop.BatchLoop`. Event loop
+    only, but :meth:`close` (any thread)."""
 
     def __init__(self, loop: BatchLoop, thread: MLXThread) -> None:
         super().__init__(loop, thread)
@@ -319,11 +288,10 @@ class LoopDriver(Driver["BatchLoop", Outputs]):
     def stream(
         self, params: GenerationParams, images: Sequence[Image.Image]
     ) -> EventStream:
-        """Submit a generation; its events. The loop is started here when it
-        is not running (its driver is a task of this event loop).
+        """Submit a generation; its events. Starts the loop when it is not running.
 
         Raises:
-            MLXThreadClosedError: The thread is closed (raised here, at once).
+            MLXThreadClosedError: The thread is closed.
             MLXThreadBusyError: The thread's queue is full.
         """
         request = Request(params, images, RowOutput())
@@ -337,16 +305,15 @@ class LoopDriver(Driver["BatchLoop", Outputs]):
         return EventStream(RowStream(self, request))
 
     def close(self, request: Request) -> bool:
-        """Take ``request``'s row out at the loop's next turn; any thread.
-        Whether the loop holds it still (its output then says when it left)."""
+        """Take ``request``'s row out at the loop's next turn; any thread. Whether
+        the loop holds it still (its output then says when it left)."""
         if request.ended:
             return False
         self.loop.leave(request)
         return True
 
     def whole(self, request: Request) -> None:
-        """``request``'s reader takes its answer whole: the loop hands its
-        events out in one output, when it ended."""
+        """The loop hands ``request``'s events out in one output, when it ended."""
         self.loop.whole(request)
 
     def _route(self, outputs: Outputs) -> None:

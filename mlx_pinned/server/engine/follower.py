@@ -1,8 +1,7 @@
 """A rank other than 0: loads its part of the model, then replays rank 0's
-batch message by message (:mod:`.distributed` says how). It binds no port.
-
-:meth:`Follower.run` runs on the main thread and waits for the MLX thread,
-where the load and the replay run; the watchdog has a thread of its own.
+batch message by message; it binds no port. :meth:`Follower.run` runs on
+the main thread and waits for the MLX thread, where the load and the
+replay run.
 """
 
 from __future__ import annotations
@@ -43,12 +42,8 @@ logger = logging.getLogger("mlx_pinned.server")
 
 
 class Follower(Rank):
-    """A rank other than 0: loads its part, then replays rank 0's messages.
-
-    Args:
-        group: The ``mx.distributed`` group.
-        config: The server's settings (rank 0's engine settings are used).
-    """
+    """A rank other than 0. ``config``: the server's settings (rank 0's engine
+    settings are used)."""
 
     def __init__(self, group: Any, config: ServerConfig) -> None:
         super().__init__(group, config.distributed_timeout, grace=0.0)
@@ -58,9 +53,9 @@ class Follower(Rank):
         self._deadline: float | None = None  # after SIGTERM, for rank 0's stop
 
     def run(self) -> int:
-        """Follow until rank 0 stops the group; the exit status. Main
-        thread: SIGINT and SIGTERM wait for rank 0's stop (its drain needs
-        every rank), for at most the drain timeout plus the timeout."""
+        """Follow until rank 0 stops the group; the exit status. Main thread:
+        SIGINT and SIGTERM wait for rank 0's stop (its drain needs every rank),
+        for at most the drain timeout plus the timeout."""
         previous = {
             signum: signal.signal(signum, self._signalled)
             for signum in (signal.SIGINT, signal.SIGTERM)
@@ -135,8 +130,8 @@ class Follower(Rank):
     def _replay(
         self, state: BatchState, rows: dict[int, Row], message: Message
     ) -> None:
-        """Do what rank 0 did: its ops, a check that both batches are the
-        same now, then its step."""
+        """Do what rank 0 did: its ops, a check that both batches are alike, then
+        its step."""
         for op in message.ops:
             if isinstance(op, Admit):
                 try:

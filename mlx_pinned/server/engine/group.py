@@ -1,13 +1,8 @@
-"""What every rank of a tensor-parallel group shares: rank 0's messages,
-the exit statuses, the fault.
-
-A :class:`Message` is what rank 0 did to its batch since its last one
-(:mod:`.distributed` says how the ranks stay in step); :class:`Rank` sends
-or receives them through a :class:`~.collectives.Channel`, bounds every wait
-with a :class:`~.collectives.Watchdog`, and ends the process when the group
-is lost (:meth:`Rank.fault`). Messages are made and read on the MLX thread
-(rank 0's last one, on the thread that stopped the server); a fault may be
-raised on any thread.
+"""What every rank of a tensor-parallel group shares: rank 0's
+:class:`Message`, sent or received by a :class:`Rank`, every wait watched,
+and the fault that ends the process. Messages are made and read on the
+MLX thread (rank 0's stop, on the thread that stopped the server); a fault
+may be raised on any thread.
 """
 
 from __future__ import annotations
@@ -82,8 +77,6 @@ class Admit:
 
 @dataclass(frozen=True)
 class Leave:
-    """A row that left on rank 0."""
-
     row: int
 
 
@@ -93,11 +86,9 @@ class Message:
 
     Attributes:
         counts: Rank 0's step counts and tokens after ``ops`` (:func:`counts`).
-        ops: Rows admitted and rows that left, in order.
-        step: Whether a step follows them.
         stop: The group stops: each follower exits 0.
-        settings: The first message only: the engine's settings, which
-            every rank must share (rank 0's are the ones used).
+        settings: The first message only: the engine's settings, which every
+            rank must share.
     """
 
     counts: tuple[int, ...]
@@ -109,14 +100,13 @@ class Message:
 
 def counts(state: BatchState) -> tuple[int, ...]:
     """Steps, decoded tokens, prefills and each row's last token: the same on
-    every rank in step (a rank that sampled otherwise differs)."""
+    every rank in step."""
     stats = state.statistics()
     tokens = (row.token for row in state.rows)
     return (stats.steps, stats.decoded_tokens, stats.prefills, *tokens)
 
 
 def live_rows(state: BatchState | None) -> int:
-    """Rows in the batch or joining it."""
     if state is None:
         return 0
     stats = state.statistics()
@@ -137,8 +127,8 @@ class Rank:
         self.fault_reason: str | None = None
 
     def fault(self, reason: str) -> None:
-        """The group is lost: log why, then exit with :data:`FAULT_STATUS`
-        (after the grace). Any thread; the first call counts."""
+        """The group is lost: log why, then exit with :data:`FAULT_STATUS` after
+        the grace. Any thread; the first call counts."""
         with self._fault_lock:
             if self.fault_reason is not None:
                 return

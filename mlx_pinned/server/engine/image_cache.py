@@ -1,23 +1,7 @@
-"""The image cache: the vision tower's output per image, reused across
-requests and turns. MLX thread only.
-
-A chat resends its images with every turn; the prompt cache spares their KV,
-but the model still embeds the whole prompt, images included, to place the
-new tokens. :class:`CachedVisionTower` stands in for the model's vision
-tower: it splits a call's pixels into its images (by their ``grid_thw``
-rows), looks each up by a content hash of its pixels and grid (a video's
-frames pass the same way, keyed on their pixels: a different video of one
-shape is a different key), runs the tower on the missing ones only, and
-puts the outputs back together in order.
-Each image is encoded alone by the tower (its attention never crosses
-images), so the output is the same as one call over all of them.
-
-Only towers of the Qwen-VL kind take part (pixels and output rows per image
-follow ``grid_thw``: :func:`install` checks); least recently used images are
-evicted first, within a byte budget. With the disk tier
-(:mod:`.prompt_disk`) each image's outputs are also written to a file, and
-an image not held is looked up there before it is encoded: a restart, or an
-image evicted from memory, is read back, not encoded again.
+"""The image cache (docs/caching.md): the vision tower's output per image,
+reused across requests and turns. :class:`CachedVisionTower` stands in
+for the tower and encodes only the images it does not hold (the tower
+encodes each image alone, so the output is the same). MLX thread only.
 """
 
 from __future__ import annotations
@@ -47,8 +31,8 @@ Output = tuple[mx.array, list[mx.array] | None]
 
 
 class _Held:
-    """The outputs by key, least recently used first, and their bytes. A
-    plain object: an ``nn.Module`` would take a dict attribute for weights."""
+    """The outputs by key, least recently used first. A plain object: an
+    ``nn.Module`` would take a dict attribute for weights."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -59,18 +43,9 @@ class _Held:
 
 
 class CachedVisionTower(nn.Module):  # type: ignore[misc,name-defined]
-    """A vision tower with a cache of its per-image outputs.
-
-    Args:
-        tower: The model's vision tower.
-        merge: Its spatial merge size (output rows per image are its pixel
-            rows divided by ``merge**2``).
-        budget: Bytes of outputs to hold at most.
-
-    Attributes:
-        disk: Where outputs are also written, and looked up (None: memory
-            only; :meth:`attach`).
-    """
+    """A vision tower with a cache of its per-image outputs, within ``budget``
+    bytes. ``merge``: its spatial merge size (an image's output rows are its
+    pixel rows over ``merge**2``); ``disk``: where outputs are also kept."""
 
     def __init__(self, tower: Any, merge: int, budget: int) -> None:
         super().__init__()
@@ -89,8 +64,8 @@ class CachedVisionTower(nn.Module):  # type: ignore[misc,name-defined]
             return getattr(tower, name)
 
     def attach(self, disk: DiskTier) -> None:
-        """Write each image's outputs to ``disk`` too, and look an image
-        not held up there before encoding it."""
+        """Write each image's outputs to ``disk`` too, and look one up there before
+        encoding it."""
         if disk.enabled:
             self.disk = disk
 
@@ -147,7 +122,6 @@ class CachedVisionTower(nn.Module):  # type: ignore[misc,name-defined]
         missing: list[int],
         **kwargs: Any,
     ) -> list[Output]:
-        """The tower's (evaluated) outputs for the ``missing`` images."""
         rows = mx.concatenate([pixels[starts[i] : starts[i + 1]] for i in missing])
         grids = grid_thw[mx.array(missing, dtype=mx.int32)]
         output = self.tower(rows, grids, **kwargs)
@@ -185,7 +159,7 @@ def _key(pixels: mx.array, grid: tuple[int, ...]) -> bytes:
 
 def install(model: Any, budget: int) -> CachedVisionTower | None:
     """Put a :class:`CachedVisionTower` in place of ``model``'s tower, if its
-    family is one whose outputs follow ``grid_thw`` and ``budget`` > 0."""
+    family's outputs follow ``grid_thw`` and ``budget`` > 0."""
     config = model.config
     tower = getattr(model, "vision_tower", None)
     merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", 0)

@@ -1,20 +1,7 @@
-"""The quantized KV cache (``kv_bits``): mlx-vlm's own caches. MLX thread only.
-
-With ``kv_bits`` set, every plain KV layer of a model keeps its keys and
-values as ``mx.quantize`` makes them (packed integers, a scale and a bias per
-``group_size`` values of a head): a row prefilled alone in mlx-vlm's
-``QuantizedKVCache``, the batch in its ``BatchQuantizedKVCache``, whose
-``extend``, ``filter`` and ``extract`` are the plain batch cache's, so rows
-join and leave as they do unquantized. Attention reads the quantized keys
-with ``mx.quantized_matmul`` (mlx-vlm's ``scaled_dot_product_attention``
-picks it for a cache with ``bits``). Which layers are quantized is
-mlx-vlm's rule (``should_quantize_kv_layer``: all of a model of up to two
-layers, else all but the last), so a batch's layers always match.
-
-Only models whose layers all keep plain KV caches are quantized: a
-sliding-window (rotating) or recurrent layer is refused at load
-(:func:`check_quantizable`), as is a head size the group size does not
-divide.
+"""The quantized KV cache (``kv_bits``; docs/engine.md, "The quantized KV
+cache"): mlx-vlm's own quantized caches, picked per layer by mlx-vlm's
+rule, and a check that refuses a model whose cache cannot be. MLX thread
+only.
 """
 
 from __future__ import annotations
@@ -39,8 +26,7 @@ __all__ = [
     "to_batch",
 ]
 
-#: The bit widths and group sizes ``mx.quantize`` takes that the flags offer.
-KV_BITS = (4, 8)
+#: The group sizes ``mx.quantize`` takes that the flags offer.
 KV_GROUP_SIZES = (32, 64, 128)
 
 
@@ -65,9 +51,8 @@ def check_quantizable(loaded: LoadedModel, quant: KVQuant) -> None:
     """Refuse a model whose KV cannot be quantized as ``quant`` asks.
 
     Raises:
-        SettingError: A layer keeps a cache other than a plain KV cache (a
-            sliding window, a recurrent state), or the model's head size is
-            not a multiple of the group size.
+        SettingError: A layer keeps a cache other than a plain KV cache, or
+            the model's head size is not a multiple of the group size.
     """
     lm = loaded.model.language_model
     name = f"{loaded.path} ({loaded.config.model_type})"
@@ -97,7 +82,6 @@ def check_quantizable(loaded: LoadedModel, quant: KVQuant) -> None:
 
 
 def _head_size(lm: Any) -> int | None:
-    """The size of a key head, from the language model's config."""
     args = getattr(lm, "args", None) or getattr(lm, "config", None)
     head = getattr(args, "head_dim", None)
     if isinstance(head, int):
@@ -110,8 +94,8 @@ def _head_size(lm: Any) -> int | None:
 
 
 def single_caches(lm: Any, quant: KVQuant | None) -> list[Any]:
-    """One sequence's caches: mlx-vlm's own, with its plain KV layers
-    quantized (by mlx-vlm's rule) when ``quant`` is set."""
+    """One sequence's caches: mlx-vlm's own, its plain KV layers quantized (by
+    mlx-vlm's rule) under ``quant``."""
     layers = list(_cache().make_prompt_cache(lm))
     if quant is None:
         return layers
@@ -125,8 +109,8 @@ def single_caches(lm: Any, quant: KVQuant | None) -> list[Any]:
 
 
 def batch_layer(index: int, layers: int, pads: list[int], quant: KVQuant | None) -> Any:
-    """An empty batch cache for plain KV layer ``index`` of ``layers``: a
-    quantized one where ``quant`` quantizes that layer."""
+    """An empty batch cache for plain KV layer ``index`` of ``layers``,
+    quantized where ``quant`` quantizes that layer."""
     cache = _cache()
     if quant is not None and _quantized(index, layers):
         return cache.BatchQuantizedKVCache(
@@ -171,9 +155,8 @@ def held_bytes(layer: Any) -> int:
 
 
 def bytes_per_token(cache: list[Any]) -> int:
-    """Bytes of KV one token takes in ``cache`` (every layer, keys and
-    values, scales and biases); 0 for an empty cache or one that holds
-    no plain keys and values."""
+    """Bytes of KV one token takes in ``cache`` (every layer, scales and biases
+    included); 0 for an empty cache or one without plain keys and values."""
     total = 0.0
     for layer in cache:
         for part in _parts(getattr(layer, "keys", None)) + _parts(

@@ -1,26 +1,6 @@
-"""What a row does to its logits before sampling: penalties and grammars.
-
-MLX thread only. Both act per row, on the (B, V) logits of a step:
-
-- penalties (:func:`penalize`): the repetition penalty over the tokens of
-  the prompt and of the answer so far (vLLM's definition: positive logits
-  divided by it, negative ones multiplied), then OpenAI's frequency and
-  presence penalties over the answer so far. A row's token counts are an
-  MLX array updated inside each step's graph from that step's input tokens,
-  so a step can still be built before the previous one was read;
-- grammars (:class:`GrammarMatcher`, :func:`constrain`): llguidance matches
-  the text so far and masks every token that cannot continue it; once the
-  grammar is complete only an end of turn is allowed. The mask of a step
-  needs the previous step's token: a batch with a constrained row starts
-  each forward pass before that token is read and masks its logits after
-  (see ``BatchState.step``), so the matchers advance while it computes.
-  A row that reads no log-probabilities and draws greedily or by
-  temperature alone skips its mask where its grammar leaves the choice
-  open (:func:`speculates`): its token is checked when read, and drawn
-  again with the mask only where the grammar refuses it.
-
-A row without either pays nothing: the batch skips the work when no row
-asks for it.
+"""What a row does to its logits before sampling: penalties, grammars, bad
+words and logit bias, per row on a step's (B, V) logits. A row that asks
+for none of them keeps its logits bit for bit. MLX thread only.
 """
 
 from __future__ import annotations
@@ -81,7 +61,7 @@ class Penalized(Protocol):
 
 
 def prompt_seen(ids: mx.array, vocab: int) -> mx.array:
-    """(V,) true for every token id in ``ids`` (the prompt)."""
+    """(V,) true for every token id of the prompt ``ids``."""
     flat = ids.reshape(-1).astype(mx.int32)
     inside = flat < vocab  # image placeholders past the vocabulary, if any
     hits = (
@@ -98,12 +78,13 @@ def penalize(
     inputs: mx.array | None = None,
     counted: Sequence[bool] = (),
 ) -> mx.array:
-    """``logits`` (B, V) with each row's penalties applied.
+    """``logits`` (B, V) with each row's penalties: the repetition penalty as
+    vLLM defines it (over prompt and answer), then OpenAI's frequency and
+    presence penalties (over the answer).
 
-    ``inputs`` (B,) are the step's input tokens: for rows where ``counted``
-    is true they are the row's last generated token, added to its counts
-    first (lazily: the token may not be computed yet). Rows without
-    penalties are left as they are, exactly.
+    ``inputs`` (B,): the step's input tokens; where ``counted``, the row's
+    last generated token, added to its counts lazily (it may not be computed
+    yet), so a step can be built before the last is read.
     """
     if not any(row.sampling.penalized for row in rows):
         return logits
@@ -133,15 +114,8 @@ def penalize(
 
 
 class GrammarMatcher:
-    """One row's llguidance matcher: the text so far against its grammar.
-
-    Attributes:
-        matcher: llguidance's ``LLMatcher``.
-
-    Args:
-        tokenizer: The model's llguidance tokenizer (:func:`llg_tokenizer`).
-        grammar: The compiled grammar (:meth:`~..grammars.GrammarCache.compile`).
-    """
+    """One row's llguidance matcher: the text so far against its grammar
+    (compiled: :meth:`~..grammars.GrammarCache.compile`)."""
 
     def __init__(self, tokenizer: Any, grammar: str) -> None:
         llguidance = importlib.import_module("llguidance")
@@ -149,9 +123,7 @@ class GrammarMatcher:
         self._fail_if_broken()
 
     def copy(self) -> GrammarMatcher:
-        """A matcher in the same state (llguidance builds a new matcher's
-        parser from the grammar's text: 0.7 ms for a small schema on this
-        machine; a copy takes microseconds)."""
+        """A matcher in the same state: far cheaper than a new one."""
         copied = object.__new__(GrammarMatcher)
         copied.matcher = self.matcher.deep_copy()
         return copied
@@ -160,15 +132,15 @@ class GrammarMatcher:
         """Advance past a sampled token.
 
         Raises:
-            ValueError: The token does not continue the grammar (the mask
-                allowed it, so llguidance failed).
+            ValueError: The token does not continue the grammar (the mask allowed
+                it: llguidance failed).
         """
         self.matcher.consume_token(token)
         self._fail_if_broken()
 
     def try_consume(self, token: int) -> bool:
-        """Advance past ``token`` if the grammar allows it; else leave the
-        matcher as it was and answer False."""
+        """Advance past ``token`` if the grammar allows it; else leave the matcher
+        as it was and answer False."""
         return bool(self.matcher.try_consume_tokens([token]))
 
     def forced(self) -> bool:
@@ -190,13 +162,8 @@ class Constrained(Protocol):
 
 
 def advance(rows: Sequence[Constrained]) -> None:
-    """Advance the matcher of each row that is not done past its last token.
-
-    A row whose grammar fails is done, with the error: its own failure, not
-    the batch's. (llguidance's parallel ``consume_token_par`` hands the
-    rows to its worker threads: not reliably faster than this loop on two
-    cores, and slower under load.)
-    """
+    """Advance each row's matcher past its last token; a row whose grammar fails
+    is done, with the error (not the batch's)."""
     for row in rows:
         if row.matcher is not None and not row.done:
             try:
@@ -209,25 +176,15 @@ class Speculating(Protocol):
     """What deciding whether a row's grammar can speculate reads of it."""
 
     matcher: GrammarMatcher | None
-    sampling: SamplingParams  # resolved (.admission)
+    sampling: SamplingParams  # resolved (rows.resolve_sampling)
 
 
 def speculates(row: Speculating) -> bool:
     """Whether ``row``'s token can be drawn without its grammar's mask, and
-    checked after.
-
-    A draw picks the greatest of the log-probabilities (greedy) or of them
-    plus noise from the row's key (temperature alone: the Gumbel-max draw
-    of ``mx.random.categorical``). A mask only takes tokens out and moves
-    every log-probability by one constant, so when the unmasked pick is
-    allowed, the masked draw picks it too (the same key, the same noise);
-    when it is not, the row is drawn again with the mask. Most tokens of a
-    constrained answer (inside a string, say) are allowed, and checking one
-    costs a few microseconds against a mask's tens per row. Not for rows
-    whose candidate set depends on the mask (:func:`.sampling.free_draw`),
-    nor for rows that read log-probabilities: those are the masked
-    distribution's.
-    """
+    checked after: a free draw (:func:`.sampling.free_draw`) picks the
+    greatest log-probability (plus the key's noise), and a mask only takes
+    tokens out and moves the rest by one constant, so an allowed unmasked
+    pick is the masked draw's too. Not for rows that read log-probabilities."""
     sampling = row.sampling
     return (
         row.matcher is not None
@@ -238,8 +195,7 @@ def speculates(row: Speculating) -> bool:
 
 
 def constrain(logits: mx.array, matchers: Sequence[GrammarMatcher | None]) -> mx.array:
-    """``logits`` (B, V) with the tokens each row's grammar forbids at -inf;
-    rows without a matcher are left as they are."""
+    """``logits`` (B, V) with the tokens each row's grammar forbids at -inf."""
     allowed = fill_masks(matchers, logits.shape[-1])
     return logits if allowed is None else mask(logits, allowed)
 
@@ -247,9 +203,8 @@ def constrain(logits: mx.array, matchers: Sequence[GrammarMatcher | None]) -> mx
 def fill_masks(
     matchers: Sequence[GrammarMatcher | None], vocab: int
 ) -> np.ndarray | None:
-    """(B, V) true where row ``i``'s grammar allows the token; rows without
-    a matcher, or whose grammar failed, allow every token. None when no row
-    has a matcher."""
+    """(B, V) true where row ``i``'s grammar allows the token (every token
+    without a working matcher); None when no row has a matcher."""
     if not any(matchers):
         return None
     words = (vocab + 31) // 32
@@ -267,20 +222,17 @@ def fill_masks(
 
 
 def mask(logits: mx.array, allowed: np.ndarray) -> mx.array:
-    """``logits`` (B, V) at -inf where ``allowed`` (B, V) is false."""
     return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
 @functools.cache
 def _executor() -> Any:
-    """llguidance's executor for batch masks (its default thread count)."""
     return importlib.import_module("llguidance").LLExecutor()
 
 
 def new_matcher(loaded: LoadedModel, grammar: Grammar) -> GrammarMatcher:
-    """A fresh matcher for ``grammar``: a copy of one the model keeps per
-    grammar (the last :data:`MATCHERS_KEPT` used), made from the grammar the
-    HTTP side compiled (:data:`~..grammars.GRAMMARS`), not compiled again.
+    """A copy of the matcher the model keeps for ``grammar`` (the last
+    :data:`MATCHERS_KEPT` used), made from the grammar the HTTP side compiled.
 
     Raises:
         ValueError: The grammar is invalid or unsupported.
@@ -300,8 +252,8 @@ def new_matcher(loaded: LoadedModel, grammar: Grammar) -> GrammarMatcher:
 
 
 def llg_tokenizer(loaded: LoadedModel) -> Any:
-    """The model's llguidance tokenizer, made once: its end-of-turn tokens
-    are the model's, so a complete grammar ends the turn."""
+    """The model's llguidance tokenizer, made once: its end-of-turn tokens are
+    the model's, so a complete grammar ends the turn."""
     cached = loaded.grammar_tokenizer
     if cached is None:
         hf = importlib.import_module("llguidance.hf")
@@ -322,9 +274,8 @@ class Banning(Protocol):
 
 
 def banned_sequences(loaded: LoadedModel, words: Sequence[str]) -> list[list[int]]:
-    """The token ids of each bad word, as vLLM tokenizes them: the word, and
-    with a space before it where that makes other tokens of the same count
-    (a word at the start of the text and one inside it)."""
+    """The token ids of each bad word as vLLM tokenizes them: the word, and the
+    word after a space where that makes other tokens of the same count."""
     tokenizer = loaded.tokenizer
     out: list[list[int]] = []
     for word in words:
@@ -339,10 +290,9 @@ def banned_sequences(loaded: LoadedModel, words: Sequence[str]) -> list[list[int
 
 
 def ban_words(logits: mx.array, rows: Sequence[Banning]) -> mx.array:
-    """``logits`` (B, V) at -inf for each row's bad words' last tokens where
-    the rest of the word was just generated (vLLM's ``bad_words``); rows
-    without any are left as they are, exactly. A row's ``recent`` tokens
-    must be read: a batch with such a row runs the constrained step."""
+    """``logits`` (B, V) at -inf for each row's bad words' last tokens where the
+    rest of the word was just generated (vLLM's ``bad_words``). A row's
+    ``recent`` tokens must be read: such a row takes the constrained step."""
     barred: list[tuple[int, int]] = []
     for i, row in enumerate(rows):
         if row.done:
@@ -361,8 +311,8 @@ def ban_words(logits: mx.array, rows: Sequence[Banning]) -> mx.array:
 
 
 def bias_rows(rows: Sequence[Biased], logits: mx.array) -> mx.array | None:
-    """The rows' logit biases (B, V); None when no row has one. Each row's
-    (V,) bias is made once and kept on it."""
+    """The rows' logit biases (B, V), each row's made once; None when no row has
+    one."""
     if not any(row.sampling.logit_bias for row in rows):
         return None
     vocab = logits.shape[-1]

@@ -1,21 +1,7 @@
-"""The loop that owns one model's batch: it decides every step.
-
-:meth:`BatchLoop.turn` is the one place where a step of the batch is decided:
-rows leave, requests are admitted, the batch steps, and each row's output is
-handed to its request. It runs on the MLX thread only, one turn per item of
-:meth:`BatchLoop.run`, a generator the server runs with ``MLXThread.iterate``,
-so other jobs and other models get the thread between steps. Each item is
-that turn's outputs; the driver (:mod:`.driver`, on the event loop) routes
-them to the requests. A turn that has nothing due (no streamed event, no
-answer ended) yields ``CHECKPOINT`` instead: the thread is given away, and
-the event loop is not woken. Requests never step the batch: they put a command in
-the loop's inbox (:meth:`BatchLoop.submit`, :meth:`BatchLoop.leave`, any
-thread), which the next turn takes.
-
-The loop runs while it has work and ends when idle with an empty inbox; the
-driver starts it again when a command came meanwhile (docs/engine.md says
-why). :func:`turns` is that stream for any loop of turns (the encoders'
-too, :mod:`.passes`).
+"""The loop that owns one model's batch: :meth:`BatchLoop.turn` is the one
+place a step is decided (docs/engine.md, "A turn, step by step"). It runs
+on the MLX thread as an ``MLXThread.iterate`` stream, one turn per item;
+its inbox takes requests' commands from any thread.
 """
 
 from __future__ import annotations
@@ -42,13 +28,12 @@ Out = TypeVar("Out")
 def turns(
     turn: Callable[[], Out], idle: Callable[[], bool], abandon: Callable[[], None]
 ) -> Generator[tuple[Out, bool] | Checkpoint, None, None]:
-    """A loop's stream on the MLX thread: one ``turn`` per item, until
-    ``idle`` after a turn. Each item is a turn's outputs and whether it is
-    the last (the driver hands those out once the stream ended, so a
-    request whose answer ended finds the loop stopped); a turn with no
-    outputs yields ``CHECKPOINT``: the thread is given away, the driver not
-    woken. Closed with work left (the thread shut down, the driver went
-    away), it calls ``abandon``."""
+    """A loop's stream on the MLX thread (chat's and the encoders'): one
+    ``turn`` per item, until ``idle`` after a turn. Each item is a turn's
+    outputs and whether it is the last (the driver hands those out once the
+    stream ended, so a request whose answer ended finds the loop stopped);
+    a turn with no outputs yields ``CHECKPOINT``, which wakes no driver.
+    Closed with work left, it calls ``abandon``."""
     ended = False
     try:
         while True:
@@ -70,11 +55,7 @@ Command = Literal["admit", "leave", "whole"]
 
 class BatchLoop:
     """The scheduler of one model's batch (MLX thread), and its inbox (any
-    thread).
-
-    Args:
-        state: The batch (:class:`~.state.BatchState`).
-    """
+    thread)."""
 
     def __init__(self, state: BatchState) -> None:
         self.state = state
@@ -87,19 +68,18 @@ class BatchLoop:
     # -- the inbox (any thread) -------------------------------------------------
 
     def submit(self, request: Request) -> None:
-        """Queue ``request``'s admission for the next turn (one submitting
-        thread: the event loop, or the MLX thread for a caller run inline)."""
+        """Queue ``request``'s admission for the next turn (one submitting thread:
+        the event loop, or the MLX thread for a caller run inline)."""
         self._submitted += 1
         self._inbox.put((request, "admit"))
 
     def leave(self, request: Request) -> None:
-        """Take ``request``'s row out at the next turn; any thread. One that
-        already left is ignored."""
+        """Take ``request``'s row out at the next turn; any thread."""
         self._inbox.put((request, "leave"))
 
     def whole(self, request: Request) -> None:
-        """Hand ``request``'s events out in one output, when its answer
-        ended (its reader takes the answer whole); any thread."""
+        """Hand ``request``'s events out in one output, when its answer ended; any
+        thread."""
         self._inbox.put((request, "whole"))
 
     def queued(self) -> int:
@@ -107,38 +87,22 @@ class BatchLoop:
         return max(self._submitted - self._taken, 0)
 
     def waiting(self) -> bool:
-        """Whether a command waits for a turn; any thread."""
+        """Any thread."""
         return not self._inbox.empty()
 
     # -- the loop (MLX thread) -------------------------------------------------
 
     def run(self) -> Generator[tuple[Outputs, bool] | Checkpoint, None, None]:
-        """The loop's stream (:func:`turns`): one :meth:`turn` per item,
-        until no row is left and nothing is queued. Closed under it, it
-        fails every row."""
+        """The loop's stream (:func:`turns`), until no row is left and nothing is
+        queued; closed under it, it fails every row."""
         return turns(self.turn, self._idle, self._abandon)
 
     def _idle(self) -> bool:
         return not self._requests and self.state.idle() and not self.waiting()
 
     def turn(self) -> Outputs:
-        """One step of the batch, and everything decided around it.
-
-        1. Leave: the rows of closed requests are taken out (first, so a
-           closed row's place is free for the admissions that follow it).
-        2. Admit: each submitted request is preprocessed (chat template,
-           processor) and queued for prefill; one that fails gets its error,
-           and nothing else does.
-        3. Step: the batch's scheduler and one step strategy
-           (:meth:`.state.BatchState.step`). A failing step fails every row
-           in it.
-        4. Hand out: each row's new tokens become its request's events; a
-           row that ended (end of turn, stop string, ``max_tokens``, error)
-           leaves the batch.
-
-        Returns each request's new items, and whether the loop holds no row
-        of it any more.
-        """
+        """One turn: leave, admit, step, hand out (docs/engine.md). Each
+        request's new items, and whether the loop holds no row of it now."""
         outputs = self.take_commands()
         if not self.state.idle():
             try:
@@ -153,8 +117,7 @@ class BatchLoop:
         return outputs
 
     def take_commands(self) -> Outputs:
-        """Steps 1 and 2 of :meth:`turn`: the inbox's leaves, then its
-        admissions (but of requests that left already)."""
+        """The inbox's leaves, then its admissions (but of requests that left)."""
         admissions: list[Request] = []
         leaves: list[Request] = []
         while True:
@@ -220,8 +183,8 @@ class BatchLoop:
             request.held = []
 
     def _abandon(self) -> None:
-        """The loop stops with rows in it: fail them, and drop what waits in
-        the inbox (the driver fails those requests)."""
+        """The loop stops with rows in it: fail them, and drop the inbox (the
+        driver fails those requests)."""
         self.state.fail(RuntimeError("the batch's loop was closed"))
         self._requests = []
         while True:

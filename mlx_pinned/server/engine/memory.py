@@ -1,13 +1,6 @@
-"""A model's weight bytes before it loads, and giving its memory back: MLX
-thread only.
-
-The memory budget (``max_model_bytes``) counts model weights. Before a
-model is loaded the only measure is its checkpoint: the bytes of its
-``*.safetensors`` files (their small JSON headers included, so a little
-over). Once loaded, :attr:`.model.LoadedModel.weight_bytes` counts its
-parameters exactly. :func:`release` drops the last reference to an
-unloaded model's engine here, on the thread that owns its arrays, collects
-the reference cycles left behind and gives MLX's buffer cache back.
+"""A model's weight bytes before it loads (its checkpoint's files, for the
+``max_model_bytes`` budget), MLX's buffer cache limit, and giving an
+unloaded model's memory back (:func:`release`). MLX thread only.
 """
 
 from __future__ import annotations
@@ -32,11 +25,9 @@ logger = logging.getLogger("mlx_pinned.server")
 
 
 def stored_weight_bytes(model_path: str | Path) -> int:
-    """Bytes of the model's ``*.safetensors`` files, and those one folder
-    down (a speech model's vocoder, in its ``speech_tokenizer/``).
-
-    Runs on the MLX thread. A hub id is resolved as mlx-vlm's load resolves
-    it (downloaded when it is not in the local cache: the load needs it next).
+    """Bytes of the model's ``*.safetensors`` files, and those one folder down
+    (a speech model's vocoder); a hub id is resolved (downloaded if need be)
+    as mlx-vlm's load resolves it.
 
     Raises:
         FileNotFoundError: The folder holds no ``*.safetensors`` file.
@@ -53,12 +44,8 @@ def stored_weight_bytes(model_path: str | Path) -> int:
 
 
 def limit_buffer_cache(limit: int, *, explicit: bool) -> int:
-    """Bound MLX's buffer cache (freed buffers kept for reuse) to ``limit``
-    bytes; unless ``explicit``, only where MLX's own limit is larger. The
-    limit in force, returned.
-
-    Runs on the MLX thread (a start-up job); the limit is process-wide.
-    """
+    """Bound MLX's buffer cache (process-wide) to ``limit`` bytes; unless
+    ``explicit``, only where MLX's own limit is larger. The limit in force."""
     own = int(mx.set_cache_limit(limit))
     if not explicit and own < limit:
         mx.set_cache_limit(own)
@@ -68,13 +55,11 @@ def limit_buffer_cache(limit: int, *, explicit: bool) -> int:
 
 
 def check_start_up_budget(paths: tuple[str, ...], budget: int) -> int:
-    """Refuse a start-up whose models would hold more than ``budget`` bytes
-    of weights, before any of them loads; their bytes otherwise.
-
-    Runs on the MLX thread (the first start-up job).
+    """Refuse a start-up whose models would hold more than ``budget`` bytes of
+    weights, before any of them loads; their bytes otherwise.
 
     Raises:
-        ValueError: They need more than ``budget``; the message gives both.
+        ValueError: They need more than ``budget``.
     """
     need = sum(stored_weight_bytes(path) for path in paths)
     if need > budget:
@@ -101,13 +86,10 @@ class Released:
 
 
 def release(holder: list[Any], name: str = "") -> Released:
-    """Free what ``holder`` holds (an unloaded model's engine): empty it, so
-    the last reference goes here, collect, and clear MLX's buffer cache.
-
-    Runs on the MLX thread. Give the engine inside a list that nothing else
-    keeps (the caller drops its own references first): a plain argument
-    would stay referenced by the job until it returned.
-    """
+    """Free an unloaded model's engine: empty ``holder`` so the last reference
+    goes here, collect, and clear MLX's buffer cache. Give the engine in a
+    list nothing else keeps: a plain argument would stay referenced by the
+    job until it returned."""
     active = mx.get_active_memory()
     holder.clear()
     gc.collect()

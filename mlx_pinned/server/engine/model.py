@@ -1,8 +1,5 @@
-"""A model loaded for serving: MLX thread only.
-
-:func:`load` loads a model with mlx-vlm and evaluates it whole, so nothing lazy
-is left to tie it to a stream; :class:`LoadedModel` holds it with what the
-server reads of it (context length, vocabulary, token texts).
+"""A model loaded for serving (:func:`load`: mlx-vlm's, evaluated whole) and
+what the server reads of it (:class:`LoadedModel`). MLX thread only.
 """
 
 from __future__ import annotations
@@ -48,19 +45,9 @@ logger = logging.getLogger("mlx_pinned.server")
 
 @dataclass(eq=False)
 class LoadedModel:
-    """A model, its processor and config, loaded and evaluated on the MLX thread.
-
-    Attributes:
-        model: The mlx-vlm model.
-        processor: Its processor (tokenizer, image processor, detokenizer).
-        path: What it was loaded from (a folder or a hub id).
-        load_seconds: How long :func:`load` took.
-        parameters: Number of parameters.
-        loaded_at: When the load ended (Unix time): ``created`` in
-            ``/v1/models``.
-        weight_bytes: Bytes of its parameters, as loaded (the memory budget
-            counts these).
-    """
+    """A model, its processor and config, loaded and evaluated on the MLX
+    thread. ``loaded_at``: when the load ended (Unix time); ``weight_bytes``:
+    its parameters' bytes, as loaded (the memory budget counts these)."""
 
     model: Any
     processor: Any
@@ -77,24 +64,22 @@ class LoadedModel:
 
     @property
     def config(self) -> Any:
-        """The model's config object."""
         return self.model.config
 
     @property
     def context_length(self) -> int | None:
-        """The model's context length in tokens, from its config (or None)."""
+        """In tokens, from its config (None: it says none)."""
         return context_length(self.config)
 
     @property
     def longest_token_chars(self) -> int:
-        """Characters in the longest token of the vocabulary (computed once)."""
+        """Characters in the vocabulary's longest token (computed once)."""
         if self._longest_token is None:
             self._longest_token = longest_token_chars(self.tokenizer)
         return self._longest_token
 
     @property
     def chat_template(self) -> str | None:
-        """The model's chat template, if it has one."""
         for owner in (self.processor, getattr(self.processor, "tokenizer", None)):
             template = getattr(owner, "chat_template", None)
             if isinstance(template, str) and template:
@@ -103,20 +88,17 @@ class LoadedModel:
 
     @property
     def batches_exactly(self) -> bool:
-        """Whether the batch engine is proven exact on it (see
-        :attr:`serial_reason`)."""
         return self.serial_reason is None
 
     @property
     def serial_reason(self) -> str | None:
-        """Why the batch engine serves it one generation at a time; None when
-        its rows may be batched."""
+        """Why the batch engine serves it one generation at a time; None when its
+        rows may be batched."""
         return serial_reason(self.config)
 
     @property
     def accepts_images(self) -> bool:
-        """Whether the model takes images: a vision config and an image
-        processor (a text-only model has neither)."""
+        """A vision config and an image processor (a text-only model has neither)."""
         return (
             getattr(self.config, "vision_config", None) is not None
             and getattr(self.processor, "image_processor", None) is not None
@@ -124,11 +106,9 @@ class LoadedModel:
 
     @property
     def audio_input(self) -> AudioInput | None:
-        """How the model takes audio, where it has an audio config, an audio
-        token and a feature extractor (an omni model: Gemma 4's): at its
-        feature extractor's rate, files as long as its processor caps them
-        (a file's most audio tokens times a token's milliseconds: Gemma 4's
-        750 of 40 ms); None for a model that takes no audio."""
+        """How the model takes audio, where it has an audio config, an audio token
+        and a feature extractor (an omni model: Gemma 4's), files as long as its
+        processor caps them; None for a model that takes no audio."""
         config, processor = self.config, self.processor
         extractor = getattr(processor, "feature_extractor", None)
         rate = getattr(extractor, "sampling_rate", None)
@@ -146,7 +126,6 @@ class LoadedModel:
 
     @property
     def tokenizer(self) -> Any:
-        """The text tokenizer."""
         return getattr(self.processor, "tokenizer", self.processor)
 
     @property
@@ -160,11 +139,8 @@ class LoadedModel:
         return int(size) if size else len(self.tokenizer)
 
     def token_text(self, token_id: int) -> tuple[str, list[int]]:
-        """A token's text and UTF-8 bytes, as OpenAI's logprobs show them.
-
-        A byte-level BPE token can hold part of a character: its bytes are
-        exact and its text shows the partial bytes as ``\\xNN``.
-        """
+        """A token's text and UTF-8 bytes, as OpenAI's logprobs show them: a
+        byte-level BPE token's partial character as ``\\xNN`` in its text."""
         cached = self._token_text.get(token_id)
         if cached is None:
             raw = token_bytes(self.processor, self.tokenizer, token_id)
@@ -174,9 +150,9 @@ class LoadedModel:
 
 
 def serial_reason(config: Any) -> str | None:
-    """Why the batch engine cannot batch a model of ``config`` exactly, or
-    None: a family not in :data:`EXACT_FAMILIES`, or a proven family's
-    variant whose rows would read each other's state."""
+    """Why the batch engine cannot batch a model of ``config`` exactly, or None:
+    a family not in :data:`EXACT_FAMILIES`, or a variant whose rows would
+    read each other's state."""
     model_type = getattr(config, "model_type", None)
     if model_type not in EXACT_FAMILIES:
         return f"the batch engine is not proven exact on the {model_type} family"
@@ -205,19 +181,13 @@ def serial_reason(config: Any) -> str | None:
 def load(
     model_path: str | Path, *, shard: Callable[[Any], None] | None = None
 ) -> LoadedModel:
-    """Load a model with mlx-vlm and evaluate all of it.
-
-    Runs on the MLX thread (the middleware's start-up job): the weights, and
-    lazily built arrays such as RoPE tables, are evaluated here so no lazy
-    array remains tied to another thread's stream.
+    """Load a model with mlx-vlm and evaluate all of it, lazily built arrays
+    included, so none stays tied to another thread's stream; MLX thread.
 
     Args:
         model_path: A local folder or a Hugging Face hub id.
         shard: Given the model loaded lazily, splits it in place
             (:func:`.shard.shard`): only this rank's part is then read.
-
-    Raises:
-        Whatever mlx-vlm raises for a missing or unsupported model.
     """
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import load as vlm_load
@@ -251,7 +221,7 @@ def load(
 
 
 def token_bytes(processor: Any, tokenizer: Any, token_id: int) -> bytes:
-    """The exact bytes of a token: through the byte-level BPE map if there is one."""
+    """Through the byte-level BPE map where there is one."""
     detokenizer = getattr(processor, "detokenizer", None)
     byte_decoder = getattr(detokenizer, "_byte_decoder", None)
     if byte_decoder is not None:

@@ -1,15 +1,6 @@
-"""How many tokens of a long prompt to prefill in one chunk: by time.
-
-MLX thread only. A long prompt is prefilled a chunk per step of the batch
-(:class:`~.prefill.ChunkedPrefill`), so the rows that decode meanwhile wait
-one chunk at a time. A chunk of a fixed number of tokens is a pause of
-whatever those tokens cost on this model and this hardware, and a chunk
-late in the prompt costs more than an early one (its attention reads every
-token before it). :class:`PrefillPacer` sizes each chunk to take about
-``budget`` seconds instead, from the cost per token of the chunks before it
-(of this prompt, and of this model's prompts before), so a running stream
-pauses for about ``budget`` at most whatever the model. While no row
-decodes, a chunk is as long as the token cap allows: nobody waits on it.
+"""How many tokens of a long prompt to prefill in one chunk: by time
+(docs/engine.md, "A long prompt's chunks, by time"), so the rows that
+decode meanwhile pause about the same whatever the model. MLX thread only.
 """
 
 from __future__ import annotations
@@ -46,13 +37,12 @@ class PrefillPacer:
         return max(MIN_CHUNK, min(self.cap, int(self.budget / self.per_token)))
 
     def spent(self, seconds: float) -> bool:
-        """Whether a step's prefill that took ``seconds`` is all it may
-        have, with rows waiting on it (prompts after its chunk stop there)."""
+        """Whether a step's prefill that took ``seconds`` is all it may have while
+        rows wait on it."""
         return self.budget is not None and seconds >= self.budget
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """A chunk of ``tokens`` took ``seconds``: the next is sized by it
-        (the cost per token only grows along a prompt, so the last chunk's
-        is the best guess of the next one's)."""
+        """A chunk of ``tokens`` took ``seconds``: the next is sized by it (the cost
+        per token only grows along a prompt)."""
         if tokens > 0 and seconds > 0:
             self.per_token = seconds / tokens

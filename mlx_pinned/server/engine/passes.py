@@ -1,21 +1,8 @@
-"""Forward passes shared by every waiting request, for the encoder kinds
-(embedding, rerank): a model that maps each input, in one pass, to one row.
-
-An encoder model batches through a loop of its own, on the pattern of
-chat's (docs/engine.md): :class:`PassLoop` runs on the MLX thread as one
-``MLXThread.iterate`` stream (:func:`~.loop.turns`), started by the first
-request and ended when idle. Each turn takes the inputs at the head of its
-queue, whichever request they are from, as many as fit in one pass
-(``batch_tokens`` padded tokens, ``batch_size`` inputs, and about
-``seconds`` of work: a pass is sized from the cost per token of the ones
-before, as a long prompt's prefill chunks are, :mod:`.pacing`), and yields
-the pass's rows. Its driver (:class:`PassDriver`, on the event loop) hands
-each request its rows. So requests that arrive together share passes, and
-a chat model's steps run between passes, at most about ``seconds`` apart.
-
-Exact: the inputs of a pass are padded on the right and masked
-(:func:`padded`), so an input's row is its row alone (batched equals solo
-within float rounding, tests/server/test_embeddings.py).
+"""The encoder kinds' loop (embedding, rerank): forward passes that every
+waiting request's inputs share (docs/engine.md, "Other kinds").
+:class:`PassLoop` runs on the MLX thread, :class:`PassDriver` on the event
+loop. Inputs are padded on the right and masked, so an input's row is the
+same alone or batched.
 """
 
 from __future__ import annotations
@@ -73,8 +60,8 @@ TOKENIZE_AT_ONCE = 256
 
 
 class Encoded(NamedTuple):
-    """One input as the model takes it: its token ids, and the segment of
-    each (a pair's second text is segment 1; None: all segment 0)."""
+    """One input as the model takes it: its token ids, and the segment of each
+    (None: all segment 0)."""
 
     ids: list[int]
     types: list[int] | None = None
@@ -83,8 +70,8 @@ class Encoded(NamedTuple):
 def padded(
     batch: Sequence[Encoded], pad_id: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``batch`` padded on the right with ``pad_id``: the ids, the
-    attention mask (1 for a real token) and the segment ids, as int32."""
+    """``batch`` padded on the right with ``pad_id``: the ids, the attention mask
+    and the segment ids, as int32."""
     longest = max(len(item.ids) for item in batch)
     ids = np.full((len(batch), longest), pad_id, dtype=np.int32)
     mask = np.zeros((len(batch), longest), dtype=np.int32)
@@ -102,8 +89,8 @@ Forward = Callable[[Sequence[Encoded]], np.ndarray]
 
 
 class Job:
-    """One request's inputs, and its rows as its driver hands them over.
-    Event loop; the loop reads only its inputs."""
+    """One request's inputs, and its rows as its driver hands them over. Event
+    loop; the loop reads only its inputs."""
 
     __slots__ = ("done", "error", "inputs", "left", "rows")
 
@@ -124,15 +111,13 @@ PassOutputs = list[tuple[Job, list[tuple[int, np.ndarray]] | Exception]]
 
 
 class PassLoop:
-    """The loop of one encoder model's passes (MLX thread), and its inbox
-    (any thread).
+    """The loop of one encoder model's passes (MLX thread), and its inbox (any
+    thread). Each turn runs one pass over the inputs at the head of its
+    queue, whichever request they are from.
 
     Args:
-        forward: Computes a batch's rows (MLX thread).
-        batch_tokens: Padded tokens of one pass, at most.
-        batch_size: Inputs of one pass, at most.
-        seconds: About how long a pass may take (the model's
-            ``prefill_step_seconds``); None: passes of ``batch_tokens``.
+        seconds: About how long a pass may take, sized by the cost per token
+            of the passes before (:mod:`.pacing`); None: ``batch_tokens``.
     """
 
     def __init__(
@@ -150,31 +135,27 @@ class PassLoop:
         self.pacer = PrefillPacer(seconds, batch_tokens)
         self._inbox: queue.SimpleQueue[tuple[Job, Command]] = queue.SimpleQueue()
         self._queue: deque[tuple[Job, int]] = deque()  # MLX thread only
-        #: Passes run.
         self.passes = 0
 
     def submit(self, job: Job) -> None:
-        """Queue ``job``'s inputs at the next turn; any thread."""
+        """Any thread."""
         self._inbox.put((job, "admit"))
 
     def leave(self, job: Job) -> None:
-        """Take ``job``'s inputs not yet run out at the next turn; any
-        thread."""
+        """Take ``job``'s inputs not yet run out at the next turn; any thread."""
         self._inbox.put((job, "leave"))
 
     def waiting(self) -> bool:
-        """Whether a command waits for a turn; any thread."""
+        """Any thread."""
         return not self._inbox.empty()
 
     def run(self) -> Generator[tuple[PassOutputs, bool] | Checkpoint, None, None]:
-        """The loop's stream (:func:`~.loop.turns`): one :meth:`turn` per
-        item, until no input is queued."""
         return turns(self.turn, self._idle, self._abandon)
 
     def turn(self) -> PassOutputs:
-        """The inbox's commands, in order, then one pass over the inputs at
-        the head of the queue. A pass that fails fails each request with an
-        input in it, and no other: their inputs leave the queue."""
+        """The inbox's commands, then one pass over the inputs at the head of the
+        queue. A pass that fails fails each request with an input in it, and no
+        other."""
         while not self._inbox.empty():
             job, command = self._inbox.get_nowait()
             if command == "admit":
@@ -201,7 +182,6 @@ class PassLoop:
         return list(handed.items())
 
     def _take(self) -> list[tuple[Job, int]]:
-        """The inputs at the head of the queue that fit in one pass."""
         taken: list[tuple[Job, int]] = []
         longest = 0
         budget = self.pacer.tokens(decoding=True)
@@ -221,22 +201,17 @@ class PassLoop:
         return not self._queue and not self.waiting()
 
     def _abandon(self) -> None:
-        """Closed with inputs queued: drop them, and the inbox's commands
-        (the driver fails their requests)."""
+        """Closed with inputs queued: drop them and the inbox (the driver fails
+        their requests)."""
         self._queue.clear()
         while not self._inbox.empty():
             self._inbox.get_nowait()
 
 
 class PassDriver(Driver[PassLoop, PassOutputs]):
-    """The event-loop side of an encoder model's loop: a request submits
-    its inputs and waits for its rows; the driver task (:class:`~.driver.
-    Driver`) hands them over. Event loop only; :attr:`pending` any thread.
-
-    Args:
-        loop: The model's loop.
-        thread: The MLX thread it runs on.
-    """
+    """The event-loop side of an encoder model's loop: a request submits its
+    inputs and waits for its rows. Event loop only; :attr:`pending` any
+    thread."""
 
     def __init__(self, loop: PassLoop, thread: MLXThread) -> None:
         super().__init__(loop, thread)
@@ -245,12 +220,11 @@ class PassDriver(Driver[PassLoop, PassOutputs]):
         self.pending = 0
 
     async def rows(self, inputs: Sequence[Encoded]) -> list[np.ndarray]:
-        """The rows of ``inputs``, in order, once passes ran them all.
-        Cancelling it takes its inputs not yet run out of the loop's queue
-        (at its next turn, before its next pass).
+        """The rows of ``inputs``, in order; cancelling it takes its inputs not yet
+        run out of the loop's queue.
 
         Raises:
-            MLXThreadClosedError: The thread is closed (raised at once).
+            MLXThreadClosedError: The thread is closed.
             MLXThreadBusyError: The thread's queue is full.
             Exception: What a pass with one of its inputs raised.
         """
@@ -301,9 +275,8 @@ class PassDriver(Driver[PassLoop, PassOutputs]):
 
 
 def input_limit(config: dict[str, Any], tokenizer: Any) -> int:
-    """Tokens of an encoder's longest input: its position embeddings, or its
-    tokenizer's ``model_max_length``, the smaller (8192 where neither says;
-    a tokenizer's "no limit" is a huge number, ignored)."""
+    """Tokens of an encoder's longest input: its position embeddings or its
+    tokenizer's ``model_max_length``, the smaller (8192 where neither says)."""
     text = config.get("text_config") or config
     limits = [
         value
@@ -331,8 +304,7 @@ L = TypeVar("L", bound=Loaded)
 
 class Holding(Generic[L]):
     """An engine of a model other than chat, that holds what it loaded as
-    ``loaded`` (an embedder, a reranker, a speech model): the registry reads
-    when it was loaded and its weights' bytes from there."""
+    ``loaded``: the registry reads its load time and weight bytes there."""
 
     loaded: L
 
@@ -346,8 +318,8 @@ class Holding(Generic[L]):
 
 
 class Encoder(Loaded, Protocol):
-    """A model loaded on the MLX thread whose forward pass a
-    :class:`PassLoop` runs."""
+    """A model loaded on the MLX thread whose forward pass a :class:`PassLoop`
+    runs."""
 
     def forward(self, batch: Sequence[Encoded]) -> np.ndarray: ...
 
@@ -356,15 +328,8 @@ E = TypeVar("E", bound=Encoder)
 
 
 class PassEngine(Holding[E]):
-    """An encoder model's engine (embedding, rerank): what it loaded, and
-    the loop of the passes its requests share, with its driver.
-
-    Args:
-        loaded: The model.
-        thread: The MLX thread it was loaded on.
-        **passes: The passes' bounds (``batch_tokens``, ``batch_size``,
-            ``seconds``: :class:`PassLoop`).
-    """
+    """An encoder model's engine: what it loaded, and the loop of the passes its
+    requests share, with its driver. ``passes``: :class:`PassLoop`'s bounds."""
 
     def __init__(self, loaded: E, thread: MLXThread, **passes: Any) -> None:
         self.loaded = loaded
@@ -373,14 +338,13 @@ class PassEngine(Holding[E]):
         self.driver = PassDriver(self.loop, thread)
 
     def counters(self) -> EngineCounters:
-        """Inputs waiting as its rows, passes as its steps; it holds no KV.
-        Any thread."""
+        """Inputs waiting as its rows, passes as its steps; any thread."""
         return kv_free_counters(self.driver.pending, self.loop.passes)
 
 
 def kv_free_counters(rows: int, steps: int) -> EngineCounters:
-    """The counters of a model that holds no KV between its steps (an
-    encoder's passes, a speech model's windows)."""
+    """The counters of a model that holds no KV between its steps (an encoder's
+    passes, a speech model's windows)."""
     return EngineCounters(
         rows=rows,
         kv_bytes=0,

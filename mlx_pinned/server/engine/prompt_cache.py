@@ -1,22 +1,6 @@
 """The prompt cache: the KV of earlier prompts (and answers), reused by a
-request whose prompt starts the same way. MLX thread only.
-
-A key is the prompt's token ids with every image's, video's and audio
-file's tokens replaced by a content hash of that image, video (of its
-sampled frames) or audio file (of its samples), so two different images,
-videos or audio files of one size (the same media tokens) never share KV.
-An entry holds the KV of every layer for its key's tokens; a request
-reuses the longest common prefix of its key with any entry and prefills
-only the rest. Entries are evicted least recently
-used first, within a byte budget. Only models whose layers all use plain
-KV caches take part (a rotating or recurrent cache cannot be cut at any
-token). Under ``kv_bits`` an entry holds the quantized KV as the batch held
-it (per layer a tuple of packed values, scales and biases): a prefix reused
-is then the very KV a prefill would have written, and takes the quantized
-bytes of the budget, not the float ones. With a disk tier
-(:mod:`.prompt_disk`, under ``state_dir``) each entry is also written to a
-file, and a lookup that finds a longer prefix there than in memory loads it
-back (into memory): entries outlive their eviction, and a restart.
+request whose prompt starts the same way; only the rest is prefilled.
+MLX thread only; docs/caching.md says how it is keyed, bounded and tested.
 """
 
 from __future__ import annotations
@@ -76,16 +60,14 @@ def prompt_key(
     audio_token: int | None = None,
 ) -> Key | None:
     """The cache key of a prompt: ``ids`` with each run of media tokens
-    replaced by its image's hash (negative, so never a token id); None when
-    the runs do not match the images one to one (not cached then).
+    replaced by its image's content hash (negative, so never a token id), so
+    two images of one size never share KV; None when the runs do not match
+    the images one to one (not cached then).
 
     ``videos``: each video's hash and its count of ``video_token`` tokens,
-    in prompt order; a video's tokens may come in several runs (Qwen3-VL
-    puts a timestamp before each temporal patch), so they are matched by
-    count, not by run.
-
-    ``audios``: each audio file's hash, in prompt order: a file is one run of
-    ``audio_token`` tokens."""
+    in prompt order, matched by count (Qwen3-VL splits a video's tokens
+    with timestamps). ``audios``: each audio file's hash, one run of
+    ``audio_token`` tokens each."""
     key: Key = np.asarray(ids, dtype=np.int64).copy()
     if audios:
         if not _replace_runs(key, key == audio_token, audios):
@@ -119,16 +101,8 @@ def _replace_runs(key: Key, media: np.ndarray[Any, Any], hashes: Sequence[int]) 
 
 @dataclass(frozen=True)
 class CacheStatistics:
-    """A snapshot of the prompt cache.
-
-    Attributes:
-        hits: Requests that reused an entry.
-        misses: Requests that looked and found nothing to reuse.
-        reused_tokens: Prompt tokens not prefilled thanks to the cache.
-        entries: Entries held now.
-        bytes: Bytes of KV held now.
-        budget: The byte budget.
-    """
+    """A snapshot of the prompt cache. ``misses``: lookups that found nothing
+    to reuse; ``reused_tokens``: prompt tokens not prefilled thanks to it."""
 
     hits: int
     misses: int
@@ -146,15 +120,8 @@ class _Entry:
 
 
 class PromptCache:
-    """Prompt KV by key, least recently used evicted first.
-
-    Args:
-        budget: Bytes of KV to hold at most; 0 turns the cache off.
-
-    Attributes:
-        disk: Where entries are also written, and looked up (None: memory
-            only; :meth:`attach`).
-    """
+    """Prompt KV by key, least recently used out first, within ``budget`` bytes
+    (0: off). ``disk``: where entries are also written and looked up."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -165,17 +132,15 @@ class PromptCache:
 
     @property
     def enabled(self) -> bool:
-        """Whether anything is ever cached."""
         return self.budget > 0
 
     def attach(self, disk: DiskTier) -> None:
-        """Write entries to ``disk`` too, and look them up there (not for a
-        cache that is off)."""
+        """Write entries to ``disk`` too, and look them up there (not while off)."""
         if self.enabled and disk.enabled:
             self.disk = disk
 
     def statistics(self) -> CacheStatistics:
-        """A snapshot; any thread (it may be a step old)."""
+        """A snapshot, perhaps a step old; any thread."""
         return CacheStatistics(
             self.hits,
             self.misses,
@@ -186,8 +151,8 @@ class PromptCache:
         )
 
     def lookup(self, key: Key, limit: int) -> tuple[list[tuple[Part, Part]], int]:
-        """The longest reusable prefix of ``key``, at most ``limit`` tokens:
-        per layer ``(keys, values)`` cut to it, and its length (0: none)."""
+        """The longest reusable prefix of ``key``, at most ``limit`` tokens: per
+        layer ``(keys, values)`` cut to it, and its length (0: none)."""
         best: _Entry | None = None
         length = 0
         for entry in self._entries.values():
@@ -209,9 +174,8 @@ class PromptCache:
         return [(_cut(k, length), _cut(v, length)) for k, v in best.layers], length
 
     def store(self, key: Key, layers: Sequence[tuple[Part, Part]]) -> None:
-        """Hold ``layers`` (per layer keys and values of ``key``'s tokens);
-        entries whose keys are a prefix of ``key`` are dropped (this one
-        serves every lookup they would)."""
+        """Hold per layer the keys and values of ``key``'s tokens; entries whose
+        keys are a prefix of ``key`` go (this one serves their lookups)."""
         if not self.enabled or not len(key):
             return
         cut = [(_cut(k, len(key), True), _cut(v, len(key), True)) for k, v in layers]
@@ -224,8 +188,8 @@ class PromptCache:
             self.disk.save(key, cut)
 
     def _hold(self, key: Key, cut: list[tuple[Part, Part]]) -> _Entry:
-        """Keep the evaluated ``cut`` under ``key``, newest; the entries it
-        makes useless (prefixes of it) and the oldest past the budget go."""
+        """Keep the evaluated ``cut`` under ``key``; its prefixes and the oldest
+        past the budget go."""
         nbytes = sum(_nbytes(k) + _nbytes(v) for k, v in cut)
         if nbytes > self.budget:  # one from disk: served, not held
             return _Entry(key, cut, nbytes)
@@ -255,7 +219,6 @@ def common_prefix(stored: Key, key: Key, limit: int, beat: int = 0) -> int:
 
 
 def is_prefix(short: Key, key: Key) -> bool:
-    """Whether ``short`` is a prefix of ``key`` (or ``key`` itself)."""
     return len(short) <= len(key) and np.array_equal(short, key[: len(short)])
 
 

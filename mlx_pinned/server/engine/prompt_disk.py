@@ -1,22 +1,8 @@
-"""The disk tier: the prompt cache's entries, and the image cache's
-outputs, as files under ``state_dir`` within one byte budget, so a restart
-(or an entry evicted from memory) loads a prefix instead of prefilling it,
-and an image's features instead of encoding it again.
-
-A prompt cache entry (``.kv``) is found by the longest prefix its tokens
-share with a prompt; an image's outputs (``.img``) by name, its content
-hash (:mod:`.image_cache`). Both are one kind of file
-(:mod:`.disk_format`).
-
-Lookups and loads run on the MLX thread; writes on a thread of the tier's
-own (an entry's arrays are evaluated before they are handed over, and only
-their bytes are read there); what was handed over is written before the
-process exits. Safe to share and to lose: a file is written to a temporary
-name and renamed, so a reader never sees half of one; each is checked when
-it is loaded against its format, its model (a fingerprint of the model's
-files and the KV's quantization) and a checksum of its header and bytes; a
-file that fails is skipped with a warning, never served. A write that
-fails (a full disk) turns the tier off: the caches go on in memory.
+"""The caches' disk tier (docs/caching.md): prompt cache entries (``.kv``)
+and images' outputs (``.img``) as files under ``state_dir``, within one
+byte budget. Lookups and loads run on the MLX thread, writes on a thread
+of the tier's own. A file that fails a check is skipped, never served; a
+failed write turns the tier off and the caches go on in memory.
 """
 
 from __future__ import annotations
@@ -67,14 +53,8 @@ class _Write:
 
 
 class DiskTier:
-    """Prompt cache entries and images' outputs in ``folder``, least
-    recently used out first past ``budget`` bytes.
-
-    Args:
-        folder: Where the files go (made if missing); one per model.
-        budget: Bytes of files kept at most.
-        fingerprint: The model's (:func:`.disk_format.model_fingerprint`).
-    """
+    """Prompt cache entries and images' outputs in ``folder`` (one per model),
+    least recently used out first past ``budget`` bytes."""
 
     def __init__(self, folder: Path, budget: int, fingerprint: str) -> None:
         self.folder = folder
@@ -98,12 +78,12 @@ class DiskTier:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the files it holds (a snapshot; any thread)."""
+        """Bytes of the files it holds; any thread."""
         return self._bytes
 
     def best(self, key: Any, limit: int) -> tuple[str | None, int]:
         """The prompt cache file whose key shares the longest prefix with
-        ``key`` (at most ``limit`` tokens), and that length (None, 0: none)."""
+        ``key`` (at most ``limit`` tokens), and its length (None, 0: none)."""
         found: str | None = None
         length = 0
         with self._lock:
@@ -117,9 +97,8 @@ class DiskTier:
         return found, length
 
     def load(self, name: str) -> tuple[Any, list[tuple[Any, Any]]] | None:
-        """A prompt cache file's key and layers (as the cache holds them),
-        checked; None (with a warning, and the file dropped) when it fails
-        a check."""
+        """A prompt cache file's key and layers, checked; None (with a warning, the
+        file dropped) when it fails a check."""
         read = self._load(name, _layers)
         if read is None:
             return None
@@ -127,8 +106,8 @@ class DiskTier:
         return _key(header), layers
 
     def save(self, key: Any, layers: Sequence[tuple[Any, Any]]) -> None:
-        """Write an entry (evaluated arrays), on the writer thread; entries
-        whose keys are a prefix of ``key`` go (it serves their lookups)."""
+        """Write an entry on the writer thread; entries whose keys are a prefix of
+        ``key`` go (it serves their lookups)."""
         key = np.asarray(key, dtype=np.int64).copy()
         parts = [part for pair in layers for part in pair]
         meta = {
@@ -139,9 +118,8 @@ class DiskTier:
         self._put(_Write(_name(key), key, meta, arrays))
 
     def load_image(self, digest: bytes, rows: int) -> ImageOutput | None:
-        """An image's outputs by its content hash, checked (``rows``: the
-        feature rows it must have); None where none is here, or (with a
-        warning, and the file dropped) where it fails a check."""
+        """An image's outputs by its content hash, checked (``rows``: the feature
+        rows it must have); None where it is not here or fails a check."""
         name = _image_name(digest)
         with self._lock:
             if name not in self._files:
@@ -150,8 +128,8 @@ class DiskTier:
         return None if read is None else read[1]
 
     def save_image(self, digest: bytes, output: ImageOutput) -> None:
-        """Write an image's outputs, on the writer thread (made contiguous
-        here: the tower's are cut from one output)."""
+        """Write an image's outputs on the writer thread (made contiguous: the
+        tower's are cut from one output)."""
         if not self.enabled:
             return
         features, deep = output
@@ -176,8 +154,8 @@ class DiskTier:
     def _load(
         self, name: str, build: Callable[[dict[str, Any], list[mx.array]], _T]
     ) -> tuple[dict[str, Any], _T] | None:
-        """A file's header, and what ``build`` makes of its arrays, checked
-        (``build`` raises ValueError for arrays its kind cannot take)."""
+        """A file's header and what ``build`` makes of its arrays (``build`` raises
+        ValueError for arrays its kind cannot take); None where a check fails."""
         path = self.folder / name
         try:
             header, payload = disk_format.read(path, self.fingerprint)
@@ -268,8 +246,8 @@ class DiskTier:
     # Either thread.
 
     def _scan(self) -> None:
-        """The files already there (a restart's): their headers only; the
-        rest is checked as each is loaded."""
+        """The files already there (a restart's): their headers only, the rest is
+        checked as each is loaded."""
         paths = [*self.folder.glob(f"*{SUFFIX}"), *self.folder.glob(f"*{IMAGE_SUFFIX}")]
         for path in sorted(paths, key=_mtime):
             try:
@@ -303,7 +281,6 @@ def _name(key: Any) -> str:
 
 
 def _key(header: dict[str, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
-    """A prompt cache file's key, from its header."""
     return np.frombuffer(bytes.fromhex(header["key"]), dtype=np.int64)
 
 
@@ -319,13 +296,12 @@ def _mtime(path: Path) -> float:
 
 
 def _pieces(part: Any) -> tuple[Any, ...]:
-    """A layer's keys or values as arrays: one, or a quantized three."""
     return part if isinstance(part, tuple) else (part,)
 
 
 def _layers(header: dict[str, Any], arrays: list[mx.array]) -> list[tuple[Any, Any]]:
-    """A prompt cache entry's layers: its ``parts`` (a layer's keys, then
-    its values) of one array, or of a quantized three, in order."""
+    """A prompt cache entry's layers: its ``parts`` (a layer's keys, then its
+    values) of one array, or of a quantized three."""
     counts = header["parts"]
     if sum(counts) != len(arrays) or len(counts) % 2:
         raise ValueError("its parts do not match its arrays")
@@ -337,7 +313,6 @@ def _layers(header: dict[str, Any], arrays: list[mx.array]) -> list[tuple[Any, A
 
 
 def _image(header: dict[str, Any], arrays: list[mx.array], *, rows: int) -> ImageOutput:
-    """An image's features (``rows`` of them), and its ``deep`` ones."""
     deep = header["deep"]
     if len(arrays) != 1 + (deep or 0) or any(a.shape[0] != rows for a in arrays):
         raise ValueError("its arrays do not match the image")

@@ -1,11 +1,5 @@
-"""Prompt lookup: drafts from a row's own tokens, no model (MLX thread only).
-
-A row's drafts are the tokens that followed the latest earlier occurrence of
-its last n tokens (n from N down to 1, the longest match wins), in its
-prompt and its answer so far; a match that runs into the end continues as a
-repeat of its period. A row with a predicted answer (OpenAI's predicted
-outputs) drafts from that instead (:func:`follow`). :mod:`.drafting`
-verifies them.
+"""Prompt lookup: drafts from a row's own tokens, no model (:func:`lookup`),
+or from its request's predicted answer (:func:`follow`). MLX thread only.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ __all__ = ["History", "PromptLookup", "follow", "lookup"]
 
 
 class History:
-    """A row's prompt and answer token ids, growable (MLX thread only)."""
+    """A row's prompt and answer token ids, growable."""
 
     def __init__(self, prompt: np.ndarray) -> None:
         self._ids = np.empty(max(64, 2 * len(prompt)), dtype=np.int64)
@@ -41,15 +35,13 @@ class History:
 
     @property
     def answer(self) -> np.ndarray:
-        """The answer's token ids so far."""
         return self._ids[self.prompt_size : self.size]
 
 
 def lookup(ids: np.ndarray, ngram: int, count: int) -> list[int]:
-    """Up to ``count`` tokens that may follow ``ids``: after the latest
-    earlier occurrence of its last n tokens (longest n first, from
-    ``ngram`` down to 1), continued as a repeat of that period where the
-    occurrence runs into the end. Empty when no n-gram recurs."""
+    """Up to ``count`` tokens after the latest earlier occurrence of ``ids``'s
+    last n tokens (n from ``ngram`` down), continued as a repeat of that
+    period where it runs into the end; empty when no n-gram recurs."""
     size = len(ids)
     if count < 1:
         return []
@@ -69,11 +61,10 @@ def lookup(ids: np.ndarray, ngram: int, count: int) -> list[int]:
 def follow(
     prediction: np.ndarray, answer: np.ndarray, ngram: int, count: int
 ) -> list[int]:
-    """Up to ``count`` tokens of ``prediction`` that follow ``answer`` (the
-    answer so far): after the match of its last n tokens in the prediction
-    (longest n first, from ``ngram`` down to 1) that ends nearest to the
-    answer's own length, as an edit keeps most of the text in place; the
-    prediction's first tokens for an empty answer. Empty when none matches."""
+    """Up to ``count`` tokens of ``prediction`` after the match of ``answer``'s
+    last n tokens (n from ``ngram`` down) that ends nearest the answer's own
+    length, as an edit keeps its text in place; its first tokens for an empty
+    answer; empty when none matches."""
     if count < 1:
         return []
     size = len(answer)
@@ -89,7 +80,7 @@ def follow(
 
 
 class PromptLookup:
-    """Drafts by prompt lookup (:func:`lookup`): no model, nothing kept."""
+    """Drafts by prompt lookup: no model, nothing kept."""
 
     weight_bytes = 0
 

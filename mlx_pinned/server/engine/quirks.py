@@ -1,15 +1,7 @@
-"""mlx-vlm's quirks, worked around in one place (MLX thread only).
-
-- ``BatchKVCache`` builds an attention mask for every one-token decode step,
-  all true once no row is left-padded, and attention with a mask array is
-  the slower kernel: :func:`unmask_if_unpadded` lets those steps skip it.
-- Only mlx-vlm's plain caches can be cut at any token (the prompt cache
-  reuses them, a speculative step is cut back a token):
-  :func:`plain_caches`, :func:`cut_back_caches`; and a speculative step
-  cut back to the drafts its rows kept (:func:`cut_back`).
-- Qwen-VL models keep the rope delta of their last prompt on the model, and
-  without media their rope index counts a row's left padding in it:
-  :func:`row_rope_deltas` gives each row of a batched prefill its own.
+"""mlx-vlm's quirks, worked around in one place (MLX thread only): the
+attention mask ``BatchKVCache`` builds for every one-token step, which
+caches can be cut back a token, and the rope deltas Qwen-VL models keep on
+the model.
 """
 
 from __future__ import annotations
@@ -37,9 +29,8 @@ def plain_caches(layers: Iterable[Any]) -> bool:
 
 
 def uncuttable_kinds(lm: Any) -> list[str]:
-    """The kinds of a language model's layer caches, sorted, when one is not
-    a plain ``KVCache`` (a rotating window, a recurrent state: its KV
-    cannot be cut at any token); empty when all are plain."""
+    """The kinds of a language model's layer caches, sorted, when one is not a
+    plain ``KVCache`` (its KV cannot be cut at any token); else empty."""
     layers = _cache_module().make_prompt_cache(lm)
     if plain_caches(layers):
         return []
@@ -47,9 +38,7 @@ def uncuttable_kinds(lm: Any) -> list[str]:
 
 
 def cut_back_caches(layers: Iterable[Any]) -> bool:
-    """Whether every layer's batch cache is a ``BatchKVCache`` or its
-    quantized twin (``trim`` cuts either back; a rotating window's cannot
-    be)."""
+    """Whether ``trim`` can cut every layer's batch cache back."""
     return all(type(c).__name__ in _CUT_BACK for c in layers)
 
 
@@ -57,15 +46,12 @@ _CUT_BACK = frozenset({"BatchKVCache", "BatchQuantizedKVCache"})
 
 
 def unmask_if_unpadded(cache: list[Any] | None) -> None:
-    """Let decode steps skip the attention mask while no row is padded.
+    """Let one-token steps skip the attention mask while no row is padded.
 
-    A one-token step's causal mask is all true; ``BatchKVCache`` still
-    builds one every step to hide left padding, and attention with a
-    mask array is the slower kernel (docs/benchmarks.md has the cost).
-    The model asks the first layer's cache for the mask, so only that
-    cache answers None for one-token steps, and only while every row's
-    left padding is 0 (read on joins and leaves, not per step).
-    Masked or not, the numbers are the same (tested).
+    ``BatchKVCache`` builds a mask every step to hide left padding, all
+    true once there is none, and attention with a mask array is the slower
+    kernel. The model asks the first layer's cache for the mask, so only
+    that cache answers None; call it when rows join or leave.
     """
     first = cache[0] if cache else None
     # A recurrent layer's state (Qwen3.5) has no padding to read.
@@ -87,12 +73,8 @@ def row_rope_deltas(
     lm: Any, kwargs: dict[str, Any], pads: list[int], *, media: bool
 ) -> mx.array | None:
     """Each row's rope delta (rows, 1) after a batched prefill of rows
-    left-padded by ``pads``; None for models that keep none.
-
-    Without media, mlx-vlm's rope index counts a row's left padding in its
-    delta (as its positions do); the batch cache's per-row offsets leave the
-    padding out, so the delta adds it back.
-    """
+    left-padded by ``pads``: without media mlx-vlm counts the padding in it,
+    which the batch cache's offsets leave out, so it is added back."""
     deltas = rope_deltas(lm, kwargs, len(pads))
     if deltas is not None and not media:
         deltas = deltas + mx.array(pads, dtype=deltas.dtype)[:, None]
@@ -116,9 +98,9 @@ def _cache_module() -> Any:
 
 
 def cut_back(cache: Sequence[Any], width: int, kept: Sequence[int]) -> None:
-    """Drop the KV of each row's positions past its kept drafts: ``width``
-    drafts were written per row, row ``i`` keeps ``kept[i]`` (and the
-    position of its last token before them)."""
+    """Drop each row's positions past its kept drafts: ``width`` were written
+    per row, row ``i`` keeps ``kept[i]``; the rest is rolled to its left
+    padding."""
     most = max(kept)
     if width > most:
         for c in cache:
@@ -142,8 +124,6 @@ def cut_back(cache: Sequence[Any], width: int, kept: Sequence[int]) -> None:
 
 
 def _roll(array: mx.array, index: mx.array) -> mx.array:
-    """``array`` (B, H, L, D) with each row's positions taken at ``index``
-    (B, L)."""
     batch, heads, length, dim = array.shape
     full = mx.broadcast_to(index[:, None, :, None], (batch, heads, length, dim))
     return mx.take_along_axis(array, full, axis=2)

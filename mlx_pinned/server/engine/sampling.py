@@ -1,16 +1,8 @@
-"""Per-row sampling for the decode batch, in two halves: :func:`draw` builds
-the graph (lazy, and started with ``mx.async_eval``), :func:`collect` waits
-for it and turns it into plain Python values. Between the two the MLX thread
-is free for other work while the step computes. MLX thread only.
-
-Rows are sampled as mlx-vlm samples one stream: logit bias added to the
-logits, the log-softmax of those reported, greedy rows by argmax, the others
-by mlx-vlm's position-keyed sampler (a key per (seed, position)), so a seeded
-request samples the same tokens alone, batched, or through the unbatched
-path. Before the log-softmax each row's barred tokens are taken out
-(:func:`barred_tokens`: vLLM's ``allowed_token_ids``, and its ends of turn
-before ``min_tokens``); whether a token ends its row is the row's own
-sampling's to say (:meth:`~..events.SamplingParams.ends`).
+"""Per-row sampling for the decode batch: :func:`draw` builds and starts the
+graph, :func:`collect` waits for it, so the MLX thread is free while a
+step computes. Rows draw as mlx-vlm draws one stream (a key per seed and
+position), so a seed gives the same tokens alone, batched, or through
+``mlx_vlm.stream_generate``. MLX thread only.
 """
 
 from __future__ import annotations
@@ -31,8 +23,6 @@ if TYPE_CHECKING:
 
 
 class Sampled(NamedTuple):
-    """One sampled token of one row, as plain Python values."""
-
     token: int
     logprob: float
     top: list[tuple[int, float]]
@@ -43,16 +33,15 @@ class Sampling(Protocol):
     """What sampling needs to know of a row."""
 
     @property
-    def sampling(self) -> SamplingParams: ...  # resolved (.admission)
+    def sampling(self) -> SamplingParams: ...  # resolved (rows.resolve_sampling)
     @property
     def sampled(self) -> int: ...  # the position of the token to sample
 
 
 def free_draw(sampling: SamplingParams) -> bool:
-    """Whether a row's draw picks the greatest of its log-probabilities,
-    or of them plus noise from its key, over the whole vocabulary: greedy,
-    or temperature alone (the Gumbel-max draw of ``mx.random.categorical``),
-    with no nucleus, top-k or min-p set that depends on the other tokens."""
+    """Whether a row's draw picks the greatest of its log-probabilities (plus
+    its key's noise) over the whole vocabulary: greedy, or temperature
+    alone, with no top-p, top-k or min-p that depends on the other tokens."""
     temperature, top_p = cast("float", sampling.temperature), sampling.top_p
     return temperature <= 0 or (
         not 0 < cast("float", top_p) < 1 and not sampling.top_k and sampling.min_p <= 0
@@ -86,12 +75,10 @@ def draw(
     ahead: Sequence[int] = (),
     speculative: Sequence[int] = (),
 ) -> Draw:
-    """Build one token per row of ``logits`` (B, V) and start computing it,
-    with ``also`` (the caches' states, so their graph does not grow).
-    ``ahead`` holds, per row, how many of its tokens are sampled but not yet
-    counted in its ``sampled`` (a step built before the previous one was
-    read); empty: none. ``speculative``: the rows whose grammar's mask was
-    left out, kept in the :class:`Draw` with what they were drawn from."""
+    """Build one token per row of ``logits`` (B, V) and start computing it, with
+    ``also`` (the caches' states, so their graph does not grow). ``ahead``:
+    per row, its tokens sampled but not yet counted in its ``sampled``.
+    ``speculative``: the rows drawn without their grammar's mask."""
     api = vlm()
     kept = (speculative, logits, bias) if speculative else ((), None, None)
     if bias is not None:
@@ -159,10 +146,9 @@ def draw(
 def barred_tokens(
     rows: Sequence[Sampling], ahead: Sequence[int], vocab: int
 ) -> np.ndarray | None:
-    """(B, V) true for the tokens a row may not draw at its position: those
-    outside its ``allowed_token_ids``, and its ends of turn and stop tokens
-    before ``min_tokens``; None when no row bars any. Both depend on the
-    row's position only, so a speculative step bars them per position."""
+    """(B, V) true for the tokens a row may not draw at its position: outside
+    its ``allowed_token_ids``, and its ends of turn before ``min_tokens``;
+    None when no row bars any."""
     barred: np.ndarray | None = None
     for i, row in enumerate(rows):
         sampling = row.sampling
@@ -180,14 +166,7 @@ def barred_tokens(
 
 
 def collect(pending: Draw) -> list[Sampled]:
-    """Wait for a :class:`Draw` and return its rows' tokens, in row order;
-    a token ends its row as the row's sampling says
-    (:meth:`~..events.SamplingParams.ends`).
-
-    Only what is read is waited for (``tolist`` does): its step's other
-    targets, the caches' states, finish with it, so waiting for each of them
-    too would only add a wait per token.
-    """
+    """Wait for a :class:`Draw` and read its rows' tokens, in row order."""
     tokens = cast("list[int]", pending.tokens.tolist())
     chosen = (
         [math.nan] * len(tokens)  # no row reads its logprob
@@ -210,12 +189,9 @@ def collect(pending: Draw) -> list[Sampled]:
 
 
 def position_seed(seed: int, row: int, position: int) -> int:
-    """The sampling key's seed of a seeded request at a token position.
-
-    The mix mlx-vlm's ``stream_generate`` keys its draws with (0.7.10), so a
-    seeded request draws the same tokens here and there; written here, as a
-    test checks it against mlx-vlm's, so the engine reads no private name.
-    """
+    """The sampling key's seed of a seeded request at a token position: the
+    mix mlx-vlm's ``stream_generate`` keys its draws with (0.7.10), copied
+    so the engine reads no private name (a test compares the two)."""
     mixed = (int(seed) ^ 0x9E3779B9) & 0xFFFFFFFF
     mixed = (mixed + (int(row) + 1) * 0x85EBCA6B) & 0xFFFFFFFF
     mixed = (mixed ^ ((int(position) + 1) * 0xC2B2AE35)) & 0xFFFFFFFF
@@ -227,8 +203,8 @@ def position_seed(seed: int, row: int, position: int) -> int:
 
 @functools.cache
 def _drawer(temperature: float, top_p: float) -> Any:
-    """One row's draw from its log-probabilities with its key, as mlx-vlm's
-    position-keyed sampler draws (for ``mx.vmap`` over rows)."""
+    """One row's draw with its key, as mlx-vlm's position-keyed sampler draws
+    (for ``mx.vmap`` over rows)."""
     api = vlm()
     if 0 < top_p < 1.0:
 
@@ -267,5 +243,4 @@ class VLM:
 
 @functools.cache
 def vlm() -> VLM:
-    """mlx-vlm's functions, imported on first use."""
     return VLM()

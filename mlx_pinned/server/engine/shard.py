@@ -1,20 +1,7 @@
-"""A model's language model split over the ranks of a group: MLX thread only.
-
-:func:`shard` is given a model loaded lazily (no weight read yet) and splits
-each decoder layer over the ranks of an ``mx.distributed`` group with MLX's
-own layers (``mlx.nn.layers.distributed.shard_linear``): the q, k, v, gate
-and up projections all-to-sharded (each rank computes its heads and its part
-of the MLP), o and down sharded-to-all (one ``all_sum`` per block), so every
-rank ends each layer with the same hidden state. Then only each rank's part
-of the weights is read when the model is evaluated: the full model is never
-materialised on any rank. The embeddings, the output head and the vision
-tower stay whole on every rank (their outputs are the same on each).
-
-A family whose mlx-vlm model has ``shard()`` (mlx-vlm's text families:
-qwen3, llama, qwen2, ...) is sharded by it; the dense Qwen-VL families have
-none in mlx-vlm 0.7.10 and get the same recipe here (:data:`PLANS`). Any
-other family, or a layer whose heads do not divide among the ranks, is a
-:class:`ShardError`, raised before anything is read.
+"""A model's language model split over the ranks of a group, before any
+weight is read: mlx-vlm's ``shard()`` where the family has one, else the
+Megatron split of :data:`PLANS`. The embeddings, the output head and the
+vision tower stay whole. MLX thread only.
 """
 
 from __future__ import annotations
@@ -60,13 +47,8 @@ PLANS: dict[str, Callable[[Iterable[Any], Any], None]] = {
 
 
 def shard(model: Any, group: Any) -> None:
-    """Split ``model``'s language model over ``group``'s ranks, in place.
-
-    MLX thread; call it on a lazily loaded model, before it is evaluated.
-
-    Args:
-        model: An mlx-vlm model, loaded with ``lazy=True``.
-        group: The ``mx.distributed`` group (its size is the number of parts).
+    """Split ``model``'s language model over ``group``'s ranks, in place; call it
+    on a model loaded with ``lazy=True``, before it is evaluated.
 
     Raises:
         ShardError: As :func:`plan`.
@@ -75,13 +57,12 @@ def shard(model: Any, group: Any) -> None:
 
 
 def plan(model: Any, size: int) -> Callable[[Any], None]:
-    """How ``model`` is split over ``size`` ranks: a function of the group
-    that does it. Reads no weight (shapes only), so it can check a model
-    loaded lazily before anything is read.
+    """How ``model`` is split over ``size`` ranks, as a function of the group;
+    reads shapes only, so it checks a lazy model before anything is read.
 
     Raises:
-        ShardError: The family has neither a ``shard()`` nor a plan here, or
-            a layer's heads or MLP width do not divide by ``size``.
+        ShardError: The family has neither a ``shard()`` nor a plan here, or a
+            layer's heads or MLP width do not divide by ``size``.
     """
     model_type = getattr(getattr(model, "config", None), "model_type", "?")
     language = getattr(model, "language_model", model)
@@ -105,9 +86,8 @@ def plan(model: Any, size: int) -> Callable[[Any], None]:
 
 
 def _check_divides(model_type: str, layers: list[Any], size: int) -> None:
-    """Every split dimension must divide among ``size`` ranks: an uneven
-    split would give ranks differently shaped parts, and the upstream
-    recipes divide the head counts without checking."""
+    """An uneven split would give ranks differently shaped parts, and the
+    upstream recipes divide the head counts without checking."""
     for index, layer in enumerate(layers):
         attention = getattr(layer, "self_attn", None)
         widths = {

@@ -1,11 +1,6 @@
-"""A format's markers that are special tokens, written as the tokens.
-
-MLX thread only (where the model's tokenizer and grammars are). Some
-families' tool-call markers are single special tokens (Mistral's
-``[TOOL_CALLS]``, gpt-oss's ``<|channel|>``). llguidance matches a grammar's
-string literal against the text of ordinary tokens only, so a forced call
-whose grammar spells such a marker could never be generated; the grammar is
-rewritten to name the token itself (``<[5]>``) before it is compiled.
+"""A format's markers that are special tokens, written as the tokens in a
+grammar (llguidance matches a string literal against ordinary tokens only).
+MLX thread only.
 """
 
 from __future__ import annotations
@@ -22,8 +17,7 @@ __all__ = ["special_literals", "special_tokens"]
 
 
 def special_tokens(loaded: LoadedModel) -> dict[str, int]:
-    """The tokenizer's special tokens by their text (``[TOOL_CALLS]``,
-    ``<|channel|>``): a format's markers, in the families that have them."""
+    """The tokenizer's special tokens by their text (``[TOOL_CALLS]``)."""
     added = getattr(loaded.tokenizer, "added_tokens_decoder", None) or {}
     return {
         str(token.content): int(index)
@@ -38,12 +32,8 @@ _LITERAL = re.compile(r'"(?:[^"\\\n]|\\.)*"')
 
 def special_literals(source: str, specials: Mapping[str, int]) -> str:
     """``source`` (a Lark grammar) with each special token spelled in a
-    string literal written as the token itself (``<[5]>``).
-
-    llguidance matches a literal against the text of ordinary tokens only:
-    a literal ``"[TOOL_CALLS]"`` of a tokenizer where that is one special
-    token could never be generated, and forcing it fails.
-    """
+    string literal written as the token itself (``<[5]>``): a literal
+    ``"[TOOL_CALLS]"`` could never be generated where that is one token."""
     if not specials:
         return source
     names = sorted(specials, key=len, reverse=True)

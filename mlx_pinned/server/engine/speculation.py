@@ -1,15 +1,8 @@
-"""Grammar speculation: rows of a grammar drawn without their mask, checked
-after (MLX thread only).
-
-A grammar's mask needs the step's tokens, so the next forward pass starts on
-them unread; a row that reads no log-probabilities may instead be drawn from
-its logits unmasked (:func:`.logits.speculates`) and its token checked by its
-matcher once read. Where the grammar refuses it, the row is drawn again with
-the mask and the pass started on the refused token is built again. The
-decode step (:mod:`.decode`) asks this policy which rows speculate, has it
-check them, and has it rebuild a pass; it plugs in only on the CPU backend,
-where the masks compete with the forward pass for the same cores (elsewhere
-they are computed while the pass runs on the device).
+"""Grammar speculation: a grammar row drawn without its mask and its token
+checked by its matcher once read (:func:`.logits.speculates`); where the
+grammar refuses it, the row is drawn again with the mask and the next pass
+built again. Only on the CPU backend, where the masks compete with the
+forward pass for the cores. MLX thread only.
 """
 
 from __future__ import annotations
@@ -44,11 +37,7 @@ SPECULATION_PAUSE = 64
 
 class Speculation:
     """When grammar rows draw unmasked, and how a refusal is put right.
-
-    Attributes:
-        window: Whether each recent speculative step was built again.
-        paused: Steps for which every row is masked.
-    """
+    ``window``: whether each recent speculative step was built again."""
 
     def __init__(self) -> None:
         self.window: collections.deque[bool] = collections.deque(
@@ -57,20 +46,13 @@ class Speculation:
         self.paused = 0
 
     def pick(self, rows: Sequence[Row], caches: Sequence[Any]) -> list[int]:
-        """The rows of a step built on read tokens to draw without their
-        grammar's mask: those that can (:func:`.logits.speculates`) and
-        whose grammar neither forces the next token nor may end here (the
-        model's own pick would most likely be refused), while every cache
-        can be cut back a token (:meth:`rebuild`).
-
-        A refusal costs the batch a forward pass, a mask a few tens of
-        microseconds a row: when more than :data:`SPECULATION_MISSES` of
-        the last :data:`SPECULATION_WINDOW` speculative steps were built
-        again (rows whose models often pick what their grammar refuses, and
-        refuse at different steps), every row is masked for the next
-        :data:`SPECULATION_PAUSE` steps. It depends on the tokens only, so
-        every rank of a sharded model decides alike.
-        """
+        """The rows of a step built on read tokens to draw without their grammar's
+        mask: those that can (:func:`.logits.speculates`) and whose grammar
+        neither forces the next token nor may end here, while every cache can
+        be cut back a token. A refusal costs a forward pass: after more than
+        :data:`SPECULATION_MISSES` in the last :data:`SPECULATION_WINDOW` steps,
+        every row is masked for :data:`SPECULATION_PAUSE` steps (a decision of
+        the tokens alone, so every rank of a sharded model makes it alike)."""
         if not cut_back_caches(caches):
             return []
         if sum(self.window) > SPECULATION_MISSES:
@@ -94,13 +76,9 @@ class Speculation:
         pending: Draw,
         sampled: list[Sampled],
     ) -> tuple[set[Row], set[Row]]:
-        """Check the tokens of the rows drawn without their grammar's mask.
-
-        An allowed token is consumed by its row's matcher. The rows whose
-        grammar refuses theirs are drawn again, from the same logits with the
-        mask and the same keys, and their items in ``sampled`` replaced. The
-        rows whose matchers consumed their token, and those refused.
-        """
+        """Check the tokens of the rows drawn unmasked: an allowed one is consumed
+        by its matcher, a refused one drawn again with the mask and the same key
+        (in ``sampled``). The rows consumed, and those refused."""
         consumed: set[Row] = set()
         refused: list[int] = []
         for i in pending.speculative:
@@ -126,7 +104,6 @@ class Speculation:
         return consumed, {rows[i] for i in refused}
 
     def built(self, wrong: bool) -> None:
-        """Count a speculative step, and whether its next pass was wrong."""
         self.window.append(wrong)
 
     def rebuild(
@@ -135,10 +112,8 @@ class Speculation:
         caches: Sequence[Any],
         again: Callable[[], Forward | None],
     ) -> Forward | None:
-        """The next forward pass again (``again``), on the step's tokens as
-        read: the one started was built on a token its row's grammar
-        refused. Its cache entries are cut off (every cache is a plain one:
-        see :meth:`pick`) and the penalties' counts put back."""
+        """The next forward pass built again (``again``) on the step's tokens as
+        read: its cache entries cut off and the penalties' counts put back."""
         for c in caches:
             c.trim(1)
         for row, counts in zip(forward.rows, forward.counts, strict=True):

@@ -1,20 +1,6 @@
-"""The rows of one model's batch and their scheduling (MLX thread only).
-
-Everything here runs on the MLX thread and is touched by nothing else, so it
-holds no locks. A :class:`BatchState` holds the row sets and the batched KV
-cache: rows are admitted (preprocessed and queued: :meth:`BatchState.admit`),
-prefilled together at the next step (:mod:`.prefill`; a long prompt a chunk
-per step), join the decode batch, are decoded one token per step by its
-:class:`~.decode.Decoder`, and leave when done or taken out
-(:meth:`BatchState.leave`). The prompt cache is read at admission and
-written when a row leaves. The engine (:mod:`.batch`) decides when each of
-these happens.
-
-Per-sequence state that mlx-vlm's Qwen-VL language models keep on the model
-object (``_rope_deltas``, ``_position_ids``) is kept here per row instead: a
-sequence's rope delta is captured at its prefill and every batched step
-passes the deltas of all rows explicitly (``rope_deltas=(B, 1)``), together
-with per-row cache offsets, so no row ever reads another's state.
+"""The rows of one model's batch and its batched KV cache; its scheduler,
+:meth:`BatchState.step`. MLX thread only: nothing else touches it, so it
+holds no locks.
 """
 
 from __future__ import annotations
@@ -27,15 +13,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..events import GenerationParams
-from ..failures import RequestError
-from .admission import make_row, media_tokens
+from .batch_statistics import BatchStatistics, Tally
 from .decode import Decoder, Stepped, first_tokens
-from .drafting import (
-    PREDICTION_MAX_BATCH,
-    PREDICTION_TOKENS,
-    Drafting,
-    DraftSettings,
-)
+from .drafting import for_predictions
 from .kv_quant import KVQuant, bytes_per_token, check_quantizable, held_bytes
 from .model import LoadedModel
 from .pacing import PrefillPacer
@@ -43,31 +23,31 @@ from .prefill import (
     PREFILL_STEP,
     ChunkedPrefill,
     Prefilled,
-    Prepared,
     batchable,
     prefill_together,
 )
 from .prompt_cache import Key, PromptCache
-from .quirks import plain_caches, uncuttable_kinds, unmask_if_unpadded
-from .rows import BatchStatistics, Row
+from .quirks import plain_caches, unmask_if_unpadded
+from .rows import Row, make_row, media_tokens
 from .sampling import vlm
 
 if TYPE_CHECKING:
     from PIL import Image
+
+    from .model_inputs import Prepared
 
 # Prompts prefilled together at most (mlx-vlm's default prefill batch).
 PREFILL_BATCH = 8
 
 
 class BatchState:
-    """The rows of one model and their batched KV cache (MLX thread only).
+    """The rows of one model and their batched KV cache.
 
-    Rows enter through :meth:`admit`, are prefilled and join the batch in
-    the next :meth:`step`, and leave through :meth:`leave` or when they are
-    done; rows that left are dropped from the cache at the next step, or at
-    once when none remain. ``kv_quant``: the KV cache is quantized so
-    (:mod:`.kv_quant`; a model whose cache cannot be is refused here,
-    with a :class:`~..config_checks.SettingError`).
+    Rows enter through :meth:`admit`, are prefilled and join the batch in a
+    :meth:`step`, and leave through :meth:`leave` or when they are done.
+
+    Raises:
+        SettingError: The model's cache cannot be quantized as ``kv_quant``.
     """
 
     def __init__(
@@ -88,7 +68,6 @@ class BatchState:
         # for families the batch is not proven exact on (None: by family).
         self.exclusive = not loaded.batches_exactly if exclusive is None else exclusive
         self.prefill_step = prefill_step
-        # A long prompt's chunks are sized by time while rows decode.
         self.pacer = PrefillPacer(prefill_seconds, prefill_step)
         self.prompt_cache = prompt_cache or PromptCache(0)
         # Only plain KV caches can be cut at any token and reused.
@@ -105,35 +84,17 @@ class BatchState:
         self.cache: list[Any] | None = None
         self.deltas: mx.array | None = None
         self.decoder = Decoder()
-        self.prefills = self.passes = 0
-        self.prefill_seconds = self.step_seconds = 0.0
-        self.steps = self.decoded = self.peak_active = 0
-        # Speculative steps (.drafting): their rows summed, drafts verified
-        # and drafts kept.
-        self.speculative_steps = self.speculative_rows = 0
-        self.draft_tokens = self.accepted_tokens = 0
+        self.tally = Tally()
 
     def statistics(self) -> BatchStatistics:
-        return BatchStatistics(
+        return self.tally.snapshot(
             active=len(self.rows) - len(self.leaving),
             joining=len(self.waiting)
             + len(self.prefilling)
             + sum(not r.gone for rows, _ in self.joining for r in rows),
-            peak_active=self.peak_active,
-            steps=self.steps,
-            decoded_tokens=self.decoded,
-            prefills=self.prefills,
-            prefill_passes=self.passes,
-            prefill_seconds=self.prefill_seconds,
-            step_seconds=self.step_seconds,
-            speculative_steps=self.speculative_steps,
-            speculative_rows=self.speculative_rows,
-            draft_tokens=self.draft_tokens,
-            accepted_tokens=self.accepted_tokens,
         )
 
     def draft_weight_bytes(self) -> int:
-        """Bytes of the draft model's parameters; 0 without one."""
         drafting = self.decoder.drafting
         source = None if drafting is None else drafting.source
         return 0 if source is None else source.weight_bytes
@@ -154,35 +115,29 @@ class BatchState:
         return sum(held_bytes(c) for c in caches)
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of KV a token takes in this model's batch cache (every layer;
-        quantized under ``kv_quant``), as measured when rows last joined the
-        batch; 0 before the first did."""
+        """Bytes of KV a token takes in the batch cache (every layer), as
+        measured when rows last joined; 0 before the first did."""
         return self._token_bytes
 
-    # -- entering ------------------------------------------------------------
-
     def admit(self, params: GenerationParams, images: Sequence[Image.Image]) -> Row:
-        """Preprocess a request (chat template, processor) and queue it.
-
-        Its prompt is prefilled at the next :meth:`step`, together with the
-        others queued by then, and joins the decode batch there. Raises what
-        :func:`.admission.make_row` raises; nothing is queued then.
+        """Make a request a row and queue it for the next :meth:`step`'s
+        prefill. Raises what :func:`.rows.make_row` raises (nothing queued).
         """
         keyed = self.prompt_cache.enabled and self._reusable
         row = make_row(
             self.loaded, params, images, media=self._media if keyed else None
         )
         if row.prediction is not None and self.decoder.drafting is None:
-            self.decoder.drafting = _predicting(self.loaded)
+            self.decoder.drafting = for_predictions(self.loaded)
         if self.decoder.drafting is not None:
             self.decoder.drafting.start(row)
         self.waiting.append(row)
         return row
 
     def prefill(self) -> bool:
-        """Prefill the queued prompts: up to :data:`PREFILL_BATCH` together,
-        the others alone. A failing prompt fails its own request only.
-        Whether any of them got its first token (or its error) here."""
+        """Prefill the queued prompts, up to :data:`PREFILL_BATCH` together; a
+        failing prompt fails its own request only. Whether any of them got its
+        first token (or its error) here."""
         waiting = [row for row in self.waiting if not row.gone]
         self.waiting = []
         if self.exclusive:
@@ -209,7 +164,7 @@ class BatchState:
         alone = [r for r in waiting if r not in together]
         for i in range(0, len(together), PREFILL_BATCH):
             rows = together[i : i + PREFILL_BATCH]
-            self.passes += 1
+            self.tally.prefill_passes += 1
             try:
                 group = prefill_together(
                     self.loaded, [_prepared(r) for r in rows], self.kv_quant
@@ -234,19 +189,14 @@ class BatchState:
             self.prefilling.append((row, job))
         ended = [row for row in waiting if row.error is not None]
         ended += self._advance_prefill(start)
-        self.prefills += len(waiting)
-        self.prefill_seconds += time.perf_counter() - start
+        self.tally.prefills += len(waiting)
+        self.tally.prefill_seconds += time.perf_counter() - start
         return any(row.pending or row.error is not None for row in [*waiting, *ended])
 
     def _advance_prefill(self, began: float) -> list[Row]:
-        """Run the next chunk of the oldest long prompt being prefilled, so
-        the decode step after it is not held up by the whole prompt (a chunk
-        of about the pacer's time while rows decode: :mod:`.pacing`); then
-        the prompts after it that end within what is left of the chunk's
-        tokens and of the step's time (since ``began``), up to
-        :data:`PREFILL_BATCH` in all: one that starts from the prompt cache
-        is often a few tokens from its end. The rows whose prefill ended
-        here."""
+        """Run the next chunk of the oldest long prompt, then the prompts after it
+        that end within what is left of the chunk's tokens and of the step's time
+        since ``began``, up to :data:`PREFILL_BATCH`; the rows that ended here."""
         self.prefilling = [(r, job) for r, job in self.prefilling if not r.gone]
         decoding = any(not (r.gone or r.done) for r in self.rows)
         tokens = self.pacer.tokens(decoding=decoding)
@@ -263,7 +213,7 @@ class BatchState:
                 or self.pacer.spent(time.perf_counter() - began)
             ):
                 break
-            self.passes += 1
+            self.tally.prefill_passes += 1
             try:
                 start = time.perf_counter()
                 group = job.advance(tokens)
@@ -281,7 +231,6 @@ class BatchState:
         return ended
 
     def _busy(self) -> bool:
-        """Whether a row is in the batch, joining it or being prefilled."""
         joining = [row for rows, _ in self.joining for row in rows]
         live = [r for r in (*self.rows, *joining) if r not in self.leaving]
         return bool(self.prefilling) or any(not (r.gone or r.done) for r in live)
@@ -291,7 +240,6 @@ class BatchState:
         return row in self.waiting
 
     def prefilling_now(self, row: Row) -> bool:
-        """Whether ``row``'s long prompt is being prefilled in chunks."""
         return any(r is row for r, _ in self.prefilling)
 
     def _joined(self, rows: list[Row], group: Prefilled) -> None:
@@ -304,21 +252,19 @@ class BatchState:
         self.joining.append((rows, group))
 
     def _reuse(self, row: Row) -> list[tuple[Any, Any]]:
-        """The cached KV of the longest prefix of ``row``'s prompt; at least
-        its last token is left to run, for its first token's logits."""
+        """The cached KV of the longest prefix of ``row``'s prompt but its last
+        token, which is run for its first token's logits."""
         assert row.key is not None
         prefix, row.cached = self.prompt_cache.lookup(row.key, len(row.key) - 1)
         return prefix
 
     def _store(self, key: Key, cache: Sequence[Any], index: int) -> None:
-        """Cache the KV of row ``index`` of a batch ``cache``, under as much
-        of ``key`` as it holds."""
+        """Cache row ``index`` of a batch ``cache`` under as much of ``key`` as it
+        holds."""
         layers = [c.extract(index) for c in cache]
         tokens = layers[0].offset
         if 0 < tokens <= len(key):
             self.prompt_cache.store(key[:tokens], [(c.keys, c.values) for c in layers])
-
-    # -- leaving -------------------------------------------------------------
 
     def leave(self, row: Row) -> None:
         """Take ``row`` out: now if it has not joined, else at the next step."""
@@ -392,26 +338,13 @@ class BatchState:
             unmask_if_unpadded(self.cache)
             self._token_bytes = bytes_per_token(self.cache or []) or self._token_bytes
 
-    # -- stepping ------------------------------------------------------------
-
     def step(self) -> None:
-        """One step of the batch: scheduled here, run by one strategy.
+        """One step: the scheduler's prefill, leaves and joins, then exactly one
+        strategy (docs/engine.md, "A turn, step by step").
 
-        The scheduler prefills the queued prompts (together where they can
-        be, a long one a chunk per step: :meth:`prefill`), takes out the rows
-        that left and those whose token in flight is their last (the next
-        step is built without them), and lets the prefilled ones join. Then
-        exactly one strategy steps the batch: the speculative one where
-        every row can draft (:mod:`.drafting`; a step in flight is read
-        first, as a step of its own), else the pipelined one, plain or
-        constrained (:mod:`.decode`; a step is started first when none is in
-        flight). From idle, the prompts' first tokens are handed out at
-        once and the decoding starts at the next step (on the CPU backend
-        starting a step computes most of it); only from idle, so that
-        prompts that keep arriving do not hold the decoding back. If a step
-        fails, every row is failed with the error (their requests raise it;
-        those whose last token it held too) and the batch is emptied; the
-        caller gets the error too.
+        From idle, the prompts' first tokens are handed out at once and the
+        decoding starts at the next step, so prompts that keep arriving do not
+        hold it back. A step that fails fails every row and empties the batch.
         """
         decoder = self.decoder
         start = time.perf_counter()
@@ -424,11 +357,10 @@ class BatchState:
             raise
         if stepped is not None:
             self._apply(stepped)
-        self.step_seconds += time.perf_counter() - start
+        self.tally.step_seconds += time.perf_counter() - start
 
     def _strategy(self, reading: list[Row]) -> Stepped | None:
-        """The scheduler's leaves and joins, then one strategy's step; the
-        rows of a step started here are added to ``reading``."""
+        """The rows of a step started here are added to ``reading``."""
         decoder = self.decoder
         self._settle()
         drafting = decoder.drafting
@@ -443,13 +375,13 @@ class BatchState:
             if not width:
                 return None
             reading += decoder.reading()
-            self.peak_active = max(self.peak_active, width)
+            self.tally.peak_active = max(self.tally.peak_active, width)
             self._settle()
         return decoder.pipelined(self)
 
     def _settle(self) -> None:
-        """Rows whose token in flight is their last leave, the rows that left
-        are dropped from the cache, and those prefilled join."""
+        """Rows whose token in flight is their last leave; the rows that left are
+        dropped from the cache, and those prefilled join."""
         last = (r for r in self.decoder.reading() if r.sampled + 1 >= r.max_tokens)
         self.leaving.update(last)
         self.compact()
@@ -459,19 +391,19 @@ class BatchState:
         """Count what a strategy did; its rows that ended leave the batch."""
         present = set(self.rows)
         self.leaving.update(r for r in stepped.read if r.done and r in present)
-        self.steps += 1
-        self.decoded += stepped.tokens
-        self.peak_active = max(self.peak_active, stepped.width)
+        tally = self.tally
+        tally.steps += 1
+        tally.decoded_tokens += stepped.tokens
+        tally.peak_active = max(tally.peak_active, stepped.width)
         if stepped.speculative:
-            self.speculative_steps += 1
-            self.speculative_rows += stepped.width
-            self.draft_tokens += stepped.drafted
-            self.accepted_tokens += stepped.accepted
+            tally.speculative_steps += 1
+            tally.speculative_rows += stepped.width
+            tally.draft_tokens += stepped.drafted
+            tally.accepted_tokens += stepped.accepted
 
     def fail(self, exc: BaseException, reading: Sequence[Row] = ()) -> None:
-        """Fail every row with ``exc``: those in the batch, joining, waiting,
-        and those of the step being read (``reading``) that are not done:
-        a row whose last token that step held has left the batch already."""
+        """Fail every row with ``exc``, and those of the step being read
+        (``reading``) that are not done."""
         joining = [row for rows, _ in self.joining for row in rows]
         joining += [row for row, _ in self.prefilling]
         unread = [row for row in reading if not row.done]
@@ -484,25 +416,6 @@ class BatchState:
         self.decoder.inflight = None
         self.leaving.clear()
         self.decoder.bias_stale = True
-
-
-def _predicting(loaded: LoadedModel) -> Drafting:
-    """The speculative step of a batch with no drafts of its own, for the
-    predictions requests send: while it holds at most
-    :data:`~.drafting.PREDICTION_MAX_BATCH` rows.
-
-    Raises:
-        RequestError: The model's KV cache cannot be cut back.
-    """
-    if uncuttable_kinds(loaded.model.language_model):
-        raise RequestError(
-            "This model's KV cache cannot be cut back, so it takes no "
-            "prediction: send the request without 'prediction'.",
-            "prediction_unsupported",
-            "prediction",
-        )
-    settings = DraftSettings(tokens=PREDICTION_TOKENS, max_batch=PREDICTION_MAX_BATCH)
-    return Drafting(settings, None)
 
 
 def _prepared(row: Row) -> Prepared:

@@ -1,15 +1,7 @@
-"""A row's thinking budget: the closing marker forced after N reasoning tokens.
-
-MLX thread only. As vLLM's ``thinking_token_budget`` does: once a row has
-written ``budget`` tokens since its reasoning opened (since its first token
-when the chat template opens it) without closing it, each of its next steps
-allows only the next token of the closing marker, so the marker is written
-whole, then the row samples freely again. A row that closes its reasoning
-itself, or does not open it with its first tokens (where the reasoning
-formats look for it), is never forced. The state advances on each
-token read (:meth:`ThinkingBudget.observe`); the mask of a step needs the
-previous step's token, so a batch with a row still thinking takes the
-grammar rows' step (see ``Row.constrained``).
+"""A row's thinking budget (vLLM's ``thinking_token_budget``): after
+``budget`` reasoning tokens, the closing marker is forced a token a step,
+then the row samples freely again. A row that closes its reasoning itself,
+or does not open it with its first tokens, is never forced. MLX thread only.
 """
 
 from __future__ import annotations
@@ -31,14 +23,8 @@ class _Phase(enum.Enum):
 
 
 class ThinkingBudget:
-    """One row's budget and where its reasoning stands.
-
-    Args:
-        budget: Most reasoning tokens before the closing marker is forced.
-        opening: The opening marker's token ids; empty when the prompt
-            opened the reasoning.
-        closing: The closing marker's token ids (not empty).
-    """
+    """One row's budget and where its reasoning stands. ``opening``: empty when
+    the prompt opened the reasoning; ``closing``: not empty."""
 
     def __init__(
         self, budget: int, opening: Sequence[int], closing: Sequence[int]
@@ -54,7 +40,7 @@ class ThinkingBudget:
 
     @property
     def open(self) -> bool:
-        """Whether a token can still be forced (its reasoning not closed)."""
+        """Whether a token can still be forced."""
         return self._phase is not _Phase.AFTER
 
     def next_forced(self) -> int | None:
@@ -66,7 +52,6 @@ class ThinkingBudget:
         return None
 
     def observe(self, token: int) -> None:
-        """Advance past a token the row sampled."""
         phase = self._phase
         if phase is _Phase.FORCING:
             self._forced += 1
@@ -96,16 +81,13 @@ class ThinkingBudget:
 
 
 class Budgeted(Protocol):
-    """What forcing reads of a row."""
-
     thinking: ThinkingBudget | None
     done: bool
 
 
 def force(logits: mx.array, rows: Sequence[Budgeted]) -> mx.array:
     """``logits`` (B, V) with every token but the forced one at -inf, in the
-    rows a budget forces now; the other rows are left as they are, exactly
-    (and so is the whole batch when no row is forced)."""
+    rows a budget forces now; the others keep theirs exactly."""
     forced = [
         None if row.done or row.thinking is None else row.thinking.next_forced()
         for row in rows
