@@ -32,7 +32,6 @@ from .engine.memory import (
     release,
     stored_weight_bytes,
 )
-from .events import Resident
 from .failures import UnavailableError
 from .http.door import Wiring
 from .http.errors import APIError
@@ -49,6 +48,7 @@ from .inputs.remote import RemoteImageFetcher
 from .inputs.videos import load_videos
 from .kinds import KINDS, kind_named
 from .media import Decoders, LoadImages, LoadVideos
+from .resident import Resident
 
 __all__ = ["create_app"]
 

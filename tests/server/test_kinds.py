@@ -20,10 +20,10 @@ import pytest
 from mlx_pinned import MLXThread
 from mlx_pinned.server import create_app
 from mlx_pinned.server.config import ModelSettings
-from mlx_pinned.server.events import EngineCounters, Resident
 from mlx_pinned.server.http.door import Call, Door, routes
 from mlx_pinned.server.http.errors import APIError, OpenAIErrors
 from mlx_pinned.server.kinds import KINDS, Kind, kind_named, register
+from mlx_pinned.server.resident import EngineCounters, Resident
 
 from .conftest import until
 from .kit import Lifespan, Served, in_process

@@ -35,6 +35,7 @@ SHARED = {
     "formats",
     "grammars",
     "limits",
+    "resident",
     "row_needs",
     "media",
 }

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from ..events import ChatFacts, EngineCounters, EventStream, GenerationParams
+from ..events import ChatFacts, EventStream, GenerationParams
 from ..formats import ModelFormats, log_formats, model_formats
+from ..resident import EngineCounters
 from .batch_statistics import BatchStatistics
 from .disk_format import model_fingerprint
 from .drafting import DraftSettings

@@ -25,7 +25,7 @@ from typing import (
 import anyio
 import numpy as np
 
-from ..events import EngineCounters
+from ..resident import EngineCounters
 from .driver import Driver
 from .loop import turns
 from .pacing import PrefillPacer

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from mlx_pinned import MLXThread
 
-    from ..events import EngineCounters
+    from ..resident import EngineCounters
     from .served_models import ServedModels
     from .wire import RequestLog
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-    from ..events import Resident
+    from ..resident import Resident
     from .served_models import ServedModel, ServedModels
 
 __all__ = ["Residency", "StartUpRefusal"]

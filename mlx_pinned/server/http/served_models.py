@@ -28,7 +28,7 @@ from ..kinds import kind_named
 from .errors import APIError
 
 if TYPE_CHECKING:
-    from ..events import Resident
+    from ..resident import Resident
 
 __all__ = [
     "BatchGate",

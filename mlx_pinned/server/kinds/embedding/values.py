@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ...events import Resident
+from ...resident import Resident
 
 if TYPE_CHECKING:
     from PIL import Image

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from ...events import Resident
+from ...resident import Resident
 
 __all__ = ["RerankEngine", "RerankFacts", "RerankParams", "Scores"]
 

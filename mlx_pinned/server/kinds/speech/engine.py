@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
     from ...config import ModelSettings
-    from ...events import EngineCounters
+    from ...resident import EngineCounters
 
 __all__ = [
     "CHUNK_FRAMES",

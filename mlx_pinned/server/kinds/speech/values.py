@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ...events import Resident
+from ...resident import Resident
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator

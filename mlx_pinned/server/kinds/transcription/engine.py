@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
     from ...config import ModelSettings
-    from ...events import EngineCounters
+    from ...resident import EngineCounters
 
 __all__ = ["WINDOW_SECONDS", "TranscriptionEngine"]
 

@@ -16,8 +16,8 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from ...events import Resident
 from ...media import Audio
+from ...resident import Resident
 
 __all__ = [
     "Segment",
