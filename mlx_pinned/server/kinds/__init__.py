@@ -1,11 +1,7 @@
 """The kinds of model a server serves: one registry of :class:`Kind` entries.
 
-A shared module (any thread): an entry names its kind, its doors' paths and
-the engine protocol its doors type against; it imports its engine (MLX) and
-its doors (Starlette) only when the server is built, so reading the
-registry costs neither. The rest of the server loops over :data:`KINDS`;
-nothing else names a kind by hand. A sixth kind is a package and a
-:func:`register` call.
+Any thread: an entry imports its engine (MLX) and doors (Starlette) only
+when the server is built. The rest of the server loops over :data:`KINDS`.
 """
 
 from __future__ import annotations
@@ -39,19 +35,14 @@ class Kind:
     """One kind of model, everything about it the rest of the server reads.
 
     Attributes:
-        name: What ``model_kind`` says (``chat``, ``speech``).
         what: The kind in words, for errors (``a speech model``).
-        paths: Its doors' paths; a model of this kind sent elsewhere is told
-            to send it to the first.
-        protocol: The engine protocol its doors type against (a
-            ``runtime_checkable`` Protocol of its values).
-        load: Loads a model of this kind from one model's settings and makes
-            its engine; runs on the MLX thread.
-        routes: Its doors' routes, each door made with the server's wiring
-            (:class:`~..http.door.Wiring`).
-        settings: The per-model settings it honours beyond every kind's
-            (:data:`COMMON_SETTINGS`): a model of this kind may set only
-            those, and the server's others do not apply to it.
+        paths: Its doors' paths; a request for a model of this kind at
+            another door is told to use the first.
+        protocol: The ``runtime_checkable`` engine protocol its doors use.
+        load: Makes its engine from one model's settings; MLX thread.
+        routes: Its doors' routes, given the server's ``Wiring``.
+        settings: The per-model settings it honours beyond
+            :data:`COMMON_SETTINGS`; the server's others do not apply to it.
         demo: Writes (or finds) its tiny demo model, offline; its path.
     """
 
@@ -65,7 +56,6 @@ class Kind:
     demo: Callable[[], Path] | None = None
 
     def honours(self, setting: str) -> bool:
-        """Whether a model of this kind honours the per-model ``setting``."""
         return setting in COMMON_SETTINGS or setting in self.settings
 
 
@@ -82,11 +72,7 @@ def register(kind: Kind) -> Kind:
 
 
 def kind_named(name: str) -> Kind:
-    """The kind called ``name``.
-
-    Raises:
-        ValueError: No kind is called so (the message lists them).
-    """
+    """The kind called ``name``; a ValueError that lists the kinds if none is."""
     try:
         return KINDS[name]
     except KeyError:

@@ -1,7 +1,5 @@
-"""The chat kind: generation, through the continuous batch of :mod:`..engine`
-and the doors of :mod:`..http` (chat completions, completions, the Messages
-and Responses APIs, tokenize). Any thread; its engine and doors are
-imported when the server is built."""
+"""The chat kind: the continuous batch of :mod:`..engine` and the doors of
+:mod:`..http`. Any thread; both are imported only when the server is built."""
 
 from __future__ import annotations
 

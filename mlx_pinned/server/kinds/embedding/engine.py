@@ -1,14 +1,7 @@
-"""An embedding model's engine: mlx-vlm's embedding loader, its inputs run
-in forward passes that every waiting request shares (:mod:`.passes`).
-
-:func:`load_embedder` and every pass run on the MLX thread;
-:meth:`EmbeddingEngine.embed` is called on the event loop. Each vector is
-its input's own: batched equals solo within float rounding
-(tests/server/test_embeddings.py). A conversation (``messages``: text and
-images, as vLLM embeds them) is one job of its own on the MLX thread,
-rendered with the model's chat template and run through its processor, as
-mlx-vlm's own server embeds an image (tests/server/test_image_embeddings.py).
-"""
+"""An embedding model's engine: mlx-vlm's embedding loader, its inputs
+padded into forward passes that every waiting request shares. Loading and
+every pass run on the MLX thread; :meth:`EmbeddingEngine.embed` is called on
+the event loop."""
 
 from __future__ import annotations
 
@@ -47,23 +40,10 @@ logger = logging.getLogger("mlx_pinned.server")
 
 @dataclass(eq=False)
 class LoadedEmbedder:
-    """An embedding model loaded and evaluated on the MLX thread.
-
-    Attributes:
-        model: mlx-vlm's model (its ``text_embeds`` are pooled and
-            normalised as its checkpoint says).
-        processor: Its processor (the tokenizer alone for a text model).
-        tokenizer: Its tokenizer.
-        path: What it was loaded from.
-        vocab_size: Valid token ids are below it.
-        max_input_tokens: Tokens of its longest input.
-        width: Values in each vector.
-        matryoshka_dimensions: The widths it may be cut to (empty: any);
-            None: none.
-        pad_id: The token the padding is made of (masked out).
-        weight_bytes: Bytes of its parameters.
-        loaded_at: When its load ended (Unix time).
-    """
+    """An embedding model loaded and evaluated on the MLX thread: mlx-vlm's
+    ``model`` (its ``text_embeds`` pooled and normalised as its checkpoint
+    says), its ``processor`` (the tokenizer alone for a text model) and the
+    ``pad_id`` that padding is made of (masked out)."""
 
     model: Any
     processor: Any
@@ -80,16 +60,8 @@ class LoadedEmbedder:
     def tokenize(
         self, numbered: Sequence[tuple[int, str | tuple[int, ...]]]
     ) -> list[Encoded]:
-        """Each input's tokens: a text through the tokenizer (its special
-        tokens added), ids as they are; each with its index in its request
-        (which the errors name). MLX thread (the tokenizer is the model's).
-
-        Raises:
-            PromptTooLongError: An input of more than
-                :attr:`max_input_tokens`; the message names its index.
-            PromptError: An input of no tokens (a text its tokenizer
-                makes nothing of).
-        """
+        """Each input's tokens (a text's with its special tokens), ``numbered``
+        by its index in the request, which the errors name. MLX thread."""
         inputs = [item for _, item in numbered]
         texts = [
             (index, text) for index, text in enumerate(inputs) if isinstance(text, str)
@@ -126,7 +98,6 @@ class LoadedEmbedder:
 
     @property
     def has_chat_template(self) -> bool:
-        """Whether it renders conversations (``messages``)."""
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     def forward(self, batch: Sequence[Encoded]) -> np.ndarray:
@@ -145,15 +116,8 @@ class LoadedEmbedder:
         images: Sequence[Image.Image],
         add_generation_prompt: bool,
     ) -> tuple[np.ndarray, int]:
-        """One vector for the whole conversation: rendered with the model's
-        chat template, its images through the processor, one forward pass
-        alone (as mlx-vlm's server embeds an image); and its tokens. MLX
-        thread.
-
-        Raises:
-            ImagesUnsupportedError: Images for a model that embeds none.
-            PromptTooLongError: More than :attr:`max_input_tokens` tokens.
-        """
+        """One vector for the conversation (rendered with the chat template,
+        run alone through the processor) and its tokens. MLX thread."""
         from mlx_vlm.prompt_utils import get_chat_template
         from mlx_vlm.utils import prepare_inputs
 
@@ -184,9 +148,8 @@ class LoadedEmbedder:
 
 
 def _forget_positions(model: Any) -> None:
-    """Drop the positions a Qwen-VL model keeps from its last call: its
-    forward reuses them for any input no longer than the last, images and
-    batch shape ignored, so every pass starts from none."""
+    """Drop the positions a Qwen-VL model keeps from its last call, which its
+    forward reuses for any input no longer than the last."""
     language: Any = getattr(model, "language_model", None)
     if hasattr(language, "_position_ids"):
         language._position_ids = None
@@ -194,14 +157,8 @@ def _forget_positions(model: Any) -> None:
 
 
 def load_embedder(model_path: str | Path) -> LoadedEmbedder:
-    """Load an embedding model with mlx-vlm's embedding loader, its pooling
-    as its checkpoint's ``1_Pooling/config.json`` says (as mlx-vlm's server
-    does), and evaluate it whole. MLX thread.
-
-    Raises:
-        ValueError: mlx-vlm has no embedding model of its family.
-        FileNotFoundError: No weights.
-    """
+    """Load an embedding model with mlx-vlm's loader (pooling as its
+    ``1_Pooling/config.json`` says) and evaluate it. MLX thread."""
     from mlx.utils import tree_flatten
     from mlx_vlm.embedding_loader import load_embedding_model
     from mlx_vlm.models.pooling import read_pooling_config
@@ -255,17 +212,11 @@ def _matryoshka(config: dict[str, Any]) -> tuple[int, ...] | None:
 
 
 class EmbeddingEngine(PassEngine[LoadedEmbedder]):
-    """One embedding model's engine: the :class:`~..encoders.EmbeddingEngine`
-    the HTTP side uses.
-
-    Its loop and counters are :class:`~.passes.PassEngine`'s; ``loaded``
-    comes from :func:`load_embedder`.
-    """
+    """One model's :class:`~.values.EmbeddingEngine`."""
 
     @classmethod
     def load(cls, settings: ModelSettings, thread: MLXThread) -> EmbeddingEngine:
-        """Load a model and make its engine; runs on ``thread``. A pass takes
-        about ``prefill_step_seconds`` (:class:`~.passes.PassQueue`)."""
+        """MLX thread; a pass takes about ``prefill_step_seconds``."""
         loaded = load_embedder(settings.path)
         return cls(loaded, thread, seconds=settings.prefill_step_seconds)
 
@@ -283,7 +234,7 @@ class EmbeddingEngine(PassEngine[LoadedEmbedder]):
     async def embed(
         self, params: EmbeddingParams, images: Sequence[Image.Image] = ()
     ) -> Embeddings:
-        """See :meth:`~..encoders.EmbeddingEngine.embed`."""
+        """See :meth:`.values.EmbeddingEngine.embed`."""
         if params.messages:
             # A job of its own: one pass, never padded beside other inputs.
             vector, tokens = await self.thread.run(
@@ -327,8 +278,7 @@ IMAGE_TURN: Final = ({"role": "user", "content": [{"type": "image"}]},)
 
 def _encoded(vector: np.ndarray, dimensions: int | None) -> bytes:
     """``vector`` cut to ``dimensions`` and normalised again (the model's
-    vectors are unit length), as little-endian float32 bytes. Event loop
-    (a copy of a few kilobytes)."""
+    are unit length), as little-endian float32 bytes."""
     if dimensions is not None and dimensions < vector.shape[-1]:
         vector = vector[:dimensions]
         norm = float(np.linalg.norm(vector))

@@ -1,16 +1,7 @@
-"""The body of OpenAI's ``POST /v1/embeddings``, as a pydantic model.
-
-Any thread (pure CPU, no MLX); the route parses on the event loop.
-``input`` is a text, a list of texts, token ids, or a list of lists of
-token ids (none empty, at most :data:`MAX_INPUTS`, as OpenAI's API allows);
-``encoding_format`` is ``float`` or ``base64`` (little-endian float32, as
-OpenAI's SDK decodes it); ``dimensions`` cuts a Matryoshka-trained model's
-vectors short. Instead of ``input``, vLLM's multimodal shape: ``messages``,
-a conversation of text and ``image_url`` parts (as in chat completions),
-embedded as one vector with the model's chat template
-(``add_generation_prompt``, false by default as in vLLM). Unknown fields
-are refused by name.
-"""
+"""The body of OpenAI's ``POST /v1/embeddings``, as a pydantic model. Any
+thread. Beside OpenAI's fields: vLLM's ``messages`` (a conversation embedded
+as one vector) and ``add_generation_prompt``, and ``image_url`` parts among
+the inputs, each its own vector, as mlx-vlm's server takes them."""
 
 from __future__ import annotations
 
@@ -46,8 +37,6 @@ MAX_INPUTS = 2048
 
 Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
-#: ``input`` as texts and images (``image_url`` parts), each its own vector,
-#: as mlx-vlm's server takes them.
 TextsAndImages = Annotated[
     list[Annotated[str, Field(min_length=1)] | ImagePart], Field(min_length=1)
 ]
@@ -91,8 +80,7 @@ class EmbeddingRequest(RequestBody):
         return value
 
     def inputs(self) -> tuple[str | tuple[int, ...] | ImageInput, ...]:
-        """The inputs, in order: texts, token ids or images (none for
-        ``messages``)."""
+        """The inputs, in order: texts, token ids or images (none for ``messages``)."""
         value = self.input
         if value is None:
             return ()
@@ -110,9 +98,8 @@ class EmbeddingRequest(RequestBody):
         return tuple(inputs)
 
     def image_parts(self) -> list[tuple[str, str]]:
-        """Each image part of ``input`` or ``messages`` in order: where it
-        is in the request (``input[2].image_url``,
-        ``messages[0].content[1].image_url``), and its URL."""
+        """Each image part of ``input`` or ``messages``, in order: its place
+        (``input[2].image_url``) and its URL."""
         if isinstance(self.input, list):
             return [
                 (f"input[{index}].image_url", item.image_url.url)
@@ -128,16 +115,11 @@ class EmbeddingRequest(RequestBody):
         ]
 
     def image_refs(self, limits: ImageLimits) -> list[ImageRef]:
-        """The images of ``input`` or ``messages``, in order; checks the
-        count.
-
-        Raises:
-            ImageRefusedError: More than ``limits.max_images`` images.
-        """
+        """The images of ``input`` or ``messages``, in order; an
+        ImageRefusedError past ``limits.max_images``."""
         return counted_image_refs((url for _, url in self.image_parts()), limits)
 
     def to_embedding_params(self) -> EmbeddingParams:
-        """The shared embedding request."""
         return EmbeddingParams(
             self.inputs(),
             self.dimensions,
@@ -162,13 +144,8 @@ def _turn(message: EmbeddingMessage) -> dict[str, Any]:
 
 
 def parse_embedding_request(body: bytes) -> EmbeddingRequest:
-    """Parse and validate a ``/v1/embeddings`` body.
-
-    Raises:
-        APIError: 400 naming the first invalid parameter, ``messages`` when
-            it comes with ``input`` or ``add_generation_prompt`` without it,
-            ``input`` when neither is sent.
-    """
+    """Parse and validate a ``/v1/embeddings`` body; a 400 :class:`APIError`
+    names the first invalid parameter."""
     request = parse_request(EmbeddingRequest, body)
     if request.input is not None and request.messages is not None:
         why = "send either 'input' (texts or token ids) or 'messages', not both"

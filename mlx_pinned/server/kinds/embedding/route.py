@@ -1,9 +1,5 @@
 """``POST /v1/embeddings``, in OpenAI's shape: the embedding kind's door.
-
-Event loop. The engine embeds the inputs on the MLX thread, in passes it
-shares with the other requests waiting then; a large answer is written in
-a worker thread, so the streams on the loop never wait on it.
-"""
+Event loop; a large answer is written in a worker thread."""
 
 from __future__ import annotations
 
@@ -33,8 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["INLINE_VALUES", "EmbeddingsEndpoint", "embeddings_body"]
 
-#: Values an answer may hold and still be written on the event loop; a
-#: larger one is written in a worker thread.
+#: Values an answer may hold and still be written on the event loop.
 INLINE_VALUES = 16384
 
 
@@ -54,10 +49,6 @@ _Call: TypeAlias = Call[EmbeddingRequest, EmbeddingEngine, Embedding]
 class EmbeddingsEndpoint(
     Door[EmbeddingRequest, EmbeddingEngine, Embedding, Embeddings]
 ):
-    """The door of ``POST /v1/embeddings``: ``{"object": "list", "data":
-    [{"object": "embedding", "index", "embedding"}], "model", "usage":
-    {"prompt_tokens", "total_tokens"}}``."""
-
     route = "POST /v1/embeddings"
     api = "embeddings"
     kind = KIND.name
@@ -100,8 +91,7 @@ class EmbeddingsEndpoint(
         call.log.prompt_tokens = output.prompt_tokens
         encoding = call.request.encoding_format
         write = functools.partial(embeddings_body, output, call.served.name, encoding)
-        # Written off the loop past a few vectors: a 2048 x 1024 answer's
-        # floats take a second to write, and every stream waits on the loop.
+        # Off the loop past a few vectors: every stream waits on the loop.
         values = sum(len(raw) for raw in output.vectors) // 4
         if values > INLINE_VALUES:
             answer = await anyio.to_thread.run_sync(write)

@@ -1,14 +1,6 @@
 """Embeddings' one validation site: a parsed request checked against the
-served embedding model, and turned into the shared embedding request.
-
-Event loop. Checked here, before the request waits for the model's gate:
-``dimensions`` against what the model was trained for (a model not trained
-Matryoshka-style takes none: its cut vectors would be poor), each token
-input's ids against the vocabulary, and a conversation against the model (a
-chat template to render it, images only for a model that embeds them; the
-count under the server's image limits). A text's length in tokens is
-checked by the engine, which tokenizes it on the MLX thread.
-"""
+served model before it waits for the gate. Event loop. A text's length in
+tokens is checked by the engine, which tokenizes on the MLX thread."""
 
 from __future__ import annotations
 
@@ -27,21 +19,11 @@ __all__ = ["EmbeddingsServing"]
 
 
 class EmbeddingsServing:
-    """Checks embeddings requests against the served model."""
-
     def prepare(
         self, request: EmbeddingRequest, facts: EmbeddingFacts, limits: ImageLimits
     ) -> tuple[EmbeddingParams, list[ImageRef]]:
-        """Check ``request`` against the model; its embedding request and
-        its images, in prompt order.
-
-        Raises:
-            APIError: 400 naming ``dimensions`` (the model takes none, or
-                not that many), ``input`` (a token id outside the
-                vocabulary) or ``messages`` (a model with no chat template).
-            ImageRefusedError: More images than ``limits`` allow, or any for
-                a model that embeds none (naming the first).
-        """
+        """``request``'s embedding request and its images, in prompt order;
+        a 400 names what the model cannot take."""
         params = request.to_embedding_params()
         refs = request.image_refs(limits)
         if refs and not facts.accepts_images:
@@ -67,11 +49,8 @@ class EmbeddingsServing:
 
 
 def check_dimensions(dimensions: int, facts: EmbeddingFacts) -> None:
-    """Refuse a width the model was not trained to be cut to.
-
-    Raises:
-        APIError: 400 naming ``dimensions``.
-    """
+    """Refuse (400, naming ``dimensions``) a width the model was not trained
+    to be cut to: its cut vectors would be poor."""
     trained = facts.matryoshka_dimensions
     if trained is None:
         why = (

@@ -1,15 +1,7 @@
 """A rerank model's engine: a cross-encoder loaded with mlx-vlm's reranker
-loader, each (query, document) pair scored in forward passes that every
-waiting request shares (:mod:`.passes`).
-
-:func:`load_reranker` and every pass run on the MLX thread;
-:meth:`RerankEngine.score` is called on the event loop. The families are
-those mlx-vlm loads as sequence classifiers with one label (BERT,
-ModernBERT and XLM-R cross-encoders); its generative rerankers (Qwen3's,
-which read a "yes" logit off a chat prompt) are refused at load. A score is
-the pair's own: batched equals solo within float rounding
-(tests/server/test_rerank.py).
-"""
+loader, its (query, document) pairs padded into forward passes that every
+waiting request shares. Loading and every pass run on the MLX thread;
+:meth:`RerankEngine.score` is called on the event loop."""
 
 from __future__ import annotations
 
@@ -45,18 +37,10 @@ logger = logging.getLogger("mlx_pinned.server")
 
 @dataclass(eq=False)
 class LoadedReranker:
-    """A cross-encoder loaded and evaluated on the MLX thread.
-
-    Attributes:
-        model: mlx-vlm's sequence classifier (one logit per pair).
-        tokenizer: Its tokenizer (it writes a pair with its separators and
-            segment ids).
-        path: What it was loaded from.
-        max_input_tokens: Tokens of its longest pair.
-        pad_id: The token the padding is made of (masked out).
-        weight_bytes: Bytes of its parameters.
-        loaded_at: When its load ended (Unix time).
-    """
+    """A cross-encoder loaded and evaluated on the MLX thread: mlx-vlm's
+    sequence classifier (one logit per pair), its tokenizer (which writes a
+    pair with its separators and segment ids), and the ``pad_id`` that
+    padding is made of (masked out)."""
 
     model: Any
     tokenizer: Any
@@ -68,12 +52,7 @@ class LoadedReranker:
 
     def tokenize(self, params: RerankParams) -> list[Encoded]:
         """Each pair's tokens and segments, the document cut at its end to
-        fit :attr:`max_input_tokens`. MLX thread.
-
-        Raises:
-            PromptTooLongError: The query alone leaves no room for a
-                document.
-        """
+        fit :attr:`max_input_tokens`. MLX thread."""
         query = len(self.tokenizer(params.query)["input_ids"])
         # The pair adds a separator; leave room for one document token too.
         if query + 2 > self.max_input_tokens:
@@ -98,9 +77,8 @@ class LoadedReranker:
         ]
 
     def forward(self, batch: Sequence[Encoded]) -> np.ndarray:
-        """The scores of ``batch`` (the sigmoid of each pair's logit),
-        padded on the right and masked; float32, one row per pair. MLX
-        thread."""
+        """The scores of ``batch``, padded on the right and masked; float32,
+        one row per pair. MLX thread."""
         ids, mask, types = padded(batch, self.pad_id)
         out = self.model(
             mx.array(ids), attention_mask=mx.array(mask), token_type_ids=mx.array(types)
@@ -111,13 +89,8 @@ class LoadedReranker:
 
 
 def load_reranker(model_path: str | Path) -> LoadedReranker:
-    """Load a cross-encoder with mlx-vlm's reranker loader and evaluate it
-    whole. MLX thread.
-
-    Raises:
-        ValueError: Not a sequence classifier of one label (a generative
-            reranker, or a family mlx-vlm does not rerank with).
-    """
+    """Load a cross-encoder (a sequence classifier of one label) with
+    mlx-vlm's reranker loader and evaluate it. MLX thread."""
     from mlx.utils import tree_flatten
     from mlx_vlm.reranker import RerankerKind, reranker_kind
     from mlx_vlm.reranker_loader import load_sequence_classification_model
@@ -153,17 +126,11 @@ def load_reranker(model_path: str | Path) -> LoadedReranker:
 
 
 class RerankEngine(PassEngine[LoadedReranker]):
-    """One rerank model's engine: the :class:`~..encoders.RerankEngine` the
-    HTTP side uses.
-
-    Its loop and counters are :class:`~.passes.PassEngine`'s; ``loaded``
-    comes from :func:`load_reranker`.
-    """
+    """One model's :class:`~.values.RerankEngine`."""
 
     @classmethod
     def load(cls, settings: ModelSettings, thread: MLXThread) -> RerankEngine:
-        """Load a model and make its engine; runs on ``thread``. A pass takes
-        about ``prefill_step_seconds`` (:class:`~.passes.PassQueue`)."""
+        """MLX thread; a pass takes about ``prefill_step_seconds``."""
         loaded = load_reranker(settings.path)
         return cls(loaded, thread, seconds=settings.prefill_step_seconds)
 
@@ -172,7 +139,7 @@ class RerankEngine(PassEngine[LoadedReranker]):
         self.facts = RerankFacts(loaded.max_input_tokens)
 
     async def score(self, params: RerankParams) -> Scores:
-        """See :meth:`~..encoders.RerankEngine.score`."""
+        """See :meth:`.values.RerankEngine.score`."""
         pairs = []
         # A job per few hundred pairs: the thread's other work runs between.
         for first in range(0, len(params.documents), TOKENIZE_AT_ONCE):

@@ -1,14 +1,6 @@
 """The body of ``POST /v1/rerank`` (and ``/rerank``, ``/v2/rerank``), as a
-pydantic model: the shape of Cohere's and Jina's rerank APIs that vLLM
-serves.
-
-Any thread (pure CPU, no MLX); the route parses on the event loop. A
-``query`` and its ``documents`` (texts, or objects with a ``text``, as
-Cohere's and Jina's clients send them; at most :data:`MAX_DOCUMENTS`, none
-empty), ``top_n`` (the best ones only; all by default) and
-``return_documents`` (each result carries its document's text). Unknown
-fields are refused by name.
-"""
+pydantic model: Cohere's and Jina's rerank API as vLLM serves it, no
+document empty. Any thread."""
 
 from __future__ import annotations
 
@@ -37,8 +29,6 @@ class Document(BaseModel):
 
 
 class RerankRequest(RequestBody):
-    """The body of ``POST /v1/rerank``."""
-
     model: str
     query: Text
     documents: Annotated[
@@ -50,20 +40,15 @@ class RerankRequest(RequestBody):
     user: str | None = None
 
     def texts(self) -> tuple[str, ...]:
-        """Each document's text, in order."""
         return tuple(
             item if isinstance(item, str) else item.text for item in self.documents
         )
 
     def to_rerank_params(self) -> RerankParams:
-        """The shared rerank request."""
         return RerankParams(self.query, self.texts())
 
 
 def parse_rerank_request(body: bytes) -> RerankRequest:
-    """Parse and validate a rerank body.
-
-    Raises:
-        APIError: 400 naming the first invalid parameter.
-    """
+    """Parse and validate a rerank body; a 400 :class:`APIError` names the
+    first invalid parameter."""
     return parse_request(RerankRequest, body)

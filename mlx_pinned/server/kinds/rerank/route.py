@@ -1,10 +1,6 @@
-"""``POST /v1/rerank`` (and vLLM's ``/rerank`` and ``/v2/rerank``): the
-rerank kind's door, in the shape of Cohere's and Jina's rerank APIs that
-vLLM serves.
-
-Event loop. The engine scores each (query, document) pair on the MLX
-thread, in passes it shares with the other requests waiting then.
-"""
+"""``POST /v1/rerank`` (and vLLM's ``/rerank`` and ``/v2/rerank``), in the
+shape of Cohere's and Jina's rerank APIs that vLLM serves: the rerank kind's
+door. Event loop."""
 
 from __future__ import annotations
 
@@ -26,10 +22,6 @@ _Call: TypeAlias = Call[RerankRequest, RerankEngine, RerankParams]
 
 
 class RerankEndpoint(Door[RerankRequest, RerankEngine, RerankParams, Scores]):
-    """The door of ``POST /v1/rerank``: ``{"id", "model", "usage":
-    {"prompt_tokens", "total_tokens"}, "results": [{"index",
-    "relevance_score", "document"?}]}``."""
-
     route = "POST /v1/rerank"
     api = "rerank"
     paths = KIND.paths  # vLLM's three

@@ -1,11 +1,6 @@
-"""Rerank's one place a request's scores become its results: ranked, best
-first, cut to ``top_n``.
-
-Event loop. Nothing of the request needs the model before it is scored:
-the query's length is checked by the engine, which tokenizes it on the MLX
-thread, and a document longer than the model's positions is cut at its end
-(as Cohere's API and mlx-vlm's server do), not refused.
-"""
+"""Rerank's scores made results: ranked, best first, cut to ``top_n``. Event
+loop. Nothing is checked against the model before it scores: a document too
+long for it is cut at its end (as Cohere's API and mlx-vlm's server do)."""
 
 from __future__ import annotations
 
@@ -19,9 +14,8 @@ __all__ = ["ranked"]
 
 
 def ranked(request: RerankRequest, scores: Scores) -> list[dict[str, Any]]:
-    """The results: each document's index and score (and its text, with
-    ``return_documents``), the most relevant first (ties in document
-    order), at most ``top_n`` of them."""
+    """Each document's index and score (and text, with ``return_documents``),
+    the most relevant first (ties in document order), at most ``top_n``."""
     order = sorted(range(len(scores.scores)), key=lambda i: -scores.scores[i])
     texts = request.texts()
     results: list[dict[str, Any]] = []

@@ -1,6 +1,5 @@
 """What the event loop and the MLX thread hand each other for the rerank
-kind: the request (:class:`RerankParams`), its scores (:class:`Scores`) and
-the engine's protocol. Any thread (no MLX, no Starlette)."""
+kind, and its engine's protocol. Any thread (no MLX, no Starlette)."""
 
 from __future__ import annotations
 
@@ -14,15 +13,8 @@ __all__ = ["RerankEngine", "RerankFacts", "RerankParams", "Scores"]
 
 @dataclass(frozen=True)
 class RerankParams:
-    """What one rerank request needs: a query and the documents to score
-    against it.
-
-    Attributes:
-        query: The query (tokenized with the model's tokenizer).
-        documents: Each document, in order; each is scored as the pair
-            (query, document), cut at the end where the pair is longer than
-            the model's positions.
-    """
+    """A query and the documents to score against it, each as the pair
+    (query, document), cut at the document's end to fit the model."""
 
     query: str
     documents: tuple[str, ...]
@@ -30,13 +22,8 @@ class RerankParams:
 
 @dataclass(frozen=True)
 class Scores:
-    """One rerank request's scores.
-
-    Attributes:
-        scores: Each document's relevance to the query, in document order,
-            from 0 to 1 (the sigmoid of the model's logit).
-        prompt_tokens: Tokens of all the pairs (padding excluded).
-    """
+    """Each document's relevance (0 to 1: the sigmoid of the model's logit),
+    in document order, and the pairs' tokens (no padding)."""
 
     scores: tuple[float, ...]
     prompt_tokens: int
@@ -47,8 +34,8 @@ class RerankFacts:
     """What a loaded rerank model is, built by its engine at load.
 
     Attributes:
-        max_input_tokens: Tokens of the longest pair it scores (special
-            tokens included); a longer pair is cut at its document's end.
+        max_input_tokens: Tokens of its longest pair, special tokens
+            included; a longer pair is cut at its document's end.
     """
 
     max_input_tokens: int
@@ -62,19 +49,13 @@ class RerankEngine(Resident, Protocol):
     """A loaded rerank model (a cross-encoder) as the HTTP side sees it."""
 
     @property
-    def facts(self) -> RerankFacts:
-        """What the model is."""
-        ...
+    def facts(self) -> RerankFacts: ...
 
     async def score(self, params: RerankParams) -> Scores:
-        """Score each document of ``params`` against its query.
-
-        Event loop; the tokenizer and the model run on the MLX thread, the
-        pairs of every request waiting then padded into shared forward
-        passes. Cancelling it drops the pairs not yet scored.
+        """Score each document of ``params`` against its query. Event loop;
+        cancelling it drops the pairs not yet scored.
 
         Raises:
-            PromptTooLongError: The query alone leaves no room for a
-                document.
+            PromptTooLongError: The query leaves no room for a document.
         """
         ...

@@ -1,17 +1,7 @@
-"""The audio formats this server answers speech in.
-
-Any thread (pure CPU). ``pcm`` is the engine's samples as they are: mono,
-16-bit little-endian, at the model's rate (24 kHz for Qwen3-TTS, as
-OpenAI's ``pcm``). ``wav`` is the same samples after a 44-byte RIFF header;
-a streamed one cannot know its length, so its header says the largest
-sizes (``0xFFFFFFFF``), as streamed WAV commonly does, and readers read
-to the end of the body. ``mp3``, ``flac`` and ``opus`` (in Ogg) are
-encoded with libsndfile (the ``soundfile`` package). Opus is also streamed:
-Ogg pages go out as the encoder fills them. A streamed FLAC or MP3 would
-lack the totals libsndfile patches their headers with at the end, which
-its own reader then misreads, so those two are encoded whole only.
-``aac`` has no encoder here.
-"""
+"""The audio formats speech is answered in: ``pcm`` (the engine's samples),
+``wav`` (the same after a RIFF header), and ``mp3``, ``flac`` and ``opus``
+(in Ogg) encoded with libsndfile. Any thread (pure CPU). docs/speech.md
+says which are streamed, and why."""
 
 from __future__ import annotations
 
@@ -35,7 +25,6 @@ ENCODED: Final = ("mp3", "opus", "flac", "wav", "pcm")
 #: Those also answered as they are made (``stream_format``).
 STREAMED: Final = ("wav", "pcm", "opus")
 
-#: Each format's ``content-type``.
 MEDIA_TYPES: Final = {
     "mp3": b"audio/mpeg",
     "opus": b"audio/ogg",
@@ -85,9 +74,8 @@ def audio_head(response_format: str, sample_rate: int, data: int | None) -> byte
 
 
 def encoded(response_format: str, pcm: bytes, sample_rate: int) -> bytes:
-    """The whole answer of ``pcm`` (mono 16-bit samples) in
-    ``response_format``. Run it in a worker thread for a long speech: an
-    encoder takes milliseconds a second of audio."""
+    """The whole answer of ``pcm`` (mono 16-bit samples) in ``response_format``;
+    an encoder takes milliseconds a second of audio (a worker thread's job)."""
     if response_format in ("wav", "pcm"):
         return audio_head(response_format, sample_rate, len(pcm)) + pcm
     import numpy as np
@@ -102,15 +90,9 @@ def encoded(response_format: str, pcm: bytes, sample_rate: int) -> bytes:
 
 class StreamEncoder:
     """A streamed answer's bytes, piece by piece: the raw samples (``pcm``;
-    ``wav`` after its header) or Opus in Ogg, each page as it fills.
-
-    One piece at a time, from any one thread at a time; an Opus piece
-    takes milliseconds (:attr:`slow`: feed it in a worker thread).
-
-    Args:
-        response_format: One of :data:`STREAMED`.
-        sample_rate: Samples a second of the speech.
-    """
+    ``wav`` after its header) or Opus in Ogg, each page as it fills. One
+    thread at a time; an Opus piece takes milliseconds (:attr:`slow`: feed
+    it in a worker thread). ``response_format`` is one of :data:`STREAMED`."""
 
     def __init__(self, response_format: str, sample_rate: int) -> None:
         self.response_format = response_format

@@ -1,14 +1,7 @@
-"""A text-to-speech model's engine: mlx-audio's loader and its streaming
-generation, run as a generator on the MLX thread.
-
-:func:`load_speaker` and every piece of a generation run on the MLX thread;
-:meth:`SpeechEngine.speak` is called on the event loop. A generation is a
-stream of the thread (``MLXThread.iterate``): one piece of audio per job, so
-a chat model's steps run between pieces, and a consumer that stops reading
-holds the generation after a few pieces. Qwen3-TTS keeps its vocoder's
-streaming state on the model, so one model speaks for one request at a time
-(an exclusive key: the other requests wait their turn, other work does not).
-"""
+"""A text-to-speech model's engine: mlx-audio's loader and streaming
+generation, a stream of the MLX thread (``MLXThread.iterate``) that makes a
+piece of audio per job. Loading and every piece run on the MLX thread;
+:meth:`SpeechEngine.speak` is called on the event loop."""
 
 from __future__ import annotations
 
@@ -52,16 +45,14 @@ CHUNK_FRAMES: Final = 4
 #: Frames a second of Qwen3-TTS's speech tokenizer (its "12Hz" codec).
 FRAME_RATE: Final = 12.5
 
-# The most frames a text may make: two a character (speech runs at about one
-# frame a character) and two seconds more, so a model that never ends its
-# speech (a random one, or a broken one) stops within a bound of its text.
+# Two frames a character (speech runs at about one) and two seconds more, so
+# a model that never ends its speech stops within a bound of its text.
 _FRAMES_PER_CHAR: Final = 2
 _EXTRA_FRAMES: Final = 25
 
 
 def frame_limit(text: str, model_limit: int) -> int:
-    """The most audio frames ``text`` may make: its bound, or the model's
-    own (``max_new_tokens``) when lower."""
+    """The most audio frames ``text`` may make."""
     return min(model_limit, _FRAMES_PER_CHAR * len(text) + _EXTRA_FRAMES)
 
 
@@ -73,19 +64,9 @@ def to_pcm16(audio: np.ndarray) -> bytes:
 
 @dataclass(eq=False)
 class LoadedSpeaker:
-    """A text-to-speech model loaded and evaluated on the MLX thread.
-
-    Attributes:
-        model: mlx-audio's model (its ``generate`` streams pieces).
-        path: What it was loaded from.
-        sample_rate: Samples a second of its audio.
-        voices: Its voices (lower case).
-        takes_instructions: Whether its generation is steered by them.
-        takes_speed: Whether its generation honours a speed.
-        max_frames: The most frames one generation may make (its config's).
-        weight_bytes: Bytes of its parameters (the vocoder's included).
-        loaded_at: When its load ended (Unix time).
-    """
+    """A text-to-speech model loaded and evaluated on the MLX thread: its
+    facts as :class:`~.values.SpeechFacts`, and ``max_frames``, the most
+    frames one generation may make (its config's)."""
 
     model: Any
     path: str
@@ -105,9 +86,8 @@ class LoadedSpeaker:
     def pieces(
         self, params: SpeechParams
     ) -> Generator[tuple[np.ndarray, int], None, None]:
-        """The audio of ``params`` as mlx-audio streams it: each piece's
-        float samples and the frames it took. MLX thread; closing the
-        iterator closes mlx-audio's generation."""
+        """Each piece of ``params``'s audio as mlx-audio streams it: its float
+        samples and frames. MLX thread; closing it closes mlx-audio's."""
         results = self.model.generate(
             params.text,
             voice=params.voice,
@@ -127,14 +107,8 @@ class LoadedSpeaker:
 
 
 def load_speaker(model_path: str | Path) -> LoadedSpeaker:
-    """Load a text-to-speech model with mlx-audio's loader (its tokenizer
-    and speech tokenizer too) and evaluate it whole. MLX thread.
-
-    Raises:
-        ValueError: mlx-audio has no text-to-speech model of its family, or
-            the model names no voices (a voice-cloning checkpoint).
-        FileNotFoundError: No weights.
-    """
+    """Load a text-to-speech model that names its voices with mlx-audio's
+    loader, and evaluate it. MLX thread."""
     from mlx.utils import tree_flatten
     from mlx_audio.tts.utils import load_model
 
@@ -171,9 +145,8 @@ def load_speaker(model_path: str | Path) -> LoadedSpeaker:
 
 
 def _takes_instructions(model: Any) -> bool:
-    """Whether ``model``'s generation is steered by an instruction: its
-    ``generate`` takes ``instruct`` and, for Qwen3-TTS, the checkpoint is
-    not the 0.6B one (mlx-audio drops its instructions)."""
+    """Whether ``model``'s ``generate`` takes ``instruct`` and heeds it
+    (mlx-audio drops a 0.6B Qwen3-TTS checkpoint's instructions)."""
     if "instruct" not in inspect.signature(model.generate).parameters:
         return False
     config = getattr(model, "config", None)
@@ -181,22 +154,15 @@ def _takes_instructions(model: Any) -> bool:
 
 
 def _takes_speed(model: Any) -> bool:
-    """Whether ``model``'s generation honours a speed: its ``generate``
-    takes ``speed``, and it is not Qwen3-TTS (whose ``generate`` takes one
-    and ignores it)."""
+    """Whether ``model``'s ``generate`` takes ``speed`` and heeds it (Qwen3-TTS
+    takes one and ignores it)."""
     if "speed" not in inspect.signature(model.generate).parameters:
         return False
     return getattr(model, "model_type", "") != "qwen3_tts"
 
 
 class SpeechEngine(Holding[LoadedSpeaker]):
-    """One text-to-speech model's engine: the
-    :class:`~..speech.SpeechEngine` the HTTP side uses.
-
-    Args:
-        loaded: The model, from :func:`load_speaker`.
-        thread: The MLX thread it was loaded on.
-    """
+    """One model's :class:`~.values.SpeechEngine`."""
 
     def __init__(self, loaded: LoadedSpeaker, thread: MLXThread) -> None:
         self.loaded = loaded
@@ -207,7 +173,8 @@ class SpeechEngine(Holding[LoadedSpeaker]):
             loaded.takes_instructions,
             loaded.takes_speed,
         )
-        # The model's own state (its vocoder's) is one generation's.
+        # Qwen3-TTS keeps its vocoder's streaming state on the model, so a
+        # model speaks for one request at a time.
         self.turns = thread.exclusive(loaded.model)
         self.speaking = 0
         self.frames = 0
@@ -215,7 +182,7 @@ class SpeechEngine(Holding[LoadedSpeaker]):
 
     @classmethod
     def load(cls, settings: ModelSettings, thread: MLXThread) -> SpeechEngine:
-        """Load a model and make its engine; runs on ``thread``."""
+        """MLX thread."""
         return cls(load_speaker(settings.path), thread)
 
     def counters(self) -> EngineCounters:
@@ -225,7 +192,7 @@ class SpeechEngine(Holding[LoadedSpeaker]):
         return dataclasses.replace(counters, decoded_tokens=self.frames)
 
     async def speak(self, params: SpeechParams) -> AsyncGenerator[SpeechChunk, None]:
-        """See :meth:`~..speech.SpeechEngine.speak`."""
+        """See :meth:`.values.SpeechEngine.speak`."""
         async with aclosing(self.turns.iterate(self._generate, params)) as chunks:
             async for chunk in chunks:
                 yield chunk

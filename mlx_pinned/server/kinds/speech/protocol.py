@@ -1,14 +1,6 @@
-"""The body of OpenAI's ``POST /v1/audio/speech``, as a pydantic model.
-
-Any thread (pure CPU, no MLX); the route parses on the event loop.
-``input`` is the text to speak (not blank, at most :data:`MAX_INPUT_CHARS`
-characters, as OpenAI's API allows); ``voice`` a voice's name or OpenAI's
-custom voice object (``{"id": ...}``); ``response_format`` one of OpenAI's
-six (those this server does not encode are refused by :mod:`.serving`);
-``speed`` within OpenAI's range; ``stream_format`` ``audio`` (the bytes as
-they are made) or ``sse`` (OpenAI's ``speech.audio.delta`` events), and
-left out for the whole file. Unknown fields are refused by name.
-"""
+"""The body of OpenAI's ``POST /v1/audio/speech``, as a pydantic model. Any
+thread. A blank ``input`` is refused; the formats this server does not
+encode are refused by :mod:`.serving`."""
 
 from __future__ import annotations
 
@@ -31,7 +23,6 @@ __all__ = [
 #: Characters one request may speak (OpenAI's limit).
 MAX_INPUT_CHARS: Final = 4096
 
-#: OpenAI's audio formats.
 ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 
 
@@ -42,8 +33,6 @@ class VoiceId(RequestBody):
 
 
 class SpeechRequest(RequestBody):
-    """The body of ``POST /v1/audio/speech``."""
-
     model: str
     input: str = Field(max_length=MAX_INPUT_CHARS)
     voice: str | VoiceId
@@ -61,7 +50,6 @@ class SpeechRequest(RequestBody):
 
     @property
     def voice_name(self) -> str:
-        """The voice asked for, by name."""
         return self.voice if isinstance(self.voice, str) else self.voice.id
 
     def to_speech_params(self, voice: str) -> SpeechParams:
@@ -71,9 +59,6 @@ class SpeechRequest(RequestBody):
 
 
 def parse_speech_request(body: bytes) -> SpeechRequest:
-    """Parse and validate a ``/v1/audio/speech`` body.
-
-    Raises:
-        APIError: 400 naming the first invalid parameter.
-    """
+    """Parse and validate a ``/v1/audio/speech`` body; a 400
+    :class:`APIError` names the first invalid parameter."""
     return parse_request(SpeechRequest, body)

@@ -1,13 +1,8 @@
 """``POST /v1/audio/speech``, in OpenAI's shape: the speech kind's door.
 
-Event loop. The engine speaks on the MLX thread, a piece at a time. The
-answer is the whole file when ``stream_format`` is left out; with
-``audio`` the bytes go out as they are made, with ``sse`` as OpenAI's
-events (``speech.audio.delta``, each the base64 of what the ``audio``
-stream would send then, and ``speech.audio.done`` with the usage). The
-status goes with the first piece; a failure after it ends an ``audio``
-stream where it is (an error event would be heard as audio) and an
-``sse`` stream with an error event.
+Event loop. A stream's status goes with its first piece; a failure after it
+ends an ``audio`` stream where it is (an error event would be heard as
+audio) and an ``sse`` stream with an error event.
 """
 
 from __future__ import annotations
@@ -38,10 +33,6 @@ _Call: TypeAlias = Call[SpeechRequest, SpeechEngine, SpeechParams]
 
 
 class SpeechEndpoint(Door[SpeechRequest, SpeechEngine, SpeechParams, _Chunks]):
-    """The door of ``POST /v1/audio/speech``: the audio, whole or streamed,
-    as its ``response_format`` (``mp3``, ``opus``, ``flac``, ``wav`` or
-    ``pcm``; ``mp3`` and ``flac`` whole only)."""
-
     route = "POST /v1/audio/speech"
     api = KIND.name
     kind = KIND.name
@@ -67,7 +58,6 @@ class SpeechEndpoint(Door[SpeechRequest, SpeechEngine, SpeechParams, _Chunks]):
             yield chunks
 
     async def send_whole(self, call: _Call, output: _Chunks) -> None:
-        """The whole file, once the generation ended."""
         pcm = b"".join([_counted(chunk, call.log).pcm async for chunk in output])
         fmt, rate = call.request.response_format, call.engine.facts.sample_rate
         if fmt in ("wav", "pcm"):  # a header at most
@@ -140,9 +130,8 @@ async def _inline(fn: Callable[..., bytes], *args: object) -> bytes:
 
 
 def _counted(chunk: SpeechChunk, log: RequestLog) -> SpeechChunk:
-    """``chunk``, counted in ``log`` as it comes (text tokens as the
-    prompt's, audio frames as the completion's, the first piece's time as
-    the first token's)."""
+    """``chunk``, counted in ``log``: text tokens as the prompt's, audio frames
+    as the completion's, the first piece's time as the first token's."""
     log.last_token = time.perf_counter()
     log.first_token = log.first_token or log.last_token
     log.prompt_tokens = chunk.input_tokens

@@ -1,12 +1,6 @@
-"""Speech's one validation site: a parsed request checked against the
-served speech model, and turned into the shared speech request.
-
-Event loop. Checked here: the format (one this server encodes) before the
-model is even looked up, then, before the request waits for the model's
-gate, the voice (one of the model's) and the settings the model does not
-honour (``speed`` other than 1, ``instructions`` to a model that takes
-none), each refused by name rather than ignored.
-"""
+"""Speech's one validation site: a request checked against the formats this
+server encodes, then against the served model, each setting it does not
+honour refused by name rather than ignored. Event loop."""
 
 from __future__ import annotations
 
@@ -23,15 +17,10 @@ __all__ = ["SpeechServing"]
 
 
 class SpeechServing:
-    """Checks speech requests against this server and the served model."""
-
     def check_format(self, request: SpeechRequest) -> None:
-        """Refuse a format this server does not encode, or does not stream
-        when ``stream_format`` asks for a stream (whatever the model).
-
-        Raises:
-            APIError: 400 naming ``response_format``.
-        """
+        """Refuse (400, naming ``response_format``) a format this server does
+        not encode, or does not stream when ``stream_format`` asks for a
+        stream, whatever the model."""
         if request.response_format not in ENCODED:
             raise _refused(
                 "response_format",
@@ -47,13 +36,8 @@ class SpeechServing:
             )
 
     def prepare(self, request: SpeechRequest, facts: SpeechFacts) -> SpeechParams:
-        """Check ``request`` against the model; its speech request.
-
-        Raises:
-            APIError: 400 naming ``voice`` (not one of the model's),
-                ``speed`` (not 1, to a model of one speed) or
-                ``instructions`` (the model takes none).
-        """
+        """``request``'s speech request, in the model's name of its voice; a
+        400 names what the model does not take."""
         voice = request.voice_name.lower()
         if voice not in facts.voices:
             listed = ", ".join(facts.voices)

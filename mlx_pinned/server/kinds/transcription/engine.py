@@ -1,21 +1,7 @@
-"""A speech-to-text model's engine: a model loaded with mlx-audio's loader,
-each file transcribed a 30-second window at a time on the MLX thread.
-
-:meth:`TranscriptionEngine.load` and every window run on the MLX thread;
-:meth:`TranscriptionEngine.transcribe` is called on the event loop. A
-window is one job of the thread, so a chat stream beside a long file waits
-at most one window's decode between two of its steps, and a client that
-goes away stops the file before its next window. Each window is decoded by
-mlx-audio's own ``generate`` (its language detection, its timestamp rules,
-its temperature fallback), given the text so far as its prompt, as
-Whisper conditions a window on the one before. The fallback's sampling is
-seeded from the audio's content and the window's place, so the same file
-gives the same transcript.
-
-The families are mlx-audio's Whisper and Parakeet (NVIDIA's; greedy, in
-English, its tokens aligned in time: each sentence is a segment, and its
-words are its tokens joined where a word starts).
-"""
+"""A speech-to-text model's engine: mlx-audio's Whisper or Parakeet, each
+file decoded by its ``generate`` a 30-second window at a time, one job of
+the MLX thread each. Loading and every window run on the MLX thread;
+:meth:`TranscriptionEngine.transcribe` is called on the event loop."""
 
 from __future__ import annotations
 
@@ -63,8 +49,7 @@ class _Loaded:
 
 
 class TranscriptionEngine(Holding[_Loaded]):
-    """One speech-to-text model's engine: the
-    :class:`~..transcripts.TranscriptionEngine` the HTTP side uses."""
+    """One model's :class:`~.values.TranscriptionEngine`."""
 
     def __init__(self, loaded: _Loaded, thread: MLXThread) -> None:
         self.loaded = loaded
@@ -76,13 +61,7 @@ class TranscriptionEngine(Holding[_Loaded]):
 
     @classmethod
     def load(cls, settings: ModelSettings, thread: MLXThread) -> TranscriptionEngine:
-        """Load a model with mlx-audio's speech-to-text loader and evaluate
-        it whole; runs on ``thread``.
-
-        Raises:
-            ValueError: mlx-audio has no speech-to-text model of its family,
-                or it is not one that transcribes a waveform into segments.
-        """
+        """Load a Whisper or Parakeet model with mlx-audio's loader. MLX thread."""
         from mlx.utils import tree_flatten
         from mlx_audio.stt.utils import load_model
 
@@ -115,7 +94,10 @@ class TranscriptionEngine(Holding[_Loaded]):
         return kv_free_counters(self.active, self.windows)
 
     async def transcribe(self, params: TranscriptionParams) -> AsyncGenerator[Window]:
-        """See :meth:`~..transcripts.TranscriptionEngine.transcribe`."""
+        """See :meth:`.values.TranscriptionEngine.transcribe`; each window is
+        given the text so far as its prompt, and its fallback's sampling is
+        seeded from the audio and the window's place, so a file gives the
+        same transcript."""
         audio = params.audio
         step = WINDOW_SECONDS * audio.sample_rate
         seed = int(audio.digest[:8], 16)

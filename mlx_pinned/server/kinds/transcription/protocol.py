@@ -1,13 +1,7 @@
 """The form of OpenAI's ``POST /v1/audio/transcriptions`` and
-``/v1/audio/translations``, as a pydantic model.
-
-Event loop. The body is a multipart form, as OpenAI's SDK sends it: the
-``file`` part, and every other field a text part (``timestamp_granularities[]``
-and ``include[]`` repeated, one part a value). Its fields are read as
-OpenAI's are: text converted to each field's type (``"0.2"``, ``"true"``),
-unknown fields refused by name. A translation takes no ``language`` (its
-answer is English) and no ``stream``.
-"""
+``/v1/audio/translations``, as a pydantic model. Event loop. A multipart
+form as OpenAI's SDK sends it, its text values converted to each field's
+type as OpenAI's API does."""
 
 from __future__ import annotations
 
@@ -69,12 +63,8 @@ class TranscriptionForm(TranslationForm):
 async def parse_form(
     body: bytes, content_type: str, form: type[TranslationForm]
 ) -> tuple[TranslationForm, bytes]:
-    """The form's fields as ``form``, and the file's bytes.
-
-    Raises:
-        APIError: 400: not a multipart form, no ``file``, or a field that is
-            unknown or invalid (named).
-    """
+    """The form's fields as ``form``, and the file's bytes; a 400 for a body
+    that is not a multipart form with a ``file``, naming any bad field."""
     from starlette.datastructures import Headers, UploadFile
     from starlette.formparsers import MultiPartException, MultiPartParser
 

@@ -1,11 +1,6 @@
 """``POST /v1/audio/transcriptions`` and ``/v1/audio/translations``, in
-OpenAI's shape: the transcription kind's doors.
-
-Event loop. The file is decoded in a worker thread under the server's
-audio limits, at the model's rate (:mod:`...inputs.audio`); the engine
-transcribes it on the MLX thread a window at a time, and a stream sends
-each window's text as it comes.
-"""
+OpenAI's shape: the transcription kind's doors. Event loop; the file is
+decoded in a worker thread, and a stream sends each window's text."""
 
 from __future__ import annotations
 
@@ -40,8 +35,6 @@ class Upload:
 
 @dataclass(frozen=True, slots=True)
 class Form:
-    """The form sent: its fields, and the file's bytes."""
-
     fields: TranslationForm
     data: bytes
 
@@ -56,11 +49,6 @@ _Call: TypeAlias = Call[Form, TranscriptionEngine, Upload]
 class TranscriptionsEndpoint(
     Door[Form, TranscriptionEngine, Upload, AsyncIterator[Window]]
 ):
-    """The door of ``POST /v1/audio/transcriptions``: the text (``json``:
-    ``{"text", "usage"}``), or the transcript as ``text``, ``srt``, ``vtt``
-    or ``verbose_json``; with ``stream``, server-sent
-    ``transcript.text.delta`` events and a ``transcript.text.done``."""
-
     route = "POST /v1/audio/transcriptions"
     api = "transcriptions"
     kind = KIND.name
@@ -112,8 +100,7 @@ class TranscriptionsEndpoint(
 
 
 class TranslationsEndpoint(TranscriptionsEndpoint):
-    """The door of ``POST /v1/audio/translations``: the speech in English,
-    in the same formats (no ``language``, no ``stream``)."""
+    """The transcriptions' door, in English (no ``language``, no ``stream``)."""
 
     route = "POST /v1/audio/translations"
     api = "translations"

@@ -1,7 +1,6 @@
 """What the transcription doors make of a form and of the engine's windows:
 the shared request, checked against the model, and the answer in each of
-OpenAI's ``response_format``\\ s. Event loop; plain CPU.
-"""
+OpenAI's ``response_format``\\ s. Event loop; plain CPU."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Transcript", "params", "usage"]
 
-#: Each format's media type.
 MEDIA_TYPES = {
     "json": b"application/json",
     "verbose_json": b"application/json",
@@ -35,12 +33,7 @@ def params(
     form: TranslationForm, facts: TranscriptionFacts, task: Task
 ) -> Callable[[Audio], TranscriptionParams]:
     """The shared request of ``form`` for the model of ``facts``, given its
-    audio once decoded.
-
-    Raises:
-        APIError: 400: a language the model does not know, a translation by
-            an English-only model, or a field that needs another.
-    """
+    audio once decoded; a 400 names a field the model does not take."""
     language = None
     stream = False
     words = False
@@ -130,7 +123,6 @@ class Transcript:
         return [segment for window in self.windows for segment in window.segments]
 
     def body(self, form: TranslationForm) -> bytes:
-        """The whole answer in the form's ``response_format``."""
         kind = form.response_format
         if kind == "text":
             return (self.text + "\n").encode()

@@ -1,14 +1,6 @@
-"""What the event loop and the MLX thread hand each other for a speech-to-
-text model (the ``transcription`` kind), as plain values.
-
-A shared module: no Starlette, no pydantic, no MLX. The HTTP side decodes
-the uploaded file (:mod:`.inputs.audio`) and makes
-:class:`TranscriptionParams`; the engine (on the MLX thread) transcribes it
-a 30-second window at a time, each window a job of the thread (the other
-models' work runs between two), and yields a :class:`Window` each. The HTTP
-side knows the engine only through :class:`TranscriptionEngine`; ``app.py``
-wires in the real one (:mod:`mlx_pinned.server.engine.transcription`).
-"""
+"""What the event loop and the MLX thread hand each other for the
+transcription kind (speech to text), and its engine's protocol. Any thread
+(no MLX, no Starlette)."""
 
 from __future__ import annotations
 
@@ -35,19 +27,10 @@ Task = Literal["transcribe", "translate"]
 
 @dataclass(frozen=True)
 class TranscriptionParams:
-    """What one transcription needs.
-
-    Attributes:
-        audio: The decoded file, at the model's sample rate.
-        task: ``transcribe`` or ``translate`` (into English).
-        language: The spoken language's ISO-639-1 code; None: detected from
-            the first window.
-        prompt: Text the first window continues (names, spellings, style).
-        temperature: The sampling temperature; 0: greedy, then higher
-            temperatures where a window's answer fails Whisper's checks
-            (too repetitive, too unlikely), as OpenAI's API does.
-        words: Word-level timestamps as well as segments.
-    """
+    """What one transcription needs: the decoded file at the model's rate,
+    its ISO-639-1 ``language`` (None: detected), the text the first window
+    continues (``prompt``), a ``temperature`` (0: greedy, then higher where a
+    window fails Whisper's checks, as OpenAI's API does), word timestamps."""
 
     audio: Audio
     task: Task = "transcribe"
@@ -89,14 +72,9 @@ class Segment:
 
 @dataclass(frozen=True)
 class Window:
-    """One window's transcript.
-
-    Attributes:
-        text: Its text (the segments' texts, joined).
-        segments: Its segments, numbered on from the window before.
-        language: The spoken language (given or detected).
-        end: Where the window ends in the file (seconds).
-    """
+    """One window's transcript: its segments (numbered on from the window
+    before) and their text, its language (given or detected), and where it
+    ends in the file (seconds)."""
 
     text: str
     segments: tuple[Segment, ...]
@@ -109,11 +87,10 @@ class TranscriptionFacts:
     """What a loaded speech-to-text model is, built by its engine at load.
 
     Attributes:
-        sample_rate: The sample rate it takes (Hz).
-        options: What a request may ask of it beside the file: ``language``,
-            ``prompt``, ``temperature``, ``words`` (word timestamps).
-        languages: The languages it knows: each ISO-639-1 code's name; one
-            (``en``) for an English-only model, which cannot translate.
+        options: What a request may ask of it beside the file (``language``,
+            ``prompt``, ``temperature``, ``words``).
+        languages: Each ISO-639-1 code's name; only ``en`` for an
+            English-only model, which cannot translate.
     """
 
     sample_rate: int
@@ -129,9 +106,7 @@ class TranscriptionEngine(Resident, Protocol):
     """A loaded speech-to-text model as the HTTP side sees it."""
 
     @property
-    def facts(self) -> TranscriptionFacts:
-        """What the model is."""
-        ...
+    def facts(self) -> TranscriptionFacts: ...
 
     def transcribe(self, params: TranscriptionParams) -> AsyncGenerator[Window]:
         """Each window's transcript, in order. Event loop; closing the
