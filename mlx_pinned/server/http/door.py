@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
@@ -37,12 +37,13 @@ from .wire import (
 )
 
 if TYPE_CHECKING:
+    from PIL import Image
     from starlette.types import Receive, Scope, Send
 
     from mlx_pinned import MLXThread
 
     from ..config import ServerConfig
-    from ..media import Decoders
+    from ..media import Decoders, ImageRef
     from .metrics import ServerMetrics
     from .residency import Residency
     from .served_models import ServedModel, ServedModels
@@ -144,6 +145,13 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
     ) -> PreparedT:
         """``prepared`` with its media decoded off the loop (none here)."""
         return prepared
+
+    async def decode_images(
+        self, refs: Sequence[ImageRef], log: RequestLog
+    ) -> tuple[Image.Image, ...]:
+        """A request's images, decoded off the loop (counted in ``log``)."""
+        log.images = len(refs)
+        return tuple(await self.wiring.decoders.images(refs))
 
     def gate(
         self, call: Call[RequestT, EngineT, PreparedT]

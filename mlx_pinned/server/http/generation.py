@@ -67,8 +67,7 @@ class GenerationDoor(Door[RequestT, Engine, Prepared, EventStream], Generic[Requ
         self, prepared: Prepared, engine: Engine, log: RequestLog
     ) -> Prepared:
         decoders = self.wiring.decoders
-        log.images = len(prepared.images)
-        images = tuple(await decoders.images(prepared.images))
+        images = await self.decode_images(prepared.images, log)
         params = prepared.params
         if prepared.videos:
             videos = await decoders.videos(prepared.videos)

@@ -122,9 +122,8 @@ class CountTokensEndpoint(Door[CountTokensRequest, Engine, Prepared, int]):
     async def media(
         self, prepared: Prepared, engine: Engine, log: RequestLog
     ) -> Prepared:
-        log.images = len(prepared.images)
-        decoded = await self.wiring.decoders.images(prepared.images)
-        return replace(prepared, decoded=tuple(decoded))
+        decoded = await self.decode_images(prepared.images, log)
+        return replace(prepared, decoded=decoded)
 
     @asynccontextmanager
     async def run(

@@ -71,9 +71,8 @@ class EmbeddingsEndpoint(
     async def media(
         self, prepared: Embedding, engine: EmbeddingEngine, log: RequestLog
     ) -> Embedding:
-        log.images = len(prepared.images)
-        decoded = await self.wiring.decoders.images(prepared.images)
-        return replace(prepared, decoded=tuple(decoded))
+        decoded = await self.decode_images(prepared.images, log)
+        return replace(prepared, decoded=decoded)
 
     @asynccontextmanager
     async def run(self, call: _Call) -> AsyncIterator[Embeddings]:
