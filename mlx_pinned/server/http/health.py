@@ -67,7 +67,7 @@ class Readiness:
         if self._draining:
             return shutting_down()
         for item in self.served:
-            if item.slot.pinned and item.slot.engine is None:
+            if item.slot.at_start_up and item.slot.loads == 0:
                 return ModelNotLoadedError(item.name, retry_after=self.retry_after)
         return None
 

@@ -1,7 +1,7 @@
 """The chat kind: generation, through the continuous batch of :mod:`..engine`
 and the doors of :mod:`..http` (chat completions, completions, the Messages
-and Responses APIs, tokenize). Any thread; its engine and doors are
-imported when the server is built."""
+and Responses APIs, tokenize, Ollama's chat and generate). Any thread; its
+engine and doors are imported when the server is built."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def _routes(wiring: Any) -> list[Any]:
     from ..http.chat_completions import ChatCompletionsEndpoint
     from ..http.completions import CompletionsEndpoint
     from ..http.door import routes
+    from ..http.ollama import ChatEndpoint, GenerateEndpoint
     from ..http.responses_api import ResponsesEndpoint
     from ..http.responses_api import routes as stored
     from ..http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
@@ -40,6 +41,8 @@ def _routes(wiring: Any) -> list[Any]:
         DetokenizeEndpoint,
         MessagesEndpoint,
         CountTokensEndpoint,
+        ChatEndpoint,
+        GenerateEndpoint,
     )
     return [
         *routes(*(door(wiring) for door in doors)),
