@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from mlx_pinned.server.http.ollama.protocol import keep_alive_seconds
 from mlx_pinned.testing import image_data_uri, tiny_embedding_path, tiny_vlm_path
 
 from .conftest import drive, replace_generation
-from .kit import TOL, Lifespan, Served, in_process, running
+from .kit import TOL, Lifespan, Served, in_process, running, running_server
 
 pytestmark = pytest.mark.anyio
 
@@ -611,6 +612,30 @@ const image = process.argv[3];
   console.log(JSON.stringify(out));
 })().catch((error) => { console.error(error); process.exit(1); });
 """
+
+
+@pytest.mark.slow
+def test_the_readmes_ollama_example_runs_against_the_demo(tmp_path: Path) -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    (source,) = [
+        block
+        for block in re.findall(r"^```python\n(.*?)^```", readme, re.DOTALL | re.M)
+        if "import ollama" in block
+    ]
+    with running_server(tmp_path / "server.log") as server:
+        source = source.replace("http://127.0.0.1:8000", server.url)
+        done = subprocess.run(
+            [sys.executable, "-c", source],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode == 0, done.stderr
+    listed, answered = done.stdout.splitlines()
+    assert "mlx-pinned-demo:latest" in listed
+    assert "mlx-pinned-demo-embedding:latest" in listed
+    assert answered.endswith(" 16 length")
 
 
 @pytest.mark.slow

@@ -122,7 +122,10 @@ def keep_alive_seconds(value: object) -> float | None:
     return math.inf if value < 0 else float(value)
 
 
-KeepAlive = Annotated[float | None, BeforeValidator(keep_alive_seconds)]
+KeepAlive = Annotated[
+    Annotated[float, Field(allow_inf_nan=True)] | None,
+    BeforeValidator(keep_alive_seconds),
+]
 
 
 class Options(RequestModel):
