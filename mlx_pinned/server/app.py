@@ -37,9 +37,18 @@ from .http.door import Wiring
 from .http.errors import APIError
 from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
+from .http.ollama import OllamaModels
+from .http.ollama import routes as ollama_routes
 from .http.playground import routes as playground_routes
 from .http.residency import Residency, StartUpRefusal
-from .http.routes import APIKeyMiddleware, ErrorEdge, model, models
+from .http.routes import (
+    APIKeyMiddleware,
+    ErrorEdge,
+    load_model,
+    model,
+    models,
+    unload_model,
+)
 from .http.served_models import BatchGate, ModelSlot, ServedModel, ServedModels
 from .http.turns import LoopTurns
 from .inputs.audio import load_audio, load_audios
@@ -168,10 +177,21 @@ def create_app(
         Route("/metrics", metrics.endpoint, methods=["GET"]),
         Route("/v1/models", functools.partial(models, served), methods=["GET"]),
         Route(
+            "/v1/models/{model_id:path}/load",
+            functools.partial(load_model, served, residency),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/models/{model_id:path}/unload",
+            functools.partial(unload_model, served, residency),
+            methods=["POST"],
+        ),
+        Route(
             "/v1/models/{model_id:path}",
             functools.partial(model, served),
             methods=["GET"],
         ),
+        *ollama_routes(wiring),
     ]
     for kind in KINDS.values():
         routes += kind.routes(wiring) if kind.routes is not None else []
@@ -179,6 +199,7 @@ def create_app(
     # key (the page sends it).
     if config.playground:
         routes += playground_routes()
+    routes.append(OllamaModels.root())  # Ollama's "is it running" (else its page)
     metrics.mount(routes)
     # Every refusal outside a door, in the shape of its route's API.
     errors = ErrorEdge(routes, retry_after=config.retry_after)
@@ -275,7 +296,8 @@ def _slot(
         own.name,
         load_engine,
         measure,
-        pinned=not own.load_on_first_use,
+        at_start_up=not own.load_on_first_use,
+        pinned=own.pinned,
         idle_timeout=own.idle_unload_timeout,
     )
 

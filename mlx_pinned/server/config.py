@@ -185,6 +185,10 @@ class ServerConfig:
     idle_unload_timeout: float | None = setting(None, scope="model", shown="never")
     """seconds a model loaded on first use may sit idle before it is unloaded (its
     next request loads it again); `0`: never. Needs `--load-on-first-use`"""
+    pinned: bool = setting(False, scope="model")
+    """never unload the model on its own: not when idle, nor for an Ollama
+    request's `keep_alive`, nor to make room under `--max-model-bytes`; only an
+    unload by API does ([lifecycle](ollama.md#loading-and-unloading-by-api))"""
     max_model_bytes: int | None = setting(
         None, at_least(1, optional=True), shown="no limit"
     )
@@ -361,6 +365,7 @@ class ModelSettings:
     retry_after: int
     load_on_first_use: bool
     idle_unload_timeout: float | None
+    pinned: bool
     prompt_cache_bytes: int
     image_cache_bytes: int
     prefill_step_size: int

@@ -142,15 +142,16 @@ class ModelLoadFailedError(UnavailableError):
 class ModelMemoryBudgetError(UnavailableError):
     """The model's ``need`` bytes of weights do not fit in the ``budget``
     (``max_model_bytes``): for now (the models in use hold the rest), or
-    ever (those loaded at start-up hold ``pinned``: no ``Retry-After``)."""
+    ever (those loaded at start-up or pinned hold ``kept``: no
+    ``Retry-After``)."""
 
     def __init__(
-        self, name: str, need: int, budget: int, pinned: int, *, retry_after: int
+        self, name: str, need: int, budget: int, kept: int, *, retry_after: int
     ) -> None:
-        never = pinned + need > budget
+        never = kept + need > budget
         why = (
             f"never fits in this server's max_model_bytes of {budget}: the models "
-            f"loaded at start-up hold {pinned}."
+            f"loaded at start-up or pinned hold {kept}."
             if never
             else f"does not fit in this server's max_model_bytes of {budget} while "
             "the other models are in use; retry shortly."

@@ -128,8 +128,8 @@ class TestServe:
         assert cli.main(["serve", "--config", str(file)]) == 0
         models = runs[0]["app"].state.models
         assert models.names == ["a", "b"]
-        assert models.get("a").slot.pinned
-        assert not models.get("b").slot.pinned
+        assert models.get("a").slot.at_start_up
+        assert not models.get("b").slot.at_start_up
         assert models.get("b").gate.max_num_seqs == 4  # the file's server setting
         assert "as 'b' (loaded on first use)" in caplog.text
         assert "as 'a' (loaded" not in caplog.text

@@ -50,6 +50,7 @@ def load_of(kind: str) -> Callable[[ModelSettings, MLXThread], Any]:
 VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "load_on_first_use": (True, {}),
     "idle_unload_timeout": (30.0, {"load_on_first_use": True}),
+    "pinned": (True, {}),
     "max_num_seqs": (3, {}),
     "max_pending": (5, {}),
     "tool_call_parser": ("hermes", {}),
@@ -68,8 +69,9 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
 # Where a served model shows a setting (any kind).
 SERVED: dict[str, Callable[[ServedModel], Any]] = {
     "model_kind": lambda served: served.kind,
-    "load_on_first_use": lambda served: not served.slot.pinned,
+    "load_on_first_use": lambda served: not served.slot.at_start_up,
     "idle_unload_timeout": lambda served: served.slot.idle_timeout,
+    "pinned": lambda served: served.slot.pinned,
     "max_num_seqs": lambda served: served.gate.max_num_seqs,
     "max_pending": lambda served: served.gate.max_pending,
 }

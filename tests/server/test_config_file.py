@@ -229,8 +229,8 @@ class TestMixed:
                 "lazy": False,
             }
             eager, lazy = app.state.models.get("eager"), app.state.models.get("lazy")
-            assert eager.slot.pinned
-            assert not lazy.slot.pinned
+            assert eager.slot.at_start_up
+            assert not lazy.slot.at_start_up
             assert lazy.slot.idle_timeout == 60
             assert (eager.gate.max_num_seqs, lazy.gate.max_num_seqs) == (3, 32)
             body = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
@@ -258,4 +258,4 @@ class TestMixed:
             )
             error = assert_error(refused, 503, None, "model_memory_budget")
             assert "never fits" in error["message"]
-            assert "loaded at start-up hold" in error["message"]
+            assert "loaded at start-up or pinned hold" in error["message"]

@@ -201,7 +201,7 @@ class TestRouting:
         async with serve_models() as served:
             first, second = served.engine("first"), served.engine("second")
             slots = [model.slot for model in served.app.state.models]
-            assert [(slot.pinned, slot.loads) for slot in slots] == [(True, 1)] * 2
+            assert [(slot.at_start_up, slot.loads) for slot in slots] == [(True, 1)] * 2
             assert first is not second
             assert first.thread is second.thread is served.app.state.mlx_thread
             assert (await served.client.get("/health")).status_code == 200

@@ -201,9 +201,11 @@ class TestRoutes:
 
     async def test_without_the_playground_its_paths_are_404(self, serve: Serve) -> None:
         async with serve(playground=False) as served:
-            for path in ("/", "/playground/app.js", "/playground/style.css"):
+            for path in ("/playground/app.js", "/playground/style.css"):
                 assert_error(await served.client.get(path), 404)
             assert (await served.client.get("/v1/models")).status_code == 200
+            # "/" is then Ollama's "is it running" (docs/ollama.md).
+            assert (await served.client.get("/")).text == "Ollama is running"
 
     async def test_the_page_needs_no_key_while_the_api_does(self, serve: Serve) -> None:
         async with serve(api_key="s3cret") as served:

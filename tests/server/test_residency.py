@@ -206,7 +206,7 @@ class TestFirstUse:
             weights = numbers["mlx_pinned_model_weight_bytes", "a"]
             assert weights == served.slot("a").weight_bytes
             assert weights > 0
-            assert not served.slot("a").pinned  # not loaded at start-up
+            assert not served.slot("a").at_start_up  # not loaded at start-up
 
     async def test_concurrent_first_requests_share_one_load(
         self, serve: Serve, loads: CountedLoads

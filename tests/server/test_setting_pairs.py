@@ -63,7 +63,9 @@ SHOWN: dict[str, Callable[[Served], bool]] = {
     "prompt-lookup": lambda served: drafts(served).ngram == 3,
     "draft-model": lambda served: drafts(served).model == str(tiny_lm_path()),
     "one-seq": lambda served: served.app.state.gate.max_num_seqs == 1,
-    "on-first-use": lambda served: not served.app.state.models.get(NAME).slot.pinned,
+    "on-first-use": lambda served: (
+        not served.app.state.models.get(NAME).slot.at_start_up
+    ),
     "prefill-step": lambda served: served.engine.loop.state.prefill_step == 16,
     "api-key": lambda served: served.app.state.config.api_key == KEY,
     "no-image-cache": lambda served: served.engine.image_cache is None,

@@ -193,6 +193,12 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
     ) -> None:
         """parse -> resident -> prepare -> media -> gate -> run -> write."""
         request = await self.parse(body, places)
+        await self.serve(request, response, log)
+
+    async def serve(
+        self, request: RequestT, response: ResponseWriter, log: RequestLog
+    ) -> None:
+        """resident -> prepare -> media -> gate -> run -> write."""
         log.stream = self.streamed(request)
         async with self.resident(request.model, log) as (served, engine):
             prepared = await self.prepare(request, engine)

@@ -113,11 +113,13 @@ class GenerationDoor(Door[RequestT, Engine, Prepared, EventStream], Generic[Requ
         encode: Callable[[TokenEvent], bytes],
         *,
         failed: Callable[[APIError], bytes] | None = None,
+        media_type: bytes | None = None,
     ) -> FinalEvent:
         """Send the tokens' ``encode``-d data as they come, ``head`` first
         with the first token (the status goes with it, so a failed prefill
         is still an error status), at most one write each
-        ``stream_write_interval`` seconds; the final event, unsent, for the
+        ``stream_write_interval`` seconds, as server-sent events unless
+        ``media_type`` says otherwise; the final event, unsent, for the
         caller to end the answer with."""
         interval = self.config.stream_write_interval
         final: FinalEvent | None = None
@@ -129,7 +131,9 @@ class GenerationDoor(Door[RequestT, Engine, Prepared, EventStream], Generic[Requ
                 tokens = [e for e in events if isinstance(e, TokenEvent)]
                 data = b"".join(encode(event) for event in joined(tokens))
                 if not response.started:
-                    await response.start_stream(head + data, failed=failed)
+                    await response.start_stream(
+                        head + data, failed=failed, media_type=media_type
+                    )
                 elif data:
                     await response.send(data)
                 if isinstance(events[-1], FinalEvent):

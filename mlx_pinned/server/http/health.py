@@ -67,7 +67,8 @@ class Readiness:
         if self._draining:
             return shutting_down()
         for item in self.served:
-            if item.slot.pinned and item.slot.engine is None:
+            slot = item.slot  # a start-up model not loaded yet (not unloaded)
+            if slot.at_start_up and slot.engine is None and slot.loads == 0:
                 return ModelNotLoadedError(item.name, retry_after=self.retry_after)
         return None
 

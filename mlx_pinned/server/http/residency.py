@@ -2,8 +2,8 @@
 the app's lifespan.
 
 Event loop only; each load and unload runs on the MLX thread through the
-callables ``app.py`` wires in. Models pinned at start-up are loaded by the
-lifespan, in order, and stay. A model loaded on first use goes through:
+callables ``app.py`` wires in. Models loaded at start-up are loaded by the
+lifespan, in order. A model goes through:
 
 ===========  ===============================  ==============================
 state        a request that arrives           leaves it for
@@ -11,17 +11,20 @@ state        a request that arrives           leaves it for
 UNLOADED     starts a load and waits for it   LOADING
 LOADING      waits for that same load         LOADED, or UNLOADED (it failed:
                                               its waiters get the error)
-LOADED       holds the engine at once         UNLOADING, once idle: by the
-                                              idle timeout, or to make room
+LOADED       holds the engine at once         UNLOADING, once idle: by its
+                                              timeout, or to make room;
+                                              DRAINING: an unload by API
+DRAINING     waits, then loads it again       UNLOADING, once the requests
+                                              using it have ended
 UNLOADING    waits, then loads it again       UNLOADED
 ===========  ===============================  ==============================
 
 A request holds its model from the moment it names it until its
 generation is closed, waiting included; only a model no request holds is
-*idle*, and only an idle one is unloaded. Loads and unloads take one lock,
-and no ``await`` comes between a check and the state change that follows
-it. Loads run in the lifespan's task group, so a client that leaves does
-not cancel a load that others wait for.
+*idle*, and only an idle one is unloaded by a timeout or the budget. Loads
+and unloads take one lock, and no ``await`` comes between a check and the
+state change that follows it. Loads and drains run in the lifespan's task
+group, so a client that leaves does not cancel one that others wait for.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class Residency:
         self._tasks: TaskGroup | None = None
         self._lock: anyio.Lock | None = None
         self._wake: anyio.Event | None = None
+        self._started = False
 
     @asynccontextmanager
     async def running(self, app: object = None) -> AsyncIterator[None]:
@@ -109,11 +113,12 @@ class Residency:
                 except Exception as exc:  # raised below: not as a group
                     self.failure = exc
                 else:
-                    if any(slot.idle_timeout is not None for slot in self._slots):
-                        tasks.start_soon(self._watch_idle)
+                    self._started = True
+                    tasks.start_soon(self._watch_idle)
                     yield
             finally:
                 self._tasks = None
+                self._started = False
                 tasks.cancel_scope.cancel()
         if self.failure is not None:
             raise self.failure
@@ -123,19 +128,19 @@ class Residency:
             await self._prepare()
         # All marked loading first: a request for the second waits for it
         # while the first loads.
-        pinned = [slot for slot in self._slots if slot.pinned]
-        for slot in pinned:
+        eager = [slot for slot in self._slots if slot.at_start_up]
+        for slot in eager:
             slot.state = SlotState.LOADING
             slot._change = SlotChange()
         try:
-            for slot in pinned:
+            for slot in eager:
                 change = slot._change
                 assert change is not None
                 await self._load(slot, change)
                 if change.cause is not None:
                     raise change.cause
         finally:  # failed or cancelled: the rest will never load
-            for slot in pinned:
+            for slot in eager:
                 if slot.state is SlotState.LOADING and slot._change is not None:
                     waiting, slot._change = slot._change, None
                     slot.state = SlotState.UNLOADED
@@ -169,25 +174,72 @@ class Residency:
                 engine = await self._loaded(slot)
             if engine is None:
                 raise ModelNotLoadedError(slot.name, retry_after=self.retry_after)
-            yield engine
+            slot.serving += 1
+            try:
+                yield engine
+            finally:
+                slot.serving -= 1
+                if slot.serving == 0 and slot._drained is not None:
+                    slot._drained.set()
         finally:
             slot.holders -= 1
             if slot.idle:
                 slot.idle_since = anyio.current_time()
                 self._notify()
 
-    def weight_bytes(self) -> int:
-        return sum(
-            slot.weight_bytes or 0
-            for slot in self._slots
-            if slot.state is SlotState.LOADED
-        )
+    def keep_alive(self, served: ServedModel, seconds: float | None) -> None:
+        """Unload ``served`` once it has been idle for ``seconds`` (0: as
+        soon as it is idle; ``math.inf``: never; None: after its
+        ``idle_timeout``), until another request says otherwise. A pinned
+        model stays."""
+        served.slot.keep_alive = seconds
+        self._notify()
 
-    def _pinned_bytes(self) -> int:
+    async def unload(self, served: ServedModel, why: str) -> bool:
+        """Unload ``served`` once the requests using it have ended; requests
+        that arrive meanwhile wait, then load it again. False if it was not
+        loaded. Cancelling the caller leaves the unload to run to its end.
+
+        Raises:
+            ModelNotLoadedError: No lifespan runs to unload it.
+        """
+        slot = served.slot
+        while slot.state is SlotState.LOADING:  # its load ends first
+            assert slot._change is not None
+            await slot._change.done.wait()
+        if slot.state is not SlotState.LOADED:
+            if slot._change is not None:  # already on its way out
+                await slot._change.done.wait()
+            return False
+        if self._tasks is None:
+            raise ModelNotLoadedError(slot.name, retry_after=self.retry_after)
+        slot.state = SlotState.DRAINING
+        slot.idle_since = None
+        change = slot._change = SlotChange()
+        slot._drained = anyio.Event()
+        if slot.serving == 0:
+            slot._drained.set()
+        self._tasks.start_soon(self._drain, slot, change, why)
+        await change.done.wait()
+        return True
+
+    async def _drain(self, slot: ModelSlot, change: SlotChange, why: str) -> None:
+        assert self._lock is not None
+        assert slot._drained is not None
+        await slot._drained.wait()
+        slot._drained = None
+        async with self._lock:
+            await self._unload(slot, why, change)
+
+    def weight_bytes(self) -> int:
+        return sum(slot.weight_bytes or 0 for slot in self._slots if _held(slot))
+
+    def _kept_bytes(self) -> int:
+        """Bytes the budget cannot free: models loaded at start-up or pinned."""
         return sum(
             slot.weight_bytes or 0
             for slot in self._slots
-            if slot.pinned and slot.state is SlotState.LOADED
+            if _held(slot) and (slot.at_start_up or slot.pinned)
         )
 
     # -- loading -------------------------------------------------------------
@@ -200,7 +252,7 @@ class Residency:
                 assert slot.engine is not None
                 return slot.engine
             if slot.state is SlotState.UNLOADED:
-                if slot.pinned:  # its start-up load has not begun
+                if slot.at_start_up and not self._started:  # not begun yet
                     raise ModelNotLoadedError(slot.name, retry_after=self.retry_after)
                 self._start_load(slot)
             change = slot._change
@@ -246,6 +298,7 @@ class Residency:
                 slot.state = SlotState.UNLOADED
             else:
                 slot.engine = engine
+                slot.facts = engine.facts
                 slot.weight_bytes = engine.weight_bytes
                 slot.state = SlotState.LOADED
                 slot.loads += 1
@@ -263,14 +316,14 @@ class Residency:
         budget = self.budget
         if budget is None or self.weight_bytes() + need <= budget:
             return
-        pinned = self._pinned_bytes()
+        kept = self._kept_bytes()
         idle = sorted(
-            (other for other in self._slots if other.idle),
+            (other for other in self._slots if other.evictable),
             key=lambda other: other.idle_since or -math.inf,
         )
         freeable = sum(other.weight_bytes or 0 for other in idle)
         refused = ModelMemoryBudgetError(
-            slot.name, need, budget, pinned, retry_after=self.retry_after
+            slot.name, need, budget, kept, retry_after=self.retry_after
         )
         if self.weight_bytes() - freeable + need > budget:
             logger.warning("%s", refused.message)
@@ -278,21 +331,24 @@ class Residency:
         for other in idle:
             if self.weight_bytes() + need <= budget:
                 return
-            if other.idle:  # not taken by a request during the last unload
+            if other.evictable:  # not taken by a request during the last unload
                 await self._unload(other, f"to make room for {slot.name!r}")
         if self.weight_bytes() + need > budget:
             raise refused
 
     # -- unloading -----------------------------------------------------------
 
-    async def _unload(self, slot: ModelSlot, why: str) -> None:
-        """Unload an idle slot on the MLX thread. Lock held; the caller saw
-        it idle with no ``await`` since, so no request holds it."""
-        assert slot.idle, "only an idle model is unloaded"
+    async def _unload(
+        self, slot: ModelSlot, why: str, change: SlotChange | None = None
+    ) -> None:
+        """Unload a slot no request uses on the MLX thread, ending
+        ``change`` (a drain's) or a change of its own. Lock held; the caller
+        saw no request use it with no ``await`` since."""
+        assert slot.serving == 0, "only a model no request uses is unloaded"
         assert slot.engine is not None
         slot.state = SlotState.UNLOADING
         slot.idle_since = None
-        change = slot._change = SlotChange()
+        change = slot._change = change or SlotChange()
         holder: list[Any] = [slot.engine]
         slot.engine = None
         logger.info("unloading model %r (%s)", slot.name, why)
@@ -326,11 +382,17 @@ class Residency:
                     # waited for the lock.
                     at = due(slot)
                     if at is not None and at <= now:
-                        await self._unload(slot, f"idle for {slot.idle_timeout:g} s")
+                        idle = f"idle for {slot.unload_after:g} s"
+                        await self._unload(slot, idle)
 
     def _notify(self) -> None:
         if self._wake is not None:
             self._wake.set()
+
+
+def _held(slot: ModelSlot) -> bool:
+    """Whether its weights are in memory."""
+    return slot.state in (SlotState.LOADED, SlotState.DRAINING)
 
 
 class StartUpRefusal:

@@ -1,6 +1,6 @@
-"""The small routes and the error edge: ``/v1/models``, the API key check,
-and :class:`ErrorEdge`, which answers every refusal outside a door in the
-shape of the route it happens on.
+"""The small routes and the error edge: ``/v1/models`` and its loads and
+unloads by API, the API key check, and :class:`ErrorEdge`, which answers
+every refusal outside a door in the shape of the route it happens on.
 
 Event loop only.
 """
@@ -19,20 +19,24 @@ from starlette.routing import Route
 
 from .errors import OPENAI_ERRORS, APIError, ErrorShape, internal_error
 from .playground import ASSETS_PREFIX, PAGE
+from .served_models import SlotState, expires_at
 
 if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.routing import BaseRoute
     from starlette.types import ASGIApp, Receive, Scope, Send
 
+    from .residency import Residency
     from .served_models import ServedModel, ServedModels
 
 __all__ = [
     "APIKeyMiddleware",
     "ErrorEdge",
+    "load_model",
     "model",
     "model_card",
     "models",
+    "unload_model",
 ]
 
 logger = logging.getLogger("mlx_pinned.server")
@@ -96,18 +100,26 @@ class ErrorEdge:
 def model_card(served: ServedModel, request: Request) -> dict[str, Any]:
     """The ``/v1/models`` entry of a served model; ``created``: when it was
     loaded (now, while it loads), or for one loaded on first use, when the
-    server was made; while it is loaded, what its engine's facts add."""
-    if not served.slot.pinned:
-        created = int(served.slot.created)
+    server was made; where it is (``state``, ``weight_bytes`` while loaded,
+    ``expires_at``: when it will be unloaded, Unix seconds, null for never);
+    while it is loaded, what its engine's facts add."""
+    slot = served.slot
+    if not slot.at_start_up:
+        created = int(slot.created)
     else:
         loaded = served.engine()
         created = int(getattr(loaded, "loaded_at", None) or time.time())
+    expires = expires_at(slot)
     card: dict[str, Any] = {
         "id": served.name,
         "object": "model",
         "created": created,
         "owned_by": "mlx-pinned",
         "kind": served.kind,
+        "state": slot.state.value,
+        "pinned": slot.pinned,
+        "weight_bytes": slot.weight_bytes if slot.state is SlotState.LOADED else None,
+        "expires_at": None if expires is None else int(expires),
     }
     engine = served.engine()
     if engine is not None:
@@ -122,6 +134,27 @@ async def models(served: ServedModels, request: Request) -> Response:
 
 async def model(served: ServedModels, request: Request) -> Response:
     found = served.get(request.path_params["model_id"])
+    return JSONResponse(model_card(found, request))
+
+
+async def load_model(
+    served: ServedModels, residency: Residency, request: Request
+) -> Response:
+    """``POST /v1/models/{id}/load``: its card once it is loaded (at once if
+    it was); its idle timeout counts from then."""
+    found = served.get(request.path_params["model_id"])
+    async with residency.use(found):
+        pass
+    return JSONResponse(model_card(found, request))
+
+
+async def unload_model(
+    served: ServedModels, residency: Residency, request: Request
+) -> Response:
+    """``POST /v1/models/{id}/unload``: its card once the requests using it
+    have ended and it is unloaded; the next request loads it again."""
+    found = served.get(request.path_params["model_id"])
+    await residency.unload(found, "unloaded by API")
     return JSONResponse(model_card(found, request))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
@@ -28,7 +29,7 @@ from ..kinds import kind_named
 from .errors import APIError
 
 if TYPE_CHECKING:
-    from ..resident import Resident
+    from ..resident import Facts, Resident
 
 __all__ = [
     "BatchGate",
@@ -38,6 +39,7 @@ __all__ = [
     "SlotChange",
     "SlotState",
     "due",
+    "expires_at",
     "model_not_found",
 ]
 
@@ -48,6 +50,7 @@ class SlotState(enum.Enum):
     UNLOADED = "unloaded"
     LOADING = "loading"
     LOADED = "loaded"
+    DRAINING = "draining"
     UNLOADING = "unloading"
 
 
@@ -69,42 +72,85 @@ class ModelSlot:
     Attributes:
         load, measure: Run on the MLX thread; ``measure`` gives the weight
             bytes from the checkpoint, the budget's before the first load.
-        pinned: Loaded by the lifespan at start-up and never unloaded.
+        at_start_up: Loaded by the lifespan at start-up; never unloaded but
+            by a request (``keep_alive``, an unload by API).
+        pinned: Never unloaded by the idle timeout, ``keep_alive`` or the
+            memory budget; only by an unload by API.
         idle_timeout: Seconds idle before it is unloaded (None: never).
+        keep_alive: The last Ollama request's ``keep_alive`` in seconds,
+            which replaces ``idle_timeout`` (``math.inf``: never; None: none
+            was asked).
+        holders: Requests that named it, waiting for it or using it.
+        serving: Those that have its engine (an unload drains them).
         idle_since: When the last holder let go (``anyio.current_time()``),
             while LOADED and idle; None otherwise.
         created: Unix time the server was made: the ``created`` in
             ``/v1/models``, which does not move with loads.
+        facts: Its engine's facts at its last load (None: never loaded).
     """
 
     name: str
     load: Callable[[], Awaitable[Resident]]
     measure: Callable[[], Awaitable[int]]
+    at_start_up: bool = False
     pinned: bool = False
     idle_timeout: float | None = None
+    keep_alive: float | None = None
     state: SlotState = SlotState.UNLOADED
     engine: Resident | None = None
     holders: int = 0
+    serving: int = 0
     weight_bytes: int | None = None
     idle_since: float | None = None
     created: float = field(default_factory=time.time)
     loads: int = 0
     unloads: int = 0
     failures: int = 0
+    facts: Facts | None = None
     _change: SlotChange | None = field(default=None, repr=False)
+    _drained: anyio.Event | None = field(default=None, repr=False)
 
     @property
     def idle(self) -> bool:
-        """Loaded on first use, loaded now, and held by no request."""
-        return self.state is SlotState.LOADED and self.holders == 0 and not self.pinned
+        """Loaded now, and held by no request."""
+        return self.state is SlotState.LOADED and self.holders == 0
+
+    @property
+    def evictable(self) -> bool:
+        """Idle, and one the memory budget may unload: loaded on first use
+        and not pinned."""
+        return self.idle and not self.at_start_up and not self.pinned
+
+    @property
+    def unload_after(self) -> float | None:
+        """Seconds idle before it is unloaded (None: never)."""
+        if self.pinned:
+            return None
+        timeout = self.keep_alive
+        if timeout is None:
+            timeout = None if self.at_start_up else self.idle_timeout
+        return None if timeout is None or math.isinf(timeout) else timeout
 
 
 def due(slot: ModelSlot) -> float | None:
     """When an idle slot is unloaded (``anyio.current_time()``); None while
     it is not idle, or never is unloaded for it."""
-    if not slot.idle or slot.idle_since is None or slot.idle_timeout is None:
+    after = slot.unload_after
+    if not slot.idle or slot.idle_since is None or after is None:
         return None
-    return slot.idle_since + slot.idle_timeout
+    return slot.idle_since + after
+
+
+def expires_at(slot: ModelSlot) -> float | None:
+    """When a loaded slot will be unloaded, as Unix time (at the soonest,
+    while a request uses it); None while it is not loaded, or never will
+    be."""
+    after = slot.unload_after
+    if slot.state is not SlotState.LOADED or after is None:
+        return None
+    at = due(slot)
+    left = after if at is None else at - anyio.current_time()
+    return time.time() + max(left, 0.0)
 
 
 @dataclass(frozen=True)
@@ -166,12 +212,14 @@ class ServedModels:
         return list(self._by_name)
 
     def get(self, name: str) -> ServedModel:
-        """The model served as ``name``; a 404 naming the served ones if
-        none is."""
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise model_not_found(name, self.names) from None
+        """The model served as ``name``, or as ``name`` with Ollama's
+        default tag ``:latest``; a 404 naming the served ones if none is."""
+        found = self._by_name.get(name) or self._by_name.get(
+            name.removesuffix(":latest")
+        )
+        if found is None:
+            raise model_not_found(name, self.names)
+        return found
 
 
 @dataclass(order=True)

@@ -158,12 +158,20 @@ class ResponseWriter:
         await self.send(body, more=False)
 
     async def start_stream(
-        self, first: bytes, *, failed: Callable[[APIError], bytes] | None = None
+        self,
+        first: bytes,
+        *,
+        failed: Callable[[APIError], bytes] | None = None,
+        media_type: bytes | None = None,
     ) -> None:
-        """Begin server-sent events with ``first``; a failure later ends the
-        stream with ``failed(error)`` (default: the API's error event)."""
+        """Begin server-sent events (or another stream of ``media_type``)
+        with ``first``; a failure later ends the stream with
+        ``failed(error)`` (default: the API's error event)."""
         self._failed = failed or self.errors.event
-        await self._start(200, _SSE_HEADERS)
+        headers = _SSE_HEADERS
+        if media_type is not None:
+            headers = [(b"content-type", media_type), *_SSE_HEADERS[1:]]
+        await self._start(200, headers)
         await self.send(first)
 
     async def start_file_stream(self, media_type: bytes, first: bytes) -> None:

@@ -26,6 +26,7 @@ COMMON_SETTINGS = frozenset(
         "max_pending",
         "load_on_first_use",
         "idle_unload_timeout",
+        "pinned",
     }
 )
 

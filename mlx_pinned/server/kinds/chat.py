@@ -27,6 +27,7 @@ def _routes(wiring: Any) -> list[Any]:
     from ..http.chat_completions import ChatCompletionsEndpoint
     from ..http.completions import CompletionsEndpoint
     from ..http.door import routes
+    from ..http.ollama import ChatEndpoint, GenerateEndpoint
     from ..http.responses_api import ResponsesEndpoint
     from ..http.responses_api import routes as stored
     from ..http.tokenize import DetokenizeEndpoint, TokenizeEndpoint
@@ -38,6 +39,8 @@ def _routes(wiring: Any) -> list[Any]:
         DetokenizeEndpoint,
         MessagesEndpoint,
         CountTokensEndpoint,
+        ChatEndpoint,
+        GenerateEndpoint,
     )
     return [
         *routes(*(door(wiring) for door in doors)),

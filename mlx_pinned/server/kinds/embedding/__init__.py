@@ -1,4 +1,5 @@
-"""The embedding kind: ``/v1/embeddings``. Any thread."""
+"""The embedding kind: ``/v1/embeddings`` (and Ollama's ``/api/embed``).
+Any thread."""
 
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ def _load(settings: ModelSettings, thread: MLXThread) -> Any:
 
 def _routes(wiring: Any) -> list[Any]:
     from ...http.door import routes
+    from ...http.ollama import EmbeddingsEndpoint as Legacy
+    from ...http.ollama import EmbedEndpoint
     from .route import EmbeddingsEndpoint
 
-    return routes(EmbeddingsEndpoint(wiring))
+    return routes(EmbeddingsEndpoint(wiring), EmbedEndpoint(wiring), Legacy(wiring))
 
 
 def _demo() -> Path:
