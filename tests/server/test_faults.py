@@ -5,13 +5,21 @@ shape, and the server keeps serving."""
 from __future__ import annotations
 
 import json
-from typing import Any
+import logging
+from typing import Any, NoReturn
 
 import anyio
 import httpx
 import pytest
 
+from mlx_pinned.server.engine import state as batch_state
+from mlx_pinned.server.engine.answers import RowAnswer
+from mlx_pinned.server.engine.prompt_cache import PromptCache
+from mlx_pinned.server.engine.rows import Row
+from mlx_pinned.server.engine.state import BatchState
+
 from .conftest import (
+    MODEL,
     assert_error,
     drive,
     replace_generation,
@@ -19,7 +27,7 @@ from .conftest import (
     until,
     vision_body,
 )
-from .kit import WAIT, Deadlines, Serve, Served, SlowModel
+from .kit import TOL, WAIT, Deadlines, Serve, Served, SlowModel, hold_until
 
 pytestmark = pytest.mark.anyio
 
@@ -280,16 +288,18 @@ class TestModelFault:
                 return original(self, *args, **kwargs)
 
             monkeypatch.setattr(cls, "__call__", faulty)
-            error = assert_error(await served.chat(vision_body(20)), 500)
+            response = await served.chat(vision_body(20))
+            error = assert_error(response, 503, None, "generation_failed")
             assert error["type"] == "server_error"
             assert "injected" not in error["message"]  # no internals leak
+            assert response.headers["retry-after"] == "1"
 
             calls[0] = 0
             response = await served.chat(vision_body(20, stream=True))
             assert response.status_code == 200
             events = sse_events(response.text)
             assert "[DONE]" not in events
-            assert events[-1]["error"]["type"] == "server_error"
+            assert events[-1]["error"]["code"] == "generation_failed"
             assert any(e["choices"][0]["delta"].get("content") for e in events[1:-1])
 
             monkeypatch.undo()  # the model is healthy again: so is the server
@@ -299,3 +309,203 @@ class TestModelFault:
             await settled(served)
             assert served.thread.statistics().open_streams == 0
             assert not served.thread.closed
+
+
+# -- a failed step fails only the rows it touched -------------------------------
+
+#: The ``max_tokens`` of the request an injected fault hits.
+VICTIM = 7
+
+
+def text_body(prompt: str, max_tokens: int, **fields: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+        **fields,
+    }
+
+
+BODIES = {
+    # Decoding when the fault comes (long enough to still be then).
+    "a": text_body("Tell me a story.", 400, ignore_eos=True),
+    "b": text_body("Count to ten.", 400, ignore_eos=True),
+    # Admitted in the fault's turn: the one it hits, and one waiting to join
+    # (its prompt prefilled a 32-token chunk per step, for several steps).
+    "victim": text_body("Hi!", VICTIM),
+    "waiting": text_body("Sum up: " + "the cat sat on the mat, " * 16, 6),
+    # Sent once the victim is answered.
+    "after": text_body("And now?", 5),
+}
+
+
+class Fault:
+    """A fault injected into one step's stage: it raises once, in the first
+    step of that stage that holds the victim (the row of the request whose
+    ``max_tokens`` is :data:`VICTIM`)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.monkeypatch = monkeypatch
+        self.state: BatchState | None = None
+        self.victim: Row | None = None
+        self.fired = 0
+        self.prefilling: list[int] = []  # max_tokens of the rows it held then
+        admit = BatchState.admit
+
+        def admitting(state: BatchState, params: Any, images: Any) -> Row:
+            row = admit(state, params, images)
+            self.state = state
+            if params.max_tokens == VICTIM:
+                self.victim = row
+            return row
+
+        monkeypatch.setattr(BatchState, "admit", admitting)
+
+    def fire(self, stage: str) -> NoReturn:
+        self.fired += 1
+        assert self.state is not None
+        self.prefilling = [row.max_tokens for row, _ in self.state.prefilling]
+        raise RuntimeError(f"injected fault in {stage}")
+
+    def armed(self) -> bool:
+        return self.victim is not None and not self.fired
+
+    def inject(self, stage: str) -> None:
+        """Make ``stage`` fail (the batch's rows decode already)."""
+        state, patch = self.state, self.monkeypatch
+        assert state is not None
+        assert state.cache is not None
+        if stage == "prefill":
+            first_tokens = batch_state.first_tokens
+
+            def failing_first(rows: list[Row], group: Any) -> None:
+                if self.victim in rows:  # together, then alone: it fails twice
+                    self.fire(stage)
+                first_tokens(rows, group)
+
+            patch.setattr(batch_state, "first_tokens", failing_first)
+        elif stage == "lookup":
+            lookup = PromptCache.lookup
+
+            def failing_lookup(cache: PromptCache, key: Any, limit: int) -> Any:
+                if self.victim is not None and key is self.victim.key:
+                    self.fire(stage)
+                return lookup(cache, key, limit)
+
+            patch.setattr(PromptCache, "lookup", failing_lookup)
+        elif stage == "join":
+            layer = type(state.cache[0])
+            extend = layer.extend
+
+            def failing_extend(cache: Any, other: Any) -> None:
+                if self.armed():
+                    self.fire(stage)
+                extend(cache, other)
+
+            patch.setattr(layer, "extend", failing_extend)
+        elif stage == "decode":
+            model = type(state.lm)
+            forward = model.__call__
+
+            def failing_forward(lm: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
+                if self.armed() and inputs.shape[1] == 1 and self.victim in state.rows:
+                    self.fire(stage)
+                return forward(lm, inputs, *args, **kw)
+
+            patch.setattr(model, "__call__", failing_forward)
+        else:
+            read = RowAnswer.read
+
+            def failing_read(answer: RowAnswer) -> Any:
+                if answer.row is self.victim:
+                    self.fire(stage)
+                return read(answer)
+
+            patch.setattr(RowAnswer, "read", failing_read)
+
+
+#: The requests each stage's fault fails: a join or a decode step touches
+#: the batch's rows too.
+TOUCHED = {
+    "prefill": {"victim"},
+    "lookup": {"victim"},
+    "join": {"victim", "a", "b"},
+    "decode": {"victim", "a", "b"},
+    "hand-out": {"victim"},
+}
+#: What the ERROR line names for each stage.
+NAMED = {
+    "prefill": "prefill",
+    "lookup": "prompt cache lookup",
+    "join": "join",
+    "decode": "decode",
+    "hand-out": "hand-out",
+}
+STEPPED = {
+    "max_num_seqs": 8,
+    "request_timeout": Deadlines.FAR,  # a hang fails the test's own deadline
+    "prefill_step_size": 32,
+    "prefill_step_seconds": None,
+}
+
+
+def chosen(response: httpx.Response) -> list[tuple[str, float]]:
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    return [(entry["token"], entry["logprob"]) for entry in content]
+
+
+def assert_exact(ours: httpx.Response, fresh: httpx.Response) -> None:
+    mine, theirs = chosen(ours), chosen(fresh)
+    assert [t for t, _ in mine] == [t for t, _ in theirs]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(mine, theirs, strict=True)) <= TOL
+
+
+class TestStepFaults:
+    @pytest.mark.parametrize("stage", list(TOUCHED))
+    async def test_a_fault_fails_only_the_rows_its_stage_touched(
+        self,
+        serve: Serve,
+        monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+        stage: str,
+    ) -> None:
+        untouched = [name for name in BODIES if name not in TOUCHED[stage]]
+        async with serve(**STEPPED) as reference:
+            fresh = {name: await reference.chat(BODIES[name]) for name in untouched}
+        fault = Fault(monkeypatch)
+        answers: dict[str, httpx.Response] = {}
+        async with serve(**STEPPED) as served:
+
+            async def ask(name: str) -> None:
+                answers[name] = await served.chat(BODIES[name])
+
+            loop = served.engine.loop
+            caplog.set_level(logging.WARNING)
+            with anyio.fail_after(WAIT):
+                async with anyio.create_task_group() as group:
+                    group.start_soon(ask, "a")
+                    group.start_soon(ask, "b")
+                    await until(lambda: served.engine.statistics().active == 2)
+                    fault.inject(stage)
+                    # The victim, then the waiting one, admitted in one turn.
+                    held = hold_until(served.thread, lambda: loop.queued() == 2)
+                    group.start_soon(ask, "victim")
+                    await until(lambda: loop.queued() == 1)
+                    group.start_soon(ask, "waiting")
+                    await anyio.to_thread.run_sync(held.result, WAIT)
+                    await until(lambda: "victim" in answers)
+                    group.start_soon(ask, "after")
+        assert fault.fired
+        if stage in ("join", "decode"):  # the waiting one: still prefilled then
+            assert fault.prefilling == [BODIES["waiting"]["max_tokens"]]
+        for name in TOUCHED[stage]:
+            error = assert_error(answers[name], 503, None, "generation_failed")
+            assert "send the request again" in error["message"]
+        for name in untouched:
+            assert_exact(answers[name], fresh[name])
+        (line,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert NAMED[stage] in line.getMessage()
+        assert "injected fault" in line.getMessage()

@@ -163,7 +163,7 @@ class TestTheFiles:
         assert list(tmp_path.iterdir()) == []
         assert tier.enabled
 
-    def test_a_truncated_file_is_skipped_with_a_warning(
+    def test_a_truncated_file_is_skipped_at_start_with_a_warning(
         self, tmp_path: Path, caplog: pytest.LogCaptureFixture
     ) -> None:
         tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
@@ -171,6 +171,22 @@ class TestTheFiles:
         tier.close()
         (path,) = tmp_path.glob("*.kv")
         path.write_bytes(path.read_bytes()[:-100])
+        with caplog.at_level(logging.WARNING, "mlx_pinned.server"):
+            again = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        assert "its size is not what its header says" in caplog.text
+        assert again.best(key(1, 2, 3), 3) == (None, 0)
+        assert not path.exists()
+
+    def test_a_changed_file_is_skipped_when_loaded_with_a_warning(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        tier.save(key(1, 2, 3), layers(3, seed=1))
+        tier.close()
+        (path,) = tmp_path.glob("*.kv")
+        raw = bytearray(path.read_bytes())
+        raw[-100] ^= 0xFF
+        path.write_bytes(raw)
         again = DiskTier(tmp_path, 10**7, FINGERPRINT)
         name, _ = again.best(key(1, 2, 3), 3)
         assert name == path.name
@@ -277,7 +293,7 @@ class TestImageFiles:
 
     @pytest.mark.parametrize(
         ("damage", "warned"),
-        [("truncate", "checksum does not match"), ("rows", "do not match the image")],
+        [("change", "checksum does not match"), ("rows", "do not match the image")],
     )
     def test_an_image_file_that_fails_a_check_is_skipped_with_a_warning(
         self,
@@ -290,8 +306,10 @@ class TestImageFiles:
         tier.save_image(DIGEST, image_output(4, seed=1, deep=2))
         tier.close()
         (path,) = tmp_path.iterdir()
-        if damage == "truncate":
-            path.write_bytes(path.read_bytes()[:-10])
+        if damage == "change":
+            raw = bytearray(path.read_bytes())
+            raw[-10] ^= 0xFF
+            path.write_bytes(raw)
         again = DiskTier(tmp_path, 10**7, FINGERPRINT)
         rows = 5 if damage == "rows" else 4
         with caplog.at_level(logging.WARNING, "mlx_pinned.server"):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,10 +21,11 @@ import numpy as np
 __all__ = ["FORMAT", "arrays", "header", "model_fingerprint", "read"]
 
 #: The files' format (in each header, and in each model's fingerprint).
-FORMAT = 2
+FORMAT = 3
 #: Bytes of each weight file read into the model's fingerprint (its head).
 HEAD_BYTES = 1 << 16
 _LENGTH = struct.Struct("<Q")
+_MAX_DIM = 2**31  # MLX's shapes are int32
 _DTYPES: dict[str, tuple[Any, Any]] = {
     # name: (MLX dtype, the NumPy dtype its bytes are read as)
     "float32": (mx.float32, np.float32),
@@ -69,49 +72,81 @@ def read(
     path: Path, model: str, *, header_only: bool = False
 ) -> tuple[dict[str, Any], bytes]:
     """A file's header and its arrays' bytes, checked against ``model`` and the
-    format (and, read whole, the checksum).
+    format (and, read whole, the checksum). Every field is bounded by the
+    file's size before it is used: no value in a file can make it read past
+    its end or allocate more than it holds.
 
     Raises:
-        ValueError: The file is not whole and unchanged (or KeyError,
-            TypeError for a header that is not one).
+        ValueError: The file is not whole, unchanged and this model's.
     """
     with path.open("rb") as file:
+        size = os.fstat(file.fileno()).st_size
         raw = file.read(_LENGTH.size)
         if len(raw) != _LENGTH.size:
             raise ValueError("it is too short to be a disk tier file")
         (length,) = _LENGTH.unpack(raw)
-        text = file.read(length)
-        if len(text) != length:
-            raise ValueError("its header is cut short")
-        found = json.loads(text)
-        payload = b"" if header_only else file.read()
-    if not isinstance(found, dict):
-        raise ValueError("its header is not an object")
-    if found.get("format") != FORMAT or found.get("model") != model:
-        raise ValueError("of another format or model")
+        if length > size - _LENGTH.size:
+            raise ValueError(f"its header length ({length}) is past its end")
+        found = _header(file.read(length), model)
+        payload_size = size - _LENGTH.size - length
+        if payload_size != sum(_nbytes(spec) for spec in found["arrays"]):
+            raise ValueError("its size is not what its header says")
+        payload = b"" if header_only else file.read(payload_size)
+    if not header_only and len(payload) != payload_size:
+        raise ValueError("it was cut short while read")
     fields = {k: v for k, v in found.items() if k != "checksum"}
-    if not header_only and _checksum(fields, [payload]) != found.get("checksum"):
+    if not header_only and _checksum(fields, [payload]) != found["checksum"]:
         raise ValueError("its checksum does not match (truncated or changed)")
     return found, payload
 
 
 def arrays(found: dict[str, Any], payload: bytes) -> list[mx.array]:
-    """The arrays a header describes, out of ``payload`` (evaluated)."""
+    """The arrays a header :func:`read` checked describes, out of ``payload``
+    (evaluated)."""
     offset = 0
     out = []
     for dtype_name, shape in found["arrays"]:
         kind, stored = _DTYPES[dtype_name]
-        count = int(np.prod(shape))
-        size = count * np.dtype(stored).itemsize
-        if offset + size > len(payload):
-            raise ValueError("it is shorter than its header says")
+        count = math.prod(shape)
         raw = np.frombuffer(payload, stored, count, offset)
         out.append(mx.array(raw.reshape(shape)).view(kind))
-        offset += size
-    if offset != len(payload):
-        raise ValueError("it is longer than its header says")
+        offset += count * np.dtype(stored).itemsize
     mx.eval(out)
     return out
+
+
+def _header(text: bytes, model: str) -> dict[str, Any]:
+    """A header's fields, once its format, model and arrays are known good."""
+    try:
+        found = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"its header is not JSON ({exc})") from None
+    if not isinstance(found, dict):
+        raise ValueError("its header is not an object")
+    if found.get("format") != FORMAT or found.get("model") != model:
+        raise ValueError("of another format or model")
+    specs = found.get("arrays")
+    if not isinstance(specs, list) or not all(map(_is_spec, specs)):
+        raise ValueError("its header's arrays are not dtypes and shapes")
+    if not isinstance(found.get("checksum"), str):
+        raise ValueError("its header has no checksum")
+    return found
+
+
+def _is_spec(spec: Any) -> bool:
+    return (
+        isinstance(spec, list)
+        and len(spec) == 2
+        and isinstance(spec[0], str)
+        and spec[0] in _DTYPES
+        and isinstance(spec[1], list)
+        and all(type(dim) is int and 0 <= dim < _MAX_DIM for dim in spec[1])
+    )
+
+
+def _nbytes(spec: list[Any]) -> int:
+    dtype_name, shape = spec
+    return int(math.prod(shape)) * int(np.dtype(_DTYPES[dtype_name][1]).itemsize)
 
 
 def _spec(array: mx.array) -> tuple[str, list[int]]:

@@ -17,6 +17,7 @@ from mlx_pinned.types import Checkpoint
 
 from .answers import Outputs, Request, RowAnswer
 from .state import BatchState
+from .step_failures import StepFailedError, end_rows, fail_all
 
 __all__ = ["BatchLoop", "turns"]
 
@@ -108,10 +109,11 @@ class BatchLoop:
             try:
                 self.state.step()
             except Exception as exc:
-                # The step failed its rows; a step that failed before it
-                # reached them (a tensor-parallel leader's send) fails them here.
-                logger.debug("a batch step failed", exc_info=True)
-                self.state.fail(exc)
+                # Before it reached its rows (a tensor-parallel leader's send).
+                logger.error("a batch step failed; every row ends", exc_info=exc)
+                error = StepFailedError("start")
+                error.__cause__ = exc
+                fail_all(self.state, error)
         for request in list(self._requests):
             self._hand_out(request, outputs)
         return outputs
@@ -171,7 +173,7 @@ class BatchLoop:
         try:
             items, ended = answer.read()
         except Exception as exc:  # a tokenizer's failure ends its request only
-            items, ended = [exc], True
+            items, ended = [end_rows([answer.row], "hand-out", exc)], True
         if ended:
             self._requests.remove(request)
             self.state.leave(answer.row)
@@ -185,7 +187,7 @@ class BatchLoop:
     def _abandon(self) -> None:
         """The loop stops with rows in it: fail them, and drop the inbox (the
         driver fails those requests)."""
-        self.state.fail(RuntimeError("the batch's loop was closed"))
+        fail_all(self.state, RuntimeError("the batch's loop was closed"))
         self._requests = []
         while True:
             try:

@@ -1,7 +1,7 @@
 """The caches' disk tier (docs/caching.md): prompt cache entries (``.kv``)
 and images' outputs (``.img``) as files under ``state_dir``, within one
 byte budget. Lookups and loads run on the MLX thread, writes on a thread
-of the tier's own. A file that fails a check is skipped, never served; a
+of the tier's own. A file that fails a check is removed, never served; a
 failed write turns the tier off and the caches go on in memory.
 """
 
@@ -97,13 +97,14 @@ class DiskTier:
         return found, length
 
     def load(self, name: str) -> tuple[Any, list[tuple[Any, Any]]] | None:
-        """A prompt cache file's key and layers, checked; None (with a warning, the
-        file dropped) when it fails a check."""
-        read = self._load(name, _layers)
-        if read is None:
+        """A prompt cache file's key and layers, checked (its key must be the one
+        :meth:`best` found it by); None where it is gone or fails a check."""
+        with self._lock:
+            file = self._files.get(name)
+        if file is None or file.key is None:
             return None
-        header, layers = read
-        return _key(header), layers
+        layers = self._load(name, functools.partial(_layers, key=file.key))
+        return None if layers is None else (file.key, layers)
 
     def save(self, key: Any, layers: Sequence[tuple[Any, Any]]) -> None:
         """Write an entry on the writer thread; entries whose keys are a prefix of
@@ -124,8 +125,7 @@ class DiskTier:
         with self._lock:
             if name not in self._files:
                 return None
-        read = self._load(name, functools.partial(_image, rows=rows))
-        return None if read is None else read[1]
+        return self._load(name, functools.partial(_image, digest=digest, rows=rows))
 
     def save_image(self, digest: bytes, output: ImageOutput) -> None:
         """Write an image's outputs on the writer thread (made contiguous: the
@@ -135,7 +135,7 @@ class DiskTier:
         features, deep = output
         arrays = [mx.contiguous(array) for array in (features, *(deep or ()))]
         mx.eval(arrays)
-        meta = {"deep": None if deep is None else len(deep)}
+        meta = {"key": digest.hex(), "deep": None if deep is None else len(deep)}
         self._put(_Write(_image_name(digest), None, meta, arrays))
 
     def _put(self, item: _Write) -> None:
@@ -153,23 +153,22 @@ class DiskTier:
 
     def _load(
         self, name: str, build: Callable[[dict[str, Any], list[mx.array]], _T]
-    ) -> tuple[dict[str, Any], _T] | None:
-        """A file's header and what ``build`` makes of its arrays (``build`` raises
-        ValueError for arrays its kind cannot take); None where a check fails."""
+    ) -> _T | None:
+        """What ``build`` makes of a file's header and arrays (it raises
+        ValueError for what its kind cannot take); None where a check fails."""
         path = self.folder / name
         try:
             header, payload = disk_format.read(path, self.fingerprint)
             built = build(header, disk_format.arrays(header, payload))
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-            logger.warning("disk tier file %s skipped: %s", path, exc)
-            self._forget(name, unlink=True)
+        except Exception as exc:  # whatever a file holds, no request sees it
+            self._damaged(path, exc)
             return None
         with self._lock:
             if name in self._files:
                 self._files.move_to_end(name)
         with contextlib.suppress(OSError):
             os.utime(path)  # a restart orders the files by their last use
-        return header, built
+        return built
 
     def flush(self) -> None:
         """Wait until every entry handed over is written (or refused)."""
@@ -252,23 +251,26 @@ class DiskTier:
         for path in sorted(paths, key=_mtime):
             try:
                 header, _ = disk_format.read(path, self.fingerprint, header_only=True)
-                key = None if path.suffix == IMAGE_SUFFIX else _key(header)
+                key = _named_key(header, path.name)
                 size = path.stat().st_size
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                logger.warning("disk tier file %s skipped: %s", path, exc)
+            except Exception as exc:  # whatever a file holds, the server starts
+                self._damaged(path, exc)
                 continue
             self._files[path.name] = _File(key, size)
             self._bytes += size
         for stale in self.folder.glob(".*.tmp"):  # a write cut short
             stale.unlink(missing_ok=True)
 
-    def _forget(self, name: str, *, unlink: bool) -> None:
+    def _damaged(self, path: Path, exc: Exception) -> None:
+        """Skip and remove a file that failed a check, with one warning line."""
+        why = str(exc) if isinstance(exc, (OSError, ValueError)) else repr(exc)
+        logger.warning("disk tier file %s skipped and removed: %s", path, why)
         with self._lock:
-            file = self._files.pop(name, None)
+            file = self._files.pop(path.name, None)
             if file is not None:
                 self._bytes -= file.nbytes
-        if unlink:
-            (self.folder / name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
 
     def _off(self, why: str) -> None:
         logger.warning("the caches' disk tier off, memory only: %s", why)
@@ -280,8 +282,25 @@ def _name(key: Any) -> str:
     return digest.hexdigest() + SUFFIX
 
 
-def _key(header: dict[str, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
-    return np.frombuffer(bytes.fromhex(header["key"]), dtype=np.int64)
+def _named_key(
+    header: dict[str, Any], name: str
+) -> np.ndarray[Any, np.dtype[np.int64]] | None:
+    """The prompt key a file's header holds (None: an image's).
+
+    Raises:
+        ValueError: It is not the key the file's ``name`` is made from.
+    """
+    text = header.get("key")
+    if not isinstance(text, str):
+        raise ValueError("its header has no key")
+    if name.endswith(IMAGE_SUFFIX):
+        if _image_name(bytes.fromhex(text)) != name:
+            raise ValueError("it holds another image's outputs than its name says")
+        return None
+    key = np.frombuffer(bytes.fromhex(text), dtype=np.int64)
+    if not len(key) or _name(key) != name:
+        raise ValueError("it holds another prompt's entry than its name says")
+    return key
 
 
 def _image_name(digest: bytes) -> str:
@@ -299,12 +318,25 @@ def _pieces(part: Any) -> tuple[Any, ...]:
     return part if isinstance(part, tuple) else (part,)
 
 
-def _layers(header: dict[str, Any], arrays: list[mx.array]) -> list[tuple[Any, Any]]:
+def _layers(
+    header: dict[str, Any], arrays: list[mx.array], *, key: Any
+) -> list[tuple[Any, Any]]:
     """A prompt cache entry's layers: its ``parts`` (a layer's keys, then its
-    values) of one array, or of a quantized three."""
-    counts = header["parts"]
-    if sum(counts) != len(arrays) or len(counts) % 2:
+    values) of one array, or of a quantized three, each (1, H, T, D) with a
+    token per ``key`` (the key it was looked up by)."""
+    found = _named_key(header, _name(key))
+    if found is None or not np.array_equal(found, key):
+        raise ValueError("it holds another prompt's entry than its name says")
+    counts = header.get("parts")
+    if (
+        not isinstance(counts, list)
+        or not all(type(count) is int and count > 0 for count in counts)
+        or sum(counts) != len(arrays)
+        or len(counts) % 2
+    ):
         raise ValueError("its parts do not match its arrays")
+    if any(a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != len(key) for a in arrays):
+        raise ValueError("its arrays do not hold its key's tokens")
     parts: list[Any] = []
     for count in counts:
         pieces, arrays = arrays[:count], arrays[count:]
@@ -312,8 +344,15 @@ def _layers(header: dict[str, Any], arrays: list[mx.array]) -> list[tuple[Any, A
     return list(zip(parts[::2], parts[1::2], strict=True))
 
 
-def _image(header: dict[str, Any], arrays: list[mx.array], *, rows: int) -> ImageOutput:
-    deep = header["deep"]
-    if len(arrays) != 1 + (deep or 0) or any(a.shape[0] != rows for a in arrays):
+def _image(
+    header: dict[str, Any], arrays: list[mx.array], *, digest: bytes, rows: int
+) -> ImageOutput:
+    _named_key(header, _image_name(digest))
+    deep = header.get("deep")
+    if deep is not None and (type(deep) is not int or deep < 0):
+        raise ValueError("its deepstack count is not one")
+    if len(arrays) != 1 + (deep or 0) or any(
+        a.ndim == 0 or a.shape[0] != rows for a in arrays
+    ):
         raise ValueError("its arrays do not match the image")
     return arrays[0], None if deep is None else arrays[1:]

@@ -30,6 +30,7 @@ from .prompt_cache import Key, PromptCache
 from .quirks import plain_caches, unmask_if_unpadded
 from .rows import Row, make_row, media_tokens
 from .sampling import vlm
+from .step_failures import end_rows, fail_all, fail_batch
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -85,6 +86,7 @@ class BatchState:
         self.deltas: mx.array | None = None
         self.decoder = Decoder()
         self.tally = Tally()
+        self.stage = "decode"  # of the strategy's calls: what a failure hit
 
     def statistics(self) -> BatchStatistics:
         return self.tally.snapshot(
@@ -147,21 +149,36 @@ class BatchState:
         if not waiting and not self.prefilling:
             return False
         start = time.perf_counter()
-        # A scored prompt is prefilled whole: a cached prefix has no scores.
-        prefixes = {
-            row: self._reuse(row)
-            for row in waiting
-            if row.key is not None and row.sampling.prompt_logprobs is None
-        }
+        try:
+            self._start_prefill(waiting)
+            ended = self._advance_prefill(start)
+        except Exception as exc:  # no one prompt's: every prompt it held ends
+            ended = [r for r in waiting if not r.done]
+            ended += [r for r, _ in self.prefilling if r not in ended]
+            self.prefilling = []
+            end_rows(ended, "prefill", exc)
+        self.tally.prefills += len(waiting)
+        self.tally.prefill_seconds += time.perf_counter() - start
+        return any(row.pending or row.error is not None for row in [*waiting, *ended])
+
+    def _start_prefill(self, waiting: list[Row]) -> None:
+        """Prefill the short prompts of ``waiting`` together (they join), and
+        queue the others for :meth:`_advance_prefill`."""
         step = self.prefill_step
-        together = [
-            r
-            for r in waiting
-            if not self.exclusive
-            and not prefixes.get(r)
-            and batchable(self.loaded, _prepared(r), step)
-        ]
-        alone = [r for r in waiting if r not in together]
+        prefixes: dict[Row, list[tuple[Any, Any]]] = {}
+        together: list[Row] = []
+        alone: list[Row] = []
+        for row in waiting:
+            try:
+                prefixes[row] = self._reuse(row)
+            except Exception as exc:
+                end_rows([row], "prompt cache lookup", exc)
+                continue
+            short = batchable(self.loaded, _prepared(row), step)
+            if self.exclusive or prefixes[row] or not short:
+                alone.append(row)
+            else:
+                together.append(row)
         for i in range(0, len(together), PREFILL_BATCH):
             rows = together[i : i + PREFILL_BATCH]
             self.tally.prefill_passes += 1
@@ -177,21 +194,12 @@ class BatchState:
         for row in alone:
             try:
                 job = ChunkedPrefill(
-                    self.loaded,
-                    _prepared(row),
-                    prefixes.get(row, ()),
-                    step,
-                    self.kv_quant,
+                    self.loaded, _prepared(row), prefixes[row], step, self.kv_quant
                 )
             except Exception as exc:
-                row.error, row.done = exc, True
+                end_rows([row], "prefill", exc)
                 continue
             self.prefilling.append((row, job))
-        ended = [row for row in waiting if row.error is not None]
-        ended += self._advance_prefill(start)
-        self.tally.prefills += len(waiting)
-        self.tally.prefill_seconds += time.perf_counter() - start
-        return any(row.pending or row.error is not None for row in [*waiting, *ended])
 
     def _advance_prefill(self, began: float) -> list[Row]:
         """Run the next chunk of the oldest long prompt, then the prompts after it
@@ -222,7 +230,7 @@ class BatchState:
                     return ended
                 first_tokens([row], group)
             except Exception as exc:
-                row.error, row.done = exc, True
+                end_rows([row], "prefill", exc)
             else:
                 self._joined([row], group)
             self.prefilling.pop(0)
@@ -253,18 +261,24 @@ class BatchState:
 
     def _reuse(self, row: Row) -> list[tuple[Any, Any]]:
         """The cached KV of the longest prefix of ``row``'s prompt but its last
-        token, which is run for its first token's logits."""
-        assert row.key is not None
+        token, which is run for its first token's logits; none for a scored
+        prompt (a cached prefix has no scores)."""
+        if row.key is None or row.sampling.prompt_logprobs is not None:
+            return []
         prefix, row.cached = self.prompt_cache.lookup(row.key, len(row.key) - 1)
         return prefix
 
     def _store(self, key: Key, cache: Sequence[Any], index: int) -> None:
         """Cache row ``index`` of a batch ``cache`` under as much of ``key`` as it
-        holds."""
-        layers = [c.extract(index) for c in cache]
-        tokens = layers[0].offset
-        if 0 < tokens <= len(key):
-            self.prompt_cache.store(key[:tokens], [(c.keys, c.values) for c in layers])
+        holds; a failure is logged, and the row goes on."""
+        try:
+            layers = [c.extract(index) for c in cache]
+            tokens = layers[0].offset
+            if 0 < tokens <= len(key):
+                parts = [(c.keys, c.values) for c in layers]
+                self.prompt_cache.store(key[:tokens], parts)
+        except Exception as exc:
+            end_rows((), "prompt cache store", exc)
 
     def leave(self, row: Row) -> None:
         """Take ``row`` out: now if it has not joined, else at the next step."""
@@ -312,12 +326,16 @@ class BatchState:
         unmask_if_unpadded(self.cache)
 
     def join(self) -> None:
-        joining, self.joining = self.joining, []
-        for rows, group in joining:
+        joined = bool(self.joining)
+        while self.joining:
+            rows, group = self.joining.pop(0)
             # Rows that left, or whose first token was also their last.
             keep = [i for i, row in enumerate(rows) if not (row.gone or row.done)]
             if not keep:
                 continue
+            # In the batch before its cache is: a failure from here on ends
+            # them with the batch's rows.
+            self.rows.extend(rows[i] for i in keep)
             cache, deltas = group.cache, group.deltas
             if len(keep) < len(rows):
                 index = mx.array(keep, dtype=mx.int32)
@@ -333,8 +351,7 @@ class BatchState:
             if deltas is not None:
                 parts = [deltas] if self.deltas is None else [self.deltas, deltas]
                 self.deltas = mx.concatenate(parts, axis=0)
-            self.rows.extend(rows[i] for i in keep)
-        if joining:
+        if joined:
             unmask_if_unpadded(self.cache)
             self._token_bytes = bytes_per_token(self.cache or []) or self._token_bytes
 
@@ -344,7 +361,8 @@ class BatchState:
 
         From idle, the prompts' first tokens are handed out at once and the
         decoding starts at the next step, so prompts that keep arriving do not
-        hold it back. A step that fails fails every row and empties the batch.
+        hold it back. A failure ends the rows its stage touched, and no other
+        (docs/engine.md, "When a step fails").
         """
         decoder = self.decoder
         start = time.perf_counter()
@@ -352,8 +370,11 @@ class BatchState:
         idle = not self.rows and not self.joining and decoder.inflight is None
         try:
             stepped = None if self.prefill() and idle else self._strategy(reading)
+        except Exception as exc:
+            fail_batch(self, exc, reading)
+            stepped = None
         except BaseException as exc:
-            self.fail(exc, reading)
+            fail_all(self, exc, reading)
             raise
         if stepped is not None:
             self._apply(stepped)
@@ -384,8 +405,11 @@ class BatchState:
         dropped from the cache, and those prefilled join."""
         last = (r for r in self.decoder.reading() if r.sampled + 1 >= r.max_tokens)
         self.leaving.update(last)
+        self.stage = "leave"
         self.compact()
+        self.stage = "join"
         self.join()
+        self.stage = "decode"
 
     def _apply(self, stepped: Stepped) -> None:
         """Count what a strategy did; its rows that ended leave the batch."""
@@ -400,22 +424,6 @@ class BatchState:
             tally.speculative_rows += stepped.width
             tally.draft_tokens += stepped.drafted
             tally.accepted_tokens += stepped.accepted
-
-    def fail(self, exc: BaseException, reading: Sequence[Row] = ()) -> None:
-        """Fail every row with ``exc``, and those of the step being read
-        (``reading``) that are not done."""
-        joining = [row for rows, _ in self.joining for row in rows]
-        joining += [row for row, _ in self.prefilling]
-        unread = [row for row in reading if not row.done]
-        for row in (*self.rows, *joining, *self.waiting, *unread):
-            row.error = exc
-            row.done = True
-        self.rows, self.joining, self.waiting = [], [], []
-        self.prefilling = []
-        self.cache = self.deltas = None
-        self.decoder.inflight = None
-        self.leaving.clear()
-        self.decoder.bias_stale = True
 
 
 def _prepared(row: Row) -> Prepared:
