@@ -13,18 +13,21 @@ tokens. Measure on a quiet machine; ``--quick`` is a smoke run (under a
 minute).
 
 - Prompt lookup (the default): on the tiny demo model, whose random weights
-  repeat themselves, so prompt lookup finds drafts.
+  repeat themselves, so prompt lookup finds drafts; ``--size bench`` on the
+  bench model (``--size tiny,bench``: both, then side by side), whose
+  32,768-token vocabulary repeats itself less.
 - ``--draft-model PATH --model PATH``: a draft model for a served model
   (on a Mac: real ones).
-- ``--synthetic-draft DAMPING``: a wider, deeper random served model and a
+- ``--synthetic-draft DAMPING``: a random served model (``--size``'s) and a
   one-layer draft that agrees with it on most tokens, written offline by
-  ``_draft_pair.py`` (``DAMPING`` sets how often: 0.1 is about 0.75).
+  ``_draft_pair.py`` (``DAMPING`` sets how often: 0.1 is about 0.75 at the
+  tiny size).
 
 ::
 
     python benchmarks/speculative.py [--quick] [--rounds 5] [--tokens 256]
         [--concurrency 8,32] [--temperature T] [--ngram 3] [--draft-tokens 4]
-        [--max-batch N]
+        [--max-batch N] [--size tiny|bench|tiny,bench]
         [--draft-model PATH --model PATH | --synthetic-draft DAMPING]
 """
 
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from _common import model_path, size_option
 from _draft_pair import write_pair
 
 
@@ -74,22 +78,24 @@ async def rate(engine: Any, count: int, tokens: int, temperature: float = 0.0) -
     return made / (time.perf_counter() - start)
 
 
-async def main_async(args: argparse.Namespace) -> None:
+async def main_async(args: argparse.Namespace, size: str) -> dict[int, str]:
+    """The rounds on the ``size`` model (``"model"``: ``--model``); each
+    stream count's summary."""
     from mlx_pinned import MLXThread
     from mlx_pinned.server.engine import BatchEngine, DraftSettings
     from mlx_pinned.server.engine.model import load
-    from mlx_pinned.testing import tiny_vlm_path
 
-    model = args.model or tiny_vlm_path()
+    model = args.model or model_path(size)
+    draft = args.draft_model
     settings = DraftSettings(args.ngram, args.draft_tokens, max_batch=args.max_batch)
     if args.synthetic_draft is not None:
         folder = Path(tempfile.mkdtemp(prefix="draft-pair-"))
-        model, draft = write_pair(folder, damping=args.synthetic_draft)
-        args.draft_model = draft
-    if args.draft_model is not None:
+        model, draft = write_pair(folder, size=size, damping=args.synthetic_draft)
+    if draft is not None:
         settings = DraftSettings(
-            tokens=args.draft_tokens, model=args.draft_model, max_batch=args.max_batch
+            tokens=args.draft_tokens, model=draft, max_batch=args.max_batch
         )
+    summaries: dict[int, str] = {}
     print(f"served {model}; drafts: {settings}", flush=True)
     async with MLXThread(name="speculative") as thread:
         loaded = await thread.run(load, model)
@@ -122,12 +128,14 @@ async def main_async(args: argparse.Namespace) -> None:
             rows = after.speculative_rows - before.speculative_rows
             steps = after.steps - before.steps
             share = (after.speculative_steps - before.speculative_steps) / max(steps, 1)
-            print(
-                f"c{streams}: median on/off {statistics.median(ratios):.2f}x; "
+            summaries[streams] = (
+                f"median on/off {statistics.median(ratios):.2f}x; "
                 f"acceptance {kept / max(drafted, 1):.2f}, "
                 f"{(rows + kept) / max(rows, 1):.2f} tokens per row and "
                 f"speculative step, {share:.0%} of the steps speculative"
             )
+            print(f"c{streams}: {summaries[streams]}")
+    return summaries
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "server's --draft-max-batch (default 0: at any size)",
     )
     parser.add_argument("--model", type=Path, help="the served model's folder")
+    size_option(parser)
     parser.add_argument(
         "--draft-model", type=Path, help="a draft model instead of prompt lookup"
     )
@@ -172,7 +181,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--synthetic-draft writes both models: no --model, --draft-model")
     if args.quick:
         args.rounds, args.tokens = 2, 64
-    anyio.run(main_async, args)
+    summaries: dict[int, str] = {}
+    for size in ["model"] if args.model else args.size:
+        print(f"== {size}", flush=True)
+        summaries[size] = anyio.run(main_async, args, size)
+    if len(summaries) > 1:
+        print("\nside by side:")
+        for streams in summaries[args.size[0]]:
+            for size, summary in summaries.items():
+                print(f"c{streams} {size:<5} {summary[streams]}")
     return 0
 
 
