@@ -44,9 +44,14 @@ __all__ = [
 
 
 class TextContent(RequestModel):
+    """A text part; ``annotations`` and ``logprobs`` are an answer's,
+    replayed as input (kept for ``input_items``, unused)."""
+
     type: Literal["input_text", "output_text", "text", "refusal"]
     text: str = ""
     refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    logprobs: list[dict[str, Any]] | None = None
 
 
 class ImageContent(RequestModel):
@@ -139,6 +144,12 @@ class FunctionTool(RequestModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    def echo(self) -> dict[str, Any]:
+        """As a response lists it: ``parameters`` and ``strict`` always
+        (null where not given)."""
+        fields = ("type", "name", "description", "parameters", "strict")
+        return {name: getattr(self, name) for name in fields}
+
     def spec(self) -> dict[str, Any]:
         function: dict[str, Any] = {"name": self.name}
         if self.description is not None:
@@ -157,6 +168,9 @@ class HostedTool(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True, strict=True)
 
     type: str
+
+    def echo(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
 
     @field_validator("type")
     @classmethod

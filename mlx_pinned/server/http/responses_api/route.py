@@ -146,9 +146,9 @@ class ResponsesEndpoint(GenerationDoor[ResponsesRequest]):
         events = output.add(last_parts(parser, text, final))
         if not output.items:
             events += output.add_empty_message()
-        events += output.close()
-        done = copy.deepcopy(head)
         cut = final.finish_reason == "length"
+        events += output.close("incomplete" if cut else "completed")
+        done = copy.deepcopy(head)
         done["status"] = "incomplete" if cut else "completed"
         if cut:
             done["incomplete_details"] = {"reason": "max_output_tokens"}

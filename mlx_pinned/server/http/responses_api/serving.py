@@ -26,8 +26,12 @@ from ..serving_common import (
     with_budget,
 )
 from .items import (
+    FunctionCallOutputItem,
+    ImageContent,
     MessageItem,
     NamedFunctionChoice,
+    ReasoningItem,
+    TextContent,
     chat_messages,
     image_urls,
     text_chars,
@@ -148,16 +152,43 @@ def _answer_format(request: ResponsesRequest) -> tuple[str, Grammar] | None:
 
 
 def _input_items(items: list[Any]) -> list[dict[str, Any]]:
-    """Input items as ``input_items`` lists them: each with an id, a string
-    message as one text part."""
+    """Input items as ``input_items`` lists them (OpenAI's ``ItemResource``):
+    each with an id and a status; a message's parts of its role's kind (an
+    assistant's ``output_text``, with its annotations)."""
     out = []
     for item in items:
         data = item.model_dump(mode="json", by_alias=True, exclude_none=True)
-        if isinstance(item, MessageItem) and isinstance(item.content, str):
-            kind = "output_text" if item.role == "assistant" else "input_text"
-            data["content"] = [{"type": kind, "text": item.content}]
         if isinstance(item, MessageItem):
+            data["content"] = [_part(part, item.role) for part in _parts(item)]
+        if isinstance(item, FunctionCallOutputItem) and isinstance(item.output, list):
+            data["output"] = [_part(part, "tool") for part in item.output]
+        if not isinstance(item, ReasoningItem):
             data["status"] = "completed"
         prefix = {"message": "msg", "function_call": "fc", "reasoning": "rs"}
         out.append({"id": item_id(prefix.get(item.type, "fco")), **data})
     return out
+
+
+def _parts(item: MessageItem) -> list[TextContent | ImageContent]:
+    if isinstance(item.content, str):
+        return [TextContent(type="input_text", text=item.content)]
+    return list(item.content)
+
+
+def _part(part: TextContent | ImageContent, role: str) -> dict[str, Any]:
+    if isinstance(part, ImageContent):
+        return {
+            "type": "input_image",
+            "image_url": part.image_url,
+            "detail": part.detail or "auto",
+        }
+    if part.type == "refusal":
+        return {"type": "refusal", "refusal": part.refusal or part.text}
+    if role != "assistant":
+        return {"type": "input_text", "text": part.text}
+    return {
+        "type": "output_text",
+        "text": part.text,
+        "annotations": part.annotations or [],
+        "logprobs": part.logprobs or [],
+    }
