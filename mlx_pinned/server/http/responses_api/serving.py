@@ -38,6 +38,7 @@ from .items import (
 )
 from .objects import item_id
 from .protocol import JSONObjectFormat, JSONSchemaFormat
+from .store import DamagedResponseError
 
 if TYPE_CHECKING:
     from ...config import ServerConfig
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     from .protocol import ResponsesRequest
     from .store import ResponseStore
 
-__all__ = ["Continued", "ResponsesServing"]
+__all__ = ["Continued", "ResponsesServing", "unreadable"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,11 +66,15 @@ class ResponsesServing:
 
     async def prepare(self, request: ResponsesRequest, facts: ChatFacts) -> Continued:
         """Raises an ``APIError`` (a 404 for a ``previous_response_id`` not
-        stored), a ``PromptTooLongError`` or an ``ImageRefusedError``."""
+        stored, a 500 for one that cannot be read), a ``PromptTooLongError``
+        or an ``ImageRefusedError``."""
         before: tuple[dict[str, Any], ...] = ()
         urls: list[str] = []
         if request.previous_response_id is not None:
-            stored = await self.store.get(request.previous_response_id)
+            try:
+                stored = await self.store.get(request.previous_response_id)
+            except DamagedResponseError as exc:
+                raise unreadable(exc, "previous_response_id") from None
             if stored is None:
                 raise APIError(
                     404,
@@ -123,6 +128,20 @@ class ResponsesServing:
             history=history,
             input_items=_input_items(items),
         )
+
+
+def unreadable(exc: DamagedResponseError, param: str) -> APIError:
+    """A 500 that is not retried (``x-should-retry: false``, which OpenAI's
+    SDKs read): the stored copy stays damaged until it is deleted."""
+    return APIError(
+        500,
+        f"Response '{exc.response_id}' is stored but cannot be read: its stored "
+        f"copy is damaged. Delete it (DELETE /v1/responses/{exc.response_id}); "
+        "the other stored responses are unaffected.",
+        param=param,
+        code="stored_response_damaged",
+        headers={"x-should-retry": "false"},
+    )
 
 
 def _forced_call(request: ResponsesRequest) -> ForcedCall | None:

@@ -14,6 +14,8 @@ from starlette.routing import Route
 
 from ..errors import APIError
 from .objects import replayed, sse
+from .serving import unreadable
+from .store import DamagedResponseError
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -51,7 +53,10 @@ def routes(endpoint: ResponsesEndpoint) -> list[Route]:
 
 async def _found(store: ResponseStore, request: Request) -> StoredResponse:
     response_id = request.path_params["response_id"]
-    stored = await store.get(response_id)
+    try:
+        stored = await store.get(response_id)
+    except DamagedResponseError as exc:
+        raise unreadable(exc, "response_id") from None
     if stored is None:
         raise _not_found(response_id)
     return stored
