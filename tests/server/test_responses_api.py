@@ -414,7 +414,8 @@ HOSTILE: list[Any] = [
 @pytest.mark.slow
 @pytest.mark.parametrize("body", HOSTILE)
 def test_hostile_bodies_are_4xx(server: Server, body: Any) -> None:
-    answer = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    with server.http(timeout=60) as http:
+        answer = http.post("/v1/responses", json=body)
     assert 400 <= answer.status_code < 500, answer.text
     assert answer.json()["error"]["message"]
 
@@ -422,20 +423,19 @@ def test_hostile_bodies_are_4xx(server: Server, body: Any) -> None:
 def test_deep_nesting_is_a_4xx(server: Server) -> None:
     nested = "[" * 100_000 + "]" * 100_000
     body = f'{{"model": "{DEMO_MODEL_NAME}", "input": {nested}}}'
-    answer = httpx.post(
-        f"{server.url}/v1/responses",
-        content=body,
-        headers={"content-type": "application/json"},
-        timeout=60,
-    )
+    with server.http(timeout=60) as http:
+        answer = http.post(
+            "/v1/responses", content=body, headers={"content-type": "application/json"}
+        )
     assert 400 <= answer.status_code < 500
 
 
 def test_an_unknown_field_is_named(server: Server) -> None:
-    answer = httpx.post(
-        f"{server.url}/v1/responses",
-        json={"model": DEMO_MODEL_NAME, "input": "hi", "surprise": 1},
-    )
+    with server.http() as http:
+        answer = http.post(
+            "/v1/responses",
+            json={"model": DEMO_MODEL_NAME, "input": "hi", "surprise": 1},
+        )
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == "surprise"
 
@@ -694,19 +694,22 @@ def test_input_items_pages(server: Server, client: openai.OpenAI) -> None:
         ],
         max_output_tokens=1,
     )
-    url = f"{server.url}/v1/responses/{created.id}/input_items"
-    first = httpx.get(url, params={"limit": 2, "order": "asc"}).json()
+    url = f"/v1/responses/{created.id}/input_items"
+    with server.http() as http:
+        first = http.get(url, params={"limit": 2, "order": "asc"}).json()
+        after = {"limit": 2, "order": "asc", "after": first["last_id"]}
+        rest = http.get(url, params=after).json()
+        newest = http.get(url).json()
+        refused = [
+            http.get(url, params=bad).status_code
+            for bad in ({"limit": "0"}, {"limit": "x" * 50}, {"order": "sideways"})
+        ]
     assert [item["content"][0]["text"] for item in first["data"]] == ["one", "two"]
     assert first["has_more"] is True
-    rest = httpx.get(
-        url, params={"limit": 2, "order": "asc", "after": first["last_id"]}
-    ).json()
     assert [item["content"][0]["text"] for item in rest["data"]] == ["three"]
     assert rest["has_more"] is False
-    newest = httpx.get(url).json()
     assert newest["data"][0]["content"][0]["text"] == "three"
-    for bad in ({"limit": "0"}, {"limit": "x" * 50}, {"order": "sideways"}):
-        assert httpx.get(url, params=bad).status_code == 400
+    assert refused == [400, 400, 400]
 
 
 class Script:
