@@ -44,12 +44,10 @@ __all__ = [
 
 
 class TextContent(RequestModel):
-    """A text part; ``annotations`` and ``logprobs`` are an answer's,
-    replayed as input (kept for ``input_items``, unused)."""
-
     type: Literal["input_text", "output_text", "text", "refusal"]
     text: str = ""
     refusal: str | None = None
+    # An answer's, sent back as input: listed by input_items, unused.
     annotations: list[dict[str, Any]] | None = None
     logprobs: list[dict[str, Any]] | None = None
 

@@ -100,9 +100,8 @@ class Reasoning(RequestModel):
 
 
 class PromptCacheOptions(RequestModel):
-    """The prompt cache's one mode here: ``implicit`` (by prefix, on its
-    own). ``ttl`` is a minimum lifetime OpenAI asks ``30m`` of; this cache
-    keeps prefixes while they fit its budget, as it does for every request."""
+    """``implicit``, the prompt cache's one mode, and ``30m``, the one
+    ``ttl`` (the default): what a request without them gets."""
 
     ttl: Literal["30m"] | None = None
     mode: Literal["implicit", "explicit"] | None = None

@@ -196,11 +196,7 @@ def _parts(item: MessageItem) -> list[TextContent | ImageContent]:
 
 def _part(part: TextContent | ImageContent, role: str) -> dict[str, Any]:
     if isinstance(part, ImageContent):
-        return {
-            "type": "input_image",
-            "image_url": part.image_url,
-            "detail": part.detail or "auto",
-        }
+        return {**part.model_dump(exclude_none=True), "detail": part.detail or "auto"}
     if part.type == "refusal":
         return {"type": "refusal", "refusal": part.refusal or part.text}
     if role != "assistant":

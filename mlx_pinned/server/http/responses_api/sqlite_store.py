@@ -159,12 +159,7 @@ class SQLiteStore(ResponseStore):
 
     def _damaged(self, response_id: str, why: object) -> DamagedResponseError:
         logger.warning(
-            "stored response %s in %s cannot be read (%s): DELETE "
-            "/v1/responses/%s removes it",
-            response_id,
-            self.path,
-            why,
-            response_id,
+            "response %s in %s cannot be read: %s", response_id, self.path, why
         )
         return DamagedResponseError(response_id, str(why))
 

@@ -148,11 +148,8 @@ class ResponseStore(ABC):
 
     @abstractmethod
     async def get(self, response_id: str) -> StoredResponse | None:
-        """None where none is stored.
-
-        Raises:
-            DamagedResponseError: it is stored, and cannot be read.
-        """
+        """None where none is stored; a ``DamagedResponseError`` where one
+        is stored and cannot be read back."""
 
     @abstractmethod
     async def put(
