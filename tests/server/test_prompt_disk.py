@@ -7,14 +7,17 @@ its image again."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import struct
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -222,10 +225,10 @@ class TestTheFiles:
         monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture,
     ) -> None:
-        def full(*args: Any) -> None:
-            raise OSError(28, "No space left on device")
+        def broken(*args: Any) -> None:
+            raise OSError(errno.EIO, "Input/output error")
 
-        monkeypatch.setattr(os, "replace", full)
+        monkeypatch.setattr(os, "replace", broken)
         tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
         cache = PromptCache(10**7)
         cache.attach(tier)
@@ -236,6 +239,42 @@ class TestTheFiles:
         assert not tier.enabled
         assert list(tmp_path.iterdir()) == []
         assert cache.lookup(key(1, 2, 3, 4), 3)[1] == 3, "memory still serves"
+        tier.close()
+
+    def test_a_full_disk_pauses_the_writes_until_it_has_room(
+        self,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        real_replace, free = os.replace, [0]
+
+        def full_disk(*args: Any) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def usage(path: Any) -> Any:
+            return SimpleNamespace(total=10**9, used=10**9 - free[0], free=free[0])
+
+        monkeypatch.setattr(os, "replace", full_disk)
+        monkeypatch.setattr(shutil, "disk_usage", usage)
+        tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        cache = PromptCache(10**7)
+        cache.attach(tier)
+        with caplog.at_level(logging.INFO, "mlx_pinned.server"):
+            cache.store(key(1, 2, 3), layers(3, seed=1))
+            tier.flush()
+            assert "disk tier is full" in caplog.text
+            monkeypatch.setattr(os, "replace", real_replace)
+            cache.store(key(4, 5, 6), layers(3, seed=2))  # still no room
+            tier.flush()
+            assert list(tmp_path.iterdir()) == []
+            free[0] = 10**8
+            cache.store(key(7, 8, 9), layers(3, seed=3))
+            tier.flush()
+        assert "has room again" in caplog.text
+        assert tier.enabled
+        assert [path.suffix for path in tmp_path.iterdir()] == [".kv"]
+        assert tier.best(key(7, 8, 9), 3)[1] == 3
         tier.close()
 
     @pytest.mark.slow
