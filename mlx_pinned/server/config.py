@@ -131,6 +131,15 @@ class ServerConfig:
     """seconds a streamed answer waits at least between two writes (the first
     token goes out at once), so tokens that come faster go out together; `0`: a
     write each time a token is in"""
+    write_timeout: float | None = setting(60.0, _LIMIT)
+    """seconds a client may go without reading while its answer has more to send;
+    past it its connection is closed, and its generation if it still runs. `0`:
+    no limit ([slow readers](deployment.md#clients-that-read-slowly))"""
+    write_buffer_bytes: int = setting(4 * 2**20, _ONE)
+    """bytes of an answer kept for a client that reads slower than it is made;
+    past it, its connection is closed. In all, the answers keep at most this
+    times the models' `--max-num-seqs`: past that the one that keeps the most is
+    closed"""
     load_wait: float | None = setting(120.0, duration(optional=True), parse=seconds)
     """seconds a request waits for its model's load, then 503 `model_not_loaded`;
     `0`: the 503 at once ([replicas](deployment.md#replicas-behind-a-balancer))"""

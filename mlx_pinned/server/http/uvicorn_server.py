@@ -1,6 +1,7 @@
 """uvicorn's server as ``mlx-pinned serve`` runs it: it answers while the
 models load, and on SIGTERM it turns ``/health`` to 503 for
-``--unready-seconds`` before it closes its listener.
+``--unready-seconds`` before it closes its listener. It offers the app a
+way to close a connection at once (:data:`.outbox.ABORT`).
 
 Event loop (the main thread); uvicorn calls :meth:`Server.handle_exit` from
 its signal handler, on the loop's thread between two callbacks.
@@ -14,11 +15,16 @@ import socket
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 from uvicorn.lifespan.on import LifespanOn
 
 from .health import Readiness
+from .outbox import ABORT
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 __all__ = ["Server"]
 
@@ -50,6 +56,7 @@ class Server(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         lifespan = _LoadWhileServing(self.config, self._loaded)
         self.lifespan = lifespan
+        self.config.loaded_app = _Abortable(self.config.loaded_app)
         await super().startup(sockets)
         if not self.started:
             return
@@ -126,3 +133,20 @@ class _LoadWhileServing(LifespanOn):
         if self._loading is not None:
             await self._loading
         await super().shutdown()
+
+
+class _Abortable:
+    """The app, offered :data:`.outbox.ABORT` on each HTTP request: close its
+    connection now, what is unwritten dropped (uvicorn's own close waits
+    for a client that reads nothing)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # uvicorn's send is a method of the request's cycle, which holds the
+        # connection's transport.
+        transport = getattr(getattr(send, "__self__", None), "transport", None)
+        if scope["type"] == "http" and transport is not None:
+            scope.setdefault("extensions", {})[ABORT] = {"abort": transport.abort}
+        await self.app(scope, receive, send)
