@@ -167,7 +167,7 @@ def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     import uvicorn
 
     from .app import create_app
-    from .http.uvicorn_server import Server
+    from .http.uvicorn_server import LAST_WRITES, Server
 
     if args.demo:
         logger.info("writing the demo models (offline)")
@@ -219,8 +219,9 @@ def serve(args: argparse.Namespace, config: ServerConfig) -> int:
         log_level=args.log_level,
         access_log=args.access_log,
         log_config=None,  # keep the logging set up in main()
-        # Past the drain: uvicorn's own limit must not cut it short.
-        timeout_graceful_shutdown=math.ceil(config.in_flight_timeout) + 5,
+        # Past the drain and its last writes: uvicorn's own limit cancels
+        # what runs then, with a traceback each.
+        timeout_graceful_shutdown=math.ceil(config.in_flight_timeout + LAST_WRITES) + 2,
         # Longer than clients keep idle connections, so the client closes
         # first: a request sent on a connection the server closes fails.
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
@@ -236,6 +237,8 @@ def serve(args: argparse.Namespace, config: ServerConfig) -> int:
         uvicorn_config,
         readiness=app.state.readiness,
         unready_seconds=config.unready_seconds,
+        outbox=app.state.outbox,
+        in_flight_timeout=config.in_flight_timeout,
     )
     previous = {s: signal.signal(s, _stopped) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

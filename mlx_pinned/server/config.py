@@ -149,7 +149,8 @@ class ServerConfig:
     sending first; a second signal ends the wait"""
     in_flight_timeout: float = setting(30.0, duration(finite=True))
     """the second phase: seconds the requests in flight get to finish once the
-    listener is closed"""
+    listener is closed; then each ends with its API's error
+    ([stopping](deployment.md#stopping-sigterm-and-drain))"""
     retry_after: int = setting(1, _ONE)
     """seconds in the `Retry-After` header of every 503 that asks a client to come
     back (a full waiting room, a busy MLX thread)"""

@@ -553,7 +553,7 @@ class TestOneSettingsSource:
             cli.build_parser().parse_args(["serve", "--help"])
         out = capsys.readouterr().out
         assert "largest max_tokens a request may ask for (default: 4096)" in out
-        assert "closed (default: 30.0)" in out
+        assert "its API's error (stopping) (default: 30.0)" in out
 
     def test_a_new_value_reaches_the_config(self) -> None:
         argv = ["serve", "m", "--in-flight-timeout", "3", "--unready-seconds", "2"]

@@ -20,8 +20,8 @@ import pytest
 from mlx_pinned.server.http.errors import shutting_down
 from mlx_pinned.server.http.outbox import Outbox, ResponseWriter
 
-from .conftest import drive, sse_events, until, vision_body
-from .kit import WAIT, Serve, running
+from .conftest import MODEL, drive, replace_generation, sse_events, until, vision_body
+from .kit import WAIT, Serve, SlowModel, post_scope, running
 
 pytestmark = pytest.mark.anyio
 
@@ -197,6 +197,99 @@ async def test_a_client_that_stops_reading_gives_its_turn_back_as_its_generation
         events = sse_events(b"".join(sent).decode())
         assert events[-1] == "[DONE]"
         assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.fixture
+def slow(monkeypatch: pytest.MonkeyPatch) -> SlowModel:
+    model = SlowModel(step=0.01)
+    replace_generation(monkeypatch, model)
+    return model
+
+
+async def answer(
+    app: Any, path: str, body: dict[str, Any], started: anyio.Event
+) -> tuple[int, bytes, bool]:
+    """The status, body and whether the body was ended (its last message
+    said so) of one request driven as a server would."""
+    client = Client()
+    raw = json.dumps(body).encode()
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await anyio.sleep_forever()
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        await client.send(message)
+        if message["type"] == "http.response.body":
+            started.set()
+
+    await app(post_scope(path), receive, send)
+    start = client.messages[0]
+    return start["status"], client.body, client.complete
+
+
+async def test_a_shutdown_ends_each_stream_in_its_apis_words(
+    serve: Serve, slow: SlowModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    streams = {
+        "/v1/chat/completions": vision_body(4000, stream=True),
+        "/v1/messages": {
+            "model": MODEL,
+            "max_tokens": 4000,
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        "/v1/responses": {
+            "model": MODEL,
+            "max_output_tokens": 4000,
+            "stream": True,
+            "input": "hi",
+        },
+    }
+    async with serve(max_num_seqs=3) as served:
+        outbox: Outbox = served.app.state.outbox
+        answers: dict[str, tuple[int, bytes, bool]] = {}
+        waiting: list[httpx.Response] = []
+
+        async def ask(path: str, body: dict[str, Any], started: anyio.Event) -> None:
+            answers[path] = await answer(served.app, path, body, started)
+
+        with anyio.fail_after(WAIT):
+            async with anyio.create_task_group() as group:
+                for path, body in streams.items():
+                    started = anyio.Event()
+                    group.start_soon(ask, path, body, started)
+                    await started.wait()
+
+                async def queued() -> None:
+                    waiting.append(await served.chat(vision_body(4)))
+
+                group.start_soon(queued)  # the batch is full: it waits
+                await until(lambda: served.app.state.gate.waiting == 1)
+                assert outbox.end(shutting_down(), 1.0) == 4
+    assert all(complete for _, _, complete in answers.values())
+    assert all(status == 200 for status, _, _ in answers.values())
+    *_, error, done = sse_events(answers["/v1/chat/completions"][1].decode())
+    assert error["error"]["code"] == "shutting_down"
+    assert done == "[DONE]"
+    messages = answers["/v1/messages"][1].decode()
+    assert messages.endswith(
+        'event: error\ndata: {"type": "error", "error": {"type": "api_error", '
+        '"message": "The server is shutting down."}}\n\n'
+    )
+    last = answers["/v1/responses"][1].decode().rsplit("event: ", 1)[1]
+    kind, data = last.split("\ndata: ")
+    assert kind == "response.failed"
+    assert json.loads(data)["response"]["error"]["code"] == "shutting_down"
+    (refused,) = waiting
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "shutting_down"
+    assert "Traceback" not in caplog.text
 
 
 # -- a real server ---------------------------------------------------------------

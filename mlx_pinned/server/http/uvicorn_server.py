@@ -1,7 +1,8 @@
 """uvicorn's server as ``mlx-pinned serve`` runs it: it answers while the
 models load, and on SIGTERM it turns ``/health`` to 503 for
-``--unready-seconds`` before it closes its listener. It offers the app a
-way to close a connection at once (:data:`.outbox.ABORT`).
+``--unready-seconds`` before it closes its listener, and ends the answers
+still running ``--in-flight-timeout`` later in their APIs' words. It
+offers the app a way to close a connection at once (:data:`.outbox.ABORT`).
 
 Event loop (the main thread); uvicorn calls :meth:`Server.handle_exit` from
 its signal handler, on the loop's thread between two callbacks.
@@ -20,15 +21,19 @@ from typing import TYPE_CHECKING
 import uvicorn
 from uvicorn.lifespan.on import LifespanOn
 
+from .errors import shutting_down
 from .health import Readiness
-from .outbox import ABORT
+from .outbox import ABORT, Outbox
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ["Server"]
+__all__ = ["LAST_WRITES", "Server"]
 
 logger = logging.getLogger("mlx_pinned.server")
+
+#: Seconds the answers ended at a shutdown get to be read, at most.
+LAST_WRITES = 3.0
 
 
 class Server(uvicorn.Server):
@@ -39,15 +44,26 @@ class Server(uvicorn.Server):
 
     The first SIGTERM or SIGINT turns readiness off; when the server was
     ready it keeps serving ``unready_seconds`` more, then shuts down as
-    uvicorn does. A second signal ends the wait.
+    uvicorn does. A second signal ends the wait. ``in_flight_timeout``
+    seconds into the shut-down, the answers under way in ``outbox`` are
+    ended (set uvicorn's ``timeout_graceful_shutdown`` longer, by
+    :data:`LAST_WRITES` and more).
     """
 
     def __init__(
-        self, config: uvicorn.Config, *, readiness: Readiness, unready_seconds: float
+        self,
+        config: uvicorn.Config,
+        *,
+        readiness: Readiness,
+        unready_seconds: float,
+        outbox: Outbox | None = None,
+        in_flight_timeout: float = 30.0,
     ) -> None:
         super().__init__(config)
         self.readiness = readiness
         self.unready_seconds = unready_seconds
+        self.outbox = outbox
+        self.in_flight_timeout = in_flight_timeout
         self.load_failed = False
         self._url: str | None = None
         self._drain_ends: float | None = None
@@ -106,6 +122,25 @@ class Server(uvicorn.Server):
             self._signal = None
             super().handle_exit(sig, frame)
         return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        ending = loop.call_later(self.in_flight_timeout, self._end_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+
+    def _end_in_flight(self) -> None:
+        if self.outbox is None or not self.outbox.open:
+            return
+        ended = self.outbox.end(shutting_down(), LAST_WRITES)
+        logger.warning(
+            "%d requests still running %.1f s into the shut-down "
+            "(--in-flight-timeout): ending them with an error",
+            ended,
+            self.in_flight_timeout,
+        )
 
 
 class _LoadWhileServing(LifespanOn):
