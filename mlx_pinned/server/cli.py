@@ -133,6 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{at}{setting}: no model folder at {path!r} (a path; a Hugging "
                     "Face hub id looks like 'org/name')",
                 )
+    if config.state_dir is not None and (why := _unwritable(Path(config.state_dir))):
+        error = SettingError("state_dir", f"state_dir {config.state_dir!r} {why}")
+        _refuse(parser, _refused(error, args, file))
     with log_from_a_thread(args.log_level.upper()):
         try:
             return serve(args, config)
@@ -374,6 +377,20 @@ def _refused(
     # A name in quotes is a value (a served name): as given.
     names = r"'[^']*'|\"[^\"]*\"|\b[a-z][a-z_]*\b"
     return re.sub(names, lambda word: words.get(word[0], word[0]), text)
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why ``folder`` cannot be made or written, in a few words (None: it
+    can); what is missing of it is made later."""
+    there = folder
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    where = "" if there == folder else f"cannot be made: {str(there)!r} "
+    if not there.is_dir():
+        return f"{where}is a file, not a folder"
+    if not os.access(there, os.W_OK | os.X_OK):
+        return f"{where}is read-only"
+    return None
 
 
 def _looks_local(model: str) -> bool:

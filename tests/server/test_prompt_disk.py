@@ -30,7 +30,7 @@ from mlx_pinned.server.engine.prompt_disk import DiskTier
 from mlx_pinned.testing import image_data_uri
 
 from .conftest import MODEL
-from .kit import TOL, Serve, Served, logprobs
+from .kit import TOL, Serve, Served, logprobs, read_only
 
 FINGERPRINT = "f" * 32
 DIGEST, OTHER = b"\x01" * 16, b"\x02" * 16
@@ -526,3 +526,52 @@ async def test_a_restart_reads_an_image_from_disk_and_answers_exactly(
     ours = logprobs(answer)
     assert len(ours) == len(fresh)
     assert max(abs(a - b) for a, b in zip(ours, fresh, strict=True)) <= TOL
+
+
+class TestFoldersItCannotWrite:
+    """One warning line that says what to do, no traceback; the caches go
+    on in memory."""
+
+    def test_a_read_only_folder_turns_the_tier_off_at_start(
+        self, tmp_path: Path
+    ) -> None:
+        folder = tmp_path / "prompt_cache"
+        script = textwrap.dedent(
+            """
+            import logging, sys
+            from pathlib import Path
+            from mlx_pinned.server.engine.prompt_disk import DiskTier
+
+            logging.basicConfig(format="%(levelname)s %(message)s")
+            tier = DiskTier(Path(sys.argv[1]), 10**7, "f" * 32)
+            print("enabled:", tier.enabled)
+            """
+        )
+        command = [*read_only(folder), sys.executable, "-c", script, str(folder)]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        assert "enabled: False" in done.stdout
+        (line,) = done.stderr.splitlines()
+        assert line.startswith("WARNING the caches' disk tier off, memory only: ")
+        assert f"{folder} is read-only" in line
+        assert "make the folder writable and restart, or set " in line
+        assert "--prompt-cache-disk-bytes 0" in line
+
+    def test_a_folder_gone_under_it_turns_the_tier_off_once(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        folder = tmp_path / "tier"
+        tier = DiskTier(folder, 10**7, FINGERPRINT)
+        cache = PromptCache(10**7)
+        cache.attach(tier)
+        folder.rmdir()
+        folder.write_bytes(b"")  # a file now: a write, and its clean-up, fail
+        with caplog.at_level(logging.DEBUG, "mlx_pinned.server"):
+            cache.store(key(1, 2, 3), layers(3, seed=1))
+            tier.flush()
+        (record,) = caplog.records
+        assert record.levelno == logging.WARNING
+        assert record.exc_info is None
+        assert f"cannot write in {folder}" in record.getMessage()
+        assert not tier.enabled
+        assert cache.lookup(key(1, 2, 3, 4), 3)[1] == 3, "memory still serves"
+        tier.close()

@@ -334,8 +334,8 @@ class TestRefusedAtStart:
         err = capsys.readouterr().err
         assert "Traceback" not in err
         assert err.splitlines()[-1:] == [
-            f"mlx-pinned: error: --config {config}: state_dir {str(state)!r}: "
-            "cannot write there (Not a directory)"
+            f"mlx-pinned: error: --config {config}: state_dir {str(state)!r} "
+            f"cannot be made: {str(tmp_path / 'file')!r} is a file, not a folder"
         ]
 
 

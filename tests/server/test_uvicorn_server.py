@@ -1,16 +1,20 @@
 """``mlx-pinned serve``'s server, run as a process: a stop past the drain
-window ends each stream in its API's words."""
+window ends each stream in its API's words, and the descriptor limit is
+said once in the log."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from mlx_pinned.server.cli import DEMO_MODEL_NAME
 
@@ -94,3 +98,36 @@ def test_a_stop_past_the_drain_window_ends_each_stream_in_its_apis_words(
     assert "3 requests still running 1.0 s into the shut-down" in log
     assert "Traceback" not in log
     assert " ERROR " not in log
+
+
+@pytest.mark.slow
+def test_near_the_descriptor_limit_one_warning_says_what_to_do(
+    tmp_path: Path,
+) -> None:
+    command = ["sh", "-c", 'ulimit -n 256 && exec "$@"', "sh", *SERVE]
+    with running(command, tmp_path / "server.log") as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        connections = [socket.create_connection((host, int(port))) for _ in range(300)]
+        try:
+            deadline = time.monotonic() + WAIT
+            while "connections open: near" not in server.log_text():
+                assert time.monotonic() < deadline, "no warning"
+                time.sleep(0.05)
+        finally:
+            for connection in connections:
+                connection.close()
+        # Once they are closed, it serves again.
+        deadline = time.monotonic() + WAIT
+        while True:
+            try:
+                if httpx.get(server.url + "/health", timeout=WAIT).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    log = server.log_text()
+    (line,) = [line for line in log.splitlines() if "connections open" in line]
+    assert " WARNING " in line
+    assert "near the process's limit of 256 open files" in line
+    assert "raise it (ulimit -n, systemd's LimitNOFILE=)" in line
+    assert "Traceback" not in log

@@ -74,9 +74,12 @@ class DiskTier:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                self._off(f"cannot make {folder}: {exc}")
+                self._off(f"cannot make {folder} ({exc.strerror or exc})")
             else:
-                self._scan()
+                if os.access(folder, os.W_OK):
+                    self._scan()
+                else:
+                    self._off(f"{folder} is read-only")
 
     # On the MLX thread.
 
@@ -222,7 +225,8 @@ class DiskTier:
                 os.fsync(out.fileno())
             os.replace(temporary, self.folder / item.name)
         except OSError as exc:
-            temporary.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only folder refuses it too
+                temporary.unlink(missing_ok=True)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._full = True
                 logger.warning(
@@ -231,7 +235,7 @@ class DiskTier:
                     exc,
                 )
             else:
-                self._off(f"a write failed ({exc})")
+                self._off(f"cannot write in {self.folder} ({exc.strerror or exc})")
             return
         key = item.key
         with self._lock:
@@ -299,7 +303,11 @@ class DiskTier:
             path.unlink(missing_ok=True)
 
     def _off(self, why: str) -> None:
-        logger.warning("the caches' disk tier off, memory only: %s", why)
+        logger.warning(
+            "the caches' disk tier off, memory only: %s; make the folder "
+            "writable and restart, or set --prompt-cache-disk-bytes 0",
+            why,
+        )
         self.enabled = False
 
 
