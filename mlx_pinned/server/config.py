@@ -76,9 +76,13 @@ class ServerConfig:
     )
     """the `model` value requests send for that model; any other is a 404. With
     several models, once per `MODEL`, in the same order, or not at all"""
-    max_tokens_limit: int = setting(4096, _ONE)
-    """more is a 400, for `max_completion_tokens` too: the largest `max_tokens` a
-    request may ask for"""
+    max_tokens_limit: int | None = setting(
+        None, at_least(1, optional=True), shown="none"
+    )
+    """the largest `max_tokens` a request may ask for (`max_completion_tokens`,
+    `max_output_tokens`, `num_predict` too); more is a 400. Without it, a request
+    may ask any number: its answer stops with `length` where the model's context
+    is full"""
     default_max_tokens: int = setting(512, _ONE)
     """`max_tokens` of a request that sets none (capped at the limit)"""
     max_pending: int = setting(256, _ONE, scope="model")

@@ -209,8 +209,9 @@ def check_config(config: ServerConfig) -> None:
     _check_residency(config)
     _check_distributed(config)
     _check_drafting(config)
-    if config.default_max_tokens > config.max_tokens_limit:
-        _set(config, "default_max_tokens", config.max_tokens_limit)
+    limit = config.max_tokens_limit
+    if limit is not None and config.default_max_tokens > limit:
+        _set(config, "default_max_tokens", limit)
     for index in range(len(config.model_settings)):
         config.for_model(index)  # each model's own settings, checked
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from .limits import check_prompt_tokens
+from .limits import max_tokens_for
 from .resident import Resident
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ class GenerationParams:
         skip_special_tokens: False: their text is in the answer, as mlx-vlm
             gives it.
         max_prompt_tokens: Refuse a longer prompt (None: no limit of its own).
-        context_length: Refuse a prompt that, with ``max_tokens``, is longer
+        context_length: The model's; generation stops where it is full
             (None: the model has no known context length).
         template_kwargs: ``chat_template_kwargs`` (e.g. ``enable_thinking``).
         prompt: Text, tokenized without the chat template, or token ids, used
@@ -186,10 +186,14 @@ class GenerationParams:
     priority: int = 0
     prediction: str = ""
 
-    def check_prompt_tokens(self, prompt_tokens: int) -> None:
-        """Refuse a prompt over this request's limits with a
-        :class:`~.failures.PromptTooLongError` that gives the numbers."""
-        check_prompt_tokens(
+    def max_tokens_for(self, prompt_tokens: int) -> int:
+        """``max_tokens``, cut to what the context leaves after a prompt of
+        ``prompt_tokens`` (:func:`~.limits.max_tokens_for`).
+
+        Raises:
+            PromptTooLongError: A prompt over this request's limits.
+        """
+        return max_tokens_for(
             prompt_tokens,
             self.max_tokens,
             max_prompt_tokens=self.max_prompt_tokens,

@@ -1,6 +1,7 @@
 """Limits on a prompt's length, with errors that give the numbers: the exact
 count on the MLX thread before any prefill, a cheap lower bound from the
-text alone on the event loop before the request waits. Any thread.
+text alone on the event loop before the request waits; and the one rule of
+how many tokens a request may generate. Any thread.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from typing import Any
 from .failures import PromptTooLongError
 
 __all__ = [
-    "check_prompt_tokens",
     "check_text_length",
     "context_length",
     "longest_token_chars",
+    "max_tokens_for",
 ]
 
 
@@ -28,18 +29,21 @@ def context_length(config: Any) -> int | None:
     return None
 
 
-def check_prompt_tokens(
+def max_tokens_for(
     prompt_tokens: int,
     max_tokens: int,
     *,
     max_prompt_tokens: int | None,
     context: int | None,
-) -> None:
-    """Refuse a prompt over ``max_prompt_tokens`` or one that, with
-    ``max_tokens``, does not fit in the model's ``context``.
+) -> int:
+    """The tokens a request may generate after a prompt of ``prompt_tokens``:
+    ``max_tokens``, cut to what the model's ``context`` leaves (an answer so
+    cut ends as ``length``, as OpenAI's and Ollama's do).
 
     Raises:
-        PromptTooLongError: Over a limit.
+        PromptTooLongError: The prompt is over ``max_prompt_tokens``, or
+            leaves no room in ``context`` for the tokens asked (none where
+            ``max_tokens`` is 0).
     """
     if max_prompt_tokens is not None and prompt_tokens > max_prompt_tokens:
         raise PromptTooLongError(
@@ -49,15 +53,17 @@ def check_prompt_tokens(
             prompt_tokens,
             max_prompt_tokens,
         )
-    if context is not None and prompt_tokens + max_tokens > context:
+    if context is None:
+        return max_tokens
+    if prompt_tokens + min(max_tokens, 1) > context:
         raise PromptTooLongError(
             f"This model's maximum context length is {context} tokens; the "
-            f"request has {prompt_tokens} prompt tokens and asks for up to "
-            f"{max_tokens} completion tokens ({prompt_tokens + max_tokens} in "
-            "all): shorten the messages or lower max_tokens.",
+            f"prompt has {prompt_tokens} tokens, which leaves no room for an "
+            "answer: shorten the messages.",
             prompt_tokens,
             context,
         )
+    return min(max_tokens, context - prompt_tokens)
 
 
 def check_text_length(chars: int, longest_token: int, max_prompt_tokens: int) -> None:

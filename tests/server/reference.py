@@ -58,8 +58,8 @@ def reference_stream(
     )
     inputs["mask"] = inputs.pop("attention_mask", None)
     inputs.setdefault("pixel_values", None)
-    params.check_prompt_tokens(int(inputs["input_ids"].shape[-1]))
-    kwargs: dict[str, Any] = {"max_tokens": params.max_tokens}
+    most = params.max_tokens_for(int(inputs["input_ids"].shape[-1]))
+    kwargs: dict[str, Any] = {"max_tokens": most}
     for name in ("temperature", "top_p", "seed"):
         if getattr(sampling, name) is not None:
             kwargs[name] = getattr(sampling, name)

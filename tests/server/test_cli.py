@@ -587,7 +587,7 @@ class TestOneSettingsSource:
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["serve", "--help"])
         out = capsys.readouterr().out
-        assert "largest max_tokens a request may ask for (default: 4096)" in out
+        assert "where the model's context is full (default: none)" in out
         assert "its API's error (stopping) (default: 30.0)" in out
 
     def test_a_new_value_reaches_the_config(self) -> None:

@@ -127,9 +127,12 @@ class TestTheSDK:
 async def served(
     request: pytest.FixtureRequest, lifespan: Lifespan
 ) -> AsyncIterator[Served]:
-    """A vision model and a text model, in-process, eight rows a batch."""
+    """A vision model and a text model, in-process, eight rows a batch, with
+    an operator's cap on ``max_tokens`` (asking more is refused by name)."""
     path = tiny_vlm_path() if request.param == "qwen3_vl" else tiny_lm_path()
-    app = create_app(path, served_model_name="tiny", max_num_seqs=8)
+    app = create_app(
+        path, served_model_name="tiny", max_num_seqs=8, max_tokens_limit=4096
+    )
     async with in_process(app, lifespan, Served) as served:
         yield served
 

@@ -11,13 +11,13 @@ from mlx_pinned.server.engine import LoadedModel
 from mlx_pinned.server.failures import PromptTooLongError
 from mlx_pinned.server.http.errors import api_error
 from mlx_pinned.server.limits import (
-    check_prompt_tokens,
     check_text_length,
     context_length,
     longest_token_chars,
+    max_tokens_for,
 )
 
-from .conftest import assert_error, vision_body
+from .conftest import MODEL, assert_error, vision_body
 from .kit import Serve
 
 
@@ -31,9 +31,9 @@ class TestChecks:
         assert context_length(types.SimpleNamespace()) is None
 
     def test_prompt_tokens(self) -> None:
-        check_prompt_tokens(100, 28, max_prompt_tokens=100, context=128)
+        assert max_tokens_for(100, 28, max_prompt_tokens=100, context=128) == 28
         with pytest.raises(PromptTooLongError) as over:
-            check_prompt_tokens(101, 1, max_prompt_tokens=100, context=None)
+            max_tokens_for(101, 1, max_prompt_tokens=100, context=None)
         assert "101" in over.value.message
         assert "100" in over.value.message
         assert (over.value.prompt_tokens, over.value.limit) == (101, 100)
@@ -41,10 +41,22 @@ class TestChecks:
         assert answer is not None
         assert (answer.status, answer.param) == (400, "messages")
         assert answer.code == "context_length_exceeded"
-        with pytest.raises(PromptTooLongError) as context:
-            check_prompt_tokens(100, 29, max_prompt_tokens=None, context=128)
-        for number in ("128", "100", "29", "129"):
-            assert number in context.value.message
+
+    def test_max_tokens_are_cut_to_what_the_context_leaves(self) -> None:
+        assert max_tokens_for(100, 29, max_prompt_tokens=None, context=128) == 28
+        assert max_tokens_for(127, 10**9, max_prompt_tokens=None, context=128) == 1
+        assert max_tokens_for(100, 10**9, max_prompt_tokens=None, context=None) == (
+            10**9
+        )
+        # Echo with max_tokens 0 scores a prompt that fills the context.
+        assert max_tokens_for(128, 0, max_prompt_tokens=None, context=128) == 0
+
+    def test_a_prompt_that_fills_the_context_is_refused(self) -> None:
+        with pytest.raises(PromptTooLongError) as full:
+            max_tokens_for(128, 1, max_prompt_tokens=None, context=128)
+        assert "maximum context length is 128 tokens" in full.value.message
+        assert "128 tokens, which leaves no room" in full.value.message
+        assert (full.value.prompt_tokens, full.value.limit) == (128, 128)
 
     def test_text_bound(self) -> None:
         check_text_length(1000, 10, 100)
@@ -80,9 +92,12 @@ class TestServer:
         async with serve(max_prompt_tokens=prompt) as served:
             assert (await served.chat(vision_body(2))).status_code == 200
 
-    async def test_prompt_and_max_tokens_over_the_context(
+    async def test_an_answer_stops_where_the_context_is_full(
         self, serve: Serve, monkeypatch: pytest.MonkeyPatch
     ) -> None:
+        """Any API's request may ask for more tokens than the context leaves
+        (no limit is set): its answer stops there, as the API says a length
+        cut ends."""
         async with serve() as served:
             prompt = (await served.chat(vision_body(2))).json()["usage"][
                 "prompt_tokens"
@@ -92,12 +107,82 @@ class TestServer:
         monkeypatch.setattr(
             LoadedModel, "context_length", property(lambda self: context)
         )
+        text = [{"role": "user", "content": "Hi"}]
         async with serve() as served:
-            error = assert_error(await served.chat(vision_body(11)), 400, "messages")
-            assert f"maximum context length is {context} tokens" in error["message"]
-            assert f"{prompt} prompt tokens" in error["message"]
-            assert "11 completion tokens" in error["message"]
-            assert (await served.chat(vision_body(10))).status_code == 200
+            chat = (await served.chat(vision_body(100_000))).json()
+            assert chat["choices"][0]["finish_reason"] == "length"
+            assert chat["usage"]["completion_tokens"] == 10
+            unset = vision_body()
+            del unset["max_tokens"]  # the default, 512
+            chat = (await served.chat(unset)).json()
+            assert chat["choices"][0]["finish_reason"] == "length"
+            assert chat["usage"]["completion_tokens"] == 10
+            post = served.client.post
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 100_000}
+            completion = (await post("/v1/completions", json=body)).json()
+            assert completion["choices"][0]["finish_reason"] == "length"
+            assert completion["usage"]["total_tokens"] == context
+            body = {"model": MODEL, "messages": text, "max_tokens": 100_000}
+            message = (await post("/v1/messages", json=body)).json()
+            assert message["stop_reason"] == "max_tokens"
+            usage = message["usage"]
+            assert usage["input_tokens"] + usage["output_tokens"] == context
+            body = {"model": MODEL, "input": "Hi", "max_output_tokens": 100_000}
+            response = (await post("/v1/responses", json=body)).json()
+            assert response["status"] == "incomplete"
+            assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+            assert response["usage"]["total_tokens"] == context
+            options = {"num_predict": -1}
+            body = {"model": MODEL, "messages": text, "options": options}
+            body["stream"] = False
+            ollama = (await post("/api/chat", json=body)).json()
+            assert ollama["done_reason"] == "length"
+            assert ollama["prompt_eval_count"] + ollama["eval_count"] == context
+
+    async def test_an_operators_limit_is_a_400_on_every_api(self, serve: Serve) -> None:
+        text = [{"role": "user", "content": "Hi"}]
+        async with serve(max_tokens_limit=20) as served:
+            post = served.client.post
+            assert_error(await served.chat(vision_body(21)), 400, "max_tokens")
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 21}
+            answer = await post("/v1/completions", json=body)
+            assert_error(answer, 400, "max_tokens", "invalid_value")
+            body = {"model": MODEL, "input": "Hi", "max_output_tokens": 21}
+            answer = await post("/v1/responses", json=body)
+            assert_error(answer, 400, "max_output_tokens", "invalid_value")
+            body = {"model": MODEL, "messages": text, "max_tokens": 21}
+            answer = await post("/v1/messages", json=body)
+            assert answer.status_code == 400
+            error = answer.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert "limit of 20 tokens" in error["message"]
+            body = {"model": MODEL, "messages": text, "stream": False}
+            answer = await post(
+                "/api/chat", json=body | {"options": {"num_predict": 21}}
+            )
+            assert answer.status_code == 400
+            assert "options.num_predict" in answer.json()["error"]
+            # -1 (no limit) is the operator's limit.
+            options = {"num_predict": -1, "temperature": 0}
+            answer = await post("/api/chat", json=body | {"options": options})
+            assert (answer.json()["done_reason"], answer.json()["eval_count"]) == (
+                "length",
+                20,
+            )
+
+    async def test_a_prompt_that_fills_the_context_is_refused(
+        self, serve: Serve, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        async with serve() as served:
+            prompt = (await served.chat(vision_body(2))).json()["usage"][
+                "prompt_tokens"
+            ]
+        monkeypatch.setattr(LoadedModel, "context_length", property(lambda _: prompt))
+        async with serve() as served:
+            error = assert_error(await served.chat(vision_body(1)), 400, "messages")
+            assert f"maximum context length is {prompt} tokens" in error["message"]
+            assert "leaves no room for an answer" in error["message"]
+            assert served.engine.statistics().prefills == 0  # refused before prefill
 
     async def test_huge_text_is_refused_before_the_model(self, serve: Serve) -> None:
         async with serve(max_prompt_tokens=100) as served:

@@ -55,7 +55,8 @@ class RowAnswer:
         self.loaded = loaded
         self.row = row
         self._logprobs = params.sampling.logprobs
-        self._max_tokens = params.max_tokens
+        # The request's, or what the context left (the row's; 1 for 0 asked).
+        self._max_tokens = min(params.max_tokens, row.max_tokens)
         self._as_ids = params.return_tokens_as_token_ids
         self._min_tokens = params.sampling.min_tokens
         self._include_stop = params.include_stop_str_in_output

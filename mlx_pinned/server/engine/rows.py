@@ -39,6 +39,8 @@ class Row:
     """One sequence: its sampling settings and where it stands.
 
     Attributes:
+        max_tokens: Tokens to sample: the request's ``max_tokens``, cut to
+            what the context leaves after the prompt (1 where it asks 0).
         sampling: Its request's sampling, resolved (:func:`resolve_sampling`).
         token: The last sampled token: the next step's input, not yet cached.
         sampled: Tokens sampled so far; also the next sampling position.
@@ -164,9 +166,9 @@ def make_row(
     prepared = preprocess(loaded, params, images)
     prepared.scored = sampling.prompt_logprobs
     # Refused before anything is prefilled.
-    params.check_prompt_tokens(prepared.prompt_tokens)
+    most = params.max_tokens_for(prepared.prompt_tokens)
     row = Row(
-        max_tokens=max(params.max_tokens, 1),  # 0: one sampled, none handed out
+        max_tokens=max(most, 1),  # 0: one sampled, none handed out
         sampling=sampling,
         needs=needs,
         prompt_tokens=prepared.prompt_tokens,

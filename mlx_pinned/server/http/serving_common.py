@@ -104,13 +104,14 @@ def max_tokens(
     default: int | None = None,
     code: str | None = "invalid_value",
 ) -> int:
-    """The tokens to generate: ``asked`` (the request's ``param``) within
-    the server's ``max_tokens_limit``; when it asks none, ``default`` (else
-    the server's ``default_max_tokens``)."""
+    """The tokens to generate: ``asked`` (the request's ``param``), a 400
+    over the server's ``max_tokens_limit`` where one is set; when it asks
+    none, ``default`` (else the server's ``default_max_tokens``). The engine
+    cuts it to what the model's context leaves after the prompt."""
     if asked is None:
         return config.default_max_tokens if default is None else default
     limit = config.max_tokens_limit
-    if asked > limit:
+    if limit is not None and asked > limit:
         raise APIError(
             400,
             f"Invalid value for '{param}': {asked} is more than this server's "

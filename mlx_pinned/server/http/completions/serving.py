@@ -50,7 +50,8 @@ class CompletionsServing:
         """
         max_prompt = self.config.max_prompt_tokens or facts.context_length
         # OpenAI's default (16), within the server's limit.
-        least = min(OPENAI_DEFAULT_MAX_TOKENS, self.config.max_tokens_limit)
+        limit = self.config.max_tokens_limit or OPENAI_DEFAULT_MAX_TOKENS
+        least = min(OPENAI_DEFAULT_MAX_TOKENS, limit)
         most = max_tokens(self.config, "max_tokens", request.max_tokens, default=least)
         if most == 0 and not request.echo:
             raise APIError(
@@ -85,7 +86,7 @@ class CompletionsServing:
                     if token_id >= vocab:
                         raise out_of_vocabulary("prompt", token_id, vocab)
                 if not cut:
-                    one.check_prompt_tokens(len(prompt))
+                    one.max_tokens_for(len(prompt))  # refused before it waits
                 echo = await engine.detokenize(prompt) if request.echo else ""
             params.append(one)
             echoes.append(echo if request.echo else "")

@@ -102,10 +102,9 @@ class OllamaServing:
                 )
             max_prompt = min(max_prompt or options.num_ctx, options.num_ctx)
         asked = options.num_predict
-        limit = self.config.max_tokens_limit
-        most = max_tokens(
-            self.config, "options.num_predict", limit if asked in (-1, -2) else asked
-        )
+        if asked in (-1, -2):  # no limit, and the context's: what the context leaves
+            asked = self.config.max_tokens_limit or facts.context_length
+        most = max_tokens(self.config, "options.num_predict", asked)
         tools = request.tools if isinstance(request, ChatRequest) else None
         if tools and facts.formats.tool_call is None:
             raise no_tool_call_format(code=None)
