@@ -26,13 +26,11 @@ from mlx_pinned.server.engine import (
     DraftSettings,
     LoadedModel,
     drafting,
-    load,
 )
 from mlx_pinned.server.engine.drafting import FLOOR, REST, pace, resting
 from mlx_pinned.server.engine.prompt_lookup import follow, lookup
 from mlx_pinned.server.engine.rows import Row
 from mlx_pinned.server.events import FinalEvent, SamplingParams, TokenEvent
-from mlx_pinned.testing import tiny_vlm_path
 
 from .conftest import MODEL, vision_body
 from .kit import (
@@ -450,14 +448,6 @@ class TestSettings:
             ServerConfig(model="m", prompt_lookup_tokens=-1)
         with pytest.raises(SettingError, match="distributed"):
             ServerConfig(model="m", prompt_lookup_tokens=2, distributed="tensor")
-
-    def test_a_cache_that_cannot_be_cut_back_is_refused(
-        self, thread: MLXThread
-    ) -> None:
-        loaded = thread.run_sync(load, tiny_vlm_path("qwen3_5"))
-        engine = thread.run_sync(BatchEngine, loaded, thread)
-        with pytest.raises(ValueError, match="cut back"):
-            thread.run_sync(engine.speculate, LOOKUP)
 
     def test_the_counts_reach_the_engine_counters(
         self, thread: MLXThread, loaded_lm: LoadedModel

@@ -18,9 +18,10 @@ from .decode import Stepped
 from .draft_model import DraftModel
 from .logits import ban_words, bias_rows
 from .prompt_lookup import History, PromptLookup, follow
-from .quirks import cut_back, uncuttable_kinds
+from .quirks import cache_kinds
 from .rows import read
 from .sampling import Sampled, collect, draw
+from .verify_pass import Rollback, rollback_of, verify
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -84,20 +85,21 @@ def install(state: BatchState, settings: DraftSettings) -> None:
     """
     loaded: LoadedModel = state.loaded
     setting = "prompt_lookup_tokens" if settings.model is None else "draft_model"
-    kinds = uncuttable_kinds(loaded.model.language_model)
-    if kinds:
+    lm = loaded.model.language_model
+    rollback = rollback_of(lm)
+    if rollback is None:
         flag = "--" + setting.replace("_", "-")
         raise SettingError(
             setting,
             "speculative decoding needs a KV cache that can be cut back; "
-            f"this model's is {', '.join(kinds)}: serve it without {flag}",
+            f"this model's is {', '.join(cache_kinds(lm))}: serve it without {flag}",
         )
     source: DraftSource | None = None  # neither: the requests' predictions
     if settings.model is not None:
         source = DraftModel.load(settings.model, loaded)
     elif settings.ngram:
         source = PromptLookup(settings.ngram)
-    state.decoder.drafting = Drafting(settings, source)
+    state.decoder.drafting = Drafting(settings, source, rollback)
 
 
 # A predicted row's drafts: its n-grams matched in the prediction, and the
@@ -116,7 +118,8 @@ def for_predictions(loaded: LoadedModel) -> Drafting:
     Raises:
         RequestError: The model's KV cache cannot be cut back.
     """
-    if uncuttable_kinds(loaded.model.language_model):
+    rollback = rollback_of(loaded.model.language_model)
+    if rollback is None:
         raise RequestError(
             "This model's KV cache cannot be cut back, so it takes no "
             "prediction: send the request without 'prediction'.",
@@ -124,7 +127,7 @@ def for_predictions(loaded: LoadedModel) -> Drafting:
             "prediction",
         )
     settings = DraftSettings(tokens=PREDICTION_TOKENS, max_batch=PREDICTION_MAX_BATCH)
-    return Drafting(settings, None)
+    return Drafting(settings, None, rollback)
 
 
 # A row's running share of drafts kept under which it rests (a verify pass
@@ -155,11 +158,18 @@ def pace(row: Row, drafted: int, kept: int) -> None:
 
 class Drafting:
     """The speculative step of one batch. ``source``: where the rows' drafts
-    come from (None: only requests' predictions)."""
+    come from (None: only requests' predictions); ``rollback``: how the
+    batch's cache takes back refused drafts."""
 
-    def __init__(self, settings: DraftSettings, source: DraftSource | None) -> None:
+    def __init__(
+        self,
+        settings: DraftSettings,
+        source: DraftSource | None,
+        rollback: Rollback = Rollback.CUT,
+    ) -> None:
         self.settings = settings
         self.source = source
+        self.rollback = rollback
 
     def start(self, row: Row) -> None:
         """Give an admitted row its prompt's ids, the start of its history.
@@ -205,6 +215,7 @@ class Drafting:
         row keeps its drafts up to the first the target's token differs
         from, and that token. None when no row has drafts."""
         rows = list(batch.rows)
+        step = None
         try:
             each = self._propose(rows)
             if not any(each):
@@ -219,8 +230,9 @@ class Drafting:
             if batch.deltas is not None:
                 kwargs["rope_deltas"] = batch.deltas
             cache = batch.cache or []
-            output = batch.lm(mx.array(inputs, dtype=mx.uint32), cache=cache, **kwargs)
-            logits = output.logits
+            ids = mx.array(inputs, dtype=mx.uint32)
+            step = verify(batch.lm, self.rollback, ids, cache, kwargs)
+            logits = step.logits
             flat = logits.reshape(-1, logits.shape[-1])
             # Row i's position j is drawn as its token at sampled + j, after
             # its inputs up to j.
@@ -234,6 +246,8 @@ class Drafting:
             states = [c.state for c in cache]
             sampled = collect(draw(flat, at, bias, states, ahead))
         except BaseException:
+            if step is not None:
+                step.abort()
             if self.source is not None:
                 self.source.reset()
             raise
@@ -246,7 +260,7 @@ class Drafting:
         read_rows, got = read(
             rows, [row_items[: k + 1] for row_items, k in zip(items, kept, strict=True)]
         )
-        cut_back(cache, width, kept)
+        step.commit(kept)
         self._settle(rows, kept)
         for row, d, k in zip(rows, each, kept, strict=True):
             pace(row, len(d), k)
