@@ -18,9 +18,12 @@ vision chat; :func:`make_tiny_lm`, :data:`TINY_LM_TYPES` (and
 :data:`TINY_TOOL_LM_TYPES`), :func:`tiny_lm_path` for text chat; and
 ``make_tiny_<kind>``, ``TINY_<KIND>_TYPES``, ``tiny_<kind>_path`` for
 ``embedding``, ``reranker``, ``transcription``, ``speech`` and ``omni``
-(chat that hears audio too). Everything runs on the calling thread, from
-any thread or process at once. ``import mlx_pinned.testing`` is cheap: MLX,
-mlx-vlm, ``tokenizers`` and Pillow are imported inside the functions.
+(chat that hears audio too). :func:`make_tiny_mtp` and
+:func:`make_tiny_assistant` write models with a native drafter that agrees
+with them (:func:`tiny_mtp_path`, :func:`tiny_assistant_paths`). Everything
+runs on the calling thread, from any thread or process at once.
+``import mlx_pinned.testing`` is cheap: MLX, mlx-vlm, ``tokenizers`` and
+Pillow are imported inside the functions.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import os
 import pathlib
 
+from ._drafters import make_tiny_assistant, make_tiny_mtp
 from ._images import image_data_uri, make_test_image
 from ._qwen import _CHAT_TEMPLATE as _CHAT_TEMPLATE
 from ._qwen import SPECIAL_TOKENS
@@ -61,15 +65,19 @@ __all__ = [
     "TINY_TRANSCRIPTION_TYPES",
     "image_data_uri",
     "make_test_image",
+    "make_tiny_assistant",
     "make_tiny_embedding",
     "make_tiny_lm",
+    "make_tiny_mtp",
     "make_tiny_omni",
     "make_tiny_reranker",
     "make_tiny_speech",
     "make_tiny_transcription",
     "make_tiny_vlm",
+    "tiny_assistant_paths",
     "tiny_embedding_path",
     "tiny_lm_path",
+    "tiny_mtp_path",
     "tiny_omni_path",
     "tiny_reranker_path",
     "tiny_speech_path",
@@ -125,6 +133,22 @@ def tiny_speech_path(model_type: str = "qwen3_tts") -> pathlib.Path:
 def tiny_omni_path(model_type: str = "gemma4") -> pathlib.Path:
     """As :func:`tiny_vlm_path`: ``tiny-omni-<model_type>``."""
     return make_tiny_omni(_cache() / f"tiny-omni-{model_type}", model_type, seed=0)
+
+
+def tiny_mtp_path(damping: float = 0.05) -> pathlib.Path:
+    """The tiny ``qwen3_5`` with MTP layers in its checkpoint that agree with
+    it (:func:`make_tiny_mtp`): ``tiny-mtp-<damping>``."""
+    return make_tiny_mtp(
+        _cache() / f"tiny-mtp-{damping}", tiny_vlm_path("qwen3_5"), damping=damping
+    )
+
+
+def tiny_assistant_paths(damping: float = 0.05) -> tuple[pathlib.Path, pathlib.Path]:
+    """The tiny ``gemma4`` (damped) and a Gemma 4 assistant that agrees with
+    it (:func:`make_tiny_assistant`), under ``tiny-assistant-<damping>``."""
+    return make_tiny_assistant(
+        _cache() / f"tiny-assistant-{damping}", tiny_omni_path(), damping=damping
+    )
 
 
 def _cache() -> pathlib.Path:

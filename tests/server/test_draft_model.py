@@ -261,8 +261,10 @@ class TestSettings:
             ServerConfig(model="m", draft_model="d", distributed="tensor")
         with pytest.raises(SettingError, match="folder or hub id"):
             ServerConfig(model="m", draft_model=" ")
-        with pytest.raises(ValueError, match="not both"):
+        with pytest.raises(ValueError, match="one of them"):
             DraftSettings(ngram=3, model="d")
+        with pytest.raises(ValueError, match="one of them"):
+            DraftSettings(model="d", mtp=True)
 
     def test_another_tokenizer_is_refused(
         self, thread: MLXThread, loaded_lm: LoadedModel

@@ -17,6 +17,7 @@ from ..failures import RequestError
 from .decode import Stepped
 from .draft_model import DraftModel
 from .logits import ban_words, bias_rows
+from .native_drafter import NativeDrafter, native_kind
 from .prompt_lookup import History, PromptLookup, follow
 from .quirks import cache_kinds
 from .rows import read
@@ -35,25 +36,28 @@ __all__ = ["DraftSettings", "DraftSource", "Drafting", "for_predictions", "insta
 
 @dataclass(frozen=True)
 class DraftSettings:
-    """How rows draft: by prompt lookup (``ngram``) or with a draft model
-    (``model``), not both.
+    """How rows draft: by prompt lookup (``ngram``), with a draft model or an
+    mlx-vlm drafter (``model``), or with the MTP layers the served checkpoint
+    carries (``mtp``); one of them.
 
     Attributes:
         ngram: Longest n-gram of a row's tokens looked up; 0: no prompt lookup.
         tokens: Draft tokens per row and step, at most (K).
-        model: A draft model's folder or hub id; None: no draft model.
+        model: A draft model's or drafter's folder or hub id; None: none.
         max_batch: Speculate only while the batch holds at most this many
             rows (0: at any size); docs/engine.md says why.
+        mtp: Draft with the served checkpoint's MTP layers.
     """
 
     ngram: int = 0
     tokens: int = 4
     model: str | Path | None = None
     max_batch: int = 0
+    mtp: bool = False
 
     def __post_init__(self) -> None:
-        if self.ngram and self.model is not None:
-            raise ValueError("draft by prompt lookup or with a model, not both")
+        if sum((bool(self.ngram), self.model is not None, self.mtp)) > 1:
+            raise ValueError("draft by prompt lookup, a model or MTP: one of them")
 
 
 class DraftSource(Protocol):
@@ -85,6 +89,7 @@ def install(state: BatchState, settings: DraftSettings) -> None:
     """
     loaded: LoadedModel = state.loaded
     setting = "prompt_lookup_tokens" if settings.model is None else "draft_model"
+    setting = "mtp" if settings.mtp else setting
     lm = loaded.model.language_model
     rollback = rollback_of(lm)
     if rollback is None:
@@ -94,8 +99,12 @@ def install(state: BatchState, settings: DraftSettings) -> None:
             "speculative decoding needs a KV cache that can be cut back; "
             f"this model's is {', '.join(cache_kinds(lm))}: serve it without {flag}",
         )
-    source: DraftSource | None = None  # neither: the requests' predictions
-    if settings.model is not None:
+    source: DraftSource | None = None  # none: the requests' predictions
+    if settings.mtp:
+        source = NativeDrafter.load(loaded, state)
+    elif settings.model is not None and native_kind(settings.model) is not None:
+        source = NativeDrafter.load(loaded, state, settings.model)
+    elif settings.model is not None:
         source = DraftModel.load(settings.model, loaded)
     elif settings.ngram:
         source = PromptLookup(settings.ngram)
@@ -170,6 +179,9 @@ class Drafting:
         self.settings = settings
         self.source = source
         self.rollback = rollback
+        # The source drafts from the model's last hidden state (a native
+        # drafter): every forward pass keeps it.
+        self.wants_hidden: bool = getattr(source, "wants_hidden", False)
 
     def start(self, row: Row) -> None:
         """Give an admitted row its prompt's ids, the start of its history.
@@ -231,7 +243,9 @@ class Drafting:
                 kwargs["rope_deltas"] = batch.deltas
             cache = batch.cache or []
             ids = mx.array(inputs, dtype=mx.uint32)
-            step = verify(batch.lm, self.rollback, ids, cache, kwargs)
+            step = verify(
+                batch.lm, self.rollback, ids, cache, kwargs, hidden=self.wants_hidden
+            )
             logits = step.logits
             flat = logits.reshape(-1, logits.shape[-1])
             # Row i's position j is drawn as its token at sampled + j, after
@@ -261,6 +275,10 @@ class Drafting:
             rows, [row_items[: k + 1] for row_items, k in zip(items, kept, strict=True)]
         )
         step.commit(kept)
+        if step.hidden is not None:  # each row's at its last kept token
+            last = mx.array(kept, dtype=mx.int32)[:, None, None]
+            hidden = mx.take_along_axis(step.hidden, last, axis=1)
+            batch.decoder.hidden = (rows, hidden)
         self._settle(rows, kept)
         for row, d, k in zip(rows, each, kept, strict=True):
             pace(row, len(d), k)
