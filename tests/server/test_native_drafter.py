@@ -7,16 +7,20 @@ and batched.
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
 from typing import Any
 
 import pytest
 
 from mlx_pinned import MLXThread
+from mlx_pinned.server.config import ModelSettings
 from mlx_pinned.server.config_checks import SettingError
 from mlx_pinned.server.engine import BatchEngine, DraftSettings, LoadedModel, load
 from mlx_pinned.testing import tiny_assistant_paths, tiny_mtp_path, tiny_vlm_path
 
 from .kit import TOL, Request, interleaved, max_logprob_difference, request
+from .test_speculative import critical, tokens_of, two_sample_chi_square
 
 MTP = DraftSettings(mtp=True, tokens=3)
 
@@ -82,9 +86,9 @@ class TestMTP:
         assert stats.peak_active >= 3
 
     def test_seeded_rows_draw_the_same_tokens(
-        self, thread: MLXThread, partial: LoadedModel
+        self, thread: MLXThread, agreeing: LoadedModel
     ) -> None:
-        off, on = engines(thread, partial)
+        off, on = engines(thread, agreeing)
         kinds: list[dict[str, Any]] = [
             {"temperature": 0.4},
             {"temperature": 0.7, "top_p": 0.9},
@@ -93,7 +97,8 @@ class TestMTP:
         reqs = [text(i, 32, seed=100 + i, **kind) for i, kind in enumerate(kinds)]
         alone = [interleaved(thread, off, [req])[0] for req in reqs]
         assert_same(interleaved(thread, on, reqs, (0, 2, 4)), alone)
-        assert on.statistics().accepted_tokens > 0
+        stats = on.statistics()
+        assert 0 < stats.accepted_tokens < stats.draft_tokens  # drawn off the drafts
 
     def test_a_checkpoint_without_mtp_layers_is_refused(
         self, thread: MLXThread
@@ -124,3 +129,54 @@ class TestAssistant:
         assert_same(interleaved(thread, on, reqs, (0, 3, 7)), alone)
         stats = on.statistics()
         assert stats.accepted_tokens > stats.draft_tokens // 2
+
+
+class TestSettings:
+    def test_a_checkpoint_with_mtp_layers_drafts_with_them_unless_told_not(
+        self, thread: MLXThread
+    ) -> None:
+        path = tiny_mtp_path(0.05)
+
+        def drafting(**settings: Any) -> DraftSettings | None:
+            engine = BatchEngine.load(ModelSettings.of(path, **settings), thread)
+            found = engine.loop.state.decoder.drafting
+            return None if found is None else found.settings
+
+        on = thread.run_sync(drafting)
+        assert on is not None
+        assert on.mtp
+        assert (on.tokens, on.max_batch) == (3, 2)  # the server's defaults
+        assert thread.run_sync(functools.partial(drafting, mtp=False)) is None
+        lookup = thread.run_sync(functools.partial(drafting, prompt_lookup_tokens=2))
+        assert lookup is not None
+        assert (lookup.mtp, lookup.ngram) == (False, 2)
+
+
+@pytest.mark.slow
+def test_kept_tokens_follow_the_target_distribution(
+    thread: MLXThread, agreeing: LoadedModel
+) -> None:
+    """test_speculative.py's two-sample chi-square, with MTP drafts: the
+    (position, token) counts of seeded rows, drafting against not, each over
+    its own seeds."""
+    off, on = engines(thread, agreeing)
+    draws, length = 96, 6
+
+    def sample(engine: BatchEngine, seeds: range) -> Counter[tuple[int, ...]]:
+        reqs = [
+            text(0, length, temperature=1.0, seed=s, ignore_eos=True) for s in seeds
+        ]
+        found: Counter[tuple[int, ...]] = Counter()
+        for start in range(0, len(reqs), 8):
+            for events in interleaved(thread, engine, reqs[start : start + 8]):
+                drawn = tokens_of(events)
+                found.update((i, *drawn[i]) for i in range(1, length))
+        return found
+
+    ours = sample(on, range(draws))
+    theirs = sample(off, range(draws, 2 * draws))
+    stats = on.statistics()
+    assert draws // 8 < stats.accepted_tokens < stats.draft_tokens
+    assert len(theirs) > length  # not greedy in disguise
+    statistic, bins = two_sample_chi_square(ours, theirs)
+    assert statistic < critical(bins - 1)

@@ -25,9 +25,9 @@ from mlx_pinned.server.engine import (
     BatchEngine,
     DraftSettings,
     LoadedModel,
-    drafting,
+    draft_policy,
 )
-from mlx_pinned.server.engine.drafting import FLOOR, REST, pace, resting
+from mlx_pinned.server.engine.draft_policy import FLOOR, REST, pace, resting
 from mlx_pinned.server.engine.prompt_lookup import follow, lookup
 from mlx_pinned.server.engine.rows import Row
 from mlx_pinned.server.events import FinalEvent, SamplingParams, TokenEvent
@@ -254,7 +254,7 @@ class TestRunningAcceptance:
         off, on = engines(thread, loaded_lm)
         _, never = engines(thread, loaded_lm)
         resting_runs = interleaved(thread, on, reqs)
-        monkeypatch.setattr(drafting, "FLOOR", 0.0)
+        monkeypatch.setattr(draft_policy, "FLOOR", 0.0)
         always_runs = interleaved(thread, never, reqs)
         plain = interleaved(thread, off, reqs)
         assert_same(resting_runs, plain)

@@ -16,6 +16,7 @@ from ..config_checks import SettingError
 from ..failures import RequestError
 from .decode import Stepped
 from .draft_model import DraftModel
+from .draft_policy import DraftPolicy, resting
 from .logits import ban_words, bias_rows
 from .native_drafter import NativeDrafter, native_kind
 from .prompt_lookup import History, PromptLookup, follow
@@ -139,32 +140,6 @@ def for_predictions(loaded: LoadedModel) -> Drafting:
     return Drafting(settings, None, rollback)
 
 
-# A row's running share of drafts kept under which it rests (a verify pass
-# that keeps a tenth of its drafts gives about what it costs at one row),
-# and its first and longest rests, in tokens (docs/engine.md).
-FLOOR = 0.1
-REST = 8
-MOST_REST = 128
-
-
-def resting(row: Row) -> bool:
-    """Whether a row drafts nothing now: its drafts were not being kept."""
-    return row.sampled < row.rests_until
-
-
-def pace(row: Row, drafted: int, kept: int) -> None:
-    """Count a speculative step in a row's running acceptance; under
-    :data:`FLOOR` it rests, twice as long as the last time."""
-    if not drafted:
-        return
-    row.acceptance = (3 * row.acceptance + kept / drafted) / 4
-    if row.acceptance >= FLOOR:
-        row.rest = 0
-        return
-    row.rest = min(MOST_REST, max(REST, 2 * row.rest))
-    row.rests_until = row.sampled + row.rest
-
-
 class Drafting:
     """The speculative step of one batch. ``source``: where the rows' drafts
     come from (None: only requests' predictions); ``rollback``: how the
@@ -179,6 +154,8 @@ class Drafting:
         self.settings = settings
         self.source = source
         self.rollback = rollback
+        costly = isinstance(source, (DraftModel, NativeDrafter))
+        self.policy = DraftPolicy(settings.tokens, settings.max_batch, costly)
         # The source drafts from the model's last hidden state (a native
         # drafter): every forward pass keeps it.
         self.wants_hidden: bool = getattr(source, "wants_hidden", False)
@@ -204,8 +181,8 @@ class Drafting:
     def applies(self, batch: BatchState) -> bool:
         """Whether the batch's next step may speculate: it has rows, no more than
         ``max_batch`` with those joining it, and each of them can draft."""
-        most = self.settings.max_batch
-        if not batch.rows or (most and len(batch.rows) > most):
+        policy = self.policy
+        if not batch.rows or not policy.admits(len(batch.rows)):
             return False  # at once: a large batch pays nothing more per step
         joining = [row for rows, _ in batch.joining for row in rows]
         waiting = [*batch.waiting, *(row for row, _ in batch.prefilling)]
@@ -214,7 +191,7 @@ class Drafting:
             for row in (*batch.rows, *joining, *waiting)
             if not (row.gone or row.done or row in batch.leaving)
         ]
-        if most and len(live) > most:
+        if not policy.admits(len(live)):
             return False
         if self.source is None and all(row.prediction is None for row in live):
             return False  # nothing would draft
@@ -281,7 +258,7 @@ class Drafting:
             batch.decoder.hidden = (rows, hidden)
         self._settle(rows, kept)
         for row, d, k in zip(rows, each, kept, strict=True):
-            pace(row, len(d), k)
+            self.policy.pace(row, len(d), k)
             if row.prediction is not None:
                 tried, used = row.predicted
                 row.predicted = (tried + len(d), used + k)
@@ -290,9 +267,11 @@ class Drafting:
 
     def _propose(self, rows: list[Row]) -> list[list[int]]:
         left = [0 if resting(row) else row.max_tokens - row.sampled - 1 for row in rows]
-        tokens = self.settings.tokens
+        policy = self.policy
         each = (
-            self.source.propose(rows, [min(tokens, n) for n in left])
+            self.source.propose(
+                rows, [policy.count(row, n) for row, n in zip(rows, left, strict=True)]
+            )
             if self.source is not None
             else [[] for _ in rows]
         )
