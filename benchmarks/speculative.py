@@ -1,5 +1,5 @@
-"""Speculative decoding against none, in one run: prompt lookup, or a draft
-model.
+"""Speculative decoding against none, in one run: prompt lookup, a draft
+model, or a native drafter (MTP layers, Gemma 4's assistant).
 
 In process: the same greedy (or, with ``--temperature``, seeded) requests
 through two engines of one loaded model, speculation off (A) and on (B),
@@ -19,18 +19,28 @@ minute).
 - ``--synthetic-draft DAMPING``: a wider, deeper random served model and a
   one-layer draft that agrees with it on most tokens, written offline by
   ``_draft_pair.py`` (``DAMPING`` sets how often: 0.1 is about 0.75).
+- ``--mtp DAMPING``: the tiny Qwen3.5 (or ``--model``, a Qwen3.5 folder)
+  written with MTP layers that agree with it (``mlx_pinned.testing``'s
+  ``make_tiny_mtp``: 0.05 keeps every draft), drafting with them.
+- ``--assistant DAMPING``: the tiny Gemma 4 and an assistant that agrees
+  with it (``make_tiny_assistant``).
+
+The machine's load average is printed at the start and the end: other work
+on the cores moves every figure.
 
 ::
 
     python benchmarks/speculative.py [--quick] [--rounds 5] [--tokens 256]
         [--concurrency 8,32] [--temperature T] [--ngram 3] [--draft-tokens 4]
         [--max-batch N]
-        [--draft-model PATH --model PATH | --synthetic-draft DAMPING]
+        [--draft-model PATH --model PATH | --synthetic-draft DAMPING
+         | --mtp DAMPING [--model PATH] | --assistant DAMPING]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -78,7 +88,12 @@ async def main_async(args: argparse.Namespace) -> None:
     from mlx_pinned import MLXThread
     from mlx_pinned.server.engine import BatchEngine, DraftSettings
     from mlx_pinned.server.engine.model import load
-    from mlx_pinned.testing import tiny_vlm_path
+    from mlx_pinned.testing import (
+        make_tiny_assistant,
+        make_tiny_mtp,
+        tiny_omni_path,
+        tiny_vlm_path,
+    )
 
     model = args.model or tiny_vlm_path()
     settings = DraftSettings(args.ngram, args.draft_tokens, max_batch=args.max_batch)
@@ -86,11 +101,25 @@ async def main_async(args: argparse.Namespace) -> None:
         folder = Path(tempfile.mkdtemp(prefix="draft-pair-"))
         model, draft = write_pair(folder, damping=args.synthetic_draft)
         args.draft_model = draft
+    if args.assistant is not None:
+        folder = Path(tempfile.mkdtemp(prefix="assistant-"))
+        model, draft = make_tiny_assistant(
+            folder, tiny_omni_path(), damping=args.assistant
+        )
+        args.draft_model = draft
     if args.draft_model is not None:
         settings = DraftSettings(
             tokens=args.draft_tokens, model=args.draft_model, max_batch=args.max_batch
         )
+    if args.mtp is not None:
+        source = args.model or tiny_vlm_path("qwen3_5")
+        folder = Path(tempfile.mkdtemp(prefix="mtp-"))
+        model = make_tiny_mtp(folder / "model", source, damping=args.mtp)
+        settings = DraftSettings(
+            tokens=args.draft_tokens, mtp=True, max_batch=args.max_batch
+        )
     print(f"served {model}; drafts: {settings}", flush=True)
+    print(f"load average at the start: {os.getloadavg()}", flush=True)
     async with MLXThread(name="speculative") as thread:
         loaded = await thread.run(load, model)
 
@@ -128,6 +157,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 f"{(rows + kept) / max(rows, 1):.2f} tokens per row and "
                 f"speculative step, {share:.0%} of the steps speculative"
             )
+        print(f"load average at the end: {os.getloadavg()}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,9 +197,28 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DAMPING",
         help="a random served model and a one-layer draft that agrees with it",
     )
+    parser.add_argument(
+        "--mtp",
+        type=float,
+        metavar="DAMPING",
+        help="the tiny Qwen3.5 (or --model) with MTP layers that agree with it",
+    )
+    parser.add_argument(
+        "--assistant",
+        type=float,
+        metavar="DAMPING",
+        help="the tiny Gemma 4 and an assistant that agrees with it",
+    )
     args = parser.parse_args(argv)
+    writers = [args.synthetic_draft, args.mtp, args.assistant]
+    if sum(w is not None for w in writers) > 1:
+        parser.error("--synthetic-draft, --mtp, --assistant: one of them")
     if args.synthetic_draft is not None and (args.model or args.draft_model):
         parser.error("--synthetic-draft writes both models: no --model, --draft-model")
+    if args.assistant is not None and (args.model or args.draft_model):
+        parser.error("--assistant writes both models: no --model, --draft-model")
+    if args.mtp is not None and args.draft_model:
+        parser.error("--mtp drafts with the model's own layers: no --draft-model")
     if args.quick:
         args.rounds, args.tokens = 2, 64
     anyio.run(main_async, args)

@@ -116,6 +116,12 @@ class NativeDrafter:
             drafters.validate_drafter_compatibility(loaded.model, drafter, kind)
         except ValueError as exc:
             raise SettingError(setting, f"{setting}: {exc}") from None
+        if hasattr(drafter, "_shared_kv") and batch.kv_quant is not None:
+            raise SettingError(
+                setting,
+                f"{setting}: {path} attends to the model's keys and values, "
+                "which kv_bits packs: serve it without kv_bits",
+            )
         mx.eval(drafter.parameters())
         return cls(drafter, loaded, batch)
 
