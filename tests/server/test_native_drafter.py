@@ -19,8 +19,16 @@ from mlx_pinned.server.config_checks import SettingError
 from mlx_pinned.server.engine import BatchEngine, DraftSettings, LoadedModel, load
 from mlx_pinned.testing import tiny_assistant_paths, tiny_mtp_path, tiny_vlm_path
 
-from .kit import TOL, Request, interleaved, max_logprob_difference, request
-from .test_speculative import critical, tokens_of, two_sample_chi_square
+from .kit import (
+    TOL,
+    Request,
+    critical,
+    interleaved,
+    max_logprob_difference,
+    request,
+    tokens_of,
+    two_sample_chi_square,
+)
 
 MTP = DraftSettings(mtp=True, tokens=3)
 
