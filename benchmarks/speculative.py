@@ -66,8 +66,12 @@ def requests(count: int, tokens: int, temperature: float) -> list[Any]:
     ]
 
 
-async def rate(engine: Any, count: int, tokens: int, temperature: float = 0.0) -> float:
-    """Generated tokens per second of ``count`` streams at once."""
+async def rate(
+    engine: Any, count: int, tokens: int, temperature: float = 0.0
+) -> tuple[float, float]:
+    """Generated tokens per second of ``count`` streams at once, and per
+    second of the process's CPU time (less moved by other work on the
+    cores)."""
     made = 0
 
     async def one(params: Any) -> None:
@@ -77,11 +81,11 @@ async def rate(engine: Any, count: int, tokens: int, temperature: float = 0.0) -
                 if getattr(event, "completion_tokens", None) is not None:
                     made += event.completion_tokens
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     async with anyio.create_task_group() as group:
         for params in requests(count, tokens, temperature):
             group.start_soon(one, params)
-    return made / (time.perf_counter() - start)
+    return made / (time.perf_counter() - start), made / (time.process_time() - cpu)
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -132,9 +136,12 @@ async def main_async(args: argparse.Namespace) -> None:
         for engine in (off, on):  # warm-up: kernels, both shapes
             await rate(engine, 2, 16)
         columns = ("streams", 7), ("round", 5), ("off tok/s", 10), ("on tok/s", 10)
-        print(*(f"{name:>{width}}" for name, width in columns), f"{'ratio':>6}")
+        print(
+            *(f"{name:>{width}}" for name, width in columns),
+            f"{'ratio':>6} {'per CPU s':>9}",
+        )
         for streams in (1, *args.concurrency):
-            ratios = []
+            ratios, by_cpu = [], []
             before = on.statistics()
             for round_ in range(args.rounds):
                 pair = (off, on) if round_ % 2 == 0 else (on, off)
@@ -142,9 +149,13 @@ async def main_async(args: argparse.Namespace) -> None:
                     id(e): await rate(e, streams, args.tokens, args.temperature)
                     for e in pair
                 }
-                a, b = got[id(off)], got[id(on)]
+                (a, a_cpu), (b, b_cpu) = got[id(off)], got[id(on)]
                 ratios.append(b / a)
-                print(f"{streams:>7} {round_:>5} {a:>10.0f} {b:>10.0f} {b / a:>6.2f}")
+                by_cpu.append(b_cpu / a_cpu)
+                print(
+                    f"{streams:>7} {round_:>5} {a:>10.0f} {b:>10.0f} {b / a:>6.2f} "
+                    f"{b_cpu / a_cpu:>9.2f}"
+                )
             after = on.statistics()
             drafted = after.draft_tokens - before.draft_tokens
             kept = after.accepted_tokens - before.accepted_tokens
@@ -152,7 +163,8 @@ async def main_async(args: argparse.Namespace) -> None:
             steps = after.steps - before.steps
             share = (after.speculative_steps - before.speculative_steps) / max(steps, 1)
             print(
-                f"c{streams}: median on/off {statistics.median(ratios):.2f}x; "
+                f"c{streams}: median on/off {statistics.median(ratios):.2f}x "
+                f"({statistics.median(by_cpu):.2f}x per CPU second); "
                 f"acceptance {kept / max(drafted, 1):.2f}, "
                 f"{(rows + kept) / max(rows, 1):.2f} tokens per row and "
                 f"speculative step, {share:.0%} of the steps speculative"

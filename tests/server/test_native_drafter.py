@@ -93,6 +93,17 @@ class TestMTP:
         assert 0 < stats.accepted_tokens < stats.draft_tokens
         assert stats.peak_active >= 3
 
+    def test_a_batch_past_the_bound_keeps_nothing_then_drafts_when_it_shrinks(
+        self, thread: MLXThread, agreeing: LoadedModel
+    ) -> None:
+        off, on = engines(thread, agreeing, DraftSettings(mtp=True, max_batch=2))
+        reqs = [text(0, 8), text(1, 40), text(2, 40)]
+        alone = [interleaved(thread, off, [req])[0] for req in reqs]
+        assert_same(interleaved(thread, on, reqs), alone)
+        stats = on.statistics()
+        assert stats.accepted_tokens > 0  # the two left after the first ended
+        assert stats.speculative_rows <= 2 * stats.speculative_steps
+
     def test_seeded_rows_draw_the_same_tokens(
         self, thread: MLXThread, agreeing: LoadedModel
     ) -> None:

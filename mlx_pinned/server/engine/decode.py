@@ -182,7 +182,13 @@ class Decoder:
         if batch.deltas is not None:
             kwargs["rope_deltas"] = batch.deltas
         counts = [row.counts for row in rows]
-        keep = self.drafting is not None and self.drafting.wants_hidden
+        # Only while the batch may draft: a larger one keeps nothing extra.
+        drafting = self.drafting
+        keep = (
+            drafting is not None
+            and drafting.wants_hidden
+            and drafting.policy.admits(len(rows))
+        )
         if keep:
             kwargs["return_hidden"] = True
         output = batch.lm(inputs[:, None], cache=batch.cache, **kwargs)
