@@ -1,4 +1,5 @@
-"""What the server benchmarks share: the request, quantiles, ports, options."""
+"""What the server benchmarks share: the request, the models, quantiles,
+ports, options."""
 
 from __future__ import annotations
 
@@ -65,6 +66,46 @@ def positive_ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError("a comma-separated list of positive ints")
     return values
+
+
+#: The sizes of mlx_pinned.testing's models (docs/benchmarks.md says what
+#: each stands for): ``tiny``, the server's own overhead; ``bench``, a
+#: small real model's proportions.
+SIZES = ("tiny", "bench")
+
+
+def sizes(text: str) -> list[str]:
+    """``--size``: ``tiny``, ``bench`` or both, comma-separated, in order."""
+    values = [part for part in text.split(",") if part]
+    if not values or not set(values) <= set(SIZES):
+        raise argparse.ArgumentTypeError(f"a comma-separated list of {SIZES}")
+    return list(dict.fromkeys(values))
+
+
+def size_option(parser: argparse.ArgumentParser) -> None:
+    """Add ``--size`` to a benchmark's options (``args.size``: a list)."""
+    parser.add_argument(
+        "--size",
+        type=sizes,
+        default=["tiny"],
+        help="the model's size, or both side by side: tiny, bench or "
+        "tiny,bench (default: tiny; --model overrides)",
+    )
+
+
+def model_path(size: str, model_type: str = "qwen3_vl") -> Path:
+    """The family's model of ``size`` from mlx_pinned.testing (written on
+    first use): a vision one, the omni ``gemma4``, or the text-only
+    ``qwen3``."""
+    from mlx_pinned import testing
+
+    if model_type == "qwen3":
+        return testing.bench_lm_path() if size == "bench" else testing.tiny_lm_path()
+    if size == "bench":
+        return testing.bench_vlm_path(model_type)
+    if model_type in testing.TINY_OMNI_TYPES:
+        return testing.tiny_omni_path(model_type)
+    return testing.tiny_vlm_path(model_type)
 
 
 @contextlib.contextmanager

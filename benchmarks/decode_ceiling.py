@@ -1,7 +1,9 @@
 """Decode-bound throughput against the ceiling of a bare loop, in one run.
 
-On the tiny text model, ``--rows`` identical greedy requests of ``--tokens``
-tokens each, several ways, alternating round by round (ABCABC...):
+On the tiny text model (``--size bench``: the bench one; ``--size
+tiny,bench``: both, one after the other, then side by side), ``--rows``
+identical greedy requests of ``--tokens`` tokens each, several ways,
+alternating round by round (ABCABC...):
 
 - ``strict``: the strict ceiling. One process, the model's language model
   over a batch of the prompt ``--rows`` times: batched forward and argmax,
@@ -39,6 +41,7 @@ server with less of it. Expensive: a quiet machine, never CI.
 
     python benchmarks/decode_ceiling.py [--rows 32] [--tokens 256] [--rounds 5]
         [--clients httpx,lean,whole] [--compare ARGS] [--compare-tree DIR]
+        [--size tiny|bench|tiny,bench]
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from _common import free_port, server, sse_json, wait_for
+from _common import free_port, model_path, server, size_option, sse_json, wait_for
 
 PROMPT = "Count to a thousand."
 TREE = Path(__file__).resolve().parents[1]  # the mlx-pinned this script is of
@@ -193,16 +196,16 @@ def process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def main_async(args: argparse.Namespace) -> None:
+async def main_async(args: argparse.Namespace, model: Path) -> dict[str, float]:
+    """Every way's rounds on ``model``, and its table; each way's median
+    tokens/s."""
     import aiohttp
     import httpx
 
     from mlx_pinned import MLXThread
     from mlx_pinned.server.engine import BatchEngine
     from mlx_pinned.server.engine.model import load
-    from mlx_pinned.testing import tiny_lm_path
 
-    model = args.model or tiny_lm_path()
     command = [
         sys.executable,
         *("-m", "mlx_pinned.server", "serve", str(model)),
@@ -298,6 +301,20 @@ async def main_async(args: argparse.Namespace) -> None:
             f"{way:>14} {median:>18,.0f} {median / ceiling:>8.2f} "
             f"{statistics.median(made[way]):>7.0f} {here:>19.0f} {there:>7.0f}"
         )
+    return {way: statistics.median(values) for way, values in results.items()}
+
+
+def side_by_side(medians: dict[str, dict[str, float]]) -> None:
+    """Each way's median tokens/s and its share of ``strict``'s, per size."""
+    sizes = list(medians)
+    print("\nside by side: tokens/s (x strict)")
+    print(f"{'way':>14}" + "".join(f"{size:>22}" for size in sizes))
+    for way in medians[sizes[0]]:
+        cells = [
+            f"{m[way]:,.0f} ({m[way] / m['strict']:.2f}x)" if way in m else "-"
+            for m in medians.values()
+        ]
+        print(f"{way:>14}" + "".join(f"{cell:>22}" for cell in cells))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,8 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         type=lambda folder: Path(folder).resolve(),  # each server has its cwd
-        help="model folder (default: the tiny qwen3)",
+        help="model folder (default: --size's qwen3)",
     )
+    size_option(parser)
     parser.add_argument(
         "--windows",
         type=lambda text: [int(k) for k in text.split(",") if k],
@@ -347,7 +365,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rows, --tokens and --rounds must be 1 or more")
     if not set(args.clients) <= set(CLIENTS):
         parser.error(f"--clients: some of {', '.join(CLIENTS)}")
-    asyncio.run(main_async(args))
+    medians = {}
+    for size in ["model"] if args.model else args.size:
+        model = args.model or model_path(size, "qwen3")
+        print(f"== {size}: {model}", flush=True)
+        medians[size] = asyncio.run(main_async(args, model))
+    if len(medians) > 1:
+        side_by_side(medians)
     return 0
 
 

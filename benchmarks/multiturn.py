@@ -1,7 +1,8 @@
 """Time to first token, turn by turn, in a 4-turn chat about one image.
 
 Each system is started in turn on the same model folder (the tiny Qwen3-VL
-of ``mlx_pinned.testing`` by default). Per round, a conversation: a system
+of ``mlx_pinned.testing`` by default; ``--size bench`` its bench model,
+``--size tiny,bench`` both, in one table). Per round, a conversation: a system
 prompt and one image with a first question, then three follow-ups; every
 turn sends the whole history (the server's own earlier answers included), as
 chat clients do, streaming, greedy, ``--max-tokens`` tokens. The time to the
@@ -14,6 +15,7 @@ prompt cache, and writes a PNG.
 
     python benchmarks/multiturn.py [--systems mlx-pinned,mlx-pinned-nocache,...]
         [--rounds 5] [--max-tokens 32] [--peers-venv VENV] [--plot multiturn.png]
+        [--size tiny|bench|tiny,bench]
 
 Systems: ``mlx-pinned`` (prompt cache on, its default), ``mlx-pinned-nocache``
 (``--prompt-cache-bytes 0``), ``mlx-pinned-restarted`` (``--state-dir``, and
@@ -40,7 +42,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from _common import free_port, server, wait_for
+from _common import free_port, model_path, server, size_option, wait_for
 
 PEERS_VENV_ENV = "MLX_PINNED_PEERS_VENV"
 SYSTEM = (
@@ -139,11 +141,12 @@ async def conversation(
 
 
 async def bench(
-    name: str, command: list[str], args: argparse.Namespace
+    name: str, command: list[str], args: argparse.Namespace, folder: str
 ) -> list[list[float]]:
+    """``name``'s rounds on the model in ``folder``, which ``command`` serves."""
     from mlx_pinned.testing import image_data_uri
 
-    log = Path(tempfile.gettempdir()) / f"multiturn-{name}.log"
+    log = Path(tempfile.gettempdir()) / f"multiturn-{name}-{Path(folder).name}.log"
     print(f"\n== {name}: {' '.join(command)}  (log: {log})", flush=True)
     rounds: list[list[float]] = []
     images = [
@@ -154,16 +157,16 @@ async def bench(
         # Turns 1-3, a restart (the conversation's KV on disk only), turn 4.
         for index, uri in enumerate(images):
             messages = opening(uri, index)
-            async with running(command, log, args) as (client, model):
+            async with running(command, log, args, folder) as (client, model):
                 times = await turns(client, model, messages, range(3), args.max_tokens)
-            async with running(command, log, args) as (client, model):
+            async with running(command, log, args, folder) as (client, model):
                 times += await turns(
                     client, model, messages, range(3, 4), args.max_tokens
                 )
             print("   " + "  ".join(f"{t * 1e3:7.1f}" for t in times), flush=True)
             rounds.append(times)
         return rounds
-    async with running(command, log, args) as (client, model):
+    async with running(command, log, args, folder) as (client, model):
         for index, uri in enumerate(images):
             times = await conversation(client, model, uri, index, args.max_tokens)
             print("   " + "  ".join(f"{t * 1e3:7.1f}" for t in times), flush=True)
@@ -173,7 +176,7 @@ async def bench(
 
 @contextlib.asynccontextmanager
 async def running(
-    command: list[str], log: Path, args: argparse.Namespace
+    command: list[str], log: Path, args: argparse.Namespace, folder: str
 ) -> AsyncIterator[tuple[Any, str]]:
     """The system of ``command``, warmed up by one conversation of its own;
     a client of it and the model's name. Stopped (SIGTERM) at the end."""
@@ -188,28 +191,34 @@ async def running(
         ) as client:
             response = await wait_for(client, process, "/v1/models", 180)
             model = str((response.json().get("data") or [{}])[0].get("id") or "")
-            model = model or args.model
+            model = model or folder
             warm = image_data_uri(64, 64, "JPEG", seed=10_000)
             await conversation(client, model, warm, -1, args.max_tokens)
             yield client, model
 
 
-def report(results: dict[str, list[list[float]]]) -> dict[str, list[float]]:
+def report(
+    results: dict[str, list[list[float]]], suffixes: list[str]
+) -> dict[str, list[float]]:
+    """The table; ``suffixes`` end the names of each size's systems."""
     medians = {
         name: [statistics.median(r[turn] for r in rounds) for turn in range(4)]
         for name, rounds in results.items()
         if rounds
     }
     print("\nmedian time to first token (ms), per turn")
-    print(f"{'system':<22}" + "".join(f"{'turn ' + str(t + 1):>10}" for t in range(4)))
+    print(f"{'system':<30}" + "".join(f"{'turn ' + str(t + 1):>10}" for t in range(4)))
     for name, values in medians.items():
-        print(f"{name:<22}" + "".join(f"{v * 1e3:10.1f}" for v in values))
-    base = medians.get("mlx-pinned-nocache")
-    for name, values in medians.items():
-        line = f"{name}: turn 4 / turn 1 {values[3] / values[0]:.2f}x"
-        if base:
-            line += f"; turn 4 vs mlx-pinned-nocache {values[3] / base[3]:.2f}x"
-        print(line)
+        print(f"{name:<30}" + "".join(f"{v * 1e3:10.1f}" for v in values))
+    for suffix in suffixes:
+        base = medians.get("mlx-pinned-nocache" + suffix)
+        for name, values in medians.items():
+            if not name.endswith(suffix):
+                continue
+            line = f"{name}: turn 4 / turn 1 {values[3] / values[0]:.2f}x"
+            if base:
+                line += f"; turn 4 vs mlx-pinned-nocache {values[3] / base[3]:.2f}x"
+            print(line)
     return medians
 
 
@@ -239,34 +248,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--model", help="model folder (default: the tiny model)")
+    parser.add_argument("--model", help="model folder (default: --size's)")
+    size_option(parser)
     parser.add_argument("--peers-venv", default=os.environ.get(PEERS_VENV_ENV))
     parser.add_argument("--plot", default="multiturn.png")
     parser.add_argument("--json", help="also write the raw times here")
     args = parser.parse_args(argv)
-    from mlx_pinned.testing import tiny_vlm_path
-
-    args.model = args.model or str(tiny_vlm_path())
+    sizes = ["model"] if args.model else args.size
+    # One size: the systems' own names; both: each name ends with its size.
+    suffixes = [f" [{size}]" if len(sizes) > 1 else "" for size in sizes]
     results: dict[str, list[list[float]]] = {}
-    for name in args.systems.split(","):
-        template = COMMANDS[name]
-        if "{peers_bin}" in template and not args.peers_venv:
-            raise SystemExit(f"{name} needs --peers-venv or ${PEERS_VENV_ENV}")
-        command = template.format(
-            python=sys.executable,
-            peers_bin=str(Path(args.peers_venv or ".") / "bin"),
-            model=args.model,
-            port=free_port(),
-            state_dir=tempfile.mkdtemp(prefix="multiturn-state-"),
-        ).split()
-        results[name] = asyncio.run(bench(name, command, args))
-    medians = report(results)
+    for size, suffix in zip(sizes, suffixes, strict=True):
+        folder = args.model or str(model_path(size))
+        for name in args.systems.split(","):
+            template = COMMANDS[name]
+            if "{peers_bin}" in template and not args.peers_venv:
+                raise SystemExit(f"{name} needs --peers-venv or ${PEERS_VENV_ENV}")
+            command = template.format(
+                python=sys.executable,
+                peers_bin=str(Path(args.peers_venv or ".") / "bin"),
+                model=folder,
+                port=free_port(),
+                state_dir=tempfile.mkdtemp(prefix="multiturn-state-"),
+            ).split()
+            results[name + suffix] = asyncio.run(bench(name, command, args, folder))
+    medians = report(results, suffixes)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.plot and medians:
         title = (
             f"4-turn image chat ({args.image_size}px JPEG, {args.max_tokens} tokens "
-            f"a turn), {args.rounds} rounds, {os.cpu_count()} CPUs"
+            f"a turn), {'+'.join(sizes)} model, {args.rounds} rounds, "
+            f"{os.cpu_count()} CPUs"
         )
         plot(medians, Path(args.plot), title)
     return 0

@@ -1,7 +1,9 @@
 """mlx-pinned's server next to its peers, on one model and one request.
 
 Starts each server in turn on a free loopback port, on the same model folder
-(the tiny Qwen3-VL of ``mlx_pinned.testing`` by default), waits until it
+(the tiny Qwen3-VL of ``mlx_pinned.testing`` by default; ``--size bench``
+its bench model, ``--size tiny,bench`` both in one run, reported side by
+side: docs/benchmarks.md says what each size stands for), waits until it
 answers, warms it up, then sends the same request (a 64x64 JPEG, "Describe
 this image in one sentence.", 32 tokens, temperature 0, non-streaming) at
 each concurrency, several rounds each, and stops it before the next one
@@ -24,8 +26,8 @@ API's path with 404 or 405 is skipped, with a line saying so.
 
     python benchmarks/peers.py run [--systems ...] [--concurrency 1,8,32]
         [--rounds 3] [--api chat|responses|messages] [--peers-venv VENV]
-        [--plot peers.png] [--text]
-    python benchmarks/peers.py inprocess      # batched vs one at a time
+        [--plot peers.png] [--text] [--size tiny|bench|tiny,bench]
+    python benchmarks/peers.py inprocess [--size ...]  # batched vs one at a time
     python benchmarks/peers.py plot RESULTS.json --plot peers.png --title ...
 
 Systems (``--systems``, comma-separated; override a command with
@@ -40,8 +42,8 @@ Systems (``--systems``, comma-separated; override a command with
   with ``--continuous-batching``;
 - ``mlx-vlm``: ``python -m mlx_vlm.server --model MODEL``.
 
-With ``--text`` the model is a text-only one (the tiny Qwen3 of
-``mlx_pinned.testing.make_tiny_lm`` by default, copied with mlx-lm's
+With ``--text`` the model is a text-only one (the tiny or bench Qwen3 of
+``mlx_pinned.testing`` by default, copied with mlx-lm's
 weight names, which mlx-vlm loads too), the request the same
 prompt without the image, and the systems ``mlx-pinned`` (and
 ``mlx-pinned-nocache``, without its prompt cache), ``vllm-mlx`` and
@@ -82,10 +84,12 @@ from typing import Any
 from _common import (
     PROMPT,
     free_port,
+    model_path,
     positive_ints,
     quantile,
     request_body,
     server,
+    size_option,
     sse_json,
     wait_for,
 )
@@ -256,6 +260,7 @@ class Level:
     tokens_per_s: list[float] = field(default_factory=list)  # one per round
     latencies: list[float] = field(default_factory=list)  # seconds, ok only
     ttfts: list[float] = field(default_factory=list)  # seconds, one per round
+    size: str = "tiny"  # the model's (docs/benchmarks.md), or "model": --model
 
     @property
     def tok_s(self) -> float:
@@ -363,12 +368,16 @@ async def bench_system(
     command: list[str],
     args: argparse.Namespace,
     make_body: Callable[[str], dict[str, Any]],
+    size: str,
+    model: Path,
 ) -> list[Level]:
+    """``name``'s levels on the ``size`` model, ``model``, which ``command``
+    serves."""
     import httpx
 
     port = int(command[command.index("--port") + 1]) if "--port" in command else 0
     base = f"http://127.0.0.1:{port}"
-    log = Path(tempfile.gettempdir()) / f"peers-{name}.log"
+    log = Path(tempfile.gettempdir()) / f"peers-{name}-{size}.log"
     levels: list[Level] = []
     print(f"\n== {name}: {' '.join(command)}  (log: {log})", flush=True)
     limits = httpx.Limits(max_connections=max(args.concurrency) + 8)
@@ -382,7 +391,7 @@ async def bench_system(
                 print(f"   not started: {exc}\n{_tail(log)}", flush=True)
                 return []
             api = APIS[args.api]
-            body = api.shape(make_body(served or args.model))
+            body = api.shape(make_body(served or str(model)))
             try:
                 prompt_tokens = await first_answer(
                     client, api, body, args.startup_timeout
@@ -396,7 +405,7 @@ async def bench_system(
             for _ in range(args.warmup):
                 await client.post(api.path, json=body, headers=api.headers)
             for concurrency in args.concurrency:
-                level = Level(name, concurrency, args.api, prompt_tokens)
+                level = Level(name, concurrency, args.api, prompt_tokens, size=size)
                 requests = max(args.requests, 2 * concurrency)
                 for _ in range(args.rounds):
                     await one_round(client, api, body, level, requests)
@@ -417,7 +426,8 @@ def _tail(log: Path, lines: int = 15) -> str:
 def _row(level: Level) -> str:
     errors = ", ".join(f"{n}x{k}" for k, n in sorted(level.errors.items())) or "-"
     return (
-        f"{level.system:<19} c{level.concurrency:<3} {level.ok:>4}/{level.sent:<4} "
+        f"{level.system:<19} {level.size:<5} c{level.concurrency:<3} "
+        f"{level.ok:>4}/{level.sent:<4} "
         f"prompt {level.prompt_tokens:>4}  "
         f"{level.tok_s:7.0f} tok/s  p50 {level.latency(0.5) * 1e3:7.1f} ms  "
         f"p99 {level.latency(0.99) * 1e3:7.1f} ms  ttft {level.ttft * 1e3:6.1f} ms  "
@@ -425,30 +435,46 @@ def _row(level: Level) -> str:
     )
 
 
+def side_by_side(levels: list[Level]) -> list[Level]:
+    """``levels`` by system, then concurrency, then size (each in the order
+    first measured): one system's sizes next to each other."""
+    systems = list(dict.fromkeys(lv.system for lv in levels))
+    sizes = list(dict.fromkeys(lv.size for lv in levels))
+    return sorted(
+        levels,
+        key=lambda lv: (systems.index(lv.system), lv.concurrency, sizes.index(lv.size)),
+    )
+
+
 def report(levels: list[Level]) -> None:
     print(
-        "\n| system | api | c | prompt tok | ok | tok/s | p50 ms | p99 ms "
+        "\n| system | size | api | c | prompt tok | ok | tok/s | p50 ms | p99 ms "
         "| TTFT ms | errors |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for lv in levels:
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for lv in side_by_side(levels):
         errors = ", ".join(f"{n}x{k}" for k, n in sorted(lv.errors.items())) or "0"
         print(
-            f"| {lv.system} | {lv.api} | {lv.concurrency} | {lv.prompt_tokens} "
+            f"| {lv.system} | {lv.size} | {lv.api} | {lv.concurrency} "
+            f"| {lv.prompt_tokens} "
             f"| {lv.ok}/{lv.sent} | {lv.tok_s:.0f} "
             f"| {lv.latency(0.5) * 1e3:.1f} | {lv.latency(0.99) * 1e3:.1f} "
             f"| {lv.ttft * 1e3:.1f} | {errors} |"
         )
-    base = {lv.concurrency: lv for lv in levels if lv.system == BASELINE}
+    base = {(lv.size, lv.concurrency): lv for lv in levels if lv.system == BASELINE}
     if not base:
         return
-    print(f"\nratios against {BASELINE} (tok/s; p50 latency, lower is better):")
-    for lv in levels:
-        ref = base.get(lv.concurrency)
+    print(
+        f"\nratios against {BASELINE} on the same model "
+        "(tok/s; p50 latency, lower is better):"
+    )
+    for lv in side_by_side(levels):
+        ref = base.get((lv.size, lv.concurrency))
         if ref is None or lv.system == BASELINE or not ref.tok_s:
             continue
         print(
-            f"  {lv.system:<19} c{lv.concurrency:<3} {lv.tok_s / ref.tok_s:5.2f}x "
+            f"  {lv.system:<19} {lv.size:<5} c{lv.concurrency:<3} "
+            f"{lv.tok_s / ref.tok_s:5.2f}x "
             f"tok/s, {lv.latency(0.5) / ref.latency(0.5):5.2f}x p50"
         )
 
@@ -459,9 +485,14 @@ def plot(levels: list[Level], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    systems = list(dict.fromkeys(lv.system for lv in levels))
+    several = len({lv.size for lv in levels}) > 1
+
+    def shown(lv: Level) -> str:
+        return f"{lv.system} ({lv.size})" if several else lv.system
+
+    systems = list(dict.fromkeys(shown(lv) for lv in levels))
     concurrencies = sorted({lv.concurrency for lv in levels})
-    by = {(lv.system, lv.concurrency): lv for lv in levels}
+    by = {(shown(lv), lv.concurrency): lv for lv in levels}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(systems))
     for i, system in enumerate(systems):
@@ -527,18 +558,27 @@ def mlx_lm_layout(model: Path) -> Path:
     return copy
 
 
+def models(args: argparse.Namespace, model_type: str) -> dict[str, Path]:
+    """The run's model folder of each size asked (``--model``: that one)."""
+    if args.model:
+        return {"model": Path(args.model)}
+    return {size: model_path(size, model_type) for size in args.size}
+
+
 def run(args: argparse.Namespace) -> int:
-    from mlx_pinned.testing import image_data_uri, tiny_lm_path, tiny_vlm_path
+    from mlx_pinned.testing import image_data_uri
 
     if args.text:
-        args.model = args.model or str(mlx_lm_layout(tiny_lm_path("qwen3")))
+        folders = models(args, "qwen3")
+        if not args.model:
+            folders = {size: mlx_lm_layout(path) for size, path in folders.items()}
         commands = dict(TEXT_COMMANDS)
         what = "text only"
 
         def make_body(model: str) -> dict[str, Any]:
             return text_body(model, args.max_tokens)
     else:
-        args.model = args.model or str(tiny_vlm_path())
+        folders = models(args, "qwen3_vl")
         image_uri = image_data_uri(64, 64, "JPEG")
         commands = dict(COMMANDS)
         what = "64x64 JPEG"
@@ -559,22 +599,27 @@ def run(args: argparse.Namespace) -> int:
     fields = {
         "python": sys.executable,
         "peers_bin": str(Path(args.peers_venv or ".") / "bin"),
-        "model": args.model,
         "self": str(Path(__file__).resolve()),
     }
+    unknown = [name for name in args.systems if name not in commands]
+    if unknown:
+        raise SystemExit(f"unknown system {unknown[0]!r}: one of {sorted(commands)}")
     levels: list[Level] = []
-    for name in args.systems:
-        if name not in commands:
-            raise SystemExit(f"unknown system {name!r}: one of {sorted(commands)}")
-        command = commands[name].format(**fields, port=free_port()).split()
-        levels += asyncio.run(bench_system(name, command, args, make_body))
+    for size, folder in folders.items():
+        for name in args.systems:
+            command = (
+                commands[name].format(**fields, model=folder, port=free_port()).split()
+            )
+            levels += asyncio.run(
+                bench_system(name, command, args, make_body, size, folder)
+            )
     report(levels)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(lv) for lv in levels], indent=1))
     if args.plot and levels:
         title = (
             f"same request through {APIS[args.api].path} ({what}, "
-            f"{args.max_tokens} tokens, non-streaming), "
+            f"{args.max_tokens} tokens, non-streaming, {'+'.join(folders)} model), "
             f"{args.rounds} rounds, {os.cpu_count()} CPUs"
         )
         plot(levels, Path(args.plot), title)
@@ -594,7 +639,7 @@ def inprocess(args: argparse.Namespace) -> int:
     from mlx_pinned.server.engine import BatchEngine
     from mlx_pinned.server.events import FinalEvent, GenerationParams, SamplingParams
     from mlx_pinned.server.http.served_models import BatchGate
-    from mlx_pinned.testing import make_test_image, tiny_vlm_path
+    from mlx_pinned.testing import make_test_image
 
     image = Image.open(io.BytesIO(make_test_image())).convert("RGB")
     content = [{"type": "text", "text": PROMPT}, {"type": "image_url"}]
@@ -604,8 +649,8 @@ def inprocess(args: argparse.Namespace) -> int:
         sampling=SamplingParams(temperature=0.0),
     )
 
-    async def level(engine: Any, mode: str, concurrency: int) -> Level:
-        result = Level(mode, concurrency)
+    async def level(engine: Any, mode: str, concurrency: int, size: str) -> Level:
+        result = Level(mode, concurrency, size=size)
         gate = BatchGate(concurrency if mode == "batched" else 1, 4096)
 
         def start_stream() -> Any:
@@ -643,19 +688,20 @@ def inprocess(args: argparse.Namespace) -> int:
     async def main() -> list[Level]:
         levels = []
         async with MLXThread(name="peers-inprocess") as thread:
-            # As the server's engine, without its caches (each request new).
-            settings = ModelSettings.of(
-                tiny_vlm_path(),
-                prompt_cache_bytes=0,
-                image_cache_bytes=0,
-                prefill_step_seconds=None,
-            )
-            engine = await thread.run(BatchEngine.load, settings, thread)
-            for concurrency in args.concurrency:
-                for mode in ("one-at-a-time", "batched"):
-                    await level(engine, mode, concurrency)  # warm-up
-                    levels.append(await level(engine, mode, concurrency))
-                    print("   " + _row(levels[-1]), flush=True)
+            for size in args.size:
+                # As the server's engine, without its caches (each request new).
+                settings = ModelSettings.of(
+                    model_path(size),
+                    prompt_cache_bytes=0,
+                    image_cache_bytes=0,
+                    prefill_step_seconds=None,
+                )
+                engine = await thread.run(BatchEngine.load, settings, thread)
+                for concurrency in args.concurrency:
+                    for mode in ("one-at-a-time", "batched"):
+                        await level(engine, mode, concurrency, size)  # warm-up
+                        levels.append(await level(engine, mode, concurrency, size))
+                        print("   " + _row(levels[-1]), flush=True)
         return levels
 
     report(anyio.run(main))
@@ -679,10 +725,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--rounds", type=int, default=3)
         p.add_argument("--requests", type=int, default=16, help="per round, at least")
         p.add_argument("--max-tokens", type=int, default=32)
+        size_option(p)
 
     bench = commands.add_parser("run", help="start each server and load it")
     common(bench)
-    bench.add_argument("--model", help="model folder (default: the tiny test model)")
+    bench.add_argument("--model", help="model folder (default: --size's)")
     bench.add_argument(
         "--systems",
         type=lambda s: s.split(","),

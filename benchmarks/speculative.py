@@ -13,26 +13,30 @@ tokens. Measure on a quiet machine; ``--quick`` is a smoke run (under a
 minute).
 
 - Prompt lookup (the default): on the tiny demo model, whose random weights
-  repeat themselves, so prompt lookup finds drafts.
+  repeat themselves, so prompt lookup finds drafts; ``--size bench`` on the
+  bench model (``--size tiny,bench``: both, then side by side), whose
+  32,768-token vocabulary repeats itself less.
 - ``--draft-model PATH --model PATH``: a draft model for a served model
   (on a Mac: real ones).
-- ``--synthetic-draft DAMPING``: a wider, deeper random served model and a
+- ``--synthetic-draft DAMPING``: a random served model (``--size``'s) and a
   one-layer draft that agrees with it on most tokens, written offline by
-  ``_draft_pair.py`` (``DAMPING`` sets how often: 0.1 is about 0.75).
-- ``--mtp DAMPING``: the tiny Qwen3.5 (or ``--model``, a Qwen3.5 folder)
-  written with MTP layers that agree with it (``mlx_pinned.testing``'s
+  ``_draft_pair.py`` (``DAMPING`` sets how often: 0.1 is about 0.75 at the
+  tiny size).
+- ``--mtp DAMPING``: the Qwen3.5 of ``--size`` (or ``--model``, a Qwen3.5
+  folder) written with MTP layers that agree with it (``mlx_pinned.testing``'s
   ``make_tiny_mtp``: 0.05 keeps every draft), drafting with them.
-- ``--assistant DAMPING``: the tiny Gemma 4 and an assistant that agrees
-  with it (``make_tiny_assistant``).
+- ``--assistant DAMPING``: the Gemma 4 of ``--size`` and an assistant that
+  agrees with it (``make_tiny_assistant``).
 
-The machine's load average is printed at the start and the end: other work
-on the cores moves every figure.
+The machine's load average is printed at the start and the end of each
+size, and each ratio also per second of the process's CPU time: other work
+on the cores moves every wall-clock figure.
 
 ::
 
     python benchmarks/speculative.py [--quick] [--rounds 5] [--tokens 256]
         [--concurrency 8,32] [--temperature T] [--ngram 3] [--draft-tokens 4]
-        [--max-batch N]
+        [--max-batch N] [--size tiny|bench|tiny,bench]
         [--draft-model PATH --model PATH | --synthetic-draft DAMPING
          | --mtp DAMPING [--model PATH] | --assistant DAMPING]
 """
@@ -49,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from _common import model_path, size_option
 from _draft_pair import write_pair
 
 
@@ -88,40 +93,36 @@ async def rate(
     return made / (time.perf_counter() - start), made / (time.process_time() - cpu)
 
 
-async def main_async(args: argparse.Namespace) -> None:
+async def main_async(args: argparse.Namespace, size: str) -> dict[int, str]:
+    """The rounds on the ``size`` model (``"model"``: ``--model``); each
+    stream count's summary."""
     from mlx_pinned import MLXThread
     from mlx_pinned.server.engine import BatchEngine, DraftSettings
     from mlx_pinned.server.engine.model import load
-    from mlx_pinned.testing import (
-        make_tiny_assistant,
-        make_tiny_mtp,
-        tiny_omni_path,
-        tiny_vlm_path,
-    )
+    from mlx_pinned.testing import make_tiny_assistant, make_tiny_mtp
 
-    model = args.model or tiny_vlm_path()
+    model = args.model or model_path(size)
+    draft = args.draft_model
     settings = DraftSettings(args.ngram, args.draft_tokens, max_batch=args.max_batch)
     if args.synthetic_draft is not None:
         folder = Path(tempfile.mkdtemp(prefix="draft-pair-"))
-        model, draft = write_pair(folder, damping=args.synthetic_draft)
-        args.draft_model = draft
+        model, draft = write_pair(folder, size=size, damping=args.synthetic_draft)
     if args.assistant is not None:
         folder = Path(tempfile.mkdtemp(prefix="assistant-"))
-        model, draft = make_tiny_assistant(
-            folder, tiny_omni_path(), damping=args.assistant
-        )
-        args.draft_model = draft
-    if args.draft_model is not None:
+        source = model_path(size, "gemma4")
+        model, draft = make_tiny_assistant(folder, source, damping=args.assistant)
+    if draft is not None:
         settings = DraftSettings(
-            tokens=args.draft_tokens, model=args.draft_model, max_batch=args.max_batch
+            tokens=args.draft_tokens, model=draft, max_batch=args.max_batch
         )
     if args.mtp is not None:
-        source = args.model or tiny_vlm_path("qwen3_5")
+        source = args.model or model_path(size, "qwen3_5")
         folder = Path(tempfile.mkdtemp(prefix="mtp-"))
         model = make_tiny_mtp(folder / "model", source, damping=args.mtp)
         settings = DraftSettings(
             tokens=args.draft_tokens, mtp=True, max_batch=args.max_batch
         )
+    summaries: dict[int, str] = {}
     print(f"served {model}; drafts: {settings}", flush=True)
     print(f"load average at the start: {os.getloadavg()}", flush=True)
     async with MLXThread(name="speculative") as thread:
@@ -162,14 +163,16 @@ async def main_async(args: argparse.Namespace) -> None:
             rows = after.speculative_rows - before.speculative_rows
             steps = after.steps - before.steps
             share = (after.speculative_steps - before.speculative_steps) / max(steps, 1)
-            print(
-                f"c{streams}: median on/off {statistics.median(ratios):.2f}x "
+            summaries[streams] = (
+                f"median on/off {statistics.median(ratios):.2f}x "
                 f"({statistics.median(by_cpu):.2f}x per CPU second); "
                 f"acceptance {kept / max(drafted, 1):.2f}, "
                 f"{(rows + kept) / max(rows, 1):.2f} tokens per row and "
                 f"speculative step, {share:.0%} of the steps speculative"
             )
+            print(f"c{streams}: {summaries[streams]}")
         print(f"load average at the end: {os.getloadavg()}", flush=True)
+    return summaries
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         "server's --draft-max-batch (default 0: at any size)",
     )
     parser.add_argument("--model", type=Path, help="the served model's folder")
+    size_option(parser)
     parser.add_argument(
         "--draft-model", type=Path, help="a draft model instead of prompt lookup"
     )
@@ -233,7 +237,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--mtp drafts with the model's own layers: no --draft-model")
     if args.quick:
         args.rounds, args.tokens = 2, 64
-    anyio.run(main_async, args)
+    summaries: dict[int, str] = {}
+    for size in ["model"] if args.model else args.size:
+        print(f"== {size}", flush=True)
+        summaries[size] = anyio.run(main_async, args, size)
+    if len(summaries) > 1:
+        print("\nside by side:")
+        for streams in summaries[args.size[0]]:
+            for size, summary in summaries.items():
+                print(f"c{streams} {size:<5} {summary[streams]}")
     return 0
 
 

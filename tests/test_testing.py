@@ -1008,6 +1008,19 @@ class TestTestImages:
 
 
 class TestImport:
+    def test_all_is_sorted_and_matches_the_public_names(self) -> None:
+        names = mlx_pinned.testing.__all__
+        public = {
+            name
+            for name, value in vars(mlx_pinned.testing).items()
+            if not name.startswith("_")
+            and name != "annotations"
+            and not isinstance(value, type(mlx_pinned.testing))
+        }
+        # ruff's RUF022 order: constants first, then the rest.
+        assert names == sorted(names, key=lambda name: (not name.isupper(), name))
+        assert set(names) == public
+
     def test_is_cheap(self) -> None:
         code = (
             "import sys, mlx_pinned.testing\n"

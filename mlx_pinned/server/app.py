@@ -39,6 +39,7 @@ from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.ollama import OllamaModels
 from .http.ollama import routes as ollama_routes
+from .http.outbox import Outbox
 from .http.playground import routes as playground_routes
 from .http.residency import Residency, StartUpRefusal
 from .http.routes import (
@@ -170,7 +171,16 @@ def create_app(
         audios=functools.partial(load_audios, limits=config.audio_limits),
         audio=functools.partial(load_audio, limits=config.audio_limits),
     )
-    wiring = Wiring(config, mlx_thread, served, residency, turns, decoders, metrics)
+    wiring = Wiring(
+        config,
+        mlx_thread,
+        served,
+        residency,
+        turns,
+        decoders,
+        metrics,
+        Outbox.of(config),
+    )
     routes = [
         Route("/health", functools.partial(health, readiness), methods=["GET"]),
         Route("/livez", functools.partial(live, readiness), methods=["GET"]),
@@ -249,6 +259,7 @@ def create_app(
     app.state.readiness = readiness
     app.state.errors = errors
     app.state.loop_turns = turns
+    app.state.outbox = wiring.outbox
     return app
 
 

@@ -133,6 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{at}{setting}: no model folder at {path!r} (a path; a Hugging "
                     "Face hub id looks like 'org/name')",
                 )
+    if config.state_dir is not None and (why := _unwritable(Path(config.state_dir))):
+        error = SettingError("state_dir", f"state_dir {config.state_dir!r} {why}")
+        _refuse(parser, _refused(error, args, file))
     with log_from_a_thread(args.log_level.upper()):
         try:
             return serve(args, config)
@@ -167,7 +170,7 @@ def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     import uvicorn
 
     from .app import create_app
-    from .http.uvicorn_server import Server
+    from .http.uvicorn_server import LAST_WRITES, Server
 
     if args.demo:
         logger.info("writing the demo models (offline)")
@@ -219,8 +222,9 @@ def serve(args: argparse.Namespace, config: ServerConfig) -> int:
         log_level=args.log_level,
         access_log=args.access_log,
         log_config=None,  # keep the logging set up in main()
-        # Past the drain: uvicorn's own limit must not cut it short.
-        timeout_graceful_shutdown=math.ceil(config.in_flight_timeout) + 5,
+        # Past the drain and its last writes: uvicorn's own limit cancels
+        # what runs then, with a traceback each.
+        timeout_graceful_shutdown=math.ceil(config.in_flight_timeout + LAST_WRITES) + 2,
         # Longer than clients keep idle connections, so the client closes
         # first: a request sent on a connection the server closes fails.
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
@@ -236,6 +240,8 @@ def serve(args: argparse.Namespace, config: ServerConfig) -> int:
         uvicorn_config,
         readiness=app.state.readiness,
         unready_seconds=config.unready_seconds,
+        outbox=app.state.outbox,
+        in_flight_timeout=config.in_flight_timeout,
     )
     previous = {s: signal.signal(s, _stopped) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -371,6 +377,20 @@ def _refused(
     # A name in quotes is a value (a served name): as given.
     names = r"'[^']*'|\"[^\"]*\"|\b[a-z][a-z_]*\b"
     return re.sub(names, lambda word: words.get(word[0], word[0]), text)
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why ``folder`` cannot be made or written, in a few words (None: it
+    can); what is missing of it is made later."""
+    there = folder
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    where = "" if there == folder else f"cannot be made: {str(there)!r} "
+    if not there.is_dir():
+        return f"{where}is a file, not a folder"
+    if not os.access(there, os.W_OK | os.X_OK):
+        return f"{where}is read-only"
+    return None
 
 
 def _looks_local(model: str) -> bool:

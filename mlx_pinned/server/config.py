@@ -131,6 +131,15 @@ class ServerConfig:
     """seconds a streamed answer waits at least between two writes (the first
     token goes out at once), so tokens that come faster go out together; `0`: a
     write each time a token is in"""
+    write_timeout: float | None = setting(60.0, _LIMIT)
+    """seconds a client may go without reading while its answer has more to send;
+    past it its connection is closed, and its generation if it still runs. `0`:
+    no limit ([slow readers](deployment.md#clients-that-read-slowly))"""
+    write_buffer_bytes: int = setting(4 * 2**20, _ONE)
+    """bytes of an answer kept for a client that reads slower than it is made;
+    past it, its connection is closed. In all, the answers keep at most this
+    times the models' `--max-num-seqs`: past that the one that keeps the most is
+    closed"""
     load_wait: float | None = setting(120.0, duration(optional=True), parse=seconds)
     """seconds a request waits for its model's load, then 503 `model_not_loaded`;
     `0`: the 503 at once ([replicas](deployment.md#replicas-behind-a-balancer))"""
@@ -140,7 +149,8 @@ class ServerConfig:
     sending first; a second signal ends the wait"""
     in_flight_timeout: float = setting(30.0, duration(finite=True))
     """the second phase: seconds the requests in flight get to finish once the
-    listener is closed"""
+    listener is closed; then each ends with its API's error
+    ([stopping](deployment.md#stopping-sigterm-and-drain))"""
     retry_after: int = setting(1, _ONE)
     """seconds in the `Retry-After` header of every 503 that asks a client to come
     back (a full waiting room, a busy MLX thread)"""

@@ -1,4 +1,5 @@
-"""Tiny random-weight models of real mlx-vlm families, and small test images.
+"""Tiny random-weight models of real mlx-vlm families, bench models of some
+at a small real model's proportions, and small test images.
 
 Everything here works offline: a model folder is written from mlx-vlm's own
 model class of its family, a byte-level BPE tokenizer trained on a few
@@ -18,12 +19,15 @@ vision chat; :func:`make_tiny_lm`, :data:`TINY_LM_TYPES` (and
 :data:`TINY_TOOL_LM_TYPES`), :func:`tiny_lm_path` for text chat; and
 ``make_tiny_<kind>``, ``TINY_<KIND>_TYPES``, ``tiny_<kind>_path`` for
 ``embedding``, ``reranker``, ``transcription``, ``speech`` and ``omni``
-(chat that hears audio too). :func:`make_tiny_mtp` and
-:func:`make_tiny_assistant` write models with a native drafter that agrees
-with them (:func:`tiny_mtp_path`, :func:`tiny_assistant_paths`). Everything
-runs on the calling thread, from any thread or process at once.
-``import mlx_pinned.testing`` is cheap: MLX, mlx-vlm, ``tokenizers`` and
-Pillow are imported inside the functions.
+(chat that hears audio too). The benchmarks' models are
+:func:`make_bench_vlm`, :data:`BENCH_MODEL_TYPES`, :func:`bench_vlm_path`
+and :func:`make_bench_lm`, :data:`BENCH_LM_TYPES`, :func:`bench_lm_path`:
+the tiny models' families at a size where compute, not Python, fills a
+decode step. :func:`make_tiny_mtp` and :func:`make_tiny_assistant` write
+models with a native drafter that agrees with them (:func:`tiny_mtp_path`,
+:func:`tiny_assistant_paths`). Everything runs on the calling thread, from
+any thread or process at once. ``import mlx_pinned.testing`` is cheap: MLX,
+mlx-vlm, ``tokenizers`` and Pillow are imported inside the functions.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import os
 import pathlib
 
+from ._bench import BENCH_LM_TYPES, BENCH_MODEL_TYPES, make_bench_lm, make_bench_vlm
 from ._drafters import make_tiny_assistant, make_tiny_mtp
 from ._images import image_data_uri, make_test_image
 from ._qwen import _CHAT_TEMPLATE as _CHAT_TEMPLATE
@@ -54,6 +59,8 @@ from ._tiny import (
 )
 
 __all__ = [
+    "BENCH_LM_TYPES",
+    "BENCH_MODEL_TYPES",
     "SPECIAL_TOKENS",
     "TINY_EMBEDDING_TYPES",
     "TINY_LM_TYPES",
@@ -63,7 +70,11 @@ __all__ = [
     "TINY_SPEECH_TYPES",
     "TINY_TOOL_LM_TYPES",
     "TINY_TRANSCRIPTION_TYPES",
+    "bench_lm_path",
+    "bench_vlm_path",
     "image_data_uri",
+    "make_bench_lm",
+    "make_bench_vlm",
     "make_test_image",
     "make_tiny_assistant",
     "make_tiny_embedding",
@@ -133,6 +144,20 @@ def tiny_speech_path(model_type: str = "qwen3_tts") -> pathlib.Path:
 def tiny_omni_path(model_type: str = "gemma4") -> pathlib.Path:
     """As :func:`tiny_vlm_path`: ``tiny-omni-<model_type>``."""
     return make_tiny_omni(_cache() / f"tiny-omni-{model_type}", model_type, seed=0)
+
+
+def bench_vlm_path(model_type: str = "qwen3_vl") -> pathlib.Path:
+    """As :func:`tiny_vlm_path`, for :func:`make_bench_vlm`:
+    ``bench-vlm-<model_type>``."""
+    return make_bench_vlm(
+        _cache() / f"bench-vlm-{model_type}", seed=0, model_type=model_type
+    )
+
+
+def bench_lm_path(model_type: str = "qwen3") -> pathlib.Path:
+    """As :func:`tiny_vlm_path`, for :func:`make_bench_lm`:
+    ``bench-lm-<model_type>``."""
+    return make_bench_lm(_cache() / f"bench-lm-{model_type}", model_type, seed=0)
 
 
 def tiny_mtp_path(damping: float = 0.05) -> pathlib.Path:

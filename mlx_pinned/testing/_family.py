@@ -1,18 +1,20 @@
-"""What a tiny model family is made of, and writing one into a folder.
+"""What a model family is made of, and writing one into a folder at a size.
 
 Calling thread; see :mod:`._weights` for the one model build per family.
 """
 
 from __future__ import annotations
 
+import functools
 import pathlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from typing import Any, Final
 
+from ._configs import TINY, Size
 from ._install import to_json
-from ._tokenizer import high_byte_ids, tokenizer_json
+from ._tokenizer import high_byte_ids, padded, tokenizer_json
 from ._weights import parameter_specs, write_weights
 
 # Bump when the files written change, so cached folders are rebuilt.
@@ -35,7 +37,7 @@ def flat(module: Any, config: dict[str, Any]) -> Any:
 
 @dataclass(frozen=True)
 class Family:
-    """A tiny model of one mlx-vlm family.
+    """A model of one mlx-vlm family, tiny unless :meth:`at` another size.
 
     Attributes:
         model_type: mlx-vlm's name for the family (``config.json``'s), and
@@ -60,7 +62,9 @@ class Family:
         tokenizer: Writes ``tokenizer.json`` from the special tokens (the
             shared byte-level BPE, or a family's own dress of it).
         generator: The function that writes it, for the marker (empty:
-            ``make_tiny_vlm`` or ``make_tiny_lm``, by ``vision``).
+            ``make_<size>_vlm`` or ``make_<size>_lm``, by ``vision``).
+        sized: Its config at any size, where it has a bench model too.
+        size: The size ``config`` is at.
     """
 
     model_type: str
@@ -74,6 +78,19 @@ class Family:
     name: str = ""
     tokenizer: Callable[[tuple[str, ...]], bytes] = tokenizer_json
     generator: str = ""
+    sized: Callable[[Size], dict[str, Any]] | None = None
+    size: Size = TINY
+
+    def at(self, size: Size) -> Family:
+        """The family at ``size``, written by ``make_<size>_vlm`` or ``_lm``.
+
+        Raises:
+            ValueError: It has no config but the tiny one.
+        """
+        if self.sized is None:
+            raise ValueError(f"{self.key} is written at the tiny size only.")
+        config = functools.partial(self.sized, size)
+        return replace(self, config=config, size=size, marked=True, generator="")
 
     @property
     def key(self) -> str:
@@ -84,11 +101,16 @@ class Family:
         marker = {
             "format": FORMAT,
             "generator": "mlx_pinned.testing."
-            + (self.generator or "make_tiny_" + ("vlm" if self.vision else "lm")),
+            + (
+                self.generator
+                or f"make_{self.size.name}_" + ("vlm" if self.vision else "lm")
+            ),
             "mlx_vlm": _mlx_vlm_version(),
             "seed": seed,
             "files": sizes,
         }
+        if self.size != TINY:
+            marker["size"] = self.size.name
         if self.marked:
             marker["model_type"] = self.model_type
         if self.name:
@@ -100,6 +122,8 @@ class Family:
         files = {"config.json": self.config(), **self.files()}
         data = {name: to_json(value) for name, value in files.items()}
         data["tokenizer.json"] = self.tokenizer(self.specials)
+        if self.size.vocab > TINY.vocab:
+            data["tokenizer.json"] = padded(data["tokenizer.json"], self.size.vocab)
         for name, content in data.items():
             (folder / name).write_bytes(content)
         hidden = [*range(len(self.specials)), *high_byte_ids(self.specials)]
@@ -109,9 +133,10 @@ class Family:
             parameter_specs(
                 f"mlx_vlm.models.{self.model_type}",
                 lambda module: self.build(module, self.config()),
-                kind=self.build.__name__,
+                kind=f"{self.build.__name__}/{self.size.name}",
             ),
             dict.fromkeys(self.embeddings, hidden),
+            dtype=self.size.dtype,
         )
 
 

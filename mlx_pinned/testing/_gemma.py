@@ -12,7 +12,8 @@ from typing import Any, Final
 from ._configs import (
     SIGLIP_SIDE,
     SIGLIP_TOKENS,
-    SLIDING_WINDOW,
+    TINY,
+    Size,
     decoder,
     processor_files,
     siglip_tower,
@@ -65,16 +66,18 @@ _CHAT_TEMPLATE: Final = template(
 )
 
 
-def _config() -> dict[str, Any]:
+def _config(size: Size = TINY) -> dict[str, Any]:
     text = decoder(
         "gemma3_text",
-        query_pre_attn_scalar=16,
+        size=size,
+        query_pre_attn_scalar=size.head_dim,
         rms_norm_eps=1e-6,
         rope_global_base_freq=1000000.0,
         rope_local_base_freq=10000.0,
-        # Layer 0 slides, layer 1 attends to everything.
-        sliding_window=SLIDING_WINDOW,
-        sliding_window_pattern=2,
+        # Five layers slide to one that attends to everything, as Gemma 3's
+        # (tiny: layer 0 slides, layer 1 does not).
+        sliding_window=size.window,
+        sliding_window_pattern=min(size.layers, 6),
         mm_tokens_per_image=SIGLIP_TOKENS,
         max_position_embeddings=32768,
     )
@@ -83,12 +86,13 @@ def _config() -> dict[str, Any]:
         "gemma3",
         text,
         # An image is one SigLIP input, pooled 2x2 to its soft tokens.
-        siglip_tower(),
+        siglip_tower(size),
+        size,
         boi_token_index=_IDS["<start_of_image>"],
         eoi_token_index=_IDS["<end_of_image>"],
         image_token_index=_IDS["<image_soft_token>"],
         mm_tokens_per_image=SIGLIP_TOKENS,
-        hidden_size=64,
+        hidden_size=size.hidden,
         pad_token_id=_IDS["<pad>"],
         eos_token_id=[_IDS["<eos>"], _IDS["<end_of_turn>"]],
     )
@@ -124,4 +128,4 @@ def _files() -> dict[str, Any]:
     }
 
 
-GEMMA3: Final = Family("gemma3", SPECIAL_TOKENS, _config, _files)
+GEMMA3: Final = Family("gemma3", SPECIAL_TOKENS, _config, _files, sized=_config)

@@ -8,16 +8,17 @@ Its tokenizer holds Gemma's special tokens, Gemma 4's turn markers
 ``<|audio>`` + ``<|audio|>`` soft tokens + ``<audio|>`` (mlx-vlm's own
 processor expands each placeholder by the file's length).
 
-Both decoder layers attend to everything (the real checkpoints interleave
-sliding-window layers): a model whose layers all keep plain KV caches takes
-part in the server's prompt cache, which the audio keys by content.
+The tiny model's two decoder layers attend to everything: a model whose
+layers all keep plain KV caches takes part in the server's prompt cache,
+which the audio keys by content. The bench model interleaves sliding-window
+layers, five to one, as the real checkpoints do.
 """
 
 from __future__ import annotations
 
 from typing import Any, Final
 
-from ._configs import decoder, token_files, vision_model
+from ._configs import TINY, Size, decoder, token_files, vision_model
 from ._family import Family
 from ._templates import generation_prompt, template
 from ._tokenizer import ids
@@ -71,13 +72,21 @@ _CHAT_TEMPLATE: Final = template(
 )
 
 
-def _config() -> dict[str, Any]:
+def _layer_types(size: Size) -> list[str]:
+    """Tiny: every layer attends to everything (see above). Bench: the layers
+    slide but the last."""
+    if size == TINY:
+        return ["full_attention"] * size.layers
+    return ["sliding_attention"] * (size.layers - 1) + ["full_attention"]
+
+
+def _config(size: Size = TINY) -> dict[str, Any]:
     text = decoder(
         "gemma4_text",
-        global_head_dim=16,
+        size=size,
+        global_head_dim=size.head_dim,
         rms_norm_eps=1e-6,
-        # Every layer attends to everything: plain KV caches (see above).
-        layer_types=["full_attention", "full_attention"],
+        layer_types=_layer_types(size),
         sliding_window=512,
         num_kv_shared_layers=0,
         hidden_size_per_layer_input=0,
@@ -88,13 +97,13 @@ def _config() -> dict[str, Any]:
     )
     vision = {
         "model_type": "gemma4_vision",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "global_head_dim": 16,
+        "hidden_size": size.tower_hidden,
+        "intermediate_size": size.tower_intermediate,
+        "num_hidden_layers": size.tower_layers,
+        "num_attention_heads": size.tower_heads,
+        "num_key_value_heads": size.tower_heads,
+        "head_dim": size.tower_hidden // size.tower_heads,
+        "global_head_dim": size.tower_hidden // size.tower_heads,
         "patch_size": _PATCH,
         "position_embedding_size": 64,
         "pooling_kernel_size": _POOLING,
@@ -118,6 +127,7 @@ def _config() -> dict[str, Any]:
         "gemma4",
         text,
         vision,
+        size,
         audio_config=audio,
         image_token_id=_IDS["<|image|>"],
         audio_token_id=_IDS["<|audio|>"],
@@ -126,7 +136,7 @@ def _config() -> dict[str, Any]:
         eoi_token_id=_IDS["<image|>"],
         boa_token_id=_IDS["<|audio>"],
         eoa_token_id=_IDS["<audio|>"],
-        hidden_size=64,
+        hidden_size=size.hidden,
         pad_token_id=_IDS["<pad>"],
         eos_token_id=[_IDS["<eos>"], _IDS["<turn|>"]],
         vision_soft_tokens_per_image=_IMAGE_TOKENS,
@@ -188,4 +198,5 @@ GEMMA4: Final = Family(
     _files,
     build=_build,
     generator="make_tiny_omni",
+    sized=_config,
 )

@@ -10,6 +10,8 @@ import functools
 from typing import Any, Final
 
 from ._configs import (
+    TINY,
+    Size,
     processor_files,
     scaled_rgb,
     tied_decoder,
@@ -117,16 +119,18 @@ _CHAT_TEMPLATE: Final = (
 )
 
 
-def qwen_tower(model_type: str, patch: int, **settings: Any) -> dict[str, Any]:
-    """The 2-layer, 32-wide vision tower of every Qwen family here (merged
-    2x2), with the family's own ``settings``."""
+def qwen_tower(
+    model_type: str, patch: int, size: Size = TINY, **settings: Any
+) -> dict[str, Any]:
+    """The vision tower of every Qwen family here (merged 2x2), with the
+    family's own ``settings``."""
     return {
         "model_type": model_type,
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "out_hidden_size": 64,
+        "depth": size.tower_layers,
+        "hidden_size": size.tower_hidden,
+        "intermediate_size": size.tower_intermediate,
+        "num_heads": size.tower_heads,
+        "out_hidden_size": size.hidden,
         "in_channels": 3,
         "patch_size": patch,
         "spatial_merge_size": 2,
@@ -135,29 +139,43 @@ def qwen_tower(model_type: str, patch: int, **settings: Any) -> dict[str, Any]:
     }
 
 
-def qwen3_vision_config(model_type: str, *, deepstack: list[int]) -> dict[str, Any]:
+def qwen3_vision_config(
+    model_type: str, *, deepstack: list[int], size: Size = TINY
+) -> dict[str, Any]:
     """The vision tower of Qwen3-VL and Qwen3.5 (patch 16); ``deepstack``:
     the layers whose features feed the decoder."""
     return qwen_tower(
         model_type,
         16,
+        size,
         num_position_embeddings=16,
         deepstack_visual_indexes=deepstack,
         hidden_act="gelu_pytorch_tanh",
     )
 
 
-def qwen_text_config(model_type: str, **settings: Any) -> dict[str, Any]:
+def qwen_text_config(
+    model_type: str, size: Size = TINY, **settings: Any
+) -> dict[str, Any]:
     """The decoder all the Qwen families here share."""
     return tied_decoder(
         model_type,
         SPECIAL_TOKENS,
         bos="<|endoftext|>",
         eos="<|im_end|>",
+        size=size,
         rms_norm_eps=1e-6,
         max_position_embeddings=32768,
         **settings,
     )
+
+
+def mrope_section(rotated: int) -> list[int]:
+    """Qwen3-VL's split of ``rotated`` dimensions' frequency pairs into
+    temporal, height and width sections: 24:20:20, as its 128-wide heads."""
+    pairs = rotated // 2
+    side = pairs * 5 // 16
+    return [pairs - 2 * side, side, side]
 
 
 def qwen_media() -> dict[str, Any]:
@@ -221,13 +239,14 @@ def qwen3_vl_files() -> dict[str, Any]:
 # -- Qwen3-VL ------------------------------------------------------------------
 
 
-def _qwen3_vl_config() -> dict[str, Any]:
+def _qwen3_vl_config(size: Size = TINY) -> dict[str, Any]:
     text = qwen_text_config(
         "qwen3_vl_text",
+        size,
         rope_theta=5000000.0,
         rope_scaling={
             "rope_type": "default",
-            "mrope_section": [4, 2, 2],
+            "mrope_section": mrope_section(size.head_dim),
             "mrope_interleaved": True,
         },
         attention_bias=False,
@@ -236,13 +255,19 @@ def _qwen3_vl_config() -> dict[str, Any]:
         "Qwen3VLForConditionalGeneration",
         "qwen3_vl",
         text,
-        qwen3_vision_config("qwen3_vl", deepstack=[0]),
+        qwen3_vision_config("qwen3_vl", deepstack=[0], size=size),
+        size,
         **qwen_media(),
     )
 
 
 QWEN3_VL: Final = Family(
-    "qwen3_vl", SPECIAL_TOKENS, _qwen3_vl_config, qwen3_vl_files, marked=False
+    "qwen3_vl",
+    SPECIAL_TOKENS,
+    _qwen3_vl_config,
+    qwen3_vl_files,
+    marked=False,
+    sized=_qwen3_vl_config,
 )
 
 
@@ -324,13 +349,19 @@ QWEN2_5_VL: Final = Family(
 
 
 @functools.cache
-def _qwen3_config() -> dict[str, Any]:
+def _qwen3_config(size: Size = TINY) -> dict[str, Any]:
     return {
         "architectures": ["Qwen3ForCausalLM"],
-        **qwen_text_config("qwen3", rope_theta=1000000.0, attention_bias=False),
+        **qwen_text_config("qwen3", size, rope_theta=1000000.0, attention_bias=False),
     }
 
 
 QWEN3: Final = Family(
-    "qwen3", SPECIAL_TOKENS, _qwen3_config, _token_files, build=flat, vision=False
+    "qwen3",
+    SPECIAL_TOKENS,
+    _qwen3_config,
+    _token_files,
+    build=flat,
+    vision=False,
+    sized=_qwen3_config,
 )

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from ._configs import vision_model
+from ._configs import TINY, Size, vision_model
 from ._family import Family
 from ._qwen import (
     SPECIAL_TOKENS,
+    mrope_section,
     qwen3_vision_config,
     qwen3_vl_files,
     qwen_media,
@@ -22,22 +23,24 @@ from ._qwen import (
 )
 
 
-def _config() -> dict[str, Any]:
+def _config(size: Size = TINY) -> dict[str, Any]:
     text = qwen_text_config(
         "qwen3_5_text",
-        # Layer 0 linear (gated delta-net), layer 1 full attention.
-        full_attention_interval=2,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
+        size,
+        # Tiny: layer 0 linear (gated delta-net), layer 1 full attention.
+        # Bench: three linear layers to one full, as Qwen3.5's.
+        full_attention_interval=min(size.layers, 4),
+        linear_num_value_heads=size.heads,
+        linear_num_key_heads=size.kv_heads,
+        linear_key_head_dim=size.head_dim,
+        linear_value_head_dim=size.head_dim,
         linear_conv_kernel_dim=4,
         attention_bias=False,
-        # Half of each 16-wide head rotates: 4 frequency pairs, sectioned
-        # 2 temporal, 1 height, 1 width, interleaved.
+        # Half of each head rotates, sectioned temporal, height, width,
+        # interleaved.
         rope_parameters={
             "type": "default",
-            "mrope_section": [2, 1, 1],
+            "mrope_section": mrope_section(size.head_dim // 2),
             "mrope_interleaved": True,
             "rope_theta": 10000000.0,
             "partial_rotary_factor": 0.5,
@@ -47,9 +50,12 @@ def _config() -> dict[str, Any]:
         "Qwen3_5ForConditionalGeneration",
         "qwen3_5",
         text,
-        qwen3_vision_config("qwen3_5", deepstack=[]),
+        qwen3_vision_config("qwen3_5", deepstack=[], size=size),
+        size,
         **qwen_media(),
     )
 
 
-QWEN3_5: Final = Family("qwen3_5", SPECIAL_TOKENS, _config, qwen3_vl_files)
+QWEN3_5: Final = Family(
+    "qwen3_5", SPECIAL_TOKENS, _config, qwen3_vl_files, sized=_config
+)

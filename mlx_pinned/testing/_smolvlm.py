@@ -60,7 +60,7 @@ _CHAT_TEMPLATE: Final = template(
 def _config() -> dict[str, Any]:
     text = decoder(
         "llama",
-        head_dim=None,
+        head_dim=False,
         rms_norm_eps=1e-5,
         rope_theta=100000.0,
         max_position_embeddings=8192,

@@ -139,8 +139,8 @@ def make_tiny_vlm(
             by this package, and ``overwrite`` is false.
         ValueError: ``model_type`` is not one of :data:`TINY_MODEL_TYPES`.
     """
-    family = _family(_VISION, model_type, "make_tiny_vlm")
-    return _make(family, path, seed, overwrite)
+    family = family_of(_VISION, model_type, "make_tiny_vlm")
+    return make(family, path, seed, overwrite)
 
 
 def make_tiny_lm(
@@ -161,8 +161,8 @@ def make_tiny_lm(
     written, cached and replaced as :func:`make_tiny_vlm` does, with its arguments
     and errors.
     """
-    family = _family(_TEXT | _TOOLS, model_type, "make_tiny_lm")
-    return _make(family, path, seed, overwrite)
+    family = family_of(_TEXT | _TOOLS, model_type, "make_tiny_lm")
+    return make(family, path, seed, overwrite)
 
 
 def make_tiny_embedding(
@@ -187,8 +187,8 @@ def make_tiny_embedding(
     ``model_type`` is one of :data:`TINY_EMBEDDING_TYPES`; written, cached and
     replaced as :func:`make_tiny_vlm` does, with its arguments and errors.
     """
-    family = _family(_EMBEDDING, model_type, "make_tiny_embedding")
-    return _make(family, path, seed, overwrite)
+    family = family_of(_EMBEDDING, model_type, "make_tiny_embedding")
+    return make(family, path, seed, overwrite)
 
 
 def make_tiny_reranker(
@@ -210,8 +210,8 @@ def make_tiny_reranker(
     ``model_type`` is one of :data:`TINY_RERANKER_TYPES`; written, cached and
     replaced as :func:`make_tiny_vlm` does, with its arguments and errors.
     """
-    family = _family(_RERANKER, model_type, "make_tiny_reranker")
-    return _make(family, path, seed, overwrite)
+    family = family_of(_RERANKER, model_type, "make_tiny_reranker")
+    return make(family, path, seed, overwrite)
 
 
 def make_tiny_transcription(
@@ -240,8 +240,8 @@ def make_tiny_transcription(
     ``model_type`` is one of :data:`TINY_TRANSCRIPTION_TYPES`; written, cached and
     replaced as :func:`make_tiny_vlm` does, with its arguments and errors.
     """
-    family = _family(_TRANSCRIPTION, model_type, "make_tiny_transcription")
-    return _make(family, path, seed, overwrite)
+    family = family_of(_TRANSCRIPTION, model_type, "make_tiny_transcription")
+    return make(family, path, seed, overwrite)
 
 
 def make_tiny_speech(
@@ -267,8 +267,8 @@ def make_tiny_speech(
     ``model_type`` is one of :data:`TINY_SPEECH_TYPES`; written, cached and replaced
     as :func:`make_tiny_vlm` does, with its arguments and errors.
     """
-    family = _family(_SPEECH, model_type, "make_tiny_speech")
-    return _make(family, path, seed, overwrite)
+    family = family_of(_SPEECH, model_type, "make_tiny_speech")
+    return make(family, path, seed, overwrite)
 
 
 def make_tiny_omni(
@@ -293,11 +293,11 @@ def make_tiny_omni(
     ``model_type`` is one of :data:`TINY_OMNI_TYPES`; written, cached and replaced
     as :func:`make_tiny_vlm` does, with its arguments and errors.
     """
-    family = _family(_OMNI, model_type, "make_tiny_omni")
-    return _make(family, path, seed, overwrite)
+    family = family_of(_OMNI, model_type, "make_tiny_omni")
+    return make(family, path, seed, overwrite)
 
 
-def _family(known: Mapping[str, Family], model_type: str, function: str) -> Family:
+def family_of(known: Mapping[str, Family], model_type: str, function: str) -> Family:
     try:
         return known[model_type]
     except KeyError:
@@ -306,7 +306,7 @@ def _family(known: Mapping[str, Family], model_type: str, function: str) -> Fami
         ) from None
 
 
-def _make(
+def make(
     family: Family, path: str | os.PathLike[str], seed: int, overwrite: bool
 ) -> pathlib.Path:
     return write_folder(

@@ -2,7 +2,8 @@
 ``tokenizers`` on a few embedded sentences. Calling thread; no MLX.
 
 Each family brings its own special tokens; the trainer gives them the first
-ids, in order, so a family's token ids are fixed by its list.
+ids, in order, so a family's token ids are fixed by its list. A bench model's
+vocabulary is the same tokenizer padded with generated words.
 """
 
 from __future__ import annotations
@@ -58,6 +59,35 @@ def tokenizer_json(specials: tuple[str, ...]) -> bytes:
             "mlx_pinned/testing/_tokenizer.py."
         )
     return tokenizer.to_str().encode("utf-8")
+
+
+# Syllables of the padding words: 70 of them, so three make 343,000 words.
+_ONSETS: Final = "bdfgklmnprstvz"
+_VOWELS: Final = "aeiou"
+
+
+def padded(tokenizer: bytes, size: int) -> bytes:
+    """``tokenizer`` (a ``tokenizer.json``) with ``size`` tokens: the new ids
+    are words of three generated syllables after a space (``" kelumo"``).
+
+    No merge makes them, so no text encodes to one, but a model may pick one
+    and it decodes as a word: a vocabulary as large as a real model's, for
+    what sampling and the LM head cost.
+    """
+    data = json.loads(tokenizer)
+    vocab: dict[str, int] = data["model"]["vocab"]
+    syllables = [onset + vowel for onset in _ONSETS for vowel in _VOWELS]
+    count = len(syllables)
+    index = 0
+    while len(vocab) < size:
+        # A prime stride, so that words of every first syllable come early.
+        number = index * 7919 % count**3
+        parts = (number // count**2, number // count % count, number % count)
+        word = "\u0120" + "".join(syllables[part] for part in parts)  # Ġ: a space
+        index += 1
+        if word not in vocab:
+            vocab[word] = len(vocab)
+    return json.dumps(data, ensure_ascii=False).encode("utf-8")
 
 
 def ids(specials: tuple[str, ...]) -> dict[str, int]:

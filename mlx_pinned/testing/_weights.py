@@ -67,8 +67,11 @@ def write_weights(
     specs: Specs,
     zero_rows: dict[str, Iterable[int]],
     adjust: Callable[[str, Any], Any] | None = None,
+    *,
+    dtype: str | None = None,
 ) -> None:
-    """Draw the weights from ``seed`` with NumPy and save them with MLX.
+    """Draw the weights from ``seed`` with NumPy and save them with MLX, as
+    ``dtype`` (None: as drawn or adjusted).
 
     Matrices are normal over the square root of their fan-in, biases zero,
     other vectors (norm scales) one. ``zero_rows``: rows set to zero per
@@ -97,6 +100,9 @@ def write_weights(
             value[list(zero_rows[name])] = 0.0
         if adjust is not None:
             value = adjust(name, value)
-        # A mx.array made from host memory is already evaluated: no stream.
-        weights[name] = mx.array(value)
+        # A mx.array made from host memory is already evaluated, even when
+        # converted on the way: no stream.
+        weights[name] = mx.array(
+            value, dtype=None if dtype is None else getattr(mx, dtype)
+        )
     mx.save_safetensors(str(file), weights, metadata={"format": "mlx"})

@@ -19,6 +19,7 @@ from mlx_pinned.server.events import EventStream
 from mlx_pinned.testing import image_data_uri, tiny_lm_path, tiny_vlm_path
 
 from .kit import Lifespan, Serve, Served, in_process, post_scope
+from .openapi import MISMATCHES
 
 MODEL = "tiny"
 PROMPT = "Describe this image in one sentence."
@@ -30,6 +31,17 @@ PROMPT = "Describe this image in one sentence."
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     backend: str = request.param
     return backend
+
+
+@pytest.fixture(autouse=True)
+def openai_shapes() -> Iterator[None]:
+    """Fails a test that received an answer not of OpenAI's shape
+    (tests/server/openapi.py), also where the test caught the error."""
+    MISMATCHES.clear()
+    yield
+    found = list(MISMATCHES)
+    MISMATCHES.clear()
+    assert not found, "\n\n".join(found)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ Test modules import from here, never from each other.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import math
@@ -29,7 +30,12 @@ from collections.abc import (
     Sequence,
 )
 from concurrent.futures import Future
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from contextlib import (
+    AbstractAsyncContextManager,
+    asynccontextmanager,
+    contextmanager,
+    suppress,
+)
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -62,6 +68,7 @@ from mlx_pinned.server.http.served_models import BatchGate
 from mlx_pinned.testing import make_test_image
 
 from .inline import generate_inline
+from .openapi import CheckedSyncTransport, CheckedTransport, transports
 from .reference import reference_stream
 
 TOL = 1e-5
@@ -476,8 +483,10 @@ async def in_process(
     kind: Callable[[Any, httpx.AsyncClient, dict[str, Any]], S],
 ) -> AsyncIterator[S]:
     """``app`` with its lifespan running and an httpx client on it, as
-    ``kind(app, client, state)`` (a :class:`Served`, or a test's own)."""
-    transport = httpx.ASGITransport(app=app)
+    ``kind(app, client, state)`` (a :class:`Served`, or a test's own); the
+    client checks the answers of OpenAI's paths against OpenAI's document
+    (tests/server/openapi.py)."""
+    transport = CheckedTransport(httpx.ASGITransport(app=app))
     async with (
         lifespan(app) as state,
         httpx.AsyncClient(transport=transport, base_url="http://test") as client,
@@ -515,6 +524,28 @@ def post_scope(path: str, state: dict[str, Any] | None = None) -> dict[str, Any]
     return scope
 
 
+#: The httpx the openai SDK uses (httpx2 from openai 3 on).
+_SDK_HTTP = sys.modules[openai.DefaultHttpxClient.__mro__[1].__module__.split(".")[0]]
+
+
+class _SDKClient(openai.DefaultHttpxClient):
+    """The openai SDK's own client, closed once collected as the SDK's is."""
+
+    def __del__(self) -> None:
+        if not self.is_closed:
+            self.close()
+
+
+class _AsyncSDKClient(openai.DefaultAsyncHttpxClient):
+    """The openai SDK's own async client, closed once collected as the
+    SDK's is (on asyncio)."""
+
+    def __del__(self) -> None:
+        if not self.is_closed:
+            with suppress(RuntimeError):  # no loop running
+                asyncio.get_running_loop().create_task(self.aclose())
+
+
 READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 
 
@@ -527,12 +558,37 @@ class Server:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
+    # The clients check the answers of OpenAI's paths against OpenAI's
+    # document (tests/server/openapi.py).
+
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1",
+            api_key="unused",
+            max_retries=0,
+            http_client=_SDKClient(transport=transports(_SDK_HTTP)[1]()),
+        )
 
     def async_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(
-            base_url=f"{self.url}/v1", api_key="unused", max_retries=0
+            base_url=f"{self.url}/v1",
+            api_key="unused",
+            max_retries=0,
+            http_client=_AsyncSDKClient(transport=transports(_SDK_HTTP)[0]()),
+        )
+
+    def http(
+        self, *, limits: httpx.Limits | None = None, **options: Any
+    ) -> httpx.Client:
+        """An httpx client of the server, checked as :meth:`client` is
+        (``limits`` are its transport's)."""
+        inner = (
+            httpx.HTTPTransport()
+            if limits is None
+            else httpx.HTTPTransport(limits=limits)
+        )
+        return httpx.Client(
+            base_url=self.url, transport=CheckedSyncTransport(inner), **options
         )
 
     def anthropic_client(self) -> anthropic.Anthropic:
@@ -567,6 +623,18 @@ def running(command: list[str], log: Path) -> Iterator[Server]:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def read_only(folder: Path) -> list[str]:
+    """A command's prefix under which ``folder`` (made here) is read-only:
+    its mode for a user; for root, whom modes do not stop, an empty
+    read-only mount in a mount namespace of the command's own."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return []
+    mount = 'mount -t tmpfs -o ro none "$0" && exec "$@"'
+    return ["unshare", "--mount", "sh", "-c", mount, str(folder)]
 
 
 def png_header(width: int, height: int) -> bytes:

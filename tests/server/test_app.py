@@ -694,10 +694,10 @@ class TestFailures:
             response = await served.chat(vision_body(stream=True))
             assert response.status_code == 200
             events = sse_events(response.text)
-            assert "[DONE]" not in events
-            assert set(events[-1]) == {"error"}
-            assert events[-1]["error"]["type"] == "server_error"
-            assert content_of(events[:-1]) == "xxx"
+            assert events[-1] == "[DONE]"
+            assert set(events[-2]) == {"error"}
+            assert events[-2]["error"]["type"] == "server_error"
+            assert content_of(events[:-2]) == "xxx"
             assert_error(await served.chat(vision_body()), 500)
             monkeypatch.undo()
             # The server keeps serving.

@@ -25,6 +25,8 @@ from mlx_pinned.testing import (
     tiny_transcription_path,
 )
 
+from .kit import read_only
+
 
 @pytest.fixture
 def handlers(monkeypatch: pytest.MonkeyPatch) -> dict[int, Any]:
@@ -386,6 +388,39 @@ class TestRefusedAtStart:
             "path; a Hugging Face hub id looks like 'org/name')"
         ]
 
+    def test_a_state_dir_that_is_a_file(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        file = tmp_path / "state"
+        file.write_text("")
+        for given, why in [
+            (file, "is a file, not a folder"),
+            (file / "sub", f"cannot be made: {str(file)!r} is a file, not a folder"),
+        ]:
+            with pytest.raises(SystemExit) as info:
+                cli.main(["serve", "org/m", "--state-dir", str(given)])
+            assert info.value.code == 2
+            assert capsys.readouterr().err.splitlines() == [
+                f"mlx-pinned: error: --state-dir {str(given)!r} {why}"
+            ]
+
+    def test_a_read_only_state_dir(self, tmp_path: Path) -> None:
+        folder = tmp_path / "state"
+        prefix = read_only(folder)
+        for given, why in [
+            (folder, "is read-only"),
+            (folder / "a" / "b", f"cannot be made: {str(folder)!r} is read-only"),
+        ]:
+            command = [sys.executable, "-m", "mlx_pinned.server", "serve", "org/m"]
+            command += ["--state-dir", str(given)]
+            done = subprocess.run(
+                [*prefix, *command], capture_output=True, text=True, timeout=120
+            )
+            assert done.returncode == 2
+            assert done.stderr.splitlines() == [
+                f"mlx-pinned: error: --state-dir {str(given)!r} {why}"
+            ]
+
 
 class TestArguments:
     @pytest.mark.parametrize(
@@ -553,7 +588,7 @@ class TestOneSettingsSource:
             cli.build_parser().parse_args(["serve", "--help"])
         out = capsys.readouterr().out
         assert "largest max_tokens a request may ask for (default: 4096)" in out
-        assert "closed (default: 30.0)" in out
+        assert "its API's error (stopping) (default: 30.0)" in out
 
     def test_a_new_value_reaches_the_config(self) -> None:
         argv = ["serve", "m", "--in-flight-timeout", "3", "--unready-seconds", "2"]

@@ -18,6 +18,7 @@ from mlx_pinned.testing import tiny_lm_path, tiny_vlm_path
 
 from .conftest import assert_error, drive, sse_events
 from .kit import Lifespan, Serve, Served, Server, in_process, running
+from .openapi import CheckedTransport
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,7 +29,8 @@ CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 def post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    with server.http(timeout=60) as client:
+        return client.post(path, json=body)
 
 
 @pytest.fixture(scope="module")
@@ -477,7 +479,7 @@ async def test_a_prompt_the_engine_finds_too_long_is_a_400_naming_prompt(
     # Few enough characters to pass the event loop's bound, too many tokens
     # for the limit: refused at prefill, before the first byte of a stream.
     app = create_app(tiny_lm_path(), served_model_name="tiny", max_prompt_tokens=4)
-    transport = httpx.ASGITransport(app=app)
+    transport = CheckedTransport(httpx.ASGITransport(app=app))
     async with (
         lifespan(app),
         httpx.AsyncClient(transport=transport, base_url="http://test") as client,

@@ -22,6 +22,7 @@ from mlx_pinned.testing import make_tiny_vlm
 
 from .conftest import assert_error
 from .kit import Lifespan
+from .openapi import CheckedTransport
 
 EXAMPLE = """
     max_model_bytes = 8_000_000_000
@@ -209,7 +210,7 @@ class TestMixed:
             model_settings=({"max_num_seqs": 3}, {"load_on_first_use": True}),
             **options,
         )
-        transport = httpx.ASGITransport(app=app)
+        transport = CheckedTransport(httpx.ASGITransport(app=app))
         async with (
             lifespan(app),
             httpx.AsyncClient(transport=transport, base_url="http://test") as client,

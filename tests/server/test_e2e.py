@@ -283,11 +283,7 @@ def test_an_idle_connection_outlives_the_clients_pool(server: Server) -> None:
     # httpx (and so the openai package) keeps an idle connection 5 s; the
     # server keeps it longer, so a request is never sent on a connection the
     # server is closing (uvicorn's own default, 5 s, raced with the client).
-    with httpx.Client(
-        base_url=server.url,
-        limits=httpx.Limits(keepalive_expiry=60),
-        timeout=10,
-    ) as client:
+    with server.http(limits=httpx.Limits(keepalive_expiry=60), timeout=10) as client:
         first = client.get("/health")
         assert first.status_code == 200
         time.sleep(6)
@@ -308,7 +304,7 @@ def test_disconnect_mid_stream_closes_the_generation(server: Server) -> None:
         "stream": True,
     }
     with (
-        httpx.Client(timeout=30) as client,
+        server.http(timeout=30) as client,
         client.stream(
             "POST", f"{server.url}/v1/chat/completions", json=body
         ) as response,
@@ -340,7 +336,7 @@ def drains_then_exits_0(server: Server, signum: signal.Signals) -> None:
         "stream": True,
     }
     with (
-        httpx.Client(timeout=30) as client,
+        server.http(timeout=30) as client,
         client.stream(
             "POST", f"{server.url}/v1/chat/completions", json=body
         ) as response,
@@ -579,7 +575,7 @@ class TestEveryVisionFamily:
             "stream": True,
         }
         with (
-            httpx.Client(timeout=30) as client,
+            served.http(timeout=30) as client,
             client.stream(
                 "POST", f"{served.url}/v1/chat/completions", json=body
             ) as response,

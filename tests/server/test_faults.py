@@ -121,11 +121,11 @@ class TestTimeout:
         ((status, sent),) = answers
         assert status == 200
         events = sse_events(b"".join(sent).decode())
-        assert "[DONE]" not in events
-        assert events[-1]["error"]["code"] == "timeout"
+        assert events[-1] == "[DONE]"  # after the error, as after a whole answer
+        assert events[-2]["error"]["code"] == "timeout"
         # It streamed, then it was cut.
         assert events[0]["choices"][0]["delta"]["role"] == "assistant"
-        assert any(e["choices"][0]["delta"].get("content") for e in events[:-1])
+        assert any(e["choices"][0]["delta"].get("content") for e in events[:-2])
 
     async def test_many_clients_queue_wait_counts(
         self, serve: Serve, slow: SlowModel, monkeypatch: pytest.MonkeyPatch
@@ -190,8 +190,9 @@ class TestTimeout:
                 assert_error(response, 504, None, "timeout")
             ((status, sent),) = streamed
             assert status == 200
-            last = sse_events(b"".join(sent).decode())[-1]
+            *_, last, done = sse_events(b"".join(sent).decode())
             assert last["error"]["code"] == "timeout"
+            assert done == "[DONE]"
             await settled(served)
             assert served.thread.statistics().open_streams == 0
             assert served.app.state.gate.active == 0
@@ -260,8 +261,9 @@ class TestDeadThread:
                     served.thread.shutdown(wait=False, cancel_futures=True)
             status, chunks = results["stream"]
             assert status == 200
-            last = json.loads(chunks[-1].removeprefix(b"data: "))
+            *_, last, done = sse_events(chunks[-1].decode())
             assert last["error"]["code"] == "mlx_thread_unavailable"
+            assert done == "[DONE]"
             assert_error(results["waiting"], 503, None, "mlx_thread_unavailable")
             assert_error(await served.client.get("/health"), 503)
             with anyio.fail_after(WAIT):  # nothing will ever run: no wait
@@ -298,9 +300,9 @@ class TestModelFault:
             response = await served.chat(vision_body(20, stream=True))
             assert response.status_code == 200
             events = sse_events(response.text)
-            assert "[DONE]" not in events
-            assert events[-1]["error"]["code"] == "generation_failed"
-            assert any(e["choices"][0]["delta"].get("content") for e in events[1:-1])
+            assert events[-1] == "[DONE]"
+            assert events[-2]["error"]["code"] == "generation_failed"
+            assert any(e["choices"][0]["delta"].get("content") for e in events[1:-2])
 
             monkeypatch.undo()  # the model is healthy again: so is the server
             response = await served.chat(vision_body(4))

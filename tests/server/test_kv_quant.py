@@ -51,6 +51,7 @@ from .kit import (
     tokens,
     widen,
 )
+from .openapi import CheckedTransport
 
 pytestmark = pytest.mark.anyio
 
@@ -381,7 +382,7 @@ class TestBytes:
         seen = {}
         for bits in (None, 8):
             app = create_app(wide_paths["text"], served_model_name=MODEL, kv_bits=bits)
-            transport = httpx.ASGITransport(app=app)
+            transport = CheckedTransport(httpx.ASGITransport(app=app))
             async with (
                 lifespan(app),
                 httpx.AsyncClient(transport=transport, base_url="http://t") as client,

@@ -7,14 +7,17 @@ its image again."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import struct
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -27,7 +30,7 @@ from mlx_pinned.server.engine.prompt_disk import DiskTier
 from mlx_pinned.testing import image_data_uri
 
 from .conftest import MODEL
-from .kit import TOL, Serve, Served, logprobs
+from .kit import TOL, Serve, Served, logprobs, read_only
 
 FINGERPRINT = "f" * 32
 DIGEST, OTHER = b"\x01" * 16, b"\x02" * 16
@@ -222,10 +225,10 @@ class TestTheFiles:
         monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture,
     ) -> None:
-        def full(*args: Any) -> None:
-            raise OSError(28, "No space left on device")
+        def broken(*args: Any) -> None:
+            raise OSError(errno.EIO, "Input/output error")
 
-        monkeypatch.setattr(os, "replace", full)
+        monkeypatch.setattr(os, "replace", broken)
         tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
         cache = PromptCache(10**7)
         cache.attach(tier)
@@ -236,6 +239,42 @@ class TestTheFiles:
         assert not tier.enabled
         assert list(tmp_path.iterdir()) == []
         assert cache.lookup(key(1, 2, 3, 4), 3)[1] == 3, "memory still serves"
+        tier.close()
+
+    def test_a_full_disk_pauses_the_writes_until_it_has_room(
+        self,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        real_replace, free = os.replace, [0]
+
+        def full_disk(*args: Any) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def usage(path: Any) -> Any:
+            return SimpleNamespace(total=10**9, used=10**9 - free[0], free=free[0])
+
+        monkeypatch.setattr(os, "replace", full_disk)
+        monkeypatch.setattr(shutil, "disk_usage", usage)
+        tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        cache = PromptCache(10**7)
+        cache.attach(tier)
+        with caplog.at_level(logging.INFO, "mlx_pinned.server"):
+            cache.store(key(1, 2, 3), layers(3, seed=1))
+            tier.flush()
+            assert "disk tier is full" in caplog.text
+            monkeypatch.setattr(os, "replace", real_replace)
+            cache.store(key(4, 5, 6), layers(3, seed=2))  # still no room
+            tier.flush()
+            assert list(tmp_path.iterdir()) == []
+            free[0] = 10**8
+            cache.store(key(7, 8, 9), layers(3, seed=3))
+            tier.flush()
+        assert "has room again" in caplog.text
+        assert tier.enabled
+        assert [path.suffix for path in tmp_path.iterdir()] == [".kv"]
+        assert tier.best(key(7, 8, 9), 3)[1] == 3
         tier.close()
 
     @pytest.mark.slow
@@ -487,3 +526,52 @@ async def test_a_restart_reads_an_image_from_disk_and_answers_exactly(
     ours = logprobs(answer)
     assert len(ours) == len(fresh)
     assert max(abs(a - b) for a, b in zip(ours, fresh, strict=True)) <= TOL
+
+
+class TestFoldersItCannotWrite:
+    """One warning line that says what to do, no traceback; the caches go
+    on in memory."""
+
+    def test_a_read_only_folder_turns_the_tier_off_at_start(
+        self, tmp_path: Path
+    ) -> None:
+        folder = tmp_path / "prompt_cache"
+        script = textwrap.dedent(
+            """
+            import logging, sys
+            from pathlib import Path
+            from mlx_pinned.server.engine.prompt_disk import DiskTier
+
+            logging.basicConfig(format="%(levelname)s %(message)s")
+            tier = DiskTier(Path(sys.argv[1]), 10**7, "f" * 32)
+            print("enabled:", tier.enabled)
+            """
+        )
+        command = [*read_only(folder), sys.executable, "-c", script, str(folder)]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        assert "enabled: False" in done.stdout
+        (line,) = done.stderr.splitlines()
+        assert line.startswith("WARNING the caches' disk tier off, memory only: ")
+        assert f"{folder} is read-only" in line
+        assert "make the folder writable and restart, or set " in line
+        assert "--prompt-cache-disk-bytes 0" in line
+
+    def test_a_folder_gone_under_it_turns_the_tier_off_once(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        folder = tmp_path / "tier"
+        tier = DiskTier(folder, 10**7, FINGERPRINT)
+        cache = PromptCache(10**7)
+        cache.attach(tier)
+        folder.rmdir()
+        folder.write_bytes(b"")  # a file now: a write, and its clean-up, fail
+        with caplog.at_level(logging.DEBUG, "mlx_pinned.server"):
+            cache.store(key(1, 2, 3), layers(3, seed=1))
+            tier.flush()
+        (record,) = caplog.records
+        assert record.levelno == logging.WARNING
+        assert record.exc_info is None
+        assert f"cannot write in {folder}" in record.getMessage()
+        assert not tier.enabled
+        assert cache.lookup(key(1, 2, 3, 4), 3)[1] == 3, "memory still serves"
+        tier.close()

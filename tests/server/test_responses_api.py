@@ -414,7 +414,8 @@ HOSTILE: list[Any] = [
 @pytest.mark.slow
 @pytest.mark.parametrize("body", HOSTILE)
 def test_hostile_bodies_are_4xx(server: Server, body: Any) -> None:
-    answer = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    with server.http(timeout=60) as http:
+        answer = http.post("/v1/responses", json=body)
     assert 400 <= answer.status_code < 500, answer.text
     assert answer.json()["error"]["message"]
 
@@ -422,20 +423,19 @@ def test_hostile_bodies_are_4xx(server: Server, body: Any) -> None:
 def test_deep_nesting_is_a_4xx(server: Server) -> None:
     nested = "[" * 100_000 + "]" * 100_000
     body = f'{{"model": "{DEMO_MODEL_NAME}", "input": {nested}}}'
-    answer = httpx.post(
-        f"{server.url}/v1/responses",
-        content=body,
-        headers={"content-type": "application/json"},
-        timeout=60,
-    )
+    with server.http(timeout=60) as http:
+        answer = http.post(
+            "/v1/responses", content=body, headers={"content-type": "application/json"}
+        )
     assert 400 <= answer.status_code < 500
 
 
 def test_an_unknown_field_is_named(server: Server) -> None:
-    answer = httpx.post(
-        f"{server.url}/v1/responses",
-        json={"model": DEMO_MODEL_NAME, "input": "hi", "surprise": 1},
-    )
+    with server.http() as http:
+        answer = http.post(
+            "/v1/responses",
+            json={"model": DEMO_MODEL_NAME, "input": "hi", "surprise": 1},
+        )
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == "surprise"
 
@@ -449,7 +449,12 @@ def test_hosted_tools_are_accepted_and_not_shown(client: openai.OpenAI) -> None:
         input="hi",
         tools=[
             {"type": "web_search"},
-            {"type": "namespace", "name": "multi_agent_v1", "tools": []},  # type: ignore[list-item]
+            {  # type: ignore[list-item]
+                "type": "namespace",
+                "name": "multi_agent_v1",
+                "description": "Agents that work beside this one.",
+                "tools": [{"type": "function", "name": "spawn_agent"}],
+            },
         ],
         max_output_tokens=2,
         temperature=0,
@@ -689,19 +694,22 @@ def test_input_items_pages(server: Server, client: openai.OpenAI) -> None:
         ],
         max_output_tokens=1,
     )
-    url = f"{server.url}/v1/responses/{created.id}/input_items"
-    first = httpx.get(url, params={"limit": 2, "order": "asc"}).json()
+    url = f"/v1/responses/{created.id}/input_items"
+    with server.http() as http:
+        first = http.get(url, params={"limit": 2, "order": "asc"}).json()
+        after = {"limit": 2, "order": "asc", "after": first["last_id"]}
+        rest = http.get(url, params=after).json()
+        newest = http.get(url).json()
+        refused = [
+            http.get(url, params=bad).status_code
+            for bad in ({"limit": "0"}, {"limit": "x" * 50}, {"order": "sideways"})
+        ]
     assert [item["content"][0]["text"] for item in first["data"]] == ["one", "two"]
     assert first["has_more"] is True
-    rest = httpx.get(
-        url, params={"limit": 2, "order": "asc", "after": first["last_id"]}
-    ).json()
     assert [item["content"][0]["text"] for item in rest["data"]] == ["three"]
     assert rest["has_more"] is False
-    newest = httpx.get(url).json()
     assert newest["data"][0]["content"][0]["text"] == "three"
-    for bad in ({"limit": "0"}, {"limit": "x" * 50}, {"order": "sideways"}):
-        assert httpx.get(url, params=bad).status_code == 400
+    assert refused == [400, 400, 400]
 
 
 class Script:
@@ -711,6 +719,7 @@ class Script:
     def __init__(self) -> None:
         self.pieces: list[str] = []
         self.fail = False
+        self.finish: Literal["stop", "length"] = "stop"
         self.params: list[GenerationParams] = []
 
     def __call__(
@@ -721,7 +730,7 @@ class Script:
             yield TokenEvent(piece, None)
         if self.fail:
             raise RuntimeError("the scripted generation broke")
-        yield FinalEvent("", "stop", 3, len(self.pieces))
+        yield FinalEvent("", self.finish, 3, len(self.pieces))
 
 
 @pytest.fixture
@@ -835,3 +844,201 @@ async def test_a_prompt_too_long_names_input(serve: Any) -> None:
         assert answer.status_code == 400, answer.text
         error = answer.json()["error"]
         assert (error["param"], error["code"]) == ("input", "context_length_exceeded")
+
+
+CUT_CALL = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+
+
+def collapsed(events: list[dict[str, Any]]) -> list[str]:
+    """The events' types, each run of one delta type as one."""
+    kinds: list[str] = []
+    for event in events:
+        kind = event["type"]
+        if not (kind.endswith(".delta") and kinds and kinds[-1] == kind):
+            kinds.append(kind)
+    return kinds
+
+
+@pytest.mark.anyio
+async def test_the_item_a_length_cut_ends_is_incomplete(
+    serve: Any, script: Script
+) -> None:
+    """A call cut by the output's length is ``incomplete``, in the response
+    and in its ``output_item.done``: no client takes its partial arguments
+    for whole ones. The items before it ended and are ``completed``."""
+    script.pieces = [CUT_CALL[i : i + 3] for i in range(0, len(CUT_CALL), 3)]
+    script.finish = "length"
+    body = {"model": MODEL, "input": "Weather?", "tools": [WEATHER]}
+    async with serve() as served:
+        whole = (await served.client.post("/v1/responses", json=body)).json()
+        streamed = await served.client.post(
+            "/v1/responses", json={**body, "stream": True}
+        )
+        replay = await served.client.get(
+            f"/v1/responses/{whole['id']}", params={"stream": "true"}
+        )
+    assert whole["status"] == "incomplete"
+    assert whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    statuses = [(item["type"], item["status"]) for item in whole["output"]]
+    assert statuses == [("message", "completed"), ("function_call", "incomplete")]
+    for events in (events_of(streamed.text), events_of(replay.text)):
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert [item["status"] for item in done] == ["completed", "incomplete"]
+        assert events[-1]["type"] == "response.incomplete"
+        assert events[-1]["response"]["output"] == done
+
+
+@pytest.mark.anyio
+async def test_a_stored_response_is_replayed_as_its_stream(
+    serve: Any, script: Script
+) -> None:
+    """``GET /v1/responses/{id}?stream=true``: the events its ``POST``
+    streamed, each text in one delta, the last one the stored response;
+    ``starting_after`` skips the events up to that sequence number."""
+    script.pieces = [
+        THINK_AND_CALL[i : i + 3] for i in range(0, len(THINK_AND_CALL), 3)
+    ]
+    body = {"model": MODEL, "input": "Weather?", "tools": [WEATHER], "stream": True}
+    async with serve() as served:
+        streamed = events_of(
+            (await served.client.post("/v1/responses", json=body)).text
+        )
+        response_id = streamed[0]["response"]["id"]
+        url = f"/v1/responses/{response_id}"
+        stored = (await served.client.get(url)).json()
+        replay = events_of((await served.client.get(f"{url}?stream=true")).text)
+        later = await served.client.get(f"{url}?stream=true&starting_after=4")
+        sdk_events = [
+            event
+            async for event in await served.sdk().responses.retrieve(
+                response_id, stream=True
+            )
+        ]
+        refused = await served.client.get(f"{url}?stream=maybe")
+    assert collapsed(replay) == collapsed(streamed)
+    assert [e["sequence_number"] for e in replay] == list(range(len(replay)))
+    assert replay[-1] == {**streamed[-1], "sequence_number": len(replay) - 1}
+    assert replay[-1]["response"] == stored
+    assert replay[0]["response"] == streamed[0]["response"]
+    done = [e for e in replay if e["type"] == "response.output_item.done"]
+    assert [e["item"] for e in done] == stored["output"]
+    assert events_of(later.text) == replay[5:]
+    assert sdk_events[-1].type == "response.completed"
+    assert sdk_events[-1].response.id == response_id
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "stream"
+
+
+@pytest.mark.anyio
+async def test_input_items_are_listed_as_openais_items(
+    serve: Any, script: Script
+) -> None:
+    """Each input item with its id and status, and an answer's text sent
+    back as input with its annotations (checked against OpenAI's document
+    by the test client, as every answer is)."""
+    script.pieces = ["ok"]
+    cited = {
+        "type": "url_citation",
+        "url": "https://example.com/",
+        "title": "Example",
+        "start_index": 0,
+        "end_index": 4,
+    }
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [
+                {"type": "output_text", "text": "Sure", "annotations": [cited]}
+            ],
+        },
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny."},
+    ]
+    body = {"model": MODEL, "input": items, "tools": [WEATHER]}
+    async with serve() as served:
+        created = (await served.client.post("/v1/responses", json=body)).json()
+        listed = await served.client.get(
+            f"/v1/responses/{created['id']}/input_items", params={"order": "asc"}
+        )
+    assert listed.status_code == 200, listed.text
+    data = listed.json()["data"]
+    assert [(item["type"], item["status"]) for item in data] == [
+        ("message", "completed"),
+        ("message", "completed"),
+        ("function_call", "completed"),
+        ("function_call_output", "completed"),
+    ]
+    assert all(item["id"] for item in data)
+    assert data[0]["content"] == [{"type": "input_text", "text": "Weather in Paris?"}]
+    assert data[1]["content"][0]["annotations"] == [cited]
+
+
+@pytest.mark.anyio
+async def test_usage_and_the_echoed_fields_are_openais(
+    serve: Any, script: Script
+) -> None:
+    """``usage`` has ``cache_write_tokens`` (0: the prompt cache keeps
+    prefixes on its own); ``user`` is echoed when given, and left out, not
+    null, when not; a function tool is echoed with ``strict`` and
+    ``parameters``."""
+    script.pieces = ["ok"]
+    bare = {"type": "function", "name": "ping"}
+    body = {"model": MODEL, "input": "hi", "tools": [bare]}
+    async with serve() as served:
+        plain = (await served.client.post("/v1/responses", json=body)).json()
+        named = await served.client.post("/v1/responses", json={**body, "user": "u1"})
+    details = plain["usage"]["input_tokens_details"]
+    assert details == {
+        "cached_tokens": details["cached_tokens"],
+        "cache_write_tokens": 0,
+    }
+    assert "user" not in plain
+    assert named.json()["user"] == "u1"
+    assert plain["tools"] == [
+        {**bare, "description": None, "parameters": None, "strict": None}
+    ]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [
+        ("context_management", [{"type": "compaction"}], "context_management"),
+        ("moderation", {"model": "omni-moderation-latest"}, "moderation"),
+        ("prompt_cache_options", {"mode": "explicit"}, "prompt_cache_options.mode"),
+    ],
+)
+async def test_a_field_this_server_cannot_honour_is_a_400_that_names_it(
+    serve: Any, field: str, value: Any, param: str
+) -> None:
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 1, field: value}
+    async with serve() as served:
+        answer = await served.client.post("/v1/responses", json=body)
+        unset = await served.client.post("/v1/responses", json={**body, field: None})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param
+    assert "Unrecognized" not in error["message"]
+    assert unset.status_code == 200, unset.text
+
+
+@pytest.mark.anyio
+async def test_the_prompt_cache_options_it_has_are_taken_and_echoed(
+    serve: Any, script: Script
+) -> None:
+    """``implicit`` (by prefix, on its own) is this server's one mode, and
+    ``30m`` the document's one ``ttl`` (its default)."""
+    script.pieces = ["ok"]
+    options = {"ttl": "30m", "mode": "implicit"}
+    body = {"model": MODEL, "input": "hi", "prompt_cache_options": options}
+    async with serve() as served:
+        answer = await served.client.post("/v1/responses", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["prompt_cache_options"] == options

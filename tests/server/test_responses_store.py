@@ -5,23 +5,27 @@ folder that cannot hold it at start."""
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import openai
 import pytest
+from starlette.routing import Route
 
 from mlx_pinned.server import cli
 from mlx_pinned.server.config import ServerConfig, SettingError
+from mlx_pinned.server.events import FinalEvent, TokenEvent
 from mlx_pinned.server.http.responses_api import sqlite_store
+from mlx_pinned.server.http.responses_api.route import ResponsesEndpoint
 from mlx_pinned.server.http.responses_api.sqlite_store import FILE_NAME, SQLiteStore
 from mlx_pinned.server.http.responses_api.store import (
     MemoryStore,
@@ -29,8 +33,8 @@ from mlx_pinned.server.http.responses_api.store import (
     open_store,
 )
 
-from .conftest import MODEL
-from .kit import Serve, running
+from .conftest import MODEL, replace_generation
+from .kit import Serve, Served, running
 
 MakeStore = Callable[[int, int], ResponseStore]
 
@@ -330,8 +334,8 @@ class TestRefusedAtStart:
         err = capsys.readouterr().err
         assert "Traceback" not in err
         assert err.splitlines()[-1:] == [
-            f"mlx-pinned: error: --config {config}: state_dir {str(state)!r}: "
-            "cannot write there (Not a directory)"
+            f"mlx-pinned: error: --config {config}: state_dir {str(state)!r} "
+            f"cannot be made: {str(tmp_path / 'file')!r} is a file, not a folder"
         ]
 
 
@@ -399,3 +403,127 @@ def test_the_server_keeps_its_responses_through_a_kill(tmp_path: Path) -> None:
             max_output_tokens=4,
         )
         assert second.usage.input_tokens > first.usage.input_tokens
+
+
+def store_of(served: Served) -> ResponseStore:
+    """The app's Responses store."""
+    (endpoint,) = [
+        route.endpoint
+        for route in served.app.routes
+        if isinstance(route, Route) and route.path == "/v1/responses"
+    ]
+    assert isinstance(endpoint, ResponsesEndpoint)
+    return endpoint.store
+
+
+def no_room(store: ResponseStore) -> None:
+    """The store's database may not grow by a page: its disk is full."""
+    assert isinstance(store, SQLiteStore)
+    connection = store._connection
+    assert connection is not None
+    (pages,) = connection.execute("PRAGMA page_count").fetchone()
+    connection.execute(f"PRAGMA max_page_count = {pages}")
+
+
+def two_tokens(loaded: Any, params: Any, images: Any) -> Iterator[Any]:
+    """The engine's generation, without the model: a long prompt costs
+    nothing."""
+    yield TokenEvent("o", None)
+    yield TokenEvent("k", None)
+    yield FinalEvent("", "stop", 3, 2)
+
+
+@pytest.mark.anyio
+async def test_a_response_a_full_disk_cannot_keep_says_store_false(
+    serve: Serve,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Answered, whole or streamed, with ``"store": false`` (the store said
+    no), not acknowledged as stored; once the disk has room, stored again."""
+    replace_generation(monkeypatch, two_tokens)
+    # Larger than the free room of the database's pages: it needs new ones.
+    body = {"model": MODEL, "input": "x" * 20_000}
+    async with serve(state_dir=str(tmp_path)) as served:
+        no_room(store_of(served))
+        with caplog.at_level(logging.WARNING, "mlx_pinned.server"):
+            whole = await served.client.post("/v1/responses", json=body)
+            streamed = await served.client.post(
+                "/v1/responses", json={**body, "stream": True}
+            )
+        missing = await served.client.get(f"/v1/responses/{whole.json()['id']}")
+        connection = store_of(served)._connection  # type: ignore[attr-defined]
+        connection.execute("PRAGMA max_page_count = 1073741823")  # room again
+        again = await served.client.post("/v1/responses", json=body)
+        found = await served.client.get(f"/v1/responses/{again.json()['id']}")
+    assert whole.status_code == 200
+    assert whole.json()["store"] is False
+    last = json.loads(streamed.text.strip().split("\n")[-1].removeprefix("data: "))
+    assert last["type"] == "response.completed"
+    assert last["response"]["store"] is False
+    assert caplog.text.count("not stored") == 2
+    assert missing.status_code == 404
+    assert again.json()["store"] is True
+    assert found.json() == again.json()
+
+
+@pytest.mark.anyio
+async def test_a_response_past_the_stores_bound_says_store_false(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    replace_generation(monkeypatch, two_tokens)
+    body = {"model": MODEL, "input": "x" * 8_000}
+    async with serve(responses_store_bytes=6_000) as served:
+        answer = await served.client.post("/v1/responses", json=body)
+        kept = await served.client.post("/v1/responses", json={**body, "input": "hi"})
+    assert answer.json()["store"] is False
+    assert kept.json()["store"] is True
+
+
+@pytest.mark.anyio
+async def test_a_damaged_stored_response_says_so_and_harms_no_other(
+    serve: Serve, tmp_path: Path
+) -> None:
+    """A stored response whose JSON cannot be read (the file damaged while
+    the server was stopped): a 500 that names it and is not retried, on
+    ``GET``, ``input_items`` and ``previous_response_id``; the other
+    responses are served, new ones stored, and it can be deleted."""
+    ask = {"model": MODEL, "max_output_tokens": 2}
+    async with serve(state_dir=str(tmp_path)) as served:
+        sdk = served.sdk()
+        damaged = await sdk.responses.create(input="one", **ask)
+        whole = await sdk.responses.create(input="two", **ask)
+    with sqlite3.connect(tmp_path / FILE_NAME) as db:
+        db.execute(
+            "UPDATE responses SET response = '{\"id\": ' WHERE id = ?", (damaged.id,)
+        )
+    db.close()
+    async with serve(state_dir=str(tmp_path)) as served:
+        url = f"/v1/responses/{damaged.id}"
+        answers = {
+            "response_id": await served.client.get(url),
+            "items": await served.client.get(f"{url}/input_items"),
+            "previous_response_id": await served.client.post(
+                "/v1/responses",
+                json={**ask, "input": "three", "previous_response_id": damaged.id},
+            ),
+        }
+        other = await served.client.get(f"/v1/responses/{whole.id}")
+        new = await served.sdk().responses.create(input="four", **ask)
+        new_found = await served.client.get(f"/v1/responses/{new.id}")
+        deleted = await served.client.delete(url)
+        gone = await served.client.get(url)
+    for place, answer in answers.items():
+        assert answer.status_code == 500, (place, answer.text)
+        assert answer.headers["x-should-retry"] == "false"
+        error = answer.json()["error"]
+        assert error["code"] == "stored_response_damaged"
+        assert error["param"] == ("response_id" if place == "items" else place)
+        assert damaged.id in error["message"]
+        assert "damaged" in error["message"]
+    assert other.status_code == 200
+    assert other.json()["output"][0]["content"][0]["text"] == whole.output_text
+    assert new_found.status_code == 200
+    assert deleted.status_code == 200
+    assert gone.status_code == 404

@@ -11,13 +11,14 @@ from mlx_pinned.server import create_app
 from mlx_pinned.testing import tiny_lm_path
 
 from .conftest import assert_error, vision_body
+from .openapi import CheckedTransport
 
 pytestmark = pytest.mark.anyio
 
 
 async def test_text_model_answers_text_and_refuses_images(lifespan: Any) -> None:
     app = create_app(tiny_lm_path("qwen3"), served_model_name="tiny", max_num_seqs=4)
-    transport = httpx.ASGITransport(app=app)
+    transport = CheckedTransport(httpx.ASGITransport(app=app))
     async with (
         lifespan(app),
         httpx.AsyncClient(transport=transport, base_url="http://test") as client,

@@ -47,6 +47,7 @@ from .kit import (
     video_bytes,
     video_data_uri,
 )
+from .openapi import CheckedTransport
 
 pytestmark = pytest.mark.anyio
 
@@ -396,7 +397,7 @@ class TestApp:
     @pytest.mark.parametrize("anyio_backend", ["asyncio"])
     async def test_openai_sdk_streaming_and_not(self, serve: Serve) -> None:
         async with serve() as served:
-            transport = httpx.ASGITransport(app=served.app)
+            transport = CheckedTransport(httpx.ASGITransport(app=served.app))
             http = httpx.AsyncClient(transport=transport, base_url="http://test")
             client = openai.AsyncOpenAI(
                 base_url="http://test/v1", api_key="unused", http_client=http
@@ -484,7 +485,7 @@ class TestApp:
         self, lifespan: Lifespan
     ) -> None:
         app = create_app(tiny_vlm_path(model_type="gemma3"), served_model_name=MODEL)
-        transport = httpx.ASGITransport(app=app)
+        transport = CheckedTransport(httpx.ASGITransport(app=app))
         async with (
             lifespan(app),
             httpx.AsyncClient(transport=transport, base_url="http://test") as client,

@@ -153,6 +153,8 @@ def _size(value: Output) -> int:
 def _key(pixels: mx.array, grid: tuple[int, ...]) -> bytes:
     digest = hashlib.blake2b(digest_size=16)
     digest.update(repr(grid).encode())
+    if pixels.dtype == mx.bfloat16:  # NumPy has no bfloat16: hash its bits
+        pixels = pixels.view(mx.uint16)
     digest.update(np.ascontiguousarray(pixels).tobytes())
     return digest.digest()
 

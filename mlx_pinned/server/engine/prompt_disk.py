@@ -2,18 +2,21 @@
 and images' outputs (``.img``) as files under ``state_dir``, within one
 byte budget. Lookups and loads run on the MLX thread, writes on a thread
 of the tier's own. A file that fails a check is removed, never served; a
-failed write turns the tier off and the caches go on in memory.
+full disk pauses the writes until it has room again, another failed write
+turns the tier off, and the caches go on in memory.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import functools
 import hashlib
 import logging
 import os
 import queue
+import shutil
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -66,13 +69,17 @@ class DiskTier:
         self._lock = threading.Lock()  # the MLX thread and the writer
         self._writes: queue.Queue[_Write | None] = queue.Queue()
         self._writer: threading.Thread | None = None
+        self._full = False  # a write found the disk full (the writer's)
         if self.enabled:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                self._off(f"cannot make {folder}: {exc}")
+                self._off(f"cannot make {folder} ({exc.strerror or exc})")
             else:
-                self._scan()
+                if os.access(folder, os.W_OK):
+                    self._scan()
+                else:
+                    self._off(f"{folder} is read-only")
 
     # On the MLX thread.
 
@@ -206,7 +213,7 @@ class DiskTier:
                 return
         head = disk_format.header(self.fingerprint, item.arrays, item.meta)
         nbytes = len(head) + payload_size
-        if nbytes > self.budget:
+        if nbytes > self.budget or not self._room_for(nbytes):
             return
         temporary = self.folder / f".{item.name}.{os.getpid()}.tmp"
         try:
@@ -218,8 +225,17 @@ class DiskTier:
                 os.fsync(out.fileno())
             os.replace(temporary, self.folder / item.name)
         except OSError as exc:
-            temporary.unlink(missing_ok=True)
-            self._off(f"a write failed ({exc})")
+            with contextlib.suppress(OSError):  # a read-only folder refuses it too
+                temporary.unlink(missing_ok=True)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._full = True
+                logger.warning(
+                    "the caches' disk tier is full (%s): no writes until the "
+                    "disk has room, loads go on",
+                    exc,
+                )
+            else:
+                self._off(f"cannot write in {self.folder} ({exc.strerror or exc})")
             return
         key = item.key
         with self._lock:
@@ -241,6 +257,20 @@ class DiskTier:
                 gone.append(other)
         for other in gone:
             (self.folder / other).unlink(missing_ok=True)
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Whether a write may go ahead: always, unless the disk was full;
+        then once it has room for ``nbytes`` again."""
+        if not self._full:
+            return True
+        try:
+            if shutil.disk_usage(self.folder).free < nbytes:
+                return False
+        except OSError:
+            return False
+        self._full = False
+        logger.info("the caches' disk tier has room again: writes resume")
+        return True
 
     # Either thread.
 
@@ -273,7 +303,11 @@ class DiskTier:
             path.unlink(missing_ok=True)
 
     def _off(self, why: str) -> None:
-        logger.warning("the caches' disk tier off, memory only: %s", why)
+        logger.warning(
+            "the caches' disk tier off, memory only: %s; make the folder "
+            "writable and restart, or set --prompt-cache-disk-bytes 0",
+            why,
+        )
         self.enabled = False
 
 

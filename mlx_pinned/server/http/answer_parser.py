@@ -7,9 +7,10 @@ same parts, so a stream's deltas join to exactly the whole answer.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..formats import (
     CallArguments,
@@ -22,7 +23,13 @@ if TYPE_CHECKING:
     from ..events import ChatFacts
     from .serving_common import Prepared
 
-__all__ = ["AnswerParser", "Part", "Reasoning", "answer_parser"]
+__all__ = [
+    "AnswerParser",
+    "Part",
+    "Reasoning",
+    "answer_parser",
+    "arguments_object",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,3 +122,14 @@ def answer_parser(
     if reasoning is None and calls is None:
         return None
     return AnswerParser(reasoning=reasoning, tools=calls, call_id=call_id)
+
+
+def arguments_object(text: str) -> dict[str, Any]:
+    """A tool call's arguments as an object (the APIs that send them parsed);
+    arguments that are no JSON object (a free answer's broken call) are kept
+    under ``_raw``, so nothing the model wrote is lost."""
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {"_raw": text}
+    return value if isinstance(value, dict) else {"_raw": text}

@@ -6,7 +6,9 @@ API's one table (:attr:`Door.errors`) answers every failure. The engine's
 work that can fail (prefill) runs before a stream starts, so a bad request
 is a 4xx, never a 200 that carries an error. One deadline
 (``request_timeout``) covers everything after the body was read; past it
-the answer is a 504 and the engine's work is closed.
+the answer is a 504 and the engine's work is closed. The answer is written
+from its own buffer (:mod:`.outbox`): the gate's turn ends with the run,
+however slowly the client reads.
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ from starlette.routing import Route
 
 from ..kinds import kind_named
 from .errors import APIError, internal_error, thread_unavailable, timed_out
+from .outbox import Outbox, ResponseWriter, abort_of
 from .wire import (
     OPENAI_ERRORS,
     Body,
     Disconnected,
     ErrorShape,
     RequestLog,
-    ResponseWriter,
     cancel_on_disconnect,
     read_body,
 )
@@ -81,6 +83,7 @@ class Wiring:
     turns: LoopTurns
     decoders: Decoders
     metrics: ServerMetrics | None = None
+    outbox: Outbox = field(default_factory=Outbox)
     closing: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
@@ -236,24 +239,39 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
             route=self.route,
             api=self.api,
         )
-        response = ResponseWriter(send, self.errors)
+        outbox = self.wiring.outbox
+        response = ResponseWriter(send, self.errors, outbox, abort_of(scope))
+        outbox.open.add(response)
         try:
             await self.wiring.turns.checkpoint()
             body = await read_body(scope, receive, self.config.max_body_bytes)
             timeout = self.config.request_timeout
             deadline = anyio.current_time() + timeout if timeout else math.inf
-            # One scope: the deadline cancels it, and so does the watcher
-            # when the client goes away (it marks the log first).
+            # One scope: the deadline cancels it, and so do the watcher when
+            # the client goes away (it marks the log first), the writer when
+            # the client reads too slowly, and a shutdown.
             with anyio.CancelScope(deadline=deadline) as limit:
+                response.running(limit)
                 async with cancel_on_disconnect(receive, limit, response, log):
                     await self._answer(body, response, log)
             if limit.cancelled_caught and not log.disconnected:
-                await response.error(timed_out(timeout))
+                await response.error(response.ending or timed_out(timeout))
         except Disconnected:
             log.disconnected = True
         except APIError as error:
             await response.error(error)
         finally:
+            try:  # the gate's turn is given back: what is left is its client's
+                await response.finish()
+            finally:
+                outbox.open.discard(response)
+            if response.closed is not None:
+                logger.warning(
+                    "closed the connection of %s (%s): %s",
+                    log.client or "a client",
+                    log.route,
+                    response.closed,
+                )
             log.status = response.status or (499 if log.disconnected else 0)
             log.emit()
             if self.wiring.metrics is not None:

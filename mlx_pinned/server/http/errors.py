@@ -37,6 +37,7 @@ __all__ = [
     "ErrorShape",
     "OpenAIErrors",
     "api_error",
+    "completion_stream_failed",
     "internal_error",
     "shutting_down",
     "thread_unavailable",
@@ -187,6 +188,12 @@ class OpenAIErrors:
 
 
 OPENAI_ERRORS = OpenAIErrors()
+
+
+def completion_stream_failed(error: APIError) -> bytes:
+    """How a chat or text completion stream ends on a failure: the error
+    chunk, then ``[DONE]``, as on a stream's own end."""
+    return OPENAI_ERRORS.event(error) + b"data: [DONE]\n\n"
 
 
 def internal_error() -> APIError:

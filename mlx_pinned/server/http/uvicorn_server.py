@@ -1,6 +1,9 @@
 """uvicorn's server as ``mlx-pinned serve`` runs it: it answers while the
-models load, and on SIGTERM it turns ``/health`` to 503 for
-``--unready-seconds`` before it closes its listener.
+models load; on SIGTERM it turns ``/health`` to 503 for ``--unready-seconds``
+before it closes its listener, and ends the answers still running
+``--in-flight-timeout`` later in their APIs' words. It offers the app a way
+to close a connection at once (:data:`.outbox.ABORT`), and says when the
+open connections near the process's descriptor limit.
 
 Event loop (the main thread); uvicorn calls :meth:`Server.handle_exit` from
 its signal handler, on the loop's thread between two callbacks.
@@ -10,19 +13,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from uvicorn.lifespan.on import LifespanOn
 
+from .errors import shutting_down
 from .health import Readiness
+from .outbox import ABORT, Outbox
 
-__all__ = ["Server"]
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Receive, Scope, Send
+
+__all__ = ["LAST_WRITES", "Server"]
 
 logger = logging.getLogger("mlx_pinned.server")
+
+#: Seconds the answers ended at a shutdown get to be read, at most.
+LAST_WRITES = 3.0
+#: Descriptors kept apart from connections when the limit is near (the
+#: process's own files, a model's, a fetch's).
+_SPARE_DESCRIPTORS = 16
 
 
 class Server(uvicorn.Server):
@@ -33,16 +49,30 @@ class Server(uvicorn.Server):
 
     The first SIGTERM or SIGINT turns readiness off; when the server was
     ready it keeps serving ``unready_seconds`` more, then shuts down as
-    uvicorn does. A second signal ends the wait.
+    uvicorn does. A second signal ends the wait. ``in_flight_timeout``
+    seconds into the shut-down, the answers under way in ``outbox`` are
+    ended (set uvicorn's ``timeout_graceful_shutdown`` longer, by
+    :data:`LAST_WRITES` and more).
     """
 
     def __init__(
-        self, config: uvicorn.Config, *, readiness: Readiness, unready_seconds: float
+        self,
+        config: uvicorn.Config,
+        *,
+        readiness: Readiness,
+        unready_seconds: float,
+        outbox: Outbox | None = None,
+        in_flight_timeout: float = 30.0,
     ) -> None:
         super().__init__(config)
         self.readiness = readiness
         self.unready_seconds = unready_seconds
+        self.outbox = outbox
+        self.in_flight_timeout = in_flight_timeout
         self.load_failed = False
+        # Connections before the descriptor limit, and the limit.
+        self._room: tuple[int, int] | None = None
+        self._short = False  # warned that descriptors run short
         self._url: str | None = None
         self._drain_ends: float | None = None
         self._signal: tuple[int, FrameType | None] | None = None
@@ -50,6 +80,8 @@ class Server(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         lifespan = _LoadWhileServing(self.config, self._loaded)
         self.lifespan = lifespan
+        self.config.loaded_app = _Abortable(self.config.loaded_app)
+        asyncio.get_running_loop().set_exception_handler(self._loop_error)
         await super().startup(sockets)
         if not self.started:
             return
@@ -63,7 +95,9 @@ class Server(uvicorn.Server):
         if failed:
             self.load_failed = True
             self.should_exit = True
-        elif self._url is not None and not self.should_exit:
+            return
+        self._room = _connection_room()
+        if self._url is not None and not self.should_exit:
             # As uvicorn logs it for a socket of its own, but once the server
             # is ready: scripts wait for this line.
             logging.getLogger("uvicorn.error").info(
@@ -98,7 +132,56 @@ class Server(uvicorn.Server):
             sig, frame = self._signal
             self._signal = None
             super().handle_exit(sig, frame)
+        if counter % 10 == 0:
+            self._watch_descriptors()
         return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        ending = loop.call_later(self.in_flight_timeout, self._end_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+
+    def _end_in_flight(self) -> None:
+        if self.outbox is None or not self.outbox.open:
+            return
+        ended = self.outbox.end(shutting_down(), LAST_WRITES)
+        logger.warning(
+            "%d requests still running %.1f s into the shut-down "
+            "(--in-flight-timeout): ending them with an error",
+            ended,
+            self.in_flight_timeout,
+        )
+
+    def _watch_descriptors(self) -> None:
+        """One warning each time the open connections near the descriptor
+        limit: past it new connections are reset, and nothing else says so."""
+        if self._room is None:
+            return
+        room, limit = self._room
+        connections = len(self.server_state.connections)
+        if connections >= room and not self._short:
+            self._short = True
+            logger.warning(
+                "%d connections open: near the process's limit of %d open files, "
+                "past which new connections are reset; raise it (ulimit -n, "
+                "systemd's LimitNOFILE=) or cap connections in front of the server",
+                connections,
+                limit,
+            )
+        elif connections < room * 0.9:
+            self._short = False
+
+    def _loop_error(
+        self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]
+    ) -> None:
+        # asyncio's own loop (not uvloop) reports the accept's EMFILE with a
+        # traceback each time: the watch above says it once.
+        if context.get("message") == "socket.accept() out of system resource":
+            return
+        loop.default_exception_handler(context)
 
 
 class _LoadWhileServing(LifespanOn):
@@ -126,3 +209,36 @@ class _LoadWhileServing(LifespanOn):
         if self._loading is not None:
             await self._loading
         await super().shutdown()
+
+
+class _Abortable:
+    """The app, offered :data:`.outbox.ABORT` on each HTTP request: close its
+    connection now, what is unwritten dropped (uvicorn's own close waits
+    for a client that reads nothing)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # uvicorn's send is a method of the request's cycle, which holds the
+        # connection's transport.
+        transport = getattr(getattr(send, "__self__", None), "transport", None)
+        if scope["type"] == "http" and transport is not None:
+            scope.setdefault("extensions", {})[ABORT] = {"abort": transport.abort}
+        await self.app(scope, receive, send)
+
+
+def _connection_room() -> tuple[int, int] | None:
+    """Connections that fit under the descriptor limit besides the files
+    open now, and the limit (None: they cannot be counted here)."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        folder = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+        open_now = len(os.listdir(folder))
+    except (ImportError, OSError):
+        return None
+    if limit == resource.RLIM_INFINITY:
+        return None
+    return max(limit - open_now - _SPARE_DESCRIPTORS, 1), limit

@@ -12,7 +12,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,9 +22,10 @@ import sniffio
 
 from ..events import FinalEvent, TokenEvent
 from .errors import OPENAI_ERRORS, APIError, ErrorShape
+from .outbox import ResponseWriter
 
 if TYPE_CHECKING:
-    from starlette.types import Message, Receive, Scope, Send
+    from starlette.types import Message, Receive, Scope
 
 __all__ = [
     "DRAIN_FACTOR",
@@ -43,13 +44,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("mlx_pinned.server")
-
-_SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
-_JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
 @dataclass
@@ -118,98 +112,6 @@ class RequestLog:
 
 class Disconnected(Exception):
     """The client left before its request body was read."""
-
-
-class ResponseWriter:
-    """The response side of one request: a status is sent once, first;
-    ``errors`` writes an error as the request's API does."""
-
-    def __init__(self, send: Send, errors: ErrorShape = OPENAI_ERRORS) -> None:
-        self._send = send
-        self.errors = errors
-        self._failed: Callable[[APIError], bytes] = errors.event
-        self.status = 0
-        self.started = False
-        self.ended = False
-
-    async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.status = status
-        await self._send(
-            {"type": "http.response.start", "status": status, "headers": headers}
-        )
-        # Only once sent: a send that waits (the client reads nothing) and is
-        # cancelled there sent nothing, so an error still gets a status line.
-        self.started = True
-
-    async def json(
-        self, body: bytes, status: int = 200, extra: Sequence[tuple[bytes, bytes]] = ()
-    ) -> None:
-        await self.whole(body, _JSON_HEADERS, status, extra)
-
-    async def whole(
-        self,
-        body: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        status: int = 200,
-        extra: Sequence[tuple[bytes, bytes]] = (),
-    ) -> None:
-        length = (b"content-length", str(len(body)).encode())
-        await self._start(status, [*headers, length, *extra])
-        await self.send(body, more=False)
-
-    async def start_stream(
-        self,
-        first: bytes,
-        *,
-        failed: Callable[[APIError], bytes] | None = None,
-        media_type: bytes | None = None,
-    ) -> None:
-        """Begin server-sent events (or another stream of ``media_type``)
-        with ``first``; a failure later ends the stream with
-        ``failed(error)`` (default: the API's error event)."""
-        self._failed = failed or self.errors.event
-        headers = _SSE_HEADERS
-        if media_type is not None:
-            headers = [(b"content-type", media_type), *_SSE_HEADERS[1:]]
-        await self._start(200, headers)
-        await self.send(first)
-
-    async def start_file_stream(self, media_type: bytes, first: bytes) -> None:
-        """Begin an answer of another type than JSON, sent as it is made; a
-        failure later ends it where it is (an error event would be read as
-        the file's bytes)."""
-        self._failed = _nothing
-        headers = [(b"content-type", media_type), *_SSE_HEADERS[1:]]
-        await self._start(200, headers)
-        await self.send(first)
-
-    async def send(self, body: bytes, *, more: bool = True) -> None:
-        await self._send(
-            {"type": "http.response.body", "body": body, "more_body": more}
-        )
-        self.ended = not more
-
-    async def end(self) -> None:
-        if self.started and not self.ended:
-            await self.send(b"", more=False)
-
-    async def error(self, error: APIError) -> None:
-        if error.status >= 500:
-            logger.warning("answering %d: %s", error.status, error.message)
-        try:
-            if not self.started:
-                headers = [
-                    (k.lower().encode(), v.encode()) for k, v in error.headers.items()
-                ]
-                await self.json(self.errors.body(error), error.status, headers)
-            elif not self.ended:
-                await self.send(self._failed(error), more=False)
-        except OSError:  # the client is gone; nothing left to tell it
-            pass
-
-
-def _nothing(error: APIError) -> bytes:
-    return b""
 
 
 #: A body over the limit is still read (and dropped) up to this many times
@@ -290,7 +192,7 @@ async def watch_disconnect(
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            if not response.ended:
+            if not response.ended and response.closed is None:
                 log.disconnected = True
                 scope.cancel()
             return

@@ -20,7 +20,7 @@ from mlx_pinned import MLXThreadBusyError
 from ...events import FinalEvent
 from ...failures import OverloadedError
 from ...formats import CallStart
-from ..answer_parser import Part, Reasoning
+from ..answer_parser import Part, Reasoning, arguments_object
 from ..errors import APIError, api_error
 from ..wire import random_hex, sse_event
 
@@ -56,16 +56,6 @@ def stop_reason(final: FinalEvent, *, called: bool) -> StopReason:
     if final.stop_sequence is not None:
         return "stop_sequence"
     return "tool_use" if called else "end_turn"
-
-
-def _input(arguments: str) -> dict[str, Any]:
-    # Arguments that are no JSON object (a free answer's broken call) are
-    # kept under _raw, so nothing the model wrote is lost.
-    try:
-        value = json.loads(arguments) if arguments else {}
-    except ValueError:
-        return {"_raw": arguments}
-    return value if isinstance(value, dict) else {"_raw": arguments}
 
 
 @dataclass
@@ -104,7 +94,7 @@ class Blocks:
     def content(self) -> list[dict[str, Any]]:
         out = [dict(block) for block in self.blocks]
         for position, arguments in self._calls.values():
-            out[position]["input"] = _input("".join(arguments))
+            out[position]["input"] = arguments_object("".join(arguments))
         return out
 
 

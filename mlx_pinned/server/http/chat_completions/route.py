@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 from ...events import EventStream, TokenEvent
+from ..errors import completion_stream_failed
 from ..generation import Generation, GenerationDoor, last_parts, send_last
 from ..vllm_extensions import vllm_prompt_logprobs
 from .bodies import (
@@ -108,7 +109,14 @@ class ChatCompletionsEndpoint(GenerationDoor[ChatCompletionRequest]):
                 return chunks.chunk([content_choice(event)])
             return chunks.content(event.text) if event.text else b""
 
-        final = await self.stream_tokens(output, call.response, call.log, role, encode)
+        final = await self.stream_tokens(
+            output,
+            call.response,
+            call.log,
+            role,
+            encode,
+            failed=completion_stream_failed,
+        )
         if parser is None:
             tail = [chunks.content(final.text)] if final.text else []
             reason = finish_reason(final.finish_reason, calls=False)

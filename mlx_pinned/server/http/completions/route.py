@@ -15,6 +15,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ...events import Engine, Event, FinalEvent, GenerationParams
 from ..door import Call, Door
+from ..errors import completion_stream_failed
 from ..generation import generation
 from ..vllm_extensions import VLLMPromptLogprobs, vllm_prompt_logprobs
 from ..wire import RequestLog
@@ -159,7 +160,9 @@ class CompletionsEndpoint(Door[CompletionRequest, Engine, Prompts, _Items]):
             await self.wiring.turns.checkpoint()
             data += _chunks(writer, choices, index, batch, log)
             if not response.started:
-                await response.start_stream(b"".join(data))
+                await response.start_stream(
+                    b"".join(data), failed=completion_stream_failed
+                )
             elif data:
                 await response.send(b"".join(data))
             data = []

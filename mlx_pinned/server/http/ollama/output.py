@@ -19,8 +19,8 @@ from typing import Any
 
 from ...events import FinalEvent, TokenLogprobs
 from ...formats import CallStart
-from ..answer_parser import Part, Reasoning
-from ..errors import APIError, api_error
+from ..answer_parser import Part, Reasoning, arguments_object
+from ..errors import APIError, OpenAIErrors
 
 __all__ = [
     "NDJSON",
@@ -84,16 +84,6 @@ def embed_metrics(tokens: int, start: float, load_seconds: float) -> dict[str, A
     }
 
 
-def _arguments(text: str) -> dict[str, Any]:
-    # Arguments that are no JSON object (a free answer's broken call) are
-    # kept under _raw, so nothing the model wrote is lost.
-    try:
-        value = json.loads(text) if text else {}
-    except ValueError:
-        return {"_raw": text}
-    return value if isinstance(value, dict) else {"_raw": text}
-
-
 @dataclass
 class Turn:
     """The answer's parts, sorted into Ollama's message fields; a stream
@@ -120,7 +110,7 @@ class Turn:
                 "function": {
                     "index": index,
                     "name": name,
-                    "arguments": _arguments("".join(text)),
+                    "arguments": arguments_object("".join(text)),
                 }
             }
             for index, (name, text) in sorted(self._calls.items())
@@ -146,20 +136,9 @@ class Turn:
         return taken
 
 
-class OllamaErrors:
+class OllamaErrors(OpenAIErrors):
     """Ollama's shape: ``{"error": "..."}``, and the same as an NDJSON line
-    that ends a stream; the statuses of the shared table
-    (:func:`~..errors.api_error`)."""
-
-    def answer(
-        self,
-        exc: BaseException,
-        *,
-        retry_after: int,
-        places: Sequence[str] = (),
-        prompt: str = "messages",
-    ) -> APIError | None:
-        return api_error(exc, retry_after=retry_after, places=places, prompt=prompt)
+    that ends a stream; the statuses of OpenAI's table."""
 
     def body(self, error: APIError) -> bytes:
         return json.dumps({"error": error.message}).encode()

@@ -47,6 +47,9 @@ class TextContent(RequestModel):
     type: Literal["input_text", "output_text", "text", "refusal"]
     text: str = ""
     refusal: str | None = None
+    # An answer's, sent back as input: listed by input_items, unused.
+    annotations: list[dict[str, Any]] | None = None
+    logprobs: list[dict[str, Any]] | None = None
 
 
 class ImageContent(RequestModel):
@@ -139,6 +142,12 @@ class FunctionTool(RequestModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    def echo(self) -> dict[str, Any]:
+        """As a response lists it: ``parameters`` and ``strict`` always
+        (null where not given)."""
+        fields = ("type", "name", "description", "parameters", "strict")
+        return {name: getattr(self, name) for name in fields}
+
     def spec(self) -> dict[str, Any]:
         function: dict[str, Any] = {"name": self.name}
         if self.description is not None:
@@ -157,6 +166,9 @@ class HostedTool(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True, strict=True)
 
     type: str
+
+    def echo(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
 
     @field_validator("type")
     @classmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from ...formats import CallStart
+from ...formats import CallArguments, CallStart
 from ..answer_parser import Part, Reasoning
 from ..wire import random_hex, sse_event
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Output",
     "item_id",
+    "replayed",
     "response_object",
     "sse",
     "tool_call_id",
@@ -41,9 +42,12 @@ def sse(event: dict[str, Any]) -> bytes:
 
 
 def usage(final: FinalEvent) -> dict[str, Any]:
+    """``cache_write_tokens`` is 0: the prompt cache keeps prefixes on its
+    own, with no write of its own to count (docs/responses.md)."""
+    details = {"cached_tokens": final.cached_tokens, "cache_write_tokens": 0}
     return {
         "input_tokens": final.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": final.cached_tokens},
+        "input_tokens_details": details,
         "output_tokens": final.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": final.prompt_tokens + final.completion_tokens,
@@ -53,15 +57,15 @@ def usage(final: FinalEvent) -> dict[str, Any]:
 def response_object(
     request: ResponsesRequest, response_id: str, created: int, model: str
 ) -> dict[str, Any]:
-    """The response object, in progress and with no output yet; the
-    request's settings echoed as OpenAI echoes them."""
+    """The response object, in progress and with no output yet (and no
+    ``usage``); the request's settings echoed as OpenAI echoes them."""
     text = request.text.format if request.text is not None else None
     text_format: dict[str, Any] = {"type": "text"}
     if text is not None:
         text_format = text.model_dump(mode="json", by_alias=True, exclude_none=True)
     choice = request.tool_choice
     reasoning = request.reasoning
-    return {
+    head: dict[str, Any] = {
         "id": response_id,
         "object": "response",
         "created_at": created,
@@ -89,17 +93,34 @@ def response_object(
             if choice is not None and not isinstance(choice, str)
             else choice or "auto"
         ),
-        "tools": [
-            tool.model_dump(mode="json", exclude_none=True)
-            for tool in request.tools or []
-        ],
+        "tools": [tool.echo() for tool in request.tools or []],
         "top_logprobs": request.top_logprobs or 0,
         "top_p": 1.0 if request.top_p is None else request.top_p,
         "truncation": "disabled",
-        "usage": None,
-        "user": request.user,
         "metadata": request.metadata or {},
     }
+    if request.user is not None:
+        head["user"] = request.user
+    if request.prompt_cache_options is not None:
+        head["prompt_cache_options"] = {"ttl": "30m", "mode": "implicit"}
+    return head
+
+
+def replayed(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stream of events of a stored ``response``, as its ``POST`` would
+    have streamed it (each text in one delta)."""
+    output = Output()
+    head = {**response, "status": "in_progress", "output": []}
+    head["incomplete_details"] = None
+    head.pop("usage", None)
+    events = [
+        output.event("response.created", response=head),
+        output.event("response.in_progress", response=head),
+    ]
+    for item in response["output"]:
+        events += output.replay(item)
+    kind = "completed" if response["status"] == "completed" else "incomplete"
+    return [*events, output.event(f"response.{kind}", response=response)]
 
 
 class Output:
@@ -154,6 +175,24 @@ class Output:
                 )
         return events
 
+    def replay(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        """The events that make a stored output ``item``, as its answer's
+        stream made them (its text or arguments in one delta)."""
+        if item["type"] == "function_call":
+            fresh = {**item, "status": "in_progress", "arguments": ""}
+            index = len(self._calls)
+            self._calls[index] = fresh
+            events = self._begin(fresh)
+            events += self.add([CallArguments(index, item["arguments"])])
+        else:
+            fresh = {**item, "content": []}
+            if "status" in item:
+                fresh["status"] = "in_progress"
+            events = self._begin(fresh)
+            part_kind = "output_text" if item["type"] == "message" else "reasoning_text"
+            events += self._text(item["type"], part_kind, item["content"][0]["text"])
+        return events + self.close(item.get("status", "completed"))
+
     def add_empty_message(self) -> list[dict[str, Any]]:
         """The output of an answer with no text at all."""
         return self._text("message", "output_text", "")
@@ -171,7 +210,7 @@ class Output:
         kind = "output_text" if item["type"] == "message" else "reasoning_text"
         part: dict[str, Any] = {"type": kind, "text": ""}
         if kind == "output_text":
-            part["annotations"] = []
+            part.update(annotations=[], logprobs=[])
         item["content"].append(part)
         return [
             added,
@@ -210,14 +249,17 @@ class Output:
         )
         return events
 
-    def close(self) -> list[dict[str, Any]]:
+    def close(self, status: str = "completed") -> list[dict[str, Any]]:
+        """End the open item; ``incomplete``: it was cut (the answer's
+        length ran out)."""
         item, self._open = self._open, None
         if item is None:
             return []
         index = self.items.index(item)
         events = []
+        if item["type"] != "reasoning" or status != "completed":
+            item["status"] = status
         if item["type"] == "function_call":
-            item["status"] = "completed"
             events.append(
                 self.event(
                     "response.function_call_arguments.done",
@@ -231,8 +273,6 @@ class Output:
             part = item["content"][0]
             kind = part["type"]
             fields: dict[str, Any] = {"logprobs": []} if kind == "output_text" else {}
-            if item["type"] == "message":
-                item["status"] = "completed"
             ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
             events += [
                 self.event(f"response.{kind}.done", **ids, text=part["text"], **fields),

@@ -61,6 +61,9 @@ _REFUSED = {
     "conversation": "this server keeps no conversations; use previous_response_id",
     "prompt": "this server stores no prompt templates; send 'input'",
     "max_tool_calls": "this server cannot cap built-in tool calls; leave it out",
+    "context_management": "this server never compacts a conversation; leave it "
+    "out (a prompt past the model's context is a 400)",
+    "moderation": "this server runs no moderation model; leave it out",
 }
 
 
@@ -96,6 +99,26 @@ class Reasoning(RequestModel):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
+class PromptCacheOptions(RequestModel):
+    """``implicit``, the prompt cache's one mode, and ``30m``, the one
+    ``ttl`` (the default): what a request without them gets."""
+
+    ttl: Literal["30m"] | None = None
+    mode: Literal["implicit", "explicit"] | None = None
+
+    @field_validator("mode")
+    @classmethod
+    def _check_mode(cls, value: str | None) -> str | None:
+        if value == "explicit":
+            raise unsupported_value(
+                "prompt_cache_options.mode",
+                value,
+                "this server caches every prompt by prefix (implicit) and takes "
+                "no cache breakpoints",
+            )
+        return value
+
+
 class ResponsesRequest(RequestBody):
     model: str
     input: str | Annotated[list[InputItem], Field(min_length=1, max_length=4096)]
@@ -119,6 +142,7 @@ class ResponsesRequest(RequestBody):
     client_metadata: Annotated[dict[str, Any], Field(max_length=64)] | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     safety_identifier: str | None = None
     user: str | None = None
     stream_options: dict[str, Any] | None = None
@@ -132,6 +156,8 @@ class ResponsesRequest(RequestBody):
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: Any = None
+    context_management: Any = None
+    moderation: Any = None
 
     _refuse = refusing(_REFUSED, accept_false=True)
 

@@ -146,25 +146,29 @@ class ResponsesEndpoint(GenerationDoor[ResponsesRequest]):
         events = output.add(last_parts(parser, text, final))
         if not output.items:
             events += output.add_empty_message()
-        events += output.close()
-        done = copy.deepcopy(head)
         cut = final.finish_reason == "length"
+        events += output.close("incomplete" if cut else "completed")
+        done = copy.deepcopy(head)
         done["status"] = "incomplete" if cut else "completed"
         if cut:
             done["incomplete_details"] = {"reason": "max_output_tokens"}
         done["output"] = copy.deepcopy(output.items)
         done["usage"] = usage(final)
         if call.request.store is not False:
-            await self._keep(done, call.prepared, output)
+            # Not kept (past the store's bound, a full disk): the answer says
+            # so with "store": false.
+            kept = await self._keep(done, call.prepared, output)
+            done["store"] = kept
         return done, b"".join(sse(event) for event in events)
 
     async def _keep(
         self, done: dict[str, Any], prepared: Prepared, output: Output
-    ) -> None:
+    ) -> bool:
         """Store the response and the conversation it ends, its output as the
-        chat turns the same items make when sent back as input."""
+        chat turns the same items make when sent back as input; whether it
+        was kept."""
         assert isinstance(prepared, Continued), "this door's prepare made it"
         said = chat_messages(INPUT_ITEMS.validate_python(output.items, strict=False))
         messages = (*prepared.history, *said)
         urls = tuple(ref.url for ref in prepared.images)
-        await self.store.put(done, prepared.input_items, messages, urls)
+        return await self.store.put(done, prepared.input_items, messages, urls)

@@ -26,14 +26,19 @@ from ..serving_common import (
     with_budget,
 )
 from .items import (
+    FunctionCallOutputItem,
+    ImageContent,
     MessageItem,
     NamedFunctionChoice,
+    ReasoningItem,
+    TextContent,
     chat_messages,
     image_urls,
     text_chars,
 )
 from .objects import item_id
 from .protocol import JSONObjectFormat, JSONSchemaFormat
+from .store import DamagedResponseError
 
 if TYPE_CHECKING:
     from ...config import ServerConfig
@@ -41,7 +46,7 @@ if TYPE_CHECKING:
     from .protocol import ResponsesRequest
     from .store import ResponseStore
 
-__all__ = ["Continued", "ResponsesServing"]
+__all__ = ["Continued", "ResponsesServing", "unreadable"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,11 +66,15 @@ class ResponsesServing:
 
     async def prepare(self, request: ResponsesRequest, facts: ChatFacts) -> Continued:
         """Raises an ``APIError`` (a 404 for a ``previous_response_id`` not
-        stored), a ``PromptTooLongError`` or an ``ImageRefusedError``."""
+        stored, a 500 for one that cannot be read), a ``PromptTooLongError``
+        or an ``ImageRefusedError``."""
         before: tuple[dict[str, Any], ...] = ()
         urls: list[str] = []
         if request.previous_response_id is not None:
-            stored = await self.store.get(request.previous_response_id)
+            try:
+                stored = await self.store.get(request.previous_response_id)
+            except DamagedResponseError as exc:
+                raise unreadable(exc, "previous_response_id") from None
             if stored is None:
                 raise APIError(
                     404,
@@ -121,6 +130,20 @@ class ResponsesServing:
         )
 
 
+def unreadable(exc: DamagedResponseError, param: str) -> APIError:
+    """A 500 that is not retried (``x-should-retry: false``, which OpenAI's
+    SDKs read): the stored copy stays damaged until it is deleted."""
+    return APIError(
+        500,
+        f"Response '{exc.response_id}' is stored but cannot be read: its stored "
+        f"copy is damaged. Delete it (DELETE /v1/responses/{exc.response_id}); "
+        "the other stored responses are unaffected.",
+        param=param,
+        code="stored_response_damaged",
+        headers={"x-should-retry": "false"},
+    )
+
+
 def _forced_call(request: ResponsesRequest) -> ForcedCall | None:
     choice = request.tool_choice
     named = isinstance(choice, NamedFunctionChoice)
@@ -148,16 +171,39 @@ def _answer_format(request: ResponsesRequest) -> tuple[str, Grammar] | None:
 
 
 def _input_items(items: list[Any]) -> list[dict[str, Any]]:
-    """Input items as ``input_items`` lists them: each with an id, a string
-    message as one text part."""
+    """Input items as ``input_items`` lists them (OpenAI's ``ItemResource``):
+    each with an id and a status; a message's parts of its role's kind (an
+    assistant's ``output_text``, with its annotations)."""
     out = []
     for item in items:
         data = item.model_dump(mode="json", by_alias=True, exclude_none=True)
-        if isinstance(item, MessageItem) and isinstance(item.content, str):
-            kind = "output_text" if item.role == "assistant" else "input_text"
-            data["content"] = [{"type": kind, "text": item.content}]
         if isinstance(item, MessageItem):
+            data["content"] = [_part(part, item.role) for part in _parts(item)]
+        if isinstance(item, FunctionCallOutputItem) and isinstance(item.output, list):
+            data["output"] = [_part(part, "tool") for part in item.output]
+        if not isinstance(item, ReasoningItem):
             data["status"] = "completed"
         prefix = {"message": "msg", "function_call": "fc", "reasoning": "rs"}
         out.append({"id": item_id(prefix.get(item.type, "fco")), **data})
     return out
+
+
+def _parts(item: MessageItem) -> list[TextContent | ImageContent]:
+    if isinstance(item.content, str):
+        return [TextContent(type="input_text", text=item.content)]
+    return list(item.content)
+
+
+def _part(part: TextContent | ImageContent, role: str) -> dict[str, Any]:
+    if isinstance(part, ImageContent):
+        return {**part.model_dump(exclude_none=True), "detail": part.detail or "auto"}
+    if part.type == "refusal":
+        return {"type": "refusal", "refusal": part.refusal or part.text}
+    if role != "assistant":
+        return {"type": "input_text", "text": part.text}
+    return {
+        "type": "output_text",
+        "text": part.text,
+        "annotations": part.annotations or [],
+        "logprobs": part.logprobs or [],
+    }

@@ -22,7 +22,14 @@ import anyio
 import anyio.to_thread
 
 from ...config import SettingError
-from .store import Entry, Ledger, ResponseStore, StoredResponse, encoded
+from .store import (
+    DamagedResponseError,
+    Entry,
+    Ledger,
+    ResponseStore,
+    StoredResponse,
+    encoded,
+)
 
 __all__ = ["FILE_NAME", "FORMAT", "SQLiteStore"]
 
@@ -130,21 +137,31 @@ class SQLiteStore(ResponseStore):
     def _read(self, response_id: str) -> StoredResponse | None:
         if self._connection is None:
             return None
-        row = self._connection.execute(
-            "SELECT response, input_items, messages, images, size "
-            "FROM responses WHERE id = ?",
-            (response_id,),
-        ).fetchone()
-        if row is None:
-            return None
-        response, input_items, messages, images, size = row
+        try:
+            row = self._connection.execute(
+                "SELECT response, input_items, messages, images, size "
+                "FROM responses WHERE id = ?",
+                (response_id,),
+            ).fetchone()
+            if row is None:
+                return None
+            response, input_items, messages, images, size = row
+            parts = [json.loads(part) for part in (response, input_items, messages)]
+            parts.append(json.loads(images))
+        except (sqlite3.DatabaseError, ValueError, TypeError) as exc:
+            raise self._damaged(response_id, exc) from None
+        if [type(part) for part in parts] != [dict, list, list, list]:
+            raise self._damaged(response_id, "its parts are of the wrong types")
+        response, input_items, messages, images = parts
         return StoredResponse(
-            json.loads(response),
-            json.loads(input_items),
-            tuple(json.loads(messages)),
-            tuple(json.loads(images)),
-            size,
+            response, input_items, tuple(messages), tuple(images), size
         )
+
+    def _damaged(self, response_id: str, why: object) -> DamagedResponseError:
+        logger.warning(
+            "response %s in %s cannot be read: %s", response_id, self.path, why
+        )
+        return DamagedResponseError(response_id, str(why))
 
     def _write(
         self,

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ...config import ServerConfig
 
 __all__ = [
+    "DamagedResponseError",
     "Entry",
     "Ledger",
     "MemoryStore",
@@ -27,6 +28,15 @@ __all__ = [
     "encoded",
     "open_store",
 ]
+
+
+class DamagedResponseError(Exception):
+    """A stored response cannot be read back (its stored copy is damaged);
+    the rest of the store is unaffected."""
+
+    def __init__(self, response_id: str, why: str) -> None:
+        super().__init__(f"stored response {response_id} cannot be read: {why}")
+        self.response_id = response_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +148,8 @@ class ResponseStore(ABC):
 
     @abstractmethod
     async def get(self, response_id: str) -> StoredResponse | None:
-        """None where none is stored."""
+        """None where none is stored; a ``DamagedResponseError`` where one
+        is stored and cannot be read back."""
 
     @abstractmethod
     async def put(
@@ -149,7 +160,8 @@ class ResponseStore(ABC):
         images: tuple[str, ...],
     ) -> bool:
         """Keep a response (one of the same id is replaced); whether it was
-        kept (it fits the bound, and could be written)."""
+        kept (it fits the bound, and could be written: a full disk is a
+        False, logged)."""
 
     @abstractmethod
     async def delete(self, response_id: str) -> bool:

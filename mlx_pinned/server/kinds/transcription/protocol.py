@@ -25,10 +25,13 @@ __all__ = [
 ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
 #: The longest ``prompt`` taken (Whisper reads its last 223 tokens).
 MAX_PROMPT_CHARS = 4096
-# The form's repeated fields, by the names OpenAI's SDK sends them as.
+# The form's repeated fields: by the names OpenAI's SDK sends them as, and
+# by the OpenAPI document's own (a part for each value, under the plain name).
 _LISTS = {
     "timestamp_granularities[]": "timestamp_granularities",
+    "timestamp_granularities": "timestamp_granularities",
     "include[]": "include",
+    "include": "include",
 }
 
 

@@ -13,7 +13,7 @@ from ...http.door import Call, Door
 from ...http.wire import Body, sse_event
 from . import KIND
 from .protocol import TranscriptionForm, TranslationForm, parse_form
-from .serving import MEDIA_TYPES, Transcript, params, usage
+from .serving import MEDIA_TYPES, Transcript, params
 from .values import Task, TranscriptionEngine, TranscriptionParams, Window
 
 if TYPE_CHECKING:
@@ -115,7 +115,8 @@ async def _stream(
     log: RequestLog,
 ) -> None:
     """Each window's text as a ``transcript.text.delta`` event as it comes,
-    then the whole text and the usage in ``transcript.text.done``."""
+    then the whole text in ``transcript.text.done``: with no ``usage``,
+    which OpenAI's stream gives in tokens only (docs/audio.md)."""
     sent = 0
     async for window in windows:
         transcript.windows.append(window)
@@ -127,11 +128,7 @@ async def _stream(
             await response.send(event)
         else:
             await response.start_stream(event)
-    done = {
-        "type": "transcript.text.done",
-        "text": transcript.text,
-        "usage": usage(transcript.seconds),
-    }
+    done = {"type": "transcript.text.done", "text": transcript.text}
     if not response.started:
         await response.start_stream(sse_event(done))
     else:
