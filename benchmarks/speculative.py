@@ -1,5 +1,5 @@
-"""Speculative decoding against none, in one run: prompt lookup, or a draft
-model.
+"""Speculative decoding against none, in one run: prompt lookup, a draft
+model, or a native drafter (MTP layers, Gemma 4's assistant).
 
 In process: the same greedy (or, with ``--temperature``, seeded) requests
 through two engines of one loaded model, speculation off (A) and on (B),
@@ -22,18 +22,29 @@ minute).
   one-layer draft that agrees with it on most tokens, written offline by
   ``_draft_pair.py`` (``DAMPING`` sets how often: 0.1 is about 0.75 at the
   tiny size).
+- ``--mtp DAMPING``: the Qwen3.5 of ``--size`` (or ``--model``, a Qwen3.5
+  folder) written with MTP layers that agree with it (``mlx_pinned.testing``'s
+  ``make_tiny_mtp``: 0.05 keeps every draft), drafting with them.
+- ``--assistant DAMPING``: the Gemma 4 of ``--size`` and an assistant that
+  agrees with it (``make_tiny_assistant``).
+
+The machine's load average is printed at the start and the end of each
+size, and each ratio also per second of the process's CPU time: other work
+on the cores moves every wall-clock figure.
 
 ::
 
     python benchmarks/speculative.py [--quick] [--rounds 5] [--tokens 256]
         [--concurrency 8,32] [--temperature T] [--ngram 3] [--draft-tokens 4]
         [--max-batch N] [--size tiny|bench|tiny,bench]
-        [--draft-model PATH --model PATH | --synthetic-draft DAMPING]
+        [--draft-model PATH --model PATH | --synthetic-draft DAMPING
+         | --mtp DAMPING [--model PATH] | --assistant DAMPING]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -60,8 +71,12 @@ def requests(count: int, tokens: int, temperature: float) -> list[Any]:
     ]
 
 
-async def rate(engine: Any, count: int, tokens: int, temperature: float = 0.0) -> float:
-    """Generated tokens per second of ``count`` streams at once."""
+async def rate(
+    engine: Any, count: int, tokens: int, temperature: float = 0.0
+) -> tuple[float, float]:
+    """Generated tokens per second of ``count`` streams at once, and per
+    second of the process's CPU time (less moved by other work on the
+    cores)."""
     made = 0
 
     async def one(params: Any) -> None:
@@ -71,11 +86,11 @@ async def rate(engine: Any, count: int, tokens: int, temperature: float = 0.0) -
                 if getattr(event, "completion_tokens", None) is not None:
                     made += event.completion_tokens
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     async with anyio.create_task_group() as group:
         for params in requests(count, tokens, temperature):
             group.start_soon(one, params)
-    return made / (time.perf_counter() - start)
+    return made / (time.perf_counter() - start), made / (time.process_time() - cpu)
 
 
 async def main_async(args: argparse.Namespace, size: str) -> dict[int, str]:
@@ -84,6 +99,7 @@ async def main_async(args: argparse.Namespace, size: str) -> dict[int, str]:
     from mlx_pinned import MLXThread
     from mlx_pinned.server.engine import BatchEngine, DraftSettings
     from mlx_pinned.server.engine.model import load
+    from mlx_pinned.testing import make_tiny_assistant, make_tiny_mtp
 
     model = args.model or model_path(size)
     draft = args.draft_model
@@ -91,12 +107,24 @@ async def main_async(args: argparse.Namespace, size: str) -> dict[int, str]:
     if args.synthetic_draft is not None:
         folder = Path(tempfile.mkdtemp(prefix="draft-pair-"))
         model, draft = write_pair(folder, size=size, damping=args.synthetic_draft)
+    if args.assistant is not None:
+        folder = Path(tempfile.mkdtemp(prefix="assistant-"))
+        source = model_path(size, "gemma4")
+        model, draft = make_tiny_assistant(folder, source, damping=args.assistant)
     if draft is not None:
         settings = DraftSettings(
             tokens=args.draft_tokens, model=draft, max_batch=args.max_batch
         )
+    if args.mtp is not None:
+        source = args.model or model_path(size, "qwen3_5")
+        folder = Path(tempfile.mkdtemp(prefix="mtp-"))
+        model = make_tiny_mtp(folder / "model", source, damping=args.mtp)
+        settings = DraftSettings(
+            tokens=args.draft_tokens, mtp=True, max_batch=args.max_batch
+        )
     summaries: dict[int, str] = {}
     print(f"served {model}; drafts: {settings}", flush=True)
+    print(f"load average at the start: {os.getloadavg()}", flush=True)
     async with MLXThread(name="speculative") as thread:
         loaded = await thread.run(load, model)
 
@@ -109,9 +137,12 @@ async def main_async(args: argparse.Namespace, size: str) -> dict[int, str]:
         for engine in (off, on):  # warm-up: kernels, both shapes
             await rate(engine, 2, 16)
         columns = ("streams", 7), ("round", 5), ("off tok/s", 10), ("on tok/s", 10)
-        print(*(f"{name:>{width}}" for name, width in columns), f"{'ratio':>6}")
+        print(
+            *(f"{name:>{width}}" for name, width in columns),
+            f"{'ratio':>6} {'per CPU s':>9}",
+        )
         for streams in (1, *args.concurrency):
-            ratios = []
+            ratios, by_cpu = [], []
             before = on.statistics()
             for round_ in range(args.rounds):
                 pair = (off, on) if round_ % 2 == 0 else (on, off)
@@ -119,9 +150,13 @@ async def main_async(args: argparse.Namespace, size: str) -> dict[int, str]:
                     id(e): await rate(e, streams, args.tokens, args.temperature)
                     for e in pair
                 }
-                a, b = got[id(off)], got[id(on)]
+                (a, a_cpu), (b, b_cpu) = got[id(off)], got[id(on)]
                 ratios.append(b / a)
-                print(f"{streams:>7} {round_:>5} {a:>10.0f} {b:>10.0f} {b / a:>6.2f}")
+                by_cpu.append(b_cpu / a_cpu)
+                print(
+                    f"{streams:>7} {round_:>5} {a:>10.0f} {b:>10.0f} {b / a:>6.2f} "
+                    f"{b_cpu / a_cpu:>9.2f}"
+                )
             after = on.statistics()
             drafted = after.draft_tokens - before.draft_tokens
             kept = after.accepted_tokens - before.accepted_tokens
@@ -129,12 +164,14 @@ async def main_async(args: argparse.Namespace, size: str) -> dict[int, str]:
             steps = after.steps - before.steps
             share = (after.speculative_steps - before.speculative_steps) / max(steps, 1)
             summaries[streams] = (
-                f"median on/off {statistics.median(ratios):.2f}x; "
+                f"median on/off {statistics.median(ratios):.2f}x "
+                f"({statistics.median(by_cpu):.2f}x per CPU second); "
                 f"acceptance {kept / max(drafted, 1):.2f}, "
                 f"{(rows + kept) / max(rows, 1):.2f} tokens per row and "
                 f"speculative step, {share:.0%} of the steps speculative"
             )
             print(f"c{streams}: {summaries[streams]}")
+        print(f"load average at the end: {os.getloadavg()}", flush=True)
     return summaries
 
 
@@ -176,9 +213,28 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DAMPING",
         help="a random served model and a one-layer draft that agrees with it",
     )
+    parser.add_argument(
+        "--mtp",
+        type=float,
+        metavar="DAMPING",
+        help="the tiny Qwen3.5 (or --model) with MTP layers that agree with it",
+    )
+    parser.add_argument(
+        "--assistant",
+        type=float,
+        metavar="DAMPING",
+        help="the tiny Gemma 4 and an assistant that agrees with it",
+    )
     args = parser.parse_args(argv)
+    writers = [args.synthetic_draft, args.mtp, args.assistant]
+    if sum(w is not None for w in writers) > 1:
+        parser.error("--synthetic-draft, --mtp, --assistant: one of them")
     if args.synthetic_draft is not None and (args.model or args.draft_model):
         parser.error("--synthetic-draft writes both models: no --model, --draft-model")
+    if args.assistant is not None and (args.model or args.draft_model):
+        parser.error("--assistant writes both models: no --model, --draft-model")
+    if args.mtp is not None and args.draft_model:
+        parser.error("--mtp drafts with the model's own layers: no --draft-model")
     if args.quick:
         args.rounds, args.tokens = 2, 64
     summaries: dict[int, str] = {}

@@ -251,7 +251,14 @@ class ServerConfig:
     draft_model: str | None = setting(None, given("a folder or hub id"), scope="model")
     """speculative decoding with a small model with the served model's tokenizer
     (a folder or hub id), loaded with it
-    ([engine](engine.md#a-draft-model---draft-model)). Not with `--distributed`"""
+    ([engine](engine.md#a-draft-model---draft-model)), or with an mlx-vlm
+    drafter made for it, such as Gemma 4's assistant
+    ([engine](engine.md#native-drafters)). Not with `--distributed`"""
+    mtp: bool = setting(True, scope="model")
+    """draft with the multi-token prediction (MTP) layers the model's checkpoint
+    carries (Qwen3.5), where it has them and neither `--prompt-lookup-tokens`
+    nor `--draft-model` is given ([engine](engine.md#native-drafters)); never
+    with `--distributed`"""
     draft_max_batch: int = setting(2, at_least(0), scope="model")
     """speculative steps run only while the batch holds at most this many rows;
     `0`: at any size"""
@@ -391,6 +398,7 @@ class ModelSettings:
     prompt_lookup_tokens: int
     num_draft_tokens: int
     draft_model: str | None
+    mtp: bool
     draft_max_batch: int
     prompt_cache_dir: Path | None
     prompt_cache_disk_bytes: int

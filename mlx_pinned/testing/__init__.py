@@ -23,7 +23,9 @@ vision chat; :func:`make_tiny_lm`, :data:`TINY_LM_TYPES` (and
 :func:`make_bench_vlm`, :data:`BENCH_MODEL_TYPES`, :func:`bench_vlm_path`
 and :func:`make_bench_lm`, :data:`BENCH_LM_TYPES`, :func:`bench_lm_path`:
 the tiny models' families at a size where compute, not Python, fills a
-decode step. Everything runs on the calling thread, from
+decode step. :func:`make_tiny_mtp` and :func:`make_tiny_assistant` write
+models with a native drafter that agrees with them (:func:`tiny_mtp_path`,
+:func:`tiny_assistant_paths`). Everything runs on the calling thread, from
 any thread or process at once. ``import mlx_pinned.testing`` is cheap: MLX,
 mlx-vlm, ``tokenizers`` and Pillow are imported inside the functions.
 """
@@ -34,6 +36,7 @@ import os
 import pathlib
 
 from ._bench import BENCH_LM_TYPES, BENCH_MODEL_TYPES, make_bench_lm, make_bench_vlm
+from ._drafters import make_tiny_assistant, make_tiny_mtp
 from ._images import image_data_uri, make_test_image
 from ._qwen import _CHAT_TEMPLATE as _CHAT_TEMPLATE
 from ._qwen import SPECIAL_TOKENS
@@ -73,15 +76,19 @@ __all__ = [
     "make_bench_lm",
     "make_bench_vlm",
     "make_test_image",
+    "make_tiny_assistant",
     "make_tiny_embedding",
     "make_tiny_lm",
+    "make_tiny_mtp",
     "make_tiny_omni",
     "make_tiny_reranker",
     "make_tiny_speech",
     "make_tiny_transcription",
     "make_tiny_vlm",
+    "tiny_assistant_paths",
     "tiny_embedding_path",
     "tiny_lm_path",
+    "tiny_mtp_path",
     "tiny_omni_path",
     "tiny_reranker_path",
     "tiny_speech_path",
@@ -151,6 +158,22 @@ def bench_lm_path(model_type: str = "qwen3") -> pathlib.Path:
     """As :func:`tiny_vlm_path`, for :func:`make_bench_lm`:
     ``bench-lm-<model_type>``."""
     return make_bench_lm(_cache() / f"bench-lm-{model_type}", model_type, seed=0)
+
+
+def tiny_mtp_path(damping: float = 0.05) -> pathlib.Path:
+    """The tiny ``qwen3_5`` with MTP layers in its checkpoint that agree with
+    it (:func:`make_tiny_mtp`): ``tiny-mtp-<damping>``."""
+    return make_tiny_mtp(
+        _cache() / f"tiny-mtp-{damping}", tiny_vlm_path("qwen3_5"), damping=damping
+    )
+
+
+def tiny_assistant_paths(damping: float = 0.05) -> tuple[pathlib.Path, pathlib.Path]:
+    """The tiny ``gemma4`` (damped) and a Gemma 4 assistant that agrees with
+    it (:func:`make_tiny_assistant`), under ``tiny-assistant-<damping>``."""
+    return make_tiny_assistant(
+        _cache() / f"tiny-assistant-{damping}", tiny_omni_path(), damping=damping
+    )
 
 
 def _cache() -> pathlib.Path:

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import zlib
+from collections import Counter
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -906,3 +907,37 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def tokens_of(events: list[Event]) -> list[tuple[int, ...]]:
+    """A generation's tokens, each as its bytes (byte-level BPE: one token's
+    bytes are its own)."""
+    out = []
+    for event in events:
+        if isinstance(event, TokenEvent):
+            assert event.logprobs is not None
+            out.append(tuple(event.logprobs.bytes))
+    return out
+
+
+def two_sample_chi_square(
+    ours: Counter[tuple[int, ...]], theirs: Counter[tuple[int, ...]]
+) -> tuple[float, int]:
+    """Pearson's statistic of two equal-sized samples having one
+    distribution, tokens seen fewer than 10 times in both pooled; and the
+    number of bins."""
+    common = [t for t in ours.keys() | theirs.keys() if ours[t] + theirs[t] >= 10]
+    rare = [t for t in ours.keys() | theirs.keys() if t not in common]
+    bins = [(ours[t], theirs[t]) for t in common]
+    if rare:
+        bins.append((sum(ours[t] for t in rare), sum(theirs[t] for t in rare)))
+    statistic = math.fsum((a - b) ** 2 / (a + b) for a, b in bins if a + b)
+    return statistic, len(bins)
+
+
+def critical(bins: int) -> float:
+    """The chi-square value a true distribution exceeds with probability
+    1e-3 (Wilson-Hilferty), for ``bins`` bins."""
+    df = max(1, bins)
+    z = 3.09
+    return float(df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3)

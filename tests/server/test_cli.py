@@ -557,7 +557,7 @@ class TestOneSettingsSource:
         out = capsys.readouterr().out
         shown = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", out))
         options = {option.flag for option in OPTIONS}
-        negated = {"--no-freeze-gc", "--no-playground"}
+        negated = {"--no-freeze-gc", "--no-playground", "--no-mtp"}
         assert shown == options | self.COMMAND_ONLY | negated
         assert "SUPPRESS" not in out
 

@@ -65,6 +65,7 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "num_draft_tokens": (5, {"prompt_lookup_tokens": 2}),
     "draft_max_batch": (7, {"prompt_lookup_tokens": 2}),
     "draft_model": (str(tiny_lm_path()), {}),
+    "mtp": (False, {}),
 }
 # Where a served model shows a setting (any kind).
 SERVED: dict[str, Callable[[ServedModel], Any]] = {
@@ -75,6 +76,11 @@ SERVED: dict[str, Callable[[ServedModel], Any]] = {
     "max_num_seqs": lambda served: served.gate.max_num_seqs,
     "max_pending": lambda served: served.gate.max_pending,
 }
+
+
+def mtp(engine: BatchEngine) -> bool:
+    drafting = engine.loop.state.decoder.drafting
+    return drafting is not None and drafting.settings.mtp
 
 
 def drafts(engine: BatchEngine) -> DraftSettings:
@@ -97,6 +103,7 @@ ENGINE: dict[tuple[str, str], Callable[[Any], Any]] = {
     ("num_draft_tokens", "chat"): lambda engine: drafts(engine).tokens,
     ("draft_max_batch", "chat"): lambda engine: drafts(engine).max_batch,
     ("draft_model", "chat"): lambda engine: drafts(engine).model,
+    ("mtp", "chat"): mtp,
     ("prefill_step_seconds", "embedding"): lambda engine: engine.loop.pacer.budget,
     ("prefill_step_seconds", "rerank"): lambda engine: engine.loop.pacer.budget,
 }

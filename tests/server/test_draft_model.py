@@ -23,7 +23,13 @@ import pytest
 from mlx_pinned import MLXThread
 from mlx_pinned.server.config import ServerConfig
 from mlx_pinned.server.config_checks import SettingError
-from mlx_pinned.server.engine import BatchEngine, DraftSettings, LoadedModel, load
+from mlx_pinned.server.engine import (
+    BatchEngine,
+    DraftSettings,
+    LoadedModel,
+    draft_policy,
+    load,
+)
 from mlx_pinned.server.engine.draft_model import DraftModel
 from mlx_pinned.server.engine.rows import Row
 from mlx_pinned.server.engine.sampling import vlm
@@ -142,11 +148,16 @@ class TestGreedyIsUnchanged:
 class TestTheDraftCache:
     @pytest.mark.slow
     def test_proposals_are_the_draft_models_own_continuations(
-        self, thread: MLXThread, loaded_lm: LoadedModel
+        self,
+        thread: MLXThread,
+        loaded_lm: LoadedModel,
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         """Each proposal equals the draft model's greedy continuation of the
         row's history run alone: rows joining, leaving, keeping some drafts
-        (one pending token) and all of them (two)."""
+        (one pending token) and all of them (two). No row rests (the floor
+        at 0), so every step drafts."""
+        monkeypatch.setattr(draft_policy, "MODEL_FLOOR", 0.0)
         _, on = engines(thread, loaded_lm, tiny_vlm_path())
         seen: list[tuple[list[int], list[int]]] = []
         source = thread.run_sync(lambda: on._state.decoder.drafting.source)  # type: ignore[union-attr]
@@ -261,8 +272,10 @@ class TestSettings:
             ServerConfig(model="m", draft_model="d", distributed="tensor")
         with pytest.raises(SettingError, match="folder or hub id"):
             ServerConfig(model="m", draft_model=" ")
-        with pytest.raises(ValueError, match="not both"):
+        with pytest.raises(ValueError, match="one of them"):
             DraftSettings(ngram=3, model="d")
+        with pytest.raises(ValueError, match="one of them"):
+            DraftSettings(model="d", mtp=True)
 
     def test_another_tokenizer_is_refused(
         self, thread: MLXThread, loaded_lm: LoadedModel

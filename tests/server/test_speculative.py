@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections import Counter
 from typing import Any
 
@@ -25,14 +24,12 @@ from mlx_pinned.server.engine import (
     BatchEngine,
     DraftSettings,
     LoadedModel,
-    drafting,
-    load,
+    draft_policy,
 )
-from mlx_pinned.server.engine.drafting import FLOOR, REST, pace, resting
+from mlx_pinned.server.engine.draft_policy import FLOOR, REST, pace, resting
 from mlx_pinned.server.engine.prompt_lookup import follow, lookup
 from mlx_pinned.server.engine.rows import Row
 from mlx_pinned.server.events import FinalEvent, SamplingParams, TokenEvent
-from mlx_pinned.testing import tiny_vlm_path
 
 from .conftest import MODEL, vision_body
 from .kit import (
@@ -40,10 +37,13 @@ from .kit import (
     Event,
     Request,
     Serve,
+    critical,
     interleaved,
     max_logprob_difference,
     request,
     scrape,
+    tokens_of,
+    two_sample_chi_square,
     value,
 )
 
@@ -256,7 +256,7 @@ class TestRunningAcceptance:
         off, on = engines(thread, loaded_lm)
         _, never = engines(thread, loaded_lm)
         resting_runs = interleaved(thread, on, reqs)
-        monkeypatch.setattr(drafting, "FLOOR", 0.0)
+        monkeypatch.setattr(draft_policy, "FLOOR", 0.0)
         always_runs = interleaved(thread, never, reqs)
         plain = interleaved(thread, off, reqs)
         assert_same(resting_runs, plain)
@@ -408,40 +408,6 @@ class TestSampled:
         assert statistic < critical(bins - 1)
 
 
-def tokens_of(events: list[Event]) -> list[tuple[int, ...]]:
-    """A generation's tokens, each as its bytes (byte-level BPE: one token's
-    bytes are its own)."""
-    out = []
-    for event in events:
-        if isinstance(event, TokenEvent):
-            assert event.logprobs is not None
-            out.append(tuple(event.logprobs.bytes))
-    return out
-
-
-def two_sample_chi_square(
-    ours: Counter[tuple[int, ...]], theirs: Counter[tuple[int, ...]]
-) -> tuple[float, int]:
-    """Pearson's statistic of two equal-sized samples having one
-    distribution, tokens seen fewer than 10 times in both pooled; and the
-    number of bins."""
-    common = [t for t in ours.keys() | theirs.keys() if ours[t] + theirs[t] >= 10]
-    rare = [t for t in ours.keys() | theirs.keys() if t not in common]
-    bins = [(ours[t], theirs[t]) for t in common]
-    if rare:
-        bins.append((sum(ours[t] for t in rare), sum(theirs[t] for t in rare)))
-    statistic = math.fsum((a - b) ** 2 / (a + b) for a, b in bins if a + b)
-    return statistic, len(bins)
-
-
-def critical(bins: int) -> float:
-    """The chi-square value a true distribution exceeds with probability
-    1e-3 (Wilson-Hilferty), for ``bins`` bins."""
-    df = max(1, bins)
-    z = 3.09
-    return float(df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3)
-
-
 class TestSettings:
     def test_the_flags_are_checked(self) -> None:
         with pytest.raises(SettingError, match="num_draft_tokens"):
@@ -450,14 +416,6 @@ class TestSettings:
             ServerConfig(model="m", prompt_lookup_tokens=-1)
         with pytest.raises(SettingError, match="distributed"):
             ServerConfig(model="m", prompt_lookup_tokens=2, distributed="tensor")
-
-    def test_a_cache_that_cannot_be_cut_back_is_refused(
-        self, thread: MLXThread
-    ) -> None:
-        loaded = thread.run_sync(load, tiny_vlm_path("qwen3_5"))
-        engine = thread.run_sync(BatchEngine, loaded, thread)
-        with pytest.raises(ValueError, match="cut back"):
-            thread.run_sync(engine.speculate, LOOKUP)
 
     def test_the_counts_reach_the_engine_counters(
         self, thread: MLXThread, loaded_lm: LoadedModel

@@ -26,6 +26,7 @@ from .kv_quant import KVQuant
 from .loop import BatchLoop
 from .model import LoadedModel, load
 from .model_inputs import preprocess, prompt_tokens
+from .native_drafter import carries_mtp
 from .prefill import PREFILL_STEP
 from .prompt_cache import PromptCache
 from .prompt_disk import DiskTier
@@ -126,15 +127,16 @@ class BatchEngine:
             folder = settings.prompt_cache_dir / fingerprint[:16]
             budget = settings.prompt_cache_disk_bytes
             engine.attach(DiskTier(folder, budget, fingerprint))
-        if settings.prompt_lookup_tokens or settings.draft_model is not None:
-            engine.speculate(
-                DraftSettings(
-                    settings.prompt_lookup_tokens,
-                    settings.num_draft_tokens,
-                    settings.draft_model,
-                    settings.draft_max_batch,
-                )
-            )
+        drafts = DraftSettings(
+            settings.prompt_lookup_tokens,
+            settings.num_draft_tokens,
+            settings.draft_model,
+            settings.draft_max_batch,
+        )
+        if drafts.ngram or drafts.model is not None:
+            engine.speculate(drafts)
+        elif settings.mtp and carries_mtp(loaded.path):
+            engine.speculate(dataclasses.replace(drafts, mtp=True))
         return engine
 
     def attach(self, disk: DiskTier) -> None:

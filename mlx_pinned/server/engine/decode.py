@@ -73,6 +73,9 @@ class Decoder:
         speculation: The grammar speculation policy; None off the CPU backend.
         inflight: The step started and not yet read: its rows and its draw.
         drafting: Speculative decoding, when on (:mod:`.drafting`).
+        hidden: The rows of the last forward pass and its last-layer output
+            (B, 1, H) at their last token, kept while a native drafter
+            drafts from it (:mod:`.native_drafter`).
     """
 
     def __init__(self) -> None:
@@ -81,6 +84,7 @@ class Decoder:
         self._bias: mx.array | None = None  # (B, V), None when no row biases
         self.bias_stale = True
         self.drafting: Drafting | None = None
+        self.hidden: tuple[list[Row], mx.array] | None = None
 
     def reading(self) -> list[Row]:
         return [] if self.inflight is None else self.inflight[0]
@@ -178,7 +182,18 @@ class Decoder:
         if batch.deltas is not None:
             kwargs["rope_deltas"] = batch.deltas
         counts = [row.counts for row in rows]
+        # Only while the batch may draft: a larger one keeps nothing extra.
+        drafting = self.drafting
+        keep = (
+            drafting is not None
+            and drafting.wants_hidden
+            and drafting.policy.admits(len(rows))
+        )
+        if keep:
+            kwargs["return_hidden"] = True
         output = batch.lm(inputs[:, None], cache=batch.cache, **kwargs)
+        if keep:
+            self.hidden = (rows, output.hidden_states[-1][:, -1:])
         logits = penalize(output.logits[:, -1, :], rows, inputs, counted)
         if start:
             mx.async_eval(logits, *(c.state for c in batch.cache or ()))  # type: ignore[no-untyped-call]

@@ -16,11 +16,14 @@ from ..config_checks import SettingError
 from ..failures import RequestError
 from .decode import Stepped
 from .draft_model import DraftModel
+from .draft_policy import DraftPolicy, resting
 from .logits import ban_words, bias_rows
+from .native_drafter import NativeDrafter, native_kind
 from .prompt_lookup import History, PromptLookup, follow
-from .quirks import cut_back, uncuttable_kinds
+from .quirks import cache_kinds
 from .rows import read
 from .sampling import Sampled, collect, draw
+from .verify_pass import Rollback, rollback_of, verify
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -34,25 +37,28 @@ __all__ = ["DraftSettings", "DraftSource", "Drafting", "for_predictions", "insta
 
 @dataclass(frozen=True)
 class DraftSettings:
-    """How rows draft: by prompt lookup (``ngram``) or with a draft model
-    (``model``), not both.
+    """How rows draft: by prompt lookup (``ngram``), with a draft model or an
+    mlx-vlm drafter (``model``), or with the MTP layers the served checkpoint
+    carries (``mtp``); one of them.
 
     Attributes:
         ngram: Longest n-gram of a row's tokens looked up; 0: no prompt lookup.
         tokens: Draft tokens per row and step, at most (K).
-        model: A draft model's folder or hub id; None: no draft model.
+        model: A draft model's or drafter's folder or hub id; None: none.
         max_batch: Speculate only while the batch holds at most this many
             rows (0: at any size); docs/engine.md says why.
+        mtp: Draft with the served checkpoint's MTP layers.
     """
 
     ngram: int = 0
     tokens: int = 4
     model: str | Path | None = None
     max_batch: int = 0
+    mtp: bool = False
 
     def __post_init__(self) -> None:
-        if self.ngram and self.model is not None:
-            raise ValueError("draft by prompt lookup or with a model, not both")
+        if sum((bool(self.ngram), self.model is not None, self.mtp)) > 1:
+            raise ValueError("draft by prompt lookup, a model or MTP: one of them")
 
 
 class DraftSource(Protocol):
@@ -84,20 +90,26 @@ def install(state: BatchState, settings: DraftSettings) -> None:
     """
     loaded: LoadedModel = state.loaded
     setting = "prompt_lookup_tokens" if settings.model is None else "draft_model"
-    kinds = uncuttable_kinds(loaded.model.language_model)
-    if kinds:
+    setting = "mtp" if settings.mtp else setting
+    lm = loaded.model.language_model
+    rollback = rollback_of(lm)
+    if rollback is None:
         flag = "--" + setting.replace("_", "-")
         raise SettingError(
             setting,
             "speculative decoding needs a KV cache that can be cut back; "
-            f"this model's is {', '.join(kinds)}: serve it without {flag}",
+            f"this model's is {', '.join(cache_kinds(lm))}: serve it without {flag}",
         )
-    source: DraftSource | None = None  # neither: the requests' predictions
-    if settings.model is not None:
+    source: DraftSource | None = None  # none: the requests' predictions
+    if settings.mtp:
+        source = NativeDrafter.load(loaded, state)
+    elif settings.model is not None and native_kind(settings.model) is not None:
+        source = NativeDrafter.load(loaded, state, settings.model)
+    elif settings.model is not None:
         source = DraftModel.load(settings.model, loaded)
     elif settings.ngram:
         source = PromptLookup(settings.ngram)
-    state.decoder.drafting = Drafting(settings, source)
+    state.decoder.drafting = Drafting(settings, source, rollback)
 
 
 # A predicted row's drafts: its n-grams matched in the prediction, and the
@@ -116,7 +128,8 @@ def for_predictions(loaded: LoadedModel) -> Drafting:
     Raises:
         RequestError: The model's KV cache cannot be cut back.
     """
-    if uncuttable_kinds(loaded.model.language_model):
+    rollback = rollback_of(loaded.model.language_model)
+    if rollback is None:
         raise RequestError(
             "This model's KV cache cannot be cut back, so it takes no "
             "prediction: send the request without 'prediction'.",
@@ -124,42 +137,28 @@ def for_predictions(loaded: LoadedModel) -> Drafting:
             "prediction",
         )
     settings = DraftSettings(tokens=PREDICTION_TOKENS, max_batch=PREDICTION_MAX_BATCH)
-    return Drafting(settings, None)
-
-
-# A row's running share of drafts kept under which it rests (a verify pass
-# that keeps a tenth of its drafts gives about what it costs at one row),
-# and its first and longest rests, in tokens (docs/engine.md).
-FLOOR = 0.1
-REST = 8
-MOST_REST = 128
-
-
-def resting(row: Row) -> bool:
-    """Whether a row drafts nothing now: its drafts were not being kept."""
-    return row.sampled < row.rests_until
-
-
-def pace(row: Row, drafted: int, kept: int) -> None:
-    """Count a speculative step in a row's running acceptance; under
-    :data:`FLOOR` it rests, twice as long as the last time."""
-    if not drafted:
-        return
-    row.acceptance = (3 * row.acceptance + kept / drafted) / 4
-    if row.acceptance >= FLOOR:
-        row.rest = 0
-        return
-    row.rest = min(MOST_REST, max(REST, 2 * row.rest))
-    row.rests_until = row.sampled + row.rest
+    return Drafting(settings, None, rollback)
 
 
 class Drafting:
     """The speculative step of one batch. ``source``: where the rows' drafts
-    come from (None: only requests' predictions)."""
+    come from (None: only requests' predictions); ``rollback``: how the
+    batch's cache takes back refused drafts."""
 
-    def __init__(self, settings: DraftSettings, source: DraftSource | None) -> None:
+    def __init__(
+        self,
+        settings: DraftSettings,
+        source: DraftSource | None,
+        rollback: Rollback = Rollback.CUT,
+    ) -> None:
         self.settings = settings
         self.source = source
+        self.rollback = rollback
+        costly = isinstance(source, (DraftModel, NativeDrafter))
+        self.policy = DraftPolicy(settings.tokens, settings.max_batch, costly)
+        # The source drafts from the model's last hidden state (a native
+        # drafter): every forward pass keeps it.
+        self.wants_hidden: bool = getattr(source, "wants_hidden", False)
 
     def start(self, row: Row) -> None:
         """Give an admitted row its prompt's ids, the start of its history.
@@ -182,8 +181,8 @@ class Drafting:
     def applies(self, batch: BatchState) -> bool:
         """Whether the batch's next step may speculate: it has rows, no more than
         ``max_batch`` with those joining it, and each of them can draft."""
-        most = self.settings.max_batch
-        if not batch.rows or (most and len(batch.rows) > most):
+        policy = self.policy
+        if not batch.rows or not policy.admits(len(batch.rows)):
             return False  # at once: a large batch pays nothing more per step
         joining = [row for rows, _ in batch.joining for row in rows]
         waiting = [*batch.waiting, *(row for row, _ in batch.prefilling)]
@@ -192,7 +191,7 @@ class Drafting:
             for row in (*batch.rows, *joining, *waiting)
             if not (row.gone or row.done or row in batch.leaving)
         ]
-        if most and len(live) > most:
+        if not policy.admits(len(live)):
             return False
         if self.source is None and all(row.prediction is None for row in live):
             return False  # nothing would draft
@@ -205,6 +204,7 @@ class Drafting:
         row keeps its drafts up to the first the target's token differs
         from, and that token. None when no row has drafts."""
         rows = list(batch.rows)
+        step = None
         try:
             each = self._propose(rows)
             if not any(each):
@@ -219,8 +219,11 @@ class Drafting:
             if batch.deltas is not None:
                 kwargs["rope_deltas"] = batch.deltas
             cache = batch.cache or []
-            output = batch.lm(mx.array(inputs, dtype=mx.uint32), cache=cache, **kwargs)
-            logits = output.logits
+            ids = mx.array(inputs, dtype=mx.uint32)
+            step = verify(
+                batch.lm, self.rollback, ids, cache, kwargs, hidden=self.wants_hidden
+            )
+            logits = step.logits
             flat = logits.reshape(-1, logits.shape[-1])
             # Row i's position j is drawn as its token at sampled + j, after
             # its inputs up to j.
@@ -234,6 +237,8 @@ class Drafting:
             states = [c.state for c in cache]
             sampled = collect(draw(flat, at, bias, states, ahead))
         except BaseException:
+            if step is not None:
+                step.abort()
             if self.source is not None:
                 self.source.reset()
             raise
@@ -246,10 +251,14 @@ class Drafting:
         read_rows, got = read(
             rows, [row_items[: k + 1] for row_items, k in zip(items, kept, strict=True)]
         )
-        cut_back(cache, width, kept)
+        step.commit(kept)
+        if step.hidden is not None:  # each row's at its last kept token
+            last = mx.array(kept, dtype=mx.int32)[:, None, None]
+            hidden = mx.take_along_axis(step.hidden, last, axis=1)
+            batch.decoder.hidden = (rows, hidden)
         self._settle(rows, kept)
         for row, d, k in zip(rows, each, kept, strict=True):
-            pace(row, len(d), k)
+            self.policy.pace(row, len(d), k)
             if row.prediction is not None:
                 tried, used = row.predicted
                 row.predicted = (tried + len(d), used + k)
@@ -258,9 +267,11 @@ class Drafting:
 
     def _propose(self, rows: list[Row]) -> list[list[int]]:
         left = [0 if resting(row) else row.max_tokens - row.sampled - 1 for row in rows]
-        tokens = self.settings.tokens
+        policy = self.policy
         each = (
-            self.source.propose(rows, [min(tokens, n) for n in left])
+            self.source.propose(
+                rows, [policy.count(row, n) for row, n in zip(rows, left, strict=True)]
+            )
             if self.source is not None
             else [[] for _ in rows]
         )

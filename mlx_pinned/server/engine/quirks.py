@@ -13,6 +13,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 __all__ = [
+    "cache_kinds",
     "cut_back",
     "cut_back_caches",
     "plain_caches",
@@ -28,13 +29,16 @@ def plain_caches(layers: Iterable[Any]) -> bool:
     return all(type(c).__name__ == "KVCache" for c in layers)
 
 
+def cache_kinds(lm: Any) -> list[str]:
+    """The kinds of a language model's layer caches (one sequence's), sorted."""
+    return sorted({type(c).__name__ for c in _cache_module().make_prompt_cache(lm)})
+
+
 def uncuttable_kinds(lm: Any) -> list[str]:
     """The kinds of a language model's layer caches, sorted, when one is not a
     plain ``KVCache`` (its KV cannot be cut at any token); else empty."""
-    layers = _cache_module().make_prompt_cache(lm)
-    if plain_caches(layers):
-        return []
-    return sorted({type(c).__name__ for c in layers})
+    kinds = cache_kinds(lm)
+    return [] if kinds == ["KVCache"] else kinds
 
 
 def cut_back_caches(layers: Iterable[Any]) -> bool:

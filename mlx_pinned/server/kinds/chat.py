@@ -72,6 +72,7 @@ KIND = Kind(
             "prompt_lookup_tokens",
             "num_draft_tokens",
             "draft_model",
+            "mtp",
             "draft_max_batch",
         }
     ),
