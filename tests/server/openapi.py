@@ -12,6 +12,7 @@ each schema's validator built, once per session.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -393,9 +394,12 @@ def transports(http: ModuleType = httpx) -> tuple[type[Any], type[Any]]:
             self.inner, self.checker = inner, checker
 
         async def __aiter__(self) -> AsyncIterator[bytes]:
-            async for chunk in self.inner:
-                self.checker.feed(chunk)
-                yield chunk
+            # Closed here, not by the garbage collector, when a check fails
+            # mid-stream: trio reports an async generator left open.
+            async with contextlib.aclosing(aiter(self.inner)) as chunks:
+                async for chunk in chunks:
+                    self.checker.feed(chunk)
+                    yield chunk
             self.checker.end()
 
         async def aclose(self) -> None:
