@@ -235,7 +235,7 @@ class TestTheFiles:
         assert "disk tier off, memory only" in caplog.text
         assert not tier.enabled
         assert list(tmp_path.iterdir()) == []
-        assert cache.lookup(key(1, 2, 3, 4), 3)[1] == 3, "memory still serves"
+        assert cache.lookup(key(1, 2, 3, 4), 3).length == 3, "memory still serves"
         tier.close()
 
     @pytest.mark.slow

@@ -60,6 +60,7 @@ class Row:
     max_tokens: int
     sampling: SamplingParams
     needs: RowNeeds = field(default_factory=RowNeeds)
+    priority: int = 0  # its request's: lower is sooner
     prompt_tokens: int = 0
     token: int = 0
     sampled: int = 0
@@ -169,6 +170,7 @@ def make_row(
         max_tokens=max(params.max_tokens, 1),  # 0: one sampled, none handed out
         sampling=sampling,
         needs=needs,
+        priority=params.priority,
         prompt_tokens=prepared.prompt_tokens,
         token=prepared.last,
         prepared=prepared,
