@@ -142,10 +142,6 @@ class Prefills:
         """Its rows (``live``: those whose client is still there)."""
         return [p.row for p in self.prompts if not (live and p.row.gone)]
 
-    def held(self, row: Row) -> bool:
-        """Whether ``row`` is queued and not yet looked up."""
-        return any(p.row is row and not p.looked_up for p in self.prompts)
-
     def started(self) -> list[tuple[Row, ChunkedPrefill]]:
         """The rows prefilled a chunk at a time, and their jobs."""
         return [(p.row, p.job) for p in self.prompts if p.job is not None]

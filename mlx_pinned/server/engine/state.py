@@ -153,8 +153,9 @@ class BatchState:
 
     @property
     def waiting(self) -> list[Row]:
-        """Rows admitted and not yet prefilling (nor waiting on another's)."""
-        return [r for r in self.prefills.rows() if self.prefills.held(r)]
+        """Rows admitted whose prefill has not started."""
+        started = {id(row) for row, _ in self.prefills.started()}
+        return [r for r in self.prefills.rows() if id(r) not in started]
 
     @property
     def prefilling(self) -> list[tuple[Row, ChunkedPrefill]]:
@@ -180,10 +181,6 @@ class BatchState:
         joining = [row for rows, _ in self.joining for row in rows]
         live = [r for r in (*self.rows, *joining) if r not in self.leaving]
         return any(not (r.gone or r.done) for r in live)
-
-    def held(self, row: Row) -> bool:
-        """Whether ``row`` waits for the batch to empty (``exclusive``)."""
-        return self.prefills.held(row)
 
     def _joined(self, rows: list[Row], group: Prefilled) -> None:
         for i, row in enumerate(rows):
