@@ -29,13 +29,12 @@ from typing import Any
 import anyio
 
 
-def long_params(words: int, round_index: int, tag: str) -> Any:
+def long_params(tokens: int, round_index: int, tag: str) -> Any:
     from mlx_pinned.server.events import GenerationParams, SamplingParams
 
-    text = (
-        f"({tag} {round_index}) "
-        + "the quick brown fox jumps over the lazy dog " * (words // 9)
-    )
+    # 24 tokens a sentence with the tiny model's tokenizer.
+    words = "the quick brown fox jumps over the lazy dog " * max(1, tokens // 24)
+    text = f"({tag} {round_index}) {words}"
     return GenerationParams(
         ({"role": "user", "content": text},),
         max_tokens=2,

@@ -225,7 +225,8 @@ async def running(
         async with httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}", timeout=300
         ) as client:
-            response = await wait_for(client, process, "/v1/models", 180)
+            await wait_for(client, process, "/health", 180)  # loaded
+            response = await client.get("/v1/models")
             model = str((response.json().get("data") or [{}])[0].get("id") or "")
             model = model or args.model
             warm = image_data_uri(64, 64, "JPEG", seed=10_000)

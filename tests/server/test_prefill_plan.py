@@ -19,9 +19,9 @@ def limits(tokens: int, least: int = 1) -> Limits:
 
 
 class TestBudget:
-    def test_a_short_prompt_runs_beside_a_long_one(self) -> None:
+    def test_a_short_prompt_runs_beside_a_long_one_and_first(self) -> None:
         long, short = Waiting(5000, arrival=1), Waiting(30, arrival=2)
-        assert plan([long, short], limits(512)) == Plan(runs=((0, 482), (1, 30)))
+        assert plan([long, short], limits(512)) == Plan(runs=((1, 30), (0, 482)))
 
     def test_a_second_long_prompt_waits_its_turn(self) -> None:
         first, second = Waiting(5000, arrival=1), Waiting(3000, arrival=2)

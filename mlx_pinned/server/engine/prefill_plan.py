@@ -60,8 +60,9 @@ class Limits:
 @dataclass(frozen=True)
 class Plan:
     """What a step prefills: ``together``, whole, in padded passes (in order);
-    then each of ``runs`` (a prompt's index and its chunk's tokens) in
-    order, each pass while the step's time lasts (the first always)."""
+    then each of ``runs`` (a prompt's index and its chunk's tokens: those
+    that end first), each pass while the step's time lasts (the first
+    always)."""
 
     together: tuple[int, ...] = ()
     runs: tuple[tuple[int, int], ...] = ()
@@ -105,4 +106,7 @@ def plan(waiting: Sequence[Waiting], limits: Limits) -> Plan:
     for k, i in enumerate(rest):
         runs[i] = min(waiting[i].left, pool // (len(rest) - k))
         pool -= runs[i]
-    return Plan(together, tuple((i, runs[i]) for i in chosen if i in runs))
+    # Those that end first: their rows wait on the step, and they are cheap.
+    ends = [i for i in chosen if runs.get(i) == waiting[i].left]
+    rest = [i for i in chosen if i in runs and i not in ends]
+    return Plan(together, tuple((i, runs[i]) for i in (*ends, *rest)))
