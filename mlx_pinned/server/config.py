@@ -179,6 +179,16 @@ class ServerConfig:
     about this long, from the model's measured cost per token (a tensor-parallel
     group cuts by tokens); `0`: passes of `--prefill-step-size` tokens
     ([engine](engine.md#a-long-prompts-chunks-by-time---prefill-step-seconds))"""
+    prefill_checkpoint_tokens: int = setting(2048, at_least(0), scope="model")
+    """a model whose layers keep more than KV (a sliding window, a recurrent
+    state) checkpoints a long prompt's prefill every so many tokens, for the
+    prompts that share its start; `0`: only at each prompt's and answer's end
+    ([checkpoints](caching.md#checkpoints-sliding-window-and-recurrent-layers))"""
+    abandoned_prefill_tokens: int = setting(32768, at_least(0), scope="model")
+    """a prompt whose client leaves while it is prefilled, with at most this many
+    tokens left, is prefilled to its end at the lowest priority into the prompt
+    cache, for a retry; `0`: it stops
+    ([prefill scheduling](engine.md#prefill-scheduling))"""
     tool_call_parser: str | None = setting(
         None, parser(check_tool_call_parser), scope="model", shown=_DETECTED
     )
@@ -391,6 +401,8 @@ class ModelSettings:
     image_cache_bytes: int
     prefill_step_size: int
     prefill_step_seconds: float | None
+    prefill_checkpoint_tokens: int
+    abandoned_prefill_tokens: int
     tool_call_parser: str | None
     reasoning_parser: str | None
     kv_bits: int | None

@@ -59,6 +59,8 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "image_cache_bytes": (23456, {}),
     "prefill_step_size": (64, {}),
     "prefill_step_seconds": (0.5, {}),
+    "prefill_checkpoint_tokens": (96, {}),
+    "abandoned_prefill_tokens": (77, {}),
     "kv_bits": (8, {}),
     "kv_group_size": (32, {"kv_bits": 8}),
     "prompt_lookup_tokens": (2, {}),
@@ -97,6 +99,12 @@ ENGINE: dict[tuple[str, str], Callable[[Any], Any]] = {
     ("image_cache_bytes", "chat"): lambda engine: engine.image_cache.held.budget,
     ("prefill_step_size", "chat"): lambda engine: engine.loop.state.prefill_step,
     ("prefill_step_seconds", "chat"): lambda engine: engine.loop.state.pacer.budget,
+    ("prefill_checkpoint_tokens", "chat"): lambda engine: (
+        engine.loop.state.prefills.settings.checkpoint
+    ),
+    ("abandoned_prefill_tokens", "chat"): lambda engine: (
+        engine.loop.state.prefills.settings.abandoned
+    ),
     ("kv_bits", "chat"): lambda engine: engine.loop.state.kv_quant.bits,
     ("kv_group_size", "chat"): lambda engine: engine.loop.state.kv_quant.group_size,
     ("prompt_lookup_tokens", "chat"): lambda engine: drafts(engine).ngram,

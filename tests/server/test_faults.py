@@ -12,7 +12,7 @@ import anyio
 import httpx
 import pytest
 
-from mlx_pinned.server.engine import state as batch_state
+from mlx_pinned.server.engine import prefills as batch_prefills
 from mlx_pinned.server.engine.answers import RowAnswer
 from mlx_pinned.server.engine.prompt_cache import PromptCache
 from mlx_pinned.server.engine.rows import Row
@@ -380,14 +380,14 @@ class Fault:
         assert state is not None
         assert state.cache is not None
         if stage == "prefill":
-            first_tokens = batch_state.first_tokens
+            first_tokens = batch_prefills.first_tokens
 
             def failing_first(rows: list[Row], group: Any) -> None:
                 if self.victim in rows:  # together, then alone: it fails twice
                     self.fire(stage)
                 first_tokens(rows, group)
 
-            patch.setattr(batch_state, "first_tokens", failing_first)
+            patch.setattr(batch_prefills, "first_tokens", failing_first)
         elif stage == "lookup":
             lookup = PromptCache.lookup
 

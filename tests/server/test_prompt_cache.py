@@ -95,10 +95,10 @@ class TestPromptCacheUnit:
         def go() -> tuple[int, int, int, int]:
             cache = PromptCache(BUDGET)
             cache.store(np.array([1, 2, 3, 4, 5]), self.layers(5))
-            _, a = cache.lookup(np.array([1, 2, 3, 7]), 10)
-            _, b = cache.lookup(np.array([1, 2, 3, 4, 5, 6]), 4)
-            prefix, c = cache.lookup(np.array([9]), 10)
-            return a, b, c, len(prefix)
+            a = cache.lookup(np.array([1, 2, 3, 7]), 10).length
+            b = cache.lookup(np.array([1, 2, 3, 4, 5, 6]), 4).length
+            prefix = cache.lookup(np.array([9]), 10)
+            return a, b, prefix.length, len(prefix.layers)
 
         assert thread.run_sync(go) == (3, 4, 0, 0)
 
@@ -123,8 +123,8 @@ class TestPromptCacheUnit:
                 cache.store(np.array([first, 0, 0, 0]), self.layers(4))
             cache.lookup(np.array([1, 0]), 2)  # 1 is used: 2 is the oldest
             cache.store(np.array([4, 0, 0, 0]), self.layers(4))
-            _, one = cache.lookup(np.array([1, 0]), 2)
-            _, two = cache.lookup(np.array([2, 0]), 2)
+            one = cache.lookup(np.array([1, 0]), 2).length
+            two = cache.lookup(np.array([2, 0]), 2).length
             return one, two, cache.statistics().entries
 
         assert thread.run_sync(go) == (2, 0, 3)

@@ -238,7 +238,7 @@ class TestTheFiles:
         assert "disk tier off, memory only" in caplog.text
         assert not tier.enabled
         assert list(tmp_path.iterdir()) == []
-        assert cache.lookup(key(1, 2, 3, 4), 3)[1] == 3, "memory still serves"
+        assert cache.lookup(key(1, 2, 3, 4), 3).length == 3, "memory still serves"
         tier.close()
 
     def test_a_full_disk_pauses_the_writes_until_it_has_room(
@@ -573,5 +573,5 @@ class TestFoldersItCannotWrite:
         assert record.exc_info is None
         assert f"cannot write in {folder}" in record.getMessage()
         assert not tier.enabled
-        assert cache.lookup(key(1, 2, 3, 4), 3)[1] == 3, "memory still serves"
+        assert cache.lookup(key(1, 2, 3, 4), 3).length == 3, "memory still serves"
         tier.close()

@@ -29,7 +29,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mlx_vlm.models.cache import RotatingKVCache
 
+from mlx_pinned.server.engine.checkpoints import State, check, take, tree_arrays
 from mlx_pinned.server.engine.prompt_disk import DiskTier
 from mlx_pinned.testing import image_data_uri
 
@@ -37,7 +39,12 @@ from .conftest import MODEL
 from .kit import TOL, WAIT, Serve, Served, logprobs
 
 FINGERPRINT = "f" * 32
-KEYS = {"a": np.arange(1, 7, dtype=np.int64), "b": np.arange(40, 44, dtype=np.int64)}
+KEYS = {
+    "a": np.arange(1, 7, dtype=np.int64),
+    "b": np.arange(40, 44, dtype=np.int64),
+    "s": np.arange(70, 79, dtype=np.int64),  # an entry that keeps a state
+}
+WINDOW = 4  # the state's layer: a sliding window of 4 tokens
 DIGESTS = {"a": b"\x01" * 16, "b": b"\x02" * 16}
 ROWS = 4
 _LENGTH = struct.Struct("<Q")
@@ -53,6 +60,43 @@ def _kv(tokens: int, seed: int) -> list[Any]:
     return out
 
 
+def _stateful(seed: int) -> tuple[list[Any], dict[int, list[Any]]]:
+    """An entry of a KV layer and a sliding-window layer, with states at its
+    middle and end: its KV and its marks."""
+    mx.random.seed(seed)
+    tokens = len(KEYS["s"])
+    kv = [(mx.random.normal((1, 2, tokens, 8)), mx.random.normal((1, 2, tokens, 8)))]
+    marks: dict[int, list[Any]] = {}
+    window = RotatingKVCache(WINDOW)
+    for at in (5, tokens):
+        step = at - window.offset
+        window.update_and_fetch(
+            mx.random.normal((1, 2, step, 8)), mx.random.normal((1, 2, step, 8))
+        )
+        taken = take([window], None)
+        assert taken is not None
+        marks[at] = [None, taken[1][0]]
+    mx.eval(kv, [flat_state(marks)])
+    return [*kv, None], marks
+
+
+def flat_state(marks: dict[int, list[Any]]) -> list[Any]:
+    return [
+        a
+        for at in sorted(marks)
+        for s in marks[at]
+        if s
+        for a in tree_arrays(s.payload)
+    ]
+
+
+def check_window(index: int, state: State, position: int) -> None:
+    """The model's check of a state, for a model of a KV layer and a window."""
+    if index != 1:
+        raise ValueError("not a state's layer")
+    check(RotatingKVCache(WINDOW), state, position)
+
+
 def _image(seed: int) -> Any:
     mx.random.seed(seed)
     features = mx.random.normal((ROWS, 8))
@@ -63,16 +107,19 @@ def _image(seed: int) -> Any:
 
 @functools.cache
 def originals() -> tuple[dict[str, bytes], dict[str, Any]]:
-    """The bytes of two valid ``.kv`` and two valid ``.img`` files by name,
-    and what each holds."""
+    """The bytes of three valid ``.kv`` files (one with states) and two valid
+    ``.img`` files by name, and what each holds."""
     held: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
         tier = DiskTier(Path(folder), 10**7, FINGERPRINT)
-        for seed, which in enumerate(KEYS):
+        for seed, which in enumerate(DIGESTS):
             kv = _kv(len(KEYS[which]), seed)
             tier.save(KEYS[which], kv)
             tier.save_image(DIGESTS[which], image := _image(seed))
             held[f"kv-{which}"], held[f"img-{which}"] = kv, image
+        kv, marks = _stateful(7)
+        tier.save(KEYS["s"], kv, marks)
+        held["kv-s"] = [*flat(kv[:1]), *flat_state(marks)]
         tier.close()
         files = {path.name: path.read_bytes() for path in Path(folder).iterdir()}
     return files, held
@@ -146,11 +193,13 @@ def served(tier: DiskTier, entry: str) -> Any:
     name, length = tier.best(key, len(key))
     if name is None:
         return None
-    loaded = tier.load(name)
+    loaded = tier.load(name, check_window)
     if loaded is None:
         return None
     assert length == len(key)
     assert list(loaded[0]) == list(key), "served under another entry's key"
+    if which == "s":
+        return [*flat([kv for kv in loaded[1] if kv]), *flat_state(loaded[2])]
     return loaded[1]
 
 
@@ -237,9 +286,54 @@ class TestALoad:
         assert not path.exists()
 
 
+def _state_of(header: dict[str, Any], mark: int) -> dict[str, Any]:
+    state: dict[str, Any] = header["marks"][mark][1][1]["dict"]
+    return state
+
+
+#: A state entry's header, changed so that only the model's check refuses it.
+UNFIT: dict[str, Callable[[dict[str, Any]], None]] = {
+    "another window": lambda h: _state_of(h, 0)["meta_state"]["tuple"].__setitem__(
+        1, str(WINDOW * 2)
+    ),
+    "another position": lambda h: h["marks"][0].__setitem__(0, 6),
+    "a mark past its end": lambda h: h["marks"][1].__setitem__(0, 99),
+    "arrays out of order": lambda h: _state_of(h, 0)["state"]["tuple"].reverse(),
+    "a state of a KV layer": lambda h: h["marks"][0][1].reverse(),
+    "a state of no layer": lambda h: h["marks"][0][1].append(None),
+    "too deep": lambda h: _state_of(h, 0).__setitem__(
+        "extra", functools.reduce(lambda x, _: {"list": [x]}, range(20), None)
+    ),
+    "no marks": lambda h: h.__setitem__("marks", []),
+}
+
+
+class TestAState:
+    @pytest.mark.parametrize("unfit", list(UNFIT))
+    def test_a_state_the_model_cannot_take_is_skipped_and_removed(
+        self, tmp_path: Path, unfit: str
+    ) -> None:
+        populate(tmp_path)
+        path = tmp_path / name_of("kv-s")
+        path.write_bytes(rewrite_header(path.read_bytes(), UNFIT[unfit]))
+        tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        with warnings() as handler:
+            assert served(tier, "kv-s") is None
+        one_line_each(handler, [path.name])
+        assert not path.exists()
+
+    def test_a_state_entry_resumes_only_at_its_marks(self, tmp_path: Path) -> None:
+        populate(tmp_path)
+        tier = DiskTier(tmp_path, 10**7, FINGERPRINT)
+        key = KEYS["s"]
+        assert tier.best(key[:7], 7)[1] == 5
+        assert tier.best(key[:4], 4) == (None, 0)
+        assert same(served(tier, "kv-s"), originals()[1]["kv-s"])
+
+
 # -- the fuzz: any damage to any one file -------------------------------------
 
-ENTRIES = ["kv-a", "kv-b", "img-a", "img-b"]
+ENTRIES = ["kv-a", "kv-b", "kv-s", "img-a", "img-b"]
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
     lambda inner: (
@@ -296,7 +390,9 @@ def damages(draw: st.DrawFn) -> tuple[str, Callable[[bytes], bytes]]:
         return kind, flip
     if kind == "field":
         field = draw(
-            st.sampled_from(["format", "model", "arrays", "key", "parts", "deep"])
+            st.sampled_from(
+                ["format", "model", "arrays", "key", "layers", "marks", "deep"]
+            )
         )
         value = draw(_JSON | _HUGE)
         return f"field {field}", lambda raw: rewrite_header(
@@ -399,11 +495,11 @@ def damage_all(folder: Path, rng: random.Random) -> dict[Path, tuple[str, bytes]
     files = {path: path.read_bytes() for path in folder.iterdir()}
     done = {}
     for path, raw in files.items():
-        kind = rng.choice(["bytes", "length", "cut", "swap", "flip", "parts"])
+        kind = rng.choice(["bytes", "length", "cut", "swap", "flip", "layers"])
         others = [p for p in files if p != path and p.suffix == path.suffix]
         if kind == "swap" and not others:
             kind = "cut"
-        if kind == "parts" and path.suffix != ".kv":
+        if kind == "layers" and path.suffix != ".kv":
             kind = "flip"
         if kind == "bytes":
             damaged = rng.randbytes(rng.randrange(4096))
@@ -417,7 +513,7 @@ def damage_all(folder: Path, rng: random.Random) -> dict[Path, tuple[str, bytes]
             spot = rng.randrange(len(raw) - 64, len(raw))
             damaged = raw[:spot] + bytes([raw[spot] ^ 0xFF]) + raw[spot + 1 :]
         else:  # a header with a sound checksum: only its fields' bounds refuse it
-            damaged = rewrite_header(raw, _set_field("parts", [2**62, -1]))
+            damaged = rewrite_header(raw, _set_field("layers", [[2**62, -1]]))
         path.write_bytes(damaged)
         done[path] = kind, damaged
     return done

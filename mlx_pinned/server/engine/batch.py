@@ -118,7 +118,11 @@ class BatchEngine:
             prefill_step_seconds=seconds,
             image_cache_bytes=settings.image_cache_bytes,
             make_state=functools.partial(
-                BatchState, kv_quant=quant, prefill_seconds=seconds
+                BatchState,
+                kv_quant=quant,
+                prefill_seconds=seconds,
+                checkpoint_tokens=settings.prefill_checkpoint_tokens,
+                abandoned_tokens=settings.abandoned_prefill_tokens,
             ),
         )
         if settings.prompt_cache_dir is not None:

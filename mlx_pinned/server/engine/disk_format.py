@@ -1,7 +1,7 @@
-"""The disk tier's files (:mod:`.prompt_disk`): one format for prompt KV and
-images' outputs (a length-prefixed JSON header with a checksum, then the
-arrays' bytes), and the fingerprint of the model a file belongs to. Any
-thread.
+"""The disk tier's files (:mod:`.prompt_disk`): one format for prompt KV
+(and states) and images' outputs (a length-prefixed JSON header with a
+checksum, then the arrays' bytes), and the fingerprint of the model a file
+belongs to. Any thread.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["FORMAT", "arrays", "header", "model_fingerprint", "read"]
+from .checkpoints import Marks, State, StateCheck, decode
+
+__all__ = ["FORMAT", "arrays", "header", "layers", "model_fingerprint", "read"]
 
 #: The files' format (in each header, and in each model's fingerprint).
-FORMAT = 3
+FORMAT = 4
 #: Bytes of each weight file read into the model's fingerprint (its head).
 HEAD_BYTES = 1 << 16
 _LENGTH = struct.Struct("<Q")
@@ -158,3 +160,91 @@ def _checksum(fields: dict[str, Any], payload: Sequence[Any]) -> str:
     for piece in payload:
         digest.update(piece)
     return digest.hexdigest()
+
+
+def layers(
+    header: dict[str, Any], arrays: list[mx.array], tokens: int, check: StateCheck
+) -> tuple[list[tuple[Any, Any] | None], Marks]:
+    """A prompt cache entry's KV layers (its header's ``layers``: a layer's
+    keys, then its values, of one array or of a quantized three, each
+    (1, H, T, D) with ``tokens`` tokens; None where the layer keeps a
+    state) and its states at each mark, each checked by ``check``.
+
+    Raises:
+        ValueError: They are not what the header says, or ``check`` refuses
+            a state.
+    """
+    specs = header.get("layers")
+    if (
+        not isinstance(specs, list)
+        or not specs
+        or not all(
+            layer is None
+            or (
+                isinstance(layer, list)
+                and len(layer) == 2
+                and all(type(count) is int and count > 0 for count in layer)
+            )
+            for layer in specs
+        )
+    ):
+        raise ValueError("its layers are not KV or states")
+    used = sum(sum(layer) for layer in specs if layer is not None)
+    if used > len(arrays) or any(
+        a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != tokens for a in arrays[:used]
+    ):
+        raise ValueError("its arrays do not hold its key's tokens")
+    kv: list[tuple[Any, Any] | None] = []
+    rest = arrays[:used]
+    for layer in specs:
+        if layer is None:
+            kv.append(None)
+            continue
+        parts = []
+        for count in layer:
+            pieces, rest = rest[:count], rest[count:]
+            parts.append(tuple(pieces) if count > 1 else pieces[0])
+        kv.append((parts[0], parts[1]))
+    marks = _states(header.get("marks"), kv, arrays, used, tokens, check)
+    if any(layer is None for layer in kv) and not marks:
+        raise ValueError("it keeps states but no mark")
+    return kv, marks
+
+
+def _states(
+    found: Any,
+    kv: list[tuple[Any, Any] | None],
+    arrays: list[mx.array],
+    used: int,
+    tokens: int,
+    check: StateCheck,
+) -> Marks:
+    """Each mark's states, every array after the KV ones used once, in order."""
+    if not isinstance(found, list):
+        raise ValueError("its marks are not a list")
+    taken = [used]
+    marks: Marks = {}
+    for mark in found:
+        if not (
+            isinstance(mark, list)
+            and len(mark) == 2
+            and type(mark[0]) is int
+            and 0 < mark[0] <= tokens
+            and mark[0] not in marks
+            and isinstance(mark[1], list)
+            and len(mark[1]) == len(kv)
+        ):
+            raise ValueError("its marks are not positions and states")
+        at, specs = mark
+        states: list[State | None] = []
+        for index, (spec, pair) in enumerate(zip(specs, kv, strict=True)):
+            if (spec is None) != (pair is not None):
+                raise ValueError("its marks hold states of KV layers")
+            state = None if spec is None else State(decode(spec, arrays, taken))
+            if state is not None:
+                check(index, state, at)
+            states.append(state)
+        marks[at] = states
+    if taken[0] != len(arrays):
+        raise ValueError("its arrays are not its layers' and states'")
+    return marks

@@ -23,7 +23,10 @@ __all__ = ["CachedVisionTower", "install"]
 # Families whose tower takes (pixels, grid_thw) and gives rows per image in
 # grid order, t * h * w / merge**2 of them (and deepstack features alike),
 # and whose cached answers the tests compare with uncached ones.
-_GRID_TOWERS = frozenset({"qwen3_vl"})
+_GRID_TOWERS = frozenset({"qwen3_vl", "qwen3_5"})
+# Families whose tower takes a batch of same-size images (N, H, W, C) and
+# gives its output per image along the first axis (the first of three).
+_BATCH_TOWERS = frozenset({"gemma3"})
 
 #: An image's outputs: its features, and its deepstack features (None: the
 #: tower has none).
@@ -45,7 +48,8 @@ class _Held:
 class CachedVisionTower(nn.Module):  # type: ignore[misc,name-defined]
     """A vision tower with a cache of its per-image outputs, within ``budget``
     bytes. ``merge``: its spatial merge size (an image's output rows are its
-    pixel rows over ``merge**2``); ``disk``: where outputs are also kept."""
+    pixel rows over ``merge**2``; 0: a batch tower, an image a row of its
+    pixels and of its output); ``disk``: where outputs are also kept."""
 
     def __init__(self, tower: Any, merge: int, budget: int) -> None:
         super().__init__()
@@ -69,7 +73,10 @@ class CachedVisionTower(nn.Module):  # type: ignore[misc,name-defined]
         if disk.enabled:
             self.disk = disk
 
-    def __call__(self, pixels: mx.array, grid_thw: mx.array, **kwargs: Any) -> Any:
+    def __call__(self, pixels: mx.array, grid_thw: Any = None, **kwargs: Any) -> Any:
+        if self.merge == 0:
+            args = () if grid_thw is None else (grid_thw,)
+            return self._batch(pixels, *args, **kwargs)
         rows = cast("list[list[int]]", grid_thw.tolist())
         grids = [tuple(int(v) for v in row) for row in rows]
         sizes = [t * h * w for t, h, w in grids]
@@ -101,6 +108,26 @@ class CachedVisionTower(nn.Module):  # type: ignore[misc,name-defined]
             for layer in range(len(found[0][1]))
         ]
         return features, deep
+
+    def _batch(self, pixels: mx.array, *args: Any, **kwargs: Any) -> Any:
+        """A batch tower's call: its images one by one along the first axis."""
+        keys = [_key(pixels[i], ()) for i in range(pixels.shape[0])]
+        parts = [self._find(key, 1) for key in keys]
+        missing = [i for i, part in enumerate(parts) if part is None]
+        self.held.hits += len(keys) - len(missing)
+        self.held.misses += len(missing)
+        if missing:
+            index = mx.array(missing, dtype=mx.int32)
+            features = self.tower(pixels[index], *args, **kwargs)[0]
+            mx.eval(features)
+            for n, i in enumerate(missing):
+                parts[i] = (features[n : n + 1], None)
+                self._hold(keys[i], (features[n : n + 1], None))
+                if self.disk is not None:
+                    self.disk.save_image(keys[i], (features[n : n + 1], None))
+        found = cast("list[Output]", parts)
+        # Gemma 3's three outputs; it reads only the first.
+        return mx.concatenate([f for f, _ in found]), None, None
 
     def _find(self, key: bytes, rows: int) -> Output | None:
         """An image's outputs, held or (then held) on disk; None: neither."""
@@ -165,9 +192,12 @@ def install(model: Any, budget: int) -> CachedVisionTower | None:
     config = model.config
     tower = getattr(model, "vision_tower", None)
     merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", 0)
-    if budget <= 0 or tower is None or not merge:
+    family = getattr(config, "model_type", None)
+    if budget <= 0 or tower is None:
         return None
-    if getattr(config, "model_type", None) not in _GRID_TOWERS:
+    if family in _BATCH_TOWERS:
+        merge = 0  # a batch tower's: no grid
+    elif family not in _GRID_TOWERS or not merge:
         return None
     cached = CachedVisionTower(tower, int(merge), budget)
     model.vision_tower = cached

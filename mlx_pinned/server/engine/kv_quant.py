@@ -21,7 +21,6 @@ __all__ = [
     "bytes_per_token",
     "check_quantizable",
     "held_bytes",
-    "kv_length",
     "single_caches",
     "to_batch",
 ]
@@ -125,12 +124,6 @@ def to_batch(layer: Any) -> Any:
         # mlx-vlm's own conversion: the packed keys as they are, no rounding.
         return layer.prefix_cache_merge([layer], [layer.offset])
     return type(layer).merge([layer])
-
-
-def kv_length(part: Any) -> int:
-    """Tokens in one layer's keys (an array, or quantized parts)."""
-    first = part[0] if isinstance(part, tuple) else part
-    return int(first.shape[2])
 
 
 def _parts(value: Any) -> list[mx.array]:

@@ -10,6 +10,9 @@ __all__ = ["PrefillPacer"]
 # The fewest tokens a paced chunk has: below it, a pass costs more for its
 # own overhead than its tokens save.
 MIN_CHUNK = 64
+#: While nobody waits on a chunk, it takes this many times the budget: a
+#: prompt that arrives meanwhile waits at most that long for its turn.
+IDLE = 2
 
 
 class PrefillPacer:
@@ -29,16 +32,18 @@ class PrefillPacer:
         self.per_token: float | None = None
 
     def tokens(self, *, decoding: bool) -> int:
-        """The next chunk's size; ``decoding``: whether rows wait on it."""
-        if self.budget is None or not decoding:
+        """The next chunk's size; ``decoding``: whether rows (or a prompt that
+        ends in the step) wait on it, else it takes :data:`IDLE` budgets."""
+        if self.budget is None:
             return self.cap
         if self.per_token is None:
             return min(self.cap, MIN_CHUNK)
-        return max(MIN_CHUNK, min(self.cap, int(self.budget / self.per_token)))
+        seconds = self.budget * (1 if decoding else IDLE)
+        return max(MIN_CHUNK, min(self.cap, int(seconds / self.per_token)))
 
     def spent(self, seconds: float) -> bool:
         """Whether a step's prefill that took ``seconds`` is all it may have while
-        rows wait on it."""
+        something waits on it."""
         return self.budget is not None and seconds >= self.budget
 
     def observe(self, tokens: int, seconds: float) -> None:

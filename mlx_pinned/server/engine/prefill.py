@@ -12,7 +12,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from .kv_quant import KVQuant, batch_layer, kv_length, single_caches, to_batch
+from .checkpoints import Prefix, restore
+from .kv_quant import KVQuant, batch_layer, single_caches, to_batch
 from .model import LoadedModel
 from .model_inputs import MEDIA_TOKENS, Prepared
 from .prompt_scores import PromptScores, Scoring
@@ -137,16 +138,16 @@ class ChunkedPrefill:
     """One prompt's prefill with mlx-vlm's single-stream operations, a chunk per
     :meth:`advance`, so the batch decodes between a long prompt's chunks.
 
-    ``prefix``: per layer, the keys and values of the prompt's first tokens
-    (from the prompt cache); only the tokens after them run. A prompt not of
-    :func:`batchable`'s kind runs its last token too, into ``logits``.
+    ``prefix``: the prompt's first tokens from the prompt cache; only the
+    tokens after them run. A prompt not of :func:`batchable`'s kind runs its
+    last token too, into ``logits``.
     """
 
     def __init__(
         self,
         loaded: LoadedModel,
         prepared: Prepared,
-        prefix: Sequence[tuple[mx.array, mx.array]] = (),
+        prefix: Prefix | None = None,
         step: int = PREFILL_STEP,
         quant: KVQuant | None = None,
     ) -> None:
@@ -167,20 +168,25 @@ class ChunkedPrefill:
         self.embeds, self.ids = embedded.inputs_embeds, ids
         self.cache = single_caches(self.lm, quant)
         self._ran = 0  # prompt tokens run so far
+        self.reused = 0 if prefix is None else prefix.length
         self._scoring = None
         if prepared.scored is not None:
-            assert not prefix, "a scored prompt is prefilled whole"
+            assert prefix is None or not prefix.length, "a scored prompt is whole"
             self._scoring = Scoring(ids, prepared.scored)
-        if prefix:
-            reused = kv_length(prefix[0][0])
-            for layer, (keys, values) in zip(self.cache, prefix, strict=True):
-                layer.keys, layer.values, layer.offset = keys, values, reused
+        if prefix is not None and prefix.length:
+            restore(self.cache, prefix)
+            reused = prefix.length
             self.embeds, self.ids = self.embeds[:, reused:], self.ids[:, reused:]
 
     @property
     def left(self) -> int:
         """Prompt tokens not yet run."""
         return int(self.embeds.shape[1])
+
+    @property
+    def position(self) -> int:
+        """Prompt tokens its cache holds."""
+        return self.reused + self._ran
 
     def advance(self, tokens: int | None = None) -> Prefilled | None:
         """Run the next chunk, of ``tokens`` at most (``step`` by default); the

@@ -14,6 +14,17 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import numpy as np
 
+from .checkpoints import (
+    Layer,
+    Marks,
+    Part,
+    Prefix,
+    State,
+    StateCheck,
+    no_states,
+    tree_arrays,
+)
+
 if TYPE_CHECKING:
     from PIL import Image
 
@@ -31,9 +42,6 @@ __all__ = [
 ]
 
 Key = np.ndarray[Any, np.dtype[np.int64]]
-#: One layer's keys or values, (1, H, T, D): an array, or under ``kv_bits``
-#: the tuple ``mx.quantize`` makes (packed values, scales, biases).
-Part = Any
 
 
 def image_hash(image: Image.Image) -> int:
@@ -114,9 +122,37 @@ class CacheStatistics:
 
 @dataclass(eq=False)
 class _Entry:
+    """A key's KV, and where a model keeps more than KV, its other layers'
+    states at some of the key's positions (``marks``): the only positions a
+    lookup may resume at then. An entry of a plain KV model has no marks and
+    is cut at any token."""
+
     key: Key
-    layers: list[tuple[Part, Part]]  # (1, H, T, D) keys and values
-    nbytes: int
+    kv: list[tuple[Part, Part] | None]  # (1, H, T, D) keys and values; None: a state
+    marks: Marks  # a position's states (None: a KV layer)
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(_nbytes(k) + _nbytes(v) for k, v in filter(None, self.kv))
+        states = (s for layers in self.marks.values() for s in layers)
+        self.nbytes += sum(s.nbytes for s in states if s is not None)
+
+    def usable(self, common: int) -> int:
+        """The most of its first ``common`` tokens a lookup can resume at."""
+        if all(layer is not None for layer in self.kv):
+            return common
+        return max((at for at in self.marks if at <= common), default=0)
+
+    def prefix(self, length: int) -> Prefix:
+        layers: list[Layer] = []
+        for i, kv in enumerate(self.kv):
+            if kv is None:
+                state = self.marks[length][i]
+                assert state is not None
+                layers.append(state)
+            else:
+                layers.append((_cut(kv[0], length), _cut(kv[1], length)))
+        return Prefix(length, layers)
 
 
 class PromptCache:
@@ -129,6 +165,9 @@ class PromptCache:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._bytes = 0
         self.hits = self.misses = self.reused_tokens = 0
+        #: Raises ValueError for a state from disk (of layer ``index``, at
+        #: ``position``) the model's layer cannot take; set by its batch.
+        self.check: StateCheck = no_states
 
     @property
     def enabled(self) -> bool:
@@ -150,55 +189,80 @@ class PromptCache:
             self.budget,
         )
 
-    def lookup(self, key: Key, limit: int) -> tuple[list[tuple[Part, Part]], int]:
-        """The longest reusable prefix of ``key``, at most ``limit`` tokens: per
-        layer ``(keys, values)`` cut to it, and its length (0: none)."""
+    def longest(self, key: Key, limit: int) -> int:
+        """How long a prefix of ``key`` a lookup would reuse (at most ``limit``
+        tokens), counted nowhere and loaded from nowhere."""
+        length = self._best(key, limit)[1]
+        if self.disk is not None:
+            length = max(length, self.disk.best(key, limit)[1])
+        return length
+
+    def _best(self, key: Key, limit: int) -> tuple[_Entry | None, int]:
         best: _Entry | None = None
         length = 0
         for entry in self._entries.values():
-            common = common_prefix(entry.key, key, limit, length)
-            if common > length:
-                best, length = entry, common
+            usable = entry.usable(common_prefix(entry.key, key, limit, length))
+            if usable > length:
+                best, length = entry, usable
+        return best, length
+
+    def lookup(self, key: Key, limit: int) -> Prefix:
+        """The longest reusable prefix of ``key``, at most ``limit`` tokens
+        (length 0: none)."""
+        best, length = self._best(key, limit)
         if self.disk is not None:
-            name, common = self.disk.best(key, limit)
-            loaded = self.disk.load(name) if name and common > length else None
+            name, usable = self.disk.best(key, limit)
+            loaded = None
+            if name is not None and usable > length:
+                loaded = self.disk.load(name, self.check)
             if loaded is not None:
-                best, length = self._hold(*loaded), common
+                best, length = self._hold(_Entry(*loaded)), usable
         if best is None or length == 0:
             self.misses += 1
-            return [], 0
+            return Prefix(0, [])
         if id(best) in self._entries:  # not one from disk past the budget
             self._entries.move_to_end(id(best))
         self.hits += 1
         self.reused_tokens += length
-        return [(_cut(k, length), _cut(v, length)) for k, v in best.layers], length
+        return best.prefix(length)
 
-    def store(self, key: Key, layers: Sequence[tuple[Part, Part]]) -> None:
-        """Hold per layer the keys and values of ``key``'s tokens; entries whose
-        keys are a prefix of ``key`` go (this one serves their lookups)."""
+    def store(self, key: Key, layers: Sequence[Layer], *, disk: bool = True) -> None:
+        """Hold each layer of ``key``'s tokens (keys and values, or a state at
+        its end); entries whose keys are a prefix of ``key`` go (this one
+        serves their lookups: their states are kept in it). ``disk``: written
+        to the disk tier too."""
         if not self.enabled or not len(key):
             return
-        cut = [(_cut(k, len(key), True), _cut(v, len(key), True)) for k, v in layers]
-        mx.eval(cut)
-        nbytes = sum(_nbytes(k) + _nbytes(v) for k, v in cut)
-        if nbytes > self.budget:
+        tokens = len(key)
+        kv = [
+            None
+            if isinstance(layer, State)
+            else (_cut(layer[0], tokens, True), _cut(layer[1], tokens, True))
+            for layer in layers
+        ]
+        states = [layer if isinstance(layer, State) else None for layer in layers]
+        marks = {tokens: states} if any(states) else {}
+        mx.eval(kv, [tree_arrays(state.payload) for state in states if state])
+        entry = _Entry(key.copy(), kv, marks)
+        if entry.nbytes > self.budget:
             return
-        self._hold(key, cut)
-        if self.disk is not None:
-            self.disk.save(key, cut)
+        self._hold(entry)
+        if disk and self.disk is not None:
+            self.disk.save(entry.key, entry.kv, entry.marks)
 
-    def _hold(self, key: Key, cut: list[tuple[Part, Part]]) -> _Entry:
-        """Keep the evaluated ``cut`` under ``key``; its prefixes and the oldest
-        past the budget go."""
-        nbytes = sum(_nbytes(k) + _nbytes(v) for k, v in cut)
-        if nbytes > self.budget:  # one from disk: served, not held
-            return _Entry(key, cut, nbytes)
-        for entry_id, entry in list(self._entries.items()):
-            if is_prefix(entry.key, key):
+    def _hold(self, entry: _Entry) -> _Entry:
+        """Keep the evaluated ``entry``; its prefixes go (their states kept in
+        it), and the oldest past the budget."""
+        if entry.nbytes > self.budget:  # one from disk: served, not held
+            return entry
+        for entry_id, other in list(self._entries.items()):
+            if is_prefix(other.key, entry.key):
                 self._drop(entry_id)
-        entry = _Entry(key.copy(), cut, nbytes)
+                if entry.marks:
+                    entry.marks = {**other.marks, **entry.marks}
+        entry.__post_init__()  # its bytes, with the states it took
         self._entries[id(entry)] = entry
-        self._bytes += nbytes
+        self._bytes += entry.nbytes
         while self._bytes > self.budget:
             self._drop(next(iter(self._entries)))
         return entry

@@ -28,8 +28,13 @@ import mlx.core as mx
 import numpy as np
 
 from . import disk_format
+from .checkpoints import Marks, StateCheck, encode, no_states
 from .image_cache import Output as ImageOutput
 from .prompt_cache import common_prefix, is_prefix
+
+#: A prompt cache entry as the tier hands it over: its key, its KV layers
+#: (None: a layer kept as a state) and its states at each position.
+Entry = tuple[Any, list[tuple[Any, Any] | None], Marks]
 
 __all__ = ["DiskTier"]
 
@@ -45,6 +50,7 @@ IMAGE_SUFFIX = ".img"
 class _File:
     key: np.ndarray[Any, np.dtype[np.int64]] | None  # None: an image's
     nbytes: int
+    marks: tuple[int, ...] = ()  # where its states are (none: cut anywhere)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +95,8 @@ class DiskTier:
         return self._bytes
 
     def best(self, key: Any, limit: int) -> tuple[str | None, int]:
-        """The prompt cache file whose key shares the longest prefix with
-        ``key`` (at most ``limit`` tokens), and its length (None, 0: none)."""
+        """The prompt cache file that resumes the longest prefix of ``key`` (at
+        most ``limit`` tokens), and its length (None, 0: none)."""
         found: str | None = None
         length = 0
         with self._lock:
@@ -99,30 +105,42 @@ class DiskTier:
             if file.key is None:
                 continue
             common = common_prefix(file.key, key, limit, length)
+            if file.marks:
+                common = max((at for at in file.marks if at <= common), default=0)
             if common > length:
                 found, length = name, common
         return found, length
 
-    def load(self, name: str) -> tuple[Any, list[tuple[Any, Any]]] | None:
-        """A prompt cache file's key and layers, checked (its key must be the one
-        :meth:`best` found it by); None where it is gone or fails a check."""
+    def load(self, name: str, check: StateCheck = no_states) -> Entry | None:
+        """A prompt cache file's key, KV and states, checked (its key must be the
+        one :meth:`best` found it by; ``check`` raises ValueError for a state
+        the model's layer cannot take); None where it is gone or fails a check."""
         with self._lock:
             file = self._files.get(name)
         if file is None or file.key is None:
             return None
-        layers = self._load(name, functools.partial(_layers, key=file.key))
-        return None if layers is None else (file.key, layers)
+        build = functools.partial(_entry, key=file.key, check=check)
+        return self._load(name, build)
 
-    def save(self, key: Any, layers: Sequence[tuple[Any, Any]]) -> None:
+    def save(
+        self,
+        key: Any,
+        kv: Sequence[tuple[Any, Any] | None],
+        marks: Marks | None = None,
+    ) -> None:
         """Write an entry on the writer thread; entries whose keys are a prefix of
         ``key`` go (it serves their lookups)."""
         key = np.asarray(key, dtype=np.int64).copy()
-        parts = [part for pair in layers for part in pair]
-        meta = {
-            "key": key.tobytes().hex(),
-            "parts": [len(_pieces(part)) for part in parts],
-        }
+        parts = [part for pair in kv if pair is not None for part in pair]
         arrays = [piece for part in parts for piece in _pieces(part)]
+        layers = [
+            None if pair is None else [len(_pieces(p)) for p in pair] for pair in kv
+        ]
+        states = [
+            [at, [None if s is None else encode(s.payload, arrays) for s in layer]]
+            for at, layer in sorted((marks or {}).items())
+        ]
+        meta = {"key": key.tobytes().hex(), "layers": layers, "marks": states}
         self._put(_Write(_name(key), key, meta, arrays))
 
     def load_image(self, digest: bytes, rows: int) -> ImageOutput | None:
@@ -239,7 +257,7 @@ class DiskTier:
             return
         key = item.key
         with self._lock:
-            self._files[item.name] = _File(key, nbytes)
+            self._files[item.name] = _File(key, nbytes, _marks(item.meta))
             self._bytes += nbytes
             gone: list[str] = []
             if key is not None:  # the prefixes of its key: it serves them
@@ -286,7 +304,7 @@ class DiskTier:
             except Exception as exc:  # whatever a file holds, the server starts
                 self._damaged(path, exc)
                 continue
-            self._files[path.name] = _File(key, size)
+            self._files[path.name] = _File(key, size, _marks(header))
             self._bytes += size
         for stale in self.folder.glob(".*.tmp"):  # a write cut short
             stale.unlink(missing_ok=True)
@@ -352,30 +370,29 @@ def _pieces(part: Any) -> tuple[Any, ...]:
     return part if isinstance(part, tuple) else (part,)
 
 
-def _layers(
-    header: dict[str, Any], arrays: list[mx.array], *, key: Any
-) -> list[tuple[Any, Any]]:
-    """A prompt cache entry's layers: its ``parts`` (a layer's keys, then its
-    values) of one array, or of a quantized three, each (1, H, T, D) with a
-    token per ``key`` (the key it was looked up by)."""
+def _marks(header: dict[str, Any]) -> tuple[int, ...]:
+    """Where a prompt cache file's states are, as its header says (checked
+    whole when it is loaded)."""
+    marks = header.get("marks")
+    if not isinstance(marks, list):
+        return ()
+    return tuple(m[0] for m in marks if isinstance(m, list) and m and type(m[0]) is int)
+
+
+def _entry(
+    header: dict[str, Any],
+    arrays: list[mx.array],
+    *,
+    key: Any,
+    check: StateCheck,
+) -> Entry:
+    """A prompt cache entry, looked up by ``key`` (:func:`.disk_format.layers`
+    says what its layers and states must be)."""
     found = _named_key(header, _name(key))
     if found is None or not np.array_equal(found, key):
         raise ValueError("it holds another prompt's entry than its name says")
-    counts = header.get("parts")
-    if (
-        not isinstance(counts, list)
-        or not all(type(count) is int and count > 0 for count in counts)
-        or sum(counts) != len(arrays)
-        or len(counts) % 2
-    ):
-        raise ValueError("its parts do not match its arrays")
-    if any(a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != len(key) for a in arrays):
-        raise ValueError("its arrays do not hold its key's tokens")
-    parts: list[Any] = []
-    for count in counts:
-        pieces, arrays = arrays[:count], arrays[count:]
-        parts.append(tuple(pieces) if count > 1 else pieces[0])
-    return list(zip(parts[::2], parts[1::2], strict=True))
+    kv, marks = disk_format.layers(header, arrays, len(key), check)
+    return key, kv, marks
 
 
 def _image(

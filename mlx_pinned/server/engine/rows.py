@@ -62,6 +62,7 @@ class Row:
     max_tokens: int
     sampling: SamplingParams
     needs: RowNeeds = field(default_factory=RowNeeds)
+    priority: int = 0  # its request's: lower is sooner
     prompt_tokens: int = 0
     token: int = 0
     sampled: int = 0
@@ -171,6 +172,7 @@ def make_row(
         max_tokens=max(most, 1),  # 0: one sampled, none handed out
         sampling=sampling,
         needs=needs,
+        priority=params.priority,
         prompt_tokens=prepared.prompt_tokens,
         token=prepared.last,
         prepared=prepared,

@@ -14,20 +14,16 @@ import numpy as np
 
 from ..events import GenerationParams
 from .batch_statistics import BatchStatistics, Tally
-from .decode import Decoder, Stepped, first_tokens
+from .checkpoints import checker, kinds
+from .decode import Decoder, Stepped
 from .drafting import for_predictions
 from .kv_quant import KVQuant, bytes_per_token, check_quantizable, held_bytes
 from .model import LoadedModel
 from .pacing import PrefillPacer
-from .prefill import (
-    PREFILL_STEP,
-    ChunkedPrefill,
-    Prefilled,
-    batchable,
-    prefill_together,
-)
-from .prompt_cache import Key, PromptCache
-from .quirks import plain_caches, unmask_if_unpadded
+from .prefill import PREFILL_STEP, ChunkedPrefill, Prefilled
+from .prefills import PREFILL_BATCH, Prefills, PrefillSettings, store_row
+from .prompt_cache import PromptCache
+from .quirks import unmask_if_unpadded
 from .rows import Row, make_row, media_tokens
 from .sampling import vlm
 from .step_failures import end_rows, fail_all, fail_batch
@@ -35,10 +31,7 @@ from .step_failures import end_rows, fail_all, fail_batch
 if TYPE_CHECKING:
     from PIL import Image
 
-    from .model_inputs import Prepared
-
-# Prompts prefilled together at most (mlx-vlm's default prefill batch).
-PREFILL_BATCH = 8
+__all__ = ["PREFILL_BATCH", "BatchState"]
 
 
 class BatchState:
@@ -46,6 +39,8 @@ class BatchState:
 
     Rows enter through :meth:`admit`, are prefilled and join the batch in a
     :meth:`step`, and leave through :meth:`leave` or when they are done.
+    ``checkpoint_tokens`` and ``abandoned_tokens``: as the settings
+    ``prefill_checkpoint_tokens`` and ``abandoned_prefill_tokens`` (0: off).
 
     Raises:
         SettingError: The model's cache cannot be quantized as ``kv_quant``.
@@ -59,6 +54,8 @@ class BatchState:
         exclusive: bool | None = None,
         kv_quant: KVQuant | None = None,
         prefill_seconds: float | None = None,
+        checkpoint_tokens: int = 0,
+        abandoned_tokens: int = 0,
     ) -> None:
         if kv_quant is not None:
             check_quantizable(loaded, kv_quant)
@@ -67,32 +64,50 @@ class BatchState:
         self.loaded = loaded
         # One row at a time, each prefilled alone with mlx-vlm's own caches:
         # for families the batch is not proven exact on (None: by family).
-        self.exclusive = not loaded.batches_exactly if exclusive is None else exclusive
+        alone = not loaded.batches_exactly if exclusive is None else exclusive
         self.prefill_step = prefill_step
         self.pacer = PrefillPacer(prefill_seconds, prefill_step)
         self.prompt_cache = prompt_cache or PromptCache(0)
-        # Only plain KV caches can be cut at any token and reused.
-        layers = vlm().make_prompt_cache(loaded.model.language_model)
-        self._reusable = plain_caches(layers)
-        self._media = media_tokens(loaded)
         self.lm: Any = loaded.model.language_model
+        layers = kinds(vlm().make_prompt_cache(self.lm))
+        self._reusable = layers is not None
+        self.prompt_cache.check = checker(self.lm)
+        self._media = media_tokens(loaded)
         self.rows: list[Row] = []
-        self.waiting: list[Row] = []  # admitted, not yet prefilled
+        self.tally = Tally()
+        settings = PrefillSettings(
+            prefill_step, checkpoint_tokens, abandoned_tokens, alone, kv_quant
+        )
+        states = layers is not None and not all(layers)
+        self.prefills = Prefills(
+            loaded,
+            self.prompt_cache,
+            self.pacer,
+            settings,
+            self.tally,
+            self._joined,
+            states,
+        )
         self.joining: list[tuple[list[Row], Prefilled]] = []  # prefilled
-        # Long prompts prefilled a chunk per step, oldest first.
-        self.prefilling: list[tuple[Row, ChunkedPrefill]] = []
         self.leaving: set[Row] = set()
         self.cache: list[Any] | None = None
         self.deltas: mx.array | None = None
         self.decoder = Decoder()
-        self.tally = Tally()
         self.stage = "decode"  # of the strategy's calls: what a failure hit
+
+    @property
+    def exclusive(self) -> bool:
+        """One row at a time, each prefilled alone with mlx-vlm's own caches."""
+        return self.prefills.settings.exclusive
+
+    @exclusive.setter
+    def exclusive(self, value: bool) -> None:
+        self.prefills.settings.exclusive = value
 
     def statistics(self) -> BatchStatistics:
         return self.tally.snapshot(
             active=len(self.rows) - len(self.leaving),
-            joining=len(self.waiting)
-            + len(self.prefilling)
+            joining=len(self.prefills.rows(live=True))
             + sum(not r.gone for rows, _ in self.joining for r in rows),
         )
 
@@ -103,7 +118,7 @@ class BatchState:
 
     def idle(self) -> bool:
         """Whether no row is in the batch, joining it, queued or prefilled."""
-        busy = self.rows or self.waiting or self.joining or self.prefilling
+        busy = self.rows or self.prefills or self.joining
         return not busy and self.decoder.inflight is None
 
     def ranks(self) -> tuple[int, ...]:
@@ -133,122 +148,39 @@ class BatchState:
             self.decoder.drafting = for_predictions(self.loaded)
         if self.decoder.drafting is not None:
             self.decoder.drafting.start(row)
-        self.waiting.append(row)
+        self.prefills.add(row)
         return row
 
+    @property
+    def waiting(self) -> list[Row]:
+        """Rows admitted whose prefill has not started."""
+        started = {id(row) for row, _ in self.prefills.started()}
+        return [r for r in self.prefills.rows() if id(r) not in started]
+
+    @property
+    def prefilling(self) -> list[tuple[Row, ChunkedPrefill]]:
+        """Rows prefilled a chunk per step, and their jobs."""
+        return self.prefills.started()
+
     def prefill(self) -> bool:
-        """Prefill the queued prompts, up to :data:`PREFILL_BATCH` together; a
-        failing prompt fails its own request only. Whether any of them got its
-        first token (or its error) here."""
-        waiting = [row for row in self.waiting if not row.gone]
-        self.waiting = []
-        if self.exclusive:
-            # The next row starts once no other is in the batch.
-            held = waiting if self._busy() else waiting[1:]
-            self.waiting, waiting = held, waiting[: len(waiting) - len(held)]
-        if not waiting and not self.prefilling:
+        """This step's prefill (:mod:`.prefills`); a failing prompt fails its own
+        request only. Whether any prompt got its first token (or its error)."""
+        if not self.prefills:
             return False
         start = time.perf_counter()
-        try:
-            self._start_prefill(waiting)
-            ended = self._advance_prefill(start)
-        except Exception as exc:  # no one prompt's: every prompt it held ends
-            ended = [r for r in waiting if not r.done]
-            ended += [r for r, _ in self.prefilling if r not in ended]
-            self.prefilling = []
-            end_rows(ended, "prefill", exc)
-        self.tally.prefills += len(waiting)
-        self.tally.prefill_seconds += time.perf_counter() - start
-        return any(row.pending or row.error is not None for row in [*waiting, *ended])
-
-    def _start_prefill(self, waiting: list[Row]) -> None:
-        """Prefill the short prompts of ``waiting`` together (they join), and
-        queue the others for :meth:`_advance_prefill`."""
-        step = self.prefill_step
-        prefixes: dict[Row, list[tuple[Any, Any]]] = {}
-        together: list[Row] = []
-        alone: list[Row] = []
-        for row in waiting:
-            try:
-                prefixes[row] = self._reuse(row)
-            except Exception as exc:
-                end_rows([row], "prompt cache lookup", exc)
-                continue
-            short = batchable(self.loaded, _prepared(row), step)
-            if self.exclusive or prefixes[row] or not short:
-                alone.append(row)
-            else:
-                together.append(row)
-        for i in range(0, len(together), PREFILL_BATCH):
-            rows = together[i : i + PREFILL_BATCH]
-            self.tally.prefill_passes += 1
-            try:
-                group = prefill_together(
-                    self.loaded, [_prepared(r) for r in rows], self.kv_quant
-                )
-                first_tokens(rows, group)
-            except Exception:  # find the culprit: each alone (none sampled yet)
-                alone += rows
-            else:
-                self._joined(rows, group)
-        for row in alone:
-            try:
-                job = ChunkedPrefill(
-                    self.loaded, _prepared(row), prefixes[row], step, self.kv_quant
-                )
-            except Exception as exc:
-                end_rows([row], "prefill", exc)
-                continue
-            self.prefilling.append((row, job))
-
-    def _advance_prefill(self, began: float) -> list[Row]:
-        """Run the next chunk of the oldest long prompt, then the prompts after it
-        that end within what is left of the chunk's tokens and of the step's time
-        since ``began``, up to :data:`PREFILL_BATCH`; the rows that ended here."""
-        self.prefilling = [(r, job) for r, job in self.prefilling if not r.gone]
         decoding = any(not (r.gone or r.done) for r in self.rows)
-        tokens = self.pacer.tokens(decoding=decoding)
-        ended: list[Row] = []
-        while self.prefilling:
-            row, job = self.prefilling[0]
-            left = job.left
-            # After the first, only whole prompts: their rows wait on it.
-            # At most a prefill batch's worth: each joins the batch alone
-            # (a copy of the batch's KV), in the decode step after this.
-            if ended and (
-                len(ended) == PREFILL_BATCH
-                or left > tokens
-                or self.pacer.spent(time.perf_counter() - began)
-            ):
-                break
-            self.tally.prefill_passes += 1
-            try:
-                start = time.perf_counter()
-                group = job.advance(tokens)
-                if group is None:
-                    self.pacer.observe(left - job.left, time.perf_counter() - start)
-                    return ended
-                first_tokens([row], group)
-            except Exception as exc:
-                end_rows([row], "prefill", exc)
-            else:
-                self._joined([row], group)
-            self.prefilling.pop(0)
-            ended.append(row)
-            tokens -= left
-        return ended
+        try:
+            ended = self.prefills.step(decoding=decoding, busy=self._busy())
+        except Exception as exc:  # no one prompt's: every prompt it held ends
+            ended = [r for r in self.prefills.clear() if not r.done]
+            end_rows(ended, "prefill", exc)
+        self.tally.prefill_seconds += time.perf_counter() - start
+        return any(row.pending or row.error is not None for row in ended)
 
     def _busy(self) -> bool:
         joining = [row for rows, _ in self.joining for row in rows]
         live = [r for r in (*self.rows, *joining) if r not in self.leaving]
-        return bool(self.prefilling) or any(not (r.gone or r.done) for r in live)
-
-    def held(self, row: Row) -> bool:
-        """Whether ``row`` waits for the batch to empty (``exclusive``)."""
-        return row in self.waiting
-
-    def prefilling_now(self, row: Row) -> bool:
-        return any(r is row for r, _ in self.prefilling)
+        return any(not (r.gone or r.done) for r in live)
 
     def _joined(self, rows: list[Row], group: Prefilled) -> None:
         for i, row in enumerate(rows):
@@ -256,38 +188,16 @@ class BatchState:
             if group.scores:
                 row.scores = group.scores[i]
             if row.key is not None:
-                self._store(row.key, group.cache, i)
-        self.joining.append((rows, group))
-
-    def _reuse(self, row: Row) -> list[tuple[Any, Any]]:
-        """The cached KV of the longest prefix of ``row``'s prompt but its last
-        token, which is run for its first token's logits; none for a scored
-        prompt (a cached prefix has no scores)."""
-        if row.key is None or row.sampling.prompt_logprobs is not None:
-            return []
-        prefix, row.cached = self.prompt_cache.lookup(row.key, len(row.key) - 1)
-        return prefix
-
-    def _store(self, key: Key, cache: Sequence[Any], index: int) -> None:
-        """Cache row ``index`` of a batch ``cache`` under as much of ``key`` as it
-        holds; a failure is logged, and the row goes on."""
-        try:
-            layers = [c.extract(index) for c in cache]
-            tokens = layers[0].offset
-            if 0 < tokens <= len(key):
-                parts = [(c.keys, c.values) for c in layers]
-                self.prompt_cache.store(key[:tokens], parts)
-        except Exception as exc:
-            end_rows((), "prompt cache store", exc)
+                store_row(self.prompt_cache, row.key, group.cache, i)
+        if not all(row.gone for row in rows):  # one whose client left: cached
+            self.joining.append((rows, group))
 
     def leave(self, row: Row) -> None:
         """Take ``row`` out: now if it has not joined, else at the next step."""
         row.gone = True
-        if row in self.waiting:
-            self.waiting.remove(row)
-        elif self.prefilling_now(row):
-            self.prefilling = [(r, job) for r, job in self.prefilling if r is not row]
-        elif row in self.rows:
+        if self.prefills.leave(row):
+            return
+        if row in self.rows:
             self.leaving.add(row)
             if len(self.leaving) == len(self.rows):
                 self.decoder.inflight = None  # nobody is left to read it
@@ -309,7 +219,8 @@ class BatchState:
             # starts with both.
             if row in self.leaving and row.key is not None and row.error is None:
                 answer = np.asarray(row.tokens, dtype=np.int64)
-                self._store(np.concatenate([row.key, answer]), self.cache or (), i)
+                key = np.concatenate([row.key, answer])
+                store_row(self.prompt_cache, key, self.cache or (), i)
         keep = [i for i, row in enumerate(self.rows) if row not in self.leaving]
         self.leaving.clear()
         self.decoder.bias_stale = True
@@ -424,8 +335,3 @@ class BatchState:
             tally.speculative_rows += stepped.width
             tally.draft_tokens += stepped.drafted
             tally.accepted_tokens += stepped.accepted
-
-
-def _prepared(row: Row) -> Prepared:
-    assert row.prepared is not None
-    return row.prepared

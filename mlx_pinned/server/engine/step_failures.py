@@ -66,11 +66,11 @@ def fail_all(
     """End every row of ``state`` with ``exc``, and those of the step being read
     (``reading``) that are not done."""
     held = [row for rows, _ in state.joining for row in rows]
-    held += [row for row, _ in state.prefilling]
+    held += state.prefills.clear()
     unread = [row for row in reading if not row.done]
-    for row in (*state.rows, *held, *state.waiting, *unread):
+    for row in (*state.rows, *held, *unread):
         row.error, row.done = exc, True
-    state.joining, state.waiting, state.prefilling = [], [], []
+    state.joining = []
     _empty(state)
 
 

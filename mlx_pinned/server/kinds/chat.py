@@ -67,6 +67,8 @@ KIND = Kind(
             "image_cache_bytes",
             "prefill_step_size",
             "prefill_step_seconds",
+            "prefill_checkpoint_tokens",
+            "abandoned_prefill_tokens",
             "kv_bits",
             "kv_group_size",
             "prompt_lookup_tokens",
