@@ -321,7 +321,8 @@ class TestCompletion:
     async def test_a_whole_response_wakes_the_event_loop_once(
         self, serve: Serve, max_num_seqs: int, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        # Not once per token: the events reach the loop in one batch.
+        # Not once per token: the events reach the loop in one batch (and
+        # the prompt's acceptance, which settles its charge, before them).
         wakes: list[str] = []
         wake = _waiters.LoopWaiter.wake
 
@@ -350,7 +351,7 @@ class TestCompletion:
             response = await served.chat(vision_body(24))
             held.result(0)
             assert response.json()["usage"]["completion_tokens"] == 24
-        assert len(wakes) <= 2, wakes
+        assert len(wakes) <= 3, wakes
 
     @pytest.mark.parametrize("max_num_seqs", [1, 4])
     async def test_a_stream_is_written_as_its_tokens_come(

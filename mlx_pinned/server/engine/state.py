@@ -225,6 +225,7 @@ class BatchState:
             try:
                 start = time.perf_counter()
                 group = job.advance(tokens)
+                row.prefilled = row.prompt_tokens - job.left  # progress reports
                 if group is None:
                     self.pacer.observe(left - job.left, time.perf_counter() - start)
                     return ended
