@@ -7,11 +7,15 @@ and counts only; the official SDKs read the same streams."""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -62,7 +66,8 @@ class Held:
 def serving(**settings: Any) -> Iterator[tuple[str, Any]]:
     """The tiny model served by uvicorn on a free port, in a thread."""
     settings.setdefault("heartbeat_interval", EVERY)
-    app = create_app(tiny_vlm_path(), served_model_name=MODEL, **settings)
+    model = settings.pop("model", tiny_vlm_path())
+    app = create_app(model, served_model_name=MODEL, **settings)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
@@ -366,3 +371,71 @@ async def test_prompt_progress_comes_before_the_first_token(serve: Any) -> None:
 
 def _data(text: str) -> list[str]:
     return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heartbeats", [True, False])
+def test_claude_code_waits_out_a_long_prefill(
+    heartbeats: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Its first request's prefill is held for twice its API_TIMEOUT_MS: with
+    # heartbeats its headers came at once, so it waits and asks once; without,
+    # it gives up on the first request (the server logs a 499) and retries.
+    from .test_anthropic_messages import CLAUDE, ending_model
+
+    assert CLAUDE.exists(), f"install Claude Code as .ci/run does: {CLAUDE}"
+    timeout_ms = 4000
+    model = ending_model(tmp_path / "ending")
+    lines: list[str] = []
+    handler = _Lines(lines)
+    logger = logging.getLogger("mlx_pinned.server")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    settings = {"heartbeat_interval": 1.0 if heartbeats else 0}
+    try:
+        with serving(
+            model=model, max_tokens_limit=32000, request_timeout=600, **settings
+        ) as (url, app):
+            held = Held(monkeypatch, app)
+            timer = threading.Timer(2 * timeout_ms / 1000, held.release)
+            timer.start()
+            env = {
+                "PATH": os.environ["PATH"],
+                "HOME": str(tmp_path),
+                "ANTHROPIC_BASE_URL": url,
+                "ANTHROPIC_API_KEY": "x",
+                "API_TIMEOUT_MS": str(timeout_ms),
+                "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256",
+            }
+            command = [str(CLAUDE), "-p", "hi", "--model", MODEL, "--bare"]
+            done = subprocess.run(
+                [*command, "--tools", "Read"],
+                env=env,
+                cwd=tmp_path,
+                capture_output=True,
+                timeout=100,
+                check=False,
+            )
+            timer.cancel()
+            held.release()
+            assert held.entered.is_set()
+    finally:
+        logger.removeHandler(handler)
+    assert done.returncode == 0, done.stdout + done.stderr
+    posts = [line for line in lines if "POST /v1/messages" in line]
+    if heartbeats:
+        assert posts, lines
+        assert all(" 200 " in line for line in posts), posts
+    else:
+        gave_up = [line for line in posts if " 499 " in line]
+        assert gave_up, posts
+        assert len(posts) > len(gave_up)  # and a retry answered
+
+
+class _Lines(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__(logging.INFO)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
