@@ -2,7 +2,8 @@
 
 Each system is started in turn on the same model folder (the tiny Qwen3-VL
 of ``mlx_pinned.testing`` by default; ``--families`` runs each family
-given; ``--size bench`` their bench models, ``--size tiny,bench`` both). Per round, a conversation of ``--turns`` turns (4): a system prompt
+given; ``--size bench`` their bench models, ``--size tiny,bench`` both).
+Per round, a conversation of ``--turns`` turns (4): a system prompt
 (``--system-repeats`` times a paragraph of ~520 tokens: 4 is ~2,100) and
 one image with a first question, then follow-ups; every turn sends the whole
 history (the server's own earlier answers included), as chat clients do,
@@ -307,8 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     # names where more than one family or size runs.
     models = {
         " ".join(
-            ([family] if args.families else [])
-            + ([size] if len(args.size) > 1 else [])
+            ([family] if args.families else []) + ([size] if len(args.size) > 1 else [])
         ): args.model or str(model_path(size, family))
         for family in families
         for size in args.size

@@ -135,6 +135,13 @@ class ServerConfig:
     """seconds a streamed answer waits at least between two writes (the first
     token goes out at once), so tokens that come faster go out together; `0`: a
     write each time a token is in"""
+    heartbeat_interval: float = setting(5.0, duration(finite=True))
+    """seconds between the keep-alives of a streamed answer that waits for its
+    first token (its turn, its prefill): Anthropic's `ping`, an SSE comment on
+    the OpenAI doors. Its status and opening event go out once the model took
+    its prompt, or this long after it was admitted
+    ([first bytes](deployment.md#long-prompts-first-bytes-and-keep-alives)).
+    `0`: none, the status with the first token"""
     write_timeout: float | None = setting(60.0, _LIMIT)
     """seconds a client may go without reading while its answer has more to send;
     past it its connection is closed, and its generation if it still runs. `0`:

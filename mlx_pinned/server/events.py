@@ -33,6 +33,7 @@ __all__ = [
     "GenerationParams",
     "Grammar",
     "PromptLogprob",
+    "PromptProgress",
     "SamplingParams",
     "TokenEvent",
     "TokenLogprobs",
@@ -273,6 +274,20 @@ class FinalEvent:
 Event = TokenEvent | FinalEvent
 
 
+@dataclass(frozen=True, slots=True)
+class PromptProgress:
+    """Where a prompt's prefill stands, as llama.cpp's ``prompt_progress``
+    says it: of its ``total`` tokens (images included), ``cached`` came from
+    the prompt cache and ``processed`` (those included) are in its KV,
+    ``seconds`` after the engine took it. Not an :data:`Event`: a stream
+    hands them out apart (:meth:`EventStream.accepted`)."""
+
+    total: int
+    cached: int
+    processed: int
+    seconds: float
+
+
 class EventSource(Protocol):
     """What an :class:`EventStream` reads: the engine's per-row stream (which
     also has ``flowing``) or an ``MLXThread.iterate`` stream of events."""
@@ -329,6 +344,20 @@ class EventStream:
         async for event in self:
             yield (event,)
 
+    async def accepted(self) -> PromptProgress | None:
+        """Wait until the engine took the generation (its prompt built and
+        checked) and give its first progress; None where it refused it (the
+        events raise why) or its source reports no progress."""
+        accepted = getattr(self._inner, "accepted", None)
+        return None if accepted is None else await accepted()
+
+    def prefill(self) -> AsyncGenerator[PromptProgress, None]:
+        """Each new progress of the prompt's prefill, until its first event
+        (a token, the end or an error) is in; none from a source that
+        reports none."""
+        prefill = getattr(self._inner, "prefill", None)
+        return _nothing() if prefill is None else prefill()
+
     async def aclose(self) -> None:
         """Take the generation out, and wait until it is out."""
         await self._inner.aclose()
@@ -338,6 +367,11 @@ class EventStream:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+async def _nothing() -> AsyncGenerator[PromptProgress, None]:
+    return
+    yield
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ __all__ = [
     "ImagesUnsupportedError",
     "InvalidGrammarError",
     "MediaRefusedError",
+    "MemoryBusyError",
     "ModelLoadFailedError",
     "ModelMemoryBudgetError",
     "ModelNotLoadedError",
@@ -111,6 +112,28 @@ class OverloadedError(UnavailableError):
             retry_after=retry_after,
         )
         self.waiting = waiting
+
+
+class MemoryBusyError(OverloadedError):
+    """A request's ``need`` bytes do not fit the memory budget
+    (``max_kv_bytes``): now (its running neighbours hold the rest), or
+    ever (``alone``)."""
+
+    def __init__(
+        self, need: int, budget: int, *, retry_after: int, alone: bool
+    ) -> None:
+        UnavailableError.__init__(
+            self,
+            f"The request needs {need} bytes of memory (its KV and images), more "
+            f"than this server's budget of {budget} bytes (--max-kv-bytes): "
+            "shorten the prompt, lower max_tokens or send fewer images."
+            if alone
+            else "The server is busy: the requests it runs hold its memory budget "
+            f"of {budget} bytes (--max-kv-bytes); retry shortly.",
+            "server_busy",
+            retry_after=retry_after,
+        )
+        self.waiting = 0
 
 
 class ModelNotLoadedError(UnavailableError):

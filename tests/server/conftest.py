@@ -137,9 +137,11 @@ async def drive(
     """Call the ASGI app directly, as a server would; the client leaves after
     ``disconnect_after`` body chunks, or when ``leave`` is set; after the
     first body chunk it stops reading until ``hold`` is set. ``started`` is set
-    once the first body chunk was sent. With ``stall_start`` the first status
-    line's send never returns (a client that reads nothing pauses the
-    server's writes) and is not recorded; ``stalled`` is set once it waits."""
+    once the first body chunk was sent. A stream's opening alone (its role
+    chunk, sent before the first token) is recorded and not counted. With
+    ``stall_start`` the first status line's send never returns (a client
+    that reads nothing pauses the server's writes) and is not recorded;
+    ``stalled`` is set once it waits."""
     raw = json.dumps(body).encode()
     sent: list[bytes] = []
     status = 0
@@ -166,17 +168,25 @@ async def drive(
             status = message["status"]
         elif message["type"] == "http.response.body":
             sent.append(message.get("body", b""))
+            if not counted(sent):
+                return
             if started is not None:
                 started.set()
             if hold is not None:
                 await hold.wait()
-            if disconnect_after is not None and len(sent) >= disconnect_after:
+            if disconnect_after is not None and counted(sent) >= disconnect_after:
                 leave.set()
             if not message.get("more_body", False):
                 leave.set()
 
     await app(post_scope(path), receive, send)
     return status, sent
+
+
+def counted(sent: list[bytes]) -> int:
+    """The body chunks of ``sent``, its stream's opening alone left out."""
+    opening = sent[0].count(b"data: ") == 1 and b'"role":"assistant"' in sent[0]
+    return len(sent) - bool(sent and opening and b'"content":""' in sent[0])
 
 
 async def until(condition: Callable[[], bool]) -> None:

@@ -17,7 +17,12 @@ from typing import Any
 from mlx_pinned.server.engine import BatchEngine
 from mlx_pinned.server.engine.answers import Item, Outputs, Request
 from mlx_pinned.server.engine.loop import BatchLoop
-from mlx_pinned.server.events import Event, FinalEvent, GenerationParams
+from mlx_pinned.server.events import (
+    Event,
+    FinalEvent,
+    GenerationParams,
+    PromptProgress,
+)
 
 __all__ = ["generate_inline"]
 
@@ -32,7 +37,8 @@ class _Inline:
     def route(self, outputs: Outputs) -> None:
         for request, items, _ in outputs:
             if request in self.items:
-                self.items[request].extend(items)
+                events = (i for i in items if not isinstance(i, PromptProgress))
+                self.items[request].extend(events)
 
 
 _inline: weakref.WeakKeyDictionary[BatchLoop, _Inline] = weakref.WeakKeyDictionary()

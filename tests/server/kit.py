@@ -546,6 +546,25 @@ class _AsyncSDKClient(openai.DefaultAsyncHttpxClient):
                 asyncio.get_running_loop().create_task(self.aclose())
 
 
+# Claude Code as .ci/run installs it (in the venv's npm folder).
+CLAUDE = Path(sys.prefix) / "npm" / "node_modules" / ".bin" / "claude"
+
+
+def ending_model(folder: Path) -> Path:
+    """A copy of the tiny model whose ordinary tokens all end the turn."""
+    from mlx_pinned.testing import tiny_vlm_path
+
+    shutil.copytree(tiny_vlm_path(), folder)
+    vocab = json.loads((folder / "tokenizer.json").read_text())
+    special = {t["id"] for t in vocab["added_tokens"]}
+    ordinary = sorted(set(vocab["model"]["vocab"].values()) - special)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((folder / name).read_text())
+        config["eos_token_id"] = ordinary
+        (folder / name).write_text(json.dumps(config))
+    return folder
+
+
 READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 
 

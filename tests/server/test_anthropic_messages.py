@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from mlx_pinned.server.http.errors import APIError, timed_out
 from mlx_pinned.server.http.routes import APIKeyMiddleware, ErrorEdge
 from mlx_pinned.testing import image_data_uri, tiny_vlm_path
 
-from .kit import running
+from .kit import CLAUDE, ending_model, running
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,7 +46,6 @@ MODEL = "tiny"
 # token), so Claude Code's turn ends as a real one does.
 ENDING = "tiny-ending"
 #: Where .ci/run installs Claude Code (npm --prefix .venv/npm).
-CLAUDE = Path(sys.prefix) / "npm" / "node_modules" / ".bin" / "claude"
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city.",
@@ -87,19 +85,6 @@ class Server:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers = {"content-type": "application/json"}
         return httpx.post(self.url + path, content=content, headers=headers, timeout=60)
-
-
-def ending_model(folder: Path) -> Path:
-    """A copy of the tiny model whose ordinary tokens all end the turn."""
-    shutil.copytree(tiny_vlm_path(), folder)
-    vocab = json.loads((folder / "tokenizer.json").read_text())
-    special = {t["id"] for t in vocab["added_tokens"]}
-    ordinary = sorted(set(vocab["model"]["vocab"].values()) - special)
-    for name in ("config.json", "generation_config.json"):
-        config = json.loads((folder / name).read_text())
-        config["eos_token_id"] = ordinary
-        (folder / name).write_text(json.dumps(config))
-    return folder
 
 
 @pytest.fixture(scope="module")

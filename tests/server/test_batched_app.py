@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import pytest
 
-from mlx_pinned.server.http.served_models import BatchGate
+from mlx_pinned.server.http.gate import Place
 
 from .conftest import drive, vision_body
 from .kit import Serve, logprobs
@@ -62,17 +60,16 @@ class TestBatchedApp:
     async def test_max_num_seqs_bounds_the_batch(
         self, serve: Serve, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        # Counted as each request enters, not sampled.
+        # Counted as each request gets its turn, not sampled.
         held: list[int] = []
-        turn = BatchGate.turn
+        turn = Place.turn
 
-        @asynccontextmanager
-        async def counted(gate: BatchGate, priority: int = 0) -> AsyncIterator[None]:
-            async with turn(gate, priority):
-                held.append(gate.active)
-                yield
+        async def counted(place: Place) -> None:
+            await turn(place)
+            assert place.room is not None
+            held.append(place.room.gate.active)
 
-        monkeypatch.setattr(BatchGate, "turn", counted)
+        monkeypatch.setattr(Place, "turn", counted)
         async with serve(max_num_seqs=2) as served:
 
             async def one(index: int) -> None:

@@ -18,6 +18,7 @@ from ..events import (
     FinishReason,
     GenerationParams,
     PromptLogprob,
+    PromptProgress,
     TokenEvent,
     TokenLogprobs,
 )
@@ -41,8 +42,9 @@ __all__ = [
     "TextDecoder",
 ]
 
-#: What a request reads: an event, or the error that ends its generation.
-Item = Event | BaseException
+#: What a request reads: an event, its prompt's progress (apart from the
+#: events), or the error that ends its generation.
+Item = Event | PromptProgress | BaseException
 
 
 class RowAnswer:
@@ -70,6 +72,23 @@ class RowAnswer:
         self._start = start
         self._first_token_at: float | None = None
         self._completion = 0
+        self._reported: tuple[int, int] | None = None  # (cached, processed)
+
+    def progress(self) -> PromptProgress | None:
+        """Its prompt's progress where it moved since the last call (the
+        first call: where it starts); None once its first token was
+        reported as the prompt's end."""
+        row, last = self.row, self._reported
+        total = row.prompt_tokens
+        if last is not None and last[1] == total:
+            return None
+        began = bool(row.pending) or row.done
+        now = (row.cached, total if began else max(row.cached, row.prefilled))
+        if now == last:
+            return None
+        self._reported = now
+        seconds = time.perf_counter() - self._start
+        return PromptProgress(total, now[0], now[1], seconds)
 
     def read(self) -> tuple[list[Item], bool]:
         """The events of the tokens sampled since the last read, and whether the

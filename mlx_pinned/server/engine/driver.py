@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 import anyio
 import sniffio
 
-from ..events import Event, EventStream, FinalEvent, GenerationParams
+from ..events import Event, EventStream, FinalEvent, GenerationParams, PromptProgress
 from .answers import Item, Outputs, Request
 
 if TYPE_CHECKING:
@@ -78,18 +78,28 @@ _ALL = 1 << 30
 class RowOutput:
     """One request's items on their way from the driver to its reader.
     Event loop only. The reader wakes when as many items as it asked for
-    are in, or the answer ended."""
+    are in, or the answer ended; its prompt's progress is kept apart (the
+    latest), and wakes who waits for it."""
 
     def __init__(self) -> None:
-        self._items: deque[Item] = deque()
+        self._items: deque[Event | BaseException] = deque()
         self._ended = False
         self._want = 1
         self._ready: anyio.Event | None = None
         self._gone: anyio.Event | None = None
+        self._moved: anyio.Event | None = None  # set by any item
         self.gone = False  # the loop holds no row of it
+        self.progress: PromptProgress | None = None
 
     def put(self, items: tuple[Item, ...], *, gone: bool) -> None:
-        self._items.extend(items)
+        moved = self._moved
+        if moved is not None and (items or gone):
+            self._moved = None
+            moved.set()
+        if len(items) == 1 and isinstance(items[0], PromptProgress):
+            self.progress = items[0]  # the loop hands each out alone
+            items = ()
+        self._items.extend(cast("tuple[Event | BaseException, ...]", items))
         if any(isinstance(i, (FinalEvent, BaseException)) for i in items):
             self._ended = True
         if gone:
@@ -100,6 +110,28 @@ class RowOutput:
         if ready is not None and (self._ended or len(self._items) >= self._want):
             self._ready = None
             ready.set()
+
+    async def accepted(self) -> PromptProgress | None:
+        """The first progress, once the loop took the request; None if an
+        event or the end came first (a refusal: the events raise it)."""
+        while self.progress is None and not (self._items or self._ended):
+            self._moved = moved = anyio.Event()
+            await moved.wait()
+        return self.progress
+
+    async def prefill(self) -> AsyncGenerator[PromptProgress, None]:
+        """Each new progress, until the first event (or the end) is in."""
+        seen: PromptProgress | None = None
+        while True:
+            if self.progress is not seen:
+                seen = self.progress
+                assert seen is not None
+                yield seen
+            if self._items or self._ended:
+                return
+            if self.progress is seen:
+                self._moved = moved = anyio.Event()
+                await moved.wait()
 
     async def take(self, n: int, least: int | None = None) -> tuple[Event, ...]:
         """Up to ``n`` events, once ``least`` (``n`` by default) are in or
@@ -189,6 +221,25 @@ class RowStream:
             return await self._output.take(n, least)
         except BaseException:
             self._loop.close(self._request)  # cancelled, or its error
+            raise
+
+    async def accepted(self) -> PromptProgress | None:
+        """As :meth:`RowOutput.accepted`; cancelled, it takes the row out."""
+        try:
+            return await self._output.accepted()
+        except BaseException:
+            self._loop.close(self._request)
+            raise
+
+    async def prefill(self) -> AsyncGenerator[PromptProgress, None]:
+        """As :meth:`RowOutput.prefill`; cancelled, it takes the row out."""
+        try:
+            async for progress in self._output.prefill():
+                yield progress
+        except GeneratorExit:  # its reader stopped early: no cancellation
+            raise
+        except BaseException:
+            self._loop.close(self._request)
             raise
 
     async def aclose(self) -> None:

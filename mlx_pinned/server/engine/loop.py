@@ -65,6 +65,7 @@ class BatchLoop:
         self._submitted = 0  # by the submitting side (the event loop)
         self._taken = 0  # admissions taken by a turn (MLX thread)
         self._requests: list[Request] = []  # admitted (MLX thread only)
+        self._handed_early = False  # the last turn handed out, and did not step
 
     # -- the inbox (any thread) -------------------------------------------------
 
@@ -103,8 +104,14 @@ class BatchLoop:
 
     def turn(self) -> Outputs:
         """One turn: leave, admit, step, hand out (docs/engine.md). Each
-        request's new items, and whether the loop holds no row of it now."""
+        request's new items, and whether the loop holds no row of it now.
+        Admissions and leaves are handed out before the step, which a long
+        prompt's prefill may make long (every other turn at most)."""
         outputs = self.take_commands()
+        if outputs and not self._handed_early:
+            self._handed_early = True
+            return outputs
+        self._handed_early = False
         if not self.state.idle():
             try:
                 self.state.step()
@@ -164,12 +171,19 @@ class BatchLoop:
             outputs.append((request, (exc,), True))
             return
         request.row = row
-        request.answer = RowAnswer(self.state.loaded, params, row, start)
+        request.answer = answer = RowAnswer(self.state.loaded, params, row, start)
         self._requests.append(request)
+        taken = answer.progress()  # its first: the request was taken
+        outputs.append((request, () if taken is None else (taken,), False))
 
     def _hand_out(self, request: Request, outputs: Outputs) -> None:
         answer = request.answer
         assert answer is not None
+        # Before ``read`` takes its first token; a whole answer's reader
+        # wants none past its acceptance.
+        progress = None if request.whole else answer.progress()
+        if progress is not None:
+            outputs.append((request, (progress,), False))
         try:
             items, ended = answer.read()
         except Exception as exc:  # a tokenizer's failure ends its request only

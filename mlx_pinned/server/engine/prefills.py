@@ -321,6 +321,7 @@ class Prefills:
                 tokens = min(tokens, stop - at)
             start = time.perf_counter()
             group = job.advance(max(tokens, 1))
+            row.prefilled = job.position  # progress reports
             if group is None:
                 self.pacer.observe(job.position - at, time.perf_counter() - start)
                 if job.position == stop:

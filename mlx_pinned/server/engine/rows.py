@@ -57,6 +57,8 @@ class Row:
         acceptance: Its running share of drafts kept (:mod:`.drafting`).
         rest: How many tokens it last rested from drafting, and
             ``rests_until`` its ``sampled`` count when it drafts again.
+        prefilled: Prompt tokens in its KV so far (cached ones included),
+            as its prefill last left it: its request's progress reports.
     """
 
     max_tokens: int
@@ -88,6 +90,7 @@ class Row:
     acceptance: float = 1.0
     rest: int = 0
     rests_until: int = 0
+    prefilled: int = 0
 
     def constrained(self) -> bool:
         """Whether its next mask needs its last token read (a thinking budget's

@@ -18,8 +18,8 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import anyio
@@ -27,12 +27,14 @@ from starlette.routing import Route
 
 from ..kinds import kind_named
 from .errors import APIError, internal_error, thread_unavailable, timed_out
+from .gate import Charge, Place
 from .outbox import Outbox, ResponseWriter, abort_of
 from .wire import (
     OPENAI_ERRORS,
     Body,
     Disconnected,
     ErrorShape,
+    Opening,
     RequestLog,
     cancel_on_disconnect,
     read_body,
@@ -89,7 +91,9 @@ class Wiring:
 
 @dataclass(frozen=True, slots=True)
 class Call(Generic[RequestT, EngineT, PreparedT]):
-    """One request as a door's steps after ``prepare`` see it."""
+    """One request as a door's steps after its entry at the gate see it:
+    its ``place`` there, and how its stream opens (None: unstreamed, or
+    with its first piece)."""
 
     request: RequestT
     served: ServedModel
@@ -97,6 +101,8 @@ class Call(Generic[RequestT, EngineT, PreparedT]):
     prepared: PreparedT
     response: ResponseWriter
     log: RequestLog
+    place: Place
+    opening: Opening | None = None
 
 
 class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
@@ -156,18 +162,29 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
         log.images = len(refs)
         return tuple(await self.wiring.decoders.images(refs))
 
-    def gate(
-        self, call: Call[RequestT, EngineT, PreparedT]
-    ) -> AbstractAsyncContextManager[Any]:
-        """A turn of the model's gate for the run (none where the door is not
-        :attr:`gated`)."""
+    def admission(
+        self, served: ServedModel, engine: EngineT, prepared: PreparedT
+    ) -> AbstractAsyncContextManager[Place]:
+        """A place at the model's gate for the block, charged what
+        :meth:`charge` says; one with its turn where the door is not
+        :attr:`gated`. The gate's refusal raises here, before any byte."""
         if not self.gated:
-            return nullcontext()
-        return call.served.gate.turn(self.priority(call.prepared))
+            return _ungated()
+        charge = self.charge(prepared, engine)
+        return served.gate.enter(self.priority(prepared), charge)
 
     def priority(self, prepared: PreparedT) -> int:
         """Its place at the gate: the lowest waiting is admitted first."""
         return 0
+
+    def charge(self, prepared: PreparedT, engine: EngineT) -> Charge:
+        """The bytes it will hold, as the gate prices them (none here)."""
+        return Charge()
+
+    def opening(self, call: Call[RequestT, EngineT, PreparedT]) -> Opening | None:
+        """How its stream opens before the first piece of its answer (None:
+        with it, its status then waiting for it)."""
+        return None
 
     @abstractmethod
     def run(
@@ -206,9 +223,15 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
         async with self.resident(request.model, log) as (served, engine):
             prepared = await self.prepare(request, engine)
             prepared = await self.media(prepared, engine, log)
-            call = Call(request, served, engine, prepared, response, log)
             arrived = time.perf_counter()
-            async with self.gate(call):
+            async with self.admission(served, engine, prepared) as place:
+                call = Call(request, served, engine, prepared, response, log, place)
+                if log.stream:
+                    call = replace(call, opening=self.opening(call))
+                every = self.config.heartbeat_interval
+                if call.opening is not None and every:
+                    response.expect_stream(call.opening, every)
+                await place.turn()
                 if self.gated:
                     log.queued = time.perf_counter() - arrived
                 async with self.run(call) as output:
@@ -299,6 +322,13 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
             elif error.status == 500:  # the body names nothing: the log does
                 logger.error("%s failed", self.route, exc_info=exc)
             await response.error(error)
+
+
+@asynccontextmanager
+async def _ungated() -> AsyncIterator[Place]:
+    place = Place(0, 0, Charge())
+    place.ready.set()
+    yield place
 
 
 def routes(*doors: Door[Any, Any, Any, Any]) -> list[Route]:

@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING, Generic
 
 import anyio
 
-from ..events import Engine, EventStream, FinalEvent, GenerationParams, TokenEvent
+from ..events import (
+    Engine,
+    EventStream,
+    FinalEvent,
+    GenerationParams,
+    PromptProgress,
+    TokenEvent,
+)
 from .answer_parser import answer_parser
 from .door import Call, Door
 from .serving_common import Prepared, RequestT, Serving, check_media
@@ -81,7 +88,21 @@ class GenerationDoor(Door[RequestT, Engine, Prepared, EventStream], Generic[Requ
     def run(
         self, call: Generation[RequestT]
     ) -> AbstractAsyncContextManager[EventStream]:
-        return generation(call.engine, call.prepared.params, call.prepared.decoded)
+        """The generation, once the engine took it: its charge is then exact,
+        and its announced stream begins."""
+        return self._taken(call)
+
+    @asynccontextmanager
+    async def _taken(self, call: Generation[RequestT]) -> AsyncIterator[EventStream]:
+        prepared = call.prepared
+        async with generation(call.engine, prepared.params, prepared.decoded) as events:
+            if not call.log.stream:  # asked before its first step: one wake-up
+                events.batched(None)
+            taken = await events.accepted()
+            if taken is not None:
+                call.place.settle(taken.total + prepared.params.max_tokens)
+                await call.response.begin()
+            yield events
 
     def parser(self, call: Generation[RequestT]) -> AnswerParser | None:
         """The answer's parser (None: its text is its content)."""
@@ -114,13 +135,19 @@ class GenerationDoor(Door[RequestT, Engine, Prepared, EventStream], Generic[Requ
         *,
         failed: Callable[[APIError], bytes] | None = None,
         media_type: bytes | None = None,
+        progress: Callable[[PromptProgress], bytes] | None = None,
     ) -> FinalEvent:
         """Send the tokens' ``encode``-d data as they come, ``head`` first
-        with the first token (the status goes with it, so a failed prefill
-        is still an error status), at most one write each
-        ``stream_write_interval`` seconds, as server-sent events unless
-        ``media_type`` says otherwise; the final event, unsent, for the
-        caller to end the answer with."""
+        with the first token unless the stream began (else the status goes
+        with it, so a failed prefill is still an error status), at most one
+        write each ``stream_write_interval`` seconds, as server-sent events
+        unless ``media_type`` says otherwise; before them, each of the
+        prompt's ``progress`` (where the stream began); the final event,
+        unsent, for the caller to end the answer with."""
+        if progress is not None and response.started:
+            async with aclosing(stream.prefill()) as prefill:
+                async for moved in prefill:
+                    await response.send(progress(moved))
         interval = self.config.stream_write_interval
         final: FinalEvent | None = None
         async with aclosing(stream.flowing(interval)) as flowing:
@@ -130,6 +157,7 @@ class GenerationDoor(Door[RequestT, Engine, Prepared, EventStream], Generic[Requ
                     log.record(event)
                 tokens = [e for e in events if isinstance(e, TokenEvent)]
                 data = b"".join(encode(event) for event in joined(tokens))
+                response.answering()
                 if not response.started:
                     await response.start_stream(
                         head + data, failed=failed, media_type=media_type

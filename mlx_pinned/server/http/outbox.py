@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from starlette.types import Message, Scope, Send
 
     from ..config import ServerConfig
+    from .wire import Opening
 
-__all__ = ["ABORT", "Outbox", "ResponseWriter", "abort_of"]
+__all__ = ["ABORT", "Outbox", "ResponseWriter", "abort_of", "spawn"]
 
 logger = logging.getLogger("mlx_pinned.server")
 
@@ -53,16 +54,11 @@ def abort_of(scope: Scope) -> Callable[[], None] | None:
 
 
 class Outbox:
-    """The answers under way, and the bounds on what they keep unwritten.
-
-    Args:
-        answer_bytes: Bytes one streamed answer may keep; past them its
-            connection is closed.
-        total_bytes: Bytes all answers may keep; past them the streamed
-            answer that keeps the most is closed.
-        write_timeout: Seconds a client may go without reading while its
-            answer has more to send (None: no limit).
-    """
+    """The answers under way, and the bounds on what they keep unwritten:
+    ``answer_bytes`` a streamed answer (past them its connection is closed),
+    ``total_bytes`` all (past them the stream that keeps the most is), and
+    ``write_timeout`` seconds a client may read nothing while its answer
+    has more to send (None: no limit)."""
 
     def __init__(
         self,
@@ -147,6 +143,8 @@ class ResponseWriter:
         self._written: anyio.Event | None = None  # the writing task ended
         self._wake: anyio.Event | None = None
         self._since: float | None = None  # the write under way began (monotonic)
+        self._opening: Opening | None = None  # a stream to come: expect_stream
+        self._every: float | None = None  # seconds between its keep-alives
 
     # -- what a door writes -------------------------------------------------
 
@@ -177,19 +175,34 @@ class ResponseWriter:
         with ``first``; a failure later ends the stream with
         ``failed(error)`` (default: the API's error event)."""
         self._failed = failed or self.errors.event
-        headers = _SSE_HEADERS
-        if media_type is not None:
-            headers = [(b"content-type", media_type), *_SSE_HEADERS[1:]]
-        self._start(200, headers, stream=True)
+        self._start(200, _stream_headers(media_type), stream=True)
         await self.send(first)
+
+    def expect_stream(self, opening: Opening, every: float) -> None:
+        """A stream will follow: begin it with ``opening`` at :meth:`begin`
+        (else ``every`` seconds from now), and until :meth:`answering` send
+        its keep-alive after each ``every`` seconds of silence. An error
+        before it began is a status; after, the opening's ``failed``."""
+        self._opening, self._every = opening, every
+        self._spawn_writer()
+
+    async def begin(self) -> None:
+        """Begin the stream :meth:`expect_stream` announced, unless it began."""
+        opening = self._opening
+        if opening is not None and not self.started and self.closed is None:
+            failed, media_type = opening.failed, opening.media_type
+            await self.start_stream(opening.head, failed=failed, media_type=media_type)
+
+    def answering(self) -> None:
+        """The answer's pieces flow: no more keep-alives."""
+        self._every = None
 
     async def start_file_stream(self, media_type: bytes, first: bytes) -> None:
         """Begin an answer of another type than JSON, sent as it is made; a
         failure later ends it where it is (an error event would be read as
         the file's bytes)."""
         self._failed = _nothing
-        headers = [(b"content-type", media_type), *_SSE_HEADERS[1:]]
-        self._start(200, headers, stream=True)
+        self._start(200, _stream_headers(media_type), stream=True)
         await self.send(first)
 
     async def send(self, body: bytes, *, more: bool = True) -> None:
@@ -204,8 +217,7 @@ class ResponseWriter:
         self._keep(len(body))
         if self.streaming:
             self._check()
-            if self._wake is not None:
-                self._wake.set()
+            self._wake_writer()
 
     async def end(self) -> None:
         if self.started and not self.ended:
@@ -216,9 +228,9 @@ class ResponseWriter:
             return
         if error.status >= 500 and error is not self.outbox.ending:  # said once
             logger.warning("answering %d: %s", error.status, error.message)
-        if not self._delivered and self._since is not None:
-            # Its status waits to go out (the client reads nothing): the
-            # error's goes instead.
+        if not self.started or (not self._delivered and self._since is not None):
+            # Its status waits to go out (the client reads nothing), or a
+            # stream was announced: the error's status goes instead.
             self._stop_writing()
             self._drop()
             self.started = self.ended = self.streaming = False
@@ -280,11 +292,21 @@ class ResponseWriter:
         self._queue.append(
             {"type": "http.response.start", "status": status, "headers": headers}
         )
-        if stream and self.closed is None:
+        if not stream:
+            self._stop_writing()  # an announced stream that never began
+        elif self.closed is None:
             self.streaming = True
-            self._writing = anyio.CancelScope()
-            self._written = written = anyio.Event()
-            _spawn(self._write_all, self._writing, written)
+            if self._writing is None:
+                self._spawn_writer()
+
+    def _spawn_writer(self) -> None:
+        self._writing = anyio.CancelScope()
+        self._written = written = anyio.Event()
+        spawn(self._write_all, self._writing, written)
+
+    def _wake_writer(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
 
     def _keep(self, size: int) -> None:
         self.kept += size
@@ -324,9 +346,11 @@ class ResponseWriter:
                         await self._write_first()
                     if self.ended:
                         return
-                    self._wake = wake = anyio.Event()
-                    await wake.wait()
-                    self._wake = None
+                    came = await self._idle(self._every)
+                    if not self.started:  # announced: the door began it, or now
+                        await self.begin()
+                    elif not came and self._opening and self._every is not None:
+                        await self.send(self._opening.keep_alive)
             except OSError:  # the client is gone: its watcher ends the request
                 self._gone = True
                 self._drop()
@@ -337,6 +361,17 @@ class ResponseWriter:
             finally:
                 self._since = None
                 written.set()
+
+    async def _idle(self, every: float | None) -> bool:
+        """Wait for more to write, ``every`` seconds at most; whether it came."""
+        self._wake = wake = anyio.Event()
+        if every is None:
+            await wake.wait()
+        else:
+            with anyio.move_on_after(every):
+                await wake.wait()
+        self._wake = None
+        return wake.is_set()
 
     async def _write_first(self) -> None:
         message = self._queue[0]
@@ -388,7 +423,13 @@ class ResponseWriter:
             self.close(_read_nothing(self.outbox.write_timeout))
 
 
-def _spawn(fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
+def _stream_headers(media_type: bytes | None) -> list[tuple[bytes, bytes]]:
+    if media_type is None:
+        return _SSE_HEADERS
+    return [(b"content-type", media_type), *_SSE_HEADERS[1:]]
+
+
+def spawn(fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
     """Run ``fn(*args)`` as a task that outlives its caller: a bare one on
     asyncio (a task group per answer costs the loop more)."""
     if sniffio.current_async_library() == "trio":

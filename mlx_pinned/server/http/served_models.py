@@ -1,5 +1,5 @@
 """The served models as the HTTP side sees them: a name, a kind, a gate
-(:class:`BatchGate`) and a slot (its state, its engine while loaded, its
+(:class:`~.gate.BatchGate`) and a slot (its state, its engine while loaded, its
 counts; :mod:`.residency` loads and unloads it).
 
 Event loop only.
@@ -8,25 +8,17 @@ Event loop only.
 from __future__ import annotations
 
 import enum
-import heapq
-import itertools
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
-from anyio.lowlevel import (
-    RunVar,
-    cancel_shielded_checkpoint,
-    checkpoint_if_cancelled,
-)
 
-from ..failures import OverloadedError
 from ..kinds import kind_named
 from .errors import APIError
+from .gate import BatchGate
 
 if TYPE_CHECKING:
     from ..resident import Facts, Resident
@@ -220,112 +212,3 @@ class ServedModels:
         if found is None:
             raise model_not_found(name, self.names)
         return found
-
-
-@dataclass(order=True)
-class _Waiter:
-    """A request waiting for a slot; waiters order by priority, then arrival."""
-
-    priority: int
-    arrival: int
-    ready: anyio.Event = field(compare=False, default_factory=anyio.Event)
-    handed: bool = field(compare=False, default=False)  # a slot is its own
-
-
-class _Slots:
-    """One event loop's free slots and its waiting room (a heap)."""
-
-    def __init__(self, slots: int) -> None:
-        self.free = slots
-        self.room: list[_Waiter] = []
-        self._arrivals = itertools.count()
-
-    async def acquire(self, priority: int) -> None:
-        if self.free > 0:  # nobody waits while a slot is free
-            await checkpoint_if_cancelled()
-            self.free -= 1
-            await cancel_shielded_checkpoint()
-            return
-        waiter = _Waiter(priority, next(self._arrivals))
-        heapq.heappush(self.room, waiter)
-        try:
-            await waiter.ready.wait()
-        except BaseException:
-            if waiter.handed:  # given a slot as it was cancelled: pass it on
-                self.release()
-            else:
-                self.room.remove(waiter)
-                heapq.heapify(self.room)
-            raise
-
-    def release(self) -> None:
-        if self.room:
-            waiter = heapq.heappop(self.room)
-            waiter.handed = True
-            waiter.ready.set()
-        else:
-            self.free += 1
-
-
-class BatchGate:
-    """At most ``max_num_seqs`` generations at once; the rest wait their turn.
-
-    Event loop (asyncio or trio, through anyio). Waiting requests are
-    admitted as slots free up, the lowest ``priority`` first (vLLM's) and
-    in arrival order within one; past ``max_pending`` waiting, :meth:`turn`
-    refuses at once, telling the client to retry after ``retry_after``
-    seconds. A slot is given back when the ``turn()`` block exits, so close
-    the stream inside it.
-    """
-
-    def __init__(
-        self, max_num_seqs: int, max_pending: int, *, retry_after: int = 1
-    ) -> None:
-        if max_num_seqs < 1 or max_pending < 0:
-            raise ValueError(
-                "max_num_seqs must be >= 1 and max_pending >= 0, not "
-                f"{max_num_seqs} and {max_pending}"
-            )
-        self.max_num_seqs = max_num_seqs
-        self.max_pending = max_pending
-        self.retry_after = retry_after
-        self.waiting = 0  # requests waiting for a slot
-        self.active = 0  # requests holding a slot
-        # One set of slots per event loop: a gate used again under another loop
-        # (or backend) must not wait on the first one's.
-        self._slots: RunVar[_Slots] = RunVar("mlx_pinned_batch_gate")
-
-    @property
-    def busy(self) -> bool:
-        return self.active > 0
-
-    @asynccontextmanager
-    async def turn(self, priority: int = 0) -> AsyncIterator[None]:
-        """Hold a slot for the block (``priority``: lower is sooner).
-        Cancelling the caller while it waits gives up its place.
-
-        Raises:
-            OverloadedError: ``max_pending`` requests wait already.
-        """
-        try:
-            slots = self._slots.get()
-        except LookupError:  # the first turn on this event loop
-            slots = _Slots(self.max_num_seqs)
-            self._slots.set(slots)
-        # Who waits, as the room counts it: a slot being handed to a waiter
-        # leaves the room at once, before that waiter runs again (the gate's
-        # own count lags until then).
-        queued = len(slots.room)
-        if slots.free == 0 and queued >= self.max_pending:
-            raise OverloadedError(queued, retry_after=self.retry_after)
-        self.waiting += 1
-        try:
-            await slots.acquire(priority)
-        finally:
-            self.waiting -= 1
-        self.active += 1
-        try:
-            yield
-        finally:
-            self.active -= 1
-            slots.release()

@@ -12,7 +12,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,10 +30,12 @@ if TYPE_CHECKING:
 __all__ = [
     "DRAIN_FACTOR",
     "DRAIN_SECONDS",
+    "KEEP_ALIVE",
     "OPENAI_ERRORS",
     "Body",
     "Disconnected",
     "ErrorShape",
+    "Opening",
     "RequestLog",
     "ResponseWriter",
     "cancel_on_disconnect",
@@ -231,6 +233,23 @@ async def cancel_on_disconnect(
 def _watcher_done(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and (error := task.exception()) is not None:
         logger.error("the disconnect watcher failed", exc_info=error)
+
+
+@dataclass(frozen=True)
+class Opening:
+    """How a stream begins before its answer's first piece: its API's
+    opening events (``head``), what it sends while nothing else comes
+    (``keep_alive``: a ping, a comment), how a failure ends it (None: its
+    API's error event) and its media type (None: server-sent events)."""
+
+    head: bytes
+    keep_alive: bytes
+    failed: Callable[[APIError], bytes] | None = None
+    media_type: bytes | None = None
+
+
+#: An SSE comment: clients skip it; it keeps a waiting stream alive.
+KEEP_ALIVE = b": keep-alive\n\n"
 
 
 def sse_event(data: Any, *, event: str | None = None) -> bytes:

@@ -26,6 +26,7 @@ from ..wire import random_hex, sse_event
 
 __all__ = [
     "ANTHROPIC_ERRORS",
+    "PING",
     "AnthropicErrors",
     "Blocks",
     "EventWriter",
@@ -102,6 +103,10 @@ def _event(kind: str, data: dict[str, Any]) -> bytes:
     return sse_event({"type": kind, **data}, event=kind)
 
 
+#: Anthropic's keep-alive, which its clients skip.
+PING = _event("ping", {})
+
+
 class EventWriter:
     """The server-sent events of one answer, block by block.
 
@@ -129,7 +134,7 @@ class EventWriter:
             "stop_sequence": None,
             "usage": {"input_tokens": 0, "output_tokens": 0},
         }
-        return _event("message_start", {"message": message}) + _event("ping", {})
+        return _event("message_start", {"message": message}) + PING
 
     def _open(self, kind: str, block: dict[str, Any]) -> bytes:
         out = self._close()

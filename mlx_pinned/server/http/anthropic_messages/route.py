@@ -9,17 +9,18 @@ import functools
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, ClassVar
 
 from ...events import Engine, EventStream
 from ..door import Call, Door
 from ..generation import Generation, GenerationDoor, last_parts, send_last, token_parts
 from ..serving_common import Prepared
-from ..wire import ErrorShape
+from ..wire import ErrorShape, Opening
 from .content import image_parts
 from .output import (
     ANTHROPIC_ERRORS,
+    PING,
     Blocks,
     EventWriter,
     message_id,
@@ -38,6 +39,11 @@ if TYPE_CHECKING:
     from ..wire import RequestLog
 
 __all__ = ["CountTokensEndpoint", "MessagesEndpoint"]
+
+
+@dataclass(frozen=True)
+class MessagesOpening(Opening):
+    writer: EventWriter = field(kw_only=True)
 
 
 class MessagesEndpoint(GenerationDoor[MessagesRequest]):
@@ -79,12 +85,19 @@ class MessagesEndpoint(GenerationDoor[MessagesRequest]):
         }
         await call.response.json(json.dumps(message, ensure_ascii=False).encode())
 
+    def opening(self, call: Generation[MessagesRequest]) -> MessagesOpening:
+        """``message_start`` and a ``ping``; a ``ping`` as keep-alive."""
+        writer = EventWriter(shown=call.request.thinking_shown)
+        head = writer.start(message_id(), call.served.name)
+        return MessagesOpening(head, PING, writer=writer)
+
     async def send_stream(
         self, call: Generation[MessagesRequest], output: EventStream
     ) -> None:
         parser = self.parser(call)
-        writer = EventWriter(shown=call.request.thinking_shown)
-        head = writer.start(message_id(), call.served.name)
+        opening = call.opening or self.opening(call)
+        assert isinstance(opening, MessagesOpening)
+        writer, head = opening.writer, opening.head
         final = await self.stream_tokens(
             output,
             call.response,

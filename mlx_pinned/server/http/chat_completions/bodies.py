@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -20,6 +20,9 @@ from pydantic import (
 
 from ..vllm_extensions import StopReason, StopReasonChoice, VLLMPromptLogprobs
 from ..wire import random_hex, sse_event
+
+if TYPE_CHECKING:
+    from ...events import PromptProgress
 
 __all__ = [
     "ChatCompletion",
@@ -214,13 +217,32 @@ class ChunkEncoder:
         return self._head + body + self._tail
 
     def chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+        return self._chunk(choices, usage).to_sse(include_usage=self._include_usage)
+
+    def _chunk(
+        self, choices: list[ChunkChoice], usage: Usage | None = None
+    ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=self.id,
             created=self.created,
             model=self.model,
             choices=choices,
             usage=usage,
-        ).to_sse(include_usage=self._include_usage)
+        )
+
+    def progress(self, moved: PromptProgress) -> bytes:
+        """llama.cpp's chunk of a prompt's progress (``return_progress``):
+        no choices, and ``prompt_progress``."""
+        data = self._chunk([]).model_dump(
+            exclude=None if self._include_usage else {"usage"}
+        )
+        data["prompt_progress"] = {
+            "total": moved.total,
+            "cache": moved.cached,
+            "processed": moved.processed,
+            "time_ms": round(moved.seconds * 1e3),
+        }
+        return sse_event(data)
 
 
 def completion_id() -> tuple[str, int]:

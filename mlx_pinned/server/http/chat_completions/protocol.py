@@ -68,6 +68,8 @@ class ChatCompletionRequest(OpenAISamplingFields, StructuredOutputFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    # llama.cpp's: the prompt's progress in the stream, before its tokens.
+    return_progress: bool = False
     # vllm-mlx's video sampling, honoured (the server's settings bound them).
     video_fps: float | None = Field(default=None, gt=0.0, le=60.0)
     video_max_frames: int | None = Field(default=None, ge=2)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 from ...events import EventStream, TokenEvent
 from ..errors import completion_stream_failed
 from ..generation import Generation, GenerationDoor, last_parts, send_last
 from ..vllm_extensions import vllm_prompt_logprobs
+from ..wire import KEEP_ALIVE, Opening
 from .bodies import (
     ChatCompletion,
     Choice,
@@ -32,6 +34,11 @@ from .protocol import ChatCompletionRequest, parse_chat_request
 from .serving import ChatCompletionsServing
 
 __all__ = ["ChatCompletionsEndpoint"]
+
+
+@dataclass(frozen=True)
+class ChatOpening(Opening):
+    chunks: ChunkEncoder = field(kw_only=True)
 
 
 class ChatCompletionsEndpoint(GenerationDoor[ChatCompletionRequest]):
@@ -89,18 +96,27 @@ class ChatCompletionsEndpoint(GenerationDoor[ChatCompletionRequest]):
         )
         await call.response.json(completion.model_dump_json().encode())
 
+    def opening(self, call: Generation[ChatCompletionRequest]) -> ChatOpening:
+        """The role chunk; an SSE comment as keep-alive."""
+        chunk_id, created = completion_id()
+        include_usage = call.request.include_usage
+        chunks = ChunkEncoder(
+            chunk_id, created, call.served.name, include_usage=include_usage
+        )
+        role = chunks.chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
+        return ChatOpening(role, KEEP_ALIVE, completion_stream_failed, chunks=chunks)
+
     async def send_stream(
         self, call: Generation[ChatCompletionRequest], output: EventStream
     ) -> None:
         request, parser = call.request, self.parser(call)
-        chunk_id, created = completion_id()
-        chunks = ChunkEncoder(
-            chunk_id, created, call.served.name, include_usage=request.include_usage
-        )
+        opening = call.opening or self.opening(call)
+        assert isinstance(opening, ChatOpening)
         # Events that are ready together go out in one body message (each is
-        # a write to the socket): the role chunk with the first token, and
-        # the last chunks (finish, usage, [DONE]) with the end.
-        role = chunks.chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
+        # a write to the socket): the role chunk with the first token (unless
+        # the stream began), and the last chunks (finish, usage, [DONE]) with
+        # the end.
+        chunks, role = opening.chunks, opening.head
 
         def encode(event: TokenEvent) -> bytes:
             if parser is not None:
@@ -116,6 +132,7 @@ class ChatCompletionsEndpoint(GenerationDoor[ChatCompletionRequest]):
             role,
             encode,
             failed=completion_stream_failed,
+            progress=chunks.progress if request.return_progress else None,
         )
         if parser is None:
             tail = [chunks.content(final.text)] if final.text else []

@@ -11,11 +11,13 @@ import copy
 import functools
 import json
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...events import EventStream, FinalEvent, TokenEvent
 from ..errors import OpenAIErrors
 from ..generation import Generation, GenerationDoor, last_parts, send_last, token_parts
+from ..wire import KEEP_ALIVE, Opening
 from .items import INPUT_ITEMS, chat_messages, image_urls
 from .objects import Output, item_id, response_object, sse, tool_call_id, usage
 from .protocol import ResponsesRequest, parse_responses_request
@@ -29,6 +31,12 @@ if TYPE_CHECKING:
     from ..serving_common import Prepared
 
 __all__ = ["ResponsesEndpoint", "ResponsesErrors", "StreamErrors"]
+
+
+@dataclass(frozen=True)
+class ResponsesOpening(Opening):
+    response: dict[str, Any] = field(kw_only=True)
+    items: Output = field(kw_only=True)
 
 
 class ResponsesErrors(OpenAIErrors):
@@ -99,15 +107,25 @@ class ResponsesEndpoint(GenerationDoor[ResponsesRequest]):
         done, _ = await self._finish(call, head, items, final, text, parser)
         await call.response.json(json.dumps(done).encode())
 
+    def opening(self, call: Generation[ResponsesRequest]) -> ResponsesOpening:
+        """``response.created`` and ``response.in_progress``; an SSE comment
+        as keep-alive."""
+        head, items = self._head(call), Output()
+        opening = sse(items.event("response.created", response=head)) + sse(
+            items.event("response.in_progress", response=head)
+        )
+        failed = StreamErrors(head, items).event
+        return ResponsesOpening(opening, KEEP_ALIVE, failed, response=head, items=items)
+
     async def send_stream(
         self, call: Generation[ResponsesRequest], output: EventStream
     ) -> None:
         """The last event is sent once the response is stored."""
-        head, items, response = self._head(call), Output(), call.response
+        began = call.opening or self.opening(call)
+        assert isinstance(began, ResponsesOpening)
+        head, items, response = began.response, began.items, call.response
         parser = self.parser(call)
-        opening = sse(items.event("response.created", response=head)) + sse(
-            items.event("response.in_progress", response=head)
-        )
+        opening = began.head
 
         def encode(event: TokenEvent) -> bytes:
             parts = token_parts(parser, event.text)
@@ -119,7 +137,7 @@ class ResponsesEndpoint(GenerationDoor[ResponsesRequest]):
             call.log,
             opening,
             encode,
-            failed=StreamErrors(head, items).event,
+            failed=began.failed,
         )
         done, data = await self._finish(call, head, items, final, final.text, parser)
         kind = "completed" if done["status"] == "completed" else "incomplete"

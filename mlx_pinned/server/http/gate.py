@@ -1,0 +1,303 @@
+"""Who runs, who waits and who is refused: a model's gate (:class:`BatchGate`)
+gives each request a :class:`Place` (a turn, or a place in its waiting
+room), and the server's :class:`MemoryBudget` prices what each one holds.
+
+Event loop only (asyncio or trio, through anyio).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+from anyio.lowlevel import RunVar
+
+from ..failures import MemoryBusyError, OverloadedError
+from .outbox import spawn
+
+__all__ = ["BatchGate", "Charge", "MemoryBudget", "Place"]
+
+
+@dataclass
+class Charge:
+    """What one request is charged: ``images`` bytes (decoded, processed,
+    their features) from its entry, and the KV of ``tokens`` tokens (its
+    prompt, an upper bound until :meth:`Place.settle`, plus ``max_tokens``)
+    at ``per_token`` bytes from its turn."""
+
+    images: int = 0
+    tokens: int = 0
+    per_token: int = 0
+
+
+@dataclass(order=True)
+class Place:
+    """A request's place at its model's gate, from its entry to its exit:
+    in the waiting room, then with a turn; the lowest ``priority`` is
+    served first, in arrival order within one."""
+
+    priority: int
+    arrival: int
+    charge: Charge = field(compare=False)
+    ready: anyio.Event = field(compare=False, default_factory=anyio.Event)
+    room: _Room | None = field(compare=False, default=None, repr=False)
+
+    @property
+    def has_turn(self) -> bool:
+        return self.ready.is_set()
+
+    async def turn(self) -> None:
+        """Wait for its turn; cancelled, the place is given up at its exit."""
+        await self.ready.wait()
+
+    def settle(self, tokens: int) -> None:
+        """Its KV's tokens, now exact (the engine counted its prompt).
+
+        Raises:
+            MemoryBusyError: It alone needs more than the budget.
+        """
+        if self.room is not None:
+            self.room.settle(self, tokens)
+
+
+class MemoryBudget:
+    """The bytes the requests of every model are charged, within ``limit()``
+    (None: no limit) and what the prompt caches lend it: past the limit a
+    request waits for its turn, and ``lend(n)`` makes the caches keep
+    ``n`` bytes under their budgets (``lendable()`` in all) before it waits.
+
+    A model's rows pad to its longest (its batch is one KV cache), so its
+    turns are charged as many times its longest KV.
+    """
+
+    def __init__(
+        self,
+        limit: Callable[[], int | None],
+        *,
+        retry_after: int = 1,
+        lendable: Callable[[], int] = lambda: 0,
+        lend: Callable[[int], Awaitable[None]] | None = None,
+    ) -> None:
+        self.limit = limit
+        self.retry_after = retry_after
+        self.lendable = lendable
+        self._lend = lend
+        self.lent = 0  # bytes the prompt caches keep free for the charges
+        self._lending = False
+        self._rooms: weakref.WeakSet[_Room] = weakref.WeakSet()
+
+    @property
+    def charged(self) -> int:
+        return sum(room.charged() for room in self._rooms)
+
+    @property
+    def running(self) -> bool:
+        """Whether any request of any model has its turn."""
+        return any(room.turns for room in self._rooms)
+
+    def capacity(self) -> float:
+        limit = self.limit()
+        return float("inf") if limit is None else limit + self.lent
+
+    def check_entry(self, charge: Charge) -> None:
+        """Refuse images that do not fit now (unless nothing else is charged)."""
+        limit = self.limit()
+        if limit is None or not self.charged:
+            return
+        if self.charged + charge.images > limit + self.lendable():
+            raise MemoryBusyError(
+                charge.images, limit, retry_after=self.retry_after, alone=False
+            )
+
+    def fits(self, extra: int) -> bool:
+        """Whether ``extra`` more bytes fit now; asks the caches to lend
+        where only their lending would make them fit."""
+        after = self.charged + extra
+        if after <= self.capacity() or not self.running:
+            return True
+        limit = self.limit()
+        assert limit is not None, "an unlimited budget always fits"
+        if after <= limit + self.lendable():
+            self._rebalance(after - limit)
+        return False
+
+    def changed(self) -> None:
+        """Charges fell or settled: give the caches back what they lent,
+        and hand out the turns that now fit."""
+        for room in list(self._rooms):
+            room.hand_out()
+        limit = self.limit()
+        if limit is not None:
+            self._rebalance(max(0, self.charged - limit))
+
+    def _rebalance(self, want: int) -> None:
+        want = min(want, self.lendable())
+        if self._lend is None or self._lending or want == self.lent:
+            return
+        self._lending = True
+        spawn(self._lend_now, want)
+
+    async def _lend_now(self, want: int) -> None:
+        try:
+            if self._lend is not None:
+                await self._lend(want)
+            self.lent = want
+        finally:
+            self._lending = False
+            self.changed()
+
+
+class _Room:
+    """One gate's turns and waiting room on one event loop."""
+
+    def __init__(self, gate: BatchGate) -> None:
+        self.gate = gate
+        self.free = gate.max_num_seqs
+        self.waiting: list[Place] = []  # a heap
+        self.turns: list[Place] = []
+        self.arrivals = itertools.count()
+        if gate.budget is not None:
+            gate.budget._rooms.add(self)
+
+    def charged(self) -> int:
+        images = sum(p.charge.images for p in (*self.waiting, *self.turns))
+        return images + self.kv(self.turns)
+
+    @staticmethod
+    def kv(turns: list[Place]) -> int:
+        if not turns:
+            return 0
+        longest = max(place.charge.tokens for place in turns)
+        return len(turns) * longest * max(p.charge.per_token for p in turns)
+
+    def enter(self, place: Place) -> None:
+        heapq.heappush(self.waiting, place)
+        self.gate.waiting += 1
+        self.hand_out()
+
+    def hand_out(self) -> None:
+        budget = self.gate.budget
+        while self.free and self.waiting:
+            head = self.waiting[0]
+            if budget is not None:
+                extra = self.kv([*self.turns, head]) - self.kv(self.turns)
+                if not budget.fits(extra):
+                    return
+            heapq.heappop(self.waiting)
+            self.gate.waiting -= 1
+            self.free -= 1
+            self.gate.active += 1
+            self.turns.append(head)
+            head.ready.set()
+
+    def settle(self, place: Place, tokens: int) -> None:
+        place.charge.tokens = tokens
+        budget = self.gate.budget
+        if budget is None:
+            return
+        limit = budget.limit()
+        need = self.kv([place]) + place.charge.images
+        if limit is not None and need > limit + budget.lendable():
+            raise MemoryBusyError(
+                need, limit, retry_after=budget.retry_after, alone=True
+            )
+        budget.changed()
+
+    def leave(self, place: Place) -> None:
+        if place in self.turns:
+            self.turns.remove(place)
+            self.free += 1
+            self.gate.active -= 1
+        else:
+            self.waiting.remove(place)
+            heapq.heapify(self.waiting)
+            self.gate.waiting -= 1
+        if self.gate.budget is not None:
+            self.gate.budget.changed()
+        else:
+            self.hand_out()
+
+
+class BatchGate:
+    """At most ``max_num_seqs`` generations at once; the rest wait their turn.
+
+    Waiting requests get their turns as turns free up (and, under a
+    ``budget``, as their bytes fit), the lowest ``priority`` first (vLLM's)
+    and in arrival order within one; past ``max_pending`` waiting,
+    :meth:`enter` refuses at once, telling the client to retry after
+    ``retry_after`` seconds. A place is given up when its block exits, so
+    close the stream inside it.
+    """
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_pending: int,
+        *,
+        retry_after: int = 1,
+        budget: MemoryBudget | None = None,
+    ) -> None:
+        if max_num_seqs < 1 or max_pending < 0:
+            raise ValueError(
+                "max_num_seqs must be >= 1 and max_pending >= 0, not "
+                f"{max_num_seqs} and {max_pending}"
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_pending = max_pending
+        self.retry_after = retry_after
+        self.budget = budget
+        self.waiting = 0  # requests in the waiting room
+        self.active = 0  # requests with a turn
+        # One room per event loop: a gate used again under another loop (or
+        # backend) must not wait on the first one's.
+        self._rooms: RunVar[_Room] = RunVar("mlx_pinned_batch_gate")
+
+    @property
+    def busy(self) -> bool:
+        return self.active > 0
+
+    @asynccontextmanager
+    async def enter(
+        self, priority: int = 0, charge: Charge | None = None
+    ) -> AsyncIterator[Place]:
+        """A place for the block: a turn now, or a place in the waiting room
+        (``priority``: lower is sooner); charged ``charge`` under a budget.
+
+        Raises:
+            OverloadedError: ``max_pending`` requests wait already.
+            MemoryBusyError: Its images do not fit the budget now.
+        """
+        try:
+            room = self._rooms.get()
+        except LookupError:  # the first entry on this event loop
+            room = _Room(self)
+            self._rooms.set(room)
+        queued = len(room.waiting)
+        if room.free == 0 and queued >= self.max_pending:
+            raise OverloadedError(queued, retry_after=self.retry_after)
+        charge = charge or Charge()
+        if self.budget is not None:
+            self.budget.check_entry(charge)
+        place = Place(priority, next(room.arrivals), charge, room=room)
+        room.enter(place)
+        try:
+            yield place
+        finally:
+            room.leave(place)
+
+    @asynccontextmanager
+    async def turn(self, priority: int = 0) -> AsyncIterator[None]:
+        """Hold a turn for the block (``priority``: lower is sooner).
+        Cancelling the caller while it waits gives up its place.
+
+        Raises:
+            OverloadedError: ``max_pending`` requests wait already.
+        """
+        async with self.enter(priority) as place:
+            await place.turn()
+            yield
