@@ -549,7 +549,7 @@ def test_a_module_all_slow_is_caught() -> None:
 
 
 @pytest.mark.slow
-def test_a_chat_request_with_an_image_runs_code_in_at_most_55_files() -> None:
+def test_a_chat_request_with_an_image_runs_code_in_at_most_57_files() -> None:
     # docs/server.md counts them so (a fresh process, every thread).
     script = ROOT.parents[1] / "benchmarks" / "request_files.py"
     ran = subprocess.run(
@@ -562,4 +562,4 @@ def test_a_chat_request_with_an_image_runs_code_in_at_most_55_files() -> None:
     files = json.loads(ran.stdout.splitlines()[-1])
     assert "mlx_pinned/server/engine/loop.py" in files  # it counted the engine
     assert "mlx_pinned/server/inputs/images.py" in files  # and a worker thread
-    assert len(files) <= 55, files
+    assert len(files) <= 57, files

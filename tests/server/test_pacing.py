@@ -1,5 +1,5 @@
 """A long prompt's prefill cut by time while other rows decode
-(``engine/pacing.py``): smaller chunks then, the same answer."""
+(``engine/prefill_plan.py``): smaller chunks then, the same answer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from mlx_pinned import MLXThread
 from mlx_pinned.server.engine import BatchEngine, LoadedModel
-from mlx_pinned.server.engine.pacing import IDLE, MIN_CHUNK, PrefillPacer
+from mlx_pinned.server.engine.prefill_plan import IDLE, MIN_CHUNK, PrefillPacer
 from mlx_pinned.server.engine.prompt_cache import PromptCache
 from mlx_pinned.server.engine.state import PREFILL_BATCH, BatchState
 from mlx_pinned.server.http.served_models import BatchGate

@@ -28,7 +28,7 @@ import numpy as np
 from ..resident import EngineCounters
 from .driver import Driver
 from .loop import turns
-from .pacing import PrefillPacer
+from .prefill_plan import PrefillPacer
 
 if TYPE_CHECKING:
     from mlx_pinned import MLXThread
@@ -117,7 +117,7 @@ class PassLoop:
 
     Args:
         seconds: About how long a pass may take, sized by the cost per token
-            of the passes before (:mod:`.pacing`); None: ``batch_tokens``.
+            of the passes before (:class:`.prefill_plan.PrefillPacer`); None: ``batch_tokens``.
     """
 
     def __init__(

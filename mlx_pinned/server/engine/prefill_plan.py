@@ -1,8 +1,8 @@
 """The prefill scheduler's decision for one step (docs/engine.md, "Prefill
-scheduling"): which prompts prefill, and how many tokens each runs, from
-the prompts waiting and the step's token budget. A value in, a plan out,
-as vLLM's scheduler returns its ``SchedulerOutput``; nothing here runs a
-model. Any thread.
+scheduling"): the step's token budget, sized by time (:class:`PrefillPacer`),
+and which prompts prefill and how many tokens each runs (:func:`plan`). A
+value in, a plan out, as vLLM's scheduler returns its ``SchedulerOutput``;
+nothing here runs a model. Any thread (a pacer: its owner's).
 """
 
 from __future__ import annotations
@@ -10,7 +10,61 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MAX_LONG", "MAX_PARTIAL", "Limits", "Plan", "Waiting", "plan"]
+__all__ = [
+    "MAX_LONG",
+    "MAX_PARTIAL",
+    "Limits",
+    "Plan",
+    "PrefillPacer",
+    "Waiting",
+    "plan",
+]
+
+# The fewest tokens a paced chunk has: below it, a pass costs more for its
+# own overhead than its tokens save.
+MIN_CHUNK = 64
+#: While nobody waits on a chunk, it takes this many times the budget: a
+#: prompt that arrives meanwhile waits at most that long for its turn.
+IDLE = 2
+
+
+class PrefillPacer:
+    """The token count of the next chunk of a long prompt's prefill.
+
+    Args:
+        budget: Seconds a chunk should take while rows decode; None: every
+            chunk is ``cap`` tokens.
+        cap: The most tokens a chunk has (``--prefill-step-size``).
+    """
+
+    def __init__(self, budget: float | None, cap: int) -> None:
+        self.budget = budget
+        self.cap = cap
+        # Seconds per token of the last chunk, None before the first: that
+        # one is MIN_CHUNK tokens while rows decode, to learn the model.
+        self.per_token: float | None = None
+
+    def tokens(self, *, decoding: bool) -> int:
+        """The next chunk's size; ``decoding``: whether rows (or a prompt that
+        ends in the step) wait on it, else it takes :data:`IDLE` budgets."""
+        if self.budget is None:
+            return self.cap
+        if self.per_token is None:
+            return min(self.cap, MIN_CHUNK)
+        seconds = self.budget * (1 if decoding else IDLE)
+        return max(MIN_CHUNK, min(self.cap, int(seconds / self.per_token)))
+
+    def spent(self, seconds: float) -> bool:
+        """Whether a step's prefill that took ``seconds`` is all it may have while
+        something waits on it."""
+        return self.budget is not None and seconds >= self.budget
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A chunk of ``tokens`` took ``seconds``: the next is sized by it (the cost
+        per token only grows along a prompt)."""
+        if tokens > 0 and seconds > 0:
+            self.per_token = seconds / tokens
+
 
 #: Prompts prefilled a chunk at a time in one step, at most (vLLM's
 #: ``max_num_partial_prefills``), and the long ones among them

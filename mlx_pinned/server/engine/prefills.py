@@ -16,9 +16,8 @@ from .checkpoints import Prefix, State, take
 from .decode import first_tokens
 from .kv_quant import KVQuant
 from .model import LoadedModel
-from .pacing import MIN_CHUNK, PrefillPacer
 from .prefill import ChunkedPrefill, Prefilled, batchable, prefill_together
-from .prefill_plan import Limits, Waiting, plan
+from .prefill_plan import MIN_CHUNK, Limits, PrefillPacer, Waiting, plan
 from .prompt_cache import Key, PromptCache, common_prefix
 from .rows import Row
 from .step_failures import end_rows

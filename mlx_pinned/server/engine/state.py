@@ -19,8 +19,8 @@ from .decode import Decoder, Stepped
 from .drafting import for_predictions
 from .kv_quant import KVQuant, bytes_per_token, check_quantizable, held_bytes
 from .model import LoadedModel
-from .pacing import PrefillPacer
 from .prefill import PREFILL_STEP, ChunkedPrefill, Prefilled
+from .prefill_plan import PrefillPacer
 from .prefills import PREFILL_BATCH, Prefills, PrefillSettings, store_row
 from .prompt_cache import PromptCache
 from .quirks import unmask_if_unpadded
