@@ -51,7 +51,7 @@ class BatchEngine:
 
     Args:
         prefill_step_seconds: Seconds a chunk of a long prompt should take
-            while other rows decode (:class:`.prefill_plan.PrefillPacer`); None: a chunk is
+            while other rows decode (:class:`.PrefillPacer`); None: a chunk is
             ``prefill_step_size`` tokens.
         formats: Its output formats (None: those its chat template shows).
         make_state: Makes the batch from the model, the prompt cache and the

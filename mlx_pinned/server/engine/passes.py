@@ -117,7 +117,7 @@ class PassLoop:
 
     Args:
         seconds: About how long a pass may take, sized by the cost per token
-            of the passes before (:class:`.prefill_plan.PrefillPacer`); None: ``batch_tokens``.
+            of the passes before (:class:`.PrefillPacer`); None: ``batch_tokens``.
     """
 
     def __init__(
