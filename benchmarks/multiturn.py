@@ -26,8 +26,9 @@ Systems: ``mlx-pinned`` (prompt cache on, its default), ``mlx-pinned-nocache``
 (``--prompt-cache-bytes 0``), ``mlx-pinned-restarted`` (``--state-dir``, and
 restarted before each conversation's turn 4: its prefix comes from the prompt
 cache's disk tier; each start warmed up by a conversation of its own), and
-the peers ``vllm-mlx-cb`` (``--continuous-
-batching``, its prefix cache on by default) and ``mlx-vlm`` (its server), from
+the peers ``vllm-mlx-cb`` (``--continuous-batching``, its prefix cache
+on by default), ``mlx-vlm`` (its server) and ``mlx-vlm-apc`` (with its
+prefix cache, ``APC_ENABLED=1``), from
 the virtual environment given by ``--peers-venv`` or ``$MLX_PINNED_PEERS_VENV``
 (see ``peers.py``). Expensive: a quiet machine, never CI.
 """
@@ -75,6 +76,8 @@ COMMANDS = {
     "vllm-mlx-cb": "{peers_bin}/vllm-mlx serve {model} --mllm --port {port} "
     "--continuous-batching",
     "mlx-vlm": "{peers_bin}/python -m mlx_vlm.server --model {model} --port {port}",
+    "mlx-vlm-apc": "env APC_ENABLED=1 {peers_bin}/python -m mlx_vlm.server "
+    "--model {model} --port {port}",
 }
 
 
