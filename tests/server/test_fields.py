@@ -56,6 +56,8 @@ VLLM_EXTENSIONS |= {
 }  # fmt: skip
 # vllm-mlx's video sampling.
 VLLM_EXTENSIONS |= {"video_fps", "video_max_frames"}
+# llama.cpp's prefill progress on streams (http/chat_completions/bodies.py).
+VLLM_EXTENSIONS |= {"return_progress"}
 TOOL = {
     "type": "function",
     "function": {

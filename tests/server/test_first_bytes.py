@@ -341,8 +341,10 @@ def test_a_refusal_after_the_stream_began_is_its_error_event(
 
 @pytest.mark.anyio
 async def test_prompt_progress_comes_before_the_first_token(serve: Any) -> None:
-    # Chunks of 8 tokens, each its own step: a progress chunk each (llama.cpp's
-    # shape), then the tokens; none without return_progress.
+    # Chunks of 8 tokens, each its own step: progress chunks (llama.cpp's
+    # shape), then the tokens; none without return_progress. A reader that
+    # falls behind the steps gets the latest progress only, so how many
+    # chunks, and from where, depends on the load.
     async with serve(prefill_step_size=8, prefill_step_seconds=None) as served:
         body = {**DOORS["chat"].body, "return_progress": True}
         answer = await served.chat(body)
@@ -360,9 +362,8 @@ async def test_prompt_progress_comes_before_the_first_token(serve: Any) -> None:
         assert {p["total"] for p in progress} == {total}
         processed = [p["processed"] for p in progress]
         assert processed == sorted(processed)
-        assert processed[0] == 0
+        assert len(set(processed)) == len(processed)  # only where it moved
         assert processed[-1] == total
-        assert len(processed) >= total // 8
         assert all(p["cache"] == 0 and p["time_ms"] >= 0 for p in progress)
         assert all(e["choices"] == [] for e in events if "prompt_progress" in e)
         plain = await served.chat({**body, "return_progress": False})

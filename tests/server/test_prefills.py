@@ -109,6 +109,30 @@ class TestShortBesideLong:
         assert len(seen) >= 4
         assert all(second == 0 for left, second in seen if left > STEP + 1)
 
+    def test_each_chunk_moves_the_progress_it_reports(
+        self, thread: MLXThread, loaded: LoadedModel
+    ) -> None:
+        """``Row.prefilled``, which ``return_progress`` streams, grows with
+        every chunk until the prompt is in, before the first token."""
+
+        def go() -> tuple[list[int], int]:
+            state = batch(loaded)
+            row = state.admit(*long_request())
+            seen = []
+            while not first(row):
+                state.step()
+                seen.append(row.prefilled)
+            finish(state, [row])
+            return seen, row.prompt_tokens
+
+        seen, total = thread.run_sync(go)
+        assert len(seen) >= 3  # several chunks
+        assert seen == sorted(set(seen))  # each step moved it
+        assert 0 < seen[0] < total - 1
+        # The last token runs in the pass that samples the first: the
+        # progress reports the whole prompt once that is in.
+        assert seen[-1] == total - 1
+
     def test_priority_orders_the_budget(
         self, thread: MLXThread, loaded: LoadedModel
     ) -> None:
