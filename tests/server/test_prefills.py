@@ -25,6 +25,7 @@ from .kit import (
     PROMPTS,
     TOL,
     Request,
+    hold_until,
     max_logprob_difference,
     request,
     solo,
@@ -207,10 +208,16 @@ class TestOnePrefillForOnePrefix:
         )
         off = BatchEngine(hybrid, thread)
         expected = [await collect(off, [req]) for req in (one, two)]
+        # Both admitted in one turn, whatever the load: one waits for the
+        # other's prefill to reach where they differ.
+        held = hold_until(thread, lambda: on.loop.queued() == 2)
         got = await collect(on, [one, two])
+        held.result()
         for ours, theirs in zip(got, expected, strict=True):
             assert max_logprob_difference(ours, theirs[0]) <= TOL
-        assert got[1][-1].cached_tokens > 500
+        # Which of the two goes first is the event loop's choice (trio's
+        # varies): the other takes the shared start from a checkpoint.
+        assert max(events[-1].cached_tokens for events in got) > 500
 
 
 async def collect(engine_: BatchEngine, reqs: list[Request]) -> list[list[Any]]:
