@@ -1,10 +1,8 @@
-"""The embedding kind's Ollama doors: ``POST /api/embed`` and the older
-``POST /api/embeddings``, answered (errors too) in Ollama's shape.
+"""The embedding kind's Ollama doors, ``POST /api/embed`` and the older
+``POST /api/embeddings``, in Ollama's shape (errors too). Event loop.
 
-Event loop. The vectors are the embedding engine's, the same as
-``/v1/embeddings`` gives: normalised, as float32. A request with no input
-loads (or, with ``keep_alive`` 0, unloads) the model.
-"""
+The vectors are ``/v1/embeddings``'s (normalised, float32). A request with
+no input loads (or, with ``keep_alive`` 0, unloads) the model."""
 
 from __future__ import annotations
 
