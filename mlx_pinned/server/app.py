@@ -332,7 +332,6 @@ def _fetcher(
 
 
 def _freeze_gc() -> int:
-    """Collect once, then freeze what is left; the number of frozen objects."""
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()
