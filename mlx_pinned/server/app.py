@@ -57,7 +57,7 @@ from .inputs.images import Fetcher, load_images
 from .inputs.remote import RemoteImageFetcher
 from .inputs.videos import load_videos
 from .kinds import KINDS, kind_named
-from .media import Decoders, LoadImages, LoadVideos
+from .media import Decoders
 from .resident import Resident
 
 __all__ = ["create_app"]
@@ -165,9 +165,15 @@ def create_app(
     metrics = ServerMetrics(mlx_thread, served)
     readiness = Readiness(mlx_thread, served, retry_after=config.retry_after)
     turns = LoopTurns()
+    image_fetch = _fetcher(config, image_fetcher, config.image_limits.max_bytes)
+    video_fetch = _fetcher(config, image_fetcher, config.max_video_bytes)
     decoders = Decoders(
-        images=_image_loader(config, image_fetcher),
-        videos=_video_loader(config, image_fetcher),
+        images=functools.partial(
+            load_images, limits=config.image_limits, fetch=image_fetch
+        ),
+        videos=functools.partial(
+            load_videos, limits=config.video_limits, fetch=video_fetch
+        ),
         audios=functools.partial(load_audios, limits=config.audio_limits),
         audio=functools.partial(load_audio, limits=config.audio_limits),
     )
@@ -313,30 +319,19 @@ def _slot(
     )
 
 
-def _image_loader(config: ServerConfig, fetch: Fetcher | None) -> LoadImages:
-    """Decodes a request's images, fetching remote ones with ``fetch`` (or
-    the default fetcher, when they are allowed)."""
+def _fetcher(
+    config: ServerConfig, fetch: Fetcher | None, max_bytes: int
+) -> Fetcher | None:
+    """``fetch``, or where remote media is allowed the default fetcher of at
+    most ``max_bytes`` a file."""
     if fetch is None and config.allow_remote_images:
-        fetch = RemoteImageFetcher(
-            max_bytes=config.image_limits.max_bytes,
-            timeout=config.remote_image_timeout,
+        return RemoteImageFetcher(
+            max_bytes=max_bytes, timeout=config.remote_image_timeout
         )
-    return functools.partial(load_images, limits=config.image_limits, fetch=fetch)
-
-
-def _video_loader(config: ServerConfig, fetch: Fetcher | None) -> LoadVideos:
-    """As :func:`_image_loader`, up to the video byte limit."""
-    if fetch is None and config.allow_remote_images:
-        fetch = RemoteImageFetcher(
-            max_bytes=config.max_video_bytes,
-            timeout=config.remote_image_timeout,
-        )
-    limits = config.video_limits
-    return functools.partial(load_videos, limits=limits, fetch=fetch)
+    return fetch
 
 
 def _freeze_gc() -> int:
-    """Collect once, then freeze what is left; the number of frozen objects."""
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()

@@ -72,11 +72,9 @@ class Decoder:
     Attributes:
         speculation: The grammar speculation policy; None off the CPU backend.
         inflight: The step started and not yet read: its rows and its draw.
-        drafting: Speculative decoding, when on (:mod:`.drafting`).
         hidden: The rows of the last forward pass and its last-layer output
             (B, 1, H) at their last token, kept while a native drafter
-            drafts from it (:mod:`.native_drafter`).
-    """
+            drafts from it (:mod:`.native_drafter`)."""
 
     def __init__(self) -> None:
         self.speculation = Speculation() if mx.default_device() == mx.cpu else None
@@ -98,7 +96,6 @@ class Decoder:
         return self._sample(batch, forward)
 
     def drain(self) -> Stepped:
-        """Read the step in flight and start none after it."""
         assert self.inflight is not None, "no step in flight"
         (rows, pending), self.inflight = self.inflight, None
         rows_read, tokens = read(rows, [[s] for s in collect(pending)])

@@ -37,18 +37,17 @@ __all__ = ["DraftSettings", "DraftSource", "Drafting", "for_predictions", "insta
 
 @dataclass(frozen=True)
 class DraftSettings:
-    """How rows draft: by prompt lookup (``ngram``), with a draft model or an
-    mlx-vlm drafter (``model``), or with the MTP layers the served checkpoint
-    carries (``mtp``); one of them.
+    """How rows draft; one of ``ngram``, ``model`` or ``mtp``.
 
     Attributes:
-        ngram: Longest n-gram of a row's tokens looked up; 0: no prompt lookup.
+        ngram: Longest n-gram of a row's tokens looked up (prompt lookup); 0:
+            none.
         tokens: Draft tokens per row and step, at most (K).
-        model: A draft model's or drafter's folder or hub id; None: none.
+        model: A draft model's or an mlx-vlm drafter's folder or hub id; None:
+            none.
         max_batch: Speculate only while the batch holds at most this many
             rows (0: at any size); docs/engine.md says why.
-        mtp: Draft with the served checkpoint's MTP layers.
-    """
+        mtp: Draft with the MTP layers the served checkpoint carries."""
 
     ngram: int = 0
     tokens: int = 4

@@ -46,15 +46,11 @@ MATCHERS_KEPT = 64
 
 
 class Biased(Protocol):
-    """What the logit bias reads and writes of a row."""
-
     sampling: SamplingParams  # its logit_bias: (token id, bias) pairs
     bias_row: mx.array | None  # (V,) made on first use
 
 
 class Penalized(Protocol):
-    """What the penalties read and write of a row."""
-
     sampling: SamplingParams  # its penalties
     counts: mx.array | None  # (V,) times each token was generated so far
     seen: mx.array | None  # (V,) tokens of the prompt
@@ -108,7 +104,6 @@ def penalize(
     logits_out = mx.where(seen, penalized, logits)
     logits_out = logits_out - frequency * counts.astype(logits.dtype)
     logits_out = logits_out - presence * (counts > 0).astype(logits.dtype)
-    # Rows without penalties keep their logits bit for bit.
     keep = mx.array([not row.sampling.penalized for row in rows])[:, None]
     return mx.where(keep, logits, logits_out)
 
@@ -153,8 +148,6 @@ class GrammarMatcher:
 
 
 class Constrained(Protocol):
-    """What advancing a grammar reads and writes of a row."""
-
     matcher: GrammarMatcher | None
     token: int  # its last sampled token
     done: bool
@@ -173,8 +166,6 @@ def advance(rows: Sequence[Constrained]) -> None:
 
 
 class Speculating(Protocol):
-    """What deciding whether a row's grammar can speculate reads of it."""
-
     matcher: GrammarMatcher | None
     sampling: SamplingParams  # resolved (rows.resolve_sampling)
 
@@ -266,8 +257,6 @@ def llg_tokenizer(loaded: LoadedModel) -> Any:
 
 
 class Banning(Protocol):
-    """What barring a row's bad words reads of it."""
-
     banned: tuple[tuple[int, ...], ...]  # each bad word's token ids
     recent: list[int]  # its last generated tokens, the latest last
     done: bool

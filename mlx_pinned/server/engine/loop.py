@@ -67,8 +67,6 @@ class BatchLoop:
         self._requests: list[Request] = []  # admitted (MLX thread only)
         self._handed_early = False  # the last turn handed out, and did not step
 
-    # -- the inbox (any thread) -------------------------------------------------
-
     def submit(self, request: Request) -> None:
         """Queue ``request``'s admission for the next turn (one submitting thread:
         the event loop, or the MLX thread for a caller run inline)."""
@@ -91,8 +89,6 @@ class BatchLoop:
     def waiting(self) -> bool:
         """Any thread."""
         return not self._inbox.empty()
-
-    # -- the loop (MLX thread) -------------------------------------------------
 
     def run(self) -> Generator[tuple[Outputs, bool] | Checkpoint, None, None]:
         """The loop's stream (:func:`turns`), until no row is left and nothing is

@@ -103,8 +103,7 @@ def _model_inputs(
         ids = prepared.inputs["input_ids"][0].tolist()
         held = [token for token in ids if isinstance(token, int) and token in media]
         if held:
-            # A placeholder with no image behind it: not every family's
-            # embedding survives one.
+            # A placeholder with no image behind it breaks some families' embedding.
             raise PromptError(
                 f"The prompt holds the model's image placeholder token "
                 f"{min(held)}: a raw prompt takes no images; leave it out.",

@@ -206,9 +206,7 @@ def _shared_kv(lm: Any, cache: Sequence[Any]) -> dict[str, tuple[mx.array, mx.ar
     row's own tokens first and zeros after them (what Gemma 4's assistant
     attends to, as mlx-vlm's ``normalize_batched_shared_kv_states`` lays it
     out)."""
-    masks = importlib.import_module(
-        "mlx_vlm.speculative.drafters.gemma4_assistant.masks"
-    )
+    masks = importlib.import_module(_ASSISTANT_MASKS)
     found: dict[str, tuple[mx.array, mx.array]] = {}
     for layer, held in zip(lm.model.layers, cache, strict=False):
         keys, values = held.keys, held.values

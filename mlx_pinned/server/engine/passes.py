@@ -325,6 +325,7 @@ class Encoder(Loaded, Protocol):
 
 
 E = TypeVar("E", bound=Encoder)
+T = TypeVar("T")
 
 
 class PassEngine(Holding[E]):
@@ -340,6 +341,17 @@ class PassEngine(Holding[E]):
     def counters(self) -> EngineCounters:
         """Inputs waiting as its rows, passes as its steps; any thread."""
         return kv_free_counters(self.driver.pending, self.loop.passes)
+
+    async def tokenized(
+        self, tokenize: Callable[[Sequence[T]], list[Encoded]], items: Sequence[T]
+    ) -> list[Encoded]:
+        """``tokenize`` over ``items`` on the MLX thread, a job per
+        :data:`TOKENIZE_AT_ONCE` of them. Event loop."""
+        found: list[Encoded] = []
+        for first in range(0, len(items), TOKENIZE_AT_ONCE):
+            chunk = items[first : first + TOKENIZE_AT_ONCE]
+            found += await self.thread.run(tokenize, chunk)
+        return found
 
 
 def kv_free_counters(rows: int, steps: int) -> EngineCounters:

@@ -138,7 +138,6 @@ class Prefills:
         self.prompts.append(Prompt(row, self._arrivals))
 
     def rows(self, *, live: bool = False) -> list[Row]:
-        """Its rows (``live``: those whose client is still there)."""
         return [p.row for p in self.prompts if not (live and p.row.gone)]
 
     def started(self) -> list[tuple[Row, ChunkedPrefill]]:
@@ -146,7 +145,6 @@ class Prefills:
         return [(p.row, p.job) for p in self.prompts if p.job is not None]
 
     def clear(self) -> list[Row]:
-        """Drop every prompt; their rows."""
         rows = self.rows()
         self.prompts = []
         return rows

@@ -16,17 +16,11 @@ __all__ = [
     "cache_kinds",
     "cut_back",
     "cut_back_caches",
-    "plain_caches",
     "rope_deltas",
     "row_rope_deltas",
     "uncuttable_kinds",
     "unmask_if_unpadded",
 ]
-
-
-def plain_caches(layers: Iterable[Any]) -> bool:
-    """Whether every layer's cache (one sequence's) is a plain ``KVCache``."""
-    return all(type(c).__name__ == "KVCache" for c in layers)
 
 
 def cache_kinds(lm: Any) -> list[str]:

@@ -104,7 +104,6 @@ class Row:
         )
 
     def record(self, item: Sampled) -> None:
-        """Give it a sampled token: its request reads it from ``pending``."""
         self.pending.append(item)
         self.token = item.token
         self.sampled += 1
@@ -226,7 +225,6 @@ def resolve_sampling(loaded: LoadedModel, sampling: SamplingParams) -> SamplingP
 
 
 def end_of_turn_ids(loaded: LoadedModel) -> tuple[int, ...]:
-    """The model's end-of-turn tokens (its tokenizer's stopping criteria)."""
     stopping = loaded.tokenizer.stopping_criteria
     return tuple(int(t) for t in getattr(stopping, "eos_token_ids", None) or ())
 

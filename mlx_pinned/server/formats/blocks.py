@@ -59,6 +59,10 @@ class CallSyntax(abc.ABC):
     def __init__(self, decode: Decoder) -> None:
         self.decode = decode
 
+    def parser(self, tools: Sequence[ToolSpec] = ()) -> BlockToolParser:
+        """A parser of one answer's calls, written in these blocks."""
+        return BlockToolParser(self, tools)
+
     @abc.abstractmethod
     def start(self, text: str, *, first: bool) -> tuple[int, int] | None:
         """Where the first block in ``text`` begins: its markup's start and

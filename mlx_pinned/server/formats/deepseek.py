@@ -13,8 +13,8 @@ import json
 import re
 from collections.abc import Sequence
 
-from .base import ToolCallFormat, ToolCallParser, ToolSpec, json_arguments
-from .blocks import BlockToolParser, Markers, grammar_of_calls, literal
+from .base import ToolCallFormat, ToolSpec, json_arguments
+from .blocks import Markers, grammar_of_calls, literal
 from .vlm import Decoded, arguments_text
 
 __all__ = ["DEEPSEEK_V3", "DEEPSEEK_V31", "decode", "v3_grammar", "v31_grammar"]
@@ -87,14 +87,10 @@ def v31_grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
 _SYNTAX = Markers(OPEN, CLOSE, decode)
 
 
-def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
-    return BlockToolParser(_SYNTAX, tools)
-
-
 DEEPSEEK_V3 = ToolCallFormat(
     name="deepseek_v3",
     detect=detect_v3,
-    parser=parser,
+    parser=_SYNTAX.parser,
     grammar=v3_grammar,
     markers=(OPEN, CLOSE, CALL_OPEN, CALL_CLOSE, SEP),
 )
@@ -102,7 +98,7 @@ DEEPSEEK_V3 = ToolCallFormat(
 DEEPSEEK_V31 = ToolCallFormat(
     name="deepseek_v31",
     detect=detect_v31,
-    parser=parser,
+    parser=_SYNTAX.parser,
     grammar=v31_grammar,
     markers=(OPEN, CLOSE, CALL_OPEN, CALL_CLOSE, SEP),
 )

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import ToolCallFormat, ToolCallParser, ToolSpec
+from .base import ToolCallFormat, ToolSpec
 from .blocks import (
-    BlockToolParser,
     Markers,
     grammar_of_calls,
     literal,
@@ -46,14 +45,10 @@ def grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
 _SYNTAX = Markers(OPEN, CLOSE, vlm_decoder(NAME))
 
 
-def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
-    return BlockToolParser(_SYNTAX, tools)
-
-
 GLM47 = ToolCallFormat(
     name=NAME,
     detect=vlm_detects(NAME),
-    parser=parser,
+    parser=_SYNTAX.parser,
     grammar=grammar,
     markers=(OPEN, CLOSE, "<arg_key>", "<arg_value>"),
 )

@@ -20,12 +20,11 @@ from typing import Any
 from .base import (
     ReasoningFormat,
     ToolCallFormat,
-    ToolCallParser,
     ToolSpec,
     json_arguments,
     partial_marker,
 )
-from .blocks import BlockToolParser, CallSyntax, grammar_of_calls, literal
+from .blocks import CallSyntax, grammar_of_calls, literal
 from .vlm import vlm_decoder, vlm_detects
 
 __all__ = ["HARMONY", "HARMONY_REASONING", "HarmonySplitter", "grammar"]
@@ -66,8 +65,7 @@ class _Calls(CallSyntax):
         return at, at + (0 if marker == START else len(marker))
 
 
-def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
-    return BlockToolParser(_Calls(), tools)
+_CALLS = _Calls()
 
 
 def _call(i: int, tool: ToolSpec) -> list[str]:
@@ -184,7 +182,7 @@ def _opens(template: str, template_kwargs: Mapping[str, Any]) -> bool:
 HARMONY = ToolCallFormat(
     name=NAME,
     detect=vlm_detects(NAME),
-    parser=parser,
+    parser=_CALLS.parser,
     grammar=grammar,
     markers=(CHANNEL, MESSAGE, START, CALL, "<|constrain|>", "to=functions."),
 )

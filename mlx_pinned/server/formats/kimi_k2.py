@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from .base import ToolCallFormat, ToolCallParser, ToolSpec, json_arguments
-from .blocks import BlockToolParser, Markers, grammar_of_calls, literal
+from .base import ToolCallFormat, ToolSpec, json_arguments
+from .blocks import Markers, grammar_of_calls, literal
 from .vlm import vlm_decoder, vlm_detects
 
 __all__ = ["KIMI_K2", "grammar"]
@@ -37,14 +37,10 @@ def grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
 _SYNTAX = Markers(OPEN, CLOSE, vlm_decoder(NAME))
 
 
-def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
-    return BlockToolParser(_SYNTAX, tools)
-
-
 KIMI_K2 = ToolCallFormat(
     name=NAME,
     detect=vlm_detects(NAME),
-    parser=parser,
+    parser=_SYNTAX.parser,
     grammar=grammar,
     markers=(
         OPEN,

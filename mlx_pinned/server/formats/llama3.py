@@ -15,12 +15,11 @@ from collections.abc import Sequence
 
 from .base import (
     ToolCallFormat,
-    ToolCallParser,
     ToolSpec,
     json_arguments,
     partial_marker,
 )
-from .blocks import BlockToolParser, CallSyntax, grammar_of_calls, json_end, literal
+from .blocks import CallSyntax, grammar_of_calls, json_end, literal
 from .vlm import Decoded, arguments_text
 
 __all__ = ["LLAMA3_JSON", "decode", "detect", "grammar"]
@@ -79,10 +78,6 @@ class _Objects(CallSyntax):
 _SYNTAX = _Objects(decode)
 
 
-def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
-    return BlockToolParser(_SYNTAX, tools)
-
-
 def _call(i: int, tool: ToolSpec) -> list[str]:
     head = literal(f'{{"name": "{tool.name}", "parameters": ')
     schema = json.dumps(json_arguments(tool.parameters))
@@ -96,7 +91,7 @@ def grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
 LLAMA3_JSON = ToolCallFormat(
     name="llama3_json",
     detect=detect,
-    parser=parser,
+    parser=_SYNTAX.parser,
     grammar=grammar,
     markers=(PYTHON_TAG, '"parameters": '),
 )

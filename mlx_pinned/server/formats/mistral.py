@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from .base import ToolCallFormat, ToolCallParser, ToolSpec, json_arguments
-from .blocks import BlockToolParser, Markers, grammar_of_calls, json_end, literal
+from .base import ToolCallFormat, ToolSpec, json_arguments
+from .blocks import Markers, grammar_of_calls, json_end, literal
 from .vlm import Decoded, arguments_text, vlm_decoder, vlm_detects
 
 __all__ = ["MISTRAL", "MISTRAL_V11", "decode", "list_grammar", "v11_grammar"]
@@ -73,10 +73,6 @@ def detect_v11(template: str) -> bool:
     return vlm_detects("mistral")(template) and ARGS in template
 
 
-def parser(tools: Sequence[ToolSpec] = ()) -> ToolCallParser:
-    return BlockToolParser(_SYNTAX, tools)
-
-
 def _v11_call(i: int, tool: ToolSpec) -> list[str]:
     schema = json.dumps(json_arguments(tool.parameters))
     return [
@@ -106,7 +102,7 @@ def list_grammar(tools: Sequence[ToolSpec], parallel: bool) -> str:
 MISTRAL_V11 = ToolCallFormat(
     name="mistral_v11",
     detect=detect_v11,
-    parser=parser,
+    parser=_SYNTAX.parser,
     grammar=v11_grammar,
     markers=(OPEN, ARGS),
 )
@@ -114,7 +110,7 @@ MISTRAL_V11 = ToolCallFormat(
 MISTRAL = ToolCallFormat(
     name="mistral",
     detect=vlm_detects("mistral"),
-    parser=parser,
+    parser=_SYNTAX.parser,
     grammar=list_grammar,
     markers=(OPEN,),
 )

@@ -242,8 +242,6 @@ class Residency:
             if _held(slot) and (slot.at_start_up or slot.pinned)
         )
 
-    # -- loading -------------------------------------------------------------
-
     async def _loaded(self, slot: ModelSlot) -> Resident:
         """The slot's engine once loaded; the caller holds the slot, so it
         cannot be unloaded again before the caller lets go."""
@@ -336,8 +334,6 @@ class Residency:
         if self.weight_bytes() + need > budget:
             raise refused
 
-    # -- unloading -----------------------------------------------------------
-
     async def _unload(
         self, slot: ModelSlot, why: str, change: SlotChange | None = None
     ) -> None:
@@ -391,7 +387,6 @@ class Residency:
 
 
 def _held(slot: ModelSlot) -> bool:
-    """Whether its weights are in memory."""
     return slot.state in (SlotState.LOADED, SlotState.DRAINING)
 
 

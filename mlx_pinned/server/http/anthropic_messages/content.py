@@ -1,13 +1,10 @@
 """The messages of an Anthropic Messages request, and the chat they make.
+Pure CPU, any thread.
 
-Pure CPU, any thread. Every system text (the top-level ``system`` first,
-then each ``system`` message inside ``messages``, as Claude Code sends them)
-is one leading system turn, since chat templates take a system turn only
-first; an assistant turn's ``tool_use`` blocks are its tool calls; a user
-turn's ``tool_result`` blocks are tool turns, before the rest of its
-content; earlier ``thinking`` and ``redacted_thinking`` blocks are left out,
-as thinking models' templates leave out earlier reasoning.
-"""
+Every system text (the top-level one, then each ``system`` message, as
+Claude Code sends them) is one leading system turn, as chat templates take
+a system turn only first; ``tool_result`` blocks are tool turns before the
+rest of their user turn; earlier thinking blocks are left out."""
 
 from __future__ import annotations
 

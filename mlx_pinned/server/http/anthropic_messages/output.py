@@ -1,12 +1,8 @@
-"""The answer as Anthropic writes it, and Anthropic's error shape.
-
-Event loop (pure CPU). A whole answer (:class:`Blocks`) and a stream
-(:class:`EventWriter`) are made from the same parts of the answer parser,
-so a stream's deltas join to exactly the whole answer's blocks. Errors keep
-the shared table's conditions and messages with Anthropic's statuses and
-types (docs/anthropic.md): a full waiting room or a busy MLX thread is 529
-``overloaded_error``, which its SDKs and Claude Code retry.
-"""
+"""The answer as Anthropic writes it, and Anthropic's error shape. Event
+loop (pure CPU). A whole answer (:class:`Blocks`) and a stream
+(:class:`EventWriter`) are made from the same parts of the answer parser;
+errors keep the shared table's messages with Anthropic's statuses and
+types (docs/anthropic.md)."""
 
 from __future__ import annotations
 

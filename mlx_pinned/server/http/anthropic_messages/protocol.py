@@ -1,10 +1,7 @@
 """Request bodies of the Anthropic Messages API (its messages: :mod:`.content`).
-
-Pure CPU, any thread. Each top-level field of Anthropic's reference is
-honoured, accepted at the values that have no effect here, or refused by
-name (docs/anthropic.md lists which); every failure is a 400 naming the
-field, and an unknown top-level field is one too.
-"""
+Pure CPU, any thread. Each field of Anthropic's reference is honoured,
+accepted where it has no effect, or refused with a 400 that names it
+(docs/anthropic.md lists which); so is an unknown top-level field."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The Messages API's doors, answered (errors too) in Anthropic's shape.
-
-Event loop. A query string (Claude Code's ``?beta=true``) changes neither.
-"""
+"""The Messages API's doors, in Anthropic's shape (errors too). Event loop.
+A query string (Claude Code's ``?beta=true``) changes neither."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """The answer as legacy completions writes it: choices, logprobs, chunks.
-
-Event loop (pure CPU). A stream's texts join to exactly the whole answer.
-"""
+Event loop (pure CPU). A stream's texts join to exactly the whole answer."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""The body of OpenAI's legacy ``POST /v1/completions``.
-
-Pure CPU, any thread. Every field of OpenAI's reference is honoured,
-accepted without effect (``user``) or refused by name (``suffix``, ``n`` and
-``best_of`` above 1), with vLLM's extensions honoured.
-"""
+"""The body of OpenAI's legacy ``POST /v1/completions``, with vLLM's
+extensions. Pure CPU, any thread. Every field is honoured, accepted without
+effect (``user``) or refused by name (``suffix``, ``n`` and ``best_of``
+above 1)."""
 
 from __future__ import annotations
 

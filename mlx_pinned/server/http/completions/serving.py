@@ -1,9 +1,7 @@
 """Completions' one check against the model: a parsed request against the
 model's :class:`~...events.ChatFacts` and this server's limits, before any
 prompt waits for the gate, turned into a generation request per prompt.
-
-Event loop. A text prompt's exact length in tokens is checked by the engine.
-"""
+Event loop. A text prompt's exact length in tokens is checked by the engine."""
 
 from __future__ import annotations
 

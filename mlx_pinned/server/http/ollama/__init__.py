@@ -30,7 +30,6 @@ __all__ = [
 
 
 def routes(wiring: Wiring) -> list[Route]:
-    """The routes of no kind's: listing, showing, the version and the
-    refused management; ``/`` is :meth:`OllamaModels.root`, to go after
-    the playground's page."""
+    """The routes no kind's door serves; ``/`` (:meth:`OllamaModels.root`)
+    is apart, to go after the playground's page."""
     return OllamaModels(wiring).routes()

@@ -1,10 +1,8 @@
-"""The embedding kind's Ollama doors: ``POST /api/embed`` and the older
-``POST /api/embeddings``, answered (errors too) in Ollama's shape.
+"""The embedding kind's Ollama doors, ``POST /api/embed`` and the older
+``POST /api/embeddings``, in Ollama's shape (errors too). Event loop.
 
-Event loop. The vectors are the embedding engine's, the same as
-``/v1/embeddings`` gives: normalised, as float32. A request with no input
-loads (or, with ``keep_alive`` 0, unloads) the model.
-"""
+The vectors and the ``dimensions`` check are ``/v1/embeddings``'s. A request
+with no input loads (or, with ``keep_alive`` 0, unloads) the model."""
 
 from __future__ import annotations
 
@@ -34,29 +32,6 @@ def _floats(raw: bytes) -> list[float]:
     return values.tolist()
 
 
-def _check_dimensions(dimensions: int, engine: EmbeddingEngine) -> None:
-    """As ``/v1/embeddings`` checks them: a model not trained to be cut
-    takes none, a trained one its widths."""
-    facts = engine.facts
-    trained = facts.matryoshka_dimensions
-    if (
-        trained is None
-        or dimensions > facts.width
-        or (trained and dimensions not in trained)
-    ):
-        widths = (
-            "none"
-            if trained is None
-            else ", ".join(map(str, trained)) or f"up to {facts.width}"
-        )
-        raise APIError(
-            400,
-            f"Invalid value for 'dimensions': {dimensions}; this model's vectors "
-            f"have {facts.width} values and can be cut to {widths}.",
-            param="dimensions",
-        )
-
-
 class EmbedEndpoint(OllamaDoor[EmbedRequest]):
     """``{"model", "embeddings": [[...]], "total_duration",
     "load_duration", "prompt_eval_count"}``."""
@@ -75,8 +50,11 @@ class EmbedEndpoint(OllamaDoor[EmbedRequest]):
     async def prepare(
         self, request: EmbedRequest, engine: EmbeddingEngine
     ) -> EmbeddingParams:
-        if request.dimensions is not None:
-            _check_dimensions(request.dimensions, engine)
+        dimensions = request.dimensions
+        why = None if dimensions is None else engine.facts.refuses_width(dimensions)
+        if why is not None:
+            message = f"Invalid value for 'dimensions': {dimensions}; {why}."
+            raise APIError(400, message, param="dimensions")
         return EmbeddingParams(tuple(request.texts), request.dimensions)
 
     @asynccontextmanager

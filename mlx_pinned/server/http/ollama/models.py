@@ -1,11 +1,7 @@
-"""Ollama's routes that name no door's work: the models served
-(``/api/tags``), one of them (``/api/show``), those loaded (``/api/ps``),
-the version, ``/``, and the model management this server does not do
-(pull, push, create, copy, delete, blobs), refused with what it does
-instead.
-
-Event loop; a model's ``config.json`` is read in a worker thread, once.
-"""
+"""Ollama's routes that name no door's work: ``/api/tags``, ``/api/show``,
+``/api/ps``, the version, ``/``, and the model management this server does
+not do (pull, push, create...), refused with what it does instead.
+Event loop; a model's ``config.json`` is read in a worker thread, once."""
 
 from __future__ import annotations
 

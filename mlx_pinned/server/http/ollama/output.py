@@ -1,12 +1,9 @@
 """The answer as Ollama writes it: NDJSON lines (or one JSON object), its
-counts and durations, and Ollama's error shape.
+counts and durations, and Ollama's error shape. Event loop (pure CPU).
 
-Event loop (pure CPU). A whole answer and a stream are made from the same
-parts of the answer parser; a tool call goes out whole, its arguments an
-object, once its text has ended. Errors keep the shared table's conditions,
-statuses and messages in Ollama's ``{"error": "..."}``; one that ends a
-stream already begun is a last line of that shape.
-"""
+A tool call goes out whole, its arguments an object, once its text has
+ended; an error that ends a stream already begun is a last line of the
+error shape."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Request bodies of Ollama's API (``/api/chat``, ``/api/generate``,
-``/api/embed``, ``/api/embeddings``, ``/api/show``), as pydantic models.
+"""Request bodies of Ollama's API, as pydantic models. Pure CPU, any thread.
 
-Pure CPU, any thread. Each field of Ollama's reference is honoured, accepted
-at the values that have no effect here, or refused by name
-(docs/ollama.md lists which); an option is one of :data:`HONOURED`, one of
-:data:`NO_EFFECT` (where the weights sit and how many threads run them: no
-answer changes), or a 400 that names it.
-"""
+Each field of Ollama's reference is honoured, accepted where it has no
+effect here (:data:`NO_EFFECT`: where the weights sit, how many threads run
+them), or refused with a 400 that names it (docs/ollama.md lists which)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The doors of ``POST /api/chat`` and ``POST /api/generate``, answered
-(errors too) in Ollama's shape: NDJSON lines unless ``"stream": false``.
-
-Event loop. A request with no turn (no prompt) loads the model, or with
-``keep_alive`` 0 unloads it, as Ollama's does; any other sets how long the
-model stays once idle (``keep_alive``), then generates.
-"""
+"""The doors of ``POST /api/chat`` and ``POST /api/generate``, in Ollama's
+shape (errors too): NDJSON lines unless ``"stream": false``. Event loop.
+A request with no turn (no prompt) loads the model, or with ``keep_alive``
+0 unloads it; any other sets how long the model stays once idle."""
 
 from __future__ import annotations
 

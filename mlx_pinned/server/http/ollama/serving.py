@@ -1,11 +1,7 @@
 """Ollama's one check against the model: a parsed ``/api/chat`` or
-``/api/generate`` request against the model's
-:class:`~...events.ChatFacts` and this server's limits, before it waits for
-the gate, turned into the shared generation request.
-
-Event loop; a grammar is compiled in a worker thread. What needs no model is
-checked by :mod:`.protocol`, what needs the exact prompt by the engine.
-"""
+``/api/generate`` request against the model's :class:`~...events.ChatFacts`
+and this server's limits, before it waits for the gate, turned into the
+shared generation request. Event loop; a grammar compiles in a worker thread."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """The items of a Responses request (its ``input``, tools and tool choice),
-and the conversation as the engine takes it.
-
-Pure CPU, any thread.
-"""
+and the conversation as the engine takes it. Pure CPU, any thread."""
 
 from __future__ import annotations
 

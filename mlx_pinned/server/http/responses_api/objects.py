@@ -1,9 +1,6 @@
 """The Responses API's objects: ids, the response object, its output items
-as the answer's parts build them, and the stream's events.
-
-Event loop (pure CPU, plain dicts). A stream's events rebuild exactly the
-whole response.
-"""
+as the answer's parts build them, and the stream's events, which rebuild
+exactly the whole response. Event loop (pure CPU, plain dicts)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The request body of the OpenAI Responses API (``POST /v1/responses``).
-
-Pure CPU, any thread. Every top-level field of OpenAI's reference is
-honoured, accepted without effect, or refused with a 400 that names it; an
-unknown one is a 400 too.
-"""
+Pure CPU, any thread. Every field of OpenAI's reference is honoured,
+accepted without effect, or refused with a 400 that names it; so is an
+unknown one."""
 
 from __future__ import annotations
 

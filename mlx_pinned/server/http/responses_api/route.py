@@ -1,9 +1,6 @@
 """The door of ``POST /v1/responses``: a whole response or OpenAI's stream
-of events.
-
-Event loop only. A failure after the stream began ends it with
-``response.failed`` (or, for the request's deadline, an ``error`` event).
-"""
+of events. Event loop only. A failure after the stream began ends it with
+``response.failed`` (or, for the request's deadline, an ``error`` event)."""
 
 from __future__ import annotations
 

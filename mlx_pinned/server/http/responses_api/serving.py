@@ -1,10 +1,7 @@
 """The Responses API's one check against the model: a parsed request against
 the model's :class:`~...events.ChatFacts`, this server's limits and the
 stored response it continues, before it waits for the gate, turned into the
-shared generation request.
-
-Event loop; a grammar is compiled in a worker thread.
-"""
+shared generation request. Event loop; a grammar compiles in a worker thread."""
 
 from __future__ import annotations
 

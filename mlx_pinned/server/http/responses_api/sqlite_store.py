@@ -1,12 +1,9 @@
 """The Responses store in a SQLite file under ``state_dir``: a restart, or
-a crash, keeps every response it acknowledged.
+a crash, keeps every response it acknowledged (docs/responses.md).
 
 Called on the event loop; every query runs on a worker thread, one at a
-time. A write is one transaction in WAL mode, so a ``kill -9`` mid-write
-leaves the database as it was before or after it (docs/responses.md). The
-database is held exclusively: a second server on the same ``state_dir`` is
-refused at start.
-"""
+time. The database is held exclusively: a second server on the same
+``state_dir`` is refused at start."""
 
 from __future__ import annotations
 

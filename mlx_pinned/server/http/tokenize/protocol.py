@@ -1,10 +1,6 @@
-"""The bodies of vLLM's ``/tokenize`` and ``/detokenize``.
-
-Pure CPU, any thread. ``/tokenize`` takes a raw prompt, as
-``/v1/completions`` tokenizes it, or chat messages (text only), as
-``/v1/chat/completions`` renders them; each turns into the generation
-request whose prompt it counts.
-"""
+"""The bodies of vLLM's ``/tokenize`` and ``/detokenize``. Pure CPU, any
+thread. ``/tokenize`` takes a raw prompt, as ``/v1/completions`` tokenizes
+it, or chat messages (text only), as ``/v1/chat/completions`` renders them."""
 
 from __future__ import annotations
 

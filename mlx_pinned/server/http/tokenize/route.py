@@ -1,8 +1,6 @@
-"""``POST /tokenize`` and ``POST /detokenize``, in vLLM's shapes.
-
-Event loop. They generate nothing, so take no turn of the gate. A prompt is
-tokenized exactly as a generation of it would be.
-"""
+"""``POST /tokenize`` and ``POST /detokenize``, in vLLM's shapes. Event
+loop; they take no turn of the gate. A prompt is tokenized exactly as a
+generation of it would be."""
 
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ import mlx.core as mx
 import numpy as np
 
 from ...engine.passes import (
-    TOKENIZE_AT_ONCE,
     Encoded,
     PassEngine,
     input_limit,
@@ -234,7 +233,6 @@ class EmbeddingEngine(PassEngine[LoadedEmbedder]):
     async def embed(
         self, params: EmbeddingParams, images: Sequence[Image.Image] = ()
     ) -> Embeddings:
-        """See :meth:`.values.EmbeddingEngine.embed`."""
         if params.messages:
             # A job of its own: one pass, never padded beside other inputs.
             vector, tokens = await self.thread.run(
@@ -249,11 +247,7 @@ class EmbeddingEngine(PassEngine[LoadedEmbedder]):
             for index, item in enumerate(params.inputs)
             if not isinstance(item, ImageInput)
         ]
-        inputs = []
-        # A job per few hundred texts: the thread's other work runs between.
-        for first in range(0, len(numbered), TOKENIZE_AT_ONCE):
-            chunk = numbered[first : first + TOKENIZE_AT_ONCE]
-            inputs += await self.thread.run(self.loaded.tokenize, chunk)
+        inputs = await self.tokenized(self.loaded.tokenize, numbered)
         rows = await self.driver.rows(inputs)
         vectors = dict(zip((index for index, _ in numbered), rows, strict=True))
         tokens = sum(len(item.ids) for item in inputs)

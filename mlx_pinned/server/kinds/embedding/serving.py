@@ -51,22 +51,11 @@ class EmbeddingsServing:
 def check_dimensions(dimensions: int, facts: EmbeddingFacts) -> None:
     """Refuse (400, naming ``dimensions``) a width the model was not trained
     to be cut to: its cut vectors would be poor."""
-    trained = facts.matryoshka_dimensions
-    if trained is None:
-        why = (
-            "this model was not trained Matryoshka-style, so its vectors "
-            f"cannot be cut short; leave it out for its {facts.width} values"
+    why = facts.refuses_width(dimensions)
+    if why is not None:
+        raise APIError(
+            400,
+            f"Invalid value for 'dimensions': {dimensions}; {why}.",
+            param="dimensions",
+            code="invalid_value",
         )
-    elif dimensions > facts.width:
-        why = f"this model's vectors have {facts.width} values"
-    elif trained and dimensions not in trained:
-        listed = ", ".join(str(width) for width in trained)
-        why = f"this model was trained for {listed}"
-    else:
-        return
-    raise APIError(
-        400,
-        f"Invalid value for 'dimensions': {dimensions}; {why}.",
-        param="dimensions",
-        code="invalid_value",
-    )

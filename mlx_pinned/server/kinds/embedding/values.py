@@ -73,6 +73,22 @@ class EmbeddingFacts:
         modalities = ["text", "image"] if self.accepts_images else ["text"]
         return {"dimensions": self.width, "input_modalities": modalities}
 
+    def refuses_width(self, dimensions: int) -> str | None:
+        """Why vectors cut to ``dimensions`` values would be poor, in words
+        for a 400; None: they would not."""
+        trained = self.matryoshka_dimensions
+        if trained is None:
+            return (
+                "this model was not trained Matryoshka-style, so its vectors "
+                f"cannot be cut short; leave it out for its {self.width} values"
+            )
+        if dimensions > self.width:
+            return f"this model's vectors have {self.width} values"
+        if trained and dimensions not in trained:
+            listed = ", ".join(str(width) for width in trained)
+            return f"this model was trained for {listed}"
+        return None
+
 
 @runtime_checkable
 class EmbeddingEngine(Resident, Protocol):

@@ -16,7 +16,6 @@ import mlx.core as mx
 import numpy as np
 
 from ...engine.passes import (
-    TOKENIZE_AT_ONCE,
     Encoded,
     PassEngine,
     input_limit,
@@ -139,13 +138,10 @@ class RerankEngine(PassEngine[LoadedReranker]):
         self.facts = RerankFacts(loaded.max_input_tokens)
 
     async def score(self, params: RerankParams) -> Scores:
-        """See :meth:`.values.RerankEngine.score`."""
-        pairs = []
-        # A job per few hundred pairs: the thread's other work runs between.
-        for first in range(0, len(params.documents), TOKENIZE_AT_ONCE):
-            chunk = params.documents[first : first + TOKENIZE_AT_ONCE]
-            part = RerankParams(params.query, chunk)
-            pairs += await self.thread.run(self.loaded.tokenize, part)
+        def tokenize(documents: Sequence[str]) -> list[Encoded]:
+            return self.loaded.tokenize(RerankParams(params.query, tuple(documents)))
+
+        pairs = await self.tokenized(tokenize, params.documents)
         rows = await self.driver.rows(pairs)
         scores = tuple(float(row[0]) for row in rows)
         return Scores(scores, sum(len(pair.ids) for pair in pairs))

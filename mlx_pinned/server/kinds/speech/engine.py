@@ -192,7 +192,6 @@ class SpeechEngine(Holding[LoadedSpeaker]):
         return dataclasses.replace(counters, decoded_tokens=self.frames)
 
     async def speak(self, params: SpeechParams) -> AsyncGenerator[SpeechChunk, None]:
-        """See :meth:`.values.SpeechEngine.speak`."""
         async with aclosing(self.turns.iterate(self._generate, params)) as chunks:
             async for chunk in chunks:
                 yield chunk
