@@ -32,7 +32,7 @@ stream, nothing pending), and SIGINT must drain it and exit 0 with a log free
 of tracebacks. Prints the figures; ``--json`` writes them too. Not for CI::
 
     python benchmarks/soak.py [--requests 1000 | --minutes 30]
-        [--concurrency 16] [--seed 0] [--json OUT] [--plot PNG]
+        [--chat-model DIR] [--concurrency 16] [--seed 0] [--json OUT] [--plot PNG]
         [-- SERVER OPTIONS, e.g. --max-num-seqs 1]
 
 With ``--minutes`` the RSS curve is the point: the summary gives its
@@ -62,12 +62,7 @@ from typing import Any
 
 import httpx
 
-from mlx_pinned.server.cli import (
-    DEMO_EMBEDDING_NAME,
-    DEMO_MODEL_NAME,
-    DEMO_SPEECH_NAME,
-    DEMO_TRANSCRIPTION_NAME,
-)
+from mlx_pinned.server.cli import DEMO_MODEL_NAME, demo_name
 from mlx_pinned.testing import image_data_uri
 
 READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
@@ -391,7 +386,7 @@ async def completion(soak: Soak, client: httpx.AsyncClient, rng: Any, i: int) ->
 
 async def embedding(soak: Soak, client: httpx.AsyncClient, rng: Any, i: int) -> None:
     body = {
-        "model": DEMO_EMBEDDING_NAME,
+        "model": demo_name("embedding"),
         "input": [f"a sentence {i} {n}" for n in range(rng.randint(1, 8))],
     }
     soak.check("embedding", await client.post(f"{soak.url}/v1/embeddings", json=body))
@@ -402,7 +397,7 @@ async def transcription(
 ) -> None:
     response = await client.post(
         f"{soak.url}/v1/audio/transcriptions",
-        data={"model": DEMO_TRANSCRIPTION_NAME, "temperature": "0.2"},
+        data={"model": demo_name("transcription"), "temperature": "0.2"},
         files={"file": ("tone.wav", _TONE, "audio/wav")},
     )
     soak.check("transcription", response)
@@ -410,7 +405,7 @@ async def transcription(
 
 async def speech(soak: Soak, client: httpx.AsyncClient, rng: Any, i: int) -> None:
     body = {
-        "model": DEMO_SPEECH_NAME,
+        "model": demo_name("speech"),
         "voice": rng.choice(("ryan", "serena", "vivian")),
         "input": f"Hello, number {i}.",
         "response_format": rng.choice(("mp3", "opus", "flac", "wav", "pcm")),
@@ -498,6 +493,25 @@ def plot(report: Report, path: Path) -> None:
     figure.savefig(path, dpi=100)
 
 
+def demo_config(log: Path, chat_model: Path) -> Path:
+    """A config file beside ``log``: the demo's models and names, with
+    ``chat_model`` as the chat one."""
+    from mlx_pinned.server.kinds import KINDS as MODEL_KINDS
+
+    tables = []
+    for kind in MODEL_KINDS.values():
+        if kind.demo is None:
+            continue
+        path = chat_model if kind.name == "chat" else kind.demo()
+        tables.append(
+            f'[[models]]\npath = "{path}"\nname = "{demo_name(kind.name)}"\n'
+            f'model_kind = "{kind.name}"\n'
+        )
+    config = log.with_suffix(".toml")
+    config.write_text("\n".join(tables))
+    return config
+
+
 def start_server(
     log: Path, args: argparse.Namespace
 ) -> tuple[subprocess.Popen[bytes], str]:
@@ -506,6 +520,8 @@ def start_server(
         os.environ["SOAK_TRACE"] = str(args.trace)
         serve = [str(Path(__file__).with_name("_traced_serve.py"))]
     command = [sys.executable, *serve, "serve", "--demo"]
+    if args.chat_model is not None:  # the demo's models, this chat model
+        command[-1:] = ["--config", str(demo_config(log, args.chat_model))]
     command += ["--port", "0", "--max-pending", str(args.max_pending)]
     command += args.server_args
     with log.open("wb") as sink:
@@ -587,6 +603,9 @@ def main() -> int:
         help="seconds to rest before the last sample",
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--chat-model", type=Path, help="serve this chat model (default: the demo's)"
+    )
     parser.add_argument(
         "server_args",
         nargs="*",
