@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..config import ServerConfig
     from .outbox import ResponseWriter
 
-__all__ = ["HEADER", "Run", "Takeovers", "Ticket"]
+__all__ = ["HEADER", "Reader", "Run", "Takeovers", "Ticket"]
 
 HEADER = "Idempotency-Key"
 MAX_KEY = 255
