@@ -51,6 +51,7 @@ from .http.routes import (
     unload_model,
 )
 from .http.served_models import BatchGate, ModelSlot, ServedModel, ServedModels
+from .http.takeover import Takeovers
 from .http.turns import LoopTurns
 from .inputs.audio import load_audio, load_audios
 from .inputs.images import Fetcher, load_images
@@ -186,6 +187,7 @@ def create_app(
         decoders,
         metrics,
         Outbox.of(config),
+        takeovers=Takeovers.of(config),
     )
     routes = [
         Route("/health", functools.partial(health, readiness), methods=["GET"]),
@@ -266,6 +268,7 @@ def create_app(
     app.state.errors = errors
     app.state.loop_turns = turns
     app.state.outbox = wiring.outbox
+    app.state.takeovers = wiring.takeovers
     return app
 
 

@@ -29,6 +29,7 @@ from ..kinds import kind_named
 from .errors import APIError, internal_error, thread_unavailable, timed_out
 from .gate import Charge, Place
 from .outbox import Outbox, ResponseWriter, abort_of
+from .takeover import Takeovers, Ticket
 from .wire import (
     OPENAI_ERRORS,
     Body,
@@ -86,6 +87,7 @@ class Wiring:
     decoders: Decoders
     metrics: ServerMetrics | None = None
     outbox: Outbox = field(default_factory=Outbox)
+    takeovers: Takeovers = field(default_factory=Takeovers)
     closing: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
@@ -263,6 +265,9 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
             api=self.api,
         )
         outbox = self.wiring.outbox
+        ticket = self._ticket(scope, send)
+        if ticket is not None:
+            send = ticket.send
         response = ResponseWriter(send, self.errors, outbox, abort_of(scope))
         outbox.open.add(response)
         try:
@@ -275,8 +280,10 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
             # the client reads too slowly, and a shutdown.
             with anyio.CancelScope(deadline=deadline) as limit:
                 response.running(limit)
+                if ticket is not None:
+                    receive = ticket.watch(receive)
                 async with cancel_on_disconnect(receive, limit, response, log):
-                    await self._answer(body, response, log)
+                    await self._answer(body, response, log, ticket)
             if limit.cancelled_caught and not log.disconnected:
                 await response.error(response.ending or timed_out(timeout))
         except Disconnected:
@@ -288,6 +295,8 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
                 await response.finish()
             finally:
                 outbox.open.discard(response)
+                if ticket is not None:
+                    ticket.close()
             if response.closed is not None:
                 logger.warning(
                     "closed the connection of %s (%s): %s",
@@ -300,14 +309,30 @@ class Door(ABC, Generic[RequestT, EngineT, PreparedT, OutputT]):
             if self.wiring.metrics is not None:
                 self.wiring.metrics.observe(log)
 
+    def _ticket(self, scope: Scope, send: Send) -> Ticket | None:
+        """The request's ticket under its ``Idempotency-Key`` (None: it has
+        none)."""
+        for name, value in scope["headers"]:
+            if name == b"idempotency-key":
+                key = value.decode("latin-1")
+                return Ticket(self.wiring.takeovers, self.route, key, send)
+        return None
+
     async def _answer(
-        self, body: Body, response: ResponseWriter, log: RequestLog
+        self,
+        body: Body,
+        response: ResponseWriter,
+        log: RequestLog,
+        ticket: Ticket | None = None,
     ) -> None:
-        """Handle the request; every error becomes an answer (none escapes)."""
+        """Handle the request; every error becomes an answer (none escapes).
+        A keyed request may take its answer over from a run under way."""
         places: list[str] = []
         try:
             if self.wiring.thread.closed:  # fail fast: nothing will ever run
                 raise thread_unavailable()
+            if ticket is not None and await ticket.answered(body, response):
+                return
             await self.handle(body, response, log, places)
         except Exception as exc:
             error = self.errors.answer(
