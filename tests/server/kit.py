@@ -54,7 +54,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
 from mlx_pinned import MLXThread
-from mlx_pinned.server.engine import BatchEngine, LoadedModel, driver
+from mlx_pinned.server.engine import BatchEngine, DraftSettings, LoadedModel, driver
 from mlx_pinned.server.engine.loop import BatchLoop
 from mlx_pinned.server.events import (
     FinalEvent,
@@ -853,6 +853,31 @@ def interleaved(
         return events
 
     return thread.run_sync(run)
+
+
+def drafting_engines(
+    thread: MLXThread, loaded: LoadedModel, drafts: DraftSettings
+) -> tuple[BatchEngine, BatchEngine]:
+    """Two engines on ``loaded``: one without drafts, one drafting with
+    ``drafts``."""
+
+    def make() -> tuple[BatchEngine, BatchEngine]:
+        on = BatchEngine(loaded, thread)
+        on.speculate(drafts)
+        return BatchEngine(loaded, thread), on
+
+    return thread.run_sync(make)
+
+
+def text_request(index: int, max_tokens: int, **params: Any) -> Request:
+    """A text-only :func:`request` with the top 3 logprobs of each token."""
+    params.setdefault("top_logprobs", 3)
+    return request(index, max_tokens, sizes=(None,), **params)
+
+
+def assert_same_answers(ours: list[Any], theirs: list[Any]) -> None:
+    for mine, off in zip(ours, theirs, strict=True):
+        assert max_logprob_difference(mine, off) <= TOL
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

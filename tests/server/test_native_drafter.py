@@ -19,16 +19,15 @@ from mlx_pinned.server.config_checks import SettingError
 from mlx_pinned.server.engine import BatchEngine, DraftSettings, LoadedModel, load
 from mlx_pinned.testing import tiny_assistant_paths, tiny_mtp_path, tiny_vlm_path
 
+from .kit import assert_same_answers as assert_same
 from .kit import (
-    TOL,
-    Request,
     critical,
+    drafting_engines,
     interleaved,
-    max_logprob_difference,
-    request,
     tokens_of,
     two_sample_chi_square,
 )
+from .kit import text_request as text
 
 MTP = DraftSettings(mtp=True, tokens=3)
 
@@ -50,22 +49,7 @@ def partial(thread: MLXThread) -> LoadedModel:
 def engines(
     thread: MLXThread, loaded: LoadedModel, drafts: DraftSettings = MTP
 ) -> tuple[BatchEngine, BatchEngine]:
-    def make() -> tuple[BatchEngine, BatchEngine]:
-        on = BatchEngine(loaded, thread)
-        on.speculate(drafts)
-        return BatchEngine(loaded, thread), on
-
-    return thread.run_sync(make)
-
-
-def text(index: int, max_tokens: int, **params: Any) -> Request:
-    params.setdefault("top_logprobs", 3)
-    return request(index, max_tokens, sizes=(None,), **params)
-
-
-def assert_same(ours: list[Any], theirs: list[Any]) -> None:
-    for mine, off in zip(ours, theirs, strict=True):
-        assert max_logprob_difference(mine, off) <= TOL
+    return drafting_engines(thread, loaded, drafts)
 
 
 class TestMTP:
