@@ -180,17 +180,16 @@ class Decoder:
             kwargs["rope_deltas"] = batch.deltas
         counts = [row.counts for row in rows]
         # Only while the batch may draft: a larger one keeps nothing extra.
-        drafting = self.drafting
-        keep = (
-            drafting is not None
-            and drafting.wants_hidden
-            and drafting.policy.admits(len(rows))
-        )
-        if keep:
-            kwargs["return_hidden"] = True
+        keeping = self.drafting
+        if keeping is not None and not (
+            keeping.wants_hidden and keeping.policy.admits(len(rows))
+        ):
+            keeping = None
+        if keeping is not None:
+            kwargs.update(keeping.hidden_kwargs())
         output = batch.lm(inputs[:, None], cache=batch.cache, **kwargs)
-        if keep:
-            self.hidden = (rows, output.hidden_states[-1][:, -1:])
+        if keeping is not None:
+            keeping.keep(self, rows, output.hidden_states)
         logits = penalize(output.logits[:, -1, :], rows, inputs, counted)
         if start:
             mx.async_eval(logits, *(c.state for c in batch.cache or ()))  # type: ignore[no-untyped-call]

@@ -15,6 +15,7 @@ import numpy as np
 from ..config_checks import SettingError
 from ..failures import RequestError
 from .decode import Stepped
+from .dflash_drafter import DFlashDrafter
 from .draft_model import DraftModel
 from .draft_policy import DraftPolicy, resting
 from .logits import ban_words, bias_rows
@@ -28,6 +29,7 @@ from .verify_pass import Rollback, rollback_of, verify
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from .decode import Decoder
     from .model import LoadedModel
     from .rows import Row
     from .state import BatchState
@@ -153,11 +155,40 @@ class Drafting:
         self.settings = settings
         self.source = source
         self.rollback = rollback
-        costly = isinstance(source, (DraftModel, NativeDrafter))
+        costly = isinstance(source, (DraftModel, NativeDrafter, DFlashDrafter))
         self.policy = DraftPolicy(settings.tokens, settings.max_batch, costly)
         # The source drafts from the model's last hidden state (a native
-        # drafter): every forward pass keeps it.
+        # drafter), or from its hidden states at some layers (DFlash): every
+        # forward pass keeps them.
         self.wants_hidden: bool = getattr(source, "wants_hidden", False)
+        self.capture: tuple[int, ...] = getattr(source, "capture", ())
+
+    def hidden_kwargs(self) -> dict[str, Any]:
+        """What a forward pass is asked for to keep the hidden states the
+        source drafts from."""
+        if self.capture:
+            return {"capture_layer_ids": list(self.capture)}
+        return {"return_hidden": True}
+
+    def keep(
+        self,
+        decoder: Decoder,
+        rows: list[Row],
+        states: list[mx.array],
+        kept: list[int] | None = None,
+    ) -> None:
+        """Hand a pass's hidden states (each (B, T, H), as the model gave
+        them) to the source: row ``i`` kept its first ``kept[i] + 1``
+        positions (None: its one)."""
+        if isinstance(self.source, DFlashDrafter):
+            self.source.observe(rows, mx.concatenate(states, axis=-1), kept)
+            return
+        hidden = states[-1]
+        if kept is None:
+            decoder.hidden = (rows, hidden[:, -1:])
+        else:  # each row's at its last kept token
+            last = mx.array(kept, dtype=mx.int32)[:, None, None]
+            decoder.hidden = (rows, mx.take_along_axis(hidden, last, axis=1))
 
     def start(self, row: Row) -> None:
         """Give an admitted row its prompt's ids, the start of its history.
@@ -220,7 +251,13 @@ class Drafting:
             cache = batch.cache or []
             ids = mx.array(inputs, dtype=mx.uint32)
             step = verify(
-                batch.lm, self.rollback, ids, cache, kwargs, hidden=self.wants_hidden
+                batch.lm,
+                self.rollback,
+                ids,
+                cache,
+                kwargs,
+                hidden=self.wants_hidden,
+                capture=self.capture,
             )
             logits = step.logits
             flat = logits.reshape(-1, logits.shape[-1])
@@ -251,10 +288,8 @@ class Drafting:
             rows, [row_items[: k + 1] for row_items, k in zip(items, kept, strict=True)]
         )
         step.commit(kept)
-        if step.hidden is not None:  # each row's at its last kept token
-            last = mx.array(kept, dtype=mx.int32)[:, None, None]
-            hidden = mx.take_along_axis(step.hidden, last, axis=1)
-            batch.decoder.hidden = (rows, hidden)
+        if step.hidden is not None:
+            self.keep(batch.decoder, rows, [step.hidden], kept)
         self._settle(rows, kept)
         for row, d, k in zip(rows, each, kept, strict=True):
             self.policy.pace(row, len(d), k)

@@ -7,6 +7,7 @@ served model's last hidden state. MLX thread only.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 
 from ..config_checks import SettingError
+from .dflash_drafter import DFlashDrafter
 
 if TYPE_CHECKING:
     from .model import LoadedModel
@@ -24,8 +26,10 @@ if TYPE_CHECKING:
 __all__ = ["NativeDrafter", "carries_mtp", "native_kind"]
 
 # The round loops of mlx-vlm's drafters that draft here: "mtp", drafters
-# that take the served model's last hidden state and the token after it.
-_DRAFTING_KINDS = frozenset({"mtp"})
+# that take the served model's last hidden state and the token after it;
+# "dflash", those that take its hidden states at several layers
+# (:mod:`.dflash_drafter`).
+_DRAFTING_KINDS = frozenset({"mtp", "dflash"})
 _ASSISTANT_MASKS = "mlx_vlm.speculative.drafters.gemma4_assistant.masks"
 
 
@@ -47,8 +51,23 @@ def native_kind(path: str | Path) -> str | None:
     ``dflash``, ``eagle3``), from its config; None: a plain model."""
     config = _config(path)
     drafters = importlib.import_module("mlx_vlm.speculative.drafters")
-    kind = drafters.DRAFTER_KIND_BY_MODEL_TYPE.get(config.get("model_type"))
+    kinds = drafters.DRAFTER_KIND_BY_MODEL_TYPE
+    kind = kinds.get(config.get("model_type"))
+    if kind is None and config:
+        # As mlx-vlm's loader finds the class: a DFlash drafter declares the
+        # family it drafts for (``qwen3`` and a ``dflash_config``).
+        found = importlib.import_module("mlx_vlm.utils").get_model_type(config)
+        if found is not None and _is_drafter_module(found):
+            kind = kinds.get(found, drafters.DEFAULT_DRAFTER_KIND)
     return cast("str | None", kind)
+
+
+def _is_drafter_module(model_type: str) -> bool:
+    find = importlib.util.find_spec
+    return (
+        find(f"mlx_vlm.models.{model_type}") is None
+        and find(f"mlx_vlm.speculative.drafters.{model_type}") is not None
+    )
 
 
 def carries_mtp(path: str | Path) -> bool:
@@ -90,7 +109,7 @@ class NativeDrafter:
     @classmethod
     def load(
         cls, loaded: LoadedModel, batch: BatchState, path: str | Path | None = None
-    ) -> NativeDrafter:
+    ) -> NativeDrafter | DFlashDrafter:
         """The drafter at ``path``, or the one ``loaded``'s checkpoint carries.
 
         Raises:
@@ -102,16 +121,16 @@ class NativeDrafter:
             raise SettingError(
                 "mtp", f"mtp: {loaded.path} carries no MTP layers to draft with"
             )
+        # Refused before its weights load, where its config names its kind.
+        named = None if path is None else native_kind(path)
+        if named is not None and named not in _DRAFTING_KINDS:
+            raise _unknown(setting, path, named)
         drafters = importlib.import_module("mlx_vlm.speculative.drafters")
         drafter, kind = drafters.load_drafter(
             str(loaded.path if path is None else path)
         )
         if kind not in _DRAFTING_KINDS:
-            raise SettingError(
-                setting,
-                f"{setting}: {path} is a {kind} drafter; only drafters of the "
-                f"kinds {', '.join(sorted(_DRAFTING_KINDS))} draft in the batch",
-            )
+            raise _unknown(setting, path, kind)
         try:
             drafters.validate_drafter_compatibility(loaded.model, drafter, kind)
         except ValueError as exc:
@@ -123,6 +142,8 @@ class NativeDrafter:
                 "which kv_bits packs: serve it without kv_bits",
             )
         mx.eval(drafter.parameters())
+        if kind == "dflash":
+            return DFlashDrafter.checked(drafter, loaded, path)
         return cls(drafter, loaded, batch)
 
     def propose(self, rows: Sequence[Row], counts: Sequence[int]) -> list[list[int]]:
@@ -183,6 +204,14 @@ class NativeDrafter:
         picked = hidden[index]
         mask = mx.array(has)[:, None, None]
         return mx.where(mask, picked, mx.zeros_like(picked)), has
+
+
+def _unknown(setting: str, path: object, kind: str) -> SettingError:
+    return SettingError(
+        setting,
+        f"{setting}: {path} is a {kind} drafter; only drafters of the "
+        f"kinds {', '.join(sorted(_DRAFTING_KINDS))} draft in the batch",
+    )
 
 
 def _greedy(logits: mx.array) -> mx.array:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +71,8 @@ class VerifyPass:
 
     Attributes:
         logits: (B, 1 + width, V).
-        hidden: The last layer's output (B, 1 + width, H), where asked for.
+        hidden: The last layer's output (B, 1 + width, H), or the outputs
+            of the layers captured side by side, where asked for.
     """
 
     logits: mx.array
@@ -104,12 +106,18 @@ def verify(
     kwargs: dict[str, Any],
     *,
     hidden: bool = False,
+    capture: Sequence[int] = (),
 ) -> VerifyPass:
     """Run ``lm`` over ``inputs`` (B, 1 + width) on the batch ``cache``.
     ``hidden``: keep the last layer's output too (the families with native
-    drafters give it)."""
+    drafters give it); ``capture``: keep these layers' outputs instead,
+    concatenated (a DFlash drafter's context)."""
     width = int(inputs.shape[1]) - 1
-    extra = {"return_hidden": True} if hidden else {}
+    extra: dict[str, Any] = {}
+    if capture:
+        extra["capture_layer_ids"] = list(capture)
+    elif hidden:
+        extra["return_hidden"] = True
     transaction = None
     if rollback is Rollback.RECURRENT:
         output = lm(inputs, cache=cache, speculative_verify=True, **extra, **kwargs)
@@ -124,10 +132,13 @@ def verify(
             raise
     else:
         output = lm(inputs, cache=cache, **extra, **kwargs)
-    states = output.hidden_states if hidden else None
+    states = output.hidden_states if extra else None
+    kept = None
+    if states:
+        kept = mx.concatenate(states, axis=-1) if capture else states[-1]
     return VerifyPass(
         output.logits,
-        None if not states else states[-1],
+        kept,
         rollback,
         cache,
         width,
