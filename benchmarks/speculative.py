@@ -1,5 +1,5 @@
 """Speculative decoding against none, in one run: prompt lookup, a draft
-model, or a native drafter (MTP layers, Gemma 4's assistant).
+model, or a native drafter (MTP layers, Gemma 4's assistant, DFlash).
 
 In process: the same greedy (or, with ``--temperature``, seeded) requests
 through two engines of one loaded model, speculation off (A) and on (B),
@@ -27,6 +27,8 @@ minute).
   ``make_tiny_mtp``: 0.05 keeps every draft), drafting with them.
 - ``--assistant DAMPING``: the Gemma 4 of ``--size`` and an assistant that
   agrees with it (``make_tiny_assistant``).
+- ``--dflash DAMPING``: the Qwen3.5 of ``--size`` and a DFlash drafter that
+  agrees with it (``make_tiny_dflash``: 0.05 keeps every draft, 0.4 most).
 
 The machine's load average is printed at the start and the end of each
 size, and each ratio also per second of the process's CPU time: other work
@@ -38,7 +40,8 @@ on the cores moves every wall-clock figure.
         [--concurrency 8,32] [--temperature T] [--ngram 3] [--draft-tokens 4]
         [--max-batch N] [--size tiny|bench|tiny,bench]
         [--draft-model PATH --model PATH | --synthetic-draft DAMPING
-         | --mtp DAMPING [--model PATH] | --assistant DAMPING]
+         | --mtp DAMPING [--model PATH] | --assistant DAMPING
+         | --dflash DAMPING]
 """
 
 from __future__ import annotations
@@ -99,7 +102,11 @@ async def main_async(args: argparse.Namespace, size: str) -> dict[int, str]:
     from mlx_pinned import MLXThread
     from mlx_pinned.server.engine import BatchEngine, DraftSettings
     from mlx_pinned.server.engine.model import load
-    from mlx_pinned.testing import make_tiny_assistant, make_tiny_mtp
+    from mlx_pinned.testing import (
+        make_tiny_assistant,
+        make_tiny_dflash,
+        make_tiny_mtp,
+    )
 
     model = args.model or model_path(size)
     draft = args.draft_model
@@ -111,6 +118,10 @@ async def main_async(args: argparse.Namespace, size: str) -> dict[int, str]:
         folder = Path(tempfile.mkdtemp(prefix="assistant-"))
         source = model_path(size, "gemma4")
         model, draft = make_tiny_assistant(folder, source, damping=args.assistant)
+    if args.dflash is not None:
+        folder = Path(tempfile.mkdtemp(prefix="dflash-"))
+        source = model_path(size, "qwen3_5")
+        model, draft = make_tiny_dflash(folder, source, damping=args.dflash)
     if draft is not None:
         settings = DraftSettings(
             tokens=args.draft_tokens, model=draft, max_batch=args.max_batch
@@ -225,14 +236,22 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DAMPING",
         help="the tiny Gemma 4 and an assistant that agrees with it",
     )
+    parser.add_argument(
+        "--dflash",
+        type=float,
+        metavar="DAMPING",
+        help="the tiny Qwen3.5 and a DFlash drafter that agrees with it",
+    )
     args = parser.parse_args(argv)
-    writers = [args.synthetic_draft, args.mtp, args.assistant]
+    writers = [args.synthetic_draft, args.mtp, args.assistant, args.dflash]
     if sum(w is not None for w in writers) > 1:
-        parser.error("--synthetic-draft, --mtp, --assistant: one of them")
+        parser.error("--synthetic-draft, --mtp, --assistant, --dflash: one of them")
     if args.synthetic_draft is not None and (args.model or args.draft_model):
         parser.error("--synthetic-draft writes both models: no --model, --draft-model")
     if args.assistant is not None and (args.model or args.draft_model):
         parser.error("--assistant writes both models: no --model, --draft-model")
+    if args.dflash is not None and (args.model or args.draft_model):
+        parser.error("--dflash writes both models: no --model, --draft-model")
     if args.mtp is not None and args.draft_model:
         parser.error("--mtp drafts with the model's own layers: no --draft-model")
     if args.quick:

@@ -80,6 +80,8 @@ def _write_model(source: pathlib.Path, folder: pathlib.Path, damping: float) -> 
     live = norms[:, 0] > 0
     # One norm: a token's own row is the nearest to its embedding.
     embed[live] *= norms[live].mean() / norms[live]
+    if live.all():  # the drafter's mask token: one the model never says
+        embed[-1] = 0
     weights[_EMBED] = embed
     for name in list(weights):
         if name.startswith(_PREFIX + "model.layers.") and name.endswith(_OUTPUTS):
