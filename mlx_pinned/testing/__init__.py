@@ -23,10 +23,11 @@ vision chat; :func:`make_tiny_lm`, :data:`TINY_LM_TYPES` (and
 :func:`make_bench_vlm`, :data:`BENCH_MODEL_TYPES`, :func:`bench_vlm_path`
 and :func:`make_bench_lm`, :data:`BENCH_LM_TYPES`, :func:`bench_lm_path`:
 the tiny models' families at a size where compute, not Python, fills a
-decode step. :func:`make_tiny_mtp`, :func:`make_tiny_assistant` and
-:func:`make_tiny_dflash` write models with a native drafter that agrees with
-them (:func:`tiny_mtp_path`, :func:`tiny_assistant_paths`,
-:func:`tiny_dflash_paths`). Everything runs on the calling thread, from
+decode step. :func:`make_tiny_mtp`, :func:`make_tiny_assistant`,
+:func:`make_tiny_dflash` and :func:`make_tiny_eagle3` write models with a
+native drafter that agrees with them (:func:`tiny_mtp_path`,
+:func:`tiny_assistant_paths`, :func:`tiny_dflash_paths`,
+:func:`tiny_eagle3_paths`). Everything runs on the calling thread, from
 any thread or process at once. ``import mlx_pinned.testing`` is cheap: MLX,
 mlx-vlm, ``tokenizers`` and Pillow are imported inside the functions.
 """
@@ -39,6 +40,7 @@ import pathlib
 from ._bench import BENCH_LM_TYPES, BENCH_MODEL_TYPES, make_bench_lm, make_bench_vlm
 from ._dflash import make_tiny_dflash
 from ._drafters import make_tiny_assistant, make_tiny_mtp
+from ._eagle3 import make_tiny_eagle3
 from ._images import image_data_uri, make_test_image
 from ._qwen import _CHAT_TEMPLATE as _CHAT_TEMPLATE
 from ._qwen import SPECIAL_TOKENS
@@ -80,6 +82,7 @@ __all__ = [
     "make_test_image",
     "make_tiny_assistant",
     "make_tiny_dflash",
+    "make_tiny_eagle3",
     "make_tiny_embedding",
     "make_tiny_lm",
     "make_tiny_mtp",
@@ -90,6 +93,7 @@ __all__ = [
     "make_tiny_vlm",
     "tiny_assistant_paths",
     "tiny_dflash_paths",
+    "tiny_eagle3_paths",
     "tiny_embedding_path",
     "tiny_lm_path",
     "tiny_mtp_path",
@@ -185,6 +189,15 @@ def tiny_dflash_paths(damping: float = 0.05) -> tuple[pathlib.Path, pathlib.Path
     (:func:`make_tiny_dflash`), under ``tiny-dflash-<damping>``."""
     return make_tiny_dflash(
         _cache() / f"tiny-dflash-{damping}", tiny_vlm_path("qwen3_5"), damping=damping
+    )
+
+
+def tiny_eagle3_paths(damping: float = 0.05) -> tuple[pathlib.Path, pathlib.Path]:
+    """The tiny ``qwen3_5`` (its layers twice, damped) and an EAGLE-3 drafter
+    that agrees with it (:func:`make_tiny_eagle3`), under
+    ``tiny-eagle3-<damping>``."""
+    return make_tiny_eagle3(
+        _cache() / f"tiny-eagle3-{damping}", tiny_vlm_path("qwen3_5"), damping=damping
     )
 
 
