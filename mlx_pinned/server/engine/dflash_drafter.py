@@ -28,10 +28,11 @@ _CAPTURING = frozenset({"qwen3_5", "qwen3_5_moe"})
 
 @dataclass(eq=False)
 class _Context:
-    """A row's drafter cache (the projected hidden states of the tokens it
-    has drafted after) and the hidden states kept since (1, n, layers * H)."""
+    """A row's drafter state (DFlash: its drafter cache, the projected
+    hidden states of the tokens it has drafted after) and the hidden states
+    kept since (1, n, layers * H)."""
 
-    cache: list[Any]
+    state: Any
     pending: list[mx.array] = field(default_factory=list)
 
 
@@ -48,12 +49,14 @@ class DFlashDrafter:
     """
 
     wants_hidden = True
+    kind = "dflash"
 
     def __init__(self, drafter: Any, loaded: LoadedModel) -> None:
         from mlx.utils import tree_flatten
 
         self.drafter = drafter
-        self.capture = tuple(int(i) for i in drafter.config.target_layer_ids)
+        self.model = loaded.model
+        self.capture = tuple(self.layers_of(drafter))
         self.vocab_size = loaded.vocab_size
         self.contexts: dict[Row, _Context] = {}
         flat = cast("list[tuple[str, mx.array]]", tree_flatten(drafter.parameters()))
@@ -74,11 +77,11 @@ class DFlashDrafter:
         if family not in _CAPTURING:
             raise SettingError(
                 "draft_model",
-                f"draft_model: {path} is a dflash drafter, which drafts here "
-                f"only for the families {', '.join(sorted(_CAPTURING))}",
+                f"draft_model: {path} is a {cls.kind} drafter, which drafts "
+                f"here only for the families {', '.join(sorted(_CAPTURING))}",
             )
         layers = len(lm.model.layers)
-        wanted = list(drafter.config.target_layer_ids)
+        wanted = cls.layers_of(drafter)
         if not wanted or not all(0 <= i < layers for i in wanted):
             raise SettingError(
                 "draft_model",
@@ -86,6 +89,11 @@ class DFlashDrafter:
                 f"{layers}: give the drafter made for this model",
             )
         return cls(drafter, loaded)
+
+    @staticmethod
+    def layers_of(drafter: Any) -> list[int]:
+        """The served model's layers whose outputs ``drafter`` reads."""
+        return [int(i) for i in drafter.config.target_layer_ids]
 
     def observe(
         self, rows: Sequence[Row], hidden: mx.array, kept: Sequence[int] | None
@@ -95,8 +103,10 @@ class DFlashDrafter:
         self._forget_all_but(rows)
         for i, row in enumerate(rows):
             context = self.contexts.get(row)
+            if context is None and not self.takes(row):
+                continue
             if context is None:
-                context = self.contexts[row] = _Context(self.drafter.make_cache())
+                context = self.contexts[row] = _Context(self.fresh())
             end = 1 if kept is None else kept[i] + 1
             context.pending.append(hidden[i : i + 1, :end])
 
@@ -111,22 +121,34 @@ class DFlashDrafter:
         each: list[list[int]] = [[] for _ in rows]
         if most < 1 or not ready:
             return each
-        drafter = self.drafter
-        draft = getattr(drafter, "draft_block_greedy", drafter.draft_block)
         blocks = []
         for i in ready:
             context = self.contexts[rows[i]]
             pending, context.pending = context.pending, []
             hidden = pending[0] if len(pending) == 1 else mx.concatenate(pending, 1)
-            blocks.append(
-                draft(rows[i].token, hidden, context.cache, most + 1, _greedy)
-            )
+            blocks.append(self.draft(rows[i], hidden, context.state, most + 1))
         found = cast(
             "list[list[int]]", mx.concatenate(blocks).astype(mx.int32).tolist()
         )
         for i, drafts in zip(ready, found, strict=True):
             each[i] = self._valid(drafts[: counts[i]])
         return each
+
+    def takes(self, row: Row) -> bool:
+        """Whether ``row`` can draft."""
+        return True
+
+    def fresh(self) -> Any:
+        """A new row's drafter state."""
+        return self.drafter.make_cache()
+
+    def draft(self, row: Row, hidden: mx.array, state: Any, size: int) -> mx.array:
+        """``size - 1`` drafts (1, size - 1) after ``row``'s last token, its
+        state first fed ``hidden``: the hidden states kept since it last
+        drafted."""
+        drafter = self.drafter
+        draft = getattr(drafter, "draft_block_greedy", drafter.draft_block)
+        return cast("mx.array", draft(row.token, hidden, state, size, _greedy))
 
     def settle(self, rows: Sequence[Row], kept: Sequence[int]) -> None:
         """Nothing to cut back: the kept tokens' hidden states come through

@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from ..config_checks import SettingError
 from .dflash_drafter import DFlashDrafter
+from .eagle3_drafter import Eagle3Drafter
 
 if TYPE_CHECKING:
     from .model import LoadedModel
@@ -27,9 +28,9 @@ __all__ = ["NativeDrafter", "carries_mtp", "native_kind"]
 
 # The round loops of mlx-vlm's drafters that draft here: "mtp", drafters
 # that take the served model's last hidden state and the token after it;
-# "dflash", those that take its hidden states at several layers
-# (:mod:`.dflash_drafter`).
-_DRAFTING_KINDS = frozenset({"mtp", "dflash"})
+# "dflash" and "eagle3", those that take its hidden states at several
+# layers (:mod:`.dflash_drafter`, :mod:`.eagle3_drafter`).
+_DRAFTING_KINDS = frozenset({"mtp", "dflash", "eagle3"})
 _ASSISTANT_MASKS = "mlx_vlm.speculative.drafters.gemma4_assistant.masks"
 
 
@@ -144,6 +145,8 @@ class NativeDrafter:
         mx.eval(drafter.parameters())
         if kind == "dflash":
             return DFlashDrafter.checked(drafter, loaded, path)
+        if kind == "eagle3":
+            return Eagle3Drafter.checked(drafter, loaded, path)
         return cls(drafter, loaded, batch)
 
     def propose(self, rows: Sequence[Row], counts: Sequence[int]) -> list[list[int]]:
