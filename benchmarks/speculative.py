@@ -1,5 +1,6 @@
 """Speculative decoding against none, in one run: prompt lookup, a draft
-model, or a native drafter (MTP layers, Gemma 4's assistant, DFlash).
+model, or a native drafter (MTP layers, Gemma 4's assistant, DFlash,
+EAGLE-3).
 
 In process: the same greedy (or, with ``--temperature``, seeded) requests
 through two engines of one loaded model, speculation off (A) and on (B),
@@ -29,6 +30,8 @@ minute).
   agrees with it (``make_tiny_assistant``).
 - ``--dflash DAMPING``: the Qwen3.5 of ``--size`` and a DFlash drafter that
   agrees with it (``make_tiny_dflash``: 0.05 keeps every draft, 0.4 most).
+- ``--eagle3 DAMPING``: the Qwen3.5 of ``--size`` with its layers twice and
+  an EAGLE-3 drafter that agrees with it (``make_tiny_eagle3``).
 
 The machine's load average is printed at the start and the end of each
 size, and each ratio also per second of the process's CPU time: other work
@@ -41,7 +44,7 @@ on the cores moves every wall-clock figure.
         [--max-batch N] [--size tiny|bench|tiny,bench]
         [--draft-model PATH --model PATH | --synthetic-draft DAMPING
          | --mtp DAMPING [--model PATH] | --assistant DAMPING
-         | --dflash DAMPING]
+         | --dflash DAMPING | --eagle3 DAMPING]
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ async def main_async(args: argparse.Namespace, size: str) -> dict[int, str]:
     from mlx_pinned.testing import (
         make_tiny_assistant,
         make_tiny_dflash,
+        make_tiny_eagle3,
         make_tiny_mtp,
     )
 
@@ -122,6 +126,10 @@ async def main_async(args: argparse.Namespace, size: str) -> dict[int, str]:
         folder = Path(tempfile.mkdtemp(prefix="dflash-"))
         source = model_path(size, "qwen3_5")
         model, draft = make_tiny_dflash(folder, source, damping=args.dflash)
+    if args.eagle3 is not None:
+        folder = Path(tempfile.mkdtemp(prefix="eagle3-"))
+        source = model_path(size, "qwen3_5")
+        model, draft = make_tiny_eagle3(folder, source, damping=args.eagle3)
     if draft is not None:
         settings = DraftSettings(
             tokens=args.draft_tokens, model=draft, max_batch=args.max_batch
@@ -242,16 +250,29 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DAMPING",
         help="the tiny Qwen3.5 and a DFlash drafter that agrees with it",
     )
+    parser.add_argument(
+        "--eagle3",
+        type=float,
+        metavar="DAMPING",
+        help="the tiny Qwen3.5 and an EAGLE-3 drafter that agrees with it",
+    )
     args = parser.parse_args(argv)
-    writers = [args.synthetic_draft, args.mtp, args.assistant, args.dflash]
+    writers = [
+        args.synthetic_draft,
+        args.mtp,
+        args.assistant,
+        args.dflash,
+        args.eagle3,
+    ]
     if sum(w is not None for w in writers) > 1:
-        parser.error("--synthetic-draft, --mtp, --assistant, --dflash: one of them")
+        parser.error("--synthetic-draft, --mtp, --assistant, --dflash, --eagle3: one")
     if args.synthetic_draft is not None and (args.model or args.draft_model):
         parser.error("--synthetic-draft writes both models: no --model, --draft-model")
     if args.assistant is not None and (args.model or args.draft_model):
         parser.error("--assistant writes both models: no --model, --draft-model")
-    if args.dflash is not None and (args.model or args.draft_model):
-        parser.error("--dflash writes both models: no --model, --draft-model")
+    for name in ("dflash", "eagle3"):
+        if getattr(args, name) is not None and (args.model or args.draft_model):
+            parser.error(f"--{name} writes both models: no --model, --draft-model")
     if args.mtp is not None and args.draft_model:
         parser.error("--mtp drafts with the model's own layers: no --draft-model")
     if args.quick:

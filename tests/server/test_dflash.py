@@ -43,7 +43,8 @@ PARTIAL = {"dflash": 0.4, "eagle3": 0.3}
 # The damping at which seeded rows keep some drafts, not all.
 SEEDED = {"dflash": 0.4, "eagle3": 0.1}
 # The four-layer model's verify pass and its decode pass differ by more
-# float error, which a temperature below 1 scales up in the logprobs.
+# float error (with prompt lookup's drafts too), which a temperature below
+# 1 scales up in the logprobs.
 SEEDED_TOL = {"dflash": TOL, "eagle3": 1e-4}
 
 
