@@ -158,8 +158,8 @@ class Drafting:
         costly = isinstance(source, (DraftModel, NativeDrafter, DFlashDrafter))
         self.policy = DraftPolicy(settings.tokens, settings.max_batch, costly)
         # The source drafts from the model's last hidden state (a native
-        # drafter), or from its hidden states at some layers (DFlash): every
-        # forward pass keeps them.
+        # drafter), or from its hidden states at some layers (DFlash,
+        # EAGLE-3): every forward pass keeps them.
         self.wants_hidden: bool = getattr(source, "wants_hidden", False)
         self.capture: tuple[int, ...] = getattr(source, "capture", ())
 

@@ -1,7 +1,9 @@
 """Native drafters: one of mlx-vlm's drafter classes that the served
 checkpoint carries (Qwen3.5's MTP layers) or that is given beside it
 (Gemma 4's assistant), drafting for the batch's rows together from the
-served model's last hidden state. MLX thread only.
+served model's last hidden state; a DFlash or EAGLE-3 drafter given beside
+it is loaded here and drafts through :mod:`.dflash_drafter` and
+:mod:`.eagle3_drafter`. MLX thread only.
 """
 
 from __future__ import annotations
