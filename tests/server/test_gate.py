@@ -156,6 +156,24 @@ class TestMemoryBudget:
             await anyio.lowlevel.checkpoint()
         assert lent == [KV_STEP, 0]
 
+    async def test_a_cache_that_cannot_lend_is_not_asked_again(self) -> None:
+        asked: list[int] = []
+
+        async def lend(nbytes: int) -> None:
+            asked.append(nbytes)
+            raise RuntimeError("the MLX thread is closed")
+
+        budget = budget_of(KV_STEP, lendable=lambda: KV_STEP, lend=lend)
+        gate = BatchGate(4, 4, budget=budget)
+        async with gate.enter(0, kv(KV_STEP)), gate.enter(0, kv(KV_STEP)) as second:
+            while not asked:
+                await anyio.lowlevel.checkpoint()
+            for _ in range(10):
+                await anyio.lowlevel.checkpoint()
+            assert asked == [KV_STEP]
+            assert not second.has_turn  # it waits for the first, as unlent
+            assert budget.lent == 0
+
     @pytest.mark.parametrize("seed", range(8))
     async def test_random_entries_and_ends_leave_nothing_charged(
         self, seed: int

@@ -210,6 +210,8 @@ class MemoryBudget:
             if self._lend is not None:
                 await self._lend(want)
             self.lent = want
+        except Exception:  # the MLX thread is gone: asking again would spin
+            self._lend = None
         finally:
             self._lending = False
             self.changed()
