@@ -358,6 +358,8 @@ def _memory_budget(
             await engine.lend_cache(share)
             nbytes -= share
 
+    if config.distributed:  # a loan on rank 0 alone would part the ranks' caches
+        return MemoryBudget(limit, retry_after=config.retry_after)
     return MemoryBudget(
         limit,
         retry_after=config.retry_after,
