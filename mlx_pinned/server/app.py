@@ -24,7 +24,7 @@ from starlette.routing import Route
 from mlx_pinned import MLXThread
 from mlx_pinned.middleware import MLXThreadMiddleware
 
-from .config import ModelSettings, ServerConfig
+from .config import ModelSettings, ServerConfig, machine_memory
 from .engine import BatchEngine
 from .engine.memory import (
     check_start_up_budget,
@@ -32,9 +32,11 @@ from .engine.memory import (
     release,
     stored_weight_bytes,
 )
+from .events import Engine
 from .failures import UnavailableError
 from .http.door import Wiring
 from .http.errors import APIError
+from .http.gate import MemoryBudget
 from .http.health import Readiness, health, live
 from .http.metrics import MetricsMiddleware, ServerMetrics
 from .http.ollama import OllamaModels
@@ -118,6 +120,7 @@ def create_app(
     mlx_thread = thread or MLXThread(name="mlx-pinned", max_pending=config.thread_bound)
     each = [config.for_model(index) for index in range(len(config.models))]
     loads = [_load(own, mlx_thread, engine_factory) for own in each]
+    budget = _memory_budget(config, each, lambda: served)
     served = ServedModels(
         [
             ServedModel(
@@ -125,7 +128,10 @@ def create_app(
                 # A gate per model: its batch and its waiting room are its
                 # own, so a flood of one model's requests never holds another's.
                 BatchGate(
-                    own.max_num_seqs, own.max_pending, retry_after=own.retry_after
+                    own.max_num_seqs,
+                    own.max_pending,
+                    retry_after=own.retry_after,
+                    budget=budget,
                 ),
                 _slot(own, mlx_thread, loads[index]),
                 kind=own.kind,
@@ -163,7 +169,7 @@ def create_app(
         prepare=prepare,
         settle=settle,
     )
-    metrics = ServerMetrics(mlx_thread, served)
+    metrics = ServerMetrics(mlx_thread, served, budget)
     readiness = Readiness(mlx_thread, served, retry_after=config.retry_after)
     turns = LoopTurns()
     image_fetch = _fetcher(config, image_fetcher, config.image_limits.max_bytes)
@@ -264,6 +270,7 @@ def create_app(
     app.state.residency = residency
     app.state.gate = next(iter(served)).gate  # the first (or only) model's
     app.state.metrics = metrics
+    app.state.memory = budget
     app.state.readiness = readiness
     app.state.errors = errors
     app.state.loop_turns = turns
@@ -319,6 +326,45 @@ def _slot(
         at_start_up=not own.load_on_first_use,
         pinned=own.pinned,
         idle_timeout=own.idle_unload_timeout,
+    )
+
+
+def _memory_budget(
+    config: ServerConfig,
+    each: list[ModelSettings],
+    served: Callable[[], ServedModels],
+) -> MemoryBudget:
+    """The requests' memory budget over every model: ``--max-kv-bytes`` (by
+    default three quarters of memory, less the weights loaded and the caches'
+    budgets), and what their prompt caches lend it."""
+    caches = sum(own.prompt_cache_bytes + own.image_cache_bytes for own in each)
+
+    def loaded() -> list[tuple[ModelSettings, Engine]]:
+        engines = [
+            (own, model.engine()) for own, model in zip(each, served(), strict=True)
+        ]
+        return [(own, e) for own, e in engines if isinstance(e, Engine)]
+
+    def limit() -> int | None:
+        if config.max_kv_bytes is not None:
+            return config.max_kv_bytes or None
+        engines = (model.engine() for model in served())
+        weights = sum(engine.weight_bytes for engine in engines if engine)
+        return max(0, machine_memory() * 3 // 4 - weights - caches)
+
+    async def lend(nbytes: int) -> None:
+        for own, engine in loaded():  # the first caches first; the rest keep all
+            share = min(nbytes, own.prompt_cache_bytes)
+            await engine.lend_cache(share)
+            nbytes -= share
+
+    if config.distributed:  # a loan on rank 0 alone would part the ranks' caches
+        return MemoryBudget(limit, retry_after=config.retry_after)
+    return MemoryBudget(
+        limit,
+        retry_after=config.retry_after,
+        lendable=lambda: sum(own.prompt_cache_bytes for own, _ in loaded()),
+        lend=lend,
     )
 
 

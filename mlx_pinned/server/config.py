@@ -38,6 +38,7 @@ __all__ = [
     "ServerConfig",
     "SettingError",
     "VideoLimits",
+    "machine_memory",
 ]
 
 
@@ -61,6 +62,7 @@ _LENGTH = duration(positive=True, finite=True)
 _LIMIT = duration(positive=True, optional=True)  # None: no limit
 _SHARED = "of the machine's memory, shared out among the models"
 _DETECTED = "detected from the chat template"
+_LEFT = "of the machine's memory, less the weights and the caches' budgets"
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,12 @@ class ServerConfig:
     """bytes of model weights loaded at once, over all models: a load past it
     unloads the idle models loaded on first use, least recently used first, else
     is a 503; models loaded at start-up past it fail the start-up"""
+    max_kv_bytes: int | None = setting(
+        None, at_least(0, optional=True), shown=f"three quarters {_LEFT}"
+    )
+    """bytes the requests in flight may hold, over all models (their KV and media,
+    charged at admission): past it a request waits, one that never fits is a 400
+    ([memory](deployment.md#memory)). `0`: no limit"""
     distributed: str | None = setting(None, one_of("tensor", optional=True))
     """`tensor`: split the model over the ranks of an `mx.distributed` group, each
     running the same command; rank 0 serves ([tensor parallelism](distributed.md))"""
@@ -286,12 +294,8 @@ class ServerConfig:
 
     def for_model(self, index: int) -> ModelSettings:
         """The settings model ``index`` is served with: the server's, its own
-        on top, and only those its kind honours.
-
-        Raises:
-            SettingError: Its own settings are out of range, or one its kind
-                does not honour (``setting`` is ``model_settings``).
-        """
+        on top, and only those its kind honours (a ``SettingError`` for one out
+        of range or not its kind's, its ``setting`` ``model_settings``)."""
         name = self.names[index]
         own = dict(self.model_settings[index]) if self.model_settings else {}
         kind = kind_named(own.get("model_kind", self.model_kind))
@@ -336,11 +340,8 @@ class ServerConfig:
 
     @property
     def names(self) -> tuple[str, ...]:
-        """Each model's name in requests: its ``served_model_name``, else the
-        model as given."""
-        names = self.served_model_name
-        if names is None:
-            return self.models
+        """Each model's ``served_model_name``, else the model as given."""
+        names = self.served_model_name or self.models
         return (names,) if isinstance(names, str) else names
 
     @property
@@ -349,17 +350,16 @@ class ServerConfig:
 
     @property
     def prompt_cache_budget(self) -> int:
-        return _or(self.prompt_cache_bytes, _memory() // 8 // len(self.models))
+        return _or(self.prompt_cache_bytes, machine_memory() // 8 // len(self.models))
 
     @property
     def image_cache_budget(self) -> int:
-        return _or(self.image_cache_bytes, _memory() // 32 // len(self.models))
+        return _or(self.image_cache_bytes, machine_memory() // 32 // len(self.models))
 
     @property
     def mlx_cache_budget(self) -> int:
-        """The buffer cache's most bytes (MLX's own limit, if smaller, wins
-        when unset)."""
-        return _or(self.mlx_cache_bytes, _memory() // 8)
+        """The buffer cache's bytes (unset: MLX's own limit, if smaller, wins)."""
+        return _or(self.mlx_cache_bytes, machine_memory() // 8)
 
     @property
     def video_limits(self) -> VideoLimits:
@@ -382,18 +382,15 @@ class ServerConfig:
 
     @property
     def thread_bound(self) -> int:
-        """The MLX thread's queue bound: each model's waiting room plus a
-        turn of each of its running generations (queued there too)."""
+        """The MLX thread's queue bound: each model's waiting room and batch."""
         each = map(self.for_model, range(len(self.models)))
         return sum(own.max_pending + own.max_num_seqs for own in each)
 
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """One model's settings, resolved (:meth:`ServerConfig.for_model`). A
-    field means what the config's field of its name means; ``kind`` is its
-    ``model_kind``, and ``prompt_cache_dir`` is where its disk tier goes
-    (None: no disk tier)."""
+    """One model's settings (:meth:`ServerConfig.for_model`), as the config's
+    fields; ``kind``: its ``model_kind``; ``prompt_cache_dir``: its disk tier."""
 
     name: str
     path: str
@@ -446,7 +443,7 @@ def _or(given: int | None, default: int) -> int:
     return default if given is None else given
 
 
-def _memory() -> int:
+def machine_memory() -> int:
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (AttributeError, OSError, ValueError):  # not POSIX

@@ -384,6 +384,8 @@ class ChatFacts:
             from below the tokens a text takes.
         accepts_images: Images and videos.
         formats: Set for the model or detected from its template.
+        kv_bytes_per_token: A token's KV in its batch, every layer, quantized
+            under ``kv_bits`` (0: not known before its first rows).
     """
 
     context_length: int | None
@@ -393,6 +395,7 @@ class ChatFacts:
     chat_template: str | None
     formats: ModelFormats
     audio_input: AudioInput | None = None
+    kv_bytes_per_token: int = 0
 
     def card(self) -> dict[str, Any]:
         """Its entries in ``/v1/models``: its formats by name, and what its
@@ -422,6 +425,11 @@ class Engine(Resident, Protocol):
 
     async def detokenize(self, tokens: Sequence[int]) -> str:
         """The text of ``tokens`` (each below the vocabulary size)."""
+        ...
+
+    async def lend_cache(self, nbytes: int) -> None:
+        """Keep its prompt cache ``nbytes`` under its budget, for the
+        requests' charges (its oldest entries past that dropped now)."""
         ...
 
     async def count_tokens(

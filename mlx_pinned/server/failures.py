@@ -13,6 +13,7 @@ __all__ = [
     "InvalidGrammarError",
     "MediaRefusedError",
     "MemoryBusyError",
+    "MemoryTooLargeError",
     "ModelLoadFailedError",
     "ModelMemoryBudgetError",
     "ModelNotLoadedError",
@@ -115,25 +116,35 @@ class OverloadedError(UnavailableError):
 
 
 class MemoryBusyError(OverloadedError):
-    """A request's ``need`` bytes do not fit the memory budget
-    (``max_kv_bytes``): now (its running neighbours hold the rest), or
-    ever (``alone``)."""
+    """A request's images do not fit the memory budget (``max_kv_bytes``)
+    now: the requests in flight hold the rest."""
 
-    def __init__(
-        self, need: int, budget: int, *, retry_after: int, alone: bool
-    ) -> None:
+    def __init__(self, budget: int, *, retry_after: int) -> None:
         UnavailableError.__init__(
             self,
-            f"The request needs {need} bytes of memory (its KV and images), more "
-            f"than this server's budget of {budget} bytes (--max-kv-bytes): "
-            "shorten the prompt, lower max_tokens or send fewer images."
-            if alone
-            else "The server is busy: the requests it runs hold its memory budget "
+            "The server is busy: the requests it runs hold its memory budget "
             f"of {budget} bytes (--max-kv-bytes); retry shortly.",
             "server_busy",
             retry_after=retry_after,
         )
         self.waiting = 0
+
+
+class MemoryTooLargeError(PromptError):
+    """A request that alone needs ``need`` bytes, more than the memory
+    budget (``max_kv_bytes``) ever holds: as a prompt past the context,
+    the client's to shorten."""
+
+    def __init__(self, need: int, budget: int) -> None:
+        super().__init__(
+            f"The request needs {need} bytes of memory (its KV for the prompt "
+            f"and max_tokens, and its images), more than this server's budget "
+            f"of {budget} bytes (--max-kv-bytes): shorten the prompt, lower "
+            "max_tokens or send fewer images.",
+            "context_length_exceeded",
+        )
+        self.need = need
+        self.budget = budget
 
 
 class ModelNotLoadedError(UnavailableError):

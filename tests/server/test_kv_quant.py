@@ -346,6 +346,8 @@ class TestBytes:
             assert batch.counters().kv_bytes_per_token == 0  # nothing measured yet
             await run(batch, text_request(0, 4))
             per_token[bits] = batch.counters().kv_bytes_per_token
+            # What the gate charges by, measured at load, is what rows take.
+            assert batch.facts.kv_bytes_per_token == per_token[bits]
         # float32: 2 layers x 2 heads x 64 values x (keys, values) x 4 bytes.
         assert per_token[None] == 2 * 2 * HEAD * 2 * 4
         assert per_token[8] <= per_token[None] / 2
@@ -356,6 +358,7 @@ class TestBytes:
     ) -> None:
         batch = engine_of(wide["deep"], thread, KVQuant(8))
         await run(batch, text_request(0, 4))
+        assert batch.facts.kv_bytes_per_token == batch.counters().kv_bytes_per_token
         values = 2 * HEAD * 2  # a layer's, per token: 2 heads, keys and values
         # Two layers of a byte a value plus a float32 scale and bias per 64
         # values, and the last one in float32 (mlx-vlm's rule).

@@ -129,6 +129,26 @@ class TestPromptCacheUnit:
 
         assert thread.run_sync(go) == (2, 0, 3)
 
+    def test_what_it_lends_is_dropped_now_and_kept_free(
+        self, thread: MLXThread
+    ) -> None:
+        entry = 2 * 4 * 4 * 4  # one 4-token entry
+
+        def go() -> tuple[int, int, int, int]:
+            cache = PromptCache(3 * entry)
+            for first in (1, 2, 3):
+                cache.store(np.array([first, 0, 0, 0]), self.layers(4))
+            cache.lend(2 * entry)  # the two oldest go now
+            held = cache.statistics().bytes
+            oldest = cache.lookup(np.array([1, 0]), 2).length
+            cache.store(np.array([4, 0, 0, 0]), self.layers(4))  # 3 goes
+            newest = cache.lookup(np.array([4, 0]), 2).length
+            cache.lend(0)  # all of its budget back
+            cache.store(np.array([5, 0, 0, 0]), self.layers(4))
+            return held, oldest, newest, cache.statistics().entries
+
+        assert thread.run_sync(go) == (entry, 0, 2, 2)
+
 
 class TestSameAnswersWithTheCache:
     @pytest.mark.slow

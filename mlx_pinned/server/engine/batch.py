@@ -24,6 +24,7 @@ from .driver import LoopDriver
 from .image_cache import install as install_image_cache
 from .kv_quant import KVQuant
 from .loop import BatchLoop
+from .memory import kv_bytes_per_token
 from .model import LoadedModel, load
 from .model_inputs import preprocess, prompt_tokens
 from .native_drafter import carries_mtp
@@ -76,15 +77,6 @@ class BatchEngine:
         formats: ModelFormats | None = None,
     ) -> None:
         self.loaded = loaded
-        self.facts = ChatFacts(
-            context_length=loaded.context_length,
-            vocab_size=loaded.vocab_size,
-            longest_token_chars=loaded.longest_token_chars,
-            accepts_images=loaded.accepts_images,
-            chat_template=loaded.chat_template,
-            formats=formats or model_formats(loaded.chat_template),
-            audio_input=loaded.audio_input,
-        )
         self.thread = thread
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.image_cache = install_image_cache(loaded.model, image_cache_bytes)
@@ -94,6 +86,17 @@ class BatchEngine:
                 BatchState, prefill_seconds=prefill_step_seconds
             )
         self._state = make_state(loaded, self.prompt_cache, prefill_step_size)
+        lm = loaded.model.language_model
+        self.facts = ChatFacts(
+            context_length=loaded.context_length,
+            vocab_size=loaded.vocab_size,
+            longest_token_chars=loaded.longest_token_chars,
+            accepts_images=loaded.accepts_images,
+            chat_template=loaded.chat_template,
+            formats=formats or model_formats(loaded.chat_template),
+            audio_input=loaded.audio_input,
+            kv_bytes_per_token=kv_bytes_per_token(lm, self._state.kv_quant),
+        )
         self.loop = BatchLoop(self._state)
         self._driver = LoopDriver(self.loop, thread)
         if self._state.exclusive:
@@ -203,6 +206,12 @@ class BatchEngine:
                 mx.get_peak_memory(),
             ),
         )
+
+    async def lend_cache(self, nbytes: int) -> None:
+        """Keep the prompt cache ``nbytes`` under its budget (its oldest
+        entries past that dropped now, on the MLX thread): bytes the requests'
+        charges borrow from it."""
+        await self.thread.run(self.prompt_cache.lend, nbytes)
 
     async def tokenize(self, params: GenerationParams) -> tuple[tuple[int, str], ...]:
         """The tokens a generation of ``params`` would prefill (no images), each

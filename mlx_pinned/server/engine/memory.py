@@ -1,6 +1,7 @@
 """A model's weight bytes before it loads (its checkpoint's files, for the
-``max_model_bytes`` budget), MLX's buffer cache limit, and giving an
-unloaded model's memory back (:func:`release`). MLX thread only.
+``max_model_bytes`` budget), the bytes a token of its KV takes, MLX's
+buffer cache limit, and giving an unloaded model's memory back
+(:func:`release`). MLX thread only.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from .kv_quant import KVQuant, bytes_per_token, single_caches
+
 __all__ = [
     "Released",
     "check_start_up_budget",
+    "kv_bytes_per_token",
     "limit_buffer_cache",
     "release",
     "stored_weight_bytes",
@@ -41,6 +45,20 @@ def stored_weight_bytes(model_path: str | Path) -> int:
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {folder}")
     return sum(file.stat().st_size for file in files)
+
+
+def kv_bytes_per_token(lm: Any, quant: KVQuant | None = None) -> int:
+    """Bytes of KV one token takes in the model's cache (every layer, as
+    ``quant`` quantizes it), from a one-token forward; 0 where that forward
+    fails (the batch measures it once rows join)."""
+    try:
+        caches = single_caches(lm, quant)
+        lm(mx.array([[0]]), cache=caches)
+        mx.eval([cache.state for cache in caches])
+        return bytes_per_token(caches)
+    except Exception:  # a family's forward that needs more than a token
+        logger.debug("no one-token forward to measure the KV", exc_info=True)
+        return 0
 
 
 def limit_buffer_cache(limit: int, *, explicit: bool) -> int:

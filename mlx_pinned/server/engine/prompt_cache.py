@@ -161,6 +161,7 @@ class PromptCache:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        self.lent = 0  # bytes of its budget lent to the requests' charges
         self.disk: DiskTier | None = None
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._bytes = 0
@@ -172,6 +173,18 @@ class PromptCache:
     @property
     def enabled(self) -> bool:
         return self.budget > 0
+
+    @property
+    def limit(self) -> int:
+        """The bytes it may hold now: its budget, less what it lent."""
+        return self.budget - self.lent
+
+    def lend(self, nbytes: int) -> None:
+        """Hold ``nbytes`` less than the budget (at most all of it), the
+        oldest entries past that dropped now."""
+        self.lent = min(max(nbytes, 0), self.budget)
+        while self._bytes > self.limit:
+            self._drop(next(iter(self._entries)))
 
     def attach(self, disk: DiskTier) -> None:
         """Write entries to ``disk`` too, and look them up there (not while off)."""
@@ -244,7 +257,7 @@ class PromptCache:
         marks = {tokens: states} if any(states) else {}
         mx.eval(kv, [tree_arrays(state.payload) for state in states if state])
         entry = _Entry(key.copy(), kv, marks)
-        if entry.nbytes > self.budget:
+        if entry.nbytes > self.limit:
             return
         self._hold(entry)
         if disk and self.disk is not None:
@@ -253,7 +266,7 @@ class PromptCache:
     def _hold(self, entry: _Entry) -> _Entry:
         """Keep the evaluated ``entry``; its prefixes go (their states kept in
         it), and the oldest past the budget."""
-        if entry.nbytes > self.budget:  # one from disk: served, not held
+        if entry.nbytes > self.limit:  # one from disk: served, not held
             return entry
         for entry_id, other in list(self._entries.items()):
             if is_prefix(other.key, entry.key):
@@ -263,7 +276,7 @@ class PromptCache:
         entry.__post_init__()  # its bytes, with the states it took
         self._entries[id(entry)] = entry
         self._bytes += entry.nbytes
-        while self._bytes > self.budget:
+        while self._bytes > self.limit:
             self._drop(next(iter(self._entries)))
         return entry
 

@@ -9,30 +9,91 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.lowlevel import RunVar
 
-from ..failures import MemoryBusyError, OverloadedError
+from ..failures import MemoryBusyError, MemoryTooLargeError, OverloadedError
 from .outbox import spawn
 
-__all__ = ["BatchGate", "Charge", "MemoryBudget", "Place"]
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from ..events import GenerationParams
+
+__all__ = ["BatchGate", "Charge", "MemoryBudget", "Place", "kv_tokens", "price"]
+
+#: mlx-lm's KV caches grow by this many tokens at a time.
+KV_STEP = 256
+#: What a chat template adds beyond its messages' JSON (a default system
+#: prompt, a tools preamble), in tokens.
+TEMPLATE_TOKENS = 256
 
 
 @dataclass
 class Charge:
-    """What one request is charged: ``images`` bytes (decoded, processed,
-    their features) from its entry, and the KV of ``tokens`` tokens (its
-    prompt, an upper bound until :meth:`Place.settle`, plus ``max_tokens``)
-    at ``per_token`` bytes from its turn."""
+    """What one request is charged: ``images`` bytes (its decoded media and
+    their float32 pixel values) from its entry, and the KV of ``tokens``
+    tokens (its prompt, an upper bound until :meth:`Place.settle`, plus
+    ``max_tokens``) at ``per_token`` bytes from its turn; ``least``: the
+    fewest tokens its KV can take."""
 
     images: int = 0
     tokens: int = 0
     per_token: int = 0
+    least: int = 0
+
+    def alone(self, tokens: int) -> int:
+        """Its bytes with ``tokens`` tokens of KV, with no neighbour."""
+        return self.images + kv_bytes(1, tokens, self.per_token)
+
+
+def kv_bytes(rows: int, tokens: int, per_token: int) -> int:
+    """The KV of ``rows`` rows padded to ``tokens`` tokens, as caches grow."""
+    return rows * -(-tokens // KV_STEP) * KV_STEP * per_token
+
+
+def kv_tokens(params: GenerationParams, prompt: int) -> int:
+    """The tokens of KV a generation of ``params`` holds at most after a
+    ``prompt`` of that many tokens: ``max_tokens`` more, within the context."""
+    context = params.context_length
+    total = prompt + params.max_tokens
+    return total if context is None else min(total, context)
+
+
+def price(
+    params: GenerationParams,
+    images: Sequence[Image.Image],
+    per_token: int,
+    least_prompt: int = 0,
+) -> Charge:
+    """What a generation of ``params`` with ``images`` is charged at its entry:
+    its prompt's tokens bounded from above by its text's UTF-8 bytes (a token
+    is at least a byte) and :data:`TEMPLATE_TOKENS`, or by its prompt limit
+    where it has media (their tokens are counted once processed), and from
+    below by ``least_prompt``."""
+    pixels = sum(i.width * i.height * len(i.getbands()) for i in images)
+    pixels += sum(int(video.frames.nbytes) for video in params.videos)
+    media = 5 * pixels + 2 * sum(int(a.samples.nbytes) for a in params.audios)
+    if isinstance(params.prompt, tuple):
+        prompt = len(params.prompt) + TEMPLATE_TOKENS
+    else:
+        text = params.prompt or json.dumps(
+            [params.messages, params.tools], ensure_ascii=False, default=str
+        )
+        prompt = len(text.encode()) + TEMPLATE_TOKENS
+    limit = params.max_prompt_tokens or params.context_length
+    if limit is not None and (images or params.videos or params.audios):
+        prompt = limit
+    prompt = prompt if limit is None else min(prompt, limit)
+    least = kv_tokens(params, least_prompt)
+    return Charge(media, max(kv_tokens(params, prompt), least), per_token, least)
 
 
 @dataclass(order=True)
@@ -59,7 +120,7 @@ class Place:
         """Its KV's tokens, now exact (the engine counted its prompt).
 
         Raises:
-            MemoryBusyError: It alone needs more than the budget.
+            MemoryTooLargeError: It alone needs more than the budget.
         """
         if self.room is not None:
             self.room.settle(self, tokens)
@@ -105,14 +166,16 @@ class MemoryBudget:
         return float("inf") if limit is None else limit + self.lent
 
     def check_entry(self, charge: Charge) -> None:
-        """Refuse images that do not fit now (unless nothing else is charged)."""
+        """Refuse a request that never fits, even with its fewest tokens, and
+        images that do not fit now (unless nothing else is charged)."""
         limit = self.limit()
-        if limit is None or not self.charged:
+        if limit is None:
             return
-        if self.charged + charge.images > limit + self.lendable():
-            raise MemoryBusyError(
-                charge.images, limit, retry_after=self.retry_after, alone=False
-            )
+        most = limit + self.lendable()
+        if charge.alone(charge.least) > most:
+            raise MemoryTooLargeError(charge.alone(charge.least), limit)
+        if self.charged and self.charged + charge.images > most:
+            raise MemoryBusyError(limit, retry_after=self.retry_after)
 
     def fits(self, extra: int) -> bool:
         """Whether ``extra`` more bytes fit now; asks the caches to lend
@@ -147,6 +210,8 @@ class MemoryBudget:
             if self._lend is not None:
                 await self._lend(want)
             self.lent = want
+        except Exception:  # the MLX thread is gone: asking again would spin
+            self._lend = None
         finally:
             self._lending = False
             self.changed()
@@ -173,7 +238,7 @@ class _Room:
         if not turns:
             return 0
         longest = max(place.charge.tokens for place in turns)
-        return len(turns) * longest * max(p.charge.per_token for p in turns)
+        return kv_bytes(len(turns), longest, max(p.charge.per_token for p in turns))
 
     def enter(self, place: Place) -> None:
         heapq.heappush(self.waiting, place)
@@ -201,11 +266,9 @@ class _Room:
         if budget is None:
             return
         limit = budget.limit()
-        need = self.kv([place]) + place.charge.images
+        need = place.charge.alone(tokens)
         if limit is not None and need > limit + budget.lendable():
-            raise MemoryBusyError(
-                need, limit, retry_after=budget.retry_after, alone=True
-            )
+            raise MemoryTooLargeError(need, limit)
         budget.changed()
 
     def leave(self, place: Place) -> None:
@@ -271,6 +334,7 @@ class BatchGate:
         Raises:
             OverloadedError: ``max_pending`` requests wait already.
             MemoryBusyError: Its images do not fit the budget now.
+            MemoryTooLargeError: It never fits the budget.
         """
         try:
             room = self._rooms.get()
@@ -278,7 +342,8 @@ class BatchGate:
             room = _Room(self)
             self._rooms.set(room)
         queued = len(room.waiting)
-        if room.free == 0 and queued >= self.max_pending:
+        # Anyone waiting: no turn is free, or no memory for the head.
+        if (room.free == 0 or queued) and queued >= self.max_pending:
             raise OverloadedError(queued, retry_after=self.retry_after)
         charge = charge or Charge()
         if self.budget is not None:
@@ -291,13 +356,16 @@ class BatchGate:
             room.leave(place)
 
     @asynccontextmanager
-    async def turn(self, priority: int = 0) -> AsyncIterator[None]:
-        """Hold a turn for the block (``priority``: lower is sooner).
-        Cancelling the caller while it waits gives up its place.
+    async def turn(
+        self, priority: int = 0, charge: Charge | None = None
+    ) -> AsyncIterator[None]:
+        """Hold a turn for the block (``priority``: lower is sooner), charged
+        ``charge``. Cancelling the caller while it waits gives up its place.
 
         Raises:
             OverloadedError: ``max_pending`` requests wait already.
+            MemoryTooLargeError: It never fits the budget.
         """
-        async with self.enter(priority) as place:
+        async with self.enter(priority, charge) as place:
             await place.turn()
             yield

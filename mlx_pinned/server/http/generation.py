@@ -25,6 +25,7 @@ from ..events import (
 )
 from .answer_parser import answer_parser
 from .door import Call, Door
+from .gate import Charge, kv_tokens, price
 from .serving_common import Prepared, RequestT, Serving, check_media
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Generation",
     "GenerationDoor",
+    "charge_of",
     "generation",
     "joined",
     "last_parts",
@@ -64,6 +66,9 @@ class GenerationDoor(Door[RequestT, Engine, Prepared, EventStream], Generic[Requ
 
     def priority(self, prepared: Prepared) -> int:
         return prepared.params.priority
+
+    def charge(self, prepared: Prepared, engine: Engine) -> Charge:
+        return charge_of(engine, prepared.params, prepared.decoded)
 
     async def prepare(self, request: RequestT, engine: Engine) -> Prepared:
         prepared = await self.serving.prepare(request, engine.facts)
@@ -100,7 +105,7 @@ class GenerationDoor(Door[RequestT, Engine, Prepared, EventStream], Generic[Requ
                 events.batched(None)
             taken = await events.accepted()
             if taken is not None:
-                call.place.settle(taken.total + prepared.params.max_tokens)
+                call.place.settle(kv_tokens(prepared.params, taken.total))
                 await call.response.begin()
             yield events
 
@@ -168,6 +173,18 @@ class GenerationDoor(Door[RequestT, Engine, Prepared, EventStream], Generic[Requ
                     final = events[-1]
         assert final is not None, "a generation always ends with a FinalEvent"
         return final
+
+
+def charge_of(
+    engine: Engine, params: GenerationParams, images: Sequence[Image.Image]
+) -> Charge:
+    """What a generation of ``params`` is charged at its entry (:func:`.price`),
+    at its model's bytes a token."""
+    facts = engine.facts
+    per_token = facts.kv_bytes_per_token or engine.counters().kv_bytes_per_token
+    ids, cut = params.prompt, params.truncate_prompt_tokens is not None
+    least = len(ids) if isinstance(ids, tuple) and not cut else 0
+    return price(params, images, per_token, least)
 
 
 @asynccontextmanager

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from mlx_pinned import MLXThread
 
     from ..resident import EngineCounters
+    from .gate import MemoryBudget
     from .served_models import ServedModels
     from .wire import RequestLog
 
@@ -62,7 +63,12 @@ class ServerMetrics:
     loaded; the Responses store's once :attr:`store` is set.
     """
 
-    def __init__(self, thread: MLXThread, models: ServedModels) -> None:
+    def __init__(
+        self,
+        thread: MLXThread,
+        models: ServedModels,
+        budget: MemoryBudget | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
         self.requests = Counter(
@@ -106,7 +112,7 @@ class ServerMetrics:
         )
         self.models = models
         self._paths: list[tuple[re.Pattern[str], str]] = []
-        self._live = _LiveCollector(thread, models)
+        self._live = _LiveCollector(thread, models, budget)
         registry.register(self._live)
 
     @property
@@ -172,9 +178,12 @@ class _LiveCollector(Collector):
     """Values read at scrape time from the gates, the engines and the MLX
     thread."""
 
-    def __init__(self, thread: MLXThread, models: ServedModels) -> None:
+    def __init__(
+        self, thread: MLXThread, models: ServedModels, budget: MemoryBudget | None
+    ) -> None:
         self.thread = thread
         self.models = models
+        self.budget = budget
         self.store: Kept | None = None
         self._last = (time.perf_counter(), thread.statistics().busy_time)
 
@@ -225,6 +234,8 @@ class _LiveCollector(Collector):
             if engine is not None:
                 loaded.append((model.name, engine.counters()))
         yield from self._residency()
+        if self.budget is not None:
+            yield from _memory_metrics(self.budget)
         if loaded:
             yield from _engine_metrics(loaded)
         if self.store is not None:
@@ -263,6 +274,25 @@ class _LiveCollector(Collector):
         yield flag
         yield weights
         yield from counts.values()
+
+
+def _memory_metrics(budget: MemoryBudget) -> Iterator[Metric]:
+    yield _gauge(
+        "memory_charged_bytes",
+        "Bytes the requests in flight are charged (KV and media), all models.",
+        budget.charged,
+    )
+    yield _gauge(
+        "memory_budget_bytes",
+        "What they may be charged (--max-kv-bytes, and what the prompt caches "
+        "lent); 0: no limit.",
+        0 if budget.limit() is None else budget.capacity(),
+    )
+    yield _gauge(
+        "memory_lent_bytes",
+        "Bytes the prompt caches keep free of their budgets for the charges.",
+        budget.lent,
+    )
 
 
 def _engine_metrics(loaded: list[tuple[str, EngineCounters]]) -> Iterator[Metric]:

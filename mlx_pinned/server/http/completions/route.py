@@ -16,7 +16,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ...events import Engine, Event, FinalEvent, GenerationParams
 from ..door import Call, Door
 from ..errors import completion_stream_failed
-from ..generation import generation
+from ..generation import charge_of, generation
 from ..vllm_extensions import VLLMPromptLogprobs, vllm_prompt_logprobs
 from ..wire import RequestLog
 from .output import (
@@ -92,7 +92,8 @@ class CompletionsEndpoint(Door[CompletionRequest, Engine, Prompts, _Items]):
         with send:
             try:
                 arrived = time.perf_counter()
-                async with call.served.gate.turn(params.priority):
+                priced = charge_of(call.engine, params, ())
+                async with call.served.gate.turn(params.priority, priced):
                     call.log.queued = time.perf_counter() - arrived
                     async with generation(call.engine, params, ()) as events:
                         if not call.log.stream:  # each answer whole
