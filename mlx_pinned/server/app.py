@@ -24,7 +24,7 @@ from starlette.routing import Route
 from mlx_pinned import MLXThread
 from mlx_pinned.middleware import MLXThreadMiddleware
 
-from .config import ModelSettings, ServerConfig, machine_memory
+from .config import ModelSettings, ServerConfig
 from .engine import BatchEngine
 from .engine.memory import (
     check_start_up_budget,
@@ -32,7 +32,6 @@ from .engine.memory import (
     release,
     stored_weight_bytes,
 )
-from .events import Engine
 from .failures import UnavailableError
 from .http.door import Wiring
 from .http.errors import APIError
@@ -120,7 +119,7 @@ def create_app(
     mlx_thread = thread or MLXThread(name="mlx-pinned", max_pending=config.thread_bound)
     each = [config.for_model(index) for index in range(len(config.models))]
     loads = [_load(own, mlx_thread, engine_factory) for own in each]
-    budget = _memory_budget(config, each, lambda: served)
+    budget = MemoryBudget.of(config, each)
     served = ServedModels(
         [
             ServedModel(
@@ -169,6 +168,7 @@ def create_app(
         prepare=prepare,
         settle=settle,
     )
+    budget.served = served
     metrics = ServerMetrics(mlx_thread, served, budget)
     readiness = Readiness(mlx_thread, served, retry_after=config.retry_after)
     turns = LoopTurns()
@@ -326,45 +326,6 @@ def _slot(
         at_start_up=not own.load_on_first_use,
         pinned=own.pinned,
         idle_timeout=own.idle_unload_timeout,
-    )
-
-
-def _memory_budget(
-    config: ServerConfig,
-    each: list[ModelSettings],
-    served: Callable[[], ServedModels],
-) -> MemoryBudget:
-    """The requests' memory budget over every model: ``--max-kv-bytes`` (by
-    default three quarters of memory, less the weights loaded and the caches'
-    budgets), and what their prompt caches lend it."""
-    caches = sum(own.prompt_cache_bytes + own.image_cache_bytes for own in each)
-
-    def loaded() -> list[tuple[ModelSettings, Engine]]:
-        engines = [
-            (own, model.engine()) for own, model in zip(each, served(), strict=True)
-        ]
-        return [(own, e) for own, e in engines if isinstance(e, Engine)]
-
-    def limit() -> int | None:
-        if config.max_kv_bytes is not None:
-            return config.max_kv_bytes or None
-        engines = (model.engine() for model in served())
-        weights = sum(engine.weight_bytes for engine in engines if engine)
-        return max(0, machine_memory() * 3 // 4 - weights - caches)
-
-    async def lend(nbytes: int) -> None:
-        for own, engine in loaded():  # the first caches first; the rest keep all
-            share = min(nbytes, own.prompt_cache_bytes)
-            await engine.lend_cache(share)
-            nbytes -= share
-
-    if config.distributed:  # a loan on rank 0 alone would part the ranks' caches
-        return MemoryBudget(limit, retry_after=config.retry_after)
-    return MemoryBudget(
-        limit,
-        retry_after=config.retry_after,
-        lendable=lambda: sum(own.prompt_cache_bytes for own, _ in loaded()),
-        lend=lend,
     )
 
 

@@ -20,8 +20,7 @@ import pathlib
 import shutil
 from typing import Any, Final
 
-from ._drafters import FORMAT, _copy_files, _load, _marker_of, _save
-from ._install import write_folder
+from ._drafters import _copy_files, _load, _save, source_of, write_pair
 
 _PREFIX: Final = "language_model."
 _WEIGHTS: Final = "model.safetensors"
@@ -44,30 +43,16 @@ def make_tiny_dflash(
     Raises:
         ValueError: ``source`` is not a Qwen3.5 model.
     """
-    source = pathlib.Path(source)
-    config = json.loads((source / "config.json").read_text())
-    if config.get("model_type") not in ("qwen3_5", "qwen3_5_moe"):
-        raise ValueError(f"{source} is not a Qwen3.5 model")
-    marker = {
-        "format": FORMAT,
-        "generator": "mlx_pinned.testing.make_tiny_dflash",
-        "source": _marker_of(source),
-        "damping": damping,
-    }
-    root = pathlib.Path(path)
-    model = write_folder(
-        root / "model",
-        lambda sizes: {**marker, "files": sizes},
-        lambda folder: _write_model(source, folder, damping),
+    folder = source_of(source, "qwen3_5", "qwen3_5_moe")
+    return write_pair(
+        path,
+        folder,
+        "mlx_pinned.testing.make_tiny_dflash",
+        damping,
+        lambda model: _write_model(folder, model, damping),
+        _write_drafter,
         overwrite=overwrite,
     )
-    drafter = write_folder(
-        root / "drafter",
-        lambda sizes: {**marker, "files": sizes},
-        lambda folder: _write_drafter(model, folder),
-        overwrite=overwrite,
-    )
-    return model, drafter
 
 
 def _write_model(source: pathlib.Path, folder: pathlib.Path, damping: float) -> None:

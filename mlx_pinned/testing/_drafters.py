@@ -20,6 +20,7 @@ import json
 import os
 import pathlib
 import shutil
+from collections.abc import Callable
 from typing import Any, Final
 
 from ._install import write_folder
@@ -54,10 +55,7 @@ def make_tiny_mtp(
     Raises:
         ValueError: ``source`` is not a Qwen3.5 model.
     """
-    source = pathlib.Path(source)
-    config = json.loads((source / "config.json").read_text())
-    if config.get("model_type") not in ("qwen3_5", "qwen3_5_moe"):
-        raise ValueError(f"{source} is not a Qwen3.5 model")
+    source = source_of(source, "qwen3_5", "qwen3_5_moe")
     marker = {
         "format": FORMAT,
         "generator": "mlx_pinned.testing.make_tiny_mtp",
@@ -71,6 +69,55 @@ def make_tiny_mtp(
         lambda folder: _write_mtp(source, folder, damping, seed),
         overwrite=overwrite,
     )
+
+
+def write_pair(
+    path: str | os.PathLike[str],
+    source: pathlib.Path,
+    generator: str,
+    damping: float,
+    model: Callable[[pathlib.Path], None],
+    drafter: Callable[[pathlib.Path, pathlib.Path], None],
+    *,
+    overwrite: bool,
+    drafter_folder: str = "drafter",
+) -> tuple[pathlib.Path, pathlib.Path]:
+    """A model written by ``model(folder)`` at ``path``/``model`` and its
+    drafter by ``drafter(model_folder, folder)`` at ``path``/``drafter_folder``;
+    their folders, written, cached and replaced as ``make_tiny_vlm`` does
+    (``generator`` and ``damping`` in their markers)."""
+    marker = {
+        "format": FORMAT,
+        "generator": generator,
+        "source": _marker_of(source),
+        "damping": damping,
+    }
+    root = pathlib.Path(path)
+    written = write_folder(
+        root / "model",
+        lambda sizes: {**marker, "files": sizes},
+        model,
+        overwrite=overwrite,
+    )
+    return written, write_folder(
+        root / drafter_folder,
+        lambda sizes: {**marker, "files": sizes},
+        lambda folder: drafter(written, folder),
+        overwrite=overwrite,
+    )
+
+
+def source_of(source: str | os.PathLike[str], *families: str) -> pathlib.Path:
+    """``source`` as a path.
+
+    Raises:
+        ValueError: Its model is of none of ``families``.
+    """
+    folder = pathlib.Path(source)
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("model_type") not in families:
+        raise ValueError(f"{folder} is not a {' or '.join(families)} model")
+    return folder
 
 
 def make_tiny_assistant(
@@ -88,30 +135,17 @@ def make_tiny_assistant(
     Raises:
         ValueError: ``source`` is not a Gemma 4 model.
     """
-    source = pathlib.Path(source)
-    config = json.loads((source / "config.json").read_text())
-    if config.get("model_type") != "gemma4":
-        raise ValueError(f"{source} is not a Gemma 4 model")
-    marker = {
-        "format": FORMAT,
-        "generator": "mlx_pinned.testing.make_tiny_assistant",
-        "source": _marker_of(source),
-        "damping": damping,
-    }
-    root = pathlib.Path(path)
-    model = write_folder(
-        root / "model",
-        lambda sizes: {**marker, "files": sizes},
-        lambda folder: _write_damped(source, folder, damping),
+    folder = source_of(source, "gemma4")
+    return write_pair(
+        path,
+        folder,
+        "mlx_pinned.testing.make_tiny_assistant",
+        damping,
+        lambda model: _write_damped(folder, model, damping),
+        lambda _, assistant: _write_assistant(folder, assistant),
         overwrite=overwrite,
+        drafter_folder="assistant",
     )
-    assistant = write_folder(
-        root / "assistant",
-        lambda sizes: {**marker, "files": sizes},
-        lambda folder: _write_assistant(source, folder),
-        overwrite=overwrite,
-    )
-    return model, assistant
 
 
 def _write_damped(source: pathlib.Path, folder: pathlib.Path, damping: float) -> None:

@@ -20,8 +20,7 @@ import shutil
 from typing import Any, Final
 
 from ._dflash import _EMBED, _PREFIX, _WEIGHTS, _write_model
-from ._drafters import FORMAT, _load, _marker_of, _save
-from ._install import write_folder
+from ._drafters import _load, _save, source_of, write_pair
 
 _LAYERS: Final = _PREFIX + "model.layers."
 
@@ -42,30 +41,16 @@ def make_tiny_eagle3(
     Raises:
         ValueError: ``source`` is not a Qwen3.5 model.
     """
-    source = pathlib.Path(source)
-    config = json.loads((source / "config.json").read_text())
-    if config.get("model_type") not in ("qwen3_5", "qwen3_5_moe"):
-        raise ValueError(f"{source} is not a Qwen3.5 model")
-    marker = {
-        "format": FORMAT,
-        "generator": "mlx_pinned.testing.make_tiny_eagle3",
-        "source": _marker_of(source),
-        "damping": damping,
-    }
-    root = pathlib.Path(path)
-    model = write_folder(
-        root / "model",
-        lambda sizes: {**marker, "files": sizes},
-        lambda folder: _write_twice(source, folder, damping),
+    folder = source_of(source, "qwen3_5", "qwen3_5_moe")
+    return write_pair(
+        path,
+        folder,
+        "mlx_pinned.testing.make_tiny_eagle3",
+        damping,
+        lambda model: _write_twice(folder, model, damping),
+        _write_drafter,
         overwrite=overwrite,
     )
-    drafter = write_folder(
-        root / "drafter",
-        lambda sizes: {**marker, "files": sizes},
-        lambda folder: _write_drafter(model, folder),
-        overwrite=overwrite,
-    )
-    return model, drafter
 
 
 def _write_twice(source: pathlib.Path, folder: pathlib.Path, damping: float) -> None:

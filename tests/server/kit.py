@@ -964,6 +964,20 @@ def tokens_of(events: list[Event]) -> list[tuple[int, ...]]:
     return out
 
 
+def position_counts(
+    thread: MLXThread, engine: BatchEngine, reqs: Sequence[Request], length: int
+) -> Counter[tuple[int, ...]]:
+    """The (position, token) counts of each answer of ``reqs`` past its first
+    token (``length`` tokens each), 8 requests interleaved at a time: what
+    :func:`two_sample_chi_square` compares."""
+    found: Counter[tuple[int, ...]] = Counter()
+    for start in range(0, len(reqs), 8):
+        for events in interleaved(thread, engine, list(reqs[start : start + 8])):
+            drawn = tokens_of(events)
+            found.update((i, *drawn[i]) for i in range(1, length))
+    return found
+
+
 def two_sample_chi_square(
     ours: Counter[tuple[int, ...]], theirs: Counter[tuple[int, ...]]
 ) -> tuple[float, int]:

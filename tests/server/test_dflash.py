@@ -26,6 +26,7 @@ from .kit import (
     critical,
     interleaved,
     max_logprob_difference,
+    position_counts,
     tokens_of,
     two_sample_chi_square,
 )
@@ -180,12 +181,7 @@ def test_kept_tokens_follow_the_target_distribution(
         reqs = [
             text(0, length, temperature=1.0, seed=s, ignore_eos=True) for s in seeds
         ]
-        found: Counter[tuple[int, ...]] = Counter()
-        for start in range(0, len(reqs), 8):
-            for events in interleaved(thread, engine, reqs[start : start + 8]):
-                drawn = tokens_of(events)
-                found.update((i, *drawn[i]) for i in range(1, length))
-        return found
+        return position_counts(thread, engine, reqs, length)
 
     ours = sample(on, range(draws))
     theirs = sample(off, range(draws, 2 * draws))

@@ -40,9 +40,9 @@ from .kit import (
     critical,
     interleaved,
     max_logprob_difference,
+    position_counts,
     request,
     scrape,
-    tokens_of,
     two_sample_chi_square,
     value,
 )
@@ -393,12 +393,7 @@ class TestSampled:
 
         def sample(engine: BatchEngine, seeds: range) -> Counter[tuple[int, ...]]:
             reqs = [echo(0, length, temperature=0.5, seed=s) for s in seeds]
-            found: Counter[tuple[int, ...]] = Counter()
-            for start in range(0, len(reqs), 8):
-                for events in interleaved(thread, engine, reqs[start : start + 8]):
-                    drawn = tokens_of(events)
-                    found.update((i, *drawn[i]) for i in range(1, length))
-            return found
+            return position_counts(thread, engine, reqs, length)
 
         ours = sample(on, range(draws))
         theirs = sample(off, range(draws, 2 * draws))

@@ -19,13 +19,18 @@ from typing import TYPE_CHECKING
 import anyio
 from anyio.lowlevel import RunVar
 
+from ..config import machine_memory
+from ..events import Engine
 from ..failures import MemoryBusyError, MemoryTooLargeError, OverloadedError
 from .outbox import spawn
 
 if TYPE_CHECKING:
     from PIL import Image
 
+    from ..config import ModelSettings, ServerConfig
     from ..events import GenerationParams
+    from ..resident import Resident
+    from .served_models import ServedModels
 
 __all__ = ["BatchGate", "Charge", "MemoryBudget", "Place", "kv_tokens", "price"]
 
@@ -149,8 +154,48 @@ class MemoryBudget:
         self.lendable = lendable
         self._lend = lend
         self.lent = 0  # bytes the prompt caches keep free for the charges
+        self.served: ServedModels | None = None  # the models it counts (:meth:`of`)
         self._lending = False
         self._rooms: weakref.WeakSet[_Room] = weakref.WeakSet()
+
+    @classmethod
+    def of(cls, config: ServerConfig, each: Sequence[ModelSettings]) -> MemoryBudget:
+        """The budget over every model of ``served`` (set once they exist):
+        ``--max-kv-bytes`` (by default three quarters of memory, less the
+        weights loaded and the caches' budgets), and what their prompt
+        caches lend it."""
+        caches = sum(own.prompt_cache_bytes + own.image_cache_bytes for own in each)
+        share = machine_memory() * 3 // 4
+
+        def engines() -> list[Resident | None]:
+            return [model.engine() for model in budget.served or ()]
+
+        def loaded() -> list[tuple[ModelSettings, Engine]]:
+            pairs = zip(each, engines(), strict=True)
+            return [(own, e) for own, e in pairs if isinstance(e, Engine)]
+
+        def limit() -> int | None:
+            if config.max_kv_bytes is not None:
+                return config.max_kv_bytes or None
+            weights = sum(engine.weight_bytes for engine in engines() if engine)
+            return max(0, share - weights - caches)
+
+        async def lend(nbytes: int) -> None:
+            for own, engine in loaded():  # the first caches first; the rest keep all
+                part = min(nbytes, own.prompt_cache_bytes)
+                await engine.lend_cache(part)
+                nbytes -= part
+
+        if config.distributed:  # a loan on rank 0 alone would part the ranks' caches
+            budget = cls(limit, retry_after=config.retry_after)
+        else:
+            budget = cls(
+                limit,
+                retry_after=config.retry_after,
+                lendable=lambda: sum(own.prompt_cache_bytes for own, _ in loaded()),
+                lend=lend,
+            )
+        return budget
 
     @property
     def charged(self) -> int:
